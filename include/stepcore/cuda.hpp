@@ -1,0 +1,34 @@
+// Public CUDA-side API, free of CUDA headers: streams are passed as the
+// runtime's opaque handle type. Every function is available in every build;
+// without CUDA support they throw Errc::not_supported (device_count returns 0).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+namespace stepcore::cuda {
+
+/// Returns true when the library was built with its CUDA kernels.
+bool built_with_cuda() noexcept;
+
+/// Returns the number of usable CUDA devices (0 without CUDA, a driver or a GPU).
+int device_count() noexcept;
+
+/// Returns why no device is usable ("" when device_count() > 0); tests print it
+/// when they skip.
+std::string unavailable_reason();
+
+/// Converts every bf16 and f16 bit pattern (65,536 each) to f32, and each of
+/// the `n` f32 values in `d_f32_in` to bf16 and f16, on the current device.
+/// Device buffers: d_bf16_widened and d_f16_widened hold 65,536 floats each,
+/// d_bf16_out and d_f16_out hold n uint16. Used to check that device
+/// conversions give the host's bits. Does not synchronise.
+void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const float* d_f32_in,
+                           std::uint16_t* d_bf16_out, std::uint16_t* d_f16_out, std::size_t n,
+                           cudaStream_t stream);
+
+}  // namespace stepcore::cuda

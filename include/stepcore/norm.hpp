@@ -1,0 +1,94 @@
+// The exact, order-independent L2 norm: its partial (an integer superaccumulator)
+// and the final correctly rounded result. docs/numerics.md, "Norm", is the spec.
+//
+// A partial holds S = sum of x^2 * 2^298 exactly. Every x^2 of a binary32 x is an
+// integer multiple of 2^-298 (the square of the smallest subnormal), so S is an
+// integer and partials from threads, blocks and ranks combine by integer
+// addition, which is associative: the result cannot depend on order, thread
+// count, ISA, device, rank count, sharding or the collective's algorithm.
+#pragma once
+
+#include <cstdint>
+
+#include "stepcore/config.hpp"
+
+namespace stepcore {
+
+/// Bits per digit of the superaccumulator; each digit lives in a 64-bit word so
+/// that up to 2^32 normalised partials add without carrying (e.g. in an NCCL or
+/// MPI integer sum).
+inline constexpr int kNormDigitBits = 32;
+/// Number of digits: 640 bits cover every finite x^2 (< 2^554 after scaling)
+/// summed over up to 2^64 elements.
+inline constexpr int kNormDigits = 20;
+/// S counts units of 2^kNormUnitExponent.
+inline constexpr int kNormUnitExponent = -298;
+
+/// An exact partial of the L2 norm and inf-norm of a set of binary32 values.
+/// Plain data: can be copied to and from devices and summed digit by digit.
+struct NormPartial {
+  /// digits[k] holds bits [32k, 32k+32) of S, plus not-yet-propagated carries.
+  std::uint64_t digits[kNormDigits] = {};
+  std::uint64_t nan_count = 0;  ///< number of NaN values seen
+  std::uint64_t inf_count = 0;  ///< number of +-Inf values seen
+  std::uint32_t max_abs_bits = 0;  ///< bit pattern of max |x| over finite x
+};
+
+/// The final norm of one or more merged partials.
+struct NormResult {
+  float norm = 0.0f;     ///< RN_f32(sqrt(S * 2^-298)); NaN if any NaN, else +Inf if any Inf
+  float max_abs = 0.0f;  ///< max |x|; NaN if any NaN, else +Inf if any Inf
+  bool finite = true;    ///< false when any value was NaN or Inf (found-inf)
+  std::uint64_t nan_count = 0;
+  std::uint64_t inf_count = 0;
+};
+
+namespace detail {
+
+/// Propagates carries so every digit is below 2^32. Returns false on overflow
+/// of the top digit (impossible for fewer than 2^64 elements).
+STEPCORE_HD_INLINE bool normalize_digits(std::uint64_t (&d)[kNormDigits]) {
+  std::uint64_t carry = 0;
+  for (int k = 0; k < kNormDigits; ++k) {
+    const std::uint64_t v = d[k] + carry;
+    d[k] = v & 0xFFFFFFFFull;
+    carry = v >> kNormDigitBits;
+  }
+  return carry == 0;
+}
+
+/// Adds `value` * 2^bit_offset to the digits (value < 2^64, offset >= 0, the
+/// value's top bit below 640 - 64). Leaves carries in the digits: the caller
+/// normalises at least every 2^31 deposits.
+STEPCORE_HD_INLINE void deposit(std::uint64_t (&d)[kNormDigits], std::uint64_t value,
+                                int bit_offset) {
+  const int k = bit_offset / kNormDigitBits;
+  const int r = bit_offset % kNormDigitBits;
+  // value << r spans at most 96 bits: three 32-bit digits.
+  const std::uint64_t lo = value << r;                       // bits [0, 64)
+  const std::uint64_t hi = r == 0 ? 0 : value >> (64 - r);   // bits [64, 96)
+  d[k] += lo & 0xFFFFFFFFull;
+  d[k + 1] += lo >> 32;
+  if (k + 2 < kNormDigits) d[k + 2] += hi;
+}
+
+}  // namespace detail
+
+/// Adds `b` into `a` (exact). Both may carry unpropagated digits; the result
+/// is normalised. Commutative and associative.
+STEPCORE_HD_INLINE void merge(NormPartial& a, const NormPartial& b) {
+  for (int k = 0; k < kNormDigits; ++k) a.digits[k] += b.digits[k];
+  detail::normalize_digits(a.digits);
+  a.nan_count += b.nan_count;
+  a.inf_count += b.inf_count;
+  a.max_abs_bits = a.max_abs_bits > b.max_abs_bits ? a.max_abs_bits : b.max_abs_bits;
+}
+
+/// Returns the final norm of a partial (host only). Deterministic: a pure
+/// function of the partial's value, which is itself order-independent.
+NormResult finalize(const NormPartial& partial);
+
+/// Returns true when both partials represent the same S, counts and max.
+bool same_value(const NormPartial& a, const NormPartial& b);
+
+}  // namespace stepcore

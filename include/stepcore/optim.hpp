@@ -1,0 +1,121 @@
+// Optimizer and gradient-step descriptions shared by every implementation
+// (reference, CPU engine, CUDA kernels): hyper-parameters, per-tensor argument
+// records, and the host-side preparation of per-step scalars.
+#pragma once
+
+#include <cstdint>
+
+#include "stepcore/config.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore {
+
+/// Which AdamW arithmetic to reproduce bit for bit (docs/numerics.md, "AdamW").
+enum class AdamWFormula : std::uint8_t {
+  native = 0,  ///< the offload framework's native CPU AdamW (f32 hyper-parameters, no FMA)
+  torch = 1,   ///< torch.optim.AdamW(fused=True) on CPU, f32 parameters (lerp with FMA)
+};
+
+/// AdamW hyper-parameters. Values are given in double, as a Python trainer holds
+/// them; each formula states which are rounded to f32 and when.
+struct AdamWConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  AdamWFormula formula = AdamWFormula::native;
+  /// torch formula only: torch's kernel runs its last (numel mod W) elements of
+  /// each tensor through a scalar loop that GCC compiled with v = fma(v, b2, c*g*g)
+  /// instead of the vector body's separately rounded v*b2 + c*g*g. W is torch's
+  /// CPU vector width in floats: 8 for its AVX2 build, 16 for AVX-512. 0 or 1:
+  /// use the vector-body form everywhere.
+  int torch_tail_width = 8;
+};
+
+/// SignSGD hyper-parameters.
+struct SignSgdConfig {
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+};
+
+/// How a gradient element g of storage type T is read by every operation that
+/// accepts it (docs/numerics.md, "Gradient read"):
+///   x = R_T( R_T( f32(g) * scale ) * clip )
+/// i.e. exactly what scaling in place by `scale`, then clipping in place by
+/// `clip`, would have stored. With the defaults the read is exact: x = f32(g).
+struct GradientRead {
+  float scale = 1.0f;  ///< the step's gradient scale (e.g. 1 / loss tokens); finite, > 0
+  float clip = 1.0f;   ///< the clip coefficient; in [0, 1]
+};
+
+/// One tensor of an AdamW call. param/exp_avg/exp_avg_sq are f32 and updated
+/// in place; grad is read only; compute_param, when given (data != nullptr or
+/// numel != 0), receives the updated parameter rounded to its dtype.
+struct AdamWTensor {
+  TensorView param;
+  TensorView exp_avg;
+  TensorView exp_avg_sq;
+  float* step = nullptr;  ///< per-tensor f32 step counter, incremented before use
+  ConstTensorView grad;
+  TensorView compute_param;
+};
+
+/// One tensor of a SignSGD call: f32 param in place, read-only grad, optional
+/// compute-parameter output.
+struct SignSgdTensor {
+  TensorView param;
+  ConstTensorView grad;
+  TensorView compute_param;
+};
+
+/// One pair of an accumulate call: acc (f32) = copy ? f32(src) : acc + f32(src).
+struct AccumulatePair {
+  TensorView acc;
+  ConstTensorView src;
+  bool copy = false;
+};
+
+/// The per-tensor f32 scalars of one AdamW update, prepared on the host in
+/// double where the formula says so, then used unchanged by every element,
+/// thread, ISA and device.
+struct AdamWScalars {
+  float decay = 1.0f;             ///< parameter multiplier f32(1 - lr*wd)
+  bool apply_decay = true;        ///< torch skips the multiply when wd == 0
+  float beta1 = 0.0f;             ///< native: f32(beta1)
+  float beta2 = 0.0f;             ///< f32(beta2)
+  float one_minus_beta1 = 0.0f;   ///< native: 1.0f - beta1 in f32
+  float one_minus_beta2 = 0.0f;   ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
+  float lerp_coeff = 0.0f;        ///< torch: w or w - 1, w = f32(1 - beta1)
+  bool lerp_small = true;         ///< torch: |w| < 0.5 selects m + w*(g-m)
+  float step_size = 0.0f;         ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
+  float bc2_sqrt = 1.0f;          ///< f32(sqrt(1 - beta2^step))
+  float eps = 0.0f;               ///< f32(eps)
+};
+
+/// Returns the scalars of one AdamW update at `step` (the counter value after
+/// its increment). Deterministic: depends only on its arguments and the C
+/// library's pow/sqrt in double (see docs/numerics.md).
+AdamWScalars prepare_adamw_scalars(const AdamWConfig& config, float step);
+
+/// The f32 scalars of one SignSGD update.
+struct SignSgdScalars {
+  float neg_lr = 0.0f;     ///< f32(-lr)
+  float neg_lr_wd = 0.0f;  ///< f32(-(lr * wd)), product in double
+  bool apply_decay = false;
+};
+
+/// Returns the scalars of one SignSGD update.
+SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& config);
+
+/// Returns min(1, max_norm / (norm + 1e-6f)) in f32 (docs/numerics.md, "Clip").
+/// A NaN norm gives NaN; +Inf gives 0. Three correctly rounded f32 operations,
+/// so host and device give the same bits.
+STEPCORE_HD_INLINE float clip_coefficient(float norm, float max_norm) {
+  const float denom = norm + 1e-6f;
+  const float q = max_norm / denom;
+  if (q != q) return q;  // NaN propagates (torch's clamp does the same)
+  return q < 1.0f ? q : 1.0f;
+}
+
+}  // namespace stepcore

@@ -1,0 +1,42 @@
+// The scalar reference: docs/numerics.md implemented literally, one element at a
+// time, compiled with -ffp-contract=off. It is the oracle every fast path (SIMD
+// ISA, thread count, CUDA launch shape) is compared against, bit for bit.
+//
+// Every function validates all of its arguments first and throws stepcore::Error
+// (naming the argument) before writing anything. It is slow by design.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::reference {
+
+/// One AdamW update of every tensor. Gradients are read with `read`; when
+/// `found_inf` is non-null and *found_inf != 0 nothing is written and no step
+/// counter advances. Determinism: a pure function of its inputs.
+void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
+/// One SignSGD update of every tensor. The positive `read` scale and clip do not
+/// change a sign and are not applied (they are still validated: finite, > 0).
+void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                   GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
+/// acc = acc + f32(src), or acc = f32(src) for pairs marked copy.
+void accumulate(std::span<const AccumulatePair> pairs);
+
+/// g = R_T(f32(g) * scale) in place for every tensor.
+void scale_(std::span<const TensorView> tensors, float scale);
+
+/// Returns the exact norm partial of the values x = read(g) over all tensors.
+NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {});
+
+/// Returns the exact binary32 value of x^2 * 2^298 split as M^2 * 2^shift:
+/// the spec's per-element contribution (exposed for tests). x must be finite.
+void square_units(float x, std::uint64_t& mantissa_squared, int& shift);
+
+}  // namespace stepcore::reference

@@ -1,0 +1,30 @@
+// Device discovery for the CUDA layer.
+#include <cuda_runtime.h>
+
+#include "stepcore/cuda.hpp"
+
+namespace stepcore::cuda {
+
+bool built_with_cuda() noexcept { return true; }
+
+int device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error so later calls start clean
+    return 0;
+  }
+  return n;
+}
+
+std::string unavailable_reason() {
+  int n = 0;
+  const cudaError_t s = cudaGetDeviceCount(&n);
+  if (s != cudaSuccess) {
+    cudaGetLastError();
+    return std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(s) + " (" +
+           cudaGetErrorString(s) + ")";
+  }
+  return n > 0 ? std::string() : std::string("no CUDA device is present");
+}
+
+}  // namespace stepcore::cuda

@@ -1,0 +1,16 @@
+// The CUDA entry points of a build without CUDA: report that, never pretend.
+#include "stepcore/cuda.hpp"
+#include "stepcore/error.hpp"
+
+namespace stepcore::cuda {
+
+bool built_with_cuda() noexcept { return false; }
+int device_count() noexcept { return 0; }
+std::string unavailable_reason() { return "stepcore was built without CUDA (STEPCORE_CUDA=OFF or no nvcc)"; }
+
+void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*, std::size_t,
+                           cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
+}  // namespace stepcore::cuda

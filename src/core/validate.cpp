@@ -1,0 +1,231 @@
+// Argument validation for every public entry point: all checks run before any
+// write, so a failing call leaves every buffer as it was.
+#include "validate.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace stepcore::detail {
+namespace {
+
+[[noreturn]] void fail(Errc code, std::string arg, const std::string& msg) {
+  throw Error(code, std::move(arg), msg);
+}
+
+void check_view(const void* data, std::size_t numel, DType dtype, const std::string& name) {
+  if (!dtype_valid(dtype))
+    fail(Errc::unsupported_dtype, name,
+         "dtype enumerator " + std::to_string(static_cast<int>(dtype)) + " is not f32, bf16 or f16");
+  if (numel > (std::size_t{1} << 60))
+    fail(Errc::out_of_range, name, "element count " + std::to_string(numel) + " exceeds 2^60");
+  if (data == nullptr && numel != 0)
+    fail(Errc::null_pointer, name, "null data with " + std::to_string(numel) + " elements");
+}
+
+void require_dtype(DType got, DType want, const std::string& name) {
+  if (got != want)
+    fail(Errc::unsupported_dtype, name,
+         "must be " + std::string(dtype_name(want)) + ", got " + std::string(dtype_name(got)));
+}
+
+void require_numel(std::size_t got, std::size_t want, const std::string& name,
+                   const std::string& other) {
+  if (got != want)
+    fail(Errc::size_mismatch, name,
+         std::to_string(got) + " elements, but " + other + " has " + std::to_string(want));
+}
+
+void require_finite(double v, const char* name) {
+  if (!std::isfinite(v)) fail(Errc::non_finite, name, "must be finite, got " + std::to_string(v));
+}
+
+void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, bool written,
+               std::string name) {
+  if (bytes == 0 || data == nullptr) return;
+  const auto b = reinterpret_cast<std::uintptr_t>(data);
+  out.push_back(Range{b, b + bytes, written, std::move(name)});
+}
+
+bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
+
+}  // namespace
+
+std::string arg_name(const char* base, std::size_t i, const char* field) {
+  std::string s = base;
+  s += "[" + std::to_string(i) + "]";
+  if (field && *field) {
+    s += ".";
+    s += field;
+  }
+  return s;
+}
+
+void check_overlaps(std::span<Range> ranges) {
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  // Sweep: any earlier range ending after cur.begin overlaps cur. Track the
+  // furthest end of all earlier ranges and of earlier written ranges.
+  const Range* furthest = nullptr;
+  const Range* furthest_written = nullptr;
+  for (const Range& cur : ranges) {
+    if (cur.written && furthest && cur.begin < furthest->end)
+      fail(Errc::overlap, cur.name, "written buffer overlaps '" + furthest->name + "'");
+    if (furthest_written && cur.begin < furthest_written->end)
+      fail(Errc::overlap, cur.name, "overlaps written buffer '" + furthest_written->name + "'");
+    if (!furthest || cur.end > furthest->end) furthest = &cur;
+    if (cur.written && (!furthest_written || cur.end > furthest_written->end))
+      furthest_written = &cur;
+  }
+}
+
+void validate_read(const GradientRead& read, const char* name) {
+  const std::string base = name;
+  if (!std::isfinite(read.scale))
+    fail(Errc::non_finite, base + ".scale", "must be finite, got " + std::to_string(read.scale));
+  if (!(read.scale > 0.0f))
+    fail(Errc::invalid_argument, base + ".scale", "must be > 0, got " + std::to_string(read.scale));
+  if (!std::isfinite(read.clip))
+    fail(Errc::non_finite, base + ".clip", "must be finite, got " + std::to_string(read.clip));
+  if (!(read.clip >= 0.0f && read.clip <= 1.0f))
+    fail(Errc::invalid_argument, base + ".clip", "must be in [0, 1], got " + std::to_string(read.clip));
+}
+
+void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.beta1, "config.beta1");
+  require_finite(c.beta2, "config.beta2");
+  require_finite(c.eps, "config.eps");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
+    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
+    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
+  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
+    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
+  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
+    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
+  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (c.lr * c.weight_decay > 1.0)
+    fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
+  if (!std::isfinite(static_cast<float>(c.lr)) || !std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.lr", "lr and eps must be finite in f32");
+  if (static_cast<float>(c.eps) == 0.0f)
+    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+  validate_read(read);
+
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * 6);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    const std::string p = arg_name("tensors", i, "param");
+    check_view(t.param.data, t.param.numel, t.param.dtype, p);
+    require_dtype(t.param.dtype, DType::f32, p);
+    const std::size_t n = t.param.numel;
+    const std::string m = arg_name("tensors", i, "exp_avg");
+    check_view(t.exp_avg.data, t.exp_avg.numel, t.exp_avg.dtype, m);
+    require_dtype(t.exp_avg.dtype, DType::f32, m);
+    require_numel(t.exp_avg.numel, n, m, p);
+    const std::string v = arg_name("tensors", i, "exp_avg_sq");
+    check_view(t.exp_avg_sq.data, t.exp_avg_sq.numel, t.exp_avg_sq.dtype, v);
+    require_dtype(t.exp_avg_sq.dtype, DType::f32, v);
+    require_numel(t.exp_avg_sq.numel, n, v, p);
+    const std::string g = arg_name("tensors", i, "grad");
+    check_view(t.grad.data, t.grad.numel, t.grad.dtype, g);
+    require_numel(t.grad.numel, n, g, p);
+    const std::string s = arg_name("tensors", i, "step");
+    if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
+    const float step = *t.step;
+    if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
+    if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
+      fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
+    const std::string o = arg_name("tensors", i, "compute_param");
+    if (has_view(t.compute_param)) {
+      check_view(t.compute_param.data, t.compute_param.numel, t.compute_param.dtype, o);
+      require_numel(t.compute_param.numel, n, o, p);
+      add_range(ranges, t.compute_param.data, t.compute_param.bytes(), true, o);
+    }
+    add_range(ranges, t.param.data, t.param.bytes(), true, p);
+    add_range(ranges, t.exp_avg.data, t.exp_avg.bytes(), true, m);
+    add_range(ranges, t.exp_avg_sq.data, t.exp_avg_sq.bytes(), true, v);
+    add_range(ranges, t.grad.data, t.grad.bytes(), false, g);
+    add_range(ranges, t.step, sizeof(float), true, s);
+  }
+  check_overlaps(ranges);
+}
+
+void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
+                       GradientRead read) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (c.lr * c.weight_decay > 1.0)
+    fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  validate_read(read);
+  if (!(read.clip > 0.0f))
+    fail(Errc::invalid_argument, "read.clip", "SignSGD needs a positive clip coefficient");
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * 3);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const SignSgdTensor& t = tensors[i];
+    const std::string p = arg_name("tensors", i, "param");
+    check_view(t.param.data, t.param.numel, t.param.dtype, p);
+    require_dtype(t.param.dtype, DType::f32, p);
+    const std::size_t n = t.param.numel;
+    const std::string g = arg_name("tensors", i, "grad");
+    check_view(t.grad.data, t.grad.numel, t.grad.dtype, g);
+    require_numel(t.grad.numel, n, g, p);
+    const std::string o = arg_name("tensors", i, "compute_param");
+    if (has_view(t.compute_param)) {
+      check_view(t.compute_param.data, t.compute_param.numel, t.compute_param.dtype, o);
+      require_numel(t.compute_param.numel, n, o, p);
+      add_range(ranges, t.compute_param.data, t.compute_param.bytes(), true, o);
+    }
+    add_range(ranges, t.param.data, t.param.bytes(), true, p);
+    add_range(ranges, t.grad.data, t.grad.bytes(), false, g);
+  }
+  check_overlaps(ranges);
+}
+
+void validate_accumulate(std::span<const AccumulatePair> pairs) {
+  std::vector<Range> ranges;
+  ranges.reserve(pairs.size() * 2);
+  for (std::size_t i = 0; i < pairs.size(); ++i) {
+    const AccumulatePair& pr = pairs[i];
+    const std::string a = arg_name("pairs", i, "acc");
+    check_view(pr.acc.data, pr.acc.numel, pr.acc.dtype, a);
+    require_dtype(pr.acc.dtype, DType::f32, a);
+    const std::string s = arg_name("pairs", i, "src");
+    check_view(pr.src.data, pr.src.numel, pr.src.dtype, s);
+    require_numel(pr.src.numel, pr.acc.numel, s, a);
+    add_range(ranges, pr.acc.data, pr.acc.bytes(), true, a);
+    add_range(ranges, pr.src.data, pr.src.bytes(), false, s);
+  }
+  check_overlaps(ranges);
+}
+
+void validate_scale(std::span<const TensorView> tensors, float scale) {
+  if (!std::isfinite(scale)) fail(Errc::non_finite, "scale", "must be finite");
+  if (!(scale >= 0.0f)) fail(Errc::invalid_argument, "scale", "must be >= 0");
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const std::string n = arg_name("tensors", i, "");
+    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, n);
+    add_range(ranges, tensors[i].data, tensors[i].bytes(), true, n);
+  }
+  check_overlaps(ranges);
+}
+
+void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read) {
+  validate_read(read);
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, arg_name("tensors", i, ""));
+}
+
+}  // namespace stepcore::detail

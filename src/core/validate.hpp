@@ -1,0 +1,43 @@
+// Argument validation shared by every implementation's public entry points.
+// Each check throws stepcore::Error naming the argument; none writes anything.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "stepcore/error.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::detail {
+
+/// Throws unless every AdamW argument is valid (dtypes, sizes, pointers,
+/// overlaps, hyper-parameter ranges, step counters, read scalars).
+void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                    GradientRead read);
+/// Same for SignSGD (scale and clip must be finite and > 0).
+void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                       GradientRead read);
+void validate_accumulate(std::span<const AccumulatePair> pairs);
+void validate_scale(std::span<const TensorView> tensors, float scale);
+void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read);
+/// Throws unless scale is finite and > 0 and clip is in [0, 1].
+void validate_read(const GradientRead& read, const char* name = "read");
+
+/// One memory range of a call, for the overlap check.
+struct Range {
+  std::uintptr_t begin;
+  std::uintptr_t end;
+  bool written;
+  std::string name;
+};
+
+/// Throws Errc::overlap if a written range overlaps any other range.
+void check_overlaps(std::span<Range> ranges);
+
+/// Builds "base[i].field".
+std::string arg_name(const char* base, std::size_t i, const char* field);
+
+}  // namespace stepcore::detail

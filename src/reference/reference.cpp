@@ -1,0 +1,200 @@
+// The scalar reference implementation of docs/numerics.md: one element at a
+// time, each statement one IEEE binary32 operation in the spec's order.
+// Built with -ffp-contract=off so the compiler fuses nothing; fused operations
+// are written as std::fma where the spec has them.
+#include "stepcore/reference.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "../core/validate.hpp"
+#include "stepcore/convert.hpp"
+
+namespace stepcore::reference {
+namespace {
+
+// Returns element i of a read-only view as binary32 (exact widening).
+float load(const ConstTensorView& v, std::size_t i) {
+  switch (v.dtype) {
+    case DType::f32: return static_cast<const float*>(v.data)[i];
+    case DType::bf16: return bf16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
+    case DType::f16: return f16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
+  }
+  throw Error(Errc::internal, "dtype", "unreachable");
+}
+
+// Returns x rounded to dtype t and widened back (R_t).
+float round_dtype(float x, DType t) {
+  switch (t) {
+    case DType::f32: return x;
+    case DType::bf16: return bf16_bits_to_f32(f32_to_bf16_bits(x));
+    case DType::f16: return f16_bits_to_f32(f32_to_f16_bits(x));
+  }
+  throw Error(Errc::internal, "dtype", "unreachable");
+}
+
+// Stores x rounded to the view's dtype at element i.
+void store(const TensorView& v, std::size_t i, float x) {
+  switch (v.dtype) {
+    case DType::f32: static_cast<float*>(v.data)[i] = x; return;
+    case DType::bf16: static_cast<std::uint16_t*>(v.data)[i] = f32_to_bf16_bits(x); return;
+    case DType::f16: static_cast<std::uint16_t*>(v.data)[i] = f32_to_f16_bits(x); return;
+  }
+  throw Error(Errc::internal, "dtype", "unreachable");
+}
+
+// The gradient read: x = R_T(R_T(f32(g) * scale) * clip).
+float read_gradient(const ConstTensorView& g, std::size_t i, const GradientRead& r) {
+  float x = load(g, i);
+  x = round_dtype(x * r.scale, g.dtype);
+  x = round_dtype(x * r.clip, g.dtype);
+  return x;
+}
+
+bool has_output(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
+
+}  // namespace
+
+void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_adamw(tensors, config, read);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  for (const AdamWTensor& t : tensors) {
+    *t.step = *t.step + 1.0f;
+    const AdamWScalars s = prepare_adamw_scalars(config, *t.step);
+    auto* P = static_cast<float*>(t.param.data);
+    auto* M = static_cast<float*>(t.exp_avg.data);
+    auto* V = static_cast<float*>(t.exp_avg_sq.data);
+    const bool out = has_output(t.compute_param);
+    const std::size_t n = t.param.numel;
+    const std::size_t w = config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
+    const std::size_t tail_begin = n - n % w;  // torch formula: first element of the scalar tail
+    for (std::size_t i = 0; i < n; ++i) {
+      const float g = read_gradient(t.grad, i, read);
+      float p = P[i];
+      float m = M[i];
+      float v = V[i];
+      if (config.formula == AdamWFormula::native) {
+        p = p * s.decay;
+        const float m_keep = m * s.beta1;
+        const float m_new = g * s.one_minus_beta1;
+        m = m_keep + m_new;
+        const float v_keep = v * s.beta2;
+        const float g2 = g * g;
+        const float v_new = g2 * s.one_minus_beta2;
+        v = v_keep + v_new;
+        const float root = std::sqrt(v);
+        const float scaled_root = root / s.bc2_sqrt;
+        const float denom = scaled_root + s.eps;
+        const float num = s.step_size * m;
+        const float update = num / denom;
+        p = p - update;
+      } else {
+        if (s.apply_decay) p = p * s.decay;
+        const float diff = g - m;
+        m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, g);
+        const float cg = s.one_minus_beta2 * g;
+        const float cgg = cg * g;
+        if (i < tail_begin) {
+          const float v_keep = v * s.beta2;
+          v = v_keep + cgg;
+        } else {
+          v = std::fma(v, s.beta2, cgg);
+        }
+        const float root = std::sqrt(v);
+        const float scaled_root = root / s.bc2_sqrt;
+        const float denom = scaled_root + s.eps;
+        const float num = s.step_size * m;  // step_size is negative here
+        const float update = num / denom;
+        p = p + update;
+      }
+      P[i] = p;
+      M[i] = m;
+      V[i] = v;
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
+void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                   GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_sign_sgd(tensors, config, read);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  const SignSgdScalars s = prepare_sign_sgd_scalars(config);
+  for (const SignSgdTensor& t : tensors) {
+    auto* P = static_cast<float*>(t.param.data);
+    const bool out = has_output(t.compute_param);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      const float g = load(t.grad, i);
+      // sign(g): +1, -1, +0 for either zero, NaN for NaN.
+      const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
+      float p = P[i];
+      if (s.apply_decay) p = std::fma(p, s.neg_lr_wd, p);
+      p = std::fma(sg, s.neg_lr, p);
+      P[i] = p;
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
+void accumulate(std::span<const AccumulatePair> pairs) {
+  detail::validate_accumulate(pairs);
+  for (const AccumulatePair& pr : pairs) {
+    auto* A = static_cast<float*>(pr.acc.data);
+    for (std::size_t i = 0; i < pr.acc.numel; ++i) {
+      const float x = load(pr.src, i);
+      A[i] = pr.copy ? x : A[i] + x;
+    }
+  }
+}
+
+void scale_(std::span<const TensorView> tensors, float scale) {
+  detail::validate_scale(tensors, scale);
+  for (const TensorView& t : tensors) {
+    const ConstTensorView c = t;
+    for (std::size_t i = 0; i < t.numel; ++i) store(t, i, load(c, i) * scale);
+  }
+}
+
+void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
+  const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+  const std::uint32_t exp = a >> 23;
+  const std::uint64_t mant = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
+  const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
+  mantissa_squared = mant * mant;                                // exact, < 2^48
+  shift = 2 * e - kNormUnitExponent;                             // x^2 / 2^-298 = mant^2 * 2^shift
+}
+
+NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) {
+  detail::validate_norm(tensors, read);
+  NormPartial p;
+  std::uint64_t since_normalize = 0;
+  for (const ConstTensorView& t : tensors) {
+    for (std::size_t i = 0; i < t.numel; ++i) {
+      const float x = read_gradient(t, i, read);
+      if (std::isnan(x)) {
+        ++p.nan_count;
+        continue;
+      }
+      if (std::isinf(x)) {
+        ++p.inf_count;
+        continue;
+      }
+      const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+      if (a > p.max_abs_bits) p.max_abs_bits = a;
+      if (a == 0) continue;
+      std::uint64_t m2 = 0;
+      int shift = 0;
+      square_units(x, m2, shift);
+      detail::deposit(p.digits, m2, shift);
+      if (++since_normalize == (1u << 30)) {
+        detail::normalize_digits(p.digits);
+        since_normalize = 0;
+      }
+    }
+  }
+  detail::normalize_digits(p.digits);
+  return p;
+}
+
+}  // namespace stepcore::reference
