@@ -96,6 +96,7 @@ NormResult finalize(const NormPartial& partial) {
   // m <= 2^24 and the exponent is in double's range: ldexp is exact; the float
   // conversion is exact or overflows to +Inf exactly when RN does.
   r.norm = static_cast<float>(std::ldexp(static_cast<double>(m), k - 149 + drop));
+  r.finite = r.norm <= 3.40282347e38f;  // false when the exact norm rounds to +Inf
   return r;
 }
 
