@@ -1,1 +1,667 @@
-int main() { return 0; }
+// stepcore-demo, the main job: a few training steps "after backward" of a synthetic
+// model with a real LLM's tensor layout -- accumulate micro-batch gradients, apply
+// the 1/tokens scale lazily, exact global norm, clip, AdamW or SignSGD -- with
+// per-phase timings and a bitwise checksum of the result.
+#include <cerrno>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "demo_model.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/reference.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace sc = stepcore;
+namespace demo = stepcore_demo;
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitRuntime = 1;
+constexpr int kExitUsage = 2;
+
+/// A bad command line: reported with a hint, exit code 2.
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// ---- options ----------------------------------------------------------------------
+
+enum class Optimizer { adamw, sign_sgd };
+
+/// Everything the command line sets.
+struct Options {
+  std::string model = "qwen2.5-0.5b";
+  std::int64_t layers = 4;     ///< 0: the model's own count
+  std::int64_t vocab = 32768;  ///< 0: the model's own size
+  std::int64_t steps = 3;
+  std::int64_t micro_batches = 4;
+  double max_norm = 1.0;       ///< 0: no clipping
+  sc::DType grad_dtype = sc::DType::bf16;
+  sc::AdamWFormula formula = sc::AdamWFormula::native;
+  Optimizer optimizer = Optimizer::adamw;
+  double lr = 3e-4;
+  double weight_decay = 0.1;
+  std::uint64_t seed = 1;
+  std::string backend = "reference";
+  std::int64_t inject_inf = 0;  ///< 1-based step whose gradients get one +Inf; 0: none
+  bool print_layout = false;
+  bool help = false;
+};
+
+constexpr const char* kUsage = R"(usage: stepcore-demo [options]
+
+Runs a few training steps "after backward" on a synthetic model with a published
+LLM's tensor layout: per step, micro-batch gradients (synthetic, deterministic) are
+accumulated into f32, scaled by 1/loss-tokens, the exact global norm and the clip
+coefficient are computed, and the optimizer writes f32 parameters and bf16 compute
+weights. Prints per-phase timings and a bitwise checksum of the final state.
+
+options (--name value or --name=value):
+  --model NAME         qwen2.5-0.5b (default), llama-3.2-1b, llama-3.2-3b, llama-3.1-8b
+  --layers N|full      decoder layers to instantiate (default 4; full: the model's)
+  --vocab N|full       vocabulary rows (default 32768; full: the model's)
+  --steps N            optimizer steps (default 3)
+  --micro-batches N    micro-batches accumulated per step (default 4)
+  --max-norm X|none    clip the global norm to X (default 1.0; 0 or none: no clipping)
+  --grad-dtype T       dtype of the micro-batch gradients: bf16 (default) or f32
+  --optimizer O        adamw (default) or sign_sgd
+  --formula F          AdamW arithmetic: native (default) or torch
+  --lr X               learning rate (default 3e-4)
+  --weight-decay X     decoupled weight decay of matrices and embeddings (default 0.1;
+                       norms and biases never decay)
+  --seed N             seed of the synthetic weights and gradients (default 1)
+  --backend B          implementation of the phases: reference (default, the only one)
+  --inject-inf STEP    put one +Inf into STEP's gradients (1-based) to show found-inf
+  --print-layout       list every tensor of the layout
+  --help               this text
+
+exit status: 0 success, 1 runtime error, 2 bad usage
+)";
+
+/// Returns `text` as an integer in [lo, hi]; throws UsageError naming `opt`.
+std::int64_t parse_int(std::string_view opt, const std::string& text, std::int64_t lo,
+                       std::int64_t hi) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || v < lo || v > hi)
+    throw UsageError(std::string(opt) + ": expected an integer in [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "], got '" + text + "'");
+  return v;
+}
+
+/// Returns `text` as a finite double >= 0; throws UsageError naming `opt`.
+double parse_nonneg(std::string_view opt, const std::string& text) {
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(v) || v < 0.0)
+    throw UsageError(std::string(opt) + ": expected a finite number >= 0, got '" + text + "'");
+  return v;
+}
+
+/// Returns `text` as an unsigned 64-bit integer; throws UsageError naming `opt`.
+std::uint64_t parse_u64(std::string_view opt, const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (text.empty() || text[0] == '-' || *end != '\0' || errno != 0)
+    throw UsageError(std::string(opt) + ": expected an unsigned integer, got '" + text + "'");
+  return v;
+}
+
+/// Returns the layer or vocab override: "full" -> 0, else an integer in [1, hi].
+std::int64_t parse_size(std::string_view opt, const std::string& text, std::int64_t hi) {
+  if (text == "full") return 0;
+  return parse_int(opt, text, 1, hi);
+}
+
+/// Applies option `name` with `value` to `o`; throws UsageError when either is bad.
+void apply_option(Options& o, const std::string& name, const std::string& value) {
+  if (name == "--model") {
+    if (demo::find_model(value) == nullptr) {
+      std::string known;
+      for (const demo::ModelConfig& m : demo::kModels) known += (known.empty() ? "" : ", ") + std::string(m.name);
+      throw UsageError("--model: unknown model '" + value + "' (known: " + known + ")");
+    }
+    o.model = value;
+  } else if (name == "--layers") {
+    o.layers = parse_size(name, value, 4096);
+  } else if (name == "--vocab") {
+    o.vocab = parse_size(name, value, 16 * 1024 * 1024);
+  } else if (name == "--steps") {
+    o.steps = parse_int(name, value, 1, 16777215);  // f32 step counters stay exact
+  } else if (name == "--micro-batches") {
+    o.micro_batches = parse_int(name, value, 1, 4096);
+  } else if (name == "--max-norm") {
+    o.max_norm = value == "none" ? 0.0 : parse_nonneg(name, value);
+    if (!std::isfinite(static_cast<float>(o.max_norm)))
+      throw UsageError("--max-norm: must be finite in f32, got '" + value + "'");
+  } else if (name == "--grad-dtype") {
+    if (value == "bf16") o.grad_dtype = sc::DType::bf16;
+    else if (value == "f32") o.grad_dtype = sc::DType::f32;
+    else throw UsageError("--grad-dtype: expected bf16 or f32, got '" + value + "'");
+  } else if (name == "--optimizer") {
+    if (value == "adamw") o.optimizer = Optimizer::adamw;
+    else if (value == "sign_sgd") o.optimizer = Optimizer::sign_sgd;
+    else throw UsageError("--optimizer: expected adamw or sign_sgd, got '" + value + "'");
+  } else if (name == "--formula") {
+    if (value == "native") o.formula = sc::AdamWFormula::native;
+    else if (value == "torch") o.formula = sc::AdamWFormula::torch;
+    else throw UsageError("--formula: expected native or torch, got '" + value + "'");
+  } else if (name == "--lr") {
+    o.lr = parse_nonneg(name, value);
+  } else if (name == "--weight-decay") {
+    o.weight_decay = parse_nonneg(name, value);
+  } else if (name == "--seed") {
+    o.seed = parse_u64(name, value);
+  } else if (name == "--backend") {
+    o.backend = value;  // checked by make_backend, the one place that knows backends
+  } else if (name == "--inject-inf") {
+    o.inject_inf = parse_int(name, value, 1, 16777215);
+  } else {
+    throw UsageError("unknown option '" + name + "'");
+  }
+}
+
+/// Returns the options of the command line; throws UsageError on anything bad.
+Options parse_options(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      o.help = true;
+      continue;
+    }
+    if (arg == "--print-layout") {
+      o.print_layout = true;
+      continue;
+    }
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) throw UsageError("unexpected argument '" + arg + "'");
+    const std::size_t eq = arg.find('=');
+    const std::string name = arg.substr(0, eq);
+    std::string value;
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+    } else {
+      if (name == "--model" || name == "--layers" || name == "--vocab" || name == "--steps" ||
+          name == "--micro-batches" || name == "--max-norm" || name == "--grad-dtype" ||
+          name == "--optimizer" || name == "--formula" || name == "--lr" ||
+          name == "--weight-decay" || name == "--seed" || name == "--backend" ||
+          name == "--inject-inf") {
+        if (i + 1 >= argc) throw UsageError(name + ": missing value");
+        value = argv[++i];
+      }
+    }
+    apply_option(o, name, value);
+  }
+  if (o.lr * o.weight_decay > 1.0) throw UsageError("--lr times --weight-decay must be <= 1");
+  if (!std::isfinite(static_cast<float>(o.lr))) throw UsageError("--lr: must be finite in f32");
+  if (o.inject_inf > o.steps)
+    throw UsageError("--inject-inf: step " + std::to_string(o.inject_inf) + " is beyond --steps " +
+                     std::to_string(o.steps));
+  return o;
+}
+
+// ---- the backend: the one place that names an implementation ------------------------
+
+/// The operations of a step, bound to one implementation. Later backends (SIMD
+/// engine, CUDA) add an entry in make_backend; the driver does not change.
+struct Backend {
+  std::string_view name;
+  std::string_view description;
+  void (*accumulate)(std::span<const sc::AccumulatePair>);
+  sc::NormPartial (*norm_partial)(std::span<const sc::ConstTensorView>, sc::GradientRead);
+  void (*adamw_step)(std::span<const sc::AdamWTensor>, const sc::AdamWConfig&, sc::GradientRead,
+                     const std::int32_t*);
+  void (*sign_sgd_step)(std::span<const sc::SignSgdTensor>, const sc::SignSgdConfig&,
+                        sc::GradientRead, const std::int32_t*);
+};
+
+/// Returns the backend called `name`; throws UsageError for an unknown one.
+Backend make_backend(std::string_view name) {
+  if (name == "reference")
+    return {"reference", "scalar reference, one element at a time (the oracle)",
+            &sc::reference::accumulate, &sc::reference::norm_partial, &sc::reference::adamw_step,
+            &sc::reference::sign_sgd_step};
+  throw UsageError("--backend: unknown backend '" + std::string(name) +
+                   "' (available: reference)");
+}
+
+// ---- memory -------------------------------------------------------------------------
+
+/// A zero-initialised, 64-byte-aligned array of trivially copyable T.
+template <class T> class AlignedArray {
+ public:
+  AlignedArray() = default;
+  /// Allocates n zeroed elements; throws std::bad_alloc.
+  explicit AlignedArray(std::size_t n) : n_(n) {
+    if (n == 0) return;
+    const std::size_t bytes = (n * sizeof(T) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes);
+    if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, bytes);
+    p_.reset(static_cast<T*>(p));
+  }
+  T* data() const { return p_.get(); }
+  std::size_t size() const { return n_; }
+  std::size_t bytes() const { return n_ * sizeof(T); }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { std::free(p); }
+  };
+  std::unique_ptr<T, Free> p_;
+  std::size_t n_ = 0;
+};
+
+/// The instantiated model: config with overrides, tensor table and offsets.
+struct Model {
+  demo::ModelConfig config;                ///< with --layers/--vocab applied
+  const demo::ModelConfig* published = nullptr;
+  std::vector<demo::TensorSpec> layout;
+  std::vector<std::size_t> offset;         ///< element offset of each tensor, 32-aligned
+  std::size_t numel = 0;                   ///< parameters
+  std::size_t padded = 0;                  ///< elements of each flat buffer
+};
+
+/// Returns the model of the options: the published config, scaled down as asked.
+Model make_model(const Options& o) {
+  Model m;
+  m.published = demo::find_model(o.model);
+  m.config = *m.published;
+  if (o.layers != 0) m.config.layers = o.layers;
+  if (o.vocab != 0) m.config.vocab = o.vocab;
+  m.layout = demo::build_layout(m.config);
+  for (const demo::TensorSpec& t : m.layout) {
+    m.offset.push_back(m.padded);
+    m.numel += t.numel();
+    m.padded += (t.numel() + 31) / 32 * 32;
+  }
+  return m;
+}
+
+/// The training state: flat buffers, one slice per tensor.
+struct State {
+  AlignedArray<float> param;        ///< f32 master parameters
+  AlignedArray<float> exp_avg;      ///< AdamW first moment (empty for SignSGD)
+  AlignedArray<float> exp_avg_sq;   ///< AdamW second moment (empty for SignSGD)
+  AlignedArray<float> acc;          ///< f32 gradient accumulators
+  AlignedArray<sc::bfloat16_t> compute;    ///< bf16 compute weights (the model's copy)
+  AlignedArray<sc::bfloat16_t> grad_bf16;  ///< one micro-batch's gradients, bf16
+  AlignedArray<float> grad_f32;            ///< one micro-batch's gradients, f32
+  std::vector<float> step;                 ///< per-tensor AdamW step counters
+};
+
+/// Allocates the state for `m` and sets initial weights and compute weights.
+State make_state(const Model& m, const Options& o) {
+  State s;
+  s.param = AlignedArray<float>(m.padded);
+  if (o.optimizer == Optimizer::adamw) {
+    s.exp_avg = AlignedArray<float>(m.padded);
+    s.exp_avg_sq = AlignedArray<float>(m.padded);
+  }
+  s.acc = AlignedArray<float>(m.padded);
+  s.compute = AlignedArray<sc::bfloat16_t>(m.padded);
+  if (o.grad_dtype == sc::DType::bf16) s.grad_bf16 = AlignedArray<sc::bfloat16_t>(m.padded);
+  else s.grad_f32 = AlignedArray<float>(m.padded);
+  s.step.assign(m.layout.size(), 0.0f);
+  for (std::size_t t = 0; t < m.layout.size(); ++t) {
+    float* p = s.param.data() + m.offset[t];
+    sc::bfloat16_t* c = s.compute.data() + m.offset[t];
+    demo::fill_init(p, m.layout[t].numel(), o.seed, t, m.layout[t].kind);
+    for (std::size_t i = 0; i < m.layout[t].numel(); ++i) c[i] = sc::from_f32<sc::bfloat16_t>(p[i]);
+  }
+  return s;
+}
+
+/// The stepcore argument lists of a run, built once over the state's buffers.
+struct Calls {
+  std::vector<sc::AccumulatePair> first;   ///< copy pairs (first micro-batch)
+  std::vector<sc::AccumulatePair> rest;    ///< add pairs
+  std::vector<sc::ConstTensorView> accs;   ///< accumulators, for the norm
+  std::vector<sc::AdamWTensor> adamw[2];   ///< [0]: decayed, [1]: no decay
+  std::vector<sc::SignSgdTensor> sign[2];
+};
+
+/// Returns the argument lists over `s` for the model `m`.
+Calls make_calls(const Model& m, State& s, const Options& o) {
+  Calls c;
+  for (std::size_t t = 0; t < m.layout.size(); ++t) {
+    const std::size_t n = m.layout[t].numel();
+    const std::size_t off = m.offset[t];
+    const sc::TensorView acc = sc::f32_view(s.acc.data() + off, n);
+    const sc::ConstTensorView src = o.grad_dtype == sc::DType::bf16
+                                        ? sc::const_view(s.grad_bf16.data() + off, n)
+                                        : sc::const_view(s.grad_f32.data() + off, n);
+    c.first.push_back({acc, src, true});
+    c.rest.push_back({acc, src, false});
+    c.accs.push_back(acc);
+    const sc::TensorView param = sc::f32_view(s.param.data() + off, n);
+    const sc::TensorView out = sc::view(s.compute.data() + off, n);
+    const int group = demo::no_decay(m.layout[t].kind) ? 1 : 0;
+    if (o.optimizer == Optimizer::adamw)
+      c.adamw[group].push_back({param, sc::f32_view(s.exp_avg.data() + off, n),
+                                sc::f32_view(s.exp_avg_sq.data() + off, n), &s.step[t], acc, out});
+    else
+      c.sign[group].push_back({param, acc, out});
+  }
+  return c;
+}
+
+// ---- synthetic gradients --------------------------------------------------------------
+
+/// Writes micro-batch k of `step` into the gradient buffer: element i of tensor
+/// t is stddev[t] * gauss(grad_key(seed, step, k, t), i), rounded to the dtype.
+void fill_micro_batch(const Model& m, State& s, const Options& o, std::int64_t step, std::int64_t k,
+                      std::span<const double> stddev) {
+  for (std::size_t t = 0; t < m.layout.size(); ++t) {
+    const std::uint64_t key = demo::grad_key(o.seed, step, k, t);
+    const float sd = static_cast<float>(stddev[t]);
+    const std::size_t n = m.layout[t].numel();
+    if (o.grad_dtype == sc::DType::bf16) demo::fill_gauss(s.grad_bf16.data() + m.offset[t], n, key, sd);
+    else demo::fill_gauss(s.grad_f32.data() + m.offset[t], n, key, sd);
+  }
+}
+
+/// Sets one element (middle of the middle tensor) of the gradient buffer to +Inf;
+/// returns a description of where.
+std::string inject_inf(const Model& m, State& s, const Options& o) {
+  const std::size_t t = m.layout.size() / 2;
+  const std::size_t i = m.layout[t].numel() / 2;
+  const float inf = INFINITY;
+  if (o.grad_dtype == sc::DType::bf16) s.grad_bf16.data()[m.offset[t] + i] = sc::from_f32<sc::bfloat16_t>(inf);
+  else s.grad_f32.data()[m.offset[t] + i] = inf;
+  return m.layout[t].name + "[" + std::to_string(i) + "]";
+}
+
+// ---- reporting helpers ---------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+
+/// Returns the seconds since `t0`.
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+/// Returns n with thousands separators ("37,174,144").
+std::string grouped(std::uint64_t n) {
+  std::string d = std::to_string(n);
+  for (int i = static_cast<int>(d.size()) - 3; i > 0; i -= 3) d.insert(static_cast<std::size_t>(i), ",");
+  return d;
+}
+
+/// Returns a byte count in MiB or GiB.
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  return buf;
+}
+
+/// Returns "%.9g [0xXXXXXXXX]": the value and its f32 bit pattern.
+std::string f32_text(float x) {
+  char buf[48];
+  std::snprintf(buf, sizeof buf, "%.9g [0x%08" PRIx32 "]", static_cast<double>(x), sc::f32_bits(x));
+  return buf;
+}
+
+/// Prints one timed phase: name, milliseconds, GB/s of `bytes` touched, and a note.
+void print_phase(const char* name, double sec, double bytes, const std::string& note) {
+  if (bytes > 0)
+    std::printf("  %-10s %9.1f ms %7.2f GB/s   %s\n", name, sec * 1e3, bytes / sec / 1e9, note.c_str());
+  else
+    std::printf("  %-10s %9.1f ms %12s   %s\n", name, sec * 1e3, "", note.c_str());
+}
+
+/// FNV-1a (64-bit) over a sequence of words (32-bit f32 or 16-bit bf16 patterns).
+struct Fnv64 {
+  std::uint64_t h = 0xCBF29CE484222325ull;
+  /// Mixes one word into the hash.
+  void add(std::uint64_t word) { h = (h ^ word) * 0x100000001B3ull; }
+};
+
+/// Returns the FNV-1a hash of the f32 bit patterns of every tensor slice of `buf`.
+std::uint64_t hash_f32(const Model& m, const float* buf) {
+  Fnv64 f;
+  for (std::size_t t = 0; t < m.layout.size(); ++t)
+    for (std::size_t i = 0; i < m.layout[t].numel(); ++i) f.add(sc::f32_bits(buf[m.offset[t] + i]));
+  return f.h;
+}
+
+/// Returns the FNV-1a hash of the bf16 bit patterns of every tensor slice of `buf`.
+std::uint64_t hash_bf16(const Model& m, const sc::bfloat16_t* buf) {
+  Fnv64 f;
+  for (std::size_t t = 0; t < m.layout.size(); ++t)
+    for (std::size_t i = 0; i < m.layout[t].numel(); ++i) f.add(buf[m.offset[t] + i].bits);
+  return f.h;
+}
+
+const char* kind_name(demo::TensorKind k) {
+  switch (k) {
+    case demo::TensorKind::embedding: return "embedding";
+    case demo::TensorKind::lm_head: return "lm_head";
+    case demo::TensorKind::attn_weight: return "attention";
+    case demo::TensorKind::attn_bias: return "bias";
+    case demo::TensorKind::mlp_weight: return "mlp";
+    case demo::TensorKind::norm: return "norm";
+  }
+  return "?";
+}
+
+/// Prints the model, its layout summary and the size of the state.
+void print_header(const Model& m, const State& s, const Options& o, const Backend& b) {
+  const demo::ModelConfig& c = m.config;
+  const demo::ModelConfig& p = *m.published;
+  std::printf("stepcore-demo %d.%d.%d\n", STEPCORE_VERSION_MAJOR, STEPCORE_VERSION_MINOR,
+              STEPCORE_VERSION_PATCH);
+  std::printf("backend    %.*s: %.*s\n", static_cast<int>(b.name.size()), b.name.data(),
+              static_cast<int>(b.description.size()), b.description.data());
+  std::printf("model      %.*s layout: layers %" PRId64 " of %" PRId64 ", vocab %" PRId64 " of %" PRId64
+              ", hidden %" PRId64 ", intermediate %" PRId64 ", heads %" PRId64 " (kv %" PRId64 ") x %" PRId64
+              "%s, %s embeddings\n",
+              static_cast<int>(c.name.size()), c.name.data(), c.layers, p.layers, c.vocab, p.vocab,
+              c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim, c.qkv_bias ? ", q/k/v bias" : "",
+              c.tied_embeddings ? "tied" : "untied");
+  std::size_t nodecay = 0;
+  for (const demo::TensorSpec& t : m.layout) nodecay += demo::no_decay(t.kind) ? 1 : 0;
+  std::printf("layout     %zu tensors (%zu without decay), %s parameters (published model: %s)\n",
+              m.layout.size(), nodecay, grouped(m.numel).c_str(),
+              grouped(demo::total_numel(demo::build_layout(p))).c_str());
+  if (o.print_layout)
+    for (std::size_t t = 0; t < m.layout.size(); ++t)
+      std::printf("  %-48s %7" PRId64 " x %-6" PRId64 " %12s  %s\n", m.layout[t].name.c_str(), m.layout[t].rows,
+                  m.layout[t].cols, grouped(m.layout[t].numel()).c_str(), kind_name(m.layout[t].kind));
+  const double total = static_cast<double>(s.param.bytes() + s.exp_avg.bytes() + s.exp_avg_sq.bytes() +
+                                           s.acc.bytes() + s.compute.bytes() + s.grad_bf16.bytes() +
+                                           s.grad_f32.bytes());
+  std::printf("state      %s (%.0f B/parameter): params f32 %s, ", human_bytes(total).c_str(),
+              total / static_cast<double>(m.numel), human_bytes(static_cast<double>(s.param.bytes())).c_str());
+  if (o.optimizer == Optimizer::adamw)
+    std::printf("exp_avg + exp_avg_sq f32 %s, ",
+                human_bytes(static_cast<double>(s.exp_avg.bytes() + s.exp_avg_sq.bytes())).c_str());
+  std::printf("accumulators f32 %s, micro-batch grads %s %s, compute weights bf16 %s\n",
+              human_bytes(static_cast<double>(s.acc.bytes())).c_str(), o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32",
+              human_bytes(static_cast<double>(s.grad_bf16.bytes() + s.grad_f32.bytes())).c_str(),
+              human_bytes(static_cast<double>(s.compute.bytes())).c_str());
+  std::printf("run        %" PRId64 " steps x %" PRId64 " micro-batches, ", o.steps, o.micro_batches);
+  if (o.optimizer == Optimizer::adamw)
+    std::printf("adamw (%s formula, betas 0.9/0.999, eps 1e-8), ",
+                o.formula == sc::AdamWFormula::native ? "native" : "torch");
+  else
+    std::printf("sign_sgd, ");
+  std::printf("lr %g, weight decay %g, max_norm ", o.lr, o.weight_decay);
+  if (o.max_norm > 0.0) std::printf("%g", o.max_norm);
+  else std::printf("none (no clipping)");
+  std::printf(", seed %" PRIu64 "\n", o.seed);
+}
+
+// ---- the step ---------------------------------------------------------------------------
+
+/// What a run did, for the summary line.
+struct Totals {
+  std::int64_t applied = 0, skipped = 0, clipped = 0;
+  double phases = 0.0;  ///< seconds in accumulate, norm and optimizer
+};
+
+/// Runs training step `step` (0-based): generate and accumulate the micro-batches,
+/// norm, clip, optimizer. Prints one line per phase; updates `totals`.
+void run_step(const Model& m, State& s, const Calls& c, const Options& o, const Backend& b,
+              std::int64_t step, Totals& totals) {
+  const std::vector<std::int64_t> tokens = demo::micro_batch_tokens(o.seed, step, o.micro_batches);
+  std::int64_t total_tokens = 0;
+  std::string split;
+  for (const std::int64_t n : tokens) {
+    total_tokens += n;
+    if (tokens.size() <= 8) split += (split.empty() ? "" : "+") + std::to_string(n);
+  }
+  // The step's gradient scale: 1 / loss tokens, a Python double narrowed to f32.
+  const float scale = static_cast<float>(1.0 / static_cast<double>(total_tokens));
+  std::printf("step %" PRId64 "/%" PRId64 ": %" PRId64 " loss tokens in %" PRId64 " micro-batches%s%s%s, scale %s\n",
+              step + 1, o.steps, total_tokens, o.micro_batches, split.empty() ? "" : " (", split.c_str(),
+              split.empty() ? "" : ")", f32_text(scale).c_str());
+
+  // Micro-batches: generate (not a stepcore phase), then accumulate.
+  const double n = static_cast<double>(m.numel);
+  const std::vector<double> stddev =
+      demo::grad_sigmas(m.layout, m.config.tied_embeddings, tokens, demo::target_norm(o.seed, step));
+  double gen_s = 0.0, acc_s = 0.0, acc_bytes = 0.0;
+  std::string injected;
+  for (std::int64_t k = 0; k < o.micro_batches; ++k) {
+    std::vector<double> sd(stddev);
+    for (double& v : sd) v *= static_cast<double>(tokens[static_cast<std::size_t>(k)]);
+    auto t0 = Clock::now();
+    fill_micro_batch(m, s, o, step, k, sd);
+    if (o.inject_inf == step + 1 && k == o.micro_batches - 1) injected = inject_inf(m, s, o);
+    gen_s += seconds_since(t0);
+    t0 = Clock::now();
+    b.accumulate(k == 0 ? c.first : c.rest);
+    acc_s += seconds_since(t0);
+    acc_bytes += n * static_cast<double>(sc::dtype_size(o.grad_dtype)) + n * (k == 0 ? 4.0 : 8.0);
+  }
+  print_phase("generate", gen_s, 0.0,
+              std::string("synthetic ") + (o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32") +
+                  " gradients (input synthesis, not a stepcore phase)" + (injected.empty() ? "" : "; +Inf injected at " + injected));
+  print_phase("accumulate", acc_s, acc_bytes, "into f32 accumulators (copy, then add)");
+
+  // Exact global norm of the scaled gradients.
+  auto t0 = Clock::now();
+  const sc::NormPartial partial = b.norm_partial(c.accs, sc::GradientRead{scale, 1.0f});
+  const sc::NormResult r = sc::finalize(partial);
+  const double norm_s = seconds_since(t0);
+  print_phase("norm", norm_s, 4.0 * n,
+              "norm " + f32_text(r.norm) + "  max|g| " + f32_text(r.max_abs));
+  double opt_s = 0.0;
+  totals.phases += acc_s + norm_s;
+  if (!r.finite) {
+    std::printf("  found-inf  norm is not finite (%" PRIu64 " NaN, %" PRIu64
+                " Inf): optimizer step SKIPPED, parameters unchanged\n",
+                r.nan_count, r.inf_count);
+    ++totals.skipped;
+    return;
+  }
+
+  const float clip = o.max_norm > 0.0 ? sc::clip_coefficient(r.norm, static_cast<float>(o.max_norm)) : 1.0f;
+  const bool clipped = clip < 1.0f;
+  std::printf("  clip       coefficient %s  %s\n", f32_text(clip).c_str(),
+              o.max_norm > 0.0 ? (clipped ? "-> clipped" : "-> not clipped") : "(clipping off)");
+  totals.clipped += clipped ? 1 : 0;
+
+  const sc::GradientRead read{scale, clip};
+  t0 = Clock::now();
+  if (o.optimizer == Optimizer::adamw) {
+    sc::AdamWConfig cfg;
+    cfg.lr = o.lr;
+    cfg.formula = o.formula;
+    for (int g = 0; g < 2; ++g) {
+      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
+      b.adamw_step(c.adamw[g], cfg, read, nullptr);
+    }
+    opt_s = seconds_since(t0);
+    print_phase("adamw", opt_s, 30.0 * n, "f32 params + moments in place, bf16 compute weights");
+  } else {
+    sc::SignSgdConfig cfg;
+    cfg.lr = o.lr;
+    for (int g = 0; g < 2; ++g) {
+      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
+      b.sign_sgd_step(c.sign[g], cfg, read, nullptr);
+    }
+    opt_s = seconds_since(t0);
+    print_phase("sign_sgd", opt_s, 14.0 * n, "f32 params in place, bf16 compute weights");
+  }
+  totals.phases += opt_s;
+  ++totals.applied;
+}
+
+/// Runs the whole demo; returns the exit code. Throws stepcore::Error on failure.
+int run(const Options& o) {
+  const auto start = Clock::now();
+  const Backend backend = make_backend(o.backend);
+  const Model model = make_model(o);
+  auto t0 = Clock::now();
+  State state = make_state(model, o);
+  const Calls calls = make_calls(model, state, o);
+  const double init_s = seconds_since(t0);
+  print_header(model, state, o, backend);
+  std::printf("init       %.1f ms (allocate, initial weights)\n", init_s * 1e3);
+
+  Totals totals;
+  for (std::int64_t step = 0; step < o.steps; ++step) run_step(model, state, calls, o, backend, step, totals);
+
+  std::printf("checksum   params f32 %016" PRIx64 "  compute bf16 %016" PRIx64, hash_f32(model, state.param.data()),
+              hash_bf16(model, state.compute.data()));
+  if (o.optimizer == Optimizer::adamw)
+    std::printf("  exp_avg %016" PRIx64 "  exp_avg_sq %016" PRIx64, hash_f32(model, state.exp_avg.data()),
+                hash_f32(model, state.exp_avg_sq.data()));
+  std::printf("  (FNV-1a 64 over bit patterns)\n");
+  std::printf("summary    %" PRId64 " steps: %" PRId64 " applied, %" PRId64 " skipped (found-inf), %" PRId64
+              " clipped; stepcore phases %.2f s, total %.2f s\n",
+              o.steps, totals.applied, totals.skipped, totals.clipped, totals.phases, seconds_since(start));
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_options(argc, argv);
+    if (options.help) {
+      std::fputs(kUsage, stdout);
+      return kExitOk;
+    }
+    make_backend(options.backend);  // reject an unknown backend as bad usage
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "stepcore-demo: %s\n(try --help)\n", e.what());
+    return kExitUsage;
+  }
+  try {
+    return run(options);
+  } catch (const sc::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "stepcore-demo: %s\n", e.what());
+  } catch (const std::bad_alloc&) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "stepcore-demo: out of memory allocating the training state\n");
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "stepcore-demo: error: %s\n", e.what());
+  }
+  return kExitRuntime;
+}

@@ -23,6 +23,12 @@ inline constexpr int kNormDigitBits = 32;
 inline constexpr int kNormDigits = 20;
 /// S counts units of 2^kNormUnitExponent.
 inline constexpr int kNormUnitExponent = -298;
+/// Fast partials sum squares in double within blocks; no element's square may pass
+/// through more than this many double additions before its block sum is deposited
+/// exactly. Bounds the relative error of an approximate S by gamma(4096) < 2^-40.
+inline constexpr int kNormMaxBlockAdditions = 4096;
+/// log2 of the relative error bound finalize() assumes for approximate partials.
+inline constexpr int kNormApproxErrorLog2 = -40;
 
 /// An exact partial of the L2 norm and inf-norm of a set of binary32 values.
 /// Plain data: can be copied to and from devices and summed digit by digit.
@@ -32,6 +38,10 @@ struct NormPartial {
   std::uint64_t nan_count = 0;  ///< number of NaN values seen
   std::uint64_t inf_count = 0;  ///< number of +-Inf values seen
   std::uint32_t max_abs_bits = 0;  ///< bit pattern of max |x| over finite x
+  /// 0: S is exact (the reference, or an exact fast path). Non-zero: S is the exact
+  /// sum of double block sums, each within gamma(kNormMaxBlockAdditions) of its exact
+  /// value, so |S - S_exact| <= 2^-40 * S; finalize() certifies or asks for exact.
+  std::uint32_t approximate = 0;
 };
 
 /// The final norm of one or more merged partials.
@@ -41,6 +51,10 @@ struct NormResult {
   bool finite = true;    ///< false when any value was NaN or Inf (found-inf), or the norm overflows f32
   std::uint64_t nan_count = 0;
   std::uint64_t inf_count = 0;
+  /// True when the partial was approximate and S lies so close to a rounding
+  /// boundary that the result could not be certified: `norm` is then unset (NaN)
+  /// and the caller must recompute with exact partials (finalize_or_exact does).
+  bool needs_exact = false;
 };
 
 namespace detail {
@@ -72,6 +86,25 @@ STEPCORE_HD_INLINE void deposit(std::uint64_t (&d)[kNormDigits], std::uint64_t v
   if (k + 2 < kNormDigits) d[k + 2] += hi;
 }
 
+/// Adds a non-negative finite double that is a multiple of 2^-298 (every double sum
+/// of squares of binary32 values is) to the digits, exactly.
+STEPCORE_HD_INLINE void deposit_double(std::uint64_t (&d)[kNormDigits], double x) {
+#if defined(__CUDA_ARCH__)
+  const auto bits = static_cast<std::uint64_t>(__double_as_longlong(x));
+#else
+  const auto bits = __builtin_bit_cast(std::uint64_t, x);
+#endif
+  const int biased = static_cast<int>(bits >> 52);
+  if (biased == 0) return;  // zero (a subnormal double is never such a sum)
+  std::uint64_t m = (bits & ((std::uint64_t{1} << 52) - 1)) | (std::uint64_t{1} << 52);
+  int offset = biased - 1075 - kNormUnitExponent;  // x = m * 2^(biased-1075)
+  if (offset < 0) {  // the low bits are zero because x is a multiple of 2^-298
+    m >>= -offset;
+    offset = 0;
+  }
+  deposit(d, m, offset);
+}
+
 }  // namespace detail
 
 /// Adds `b` into `a` (exact). Both may carry unpropagated digits; the result
@@ -82,10 +115,14 @@ STEPCORE_HD_INLINE void merge(NormPartial& a, const NormPartial& b) {
   a.nan_count += b.nan_count;
   a.inf_count += b.inf_count;
   a.max_abs_bits = a.max_abs_bits > b.max_abs_bits ? a.max_abs_bits : b.max_abs_bits;
+  a.approximate |= b.approximate;
 }
 
-/// Returns the final norm of a partial (host only). Deterministic: a pure
-/// function of the partial's value, which is itself order-independent.
+/// Returns the final norm of a partial (host only). For an exact partial: a pure
+/// function of S. For an approximate one: the same bits whenever it can certify
+/// them (every S within the error bound rounds to the same float), otherwise a
+/// result with needs_exact set. Either way the returned norm, when set, is
+/// RN_f32(sqrt(S_exact * 2^-298)): independent of order, ISA, device and ranks.
 NormResult finalize(const NormPartial& partial);
 
 /// Returns true when both partials represent the same S, counts and max.

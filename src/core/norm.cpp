@@ -45,6 +45,68 @@ u128 extract(const std::uint64_t (&d)[kNormDigits], int from, bool& sticky) {
   return v;
 }
 
+
+// Returns RN_f32(sqrt(S * 2^-298)) for the normalised digits S (section 6.4).
+float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
+  int top = kNormDigits - 1;
+  while (top >= 0 && d[top] == 0) --top;
+  if (top < 0) return 0.0f;
+  const int L = top * kNormDigitBits + bit_length(d[top]);  // bit length of S
+
+  // T = S / 4^k with 97..98 significant bits (k may be negative: exact left shift).
+  int sh = L - 98;
+  if (sh % 2 != 0) --sh;  // even, so sqrt(S) = sqrt(T) * 2^(sh/2)
+  const int k = sh / 2;
+  bool sticky = false;
+  const u128 t = extract(d, sh, sticky);  // for sh < 0 this shifts left
+
+  const std::uint64_t q = isqrt(t);
+  const bool rem = static_cast<u128>(q) * q != t;
+  // norm = sqrt(S) * 2^-149 = sqrt(T) * 2^(k - 149); q = floor(sqrt(T)).
+  const int nb = bit_length(static_cast<u128>(q));
+  // Drop enough bits to keep 24 significant bits, or to land on the subnormal
+  // grid 2^-149 when the result is below 2^-126.
+  int drop = nb - 24;
+  if (-k > drop) drop = -k;
+  const bool guard = (q >> (drop - 1)) & 1ull;
+  const bool rest = (q & ((1ull << (drop - 1)) - 1ull)) != 0 || rem || sticky;
+  std::uint64_t m = q >> drop;
+  if (guard && (rest || (m & 1ull))) ++m;
+  // m <= 2^24 and the exponent is in double's range: ldexp is exact; the float
+  // conversion is exact or overflows to +Inf exactly when RN does.
+  return static_cast<float>(std::ldexp(static_cast<double>(m), k - 149 + drop));
+}
+
+// Returns floor(S / 2^bits) + 1 (>= S * 2^-bits), normalised digits.
+void shifted_up(const std::uint64_t (&d)[kNormDigits], int bits, std::uint64_t (&out)[kNormDigits]) {
+  for (int k = 0; k < kNormDigits; ++k) out[k] = 0;
+  for (int p = bits; p < kNormDigits * kNormDigitBits; ++p) {
+    if ((d[p / 32] >> (p % 32)) & 1ull) {
+      const int q = p - bits;
+      out[q / 32] |= 1ull << (q % 32);
+    }
+  }
+  out[0] += 1;
+  detail::normalize_digits(out);
+}
+
+// a += b or a -= b (saturating at zero) on normalised digits.
+void add_digits(std::uint64_t (&a)[kNormDigits], const std::uint64_t (&b)[kNormDigits]) {
+  for (int k = 0; k < kNormDigits; ++k) a[k] += b[k];
+  detail::normalize_digits(a);
+}
+void sub_digits(std::uint64_t (&a)[kNormDigits], const std::uint64_t (&b)[kNormDigits]) {
+  std::int64_t borrow = 0;
+  for (int k = 0; k < kNormDigits; ++k) {
+    std::int64_t v = static_cast<std::int64_t>(a[k]) - static_cast<std::int64_t>(b[k]) - borrow;
+    borrow = v < 0;
+    if (v < 0) v += std::int64_t{1} << 32;
+    a[k] = static_cast<std::uint64_t>(v);
+  }
+  if (borrow)
+    for (auto& x : a) x = 0;
+}
+
 }  // namespace
 
 NormResult finalize(const NormPartial& partial) {
@@ -65,37 +127,26 @@ NormResult finalize(const NormPartial& partial) {
   std::uint64_t d[kNormDigits];
   std::memcpy(d, partial.digits, sizeof d);
   detail::normalize_digits(d);
-  int top = kNormDigits - 1;
-  while (top >= 0 && d[top] == 0) --top;
-  if (top < 0) {
-    r.norm = 0.0f;
-    return r;
+  if (partial.approximate == 0) {
+    r.norm = round_sqrt(d);
+  } else {
+    // |S - S_exact| <= 2^-40 S: certify that both ends of the interval round alike.
+    std::uint64_t delta[kNormDigits], lo[kNormDigits], hi[kNormDigits];
+    shifted_up(d, -kNormApproxErrorLog2, delta);
+    std::memcpy(lo, d, sizeof d);
+    std::memcpy(hi, d, sizeof d);
+    sub_digits(lo, delta);
+    add_digits(hi, delta);
+    const float a = round_sqrt(lo);
+    const float b = round_sqrt(hi);
+    if (f32_bits(a) != f32_bits(b)) {
+      r.needs_exact = true;
+      r.norm = std::nanf("");
+      r.finite = false;
+      return r;
+    }
+    r.norm = a;
   }
-  const int L = top * kNormDigitBits + bit_length(d[top]);  // bit length of S
-
-  // T = S / 4^k with 97..99 significant bits (k may be negative: exact left shift).
-  int sh = L - 98;
-  if (sh % 2 != 0) --sh;  // even, so sqrt(S) = sqrt(T) * 2^(sh/2)
-  const int k = sh / 2;
-  bool sticky = false;
-  u128 t = extract(d, sh, sticky);  // for sh < 0 this shifts left (bits below 0 read as 0)
-
-  const std::uint64_t q = isqrt(t);
-  const bool rem = static_cast<u128>(q) * q != t;
-  // norm = sqrt(S) * 2^-149 = sqrt(T) * 2^(k - 149); q = floor(sqrt(T)).
-  const int nb = bit_length(static_cast<u128>(q));
-  // Drop enough bits to keep 24 significant bits, or to land on the subnormal
-  // grid 2^-149 when the result is below 2^-126.
-  int drop = nb - 24;
-  if (-k > drop) drop = -k;
-  const std::uint64_t m0 = q >> drop;
-  const bool guard = (q >> (drop - 1)) & 1ull;
-  const bool rest = (q & ((1ull << (drop - 1)) - 1ull)) != 0 || rem || sticky;
-  std::uint64_t m = m0;
-  if (guard && (rest || (m & 1ull))) ++m;
-  // m <= 2^24 and the exponent is in double's range: ldexp is exact; the float
-  // conversion is exact or overflows to +Inf exactly when RN does.
-  r.norm = static_cast<float>(std::ldexp(static_cast<double>(m), k - 149 + drop));
   r.finite = r.norm <= 3.40282347e38f;  // false when the exact norm rounds to +Inf
   return r;
 }

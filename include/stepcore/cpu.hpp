@@ -1,0 +1,90 @@
+// The CPU engine: SIMD (run-time ISA dispatch) + OpenMP multi-tensor kernels for
+// the full-offload step. Same results as stepcore::reference, bit for bit, on every
+// ISA and thread count (docs/numerics.md).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::cpu {
+
+/// An instruction set the engine has a compiled kernel body for.
+enum class Isa : std::uint8_t {
+  sse2 = 0,    ///< x86-64 baseline (FMA emulated exactly in double)
+  avx2 = 1,    ///< AVX2 + FMA3
+  avx512 = 2,  ///< AVX-512 F/BW/DQ
+};
+
+/// Returns "sse2", "avx2" or "avx512".
+std::string_view isa_name(Isa isa) noexcept;
+
+/// Returns the ISA named `name` ("sse2", "avx2", "avx512"); throws
+/// Errc::invalid_argument naming `argument` for anything else.
+Isa parse_isa(std::string_view name, const char* argument = "isa");
+
+/// Returns every ISA this processor can run, lowest first.
+std::vector<Isa> supported_isas();
+
+/// Returns the best ISA this processor can run.
+Isa best_isa();
+
+/// Engine settings. Unset fields come from the environment, then the machine:
+/// isa from STEPCORE_ISA, else best_isa(); threads from STEPCORE_THREADS, else
+/// the number of CPUs in this process's affinity mask (never OMP_NUM_THREADS,
+/// which launchers set to 1).
+struct EngineConfig {
+  std::optional<Isa> isa;
+  int threads = 0;  ///< 0: from STEPCORE_THREADS or the affinity mask
+};
+
+/// A configured CPU engine. Cheap to create; thread-safe for concurrent calls on
+/// disjoint buffers (each call opens its own OpenMP parallel region).
+///
+/// Every call validates all arguments first (stepcore::Error, nothing written),
+/// then runs one parallel region over all tensors with a static partition into
+/// chunks of kChunkElements, so the memory each thread touches does not depend
+/// on timing. Determinism: every result equals stepcore::reference bit for bit,
+/// for every ISA and thread count (the norm because its partial is exact).
+class Engine {
+ public:
+  /// Elements per work chunk (a multiple of every vector width and cache line).
+  static constexpr std::size_t kChunkElements = std::size_t{1} << 15;
+
+  /// Throws Errc::not_supported when the requested ISA is not available here,
+  /// Errc::invalid_argument for a bad thread count or environment value.
+  explicit Engine(EngineConfig config = {});
+
+  /// Returns the ISA in use.
+  Isa isa() const noexcept { return isa_; }
+  /// Returns its name ("avx2", ...).
+  std::string_view isa_name() const noexcept { return cpu::isa_name(isa_); }
+  /// Returns the number of threads each call uses.
+  int threads() const noexcept { return threads_; }
+
+  /// AdamW over all tensors (see reference::adamw_step for the contract).
+  void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                  GradientRead read = {}, const std::int32_t* found_inf = nullptr) const;
+  /// SignSGD over all tensors (see reference::sign_sgd_step).
+  void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                     GradientRead read = {}, const std::int32_t* found_inf = nullptr) const;
+  /// acc = acc + f32(src) (or copy) for every pair.
+  void accumulate(std::span<const AccumulatePair> pairs) const;
+  /// g = R_T(f32(g) * scale) in place.
+  void scale_(std::span<const TensorView> tensors, float scale) const;
+  /// Returns the exact norm partial of the read values (see reference::norm_partial).
+  NormPartial norm_partial(std::span<const ConstTensorView> tensors,
+                           GradientRead read = {}) const;
+
+ private:
+  Isa isa_;
+  int threads_;
+};
+
+}  // namespace stepcore::cpu

@@ -1,0 +1,602 @@
+#!/usr/bin/env python3
+# Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
+# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, clip).
+"""Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
+
+Run from the repository root:
+
+    /opt/torchenv/py tools/golden/make_golden.py            # write tests/data/*.txt
+    /opt/torchenv/py tools/golden/make_golden.py --analyze  # also print the per-element
+                                                           # formula analysis (evidence)
+
+tools/golden/setup_torch.sh recreates the interpreter. The files depend on torch's
+version and on its CPU capability (the AVX2 build here: `torch.backends.cpu.
+get_cpu_capability()`); both are written into every file's header and the script
+refuses to run on another capability unless --any-capability is given.
+
+File format (all three files)
+-----------------------------
+Plain ASCII, one record per line: a keyword followed by space-separated tokens.
+Lines that are empty or start with '#' are comments. Numbers are:
+
+* f32 values: 8 hex digits, the IEEE binary32 bit pattern (e.g. 3f800000 = 1.0);
+* bf16 values: 4 hex digits, the bfloat16 bit pattern (e.g. 3f80 = 1.0);
+* hyper-parameters: Python's float.hex() of the exact double the trainer holds
+  (e.g. 0x1.0624dd2f1a9fcp-10 = 0.001), which C's strtod reads back exactly;
+* counts and indices: decimal.
+
+A tensor record is `<keyword> <tensor index> <word>...`: exactly as many words as the
+tensor has elements (none for an empty tensor).
+
+adamw_torch.txt -- torch.optim.AdamW(params, lr, betas, eps, weight_decay, fused=True)
+
+    case <name> <grad dtype: f32|bf16> <tensor count K> <step count S>
+    hparams <lr> <beta1> <beta2> <eps> <weight_decay>
+    sizes <n_0> ... <n_{K-1}>
+    init_param <t> <f32>...            K lines; exp_avg and exp_avg_sq start at +0
+    then S times:
+      step <s>                         s = 1..S
+      grad <t> <f32 or bf16>...        K lines, the gradient of this step
+      param <t> <f32>...               K lines each: the state after torch's step
+      exp_avg <t> <f32>...
+      exp_avg_sq <t> <f32>...
+      step_count <t> <f32>             torch's f32 state['step']
+    end
+
+  bf16 gradients are stored as their bf16 bits; torch was given the exactly widened f32
+  values (its fused kernel needs grad dtype == param dtype).
+
+sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
+
+      if wd > 0: p.add_(p, alpha=-lr*wd)
+      p.add_(torch.sign(g), alpha=-lr)          g in its own dtype (f32 or bf16)
+
+    case <name> <grad dtype> <K> <S>
+    hparams <lr> <weight_decay>
+    sizes ...
+    init_param <t> <f32>...
+    then S times: step <s>, grad <t> ... (K lines), param <t> ... (K lines)
+    end
+
+clip_grad_norm.txt -- torch.nn.utils.clip_grad_norm_(params, max_norm) on f32 gradients:
+
+    case <name> <K>
+    max_norm <double> <f32>            the Python float, and f32(max_norm)
+    sizes ...
+    grad <t> <f32>...                  K lines: the gradients before clipping
+    norm_torch <f32>                   the total norm torch returned
+    norm_exact <f32>                   RN_f32(sqrt(sum x^2)), computed here exactly
+    coef_torch <f32>                   torch's clamped coefficient (see below)
+    clipped <t> <f32>...               K lines: torch's gradients after clipping
+    end
+
+  torch computes clamp(max_norm / (total_norm + 1e-6), max=1.0) in Python, and a float
+  divided by a Tensor is Tensor.__rtruediv__ = reciprocal() * other, so its coefficient
+  is min(1, RN(RN(1 / RN(norm + f32(1e-6))) * f32(max_norm))). The script recomputes that
+  expression with torch and checks that it reproduces every clipped gradient.
+"""
+
+import argparse
+import math
+import os
+import sys
+from fractions import Fraction
+
+import torch
+
+SIZES_FULL = [1, 7, 8, 13, 16, 31, 33, 100, 257, 1025]
+SIZES_SMALL = [1, 7, 8, 13, 16, 31, 33, 100, 257]
+F32_ONE_E_MINUS_6 = 0x358637BD
+
+
+# ---------------------------------------------------------------- bit helpers
+
+def f32_words(t):
+    """Space-separated 8-hex-digit words of a float32 tensor."""
+    assert t.dtype == torch.float32
+    u = t.detach().contiguous().view(torch.int32).tolist()
+    return " ".join("%08x" % (x & 0xFFFFFFFF) for x in u)
+
+
+def bf16_words(t):
+    assert t.dtype == torch.bfloat16
+    u = t.detach().contiguous().view(torch.int16).tolist()
+    return " ".join("%04x" % (x & 0xFFFF) for x in u)
+
+
+def words(t):
+    return f32_words(t) if t.dtype == torch.float32 else bf16_words(t)
+
+
+def bits_list(t):
+    return [x & 0xFFFFFFFF for x in t.detach().contiguous().view(torch.int32).tolist()]
+
+
+def f32_bits_of(x):
+    return bits_list(torch.tensor([x], dtype=torch.float32))[0]
+
+
+def f32_value(x):
+    """The f32 nearest to the double x, as a double."""
+    return torch.tensor([x], dtype=torch.float32).item()
+
+
+def line(key, *toks):
+    return " ".join([key] + [str(t) for t in toks if str(t) != ""])
+
+
+def tensor_line(key, idx, t):
+    w = words(t)
+    return f"{key} {idx} {w}" if w else f"{key} {idx}"
+
+
+# ---------------------------------------------------------------- exact arithmetic
+
+def f32_units(bits):
+    """|x| = m * 2^-149 for the f32 bit pattern; returns the integer m."""
+    e = (bits >> 23) & 0xFF
+    frac = bits & 0x7FFFFF
+    assert e != 0xFF, "finite values only"
+    return frac if e == 0 else (frac | 0x800000) << (e - 1)
+
+
+def rn_f32_sqrt_units(s):
+    """RN_f32(sqrt(s * 2^-298)) for an integer s >= 0, ties to even; returns f32 bits."""
+    if s == 0:
+        return 0
+    r = math.isqrt(s)                    # floor(sqrt(s)); sqrt(s*2^-298) = sqrt(s)*2^-149
+    e = r.bit_length() - 1 - 149         # 2^e <= result < 2^(e+1)
+    ue = max(e - 23, -149)               # exponent of the result's ulp (subnormal grid floor)
+    j = ue + 149                         # result / 2^ue = sqrt(s) / 2^j
+    q = r >> j                           # floor(sqrt(s) / 2^j)
+    # Compare sqrt(s)/2^j with q + 1/2, i.e. 4s with (2q+1)^2 * 4^j (exact integers).
+    lhs, rhs = 4 * s, (2 * q + 1) ** 2 << (2 * j)
+    if lhs > rhs or (lhs == rhs and q & 1):
+        q += 1
+    value = Fraction(q) * Fraction(2) ** ue
+    if value >= Fraction(2) ** 128 * (1 - Fraction(1, 2 ** 25)):
+        return 0x7F800000
+    return f32_bits_of(float(value))     # value is an exact f32 (and double) here
+
+
+def exact_norm_bits(tensors):
+    s = 0
+    for t in tensors:
+        for b in bits_list(t):
+            m = f32_units(b & 0x7FFFFFFF)
+            s += m * m
+    return rn_f32_sqrt_units(s)
+
+
+def rn32(q):
+    """Round a rational to binary32, nearest-even; returns a Python float (finite only)."""
+    q = Fraction(q)
+    if q == 0:
+        return 0.0
+    sign = -1.0 if q < 0 else 1.0
+    a = abs(q)
+    e = a.numerator.bit_length() - a.denominator.bit_length()
+    if Fraction(2) ** e > a:
+        e -= 1
+    ue = max(e, -126) - 23
+    m = a / Fraction(2) ** ue
+    fl = m.numerator // m.denominator
+    rem = m - fl
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and fl & 1):
+        fl += 1
+    return sign * float(fl * Fraction(2) ** ue)
+
+
+def fma32(a, b, c):
+    """Exact fused multiply-add of f32 values (as Python floats), rounded once."""
+    r = Fraction(a) * Fraction(b) + Fraction(c)
+    if r != 0:
+        return rn32(r)
+    prod_neg = (math.copysign(1.0, a) * math.copysign(1.0, b)) < 0
+    if Fraction(a) * Fraction(b) == 0 and c == 0:
+        return -0.0 if (prod_neg and math.copysign(1.0, c) < 0) else 0.0
+    return 0.0
+
+
+# ---------------------------------------------------------------- AdamW
+
+def make_grad(gen, n, scale, dtype, specials):
+    g = torch.randn(n, generator=gen, dtype=torch.float32) * scale
+    if specials and n >= 4:
+        # exact zeros of both signs, a tiny and a large value
+        idx = torch.randperm(n, generator=gen)[:4].tolist()
+        g[idx[0]] = 0.0
+        g[idx[1]] = -0.0
+        g[idx[2]] = 3.0e-30 * scale
+        g[idx[3]] = -1.0e3 * scale
+    return g.to(dtype)
+
+
+def run_adamw(case, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(case["seed"])
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.5) for n in case["sizes"]]
+    out = {"init": [p.detach().clone() for p in params], "steps": []}
+    opt = torch.optim.AdamW(params, lr=case["lr"], betas=case["betas"], eps=case["eps"],
+                            weight_decay=case["wd"], fused=True)
+    for s, scale in enumerate(case["grad_scales"], start=1):
+        grads = [make_grad(gen, n, scale, case["gdtype"], case["specials"]) for n in case["sizes"]]
+        for p, g in zip(params, grads):
+            p.grad = g.float()              # exact widening for bf16
+        opt.step()
+        rec = {"grads": grads, "param": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
+        for p in params:
+            st = opt.state[p]
+            rec["param"].append(p.detach().clone())
+            rec["exp_avg"].append(st["exp_avg"].clone())
+            rec["exp_avg_sq"].append(st["exp_avg_sq"].clone())
+            assert st["step"].dtype == torch.float32
+            rec["step"].append(st["step"].clone().reshape(1))
+        out["steps"].append(rec)
+    return out
+
+
+def same_bits(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32) if a.dtype == torch.float32
+                                              else a.view(torch.int16),
+                                              b.view(torch.int32) if b.dtype == torch.float32
+                                              else b.view(torch.int16))
+
+
+def adamw_cases():
+    d = (0.9, 0.999)
+    return [
+        dict(name="f32_default_wd", gdtype=torch.float32, sizes=SIZES_FULL, lr=1e-3, betas=d,
+             eps=1e-8, wd=0.01, seed=101, grad_scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
+        dict(name="f32_beta1_0.3_wd0", gdtype=torch.float32, sizes=SIZES_SMALL, lr=1e-2,
+             betas=(0.3, 0.95), eps=1e-8, wd=0.0, seed=102, grad_scales=[1.0, 0.1, 1.0, 5.0, 1.0],
+             specials=True),
+        dict(name="f32_beta1_0.5_wd", gdtype=torch.float32, sizes=SIZES_SMALL, lr=3e-3,
+             betas=(0.5, 0.99), eps=1e-6, wd=0.1, seed=103, grad_scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
+             specials=False),
+        dict(name="bf16_default_wd0", gdtype=torch.bfloat16, sizes=SIZES_FULL, lr=1e-3, betas=d,
+             eps=1e-8, wd=0.0, seed=104, grad_scales=[1.0, 1.0, 1e-2, 10.0, 1.0], specials=True),
+        dict(name="bf16_beta1_0.3_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL, lr=1e-2,
+             betas=(0.3, 0.999), eps=1e-8, wd=0.05, seed=105, grad_scales=[1.0, 0.5, 1.0, 1.0, 3.0],
+             specials=True),
+    ]
+
+
+def write_adamw(path, header):
+    lines = list(header)
+    lines += ["# torch.optim.AdamW(params, lr, betas, eps, weight_decay, fused=True), f32 params."]
+    for case in adamw_cases():
+        a = run_adamw(case, 1)
+        b = run_adamw(case, 2)
+        for ra, rb in zip(a["steps"], b["steps"]):
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
+                    f"{case['name']}: thread count changed {key}"
+        torch.set_num_threads(1)
+        K, S = len(case["sizes"]), len(case["grad_scales"])
+        dt = "f32" if case["gdtype"] == torch.float32 else "bf16"
+        lines.append(f"# lr={case['lr']!r} betas={case['betas']!r} eps={case['eps']!r} "
+                     f"weight_decay={case['wd']!r} seed={case['seed']}")
+        lines.append(line("case", case["name"], dt, K, S))
+        lines.append(line("hparams", case["lr"].hex(), case["betas"][0].hex(),
+                          case["betas"][1].hex(), case["eps"].hex(), case["wd"].hex()))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, p in enumerate(a["init"]):
+            lines.append(tensor_line("init_param", t, p))
+        for s, rec in enumerate(a["steps"], start=1):
+            lines.append(line("step", s))
+            for t, g in enumerate(rec["grads"]):
+                lines.append(tensor_line("grad", t, g))
+            for key in ("param", "exp_avg", "exp_avg_sq"):
+                for t, x in enumerate(rec[key]):
+                    lines.append(tensor_line(key, t, x))
+            for t, x in enumerate(rec["step"]):
+                lines.append(tensor_line("step_count", t, x))
+        lines.append("end")
+    write(path, lines)
+
+
+def analyze_adamw():
+    """Per element, which rounding of v (and p) reproduces torch: the evidence behind the
+    torch formula. Exact FMA emulation with Fractions; body = first numel - numel % 8."""
+    N = lambda x: torch.tensor(x, dtype=torch.float32)
+    for case in adamw_cases()[:3]:
+        a = run_adamw(case, 1)
+        lr, (b1, b2), eps, wd = case["lr"], case["betas"], case["eps"], case["wd"]
+        tally = {}
+        prev_m = [torch.zeros(n) for n in case["sizes"]]
+        prev_v = [torch.zeros(n) for n in case["sizes"]]
+        prev_p = a["init"]
+        for s, rec in enumerate(a["steps"], start=1):
+            b2f, c2 = f32_value(b2), f32_value(1 - b2)
+            dec = f32_value(1 - lr * wd)
+            bc1 = 1 - b1 ** s
+            ss = f32_value(-(lr / bc1))
+            bc2s = f32_value(math.sqrt(1 - b2 ** s))
+            ef = f32_value(eps)
+            for t, n in enumerate(case["sizes"]):
+                g = rec["grads"][t].float().tolist()
+                v0, v1 = prev_v[t].tolist(), rec["exp_avg_sq"][t].tolist()
+                p0, p1 = prev_p[t].tolist(), rec["param"][t].tolist()
+                m1 = rec["exp_avg"][t].tolist()
+                for i in range(n):
+                    region = "body" if i < n - n % 8 else "tail"
+                    cg = (N(c2) * N(g[i])).item()
+                    cgg = (N(cg) * N(g[i])).item()
+                    vb = (N(v0[i]) * N(b2f)).item()
+                    cands = {"v=(v*b2)+cgg": (N(vb) + N(cgg)).item(),
+                             "v=fma(v,b2,cgg)": fma32(v0[i], b2f, cgg),
+                             "v=fma(c2*g,g,v*b2)": fma32(cg, g[i], vb)}
+                    want = f32_bits_of(v1[i])
+                    hits = {k: f32_bits_of(x) == want for k, x in cands.items()}
+                    if len(set(f32_bits_of(x) for x in cands.values())) > 1:
+                        for k, h in hits.items():
+                            key = (region, k)
+                            tot, ok = tally.get(key, (0, 0))
+                            tally[key] = (tot + 1, ok + h)
+                    den = ((N(v1[i]).sqrt() / N(bc2s)) + N(ef)).item()
+                    upd = ((N(ss) * N(m1[i])) / N(den)).item()
+                    if wd != 0:
+                        pd = (N(p0[i]) * N(dec)).item()
+                        pc = {"p=(p*decay)+upd": (N(pd) + N(upd)).item(),
+                              "p=fma(p,decay,upd)": fma32(p0[i], dec, upd)}
+                    else:
+                        pc = {"p=p+upd": (N(p0[i]) + N(upd)).item()}
+                    if len(set(f32_bits_of(x) for x in pc.values())) > 1 or wd == 0:
+                        for k, x in pc.items():
+                            key = (region, k)
+                            tot, ok = tally.get(key, (0, 0))
+                            tally[key] = (tot + 1, ok + (f32_bits_of(x) == f32_bits_of(p1[i])))
+            prev_v, prev_m, prev_p = rec["exp_avg_sq"], rec["exp_avg"], rec["param"]
+        print(f"AdamW {case['name']}: elements where the candidates differ -> how many match torch")
+        for (region, k), (tot, ok) in sorted(tally.items()):
+            print(f"  {region:4s} {k:22s} {ok:6d} / {tot}")
+
+
+# ---------------------------------------------------------------- SignSGD
+
+def fma_discriminating_params(gen, count, c):
+    """f32 values p for which fma(p, c, p) != p + RN(p*c): they tell an FMA decay apart."""
+    found = []
+    while len(found) < count:
+        xs = torch.randn(4096, generator=gen)
+        sep = xs + xs * c
+        dbl = (xs.double() * float(c) + xs.double()).float()  # candidates only
+        for i in torch.nonzero(sep != dbl).flatten().tolist():
+            x = xs[i].item()
+            if f32_bits_of(fma32(x, float(c), x)) != f32_bits_of(sep[i].item()):
+                found.append(x)
+    return found[:count]
+
+
+def sign_sgd_cases():
+    return [
+        dict(name="f32_wd0", gdtype=torch.float32, sizes=SIZES_FULL, lr=1e-3, wd=0.0, seed=201, steps=3),
+        dict(name="f32_wd", gdtype=torch.float32, sizes=SIZES_SMALL, lr=5e-2, wd=0.5, seed=202, steps=3),
+        dict(name="bf16_wd", gdtype=torch.bfloat16, sizes=SIZES_FULL, lr=1e-2, wd=0.01, seed=203, steps=3),
+        dict(name="bf16_wd0", gdtype=torch.bfloat16, sizes=SIZES_SMALL, lr=3e-4, wd=0.0, seed=204, steps=3),
+    ]
+
+
+def sign_sgd_nan_case():
+    return dict(name="f32_nan_grad", gdtype=torch.float32, sizes=[7, 33], lr=1e-2, wd=0.1,
+                seed=205, steps=1, nan=True)
+
+
+def sign_sgd_init(gen, case):
+    params = [torch.randn(n, generator=gen) for n in case["sizes"]]
+    c = f32_value(-case["lr"] * case["wd"]) if case["wd"] > 0 else None
+    for p in params:
+        n = p.numel()
+        idx = torch.randperm(n, generator=gen).tolist()
+        if n >= 3:
+            p[idx[0]] = 0.0
+            p[idx[1]] = -0.0
+        if c is not None and n >= 8:
+            k = n // 4
+            vals = fma_discriminating_params(gen, k, torch.tensor(c, dtype=torch.float32))
+            for j, v in zip(idx[2:2 + k], vals):
+                p[j] = v
+    return params
+
+
+def sign_sgd_grad(gen, n, dtype, nan=False):
+    g = torch.randn(n, generator=gen)
+    kind = torch.randint(0, 10, (n,), generator=gen)
+    g[kind == 0] = 0.0
+    g[kind == 1] = -0.0
+    g[kind == 2] *= 1e-30          # tiny: still a sign (bf16 keeps it)
+    if nan:
+        g[kind == 3] = float("nan")
+    return g.to(dtype)
+
+
+def run_sign_sgd(case):
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(case["seed"])
+    params = sign_sgd_init(gen, case)
+    init = [p.clone() for p in params]
+    steps = []
+    lr, wd = case["lr"], case["wd"]
+    for _ in range(case["steps"]):
+        grads = [sign_sgd_grad(gen, n, case["gdtype"], case.get("nan", False)) for n in case["sizes"]]
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                q = p.clone()
+                if wd > 0:
+                    p.add_(p, alpha=-lr * wd)
+                p.add_(torch.sign(g), alpha=-lr)
+                # the same update from the exactly widened gradient gives the same bits
+                if wd > 0:
+                    q.add_(q, alpha=-lr * wd)
+                q.add_(torch.sign(g.float()), alpha=-lr)
+                assert same_bits(p, q)
+        steps.append({"grads": grads, "param": [p.clone() for p in params]})
+    return init, steps
+
+
+def write_sign_sgd(path, header):
+    lines = list(header)
+    lines += ["# if wd > 0: p.add_(p, alpha=-lr*wd);  p.add_(torch.sign(g), alpha=-lr)",
+              "# Case f32_nan_grad has NaN gradients: torch.sign(NaN) = 0 (see README)."]
+    for case in sign_sgd_cases() + [sign_sgd_nan_case()]:
+        init, steps = run_sign_sgd(case)
+        dt = "f32" if case["gdtype"] == torch.float32 else "bf16"
+        lines.append(f"# lr={case['lr']!r} weight_decay={case['wd']!r} seed={case['seed']}")
+        lines.append(line("case", case["name"], dt, len(case["sizes"]), case["steps"]))
+        lines.append(line("hparams", case["lr"].hex(), case["wd"].hex()))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, p in enumerate(init):
+            lines.append(tensor_line("init_param", t, p))
+        for s, rec in enumerate(steps, start=1):
+            lines.append(line("step", s))
+            for t, g in enumerate(rec["grads"]):
+                lines.append(tensor_line("grad", t, g))
+            for t, p in enumerate(rec["param"]):
+                lines.append(tensor_line("param", t, p))
+        lines.append("end")
+    write(path, lines)
+
+
+def check_sign_and_add():
+    """Assertions about the torch operations SignSGD relies on (printed as evidence)."""
+    for n in (1, 7, 8, 15, 16, 17, 33, 100):
+        z = torch.sign(torch.full((n,), -0.0))
+        assert all(b == 0 for b in bits_list(z)), "torch.sign(-0.0) is not +0"
+        nan = torch.sign(torch.full((n,), float("nan")))
+        assert all(b == 0 for b in bits_list(nan)), "torch.sign(NaN) is not +0"
+    gen = torch.Generator().manual_seed(7)
+    for lr, wd in ((5e-2, 0.5), (1e-3, 0.1)):
+        c = f32_value(-lr * wd)
+        vals = fma_discriminating_params(gen, 40, torch.tensor(c, dtype=torch.float32))
+        for n in (1, 7, 13, 16, 17, 33, 40):     # scalar-only, body + tail, body only
+            p = torch.tensor(vals[:n])
+            p.add_(p, alpha=-lr * wd)
+            want = [f32_bits_of(fma32(v, c, v)) for v in vals[:n]]
+            assert bits_list(p) == want, f"add_ with alpha is not an FMA (n={n})"
+    print("checked: torch.sign(+-0) = +0, torch.sign(NaN) = +0 (body and tail); "
+          "p.add_(p, alpha=a) = fma(p, f32(a), p) on values where the FMA changes the result")
+
+
+# ---------------------------------------------------------------- clip_grad_norm_
+
+def clip_cases():
+    cases = [
+        dict(name="below_max_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=1.0),
+        dict(name="above_max_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=100.0),
+        dict(name="tiny_1e-8", sizes=[33, 13], scales=[1e-8, 1e-8], max_norm=1e-9),
+        dict(name="large_1e3", sizes=[257, 1025], scales=[1e3, 1e3], max_norm=5.0),
+        dict(name="mixed_magnitudes", sizes=[13, 31, 0, 16, 8], scales=[1e-8, 1e3, 1.0, 1.0, 1e-3],
+             max_norm=0.5),
+        dict(name="single_element", sizes=[1], scales=[3.0], max_norm=2.0),
+        dict(name="zeros", sizes=[5, 0, 3], scales=[0.0, 0.0, 0.0], max_norm=1.0),
+        dict(name="with_subnormals", sizes=[17, 9], scales=[1e-3, 1e-41], max_norm=1e-4),
+        dict(name="max_norm_equal_norm", sizes=[31], scales=[1.0], max_norm=None),
+    ]
+    rng = torch.Generator().manual_seed(399)
+    for i in range(24):
+        k = int(torch.randint(1, 6, (1,), generator=rng))
+        sizes = [int(torch.randint(0, 80, (1,), generator=rng)) for _ in range(k)]
+        if sum(sizes) == 0:
+            sizes[0] = 5
+        scales = [10.0 ** float(torch.empty(1).uniform_(-3, 3, generator=rng)) for _ in range(k)]
+        mn = 10.0 ** float(torch.empty(1).uniform_(-3, 1, generator=rng))
+        cases.append(dict(name=f"random_{i:02d}", sizes=sizes, scales=scales, max_norm=mn,
+                          relative=True))
+    return cases
+
+
+def write_clip(path, header):
+    torch.set_num_threads(1)
+    lines = list(header)
+    lines += ["# torch.nn.utils.clip_grad_norm_(params, max_norm), f32 gradients."]
+    gen = torch.Generator().manual_seed(301)
+    disagree = 0
+    for case in clip_cases():
+        grads = [torch.randn(n, generator=gen) * s for n, s in zip(case["sizes"], case["scales"])]
+        if case["name"] == "with_subnormals":
+            grads[1][0] = -1e-45
+        if case["sizes"][0] >= 3:
+            grads[0][1] = -0.0
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in case["sizes"]]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        exact = exact_norm_bits(grads)
+        mn = case["max_norm"]
+        if mn is None:                   # the exact f32 norm itself
+            mn = torch.tensor([exact], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+        elif case.get("relative"):       # scale max_norm to the norm: mostly below, some above
+            norm = torch.tensor([exact], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+            mn = mn * norm * 3.0
+        total = torch.nn.utils.clip_grad_norm_(params, mn)
+        assert total.dtype == torch.float32 and total.dim() == 0
+        # torch's coefficient, by the expression clip_grad_norm_ evaluates
+        coef = torch.clamp(mn / (total + 1e-6), max=1.0)
+        for p, g in zip(params, grads):
+            assert same_bits(p.grad, g * coef), f"{case['name']}: coefficient does not reproduce torch"
+        # the coefficient as a single f32 division would give it (the doc's first reading)
+        d = total + torch.tensor(1e-6, dtype=torch.float32)
+        q = torch.tensor(mn, dtype=torch.float32) / d
+        div = torch.where(q < 1, q, torch.ones_like(q))
+        if not same_bits(div.reshape(1), coef.reshape(1)):
+            disagree += 1
+        lines.append(f"# max_norm={mn!r} coef_by_division={'same' if same_bits(div.reshape(1), coef.reshape(1)) else f32_words(div.reshape(1))}")
+        lines.append(line("case", case["name"], len(grads)))
+        lines.append(line("max_norm", float(mn).hex(), "%08x" % f32_bits_of(mn)))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, g in enumerate(grads):
+            lines.append(tensor_line("grad", t, g))
+        lines.append(line("norm_torch", f32_words(total.reshape(1))))
+        lines.append(line("norm_exact", "%08x" % exact))
+        lines.append(line("coef_torch", f32_words(coef.reshape(1))))
+        for t, p in enumerate(params):
+            lines.append(tensor_line("clipped", t, p.grad))
+        lines.append("end")
+    write(path, lines)
+    print(f"clip: {disagree} of {len(clip_cases())} cases have RN(max_norm / denom) != torch's "
+          "RN(RN(1/denom) * max_norm)")
+
+
+# ---------------------------------------------------------------- main
+
+def write(path, lines):
+    with open(path, "w", encoding="ascii", newline="\n") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path} ({os.path.getsize(path)} bytes)")
+
+
+def self_test():
+    # exact norm: small hand-checked values
+    one = f32_bits_of(1.0)
+    assert rn_f32_sqrt_units(f32_units(one) ** 2) == one
+    assert rn_f32_sqrt_units(2 * f32_units(one) ** 2) == f32_bits_of(math.sqrt(2.0))
+    assert rn_f32_sqrt_units(1) == 1                       # sqrt(2^-298) = 2^-149
+    assert rn_f32_sqrt_units(25 * f32_units(one) ** 2) == f32_bits_of(5.0)
+    assert fma32(1.0, 1.0, -1.0) == 0.0 and math.copysign(1, fma32(-0.0, 1.0, -0.0)) < 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="tests/data", help="output directory (default tests/data)")
+    ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
+    ap.add_argument("--any-capability", action="store_true",
+                    help="allow a CPU capability other than AVX2 (files will differ)")
+    args = ap.parse_args()
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap != "AVX2" and not args.any_capability:
+        sys.exit(f"torch reports CPU capability {cap}; the checked-in files are from AVX2")
+    self_test()
+    check_sign_and_add()
+    header = [f"# Generated by tools/golden/make_golden.py: torch {torch.__version__}, "
+              f"CPU capability {cap}, python {sys.version.split()[0]}. Do not edit.",
+              "# Format: see the docstring of tools/golden/make_golden.py and tests/data/README.md."]
+    os.makedirs(args.out, exist_ok=True)
+    write_adamw(os.path.join(args.out, "adamw_torch.txt"), header)
+    write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
+    write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
+    if args.analyze:
+        analyze_adamw()
+
+
+if __name__ == "__main__":
+    main()
