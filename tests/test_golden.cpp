@@ -1,2 +1,557 @@
+// Golden files from PyTorch (tests/data/, made by tools/golden/make_golden.py) replayed
+// through the scalar reference, compared bit for bit:
+//  * AdamW, torch formula  vs torch.optim.AdamW(fused=True) on CPU;
+//  * SignSGD               vs the plain PyTorch SignSGD (add_ with alpha, torch.sign);
+//  * exact norm            vs an exact Fraction/integer computation in Python;
+//  * clip                  vs torch.nn.utils.clip_grad_norm_ (norm within a bound, bits of
+//                            the clipped gradients).
+// The file format is described in tests/data/README.md.
 #include <gtest/gtest.h>
-TEST(Placeholder, Build) { SUCCEED(); }
+
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using stepcore::ConstTensorView;
+using stepcore::DType;
+using stepcore::TensorView;
+
+// ---------------------------------------------------------------- parsing
+
+struct Record {
+  std::string key;
+  std::vector<std::string> tok;
+  int line = 0;
+};
+
+class GoldenFile {
+ public:
+  explicit GoldenFile(const std::string& name) : path_(std::string(STEPCORE_TEST_DATA_DIR) + "/" + name) {
+    std::ifstream in(path_);
+    if (!in) throw std::runtime_error("cannot open " + path_);
+    std::string text;
+    int n = 0;
+    while (std::getline(in, text)) {
+      ++n;
+      if (text.empty() || text[0] == '#') continue;
+      std::istringstream ss(text);
+      Record r;
+      r.line = n;
+      ss >> r.key;
+      for (std::string t; ss >> t;) r.tok.push_back(std::move(t));
+      records_.push_back(std::move(r));
+    }
+  }
+
+  bool done() const { return pos_ >= records_.size(); }
+
+  // Returns the next record, which must have keyword `key`.
+  const Record& expect(const std::string& key) {
+    if (done()) fail("unexpected end of file, wanted '" + key + "'");
+    const Record& r = records_[pos_++];
+    if (r.key != key) fail("line " + std::to_string(r.line) + ": wanted '" + key + "', got '" + r.key + "'");
+    return r;
+  }
+
+  [[noreturn]] void fail(const std::string& what) const {
+    throw std::runtime_error(path_ + ": " + what);
+  }
+
+ private:
+  std::string path_;
+  std::vector<Record> records_;
+  std::size_t pos_ = 0;
+};
+
+template <class T> T parse_hex(const std::string& s, std::size_t digits) {
+  std::uint64_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 16);
+  if (ec != std::errc() || end != s.data() + s.size() || s.size() != digits)
+    throw std::runtime_error("bad hex word '" + s + "'");
+  return static_cast<T>(v);
+}
+
+std::size_t parse_size(const std::string& s) {
+  std::size_t v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 10);
+  if (ec != std::errc() || end != s.data() + s.size()) throw std::runtime_error("bad count '" + s + "'");
+  return v;
+}
+
+// Reads a double written by Python's float.hex() (strtod reads hex floats exactly).
+double parse_double(const std::string& s) {
+  char* end = nullptr;
+  const double v = std::strtod(s.c_str(), &end);
+  if (end != s.c_str() + s.size()) throw std::runtime_error("bad double '" + s + "'");
+  return v;
+}
+
+float parse_f32(const std::string& s) { return stepcore::f32_from_bits(parse_hex<std::uint32_t>(s, 8)); }
+
+std::vector<std::size_t> parse_sizes(const Record& r, std::size_t k) {
+  if (r.tok.size() != k) throw std::runtime_error("sizes: wrong count at line " + std::to_string(r.line));
+  std::vector<std::size_t> v;
+  for (const auto& t : r.tok) v.push_back(parse_size(t));
+  return v;
+}
+
+// A tensor record "<key> <index> <words...>" with `n` words of 8 (f32) or 4 (bf16) digits.
+template <class Word>
+std::vector<Word> read_tensor(GoldenFile& f, const std::string& key, std::size_t index, std::size_t n) {
+  const Record& r = f.expect(key);
+  if (r.tok.empty() || parse_size(r.tok[0]) != index || r.tok.size() != n + 1)
+    f.fail("line " + std::to_string(r.line) + ": '" + key + "' record for tensor " +
+           std::to_string(index) + " with " + std::to_string(n) + " elements expected");
+  std::vector<Word> out(n);
+  for (std::size_t i = 0; i < n; ++i) out[i] = parse_hex<Word>(r.tok[i + 1], 2 * sizeof(Word));
+  return out;
+}
+
+std::vector<float> read_f32(GoldenFile& f, const std::string& key, std::size_t index, std::size_t n) {
+  const auto w = read_tensor<std::uint32_t>(f, key, index, n);
+  std::vector<float> out(n);
+  if (n) std::memcpy(out.data(), w.data(), n * sizeof(float));
+  return out;
+}
+
+// A gradient in its stored dtype, kept as raw bytes behind a ConstTensorView.
+struct Grad {
+  std::vector<float> f32;
+  std::vector<std::uint16_t> bf16;
+  DType dtype = DType::f32;
+  ConstTensorView view() const {
+    return dtype == DType::f32 ? ConstTensorView{f32.data(), f32.size(), DType::f32}
+                               : ConstTensorView{bf16.data(), bf16.size(), DType::bf16};
+  }
+};
+
+DType parse_dtype(const GoldenFile& f, const std::string& s) {
+  if (s == "f32") return DType::f32;
+  if (s == "bf16") return DType::bf16;
+  f.fail("unknown gradient dtype '" + s + "'");
+}
+
+Grad read_grad(GoldenFile& f, DType dt, std::size_t index, std::size_t n) {
+  Grad g;
+  g.dtype = dt;
+  if (dt == DType::f32)
+    g.f32 = read_f32(f, "grad", index, n);
+  else
+    g.bf16 = read_tensor<std::uint16_t>(f, "grad", index, n);
+  return g;
+}
+
+// ---------------------------------------------------------------- comparison
+
+std::string hex32(std::uint32_t u) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%08x", u);
+  return buf;
+}
+
+// Compares bit patterns; on a difference returns a message naming the first element
+// (and whether it lies in torch's vector body or scalar tail of width `tail_w`).
+::testing::AssertionResult same_bits(const std::vector<float>& want, const std::vector<float>& got,
+                                     std::size_t tail_w = 0) {
+  if (want.size() != got.size()) return ::testing::AssertionFailure() << "size differs";
+  if (want.empty() || std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0)
+    return ::testing::AssertionSuccess();
+  std::size_t first = want.size(), count = 0, body = 0;
+  const std::size_t n = want.size();
+  const std::size_t tail_begin = tail_w > 1 ? n - n % tail_w : n;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (stepcore::f32_bits(want[i]) != stepcore::f32_bits(got[i])) {
+      if (first == n) first = i;
+      ++count;
+      if (i < tail_begin) ++body;
+    }
+  }
+  auto r = ::testing::AssertionFailure();
+  r << count << " of " << n << " elements differ";
+  if (tail_w > 1) r << " (" << body << " in the body, " << count - body << " in the tail of width " << tail_w << ")";
+  r << "; first at [" << first << "]: torch " << hex32(stepcore::f32_bits(want[first])) << " ("
+    << want[first] << "), reference " << hex32(stepcore::f32_bits(got[first])) << " (" << got[first] << ")";
+  return r;
+}
+
+// ---------------------------------------------------------------- AdamW
+
+struct AdamWCase {
+  std::string name;
+  DType gdtype = DType::f32;
+  stepcore::AdamWConfig config;
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<float>> init;
+  struct Step {
+    std::vector<Grad> grad;
+    std::vector<std::vector<float>> param, exp_avg, exp_avg_sq;
+    std::vector<float> count;
+  };
+  std::vector<Step> steps;
+};
+
+std::vector<AdamWCase> load_adamw() {
+  GoldenFile f("adamw_torch.txt");
+  std::vector<AdamWCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 4) f.fail("bad case line " + std::to_string(c.line));
+    AdamWCase k;
+    k.name = c.tok[0];
+    k.gdtype = parse_dtype(f, c.tok[1]);
+    const std::size_t K = parse_size(c.tok[2]), S = parse_size(c.tok[3]);
+    const Record& h = f.expect("hparams");
+    if (h.tok.size() != 5) f.fail("bad hparams line " + std::to_string(h.line));
+    k.config.lr = parse_double(h.tok[0]);
+    k.config.beta1 = parse_double(h.tok[1]);
+    k.config.beta2 = parse_double(h.tok[2]);
+    k.config.eps = parse_double(h.tok[3]);
+    k.config.weight_decay = parse_double(h.tok[4]);
+    k.config.formula = stepcore::AdamWFormula::torch;
+    k.config.torch_tail_width = 8;
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
+    for (std::size_t s = 1; s <= S; ++s) {
+      const Record& st = f.expect("step");
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s) f.fail("bad step line " + std::to_string(st.line));
+      AdamWCase::Step step;
+      for (std::size_t t = 0; t < K; ++t) step.grad.push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.param.push_back(read_f32(f, "param", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.exp_avg.push_back(read_f32(f, "exp_avg", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.exp_avg_sq.push_back(read_f32(f, "exp_avg_sq", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.count.push_back(read_f32(f, "step_count", t, 1)[0]);
+      k.steps.push_back(std::move(step));
+    }
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<AdamWCase>& adamw_cases() {
+  static const std::vector<AdamWCase> cases = load_adamw();
+  return cases;
+}
+
+// Replays every step of a case with the reference. Each step starts from torch's state
+// after the previous step (identical to chaining when the reference agrees), so a
+// disagreement is reported at the step and element where it arises. Returns the number
+// of (step, tensor, quantity) comparisons that differed; reports them when `report`.
+int replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config, bool report) {
+  const std::size_t K = k.sizes.size();
+  int mismatches = 0;
+  for (std::size_t s = 0; s < k.steps.size(); ++s) {
+    const AdamWCase::Step& st = k.steps[s];
+    std::vector<std::vector<float>> p(K), m(K), v(K);
+    std::vector<float> count(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      p[t] = s == 0 ? k.init[t] : k.steps[s - 1].param[t];
+      m[t] = s == 0 ? std::vector<float>(k.sizes[t], 0.0f) : k.steps[s - 1].exp_avg[t];
+      v[t] = s == 0 ? std::vector<float>(k.sizes[t], 0.0f) : k.steps[s - 1].exp_avg_sq[t];
+      count[t] = s == 0 ? 0.0f : k.steps[s - 1].count[t];
+    }
+    std::vector<stepcore::AdamWTensor> ts(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      ts[t].param = {p[t].data(), p[t].size(), DType::f32};
+      ts[t].exp_avg = {m[t].data(), m[t].size(), DType::f32};
+      ts[t].exp_avg_sq = {v[t].data(), v[t].size(), DType::f32};
+      ts[t].step = &count[t];
+      ts[t].grad = st.grad[t].view();
+    }
+    stepcore::reference::adamw_step(ts, config);
+    for (std::size_t t = 0; t < K; ++t) {
+      const std::string where = k.name + " step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
+                                " (numel " + std::to_string(k.sizes[t]) + ")";
+      const std::size_t w = 8;
+      const auto cp = same_bits(st.param[t], p[t], w);
+      const auto cm = same_bits(st.exp_avg[t], m[t], w);
+      const auto cv = same_bits(st.exp_avg_sq[t], v[t], w);
+      const bool cs = stepcore::f32_bits(st.count[t]) == stepcore::f32_bits(count[t]);
+      mismatches += !cp + !cm + !cv + !cs;
+      if (report) {
+        EXPECT_TRUE(cm) << where << ": exp_avg";
+        EXPECT_TRUE(cv) << where << ": exp_avg_sq";
+        EXPECT_TRUE(cp) << where << ": param";
+        EXPECT_TRUE(cs) << where << ": step counter " << count[t] << ", torch " << st.count[t];
+      }
+    }
+  }
+  return mismatches;
+}
+
+TEST(GoldenAdamW, FileHasTheExpectedCases) {
+  const auto& cases = adamw_cases();
+  ASSERT_GE(cases.size(), 5u);
+  bool f32 = false, bf16 = false, wd0 = false, wd = false, big_lerp = false, all_tail = false;
+  for (const auto& k : cases) {
+    (k.gdtype == DType::f32 ? f32 : bf16) = true;
+    (k.config.weight_decay == 0.0 ? wd0 : wd) = true;
+    if (1.0 - k.config.beta1 >= 0.5) big_lerp = true;
+    for (std::size_t n : k.sizes)
+      if (n < 8) all_tail = true;
+    EXPECT_GE(k.steps.size(), 5u) << k.name;
+  }
+  EXPECT_TRUE(f32 && bf16 && wd0 && wd && big_lerp && all_tail);
+}
+
+TEST(GoldenAdamW, ReferenceTorchFormulaMatchesTorchFusedBitForBit) {
+  for (const auto& k : adamw_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    replay_adamw(k, k.config, /*report=*/true);
+  }
+}
+
+// The data must be able to tell torch's scalar tail from its vector body: with the
+// body's rounding used everywhere (tail width 1) the replay has to disagree somewhere.
+TEST(GoldenAdamW, DataDistinguishesTheScalarTail) {
+  int mismatches = 0;
+  for (const auto& k : adamw_cases()) {
+    auto config = k.config;
+    config.torch_tail_width = 1;
+    mismatches += replay_adamw(k, config, /*report=*/false);
+  }
+  EXPECT_GT(mismatches, 0);
+}
+
+// ---------------------------------------------------------------- SignSGD
+
+struct SignSgdCase {
+  std::string name;
+  DType gdtype = DType::f32;
+  stepcore::SignSgdConfig config;
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<float>> init;
+  std::vector<std::vector<Grad>> grad;
+  std::vector<std::vector<std::vector<float>>> param;
+};
+
+std::vector<SignSgdCase> load_sign_sgd() {
+  GoldenFile f("sign_sgd.txt");
+  std::vector<SignSgdCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 4) f.fail("bad case line " + std::to_string(c.line));
+    SignSgdCase k;
+    k.name = c.tok[0];
+    k.gdtype = parse_dtype(f, c.tok[1]);
+    const std::size_t K = parse_size(c.tok[2]), S = parse_size(c.tok[3]);
+    const Record& h = f.expect("hparams");
+    if (h.tok.size() != 2) f.fail("bad hparams line " + std::to_string(h.line));
+    k.config.lr = parse_double(h.tok[0]);
+    k.config.weight_decay = parse_double(h.tok[1]);
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
+    for (std::size_t s = 1; s <= S; ++s) {
+      const Record& st = f.expect("step");
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s) f.fail("bad step line " + std::to_string(st.line));
+      k.grad.emplace_back();
+      k.param.emplace_back();
+      for (std::size_t t = 0; t < K; ++t) k.grad.back().push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) k.param.back().push_back(read_f32(f, "param", t, k.sizes[t]));
+    }
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<SignSgdCase>& sign_sgd_cases() {
+  static const std::vector<SignSgdCase> cases = load_sign_sgd();
+  return cases;
+}
+
+// Chains every step of a case through the reference from torch's initial parameters.
+void replay_sign_sgd(const SignSgdCase& k) {
+  const std::size_t K = k.sizes.size();
+  std::vector<std::vector<float>> p = k.init;
+  for (std::size_t s = 0; s < k.grad.size(); ++s) {
+    std::vector<stepcore::SignSgdTensor> ts(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      ts[t].param = {p[t].data(), p[t].size(), DType::f32};
+      ts[t].grad = k.grad[s][t].view();
+    }
+    stepcore::reference::sign_sgd_step(ts, k.config);
+    for (std::size_t t = 0; t < K; ++t)
+      ASSERT_TRUE(same_bits(k.param[s][t], p[t])) << k.name << " step " << s + 1 << " tensor " << t
+                                                  << " (numel " << k.sizes[t] << ")";
+  }
+}
+
+bool has_nan_gradient(const SignSgdCase& k) {
+  for (const auto& step : k.grad)
+    for (const Grad& g : step) {
+      for (float x : g.f32)
+        if (std::isnan(x)) return true;
+      for (std::uint16_t h : g.bf16)
+        if (std::isnan(stepcore::bf16_bits_to_f32(h))) return true;
+    }
+  return false;
+}
+
+TEST(GoldenSignSgd, FileHasTheExpectedCases) {
+  const auto& cases = sign_sgd_cases();
+  bool f32 = false, bf16 = false, wd0 = false, wd = false, neg_zero_grad = false, neg_zero_param = false;
+  for (const auto& k : cases) {
+    (k.gdtype == DType::f32 ? f32 : bf16) = true;
+    (k.config.weight_decay > 0.0 ? wd : wd0) = true;
+    for (const auto& g : k.grad[0]) {
+      for (float x : g.f32) neg_zero_grad |= stepcore::f32_bits(x) == 0x80000000u;
+      for (std::uint16_t h : g.bf16) neg_zero_grad |= h == 0x8000u;
+    }
+    for (const auto& p : k.init)
+      for (float x : p) neg_zero_param |= stepcore::f32_bits(x) == 0x80000000u;
+  }
+  EXPECT_TRUE(f32 && bf16 && wd0 && wd && neg_zero_grad && neg_zero_param);
+}
+
+TEST(GoldenSignSgd, ReferenceMatchesPlainTorchSignSgdBitForBit) {
+  int replayed = 0;
+  for (const auto& k : sign_sgd_cases()) {
+    if (has_nan_gradient(k)) continue;  // see DISABLED_NanGradientsLikeTorch
+    SCOPED_TRACE("case " + k.name);
+    replay_sign_sgd(k);
+    ++replayed;
+  }
+  EXPECT_GE(replayed, 4);
+}
+
+// torch.sign(NaN) is +0 on CPU, so plain PyTorch SignSGD leaves a parameter with a NaN
+// gradient at its decayed value; the reference (docs/numerics.md section 8) propagates
+// the NaN. Disabled until the spec decides which one stepcore follows.
+TEST(GoldenSignSgd, DISABLED_NanGradientsLikeTorch) {
+  int replayed = 0;
+  for (const auto& k : sign_sgd_cases()) {
+    if (!has_nan_gradient(k)) continue;
+    SCOPED_TRACE("case " + k.name);
+    replay_sign_sgd(k);
+    ++replayed;
+  }
+  EXPECT_GE(replayed, 1);
+}
+
+// ---------------------------------------------------------------- norm and clip
+
+struct ClipCase {
+  std::string name;
+  double max_norm = 0.0;
+  float max_norm_f32 = 0.0f;
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<float>> grad, clipped;
+  float norm_torch = 0.0f, norm_exact = 0.0f, coef_torch = 0.0f;
+};
+
+std::vector<ClipCase> load_clip() {
+  GoldenFile f("clip_grad_norm.txt");
+  std::vector<ClipCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 2) f.fail("bad case line " + std::to_string(c.line));
+    ClipCase k;
+    k.name = c.tok[0];
+    const std::size_t K = parse_size(c.tok[1]);
+    const Record& mn = f.expect("max_norm");
+    if (mn.tok.size() != 2) f.fail("bad max_norm line " + std::to_string(mn.line));
+    k.max_norm = parse_double(mn.tok[0]);
+    k.max_norm_f32 = parse_f32(mn.tok[1]);
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t) k.grad.push_back(read_f32(f, "grad", t, k.sizes[t]));
+    k.norm_torch = parse_f32(f.expect("norm_torch").tok.at(0));
+    k.norm_exact = parse_f32(f.expect("norm_exact").tok.at(0));
+    k.coef_torch = parse_f32(f.expect("coef_torch").tok.at(0));
+    for (std::size_t t = 0; t < K; ++t) k.clipped.push_back(read_f32(f, "clipped", t, k.sizes[t]));
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<ClipCase>& clip_cases() {
+  static const std::vector<ClipCase> cases = load_clip();
+  return cases;
+}
+
+std::vector<ConstTensorView> const_views(const std::vector<std::vector<float>>& ts) {
+  std::vector<ConstTensorView> v;
+  for (const auto& t : ts) v.emplace_back(t.data(), t.size(), DType::f32);
+  return v;
+}
+
+TEST(GoldenClip, FileHasTheExpectedCases) {
+  const auto& cases = clip_cases();
+  ASSERT_GE(cases.size(), 20u);
+  bool empty_tensor = false, clipped = false, unclipped = false;
+  for (const auto& k : cases) {
+    for (std::size_t n : k.sizes) empty_tensor |= n == 0;
+    (k.coef_torch < 1.0f ? clipped : unclipped) = true;
+    EXPECT_EQ(stepcore::f32_bits(static_cast<float>(k.max_norm)), stepcore::f32_bits(k.max_norm_f32)) << k.name;
+  }
+  EXPECT_TRUE(empty_tensor && clipped && unclipped);
+}
+
+// (a) The reference's exact norm equals the exactly rounded value computed in Python.
+TEST(GoldenClip, ExactNormMatchesPythonFractions) {
+  for (const auto& k : clip_cases()) {
+    const auto r = stepcore::finalize(stepcore::reference::norm_partial(const_views(k.grad)));
+    EXPECT_TRUE(r.finite) << k.name;
+    EXPECT_EQ(hex32(stepcore::f32_bits(r.norm)), hex32(stepcore::f32_bits(k.norm_exact))) << k.name;
+  }
+}
+
+// (b) torch's f32 norm is within the a-priori bound of f32 summation in any order:
+// |torch - exact| <= (N + K + 4) * 2^-24 * exact, N elements in K tensors (README).
+TEST(GoldenClip, TorchNormWithinSummationBound) {
+  for (const auto& k : clip_cases()) {
+    std::size_t N = 0;
+    for (std::size_t n : k.sizes) N += n;
+    const double exact = k.norm_exact, torch = k.norm_torch;
+    const double bound = static_cast<double>(N + k.sizes.size() + 4) * std::ldexp(1.0, -24) * exact;
+    EXPECT_LE(std::fabs(torch - exact), bound) << k.name << ": torch " << torch << ", exact " << exact;
+  }
+}
+
+// (c1) Scaling by torch's coefficient with the reference's scale_ gives torch's bits.
+TEST(GoldenClip, ScaleByTorchCoefficientMatchesTorch) {
+  for (const auto& k : clip_cases()) {
+    auto g = k.grad;
+    std::vector<TensorView> views;
+    for (auto& t : g) views.push_back({t.data(), t.size(), DType::f32});
+    stepcore::reference::scale_(views, k.coef_torch);
+    for (std::size_t t = 0; t < g.size(); ++t) EXPECT_TRUE(same_bits(k.clipped[t], g[t])) << k.name << " tensor " << t;
+  }
+}
+
+// (c2) stepcore's clip coefficient from torch's norm equals torch's coefficient.
+TEST(GoldenClip, ClipCoefficientMatchesTorch) {
+  for (const auto& k : clip_cases()) {
+    const float coef = stepcore::clip_coefficient(k.norm_torch, k.max_norm_f32);
+    EXPECT_EQ(hex32(stepcore::f32_bits(coef)), hex32(stepcore::f32_bits(k.coef_torch)))
+        << k.name << ": norm " << k.norm_torch << ", max_norm " << k.max_norm_f32;
+  }
+}
+
+// (c) End to end: clip_coefficient(torch's norm) then scale_ reproduces torch's clipped
+// gradients (for coef == 1 torch multiplies by 1.0, which leaves every bit unchanged).
+TEST(GoldenClip, ClipThenScaleReproducesTorchGradients) {
+  for (const auto& k : clip_cases()) {
+    const float coef = stepcore::clip_coefficient(k.norm_torch, k.max_norm_f32);
+    auto g = k.grad;
+    std::vector<TensorView> views;
+    for (auto& t : g) views.push_back({t.data(), t.size(), DType::f32});
+    stepcore::reference::scale_(views, coef);
+    for (std::size_t t = 0; t < g.size(); ++t)
+      EXPECT_TRUE(same_bits(k.clipped[t], g[t])) << k.name << " tensor " << t << " (coef " << coef << ")";
+  }
+}
+
+}  // namespace

@@ -44,6 +44,12 @@ struct EngineConfig {
   int threads = 0;  ///< 0: from STEPCORE_THREADS or the affinity mask
 };
 
+/// How a norm partial is computed.
+enum class NormMode : std::uint8_t {
+  fast = 0,   ///< exact squares, binary64 block sums: an approximate, certified partial
+  exact = 1,  ///< one exact integer deposit per element (the fallback; several times slower)
+};
+
 /// A configured CPU engine. Cheap to create; thread-safe for concurrent calls on
 /// disjoint buffers (each call opens its own OpenMP parallel region).
 ///
@@ -78,9 +84,19 @@ class Engine {
   void accumulate(std::span<const AccumulatePair> pairs) const;
   /// g = R_T(f32(g) * scale) in place.
   void scale_(std::span<const TensorView> tensors, float scale) const;
-  /// Returns the exact norm partial of the read values (see reference::norm_partial).
+  /// Returns the fast (approximate) norm partial of the read values: S within
+  /// 2^-40 relative of exact, combined exactly across chunks (docs/numerics.md 6.2).
+  /// Not bitwise comparable across ISAs; its finalized norm is, when certified.
   NormPartial norm_partial(std::span<const ConstTensorView> tensors,
                            GradientRead read = {}) const;
+  /// Returns the norm partial in the given mode; NormMode::exact equals
+  /// reference::norm_partial digit for digit.
+  NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
+                           NormMode mode) const;
+  /// Returns the finalized norm of the read values in one process: the fast
+  /// partial, and the exact one only when the fast one cannot be certified.
+  /// Determinism: equals finalize(reference::norm_partial(...)) bit for bit.
+  NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
 
  private:
   Isa isa_;
