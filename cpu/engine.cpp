@@ -1,0 +1,295 @@
+// The CPU engine: configuration (ISA, threads), validation, the static work
+// partition, one OpenMP parallel region per call, and dispatch to the ISA's table.
+#include "stepcore/cpu.hpp"
+
+#include <omp.h>
+#include <sched.h>
+
+#include <xsimd/config/xsimd_cpuid.hpp>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "../src/core/validate.hpp"
+#include "kernel_table.hpp"
+#include "stepcore/error.hpp"
+
+namespace stepcore::cpu {
+namespace {
+
+bool isa_supported(Isa isa) {
+  const auto arch = xsimd::available_architectures();
+  switch (isa) {
+    case Isa::sse2: return arch.sse2;
+    case Isa::avx2: return arch.fma3_avx2;
+    case Isa::avx512: return arch.avx512bw && arch.avx512dq;
+  }
+  return false;
+}
+
+const detail::KernelTable& table_for(Isa isa) {
+  switch (isa) {
+    case Isa::sse2: return detail::kernel_table_sse2();
+    case Isa::avx2: return detail::kernel_table_avx2();
+    case Isa::avx512: return detail::kernel_table_avx512();
+  }
+  throw Error(Errc::internal, "isa", "no kernel table");
+}
+
+int affinity_cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  return omp_get_num_procs();
+}
+
+/// One unit of static work: elements [begin, end) of tensor `tensor`.
+struct Chunk {
+  std::size_t tensor;
+  std::size_t begin;
+  std::size_t end;
+};
+
+/// Returns the chunks of tensors with the given sizes, in tensor order.
+template <class SizeOf>
+std::vector<Chunk> make_chunks(std::size_t count, SizeOf size_of) {
+  std::vector<Chunk> chunks;
+  for (std::size_t t = 0; t < count; ++t) {
+    const std::size_t n = size_of(t);
+    for (std::size_t b = 0; b < n; b += Engine::kChunkElements)
+      chunks.push_back({t, b, std::min(n, b + Engine::kChunkElements)});
+  }
+  return chunks;
+}
+
+/// Runs body(chunk) for every chunk on `threads` threads. Thread k takes the
+/// contiguous run of chunks whose first element (counted over all tensors) lies
+/// in [k*total/T, (k+1)*total/T): a static partition that depends only on the
+/// sizes and the thread count.
+template <class Body>
+void run_static(const std::vector<Chunk>& chunks, int threads, Body body) {
+  if (chunks.empty()) return;
+  std::vector<std::size_t> start(chunks.size() + 1, 0);
+  for (std::size_t c = 0; c < chunks.size(); ++c)
+    start[c + 1] = start[c] + (chunks[c].end - chunks[c].begin);
+  const std::size_t total = start.back();
+  const int team = static_cast<int>(std::min<std::size_t>(threads, chunks.size()));
+  if (team <= 1) {
+    for (const Chunk& c : chunks) body(c);
+    return;
+  }
+#pragma omp parallel num_threads(team)
+  {
+    const auto k = static_cast<std::size_t>(omp_get_thread_num());
+    const auto T = static_cast<std::size_t>(omp_get_num_threads());
+    const std::size_t lo = total * k / T;
+    const std::size_t hi = total * (k + 1) / T;
+    const auto first = static_cast<std::size_t>(
+        std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin());
+    for (std::size_t c = first; c < chunks.size() && start[c] < hi; ++c) body(chunks[c]);
+  }
+}
+
+[[noreturn]] void unreachable_dtype(const char* what) {
+  throw Error(Errc::internal, what, "dtype combination has no kernel (validation missed it)");
+}
+
+}  // namespace
+
+std::string_view isa_name(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::sse2: return "sse2";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+  }
+  return "invalid";
+}
+
+Isa parse_isa(std::string_view name, const char* argument) {
+  if (name == "sse2") return Isa::sse2;
+  if (name == "avx2") return Isa::avx2;
+  if (name == "avx512") return Isa::avx512;
+  throw Error(Errc::invalid_argument, argument,
+              "unknown ISA '" + std::string(name) + "' (expected sse2, avx2 or avx512)");
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  for (Isa i : {Isa::sse2, Isa::avx2, Isa::avx512})
+    if (isa_supported(i)) out.push_back(i);
+  return out;
+}
+
+Isa best_isa() {
+  const auto all = supported_isas();
+  if (all.empty()) throw Error(Errc::not_supported, "isa", "this processor lacks SSE2");
+  return all.back();
+}
+
+Engine::Engine(EngineConfig config) {
+  if (config.isa) {
+    isa_ = *config.isa;
+  } else if (const char* env = std::getenv("STEPCORE_ISA"); env && *env) {
+    isa_ = parse_isa(env, "STEPCORE_ISA");
+  } else {
+    isa_ = best_isa();
+  }
+  if (isa_ != Isa::sse2 && isa_ != Isa::avx2 && isa_ != Isa::avx512)
+    throw Error(Errc::invalid_argument, "config.isa", "not an Isa enumerator");
+  if (!isa_supported(isa_))
+    throw Error(Errc::not_supported, config.isa ? "config.isa" : "STEPCORE_ISA",
+                "this processor cannot run " + std::string(cpu::isa_name(isa_)));
+
+  if (config.threads < 0 || config.threads > 4096)
+    throw Error(Errc::invalid_argument, "config.threads",
+                "must be in [0, 4096], got " + std::to_string(config.threads));
+  threads_ = config.threads;
+  if (threads_ == 0) {
+    if (const char* env = std::getenv("STEPCORE_THREADS"); env && *env) {
+      char* endp = nullptr;
+      const long v = std::strtol(env, &endp, 10);
+      if (*endp != '\0' || v < 1 || v > 4096)
+        throw Error(Errc::invalid_argument, "STEPCORE_THREADS",
+                    std::string("must be an integer in [1, 4096], got '") + env + "'");
+      threads_ = static_cast<int>(v);
+    } else {
+      threads_ = affinity_cpu_count();
+    }
+  }
+}
+
+void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                        GradientRead read, const std::int32_t* found_inf) const {
+  ::stepcore::detail::validate_adamw(tensors, config, read);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  const detail::KernelTable& table = table_for(isa_);
+  std::vector<detail::AdamWRange> ranges(tensors.size());
+  std::vector<detail::AdamWFn> fns(tensors.size());
+  const bool torch = config.formula == AdamWFormula::torch;
+  const std::size_t w = config.torch_tail_width > 1 ? config.torch_tail_width : 1;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    const int g = static_cast<int>(t.grad.dtype);
+    const int o = detail::output_kind(t.compute_param);
+    if (g < 0 || g >= detail::kDTypes || !table.adamw[g][o]) unreachable_dtype("adamw");
+    fns[i] = table.adamw[g][o];
+  }
+  // All checks passed: from here on the call writes.
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    *t.step = *t.step + 1.0f;
+    const std::size_t n = t.param.numel;
+    ranges[i] = detail::AdamWRange{static_cast<float*>(t.param.data),
+                                   static_cast<float*>(t.exp_avg.data),
+                                   static_cast<float*>(t.exp_avg_sq.data),
+                                   t.grad.data,
+                                   t.compute_param.data,
+                                   prepare_adamw_scalars(config, *t.step),
+                                   read,
+                                   torch ? n - n % w : n,
+                                   torch};
+  }
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
+  run_static(chunks, threads_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+}
+
+void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                           GradientRead read, const std::int32_t* found_inf) const {
+  ::stepcore::detail::validate_sign_sgd(tensors, config, read);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  const detail::KernelTable& table = table_for(isa_);
+  const SignSgdScalars s = prepare_sign_sgd_scalars(config);
+  std::vector<detail::SignSgdRange> ranges(tensors.size());
+  std::vector<detail::SignSgdFn> fns(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const SignSgdTensor& t = tensors[i];
+    const int g = static_cast<int>(t.grad.dtype);
+    const int o = detail::output_kind(t.compute_param);
+    if (g < 0 || g >= detail::kDTypes || !table.sign_sgd[g][o]) unreachable_dtype("sign_sgd");
+    fns[i] = table.sign_sgd[g][o];
+    ranges[i] = {static_cast<float*>(t.param.data), t.grad.data, t.compute_param.data, s};
+  }
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
+  run_static(chunks, threads_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+}
+
+void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
+  ::stepcore::detail::validate_accumulate(pairs);
+  const detail::KernelTable& table = table_for(isa_);
+  std::vector<detail::AccumulateFn> fns(pairs.size());
+  for (std::size_t i = 0; i < pairs.size(); ++i) {
+    const int s = static_cast<int>(pairs[i].src.dtype);
+    if (s < 0 || s >= detail::kDTypes) unreachable_dtype("accumulate");
+    fns[i] = table.accumulate[s];
+  }
+  const auto chunks = make_chunks(pairs.size(), [&](std::size_t t) { return pairs[t].acc.numel; });
+  run_static(chunks, threads_, [&](const Chunk& c) {
+    const AccumulatePair& p = pairs[c.tensor];
+    fns[c.tensor](static_cast<float*>(p.acc.data), p.src.data, p.copy, c.begin, c.end);
+  });
+}
+
+void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
+  ::stepcore::detail::validate_scale(tensors, scale);
+  const detail::KernelTable& table = table_for(isa_);
+  std::vector<detail::ScaleFn> fns(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const int d = static_cast<int>(tensors[i].dtype);
+    if (d < 0 || d >= detail::kDTypes) unreachable_dtype("scale_");
+    fns[i] = table.scale[d];
+  }
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
+  run_static(chunks, threads_, [&](const Chunk& c) {
+    fns[c.tensor](tensors[c.tensor].data, scale, c.begin, c.end);
+  });
+}
+
+NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) const {
+  ::stepcore::detail::validate_norm(tensors, read);
+  const detail::KernelTable& table = table_for(isa_);
+  std::vector<detail::NormFn> fns(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const int d = static_cast<int>(tensors[i].dtype);
+    if (d < 0 || d >= detail::kDTypes) unreachable_dtype("norm_partial");
+    fns[i] = table.norm[d];
+  }
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
+  // One partial per chunk, merged afterwards: exact integer sums, any order.
+  std::vector<NormPartial> partials(chunks.size());
+  run_static(chunks, threads_, [&](const Chunk& c) {
+    const auto slot = static_cast<std::size_t>(&c - chunks.data());
+    fns[c.tensor](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);
+  });
+  NormPartial total;
+  for (const NormPartial& p : partials) merge(total, p);
+  return total;
+}
+
+NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
+                                 NormMode mode) const {
+  if (mode == NormMode::fast) return norm_partial(tensors, read);
+  ::stepcore::detail::validate_norm(tensors, read);
+  const detail::KernelTable& table = table_for(isa_);
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
+  std::vector<NormPartial> partials(chunks.size());
+  run_static(chunks, threads_, [&](const Chunk& c) {
+    const auto slot = static_cast<std::size_t>(&c - chunks.data());
+    const int d = static_cast<int>(tensors[c.tensor].dtype);
+    table.norm_exact[d](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);
+  });
+  NormPartial total;
+  for (const NormPartial& p : partials) merge(total, p);
+  return total;
+}
+
+NormResult Engine::norm(std::span<const ConstTensorView> tensors, GradientRead read) const {
+  NormResult r = finalize(norm_partial(tensors, read));
+  if (r.needs_exact) r = finalize(norm_partial(tensors, read, NormMode::exact));
+  return r;
+}
+
+}  // namespace stepcore::cpu

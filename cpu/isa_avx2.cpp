@@ -1,0 +1,39 @@
+// The AVX2 + FMA3 instantiation of the generic body.
+#include <immintrin.h>
+
+#include "simd_body.hpp"
+
+namespace stepcore::cpu::detail {
+
+using Avx2 = xsimd::fma3<xsimd::avx2>;
+
+template <>
+struct ArchOps<Avx2> {
+  using F = xsimd::batch<float, Avx2>;
+  using U = xsimd::batch<std::uint32_t, Avx2>;
+  using D = xsimd::batch<double, Avx2>;
+
+  static U load_u16(const std::uint16_t* p) {
+    return U(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void store_u16(std::uint16_t* p, U v) {
+    const __m256i x = v;
+    const __m128i packed =
+        _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
+  static void to_double(F x, D& lo, D& hi) {
+    const __m256 r = x;
+    lo = D(_mm256_cvtps_pd(_mm256_castps256_ps128(r)));
+    hi = D(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
+  }
+  static D muladd(D a, D b, D c) { return xsimd::fma(a, b, c); }
+  static F fma(F a, F b, F c) { return xsimd::fma(a, b, c); }
+};
+
+const KernelTable& kernel_table_avx2() {
+  static const KernelTable table = Body<Avx2>::make_table("avx2");
+  return table;
+}
+
+}  // namespace stepcore::cpu::detail

@@ -1,0 +1,77 @@
+// The per-ISA kernel table: plain function pointers filled by each ISA's
+// translation unit (isa_sse2.cpp, isa_avx2.cpp, isa_avx512.cpp) from the one
+// generic body in simd_body.hpp. The engine picks a table at run time and
+// resolves dtype combinations to entries before it opens a parallel region.
+#pragma once
+
+#include <cstddef>
+
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::cpu::detail {
+
+/// Index of an optional output dtype: none, f32, bf16, f16.
+inline constexpr int kOutputKinds = 4;
+inline constexpr int kDTypes = 3;
+
+/// Returns 0 for "no output", else 1 + dtype.
+inline int output_kind(const TensorView& v) {
+  if (v.data == nullptr && v.numel == 0) return 0;
+  return 1 + static_cast<int>(v.dtype);
+}
+
+/// Arguments of one AdamW range: elements [begin, end) of one tensor.
+struct AdamWRange {
+  float* param;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grad;
+  void* out;
+  AdamWScalars scalars;
+  GradientRead read;
+  std::size_t tail_begin;  ///< torch formula: elements >= tail_begin use the tail form
+  bool torch;
+};
+
+/// Arguments of one SignSGD range.
+struct SignSgdRange {
+  float* param;
+  const void* grad;
+  void* out;
+  SignSgdScalars scalars;
+};
+
+using AdamWFn = void (*)(const AdamWRange&, std::size_t begin, std::size_t end);
+using SignSgdFn = void (*)(const SignSgdRange&, std::size_t begin, std::size_t end);
+using AccumulateFn = void (*)(float* acc, const void* src, bool copy, std::size_t begin,
+                              std::size_t end);
+using ScaleFn = void (*)(void* data, float scale, std::size_t begin, std::size_t end);
+/// Adds the approximate (block-summed) norm partial of elements [begin, end).
+using NormFn = void (*)(const void* data, const GradientRead& read, std::size_t begin,
+                        std::size_t end, NormPartial& partial);
+
+/// One ISA's kernels, indexed [gradient dtype][output kind] etc.
+struct KernelTable {
+  const char* isa;
+  AdamWFn adamw[kDTypes][kOutputKinds];
+  SignSgdFn sign_sgd[kDTypes][kOutputKinds];
+  AccumulateFn accumulate[kDTypes];
+  ScaleFn scale[kDTypes];
+  NormFn norm[kDTypes];
+  NormFn norm_exact[kDTypes];  ///< exact partial, one deposit per element
+};
+
+/// Each returns its ISA's table; defined in isa_<name>.cpp, compiled with that
+/// ISA's -m flags. Callers must check the processor supports the ISA first.
+const KernelTable& kernel_table_sse2();
+const KernelTable& kernel_table_avx2();
+const KernelTable& kernel_table_avx512();
+
+/// Elements per norm block: squares are summed in binary64 within a block and the
+/// block sum is deposited exactly. Must not exceed kNormMaxBlockAdditions.
+inline constexpr std::size_t kNormBlockElements = 2048;
+static_assert(kNormBlockElements <= static_cast<std::size_t>(kNormMaxBlockAdditions));
+
+}  // namespace stepcore::cpu::detail
