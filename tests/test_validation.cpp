@@ -1,2 +1,552 @@
+// Unit: argument validation of every stepcore::reference entry point. Each bad
+// argument gets stepcore::Error with the right code() and an argument() naming it,
+// and every buffer of the call (valid tensors before the bad one, step counters,
+// gradients, outputs) is bit-for-bit unchanged: all-or-nothing.
 #include <gtest/gtest.h>
-TEST(Placeholder, Build) { SUCCEED(); }
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "stepcore/error.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using stepcore::AccumulatePair;
+using stepcore::AdamWConfig;
+using stepcore::AdamWFormula;
+using stepcore::AdamWTensor;
+using stepcore::ConstTensorView;
+using stepcore::DType;
+using stepcore::Errc;
+using stepcore::GradientRead;
+using stepcore::SignSgdConfig;
+using stepcore::SignSgdTensor;
+using stepcore::TensorView;
+namespace ref = stepcore::reference;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr float kNaNf = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInff = std::numeric_limits<float>::infinity();
+const DType kBadDType = static_cast<DType>(7);
+
+// Every buffer of a test lives in one arena, so one snapshot covers all of them.
+class Arena {
+ public:
+  Arena() : mem_(1 << 20) {
+    std::mt19937 rng(1);
+    for (auto& b : mem_) b = static_cast<std::byte>(rng() & 0x3F);  // small positive floats, no NaN
+  }
+  template <class T> T* alloc(std::size_t n) {
+    used_ = (used_ + 63) & ~std::size_t{63};
+    T* p = reinterpret_cast<T*>(mem_.data() + used_);
+    used_ += n * sizeof(T) + 64;  // a gap: separate allocations never touch
+    if (used_ > mem_.size()) throw std::runtime_error("arena too small");
+    return p;
+  }
+  std::vector<std::byte> snapshot() const { return mem_; }
+  bool same(const std::vector<std::byte>& s) const { return s == mem_; }
+
+ private:
+  std::vector<std::byte> mem_;
+  std::size_t used_ = 0;
+};
+
+// Runs f, which must throw stepcore::Error(code, one of `args`), and checks that
+// the arena is unchanged.
+void expect_error(const Arena& arena, const std::function<void()>& f, Errc code,
+                  std::vector<std::string> args) {
+  const auto before = arena.snapshot();
+  try {
+    f();
+    ADD_FAILURE() << "no exception; expected " << stepcore::errc_name(code) << " for " << args[0];
+  } catch (const stepcore::Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    bool named = false;
+    for (const std::string& a : args) named = named || e.argument() == a;
+    EXPECT_TRUE(named) << "argument() = '" << e.argument() << "', expected '" << args[0] << "'" << " (" << e.what()
+                       << ")";
+  }
+  EXPECT_TRUE(arena.same(before)) << "a buffer changed although the call failed";
+}
+
+// ---- AdamW ----------------------------------------------------------------------------
+
+struct AdamWFixture : ::testing::Test {
+  Arena arena;
+  std::vector<AdamWTensor> valid;  // tensors[0..2]
+
+  AdamWTensor make(std::size_t n, DType gdt = DType::f32, DType odt = DType::bf16, bool out = true) {
+    AdamWTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    t.exp_avg = {arena.alloc<float>(n), n, DType::f32};
+    t.exp_avg_sq = {arena.alloc<float>(n), n, DType::f32};
+    t.step = arena.alloc<float>(1);
+    *t.step = 3.0f;
+    t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};  // room for any dtype
+    if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, odt};
+    return t;
+  }
+  void SetUp() override {
+    valid.push_back(make(5, DType::f32, DType::f32));
+    valid.push_back(make(17, DType::bf16, DType::f16));
+    valid.push_back(make(8, DType::f16, DType::bf16, false));
+  }
+  // The valid tensors plus `bad` as tensors[3].
+  std::vector<AdamWTensor> with(const AdamWTensor& bad) {
+    std::vector<AdamWTensor> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<AdamWTensor>& ts, const AdamWConfig& c, GradientRead r, Errc code,
+              std::vector<std::string> args, const std::int32_t* found_inf = nullptr) {
+    expect_error(arena, [&] { ref::adamw_step(ts, c, r, found_inf); }, code, std::move(args));
+  }
+  void expect_tensor(const AdamWTensor& bad, Errc code, const std::string& arg) {
+    for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+      AdamWConfig c;
+      c.formula = f;
+      expect(with(bad), c, {}, code, {arg});
+    }
+  }
+  void expect_config(const AdamWConfig& c, Errc code, const std::string& arg) {
+    expect(with(make(9)), c, {}, code, {arg});
+  }
+};
+
+TEST_F(AdamWFixture, ValidCallWritesTheArena) {
+  // The control: the same buffers accept a valid call, and it does write.
+  const auto before = arena.snapshot();
+  ref::adamw_step(with(make(9)), AdamWConfig{});
+  EXPECT_FALSE(arena.same(before));
+  EXPECT_EQ(*valid[0].step, 4.0f);
+}
+
+TEST_F(AdamWFixture, HyperParameters) {
+  auto cfg = [](auto set) {
+    AdamWConfig c;
+    set(c);
+    return c;
+  };
+  expect_config(cfg([](AdamWConfig& c) { c.lr = kNaN; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = kInf; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = -1e-3; }), Errc::invalid_argument, "config.lr");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = 1e300, c.weight_decay = 0; }), Errc::out_of_range, "config.lr");
+  expect_config(cfg([](AdamWConfig& c) { c.beta1 = kNaN; }), Errc::non_finite, "config.beta1");
+  expect_config(cfg([](AdamWConfig& c) { c.beta1 = 1.0; }), Errc::invalid_argument, "config.beta1");
+  expect_config(cfg([](AdamWConfig& c) { c.beta1 = -0.1; }), Errc::invalid_argument, "config.beta1");
+  expect_config(cfg([](AdamWConfig& c) { c.beta2 = kNaN; }), Errc::non_finite, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) { c.beta2 = -0.1; }), Errc::invalid_argument, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) { c.beta2 = 1.0; }), Errc::invalid_argument, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) { c.eps = 0.0; }), Errc::invalid_argument, "config.eps");
+  expect_config(cfg([](AdamWConfig& c) { c.eps = -1e-8; }), Errc::invalid_argument, "config.eps");
+  expect_config(cfg([](AdamWConfig& c) { c.eps = kNaN; }), Errc::non_finite, "config.eps");
+  expect_config(cfg([](AdamWConfig& c) { c.eps = kInf; }), Errc::non_finite, "config.eps");
+  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e-60; }), Errc::out_of_range, "config.eps");  // 0 in f32
+  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e300; }), Errc::out_of_range, "config.eps");  // Inf in f32
+  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = -0.01; }), Errc::invalid_argument, "config.weight_decay");
+  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = kNaN; }), Errc::non_finite, "config.weight_decay");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = 0.5, c.weight_decay = 3.0; }), Errc::invalid_argument,
+                "config.weight_decay");
+  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range, "config.torch_tail_width");
+  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range, "config.torch_tail_width");
+  expect_config(cfg([](AdamWConfig& c) { c.formula = static_cast<AdamWFormula>(7); }), Errc::invalid_argument,
+                "config.formula");
+  // Boundary values that are valid.
+  for (auto c : {cfg([](AdamWConfig& c) { c.lr = 0.0; }), cfg([](AdamWConfig& c) { c.beta1 = 0.0, c.beta2 = 0.0; }),
+                 cfg([](AdamWConfig& c) { c.lr = 1.0, c.weight_decay = 1.0; }),
+                 cfg([](AdamWConfig& c) { c.torch_tail_width = 64, c.formula = AdamWFormula::torch; })})
+    EXPECT_NO_THROW(ref::adamw_step(with(make(3)), c));
+}
+
+TEST_F(AdamWFixture, GradientRead) {
+  const AdamWConfig c;
+  const auto t = with(make(4));
+  expect(t, c, {0.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, c, {-1.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, c, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, c, {kInff, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, c, {1.0f, 1.5f}, Errc::invalid_argument, {"read.clip"});
+  expect(t, c, {1.0f, -0.5f}, Errc::invalid_argument, {"read.clip"});
+  expect(t, c, {1.0f, kNaNf}, Errc::non_finite, {"read.clip"});
+  expect(t, c, {1.0f, kInff}, Errc::non_finite, {"read.clip"});
+  // Validation comes before found_inf: a set flag does not hide a bad argument.
+  const std::int32_t flag = 1;
+  expect(t, c, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"}, &flag);
+  // clip 0 and 1 are valid for AdamW.
+  EXPECT_NO_THROW(ref::adamw_step(t, c, {1.0f, 0.0f}));
+  EXPECT_NO_THROW(ref::adamw_step(t, c, {1.0f, 1.0f}));
+}
+
+TEST_F(AdamWFixture, PointersDtypesAndSizes) {
+  const std::string n = "tensors[3].";
+  auto bad = [&](auto mutate) {
+    AdamWTensor t = make(6);
+    mutate(t);
+    return t;
+  };
+  expect_tensor(bad([](AdamWTensor& t) { t.param.data = nullptr; }), Errc::null_pointer, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::bf16; }), Errc::unsupported_dtype, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::f16; }), Errc::unsupported_dtype, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = kBadDType; }), Errc::unsupported_dtype, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = (std::size_t{1} << 61); }), Errc::out_of_range, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.data = nullptr; }), Errc::null_pointer, n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.dtype = DType::f16; }), Errc::unsupported_dtype, n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 5; }), Errc::size_mismatch, n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 7; }), Errc::size_mismatch, n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.data = nullptr; }), Errc::null_pointer, n + "exp_avg_sq");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.dtype = DType::bf16; }), Errc::unsupported_dtype,
+                n + "exp_avg_sq");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.numel = 0; }), Errc::size_mismatch, n + "exp_avg_sq");
+  expect_tensor(bad([](AdamWTensor& t) { t.grad.data = nullptr; }), Errc::null_pointer, n + "grad");
+  expect_tensor(bad([](AdamWTensor& t) { t.grad.dtype = kBadDType; }), Errc::unsupported_dtype, n + "grad");
+  expect_tensor(bad([](AdamWTensor& t) { t.grad.numel = 5; }), Errc::size_mismatch, n + "grad");
+  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.numel = 5; }), Errc::size_mismatch, n + "compute_param");
+  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.data = nullptr; }), Errc::null_pointer,
+                n + "compute_param");
+  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.dtype = kBadDType; }), Errc::unsupported_dtype,
+                n + "compute_param");
+  // param and its moments empty, the gradient not: the gradient is the mismatch.
+  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = t.exp_avg.numel = t.exp_avg_sq.numel = 0; }),
+                Errc::size_mismatch, n + "grad");
+  // Sizes of a valid empty tensor with null pointers are fine.
+  AdamWTensor empty;
+  float step = 0.0f;
+  empty.step = &step;
+  EXPECT_NO_THROW(ref::adamw_step(with(empty), AdamWConfig{}));
+}
+
+TEST_F(AdamWFixture, StepCounters) {
+  const std::string s = "tensors[3].step";
+  auto with_step = [&](float v) {
+    AdamWTensor t = make(4);
+    *t.step = v;
+    return t;
+  };
+  AdamWTensor null_step = make(4);
+  null_step.step = nullptr;
+  expect_tensor(null_step, Errc::null_pointer, s);
+  expect_tensor(with_step(kNaNf), Errc::non_finite, s);
+  expect_tensor(with_step(kInff), Errc::non_finite, s);
+  expect_tensor(with_step(1.5f), Errc::out_of_range, s);
+  expect_tensor(with_step(-1.0f), Errc::out_of_range, s);
+  expect_tensor(with_step(16777216.0f), Errc::out_of_range, s);  // 2^24
+  expect_tensor(with_step(16777218.0f), Errc::out_of_range, s);
+  expect_tensor(with_step(1e30f), Errc::out_of_range, s);
+  // The largest valid counter.
+  AdamWTensor ok = with_step(16777215.0f);
+  EXPECT_NO_THROW(ref::adamw_step(with(ok), AdamWConfig{}));
+  EXPECT_EQ(*ok.step, 16777216.0f);
+}
+
+TEST_F(AdamWFixture, Overlaps) {
+  const std::string n = "tensors[3].";
+  {
+    // compute_param starting inside its own param.
+    AdamWTensor t = make(6, DType::f32, DType::f32);
+    t.compute_param.data = static_cast<float*>(t.param.data) + 1;
+    expect_tensor(t, Errc::overlap, n + "compute_param");
+  }
+  {
+    // exp_avg starting inside its own (f32) gradient.
+    AdamWTensor t = make(6);
+    t.exp_avg.data = const_cast<float*>(static_cast<const float*>(t.grad.data)) + 2;
+    expect_tensor(t, Errc::overlap, n + "exp_avg");
+  }
+  {
+    // exp_avg_sq starting inside tensors[0].param.
+    AdamWTensor t = make(4);
+    t.exp_avg_sq.data = static_cast<float*>(valid[0].param.data) + 1;
+    expect_tensor(t, Errc::overlap, n + "exp_avg_sq");
+  }
+  {
+    // compute_param (bf16) starting inside tensors[1].grad (read only).
+    AdamWTensor t = make(6);
+    t.compute_param.data = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(valid[1].grad.data)) + 3;
+    expect_tensor(t, Errc::overlap, n + "compute_param");
+  }
+  {
+    // Two tensors sharing one step counter (same address: either may be named).
+    AdamWTensor t = make(4);
+    t.step = valid[0].step;
+    expect(with(t), AdamWConfig{}, {}, Errc::overlap, {"tensors[3].step", "tensors[0].step"});
+  }
+  {
+    // A step counter inside its own param.
+    AdamWTensor t = make(4);
+    t.step = static_cast<float*>(t.param.data) + 2;
+    *t.step = 1.0f;
+    expect_tensor(t, Errc::overlap, n + "step");
+  }
+  {
+    // The same tensor twice: its param overlaps itself.
+    expect(with(valid[1]), AdamWConfig{}, {}, Errc::overlap,
+           {"tensors[3].param", "tensors[1].param", "tensors[3].exp_avg", "tensors[1].exp_avg",
+            "tensors[3].exp_avg_sq", "tensors[1].exp_avg_sq", "tensors[3].step", "tensors[1].step",
+            "tensors[3].compute_param", "tensors[1].compute_param", "tensors[3].grad", "tensors[1].grad"});
+  }
+  // Read-only buffers may alias: two tensors reading one gradient is valid.
+  AdamWTensor shared = make(17);
+  shared.grad = valid[1].grad;
+  EXPECT_NO_THROW(ref::adamw_step(with(shared), AdamWConfig{}));
+}
+
+// ---- SignSGD ---------------------------------------------------------------------------
+
+struct SignSgdFixture : ::testing::Test {
+  Arena arena;
+  std::vector<SignSgdTensor> valid;
+
+  SignSgdTensor make(std::size_t n, DType gdt = DType::f32, bool out = true, DType odt = DType::f16) {
+    SignSgdTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};
+    if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, odt};
+    return t;
+  }
+  void SetUp() override {
+    valid.push_back(make(5));
+    valid.push_back(make(9, DType::bf16, false));
+    valid.push_back(make(16, DType::f16, true, DType::bf16));
+  }
+  std::vector<SignSgdTensor> with(const SignSgdTensor& bad) {
+    std::vector<SignSgdTensor> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<SignSgdTensor>& ts, const SignSgdConfig& c, GradientRead r, Errc code,
+              std::vector<std::string> args) {
+    expect_error(arena, [&] { ref::sign_sgd_step(ts, c, r); }, code, std::move(args));
+  }
+};
+
+TEST_F(SignSgdFixture, ValidCallWritesTheArena) {
+  const auto before = arena.snapshot();
+  ref::sign_sgd_step(with(make(3)), SignSgdConfig{});
+  EXPECT_FALSE(arena.same(before));
+}
+
+TEST_F(SignSgdFixture, HyperParametersAndRead) {
+  const auto t = with(make(4));
+  auto cfg = [](double lr, double wd) {
+    SignSgdConfig c;
+    c.lr = lr;
+    c.weight_decay = wd;
+    return c;
+  };
+  expect(t, cfg(kNaN, 0), {}, Errc::non_finite, {"config.lr"});
+  expect(t, cfg(kInf, 0), {}, Errc::non_finite, {"config.lr"});
+  expect(t, cfg(-0.1, 0), {}, Errc::invalid_argument, {"config.lr"});
+  expect(t, cfg(1e300, 0), {}, Errc::out_of_range, {"config.lr"});
+  expect(t, cfg(0.1, kNaN), {}, Errc::non_finite, {"config.weight_decay"});
+  expect(t, cfg(0.1, -1), {}, Errc::invalid_argument, {"config.weight_decay"});
+  expect(t, cfg(0.5, 2.5), {}, Errc::invalid_argument, {"config.weight_decay"});
+  const SignSgdConfig c;
+  expect(t, c, {1.0f, 0.0f}, Errc::invalid_argument, {"read.clip"});  // SignSGD needs clip > 0
+  expect(t, c, {1.0f, 1.5f}, Errc::invalid_argument, {"read.clip"});
+  expect(t, c, {1.0f, kNaNf}, Errc::non_finite, {"read.clip"});
+  expect(t, c, {0.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, c, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, c, {kInff, 1.0f}, Errc::non_finite, {"read.scale"});
+  EXPECT_NO_THROW(ref::sign_sgd_step(t, c, {1e-30f, 1e-30f}));
+}
+
+TEST_F(SignSgdFixture, TensorsAndOverlaps) {
+  const SignSgdConfig c;
+  auto bad = [&](auto mutate) {
+    SignSgdTensor t = make(6);
+    mutate(t);
+    return with(t);
+  };
+  expect(bad([](SignSgdTensor& t) { t.param.dtype = DType::bf16; }), c, {}, Errc::unsupported_dtype,
+         {"tensors[3].param"});
+  expect(bad([](SignSgdTensor& t) { t.param.data = nullptr; }), c, {}, Errc::null_pointer, {"tensors[3].param"});
+  expect(bad([](SignSgdTensor& t) { t.grad.numel = 7; }), c, {}, Errc::size_mismatch, {"tensors[3].grad"});
+  expect(bad([](SignSgdTensor& t) { t.grad.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
+         {"tensors[3].grad"});
+  expect(bad([](SignSgdTensor& t) { t.grad.data = nullptr; }), c, {}, Errc::null_pointer, {"tensors[3].grad"});
+  expect(bad([](SignSgdTensor& t) { t.compute_param.numel = 2; }), c, {}, Errc::size_mismatch,
+         {"tensors[3].compute_param"});
+  expect(bad([](SignSgdTensor& t) { t.compute_param.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
+         {"tensors[3].compute_param"});
+  expect(bad([&](SignSgdTensor& t) { t.compute_param.data = static_cast<float*>(t.param.data) + 1; }), c, {},
+         Errc::overlap, {"tensors[3].compute_param"});
+  expect(bad([&](SignSgdTensor& t) {
+           t.param.data = const_cast<float*>(static_cast<const float*>(valid[0].grad.data)) + 1;
+         }),
+         c, {}, Errc::overlap, {"tensors[3].param"});
+  // Shared read-only gradients are fine.
+  SignSgdTensor shared = make(5);
+  shared.grad = valid[0].grad;
+  EXPECT_NO_THROW(ref::sign_sgd_step(with(shared), c));
+}
+
+// ---- accumulate ---------------------------------------------------------------------------
+
+struct AccumulateFixture : ::testing::Test {
+  Arena arena;
+  std::vector<AccumulatePair> valid;
+
+  AccumulatePair make(std::size_t n, DType sdt = DType::f32, bool copy = false) {
+    AccumulatePair p;
+    p.acc = {arena.alloc<float>(n), n, DType::f32};
+    p.src = {arena.alloc<std::uint32_t>(n), n, sdt};
+    p.copy = copy;
+    return p;
+  }
+  void SetUp() override {
+    valid.push_back(make(5));
+    valid.push_back(make(33, DType::bf16, true));
+    valid.push_back(make(8, DType::f16));
+  }
+  std::vector<AccumulatePair> with(const AccumulatePair& bad) {
+    std::vector<AccumulatePair> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const AccumulatePair& bad, Errc code, std::vector<std::string> args) {
+    const auto ps = with(bad);
+    expect_error(arena, [&] { ref::accumulate(ps); }, code, std::move(args));
+  }
+};
+
+TEST_F(AccumulateFixture, ValidCallWritesTheArena) {
+  const auto before = arena.snapshot();
+  ref::accumulate(with(make(3)));
+  EXPECT_FALSE(arena.same(before));
+}
+
+TEST_F(AccumulateFixture, BadPairs) {
+  auto bad = [&](auto mutate) {
+    AccumulatePair p = make(6);
+    mutate(p);
+    return p;
+  };
+  expect(bad([](AccumulatePair& p) { p.acc.dtype = DType::bf16; }), Errc::unsupported_dtype, {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.acc.dtype = kBadDType; }), Errc::unsupported_dtype, {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.acc.data = nullptr; }), Errc::null_pointer, {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.src.numel = 5; }), Errc::size_mismatch, {"pairs[3].src"});
+  expect(bad([](AccumulatePair& p) { p.src.dtype = kBadDType; }), Errc::unsupported_dtype, {"pairs[3].src"});
+  expect(bad([](AccumulatePair& p) { p.src.data = nullptr; }), Errc::null_pointer, {"pairs[3].src"});
+  // acc starting inside its own source.
+  expect(bad([](AccumulatePair& p) { p.acc.data = const_cast<float*>(static_cast<const float*>(p.src.data)) + 1; }),
+         Errc::overlap, {"pairs[3].acc"});
+  // acc starting inside pairs[0].acc.
+  expect(bad([&](AccumulatePair& p) { p.acc.data = static_cast<float*>(valid[0].acc.data) + 2; }), Errc::overlap,
+         {"pairs[3].acc"});
+  // src starting inside pairs[1].acc (written).
+  expect(bad([&](AccumulatePair& p) { p.src.data = static_cast<float*>(valid[1].acc.data) + 2; }), Errc::overlap,
+         {"pairs[3].src"});
+  // acc identical to its src (copy onto itself is still an overlap).
+  expect(bad([](AccumulatePair& p) {
+           p.src = ConstTensorView(p.acc);
+           p.copy = true;
+         }),
+         Errc::overlap, {"pairs[3].acc", "pairs[3].src"});
+  // Sources may alias each other.
+  AccumulatePair shared = make(5);
+  shared.src = valid[0].src;
+  EXPECT_NO_THROW(ref::accumulate(with(shared)));
+}
+
+// ---- scale_ --------------------------------------------------------------------------------
+
+struct ScaleFixture : ::testing::Test {
+  Arena arena;
+  std::vector<TensorView> valid;
+  TensorView make(std::size_t n, DType t) { return {arena.alloc<std::uint32_t>(n), n, t}; }
+  void SetUp() override {
+    valid = {make(4, DType::f32), make(9, DType::bf16), make(17, DType::f16)};
+  }
+  std::vector<TensorView> with(const TensorView& bad) {
+    std::vector<TensorView> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<TensorView>& ts, float s, Errc code, std::vector<std::string> args) {
+    expect_error(arena, [&] { ref::scale_(ts, s); }, code, std::move(args));
+  }
+};
+
+TEST_F(ScaleFixture, ScaleAndTensors) {
+  const auto ok = with(make(3, DType::f32));
+  {
+    const auto before = arena.snapshot();
+    ref::scale_(ok, 0.5f);
+    EXPECT_FALSE(arena.same(before));
+  }
+  expect(ok, kNaNf, Errc::non_finite, {"scale"});
+  expect(ok, kInff, Errc::non_finite, {"scale"});
+  expect(ok, -kInff, Errc::non_finite, {"scale"});
+  expect(ok, -1.0f, Errc::invalid_argument, {"scale"});
+  EXPECT_NO_THROW(ref::scale_(ok, 0.0f));  // s >= 0
+  TensorView t = make(6, DType::bf16);
+  t.dtype = kBadDType;
+  expect(with(t), 2.0f, Errc::unsupported_dtype, {"tensors[3]"});
+  t = make(6, DType::f16);
+  t.data = nullptr;
+  expect(with(t), 2.0f, Errc::null_pointer, {"tensors[3]"});
+  t = make(6, DType::f32);
+  t.numel = std::size_t{1} << 61;
+  expect(with(t), 2.0f, Errc::out_of_range, {"tensors[3]"});
+  // tensors[3] starting inside tensors[2].
+  t = TensorView{static_cast<std::uint16_t*>(valid[2].data) + 5, 4, DType::f16};
+  expect(with(t), 2.0f, Errc::overlap, {"tensors[3]"});
+  // The same tensor twice.
+  expect(with(valid[0]), 2.0f, Errc::overlap, {"tensors[3]", "tensors[0]"});
+}
+
+// ---- norm_partial ------------------------------------------------------------------------
+
+TEST(NormValidation, ReadAndTensors) {
+  Arena arena;
+  std::vector<ConstTensorView> ts = {ConstTensorView(arena.alloc<float>(4), 4, DType::f32),
+                                     ConstTensorView(arena.alloc<std::uint16_t>(7), 7, DType::bf16),
+                                     ConstTensorView(arena.alloc<std::uint16_t>(7), 7, DType::f16)};
+  auto expect = [&](const std::vector<ConstTensorView>& v, GradientRead r, Errc code, std::string arg) {
+    expect_error(arena, [&] { (void)ref::norm_partial(v, r); }, code, {std::move(arg)});
+  };
+  expect(ts, {0.0f, 1.0f}, Errc::invalid_argument, "read.scale");
+  expect(ts, {-2.0f, 1.0f}, Errc::invalid_argument, "read.scale");
+  expect(ts, {kNaNf, 1.0f}, Errc::non_finite, "read.scale");
+  expect(ts, {kInff, 1.0f}, Errc::non_finite, "read.scale");
+  expect(ts, {1.0f, 1.5f}, Errc::invalid_argument, "read.clip");
+  expect(ts, {1.0f, -0.1f}, Errc::invalid_argument, "read.clip");
+  expect(ts, {1.0f, kNaNf}, Errc::non_finite, "read.clip");
+  auto bad = ts;
+  bad.push_back(ConstTensorView(arena.alloc<float>(3), 3, kBadDType));
+  expect(bad, {}, Errc::unsupported_dtype, "tensors[3]");
+  bad.back() = ConstTensorView(nullptr, 3, DType::f32);
+  expect(bad, {}, Errc::null_pointer, "tensors[3]");
+  bad.back() = ConstTensorView(arena.alloc<float>(3), std::size_t{1} << 61, DType::f32);
+  expect(bad, {}, Errc::out_of_range, "tensors[3]");
+  // Inputs may overlap (read only), clip may be 0, empty tensors may be null.
+  auto fine = ts;
+  fine.push_back(ts[0]);
+  fine.push_back(ConstTensorView(nullptr, 0, DType::f16));
+  EXPECT_NO_THROW((void)ref::norm_partial(fine, {2.0f, 0.0f}));
+}
+
+// ---- the error type ------------------------------------------------------------------------
+
+TEST(ErrorType, CodeArgumentAndMessage) {
+  const stepcore::Error e(Errc::size_mismatch, "tensors[2].grad", "5 elements, but param has 6");
+  EXPECT_EQ(e.code(), Errc::size_mismatch);
+  EXPECT_EQ(e.argument(), "tensors[2].grad");
+  const std::string what = e.what();
+  EXPECT_NE(what.find("size_mismatch"), std::string::npos);
+  EXPECT_NE(what.find("tensors[2].grad"), std::string::npos);
+  EXPECT_EQ(stepcore::errc_name(Errc::overlap), "overlap");
+  EXPECT_EQ(stepcore::errc_name(Errc::non_finite), "non_finite");
+}
+
+}  // namespace

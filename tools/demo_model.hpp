@@ -47,7 +47,14 @@ inline const ModelConfig* find_model(std::string_view name) {
 }
 
 /// What a tensor is; decides its init, gradient magnitude and weight-decay group.
-enum class TensorKind : std::uint8_t { embedding, lm_head, attn_weight, attn_bias, mlp_weight, norm };
+enum class TensorKind : std::uint8_t {
+  embedding,
+  lm_head,
+  attn_weight,
+  attn_bias,
+  mlp_weight,
+  norm
+};
 
 /// One parameter tensor: its Hugging Face name, shape (cols 1 for vectors) and kind.
 struct TensorSpec {
@@ -100,12 +107,18 @@ inline bool no_decay(TensorKind k) { return k == TensorKind::norm || k == Tensor
 /// tied embedding also receives lm_head's dense gradient), large for norms.
 inline double grad_weight(TensorKind k, bool tied) {
   switch (k) {
-    case TensorKind::embedding: return tied ? 0.3 : 0.05;
-    case TensorKind::lm_head: return 0.5;
-    case TensorKind::attn_weight: return 1.0;
-    case TensorKind::attn_bias: return 2.0;
-    case TensorKind::mlp_weight: return 0.7;
-    case TensorKind::norm: return 4.0;
+    case TensorKind::embedding:
+      return tied ? 0.3 : 0.05;
+    case TensorKind::lm_head:
+      return 0.5;
+    case TensorKind::attn_weight:
+      return 1.0;
+    case TensorKind::attn_bias:
+      return 2.0;
+    case TensorKind::mlp_weight:
+      return 0.7;
+    case TensorKind::norm:
+      return 4.0;
   }
   return 1.0;
 }
@@ -165,7 +178,8 @@ inline float gauss_in_block(BlockKeys k, std::uint32_t j) {
   const std::uint32_t x = j * 0x9E3779B9u;
   const std::uint32_t a = mix32(x + k.k0);
   const std::uint32_t b = mix32(x + k.k1);
-  const std::int32_t s = static_cast<std::int32_t>((a & 0xFFFFu) + (a >> 16) + (b & 0xFFFFu) + (b >> 16));
+  const std::int32_t s =
+      static_cast<std::int32_t>((a & 0xFFFFu) + (a >> 16) + (b & 0xFFFFu) + (b >> 16));
   // Four uniforms on {0..65535}: mean 131070, variance 4 * (65536^2 - 1) / 12.
   constexpr float kInvStd = 1.0f / 37837.23f;
   return static_cast<float>(s - 131070) * kInvStd;
@@ -178,7 +192,8 @@ inline float gauss(std::uint64_t key, std::uint64_t i) {
 
 /// Writes out[i] = from_f32<T>(stddev * gauss(key, i)) for i < n: the same
 /// values as the per-element form, in a loop the compiler vectorises.
-template <class T> void fill_gauss(T* out, std::size_t n, std::uint64_t key, float stddev) {
+template <class T>
+void fill_gauss(T* out, std::size_t n, std::uint64_t key, float stddev) {
   for (std::uint64_t block = 0; block * 0x100000000ull < n; ++block) {
     const BlockKeys k = block_keys(key, block);
     T* o = out + block * 0x100000000ull;
@@ -207,7 +222,7 @@ inline void fill_init(float* out, std::size_t n, std::uint64_t seed, std::size_t
 /// step, from the batch's loss mask): each micro-batch of 8 sequences x 2048
 /// positions has 20-55 % of its positions as response tokens.
 inline std::vector<std::int64_t> micro_batch_tokens(std::uint64_t seed, std::int64_t step,
-                                                     std::int64_t micro_batches) {
+                                                    std::int64_t micro_batches) {
   std::vector<std::int64_t> tokens(static_cast<std::size_t>(micro_batches));
   const std::uint64_t key = stream_key(seed, kTokenDomain, static_cast<std::uint64_t>(step));
   for (std::int64_t k = 0; k < micro_batches; ++k) {
@@ -223,7 +238,8 @@ inline std::vector<std::int64_t> micro_batch_tokens(std::uint64_t seed, std::int
 inline double target_norm(std::uint64_t seed, std::int64_t step) {
   static constexpr double kCycle[] = {2.2, 0.6, 1.5, 0.75, 0.45, 3.5, 0.85, 1.3};
   const double base = kCycle[static_cast<std::size_t>(step) % std::size(kCycle)];
-  const double jitter = 0.9 + 0.2 * uniform(stream_key(seed, kNormDomain, 0), static_cast<std::uint64_t>(step));
+  const double jitter =
+      0.9 + 0.2 * uniform(stream_key(seed, kNormDomain, 0), static_cast<std::uint64_t>(step));
   return base * jitter;
 }
 
@@ -252,8 +268,10 @@ inline std::vector<double> grad_sigmas(std::span<const TensorSpec> layout, bool 
 }
 
 /// Returns the key of the gradient stream of tensor t in micro-batch k of `step`.
-inline std::uint64_t grad_key(std::uint64_t seed, std::int64_t step, std::int64_t k, std::size_t t) {
-  return stream_key(seed, kGradDomain, static_cast<std::uint64_t>(step), static_cast<std::uint64_t>(k), t);
+inline std::uint64_t grad_key(std::uint64_t seed, std::int64_t step, std::int64_t k,
+                              std::size_t t) {
+  return stream_key(seed, kGradDomain, static_cast<std::uint64_t>(step),
+                    static_cast<std::uint64_t>(k), t);
 }
 
 /// Returns the synthetic gradient (before rounding to its dtype) of element i

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <new>
 #include <span>
@@ -56,7 +57,7 @@ struct Options {
   std::int64_t vocab = 32768;  ///< 0: the model's own size
   std::int64_t steps = 3;
   std::int64_t micro_batches = 4;
-  double max_norm = 1.0;       ///< 0: no clipping
+  double max_norm = 1.0;  ///< 0: no clipping
   sc::DType grad_dtype = sc::DType::bf16;
   sc::AdamWFormula formula = sc::AdamWFormula::native;
   Optimizer optimizer = Optimizer::adamw;
@@ -133,7 +134,23 @@ std::uint64_t parse_u64(std::string_view opt, const std::string& text) {
 /// Returns the layer or vocab override: "full" -> 0, else an integer in [1, hi].
 std::int64_t parse_size(std::string_view opt, const std::string& text, std::int64_t hi) {
   if (text == "full") return 0;
-  return parse_int(opt, text, 1, hi);
+  try {
+    return parse_int(opt, text, 1, hi);
+  } catch (const UsageError&) {
+    throw UsageError(std::string(opt) + ": expected 'full' or an integer in [1, " +
+                     std::to_string(hi) + "], got '" + text + "'");
+  }
+}
+
+/// Returns true for the options that take a value.
+bool takes_value(std::string_view name) {
+  static constexpr std::string_view kValued[] = {
+      "--model",        "--layers",     "--vocab",     "--steps",     "--micro-batches",
+      "--max-norm",     "--grad-dtype", "--optimizer", "--formula",   "--lr",
+      "--weight-decay", "--seed",       "--backend",   "--inject-inf"};
+  for (const std::string_view v : kValued)
+    if (v == name) return true;
+  return false;
 }
 
 /// Applies option `name` with `value` to `o`; throws UsageError when either is bad.
@@ -141,7 +158,8 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
   if (name == "--model") {
     if (demo::find_model(value) == nullptr) {
       std::string known;
-      for (const demo::ModelConfig& m : demo::kModels) known += (known.empty() ? "" : ", ") + std::string(m.name);
+      for (const demo::ModelConfig& m : demo::kModels)
+        known += (known.empty() ? "" : ", ") + std::string(m.name);
       throw UsageError("--model: unknown model '" + value + "' (known: " + known + ")");
     }
     o.model = value;
@@ -158,17 +176,26 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     if (!std::isfinite(static_cast<float>(o.max_norm)))
       throw UsageError("--max-norm: must be finite in f32, got '" + value + "'");
   } else if (name == "--grad-dtype") {
-    if (value == "bf16") o.grad_dtype = sc::DType::bf16;
-    else if (value == "f32") o.grad_dtype = sc::DType::f32;
-    else throw UsageError("--grad-dtype: expected bf16 or f32, got '" + value + "'");
+    if (value == "bf16")
+      o.grad_dtype = sc::DType::bf16;
+    else if (value == "f32")
+      o.grad_dtype = sc::DType::f32;
+    else
+      throw UsageError("--grad-dtype: expected bf16 or f32, got '" + value + "'");
   } else if (name == "--optimizer") {
-    if (value == "adamw") o.optimizer = Optimizer::adamw;
-    else if (value == "sign_sgd") o.optimizer = Optimizer::sign_sgd;
-    else throw UsageError("--optimizer: expected adamw or sign_sgd, got '" + value + "'");
+    if (value == "adamw")
+      o.optimizer = Optimizer::adamw;
+    else if (value == "sign_sgd")
+      o.optimizer = Optimizer::sign_sgd;
+    else
+      throw UsageError("--optimizer: expected adamw or sign_sgd, got '" + value + "'");
   } else if (name == "--formula") {
-    if (value == "native") o.formula = sc::AdamWFormula::native;
-    else if (value == "torch") o.formula = sc::AdamWFormula::torch;
-    else throw UsageError("--formula: expected native or torch, got '" + value + "'");
+    if (value == "native")
+      o.formula = sc::AdamWFormula::native;
+    else if (value == "torch")
+      o.formula = sc::AdamWFormula::torch;
+    else
+      throw UsageError("--formula: expected native or torch, got '" + value + "'");
   } else if (name == "--lr") {
     o.lr = parse_nonneg(name, value);
   } else if (name == "--weight-decay") {
@@ -197,18 +224,15 @@ Options parse_options(int argc, char** argv) {
       o.print_layout = true;
       continue;
     }
-    if (arg.rfind("--", 0) != 0 || arg.size() == 2) throw UsageError("unexpected argument '" + arg + "'");
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2)
+      throw UsageError("unexpected argument '" + arg + "'");
     const std::size_t eq = arg.find('=');
     const std::string name = arg.substr(0, eq);
     std::string value;
     if (eq != std::string::npos) {
       value = arg.substr(eq + 1);
     } else {
-      if (name == "--model" || name == "--layers" || name == "--vocab" || name == "--steps" ||
-          name == "--micro-batches" || name == "--max-norm" || name == "--grad-dtype" ||
-          name == "--optimizer" || name == "--formula" || name == "--lr" ||
-          name == "--weight-decay" || name == "--seed" || name == "--backend" ||
-          name == "--inject-inf") {
+      if (takes_value(name)) {
         if (i + 1 >= argc) throw UsageError(name + ": missing value");
         value = argv[++i];
       }
@@ -241,18 +265,21 @@ struct Backend {
 /// Returns the backend called `name`; throws UsageError for an unknown one.
 Backend make_backend(std::string_view name) {
   if (name == "reference")
-    return {"reference", "scalar reference, one element at a time (the oracle)",
-            &sc::reference::accumulate, &sc::reference::norm_partial, &sc::reference::adamw_step,
+    return {"reference",
+            "scalar reference, one element at a time (the oracle)",
+            &sc::reference::accumulate,
+            &sc::reference::norm_partial,
+            &sc::reference::adamw_step,
             &sc::reference::sign_sgd_step};
-  throw UsageError("--backend: unknown backend '" + std::string(name) +
-                   "' (available: reference)");
+  throw UsageError("--backend: unknown backend '" + std::string(name) + "' (available: reference)");
 }
 
 // ---- memory -------------------------------------------------------------------------
 
 /// A zero-filled, page-aligned array of trivially copyable T whose pages are all
 /// touched at allocation, so no timed phase pays for first-touch page faults.
-template <class T> class AlignedArray {
+template <class T>
+class AlignedArray {
  public:
   AlignedArray() = default;
   /// Allocates n zeroed elements; throws std::bad_alloc.
@@ -262,7 +289,8 @@ template <class T> class AlignedArray {
 #if defined(__linux__)
     // MAP_POPULATE faults the (kernel-zeroed) pages in one go: about twice as fast
     // as touching them one by one on virtual machines.
-    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
 #else
     void* p = std::aligned_alloc(4096, bytes_);
@@ -294,12 +322,12 @@ template <class T> class AlignedArray {
 
 /// The instantiated model: config with overrides, tensor table and offsets.
 struct Model {
-  demo::ModelConfig config;                ///< with --layers/--vocab applied
+  demo::ModelConfig config;  ///< with --layers/--vocab applied
   const demo::ModelConfig* published = nullptr;
   std::vector<demo::TensorSpec> layout;
-  std::vector<std::size_t> offset;         ///< element offset of each tensor, 32-aligned
-  std::size_t numel = 0;                   ///< parameters
-  std::size_t padded = 0;                  ///< elements of each flat buffer
+  std::vector<std::size_t> offset;  ///< element offset of each tensor, 32-aligned
+  std::size_t numel = 0;            ///< parameters
+  std::size_t padded = 0;           ///< elements of each flat buffer
 };
 
 /// Returns the model of the options: the published config, scaled down as asked.
@@ -320,17 +348,17 @@ Model make_model(const Options& o) {
 
 /// The training state: flat buffers, one slice per tensor.
 struct State {
-  AlignedArray<float> param;        ///< f32 master parameters
-  AlignedArray<float> exp_avg;      ///< AdamW first moment (empty for SignSGD)
-  AlignedArray<float> exp_avg_sq;   ///< AdamW second moment (empty for SignSGD)
-  AlignedArray<float> acc;          ///< f32 gradient accumulators
+  AlignedArray<float> param;               ///< f32 master parameters
+  AlignedArray<float> exp_avg;             ///< AdamW first moment (empty for SignSGD)
+  AlignedArray<float> exp_avg_sq;          ///< AdamW second moment (empty for SignSGD)
+  AlignedArray<float> acc;                 ///< f32 gradient accumulators
   AlignedArray<sc::bfloat16_t> compute;    ///< bf16 compute weights (the model's copy)
   AlignedArray<sc::bfloat16_t> grad_bf16;  ///< one micro-batch's gradients, bf16
   AlignedArray<float> grad_f32;            ///< one micro-batch's gradients, f32
   std::vector<float> step;                 ///< per-tensor AdamW step counters
 };
 
-/// Allocates the state for `m` and sets initial weights and compute weights.
+/// Allocates the (zeroed, pre-faulted) state for `m`.
 State make_state(const Model& m, const Options& o) {
   State s;
   s.param = AlignedArray<float>(m.padded);
@@ -340,24 +368,30 @@ State make_state(const Model& m, const Options& o) {
   }
   s.acc = AlignedArray<float>(m.padded);
   s.compute = AlignedArray<sc::bfloat16_t>(m.padded);
-  if (o.grad_dtype == sc::DType::bf16) s.grad_bf16 = AlignedArray<sc::bfloat16_t>(m.padded);
-  else s.grad_f32 = AlignedArray<float>(m.padded);
+  if (o.grad_dtype == sc::DType::bf16)
+    s.grad_bf16 = AlignedArray<sc::bfloat16_t>(m.padded);
+  else
+    s.grad_f32 = AlignedArray<float>(m.padded);
   s.step.assign(m.layout.size(), 0.0f);
+  return s;
+}
+
+/// Sets the initial f32 weights and their bf16 compute copies.
+void init_weights(const Model& m, State& s, const Options& o) {
   for (std::size_t t = 0; t < m.layout.size(); ++t) {
     float* p = s.param.data() + m.offset[t];
     sc::bfloat16_t* c = s.compute.data() + m.offset[t];
     demo::fill_init(p, m.layout[t].numel(), o.seed, t, m.layout[t].kind);
     for (std::size_t i = 0; i < m.layout[t].numel(); ++i) c[i] = sc::from_f32<sc::bfloat16_t>(p[i]);
   }
-  return s;
 }
 
 /// The stepcore argument lists of a run, built once over the state's buffers.
 struct Calls {
-  std::vector<sc::AccumulatePair> first;   ///< copy pairs (first micro-batch)
-  std::vector<sc::AccumulatePair> rest;    ///< add pairs
-  std::vector<sc::ConstTensorView> accs;   ///< accumulators, for the norm
-  std::vector<sc::AdamWTensor> adamw[2];   ///< [0]: decayed, [1]: no decay
+  std::vector<sc::AccumulatePair> first;  ///< copy pairs (first micro-batch)
+  std::vector<sc::AccumulatePair> rest;   ///< add pairs
+  std::vector<sc::ConstTensorView> accs;  ///< accumulators, for the norm
+  std::vector<sc::AdamWTensor> adamw[2];  ///< [0]: decayed, [1]: no decay
   std::vector<sc::SignSgdTensor> sign[2];
 };
 
@@ -396,8 +430,19 @@ void fill_micro_batch(const Model& m, State& s, const Options& o, std::int64_t s
     const std::uint64_t key = demo::grad_key(o.seed, step, k, t);
     const float sd = static_cast<float>(stddev[t]);
     const std::size_t n = m.layout[t].numel();
-    if (o.grad_dtype == sc::DType::bf16) demo::fill_gauss(s.grad_bf16.data() + m.offset[t], n, key, sd);
-    else demo::fill_gauss(s.grad_f32.data() + m.offset[t], n, key, sd);
+    if (o.grad_dtype == sc::DType::bf16)
+      demo::fill_gauss(s.grad_bf16.data() + m.offset[t], n, key, sd);
+    else
+      demo::fill_gauss(s.grad_f32.data() + m.offset[t], n, key, sd);
+    // Spot check: the vectorised fill gives what regenerating one element gives.
+    const float x = demo::grad_value(o.seed, step, k, t, n - 1, sd);
+    const bool same =
+        o.grad_dtype == sc::DType::bf16
+            ? s.grad_bf16.data()[m.offset[t] + n - 1].bits == sc::from_f32<sc::bfloat16_t>(x).bits
+            : sc::f32_bits(s.grad_f32.data()[m.offset[t] + n - 1]) == sc::f32_bits(x);
+    if (!same)
+      throw sc::Error(sc::Errc::internal, m.layout[t].name,
+                      "synthetic gradient fill is not reproducible");
   }
 }
 
@@ -406,9 +451,11 @@ void fill_micro_batch(const Model& m, State& s, const Options& o, std::int64_t s
 std::string inject_inf(const Model& m, State& s, const Options& o) {
   const std::size_t t = m.layout.size() / 2;
   const std::size_t i = m.layout[t].numel() / 2;
-  const float inf = INFINITY;
-  if (o.grad_dtype == sc::DType::bf16) s.grad_bf16.data()[m.offset[t] + i] = sc::from_f32<sc::bfloat16_t>(inf);
-  else s.grad_f32.data()[m.offset[t] + i] = inf;
+  const float inf = std::numeric_limits<float>::infinity();
+  if (o.grad_dtype == sc::DType::bf16)
+    s.grad_bf16.data()[m.offset[t] + i] = sc::from_f32<sc::bfloat16_t>(inf);
+  else
+    s.grad_f32.data()[m.offset[t] + i] = inf;
   return m.layout[t].name + "[" + std::to_string(i) + "]";
 }
 
@@ -424,15 +471,18 @@ double seconds_since(Clock::time_point t0) {
 /// Returns n with thousands separators ("37,174,144").
 std::string grouped(std::uint64_t n) {
   std::string d = std::to_string(n);
-  for (int i = static_cast<int>(d.size()) - 3; i > 0; i -= 3) d.insert(static_cast<std::size_t>(i), ",");
+  for (int i = static_cast<int>(d.size()) - 3; i > 0; i -= 3)
+    d.insert(static_cast<std::size_t>(i), ",");
   return d;
 }
 
 /// Returns a byte count in MiB or GiB.
 std::string human_bytes(double b) {
   char buf[32];
-  if (b >= 1024.0 * 1024 * 1024) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
-  else std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
+  if (b >= 1024.0 * 1024 * 1024)
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1024.0 * 1024 * 1024));
+  else
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / (1024.0 * 1024));
   return buf;
 }
 
@@ -445,8 +495,9 @@ std::string f32_text(float x) {
 
 /// Prints one timed phase: name, milliseconds, GB/s of `bytes` touched, and a note.
 void print_phase(const char* name, double sec, double bytes, const std::string& note) {
-  if (bytes > 0)
-    std::printf("  %-10s %9.1f ms %7.2f GB/s   %s\n", name, sec * 1e3, bytes / sec / 1e9, note.c_str());
+  if (bytes > 0 && sec > 0)
+    std::printf("  %-10s %9.1f ms %7.2f GB/s   %s\n", name, sec * 1e3, bytes / sec / 1e9,
+                note.c_str());
   else
     std::printf("  %-10s %9.1f ms %12s   %s\n", name, sec * 1e3, "", note.c_str());
 }
@@ -474,62 +525,73 @@ std::uint64_t hash_bf16(const Model& m, const sc::bfloat16_t* buf) {
   return f.h;
 }
 
+/// Returns the printable name of a tensor kind.
 const char* kind_name(demo::TensorKind k) {
   switch (k) {
-    case demo::TensorKind::embedding: return "embedding";
-    case demo::TensorKind::lm_head: return "lm_head";
-    case demo::TensorKind::attn_weight: return "attention";
-    case demo::TensorKind::attn_bias: return "bias";
-    case demo::TensorKind::mlp_weight: return "mlp";
-    case demo::TensorKind::norm: return "norm";
+    case demo::TensorKind::embedding:
+      return "embedding";
+    case demo::TensorKind::lm_head:
+      return "lm_head";
+    case demo::TensorKind::attn_weight:
+      return "attention";
+    case demo::TensorKind::attn_bias:
+      return "bias";
+    case demo::TensorKind::mlp_weight:
+      return "mlp";
+    case demo::TensorKind::norm:
+      return "norm";
   }
   return "?";
 }
 
-/// Prints the model, its layout summary and the size of the state.
-void print_header(const Model& m, const State& s, const Options& o, const Backend& b) {
+/// Prints the backend, the model, its layout summary, the size of the state and the run.
+void print_header(const Model& m, const Options& o, const Backend& b) {
   const demo::ModelConfig& c = m.config;
   const demo::ModelConfig& p = *m.published;
   std::printf("stepcore-demo %d.%d.%d\n", STEPCORE_VERSION_MAJOR, STEPCORE_VERSION_MINOR,
               STEPCORE_VERSION_PATCH);
   std::printf("backend    %.*s: %.*s\n", static_cast<int>(b.name.size()), b.name.data(),
               static_cast<int>(b.description.size()), b.description.data());
-  std::printf("model      %.*s layout: layers %" PRId64 " of %" PRId64 ", vocab %" PRId64 " of %" PRId64
-              ", hidden %" PRId64 ", intermediate %" PRId64 ", heads %" PRId64 " (kv %" PRId64 ") x %" PRId64
-              "%s, %s embeddings\n",
+  std::printf("model      %.*s layout: layers %" PRId64 " of %" PRId64 ", vocab %" PRId64
+              " of %" PRId64 ", hidden %" PRId64 ", intermediate %" PRId64 ", heads %" PRId64
+              " (kv %" PRId64 ") x %" PRId64 "%s, %s embeddings\n",
               static_cast<int>(c.name.size()), c.name.data(), c.layers, p.layers, c.vocab, p.vocab,
-              c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim, c.qkv_bias ? ", q/k/v bias" : "",
-              c.tied_embeddings ? "tied" : "untied");
+              c.hidden, c.intermediate, c.heads, c.kv_heads, c.head_dim,
+              c.qkv_bias ? ", q/k/v bias" : "", c.tied_embeddings ? "tied" : "untied");
   std::size_t nodecay = 0;
-  for (const demo::TensorSpec& t : m.layout) nodecay += demo::no_decay(t.kind) ? 1 : 0;
+  for (const demo::TensorSpec& t : m.layout)
+    if (demo::no_decay(t.kind)) ++nodecay;
   std::printf("layout     %zu tensors (%zu without decay), %s parameters (published model: %s)\n",
               m.layout.size(), nodecay, grouped(m.numel).c_str(),
               grouped(demo::total_numel(demo::build_layout(p))).c_str());
   if (o.print_layout)
     for (std::size_t t = 0; t < m.layout.size(); ++t)
-      std::printf("  %-48s %7" PRId64 " x %-6" PRId64 " %12s  %s\n", m.layout[t].name.c_str(), m.layout[t].rows,
-                  m.layout[t].cols, grouped(m.layout[t].numel()).c_str(), kind_name(m.layout[t].kind));
-  const double total = static_cast<double>(s.param.bytes() + s.exp_avg.bytes() + s.exp_avg_sq.bytes() +
-                                           s.acc.bytes() + s.compute.bytes() + s.grad_bf16.bytes() +
-                                           s.grad_f32.bytes());
+      std::printf("  %-48s %7" PRId64 " x %-6" PRId64 " %12s  %s\n", m.layout[t].name.c_str(),
+                  m.layout[t].rows, m.layout[t].cols, grouped(m.layout[t].numel()).c_str(),
+                  kind_name(m.layout[t].kind));
+  const double n = static_cast<double>(m.numel);
+  const double moments = o.optimizer == Optimizer::adamw ? 8.0 * n : 0.0;
+  const double grads = static_cast<double>(sc::dtype_size(o.grad_dtype)) * n;
+  const double total = 4.0 * n + moments + 4.0 * n + grads + 2.0 * n;
   std::printf("state      %s (%.0f B/parameter): params f32 %s, ", human_bytes(total).c_str(),
-              total / static_cast<double>(m.numel), human_bytes(static_cast<double>(s.param.bytes())).c_str());
+              total / n, human_bytes(4.0 * n).c_str());
   if (o.optimizer == Optimizer::adamw)
-    std::printf("exp_avg + exp_avg_sq f32 %s, ",
-                human_bytes(static_cast<double>(s.exp_avg.bytes() + s.exp_avg_sq.bytes())).c_str());
+    std::printf("exp_avg + exp_avg_sq f32 %s, ", human_bytes(moments).c_str());
   std::printf("accumulators f32 %s, micro-batch grads %s %s, compute weights bf16 %s\n",
-              human_bytes(static_cast<double>(s.acc.bytes())).c_str(), o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32",
-              human_bytes(static_cast<double>(s.grad_bf16.bytes() + s.grad_f32.bytes())).c_str(),
-              human_bytes(static_cast<double>(s.compute.bytes())).c_str());
-  std::printf("run        %" PRId64 " steps x %" PRId64 " micro-batches, ", o.steps, o.micro_batches);
+              human_bytes(4.0 * n).c_str(), o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32",
+              human_bytes(grads).c_str(), human_bytes(2.0 * n).c_str());
+  std::printf("run        %" PRId64 " steps x %" PRId64 " micro-batches, ", o.steps,
+              o.micro_batches);
   if (o.optimizer == Optimizer::adamw)
     std::printf("adamw (%s formula, betas 0.9/0.999, eps 1e-8), ",
                 o.formula == sc::AdamWFormula::native ? "native" : "torch");
   else
     std::printf("sign_sgd, ");
   std::printf("lr %g, weight decay %g, max_norm ", o.lr, o.weight_decay);
-  if (o.max_norm > 0.0) std::printf("%g", o.max_norm);
-  else std::printf("none (no clipping)");
+  if (o.max_norm > 0.0)
+    std::printf("%g", o.max_norm);
+  else
+    std::printf("none (no clipping)");
   std::printf(", seed %" PRIu64 "\n", o.seed);
 }
 
@@ -554,14 +616,15 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
   }
   // The step's gradient scale: 1 / loss tokens, a Python double narrowed to f32.
   const float scale = static_cast<float>(1.0 / static_cast<double>(total_tokens));
-  std::printf("step %" PRId64 "/%" PRId64 ": %" PRId64 " loss tokens in %" PRId64 " micro-batches%s%s%s, scale %s\n",
-              step + 1, o.steps, total_tokens, o.micro_batches, split.empty() ? "" : " (", split.c_str(),
-              split.empty() ? "" : ")", f32_text(scale).c_str());
+  std::printf("step %" PRId64 "/%" PRId64 ": %" PRId64 " loss tokens in %" PRId64
+              " micro-batches%s%s%s, scale %s\n",
+              step + 1, o.steps, total_tokens, o.micro_batches, split.empty() ? "" : " (",
+              split.c_str(), split.empty() ? "" : ")", f32_text(scale).c_str());
 
   // Micro-batches: generate (not a stepcore phase), then accumulate.
   const double n = static_cast<double>(m.numel);
-  const std::vector<double> stddev =
-      demo::grad_sigmas(m.layout, m.config.tied_embeddings, tokens, demo::target_norm(o.seed, step));
+  const std::vector<double> stddev = demo::grad_sigmas(m.layout, m.config.tied_embeddings, tokens,
+                                                       demo::target_norm(o.seed, step));
   double gen_s = 0.0, acc_s = 0.0, acc_bytes = 0.0;
   std::string injected;
   for (std::int64_t k = 0; k < o.micro_batches; ++k) {
@@ -578,7 +641,8 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
   }
   print_phase("generate", gen_s, 0.0,
               std::string("synthetic ") + (o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32") +
-                  " gradients (input synthesis, not a stepcore phase)" + (injected.empty() ? "" : "; +Inf injected at " + injected));
+                  " gradients (input synthesis, not a stepcore phase)" +
+                  (injected.empty() ? "" : "; +Inf injected at " + injected));
   print_phase("accumulate", acc_s, acc_bytes, "into f32 accumulators (copy, then add)");
 
   // Exact global norm of the scaled gradients.
@@ -587,14 +651,16 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
   const sc::NormResult r = sc::finalize(partial);
   const double norm_s = seconds_since(t0);
   if (r.needs_exact)  // only approximate partials can ask for this; exact backends never do
-    throw sc::Error(sc::Errc::internal, "norm", "backend gave an approximate partial that finalize could not certify");
+    throw sc::Error(sc::Errc::internal, "norm",
+                    "backend gave an approximate partial that finalize could not certify");
   print_phase("norm", norm_s, 4.0 * n,
               "norm " + f32_text(r.norm) + "  max|g| " + f32_text(r.max_abs));
   double opt_s = 0.0;
   totals.phases += acc_s + norm_s;
   if (!r.finite) {
     if (r.nan_count + r.inf_count > 0)
-      std::printf("  found-inf  %" PRIu64 " NaN and %" PRIu64 " Inf gradient values", r.nan_count, r.inf_count);
+      std::printf("  found-inf  %" PRIu64 " NaN and %" PRIu64 " Inf gradient values", r.nan_count,
+                  r.inf_count);
     else
       std::printf("  found-inf  the norm overflows f32");
     std::printf(": optimizer step SKIPPED, parameters and moments unchanged\n");
@@ -602,7 +668,8 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
     return;
   }
 
-  const float clip = o.max_norm > 0.0 ? sc::clip_coefficient(r.norm, static_cast<float>(o.max_norm)) : 1.0f;
+  const float clip =
+      o.max_norm > 0.0 ? sc::clip_coefficient(r.norm, static_cast<float>(o.max_norm)) : 1.0f;
   const bool clipped = clip < 1.0f;
   std::printf("  clip       coefficient %s  %s\n", f32_text(clip).c_str(),
               o.max_norm > 0.0 ? (clipped ? "-> clipped" : "-> not clipped") : "(clipping off)");
@@ -639,25 +706,32 @@ int run(const Options& o) {
   const auto start = Clock::now();
   const Backend backend = make_backend(o.backend);
   const Model model = make_model(o);
+  print_header(model, o, backend);
+  std::fflush(stdout);
   auto t0 = Clock::now();
   State state = make_state(model, o);
-  const Calls calls = make_calls(model, state, o);
+  const double alloc_s = seconds_since(t0);
+  t0 = Clock::now();
+  init_weights(model, state, o);
   const double init_s = seconds_since(t0);
-  print_header(model, state, o, backend);
-  std::printf("init       %.1f ms (allocate, initial weights)\n", init_s * 1e3);
+  const Calls calls = make_calls(model, state, o);
+  std::printf("init       allocate and pre-fault %.1f ms, initial weights %.1f ms\n", alloc_s * 1e3,
+              init_s * 1e3);
 
   Totals totals;
-  for (std::int64_t step = 0; step < o.steps; ++step) run_step(model, state, calls, o, backend, step, totals);
+  for (std::int64_t step = 0; step < o.steps; ++step)
+    run_step(model, state, calls, o, backend, step, totals);
 
-  std::printf("checksum   params f32 %016" PRIx64 "  compute bf16 %016" PRIx64, hash_f32(model, state.param.data()),
-              hash_bf16(model, state.compute.data()));
+  std::printf("checksum   params f32 %016" PRIx64 "  compute bf16 %016" PRIx64,
+              hash_f32(model, state.param.data()), hash_bf16(model, state.compute.data()));
   if (o.optimizer == Optimizer::adamw)
-    std::printf("  exp_avg %016" PRIx64 "  exp_avg_sq %016" PRIx64, hash_f32(model, state.exp_avg.data()),
-                hash_f32(model, state.exp_avg_sq.data()));
+    std::printf("  exp_avg %016" PRIx64 "  exp_avg_sq %016" PRIx64,
+                hash_f32(model, state.exp_avg.data()), hash_f32(model, state.exp_avg_sq.data()));
   std::printf("  (FNV-1a 64 over bit patterns)\n");
-  std::printf("summary    %" PRId64 " steps: %" PRId64 " applied, %" PRId64 " skipped (found-inf), %" PRId64
-              " clipped; stepcore phases %.2f s, total %.2f s\n",
-              o.steps, totals.applied, totals.skipped, totals.clipped, totals.phases, seconds_since(start));
+  std::printf("summary    %" PRId64 " steps: %" PRId64 " applied, %" PRId64
+              " skipped (found-inf), %" PRId64 " clipped; stepcore phases %.2f s, total %.2f s\n",
+              o.steps, totals.applied, totals.skipped, totals.clipped, totals.phases,
+              seconds_since(start));
   return kExitOk;
 }
 

@@ -110,8 +110,10 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
   if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
   if (c.lr * c.weight_decay > 1.0)
     fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
-  if (!std::isfinite(static_cast<float>(c.lr)) || !std::isfinite(static_cast<float>(c.eps)))
-    fail(Errc::out_of_range, "config.lr", "lr and eps must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
   if (static_cast<float>(c.eps) == 0.0f)
     fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
   validate_read(read);

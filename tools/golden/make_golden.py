@@ -60,7 +60,9 @@ sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
 
 clip_grad_norm.txt -- torch.nn.utils.clip_grad_norm_(params, max_norm) on f32 gradients:
 
-    case <name> <K>
+    case <name> <K> <check: bound|none>  bound: torch's norm is within the f32 summation
+                                       bound of the exact one; none: f32 squares underflow
+                                       or overflow in torch, no bound is claimed
     max_norm <double> <f32>            the Python float, and f32(max_norm)
     sizes ...
     grad <t> <f32>...                  K lines: the gradients before clipping
@@ -387,14 +389,21 @@ def sign_sgd_nan_case():
 
 
 def sign_sgd_init(gen, case):
+    """Initial parameters: random, one +0 and one -0 per tensor (their indices are kept in
+    case["zeros"]), and, with weight decay, a quarter of values whose decay rounds
+    differently with and without an FMA."""
     params = [torch.randn(n, generator=gen) for n in case["sizes"]]
     c = f32_value(-case["lr"] * case["wd"]) if case["wd"] > 0 else None
+    case["zeros"] = []
     for p in params:
         n = p.numel()
         idx = torch.randperm(n, generator=gen).tolist()
         if n >= 3:
             p[idx[0]] = 0.0
             p[idx[1]] = -0.0
+            case["zeros"].append((idx[0], idx[1]))
+        else:
+            case["zeros"].append(None)
         if c is not None and n >= 8:
             k = n // 4
             vals = fma_discriminating_params(gen, k, torch.tensor(c, dtype=torch.float32))
@@ -421,8 +430,15 @@ def run_sign_sgd(case):
     init = [p.clone() for p in params]
     steps = []
     lr, wd = case["lr"], case["wd"]
-    for _ in range(case["steps"]):
+    for s in range(case["steps"]):
         grads = [sign_sgd_grad(gen, n, case["gdtype"], case.get("nan", False)) for n in case["sizes"]]
+        if s == 0:
+            # zero gradients of both signs on the zero parameters: sign(+-0) and the sign of
+            # the zero sum p + sign(g) * -lr are then visible in the result
+            for t, z in enumerate(case["zeros"]):
+                if z is not None:
+                    grads[t][z[0]] = -0.0
+                    grads[t][z[1]] = -0.0 if t % 2 == 0 else 0.0
         with torch.no_grad():
             for p, g in zip(params, grads):
                 q = p.clone()
@@ -485,8 +501,8 @@ def check_sign_and_add():
 
 def clip_cases():
     cases = [
-        dict(name="below_max_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=1.0),
-        dict(name="above_max_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=100.0),
+        dict(name="max_norm_below_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=1.0),
+        dict(name="max_norm_above_norm", sizes=[7, 0, 100], scales=[1.0, 1.0, 1.0], max_norm=100.0),
         dict(name="tiny_1e-8", sizes=[33, 13], scales=[1e-8, 1e-8], max_norm=1e-9),
         dict(name="large_1e3", sizes=[257, 1025], scales=[1e3, 1e3], max_norm=5.0),
         dict(name="mixed_magnitudes", sizes=[13, 31, 0, 16, 8], scales=[1e-8, 1e3, 1.0, 1.0, 1e-3],
@@ -495,6 +511,12 @@ def clip_cases():
         dict(name="zeros", sizes=[5, 0, 3], scales=[0.0, 0.0, 0.0], max_norm=1.0),
         dict(name="with_subnormals", sizes=[17, 9], scales=[1e-3, 1e-41], max_norm=1e-4),
         dict(name="max_norm_equal_norm", sizes=[31], scales=[1.0], max_norm=None),
+        # torch squares in f32: these underflow or overflow there (its norm is 0, inexact
+        # or +Inf), the exact norm does not; no bound between the two is claimed
+        dict(name="subnormal_only", sizes=[9, 4], scales=[None, None], max_norm=1.0, check="none"),
+        dict(name="tiny_1e-30", sizes=[20], scales=[1e-30], max_norm=1e-31, check="none"),
+        dict(name="tiny_1e-20", sizes=[37], scales=[1e-20], max_norm=1e-21, check="none"),
+        dict(name="huge_1e19", sizes=[37], scales=[1e19], max_norm=1.0, check="none"),
     ]
     rng = torch.Generator().manual_seed(399)
     for i in range(24):
@@ -516,7 +538,13 @@ def write_clip(path, header):
     gen = torch.Generator().manual_seed(301)
     disagree = 0
     for case in clip_cases():
-        grads = [torch.randn(n, generator=gen) * s for n, s in zip(case["sizes"], case["scales"])]
+        grads = []
+        for n, sc in zip(case["sizes"], case["scales"]):
+            if sc is None:  # random subnormals of both signs
+                b = torch.randint(1, 1 << 23, (n,), generator=gen) | (torch.randint(0, 2, (n,), generator=gen) << 31)
+                grads.append(b.to(torch.int32).view(torch.float32))
+            else:
+                grads.append(torch.randn(n, generator=gen) * sc)
         if case["name"] == "with_subnormals":
             grads[1][0] = -1e-45
         if case["sizes"][0] >= 3:
@@ -544,7 +572,12 @@ def write_clip(path, header):
         if not same_bits(div.reshape(1), coef.reshape(1)):
             disagree += 1
         lines.append(f"# max_norm={mn!r} coef_by_division={'same' if same_bits(div.reshape(1), coef.reshape(1)) else f32_words(div.reshape(1))}")
-        lines.append(line("case", case["name"], len(grads)))
+        check = case.get("check", "bound")
+        if check == "bound":  # the bound tests/test_golden.cpp applies (see the README)
+            e = torch.tensor([exact], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+            N, K = sum(case["sizes"]), len(case["sizes"])
+            assert abs(total.item() - e) <= (N + K + 4) * 2.0 ** -24 * e, case["name"]
+        lines.append(line("case", case["name"], len(grads), check))
         lines.append(line("max_norm", float(mn).hex(), "%08x" % f32_bits_of(mn)))
         lines.append(line("sizes", *case["sizes"]))
         for t, g in enumerate(grads):

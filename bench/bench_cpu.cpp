@@ -1,0 +1,434 @@
+// stepcore-bench (CPU): the engine's kernels at 64M parameters over a realistic
+// list of tensors, per ISA and thread count, each with its bandwidth and its
+// "roofline" ratio to a same-traffic probe measured in the same run.
+//
+// A probe loads and stores exactly the arrays, dtypes and threads of its kernel
+// with trivial arithmetic (multi-versioned for the processor by the compiler),
+// i.e. what the memory system gives that access pattern. A STREAM triad and the
+// scalar reference (one thread) are reported beside them for scale. Every kernel
+// benchmark first validates its output against stepcore::reference, bit for bit,
+// on a sample of tensors, and refuses to time a wrong kernel.
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/cpu.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+// ---- the model: tensor sizes of a Qwen2.5-0.5B-like decoder, repeated to 64M ----------
+std::vector<std::size_t> model_sizes(std::size_t target) {
+  const std::size_t h = 896, kv = 128, ffn = 4864;
+  const std::size_t layer[] = {h * h, h, kv * h, kv, kv * h, kv, h * h, ffn * h, ffn * h, h * ffn, h, h};
+  std::vector<std::size_t> sizes;
+  std::size_t total = 0;
+  sizes.push_back(8192 * h);  // a (shortened) embedding
+  total += sizes.back();
+  while (total < target) {
+    for (std::size_t s : layer) {
+      sizes.push_back(s);
+      total += s;
+    }
+  }
+  return sizes;
+}
+
+template <class T>
+struct Slab {
+  std::unique_ptr<T[], decltype(&std::free)> data{nullptr, &std::free};
+  std::size_t n = 0;
+  explicit Slab(std::size_t count) : n(count) {
+    data.reset(static_cast<T*>(std::aligned_alloc(64, ((count * sizeof(T) + 63) / 64) * 64)));
+#pragma omp parallel for schedule(static)
+    for (std::size_t i = 0; i < count; ++i) std::memset(&data[i], 0, sizeof(T));
+  }
+  T* get() { return data.get(); }
+};
+
+struct State {
+  std::vector<std::size_t> sizes;
+  std::vector<std::size_t> offsets;
+  std::size_t total = 0;
+  Slab<float> p, m, v, acc, gf32;
+  Slab<std::uint16_t> gbf16, out;
+  std::vector<float> steps;
+
+  explicit State(std::size_t target)
+      : sizes(model_sizes(target)),
+        total(count(sizes)),
+        p(total), m(total), v(total), acc(total), gf32(total), gbf16(total), out(total) {
+    std::size_t off = 0;
+    for (std::size_t s : sizes) {
+      offsets.push_back(off);
+      off += s;
+    }
+    steps.assign(sizes.size(), 0.0f);
+#pragma omp parallel
+    {
+      std::mt19937 rng(1234 + omp_get_thread_num());
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+#pragma omp for schedule(static)
+      for (std::size_t i = 0; i < total; ++i) {
+        p.get()[i] = nd(rng) * 0.02f;
+        m.get()[i] = nd(rng) * 1e-4f;
+        v.get()[i] = std::abs(nd(rng)) * 1e-8f;
+        gf32.get()[i] = nd(rng) * 1e-3f;
+        gbf16.get()[i] = f32_to_bf16_bits(nd(rng) * 1e-3f);
+        acc.get()[i] = nd(rng) * 1e-3f;
+      }
+    }
+  }
+  static std::size_t count(const std::vector<std::size_t>& s) {
+    std::size_t t = 0;
+    for (auto x : s) t += x;
+    return t;
+  }
+
+  std::vector<AdamWTensor> adamw(DType grad, bool output) {
+    std::vector<AdamWTensor> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t o = offsets[k], n = sizes[k];
+      AdamWTensor a;
+      a.param = {p.get() + o, n, DType::f32};
+      a.exp_avg = {m.get() + o, n, DType::f32};
+      a.exp_avg_sq = {v.get() + o, n, DType::f32};
+      a.step = &steps[k];
+      a.grad = grad == DType::f32 ? ConstTensorView{gf32.get() + o, n, DType::f32}
+                                  : ConstTensorView{gbf16.get() + o, n, DType::bf16};
+      if (output) a.compute_param = {out.get() + o, n, DType::bf16};
+      t.push_back(a);
+    }
+    return t;
+  }
+  std::vector<SignSgdTensor> sign_sgd() {
+    std::vector<SignSgdTensor> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t o = offsets[k], n = sizes[k];
+      t.push_back({{p.get() + o, n, DType::f32}, {gbf16.get() + o, n, DType::bf16},
+                   {out.get() + o, n, DType::bf16}});
+    }
+    return t;
+  }
+  std::vector<AccumulatePair> accumulate() {
+    std::vector<AccumulatePair> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t o = offsets[k], n = sizes[k];
+      t.push_back({{acc.get() + o, n, DType::f32}, {gbf16.get() + o, n, DType::bf16}, false});
+    }
+    return t;
+  }
+  std::vector<ConstTensorView> grads(DType d) {
+    std::vector<ConstTensorView> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t o = offsets[k], n = sizes[k];
+      if (d == DType::f32)
+        t.push_back({acc.get() + o, n, DType::f32});
+      else
+        t.push_back({gbf16.get() + o, n, DType::bf16});
+    }
+    return t;
+  }
+};
+
+State& state() {
+  static State s(std::size_t{64} << 20);
+  return s;
+}
+
+// ---- same-traffic probes (multi-versioned by the compiler, OpenMP static) ------------
+#define STEPCORE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// AdamW: read p, m, v, g; write p, m, v (and the bf16 copy).
+template <class G>
+STEPCORE_CLONES void probe_adamw(float* p, float* m, float* v, const G* g, std::uint16_t* out,
+                                 std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) {
+    float gi;
+    if constexpr (sizeof(G) == 2) {
+      gi = static_cast<float>(g[i]);
+    } else {
+      gi = g[i];
+    }
+    const float pi = p[i] + gi;
+    p[i] = pi;
+    m[i] = m[i] + gi;
+    v[i] = v[i] + gi;
+    if (out) out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
+  }
+}
+STEPCORE_CLONES void probe_sign_sgd(float* p, const std::uint16_t* g, std::uint16_t* out,
+                                    std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) {
+    const float pi = p[i] + static_cast<float>(g[i]);
+    p[i] = pi;
+    out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
+  }
+}
+STEPCORE_CLONES void probe_accumulate(float* acc, const std::uint16_t* g, std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) acc[i] = acc[i] + static_cast<float>(g[i]);
+}
+template <class T>
+STEPCORE_CLONES std::uint64_t probe_read(const T* x, std::size_t n, int threads) {
+  std::uint64_t r = 0;
+#pragma omp parallel for schedule(static) num_threads(threads) reduction(| : r)
+  for (std::size_t i = 0; i < n; ++i) {
+    if constexpr (sizeof(T) == 4) {
+      r |= f32_bits(x[i]);
+    } else {
+      r |= x[i];
+    }
+  }
+  return r;
+}
+STEPCORE_CLONES void triad(float* a, const float* b, const float* c, std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 1.5f * c[i];
+}
+
+/// Returns the best bandwidth (bytes/s) of `fn` over a few runs.
+template <class Fn>
+double best_bandwidth(Fn fn, double bytes, int runs = 5) {
+  double best = 0.0;
+  for (int r = 0; r < runs; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    best = std::max(best, bytes / s);
+  }
+  return best;
+}
+
+/// Times `op` in the benchmark loop and reports GB/s, elements/s and roofline.
+template <class Op>
+void run_timed(benchmark::State& st, Op op, double bytes, double probe_bw) {
+  for (auto _ : st) op();
+  const double per_iter = bytes;
+  st.SetBytesProcessed(static_cast<std::int64_t>(per_iter) * st.iterations());
+  st.counters["GB/s"] = benchmark::Counter(per_iter * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["Gparams/s"] = benchmark::Counter(static_cast<double>(state().total) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["probe_GB/s"] = probe_bw * 1e-9;
+  // roofline is filled in by the caller after the loop from the measured rate.
+}
+
+void set_roofline(benchmark::State& st, double bytes, double probe_bw, double seconds_per_iter) {
+  const double bw = bytes / seconds_per_iter;
+  st.counters["roofline"] = bw / probe_bw;
+}
+
+/// Runs `op` once on a copy of the first tensors and compares with the reference.
+[[noreturn]] void validation_failed(const char* what) {
+  std::fprintf(stderr, "stepcore-bench: %s does not match the reference; refusing to time it\n", what);
+  std::exit(1);
+}
+
+bool validate_adamw(const cpu::Engine& eng, DType grad, bool output) {
+  // A private small model: a few tensors of awkward sizes.
+  const std::size_t sizes[] = {1, 33, 4097, 70001};
+  std::size_t total = 0;
+  for (auto s : sizes) total += s;
+  std::vector<float> p(total), m(total), v(total), g(total);
+  std::vector<std::uint16_t> gb(total), o1(total), o2(total);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (std::size_t i = 0; i < total; ++i) {
+    p[i] = nd(rng);
+    m[i] = nd(rng) * 1e-3f;
+    v[i] = std::abs(nd(rng)) * 1e-6f;
+    g[i] = nd(rng) * 1e-2f;
+    gb[i] = f32_to_bf16_bits(g[i]);
+  }
+  auto p2 = p, m2 = m, v2 = v;
+  std::vector<float> s1(4, 0.0f), s2(4, 0.0f);
+  std::vector<AdamWTensor> a, b;
+  std::size_t off = 0;
+  for (int k = 0; k < 4; ++k) {
+    const std::size_t n = sizes[k];
+    const ConstTensorView gv = grad == DType::f32 ? ConstTensorView{g.data() + off, n, DType::f32}
+                                                  : ConstTensorView{gb.data() + off, n, DType::bf16};
+    a.push_back({{p.data() + off, n, DType::f32}, {m.data() + off, n, DType::f32},
+                 {v.data() + off, n, DType::f32}, &s1[k], gv,
+                 output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
+    b.push_back({{p2.data() + off, n, DType::f32}, {m2.data() + off, n, DType::f32},
+                 {v2.data() + off, n, DType::f32}, &s2[k], gv,
+                 output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}});
+    off += n;
+  }
+  const GradientRead read{1.0f / 4096.0f, 0.5f};
+  reference::adamw_step(a, AdamWConfig{}, read);
+  eng.adamw_step(b, AdamWConfig{}, read);
+  return std::memcmp(p.data(), p2.data(), total * 4) == 0 &&
+         std::memcmp(m.data(), m2.data(), total * 4) == 0 &&
+         std::memcmp(v.data(), v2.data(), total * 4) == 0 &&
+         std::memcmp(o1.data(), o2.data(), total * 2) == 0;
+}
+
+cpu::Engine engine_for(benchmark::State& st) {
+  const auto isa = static_cast<cpu::Isa>(st.range(0));
+  const int threads = static_cast<int>(st.range(1));
+  cpu::Engine eng({isa, threads});
+  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads));
+  return eng;
+}
+
+// ---- benchmarks -----------------------------------------------------------------
+template <DType G, bool Output>
+void BM_AdamW(benchmark::State& st) {
+  const cpu::Engine eng = engine_for(st);
+  if (!validate_adamw(eng, G, Output)) validation_failed("adamw_step");
+  State& s = state();
+  auto tensors = s.adamw(G, Output);
+  const double bytes = static_cast<double>(s.total) *
+                       (12.0 + dtype_size(G) + 12.0 + (Output ? 2.0 : 0.0));
+  const int th = eng.threads();
+  const double probe = best_bandwidth(
+      [&] {
+        if constexpr (G == DType::f32)
+          probe_adamw(s.p.get(), s.m.get(), s.v.get(), s.gf32.get(), Output ? s.out.get() : nullptr, s.total, th);
+        else
+          probe_adamw(s.p.get(), s.m.get(), s.v.get(), s.gbf16.get(), Output ? s.out.get() : nullptr, s.total, th);
+      },
+      bytes);
+  AdamWConfig cfg;
+  for (auto& t : tensors) *t.step = 0.0f;
+  const auto t0 = std::chrono::steady_clock::now();
+  run_timed(st, [&] { eng.adamw_step(tensors, cfg, GradientRead{1.0f / 4096.0f, 1.0f}); }, bytes, probe);
+  const double spi = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() /
+                     static_cast<double>(st.iterations());
+  set_roofline(st, bytes, probe, spi);
+  for (auto& t : tensors) *t.step = 0.0f;
+}
+
+void BM_SignSgd(benchmark::State& st) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  auto tensors = s.sign_sgd();
+  {  // validate on the first tensor
+    const std::size_t n = 70001;
+    std::vector<float> p1(s.p.get(), s.p.get() + n), p2 = p1;
+    std::vector<std::uint16_t> o1(n), o2(n);
+    std::vector<SignSgdTensor> a{{{p1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o1.data(), n, DType::bf16}}};
+    std::vector<SignSgdTensor> b{{{p2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o2.data(), n, DType::bf16}}};
+    SignSgdConfig c{1e-3, 0.1};
+    reference::sign_sgd_step(a, c);
+    eng.sign_sgd_step(b, c);
+    if (std::memcmp(p1.data(), p2.data(), n * 4) || std::memcmp(o1.data(), o2.data(), n * 2))
+      validation_failed("sign_sgd_step");
+  }
+  const double bytes = static_cast<double>(s.total) * (4.0 + 2.0 + 4.0 + 2.0);
+  const int th = eng.threads();
+  const double probe = best_bandwidth([&] { probe_sign_sgd(s.p.get(), s.gbf16.get(), s.out.get(), s.total, th); }, bytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_timed(st, [&] { eng.sign_sgd_step(tensors, SignSgdConfig{1e-6, 0.0}); }, bytes, probe);
+  set_roofline(st, bytes, probe,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / st.iterations());
+}
+
+void BM_Accumulate(benchmark::State& st) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  auto pairs = s.accumulate();
+  {
+    const std::size_t n = 70001;
+    std::vector<float> a1(s.acc.get(), s.acc.get() + n), a2 = a1;
+    std::vector<AccumulatePair> x{{{a1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
+    std::vector<AccumulatePair> y{{{a2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
+    reference::accumulate(x);
+    eng.accumulate(y);
+    if (std::memcmp(a1.data(), a2.data(), n * 4)) validation_failed("accumulate");
+  }
+  const double bytes = static_cast<double>(s.total) * (4.0 + 2.0 + 4.0);
+  const int th = eng.threads();
+  const double probe = best_bandwidth([&] { probe_accumulate(s.acc.get(), s.gbf16.get(), s.total, th); }, bytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_timed(st, [&] { eng.accumulate(pairs); }, bytes, probe);
+  set_roofline(st, bytes, probe,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / st.iterations());
+}
+
+template <DType D>
+void BM_NormPartials(benchmark::State& st) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  auto grads = s.grads(D);
+  const GradientRead read{D == DType::f32 ? 1.0f / 4096.0f : 1.0f, 1.0f};
+  {
+    std::vector<ConstTensorView> first(grads.begin(), grads.begin() + 8);
+    const NormResult a = finalize(reference::norm_partial(first, read));
+    const NormResult b = eng.norm(first, read);
+    if (f32_bits(a.norm) != f32_bits(b.norm)) validation_failed("norm_partial");
+  }
+  const double bytes = static_cast<double>(s.total) * dtype_size(D);
+  const int th = eng.threads();
+  double probe;
+  if constexpr (D == DType::f32)
+    probe = best_bandwidth([&] { benchmark::DoNotOptimize(probe_read(s.acc.get(), s.total, th)); }, bytes);
+  else
+    probe = best_bandwidth([&] { benchmark::DoNotOptimize(probe_read(s.gbf16.get(), s.total, th)); }, bytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  run_timed(st, [&] { benchmark::DoNotOptimize(eng.norm_partial(grads, read)); }, bytes, probe);
+  set_roofline(st, bytes, probe,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / st.iterations());
+}
+
+void BM_StreamTriad(benchmark::State& st) {
+  State& s = state();
+  const int th = static_cast<int>(st.range(0));
+  const double bytes = static_cast<double>(s.total) * 12.0;
+  for (auto _ : st) triad(s.acc.get(), s.p.get(), s.m.get(), s.total, th);
+  st.SetBytesProcessed(static_cast<std::int64_t>(bytes) * st.iterations());
+  st.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel("t" + std::to_string(th));
+}
+
+void BM_AdamWScalarReference(benchmark::State& st) {
+  State& s = state();
+  auto tensors = s.adamw(DType::bf16, true);
+  const double bytes = static_cast<double>(s.total) * 28.0;
+  for (auto& t : tensors) *t.step = 0.0f;
+  for (auto _ : st) reference::adamw_step(tensors, AdamWConfig{}, GradientRead{1.0f / 4096.0f, 1.0f});
+  st.SetBytesProcessed(static_cast<std::int64_t>(bytes) * st.iterations());
+  st.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["Gparams/s"] = benchmark::Counter(static_cast<double>(s.total) * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  st.SetLabel("scalar reference, t1");
+  for (auto& t : tensors) *t.step = 0.0f;
+}
+
+void isa_thread_args(benchmark::internal::Benchmark* b) {
+  const int max_threads = cpu::Engine().threads();
+  for (cpu::Isa isa : cpu::supported_isas())
+    for (int t = 1; t <= max_threads; t *= 2) b->Args({static_cast<int>(isa), t});
+  if ((max_threads & (max_threads - 1)) != 0)
+    for (cpu::Isa isa : cpu::supported_isas()) b->Args({static_cast<int>(isa), max_threads});
+}
+
+}  // namespace
+
+BENCHMARK(BM_StreamTriad)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamW<DType::bf16, true>)->Name("AdamW/bf16grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamW<DType::f32, false>)->Name("AdamW/f32grad")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_SignSgd)->Name("SignSGD/bf16grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Accumulate)->Name("Accumulate/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::f32>)->Name("NormPartials/f32/scaled")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::bf16>)->Name("NormPartials/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamWScalarReference)->Name("AdamW/scalar-reference")->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+
+BENCHMARK_MAIN();
