@@ -88,7 +88,6 @@ import torch
 
 SIZES_FULL = [1, 7, 8, 13, 16, 31, 33, 100, 257, 1025]
 SIZES_SMALL = [1, 7, 8, 13, 16, 31, 33, 100, 257]
-F32_ONE_E_MINUS_6 = 0x358637BD
 
 
 # ---------------------------------------------------------------- bit helpers
@@ -156,7 +155,7 @@ def rn_f32_sqrt_units(s):
     if lhs > rhs or (lhs == rhs and q & 1):
         q += 1
     value = Fraction(q) * Fraction(2) ** ue
-    if value >= Fraction(2) ** 128 * (1 - Fraction(1, 2 ** 25)):
+    if value >= Fraction(2) ** 128:      # rounded past the largest finite f32
         return 0x7F800000
     return f32_bits_of(float(value))     # value is an exact f32 (and double) here
 

@@ -1,0 +1,486 @@
+// The CPU engine against the scalar reference, bit for bit: every operation, every
+// gradient and output dtype, both AdamW formulas, weight decay on and off, boundary
+// and odd sizes, hundreds of tensors per call, misaligned pointers — on every ISA this
+// processor supports and with 1, 2, 3 and 7 threads.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/cpu.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+const int kThreadCounts[] = {1, 2, 3, 7};
+
+/// Boundary sizes of the issue plus the chunk size +-1.
+std::vector<std::size_t> boundary_sizes() {
+  const std::size_t c = cpu::Engine::kChunkElements;
+  return {0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025, c - 1, c, c + 1};
+}
+
+/// Returns true when two f32 arrays have equal bits, treating any two NaNs as equal
+/// (the spec leaves NaN payloads of arithmetic unspecified).
+::testing::AssertionResult same_f32(const float* a, const float* b, std::size_t n, const char* what) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint32_t x = f32_bits(a[i]), y = f32_bits(b[i]);
+    if (x == y) continue;
+    if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+    return ::testing::AssertionFailure() << what << "[" << i << "]: reference 0x" << std::hex << x
+                                         << " engine 0x" << y;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+::testing::AssertionResult same_bytes(const void* a, const void* b, std::size_t n, const char* what) {
+  if (std::memcmp(a, b, n) == 0) return ::testing::AssertionSuccess();
+  const auto* x = static_cast<const unsigned char*>(a);
+  const auto* y = static_cast<const unsigned char*>(b);
+  std::size_t i = 0;
+  while (x[i] == y[i]) ++i;
+  return ::testing::AssertionFailure() << what << ": first differing byte " << i;
+}
+
+/// Fills raw storage of `dtype` with values spread over many binades, including
+/// zeros, negative zeros and (optionally) a few subnormals.
+void fill(void* data, DType dtype, std::size_t n, std::mt19937& rng, float scale) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_int_distribution<int> pick(0, 99);
+  for (std::size_t i = 0; i < n; ++i) {
+    float x = nd(rng) * scale * std::ldexp(1.0f, pick(rng) % 13 - 6);
+    const int p = pick(rng);
+    if (p == 0) x = 0.0f;
+    if (p == 1) x = -0.0f;
+    switch (dtype) {
+      case DType::f32: static_cast<float*>(data)[i] = x; break;
+      case DType::bf16: static_cast<std::uint16_t*>(data)[i] = f32_to_bf16_bits(x); break;
+      case DType::f16: static_cast<std::uint16_t*>(data)[i] = f32_to_f16_bits(x); break;
+    }
+  }
+}
+
+/// A list of tensors with all their buffers, in two identical copies (reference,
+/// engine). Each tensor's buffers start one element past a 64-byte boundary so
+/// no pointer is vector-aligned.
+struct Model {
+  std::vector<std::size_t> sizes;
+  DType grad_dtype;
+  int out_kind;  // 0 none, else 1 + dtype
+  std::vector<std::vector<float>> p, m, v;
+  std::vector<std::vector<std::uint8_t>> g, out;
+  std::vector<float> steps;
+
+  Model(std::vector<std::size_t> s, DType gd, int ok, std::uint32_t seed)
+      : sizes(std::move(s)), grad_dtype(gd), out_kind(ok) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (std::size_t n : sizes) {
+      p.emplace_back(n + 1);
+      m.emplace_back(n + 1);
+      v.emplace_back(n + 1);
+      for (std::size_t i = 0; i <= n; ++i) {
+        p.back()[i] = nd(rng) * 0.05f;
+        m.back()[i] = nd(rng) * 1e-3f;
+        v.back()[i] = std::abs(nd(rng)) * 1e-6f;
+      }
+      g.emplace_back((n + 1) * 4);
+      fill(g.back().data() + dtype_size(gd), gd, n, rng, 1e-2f);
+      out.emplace_back((n + 1) * 4, 0xAB);
+      steps.push_back(static_cast<float>(rng() % 5));
+    }
+  }
+
+  std::vector<AdamWTensor> adamw() {
+    std::vector<AdamWTensor> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t n = sizes[k];
+      AdamWTensor a;
+      a.param = {p[k].data() + 1, n, DType::f32};
+      a.exp_avg = {m[k].data() + 1, n, DType::f32};
+      a.exp_avg_sq = {v[k].data() + 1, n, DType::f32};
+      a.step = &steps[k];
+      a.grad = {g[k].data() + dtype_size(grad_dtype), n, grad_dtype};
+      if (out_kind) {
+        const auto od = static_cast<DType>(out_kind - 1);
+        a.compute_param = {out[k].data() + dtype_size(od), n, od};
+      }
+      t.push_back(a);
+    }
+    return t;
+  }
+  std::vector<SignSgdTensor> sign_sgd() {
+    std::vector<SignSgdTensor> t;
+    for (const AdamWTensor& a : adamw()) t.push_back({a.param, a.grad, a.compute_param});
+    return t;
+  }
+};
+
+::testing::AssertionResult same_model(const Model& r, const Model& e) {
+  for (std::size_t k = 0; k < r.sizes.size(); ++k) {
+    const std::size_t n = r.sizes[k] + 1;
+    if (auto a = same_f32(r.p[k].data(), e.p[k].data(), n, "param"); !a) return a << " tensor " << k;
+    if (auto a = same_f32(r.m[k].data(), e.m[k].data(), n, "exp_avg"); !a) return a << " tensor " << k;
+    if (auto a = same_f32(r.v[k].data(), e.v[k].data(), n, "exp_avg_sq"); !a) return a << " tensor " << k;
+    if (auto a = same_bytes(r.out[k].data(), e.out[k].data(), r.out[k].size(), "compute_param"); !a)
+      return a << " tensor " << k;
+    if (auto a = same_bytes(r.g[k].data(), e.g[k].data(), r.g[k].size(), "grad"); !a)
+      return a << " tensor " << k;
+    if (f32_bits(r.steps[k]) != f32_bits(e.steps[k]))
+      return ::testing::AssertionFailure() << "step of tensor " << k;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct Combo {
+  DType grad;
+  int out;
+  AdamWFormula formula;
+  double wd;
+};
+
+std::string name(const Combo& c) {
+  return std::string(dtype_name(c.grad)) + "/out" + std::to_string(c.out) +
+         (c.formula == AdamWFormula::torch ? "/torch" : "/native") + "/wd" + std::to_string(c.wd);
+}
+
+std::vector<Combo> all_combos() {
+  std::vector<Combo> out;
+  for (DType g : {DType::f32, DType::bf16, DType::f16})
+    for (int o = 0; o < 4; ++o)
+      for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch})
+        for (double wd : {0.0, 0.1}) out.push_back({g, o, f, wd});
+  return out;
+}
+
+TEST(CpuEngine, AdamWMatchesReferenceOnEveryIsaAndThreadCount) {
+  const auto sizes = boundary_sizes();
+  int idx = 0;
+  for (const Combo& c : all_combos()) {
+    SCOPED_TRACE(name(c));
+    AdamWConfig cfg;
+    cfg.formula = c.formula;
+    cfg.weight_decay = c.wd;
+    cfg.beta1 = (idx % 3 == 0) ? 0.3 : 0.9;  // torch's other lerp branch too
+    const GradientRead read{(idx % 2) ? 1.0f / 3000.0f : 1.0f, (idx % 4 == 1) ? 0.37f : 1.0f};
+    Model ref(sizes, c.grad, c.out, 100 + idx);
+    Model input = ref;
+    auto rt = ref.adamw();
+    reference::adamw_step(rt, cfg, read);
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      for (int threads : kThreadCounts) {
+        SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
+        Model eng = input;
+        auto et = eng.adamw();
+        cpu::Engine(cpu::EngineConfig{isa, threads}).adamw_step(et, cfg, read);
+        ASSERT_TRUE(same_model(ref, eng));
+      }
+    }
+    ++idx;
+  }
+}
+
+TEST(CpuEngine, SignSgdMatchesReference) {
+  const auto sizes = boundary_sizes();
+  int idx = 0;
+  for (DType g : {DType::f32, DType::bf16, DType::f16}) {
+    for (int o = 0; o < 4; ++o) {
+      for (double wd : {0.0, 0.05}) {
+        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) + " wd " + std::to_string(wd));
+        Model ref(sizes, g, o, 500 + idx++);
+        Model input = ref;
+        auto rt = ref.sign_sgd();
+        const SignSgdConfig cfg{1e-3, wd};
+        reference::sign_sgd_step(rt, cfg);
+        for (cpu::Isa isa : cpu::supported_isas()) {
+          for (int threads : kThreadCounts) {
+            Model eng = input;
+            auto et = eng.sign_sgd();
+            cpu::Engine(cpu::EngineConfig{isa, threads}).sign_sgd_step(et, cfg);
+            ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
+  std::mt19937 rng(77);
+  std::vector<std::size_t> sizes;
+  for (int i = 0; i < 300; ++i) sizes.push_back(rng() % 3000);
+  sizes.push_back(1000003);
+  sizes.push_back(2 * cpu::Engine::kChunkElements + 5);
+  for (const Combo& c : {Combo{DType::bf16, 3, AdamWFormula::native, 0.1},
+                         Combo{DType::f32, 2, AdamWFormula::torch, 0.0}}) {
+    SCOPED_TRACE(name(c));
+    AdamWConfig cfg;
+    cfg.formula = c.formula;
+    cfg.weight_decay = c.wd;
+    const GradientRead read{1.0f / 777.0f, 0.5f};
+    Model ref(sizes, c.grad, c.out, 9);
+    Model input = ref;
+    auto rt = ref.adamw();
+    reference::adamw_step(rt, cfg, read);
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      for (int threads : {2, 7}) {
+        Model eng = input;
+        auto et = eng.adamw();
+        cpu::Engine(cpu::EngineConfig{isa, threads}).adamw_step(et, cfg, read);
+        ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, FoundInfWritesNothing) {
+  Model m(boundary_sizes(), DType::bf16, 3, 3);
+  const Model before = m;
+  auto t = m.adamw();
+  const std::int32_t found_inf = 1;
+  cpu::Engine().adamw_step(t, AdamWConfig{}, GradientRead{}, &found_inf);
+  EXPECT_TRUE(same_model(before, m));
+  auto s = m.sign_sgd();
+  cpu::Engine().sign_sgd_step(s, SignSgdConfig{}, GradientRead{}, &found_inf);
+  EXPECT_TRUE(same_model(before, m));
+}
+
+// ---- accumulate and scale ---------------------------------------------------------
+TEST(CpuEngine, AccumulateAndScaleMatchReference) {
+  const auto sizes = boundary_sizes();
+  std::mt19937 rng(11);
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool copy : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + (copy ? " copy" : " add"));
+      std::vector<std::vector<float>> acc;
+      std::vector<std::vector<std::uint8_t>> src;
+      for (std::size_t n : sizes) {
+        acc.emplace_back(n + 1);
+        for (auto& x : acc.back()) x = std::normal_distribution<float>(0, 1)(rng);
+        src.emplace_back((n + 1) * 4);
+        fill(src.back().data() + dtype_size(d), d, n, rng, 3.0f);
+      }
+      auto ref = acc;
+      std::vector<AccumulatePair> rp;
+      for (std::size_t k = 0; k < sizes.size(); ++k)
+        rp.push_back({{ref[k].data() + 1, sizes[k], DType::f32}, {src[k].data() + dtype_size(d), sizes[k], d}, copy});
+      reference::accumulate(rp);
+      for (cpu::Isa isa : cpu::supported_isas()) {
+        for (int threads : kThreadCounts) {
+          auto eng = acc;
+          std::vector<AccumulatePair> ep;
+          for (std::size_t k = 0; k < sizes.size(); ++k)
+            ep.push_back({{eng[k].data() + 1, sizes[k], DType::f32}, {src[k].data() + dtype_size(d), sizes[k], d}, copy});
+          cpu::Engine(cpu::EngineConfig{isa, threads}).accumulate(ep);
+          for (std::size_t k = 0; k < sizes.size(); ++k)
+            ASSERT_TRUE(same_f32(ref[k].data(), eng[k].data(), sizes[k] + 1, "acc"))
+                << cpu::isa_name(isa) << " threads " << threads << " tensor " << k;
+        }
+      }
+      // scale_ in place on the sources, including overflow to Inf and underflow.
+      for (float s : {0.0f, 1.0f / 3.0f, 3e5f, 1e-30f}) {
+        auto ref_src = src;
+        std::vector<TensorView> rv;
+        for (std::size_t k = 0; k < sizes.size(); ++k) rv.push_back({ref_src[k].data() + dtype_size(d), sizes[k], d});
+        reference::scale_(rv, s);
+        for (cpu::Isa isa : cpu::supported_isas()) {
+          for (int threads : {1, 3}) {
+            auto eng_src = src;
+            std::vector<TensorView> ev;
+            for (std::size_t k = 0; k < sizes.size(); ++k) ev.push_back({eng_src[k].data() + dtype_size(d), sizes[k], d});
+            cpu::Engine(cpu::EngineConfig{isa, threads}).scale_(ev, s);
+            for (std::size_t k = 0; k < sizes.size(); ++k) {
+              if (d == DType::f32)
+                ASSERT_TRUE(same_f32(reinterpret_cast<float*>(ref_src[k].data()),
+                                     reinterpret_cast<float*>(eng_src[k].data()), sizes[k] + 1, "scaled"));
+              else
+                ASSERT_TRUE(same_bytes(ref_src[k].data(), eng_src[k].data(), ref_src[k].size(), "scaled"))
+                    << cpu::isa_name(isa) << " scale " << s << " tensor " << k;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- norm -------------------------------------------------------------------------
+struct NormData {
+  std::vector<std::vector<std::uint8_t>> buffers;
+  std::vector<ConstTensorView> views;
+};
+
+NormData norm_data(DType d, const std::vector<std::size_t>& sizes, std::uint32_t seed, float scale) {
+  NormData nd;
+  std::mt19937 rng(seed);
+  for (std::size_t n : sizes) {
+    nd.buffers.emplace_back((n + 1) * 4);
+    fill(nd.buffers.back().data() + dtype_size(d), d, n, rng, scale);
+  }
+  for (std::size_t k = 0; k < sizes.size(); ++k)
+    nd.views.push_back({nd.buffers[k].data() + dtype_size(d), sizes[k], d});
+  return nd;
+}
+
+TEST(CpuEngine, NormMatchesReferenceBits) {
+  auto sizes = boundary_sizes();
+  sizes.push_back(100003);
+  std::uint32_t seed = 1;
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 4099.0f, 0.61f}}) {
+      for (float scale : {1e-3f, 1e3f}) {
+        SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale));
+        NormData data = norm_data(d, sizes, seed++, scale);
+        const NormPartial ref_partial = reference::norm_partial(data.views, read);
+        const NormResult ref = finalize(ref_partial);
+        for (cpu::Isa isa : cpu::supported_isas()) {
+          for (int threads : kThreadCounts) {
+            const cpu::Engine eng(cpu::EngineConfig{isa, threads});
+            const NormResult got = eng.norm(data.views, read);
+            ASSERT_EQ(f32_bits(ref.norm), f32_bits(got.norm)) << cpu::isa_name(isa) << " t" << threads;
+            ASSERT_EQ(f32_bits(ref.max_abs), f32_bits(got.max_abs));
+            ASSERT_EQ(ref.finite, got.finite);
+            const NormPartial exact = eng.norm_partial(data.views, read, cpu::NormMode::exact);
+            ASSERT_TRUE(same_value(ref_partial, exact)) << "exact mode must equal the reference digits";
+            const NormPartial fast = eng.norm_partial(data.views, read);
+            ASSERT_NE(fast.approximate, 0u);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, NormCountsNonFinite) {
+  std::vector<float> x(5000, 0.5f);
+  x[17] = std::nanf("");
+  x[4000] = INFINITY;
+  x[4001] = -INFINITY;
+  const std::vector<ConstTensorView> v{{x.data(), x.size(), DType::f32}};
+  for (cpu::Isa isa : cpu::supported_isas()) {
+    const NormResult r = cpu::Engine(cpu::EngineConfig{isa, 2}).norm(v);
+    EXPECT_TRUE(std::isnan(r.norm));
+    EXPECT_FALSE(r.finite);
+    EXPECT_EQ(r.nan_count, 1u);
+    EXPECT_EQ(r.inf_count, 2u);
+  }
+  x[17] = 0.5f;
+  for (cpu::Isa isa : cpu::supported_isas()) {
+    const NormResult r = cpu::Engine(cpu::EngineConfig{isa, 2}).norm(v);
+    EXPECT_EQ(f32_bits(r.norm), f32_bits(INFINITY));
+    EXPECT_EQ(r.inf_count, 2u);
+  }
+  // A finite gradient whose scaled read overflows counts as Inf.
+  std::vector<float> big(100, 3e38f);
+  const std::vector<ConstTensorView> bv{{big.data(), big.size(), DType::f32}};
+  const NormResult r = cpu::Engine().norm(bv, GradientRead{2.0f, 1.0f});
+  EXPECT_EQ(r.inf_count, 100u);
+}
+
+TEST(CpuEngine, NormOnARoundingTieFallsBackToExact) {
+  // Four times 2^24 and {8192, 8192, 2}: S = 2^50 + 2^27 + 4 = (2^25 + 2)^2, so the
+  // exact norm 2^25 + 2 lies exactly halfway between the floats 2^25 and 2^25 + 4.
+  // An approximate partial cannot certify a tie; the exact fallback rounds to even.
+  const std::vector<float> a(4, 16777216.0f);
+  const std::vector<float> c = {8192.0f, 8192.0f, 2.0f};
+  const std::vector<ConstTensorView> views{{a.data(), a.size(), DType::f32}, {c.data(), c.size(), DType::f32}};
+  const NormResult ref = finalize(reference::norm_partial(views));
+  EXPECT_EQ(ref.norm, 33554432.0f) << "tie rounds to the even neighbour 2^25";
+  for (cpu::Isa isa : cpu::supported_isas()) {
+    const cpu::Engine eng(cpu::EngineConfig{isa, 1});
+    const NormResult fast = finalize(eng.norm_partial(views));
+    EXPECT_TRUE(fast.needs_exact) << "a tie cannot be certified from an approximate partial";
+    const NormResult r = eng.norm(views);
+    EXPECT_FALSE(r.needs_exact);
+    EXPECT_EQ(f32_bits(r.norm), f32_bits(ref.norm));
+  }
+}
+
+// ---- configuration -----------------------------------------------------------------
+TEST(CpuEngine, IsaSelectionAndNames) {
+  const auto isas = cpu::supported_isas();
+  ASSERT_FALSE(isas.empty());
+  EXPECT_EQ(isas.front(), cpu::Isa::sse2);
+  EXPECT_EQ(cpu::best_isa(), isas.back());
+  for (cpu::Isa isa : isas) {
+    const cpu::Engine e(cpu::EngineConfig{isa, 1});
+    EXPECT_EQ(e.isa(), isa);
+    EXPECT_EQ(cpu::parse_isa(e.isa_name()), isa);
+  }
+  EXPECT_THROW(cpu::parse_isa("neon"), Error);
+  std::printf("[ info     ] ISAs on this processor:");
+  for (cpu::Isa isa : isas) std::printf(" %s", std::string(cpu::isa_name(isa)).c_str());
+  std::printf("; best %s\n", std::string(cpu::isa_name(cpu::best_isa())).c_str());
+}
+
+TEST(CpuEngine, EnvironmentConfiguresIsaAndThreads) {
+  ::setenv("STEPCORE_ISA", "sse2", 1);
+  ::setenv("STEPCORE_THREADS", "3", 1);
+  {
+    const cpu::Engine e;
+    EXPECT_EQ(e.isa(), cpu::Isa::sse2);
+    EXPECT_EQ(e.threads(), 3);
+  }
+  ::setenv("OMP_NUM_THREADS", "1", 1);  // ignored by design
+  ::unsetenv("STEPCORE_THREADS");
+  EXPECT_GE(cpu::Engine().threads(), 1);
+  ::setenv("STEPCORE_THREADS", "zero", 1);
+  try {
+    cpu::Engine e;
+    FAIL() << "bad STEPCORE_THREADS accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::invalid_argument);
+    EXPECT_EQ(err.argument(), "STEPCORE_THREADS");
+  }
+  ::unsetenv("STEPCORE_THREADS");
+  ::setenv("STEPCORE_ISA", "avx9000", 1);
+  EXPECT_THROW(cpu::Engine(), Error);
+  ::unsetenv("STEPCORE_ISA");
+  ::unsetenv("OMP_NUM_THREADS");
+  try {
+    cpu::Engine e(cpu::EngineConfig{std::nullopt, -2});
+    FAIL() << "negative threads accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.argument(), "config.threads");
+  }
+  const auto isas = cpu::supported_isas();
+  if (isas.back() != cpu::Isa::avx512) {
+    try {
+      cpu::Engine e(cpu::EngineConfig{cpu::Isa::avx512, 1});
+      FAIL() << "unsupported ISA accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::not_supported);
+    }
+  }
+}
+
+TEST(CpuEngine, BadInputWritesNothing) {
+  Model m({100, 200, 300}, DType::bf16, 3, 4);
+  const Model before = m;
+  auto t = m.adamw();
+  t[2].exp_avg.numel = 299;  // the last tensor is bad: nothing of the first two may change
+  try {
+    cpu::Engine().adamw_step(t, AdamWConfig{});
+    FAIL() << "size mismatch accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::size_mismatch);
+    EXPECT_EQ(e.argument(), "tensors[2].exp_avg");
+  }
+  EXPECT_TRUE(same_model(before, m));
+  t = m.adamw();
+  t[1].compute_param = {t[0].param.data, 200, DType::f32};  // overlaps tensors[0].param
+  EXPECT_THROW(cpu::Engine().adamw_step(t, AdamWConfig{}), Error);
+  EXPECT_TRUE(same_model(before, m));
+}
+
+}  // namespace
