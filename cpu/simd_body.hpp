@@ -148,11 +148,11 @@ struct Body {
       const float diff = g - m;
       m = std::fma(s.lerp_coeff, diff, s.lerp_small ? m : g);
       const float cg = s.one_minus_beta2 * g;
-      const float cgg = cg * g;
       if (i < r.tail_begin) {
         const float vk = v * s.beta2;
-        v = vk + cgg;
+        v = std::fma(cg, g, vk);
       } else {
+        const float cgg = cg * g;
         v = std::fma(v, s.beta2, cgg);
       }
       const float root = std::sqrt(v);
@@ -195,8 +195,7 @@ struct Body {
         if (s.apply_decay) p = p * decay;
         const F diff = g - m;
         m = Ops::fma(coeff, diff, s.lerp_small ? m : g);
-        const F cgg = (omb2 * g) * g;
-        v = v * b2 + cgg;
+        v = Ops::fma(omb2 * g, g, v * b2);
         const F d = xsimd::sqrt(v) / bc2 + eps;
         p = p + (step_size * m) / d;
       }

@@ -26,8 +26,8 @@ struct AdamWConfig {
   double weight_decay = 0.01;
   AdamWFormula formula = AdamWFormula::native;
   /// torch formula only: torch's kernel runs its last (numel mod W) elements of
-  /// each tensor through a scalar loop that GCC compiled with v = fma(v, b2, c*g*g)
-  /// instead of the vector body's separately rounded v*b2 + c*g*g. W is torch's
+  /// each tensor through a scalar loop that its compiler fused as v = fma(v, b2, c*g*g),
+  /// while the vector body computes v = fma(c*g, g, v*b2). W is torch's
   /// CPU vector width in floats: 8 for its AVX2 build, 16 for AVX-512. 0 or 1:
   /// use the vector-body form everywhere.
   int torch_tail_width = 8;
@@ -108,12 +108,14 @@ struct SignSgdScalars {
 /// Returns the scalars of one SignSGD update.
 SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& config);
 
-/// Returns min(1, max_norm / (norm + 1e-6f)) in f32 (docs/numerics.md, "Clip").
-/// A NaN norm gives NaN; +Inf gives 0. Three correctly rounded f32 operations,
-/// so host and device give the same bits.
+/// Returns min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
+/// computes it on an f32 norm: (1 / (norm + 1e-6f)) * max_norm, each operation one
+/// correctly rounded f32 op (docs/numerics.md 6.5), so host and device give the same
+/// bits. A NaN norm gives NaN; +Inf gives 0.
 STEPCORE_HD_INLINE float clip_coefficient(float norm, float max_norm) {
   const float denom = norm + 1e-6f;
-  const float q = max_norm / denom;
+  const float recip = 1.0f / denom;
+  const float q = recip * max_norm;
   if (q != q) return q;  // NaN propagates (torch's clamp does the same)
   return q < 1.0f ? q : 1.0f;
 }

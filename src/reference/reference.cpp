@@ -94,11 +94,11 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
         const float diff = g - m;
         m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, g);
         const float cg = s.one_minus_beta2 * g;
-        const float cgg = cg * g;
         if (i < tail_begin) {
           const float v_keep = v * s.beta2;
-          v = v_keep + cgg;
+          v = std::fma(cg, g, v_keep);
         } else {
+          const float cgg = cg * g;
           v = std::fma(v, s.beta2, cgg);
         }
         const float root = std::sqrt(v);
