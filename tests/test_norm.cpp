@@ -200,6 +200,8 @@ struct HostTensor {
   std::vector<float> f32;
   std::vector<std::uint16_t> h16;
 
+  explicit HostTensor(DType t = DType::f32) : dtype(t) {}
+
   std::size_t numel() const { return dtype == DType::f32 ? f32.size() : h16.size(); }
   ConstTensorView view() const {
     if (dtype == DType::f32) return {f32.data(), f32.size(), dtype};

@@ -320,7 +320,9 @@ TEST(AdamWScalars, MatchIndependentPreparation) {
         } else {
           const TorchS t = torch_scalars(c, step);
           EXPECT_EQ(s.apply_decay, t.apply_decay);
-          if (t.apply_decay) EXPECT_EQ(bits(s.decay), bits(t.decay));
+          if (t.apply_decay) {
+            EXPECT_EQ(bits(s.decay), bits(t.decay));
+          }
           EXPECT_EQ(s.lerp_small, t.small);
           EXPECT_EQ(bits(s.lerp_coeff), bits(t.coeff));
           EXPECT_EQ(bits(s.beta2), bits(t.b2));
@@ -475,7 +477,9 @@ TEST(AdamWNative, StepCounterIncrementedFirst) {
     adamw(bs, native_config());
     EXPECT_EQ(bits(bs[0].step), bits(step0 + 1.0f));
     expect_adamw_equal(bs[0], want);
-    if (step0 < 100.0f) EXPECT_NE(bits(bs[0].p[0]), bits(stale.p[0])) << step0;
+    if (step0 < 100.0f) {
+      EXPECT_NE(bits(bs[0].p[0]), bits(stale.p[0])) << step0;
+    }
   }
   // At step 1 with zero moments the bias-corrected update is ~lr * sign(g).
   std::vector<AdamWBufs> bs(1);
@@ -620,7 +624,9 @@ TEST(AdamWTorch, TailWidthSelectsFusedSecondMoment) {
       const std::size_t n = bs[t].v.size();
       const std::size_t w = k.width > 1 ? static_cast<std::size_t>(k.width) : 1;
       const std::size_t nfused = k.width > 1 ? n % w : 0;
-      if (t == 0) EXPECT_EQ(nfused, k.fused);
+      if (t == 0) {
+        EXPECT_EQ(nfused, k.fused);
+      }
       for (std::size_t i = 0; i < n; ++i) {
         const float v0 = in[t].v[i], g = in[t].g.get(i);
         const float cgg = F(D(F(D(s.c2) * D(g))) * D(g));
@@ -681,9 +687,11 @@ TYPED_TEST(GradType, AdamWMatchesPerElementExpectation) {
       for (std::size_t t = 0; t < bs.size(); ++t) {
         SCOPED_TRACE(testing::Message() << "tensor " << t << " numel " << bs[t].p.size());
         expect_adamw_equal(bs[t], want[t]);
-        if (bs[t].has_out)
-          for (std::size_t i = 0; i < bs[t].p.size(); ++i)
+        if (bs[t].has_out) {
+          for (std::size_t i = 0; i < bs[t].p.size(); ++i) {
             ASSERT_EQ(bits(bs[t].out.get(i)), bits(round_dt(bs[t].p[i], bs[t].out.dtype)));
+          }
+        }
       }
     }
 }
