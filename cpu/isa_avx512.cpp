@@ -20,6 +20,9 @@ struct ArchOps<Avx512> {
     const __m512i x = v;
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
   }
+  static void store_hi16(std::uint16_t* p, U v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+  }
   static void to_double(F x, D& lo, D& hi) {
     const __m512 r = x;
     lo = D(_mm512_cvtps_pd(_mm512_castps512_ps256(r)));

@@ -22,6 +22,10 @@ struct ArchOps<xsimd::sse2> {
     x = _mm_srai_epi32(_mm_slli_epi32(x, 16), 16);  // sign-extend: packs cannot saturate
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(x, x));
   }
+  static void store_hi16(std::uint16_t* p, U v) {
+    const __m128i x = _mm_srai_epi32(v, 16);  // sign-extended high halves: packs is exact
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(x, x));
+  }
   static void to_double(F x, D& lo, D& hi) {
     const __m128 r = x;
     lo = D(_mm_cvtps_pd(r));

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kernel_table.hpp"
@@ -46,6 +47,12 @@ struct Body {
     const U r = (u + U(0x7FFFu) + ((u >> 16) & U(1u))) >> 16;
     const auto is_nan = as_i(u & U(0x7FFFFFFFu)) > I(0x7F800000);
     return as_u(xsimd::select(is_nan, I(0x7FC0), as_i(r)));
+  }
+  /// R_bf16 in place: f32 rounded to the bf16 grid, still an f32 (NaN stays NaN).
+  static F round_bf16(F x) {
+    const U u = as_u(x);
+    const F r = as_f((u + U(0x7FFFu) + ((u >> 16) & U(1u))) & U(0xFFFF0000u));
+    return xsimd::select(x != x, F(std::numeric_limits<float>::quiet_NaN()), r);
   }
   /// f32 -> f16 bits in the low half of each lane.
   static U f16_bits(F x) {
@@ -85,7 +92,11 @@ struct Body {
   }
   static void store(float* p, F x) { x.store_unaligned(p); }
   static void store(bfloat16_t* p, F x) {
-    Ops::store_u16(reinterpret_cast<std::uint16_t*>(p), bf16_bits(x));
+    // Round in place on the f32 pattern, then keep each lane's high half.
+    const U u = as_u(x);
+    const U r = u + U(0x7FFFu) + ((u >> 16) & U(1u));
+    const U bits = as_u(xsimd::select(x != x, F(std::numeric_limits<float>::quiet_NaN()), as_f(r)));
+    Ops::store_hi16(reinterpret_cast<std::uint16_t*>(p), bits);
   }
   static void store(float16_t* p, F x) {
     Ops::store_u16(reinterpret_cast<std::uint16_t*>(p), f16_bits(x));
@@ -97,18 +108,20 @@ struct Body {
     if constexpr (std::is_same_v<T, float>) {
       return x;
     } else if constexpr (std::is_same_v<T, bfloat16_t>) {
-      return from_bf16(bf16_bits(x));
+      return round_bf16(x);
     } else {
       return from_f16(f16_bits(x));
     }
   }
 
-  /// The gradient read of section 3: R_T(R_T(f32(g) * scale) * clip).
+  /// The gradient read of section 3: R_T(R_T(f32(g) * scale) * clip). A factor of
+  /// exactly 1 is skipped: x * 1 = x and R_T(x) = x for every x read from T (a NaN
+  /// stays a NaN, whose payload the spec leaves open).
   template <class T>
-  static F read_grad(const T* p, F scale, F clip) {
+  static F read_grad(const T* p, F scale, F clip, bool apply_scale, bool apply_clip) {
     F x = load(p);
-    x = round_to<T>(x * scale);
-    x = round_to<T>(x * clip);
+    if (apply_scale) x = round_to<T>(x * scale);
+    if (apply_clip) x = round_to<T>(x * clip);
     return x;
   }
   template <class T>
@@ -172,6 +185,7 @@ struct Body {
   static void adamw(const AdamWRange& r, std::size_t begin, std::size_t end) {
     const AdamWScalars& s = r.scalars;
     const F scale(r.read.scale), clip(r.read.clip);
+    const bool apply_scale = r.read.scale != 1.0f, apply_clip = r.read.clip != 1.0f;
     const F decay(s.decay), b1(s.beta1), b2(s.beta2), omb1(s.one_minus_beta1),
         omb2(s.one_minus_beta2), coeff(s.lerp_coeff), step_size(s.step_size),
         bc2(s.bc2_sqrt), eps(s.eps);
@@ -181,7 +195,7 @@ struct Body {
     if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
     std::size_t i = begin;
     for (; i + N <= vec_end; i += N) {
-      const F g = read_grad(grad + i, scale, clip);
+      const F g = read_grad(grad + i, scale, clip, apply_scale, apply_clip);
       F p = F::load_unaligned(r.param + i);
       F m = F::load_unaligned(r.exp_avg + i);
       F v = F::load_unaligned(r.exp_avg_sq + i);
@@ -302,6 +316,7 @@ struct Body {
                    std::size_t end, NormPartial& out) {
     const T* data = static_cast<const T*>(data_v);
     const F scale(read.scale), clip(read.clip);
+    const bool apply_scale = read.scale != 1.0f, apply_clip = read.clip != 1.0f;
     const U abs_mask(0x7FFFFFFFu);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {
       const std::size_t e = b + kNormBlockElements < end ? b + kNormBlockElements : end;
@@ -309,7 +324,7 @@ struct Body {
       I mx(0);
       std::size_t i = b;
       for (; i + N <= e; i += N) {
-        const F x = read_grad(data + i, scale, clip);
+        const F x = read_grad(data + i, scale, clip, apply_scale, apply_clip);
         mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
         D lo, hi;
         Ops::to_double(x, lo, hi);

@@ -798,11 +798,14 @@ TEST(NormApproximate, DepositDoubleIsExact) {
 
 // ---- (f) clip_coefficient -------------------------------------------------------------
 
-// min(1, max / (norm + 1e-6f)) in f32; double evaluates each op and rounds to f32
-// correctly (53 >= 2*24 + 2), so this is an independent expectation.
+// torch's min(1, max / (norm + 1e-6)) on an f32 tensor: denom = norm + 1e-6f,
+// recip = 1 / denom, q = recip * max, each one f32 rounding (docs 6.5). Double
+// evaluates each op and rounds to f32 correctly (53 >= 2*24 + 2), so this is an
+// independent expectation.
 float expected_clip(float norm, float max_norm) {
   const auto denom = static_cast<float>(static_cast<double>(norm) + static_cast<double>(1e-6f));
-  const auto q = static_cast<float>(static_cast<double>(max_norm) / static_cast<double>(denom));
+  const auto recip = static_cast<float>(1.0 / static_cast<double>(denom));
+  const auto q = static_cast<float>(static_cast<double>(recip) * static_cast<double>(max_norm));
   if (std::isnan(q)) return q;
   return q < 1.0f ? q : 1.0f;
 }
@@ -813,7 +816,7 @@ TEST(ClipCoefficient, HandWorked) {
   EXPECT_EQ(bits(clip_coefficient(0.0f, 1.0f)), bits(1.0f));
   EXPECT_EQ(bits(clip_coefficient(0.0f, 0.0f)), bits(0.0f));
   // norm 1, max 1: 1 + 1e-6f = 1 + 8.39 * 2^-23 rounds to 1 + 2^-20;
-  // 1 / (1 + 2^-20) = 1 - 2^-20 + 2^-40 - ... rounds to 1 - 2^-20 = 0x3F7FFFF0.
+  // 1 / (1 + 2^-20) = 1 - 2^-20 + 2^-40 - ... rounds to 1 - 2^-20 = 0x3F7FFFF0; times 1.
   EXPECT_EQ(bits(clip_coefficient(1.0f, 1.0f)), 0x3F7FFFF0u);
   // norm 2, max 1: a bit below 0.5.
   EXPECT_LT(clip_coefficient(2.0f, 1.0f), 0.5f);
@@ -825,6 +828,24 @@ TEST(ClipCoefficient, HandWorked) {
   EXPECT_EQ(bits(clip_coefficient(kInf, 1.0f)), 0u);
   // A huge finite norm: tiny coefficient, not 0.
   EXPECT_GT(clip_coefficient(1e30f, 1.0f), 0.0f);
+}
+
+TEST(ClipCoefficient, ReciprocalThenMultiplyNotOneDivision) {
+  // Find inputs where RN(max / denom) != RN(RN(1 / denom) * max): the coefficient
+  // must be the latter (torch's Tensor.__rtruediv__).
+  std::mt19937_64 rng(11);
+  int found = 0;
+  for (int i = 0; i < 100000 && found < 50; ++i) {
+    const float norm = std::fabs(log_uniform(rng, -1, 3));
+    const float mx = std::fabs(log_uniform(rng, -1, 1));
+    const auto denom = static_cast<float>(static_cast<double>(norm) + static_cast<double>(1e-6f));
+    const auto one_div = static_cast<float>(static_cast<double>(mx) / static_cast<double>(denom));
+    const float want = expected_clip(norm, mx);
+    if (one_div >= 1.0f || bits(one_div) == bits(want)) continue;
+    ++found;
+    ASSERT_EQ(bits(stepcore::clip_coefficient(norm, mx)), bits(want)) << norm << " " << mx;
+  }
+  EXPECT_EQ(found, 50);
 }
 
 TEST(ClipCoefficient, NeverAboveOneAndMatchesDouble) {

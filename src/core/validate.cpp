@@ -110,6 +110,15 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
   if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
   if (c.lr * c.weight_decay > 1.0)
     fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
+  if (c.formula == AdamWFormula::native) {
+    // The native formula rounds the hyper-parameters to f32 first: re-check there.
+    if (static_cast<float>(c.beta1) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
+    if (static_cast<float>(c.beta2) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
+    if (static_cast<double>(static_cast<float>(c.lr)) * static_cast<float>(c.weight_decay) > 1.0)
+      fail(Errc::out_of_range, "config.weight_decay", "f32(lr) * f32(weight_decay) must be <= 1");
+  }
   if (!std::isfinite(static_cast<float>(c.lr)))
     fail(Errc::out_of_range, "config.lr", "must be finite in f32");
   if (!std::isfinite(static_cast<float>(c.eps)))
