@@ -249,37 +249,25 @@ void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
 }
 
 NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) const {
+  return norm_partial(tensors, read, NormMode::fast);
+}
+
+NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
+                                 NormMode mode) const {
   ::stepcore::detail::validate_norm(tensors, read);
   const detail::KernelTable& table = table_for(isa_);
-  std::vector<detail::NormFn> fns(tensors.size());
+  const detail::NormFn* fns = mode == NormMode::exact ? table.norm_exact : table.norm;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const int d = static_cast<int>(tensors[i].dtype);
     if (d < 0 || d >= detail::kDTypes) unreachable_dtype("norm_partial");
-    fns[i] = table.norm[d];
   }
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
   // One partial per chunk, merged afterwards: exact integer sums, any order.
   std::vector<NormPartial> partials(chunks.size());
   run_static(chunks, threads_, [&](const Chunk& c) {
     const auto slot = static_cast<std::size_t>(&c - chunks.data());
-    fns[c.tensor](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);
-  });
-  NormPartial total;
-  for (const NormPartial& p : partials) merge(total, p);
-  return total;
-}
-
-NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
-                                 NormMode mode) const {
-  if (mode == NormMode::fast) return norm_partial(tensors, read);
-  ::stepcore::detail::validate_norm(tensors, read);
-  const detail::KernelTable& table = table_for(isa_);
-  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
-  std::vector<NormPartial> partials(chunks.size());
-  run_static(chunks, threads_, [&](const Chunk& c) {
-    const auto slot = static_cast<std::size_t>(&c - chunks.data());
     const int d = static_cast<int>(tensors[c.tensor].dtype);
-    table.norm_exact[d](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);
+    fns[d](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);
   });
   NormPartial total;
   for (const NormPartial& p : partials) merge(total, p);

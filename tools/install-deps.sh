@@ -11,6 +11,11 @@ packages=(
   libopenmpi-dev openmpi-bin
 )
 
+# --tsan adds what the tsan preset needs: clang and LLVM's OpenMP (with the Archer tool).
+if [ "${1:-}" = "--tsan" ]; then
+  packages+=(clang libomp-dev)
+fi
+
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -49,6 +49,39 @@ void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, boo
 
 bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
 
+// Checks tensor i's f32 param, its read-only grad and its optional compute output,
+// adds their memory ranges, and returns the element count.
+std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
+                                    const ConstTensorView& grad, const TensorView& out,
+                                    std::vector<Range>& ranges) {
+  const std::string p = arg_name("tensors", i, "param");
+  check_view(param.data, param.numel, param.dtype, p);
+  require_dtype(param.dtype, DType::f32, p);
+  const std::size_t n = param.numel;
+  const std::string g = arg_name("tensors", i, "grad");
+  check_view(grad.data, grad.numel, grad.dtype, g);
+  require_numel(grad.numel, n, g, p);
+  if (has_view(out)) {
+    const std::string o = arg_name("tensors", i, "compute_param");
+    check_view(out.data, out.numel, out.dtype, o);
+    require_numel(out.numel, n, o, p);
+    add_range(ranges, out.data, out.bytes(), true, o);
+  }
+  add_range(ranges, param.data, param.bytes(), true, p);
+  add_range(ranges, grad.data, grad.bytes(), false, g);
+  return n;
+}
+
+// Checks an f32 companion buffer (a moment) of tensor i and adds its range.
+void check_moment(std::size_t i, const TensorView& v, std::size_t n, const char* field,
+                  std::vector<Range>& ranges) {
+  const std::string name = arg_name("tensors", i, field);
+  check_view(v.data, v.numel, v.dtype, name);
+  require_dtype(v.dtype, DType::f32, name);
+  require_numel(v.numel, n, name, arg_name("tensors", i, "param"));
+  add_range(ranges, v.data, v.bytes(), true, name);
+}
+
 }  // namespace
 
 std::string arg_name(const char* base, std::size_t i, const char* field) {
@@ -131,37 +164,15 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
   ranges.reserve(tensors.size() * 6);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
-    const std::string p = arg_name("tensors", i, "param");
-    check_view(t.param.data, t.param.numel, t.param.dtype, p);
-    require_dtype(t.param.dtype, DType::f32, p);
-    const std::size_t n = t.param.numel;
-    const std::string m = arg_name("tensors", i, "exp_avg");
-    check_view(t.exp_avg.data, t.exp_avg.numel, t.exp_avg.dtype, m);
-    require_dtype(t.exp_avg.dtype, DType::f32, m);
-    require_numel(t.exp_avg.numel, n, m, p);
-    const std::string v = arg_name("tensors", i, "exp_avg_sq");
-    check_view(t.exp_avg_sq.data, t.exp_avg_sq.numel, t.exp_avg_sq.dtype, v);
-    require_dtype(t.exp_avg_sq.dtype, DType::f32, v);
-    require_numel(t.exp_avg_sq.numel, n, v, p);
-    const std::string g = arg_name("tensors", i, "grad");
-    check_view(t.grad.data, t.grad.numel, t.grad.dtype, g);
-    require_numel(t.grad.numel, n, g, p);
+    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    check_moment(i, t.exp_avg, n, "exp_avg", ranges);
+    check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
     const std::string s = arg_name("tensors", i, "step");
     if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
     const float step = *t.step;
     if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
     if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
       fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
-    const std::string o = arg_name("tensors", i, "compute_param");
-    if (has_view(t.compute_param)) {
-      check_view(t.compute_param.data, t.compute_param.numel, t.compute_param.dtype, o);
-      require_numel(t.compute_param.numel, n, o, p);
-      add_range(ranges, t.compute_param.data, t.compute_param.bytes(), true, o);
-    }
-    add_range(ranges, t.param.data, t.param.bytes(), true, p);
-    add_range(ranges, t.exp_avg.data, t.exp_avg.bytes(), true, m);
-    add_range(ranges, t.exp_avg_sq.data, t.exp_avg_sq.bytes(), true, v);
-    add_range(ranges, t.grad.data, t.grad.bytes(), false, g);
     add_range(ranges, t.step, sizeof(float), true, s);
   }
   check_overlaps(ranges);
@@ -182,24 +193,8 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
     fail(Errc::invalid_argument, "read.clip", "SignSGD needs a positive clip coefficient");
   std::vector<Range> ranges;
   ranges.reserve(tensors.size() * 3);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const SignSgdTensor& t = tensors[i];
-    const std::string p = arg_name("tensors", i, "param");
-    check_view(t.param.data, t.param.numel, t.param.dtype, p);
-    require_dtype(t.param.dtype, DType::f32, p);
-    const std::size_t n = t.param.numel;
-    const std::string g = arg_name("tensors", i, "grad");
-    check_view(t.grad.data, t.grad.numel, t.grad.dtype, g);
-    require_numel(t.grad.numel, n, g, p);
-    const std::string o = arg_name("tensors", i, "compute_param");
-    if (has_view(t.compute_param)) {
-      check_view(t.compute_param.data, t.compute_param.numel, t.compute_param.dtype, o);
-      require_numel(t.compute_param.numel, n, o, p);
-      add_range(ranges, t.compute_param.data, t.compute_param.bytes(), true, o);
-    }
-    add_range(ranges, t.param.data, t.param.bytes(), true, p);
-    add_range(ranges, t.grad.data, t.grad.bytes(), false, g);
-  }
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    check_param_grad_output(i, tensors[i].param, tensors[i].grad, tensors[i].compute_param, ranges);
   check_overlaps(ranges);
 }
 
