@@ -181,44 +181,59 @@ struct Body {
     if constexpr (!std::is_void_v<O>) static_cast<O*>(r.out)[i] = from_f32<O>(p);
   }
 
-  template <class G, class O>
-  static void adamw(const AdamWRange& r, std::size_t begin, std::size_t end) {
-    const AdamWScalars& s = r.scalars;
-    const F scale(r.read.scale), clip(r.read.clip);
-    const bool apply_scale = r.read.scale != 1.0f, apply_clip = r.read.clip != 1.0f;
+  /// Vector lanes of one formula over [i, end): every element uses the body form.
+  /// Pointers and scalars are locals so nothing is reloaded per iteration; the
+  /// loop-invariant read flags are unswitched by the compiler.
+  template <class G, class O, bool Torch>
+  static void adamw_lanes(float* __restrict P, float* __restrict M, float* __restrict V,
+                          const G* __restrict grad, O* __restrict out, const AdamWScalars s,
+                          const GradientRead read, std::size_t i, std::size_t end) {
+    const F scale(read.scale), clip(read.clip);
+    const bool apply_scale = read.scale != 1.0f, apply_clip = read.clip != 1.0f;
     const F decay(s.decay), b1(s.beta1), b2(s.beta2), omb1(s.one_minus_beta1),
-        omb2(s.one_minus_beta2), coeff(s.lerp_coeff), step_size(s.step_size),
-        bc2(s.bc2_sqrt), eps(s.eps);
-    const G* grad = static_cast<const G*>(r.grad);
-    // Vector lanes only where every lane uses the body form.
-    std::size_t vec_end = end;
-    if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
-    std::size_t i = begin;
-    for (; i + N <= vec_end; i += N) {
+        omb2(s.one_minus_beta2), coeff(s.lerp_coeff), step_size(s.step_size), bc2(s.bc2_sqrt),
+        eps(s.eps);
+    const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
+    for (; i + N <= end; i += N) {
       const F g = read_grad(grad + i, scale, clip, apply_scale, apply_clip);
-      F p = F::load_unaligned(r.param + i);
-      F m = F::load_unaligned(r.exp_avg + i);
-      F v = F::load_unaligned(r.exp_avg_sq + i);
-      if (!r.torch) {
+      F p = F::load_unaligned(P + i);
+      F m = F::load_unaligned(M + i);
+      F v = F::load_unaligned(V + i);
+      if constexpr (!Torch) {
         p = p * decay;
         m = m * b1 + g * omb1;
         v = v * b2 + (g * g) * omb2;
         const F d = xsimd::sqrt(v) / bc2 + eps;
         p = p - (step_size * m) / d;
       } else {
-        if (s.apply_decay) p = p * decay;
+        if (apply_decay) p = p * decay;
         const F diff = g - m;
-        m = Ops::fma(coeff, diff, s.lerp_small ? m : g);
+        m = Ops::fma(coeff, diff, lerp_small ? m : g);
         v = Ops::fma(omb2 * g, g, v * b2);
         const F d = xsimd::sqrt(v) / bc2 + eps;
         p = p + (step_size * m) / d;
       }
-      p.store_unaligned(r.param + i);
-      m.store_unaligned(r.exp_avg + i);
-      v.store_unaligned(r.exp_avg_sq + i);
-      if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
+      p.store_unaligned(P + i);
+      m.store_unaligned(M + i);
+      v.store_unaligned(V + i);
+      if constexpr (!std::is_void_v<O>) store(out + i, p);
     }
-    for (; i < end; ++i) adamw_one<G, O>(r, i);
+  }
+
+  template <class G, class O>
+  static void adamw(const AdamWRange& r, std::size_t begin, std::size_t end) {
+    // Vector lanes only where every lane uses the body form; the rest (the chunk's
+    // remainder and torch's tail) element by element.
+    std::size_t vec_end = end;
+    if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
+    const std::size_t lanes_end = begin + (vec_end - begin) / N * N;
+    const G* grad = static_cast<const G*>(r.grad);
+    O* out = static_cast<O*>(r.out);
+    if (r.torch)
+      adamw_lanes<G, O, true>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
+    else
+      adamw_lanes<G, O, false>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
+    for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
 
   // ---- SignSGD --------------------------------------------------------------------
