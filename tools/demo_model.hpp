@@ -190,30 +190,52 @@ inline float gauss(std::uint64_t key, std::uint64_t i) {
   return gauss_in_block(block_keys(key, i >> 32), static_cast<std::uint32_t>(i));
 }
 
-/// Writes out[i] = from_f32<T>(stddev * gauss(key, i)) for i < n: the same
-/// values as the per-element form, in a loop the compiler vectorises.
+/// Writes out[i] = from_f32<T>(stddev * gauss(key, i)) for begin <= i < end (out
+/// points at element 0 of the stream): the same values as the per-element form, in
+/// loops the compiler vectorises. Each element depends only on (key, i), so any
+/// split of [0, n) into ranges, filled in any order or in parallel, gives the same
+/// bits as one sequential fill.
+template <class T>
+void fill_gauss_range(T* out, std::size_t begin, std::size_t end, std::uint64_t key,
+                      float stddev) {
+  constexpr std::uint64_t kBlock = 0x100000000ull;
+  std::uint64_t i = begin;
+  while (i < end) {
+    const std::uint64_t block = i / kBlock;
+    const std::uint64_t stop = std::min<std::uint64_t>(end, (block + 1) * kBlock);
+    const BlockKeys k = block_keys(key, block);
+    T* o = out + block * kBlock;
+    const std::uint64_t j0 = i - block * kBlock, j1 = stop - block * kBlock;
+    for (std::uint64_t j = j0; j < j1; ++j)
+      o[j] = stepcore::from_f32<T>(stddev * gauss_in_block(k, static_cast<std::uint32_t>(j)));
+    i = stop;
+  }
+}
+
+/// Writes out[i] = from_f32<T>(stddev * gauss(key, i)) for i < n.
 template <class T>
 void fill_gauss(T* out, std::size_t n, std::uint64_t key, float stddev) {
-  for (std::uint64_t block = 0; block * 0x100000000ull < n; ++block) {
-    const BlockKeys k = block_keys(key, block);
-    T* o = out + block * 0x100000000ull;
-    const std::size_t m = std::min<std::uint64_t>(n - block * 0x100000000ull, 0x100000000ull);
-    for (std::size_t j = 0; j < m; ++j)
-      o[j] = stepcore::from_f32<T>(stddev * gauss_in_block(k, static_cast<std::uint32_t>(j)));
-  }
+  fill_gauss_range(out, 0, n, key, stddev);
 }
 
 /// Random-stream domains, so parameters and gradients never share a stream.
 enum Domain : std::uint64_t { kInitDomain = 1, kGradDomain = 2, kTokenDomain = 3, kNormDomain = 4 };
 
-/// Writes the n initial values of tensor t of kind k: N(0, 0.02) (approximately)
-/// for matrices and embeddings, 1 for norms, 0 for biases.
-inline void fill_init(float* out, std::size_t n, std::uint64_t seed, std::size_t t, TensorKind k) {
+/// Writes elements [begin, end) of the initial values of tensor t of kind k (out
+/// points at its element 0): N(0, 0.02) (approximately) for matrices and
+/// embeddings, 1 for norms, 0 for biases. Pure in (seed, t, i), like fill_gauss_range.
+inline void fill_init_range(float* out, std::size_t begin, std::size_t end, std::uint64_t seed,
+                            std::size_t t, TensorKind k) {
   if (k == TensorKind::norm || k == TensorKind::attn_bias) {
-    std::fill(out, out + n, k == TensorKind::norm ? 1.0f : 0.0f);
+    std::fill(out + begin, out + end, k == TensorKind::norm ? 1.0f : 0.0f);
     return;
   }
-  fill_gauss(out, n, stream_key(seed, kInitDomain, t), 0.02f);
+  fill_gauss_range(out, begin, end, stream_key(seed, kInitDomain, t), 0.02f);
+}
+
+/// Writes the n initial values of tensor t of kind k.
+inline void fill_init(float* out, std::size_t n, std::uint64_t seed, std::size_t t, TensorKind k) {
+  fill_init_range(out, 0, n, seed, t, k);
 }
 
 // ---- the synthetic step -------------------------------------------------------

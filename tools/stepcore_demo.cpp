@@ -1,7 +1,10 @@
 // stepcore-demo, the main job: a few training steps "after backward" of a synthetic
 // model with a real LLM's tensor layout -- accumulate micro-batch gradients, apply
 // the 1/tokens scale lazily, exact global norm, clip, AdamW or SignSGD -- with
-// per-phase timings and a bitwise checksum of the result.
+// per-phase timings and a bitwise checksum of the result. Runs on the CPU engine
+// (stepcore::cpu::Engine) by default, cross-checked bit for bit against
+// stepcore::reference on the first step(s); --backend reference runs the oracle alone.
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cinttypes>
@@ -13,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <new>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -26,6 +30,7 @@
 #include "demo_model.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
+#include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -64,7 +69,10 @@ struct Options {
   double lr = 3e-4;
   double weight_decay = 0.1;
   std::uint64_t seed = 1;
-  std::string backend = "reference";
+  std::string backend = "cpu";
+  std::optional<sc::cpu::Isa> isa;  ///< unset: the engine's choice (STEPCORE_ISA, else best)
+  int threads = 0;                  ///< 0: the engine's choice (STEPCORE_THREADS, else affinity)
+  std::int64_t check_steps = 1;     ///< steps cross-checked against the reference; 0: none
   std::int64_t inject_inf = 0;  ///< 1-based step whose gradients get one +Inf; 0: none
   bool print_layout = false;
   bool help = false;
@@ -77,6 +85,7 @@ LLM's tensor layout: per step, micro-batch gradients (synthetic, deterministic) 
 accumulated into f32, scaled by 1/loss-tokens, the exact global norm and the clip
 coefficient are computed, and the optimizer writes f32 parameters and bf16 compute
 weights. Prints per-phase timings and a bitwise checksum of the final state.
+The CPU engine's first step is checked bit for bit against the scalar reference.
 
 options (--name value or --name=value):
   --model NAME         qwen2.5-0.5b (default), llama-3.2-1b, llama-3.2-3b, llama-3.1-8b
@@ -92,12 +101,22 @@ options (--name value or --name=value):
   --weight-decay X     decoupled weight decay of matrices and embeddings (default 0.1;
                        norms and biases never decay)
   --seed N             seed of the synthetic weights and gradients (default 1)
-  --backend B          implementation of the phases: reference (default, the only one)
+  --backend B          implementation of the phases: cpu (default: stepcore::cpu::Engine,
+                       SIMD + OpenMP) or reference (the scalar oracle, one thread)
+  --isa I              cpu engine ISA: sse2, avx2 or avx512 (default: STEPCORE_ISA,
+                       else the best this processor runs)
+  --threads N          cpu engine threads, also used to generate the synthetic
+                       gradients (default: STEPCORE_THREADS, else the CPUs of the
+                       affinity mask; OMP_NUM_THREADS is ignored)
+  --check-steps N      run the first N steps also with stepcore::reference on a copy
+                       of the state and compare every buffer bit for bit (default 1;
+                       0: off; cpu backend only; not counted in the phase timings)
   --inject-inf STEP    put one +Inf into STEP's gradients (1-based) to show found-inf
   --print-layout       list every tensor of the layout
   --help               this text
 
-exit status: 0 success, 1 runtime error, 2 bad usage
+exit status: 0 success, 1 runtime error or bitwise mismatch, 2 bad usage (including
+an ISA this processor lacks)
 )";
 
 /// Returns `text` as an integer in [lo, hi]; throws UsageError naming `opt`.
@@ -147,7 +166,8 @@ bool takes_value(std::string_view name) {
   static constexpr std::string_view kValued[] = {
       "--model",        "--layers",     "--vocab",     "--steps",     "--micro-batches",
       "--max-norm",     "--grad-dtype", "--optimizer", "--formula",   "--lr",
-      "--weight-decay", "--seed",       "--backend",   "--inject-inf"};
+      "--weight-decay", "--seed",       "--backend",   "--inject-inf", "--isa",
+      "--threads",      "--check-steps"};
   for (const std::string_view v : kValued)
     if (v == name) return true;
   return false;
@@ -206,6 +226,16 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     o.backend = value;  // checked by make_backend, the one place that knows backends
   } else if (name == "--inject-inf") {
     o.inject_inf = parse_int(name, value, 1, 16777215);
+  } else if (name == "--isa") {
+    try {
+      o.isa = sc::cpu::parse_isa(value, "--isa");
+    } catch (const sc::Error&) {
+      throw UsageError("--isa: expected sse2, avx2 or avx512, got '" + value + "'");
+    }
+  } else if (name == "--threads") {
+    o.threads = static_cast<int>(parse_int(name, value, 1, 4096));
+  } else if (name == "--check-steps") {
+    o.check_steps = parse_int(name, value, 0, 16777215);
   } else {
     throw UsageError("unknown option '" + name + "'");
   }
@@ -249,29 +279,83 @@ Options parse_options(int argc, char** argv) {
 
 // ---- the backend: the one place that names an implementation ------------------------
 
-/// The operations of a step, bound to one implementation. Later backends (SIMD
-/// engine, CUDA) add an entry in make_backend; the driver does not change.
+/// The operations of a step, bound to one implementation: the scalar reference or
+/// the CPU engine. Later backends (CUDA) add an entry in make_backend; the driver
+/// does not change.
 struct Backend {
-  std::string_view name;
-  std::string_view description;
-  void (*accumulate)(std::span<const sc::AccumulatePair>);
-  sc::NormPartial (*norm_partial)(std::span<const sc::ConstTensorView>, sc::GradientRead);
-  void (*adamw_step)(std::span<const sc::AdamWTensor>, const sc::AdamWConfig&, sc::GradientRead,
-                     const std::int32_t*);
-  void (*sign_sgd_step)(std::span<const sc::SignSgdTensor>, const sc::SignSgdConfig&,
-                        sc::GradientRead, const std::int32_t*);
+  std::string name;
+  std::string description;
+  std::optional<sc::cpu::Engine> engine;  ///< set for the cpu backend
+
+  /// Returns the threads the backend's calls use (and the synthetic fill uses).
+  int threads() const { return engine ? engine->threads() : 1; }
+
+  void accumulate(std::span<const sc::AccumulatePair> pairs) const {
+    if (engine)
+      engine->accumulate(pairs);
+    else
+      sc::reference::accumulate(pairs);
+  }
+  /// Returns the finalized global norm of the read values (never needs_exact: the
+  /// engine recomputes an uncertifiable fast partial exactly).
+  sc::NormResult norm(std::span<const sc::ConstTensorView> tensors, sc::GradientRead read) const {
+    return engine ? engine->norm(tensors, read)
+                  : sc::finalize(sc::reference::norm_partial(tensors, read));
+  }
+  void adamw_step(std::span<const sc::AdamWTensor> tensors, const sc::AdamWConfig& config,
+                  sc::GradientRead read) const {
+    if (engine)
+      engine->adamw_step(tensors, config, read, nullptr);
+    else
+      sc::reference::adamw_step(tensors, config, read, nullptr);
+  }
+  void sign_sgd_step(std::span<const sc::SignSgdTensor> tensors, const sc::SignSgdConfig& config,
+                     sc::GradientRead read) const {
+    if (engine)
+      engine->sign_sgd_step(tensors, config, read, nullptr);
+    else
+      sc::reference::sign_sgd_step(tensors, config, read, nullptr);
+  }
 };
 
-/// Returns the backend called `name`; throws UsageError for an unknown one.
-Backend make_backend(std::string_view name) {
-  if (name == "reference")
-    return {"reference",
-            "scalar reference, one element at a time (the oracle)",
-            &sc::reference::accumulate,
-            &sc::reference::norm_partial,
-            &sc::reference::adamw_step,
-            &sc::reference::sign_sgd_step};
-  throw UsageError("--backend: unknown backend '" + std::string(name) + "' (available: reference)");
+/// Returns true when the environment variable `name` is set and not empty.
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0';
+}
+
+/// Returns the backend of the options. Throws UsageError for an unknown backend or
+/// engine options given to the reference, and the engine's stepcore::Error for a
+/// configuration it rejects (an ISA this processor lacks, a bad STEPCORE_* value).
+Backend make_backend(const Options& o) {
+  Backend b;
+  if (o.backend == "reference") {
+    if (o.isa || o.threads != 0)
+      throw UsageError("--isa and --threads configure the cpu engine; not valid with "
+                       "--backend reference");
+    b.name = "reference";
+    b.description = "scalar reference, one element at a time (the oracle)";
+    return b;
+  }
+  if (o.backend == "cpu") {
+    b.engine.emplace(sc::cpu::EngineConfig{o.isa, o.threads});
+    const sc::cpu::Engine& e = *b.engine;
+    std::string supported;
+    for (const sc::cpu::Isa i : sc::cpu::supported_isas())
+      supported += (supported.empty() ? "" : ", ") + std::string(sc::cpu::isa_name(i));
+    b.name = "cpu";
+    b.description = "stepcore::cpu::Engine (SIMD + OpenMP), isa " + std::string(e.isa_name()) +
+                    " (" + (o.isa ? "--isa" : env_set("STEPCORE_ISA") ? "STEPCORE_ISA" : "best") +
+                    "; this processor: " + supported + "), " + std::to_string(e.threads()) +
+                    (e.threads() == 1 ? " thread (" : " threads (") +
+                    (o.threads != 0                  ? "--threads"
+                     : env_set("STEPCORE_THREADS") ? "STEPCORE_THREADS"
+                                                   : "affinity mask") +
+                    ")";
+    return b;
+  }
+  throw UsageError("--backend: unknown backend '" + o.backend +
+                   "' (available: cpu, reference)");
 }
 
 // ---- memory -------------------------------------------------------------------------
@@ -320,6 +404,16 @@ class AlignedArray {
   std::size_t bytes_ = 0;
 };
 
+/// Elements [begin, end) of tensor `tensor`: one unit of the parallel synthetic fills.
+struct FillChunk {
+  std::size_t tensor;
+  std::size_t begin;
+  std::size_t end;
+};
+
+/// Elements per fill chunk.
+constexpr std::size_t kFillChunk = std::size_t{1} << 16;
+
 /// The instantiated model: config with overrides, tensor table and offsets.
 struct Model {
   demo::ModelConfig config;  ///< with --layers/--vocab applied
@@ -328,6 +422,7 @@ struct Model {
   std::vector<std::size_t> offset;  ///< element offset of each tensor, 32-aligned
   std::size_t numel = 0;            ///< parameters
   std::size_t padded = 0;           ///< elements of each flat buffer
+  std::vector<FillChunk> chunks;    ///< every tensor cut into kFillChunk pieces, in order
 };
 
 /// Returns the model of the options: the published config, scaled down as asked.
@@ -343,6 +438,9 @@ Model make_model(const Options& o) {
     m.numel += t.numel();
     m.padded += (t.numel() + 31) / 32 * 32;
   }
+  for (std::size_t t = 0; t < m.layout.size(); ++t)
+    for (std::size_t b = 0; b < m.layout[t].numel(); b += kFillChunk)
+      m.chunks.push_back({t, b, std::min(m.layout[t].numel(), b + kFillChunk)});
   return m;
 }
 
@@ -357,6 +455,14 @@ struct State {
   AlignedArray<float> grad_f32;            ///< one micro-batch's gradients, f32
   std::vector<float> step;                 ///< per-tensor AdamW step counters
 };
+
+/// Returns a copy of `a` (same size, same bytes).
+template <class T>
+AlignedArray<T> clone(const AlignedArray<T>& a) {
+  AlignedArray<T> c(a.size());
+  if (a.size() != 0) std::memcpy(c.data(), a.data(), a.bytes());
+  return c;
+}
 
 /// Allocates the (zeroed, pre-faulted) state for `m`.
 State make_state(const Model& m, const Options& o) {
@@ -376,13 +482,17 @@ State make_state(const Model& m, const Options& o) {
   return s;
 }
 
-/// Sets the initial f32 weights and their bf16 compute copies.
-void init_weights(const Model& m, State& s, const Options& o) {
-  for (std::size_t t = 0; t < m.layout.size(); ++t) {
-    float* p = s.param.data() + m.offset[t];
-    sc::bfloat16_t* c = s.compute.data() + m.offset[t];
-    demo::fill_init(p, m.layout[t].numel(), o.seed, t, m.layout[t].kind);
-    for (std::size_t i = 0; i < m.layout[t].numel(); ++i) c[i] = sc::from_f32<sc::bfloat16_t>(p[i]);
+/// Sets the initial f32 weights and their bf16 compute copies, on `threads`
+/// threads (pure functions of the coordinates: the same bits for any count).
+void init_weights(const Model& m, State& s, const Options& o, int threads) {
+  const auto chunks = static_cast<std::int64_t>(m.chunks.size());
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (std::int64_t i = 0; i < chunks; ++i) {
+    const FillChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+    float* p = s.param.data() + m.offset[ch.tensor];
+    sc::bfloat16_t* c = s.compute.data() + m.offset[ch.tensor];
+    demo::fill_init_range(p, ch.begin, ch.end, o.seed, ch.tensor, m.layout[ch.tensor].kind);
+    for (std::size_t j = ch.begin; j < ch.end; ++j) c[j] = sc::from_f32<sc::bfloat16_t>(p[j]);
   }
 }
 
@@ -395,16 +505,17 @@ struct Calls {
   std::vector<sc::SignSgdTensor> sign[2];
 };
 
-/// Returns the argument lists over `s` for the model `m`.
-Calls make_calls(const Model& m, State& s, const Options& o) {
+/// Returns the argument lists over `s` for the model `m`, reading the micro-batch
+/// gradients from `grads` (s itself, or the state a checking copy was taken of).
+Calls make_calls(const Model& m, State& s, const State& grads, const Options& o) {
   Calls c;
   for (std::size_t t = 0; t < m.layout.size(); ++t) {
     const std::size_t n = m.layout[t].numel();
     const std::size_t off = m.offset[t];
     const sc::TensorView acc = sc::f32_view(s.acc.data() + off, n);
     const sc::ConstTensorView src = o.grad_dtype == sc::DType::bf16
-                                        ? sc::const_view(s.grad_bf16.data() + off, n)
-                                        : sc::const_view(s.grad_f32.data() + off, n);
+                                        ? sc::const_view(grads.grad_bf16.data() + off, n)
+                                        : sc::const_view(grads.grad_f32.data() + off, n);
     c.first.push_back({acc, src, true});
     c.rest.push_back({acc, src, false});
     c.accs.push_back(acc);
@@ -424,22 +535,35 @@ Calls make_calls(const Model& m, State& s, const Options& o) {
 
 /// Writes micro-batch k of `step` into the gradient buffer: element i of tensor
 /// t is stddev[t] * gauss(grad_key(seed, step, k, t), i), rounded to the dtype.
+/// Runs a static parallel-for over the model's chunks on `threads` threads; every
+/// value is a pure function of its coordinates, so the bits do not depend on it.
 void fill_micro_batch(const Model& m, State& s, const Options& o, std::int64_t step, std::int64_t k,
-                      std::span<const double> stddev) {
+                      std::span<const double> stddev, int threads) {
+  std::vector<std::uint64_t> keys(m.layout.size());
+  std::vector<float> sds(m.layout.size());
   for (std::size_t t = 0; t < m.layout.size(); ++t) {
-    const std::uint64_t key = demo::grad_key(o.seed, step, k, t);
-    const float sd = static_cast<float>(stddev[t]);
-    const std::size_t n = m.layout[t].numel();
-    if (o.grad_dtype == sc::DType::bf16)
-      demo::fill_gauss(s.grad_bf16.data() + m.offset[t], n, key, sd);
+    keys[t] = demo::grad_key(o.seed, step, k, t);
+    sds[t] = static_cast<float>(stddev[t]);
+  }
+  const bool bf16 = o.grad_dtype == sc::DType::bf16;
+  const auto chunks = static_cast<std::int64_t>(m.chunks.size());
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (std::int64_t i = 0; i < chunks; ++i) {
+    const FillChunk& ch = m.chunks[static_cast<std::size_t>(i)];
+    if (bf16)
+      demo::fill_gauss_range(s.grad_bf16.data() + m.offset[ch.tensor], ch.begin, ch.end,
+                             keys[ch.tensor], sds[ch.tensor]);
     else
-      demo::fill_gauss(s.grad_f32.data() + m.offset[t], n, key, sd);
+      demo::fill_gauss_range(s.grad_f32.data() + m.offset[ch.tensor], ch.begin, ch.end,
+                             keys[ch.tensor], sds[ch.tensor]);
+  }
+  for (std::size_t t = 0; t < m.layout.size(); ++t) {
     // Spot check: the vectorised fill gives what regenerating one element gives.
-    const float x = demo::grad_value(o.seed, step, k, t, n - 1, sd);
+    const std::size_t n = m.layout[t].numel();
+    const float x = demo::grad_value(o.seed, step, k, t, n - 1, sds[t]);
     const bool same =
-        o.grad_dtype == sc::DType::bf16
-            ? s.grad_bf16.data()[m.offset[t] + n - 1].bits == sc::from_f32<sc::bfloat16_t>(x).bits
-            : sc::f32_bits(s.grad_f32.data()[m.offset[t] + n - 1]) == sc::f32_bits(x);
+        bf16 ? s.grad_bf16.data()[m.offset[t] + n - 1].bits == sc::from_f32<sc::bfloat16_t>(x).bits
+             : sc::f32_bits(s.grad_f32.data()[m.offset[t] + n - 1]) == sc::f32_bits(x);
     if (!same)
       throw sc::Error(sc::Errc::internal, m.layout[t].name,
                       "synthetic gradient fill is not reproducible");
@@ -593,6 +717,146 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
   else
     std::printf("none (no clipping)");
   std::printf(", seed %" PRIu64 "\n", o.seed);
+  if (!b.engine)
+    std::printf("check      none: the reference backend is the oracle\n");
+  else if (o.check_steps == 0)
+    std::printf("check      off (--check-steps 0)\n");
+  else
+    std::printf("check      step%s 1%s also run by stepcore::reference on a copy of the state, "
+                "compared bit for bit (not in the phase timings)\n",
+                o.check_steps > 1 && o.steps > 1 ? "s" : "",
+                o.check_steps > 1 && o.steps > 1
+                    ? ("-" + std::to_string(std::min(o.check_steps, o.steps))).c_str()
+                    : "");
+}
+
+// ---- the bitwise cross-check -----------------------------------------------------------
+
+/// The reference's copy of the state for one checked step, and what it computed.
+struct Shadow {
+  State state;  ///< params, moments, step counters, accumulators, compute weights
+  Calls calls;  ///< over `state`, reading the engine state's micro-batch gradients
+  sc::NormResult norm;
+  float clip = 1.0f;
+  bool applied = false;   ///< the reference ran its optimizer step
+  double seconds = 0.0;  ///< copy, reference calls and comparison
+};
+
+/// Returns a copy of every buffer of `s` that a step reads or writes, except the
+/// micro-batch gradients (shared: the reference reads the engine state's).
+std::unique_ptr<Shadow> make_shadow(const Model& m, const State& s, const Options& o) {
+  auto sh = std::make_unique<Shadow>();
+  sh->state.param = clone(s.param);
+  sh->state.exp_avg = clone(s.exp_avg);
+  sh->state.exp_avg_sq = clone(s.exp_avg_sq);
+  sh->state.acc = clone(s.acc);
+  sh->state.compute = clone(s.compute);
+  sh->state.step = s.step;
+  sh->calls = make_calls(m, sh->state, s, o);
+  return sh;
+}
+
+/// The norm, clip and optimizer outcome of one step.
+struct StepOutcome {
+  sc::NormResult norm;
+  float clip = 1.0f;
+  bool applied = false;
+};
+
+/// Returns "" when tensor slices of `a` and `b` (padding included) hold the same
+/// bytes, else the first difference: "<what> <tensor>[<i>]: engine 0x.. reference 0x..".
+template <class T>
+std::string first_difference(const Model& m, const char* what, const T* a, const T* b) {
+  for (std::size_t t = 0; t < m.layout.size(); ++t) {
+    const std::size_t begin = m.offset[t];
+    const std::size_t end = t + 1 < m.layout.size() ? m.offset[t + 1] : m.padded;
+    if (std::memcmp(a + begin, b + begin, (end - begin) * sizeof(T)) == 0) continue;
+    std::size_t i = begin;
+    while (std::memcmp(a + i, b + i, sizeof(T)) == 0) ++i;
+    std::uint32_t x = 0, y = 0;
+    std::memcpy(&x, a + i, sizeof(T));
+    std::memcpy(&y, b + i, sizeof(T));
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "]%s: engine 0x%0*" PRIx32 " reference 0x%0*" PRIx32,
+                  i - begin >= m.layout[t].numel() ? " (padding)" : "",
+                  static_cast<int>(2 * sizeof(T)), x, static_cast<int>(2 * sizeof(T)), y);
+    return std::string(what) + " " + m.layout[t].name + "[" + std::to_string(i - begin) + buf;
+  }
+  return "";
+}
+
+/// Compares the engine's state and outcome with the reference's, bit for bit.
+/// Prints the "bitwise:" line; returns true when everything matched.
+bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e,
+                            const Shadow& sh, const Options& o, const Backend& b,
+                            std::int64_t step) {
+  std::vector<std::string> diffs;  // in the order the step computes them
+  std::string matched;             // what was compared and equal
+  const auto check = [&](const char* name, std::string diff) {
+    if (!diff.empty())
+      diffs.push_back(std::move(diff));
+    else
+      matched += (matched.empty() ? "" : ", ") + std::string(name);
+  };
+  const auto scalar = [&](const char* name, std::uint64_t x, std::uint64_t y, bool hex) {
+    if (x == y) return;
+    char buf[96];
+    std::snprintf(buf, sizeof buf, hex ? "%s: engine 0x%08" PRIx64 " reference 0x%08" PRIx64
+                                       : "%s: engine %" PRIu64 " reference %" PRIu64,
+                  name, x, y);
+    diffs.emplace_back(buf);
+  };
+  const bool adamw = o.optimizer == Optimizer::adamw;
+  check("accumulators", first_difference(m, "accumulators", s.acc.data(), sh.state.acc.data()));
+  scalar("norm", sc::f32_bits(e.norm.norm), sc::f32_bits(sh.norm.norm), true);
+  scalar("max|g|", sc::f32_bits(e.norm.max_abs), sc::f32_bits(sh.norm.max_abs), true);
+  scalar("finite", e.norm.finite, sh.norm.finite, false);
+  scalar("NaN count", e.norm.nan_count, sh.norm.nan_count, false);
+  scalar("Inf count", e.norm.inf_count, sh.norm.inf_count, false);
+  scalar("optimizer applied", e.applied, sh.applied, false);
+  if (e.applied && sh.applied) scalar("clip", sc::f32_bits(e.clip), sc::f32_bits(sh.clip), true);
+  check("params", first_difference(m, "params", s.param.data(), sh.state.param.data()));
+  if (adamw) {
+    check("exp_avg", first_difference(m, "exp_avg", s.exp_avg.data(), sh.state.exp_avg.data()));
+    check("exp_avg_sq",
+          first_difference(m, "exp_avg_sq", s.exp_avg_sq.data(), sh.state.exp_avg_sq.data()));
+  }
+  check("compute weights",
+        first_difference(m, "compute weights", s.compute.data(), sh.state.compute.data()));
+  if (adamw) {
+    std::string diff;
+    for (std::size_t t = 0; t < s.step.size() && diff.empty(); ++t)
+      if (sc::f32_bits(s.step[t]) != sc::f32_bits(sh.state.step[t])) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, ": engine %g reference %g",
+                      static_cast<double>(s.step[t]), static_cast<double>(sh.state.step[t]));
+        diff = "steps " + m.layout[t].name + buf;
+      }
+    check("steps", diff);
+  }
+
+  char who[96];
+  std::snprintf(who, sizeof who, "cpu engine (%.*s, %d thread%s)",
+                static_cast<int>(b.engine->isa_name().size()), b.engine->isa_name().data(),
+                b.engine->threads(), b.engine->threads() == 1 ? "" : "s");
+  if (diffs.empty()) {
+    std::printf("bitwise: %s == reference on step %" PRId64 ": %s, norm 0x%08" PRIx32
+                ", max|g| 0x%08" PRIx32,
+                who, step + 1, matched.c_str(), sc::f32_bits(e.norm.norm),
+                sc::f32_bits(e.norm.max_abs));
+    if (e.applied)
+      std::printf(", clip 0x%08" PRIx32, sc::f32_bits(e.clip));
+    else
+      std::printf(", found-inf (both skipped the optimizer)");
+    std::printf(" (check %.2f s)\n", sh.seconds);
+    return true;
+  }
+  std::printf("bitwise: MISMATCH %s != reference on step %" PRId64 ": %s", who, step + 1,
+              diffs.front().c_str());
+  if (diffs.size() > 1)
+    std::printf(" (and %zu more difference%s)", diffs.size() - 1, diffs.size() == 2 ? "" : "s");
+  std::printf("\n");
+  return false;
 }
 
 // ---- the step ---------------------------------------------------------------------------
@@ -601,12 +865,48 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
 struct Totals {
   std::int64_t applied = 0, skipped = 0, clipped = 0;
   double phases = 0.0;  ///< seconds in accumulate, norm and optimizer
+  double check = 0.0;   ///< seconds of the bitwise cross-check (not in phases)
+  std::int64_t checked = 0, mismatched = 0;
 };
 
+/// Runs the optimizer of `o` over the calls `c` with the gradient read `read`,
+/// through `b` (or the reference when b is null).
+void optimizer_step(const Calls& c, const Options& o, const Backend* b, sc::GradientRead read) {
+  if (o.optimizer == Optimizer::adamw) {
+    sc::AdamWConfig cfg;
+    cfg.lr = o.lr;
+    cfg.formula = o.formula;
+    for (int g = 0; g < 2; ++g) {
+      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
+      if (b)
+        b->adamw_step(c.adamw[g], cfg, read);
+      else
+        sc::reference::adamw_step(c.adamw[g], cfg, read, nullptr);
+    }
+  } else {
+    sc::SignSgdConfig cfg;
+    cfg.lr = o.lr;
+    for (int g = 0; g < 2; ++g) {
+      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
+      if (b)
+        b->sign_sgd_step(c.sign[g], cfg, read);
+      else
+        sc::reference::sign_sgd_step(c.sign[g], cfg, read, nullptr);
+    }
+  }
+}
+
+/// Returns the clip coefficient of `norm` under the options (1 without clipping).
+float clip_of(const Options& o, float norm) {
+  return o.max_norm > 0.0 ? sc::clip_coefficient(norm, static_cast<float>(o.max_norm)) : 1.0f;
+}
+
 /// Runs training step `step` (0-based): generate and accumulate the micro-batches,
-/// norm, clip, optimizer. Prints one line per phase; updates `totals`.
-void run_step(const Model& m, State& s, const Calls& c, const Options& o, const Backend& b,
-              std::int64_t step, Totals& totals) {
+/// norm, clip, optimizer. Prints one line per phase; updates `totals`. With a
+/// shadow, also runs every stepcore call of the step with stepcore::reference on
+/// the shadow's copy (untimed; its seconds go to shadow->seconds).
+StepOutcome run_step(const Model& m, State& s, const Calls& c, const Options& o, const Backend& b,
+                     std::int64_t step, Totals& totals, Shadow* shadow) {
   const std::vector<std::int64_t> tokens = demo::micro_batch_tokens(o.seed, step, o.micro_batches);
   std::int64_t total_tokens = 0;
   std::string split;
@@ -631,31 +931,49 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
     std::vector<double> sd(stddev);
     for (double& v : sd) v *= static_cast<double>(tokens[static_cast<std::size_t>(k)]);
     auto t0 = Clock::now();
-    fill_micro_batch(m, s, o, step, k, sd);
+    fill_micro_batch(m, s, o, step, k, sd, b.threads());
     if (o.inject_inf == step + 1 && k == o.micro_batches - 1) injected = inject_inf(m, s, o);
     gen_s += seconds_since(t0);
     t0 = Clock::now();
     b.accumulate(k == 0 ? c.first : c.rest);
     acc_s += seconds_since(t0);
     acc_bytes += n * static_cast<double>(sc::dtype_size(o.grad_dtype)) + n * (k == 0 ? 4.0 : 8.0);
+    if (shadow) {  // the same micro-batch into the reference's accumulators
+      t0 = Clock::now();
+      sc::reference::accumulate(k == 0 ? shadow->calls.first : shadow->calls.rest);
+      shadow->seconds += seconds_since(t0);
+    }
   }
+  const int gen_threads = b.threads();
   print_phase("generate", gen_s, 0.0,
               std::string("synthetic ") + (o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32") +
-                  " gradients (input synthesis, not a stepcore phase)" +
+                  " gradients on " + std::to_string(gen_threads) +
+                  (gen_threads == 1 ? " thread" : " threads") +
+                  " (input synthesis, not a stepcore phase)" +
                   (injected.empty() ? "" : "; +Inf injected at " + injected));
   print_phase("accumulate", acc_s, acc_bytes, "into f32 accumulators (copy, then add)");
 
   // Exact global norm of the scaled gradients.
+  const sc::GradientRead unclipped{scale, 1.0f};
   auto t0 = Clock::now();
-  const sc::NormPartial partial = b.norm_partial(c.accs, sc::GradientRead{scale, 1.0f});
-  const sc::NormResult r = sc::finalize(partial);
+  StepOutcome out;
+  out.norm = b.norm(c.accs, unclipped);
+  const sc::NormResult& r = out.norm;
   const double norm_s = seconds_since(t0);
-  if (r.needs_exact)  // only approximate partials can ask for this; exact backends never do
-    throw sc::Error(sc::Errc::internal, "norm",
-                    "backend gave an approximate partial that finalize could not certify");
+  if (r.needs_exact)  // Engine::norm and the exact reference never leave this set
+    throw sc::Error(sc::Errc::internal, "norm", "backend returned an uncertified norm");
+  if (shadow) {  // the reference's own norm, clip and optimizer step on the copy
+    t0 = Clock::now();
+    shadow->norm = sc::finalize(sc::reference::norm_partial(shadow->calls.accs, unclipped));
+    if (shadow->norm.finite) {
+      shadow->clip = clip_of(o, shadow->norm.norm);
+      optimizer_step(shadow->calls, o, nullptr, sc::GradientRead{scale, shadow->clip});
+      shadow->applied = true;
+    }
+    shadow->seconds += seconds_since(t0);
+  }
   print_phase("norm", norm_s, 4.0 * n,
               "norm " + f32_text(r.norm) + "  max|g| " + f32_text(r.max_abs));
-  double opt_s = 0.0;
   totals.phases += acc_s + norm_s;
   if (!r.finite) {
     if (r.nan_count + r.inf_count > 0)
@@ -665,46 +983,32 @@ void run_step(const Model& m, State& s, const Calls& c, const Options& o, const 
       std::printf("  found-inf  the norm overflows f32");
     std::printf(": optimizer step SKIPPED, parameters and moments unchanged\n");
     ++totals.skipped;
-    return;
+    return out;
   }
 
-  const float clip =
-      o.max_norm > 0.0 ? sc::clip_coefficient(r.norm, static_cast<float>(o.max_norm)) : 1.0f;
-  const bool clipped = clip < 1.0f;
-  std::printf("  clip       coefficient %s  %s\n", f32_text(clip).c_str(),
+  out.clip = clip_of(o, r.norm);
+  const bool clipped = out.clip < 1.0f;
+  std::printf("  clip       coefficient %s  %s\n", f32_text(out.clip).c_str(),
               o.max_norm > 0.0 ? (clipped ? "-> clipped" : "-> not clipped") : "(clipping off)");
   totals.clipped += clipped ? 1 : 0;
 
-  const sc::GradientRead read{scale, clip};
   t0 = Clock::now();
-  if (o.optimizer == Optimizer::adamw) {
-    sc::AdamWConfig cfg;
-    cfg.lr = o.lr;
-    cfg.formula = o.formula;
-    for (int g = 0; g < 2; ++g) {
-      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
-      b.adamw_step(c.adamw[g], cfg, read, nullptr);
-    }
-    opt_s = seconds_since(t0);
+  optimizer_step(c, o, &b, sc::GradientRead{scale, out.clip});
+  const double opt_s = seconds_since(t0);
+  if (o.optimizer == Optimizer::adamw)
     print_phase("adamw", opt_s, 30.0 * n, "f32 params + moments in place, bf16 compute weights");
-  } else {
-    sc::SignSgdConfig cfg;
-    cfg.lr = o.lr;
-    for (int g = 0; g < 2; ++g) {
-      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
-      b.sign_sgd_step(c.sign[g], cfg, read, nullptr);
-    }
-    opt_s = seconds_since(t0);
+  else
     print_phase("sign_sgd", opt_s, 14.0 * n, "f32 params in place, bf16 compute weights");
-  }
+  out.applied = true;
   totals.phases += opt_s;
   ++totals.applied;
+  return out;
 }
 
-/// Runs the whole demo; returns the exit code. Throws stepcore::Error on failure.
-int run(const Options& o) {
+/// Runs the whole demo on `backend`; returns the exit code. Throws stepcore::Error
+/// on failure.
+int run(const Options& o, const Backend& backend) {
   const auto start = Clock::now();
-  const Backend backend = make_backend(o.backend);
   const Model model = make_model(o);
   print_header(model, o, backend);
   std::fflush(stdout);
@@ -712,15 +1016,31 @@ int run(const Options& o) {
   State state = make_state(model, o);
   const double alloc_s = seconds_since(t0);
   t0 = Clock::now();
-  init_weights(model, state, o);
+  init_weights(model, state, o, backend.threads());
   const double init_s = seconds_since(t0);
-  const Calls calls = make_calls(model, state, o);
+  const Calls calls = make_calls(model, state, state, o);
   std::printf("init       allocate and pre-fault %.1f ms, initial weights %.1f ms\n", alloc_s * 1e3,
               init_s * 1e3);
 
   Totals totals;
-  for (std::int64_t step = 0; step < o.steps; ++step)
-    run_step(model, state, calls, o, backend, step, totals);
+  for (std::int64_t step = 0; step < o.steps; ++step) {
+    std::unique_ptr<Shadow> shadow;  // freed at the end of the iteration
+    if (backend.engine && step < o.check_steps) {
+      t0 = Clock::now();
+      shadow = make_shadow(model, state, o);
+      shadow->seconds += seconds_since(t0);
+    }
+    const StepOutcome out = run_step(model, state, calls, o, backend, step, totals, shadow.get());
+    if (shadow) {
+      t0 = Clock::now();
+      const bool same = compare_with_reference(model, state, out, *shadow, o, backend, step);
+      shadow->seconds += seconds_since(t0);
+      totals.check += shadow->seconds;
+      ++totals.checked;
+      totals.mismatched += same ? 0 : 1;
+    }
+    std::fflush(stdout);
+  }
 
   std::printf("checksum   params f32 %016" PRIx64 "  compute bf16 %016" PRIx64,
               hash_f32(model, state.param.data()), hash_bf16(model, state.compute.data()));
@@ -729,9 +1049,23 @@ int run(const Options& o) {
                 hash_f32(model, state.exp_avg.data()), hash_f32(model, state.exp_avg_sq.data()));
   std::printf("  (FNV-1a 64 over bit patterns)\n");
   std::printf("summary    %" PRId64 " steps: %" PRId64 " applied, %" PRId64
-              " skipped (found-inf), %" PRId64 " clipped; stepcore phases %.2f s, total %.2f s\n",
-              o.steps, totals.applied, totals.skipped, totals.clipped, totals.phases,
-              seconds_since(start));
+              " skipped (found-inf), %" PRId64 " clipped; stepcore phases %.2f s, ",
+              o.steps, totals.applied, totals.skipped, totals.clipped, totals.phases);
+  if (totals.checked > 0)
+    std::printf("bitwise check %.2f s (%" PRId64 " step%s, %s), ", totals.check, totals.checked,
+                totals.checked == 1 ? "" : "s",
+                totals.mismatched == 0
+                    ? "all equal"
+                    : (std::to_string(totals.mismatched) + " MISMATCHED").c_str());
+  std::printf("total %.2f s\n", seconds_since(start));
+  if (totals.mismatched > 0) {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "stepcore-demo: the cpu engine differs from stepcore::reference on %" PRId64
+                 " checked step%s (see the bitwise: lines)\n",
+                 totals.mismatched, totals.mismatched == 1 ? "" : "s");
+    return kExitRuntime;
+  }
   return kExitOk;
 }
 
@@ -745,13 +1079,24 @@ int main(int argc, char** argv) {
       std::fputs(kUsage, stdout);
       return kExitOk;
     }
-    make_backend(options.backend);  // reject an unknown backend as bad usage
   } catch (const UsageError& e) {
     std::fprintf(stderr, "stepcore-demo: %s\n(try --help)\n", e.what());
     return kExitUsage;
   }
+  // The backend: an unknown one, or an engine configuration the engine rejects (an
+  // ISA this processor lacks, a bad STEPCORE_ISA or STEPCORE_THREADS), is bad usage.
+  std::optional<Backend> backend;
   try {
-    return run(options);
+    backend.emplace(make_backend(options));
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "stepcore-demo: %s\n(try --help)\n", e.what());
+    return kExitUsage;
+  } catch (const sc::Error& e) {
+    std::fprintf(stderr, "stepcore-demo: cannot configure the cpu engine: %s\n", e.what());
+    return kExitUsage;
+  }
+  try {
+    return run(options, *backend);
   } catch (const sc::Error& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "stepcore-demo: %s\n", e.what());
