@@ -33,6 +33,8 @@ struct Body {
   using D = xsimd::batch<double, A>;
   using Ops = ArchOps<A>;
   static constexpr std::size_t N = F::size;
+  /// Software prefetch distance of the streaming loops (bytes ahead of the read).
+  static constexpr std::size_t kPrefetchBytes = 1024;
 
   // ---- bit casts ----------------------------------------------------------------
   static U as_u(F x) { return xsimd::bitwise_cast<U>(x); }
@@ -117,12 +119,18 @@ struct Body {
   /// The gradient read of section 3: R_T(R_T(f32(g) * scale) * clip). A factor of
   /// exactly 1 is skipped: x * 1 = x and R_T(x) = x for every x read from T (a NaN
   /// stays a NaN, whose payload the spec leaves open).
-  template <class T>
-  static F read_grad(const T* p, F scale, F clip, bool apply_scale, bool apply_clip) {
+  /// Which factors of the read a loop applies, as a template parameter so the
+  /// hot loops carry no branch: 0 none, 1 scale, 2 scale and clip.
+  template <int Mode, class T>
+  static F read_mode(const T* p, F scale, F clip) {
     F x = load(p);
-    if (apply_scale) x = round_to<T>(x * scale);
-    if (apply_clip) x = round_to<T>(x * clip);
+    if constexpr (Mode >= 1) x = round_to<T>(x * scale);
+    if constexpr (Mode >= 2) x = round_to<T>(x * clip);
     return x;
+  }
+  static int read_mode_of(const GradientRead& r) {
+    if (r.clip != 1.0f) return 2;
+    return r.scale != 1.0f ? 1 : 0;
   }
   template <class T>
   static float read1(const T* p, float scale, float clip) {
@@ -184,18 +192,17 @@ struct Body {
   /// Vector lanes of one formula over [i, end): every element uses the body form.
   /// Pointers and scalars are locals so nothing is reloaded per iteration; the
   /// loop-invariant read flags are unswitched by the compiler.
-  template <class G, class O, bool Torch>
+  template <class G, class O, bool Torch, int Mode>
   static void adamw_lanes(float* __restrict P, float* __restrict M, float* __restrict V,
                           const G* __restrict grad, O* __restrict out, const AdamWScalars s,
                           const GradientRead read, std::size_t i, std::size_t end) {
     const F scale(read.scale), clip(read.clip);
-    const bool apply_scale = read.scale != 1.0f, apply_clip = read.clip != 1.0f;
     const F decay(s.decay), b1(s.beta1), b2(s.beta2), omb1(s.one_minus_beta1),
         omb2(s.one_minus_beta2), coeff(s.lerp_coeff), step_size(s.step_size), bc2(s.bc2_sqrt),
         eps(s.eps);
     const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
     for (; i + N <= end; i += N) {
-      const F g = read_grad(grad + i, scale, clip, apply_scale, apply_clip);
+      const F g = read_mode<Mode>(grad + i, scale, clip);
       F p = F::load_unaligned(P + i);
       F m = F::load_unaligned(M + i);
       F v = F::load_unaligned(V + i);
@@ -229,10 +236,23 @@ struct Body {
     const std::size_t lanes_end = begin + (vec_end - begin) / N * N;
     const G* grad = static_cast<const G*>(r.grad);
     O* out = static_cast<O*>(r.out);
-    if (r.torch)
-      adamw_lanes<G, O, true>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
-    else
-      adamw_lanes<G, O, false>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
+    auto run = [&](auto torch, auto mode) {
+      adamw_lanes<G, O, decltype(torch)::value, decltype(mode)::value>(
+          r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
+    };
+    using T0 = std::false_type;
+    using T1 = std::true_type;
+    using M0 = std::integral_constant<int, 0>;
+    using M1 = std::integral_constant<int, 1>;
+    using M2 = std::integral_constant<int, 2>;
+    switch (read_mode_of(r.read) + (r.torch ? 3 : 0)) {
+      case 0: run(T0{}, M0{}); break;
+      case 1: run(T0{}, M1{}); break;
+      case 2: run(T0{}, M2{}); break;
+      case 3: run(T1{}, M0{}); break;
+      case 4: run(T1{}, M1{}); break;
+      default: run(T1{}, M2{}); break;
+    }
     for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
 
@@ -254,7 +274,9 @@ struct Body {
       sg = xsimd::select(g == zero, zero, sg);
       F p = F::load_unaligned(r.param + i);
       if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
-      p = Ops::fma(sg, neg_lr, p);
+      // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
+      // separate multiply and add round once, like the FMA (cheap without FMA too).
+      p = p + sg * neg_lr;
       p.store_unaligned(r.param + i);
       if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
     }
@@ -278,8 +300,11 @@ struct Body {
       for (; i + N <= end; i += N) load(src + i).store_unaligned(acc + i);
       for (; i < end; ++i) acc[i] = to_f32(src[i]);
     } else {
-      for (; i + N <= end; i += N)
+      for (; i + N <= end; i += N) {
+        __builtin_prefetch(acc + i + kPrefetchBytes / sizeof(float), 1);
+        __builtin_prefetch(src + i + kPrefetchBytes / sizeof(float));
         (F::load_unaligned(acc + i) + load(src + i)).store_unaligned(acc + i);
+      }
       for (; i < end; ++i) acc[i] = acc[i] + to_f32(src[i]);
     }
   }
@@ -329,23 +354,47 @@ struct Body {
   template <class T>
   static void norm(const void* data_v, const GradientRead& read, std::size_t begin,
                    std::size_t end, NormPartial& out) {
-    const T* data = static_cast<const T*>(data_v);
+    switch (read_mode_of(read)) {
+      case 0: norm_mode<T, 0>(static_cast<const T*>(data_v), read, begin, end, out); break;
+      case 1: norm_mode<T, 1>(static_cast<const T*>(data_v), read, begin, end, out); break;
+      default: norm_mode<T, 2>(static_cast<const T*>(data_v), read, begin, end, out); break;
+    }
+  }
+
+  template <class T, int Mode>
+  static void norm_mode(const T* data, const GradientRead& read, std::size_t begin,
+                        std::size_t end, NormPartial& out) {
     const F scale(read.scale), clip(read.clip);
-    const bool apply_scale = read.scale != 1.0f, apply_clip = read.clip != 1.0f;
     const U abs_mask(0x7FFFFFFFu);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {
       const std::size_t e = b + kNormBlockElements < end ? b + kNormBlockElements : end;
-      D acc0(0.0), acc1(0.0);
-      I mx(0);
+      // Four independent binary64 chains hide the FMA latency.
+      D acc0(0.0), acc1(0.0), acc2(0.0), acc3(0.0);
+      I mx(0), mx2(0);
       std::size_t i = b;
-      for (; i + N <= e; i += N) {
-        const F x = read_grad(data + i, scale, clip, apply_scale, apply_clip);
+      for (; i + 2 * N <= e; i += 2 * N) {
+        __builtin_prefetch(data + i + kPrefetchBytes / sizeof(T));
+        const F x = read_mode<Mode>(data + i, scale, clip);
+        const F y = read_mode<Mode>(data + i + N, scale, clip);
         mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
-        D lo, hi;
-        Ops::to_double(x, lo, hi);
-        acc0 = Ops::muladd(lo, lo, acc0);
-        acc1 = Ops::muladd(hi, hi, acc1);
+        mx2 = xsimd::max(mx2, as_i(as_u(y) & abs_mask));
+        D xl, xh, yl, yh;
+        Ops::to_double(x, xl, xh);
+        Ops::to_double(y, yl, yh);
+        acc0 = Ops::muladd(xl, xl, acc0);
+        acc1 = Ops::muladd(xh, xh, acc1);
+        acc2 = Ops::muladd(yl, yl, acc2);
+        acc3 = Ops::muladd(yh, yh, acc3);
       }
+      for (; i + N <= e; i += N) {
+        const F x = read_mode<Mode>(data + i, scale, clip);
+        mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
+        D xl, xh;
+        Ops::to_double(x, xl, xh);
+        acc0 = Ops::muladd(xl, xl, acc0);
+        acc1 = Ops::muladd(xh, xh, acc1);
+      }
+      mx = xsimd::max(mx, mx2);
       alignas(64) std::int32_t lanes[N];
       mx.store_aligned(lanes);
       std::uint32_t block_max = 0;
@@ -363,7 +412,7 @@ struct Body {
         norm_exact(data, read, b, e, out);
         continue;
       }
-      const double sum = xsimd::hadd(acc0 + acc1) + tail;
+      const double sum = xsimd::hadd((acc0 + acc1) + (acc2 + acc3)) + tail;
       ::stepcore::detail::deposit_double(out.digits, sum);
       if (block_max > out.max_abs_bits) out.max_abs_bits = block_max;
       out.approximate = 1;
