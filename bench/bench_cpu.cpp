@@ -291,7 +291,7 @@ cpu::Engine engine_for(benchmark::State& st) {
 }
 
 // ---- benchmarks -----------------------------------------------------------------
-template <DType G, bool Output>
+template <DType G, bool Output, bool LazyScale = true>
 void BM_AdamW(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
   if (!validate_adamw(eng, G, Output)) validation_failed("adamw_step");
@@ -301,7 +301,8 @@ void BM_AdamW(benchmark::State& st) {
                        (12.0 + dtype_size(G) + 12.0 + (Output ? 2.0 : 0.0));
   const int th = eng.threads();
   const AdamWConfig cfg;
-  const GradientRead read{1.0f / 4096.0f, 1.0f};  // the step's loss scale, applied lazily
+  // The step's loss scale applied lazily on read, or a gradient that arrives scaled.
+  const GradientRead read{LazyScale ? 1.0f / 4096.0f : 1.0f, 1.0f};
   auto kernel = [&] {
     for (auto& t : tensors) *t.step = 0.0f;  // keep the bias corrections in range
     eng.adamw_step(tensors, cfg, read);
@@ -423,6 +424,7 @@ void isa_thread_args(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_StreamTriad)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamW<DType::bf16, true, false>)->Name("AdamW/bf16grad/bf16out/prescaled")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW<DType::bf16, true>)->Name("AdamW/bf16grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW<DType::f32, true>)->Name("AdamW/f32grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_AdamW<DType::f32, false>)->Name("AdamW/f32grad")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -387,6 +387,43 @@ TEST(CpuEngine, NormCountsNonFinite) {
   EXPECT_EQ(r.inf_count, 100u);
 }
 
+TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
+  // bf16 and f16 NaNs with every kind of payload (quiet, signalling, all ones, sign
+  // set) and infinities, read with scale and clip: the norm must count them like the
+  // reference and AdamW must produce NaN/Inf exactly where the reference does.
+  const std::uint16_t bf16_specials[] = {0x7FFF, 0xFFFF, 0x7F81, 0xFF81, 0x7FC0, 0x7F80, 0xFF80};
+  const std::uint16_t f16_specials[] = {0x7FFF, 0xFFFF, 0x7C01, 0xFC01, 0x7E00, 0x7C00, 0xFC00};
+  for (DType d : {DType::bf16, DType::f16}) {
+    std::vector<std::uint16_t> g(257);
+    std::mt19937 rng(3);
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      const float x = std::normal_distribution<float>(0.0f, 1e-2f)(rng);
+      g[i] = d == DType::bf16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+    }
+    const std::uint16_t* specials = d == DType::bf16 ? bf16_specials : f16_specials;
+    for (int k = 0; k < 7; ++k) g[3 + 37 * k] = specials[k];
+    const std::vector<ConstTensorView> views{{g.data(), g.size(), d}};
+    for (const GradientRead read : {GradientRead{1.0f / 3.0f, 1.0f}, GradientRead{0.5f, 0.3f}, GradientRead{2.0f, 0.0f}}) {
+      const NormResult ref = finalize(reference::norm_partial(views, read));
+      Model ref_model({g.size()}, d, 2, 8);
+      std::memcpy(ref_model.g[0].data() + dtype_size(d), g.data(), g.size() * 2);
+      Model eng_model = ref_model;
+      auto rt = ref_model.adamw();
+      reference::adamw_step(rt, AdamWConfig{}, read);
+      for (cpu::Isa isa : cpu::supported_isas()) {
+        const cpu::Engine eng(cpu::EngineConfig{isa, 2});
+        const NormResult got = eng.norm(views, read);
+        EXPECT_EQ(got.nan_count, ref.nan_count) << cpu::isa_name(isa);
+        EXPECT_EQ(got.inf_count, ref.inf_count) << cpu::isa_name(isa);
+        Model m = eng_model;
+        auto et = m.adamw();
+        eng.adamw_step(et, AdamWConfig{}, read);
+        EXPECT_TRUE(same_model(ref_model, m)) << cpu::isa_name(isa) << " " << dtype_name(d);
+      }
+    }
+  }
+}
+
 TEST(CpuEngine, NormOnARoundingTieFallsBackToExact) {
   // Four times 2^24 and {8192, 8192, 2}: S = 2^50 + 2^27 + 4 = (2^25 + 2)^2, so the
   // exact norm 2^25 + 2 lies exactly halfway between the floats 2^25 and 2^25 + 4.
