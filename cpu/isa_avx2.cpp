@@ -30,6 +30,15 @@ struct ArchOps<Avx2> {
     const __m256i x = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(x));
   }
+  /// Loads 2N bf16 values as two f32 vectors (lane order unspecified: for sums) and
+  /// folds their |x| bit patterns into the 16-bit lane maxima `mx16`.
+  static void load_bf16_pairs(const std::uint16_t* p, F& a, F& b, U& mx16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi16(0x7FFF));
+    mx16 = U(_mm256_max_epi16(mx16, mag));
+    a = F(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v)));
+    b = F(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v)));
+  }
   static void to_double(F x, D& lo, D& hi) {
     const __m256 r = x;
     lo = D(_mm256_cvtps_pd(_mm256_castps256_ps128(r)));

@@ -23,6 +23,15 @@ struct ArchOps<Avx512> {
   static void store_hi16(std::uint16_t* p, U v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
   }
+  /// Loads 2N bf16 values as two f32 vectors (lane order unspecified: for sums) and
+  /// folds their |x| bit patterns into the 16-bit lane maxima `mx16`.
+  static void load_bf16_pairs(const std::uint16_t* p, F& a, F& b, U& mx16) {
+    const __m512i v = _mm512_loadu_si512(p);
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7FFF));
+    mx16 = U(_mm512_max_epi16(mx16, mag));
+    a = F(_mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v)));
+    b = F(_mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v)));
+  }
   static void to_double(F x, D& lo, D& hi) {
     const __m512 r = x;
     lo = D(_mm512_cvtps_pd(_mm512_castps512_ps256(r)));

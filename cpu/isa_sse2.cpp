@@ -26,6 +26,15 @@ struct ArchOps<xsimd::sse2> {
     const __m128i x = _mm_srai_epi32(v, 16);  // sign-extended high halves: packs is exact
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi32(x, x));
   }
+  /// Loads 2N bf16 values as two f32 vectors (lane order unspecified: for sums) and
+  /// folds their |x| bit patterns into the 16-bit lane maxima `mx16`.
+  static void load_bf16_pairs(const std::uint16_t* p, F& a, F& b, U& mx16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mag = _mm_and_si128(v, _mm_set1_epi16(0x7FFF));
+    mx16 = U(_mm_max_epi16(mx16, mag));  // magnitudes <= 0x7FFF: signed max is exact
+    a = F(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v)));
+    b = F(_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v)));
+  }
   static void to_double(F x, D& lo, D& hi) {
     const __m128 r = x;
     lo = D(_mm_cvtps_pd(r));

@@ -376,6 +376,28 @@ struct Body {
       D acc0(0.0), acc1(0.0), acc2(0.0), acc3(0.0);
       I mx(0), mx2(0);
       std::size_t i = b;
+      if constexpr (std::is_same_v<T, bfloat16_t> && Mode == 0) {
+        // Unscaled bf16: the values are f32 bit patterns once a zero low half is
+        // interleaved in, and the max is taken on 16-bit magnitudes, two vectors at a time.
+        U mx16(0u);
+        for (; i + 2 * N <= e; i += 2 * N) {
+          __builtin_prefetch(data + i + kPrefetchBytes / sizeof(T));
+          F x, y;
+          Ops::load_bf16_pairs(reinterpret_cast<const std::uint16_t*>(data + i), x, y, mx16);
+          D xl, xh, yl, yh;
+          Ops::to_double(x, xl, xh);
+          Ops::to_double(y, yl, yh);
+          acc0 = Ops::muladd(xl, xl, acc0);
+          acc1 = Ops::muladd(xh, xh, acc1);
+          acc2 = Ops::muladd(yl, yl, acc2);
+          acc3 = Ops::muladd(yh, yh, acc3);
+        }
+        alignas(64) std::uint16_t m16[2 * N];
+        mx16.store_aligned(reinterpret_cast<std::uint32_t*>(m16));
+        std::uint16_t top = 0;
+        for (std::size_t l = 0; l < 2 * N; ++l) top = m16[l] > top ? m16[l] : top;
+        mx = xsimd::max(mx, I(static_cast<std::int32_t>(std::uint32_t{top} << 16)));
+      }
       for (; i + 2 * N <= e; i += 2 * N) {
         __builtin_prefetch(data + i + kPrefetchBytes / sizeof(T));
         const F x = read_mode<Mode>(data + i, scale, clip);

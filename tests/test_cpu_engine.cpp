@@ -403,7 +403,7 @@ TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
     const std::uint16_t* specials = d == DType::bf16 ? bf16_specials : f16_specials;
     for (int k = 0; k < 7; ++k) g[3 + 37 * k] = specials[k];
     const std::vector<ConstTensorView> views{{g.data(), g.size(), d}};
-    for (const GradientRead read : {GradientRead{1.0f / 3.0f, 1.0f}, GradientRead{0.5f, 0.3f}, GradientRead{2.0f, 0.0f}}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 3.0f, 1.0f}, GradientRead{0.5f, 0.3f}, GradientRead{2.0f, 0.0f}}) {
       const NormResult ref = finalize(reference::norm_partial(views, read));
       Model ref_model({g.size()}, d, 2, 8);
       std::memcpy(ref_model.g[0].data() + dtype_size(d), g.data(), g.size() * 2);
