@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "../src/core/fp_env.hpp"
 #include "../src/core/validate.hpp"
 #include "kernel_table.hpp"
 #include "stepcore/error.hpp"
@@ -79,11 +80,13 @@ void run_static(const std::vector<Chunk>& chunks, int threads, Body body) {
   const std::size_t total = start.back();
   const int team = static_cast<int>(std::min<std::size_t>(threads, chunks.size()));
   if (team <= 1) {
+    const ::stepcore::detail::FpEnvGuard env;
     for (const Chunk& c : chunks) body(c);
     return;
   }
 #pragma omp parallel num_threads(team)
   {
+    const ::stepcore::detail::FpEnvGuard env;  // per thread: MXCSR is thread state
     const auto k = static_cast<std::size_t>(omp_get_thread_num());
     const auto T = static_cast<std::size_t>(omp_get_num_threads());
     const std::size_t lo = total * k / T;

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cfenv>
+#include <xmmintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -441,6 +443,52 @@ TEST(CpuEngine, NormOnARoundingTieFallsBackToExact) {
     EXPECT_FALSE(r.needs_exact);
     EXPECT_EQ(f32_bits(r.norm), f32_bits(ref.norm));
   }
+}
+
+TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
+  // A trainer may run with flush-to-zero / denormals-are-zero (torch.set_flush_denormal)
+  // or another rounding mode. Subnormal-heavy data computed in such an environment must
+  // give the bits of the default environment, for the engine and the reference alike.
+  const std::vector<std::size_t> sizes = {1, 33, 1025, 40000};
+  Model base(sizes, DType::f32, 2, 21);
+  std::mt19937 rng(4);
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    float* g = reinterpret_cast<float*>(base.g[k].data() + 4);
+    for (std::size_t i = 0; i < sizes[k]; ++i) {
+      g[i] = std::ldexp(std::normal_distribution<float>(0, 1)(rng), -120 - static_cast<int>(i % 20));
+      base.m[k][i + 1] = std::ldexp(base.m[k][i + 1], -110);
+    }
+  }
+  const GradientRead read{0.75f, 0.5f};  // pushes reads further into the subnormal range
+  Model expected = base;
+  auto et = expected.adamw();
+  reference::adamw_step(et, AdamWConfig{}, read);
+  std::vector<ConstTensorView> gv;
+  for (const auto& t : base.adamw()) gv.push_back(t.grad);
+  const NormPartial expected_norm = reference::norm_partial(gv, read);
+  ASSERT_TRUE(finalize(expected_norm).norm > 0.0f);
+
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | (1u << 15) | (1u << 6));  // FTZ | DAZ
+  std::fesetround(FE_UPWARD);
+  Model by_engine = base, by_reference = base;
+  auto t1 = by_engine.adamw();
+  auto t2 = by_reference.adamw();
+  cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).adamw_step(t1, AdamWConfig{}, read);
+  reference::adamw_step(t2, AdamWConfig{}, read);
+  const NormResult engine_norm = cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).norm(gv, read);
+  const NormPartial reference_norm = reference::norm_partial(gv, read);
+  const unsigned csr_after = _mm_getcsr();
+  const int round_after = std::fegetround();
+  std::fesetround(FE_TONEAREST);
+  _mm_setcsr(csr);
+
+  EXPECT_EQ(csr_after & ((1u << 15) | (1u << 6)), (1u << 15) | (1u << 6)) << "caller's MXCSR restored";
+  EXPECT_EQ(round_after, FE_UPWARD) << "caller's rounding mode restored";
+  EXPECT_TRUE(same_model(expected, by_engine));
+  EXPECT_TRUE(same_model(expected, by_reference));
+  EXPECT_TRUE(same_value(expected_norm, reference_norm));
+  EXPECT_EQ(f32_bits(engine_norm.norm), f32_bits(finalize(expected_norm).norm));
 }
 
 // ---- configuration -----------------------------------------------------------------

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "stepcore/convert.hpp"
+#include "fp_env.hpp"
 #include "stepcore/norm.hpp"
 
 namespace stepcore {
@@ -110,6 +111,7 @@ void sub_digits(std::uint64_t (&a)[kNormDigits], const std::uint64_t (&b)[kNormD
 }  // namespace
 
 NormResult finalize(const NormPartial& partial) {
+  const detail::FpEnvGuard env;
   NormResult r;
   r.nan_count = partial.nan_count;
   r.inf_count = partial.inf_count;

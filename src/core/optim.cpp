@@ -2,11 +2,13 @@
 // Compiled with -ffp-contract=off: every line is the spec's operation order.
 #include <cmath>
 
+#include "fp_env.hpp"
 #include "stepcore/optim.hpp"
 
 namespace stepcore {
 
 AdamWScalars prepare_adamw_scalars(const AdamWConfig& c, float step) {
+  const detail::FpEnvGuard env;
   AdamWScalars s;
   const double t = static_cast<double>(step);
   if (c.formula == AdamWFormula::native) {
@@ -47,6 +49,7 @@ AdamWScalars prepare_adamw_scalars(const AdamWConfig& c, float step) {
 }
 
 SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& c) {
+  const detail::FpEnvGuard env;
   SignSgdScalars s;
   s.neg_lr = static_cast<float>(-c.lr);
   s.neg_lr_wd = static_cast<float>(-(c.lr * c.weight_decay));

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "../core/fp_env.hpp"
 #include "../core/validate.hpp"
 #include "stepcore/convert.hpp"
 
@@ -58,6 +59,7 @@ bool has_output(const TensorView& v) { return v.data != nullptr || v.numel != 0;
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                 GradientRead read, const std::int32_t* found_inf) {
   detail::validate_adamw(tensors, config, read);
+  const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   for (const AdamWTensor& t : tensors) {
     *t.step = *t.step + 1.0f;
@@ -119,6 +121,7 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                    GradientRead read, const std::int32_t* found_inf) {
   detail::validate_sign_sgd(tensors, config, read);
+  const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   const SignSgdScalars s = prepare_sign_sgd_scalars(config);
   for (const SignSgdTensor& t : tensors) {
@@ -139,6 +142,7 @@ void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& 
 
 void accumulate(std::span<const AccumulatePair> pairs) {
   detail::validate_accumulate(pairs);
+  const detail::FpEnvGuard env;
   for (const AccumulatePair& pr : pairs) {
     auto* A = static_cast<float*>(pr.acc.data);
     for (std::size_t i = 0; i < pr.acc.numel; ++i) {
@@ -150,6 +154,7 @@ void accumulate(std::span<const AccumulatePair> pairs) {
 
 void scale_(std::span<const TensorView> tensors, float scale) {
   detail::validate_scale(tensors, scale);
+  const detail::FpEnvGuard env;
   for (const TensorView& t : tensors) {
     const ConstTensorView c = t;
     for (std::size_t i = 0; i < t.numel; ++i) store(t, i, load(c, i) * scale);
@@ -167,6 +172,7 @@ void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
 
 NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) {
   detail::validate_norm(tensors, read);
+  const detail::FpEnvGuard env;
   NormPartial p;
   std::uint64_t since_normalize = 0;
   for (const ConstTensorView& t : tensors) {
