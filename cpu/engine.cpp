@@ -9,12 +9,14 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "../src/core/fp_env.hpp"
 #include "../src/core/validate.hpp"
 #include "kernel_table.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/numa.hpp"
 
 namespace stepcore::cpu {
 namespace {
@@ -71,22 +73,48 @@ std::vector<Chunk> make_chunks(std::size_t count, SizeOf size_of) {
 /// contiguous run of chunks whose first element (counted over all tensors) lies
 /// in [k*total/T, (k+1)*total/T): a static partition that depends only on the
 /// sizes and the thread count.
+/// Binds the calling worker to `pu` unless it already is (thread_local memo: OpenMP
+/// keeps its pool threads between regions).
+void bind_worker(int pu) {
+  thread_local int bound = -1;
+  if (bound != pu && numa::bind_this_thread(pu)) bound = pu;
+}
+
 template <class Body>
-void run_static(const std::vector<Chunk>& chunks, int threads, Body body) {
+void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector<int>& cpus, Body body) {
   if (chunks.empty()) return;
   std::vector<std::size_t> start(chunks.size() + 1, 0);
   for (std::size_t c = 0; c < chunks.size(); ++c)
     start[c + 1] = start[c] + (chunks[c].end - chunks[c].begin);
   const std::size_t total = start.back();
   const int team = static_cast<int>(std::min<std::size_t>(threads, chunks.size()));
+  // The caller is worker 0: give it its own affinity back afterwards.
+  std::vector<int> caller_affinity;
+  if (!cpus.empty()) caller_affinity = numa::this_thread_affinity();
+  auto restore = [&] {
+    if (caller_affinity.empty()) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int pu : caller_affinity) CPU_SET(pu, &set);
+    sched_setaffinity(0, sizeof set, &set);
+  };
   if (team <= 1) {
     const ::stepcore::detail::FpEnvGuard env;
+    if (!cpus.empty()) numa::bind_this_thread(cpus.front());
     for (const Chunk& c : chunks) body(c);
+    restore();
     return;
   }
 #pragma omp parallel num_threads(team)
   {
     const ::stepcore::detail::FpEnvGuard env;  // per thread: MXCSR is thread state
+    if (!cpus.empty()) {
+      const auto w = static_cast<std::size_t>(omp_get_thread_num()) % cpus.size();
+      if (omp_get_thread_num() == 0)
+        numa::bind_this_thread(cpus[w]);  // the caller: restored below, so no memo
+      else
+        bind_worker(cpus[w]);
+    }
     const auto k = static_cast<std::size_t>(omp_get_thread_num());
     const auto T = static_cast<std::size_t>(omp_get_num_threads());
     const std::size_t lo = total * k / T;
@@ -95,6 +123,7 @@ void run_static(const std::vector<Chunk>& chunks, int threads, Body body) {
         std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin());
     for (std::size_t c = first; c < chunks.size() && start[c] < hi; ++c) body(chunks[c]);
   }
+  restore();
 }
 
 [[noreturn]] void unreachable_dtype(const char* what) {
@@ -147,6 +176,12 @@ Engine::Engine(EngineConfig config) {
     throw Error(Errc::not_supported, config.isa ? "config.isa" : "STEPCORE_ISA",
                 "this processor cannot run " + std::string(cpu::isa_name(isa_)));
 
+  for (std::size_t i = 0; i < config.cpus.size(); ++i)
+    if (config.cpus[i] < 0 || config.cpus[i] >= CPU_SETSIZE)
+      throw Error(Errc::invalid_argument, "config.cpus[" + std::to_string(i) + "]",
+                  "not a CPU index: " + std::to_string(config.cpus[i]));
+  cpus_ = config.cpus;
+  if (config.threads == 0 && !cpus_.empty()) config.threads = static_cast<int>(cpus_.size());
   if (config.threads < 0 || config.threads > 4096)
     throw Error(Errc::invalid_argument, "config.threads",
                 "must be in [0, 4096], got " + std::to_string(config.threads));
@@ -197,7 +232,7 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
                                    torch};
   }
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
 }
 
 void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
@@ -217,7 +252,7 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
     ranges[i] = {static_cast<float*>(t.param.data), t.grad.data, t.compute_param.data, s};
   }
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
 }
 
 void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
@@ -230,7 +265,7 @@ void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
     fns[i] = table.accumulate[s];
   }
   const auto chunks = make_chunks(pairs.size(), [&](std::size_t t) { return pairs[t].acc.numel; });
-  run_static(chunks, threads_, [&](const Chunk& c) {
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
     const AccumulatePair& p = pairs[c.tensor];
     fns[c.tensor](static_cast<float*>(p.acc.data), p.src.data, p.copy, c.begin, c.end);
   });
@@ -246,8 +281,24 @@ void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
     fns[i] = table.scale[d];
   }
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
-  run_static(chunks, threads_, [&](const Chunk& c) {
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
     fns[c.tensor](tensors[c.tensor].data, scale, c.begin, c.end);
+  });
+}
+
+void Engine::first_touch(std::span<const TensorView> tensors) const {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    if (!dtype_valid(t.dtype))
+      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name("tensors", i, ""), "unknown dtype");
+    if (t.data == nullptr && t.numel != 0)
+      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name("tensors", i, ""), "null data");
+  }
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
+    const TensorView& t = tensors[c.tensor];
+    const std::size_t es = dtype_size(t.dtype);
+    std::memset(static_cast<char*>(t.data) + c.begin * es, 0, (c.end - c.begin) * es);
   });
 }
 
@@ -267,7 +318,7 @@ NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, Gradi
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
   // One partial per chunk, merged afterwards: exact integer sums, any order.
   std::vector<NormPartial> partials(chunks.size());
-  run_static(chunks, threads_, [&](const Chunk& c) {
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
     const auto slot = static_cast<std::size_t>(&c - chunks.data());
     const int d = static_cast<int>(tensors[c.tensor].dtype);
     fns[d](tensors[c.tensor].data, read, c.begin, c.end, partials[slot]);

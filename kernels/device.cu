@@ -1,6 +1,7 @@
 // Device discovery for the CUDA layer.
 #include <cuda_runtime.h>
 
+#include "check.cuh"
 #include "stepcore/cuda.hpp"
 
 namespace stepcore::cuda {
@@ -14,6 +15,12 @@ int device_count() noexcept {
     return 0;
   }
   return n;
+}
+
+std::string pci_bus_id(int device) {
+  char buf[32] = {};
+  detail::check(cudaDeviceGetPCIBusId(buf, sizeof buf, device), "cudaDeviceGetPCIBusId");
+  return buf;
 }
 
 std::string unavailable_reason() {

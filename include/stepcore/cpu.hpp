@@ -41,7 +41,11 @@ Isa best_isa();
 /// which launchers set to 1).
 struct EngineConfig {
   std::optional<Isa> isa;
-  int threads = 0;  ///< 0: from STEPCORE_THREADS or the affinity mask
+  int threads = 0;  ///< 0: from STEPCORE_THREADS or the affinity mask (or cpus.size())
+  /// When non-empty, worker k of every call is bound to the PU cpus[k % size] (e.g.
+  /// numa::Placement::cpus); threads defaults to cpus.size(). The calling thread is
+  /// worker 0 during a call and gets its own affinity back afterwards.
+  std::vector<int> cpus;
 };
 
 /// How a norm partial is computed.
@@ -73,6 +77,13 @@ class Engine {
   std::string_view isa_name() const noexcept { return cpu::isa_name(isa_); }
   /// Returns the number of threads each call uses.
   int threads() const noexcept { return threads_; }
+  /// Returns the PUs workers are bound to (empty: unbound).
+  const std::vector<int>& cpus() const noexcept { return cpus_; }
+
+  /// Writes zeros to every tensor in the same static partition the kernels use for a
+  /// list of tensors of these sizes, so that each page is first touched — and placed
+  /// on its NUMA node — by the worker thread that will later read and write it.
+  void first_touch(std::span<const TensorView> tensors) const;
 
   /// AdamW over all tensors (see reference::adamw_step for the contract).
   void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
@@ -101,6 +112,7 @@ class Engine {
  private:
   Isa isa_;
   int threads_;
+  std::vector<int> cpus_;
 };
 
 }  // namespace stepcore::cpu

@@ -18,6 +18,10 @@ bool built_with_cuda() noexcept;
 /// Returns the number of usable CUDA devices (0 without CUDA, a driver or a GPU).
 int device_count() noexcept;
 
+/// Returns the PCI bus id ("dddd:bb:dd.f") of CUDA device `device` (for NUMA placement:
+/// numa::Topology::place). Throws Errc::cuda_error / not_supported.
+std::string pci_bus_id(int device);
+
 /// Returns why no device is usable ("" when device_count() > 0); tests print it
 /// when they skip.
 std::string unavailable_reason();

@@ -8,6 +8,8 @@ bool built_with_cuda() noexcept { return false; }
 int device_count() noexcept { return 0; }
 std::string unavailable_reason() { return "stepcore was built without CUDA (STEPCORE_CUDA=OFF or no nvcc)"; }
 
+std::string pci_bus_id(int) { throw Error(Errc::not_supported, "device", "stepcore was built without CUDA"); }
+
 void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*, std::size_t,
                            cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
