@@ -1,7 +1,9 @@
 /* Print the NUMA locality of each GPU (PCI class 0x0302) in an hwloc XML topology.
  *
  * Build: cc -O2 -Wall -Wextra -o check_locality tools/topo/check_locality.c -lhwloc
- * Usage: check_locality [--filter all|important|none] FILE.xml [BUSID...]
+ * Usage: check_locality [--filter all|important|none|default] FILE.xml [BUSID...]
+ *   --filter: I/O type filter passed to hwloc_topology_set_io_types_filter() (default
+ *   here: all); "default" skips that call, showing that hwloc then drops the GPUs.
  *   With bus ids (e.g. 0000:19:00.0), only those devices are looked up (exit 1 if one
  *   is missing); without, every 3D-controller PCI device in the file is listed.
  * One line per GPU:
@@ -74,6 +76,7 @@ int main(int argc, char **argv)
 {
     enum hwloc_type_filter_e filter = HWLOC_TYPE_FILTER_KEEP_ALL;
     const char *fname = "all";
+    int set_filter = 1;
     int a = 1;
     if (a + 1 < argc && !strcmp(argv[a], "--filter")) {
         fname = argv[a + 1];
@@ -83,6 +86,8 @@ int main(int argc, char **argv)
             filter = HWLOC_TYPE_FILTER_KEEP_IMPORTANT;
         else if (!strcmp(fname, "none"))
             filter = HWLOC_TYPE_FILTER_KEEP_NONE;
+        else if (!strcmp(fname, "default"))
+            set_filter = 0;
         else {
             fprintf(stderr, "unknown filter %s\n", fname);
             return 2;
@@ -90,14 +95,15 @@ int main(int argc, char **argv)
         a += 2;
     }
     if (a >= argc) {
-        fprintf(stderr, "usage: %s [--filter all|important|none] FILE.xml [BUSID...]\n", argv[0]);
+        fprintf(stderr, "usage: %s [--filter all|important|none|default] FILE.xml [BUSID...]\n", argv[0]);
         return 2;
     }
 
     hwloc_topology_t topo;
     hwloc_topology_init(&topo);
     /* I/O objects (bridges, PCI and OS devices) are dropped by default (KEEP_NONE). */
-    hwloc_topology_set_io_types_filter(topo, filter);
+    if (set_filter)
+        hwloc_topology_set_io_types_filter(topo, filter);
     if (hwloc_topology_set_xml(topo, argv[a]) < 0) {
         perror(argv[a]);
         return 2;
