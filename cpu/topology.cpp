@@ -168,7 +168,27 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
     if (static_cast<int>(r) == local_rank) index = sharers;
     ++sharers;
   }
+  Placement share = place_on_node(node, index, sharers);
+  share.local_rank = p.local_rank;
+  share.local_world_size = p.local_world_size;
+  share.pci_bus_id = p.pci_bus_id;
+  return share;
+}
+
+Placement Topology::place_on_node(int node, int index, int sharers) const {
+  const auto it = std::find_if(impl_->nodes.begin(), impl_->nodes.end(),
+                               [&](const Node& n) { return n.os_index == node; });
+  if (it == impl_->nodes.end()) throw Error(Errc::out_of_range, "node", "no NUMA node " + std::to_string(node));
+  if (sharers < 1 || index < 0 || index >= sharers)
+    throw Error(Errc::out_of_range, "index", std::to_string(index) + " is not in [0, " + std::to_string(sharers) + ")");
+  Placement p;
+  p.local_rank = index;
+  p.local_world_size = sharers;
   const int cores = static_cast<int>(it->cores.size());
+  if (cores == 0) {
+    p.reason = "NUMA node " + std::to_string(node) + " has no cores";
+    return p;
+  }
   p.numa_node = node;
   p.bound = true;
   if (sharers <= cores) {

@@ -85,6 +85,11 @@ class Topology {
   Placement place(std::span<const std::string> rank_gpus, int local_rank,
                   PlacementOptions options = {}) const;
 
+  /// Returns the share of NUMA node `node` for the `index`-th of `sharers` ranks placed
+  /// on it (the same split as place()); for runs without a GPU, e.g. CPU-only offload
+  /// tests on a one-node machine. Throws Errc::out_of_range for an unknown node or index.
+  Placement place_on_node(int node, int index, int sharers) const;
+
   struct Impl;  ///< implementation detail (hwloc state)
 
  private:
