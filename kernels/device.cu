@@ -23,6 +23,14 @@ std::string pci_bus_id(int device) {
   return buf;
 }
 
+void host_register(void* ptr, std::size_t bytes) {
+  detail::check(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable), "cudaHostRegister");
+}
+
+void host_unregister(void* ptr) noexcept {
+  if (cudaHostUnregister(ptr) != cudaSuccess) cudaGetLastError();
+}
+
 std::string unavailable_reason() {
   int n = 0;
   const cudaError_t s = cudaGetDeviceCount(&n);

@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <random>
 #include <vector>
 
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
+#include "stepcore/host_slab.hpp"
 
 #if defined(STEPCORE_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -53,6 +55,22 @@ TEST(GpuConversions, DeviceBitsEqualHostBits) {
     ASSERT_EQ(bo[i], stepcore::f32_to_bf16_bits(in[i])) << std::hex << stepcore::f32_bits(in[i]);
     ASSERT_EQ(fo[i], stepcore::f32_to_f16_bits(in[i])) << std::hex << stepcore::f32_bits(in[i]);
   }
+#endif
+}
+
+TEST(GpuHostSlab, PinsWhenADeviceIsPresent) {
+  if (stepcore::cuda::device_count() == 0)
+    GTEST_SKIP() << "no CUDA device: " << stepcore::cuda::unavailable_reason();
+  const std::vector<std::size_t> sizes = {std::size_t{4} << 20, 12345};
+  stepcore::HostSlab slab(sizes, -1, stepcore::PinMode::required);
+  EXPECT_TRUE(slab.pinned());
+#if defined(STEPCORE_WITH_CUDA)
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, slab.view(1)), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeHost);
+  const std::string bus = stepcore::cuda::pci_bus_id(0);
+  EXPECT_NE(bus.find(':'), std::string::npos) << bus;
+  EXPECT_NE(bus.find('.'), std::string::npos) << bus;
 #endif
 }
 

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <cstdlib>
 #include <map>
 #include <set>
@@ -12,7 +14,9 @@
 #include <vector>
 
 #include "stepcore/cpu.hpp"
+#include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/host_slab.hpp"
 #include "stepcore/numa.hpp"
 
 namespace {
@@ -217,6 +221,45 @@ TEST(NumaLive, StateIsFirstTouchedOnTheRanksNode) {
   EXPECT_EQ(f[123], 0.0f);
   EXPECT_THROW(buf.at<float>(2, 1), Error);                 // misaligned
   EXPECT_THROW(buf.at<float>(0, buf.bytes() / 4 + 1), Error);  // past the end
+}
+
+TEST(HostSlab, LayoutIsAlignedDisjointAndInOrder) {
+  const std::vector<std::size_t> sizes = {1, 0, 255, 256, 257, 4096, 3};
+  const SlabLayout l = layout_slab(sizes);
+  ASSERT_EQ(l.offsets.size(), sizes.size());
+  std::size_t end = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    EXPECT_EQ(l.offsets[i] % kSlabViewAlignment, 0u) << i;
+    EXPECT_GE(l.offsets[i], end) << "views must not overlap";
+    end = l.offsets[i] + sizes[i];
+  }
+  EXPECT_EQ(l.total_bytes, end);
+  EXPECT_EQ(l.offsets, (std::vector<std::size_t>{0, 256, 256, 512, 768, 1280, 5376}));
+  EXPECT_THROW(layout_slab(sizes, 100), Error);
+}
+
+TEST(HostSlab, PlacedOnTheNodeAndPinnedOnlyWithADevice) {
+  const numa::Topology t = numa::Topology::live();
+  const int node = t.nodes().front().os_index;
+  const std::vector<std::size_t> sizes = {std::size_t{3} << 20, 1000, std::size_t{1} << 20};
+  HostSlab slab(sizes, node, PinMode::never);
+  EXPECT_FALSE(slab.pinned());
+  for (std::size_t i = 0; i < slab.views(); ++i) {
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(slab.view(i)) % kSlabViewAlignment, 0u);
+    std::memset(slab.view(i), 0x5A, slab.view_bytes(i));
+  }
+  for (int s : numa::page_nodes(slab.buffer().data(), slab.buffer().bytes())) ASSERT_EQ(s, node);
+  EXPECT_THROW(slab.view(3), Error);
+  HostSlab maybe(sizes, node, PinMode::if_available);
+  EXPECT_EQ(maybe.pinned(), cuda::device_count() > 0);
+  if (cuda::device_count() == 0) {
+    try {
+      HostSlab must(sizes, node, PinMode::required);
+      FAIL() << "required pinning without a device";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::not_supported);
+    }
+  }
 }
 
 }  // namespace

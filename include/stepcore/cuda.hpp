@@ -22,6 +22,11 @@ int device_count() noexcept;
 /// numa::Topology::place). Throws Errc::cuda_error / not_supported.
 std::string pci_bus_id(int device);
 
+/// Page-locks [ptr, ptr + bytes) for asynchronous copies (cudaHostRegister, portable);
+/// throws Errc::cuda_error / not_supported. host_unregister undoes it and never throws.
+void host_register(void* ptr, std::size_t bytes);
+void host_unregister(void* ptr) noexcept;
+
 /// Returns why no device is usable ("" when device_count() > 0); tests print it
 /// when they skip.
 std::string unavailable_reason();

@@ -10,6 +10,11 @@ std::string unavailable_reason() { return "stepcore was built without CUDA (STEP
 
 std::string pci_bus_id(int) { throw Error(Errc::not_supported, "device", "stepcore was built without CUDA"); }
 
+void host_register(void*, std::size_t) {
+  throw Error(Errc::not_supported, "ptr", "stepcore was built without CUDA");
+}
+void host_unregister(void*) noexcept {}
+
 void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*, std::size_t,
                            cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
