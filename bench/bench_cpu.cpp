@@ -24,6 +24,7 @@
 
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {
@@ -282,11 +283,37 @@ bool validate_adamw(const cpu::Engine& eng, DType grad, bool output) {
          std::memcmp(o1.data(), o2.data(), total * 2) == 0;
 }
 
+/// Returns the PUs of this process's NUMA placement (one rank on the node of the
+/// first CPU in the affinity mask), empty when unknown.
+std::vector<int> placement_cpus() {
+  static const std::vector<int> cpus = [] {
+    try {
+      const numa::Topology t = numa::Topology::live();
+      const int first = numa::this_thread_affinity().front();
+      for (const numa::Node& n : t.nodes())
+        for (const numa::Core& c : n.cores)
+          for (int pu : c.pus)
+            if (pu == first) return t.place_on_node(n.os_index, 0, 1).cpus;
+    } catch (const Error&) {
+    }
+    return std::vector<int>{};
+  }();
+  return cpus;
+}
+
+/// Engine for args (isa, threads[, bound]): bound binds worker k to the k-th core of
+/// the placement (stepcore::numa), unbound leaves scheduling to the OS.
 cpu::Engine engine_for(benchmark::State& st) {
   const auto isa = static_cast<cpu::Isa>(st.range(0));
   const int threads = static_cast<int>(st.range(1));
-  cpu::Engine eng({isa, threads});
-  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads));
+  const bool bound = st.range(2) != 0;
+  std::vector<int> cpus;
+  if (bound) {
+    cpus = placement_cpus();
+    if (cpus.size() > static_cast<std::size_t>(threads)) cpus.resize(static_cast<std::size_t>(threads));
+  }
+  cpu::Engine eng(cpu::EngineConfig{isa, threads, cpus});
+  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads) + (bound ? "/bound" : "/unbound"));
   return eng;
 }
 
@@ -416,9 +443,11 @@ void BM_AdamWScalarReference(benchmark::State& st) {
 void isa_thread_args(benchmark::internal::Benchmark* b) {
   const int max_threads = cpu::Engine().threads();
   for (cpu::Isa isa : cpu::supported_isas())
-    for (int t = 1; t <= max_threads; t *= 2) b->Args({static_cast<int>(isa), t});
+    for (int t = 1; t <= max_threads; t *= 2) b->Args({static_cast<int>(isa), t, 0});
   if ((max_threads & (max_threads - 1)) != 0)
-    for (cpu::Isa isa : cpu::supported_isas()) b->Args({static_cast<int>(isa), max_threads});
+    for (cpu::Isa isa : cpu::supported_isas()) b->Args({static_cast<int>(isa), max_threads, 0});
+  // Bound to the NUMA placement's cores, best ISA, all threads.
+  if (!placement_cpus().empty()) b->Args({static_cast<int>(cpu::best_isa()), max_threads, 1});
 }
 
 }  // namespace
