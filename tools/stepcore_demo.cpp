@@ -24,15 +24,19 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <sched.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 #include "demo_model.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/norm.hpp"
+#include "stepcore/numa.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
 #include "stepcore/tensor.hpp"
@@ -48,6 +52,11 @@ constexpr int kExitUsage = 2;
 
 /// A bad command line: reported with a hint, exit code 2.
 struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// --strict-numa and the rank cannot be placed (or its state cannot be bound): exit 2.
+struct StrictNumaError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
@@ -74,6 +83,10 @@ struct Options {
   int threads = 0;                  ///< 0: the engine's choice (STEPCORE_THREADS, else affinity)
   std::int64_t check_steps = 1;     ///< steps cross-checked against the reference; 0: none
   std::int64_t inject_inf = 0;  ///< 1-based step whose gradients get one +Inf; 0: none
+  std::optional<int> local_rank;        ///< unset: LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, else 0
+  std::optional<int> local_world_size;  ///< unset: LOCAL_WORLD_SIZE, OMPI_..._LOCAL_SIZE, else 1
+  bool no_bind = false;      ///< no NUMA placement: unbound threads, pre-faulted state
+  bool strict_numa = false;  ///< an unbound placement is an error (exit 2)
   bool print_layout = false;
   bool help = false;
 };
@@ -86,6 +99,11 @@ accumulated into f32, scaled by 1/loss-tokens, the exact global norm and the cli
 coefficient are computed, and the optimizer writes f32 parameters and bf16 compute
 weights. Prints per-phase timings and a bitwise checksum of the final state.
 The CPU engine's first step is checked bit for bit against the scalar reference.
+NUMA placement (cpu backend): local rank r takes a disjoint share of the cores of its
+GPU's NUMA node (CUDA device r mod the device count; without a GPU, the node of a
+one-node machine); the engine's workers are bound to the share and the f32 state
+(params, moments, accumulators) is bound to the node and first-touched by the
+workers that use it. Without a single node to choose: a warning, and an unbound run.
 
 options (--name value or --name=value):
   --model NAME         qwen2.5-0.5b (default), llama-3.2-1b, llama-3.2-3b, llama-3.1-8b
@@ -106,8 +124,18 @@ options (--name value or --name=value):
   --isa I              cpu engine ISA: sse2, avx2 or avx512 (default: STEPCORE_ISA,
                        else the best this processor runs)
   --threads N          cpu engine threads, also used to generate the synthetic
-                       gradients (default: STEPCORE_THREADS, else the CPUs of the
-                       affinity mask; OMP_NUM_THREADS is ignored)
+                       gradients (default: STEPCORE_THREADS, else one per core of the
+                       rank's NUMA share, else the CPUs of the affinity mask;
+                       OMP_NUM_THREADS is ignored). With a NUMA share, N <= its cores:
+                       the workers are bound to its first N cores
+  --local-rank R       this process's rank on the node (default: LOCAL_RANK, else
+                       OMPI_COMM_WORLD_LOCAL_RANK, else 0)
+  --local-world-size N ranks on the node (default: LOCAL_WORLD_SIZE, else
+                       OMPI_COMM_WORLD_LOCAL_SIZE, else 1)
+  --no-bind            no NUMA placement: unbound threads, state pre-faulted by the
+                       allocating thread (for comparison)
+  --strict-numa        fail (exit 2) when the rank cannot be placed on one NUMA node,
+                       instead of warning and running unbound
   --check-steps N      run the first N steps also with stepcore::reference on a copy
                        of the state and compare every buffer bit for bit (default 1;
                        0: off; cpu backend only; not counted in the phase timings)
@@ -116,7 +144,7 @@ options (--name value or --name=value):
   --help               this text
 
 exit status: 0 success, 1 runtime error or bitwise mismatch, 2 bad usage (including
-an ISA this processor lacks)
+an ISA this processor lacks, and --strict-numa without a placement)
 )";
 
 /// Returns `text` as an integer in [lo, hi]; throws UsageError naming `opt`.
@@ -167,7 +195,7 @@ bool takes_value(std::string_view name) {
       "--model",        "--layers",     "--vocab",     "--steps",     "--micro-batches",
       "--max-norm",     "--grad-dtype", "--optimizer", "--formula",   "--lr",
       "--weight-decay", "--seed",       "--backend",   "--inject-inf", "--isa",
-      "--threads",      "--check-steps"};
+      "--threads",      "--check-steps", "--local-rank", "--local-world-size"};
   for (const std::string_view v : kValued)
     if (v == name) return true;
   return false;
@@ -236,6 +264,10 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     o.threads = static_cast<int>(parse_int(name, value, 1, 4096));
   } else if (name == "--check-steps") {
     o.check_steps = parse_int(name, value, 0, 16777215);
+  } else if (name == "--local-rank") {
+    o.local_rank = static_cast<int>(parse_int(name, value, 0, 1 << 20));
+  } else if (name == "--local-world-size") {
+    o.local_world_size = static_cast<int>(parse_int(name, value, 1, 1 << 20));
   } else {
     throw UsageError("unknown option '" + name + "'");
   }
@@ -252,6 +284,14 @@ Options parse_options(int argc, char** argv) {
     }
     if (arg == "--print-layout") {
       o.print_layout = true;
+      continue;
+    }
+    if (arg == "--no-bind") {
+      o.no_bind = true;
+      continue;
+    }
+    if (arg == "--strict-numa") {
+      o.strict_numa = true;
       continue;
     }
     if (arg.rfind("--", 0) != 0 || arg.size() == 2)
@@ -271,6 +311,8 @@ Options parse_options(int argc, char** argv) {
   }
   if (o.lr * o.weight_decay > 1.0) throw UsageError("--lr times --weight-decay must be <= 1");
   if (!std::isfinite(static_cast<float>(o.lr))) throw UsageError("--lr: must be finite in f32");
+  if (o.no_bind && o.strict_numa)
+    throw UsageError("--strict-numa requires a placement; not valid with --no-bind");
   if (o.inject_inf > o.steps)
     throw UsageError("--inject-inf: step " + std::to_string(o.inject_inf) + " is beyond --steps " +
                      std::to_string(o.steps));

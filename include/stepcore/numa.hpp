@@ -81,7 +81,8 @@ class Topology {
   /// node's physical cores evenly and disjointly in local-rank order (the first
   /// `cores % ranks` ranks get one more); more ranks than cores share round-robin and
   /// are flagged oversubscribed. A GPU that is unknown or has no single NUMA node gives
-  /// an unbound placement with the reason (or throws when options.strict).
+  /// an unbound placement with the reason, warned once on stderr (or throws when
+  /// options.strict). Pure function of the topology and arguments.
   Placement place(std::span<const std::string> rank_gpus, int local_rank,
                   PlacementOptions options = {}) const;
 
