@@ -319,6 +319,159 @@ Options parse_options(int argc, char** argv) {
   return o;
 }
 
+// ---- NUMA placement ----------------------------------------------------------------------
+
+/// Returns true when the environment variable `name` is set and not empty.
+bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0';
+}
+
+/// Returns "0-3,8,10-11" for a sorted list of CPU indexes ("-" when empty).
+std::string cpu_list(const std::vector<int>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(v[i]);
+    if (j > i) s += "-" + std::to_string(v[j]);
+    i = j + 1;
+  }
+  return s.empty() ? "-" : s;
+}
+
+/// Where the cpu backend runs: the rank's NUMA placement, as chosen before any state
+/// is allocated, for the engine (worker binding), the allocator and the header.
+struct NumaChoice {
+  bool enabled = false;  ///< false: --no-bind or the reference backend (nothing placed)
+  bool bound = false;    ///< workers bound to `cpus`, f32 state placed on `node`
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string gpu = "none";     ///< the rank's GPU, for the header
+  int node = -1;                ///< memory node of the state (-1: unbound)
+  std::string node_why;         ///< how the node was chosen
+  std::vector<int> share;       ///< the placement's PUs, one per core of the rank's share
+  std::vector<int> cpus;        ///< the PUs the engine's workers are bound to (a prefix of share)
+  std::string threads_source;   ///< what set the worker count: share, --threads, STEPCORE_THREADS
+  bool oversubscribed = false;  ///< more ranks than cores on the node (see reason)
+  std::string reason;           ///< unbound: why; oversubscribed: the placement's note
+  bool warned = false;          ///< numa::Topology already warned once about `reason`
+};
+
+/// Returns the rank's placement for the options: local rank and size from the options,
+/// else the launcher's environment; the rank's GPU (CUDA device local_rank mod the
+/// device count) and every local rank's, placed with numa::Topology::place; without a
+/// GPU, the share of a one-node machine's node (Topology::place_on_node); anything else
+/// is unbound, with the reason. Throws UsageError for an impossible rank or a thread
+/// count above the share, StrictNumaError when Topology::place finds no node under
+/// --strict-numa, stepcore::Error for a malformed LOCAL_* variable.
+NumaChoice choose_numa(const Options& o) {
+  NumaChoice c;
+  if (o.no_bind) return c;
+  c.enabled = true;
+  c.local_rank = o.local_rank ? *o.local_rank : sc::numa::local_rank_from_env(0);
+  c.local_world_size =
+      o.local_world_size ? *o.local_world_size : sc::numa::local_world_size_from_env(1);
+  if (c.local_rank >= c.local_world_size)
+    throw UsageError("local rank " + std::to_string(c.local_rank) +
+                     " is not below the local world size " + std::to_string(c.local_world_size) +
+                     " (--local-rank / --local-world-size, or LOCAL_RANK / LOCAL_WORLD_SIZE)");
+  const auto unbound = [&](std::string why) {
+    c.reason = std::move(why);
+    return c;
+  };
+
+  const int devices = sc::cuda::device_count();
+  std::vector<std::string> rank_gpus;  // empty: no GPU
+  if (devices > 0) {
+    try {
+      for (int r = 0; r < c.local_world_size; ++r)
+        rank_gpus.push_back(sc::cuda::pci_bus_id(r % devices));
+    } catch (const sc::Error& e) {
+      c.gpu = "unknown";
+      return unbound(std::string("cannot read the PCI bus id of a CUDA device: ") + e.what());
+    }
+    c.gpu = rank_gpus[static_cast<std::size_t>(c.local_rank)] + " (CUDA device " +
+            std::to_string(c.local_rank % devices) + " of " + std::to_string(devices) + ")";
+  } else {
+    c.gpu = "none (no CUDA device)";
+  }
+
+  std::optional<sc::numa::Topology> topo;
+  try {
+    topo.emplace(sc::numa::Topology::live());
+  } catch (const sc::Error& e) {
+    return unbound(std::string("cannot load this machine's topology: ") + e.what());
+  }
+  sc::numa::Placement p;
+  if (!rank_gpus.empty()) {
+    try {
+      p = topo->place(rank_gpus, c.local_rank, sc::numa::PlacementOptions{o.strict_numa});
+    } catch (const sc::Error& e) {
+      if (o.strict_numa && e.code() == sc::Errc::not_supported)
+        throw StrictNumaError("cannot place local rank " + std::to_string(c.local_rank) +
+                              " on one NUMA node: " + e.what());
+      throw;
+    }
+    c.node_why = "the GPU's node";
+  } else {
+    const std::size_t nodes = topo->nodes().size();
+    if (nodes != 1)
+      return unbound("no CUDA device to place by, and " +
+                     (nodes == 0 ? std::string("the topology has no NUMA node")
+                                 : "this machine has " + std::to_string(nodes) +
+                                       " NUMA nodes to choose from"));
+    p = topo->place_on_node(topo->nodes().front().os_index, c.local_rank, c.local_world_size);
+    c.node_why = "CPU-only run, one NUMA node";
+  }
+  // place() and place_on_node() warn once themselves when they fall back or oversubscribe.
+  c.warned = true;
+  if (!p.bound || p.cpus.empty())
+    return unbound(p.reason.empty() ? "the placement has no cores" : p.reason);
+
+  c.bound = true;
+  c.node = p.numa_node;
+  c.share = p.cpus;
+  c.oversubscribed = p.oversubscribed;
+  if (p.oversubscribed) c.reason = p.reason;
+  // An explicit worker count takes the first cores of the share; it cannot exceed it.
+  int want = 0;
+  c.threads_source = "NUMA share";
+  if (o.threads != 0) {
+    want = o.threads;
+    c.threads_source = "--threads";
+  } else if (env_set("STEPCORE_THREADS")) {
+    want = static_cast<int>(parse_int("STEPCORE_THREADS", std::getenv("STEPCORE_THREADS"), 1, 4096));
+    c.threads_source = "STEPCORE_THREADS";
+  }
+  if (want > static_cast<int>(c.share.size()))
+    throw UsageError(c.threads_source + " " + std::to_string(want) + " exceeds the " +
+                     std::to_string(c.share.size()) + (c.share.size() == 1 ? " core" : " cores") +
+                     " of local rank " + std::to_string(c.local_rank) + "'s share of NUMA node " +
+                     std::to_string(c.node) + " (cpus " + cpu_list(c.share) +
+                     "); use at most that many, or --no-bind");
+  c.cpus.assign(c.share.begin(), c.share.begin() + (want != 0 ? want : static_cast<int>(c.share.size())));
+  return c;
+}
+
+/// Restricts the calling (main) thread to the PUs of `cpus` before any OpenMP team
+/// exists, so that the work outside stepcore calls (the synthetic gradients, the
+/// reference check) and the pool threads it creates stay on the rank's share too; the
+/// engine binds each worker to one PU during its calls. Returns false when refused.
+bool restrict_main_thread(const std::vector<int>& cpus) {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (const int pu : cpus)
+    if (pu >= 0 && pu < CPU_SETSIZE) CPU_SET(pu, &set);
+  return sched_setaffinity(0, sizeof set, &set) == 0;
+#else
+  (void)cpus;
+  return false;
+#endif
+}
+
 // ---- the backend: the one place that names an implementation ------------------------
 
 /// The operations of a step, bound to one implementation: the scalar reference or
@@ -328,6 +481,7 @@ struct Backend {
   std::string name;
   std::string description;
   std::optional<sc::cpu::Engine> engine;  ///< set for the cpu backend
+  NumaChoice numa;                        ///< the cpu backend's placement (enabled: false if none)
 
   /// Returns the threads the backend's calls use (and the synthetic fill uses).
   int threads() const { return engine ? engine->threads() : 1; }
@@ -360,27 +514,45 @@ struct Backend {
   }
 };
 
-/// Returns true when the environment variable `name` is set and not empty.
-bool env_set(const char* name) {
-  const char* v = std::getenv(name);
-  return v != nullptr && *v != '\0';
-}
-
 /// Returns the backend of the options. Throws UsageError for an unknown backend or
-/// engine options given to the reference, and the engine's stepcore::Error for a
-/// configuration it rejects (an ISA this processor lacks, a bad STEPCORE_* value).
+/// engine options given to the reference, StrictNumaError for --strict-numa without a
+/// placement, and the engine's stepcore::Error for a configuration it rejects (an ISA
+/// this processor lacks, a bad STEPCORE_* or LOCAL_* value).
 Backend make_backend(const Options& o) {
   Backend b;
   if (o.backend == "reference") {
     if (o.isa || o.threads != 0)
       throw UsageError("--isa and --threads configure the cpu engine; not valid with "
                        "--backend reference");
+    if (o.local_rank || o.local_world_size || o.no_bind || o.strict_numa)
+      throw UsageError("--local-rank, --local-world-size, --no-bind and --strict-numa place "
+                       "the cpu engine; not valid with --backend reference");
     b.name = "reference";
     b.description = "scalar reference, one element at a time (the oracle)";
     return b;
   }
   if (o.backend == "cpu") {
-    b.engine.emplace(sc::cpu::EngineConfig{o.isa, o.threads});
+    // Placement first: it decides the engine's workers and where the state goes.
+    b.numa = choose_numa(o);
+    const NumaChoice& nc = b.numa;
+    if (nc.enabled && !nc.bound) {
+      if (o.strict_numa)
+        throw StrictNumaError("cannot place local rank " + std::to_string(nc.local_rank) +
+                              " on one NUMA node: " + nc.reason);
+      if (!nc.warned)
+        sc::numa::warn_once("NUMA placement: " + nc.reason +
+                            "; running unbound (threads float, state pre-faulted by the "
+                            "allocating thread)");
+    }
+    if (nc.oversubscribed && !nc.warned) sc::numa::warn_once("NUMA placement: " + nc.reason);
+    if (nc.bound) {
+      if (!restrict_main_thread(nc.share))
+        sc::numa::warn_once("cannot restrict the main thread to cpus " + cpu_list(nc.share) +
+                            "; only the engine's workers are bound");
+      b.engine.emplace(sc::cpu::EngineConfig{o.isa, static_cast<int>(nc.cpus.size()), nc.cpus});
+    } else {
+      b.engine.emplace(sc::cpu::EngineConfig{o.isa, o.threads, {}});
+    }
     const sc::cpu::Engine& e = *b.engine;
     std::string supported;
     for (const sc::cpu::Isa i : sc::cpu::supported_isas())
@@ -390,9 +562,10 @@ Backend make_backend(const Options& o) {
                     " (" + (o.isa ? "--isa" : env_set("STEPCORE_ISA") ? "STEPCORE_ISA" : "best") +
                     "; this processor: " + supported + "), " + std::to_string(e.threads()) +
                     (e.threads() == 1 ? " thread (" : " threads (") +
-                    (o.threads != 0                  ? "--threads"
-                     : env_set("STEPCORE_THREADS") ? "STEPCORE_THREADS"
-                                                   : "affinity mask") +
+                    (nc.bound                        ? nc.threads_source
+                     : o.threads != 0                ? std::string("--threads")
+                     : env_set("STEPCORE_THREADS") ? std::string("STEPCORE_THREADS")
+                                                   : std::string("affinity mask")) +
                     ")";
     return b;
   }
@@ -403,12 +576,14 @@ Backend make_backend(const Options& o) {
 // ---- memory -------------------------------------------------------------------------
 
 /// A zero-filled, page-aligned array of trivially copyable T whose pages are all
-/// touched at allocation, so no timed phase pays for first-touch page faults.
+/// touched before any timed phase, so none pays for first-touch page faults: either
+/// anonymous memory pre-faulted at allocation by the allocating thread, or a
+/// NUMA-placed numa::HostBuffer the engine's workers have first-touched.
 template <class T>
 class AlignedArray {
  public:
   AlignedArray() = default;
-  /// Allocates n zeroed elements; throws std::bad_alloc.
+  /// Allocates n zeroed elements, pre-faulted; throws std::bad_alloc.
   explicit AlignedArray(std::size_t n) : n_(n) {
     if (n == 0) return;
     bytes_ = (n * sizeof(T) + 4095) / 4096 * 4096;
@@ -426,9 +601,15 @@ class AlignedArray {
     p_.reset(static_cast<T*>(p));
     p_.get_deleter().bytes = bytes_;
   }
-  T* data() const { return p_.get(); }
+  /// Takes the first n elements of `placed` (already first-touched by the caller).
+  AlignedArray(std::size_t n, sc::numa::HostBuffer placed) : placed_(std::move(placed)), n_(n) {
+    (void)placed_.at<T>(0, n);  // throws unless the buffer holds n elements of T
+  }
+  T* data() const { return p_ ? p_.get() : static_cast<T*>(placed_.data()); }
   std::size_t size() const { return n_; }
   std::size_t bytes() const { return n_ * sizeof(T); }
+  /// Returns the placed buffer, or nullptr for pre-faulted anonymous memory.
+  const sc::numa::HostBuffer* placed() const { return placed_.data() ? &placed_ : nullptr; }
 
  private:
   struct Release {
@@ -442,6 +623,7 @@ class AlignedArray {
     }
   };
   std::unique_ptr<T, Release> p_;
+  sc::numa::HostBuffer placed_;
   std::size_t n_ = 0;
   std::size_t bytes_ = 0;
 };
@@ -456,12 +638,17 @@ struct FillChunk {
 /// Elements per fill chunk.
 constexpr std::size_t kFillChunk = std::size_t{1} << 16;
 
+/// Elements each tensor's slice of a flat buffer is aligned to: 128 bytes of f32, 64 of
+/// bf16, so every per-tensor view starts on a 64-byte boundary (a cache line, an
+/// AVX-512 vector) of its page-aligned buffer.
+constexpr std::size_t kSliceAlign = 32;
+
 /// The instantiated model: config with overrides, tensor table and offsets.
 struct Model {
   demo::ModelConfig config;  ///< with --layers/--vocab applied
   const demo::ModelConfig* published = nullptr;
   std::vector<demo::TensorSpec> layout;
-  std::vector<std::size_t> offset;  ///< element offset of each tensor, 32-aligned
+  std::vector<std::size_t> offset;  ///< element offset of each tensor, kSliceAlign-aligned
   std::size_t numel = 0;            ///< parameters
   std::size_t padded = 0;           ///< elements of each flat buffer
   std::vector<FillChunk> chunks;    ///< every tensor cut into kFillChunk pieces, in order
@@ -478,7 +665,7 @@ Model make_model(const Options& o) {
   for (const demo::TensorSpec& t : m.layout) {
     m.offset.push_back(m.padded);
     m.numel += t.numel();
-    m.padded += (t.numel() + 31) / 32 * 32;
+    m.padded += (t.numel() + kSliceAlign - 1) / kSliceAlign * kSliceAlign;
   }
   for (std::size_t t = 0; t < m.layout.size(); ++t)
     for (std::size_t b = 0; b < m.layout[t].numel(); b += kFillChunk)
@@ -506,15 +693,59 @@ AlignedArray<T> clone(const AlignedArray<T>& a) {
   return c;
 }
 
-/// Allocates the (zeroed, pre-faulted) state for `m`.
-State make_state(const Model& m, const Options& o) {
-  State s;
-  s.param = AlignedArray<float>(m.padded);
-  if (o.optimizer == Optimizer::adamw) {
-    s.exp_avg = AlignedArray<float>(m.padded);
-    s.exp_avg_sq = AlignedArray<float>(m.padded);
+/// Returns one f32 array family (params, a moment, the accumulators) for `m` in a
+/// numa::HostBuffer bound to the backend's node, first-touched by the engine: one
+/// first_touch per list of `calls` (tensor indexes), the lists the kernels that use the
+/// family most are called with, so each page is placed by the worker that will read and
+/// write it. Under --strict-numa a buffer the kernel refuses to bind is an error.
+AlignedArray<float> placed_f32(const Model& m, const Backend& b, bool strict,
+                               std::span<const std::vector<std::size_t>> calls) {
+  sc::numa::HostBuffer buf;
+  try {
+    buf = sc::numa::HostBuffer(m.padded * sizeof(float), b.numa.node, strict);
+  } catch (const sc::Error& e) {
+    if (strict && e.code() == sc::Errc::not_supported) throw StrictNumaError(e.what());
+    throw;
   }
-  s.acc = AlignedArray<float>(m.padded);
+  for (const std::vector<std::size_t>& tensors : calls) {
+    std::vector<sc::TensorView> views;
+    views.reserve(tensors.size());
+    for (const std::size_t t : tensors) {  // carved at the model's 64-byte aligned offsets
+      const std::size_t n = m.layout[t].numel();
+      views.push_back(sc::f32_view(buf.at<float>(m.offset[t] * sizeof(float), n), n));
+    }
+    b.engine->first_touch(views);
+  }
+  return AlignedArray<float>(m.padded, std::move(buf));
+}
+
+/// Allocates the (zeroed, touched) state for `m`. With a NUMA placement the f32
+/// families are placed and first-touched by the engine's workers (placed_f32); the
+/// rest, and everything without a placement, is pre-faulted anonymous memory.
+State make_state(const Model& m, const Options& o, const Backend& b) {
+  State s;
+  if (b.engine && b.numa.bound) {
+    // The optimizer is called once per weight-decay group, accumulate and the norm once
+    // over all tensors: first-touch each family in the partition of its kernels.
+    std::vector<std::vector<std::size_t>> groups(2), all(1);
+    for (std::size_t t = 0; t < m.layout.size(); ++t) {
+      groups[demo::no_decay(m.layout[t].kind) ? 1 : 0].push_back(t);
+      all[0].push_back(t);
+    }
+    s.param = placed_f32(m, b, o.strict_numa, groups);
+    if (o.optimizer == Optimizer::adamw) {
+      s.exp_avg = placed_f32(m, b, o.strict_numa, groups);
+      s.exp_avg_sq = placed_f32(m, b, o.strict_numa, groups);
+    }
+    s.acc = placed_f32(m, b, o.strict_numa, all);
+  } else {
+    s.param = AlignedArray<float>(m.padded);
+    if (o.optimizer == Optimizer::adamw) {
+      s.exp_avg = AlignedArray<float>(m.padded);
+      s.exp_avg_sq = AlignedArray<float>(m.padded);
+    }
+    s.acc = AlignedArray<float>(m.padded);
+  }
   s.compute = AlignedArray<sc::bfloat16_t>(m.padded);
   if (o.grad_dtype == sc::DType::bf16)
     s.grad_bf16 = AlignedArray<sc::bfloat16_t>(m.padded);
@@ -770,6 +1001,98 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
                 o.check_steps > 1 && o.steps > 1
                     ? ("-" + std::to_string(std::min(o.check_steps, o.steps))).c_str()
                     : "");
+}
+
+/// Where a sample of the placed state's pages are (numa::page_nodes).
+struct PageCheck {
+  std::size_t checked = 0;
+  std::size_t on_node = 0;    ///< on the chosen node
+  std::size_t elsewhere = 0;  ///< on another node
+  std::size_t absent = 0;     ///< not faulted in (never touched)
+  std::size_t unknown = 0;    ///< the query failed
+  int error = 0;              ///< errno of the last failed query
+};
+
+/// Adds every 64th page of [data, data + bytes) to `pc` (a coarser stride for buffers
+/// of more than 2^20 pages, at most 16,384 samples each): one move_pages query per
+/// sample page.
+void check_pages(PageCheck& pc, const void* data, std::size_t bytes, int node) {
+#if defined(__linux__)
+  const auto page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+#else
+  const std::size_t page = 4096;
+#endif
+  const std::size_t pages = (bytes + page - 1) / page;
+  const std::size_t stride = std::max<std::size_t>(64, (pages + 16383) / 16384);
+  for (std::size_t i = 0; i < pages; i += stride) {
+    const std::vector<int> where = sc::numa::page_nodes(static_cast<const char*>(data) + i * page, 1);
+    const int w = where.empty() ? -EFAULT : where.front();
+    ++pc.checked;
+    if (w == node)
+      ++pc.on_node;
+    else if (w >= 0)
+      ++pc.elsewhere;
+    else if (w == -ENOENT)
+      ++pc.absent;
+    else {
+      ++pc.unknown;
+      pc.error = -w;
+    }
+  }
+}
+
+/// Prints the "numa" line: the rank, its GPU, the node and cores chosen and where the
+/// state's pages are (checked on a sample), or why nothing was placed.
+void print_numa(const State& s, const Backend& b) {
+  const NumaChoice& c = b.numa;
+  constexpr const char* kUnplaced = "threads float, state pre-faulted by the allocating thread";
+  if (!b.engine) {
+    std::printf("numa       not used: the reference backend runs one unbound thread\n");
+    return;
+  }
+  if (!c.enabled) {
+    std::printf("numa       off (--no-bind): %s\n", kUnplaced);
+    return;
+  }
+  std::printf("numa       local rank %d/%d, gpu %s, ", c.local_rank, c.local_world_size,
+              c.gpu.c_str());
+  if (!c.bound) {
+    std::printf("unbound: %s; %s\n", c.reason.c_str(), kUnplaced);
+    return;
+  }
+  std::printf("node %d (%s), cpus %s (", c.node, c.node_why.c_str(), cpu_list(c.cpus).c_str());
+  if (c.cpus.size() == c.share.size())
+    std::printf("%zu core%s", c.cpus.size(), c.cpus.size() == 1 ? "" : "s");
+  else
+    std::printf("%s %zu of the share's %zu cores %s", c.threads_source.c_str(), c.cpus.size(),
+                c.share.size(), cpu_list(c.share).c_str());
+  if (c.oversubscribed) std::printf("; OVERSUBSCRIBED: %s", c.reason.c_str());
+  std::printf("), ");
+
+  PageCheck pc;
+  bool all_bound = true;
+  for (const AlignedArray<float>* a : {&s.param, &s.exp_avg, &s.exp_avg_sq, &s.acc}) {
+    const sc::numa::HostBuffer* h = a->placed();
+    if (h == nullptr) continue;  // empty (SignSGD moments)
+    all_bound = all_bound && h->numa_node() == c.node;
+    check_pages(pc, a->data(), a->bytes(), c.node);
+  }
+  if (all_bound)
+    std::printf("state on node %d", c.node);
+  else
+    std::printf("state first-touched by the workers, not bound to node %d (mbind refused)",
+                c.node);
+  std::printf(" (checked %zu pages: %zu on node %d", pc.checked, pc.on_node, c.node);
+  if (pc.elsewhere) std::printf(", %zu on other nodes", pc.elsewhere);
+  if (pc.absent) std::printf(", %zu not present", pc.absent);
+  if (pc.unknown) std::printf(", %zu unknown: %s", pc.unknown, std::strerror(pc.error));
+  std::printf(")\n");
+  if (pc.on_node != pc.checked) {
+    std::fflush(stdout);
+    sc::numa::warn_once(std::to_string(pc.checked - pc.on_node) + " of " +
+                        std::to_string(pc.checked) + " sampled state pages are not on NUMA node " +
+                        std::to_string(c.node));
+  }
 }
 
 // ---- the bitwise cross-check -----------------------------------------------------------
@@ -1055,14 +1378,16 @@ int run(const Options& o, const Backend& backend) {
   print_header(model, o, backend);
   std::fflush(stdout);
   auto t0 = Clock::now();
-  State state = make_state(model, o);
+  State state = make_state(model, o, backend);
   const double alloc_s = seconds_since(t0);
+  print_numa(state, backend);
   t0 = Clock::now();
   init_weights(model, state, o, backend.threads());
   const double init_s = seconds_since(t0);
   const Calls calls = make_calls(model, state, state, o);
-  std::printf("init       allocate and pre-fault %.1f ms, initial weights %.1f ms\n", alloc_s * 1e3,
-              init_s * 1e3);
+  std::printf("init       allocate and %s %.1f ms, initial weights %.1f ms\n",
+              backend.numa.bound ? "first-touch (f32 state) / pre-fault (the rest)" : "pre-fault",
+              alloc_s * 1e3, init_s * 1e3);
 
   Totals totals;
   for (std::int64_t step = 0; step < o.steps; ++step) {
@@ -1133,12 +1458,19 @@ int main(int argc, char** argv) {
   } catch (const UsageError& e) {
     std::fprintf(stderr, "stepcore-demo: %s\n(try --help)\n", e.what());
     return kExitUsage;
+  } catch (const StrictNumaError& e) {
+    std::fprintf(stderr, "stepcore-demo: --strict-numa: %s\n", e.what());
+    return kExitUsage;
   } catch (const sc::Error& e) {
     std::fprintf(stderr, "stepcore-demo: cannot configure the cpu engine: %s\n", e.what());
     return kExitUsage;
   }
   try {
     return run(options, *backend);
+  } catch (const StrictNumaError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "stepcore-demo: --strict-numa: %s\n", e.what());
+    return kExitUsage;
   } catch (const sc::Error& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "stepcore-demo: %s\n", e.what());
