@@ -94,6 +94,11 @@ std::unique_ptr<Topology::Impl> load(const std::string* xml) {
   if (hwloc_topology_init(&t->topo) != 0)
     throw Error(Errc::internal, "topology", "hwloc_topology_init failed");
   hwloc_topology_set_io_types_filter(t->topo, HWLOC_TYPE_FILTER_KEEP_IMPORTANT);
+  // PCI devices come from the pci/linux backends. The GPU-runtime plugins (OpenCL,
+  // CUDA, NVML, ROCm, Level Zero, GL) only add OS devices we do not use, and they load
+  // vendor runtimes (an OpenCL ICD, say) that are slow and leak at exit.
+  for (const char* c : {"opencl", "cuda", "nvml", "rsmi", "levelzero", "gl"})
+    hwloc_topology_set_components(t->topo, HWLOC_TOPOLOGY_COMPONENTS_FLAG_BLACKLIST, c);
   if (xml && hwloc_topology_set_xml(t->topo, xml->c_str()) != 0)
     throw Error(Errc::invalid_argument, "xml_path", "hwloc cannot read '" + *xml + "'");
   if (hwloc_topology_load(t->topo) != 0)

@@ -47,7 +47,8 @@ void expect_disjoint_cover(const numa::Topology& t, const std::vector<std::strin
     ASSERT_TRUE(p.bound) << p.reason;
     used[p.numa_node].insert(p.cpus.begin(), p.cpus.end());
   }
-  for (const auto& [node, cpus] : used) {
+  for (const auto& [node_index, cpus] : used) {
+    const int node = node_index;
     const auto it = std::find_if(t.nodes().begin(), t.nodes().end(), [&](const numa::Node& n) { return n.os_index == node; });
     ASSERT_NE(it, t.nodes().end());
     std::multiset<int> cores;
