@@ -1,6 +1,7 @@
 // The CUDA entry points of a build without CUDA: report that, never pretend.
 #include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
 
 namespace stepcore::cuda {
 
@@ -21,3 +22,11 @@ void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::ui
 }
 
 }  // namespace stepcore::cuda
+
+namespace stepcore::gpu {
+
+void scale_and_norm_partial(std::span<const TensorView>, float, NormPartial*, void*, std::size_t, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
+}  // namespace stepcore::gpu

@@ -1,0 +1,90 @@
+// GPU kernels' public API (no CUDA headers): multi-tensor launch plans as plain data,
+// the fused scale + norm-partial kernel, and a CPU executor that runs the same plans
+// through the same __host__ __device__ block bodies, so kernel logic is tested on
+// machines without a GPU.
+//
+// Work in progress (issue 5): scale + norm partials + found-inf and accumulate exist;
+// the clip kernels and the GPU optimizers follow.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "stepcore/cuda.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::gpu {
+
+/// Elements of one tensor handled by one thread block: a compile-time constant shared
+/// by every kernel, never derived from the device (so results and partials do not
+/// depend on the GPU model).
+inline constexpr std::size_t kChunkElements = std::size_t{1} << 16;
+/// Threads per block of every multi-tensor kernel.
+inline constexpr int kBlockThreads = 256;
+/// Tensors and blocks one launch carries in its by-value kernel argument.
+inline constexpr int kMaxTensorsPerLaunch = 64;
+inline constexpr int kMaxBlocksPerLaunch = 256;
+
+/// One block's work: elements [begin, end) of tensor `tensor` of its launch.
+struct BlockTask {
+  std::uint16_t tensor;
+  std::uint64_t begin;
+  std::uint64_t end;
+};
+
+/// The kernel argument of one launch: tensors (device pointers) and block tasks, by
+/// value. Plain data: built on the host, copied into the launch's parameter space.
+struct LaunchArgs {
+  void* data[kMaxTensorsPerLaunch];
+  const void* src[kMaxTensorsPerLaunch];  ///< second operand (accumulate's source)
+  DType dtype[kMaxTensorsPerLaunch];
+  DType src_dtype[kMaxTensorsPerLaunch];
+  BlockTask tasks[kMaxBlocksPerLaunch];
+  int num_tensors;
+  int num_blocks;
+  std::uint32_t first_block;  ///< index of tasks[0] among all blocks of the plan
+};
+
+/// A multi-tensor launch plan: every element of every tensor covered exactly once, in
+/// tensor order then chunk order; empty tensors get no block.
+struct LaunchPlan {
+  std::vector<LaunchArgs> launches;
+  std::uint32_t total_blocks = 0;
+};
+
+/// Returns the plan for `tensors` (with optional second operands `sources`, same
+/// length, for two-operand kernels). `max_blocks` and `max_tensors` may be lowered
+/// (tests use this to get many launches) but not raised above the compile-time limits.
+LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstTensorView> sources = {},
+                     int max_blocks = kMaxBlocksPerLaunch, int max_tensors = kMaxTensorsPerLaunch);
+
+/// Returns the workspace bytes scale_and_norm_partial needs for these tensors.
+std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
+
+/// Fused pass over device tensors: g = R_T(f32(g) * scale) in place (skipped when
+/// scale == 1), the approximate norm partial of the stored values and the
+/// non-finite counts written to *d_partial (device memory). Reads and writes each
+/// element once. Never allocates, never synchronises; capturable in a CUDA graph.
+/// Determinism: the finalized norm equals reference::norm_partial of the scaled
+/// values on the host, bit for bit, for any launch shape (docs/numerics.md 6.3).
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
+                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+namespace emulate {
+
+/// Runs the scale_and_norm_partial plan on host memory through the kernels' block
+/// bodies, with `threads` emulated threads per block; returns the partial. The same
+/// code the device runs, except for the thread scheduling.
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads = kBlockThreads);
+
+/// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host
+/// memory: acc = acc + f32(src), or a copy when `copy`.
+void accumulate(const LaunchPlan& plan, bool copy, int threads = kBlockThreads);
+
+}  // namespace emulate
+
+}  // namespace stepcore::gpu

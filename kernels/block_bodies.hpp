@@ -1,0 +1,118 @@
+// __host__ __device__ block bodies of the multi-tensor kernels: the per-thread work of
+// one block task and the block's combination of its threads' results. The CUDA
+// kernels (step_kernels.cu) and the CPU executor (emulate.cpp) both run exactly this
+// code; only the thread scheduling differs.
+#pragma once
+
+#include <cstdint>
+
+#include "stepcore/config.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/norm.hpp"
+
+namespace stepcore::gpu::detail {
+
+/// One thread's share of a norm: binary64 sum of exact squares of finite values, the
+/// largest finite |x| bit pattern and the non-finite counts.
+struct NormLane {
+  double sum = 0.0;
+  std::uint32_t max_bits = 0;
+  std::uint32_t nan = 0;
+  std::uint32_t inf = 0;
+};
+
+/// Elements [begin + first, end) with stride `stride` of one tensor: optionally
+/// g = R_T(f32(g) * scale) in place, then the stored value into the lane.
+template <class T>
+STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::uint64_t end,
+                                            std::uint64_t first, std::uint64_t stride, float scale,
+                                            bool apply_scale, NormLane& lane) {
+  for (std::uint64_t i = begin + first; i < end; i += stride) {
+    float v = to_f32(data[i]);
+    if (apply_scale) {
+      const T r = from_f32<T>(v * scale);
+      data[i] = r;
+      v = to_f32(r);
+    }
+    const std::uint32_t a = f32_bits(v) & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) {
+      ++lane.nan;
+    } else if (a == 0x7F800000u) {
+      ++lane.inf;
+    } else {
+      if (a > lane.max_bits) lane.max_bits = a;
+      const double d = static_cast<double>(v);  // exact square in binary64
+      lane.sum = lane.sum + d * d;
+    }
+  }
+}
+
+/// Thread `thread` of `threads` on block `block` of launch `a`.
+STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int thread, int threads,
+                                          float scale, bool apply_scale, NormLane& lane) {
+  const BlockTask& t = a.tasks[block];
+  void* p = a.data[t.tensor];
+  switch (a.dtype[t.tensor]) {
+    case DType::f32:
+      scale_norm_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
+      break;
+    case DType::bf16:
+      scale_norm_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
+      break;
+    case DType::f16:
+      scale_norm_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
+      break;
+  }
+}
+
+/// a += b (the block's tree combination).
+STEPCORE_HD_INLINE void combine(NormLane& a, const NormLane& b) {
+  a.sum = a.sum + b.sum;
+  a.max_bits = a.max_bits > b.max_bits ? a.max_bits : b.max_bits;
+  a.nan += b.nan;
+  a.inf += b.inf;
+}
+
+/// Returns the block's partial from its combined lane: the binary64 block sum is
+/// deposited exactly (every path has at most kChunkElements / threads + log2(threads)
+/// additions, within kNormMaxBlockAdditions).
+STEPCORE_HD_INLINE NormPartial to_partial(const NormLane& l) {
+  NormPartial p;
+  ::stepcore::detail::deposit_double(p.digits, l.sum);
+  ::stepcore::detail::normalize_digits(p.digits);
+  p.max_abs_bits = l.max_bits;
+  p.nan_count = l.nan;
+  p.inf_count = l.inf;
+  p.approximate = 1;
+  return p;
+}
+
+/// Thread `thread` of `threads` on block `block` of an accumulate launch.
+template <class S>
+STEPCORE_HD_INLINE void accumulate_elements(float* acc, const S* src, std::uint64_t begin, std::uint64_t end,
+                                            std::uint64_t first, std::uint64_t stride, bool copy) {
+  for (std::uint64_t i = begin + first; i < end; i += stride) {
+    const float x = to_f32(src[i]);
+    acc[i] = copy ? x : acc[i] + x;
+  }
+}
+
+STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int thread, int threads, bool copy) {
+  const BlockTask& t = a.tasks[block];
+  float* acc = static_cast<float*>(a.data[t.tensor]);
+  const void* s = a.src[t.tensor];
+  switch (a.src_dtype[t.tensor]) {
+    case DType::f32:
+      accumulate_elements(acc, static_cast<const float*>(s), t.begin, t.end, thread, threads, copy);
+      break;
+    case DType::bf16:
+      accumulate_elements(acc, static_cast<const bfloat16_t*>(s), t.begin, t.end, thread, threads, copy);
+      break;
+    case DType::f16:
+      accumulate_elements(acc, static_cast<const float16_t*>(s), t.begin, t.end, thread, threads, copy);
+      break;
+  }
+}
+
+}  // namespace stepcore::gpu::detail

@@ -1,0 +1,105 @@
+// CUDA drivers of the multi-tensor block bodies: one thread block per BlockTask of a
+// launch (grid = the launch's blocks, kBlockThreads threads), launch metadata passed by
+// value, results per block into the caller's workspace, then an exact integer
+// reduction of the block partials. No allocation, no host synchronisation.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "block_bodies.hpp"
+#include "check.cuh"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+
+namespace stepcore::gpu {
+namespace {
+
+// Block b of the launch: every thread strides over its task; the lanes are combined in
+// shared memory in the same tree order as the CPU executor; thread 0 writes the block's
+// exact-deposit partial.
+__global__ void __launch_bounds__(kBlockThreads)
+    scale_and_sum_squares_kernel(const LaunchArgs args, float scale, bool apply_scale, NormPartial* d_block_partials) {
+  __shared__ detail::NormLane lanes[kBlockThreads];
+  detail::NormLane lane;
+  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scale, apply_scale, lane);
+  lanes[threadIdx.x] = lane;
+  __syncthreads();
+  for (int half = kBlockThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) detail::combine(lanes[threadIdx.x], lanes[threadIdx.x + half]);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
+}
+
+// One block of 32 threads: thread k sums digit k (and the counts / max) over all block
+// partials by integer addition, so the result does not depend on the number of blocks
+// or their order.
+__global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std::uint32_t blocks, NormPartial* d_out) {
+  __shared__ NormPartial out;
+  const int k = threadIdx.x;
+  if (k < kNormDigits) {
+    std::uint64_t s = 0;
+    for (std::uint32_t b = 0; b < blocks; ++b) s += d_block_partials[b].digits[k];
+    out.digits[k] = s;
+  } else if (k == kNormDigits) {
+    std::uint64_t n = 0, i = 0;
+    std::uint32_t m = 0, approx = 0;
+    for (std::uint32_t b = 0; b < blocks; ++b) {
+      n += d_block_partials[b].nan_count;
+      i += d_block_partials[b].inf_count;
+      m = d_block_partials[b].max_abs_bits > m ? d_block_partials[b].max_abs_bits : m;
+      approx |= d_block_partials[b].approximate;
+    }
+    out.nan_count = n;
+    out.inf_count = i;
+    out.max_abs_bits = m;
+    out.approximate = approx;
+  }
+  __syncthreads();
+  if (k == 0) {
+    ::stepcore::detail::normalize_digits(out.digits);
+    *d_out = out;
+  }
+}
+
+void require_device_pointer(const void* p, const std::string& name) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(Errc::invalid_argument, name, "not a CUDA pointer");
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+    throw Error(Errc::invalid_argument, name, "a host pointer where device memory is needed");
+}
+
+}  // namespace
+
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
+                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  if (!(scale >= 0.0f) || scale > 3.4e38f) throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+  if (d_partial == nullptr) throw Error(Errc::null_pointer, "d_partial", "null");
+  require_device_pointer(d_partial, "d_partial");
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const TensorView& t = d_tensors[i];
+    const std::string name = "d_tensors[" + std::to_string(i) + "]";
+    if (!dtype_valid(t.dtype)) throw Error(Errc::unsupported_dtype, name, "unknown dtype");
+    if (t.numel == 0) continue;
+    if (t.data == nullptr) throw Error(Errc::null_pointer, name, "null data");
+    require_device_pointer(t.data, name);
+  }
+  const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
+  if (workspace_bytes < need)
+    throw Error(Errc::out_of_range, "workspace_bytes",
+                std::to_string(workspace_bytes) + " < " + std::to_string(need) + " (scale_and_norm_workspace_bytes)");
+  if (need != 0) require_device_pointer(d_workspace, "d_workspace");
+  const LaunchPlan plan = make_plan(d_tensors);
+  auto* d_blocks = static_cast<NormPartial*>(d_workspace);
+  for (const LaunchArgs& a : plan.launches) {
+    scale_and_sum_squares_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, scale, scale != 1.0f, d_blocks);
+    cuda::detail::check_launch("scale_and_sum_squares_kernel");
+  }
+  reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, d_partial);
+  cuda::detail::check_launch("reduce_partials_kernel");
+}
+
+}  // namespace stepcore::gpu

@@ -1,0 +1,87 @@
+// GPU: the fused scale + norm kernel on the device against the reference, bit for bit,
+// and its bad-input errors. Skips without a device.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/cuda.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/reference.hpp"
+
+#if defined(STEPCORE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using namespace stepcore;
+
+TEST(GpuKernels, ScaleAndNormMatchTheReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+#if defined(STEPCORE_WITH_CUDA)
+  const std::size_t c = gpu::kChunkElements;
+  const std::vector<std::size_t> sizes = {0, 1, 33, 1025, c - 1, c, c + 1, 0, 5 * c + 3, 4000000};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 1e-2f);
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (float scale : {1.0f, 1.0f / 4096.0f, 1.0f / 3001.0f}) {
+      std::vector<std::vector<std::uint8_t>> host;
+      std::vector<TensorView> hv, dv;
+      std::vector<void*> dptr;
+      for (std::size_t n : sizes) {
+        host.emplace_back(n * dtype_size(d));
+        for (std::size_t i = 0; i < n; ++i) {
+          const float x = nd(rng);
+          if (d == DType::f32) std::memcpy(host.back().data() + 4 * i, &x, 4);
+          else {
+            const std::uint16_t h = d == DType::bf16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+            std::memcpy(host.back().data() + 2 * i, &h, 2);
+          }
+        }
+        void* p = nullptr;
+        ASSERT_EQ(cudaMalloc(&p, host.back().size() + 1), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(p, host.back().data(), host.back().size(), cudaMemcpyHostToDevice), cudaSuccess);
+        dptr.push_back(p);
+        dv.push_back({p, n, d});
+        hv.push_back({host.back().data(), n, d});
+      }
+      reference::scale_(hv, scale);
+      std::vector<ConstTensorView> cv(hv.begin(), hv.end());
+      const NormResult ref = finalize(reference::norm_partial(cv));
+      const std::size_t ws = gpu::scale_and_norm_workspace_bytes(dv);
+      void* d_ws = nullptr;
+      NormPartial* d_partial = nullptr;
+      ASSERT_EQ(cudaMalloc(&d_ws, ws + 1), cudaSuccess);
+      ASSERT_EQ(cudaMalloc(&d_partial, sizeof(NormPartial)), cudaSuccess);
+      gpu::scale_and_norm_partial(dv, scale, d_partial, d_ws, ws, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      NormPartial p;
+      ASSERT_EQ(cudaMemcpy(&p, d_partial, sizeof p, cudaMemcpyDeviceToHost), cudaSuccess);
+      NormResult r = finalize(p);
+      ASSERT_FALSE(r.needs_exact);
+      EXPECT_EQ(f32_bits(r.norm), f32_bits(ref.norm)) << dtype_name(d) << " scale " << scale;
+      EXPECT_EQ(f32_bits(r.max_abs), f32_bits(ref.max_abs));
+      for (std::size_t k = 0; k < sizes.size(); ++k) {
+        std::vector<std::uint8_t> back(host[k].size());
+        ASSERT_EQ(cudaMemcpy(back.data(), dptr[k], back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(back, host[k]) << "scaled tensor " << k;
+      }
+      // Bad input: a workspace too small and a host pointer, each before any write.
+      EXPECT_THROW(gpu::scale_and_norm_partial(dv, scale, d_partial, d_ws, ws - 1, nullptr), Error);
+      std::vector<TensorView> bad = dv;
+      bad.back().data = host.back().data();
+      EXPECT_THROW(gpu::scale_and_norm_partial(bad, scale, d_partial, d_ws, ws, nullptr), Error);
+      cudaFree(d_ws);
+      cudaFree(d_partial);
+      for (void* q : dptr) cudaFree(q);
+    }
+  }
+#endif
+}
+
+}  // namespace

@@ -1,0 +1,180 @@
+// GPU launch plans and the CPU executor of the kernels' block bodies (no GPU needed):
+// coverage of every element exactly once, launches split by block and tensor limits,
+// and the fused scale + norm and accumulate bodies against the reference, bit for bit,
+// for two different launch shapes.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+std::vector<std::size_t> sizes_with_empty() {
+  const std::size_t c = gpu::kChunkElements;
+  return {0, 1, 31, 32, 33, 1023, 1024, 1025, 0, c - 1, c, c + 1, 3 * c + 7, 0, 129};
+}
+
+/// Marks every element each plan task covers; all must be covered exactly once, in
+/// tensor order, then chunk order.
+TEST(GpuPlan, CoversEveryElementExactlyOnce) {
+  const auto sizes = sizes_with_empty();
+  std::vector<std::vector<float>> bufs;
+  std::vector<TensorView> views;
+  for (std::size_t n : sizes) {
+    bufs.emplace_back(n);
+    views.push_back({bufs.back().data(), n, DType::f32});
+  }
+  for (int max_blocks : {gpu::kMaxBlocksPerLaunch, 3, 1}) {
+    for (int max_tensors : {gpu::kMaxTensorsPerLaunch, 2, 1}) {
+      const gpu::LaunchPlan plan = gpu::make_plan(views, {}, max_blocks, max_tensors);
+      std::vector<std::vector<int>> hits(sizes.size());
+      for (std::size_t t = 0; t < sizes.size(); ++t) hits[t].assign(sizes[t], 0);
+      std::uint32_t blocks = 0;
+      const void* last_tensor = nullptr;
+      std::uint64_t last_end = 0;
+      for (const gpu::LaunchArgs& a : plan.launches) {
+        ASSERT_LE(a.num_blocks, max_blocks);
+        ASSERT_LE(a.num_tensors, max_tensors);
+        ASSERT_EQ(a.first_block, blocks);
+        for (int b = 0; b < a.num_blocks; ++b) {
+          const gpu::BlockTask& task = a.tasks[b];
+          ASSERT_LT(task.tensor, a.num_tensors);
+          const void* data = a.data[task.tensor];
+          std::size_t t = 0;
+          while (views[t].data != data || views[t].numel == 0) ++t;
+          ASSERT_LE(task.end - task.begin, gpu::kChunkElements);
+          ASSERT_LT(task.begin, task.end);
+          if (data == last_tensor) ASSERT_EQ(task.begin, last_end) << "chunks in order";
+          last_tensor = data;
+          last_end = task.end;
+          for (std::uint64_t i = task.begin; i < task.end; ++i) ++hits[t][i];
+          ++blocks;
+        }
+      }
+      EXPECT_EQ(blocks, plan.total_blocks);
+      for (std::size_t t = 0; t < sizes.size(); ++t)
+        for (std::size_t i = 0; i < sizes[t]; ++i) ASSERT_EQ(hits[t][i], 1) << "tensor " << t << " element " << i;
+    }
+  }
+  EXPECT_THROW(gpu::make_plan(views, {}, 0), Error);
+  EXPECT_THROW(gpu::make_plan(views, {}, gpu::kMaxBlocksPerLaunch + 1), Error);
+}
+
+TEST(GpuPlan, TensorsBeyond2To31ElementsUse64BitRanges) {
+  // Nothing is executed: the plan is plain data over a fake pointer.
+  const std::uint64_t n = (std::uint64_t{1} << 31) + 5;
+  const std::vector<TensorView> views{{reinterpret_cast<void*>(0x1000), n, DType::bf16}};
+  const gpu::LaunchPlan plan = gpu::make_plan(views);
+  std::uint64_t covered = 0, last_end = 0;
+  for (const auto& a : plan.launches)
+    for (int b = 0; b < a.num_blocks; ++b) {
+      ASSERT_EQ(a.tasks[b].begin, last_end);
+      last_end = a.tasks[b].end;
+      covered += a.tasks[b].end - a.tasks[b].begin;
+    }
+  EXPECT_EQ(covered, n);
+  EXPECT_EQ(last_end, n);
+  EXPECT_EQ(plan.total_blocks, (n + gpu::kChunkElements - 1) / gpu::kChunkElements);
+  EXPECT_GT(plan.launches.size(), 1u);
+}
+
+/// Buffers and views over them; copies re-point the views at their own buffers.
+struct Data {
+  std::vector<std::vector<std::uint8_t>> bufs;
+  std::vector<TensorView> views;
+  Data() = default;
+  Data(const Data& o) : bufs(o.bufs), views(o.views) {
+    for (std::size_t k = 0; k < views.size(); ++k) views[k].data = bufs[k].data();
+  }
+  Data& operator=(const Data&) = delete;
+};
+
+Data make_data(DType d, std::uint32_t seed) {
+  Data data;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::size_t n : sizes_with_empty()) {
+    data.bufs.emplace_back(n * dtype_size(d) + 1);
+    for (std::size_t i = 0; i < n; ++i) {
+      const float x = nd(rng) * std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
+      if (d == DType::f32) std::memcpy(data.bufs.back().data() + 4 * i, &x, 4);
+      const std::uint16_t h = d == DType::bf16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+      if (d != DType::f32) std::memcpy(data.bufs.back().data() + 2 * i, &h, 2);
+    }
+  }
+  for (std::size_t k = 0; k < data.bufs.size(); ++k)
+    data.views.push_back({data.bufs[k].data(), sizes_with_empty()[k], d});
+  return data;
+}
+
+TEST(GpuExecutor, ScaleAndNormMatchTheReferenceForTwoLaunchShapes) {
+  std::uint32_t seed = 1;
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (float scale : {1.0f, 1.0f / 3000.0f, 7.5f}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(scale));
+      const Data input = make_data(d, seed++);
+      Data expected = input;
+      reference::scale_(expected.views, scale);
+      std::vector<ConstTensorView> ev(expected.views.begin(), expected.views.end());
+      const NormResult ref = finalize(reference::norm_partial(ev));
+      struct Shape { int max_blocks, max_tensors, threads; };
+      for (const Shape shape : {Shape{gpu::kMaxBlocksPerLaunch, gpu::kMaxTensorsPerLaunch, gpu::kBlockThreads},
+                                Shape{3, 2, 64}}) {
+        Data got = input;
+        const gpu::LaunchPlan plan = gpu::make_plan(got.views, {}, shape.max_blocks, shape.max_tensors);
+        const NormPartial p = gpu::emulate::scale_and_norm_partial(plan, scale, shape.threads);
+        for (std::size_t k = 0; k < got.bufs.size(); ++k)
+          ASSERT_EQ(got.bufs[k], expected.bufs[k]) << "scaled tensor " << k;
+        const NormResult r = finalize(p);
+        ASSERT_FALSE(r.needs_exact);
+        EXPECT_EQ(f32_bits(r.norm), f32_bits(ref.norm));
+        EXPECT_EQ(f32_bits(r.max_abs), f32_bits(ref.max_abs));
+        EXPECT_EQ(r.finite, ref.finite);
+      }
+    }
+  }
+}
+
+TEST(GpuExecutor, NonFiniteValuesAreCounted) {
+  std::vector<float> x(70000, 0.25f);
+  x[5] = std::nanf("");
+  x[66000] = -INFINITY;
+  const std::vector<TensorView> v{{x.data(), x.size(), DType::f32}};
+  const NormResult r = finalize(gpu::emulate::scale_and_norm_partial(gpu::make_plan(v), 1.0f));
+  EXPECT_EQ(r.nan_count, 1u);
+  EXPECT_EQ(r.inf_count, 1u);
+  EXPECT_FALSE(r.finite);
+  EXPECT_THROW(gpu::emulate::scale_and_norm_partial(gpu::make_plan(v), 1.0f, 8), Error)
+      << "too few threads would break the certified error bound";
+}
+
+TEST(GpuExecutor, AccumulateMatchesTheReference) {
+  std::uint32_t seed = 50;
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (bool copy : {false, true}) {
+      const Data src = make_data(d, seed++);
+      const Data acc_src = make_data(DType::f32, seed++);
+      Data ref_acc = acc_src, got_acc = acc_src;
+      std::vector<AccumulatePair> pairs;
+      std::vector<ConstTensorView> sources;
+      for (std::size_t k = 0; k < src.views.size(); ++k) {
+        pairs.push_back({ref_acc.views[k], src.views[k], copy});
+        sources.push_back(src.views[k]);
+      }
+      reference::accumulate(pairs);
+      gpu::emulate::accumulate(gpu::make_plan(got_acc.views, sources, 5, 3), copy, 128);
+      for (std::size_t k = 0; k < ref_acc.bufs.size(); ++k) ASSERT_EQ(got_acc.bufs[k], ref_acc.bufs[k]) << k;
+    }
+  }
+}
+
+}  // namespace
