@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/core/validate.hpp"
 #include "block_bodies.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -52,6 +53,55 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   return plan;
 }
 
+std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                                             int max_blocks, int max_tensors) {
+  if (max_blocks < 1 || max_blocks > kMaxAdamWBlocksPerLaunch)
+    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(kMaxAdamWBlocksPerLaunch) + "]");
+  if (max_tensors < 1 || max_tensors > kMaxAdamWTensorsPerLaunch)
+    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(kMaxAdamWTensorsPerLaunch) + "]");
+  ::stepcore::detail::validate_adamw(tensors, config, GradientRead{});
+  const bool torch = config.formula == AdamWFormula::torch;
+  const std::uint64_t w = config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
+  std::vector<AdamWLaunchArgs> launches;
+  AdamWLaunchArgs cur{};
+  cur.torch = torch;
+  auto flush = [&] {
+    if (cur.num_blocks == 0) return;
+    launches.push_back(cur);
+    cur = AdamWLaunchArgs{};
+    cur.torch = torch;
+  };
+  for (const AdamWTensor& t : tensors) {
+    *t.step = *t.step + 1.0f;  // the counter advances first, also for empty tensors
+    if (t.param.numel == 0) continue;
+    const AdamWScalars sc = prepare_adamw_scalars(config, *t.step);
+    int slot = -1;
+    for (std::uint64_t b = 0; b < t.param.numel; b += kChunkElements) {
+      if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
+        flush();
+        slot = -1;
+      }
+      if (slot < 0) {
+        slot = cur.num_tensors++;
+        cur.param[slot] = static_cast<float*>(t.param.data);
+        cur.exp_avg[slot] = static_cast<float*>(t.exp_avg.data);
+        cur.exp_avg_sq[slot] = static_cast<float*>(t.exp_avg_sq.data);
+        cur.grad[slot] = t.grad.data;
+        cur.grad_dtype[slot] = t.grad.dtype;
+        const bool has_out = t.compute_param.data != nullptr || t.compute_param.numel != 0;
+        cur.out[slot] = has_out ? t.compute_param.data : nullptr;
+        cur.out_kind[slot] = static_cast<std::int8_t>(has_out ? 1 + static_cast<int>(t.compute_param.dtype) : 0);
+        cur.scalars[slot] = sc;
+        cur.tail_begin[slot] = torch ? t.param.numel - t.param.numel % w : t.param.numel;
+      }
+      cur.tasks[cur.num_blocks++] =
+          BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(t.param.numel, b + kChunkElements)};
+    }
+  }
+  flush();
+  return launches;
+}
+
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
   for (const TensorView& t : tensors) blocks += (t.numel + kChunkElements - 1) / kChunkElements;
@@ -86,6 +136,15 @@ NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int thre
     }
   }
   return total;
+}
+
+void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,
+           const std::int32_t* found_inf, int threads) {
+  check_threads(threads);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  for (const AdamWLaunchArgs& a : launches)
+    for (int b = 0; b < a.num_blocks; ++b)
+      for (int t = 0; t < threads; ++t) detail::adamw_thread(a, b, t, threads, *scale, *clip);
 }
 
 void accumulate(const LaunchPlan& plan, bool copy, int threads) {

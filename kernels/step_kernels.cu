@@ -62,6 +62,14 @@ __global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std:
   }
 }
 
+// One block per task; the scale, clip and found-inf flag are read from device memory,
+// so a captured graph replays with new values. found-inf set: the kernel writes nothing.
+__global__ void __launch_bounds__(kBlockThreads)
+    adamw_kernel(const AdamWLaunchArgs args, const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf) {
+  if (d_found_inf != nullptr && *d_found_inf != 0) return;
+  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_scale, *d_clip);
+}
+
 void require_device_pointer(const void* p, const std::string& name) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -100,6 +108,28 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, 
   }
   reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, d_partial);
   cuda::detail::check_launch("reduce_partials_kernel");
+}
+
+void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,
+                const float* d_clip, const std::int32_t* d_found_inf, cudaStream_t stream) {
+  if (d_scale == nullptr || d_clip == nullptr) throw Error(Errc::null_pointer, "d_scale", "scale and clip are required");
+  require_device_pointer(d_scale, "d_scale");
+  require_device_pointer(d_clip, "d_clip");
+  if (d_found_inf != nullptr) require_device_pointer(d_found_inf, "d_found_inf");
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const AdamWTensor& t = d_tensors[i];
+    const std::string base = "d_tensors[" + std::to_string(i) + "]";
+    if (t.param.numel == 0) continue;
+    for (const void* p : {static_cast<const void*>(t.param.data), static_cast<const void*>(t.exp_avg.data),
+                          static_cast<const void*>(t.exp_avg_sq.data), t.grad.data})
+      if (p != nullptr) require_device_pointer(p, base);
+    if (t.compute_param.data != nullptr) require_device_pointer(t.compute_param.data, base + ".compute_param");
+  }
+  const std::vector<AdamWLaunchArgs> launches = make_adamw_plan(d_tensors, config);  // validates, then steps
+  for (const AdamWLaunchArgs& a : launches) {
+    adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_scale, d_clip, d_found_inf);
+    cuda::detail::check_launch("adamw_kernel");
+  }
 }
 
 }  // namespace stepcore::gpu

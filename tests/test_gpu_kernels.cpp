@@ -2,6 +2,7 @@
 // and its bad-input errors. Skips without a device.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -79,6 +80,79 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
       cudaFree(d_ws);
       cudaFree(d_partial);
       for (void* q : dptr) cudaFree(q);
+    }
+  }
+#endif
+}
+
+TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+#if defined(STEPCORE_WITH_CUDA)
+  const std::size_t c = gpu::kChunkElements;
+  const std::vector<std::size_t> sizes = {1, 7, 33, c - 1, c + 1, 0, 3 * c + 5, 1000003};
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+    for (DType gd : {DType::f32, DType::bf16}) {
+      AdamWConfig cfg;
+      cfg.formula = f;
+      const float scale = 1.0f / 3001.0f, clip = 0.61f;
+      std::vector<std::vector<float>> p, m, v;
+      std::vector<std::vector<std::uint8_t>> g;
+      std::vector<std::vector<std::uint16_t>> o;
+      std::vector<float> ref_steps, dev_steps;
+      for (std::size_t n : sizes) {
+        p.emplace_back(n); m.emplace_back(n); v.emplace_back(n);
+        g.emplace_back(n * dtype_size(gd)); o.emplace_back(n);
+        for (std::size_t i = 0; i < n; ++i) {
+          p.back()[i] = nd(rng) * 0.05f;
+          m.back()[i] = nd(rng) * 1e-3f;
+          v.back()[i] = std::abs(nd(rng)) * 1e-6f;
+          const float x = nd(rng) * 1e-2f;
+          if (gd == DType::f32) std::memcpy(g.back().data() + 4 * i, &x, 4);
+          else { const std::uint16_t h = f32_to_bf16_bits(x); std::memcpy(g.back().data() + 2 * i, &h, 2); }
+        }
+        ref_steps.push_back(2.0f);
+        dev_steps.push_back(2.0f);
+      }
+      // Device copies.
+      auto up = [](const void* h, std::size_t bytes) {
+        void* d = nullptr;
+        EXPECT_EQ(cudaMalloc(&d, bytes + 1), cudaSuccess);
+        EXPECT_EQ(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+        return d;
+      };
+      std::vector<AdamWTensor> ht, dt;
+      std::vector<void*> owned;
+      for (std::size_t k = 0; k < sizes.size(); ++k) {
+        const std::size_t n = sizes[k];
+        void* dp = up(p[k].data(), n * 4); void* dm = up(m[k].data(), n * 4); void* dvv = up(v[k].data(), n * 4);
+        void* dg = up(g[k].data(), g[k].size()); void* dout = up(o[k].data(), n * 2);
+        owned.insert(owned.end(), {dp, dm, dvv, dg, dout});
+        dt.push_back({{dp, n, DType::f32}, {dm, n, DType::f32}, {dvv, n, DType::f32}, &dev_steps[k], {dg, n, gd}, {dout, n, DType::bf16}});
+        ht.push_back({{p[k].data(), n, DType::f32}, {m[k].data(), n, DType::f32}, {v[k].data(), n, DType::f32}, &ref_steps[k], {g[k].data(), n, gd}, {o[k].data(), n, DType::bf16}});
+      }
+      float* d_scalars = nullptr;
+      ASSERT_EQ(cudaMalloc(&d_scalars, 2 * sizeof(float)), cudaSuccess);
+      const float hs[2] = {scale, clip};
+      ASSERT_EQ(cudaMemcpy(d_scalars, hs, sizeof hs, cudaMemcpyHostToDevice), cudaSuccess);
+      gpu::adamw_step(dt, cfg, d_scalars, d_scalars + 1, nullptr, nullptr);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      reference::adamw_step(ht, cfg, GradientRead{scale, clip});
+      for (std::size_t k = 0; k < sizes.size(); ++k) {
+        const std::size_t n = sizes[k];
+        std::vector<float> back(n);
+        std::vector<std::uint16_t> ob(n);
+        cudaMemcpy(back.data(), dt[k].param.data, n * 4, cudaMemcpyDeviceToHost);
+        ASSERT_EQ(std::memcmp(back.data(), p[k].data(), n * 4), 0) << "param " << k;
+        cudaMemcpy(back.data(), dt[k].exp_avg_sq.data, n * 4, cudaMemcpyDeviceToHost);
+        ASSERT_EQ(std::memcmp(back.data(), v[k].data(), n * 4), 0) << "exp_avg_sq " << k;
+        cudaMemcpy(ob.data(), dt[k].compute_param.data, n * 2, cudaMemcpyDeviceToHost);
+        ASSERT_EQ(ob, o[k]) << "compute copy " << k;
+        ASSERT_EQ(dev_steps[k], ref_steps[k]);
+      }
+      for (void* q : owned) cudaFree(q);
+      cudaFree(d_scalars);
     }
   }
 #endif

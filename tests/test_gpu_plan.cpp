@@ -4,6 +4,7 @@
 // for two different launch shapes.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -173,6 +174,84 @@ TEST(GpuExecutor, AccumulateMatchesTheReference) {
       reference::accumulate(pairs);
       gpu::emulate::accumulate(gpu::make_plan(got_acc.views, sources, 5, 3), copy, 128);
       for (std::size_t k = 0; k < ref_acc.bufs.size(); ++k) ASSERT_EQ(got_acc.bufs[k], ref_acc.bufs[k]) << k;
+    }
+  }
+}
+
+TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
+  const auto sizes = sizes_with_empty();
+  std::uint32_t seed = 200;
+  for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
+    for (int out : {0, 1, 2, 3}) {
+      for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+        SCOPED_TRACE(std::string(dtype_name(gd)) + " out " + std::to_string(out) +
+                     (f == AdamWFormula::torch ? " torch" : " native"));
+        AdamWConfig cfg;
+        cfg.formula = f;
+        cfg.weight_decay = out % 2 ? 0.1 : 0.0;
+        cfg.beta1 = out == 3 ? 0.3 : 0.9;
+        const float scale = 1.0f / 3001.0f, clip = out == 2 ? 0.37f : 1.0f;
+        // One model, three copies: reference, and two launch shapes of the executor.
+        const Data grads = make_data(gd, seed++);
+        std::mt19937 rng(seed++);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        struct State {
+          std::vector<std::vector<float>> p, m, v;
+          std::vector<std::vector<std::uint8_t>> o;
+          std::vector<float> steps;
+        } base;
+        for (std::size_t n : sizes) {
+          base.p.emplace_back(n);
+          base.m.emplace_back(n);
+          base.v.emplace_back(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            base.p.back()[i] = nd(rng) * 0.05f;
+            base.m.back()[i] = nd(rng) * 1e-3f;
+            base.v.back()[i] = std::abs(nd(rng)) * 1e-6f;
+          }
+          base.o.emplace_back(n * 4 + 1, 0xCD);
+          base.steps.push_back(static_cast<float>(rng() % 4));
+        }
+        auto tensors = [&](State& st) {
+          std::vector<AdamWTensor> t;
+          for (std::size_t k = 0; k < sizes.size(); ++k) {
+            AdamWTensor a;
+            a.param = {st.p[k].data(), sizes[k], DType::f32};
+            a.exp_avg = {st.m[k].data(), sizes[k], DType::f32};
+            a.exp_avg_sq = {st.v[k].data(), sizes[k], DType::f32};
+            a.step = &st.steps[k];
+            a.grad = grads.views[k];
+            if (out) a.compute_param = {st.o[k].data(), sizes[k], static_cast<DType>(out - 1)};
+            t.push_back(a);
+          }
+          return t;
+        };
+        State ref = base;
+        auto rt = tensors(ref);
+        reference::adamw_step(rt, cfg, GradientRead{scale, clip});
+        struct Shape { int max_blocks, max_tensors, threads; };
+        for (const Shape shape : {Shape{gpu::kMaxAdamWBlocksPerLaunch, gpu::kMaxAdamWTensorsPerLaunch, 256},
+                                  Shape{3, 2, 64}}) {
+          State got = base;
+          auto gt = tensors(got);
+          const auto launches = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
+          gpu::emulate::adamw(launches, &scale, &clip, nullptr, shape.threads);
+          for (std::size_t k = 0; k < sizes.size(); ++k) {
+            ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0) << "param " << k;
+            ASSERT_EQ(std::memcmp(got.m[k].data(), ref.m[k].data(), sizes[k] * 4), 0) << "exp_avg " << k;
+            ASSERT_EQ(std::memcmp(got.v[k].data(), ref.v[k].data(), sizes[k] * 4), 0) << "exp_avg_sq " << k;
+            ASSERT_EQ(got.o[k], ref.o[k]) << "compute copy " << k;
+            ASSERT_EQ(got.steps[k], ref.steps[k]);
+          }
+        }
+        // found-inf: nothing written by the kernels.
+        State skipped = base;
+        auto st = tensors(skipped);
+        const auto launches = gpu::make_adamw_plan(st, cfg);
+        const std::int32_t flag = 1;
+        gpu::emulate::adamw(launches, &scale, &clip, &flag);
+        for (std::size_t k = 0; k < sizes.size(); ++k) ASSERT_EQ(skipped.p[k], base.p[k]);
+      }
     }
   }
 }

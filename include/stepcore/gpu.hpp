@@ -49,6 +49,35 @@ struct LaunchArgs {
   std::uint32_t first_block;  ///< index of tasks[0] among all blocks of the plan
 };
 
+/// Tensors of one AdamW launch (fewer than kMaxTensorsPerLaunch: the per-tensor
+/// scalars travel in the kernel argument too; CUDA 12.1+ allows 32 KiB of them).
+inline constexpr int kMaxAdamWTensorsPerLaunch = 32;
+inline constexpr int kMaxAdamWBlocksPerLaunch = 128;
+
+/// The kernel argument of one AdamW launch: per-tensor pointers and host-prepared
+/// scalars, and the block tasks.
+struct AdamWLaunchArgs {
+  float* param[kMaxAdamWTensorsPerLaunch];
+  float* exp_avg[kMaxAdamWTensorsPerLaunch];
+  float* exp_avg_sq[kMaxAdamWTensorsPerLaunch];
+  const void* grad[kMaxAdamWTensorsPerLaunch];
+  void* out[kMaxAdamWTensorsPerLaunch];
+  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
+  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
+  AdamWScalars scalars[kMaxAdamWTensorsPerLaunch];
+  std::uint64_t tail_begin[kMaxAdamWTensorsPerLaunch];
+  BlockTask tasks[kMaxAdamWBlocksPerLaunch];
+  int num_tensors;
+  int num_blocks;
+  bool torch;
+};
+
+/// Returns the AdamW launches for `tensors` (validated like reference::adamw_step; the
+/// step counters are incremented and the scalars prepared here, on the host).
+std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                                             int max_blocks = kMaxAdamWBlocksPerLaunch,
+                                             int max_tensors = kMaxAdamWTensorsPerLaunch);
+
 /// A multi-tensor launch plan: every element of every tensor covered exactly once, in
 /// tensor order then chunk order; empty tensors get no block.
 struct LaunchPlan {
@@ -74,12 +103,27 @@ std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
                             void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
+/// AdamW on device tensors (step counters in host memory, incremented on the host) with
+/// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling
+/// and clipping in place first (docs/numerics.md section 3) and to the CPU engine.
+/// *d_found_inf != 0 (device memory, optional) makes the kernels write nothing — but
+/// the host has already advanced the step counters: callers skip the call instead when
+/// the flag is known on the host. Never allocates, never synchronises.
+void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,
+                const float* d_clip, const std::int32_t* d_found_inf, cudaStream_t stream);
+
 namespace emulate {
 
 /// Runs the scale_and_norm_partial plan on host memory through the kernels' block
 /// bodies, with `threads` emulated threads per block; returns the partial. The same
 /// code the device runs, except for the thread scheduling.
 NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads = kBlockThreads);
+
+/// Runs AdamW launches on host memory with the lazy gradient read R_T(R_T(g*scale)*clip);
+/// when *found_inf != 0 nothing is written (the flag, scale and clip live in device
+/// memory on the GPU).
+void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,
+           const std::int32_t* found_inf, int threads = kBlockThreads);
 
 /// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host
 /// memory: acc = acc + f32(src), or a copy when `copy`.

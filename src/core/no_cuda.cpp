@@ -29,4 +29,9 @@ void scale_and_norm_partial(std::span<const TensorView>, float, NormPartial*, vo
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
+void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*, const std::int32_t*,
+                cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
 }  // namespace stepcore::gpu
