@@ -24,6 +24,7 @@
 
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/gpu.hpp"
 #include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
 
@@ -440,6 +441,41 @@ void BM_AdamWScalarReference(benchmark::State& st) {
   for (auto& t : tensors) *t.step = 0.0f;
 }
 
+// Host cost per call of the GPU launch plans for 2,000 tensors (a large model's list):
+// what the host spends before any launch; no device needed.
+void BM_GpuPlanHostOverhead(benchmark::State& st) {
+  const bool adamw = st.range(0) != 0;
+  const std::size_t n_tensors = 2000;
+  std::vector<std::size_t> sizes;
+  std::mt19937 rng(3);
+  for (std::size_t i = 0; i < n_tensors; ++i) sizes.push_back(1 + rng() % 300000);
+  std::vector<TensorView> views;
+  std::vector<AdamWTensor> tensors;
+  std::vector<float> steps(n_tensors, 0.0f);
+  std::uintptr_t fake = 0x100000;  // never dereferenced: plans are plain data
+  for (std::size_t i = 0; i < n_tensors; ++i) {
+    auto* p = reinterpret_cast<float*>(fake);
+    fake += (sizes[i] * 4 + 255) / 256 * 256 * 4;
+    views.push_back({p, sizes[i], DType::bf16});
+    AdamWTensor t;
+    t.param = {p, sizes[i], DType::f32};
+    t.exp_avg = {p + sizes[i], sizes[i], DType::f32};
+    t.exp_avg_sq = {p + 2 * sizes[i], sizes[i], DType::f32};
+    t.grad = {p + 3 * sizes[i], sizes[i], DType::bf16};
+    t.step = &steps[i];
+    tensors.push_back(t);
+  }
+  for (auto _ : st) {
+    if (adamw) {
+      for (auto& x : steps) x = 0.0f;
+      benchmark::DoNotOptimize(gpu::make_adamw_plan(tensors, AdamWConfig{}));
+    } else {
+      benchmark::DoNotOptimize(gpu::make_plan(views));
+    }
+  }
+  st.SetLabel(adamw ? "AdamW plan (validation + scalars), 2000 tensors" : "scale+norm plan, 2000 tensors");
+}
+
 void isa_thread_args(benchmark::internal::Benchmark* b) {
   const int max_threads = cpu::Engine().threads();
   for (cpu::Isa isa : cpu::supported_isas())
@@ -461,6 +497,7 @@ BENCHMARK(BM_SignSgd)->Name("SignSGD/bf16grad/bf16out")->Apply(isa_thread_args)-
 BENCHMARK(BM_Accumulate)->Name("Accumulate/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_NormPartials<DType::f32>)->Name("NormPartials/f32/scaled")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_NormPartials<DType::bf16>)->Name("NormPartials/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_GpuPlanHostOverhead)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AdamWScalarReference)->Name("AdamW/scalar-reference")->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
 
 BENCHMARK_MAIN();
