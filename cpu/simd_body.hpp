@@ -16,6 +16,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../src/core/element_ops.hpp"
 #include "kernel_table.hpp"
 #include "stepcore/convert.hpp"
 
@@ -145,52 +146,13 @@ struct Body {
   }
 
   // ---- AdamW ----------------------------------------------------------------------
-  /// One element of either formula (scalar; also the reference for the lanes).
+  /// One element of either formula (the chunk remainder and torch's tail): the
+  /// formulas shared with the GPU block bodies.
   template <class G, class O>
   static void adamw_one(const AdamWRange& r, std::size_t i) {
-    const AdamWScalars& s = r.scalars;
-    const float g = read1(static_cast<const G*>(r.grad) + i, r.read.scale, r.read.clip);
-    float p = r.param[i];
-    float m = r.exp_avg[i];
-    float v = r.exp_avg_sq[i];
-    if (!r.torch) {
-      p = p * s.decay;
-      const float mk = m * s.beta1;
-      const float mn = g * s.one_minus_beta1;
-      m = mk + mn;
-      const float vk = v * s.beta2;
-      const float g2 = g * g;
-      const float vn = g2 * s.one_minus_beta2;
-      v = vk + vn;
-      const float root = std::sqrt(v);
-      const float sr = root / s.bc2_sqrt;
-      const float d = sr + s.eps;
-      const float num = s.step_size * m;
-      const float upd = num / d;
-      p = p - upd;
-    } else {
-      if (s.apply_decay) p = p * s.decay;
-      const float diff = g - m;
-      m = std::fma(s.lerp_coeff, diff, s.lerp_small ? m : g);
-      const float cg = s.one_minus_beta2 * g;
-      if (i < r.tail_begin) {
-        const float vk = v * s.beta2;
-        v = std::fma(cg, g, vk);
-      } else {
-        const float cgg = cg * g;
-        v = std::fma(v, s.beta2, cgg);
-      }
-      const float root = std::sqrt(v);
-      const float sr = root / s.bc2_sqrt;
-      const float d = sr + s.eps;
-      const float num = s.step_size * m;
-      const float upd = num / d;
-      p = p + upd;
-    }
-    r.param[i] = p;
-    r.exp_avg[i] = m;
-    r.exp_avg_sq[i] = v;
-    if constexpr (!std::is_void_v<O>) static_cast<O*>(r.out)[i] = from_f32<O>(p);
+    ::stepcore::detail::adamw_element<G, O>(r.param, r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad),
+                                            static_cast<O*>(r.out), r.scalars, r.torch, r.tail_begin,
+                                            r.read.scale, r.read.clip, i);
   }
 
   /// Vector lanes of one formula over [i, end): every element uses the body form.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/element_ops.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/gpu.hpp"
@@ -117,58 +118,13 @@ STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int th
   }
 }
 
-/// One AdamW element of either formula (docs/numerics.md section 7) with the lazy
-/// gradient read; the same operation order as the reference, FMAs only where the spec
-/// has them (the library builds device code with -fmad=false).
-template <class G, class O>
-STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* grad, O* out, const AdamWScalars& s,
-                                      bool torch, std::uint64_t tail_begin, float scale, float clip,
-                                      std::uint64_t i) {
-  float g = to_f32(grad[i]);
-  g = round_to<G>(g * scale);
-  g = round_to<G>(g * clip);
-  float p = P[i], m = M[i], v = V[i];
-  if (!torch) {
-    p = p * s.decay;
-    const float mk = m * s.beta1;
-    const float mn = g * s.one_minus_beta1;
-    m = mk + mn;
-    const float vk = v * s.beta2;
-    const float g2 = g * g;
-    const float vn = g2 * s.one_minus_beta2;
-    v = vk + vn;
-    const float d = sqrtf(v) / s.bc2_sqrt + s.eps;
-    const float upd = (s.step_size * m) / d;
-    p = p - upd;
-  } else {
-    if (s.apply_decay) p = p * s.decay;
-    const float diff = g - m;
-    m = fmaf(s.lerp_coeff, diff, s.lerp_small ? m : g);
-    const float cg = s.one_minus_beta2 * g;
-    if (i < tail_begin) {
-      const float vk = v * s.beta2;
-      v = fmaf(cg, g, vk);
-    } else {
-      const float cgg = cg * g;
-      v = fmaf(v, s.beta2, cgg);
-    }
-    const float d = sqrtf(v) / s.bc2_sqrt + s.eps;
-    const float upd = (s.step_size * m) / d;
-    p = p + upd;
-  }
-  P[i] = p;
-  M[i] = m;
-  V[i] = v;
-  if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
-}
-
 template <class G, class O>
 STEPCORE_HD_INLINE void adamw_elements(const AdamWLaunchArgs& a, int t, const BlockTask& task, int thread,
                                        int threads, float scale, float clip) {
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
   for (std::uint64_t i = task.begin + thread; i < task.end; i += threads)
-    adamw_element<G, O>(a.param[t], a.exp_avg[t], a.exp_avg_sq[t], grad, out, a.scalars[t], a.torch, a.tail_begin[t],
+    ::stepcore::detail::adamw_element<G, O>(a.param[t], a.exp_avg[t], a.exp_avg_sq[t], grad, out, a.scalars[t], a.torch, a.tail_begin[t],
                         scale, clip, i);
 }
 
