@@ -12,8 +12,9 @@ namespace {
 [[noreturn]] void fail(Errc code, std::string arg, const std::string& msg) {
   throw Error(code, std::move(arg), msg);
 }
+[[noreturn]] void fail(Errc code, const Arg& arg, const std::string& msg) { throw Error(code, arg.str(), msg); }
 
-void check_view(const void* data, std::size_t numel, DType dtype, const std::string& name) {
+void check_view(const void* data, std::size_t numel, DType dtype, const Arg& name) {
   if (!dtype_valid(dtype))
     fail(Errc::unsupported_dtype, name,
          "dtype enumerator " + std::to_string(static_cast<int>(dtype)) + " is not f32, bf16 or f16");
@@ -23,28 +24,26 @@ void check_view(const void* data, std::size_t numel, DType dtype, const std::str
     fail(Errc::null_pointer, name, "null data with " + std::to_string(numel) + " elements");
 }
 
-void require_dtype(DType got, DType want, const std::string& name) {
+void require_dtype(DType got, DType want, const Arg& name) {
   if (got != want)
     fail(Errc::unsupported_dtype, name,
          "must be " + std::string(dtype_name(want)) + ", got " + std::string(dtype_name(got)));
 }
 
-void require_numel(std::size_t got, std::size_t want, const std::string& name,
-                   const std::string& other) {
+void require_numel(std::size_t got, std::size_t want, const Arg& name, const Arg& other) {
   if (got != want)
     fail(Errc::size_mismatch, name,
-         std::to_string(got) + " elements, but " + other + " has " + std::to_string(want));
+         std::to_string(got) + " elements, but " + other.str() + " has " + std::to_string(want));
 }
 
 void require_finite(double v, const char* name) {
   if (!std::isfinite(v)) fail(Errc::non_finite, name, "must be finite, got " + std::to_string(v));
 }
 
-void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, bool written,
-               std::string name) {
+void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, bool written, const Arg& name) {
   if (bytes == 0 || data == nullptr) return;
   const auto b = reinterpret_cast<std::uintptr_t>(data);
-  out.push_back(Range{b, b + bytes, written, std::move(name)});
+  out.push_back(Range{b, b + bytes, written, name});
 }
 
 bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
@@ -54,15 +53,15 @@ bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
 std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
                                     const ConstTensorView& grad, const TensorView& out,
                                     std::vector<Range>& ranges) {
-  const std::string p = arg_name("tensors", i, "param");
+  const Arg p{"tensors", i, "param"};
   check_view(param.data, param.numel, param.dtype, p);
   require_dtype(param.dtype, DType::f32, p);
   const std::size_t n = param.numel;
-  const std::string g = arg_name("tensors", i, "grad");
+  const Arg g{"tensors", i, "grad"};
   check_view(grad.data, grad.numel, grad.dtype, g);
   require_numel(grad.numel, n, g, p);
   if (has_view(out)) {
-    const std::string o = arg_name("tensors", i, "compute_param");
+    const Arg o{"tensors", i, "compute_param"};
     check_view(out.data, out.numel, out.dtype, o);
     require_numel(out.numel, n, o, p);
     add_range(ranges, out.data, out.bytes(), true, o);
@@ -75,14 +74,19 @@ std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
 // Checks an f32 companion buffer (a moment) of tensor i and adds its range.
 void check_moment(std::size_t i, const TensorView& v, std::size_t n, const char* field,
                   std::vector<Range>& ranges) {
-  const std::string name = arg_name("tensors", i, field);
+  const Arg name{"tensors", i, field};
   check_view(v.data, v.numel, v.dtype, name);
   require_dtype(v.dtype, DType::f32, name);
-  require_numel(v.numel, n, name, arg_name("tensors", i, "param"));
+  require_numel(v.numel, n, name, Arg{"tensors", i, "param"});
   add_range(ranges, v.data, v.bytes(), true, name);
 }
 
 }  // namespace
+
+std::string Arg::str() const {
+  if (index == static_cast<std::size_t>(-1)) return base;
+  return arg_name(base, index, field);
+}
 
 std::string arg_name(const char* base, std::size_t i, const char* field) {
   std::string s = base;
@@ -103,9 +107,9 @@ void check_overlaps(std::span<Range> ranges) {
   const Range* furthest_written = nullptr;
   for (const Range& cur : ranges) {
     if (cur.written && furthest && cur.begin < furthest->end)
-      fail(Errc::overlap, cur.name, "written buffer overlaps '" + furthest->name + "'");
+      fail(Errc::overlap, cur.name, "written buffer overlaps '" + furthest->name.str() + "'");
     if (furthest_written && cur.begin < furthest_written->end)
-      fail(Errc::overlap, cur.name, "overlaps written buffer '" + furthest_written->name + "'");
+      fail(Errc::overlap, cur.name, "overlaps written buffer '" + furthest_written->name.str() + "'");
     if (!furthest || cur.end > furthest->end) furthest = &cur;
     if (cur.written && (!furthest_written || cur.end > furthest_written->end))
       furthest_written = &cur;
@@ -167,7 +171,7 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
     check_moment(i, t.exp_avg, n, "exp_avg", ranges);
     check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
-    const std::string s = arg_name("tensors", i, "step");
+    const Arg s{"tensors", i, "step"};
     if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
     const float step = *t.step;
     if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
@@ -203,10 +207,10 @@ void validate_accumulate(std::span<const AccumulatePair> pairs) {
   ranges.reserve(pairs.size() * 2);
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     const AccumulatePair& pr = pairs[i];
-    const std::string a = arg_name("pairs", i, "acc");
+    const Arg a{"pairs", i, "acc"};
     check_view(pr.acc.data, pr.acc.numel, pr.acc.dtype, a);
     require_dtype(pr.acc.dtype, DType::f32, a);
-    const std::string s = arg_name("pairs", i, "src");
+    const Arg s{"pairs", i, "src"};
     check_view(pr.src.data, pr.src.numel, pr.src.dtype, s);
     require_numel(pr.src.numel, pr.acc.numel, s, a);
     add_range(ranges, pr.acc.data, pr.acc.bytes(), true, a);
@@ -221,7 +225,7 @@ void validate_scale(std::span<const TensorView> tensors, float scale) {
   std::vector<Range> ranges;
   ranges.reserve(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const std::string n = arg_name("tensors", i, "");
+    const Arg n{"tensors", i, ""};
     check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, n);
     add_range(ranges, tensors[i].data, tensors[i].bytes(), true, n);
   }
@@ -231,7 +235,7 @@ void validate_scale(std::span<const TensorView> tensors, float scale) {
 void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read) {
   validate_read(read);
   for (std::size_t i = 0; i < tensors.size(); ++i)
-    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, arg_name("tensors", i, ""));
+    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, Arg{"tensors", i, ""});
 }
 
 }  // namespace stepcore::detail

@@ -26,12 +26,21 @@ void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read);
 /// Throws unless scale is finite and > 0 and clip is in [0, 1].
 void validate_read(const GradientRead& read, const char* name = "read");
 
+/// The name of an argument, built into a string only when an error reports it
+/// ("base", or "base[index].field"): validation of thousands of tensors allocates nothing.
+struct Arg {
+  const char* base;
+  std::size_t index = static_cast<std::size_t>(-1);
+  const char* field = nullptr;
+  std::string str() const;
+};
+
 /// One memory range of a call, for the overlap check.
 struct Range {
   std::uintptr_t begin;
   std::uintptr_t end;
   bool written;
-  std::string name;
+  Arg name;
 };
 
 /// Throws Errc::overlap if a written range overlaps any other range.
