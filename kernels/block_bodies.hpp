@@ -25,19 +25,23 @@ struct NormLane {
   std::uint32_t inf = 0;
 };
 
-/// Elements [begin + first, end) with stride `stride` of one tensor: optionally
-/// g = R_T(f32(g) * scale) in place, then the stored value into the lane.
+/// Elements [begin + first, end) with stride `stride` of one tensor, read as
+/// x = R_T(R_T(f32(g) * scale) * clip) (a factor is skipped when its flag is off);
+/// with `write`, the scaled value R_T(f32(g) * scale) is stored back (the fused
+/// scale + norm pass, clip off). The value read goes into the lane.
 template <class T>
 STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::uint64_t end,
                                             std::uint64_t first, std::uint64_t stride, float scale,
-                                            bool apply_scale, NormLane& lane) {
+                                            bool apply_scale, float clip, bool apply_clip, bool write,
+                                            NormLane& lane) {
   for (std::uint64_t i = begin + first; i < end; i += stride) {
     float v = to_f32(data[i]);
     if (apply_scale) {
       const T r = from_f32<T>(v * scale);
-      data[i] = r;
+      if (write) data[i] = r;
       v = to_f32(r);
     }
+    if (apply_clip) v = round_to<T>(v * clip);
     const std::uint32_t a = f32_bits(v) & 0x7FFFFFFFu;
     if (a > 0x7F800000u) {
       ++lane.nan;
@@ -51,21 +55,46 @@ STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::u
   }
 }
 
+/// What a norm launch does besides summing: the read's factors and whether it writes.
+struct NormPass {
+  float scale = 1.0f;
+  float clip = 1.0f;
+  bool write = false;
+};
+
 /// Thread `thread` of `threads` on block `block` of launch `a`.
 STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int thread, int threads,
-                                          float scale, bool apply_scale, NormLane& lane) {
+                                          const NormPass& pass, NormLane& lane) {
+  const BlockTask& t = a.tasks[block];
+  void* p = a.data[t.tensor];
+  const bool s = pass.scale != 1.0f, c = pass.clip != 1.0f;
+  switch (a.dtype[t.tensor]) {
+    case DType::f32:
+      scale_norm_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      break;
+    case DType::bf16:
+      scale_norm_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      break;
+    case DType::f16:
+      scale_norm_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      break;
+  }
+}
+
+/// In place g = R_T(f32(g) * factor) (the clip applied eagerly).
+template <class T>
+STEPCORE_HD_INLINE void scale_elements(T* data, std::uint64_t begin, std::uint64_t end, std::uint64_t first,
+                                       std::uint64_t stride, float factor) {
+  for (std::uint64_t i = begin + first; i < end; i += stride) data[i] = from_f32<T>(to_f32(data[i]) * factor);
+}
+
+STEPCORE_HD_INLINE void scale_thread(const LaunchArgs& a, int block, int thread, int threads, float factor) {
   const BlockTask& t = a.tasks[block];
   void* p = a.data[t.tensor];
   switch (a.dtype[t.tensor]) {
-    case DType::f32:
-      scale_norm_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
-      break;
-    case DType::bf16:
-      scale_norm_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
-      break;
-    case DType::f16:
-      scale_norm_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, scale, apply_scale, lane);
-      break;
+    case DType::f32: scale_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, factor); break;
+    case DType::bf16: scale_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, factor); break;
+    case DType::f16: scale_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, factor); break;
   }
 }
 

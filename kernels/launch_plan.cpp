@@ -118,16 +118,15 @@ void check_threads(int threads) {
 }
 }  // namespace
 
-NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads) {
-  check_threads(threads);
-  const bool apply = scale != 1.0f;
+namespace {
+NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int threads) {
   NormPartial total;
   std::vector<detail::NormLane> lanes(static_cast<std::size_t>(threads));
   for (const LaunchArgs& a : plan.launches) {
     for (int b = 0; b < a.num_blocks; ++b) {
       for (int t = 0; t < threads; ++t) {
         lanes[static_cast<std::size_t>(t)] = detail::NormLane{};
-        detail::scale_norm_thread(a, b, t, threads, scale, apply, lanes[static_cast<std::size_t>(t)]);
+        detail::scale_norm_thread(a, b, t, threads, pass, lanes[static_cast<std::size_t>(t)]);
       }
       // The same tree as the kernel's shared-memory reduction.
       for (int half = threads / 2; half > 0; half /= 2)
@@ -136,6 +135,24 @@ NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int thre
     }
   }
   return total;
+}
+}  // namespace
+
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads) {
+  check_threads(threads);
+  return run_norm(plan, detail::NormPass{scale, 1.0f, true}, threads);
+}
+
+NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads) {
+  check_threads(threads);
+  return run_norm(plan, detail::NormPass{read.scale, read.clip, false}, threads);
+}
+
+void scale(const LaunchPlan& plan, float factor, int threads) {
+  check_threads(threads);
+  for (const LaunchArgs& a : plan.launches)
+    for (int b = 0; b < a.num_blocks; ++b)
+      for (int t = 0; t < threads; ++t) detail::scale_thread(a, b, t, threads, factor);
 }
 
 void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,

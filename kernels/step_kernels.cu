@@ -5,8 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <vector>
 
 #include "block_bodies.hpp"
+#include "../src/core/validate.hpp"
 #include "check.cuh"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -18,10 +20,10 @@ namespace {
 // shared memory in the same tree order as the CPU executor; thread 0 writes the block's
 // exact-deposit partial.
 __global__ void __launch_bounds__(kBlockThreads)
-    scale_and_sum_squares_kernel(const LaunchArgs args, float scale, bool apply_scale, NormPartial* d_block_partials) {
+    scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass, NormPartial* d_block_partials) {
   __shared__ detail::NormLane lanes[kBlockThreads];
   detail::NormLane lane;
-  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scale, apply_scale, lane);
+  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
   lanes[threadIdx.x] = lane;
   __syncthreads();
   for (int half = kBlockThreads / 2; half > 0; half /= 2) {
@@ -62,6 +64,15 @@ __global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std:
   }
 }
 
+// In place g = R_T(g * *d_factor), one block per task.
+__global__ void __launch_bounds__(kBlockThreads) scale_kernel(const LaunchArgs args, const float* d_factor) {
+  detail::scale_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_factor);
+}
+
+__global__ void __launch_bounds__(kBlockThreads) accumulate_kernel(const LaunchArgs args, bool copy) {
+  detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
+}
+
 // One block per task; the scale, clip and found-inf flag are read from device memory,
 // so a captured graph replays with new values. found-inf set: the kernel writes nothing.
 __global__ void __launch_bounds__(kBlockThreads)
@@ -82,19 +93,24 @@ void require_device_pointer(const void* p, const std::string& name) {
 
 }  // namespace
 
-void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
-                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-  if (!(scale >= 0.0f) || scale > 3.4e38f) throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
-  if (d_partial == nullptr) throw Error(Errc::null_pointer, "d_partial", "null");
-  require_device_pointer(d_partial, "d_partial");
+namespace {
+
+void check_device_tensors(std::span<const TensorView> d_tensors, const char* base) {
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
     const TensorView& t = d_tensors[i];
-    const std::string name = "d_tensors[" + std::to_string(i) + "]";
+    const std::string name = std::string(base) + "[" + std::to_string(i) + "]";
     if (!dtype_valid(t.dtype)) throw Error(Errc::unsupported_dtype, name, "unknown dtype");
     if (t.numel == 0) continue;
     if (t.data == nullptr) throw Error(Errc::null_pointer, name, "null data");
     require_device_pointer(t.data, name);
   }
+}
+
+void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass, NormPartial* d_partial,
+                       void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  if (d_partial == nullptr) throw Error(Errc::null_pointer, "d_partial", "null");
+  require_device_pointer(d_partial, "d_partial");
+  check_device_tensors(d_tensors, "d_tensors");
   const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
   if (workspace_bytes < need)
     throw Error(Errc::out_of_range, "workspace_bytes",
@@ -103,11 +119,67 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, 
   const LaunchPlan plan = make_plan(d_tensors);
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, scale, scale != 1.0f, d_blocks);
+    scale_and_sum_squares_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_blocks);
     cuda::detail::check_launch("scale_and_sum_squares_kernel");
   }
   reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, d_partial);
   cuda::detail::check_launch("reduce_partials_kernel");
+}
+
+}  // namespace
+
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
+                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  if (!(scale >= 0.0f) || scale > 3.4e38f) throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+  run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace, workspace_bytes, stream);
+}
+
+void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read, NormPartial* d_partial,
+                  void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  ::stepcore::detail::validate_read(read);
+  std::vector<TensorView> views;  // the kernel reads only: write is off
+  views.reserve(d_tensors.size());
+  for (const ConstTensorView& t : d_tensors) views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
+  run_norm_launches(views, detail::NormPass{read.scale, read.clip, false}, d_partial, d_workspace, workspace_bytes, stream);
+}
+
+void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream) {
+  if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
+  require_device_pointer(d_factor, "d_factor");
+  check_device_tensors(d_tensors, "d_tensors");
+  const LaunchPlan plan = make_plan(d_tensors);
+  for (const LaunchArgs& a : plan.launches) {
+    scale_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_factor);
+    cuda::detail::check_launch("scale_kernel");
+  }
+}
+
+void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
+  ::stepcore::detail::validate_accumulate(d_pairs);
+  std::vector<TensorView> acc;
+  std::vector<ConstTensorView> src;
+  for (const AccumulatePair& p : d_pairs) {
+    acc.push_back(p.acc);
+    src.push_back(p.src);
+  }
+  check_device_tensors(acc, "d_pairs.acc");
+  for (std::size_t i = 0; i < src.size(); ++i)
+    if (src[i].numel != 0) require_device_pointer(src[i].data, "d_pairs[" + std::to_string(i) + "].src");
+  // One copy flag per call: split the pairs by it (usually all the same).
+  for (bool copy : {false, true}) {
+    std::vector<TensorView> a;
+    std::vector<ConstTensorView> s;
+    for (std::size_t i = 0; i < d_pairs.size(); ++i)
+      if (d_pairs[i].copy == copy) {
+        a.push_back(acc[i]);
+        s.push_back(src[i]);
+      }
+    const LaunchPlan plan = make_plan(a, s);
+    for (const LaunchArgs& la : plan.launches) {
+      accumulate_kernel<<<la.num_blocks, kBlockThreads, 0, stream>>>(la, copy);
+      cuda::detail::check_launch("accumulate_kernel");
+    }
+  }
 }
 
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,

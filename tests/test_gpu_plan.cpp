@@ -145,6 +145,29 @@ TEST(GpuExecutor, ScaleAndNormMatchTheReferenceForTwoLaunchShapes) {
   }
 }
 
+TEST(GpuExecutor, ReadOnlyNormAndEagerClipMatchTheReference) {
+  std::uint32_t seed = 90;
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 3000.0f, 1.0f}, GradientRead{0.3f, 0.37f}}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale) + " clip " + std::to_string(read.clip));
+      Data data = make_data(d, seed++);
+      const Data before = data;
+      std::vector<ConstTensorView> cv(data.views.begin(), data.views.end());
+      const NormResult ref = finalize(reference::norm_partial(cv, read));
+      const NormResult got = finalize(gpu::emulate::norm_partial(gpu::make_plan(data.views, {}, 7, 3), read, 64));
+      ASSERT_FALSE(got.needs_exact);
+      EXPECT_EQ(f32_bits(got.norm), f32_bits(ref.norm));
+      EXPECT_EQ(f32_bits(got.max_abs), f32_bits(ref.max_abs));
+      for (std::size_t k = 0; k < data.bufs.size(); ++k) ASSERT_EQ(data.bufs[k], before.bufs[k]) << "nothing written";
+      // The eager clip: in place by the coefficient, like reference::scale_.
+      Data expected = before;
+      reference::scale_(expected.views, read.clip);
+      gpu::emulate::scale(gpu::make_plan(data.views), read.clip);
+      for (std::size_t k = 0; k < data.bufs.size(); ++k) ASSERT_EQ(data.bufs[k], expected.bufs[k]) << k;
+    }
+  }
+}
+
 TEST(GpuExecutor, NonFiniteValuesAreCounted) {
   std::vector<float> x(70000, 0.25f);
   x[5] = std::nanf("");

@@ -103,6 +103,18 @@ std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
                             void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
+/// Norm partial of device tensors read as R_T(R_T(g*scale)*clip), nothing written;
+/// same workspace as scale_and_norm_partial. Same determinism contract.
+void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read, NormPartial* d_partial,
+                  void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
+
+/// In place g = R_T(f32(g) * *d_factor) with the factor in device memory (the clip
+/// coefficient, applied eagerly); capturable in a graph.
+void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream);
+
+/// acc = acc + f32(src) (or a copy) on device tensors.
+void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
+
 /// AdamW on device tensors (step counters in host memory, incremented on the host) with
 /// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling
 /// and clipping in place first (docs/numerics.md section 3) and to the CPU engine.
@@ -118,6 +130,12 @@ namespace emulate {
 /// bodies, with `threads` emulated threads per block; returns the partial. The same
 /// code the device runs, except for the thread scheduling.
 NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads = kBlockThreads);
+
+/// Returns the norm partial of the read values R_T(R_T(g*scale)*clip) without writing.
+NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads = kBlockThreads);
+
+/// g = R_T(f32(g) * factor) in place (the clip applied eagerly).
+void scale(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
 
 /// Runs AdamW launches on host memory with the lazy gradient read R_T(R_T(g*scale)*clip);
 /// when *found_inf != 0 nothing is written (the flag, scale and clip live in device

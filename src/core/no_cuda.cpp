@@ -29,6 +29,16 @@ void scale_and_norm_partial(std::span<const TensorView>, float, NormPartial*, vo
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
+void norm_partial(std::span<const ConstTensorView>, GradientRead, NormPartial*, void*, std::size_t, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+void scale_by_device_scalar(std::span<const TensorView>, const float*, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+void accumulate(std::span<const AccumulatePair>, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
 void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*, const std::int32_t*,
                 cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
