@@ -223,9 +223,6 @@ struct Body {
   }
 
   // ---- SignSGD --------------------------------------------------------------------
-  static float sign_of(float g) {
-    return g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
-  }
 
   template <class G, class O>
   static void sign_sgd(const SignSgdRange& r, std::size_t begin, std::size_t end) {
@@ -246,14 +243,8 @@ struct Body {
       p.store_unaligned(r.param + i);
       if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
     }
-    for (; i < end; ++i) {
-      const float sg = sign_of(to_f32(grad[i]));
-      float p = r.param[i];
-      if (s.apply_decay) p = std::fma(p, s.neg_lr_wd, p);
-      p = std::fma(sg, s.neg_lr, p);
-      r.param[i] = p;
-      if constexpr (!std::is_void_v<O>) static_cast<O*>(r.out)[i] = from_f32<O>(p);
-    }
+    for (; i < end; ++i)
+      ::stepcore::detail::sign_sgd_element<G, O>(r.param, grad, static_cast<O*>(r.out), s, i);
   }
 
   // ---- accumulate and scale ---------------------------------------------------------

@@ -180,4 +180,35 @@ STEPCORE_HD_INLINE void adamw_thread(const AdamWLaunchArgs& a, int block, int th
   }
 }
 
+template <class G, class O>
+STEPCORE_HD_INLINE void sign_sgd_elements(const SignSgdLaunchArgs& a, int t, const BlockTask& task, int thread,
+                                          int threads) {
+  const G* grad = static_cast<const G*>(a.grad[t]);
+  O* out = static_cast<O*>(a.out[t]);
+  for (std::uint64_t i = task.begin + thread; i < task.end; i += threads)
+    ::stepcore::detail::sign_sgd_element<G, O>(a.param[t], grad, out, a.scalars, i);
+}
+
+template <class G>
+STEPCORE_HD_INLINE void sign_sgd_by_output(const SignSgdLaunchArgs& a, int t, const BlockTask& task, int thread,
+                                           int threads) {
+  switch (a.out_kind[t]) {
+    case 0: sign_sgd_elements<G, void>(a, t, task, thread, threads); break;
+    case 1: sign_sgd_elements<G, float>(a, t, task, thread, threads); break;
+    case 2: sign_sgd_elements<G, bfloat16_t>(a, t, task, thread, threads); break;
+    default: sign_sgd_elements<G, float16_t>(a, t, task, thread, threads); break;
+  }
+}
+
+/// Thread `thread` of `threads` on block `block` of a SignSGD launch.
+STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, int thread, int threads) {
+  const BlockTask& task = a.tasks[block];
+  const int t = task.tensor;
+  switch (a.grad_dtype[t]) {
+    case DType::f32: sign_sgd_by_output<float>(a, t, task, thread, threads); break;
+    case DType::bf16: sign_sgd_by_output<bfloat16_t>(a, t, task, thread, threads); break;
+    case DType::f16: sign_sgd_by_output<float16_t>(a, t, task, thread, threads); break;
+  }
+}
+
 }  // namespace stepcore::gpu::detail

@@ -102,6 +102,48 @@ std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensor
   return launches;
 }
 
+std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                                                  int max_blocks, int max_tensors) {
+  if (max_blocks < 1 || max_blocks > kMaxAdamWBlocksPerLaunch)
+    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(kMaxAdamWBlocksPerLaunch) + "]");
+  if (max_tensors < 1 || max_tensors > kMaxAdamWTensorsPerLaunch)
+    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(kMaxAdamWTensorsPerLaunch) + "]");
+  ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
+  const SignSgdScalars sc = prepare_sign_sgd_scalars(config);
+  std::vector<SignSgdLaunchArgs> launches;
+  SignSgdLaunchArgs cur{};
+  cur.scalars = sc;
+  auto flush = [&] {
+    if (cur.num_blocks == 0) return;
+    launches.push_back(cur);
+    cur = SignSgdLaunchArgs{};
+    cur.scalars = sc;
+  };
+  for (const SignSgdTensor& t : tensors) {
+    if (t.param.numel == 0) continue;
+    int slot = -1;
+    for (std::uint64_t b = 0; b < t.param.numel; b += kChunkElements) {
+      if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
+        flush();
+        slot = -1;
+      }
+      if (slot < 0) {
+        slot = cur.num_tensors++;
+        cur.param[slot] = static_cast<float*>(t.param.data);
+        cur.grad[slot] = t.grad.data;
+        cur.grad_dtype[slot] = t.grad.dtype;
+        const bool has_out = t.compute_param.data != nullptr || t.compute_param.numel != 0;
+        cur.out[slot] = has_out ? t.compute_param.data : nullptr;
+        cur.out_kind[slot] = static_cast<std::int8_t>(has_out ? 1 + static_cast<int>(t.compute_param.dtype) : 0);
+      }
+      cur.tasks[cur.num_blocks++] =
+          BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(t.param.numel, b + kChunkElements)};
+    }
+  }
+  flush();
+  return launches;
+}
+
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
   for (const TensorView& t : tensors) blocks += (t.numel + kChunkElements - 1) / kChunkElements;
@@ -162,6 +204,14 @@ void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, con
   for (const AdamWLaunchArgs& a : launches)
     for (int b = 0; b < a.num_blocks; ++b)
       for (int t = 0; t < threads; ++t) detail::adamw_thread(a, b, t, threads, *scale, *clip);
+}
+
+void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf, int threads) {
+  check_threads(threads);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  for (const SignSgdLaunchArgs& a : launches)
+    for (int b = 0; b < a.num_blocks; ++b)
+      for (int t = 0; t < threads; ++t) detail::sign_sgd_thread(a, b, t, threads);
 }
 
 void accumulate(const LaunchPlan& plan, bool copy, int threads) {

@@ -81,6 +81,12 @@ __global__ void __launch_bounds__(kBlockThreads)
   detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_scale, *d_clip);
 }
 
+__global__ void __launch_bounds__(kBlockThreads)
+    sign_sgd_kernel(const SignSgdLaunchArgs args, const std::int32_t* d_found_inf) {
+  if (d_found_inf != nullptr && *d_found_inf != 0) return;
+  detail::sign_sgd_thread(args, blockIdx.x, threadIdx.x, kBlockThreads);
+}
+
 void require_device_pointer(const void* p, const std::string& name) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -201,6 +207,23 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
   for (const AdamWLaunchArgs& a : launches) {
     adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_scale, d_clip, d_found_inf);
     cuda::detail::check_launch("adamw_kernel");
+  }
+}
+
+void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                   const std::int32_t* d_found_inf, cudaStream_t stream) {
+  if (d_found_inf != nullptr) require_device_pointer(d_found_inf, "d_found_inf");
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const SignSgdTensor& t = d_tensors[i];
+    if (t.param.numel == 0) continue;
+    const std::string base = "d_tensors[" + std::to_string(i) + "]";
+    require_device_pointer(t.param.data, base + ".param");
+    require_device_pointer(t.grad.data, base + ".grad");
+    if (t.compute_param.data != nullptr) require_device_pointer(t.compute_param.data, base + ".compute_param");
+  }
+  for (const SignSgdLaunchArgs& a : make_sign_sgd_plan(d_tensors, config)) {
+    sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_found_inf);
+    cuda::detail::check_launch("sign_sgd_kernel");
   }
 }
 

@@ -168,6 +168,42 @@ TEST(GpuExecutor, ReadOnlyNormAndEagerClipMatchTheReference) {
   }
 }
 
+TEST(GpuExecutor, SignSgdMatchesTheReference) {
+  std::uint32_t seed = 300;
+  for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
+    for (int out : {0, 1, 2, 3}) {
+      for (double wd : {0.0, 0.1}) {
+        const Data grads = make_data(gd, seed++);
+        const Data params = make_data(DType::f32, seed++);
+        Data ref_p = params, got_p = params;
+        std::vector<std::vector<std::uint8_t>> ref_o, got_o;
+        for (const auto& v : params.views) {
+          ref_o.emplace_back(v.numel * 4 + 1, 0xEE);
+          got_o.emplace_back(v.numel * 4 + 1, 0xEE);
+        }
+        auto tensors = [&](Data& p, std::vector<std::vector<std::uint8_t>>& o) {
+          std::vector<SignSgdTensor> t;
+          for (std::size_t k = 0; k < p.views.size(); ++k) {
+            SignSgdTensor s{p.views[k], grads.views[k], {}};
+            if (out) s.compute_param = {o[k].data(), p.views[k].numel, static_cast<DType>(out - 1)};
+            t.push_back(s);
+          }
+          return t;
+        };
+        const SignSgdConfig cfg{1e-3, wd};
+        auto rt = tensors(ref_p, ref_o);
+        reference::sign_sgd_step(rt, cfg);
+        auto gt = tensors(got_p, got_o);
+        gpu::emulate::sign_sgd(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), nullptr, 64);
+        for (std::size_t k = 0; k < ref_p.bufs.size(); ++k) {
+          ASSERT_EQ(got_p.bufs[k], ref_p.bufs[k]) << dtype_name(gd) << " tensor " << k;
+          ASSERT_EQ(got_o[k], ref_o[k]) << "compute copy " << k;
+        }
+      }
+    }
+  }
+}
+
 TEST(GpuExecutor, NonFiniteValuesAreCounted) {
   std::vector<float> x(70000, 0.25f);
   x[5] = std::nanf("");

@@ -78,6 +78,25 @@ std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensor
                                              int max_blocks = kMaxAdamWBlocksPerLaunch,
                                              int max_tensors = kMaxAdamWTensorsPerLaunch);
 
+/// The kernel argument of one SignSGD launch.
+struct SignSgdLaunchArgs {
+  float* param[kMaxAdamWTensorsPerLaunch];
+  const void* grad[kMaxAdamWTensorsPerLaunch];
+  void* out[kMaxAdamWTensorsPerLaunch];
+  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
+  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];
+  BlockTask tasks[kMaxAdamWBlocksPerLaunch];
+  SignSgdScalars scalars;
+  int num_tensors;
+  int num_blocks;
+};
+
+/// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
+/// positive read; the read does not change a sign and is not applied).
+std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                                                  int max_blocks = kMaxAdamWBlocksPerLaunch,
+                                                  int max_tensors = kMaxAdamWTensorsPerLaunch);
+
 /// A multi-tensor launch plan: every element of every tensor covered exactly once, in
 /// tensor order then chunk order; empty tensors get no block.
 struct LaunchPlan {
@@ -124,6 +143,10 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,
                 const float* d_clip, const std::int32_t* d_found_inf, cudaStream_t stream);
 
+/// SignSGD on device tensors; *d_found_inf != 0 (device memory, optional) writes nothing.
+void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                   const std::int32_t* d_found_inf, cudaStream_t stream);
+
 namespace emulate {
 
 /// Runs the scale_and_norm_partial plan on host memory through the kernels' block
@@ -142,6 +165,10 @@ void scale(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
 /// memory on the GPU).
 void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,
            const std::int32_t* found_inf, int threads = kBlockThreads);
+
+/// Runs SignSGD launches on host memory; *found_inf != 0 writes nothing.
+void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf,
+              int threads = kBlockThreads);
 
 /// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host
 /// memory: acc = acc + f32(src), or a copy when `copy`.

@@ -59,4 +59,16 @@ STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* gra
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
 }
 
+/// One SignSGD element (docs/numerics.md section 8): sign(+-0) = +0, sign(NaN) = NaN.
+template <class G, class O>
+STEPCORE_HD_INLINE void sign_sgd_element(float* P, const G* grad, O* out, const SignSgdScalars& s, std::uint64_t i) {
+  const float g = to_f32(grad[i]);
+  const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
+  float p = P[i];
+  if (s.apply_decay) p = fmaf(p, s.neg_lr_wd, p);
+  p = fmaf(sg, s.neg_lr, p);
+  P[i] = p;
+  if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
+}
+
 }  // namespace stepcore::detail

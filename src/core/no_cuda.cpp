@@ -39,6 +39,10 @@ void accumulate(std::span<const AccumulatePair>, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
+void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const std::int32_t*, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
 void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*, const std::int32_t*,
                 cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
