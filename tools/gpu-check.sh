@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# On a machine with an NVIDIA GPU: builds the default preset (kernels for sm_80/90/100)
-# and runs every test labelled `gpu`, then the unit tests, printing the device. Meant
+# On a machine with an NVIDIA GPU: builds the bench preset (kernels for sm_80/90/100,
+# tests and benchmarks), runs every test labelled `gpu`, the GPU benchmark harness, then
+# the unit tests, printing the device. Meant
 # to finish in a few minutes (the device tool's budget); pass extra ctest arguments.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,pci.bus_id,memory.total --format=csv || true
 tools/install-deps.sh
-cmake --preset default >/dev/null
-cmake --build --preset default
-ctest --preset default -L gpu --output-on-failure "$@"
-ctest --preset default -L unit "$@"
+cmake --preset bench >/dev/null
+cmake --build --preset bench
+ctest --test-dir build/bench -L gpu --output-on-failure "$@"
+build/bench/bench/stepcore-bench-gpu
+ctest --test-dir build/bench -L unit "$@"
