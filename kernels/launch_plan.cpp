@@ -11,137 +11,124 @@
 
 namespace stepcore::gpu {
 
-LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstTensorView> sources,
-                     int max_blocks, int max_tensors) {
-  if (max_blocks < 1 || max_blocks > kMaxBlocksPerLaunch)
-    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(kMaxBlocksPerLaunch) + "]");
-  if (max_tensors < 1 || max_tensors > kMaxTensorsPerLaunch)
-    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(kMaxTensorsPerLaunch) + "]");
-  if (!sources.empty() && sources.size() != tensors.size())
-    throw Error(Errc::size_mismatch, "sources", "one source per tensor");
-  LaunchPlan plan;
-  LaunchArgs cur{};
+namespace {
+
+/// Splits tensors [0, count) into chunk tasks of kChunkElements, packed into launches of
+/// type Args (at most max_blocks tasks and max_tensors tensors each): `numel(i)` gives
+/// tensor i's size, `bind(args, slot, i)` fills the launch's per-tensor fields for it.
+/// Empty tensors get no task; a tensor continuing into the next launch is bound again.
+template <class Args, class Numel, class Bind>
+std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int max_blocks, int max_tensors,
+                                 const Args& blank) {
+  std::vector<Args> out;
+  Args cur = blank;
   auto flush = [&] {
     if (cur.num_blocks == 0) return;
-    plan.launches.push_back(cur);
-    const std::uint32_t next = cur.first_block + static_cast<std::uint32_t>(cur.num_blocks);
-    cur = LaunchArgs{};
-    cur.first_block = next;
+    out.push_back(cur);
+    cur = blank;
   };
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const TensorView& t = tensors[i];
-    if (t.numel == 0) continue;  // an empty tensor gets no block
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::uint64_t n = numel(i);
     int slot = -1;
-    for (std::uint64_t b = 0; b < t.numel; b += kChunkElements) {
+    for (std::uint64_t b = 0; b < n; b += kChunkElements) {
       if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
         flush();
         slot = -1;
       }
-      if (slot < 0) {  // (re)register the tensor in the current launch
+      if (slot < 0) {
         slot = cur.num_tensors++;
-        cur.data[slot] = t.data;
-        cur.dtype[slot] = t.dtype;
-        cur.src[slot] = sources.empty() ? nullptr : sources[i].data;
-        cur.src_dtype[slot] = sources.empty() ? DType::f32 : sources[i].dtype;
+        bind(cur, slot, i);
       }
-      cur.tasks[cur.num_blocks++] =
-          BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(t.numel, b + kChunkElements)};
-      ++plan.total_blocks;
+      cur.tasks[cur.num_blocks++] = BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(n, b + kChunkElements)};
     }
   }
   flush();
+  return out;
+}
+
+void check_limits(int max_blocks, int max_tensors, int block_limit, int tensor_limit) {
+  if (max_blocks < 1 || max_blocks > block_limit)
+    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(block_limit) + "]");
+  if (max_tensors < 1 || max_tensors > tensor_limit)
+    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(tensor_limit) + "]");
+}
+
+std::int8_t output_kind(const TensorView& v) {
+  const bool has = v.data != nullptr || v.numel != 0;
+  return static_cast<std::int8_t>(has ? 1 + static_cast<int>(v.dtype) : 0);
+}
+
+}  // namespace
+
+LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstTensorView> sources,
+                     int max_blocks, int max_tensors) {
+  check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
+  if (!sources.empty() && sources.size() != tensors.size())
+    throw Error(Errc::size_mismatch, "sources", "one source per tensor");
+  LaunchPlan plan;
+  plan.launches = build_launches(
+      tensors.size(), [&](std::size_t i) { return tensors[i].numel; },
+      [&](LaunchArgs& a, int slot, std::size_t i) {
+        a.data[slot] = tensors[i].data;
+        a.dtype[slot] = tensors[i].dtype;
+        a.src[slot] = sources.empty() ? nullptr : sources[i].data;
+        a.src_dtype[slot] = sources.empty() ? DType::f32 : sources[i].dtype;
+      },
+      max_blocks, max_tensors, LaunchArgs{});
+  for (LaunchArgs& a : plan.launches) {
+    a.first_block = plan.total_blocks;
+    plan.total_blocks += static_cast<std::uint32_t>(a.num_blocks);
+  }
   return plan;
 }
 
 std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                                              int max_blocks, int max_tensors) {
-  if (max_blocks < 1 || max_blocks > kMaxAdamWBlocksPerLaunch)
-    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(kMaxAdamWBlocksPerLaunch) + "]");
-  if (max_tensors < 1 || max_tensors > kMaxAdamWTensorsPerLaunch)
-    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(kMaxAdamWTensorsPerLaunch) + "]");
+  check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
   ::stepcore::detail::validate_adamw(tensors, config, GradientRead{});
   const bool torch = config.formula == AdamWFormula::torch;
   const std::uint64_t w = config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
-  std::vector<AdamWLaunchArgs> launches;
-  AdamWLaunchArgs cur{};
-  cur.torch = torch;
-  auto flush = [&] {
-    if (cur.num_blocks == 0) return;
-    launches.push_back(cur);
-    cur = AdamWLaunchArgs{};
-    cur.torch = torch;
-  };
-  for (const AdamWTensor& t : tensors) {
-    *t.step = *t.step + 1.0f;  // the counter advances first, also for empty tensors
-    if (t.param.numel == 0) continue;
-    const AdamWScalars sc = prepare_adamw_scalars(config, *t.step);
-    int slot = -1;
-    for (std::uint64_t b = 0; b < t.param.numel; b += kChunkElements) {
-      if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
-        flush();
-        slot = -1;
-      }
-      if (slot < 0) {
-        slot = cur.num_tensors++;
-        cur.param[slot] = static_cast<float*>(t.param.data);
-        cur.exp_avg[slot] = static_cast<float*>(t.exp_avg.data);
-        cur.exp_avg_sq[slot] = static_cast<float*>(t.exp_avg_sq.data);
-        cur.grad[slot] = t.grad.data;
-        cur.grad_dtype[slot] = t.grad.dtype;
-        const bool has_out = t.compute_param.data != nullptr || t.compute_param.numel != 0;
-        cur.out[slot] = has_out ? t.compute_param.data : nullptr;
-        cur.out_kind[slot] = static_cast<std::int8_t>(has_out ? 1 + static_cast<int>(t.compute_param.dtype) : 0);
-        cur.scalars[slot] = sc;
-        cur.tail_begin[slot] = torch ? t.param.numel - t.param.numel % w : t.param.numel;
-      }
-      cur.tasks[cur.num_blocks++] =
-          BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(t.param.numel, b + kChunkElements)};
-    }
+  std::vector<AdamWScalars> scalars(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    *tensors[i].step = *tensors[i].step + 1.0f;  // the counter advances first, also for empty tensors
+    scalars[i] = prepare_adamw_scalars(config, *tensors[i].step);
   }
-  flush();
-  return launches;
+  AdamWLaunchArgs blank{};
+  blank.torch = torch;
+  return build_launches(
+      tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
+      [&](AdamWLaunchArgs& a, int slot, std::size_t i) {
+        const AdamWTensor& t = tensors[i];
+        a.param[slot] = static_cast<float*>(t.param.data);
+        a.exp_avg[slot] = static_cast<float*>(t.exp_avg.data);
+        a.exp_avg_sq[slot] = static_cast<float*>(t.exp_avg_sq.data);
+        a.grad[slot] = t.grad.data;
+        a.grad_dtype[slot] = t.grad.dtype;
+        a.out[slot] = t.compute_param.data;
+        a.out_kind[slot] = output_kind(t.compute_param);
+        a.scalars[slot] = scalars[i];
+        a.tail_begin[slot] = torch ? t.param.numel - t.param.numel % w : t.param.numel;
+      },
+      max_blocks, max_tensors, blank);
 }
 
 std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                                                   int max_blocks, int max_tensors) {
-  if (max_blocks < 1 || max_blocks > kMaxAdamWBlocksPerLaunch)
-    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(kMaxAdamWBlocksPerLaunch) + "]");
-  if (max_tensors < 1 || max_tensors > kMaxAdamWTensorsPerLaunch)
-    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(kMaxAdamWTensorsPerLaunch) + "]");
+  check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
   ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
-  const SignSgdScalars sc = prepare_sign_sgd_scalars(config);
-  std::vector<SignSgdLaunchArgs> launches;
-  SignSgdLaunchArgs cur{};
-  cur.scalars = sc;
-  auto flush = [&] {
-    if (cur.num_blocks == 0) return;
-    launches.push_back(cur);
-    cur = SignSgdLaunchArgs{};
-    cur.scalars = sc;
-  };
-  for (const SignSgdTensor& t : tensors) {
-    if (t.param.numel == 0) continue;
-    int slot = -1;
-    for (std::uint64_t b = 0; b < t.param.numel; b += kChunkElements) {
-      if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
-        flush();
-        slot = -1;
-      }
-      if (slot < 0) {
-        slot = cur.num_tensors++;
-        cur.param[slot] = static_cast<float*>(t.param.data);
-        cur.grad[slot] = t.grad.data;
-        cur.grad_dtype[slot] = t.grad.dtype;
-        const bool has_out = t.compute_param.data != nullptr || t.compute_param.numel != 0;
-        cur.out[slot] = has_out ? t.compute_param.data : nullptr;
-        cur.out_kind[slot] = static_cast<std::int8_t>(has_out ? 1 + static_cast<int>(t.compute_param.dtype) : 0);
-      }
-      cur.tasks[cur.num_blocks++] =
-          BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(t.param.numel, b + kChunkElements)};
-    }
-  }
-  flush();
-  return launches;
+  SignSgdLaunchArgs blank{};
+  blank.scalars = prepare_sign_sgd_scalars(config);
+  return build_launches(
+      tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
+      [&](SignSgdLaunchArgs& a, int slot, std::size_t i) {
+        const SignSgdTensor& t = tensors[i];
+        a.param[slot] = static_cast<float*>(t.param.data);
+        a.grad[slot] = t.grad.data;
+        a.grad_dtype[slot] = t.grad.dtype;
+        a.out[slot] = t.compute_param.data;
+        a.out_kind[slot] = output_kind(t.compute_param);
+      },
+      max_blocks, max_tensors, blank);
 }
 
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
