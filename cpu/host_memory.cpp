@@ -36,6 +36,19 @@ void warn_once(const std::string& message) {
   if (seen.insert(message).second) std::fprintf(stderr, "stepcore: warning: %s\n", message.c_str());
 }
 
+std::string cpu_list_string(const std::vector<int>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size();) {
+    std::size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!s.empty()) s += ",";
+    s += std::to_string(v[i]);
+    if (j > i) s += "-" + std::to_string(v[j]);
+    i = j + 1;
+  }
+  return s.empty() ? "-" : s;
+}
+
 bool bind_this_thread(int pu) {
   if (pu < 0 || pu >= CPU_SETSIZE) return false;
   cpu_set_t set;

@@ -328,18 +328,7 @@ bool env_set(const char* name) {
 }
 
 /// Returns "0-3,8,10-11" for a sorted list of CPU indexes ("-" when empty).
-std::string cpu_list(const std::vector<int>& v) {
-  std::string s;
-  for (std::size_t i = 0; i < v.size();) {
-    std::size_t j = i;
-    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
-    if (!s.empty()) s += ",";
-    s += std::to_string(v[i]);
-    if (j > i) s += "-" + std::to_string(v[j]);
-    i = j + 1;
-  }
-  return s.empty() ? "-" : s;
-}
+std::string cpu_list(const std::vector<int>& v) { return stepcore::numa::cpu_list_string(v); }
 
 /// Where the cpu backend runs: the rank's NUMA placement, as chosen before any state
 /// is allocated, for the engine (worker binding), the allocator and the header.

@@ -13,19 +13,7 @@
 
 namespace {
 
-std::string join(const std::vector<int>& v) {
-  // Returns "0-3,8,10-11" for a sorted list.
-  std::string s;
-  for (std::size_t i = 0; i < v.size();) {
-    std::size_t j = i;
-    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
-    if (!s.empty()) s += ",";
-    s += std::to_string(v[i]);
-    if (j > i) s += "-" + std::to_string(v[j]);
-    i = j + 1;
-  }
-  return s.empty() ? "-" : s;
-}
+std::string join(const std::vector<int>& v) { return stepcore::numa::cpu_list_string(v); }
 
 int usage(const char* msg) {
   if (msg) std::fprintf(stderr, "stepcore-topo: %s\n", msg);
