@@ -35,7 +35,8 @@ using namespace stepcore;
 // ---- the model: tensor sizes of a Qwen2.5-0.5B-like decoder, repeated to 64M ----------
 std::vector<std::size_t> model_sizes(std::size_t target) {
   const std::size_t h = 896, kv = 128, ffn = 4864;
-  const std::size_t layer[] = {h * h, h, kv * h, kv, kv * h, kv, h * h, ffn * h, ffn * h, h * ffn, h, h};
+  const std::size_t layer[] = {h * h, h,       kv * h,  kv,      kv * h, kv,
+                               h * h, ffn * h, ffn * h, h * ffn, h,      h};
   std::vector<std::size_t> sizes;
   std::size_t total = 0;
   sizes.push_back(8192 * h);  // a (shortened) embedding
@@ -72,7 +73,13 @@ struct State {
   explicit State(std::size_t target)
       : sizes(model_sizes(target)),
         total(count(sizes)),
-        p(total), m(total), v(total), acc(total), gf32(total), gbf16(total), out(total) {
+        p(total),
+        m(total),
+        v(total),
+        acc(total),
+        gf32(total),
+        gbf16(total),
+        out(total) {
     std::size_t off = 0;
     for (std::size_t s : sizes) {
       offsets.push_back(off);
@@ -120,7 +127,8 @@ struct State {
     std::vector<SignSgdTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t o = offsets[k], n = sizes[k];
-      t.push_back({{p.get() + o, n, DType::f32}, {gbf16.get() + o, n, DType::bf16},
+      t.push_back({{p.get() + o, n, DType::f32},
+                   {gbf16.get() + o, n, DType::bf16},
                    {out.get() + o, n, DType::bf16}});
     }
     return t;
@@ -182,7 +190,8 @@ STEPCORE_CLONES void probe_sign_sgd(float* p, const std::uint16_t* g, std::uint1
     out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
   }
 }
-STEPCORE_CLONES void probe_accumulate(float* acc, const std::uint16_t* g, std::size_t n, int threads) {
+STEPCORE_CLONES void probe_accumulate(float* acc, const std::uint16_t* g, std::size_t n,
+                                      int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::size_t i = 0; i < n; ++i) acc[i] = acc[i] + static_cast<float>(g[i]);
 }
@@ -217,7 +226,8 @@ template <class Op>
 void run_timed(benchmark::State& st, Op op, double bytes) {
   for (auto _ : st) op();
   st.SetBytesProcessed(static_cast<std::int64_t>(bytes) * st.iterations());
-  st.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GB/s"] =
+      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   st.counters["Gparams/s"] = benchmark::Counter(static_cast<double>(state().total) * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
 }
@@ -239,7 +249,8 @@ void set_roofline(benchmark::State& st, double bytes, Kernel kernel, Probe probe
 
 /// Runs `op` once on a copy of the first tensors and compares with the reference.
 [[noreturn]] void validation_failed(const char* what) {
-  std::fprintf(stderr, "stepcore-bench: %s does not match the reference; refusing to time it\n", what);
+  std::fprintf(stderr, "stepcore-bench: %s does not match the reference; refusing to time it\n",
+               what);
   std::exit(1);
 }
 
@@ -265,13 +276,20 @@ bool validate_adamw(const cpu::Engine& eng, DType grad, bool output) {
   std::size_t off = 0;
   for (int k = 0; k < 4; ++k) {
     const std::size_t n = sizes[k];
-    const ConstTensorView gv = grad == DType::f32 ? ConstTensorView{g.data() + off, n, DType::f32}
-                                                  : ConstTensorView{gb.data() + off, n, DType::bf16};
-    a.push_back({{p.data() + off, n, DType::f32}, {m.data() + off, n, DType::f32},
-                 {v.data() + off, n, DType::f32}, &s1[k], gv,
+    const ConstTensorView gv = grad == DType::f32
+                                   ? ConstTensorView{g.data() + off, n, DType::f32}
+                                   : ConstTensorView{gb.data() + off, n, DType::bf16};
+    a.push_back({{p.data() + off, n, DType::f32},
+                 {m.data() + off, n, DType::f32},
+                 {v.data() + off, n, DType::f32},
+                 &s1[k],
+                 gv,
                  output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
-    b.push_back({{p2.data() + off, n, DType::f32}, {m2.data() + off, n, DType::f32},
-                 {v2.data() + off, n, DType::f32}, &s2[k], gv,
+    b.push_back({{p2.data() + off, n, DType::f32},
+                 {m2.data() + off, n, DType::f32},
+                 {v2.data() + off, n, DType::f32},
+                 &s2[k],
+                 gv,
                  output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}});
     off += n;
   }
@@ -311,10 +329,12 @@ cpu::Engine engine_for(benchmark::State& st) {
   std::vector<int> cpus;
   if (bound) {
     cpus = placement_cpus();
-    if (cpus.size() > static_cast<std::size_t>(threads)) cpus.resize(static_cast<std::size_t>(threads));
+    if (cpus.size() > static_cast<std::size_t>(threads))
+      cpus.resize(static_cast<std::size_t>(threads));
   }
   cpu::Engine eng(cpu::EngineConfig{isa, threads, cpus});
-  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads) + (bound ? "/bound" : "/unbound"));
+  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads) +
+              (bound ? "/bound" : "/unbound"));
   return eng;
 }
 
@@ -325,8 +345,8 @@ void BM_AdamW(benchmark::State& st) {
   if (!validate_adamw(eng, G, Output)) validation_failed("adamw_step");
   State& s = state();
   auto tensors = s.adamw(G, Output);
-  const double bytes = static_cast<double>(s.total) *
-                       (12.0 + dtype_size(G) + 12.0 + (Output ? 2.0 : 0.0));
+  const double bytes =
+      static_cast<double>(s.total) * (12.0 + dtype_size(G) + 12.0 + (Output ? 2.0 : 0.0));
   const int th = eng.threads();
   const AdamWConfig cfg;
   // The step's loss scale applied lazily on read, or a gradient that arrives scaled.
@@ -354,8 +374,10 @@ void BM_SignSgd(benchmark::State& st) {
     const std::size_t n = 70001;
     std::vector<float> p1(s.p.get(), s.p.get() + n), p2 = p1;
     std::vector<std::uint16_t> o1(n), o2(n);
-    std::vector<SignSgdTensor> a{{{p1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o1.data(), n, DType::bf16}}};
-    std::vector<SignSgdTensor> b{{{p2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o2.data(), n, DType::bf16}}};
+    std::vector<SignSgdTensor> a{
+        {{p1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o1.data(), n, DType::bf16}}};
+    std::vector<SignSgdTensor> b{
+        {{p2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o2.data(), n, DType::bf16}}};
     const SignSgdConfig c{1e-3, 0.1};
     reference::sign_sgd_step(a, c);
     eng.sign_sgd_step(b, c);
@@ -377,8 +399,10 @@ void BM_Accumulate(benchmark::State& st) {
   {
     const std::size_t n = 70001;
     std::vector<float> a1(s.acc.get(), s.acc.get() + n), a2 = a1;
-    std::vector<AccumulatePair> x{{{a1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
-    std::vector<AccumulatePair> y{{{a2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
+    std::vector<AccumulatePair> x{
+        {{a1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
+    std::vector<AccumulatePair> y{
+        {{a2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, false}};
     reference::accumulate(x);
     eng.accumulate(y);
     if (std::memcmp(a1.data(), a2.data(), n * 4)) validation_failed("accumulate");
@@ -409,7 +433,8 @@ void BM_NormPartials(benchmark::State& st) {
   auto kernel = [&] { benchmark::DoNotOptimize(eng.norm_partial(grads, read)); };
   auto probe = [&] {
     if constexpr (D == DType::f32)
-      benchmark::DoNotOptimize(probe_read(reinterpret_cast<const std::uint32_t*>(s.acc.get()), s.total, th));
+      benchmark::DoNotOptimize(
+          probe_read(reinterpret_cast<const std::uint32_t*>(s.acc.get()), s.total, th));
     else
       benchmark::DoNotOptimize(probe_read(s.gbf16.get(), s.total, th));
   };
@@ -423,7 +448,8 @@ void BM_StreamTriad(benchmark::State& st) {
   const double bytes = static_cast<double>(s.total) * 12.0;
   for (auto _ : st) triad(s.acc.get(), s.p.get(), s.m.get(), s.total, th);
   st.SetBytesProcessed(static_cast<std::int64_t>(bytes) * st.iterations());
-  st.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GB/s"] =
+      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel("t" + std::to_string(th));
 }
 
@@ -432,9 +458,11 @@ void BM_AdamWScalarReference(benchmark::State& st) {
   auto tensors = s.adamw(DType::bf16, true);
   const double bytes = static_cast<double>(s.total) * 28.0;
   for (auto& t : tensors) *t.step = 0.0f;
-  for (auto _ : st) reference::adamw_step(tensors, AdamWConfig{}, GradientRead{1.0f / 4096.0f, 1.0f});
+  for (auto _ : st)
+    reference::adamw_step(tensors, AdamWConfig{}, GradientRead{1.0f / 4096.0f, 1.0f});
   st.SetBytesProcessed(static_cast<std::int64_t>(bytes) * st.iterations());
-  st.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["GB/s"] =
+      benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   st.counters["Gparams/s"] = benchmark::Counter(static_cast<double>(s.total) * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
   st.SetLabel("scalar reference, t1");
@@ -473,7 +501,8 @@ void BM_GpuPlanHostOverhead(benchmark::State& st) {
       benchmark::DoNotOptimize(gpu::make_plan(views));
     }
   }
-  st.SetLabel(adamw ? "AdamW plan (validation + scalars), 2000 tensors" : "scale+norm plan, 2000 tensors");
+  st.SetLabel(adamw ? "AdamW plan (validation + scalars), 2000 tensors"
+                    : "scale+norm plan, 2000 tensors");
 }
 
 void isa_thread_args(benchmark::internal::Benchmark* b) {
@@ -489,15 +518,51 @@ void isa_thread_args(benchmark::internal::Benchmark* b) {
 }  // namespace
 
 BENCHMARK(BM_StreamTriad)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_AdamW<DType::bf16, true, false>)->Name("AdamW/bf16grad/bf16out/prescaled")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_AdamW<DType::bf16, true>)->Name("AdamW/bf16grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_AdamW<DType::f32, true>)->Name("AdamW/f32grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_AdamW<DType::f32, false>)->Name("AdamW/f32grad")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_SignSgd)->Name("SignSGD/bf16grad/bf16out")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Accumulate)->Name("Accumulate/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_NormPartials<DType::f32>)->Name("NormPartials/f32/scaled")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_NormPartials<DType::bf16>)->Name("NormPartials/bf16")->Apply(isa_thread_args)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AdamW<DType::bf16, true, false>)
+    ->Name("AdamW/bf16grad/bf16out/prescaled")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamW<DType::bf16, true>)
+    ->Name("AdamW/bf16grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamW<DType::f32, true>)
+    ->Name("AdamW/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamW<DType::f32, false>)
+    ->Name("AdamW/f32grad")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_SignSgd)
+    ->Name("SignSGD/bf16grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Accumulate)
+    ->Name("Accumulate/bf16")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::f32>)
+    ->Name("NormPartials/f32/scaled")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::bf16>)
+    ->Name("NormPartials/bf16")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_GpuPlanHostOverhead)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_AdamWScalarReference)->Name("AdamW/scalar-reference")->Unit(benchmark::kMillisecond)->UseRealTime()->Iterations(1);
+BENCHMARK(BM_AdamWScalarReference)
+    ->Name("AdamW/scalar-reference")
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Iterations(1);
 
 BENCHMARK_MAIN();

@@ -22,13 +22,13 @@ namespace {
 
 using namespace stepcore;
 
-#define CHECK(x)                                                                               \
-  do {                                                                                         \
-    const cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_));                     \
-      std::exit(1);                                                                            \
-    }                                                                                          \
+#define CHECK(x)                                                           \
+  do {                                                                     \
+    const cudaError_t e_ = (x);                                            \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                        \
+    }                                                                      \
   } while (0)
 
 /// Returns the best time in ms of `fn` over `reps` runs on `stream`.
@@ -55,7 +55,8 @@ float best_ms(const std::function<void()>& fn, cudaStream_t stream, int reps = 1
 /// Tensor sizes of a Qwen2.5-0.5B-like decoder, repeated up to `target` elements.
 std::vector<std::size_t> sizes_up_to(std::size_t target) {
   const std::size_t h = 896, kv = 128, ffn = 4864;
-  const std::size_t layer[] = {h * h, h, kv * h, kv, kv * h, kv, h * h, ffn * h, ffn * h, h * ffn, h, h};
+  const std::size_t layer[] = {h * h, h,       kv * h,  kv,      kv * h, kv,
+                               h * h, ffn * h, ffn * h, h * ffn, h,      h};
   std::vector<std::size_t> s;
   std::size_t total = 0;
   while (total < target)
@@ -70,12 +71,14 @@ std::vector<std::size_t> sizes_up_to(std::size_t target) {
 
 int main() {
   if (cuda::device_count() == 0) {
-    std::printf("stepcore-bench-gpu: skipped, no CUDA device: %s\n", cuda::unavailable_reason().c_str());
+    std::printf("stepcore-bench-gpu: skipped, no CUDA device: %s\n",
+                cuda::unavailable_reason().c_str());
     return 0;
   }
   cudaDeviceProp prop{};
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device     %s, %zu MiB\n", prop.name, static_cast<std::size_t>(prop.totalGlobalMem >> 20));
+  std::printf("device     %s, %zu MiB\n", prop.name,
+              static_cast<std::size_t>(prop.totalGlobalMem >> 20));
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
 
@@ -126,28 +129,49 @@ int main() {
     CHECK(cudaMemcpyAsync(&p, d_partial, sizeof p, cudaMemcpyDeviceToHost, stream));
     CHECK(cudaStreamSynchronize(stream));
     if (f32_bits(finalize(p).norm) != f32_bits(ref.norm)) {
-      std::fprintf(stderr, "stepcore-bench-gpu: device norm differs from the reference; not timing\n");
+      std::fprintf(stderr,
+                   "stepcore-bench-gpu: device norm differs from the reference; not timing\n");
       return 1;
     }
   }
 
   const double gib = static_cast<double>(total) * 2.0;
-  const float memcpy_ms = best_ms([&] { CHECK(cudaMemcpyAsync(d_copy, d_grad, total * 2, cudaMemcpyDeviceToDevice, stream)); }, stream);
+  const float memcpy_ms = best_ms(
+      [&] { CHECK(cudaMemcpyAsync(d_copy, d_grad, total * 2, cudaMemcpyDeviceToDevice, stream)); },
+      stream);
   const double memcpy_bw = 2.0 * gib / (memcpy_ms * 1e-3);  // read + write
-  std::printf("memcpy     %.3f ms  %.1f GB/s (read + write of %.2f GiB)\n", memcpy_ms, memcpy_bw * 1e-9, gib / (1 << 30));
+  std::printf("memcpy     %.3f ms  %.1f GB/s (read + write of %.2f GiB)\n", memcpy_ms,
+              memcpy_bw * 1e-9, gib / (1 << 30));
   auto report = [&](const char* name, float ms, double bytes) {
     const double bw = bytes / (ms * 1e-3);
-    std::printf("%-28s %.3f ms  %.1f GB/s  ratio to memcpy %.3f\n", name, ms, bw * 1e-9, bw / memcpy_bw);
+    std::printf("%-28s %.3f ms  %.1f GB/s  ratio to memcpy %.3f\n", name, ms, bw * 1e-9,
+                bw / memcpy_bw);
   };
-  report("scale+norm (bf16, 1 GiB)", best_ms([&] { gpu::scale_and_norm_partial(views, 1.0f, d_partial, d_ws, ws, stream); }, stream), 0.5 * 2.0 * gib);
+  report("scale+norm (bf16, 1 GiB)",
+         best_ms([&] { gpu::scale_and_norm_partial(views, 1.0f, d_partial, d_ws, ws, stream); },
+                 stream),
+         0.5 * 2.0 * gib);
   // With scale 1 the fused pass writes nothing: time the real case with a power-of-two
   // scale, then undo it with the inverse so the data stays as it was.
-  report("scale+norm (scale 2^-12)", best_ms([&] {
-           gpu::scale_and_norm_partial(views, 0x1p-12f, d_partial, d_ws, ws, stream);
-           gpu::scale_and_norm_partial(views, 0x1p12f, d_partial, d_ws, ws, stream);
-         }, stream) / 2.0f, 2.0 * gib);
-  report("norm only (bf16, read)", best_ms([&] { gpu::norm_partial(cviews, GradientRead{1.0f / 3000.0f, 1.0f}, d_partial, d_ws, ws, stream); }, stream), gib);
-  report("accumulate bf16 -> f32", best_ms([&] { gpu::accumulate(pairs, stream); }, stream), static_cast<double>(total) * 10.0);
+  report("scale+norm (scale 2^-12)",
+         best_ms(
+             [&] {
+               gpu::scale_and_norm_partial(views, 0x1p-12f, d_partial, d_ws, ws, stream);
+               gpu::scale_and_norm_partial(views, 0x1p12f, d_partial, d_ws, ws, stream);
+             },
+             stream) /
+             2.0f,
+         2.0 * gib);
+  report("norm only (bf16, read)",
+         best_ms(
+             [&] {
+               gpu::norm_partial(cviews, GradientRead{1.0f / 3000.0f, 1.0f}, d_partial, d_ws, ws,
+                                 stream);
+             },
+             stream),
+         gib);
+  report("accumulate bf16 -> f32", best_ms([&] { gpu::accumulate(pairs, stream); }, stream),
+         static_cast<double>(total) * 10.0);
 
   // Host time per call for 2,000 small tensors (enqueue only; the GPU runs meanwhile).
   {
@@ -156,8 +180,10 @@ int main() {
     for (std::size_t i = 0; i < 2000; ++i) small.push_back({d_grad + i * each, each, DType::bf16});
     const int reps = 50;
     const auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; r < reps; ++r) gpu::scale_and_norm_partial(small, 1.0f, d_partial, d_ws, ws, stream);
-    const double us = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e6 / reps;
+    for (int r = 0; r < reps; ++r)
+      gpu::scale_and_norm_partial(small, 1.0f, d_partial, d_ws, ws, stream);
+    const double us =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e6 / reps;
     CHECK(cudaStreamSynchronize(stream));
     std::printf("host time per call, %zu tensors: %.1f us (scale+norm)\n", small.size(), us);
   }

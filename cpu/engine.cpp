@@ -1,20 +1,18 @@
 // The CPU engine: configuration (ISA, threads), validation, the static work
 // partition, one OpenMP parallel region per call, and dispatch to the ISA's table.
-#include "stepcore/cpu.hpp"
-
 #include <omp.h>
 #include <sched.h>
-
-#include <xsimd/config/xsimd_cpuid.hpp>
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <xsimd/config/xsimd_cpuid.hpp>
 
 #include "../src/core/fp_env.hpp"
 #include "../src/core/validate.hpp"
 #include "kernel_table.hpp"
+#include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
 
@@ -24,18 +22,24 @@ namespace {
 bool isa_supported(Isa isa) {
   const auto arch = xsimd::available_architectures();
   switch (isa) {
-    case Isa::sse2: return arch.sse2;
-    case Isa::avx2: return arch.fma3_avx2;
-    case Isa::avx512: return arch.avx512bw && arch.avx512dq;
+    case Isa::sse2:
+      return arch.sse2;
+    case Isa::avx2:
+      return arch.fma3_avx2;
+    case Isa::avx512:
+      return arch.avx512bw && arch.avx512dq;
   }
   return false;
 }
 
 const detail::KernelTable& table_for(Isa isa) {
   switch (isa) {
-    case Isa::sse2: return detail::kernel_table_sse2();
-    case Isa::avx2: return detail::kernel_table_avx2();
-    case Isa::avx512: return detail::kernel_table_avx512();
+    case Isa::sse2:
+      return detail::kernel_table_sse2();
+    case Isa::avx2:
+      return detail::kernel_table_avx2();
+    case Isa::avx512:
+      return detail::kernel_table_avx512();
   }
   throw Error(Errc::internal, "isa", "no kernel table");
 }
@@ -81,7 +85,8 @@ void bind_worker(int pu) {
 }
 
 template <class Body>
-void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector<int>& cpus, Body body) {
+void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector<int>& cpus,
+                Body body) {
   if (chunks.empty()) return;
   std::vector<std::size_t> start(chunks.size() + 1, 0);
   for (std::size_t c = 0; c < chunks.size(); ++c)
@@ -134,9 +139,12 @@ void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector
 
 std::string_view isa_name(Isa isa) noexcept {
   switch (isa) {
-    case Isa::sse2: return "sse2";
-    case Isa::avx2: return "avx2";
-    case Isa::avx512: return "avx512";
+    case Isa::sse2:
+      return "sse2";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
   }
   return "invalid";
 }
@@ -231,8 +239,10 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
                                    torch ? n - n % w : n,
                                    torch};
   }
-  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, cpus_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  const auto chunks =
+      make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
+  run_static(chunks, threads_, cpus_,
+             [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
 }
 
 void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
@@ -251,8 +261,10 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
     fns[i] = table.sign_sgd[g][o];
     ranges[i] = {static_cast<float*>(t.param.data), t.grad.data, t.compute_param.data, s};
   }
-  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, cpus_, [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  const auto chunks =
+      make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
+  run_static(chunks, threads_, cpus_,
+             [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
 }
 
 void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
@@ -281,16 +293,16 @@ void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
     fns[i] = table.scale[d];
   }
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
-  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
-    fns[c.tensor](tensors[c.tensor].data, scale, c.begin, c.end);
-  });
+  run_static(chunks, threads_, cpus_,
+             [&](const Chunk& c) { fns[c.tensor](tensors[c.tensor].data, scale, c.begin, c.end); });
 }
 
 void Engine::first_touch(std::span<const TensorView> tensors) const {
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorView& t = tensors[i];
     if (!dtype_valid(t.dtype))
-      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name("tensors", i, ""), "unknown dtype");
+      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name("tensors", i, ""),
+                  "unknown dtype");
     if (t.data == nullptr && t.numel != 0)
       throw Error(Errc::null_pointer, ::stepcore::detail::arg_name("tensors", i, ""), "null data");
   }
@@ -302,7 +314,8 @@ void Engine::first_touch(std::span<const TensorView> tensors) const {
   });
 }
 
-NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) const {
+NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors,
+                                 GradientRead read) const {
   return norm_partial(tensors, read, NormMode::fast);
 }
 

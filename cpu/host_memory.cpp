@@ -76,7 +76,8 @@ HostBuffer::HostBuffer(std::size_t bytes, int numa_node, bool strict) {
   const std::size_t reserve = size + (huge ? kHugePage : 0);
   void* raw = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED)
-    throw Error(Errc::out_of_range, "bytes", "mmap of " + std::to_string(bytes) + " bytes failed: " + std::strerror(errno));
+    throw Error(Errc::out_of_range, "bytes",
+                "mmap of " + std::to_string(bytes) + " bytes failed: " + std::strerror(errno));
   auto base = reinterpret_cast<std::uintptr_t>(raw);
   const std::uintptr_t start = (base + align - 1) / align * align;
   if (start > base) munmap(raw, start - base);
@@ -97,7 +98,8 @@ HostBuffer::HostBuffer(std::size_t bytes, int numa_node, bool strict) {
     if (rc == 0) {
       node_ = numa_node;
     } else {
-      const std::string why = "cannot bind memory to NUMA node " + std::to_string(numa_node) + ": " + std::strerror(errno);
+      const std::string why = "cannot bind memory to NUMA node " + std::to_string(numa_node) +
+                              ": " + std::strerror(errno);
       if (strict) {
         munmap(data_, bytes_);
         data_ = nullptr;

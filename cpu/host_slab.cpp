@@ -37,7 +37,10 @@ HostSlab::HostSlab(std::span<const std::size_t> view_bytes, int numa_node, PinMo
 }
 
 HostSlab::HostSlab(HostSlab&& o) noexcept
-    : buffer_(std::move(o.buffer_)), layout_(std::move(o.layout_)), sizes_(std::move(o.sizes_)), pinned_(o.pinned_) {
+    : buffer_(std::move(o.buffer_)),
+      layout_(std::move(o.layout_)),
+      sizes_(std::move(o.sizes_)),
+      pinned_(o.pinned_) {
   o.pinned_ = false;
 }
 

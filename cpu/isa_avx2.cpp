@@ -25,8 +25,9 @@ struct ArchOps<Avx2> {
   static void store_hi16(std::uint16_t* p, U v) {
     // Gather bytes 2,3 of every 32-bit lane into the low 8 bytes of each 128-bit
     // half, then bring the two halves' low quadwords together.
-    const __m256i pick = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
-                                          2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i pick =
+        _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1, 2, 3, 6, 7, 10,
+                         11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
     const __m256i x = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, pick), 0x08);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(x));
   }

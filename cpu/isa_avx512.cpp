@@ -21,7 +21,8 @@ struct ArchOps<Avx512> {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
   }
   static void store_hi16(std::uint16_t* p, U v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
   }
   /// Loads 2N bf16 values as two f32 vectors (lane order unspecified: for sums) and
   /// folds their |x| bit patterns into the 16-bit lane maxima `mx16`.

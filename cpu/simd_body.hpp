@@ -8,13 +8,12 @@
 // Do not include this header outside an isa_*.cpp file.
 #pragma once
 
-#include <xsimd/xsimd.hpp>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <xsimd/xsimd.hpp>
 
 #include "../src/core/element_ops.hpp"
 #include "kernel_table.hpp"
@@ -102,7 +101,8 @@ struct Body {
     // Round in place on the f32 pattern, then keep each lane's high half.
     const U u = as_u(x);
     const U r = u + U(0x7FFFu) + ((u >> 16) & U(1u));
-    const U bits = as_u(xsimd::select(xsimd::isnan(x), F(std::numeric_limits<float>::quiet_NaN()), as_f(r)));
+    const U bits =
+        as_u(xsimd::select(xsimd::isnan(x), F(std::numeric_limits<float>::quiet_NaN()), as_f(r)));
     Ops::store_hi16(reinterpret_cast<std::uint16_t*>(p), bits);
   }
   static void store(float16_t* p, F x) {
@@ -150,9 +150,9 @@ struct Body {
   /// formulas shared with the GPU block bodies.
   template <class G, class O>
   static void adamw_one(const AdamWRange& r, std::size_t i) {
-    ::stepcore::detail::adamw_element<G, O>(r.param, r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad),
-                                            static_cast<O*>(r.out), r.scalars, r.torch, r.tail_begin,
-                                            r.read.scale, r.read.clip, i);
+    ::stepcore::detail::adamw_element<G, O>(
+        r.param, r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad), static_cast<O*>(r.out),
+        r.scalars, r.torch, r.tail_begin, r.read.scale, r.read.clip, i);
   }
 
   /// Vector lanes of one formula over [i, end): every element uses the body form.
@@ -212,12 +212,24 @@ struct Body {
     using M1 = std::integral_constant<int, 1>;
     using M2 = std::integral_constant<int, 2>;
     switch (read_mode_of(r.read) + (r.torch ? 3 : 0)) {
-      case 0: run(T0{}, M0{}); break;
-      case 1: run(T0{}, M1{}); break;
-      case 2: run(T0{}, M2{}); break;
-      case 3: run(T1{}, M0{}); break;
-      case 4: run(T1{}, M1{}); break;
-      default: run(T1{}, M2{}); break;
+      case 0:
+        run(T0{}, M0{});
+        break;
+      case 1:
+        run(T0{}, M1{});
+        break;
+      case 2:
+        run(T0{}, M2{});
+        break;
+      case 3:
+        run(T1{}, M0{});
+        break;
+      case 4:
+        run(T1{}, M1{});
+        break;
+      default:
+        run(T1{}, M2{});
+        break;
     }
     for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
@@ -309,18 +321,24 @@ struct Body {
   }
 
   template <class T>
-  static void norm(const void* data_v, const GradientRead& read, std::size_t begin,
-                   std::size_t end, NormPartial& out) {
+  static void norm(const void* data_v, const GradientRead& read, std::size_t begin, std::size_t end,
+                   NormPartial& out) {
     switch (read_mode_of(read)) {
-      case 0: norm_mode<T, 0>(static_cast<const T*>(data_v), read, begin, end, out); break;
-      case 1: norm_mode<T, 1>(static_cast<const T*>(data_v), read, begin, end, out); break;
-      default: norm_mode<T, 2>(static_cast<const T*>(data_v), read, begin, end, out); break;
+      case 0:
+        norm_mode<T, 0>(static_cast<const T*>(data_v), read, begin, end, out);
+        break;
+      case 1:
+        norm_mode<T, 1>(static_cast<const T*>(data_v), read, begin, end, out);
+        break;
+      default:
+        norm_mode<T, 2>(static_cast<const T*>(data_v), read, begin, end, out);
+        break;
     }
   }
 
   template <class T, int Mode>
-  static void norm_mode(const T* data, const GradientRead& read, std::size_t begin,
-                        std::size_t end, NormPartial& out) {
+  static void norm_mode(const T* data, const GradientRead& read, std::size_t begin, std::size_t end,
+                        NormPartial& out) {
     const F scale(read.scale), clip(read.clip);
     const U abs_mask(0x7FFFFFFFu);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {

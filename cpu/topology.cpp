@@ -58,14 +58,16 @@ void collect(Topology::Impl& t) {
     nd.os_index = static_cast<int>(node->os_index);
     nd.local_memory_bytes = node->attr ? node->attr->numanode.local_memory : 0;
     hwloc_obj_t core = nullptr;
-    while ((core = hwloc_get_next_obj_inside_cpuset_by_type(topo, node->cpuset, HWLOC_OBJ_CORE, core)))
+    while (
+        (core = hwloc_get_next_obj_inside_cpuset_by_type(topo, node->cpuset, HWLOC_OBJ_CORE, core)))
       nd.cores.push_back(Core{os_indexes(core->cpuset)});
     if (nd.cores.empty()) {  // no Core objects (some VMs): every PU is a core
       for (int pu : os_indexes(node->cpuset)) nd.cores.push_back(Core{{pu}});
     }
     t.nodes.push_back(std::move(nd));
   }
-  std::sort(t.nodes.begin(), t.nodes.end(), [](const Node& a, const Node& b) { return a.os_index < b.os_index; });
+  std::sort(t.nodes.begin(), t.nodes.end(),
+            [](const Node& a, const Node& b) { return a.os_index < b.os_index; });
 
   hwloc_obj_t dev = nullptr;
   while ((dev = hwloc_get_next_pcidev(topo, dev))) {
@@ -82,11 +84,13 @@ void collect(Topology::Impl& t) {
     // Nodes whose locality is exactly the GPU's: none when the GPU hangs off the
     // whole machine of a multi-node system.
     if (hwloc_get_local_numanode_objs(topo, &loc, &nr, local.data(), 0) == 0)
-      for (unsigned k = 0; k < nr; ++k) g.numa_nodes.push_back(static_cast<int>(local[k]->os_index));
+      for (unsigned k = 0; k < nr; ++k)
+        g.numa_nodes.push_back(static_cast<int>(local[k]->os_index));
     std::sort(g.numa_nodes.begin(), g.numa_nodes.end());
     t.gpus.push_back(std::move(g));
   }
-  std::sort(t.gpus.begin(), t.gpus.end(), [](const Gpu& a, const Gpu& b) { return a.pci_bus_id < b.pci_bus_id; });
+  std::sort(t.gpus.begin(), t.gpus.end(),
+            [](const Gpu& a, const Gpu& b) { return a.pci_bus_id < b.pci_bus_id; });
 }
 
 std::unique_ptr<Topology::Impl> load(const std::string* xml) {
@@ -102,8 +106,9 @@ std::unique_ptr<Topology::Impl> load(const std::string* xml) {
   if (xml && hwloc_topology_set_xml(t->topo, xml->c_str()) != 0)
     throw Error(Errc::invalid_argument, "xml_path", "hwloc cannot read '" + *xml + "'");
   if (hwloc_topology_load(t->topo) != 0)
-    throw Error(Errc::invalid_argument, xml ? "xml_path" : "topology",
-                xml ? "hwloc cannot load '" + *xml + "'" : "hwloc cannot load this machine's topology");
+    throw Error(
+        Errc::invalid_argument, xml ? "xml_path" : "topology",
+        xml ? "hwloc cannot load '" + *xml + "'" : "hwloc cannot load this machine's topology");
   t->this_system = hwloc_topology_is_thissystem(t->topo) != 0 && xml == nullptr;
   collect(*t);
   return t;
@@ -135,8 +140,9 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
   if (rank_gpus.empty())
     throw Error(Errc::invalid_argument, "rank_gpus", "needs one GPU bus id per local rank");
   if (local_rank < 0 || static_cast<std::size_t>(local_rank) >= rank_gpus.size())
-    throw Error(Errc::out_of_range, "local_rank",
-                std::to_string(local_rank) + " is not in [0, " + std::to_string(rank_gpus.size()) + ")");
+    throw Error(
+        Errc::out_of_range, "local_rank",
+        std::to_string(local_rank) + " is not in [0, " + std::to_string(rank_gpus.size()) + ")");
   Placement p;
   p.local_rank = local_rank;
   p.local_world_size = static_cast<int>(rank_gpus.size());
@@ -147,7 +153,8 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
       throw Error(Errc::not_supported, "rank_gpus[" + std::to_string(local_rank) + "]", why);
     p.bound = false;
     p.reason = why;
-    warn_once(why + "; the CPU optimizer runs unbound (set strict placement to make this an error)");
+    warn_once(why +
+              "; the CPU optimizer runs unbound (set strict placement to make this an error)");
     return p;
   };
   // The node of every rank's GPU (-1: unknown or not a single node).
@@ -159,8 +166,8 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
   if (!mine) return unbound("GPU " + p.pci_bus_id + " is not in the topology");
   if (mine->numa_nodes.empty()) return unbound("GPU " + p.pci_bus_id + " reports no NUMA node");
   if (mine->numa_nodes.size() > 1)
-    return unbound("GPU " + p.pci_bus_id + " is local to " + std::to_string(mine->numa_nodes.size()) +
-                   " NUMA nodes");
+    return unbound("GPU " + p.pci_bus_id + " is local to " +
+                   std::to_string(mine->numa_nodes.size()) + " NUMA nodes");
   const int node = mine->numa_nodes.front();
   const auto it = std::find_if(impl_->nodes.begin(), impl_->nodes.end(),
                                [&](const Node& n) { return n.os_index == node; });
@@ -184,9 +191,11 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
 Placement Topology::place_on_node(int node, int index, int sharers) const {
   const auto it = std::find_if(impl_->nodes.begin(), impl_->nodes.end(),
                                [&](const Node& n) { return n.os_index == node; });
-  if (it == impl_->nodes.end()) throw Error(Errc::out_of_range, "node", "no NUMA node " + std::to_string(node));
+  if (it == impl_->nodes.end())
+    throw Error(Errc::out_of_range, "node", "no NUMA node " + std::to_string(node));
   if (sharers < 1 || index < 0 || index >= sharers)
-    throw Error(Errc::out_of_range, "index", std::to_string(index) + " is not in [0, " + std::to_string(sharers) + ")");
+    throw Error(Errc::out_of_range, "index",
+                std::to_string(index) + " is not in [0, " + std::to_string(sharers) + ")");
   Placement p;
   p.local_rank = index;
   p.local_world_size = sharers;
@@ -201,12 +210,13 @@ Placement Topology::place_on_node(int node, int index, int sharers) const {
     const int base = cores / sharers, extra = cores % sharers;
     const int first = index * base + std::min(index, extra);
     const int count = base + (index < extra ? 1 : 0);
-    for (int c = first; c < first + count; ++c) p.cpus.push_back(it->cores[static_cast<std::size_t>(c)].pus.front());
+    for (int c = first; c < first + count; ++c)
+      p.cpus.push_back(it->cores[static_cast<std::size_t>(c)].pus.front());
   } else {
     p.oversubscribed = true;
     p.cpus.push_back(it->cores[static_cast<std::size_t>(index % cores)].pus.front());
-    p.reason = std::to_string(sharers) + " ranks share NUMA node " + std::to_string(node) + " with " +
-               std::to_string(cores) + " cores: one core each, shared round-robin";
+    p.reason = std::to_string(sharers) + " ranks share NUMA node " + std::to_string(node) +
+               " with " + std::to_string(cores) + " cores: one core each, shared round-robin";
     warn_once(p.reason);
   }
   return p;
@@ -219,7 +229,8 @@ int env_int(const char* name, int fallback) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
   if (*end != '\0' || x < 0 || x > 1 << 20)
-    throw Error(Errc::invalid_argument, name, std::string("not a non-negative integer: '") + v + "'");
+    throw Error(Errc::invalid_argument, name,
+                std::string("not a non-negative integer: '") + v + "'");
   return static_cast<int>(x);
 }
 }  // namespace

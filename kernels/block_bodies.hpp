@@ -32,8 +32,8 @@ struct NormLane {
 template <class T>
 STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::uint64_t end,
                                             std::uint64_t first, std::uint64_t stride, float scale,
-                                            bool apply_scale, float clip, bool apply_clip, bool write,
-                                            NormLane& lane) {
+                                            bool apply_scale, float clip, bool apply_clip,
+                                            bool write, NormLane& lane) {
   for (std::uint64_t i = begin + first; i < end; i += stride) {
     float v = to_f32(data[i]);
     if (apply_scale) {
@@ -70,31 +70,42 @@ STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int th
   const bool s = pass.scale != 1.0f, c = pass.clip != 1.0f;
   switch (a.dtype[t.tensor]) {
     case DType::f32:
-      scale_norm_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      scale_norm_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, pass.scale, s,
+                          pass.clip, c, pass.write, lane);
       break;
     case DType::bf16:
-      scale_norm_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      scale_norm_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, pass.scale,
+                          s, pass.clip, c, pass.write, lane);
       break;
     case DType::f16:
-      scale_norm_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, pass.scale, s, pass.clip, c, pass.write, lane);
+      scale_norm_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, pass.scale,
+                          s, pass.clip, c, pass.write, lane);
       break;
   }
 }
 
 /// In place g = R_T(f32(g) * factor) (the clip applied eagerly).
 template <class T>
-STEPCORE_HD_INLINE void scale_elements(T* data, std::uint64_t begin, std::uint64_t end, std::uint64_t first,
-                                       std::uint64_t stride, float factor) {
-  for (std::uint64_t i = begin + first; i < end; i += stride) data[i] = from_f32<T>(to_f32(data[i]) * factor);
+STEPCORE_HD_INLINE void scale_elements(T* data, std::uint64_t begin, std::uint64_t end,
+                                       std::uint64_t first, std::uint64_t stride, float factor) {
+  for (std::uint64_t i = begin + first; i < end; i += stride)
+    data[i] = from_f32<T>(to_f32(data[i]) * factor);
 }
 
-STEPCORE_HD_INLINE void scale_thread(const LaunchArgs& a, int block, int thread, int threads, float factor) {
+STEPCORE_HD_INLINE void scale_thread(const LaunchArgs& a, int block, int thread, int threads,
+                                     float factor) {
   const BlockTask& t = a.tasks[block];
   void* p = a.data[t.tensor];
   switch (a.dtype[t.tensor]) {
-    case DType::f32: scale_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, factor); break;
-    case DType::bf16: scale_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, factor); break;
-    case DType::f16: scale_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, factor); break;
+    case DType::f32:
+      scale_elements(static_cast<float*>(p), t.begin, t.end, thread, threads, factor);
+      break;
+    case DType::bf16:
+      scale_elements(static_cast<bfloat16_t*>(p), t.begin, t.end, thread, threads, factor);
+      break;
+    case DType::f16:
+      scale_elements(static_cast<float16_t*>(p), t.begin, t.end, thread, threads, factor);
+      break;
   }
 }
 
@@ -122,15 +133,17 @@ STEPCORE_HD_INLINE NormPartial to_partial(const NormLane& l) {
 
 /// Thread `thread` of `threads` on block `block` of an accumulate launch.
 template <class S>
-STEPCORE_HD_INLINE void accumulate_elements(float* acc, const S* src, std::uint64_t begin, std::uint64_t end,
-                                            std::uint64_t first, std::uint64_t stride, bool copy) {
+STEPCORE_HD_INLINE void accumulate_elements(float* acc, const S* src, std::uint64_t begin,
+                                            std::uint64_t end, std::uint64_t first,
+                                            std::uint64_t stride, bool copy) {
   for (std::uint64_t i = begin + first; i < end; i += stride) {
     const float x = to_f32(src[i]);
     acc[i] = copy ? x : acc[i] + x;
   }
 }
 
-STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int thread, int threads, bool copy) {
+STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int thread, int threads,
+                                          bool copy) {
   const BlockTask& t = a.tasks[block];
   float* acc = static_cast<float*>(a.data[t.tensor]);
   const void* s = a.src[t.tensor];
@@ -139,50 +152,66 @@ STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int th
       accumulate_elements(acc, static_cast<const float*>(s), t.begin, t.end, thread, threads, copy);
       break;
     case DType::bf16:
-      accumulate_elements(acc, static_cast<const bfloat16_t*>(s), t.begin, t.end, thread, threads, copy);
+      accumulate_elements(acc, static_cast<const bfloat16_t*>(s), t.begin, t.end, thread, threads,
+                          copy);
       break;
     case DType::f16:
-      accumulate_elements(acc, static_cast<const float16_t*>(s), t.begin, t.end, thread, threads, copy);
+      accumulate_elements(acc, static_cast<const float16_t*>(s), t.begin, t.end, thread, threads,
+                          copy);
       break;
   }
 }
 
 template <class G, class O>
-STEPCORE_HD_INLINE void adamw_elements(const AdamWLaunchArgs& a, int t, const BlockTask& task, int thread,
-                                       int threads, float scale, float clip) {
+STEPCORE_HD_INLINE void adamw_elements(const AdamWLaunchArgs& a, int t, const BlockTask& task,
+                                       int thread, int threads, float scale, float clip) {
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
   for (std::uint64_t i = task.begin + thread; i < task.end; i += threads)
-    ::stepcore::detail::adamw_element<G, O>(a.param[t], a.exp_avg[t], a.exp_avg_sq[t], grad, out, a.scalars[t], a.torch, a.tail_begin[t],
-                        scale, clip, i);
+    ::stepcore::detail::adamw_element<G, O>(a.param[t], a.exp_avg[t], a.exp_avg_sq[t], grad, out,
+                                            a.scalars[t], a.torch, a.tail_begin[t], scale, clip, i);
 }
 
 template <class G>
-STEPCORE_HD_INLINE void adamw_by_output(const AdamWLaunchArgs& a, int t, const BlockTask& task, int thread, int threads,
-                                        float scale, float clip) {
+STEPCORE_HD_INLINE void adamw_by_output(const AdamWLaunchArgs& a, int t, const BlockTask& task,
+                                        int thread, int threads, float scale, float clip) {
   switch (a.out_kind[t]) {
-    case 0: adamw_elements<G, void>(a, t, task, thread, threads, scale, clip); break;
-    case 1: adamw_elements<G, float>(a, t, task, thread, threads, scale, clip); break;
-    case 2: adamw_elements<G, bfloat16_t>(a, t, task, thread, threads, scale, clip); break;
-    default: adamw_elements<G, float16_t>(a, t, task, thread, threads, scale, clip); break;
+    case 0:
+      adamw_elements<G, void>(a, t, task, thread, threads, scale, clip);
+      break;
+    case 1:
+      adamw_elements<G, float>(a, t, task, thread, threads, scale, clip);
+      break;
+    case 2:
+      adamw_elements<G, bfloat16_t>(a, t, task, thread, threads, scale, clip);
+      break;
+    default:
+      adamw_elements<G, float16_t>(a, t, task, thread, threads, scale, clip);
+      break;
   }
 }
 
 /// Thread `thread` of `threads` on block `block` of an AdamW launch.
-STEPCORE_HD_INLINE void adamw_thread(const AdamWLaunchArgs& a, int block, int thread, int threads, float scale,
-                                     float clip) {
+STEPCORE_HD_INLINE void adamw_thread(const AdamWLaunchArgs& a, int block, int thread, int threads,
+                                     float scale, float clip) {
   const BlockTask& task = a.tasks[block];
   const int t = task.tensor;
   switch (a.grad_dtype[t]) {
-    case DType::f32: adamw_by_output<float>(a, t, task, thread, threads, scale, clip); break;
-    case DType::bf16: adamw_by_output<bfloat16_t>(a, t, task, thread, threads, scale, clip); break;
-    case DType::f16: adamw_by_output<float16_t>(a, t, task, thread, threads, scale, clip); break;
+    case DType::f32:
+      adamw_by_output<float>(a, t, task, thread, threads, scale, clip);
+      break;
+    case DType::bf16:
+      adamw_by_output<bfloat16_t>(a, t, task, thread, threads, scale, clip);
+      break;
+    case DType::f16:
+      adamw_by_output<float16_t>(a, t, task, thread, threads, scale, clip);
+      break;
   }
 }
 
 template <class G, class O>
-STEPCORE_HD_INLINE void sign_sgd_elements(const SignSgdLaunchArgs& a, int t, const BlockTask& task, int thread,
-                                          int threads) {
+STEPCORE_HD_INLINE void sign_sgd_elements(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
+                                          int thread, int threads) {
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
   for (std::uint64_t i = task.begin + thread; i < task.end; i += threads)
@@ -190,24 +219,39 @@ STEPCORE_HD_INLINE void sign_sgd_elements(const SignSgdLaunchArgs& a, int t, con
 }
 
 template <class G>
-STEPCORE_HD_INLINE void sign_sgd_by_output(const SignSgdLaunchArgs& a, int t, const BlockTask& task, int thread,
-                                           int threads) {
+STEPCORE_HD_INLINE void sign_sgd_by_output(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
+                                           int thread, int threads) {
   switch (a.out_kind[t]) {
-    case 0: sign_sgd_elements<G, void>(a, t, task, thread, threads); break;
-    case 1: sign_sgd_elements<G, float>(a, t, task, thread, threads); break;
-    case 2: sign_sgd_elements<G, bfloat16_t>(a, t, task, thread, threads); break;
-    default: sign_sgd_elements<G, float16_t>(a, t, task, thread, threads); break;
+    case 0:
+      sign_sgd_elements<G, void>(a, t, task, thread, threads);
+      break;
+    case 1:
+      sign_sgd_elements<G, float>(a, t, task, thread, threads);
+      break;
+    case 2:
+      sign_sgd_elements<G, bfloat16_t>(a, t, task, thread, threads);
+      break;
+    default:
+      sign_sgd_elements<G, float16_t>(a, t, task, thread, threads);
+      break;
   }
 }
 
 /// Thread `thread` of `threads` on block `block` of a SignSGD launch.
-STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, int thread, int threads) {
+STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, int thread,
+                                        int threads) {
   const BlockTask& task = a.tasks[block];
   const int t = task.tensor;
   switch (a.grad_dtype[t]) {
-    case DType::f32: sign_sgd_by_output<float>(a, t, task, thread, threads); break;
-    case DType::bf16: sign_sgd_by_output<bfloat16_t>(a, t, task, thread, threads); break;
-    case DType::f16: sign_sgd_by_output<float16_t>(a, t, task, thread, threads); break;
+    case DType::f32:
+      sign_sgd_by_output<float>(a, t, task, thread, threads);
+      break;
+    case DType::bf16:
+      sign_sgd_by_output<bfloat16_t>(a, t, task, thread, threads);
+      break;
+    case DType::f16:
+      sign_sgd_by_output<float16_t>(a, t, task, thread, threads);
+      break;
   }
 }
 

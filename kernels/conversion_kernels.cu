@@ -41,7 +41,8 @@ void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const fl
   widen_all_kernel<<<65536 / kThreads, kThreads, 0, stream>>>(d_bf16_widened, d_f16_widened);
   detail::check_launch("widen_all_kernel");
   if (n != 0) {
-    const unsigned blocks = static_cast<unsigned>(n / kThreads + 1 > 4096 ? 4096 : n / kThreads + 1);
+    const unsigned blocks =
+        static_cast<unsigned>(n / kThreads + 1 > 4096 ? 4096 : n / kThreads + 1);
     narrow_kernel<<<blocks, kThreads, 0, stream>>>(d_f32_in, d_bf16_out, d_f16_out, n);
     detail::check_launch("narrow_kernel");
   }

@@ -18,8 +18,8 @@ namespace {
 /// tensor i's size, `bind(args, slot, i)` fills the launch's per-tensor fields for it.
 /// Empty tensors get no task; a tensor continuing into the next launch is bound again.
 template <class Args, class Numel, class Bind>
-std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int max_blocks, int max_tensors,
-                                 const Args& blank) {
+std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int max_blocks,
+                                 int max_tensors, const Args& blank) {
   std::vector<Args> out;
   Args cur = blank;
   auto flush = [&] {
@@ -39,7 +39,8 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
         slot = cur.num_tensors++;
         bind(cur, slot, i);
       }
-      cur.tasks[cur.num_blocks++] = BlockTask{static_cast<std::uint16_t>(slot), b, std::min<std::uint64_t>(n, b + kChunkElements)};
+      cur.tasks[cur.num_blocks++] = BlockTask{static_cast<std::uint16_t>(slot), b,
+                                              std::min<std::uint64_t>(n, b + kChunkElements)};
     }
   }
   flush();
@@ -48,9 +49,11 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
 
 void check_limits(int max_blocks, int max_tensors, int block_limit, int tensor_limit) {
   if (max_blocks < 1 || max_blocks > block_limit)
-    throw Error(Errc::out_of_range, "max_blocks", "must be in [1, " + std::to_string(block_limit) + "]");
+    throw Error(Errc::out_of_range, "max_blocks",
+                "must be in [1, " + std::to_string(block_limit) + "]");
   if (max_tensors < 1 || max_tensors > tensor_limit)
-    throw Error(Errc::out_of_range, "max_tensors", "must be in [1, " + std::to_string(tensor_limit) + "]");
+    throw Error(Errc::out_of_range, "max_tensors",
+                "must be in [1, " + std::to_string(tensor_limit) + "]");
 }
 
 std::int8_t output_kind(const TensorView& v) {
@@ -82,15 +85,18 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   return plan;
 }
 
-std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                                             int max_blocks, int max_tensors) {
+std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors,
+                                             const AdamWConfig& config, int max_blocks,
+                                             int max_tensors) {
   check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
   ::stepcore::detail::validate_adamw(tensors, config, GradientRead{});
   const bool torch = config.formula == AdamWFormula::torch;
-  const std::uint64_t w = config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
+  const std::uint64_t w =
+      config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
   std::vector<AdamWScalars> scalars(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    *tensors[i].step = *tensors[i].step + 1.0f;  // the counter advances first, also for empty tensors
+    *tensors[i].step =
+        *tensors[i].step + 1.0f;  // the counter advances first, also for empty tensors
     scalars[i] = prepare_adamw_scalars(config, *tensors[i].step);
   }
   AdamWLaunchArgs blank{};
@@ -112,8 +118,9 @@ std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensor
       max_blocks, max_tensors, blank);
 }
 
-std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                                                  int max_blocks, int max_tensors) {
+std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
+                                                  const SignSgdConfig& config, int max_blocks,
+                                                  int max_tensors) {
   check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
   ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
   SignSgdLaunchArgs blank{};
@@ -159,7 +166,9 @@ NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int t
       }
       // The same tree as the kernel's shared-memory reduction.
       for (int half = threads / 2; half > 0; half /= 2)
-        for (int t = 0; t < half; ++t) detail::combine(lanes[static_cast<std::size_t>(t)], lanes[static_cast<std::size_t>(t + half)]);
+        for (int t = 0; t < half; ++t)
+          detail::combine(lanes[static_cast<std::size_t>(t)],
+                          lanes[static_cast<std::size_t>(t + half)]);
       merge(total, detail::to_partial(lanes[0]));
     }
   }
@@ -193,7 +202,8 @@ void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, con
       for (int t = 0; t < threads; ++t) detail::adamw_thread(a, b, t, threads, *scale, *clip);
 }
 
-void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf, int threads) {
+void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf,
+              int threads) {
   check_threads(threads);
   if (found_inf != nullptr && *found_inf != 0) return;
   for (const SignSgdLaunchArgs& a : launches)

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "block_bodies.hpp"
 #include "../src/core/validate.hpp"
+#include "block_bodies.hpp"
 #include "check.cuh"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -20,7 +20,8 @@ namespace {
 // shared memory in the same tree order as the CPU executor; thread 0 writes the block's
 // exact-deposit partial.
 __global__ void __launch_bounds__(kBlockThreads)
-    scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass, NormPartial* d_block_partials) {
+    scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
+                                 NormPartial* d_block_partials) {
   __shared__ detail::NormLane lanes[kBlockThreads];
   detail::NormLane lane;
   detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
@@ -30,13 +31,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     if (threadIdx.x < half) detail::combine(lanes[threadIdx.x], lanes[threadIdx.x + half]);
     __syncthreads();
   }
-  if (threadIdx.x == 0) d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
+  if (threadIdx.x == 0)
+    d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
 }
 
 // One block of 32 threads: thread k sums digit k (and the counts / max) over all block
 // partials by integer addition, so the result does not depend on the number of blocks
 // or their order.
-__global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std::uint32_t blocks, NormPartial* d_out) {
+__global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std::uint32_t blocks,
+                                       NormPartial* d_out) {
   __shared__ NormPartial out;
   const int k = threadIdx.x;
   if (k < kNormDigits) {
@@ -65,18 +68,21 @@ __global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std:
 }
 
 // In place g = R_T(g * *d_factor), one block per task.
-__global__ void __launch_bounds__(kBlockThreads) scale_kernel(const LaunchArgs args, const float* d_factor) {
+__global__ void __launch_bounds__(kBlockThreads)
+    scale_kernel(const LaunchArgs args, const float* d_factor) {
   detail::scale_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_factor);
 }
 
-__global__ void __launch_bounds__(kBlockThreads) accumulate_kernel(const LaunchArgs args, bool copy) {
+__global__ void __launch_bounds__(kBlockThreads)
+    accumulate_kernel(const LaunchArgs args, bool copy) {
   detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
 }
 
 // One block per task; the scale, clip and found-inf flag are read from device memory,
 // so a captured graph replays with new values. found-inf set: the kernel writes nothing.
 __global__ void __launch_bounds__(kBlockThreads)
-    adamw_kernel(const AdamWLaunchArgs args, const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf) {
+    adamw_kernel(const AdamWLaunchArgs args, const float* d_scale, const float* d_clip,
+                 const std::int32_t* d_found_inf) {
   if (d_found_inf != nullptr && *d_found_inf != 0) return;
   detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_scale, *d_clip);
 }
@@ -112,15 +118,17 @@ void check_device_tensors(std::span<const TensorView> d_tensors, const char* bas
   }
 }
 
-void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass, NormPartial* d_partial,
-                       void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass,
+                       NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                       cudaStream_t stream) {
   if (d_partial == nullptr) throw Error(Errc::null_pointer, "d_partial", "null");
   require_device_pointer(d_partial, "d_partial");
   check_device_tensors(d_tensors, "d_tensors");
   const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
   if (workspace_bytes < need)
     throw Error(Errc::out_of_range, "workspace_bytes",
-                std::to_string(workspace_bytes) + " < " + std::to_string(need) + " (scale_and_norm_workspace_bytes)");
+                std::to_string(workspace_bytes) + " < " + std::to_string(need) +
+                    " (scale_and_norm_workspace_bytes)");
   if (need != 0) require_device_pointer(d_workspace, "d_workspace");
   const LaunchPlan plan = make_plan(d_tensors);
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
@@ -134,22 +142,29 @@ void run_norm_launches(std::span<const TensorView> d_tensors, const detail::Norm
 
 }  // namespace
 
-void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
-                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-  if (!(scale >= 0.0f) || scale > 3.4e38f) throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
-  run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace, workspace_bytes, stream);
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                            NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream) {
+  if (!(scale >= 0.0f) || scale > 3.4e38f)
+    throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+  run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace,
+                    workspace_bytes, stream);
 }
 
-void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read, NormPartial* d_partial,
-                  void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                  NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                  cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
   std::vector<TensorView> views;  // the kernel reads only: write is off
   views.reserve(d_tensors.size());
-  for (const ConstTensorView& t : d_tensors) views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
-  run_norm_launches(views, detail::NormPass{read.scale, read.clip, false}, d_partial, d_workspace, workspace_bytes, stream);
+  for (const ConstTensorView& t : d_tensors)
+    views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
+  run_norm_launches(views, detail::NormPass{read.scale, read.clip, false}, d_partial, d_workspace,
+                    workspace_bytes, stream);
 }
 
-void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream) {
+void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor,
+                            cudaStream_t stream) {
   if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
   require_device_pointer(d_factor, "d_factor");
   check_device_tensors(d_tensors, "d_tensors");
@@ -170,7 +185,8 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
   }
   check_device_tensors(acc, "d_pairs.acc");
   for (std::size_t i = 0; i < src.size(); ++i)
-    if (src[i].numel != 0) require_device_pointer(src[i].data, "d_pairs[" + std::to_string(i) + "].src");
+    if (src[i].numel != 0)
+      require_device_pointer(src[i].data, "d_pairs[" + std::to_string(i) + "].src");
   // One copy flag per call: split the pairs by it (usually all the same).
   for (bool copy : {false, true}) {
     std::vector<TensorView> a;
@@ -188,9 +204,11 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
   }
 }
 
-void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,
-                const float* d_clip, const std::int32_t* d_found_inf, cudaStream_t stream) {
-  if (d_scale == nullptr || d_clip == nullptr) throw Error(Errc::null_pointer, "d_scale", "scale and clip are required");
+void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf,
+                cudaStream_t stream) {
+  if (d_scale == nullptr || d_clip == nullptr)
+    throw Error(Errc::null_pointer, "d_scale", "scale and clip are required");
   require_device_pointer(d_scale, "d_scale");
   require_device_pointer(d_clip, "d_clip");
   if (d_found_inf != nullptr) require_device_pointer(d_found_inf, "d_found_inf");
@@ -198,12 +216,15 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
     const AdamWTensor& t = d_tensors[i];
     const std::string base = "d_tensors[" + std::to_string(i) + "]";
     if (t.param.numel == 0) continue;
-    for (const void* p : {static_cast<const void*>(t.param.data), static_cast<const void*>(t.exp_avg.data),
-                          static_cast<const void*>(t.exp_avg_sq.data), t.grad.data})
+    for (const void* p :
+         {static_cast<const void*>(t.param.data), static_cast<const void*>(t.exp_avg.data),
+          static_cast<const void*>(t.exp_avg_sq.data), t.grad.data})
       if (p != nullptr) require_device_pointer(p, base);
-    if (t.compute_param.data != nullptr) require_device_pointer(t.compute_param.data, base + ".compute_param");
+    if (t.compute_param.data != nullptr)
+      require_device_pointer(t.compute_param.data, base + ".compute_param");
   }
-  const std::vector<AdamWLaunchArgs> launches = make_adamw_plan(d_tensors, config);  // validates, then steps
+  const std::vector<AdamWLaunchArgs> launches =
+      make_adamw_plan(d_tensors, config);  // validates, then steps
   for (const AdamWLaunchArgs& a : launches) {
     adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_scale, d_clip, d_found_inf);
     cuda::detail::check_launch("adamw_kernel");
@@ -219,7 +240,8 @@ void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig
     const std::string base = "d_tensors[" + std::to_string(i) + "]";
     require_device_pointer(t.param.data, base + ".param");
     require_device_pointer(t.grad.data, base + ".grad");
-    if (t.compute_param.data != nullptr) require_device_pointer(t.compute_param.data, base + ".compute_param");
+    if (t.compute_param.data != nullptr)
+      require_device_pointer(t.compute_param.data, base + ".compute_param");
   }
   for (const SignSgdLaunchArgs& a : make_sign_sgd_plan(d_tensors, config)) {
     sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_found_inf);

@@ -51,14 +51,16 @@ struct Grid {
 
 Grid make_f16_grid() {
   Grid g;
-  for (std::uint32_t h = 0; h < 0x7C00; ++h) g.value.push_back(f16_value(static_cast<std::uint16_t>(h)));
+  for (std::uint32_t h = 0; h < 0x7C00; ++h)
+    g.value.push_back(f16_value(static_cast<std::uint16_t>(h)));
   g.value.push_back(65536.0);
   return g;
 }
 
 Grid make_bf16_grid() {
   Grid g;
-  for (std::uint32_t h = 0; h < 0x7F80; ++h) g.value.push_back(bf16_value(static_cast<std::uint16_t>(h)));
+  for (std::uint32_t h = 0; h < 0x7F80; ++h)
+    g.value.push_back(bf16_value(static_cast<std::uint16_t>(h)));
   g.value.push_back(std::ldexp(1.0, 128));
   return g;
 }
@@ -67,8 +69,8 @@ Grid make_bf16_grid() {
 // patterns, ties to the even pattern. Distances are differences of an f32 and a
 // grid value that sit in the same or adjacent binades (or a zero), so they need
 // at most ~35 significant bits and double computes them exactly.
-std::uint16_t expected_round(const Grid& g, float x, std::uint16_t inf_bits, std::uint16_t nan_bits_pos,
-                             bool nan_keeps_sign) {
+std::uint16_t expected_round(const Grid& g, float x, std::uint16_t inf_bits,
+                             std::uint16_t nan_bits_pos, bool nan_keeps_sign) {
   const std::uint32_t u = bits(x);
   const std::uint16_t sign = (u & 0x80000000u) ? 0x8000 : 0;
   if (std::isnan(x)) return nan_keeps_sign ? (sign | nan_bits_pos) : nan_bits_pos;
@@ -82,9 +84,12 @@ std::uint16_t expected_round(const Grid& g, float x, std::uint16_t inf_bits, std
   const double dlo = a - g.value[lo];
   const double dhi = g.value[hi] - a;
   std::size_t k;
-  if (dlo < dhi) k = lo;
-  else if (dhi < dlo) k = hi;
-  else k = (lo % 2 == 0) ? lo : hi;
+  if (dlo < dhi)
+    k = lo;
+  else if (dhi < dlo)
+    k = hi;
+  else
+    k = (lo % 2 == 0) ? lo : hi;
   return sign | static_cast<std::uint16_t>(k);
 }
 
@@ -109,8 +114,10 @@ TEST(ConvertBf16, WideningIsExactForAllPatterns) {
     ASSERT_EQ(bits(f), h << 16) << std::hex << h;
     const int e = (h >> 7) & 0xFF;
     if (e == 0xFF) {
-      if ((h & 0x7F) == 0) ASSERT_TRUE(std::isinf(f)) << std::hex << h;
-      else ASSERT_TRUE(std::isnan(f)) << std::hex << h;
+      if ((h & 0x7F) == 0)
+        ASSERT_TRUE(std::isinf(f)) << std::hex << h;
+      else
+        ASSERT_TRUE(std::isnan(f)) << std::hex << h;
       continue;
     }
     ASSERT_EQ(static_cast<double>(f), bf16_value(static_cast<std::uint16_t>(h))) << std::hex << h;
@@ -185,8 +192,7 @@ TEST(ConvertBf16, HandWorkedCases) {
       {0x00000001u, 0x0000},  // smallest f32 subnormal rounds to +0
       {0x80000001u, 0x8000},  // ... and its negative to -0
       {0x00008000u, 0x0000},  // tie between 0 and the smallest bf16 subnormal -> 0 (even)
-      {0x00008001u, 0x0001},
-      {0x00018000u, 0x0002},  // tie between 0x0001 and 0x0002 -> 0x0002
+      {0x00008001u, 0x0001}, {0x00018000u, 0x0002},  // tie between 0x0001 and 0x0002 -> 0x0002
       {0x007FFFFFu, 0x0080},  // largest f32 subnormal rounds up to the smallest normal
       {0x7F7F7FFFu, 0x7F7F},  // below the midpoint between bf16 max and 2^128
       {0x7F7F8000u, 0x7F80},  // the midpoint: 0x7F7F is odd, so ties go up: Inf
@@ -202,7 +208,8 @@ TEST(ConvertBf16, HandWorkedCases) {
   };
   for (const Case& c : cases) {
     EXPECT_EQ(f32_to_bf16_bits(from_bits(c.in)), c.out) << std::hex << c.in;
-    EXPECT_EQ(expect_bf16(from_bits(c.in)), c.out) << "oracle disagrees with hand value " << std::hex << c.in;
+    EXPECT_EQ(expect_bf16(from_bits(c.in)), c.out)
+        << "oracle disagrees with hand value " << std::hex << c.in;
   }
 }
 
@@ -219,22 +226,22 @@ TEST(ConvertF16, HandWorkedCases) {
       {std::nextafter(1.0f + std::ldexp(1.0f, -11), 2.0f), 0x3C01},
       {0.1f, 0x2E66},
       {-2.0f, 0xC000},
-      {65504.0f, 0x7BFF},                               // largest finite
-      {std::nextafter(65520.0f, 0.0f), 0x7BFF},         // 65519.996: still finite
-      {65520.0f, 0x7C00},                               // midpoint to 65536: ties to even -> Inf
+      {65504.0f, 0x7BFF},                        // largest finite
+      {std::nextafter(65520.0f, 0.0f), 0x7BFF},  // 65519.996: still finite
+      {65520.0f, 0x7C00},                        // midpoint to 65536: ties to even -> Inf
       {-65520.0f, 0xFC00},
       {65536.0f, 0x7C00},
       {std::numeric_limits<float>::max(), 0x7C00},
-      {std::ldexp(1.0f, -14), 0x0400},                  // smallest normal
-      {std::ldexp(1.0f, -14) - two_m25, 0x0400},        // tie between 0x03FF and 0x0400 -> 0x0400
-      {std::ldexp(1.0f, -14) - 3 * two_m25, 0x03FE},    // tie between 0x03FE and 0x03FF -> 0x03FE
-      {std::ldexp(1.0f, -24), 0x0001},                  // smallest subnormal
-      {two_m25, 0x0000},                                // tie between 0 and 0x0001 -> 0
+      {std::ldexp(1.0f, -14), 0x0400},                // smallest normal
+      {std::ldexp(1.0f, -14) - two_m25, 0x0400},      // tie between 0x03FF and 0x0400 -> 0x0400
+      {std::ldexp(1.0f, -14) - 3 * two_m25, 0x03FE},  // tie between 0x03FE and 0x03FF -> 0x03FE
+      {std::ldexp(1.0f, -24), 0x0001},                // smallest subnormal
+      {two_m25, 0x0000},                              // tie between 0 and 0x0001 -> 0
       {-two_m25, 0x8000},
-      {std::nextafter(two_m25, 1.0f), 0x0001},          // 2^-25 + tiny -> 0x0001
+      {std::nextafter(two_m25, 1.0f), 0x0001},  // 2^-25 + tiny -> 0x0001
       {std::nextafter(two_m25, 0.0f), 0x0000},
-      {3 * two_m25, 0x0002},                            // tie between 1 and 2 -> 2
-      {5 * two_m25, 0x0002},                            // tie between 2 and 3 -> 2
+      {3 * two_m25, 0x0002},  // tie between 1 and 2 -> 2
+      {5 * two_m25, 0x0002},  // tie between 2 and 3 -> 2
       {std::ldexp(1.0f, -26), 0x0000},
       {std::numeric_limits<float>::denorm_min(), 0x0000},
       {-std::numeric_limits<float>::denorm_min(), 0x8000},
@@ -250,7 +257,8 @@ TEST(ConvertF16, HandWorkedCases) {
   };
   for (const Case& c : cases) {
     EXPECT_EQ(f32_to_f16_bits(c.in), c.out) << std::hex << bits(c.in);
-    EXPECT_EQ(expect_f16(c.in), c.out) << "oracle disagrees with hand value " << std::hex << bits(c.in);
+    EXPECT_EQ(expect_f16(c.in), c.out)
+        << "oracle disagrees with hand value " << std::hex << bits(c.in);
   }
 }
 
@@ -281,7 +289,8 @@ TEST(ConvertTemplates, AgreeWithBitFunctions) {
     EXPECT_EQ(bits(stepcore::from_f32<float>(x)), bits(x));
     EXPECT_EQ(bits(stepcore::to_f32(x)), bits(x));
     if (!std::isnan(x)) {
-      EXPECT_EQ(bits(stepcore::round_to<bfloat16_t>(x)), bits(bf16_bits_to_f32(f32_to_bf16_bits(x))));
+      EXPECT_EQ(bits(stepcore::round_to<bfloat16_t>(x)),
+                bits(bf16_bits_to_f32(f32_to_bf16_bits(x))));
       EXPECT_EQ(bits(stepcore::round_to<float16_t>(x)), bits(f16_bits_to_f32(f32_to_f16_bits(x))));
       EXPECT_EQ(bits(stepcore::round_to<float>(x)), bits(x));
     }
@@ -351,9 +360,9 @@ TEST(ConvertF16, HalfwayPointsAndNeighbours) {
     }
   }
   // Overflow threshold and specials.
-  for (float x : {65504.0f, 65519.0f, std::nextafter(65520.0f, 0.0f), 65520.0f, std::nextafter(65520.0f, INFINITY),
-                  65536.0f, 1e10f, std::numeric_limits<float>::max(), 0.0f,
-                  std::numeric_limits<float>::infinity()})
+  for (float x : {65504.0f, 65519.0f, std::nextafter(65520.0f, 0.0f), 65520.0f,
+                  std::nextafter(65520.0f, INFINITY), 65536.0f, 1e10f,
+                  std::numeric_limits<float>::max(), 0.0f, std::numeric_limits<float>::infinity()})
     c.both_signs_f16(x);
   // f32 subnormals all round to zero.
   for (std::uint32_t u = 1; u < 0x00800000u; u += 4099) c.both_signs_f16(from_bits(u));
@@ -388,14 +397,16 @@ TEST(ConvertF16, RandomBitPatterns) {
 TEST(ConvertBf16, HalfwayPointsAndNeighbours) {
   SweepChecker c;
   for (std::uint32_t h = 0; h < 0x7F80u; ++h)
-    for (std::uint32_t lo : {0x0000u, 0x0001u, 0x7FFEu, 0x7FFFu, 0x8000u, 0x8001u, 0x8002u, 0xFFFFu})
+    for (std::uint32_t lo :
+         {0x0000u, 0x0001u, 0x7FFEu, 0x7FFFu, 0x8000u, 0x8001u, 0x8002u, 0xFFFFu})
       c.both_signs_bf16(from_bits((h << 16) | lo));
   c.both_signs_bf16(std::numeric_limits<float>::infinity());
 }
 
 TEST(ConvertBf16, StridedAndRandomSweep) {
   SweepChecker c;
-  for (std::uint64_t u = 0; u < 0x100000000ull; u += 1021) c.bf16(from_bits(static_cast<std::uint32_t>(u)));
+  for (std::uint64_t u = 0; u < 0x100000000ull; u += 1021)
+    c.bf16(from_bits(static_cast<std::uint32_t>(u)));
   std::mt19937 rng(9);
   for (int i = 0; i < 2'000'000; ++i) c.bf16(from_bits(rng()));
   EXPECT_GT(c.checked, 6'000'000u);

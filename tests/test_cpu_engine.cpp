@@ -3,10 +3,10 @@
 // and odd sizes, hundreds of tensors per call, misaligned pointers — on every ISA this
 // processor supports and with 1, 2, 3 and 7 threads.
 #include <gtest/gtest.h>
+#include <xmmintrin.h>
 
 #include <bit>
 #include <cfenv>
-#include <xmmintrin.h>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -29,23 +29,26 @@ const int kThreadCounts[] = {1, 2, 3, 7};
 /// Boundary sizes of the issue plus the chunk size +-1.
 std::vector<std::size_t> boundary_sizes() {
   const std::size_t c = cpu::Engine::kChunkElements;
-  return {0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025, c - 1, c, c + 1};
+  return {0,  1,   7,   15,  16,   17,   31,   32,    33, 63,   64,
+          65, 127, 128, 129, 1023, 1024, 1025, c - 1, c,  c + 1};
 }
 
 /// Returns true when two f32 arrays have equal bits, treating any two NaNs as equal
 /// (the spec leaves NaN payloads of arithmetic unspecified).
-::testing::AssertionResult same_f32(const float* a, const float* b, std::size_t n, const char* what) {
+::testing::AssertionResult same_f32(const float* a, const float* b, std::size_t n,
+                                    const char* what) {
   for (std::size_t i = 0; i < n; ++i) {
     const std::uint32_t x = f32_bits(a[i]), y = f32_bits(b[i]);
     if (x == y) continue;
     if (std::isnan(a[i]) && std::isnan(b[i])) continue;
-    return ::testing::AssertionFailure() << what << "[" << i << "]: reference 0x" << std::hex << x
-                                         << " engine 0x" << y;
+    return ::testing::AssertionFailure()
+           << what << "[" << i << "]: reference 0x" << std::hex << x << " engine 0x" << y;
   }
   return ::testing::AssertionSuccess();
 }
 
-::testing::AssertionResult same_bytes(const void* a, const void* b, std::size_t n, const char* what) {
+::testing::AssertionResult same_bytes(const void* a, const void* b, std::size_t n,
+                                      const char* what) {
   if (std::memcmp(a, b, n) == 0) return ::testing::AssertionSuccess();
   const auto* x = static_cast<const unsigned char*>(a);
   const auto* y = static_cast<const unsigned char*>(b);
@@ -65,9 +68,15 @@ void fill(void* data, DType dtype, std::size_t n, std::mt19937& rng, float scale
     if (p == 0) x = 0.0f;
     if (p == 1) x = -0.0f;
     switch (dtype) {
-      case DType::f32: static_cast<float*>(data)[i] = x; break;
-      case DType::bf16: static_cast<std::uint16_t*>(data)[i] = f32_to_bf16_bits(x); break;
-      case DType::f16: static_cast<std::uint16_t*>(data)[i] = f32_to_f16_bits(x); break;
+      case DType::f32:
+        static_cast<float*>(data)[i] = x;
+        break;
+      case DType::bf16:
+        static_cast<std::uint16_t*>(data)[i] = f32_to_bf16_bits(x);
+        break;
+      case DType::f16:
+        static_cast<std::uint16_t*>(data)[i] = f32_to_f16_bits(x);
+        break;
     }
   }
 }
@@ -131,9 +140,12 @@ struct Model {
 ::testing::AssertionResult same_model(const Model& r, const Model& e) {
   for (std::size_t k = 0; k < r.sizes.size(); ++k) {
     const std::size_t n = r.sizes[k] + 1;
-    if (auto a = same_f32(r.p[k].data(), e.p[k].data(), n, "param"); !a) return a << " tensor " << k;
-    if (auto a = same_f32(r.m[k].data(), e.m[k].data(), n, "exp_avg"); !a) return a << " tensor " << k;
-    if (auto a = same_f32(r.v[k].data(), e.v[k].data(), n, "exp_avg_sq"); !a) return a << " tensor " << k;
+    if (auto a = same_f32(r.p[k].data(), e.p[k].data(), n, "param"); !a)
+      return a << " tensor " << k;
+    if (auto a = same_f32(r.m[k].data(), e.m[k].data(), n, "exp_avg"); !a)
+      return a << " tensor " << k;
+    if (auto a = same_f32(r.v[k].data(), e.v[k].data(), n, "exp_avg_sq"); !a)
+      return a << " tensor " << k;
     if (auto a = same_bytes(r.out[k].data(), e.out[k].data(), r.out[k].size(), "compute_param"); !a)
       return a << " tensor " << k;
     if (auto a = same_bytes(r.g[k].data(), e.g[k].data(), r.g[k].size(), "grad"); !a)
@@ -198,7 +210,8 @@ TEST(CpuEngine, SignSgdMatchesReference) {
   for (DType g : {DType::f32, DType::bf16, DType::f16}) {
     for (int o = 0; o < 4; ++o) {
       for (double wd : {0.0, 0.05}) {
-        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) + " wd " + std::to_string(wd));
+        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) + " wd " +
+                     std::to_string(wd));
         Model ref(sizes, g, o, 500 + idx++);
         Model input = ref;
         auto rt = ref.sign_sgd();
@@ -275,14 +288,18 @@ TEST(CpuEngine, AccumulateAndScaleMatchReference) {
       auto ref = acc;
       std::vector<AccumulatePair> rp;
       for (std::size_t k = 0; k < sizes.size(); ++k)
-        rp.push_back({{ref[k].data() + 1, sizes[k], DType::f32}, {src[k].data() + dtype_size(d), sizes[k], d}, copy});
+        rp.push_back({{ref[k].data() + 1, sizes[k], DType::f32},
+                      {src[k].data() + dtype_size(d), sizes[k], d},
+                      copy});
       reference::accumulate(rp);
       for (cpu::Isa isa : cpu::supported_isas()) {
         for (int threads : kThreadCounts) {
           auto eng = acc;
           std::vector<AccumulatePair> ep;
           for (std::size_t k = 0; k < sizes.size(); ++k)
-            ep.push_back({{eng[k].data() + 1, sizes[k], DType::f32}, {src[k].data() + dtype_size(d), sizes[k], d}, copy});
+            ep.push_back({{eng[k].data() + 1, sizes[k], DType::f32},
+                          {src[k].data() + dtype_size(d), sizes[k], d},
+                          copy});
           cpu::Engine(cpu::EngineConfig{isa, threads}).accumulate(ep);
           for (std::size_t k = 0; k < sizes.size(); ++k)
             ASSERT_TRUE(same_f32(ref[k].data(), eng[k].data(), sizes[k] + 1, "acc"))
@@ -293,20 +310,24 @@ TEST(CpuEngine, AccumulateAndScaleMatchReference) {
       for (float s : {0.0f, 1.0f / 3.0f, 3e5f, 1e-30f}) {
         auto ref_src = src;
         std::vector<TensorView> rv;
-        for (std::size_t k = 0; k < sizes.size(); ++k) rv.push_back({ref_src[k].data() + dtype_size(d), sizes[k], d});
+        for (std::size_t k = 0; k < sizes.size(); ++k)
+          rv.push_back({ref_src[k].data() + dtype_size(d), sizes[k], d});
         reference::scale_(rv, s);
         for (cpu::Isa isa : cpu::supported_isas()) {
           for (int threads : {1, 3}) {
             auto eng_src = src;
             std::vector<TensorView> ev;
-            for (std::size_t k = 0; k < sizes.size(); ++k) ev.push_back({eng_src[k].data() + dtype_size(d), sizes[k], d});
+            for (std::size_t k = 0; k < sizes.size(); ++k)
+              ev.push_back({eng_src[k].data() + dtype_size(d), sizes[k], d});
             cpu::Engine(cpu::EngineConfig{isa, threads}).scale_(ev, s);
             for (std::size_t k = 0; k < sizes.size(); ++k) {
               if (d == DType::f32)
                 ASSERT_TRUE(same_f32(reinterpret_cast<float*>(ref_src[k].data()),
-                                     reinterpret_cast<float*>(eng_src[k].data()), sizes[k] + 1, "scaled"));
+                                     reinterpret_cast<float*>(eng_src[k].data()), sizes[k] + 1,
+                                     "scaled"));
               else
-                ASSERT_TRUE(same_bytes(ref_src[k].data(), eng_src[k].data(), ref_src[k].size(), "scaled"))
+                ASSERT_TRUE(
+                    same_bytes(ref_src[k].data(), eng_src[k].data(), ref_src[k].size(), "scaled"))
                     << cpu::isa_name(isa) << " scale " << s << " tensor " << k;
             }
           }
@@ -322,7 +343,8 @@ struct NormData {
   std::vector<ConstTensorView> views;
 };
 
-NormData norm_data(DType d, const std::vector<std::size_t>& sizes, std::uint32_t seed, float scale) {
+NormData norm_data(DType d, const std::vector<std::size_t>& sizes, std::uint32_t seed,
+                   float scale) {
   NormData nd;
   std::mt19937 rng(seed);
   for (std::size_t n : sizes) {
@@ -349,11 +371,13 @@ TEST(CpuEngine, NormMatchesReferenceBits) {
           for (int threads : kThreadCounts) {
             const cpu::Engine eng(cpu::EngineConfig{isa, threads});
             const NormResult got = eng.norm(data.views, read);
-            ASSERT_EQ(f32_bits(ref.norm), f32_bits(got.norm)) << cpu::isa_name(isa) << " t" << threads;
+            ASSERT_EQ(f32_bits(ref.norm), f32_bits(got.norm))
+                << cpu::isa_name(isa) << " t" << threads;
             ASSERT_EQ(f32_bits(ref.max_abs), f32_bits(got.max_abs));
             ASSERT_EQ(ref.finite, got.finite);
             const NormPartial exact = eng.norm_partial(data.views, read, cpu::NormMode::exact);
-            ASSERT_TRUE(same_value(ref_partial, exact)) << "exact mode must equal the reference digits";
+            ASSERT_TRUE(same_value(ref_partial, exact))
+                << "exact mode must equal the reference digits";
             const NormPartial fast = eng.norm_partial(data.views, read);
             ASSERT_NE(fast.approximate, 0u);
           }
@@ -405,7 +429,8 @@ TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
     const std::uint16_t* specials = d == DType::bf16 ? bf16_specials : f16_specials;
     for (int k = 0; k < 7; ++k) g[3 + 37 * k] = specials[k];
     const std::vector<ConstTensorView> views{{g.data(), g.size(), d}};
-    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 3.0f, 1.0f}, GradientRead{0.5f, 0.3f}, GradientRead{2.0f, 0.0f}}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 3.0f, 1.0f},
+                                    GradientRead{0.5f, 0.3f}, GradientRead{2.0f, 0.0f}}) {
       const NormResult ref = finalize(reference::norm_partial(views, read));
       Model ref_model({g.size()}, d, 2, 8);
       std::memcpy(ref_model.g[0].data() + dtype_size(d), g.data(), g.size() * 2);
@@ -432,7 +457,8 @@ TEST(CpuEngine, NormOnARoundingTieFallsBackToExact) {
   // An approximate partial cannot certify a tie; the exact fallback rounds to even.
   const std::vector<float> a(4, 16777216.0f);
   const std::vector<float> c = {8192.0f, 8192.0f, 2.0f};
-  const std::vector<ConstTensorView> views{{a.data(), a.size(), DType::f32}, {c.data(), c.size(), DType::f32}};
+  const std::vector<ConstTensorView> views{{a.data(), a.size(), DType::f32},
+                                           {c.data(), c.size(), DType::f32}};
   const NormResult ref = finalize(reference::norm_partial(views));
   EXPECT_EQ(ref.norm, 33554432.0f) << "tie rounds to the even neighbour 2^25";
   for (cpu::Isa isa : cpu::supported_isas()) {
@@ -455,7 +481,8 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
   for (std::size_t k = 0; k < sizes.size(); ++k) {
     float* g = reinterpret_cast<float*>(base.g[k].data() + 4);
     for (std::size_t i = 0; i < sizes[k]; ++i) {
-      g[i] = std::ldexp(std::normal_distribution<float>(0, 1)(rng), -120 - static_cast<int>(i % 20));
+      g[i] =
+          std::ldexp(std::normal_distribution<float>(0, 1)(rng), -120 - static_cast<int>(i % 20));
       base.m[k][i + 1] = std::ldexp(base.m[k][i + 1], -110);
     }
   }
@@ -483,7 +510,8 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
   std::fesetround(FE_TONEAREST);
   _mm_setcsr(csr);
 
-  EXPECT_EQ(csr_after & ((1u << 15) | (1u << 6)), (1u << 15) | (1u << 6)) << "caller's MXCSR restored";
+  EXPECT_EQ(csr_after & ((1u << 15) | (1u << 6)), (1u << 15) | (1u << 6))
+      << "caller's MXCSR restored";
   EXPECT_EQ(round_after, FE_UPWARD) << "caller's rounding mode restored";
   EXPECT_TRUE(same_model(expected, by_engine));
   EXPECT_TRUE(same_model(expected, by_reference));

@@ -37,7 +37,8 @@ struct Record {
 
 class GoldenFile {
  public:
-  explicit GoldenFile(const std::string& name) : path_(std::string(STEPCORE_TEST_DATA_DIR) + "/" + name) {
+  explicit GoldenFile(const std::string& name)
+      : path_(std::string(STEPCORE_TEST_DATA_DIR) + "/" + name) {
     std::ifstream in(path_);
     if (!in) throw std::runtime_error("cannot open " + path_);
     std::string text;
@@ -60,7 +61,8 @@ class GoldenFile {
   const Record& expect(const std::string& key) {
     if (done()) fail("unexpected end of file, wanted '" + key + "'");
     const Record& r = records_[pos_++];
-    if (r.key != key) fail("line " + std::to_string(r.line) + ": wanted '" + key + "', got '" + r.key + "'");
+    if (r.key != key)
+      fail("line " + std::to_string(r.line) + ": wanted '" + key + "', got '" + r.key + "'");
     return r;
   }
 
@@ -74,7 +76,8 @@ class GoldenFile {
   std::size_t pos_ = 0;
 };
 
-template <class T> T parse_hex(const std::string& s, std::size_t digits) {
+template <class T>
+T parse_hex(const std::string& s, std::size_t digits) {
   std::uint64_t v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 16);
   if (ec != std::errc() || end != s.data() + s.size() || s.size() != digits)
@@ -85,7 +88,8 @@ template <class T> T parse_hex(const std::string& s, std::size_t digits) {
 std::size_t parse_size(const std::string& s) {
   std::size_t v = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v, 10);
-  if (ec != std::errc() || end != s.data() + s.size()) throw std::runtime_error("bad count '" + s + "'");
+  if (ec != std::errc() || end != s.data() + s.size())
+    throw std::runtime_error("bad count '" + s + "'");
   return v;
 }
 
@@ -97,10 +101,13 @@ double parse_double(const std::string& s) {
   return v;
 }
 
-float parse_f32(const std::string& s) { return stepcore::f32_from_bits(parse_hex<std::uint32_t>(s, 8)); }
+float parse_f32(const std::string& s) {
+  return stepcore::f32_from_bits(parse_hex<std::uint32_t>(s, 8));
+}
 
 std::vector<std::size_t> parse_sizes(const Record& r, std::size_t k) {
-  if (r.tok.size() != k) throw std::runtime_error("sizes: wrong count at line " + std::to_string(r.line));
+  if (r.tok.size() != k)
+    throw std::runtime_error("sizes: wrong count at line " + std::to_string(r.line));
   std::vector<std::size_t> v;
   for (const auto& t : r.tok) v.push_back(parse_size(t));
   return v;
@@ -108,7 +115,8 @@ std::vector<std::size_t> parse_sizes(const Record& r, std::size_t k) {
 
 // A tensor record "<key> <index> <words...>" with `n` words of 8 (f32) or 4 (bf16) digits.
 template <class Word>
-std::vector<Word> read_tensor(GoldenFile& f, const std::string& key, std::size_t index, std::size_t n) {
+std::vector<Word> read_tensor(GoldenFile& f, const std::string& key, std::size_t index,
+                              std::size_t n) {
   const Record& r = f.expect(key);
   if (r.tok.empty() || parse_size(r.tok[0]) != index || r.tok.size() != n + 1)
     f.fail("line " + std::to_string(r.line) + ": '" + key + "' record for tensor " +
@@ -118,7 +126,8 @@ std::vector<Word> read_tensor(GoldenFile& f, const std::string& key, std::size_t
   return out;
 }
 
-std::vector<float> read_f32(GoldenFile& f, const std::string& key, std::size_t index, std::size_t n) {
+std::vector<float> read_f32(GoldenFile& f, const std::string& key, std::size_t index,
+                            std::size_t n) {
   const auto w = read_tensor<std::uint32_t>(f, key, index, n);
   std::vector<float> out(n);
   if (n) std::memcpy(out.data(), w.data(), n * sizeof(float));
@@ -179,9 +188,12 @@ std::string hex32(std::uint32_t u) {
   }
   auto r = ::testing::AssertionFailure();
   r << count << " of " << n << " elements differ";
-  if (tail_w > 1) r << " (" << body << " in the body, " << count - body << " in the tail of width " << tail_w << ")";
+  if (tail_w > 1)
+    r << " (" << body << " in the body, " << count - body << " in the tail of width " << tail_w
+      << ")";
   r << "; first at [" << first << "]: torch " << hex32(stepcore::f32_bits(want[first])) << " ("
-    << want[first] << "), reference " << hex32(stepcore::f32_bits(got[first])) << " (" << got[first] << ")";
+    << want[first] << "), reference " << hex32(stepcore::f32_bits(got[first])) << " (" << got[first]
+    << ")";
   return r;
 }
 
@@ -224,12 +236,16 @@ std::vector<AdamWCase> load_adamw() {
     for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
     for (std::size_t s = 1; s <= S; ++s) {
       const Record& st = f.expect("step");
-      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s) f.fail("bad step line " + std::to_string(st.line));
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s)
+        f.fail("bad step line " + std::to_string(st.line));
       AdamWCase::Step step;
-      for (std::size_t t = 0; t < K; ++t) step.grad.push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        step.grad.push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
       for (std::size_t t = 0; t < K; ++t) step.param.push_back(read_f32(f, "param", t, k.sizes[t]));
-      for (std::size_t t = 0; t < K; ++t) step.exp_avg.push_back(read_f32(f, "exp_avg", t, k.sizes[t]));
-      for (std::size_t t = 0; t < K; ++t) step.exp_avg_sq.push_back(read_f32(f, "exp_avg_sq", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        step.exp_avg.push_back(read_f32(f, "exp_avg", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        step.exp_avg_sq.push_back(read_f32(f, "exp_avg_sq", t, k.sizes[t]));
       for (std::size_t t = 0; t < K; ++t) step.count.push_back(read_f32(f, "step_count", t, 1)[0]);
       k.steps.push_back(std::move(step));
     }
@@ -260,16 +276,17 @@ struct Tally {
       if (first.empty()) {
         std::ostringstream os;
         os.precision(9);
-        os << where << " [" << i << "] (" << (i < tail_begin ? "body" : "tail") << "): torch " << hex32(a)
-           << " (" << want[i] << "), reference " << hex32(b) << " (" << got[i] << ")";
+        os << where << " [" << i << "] (" << (i < tail_begin ? "body" : "tail") << "): torch "
+           << hex32(a) << " (" << want[i] << "), reference " << hex32(b) << " (" << got[i] << ")";
         first = os.str();
       }
     }
   }
   ::testing::AssertionResult result() const {
     if (elements == 0) return ::testing::AssertionSuccess();
-    return ::testing::AssertionFailure() << elements << " element-steps differ (" << body << " in torch's vector body, "
-                                         << tail << " in its scalar tail); first: " << first;
+    return ::testing::AssertionFailure()
+           << elements << " element-steps differ (" << body << " in torch's vector body, " << tail
+           << " in its scalar tail); first: " << first;
   }
 };
 
@@ -302,15 +319,16 @@ std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config
     }
     stepcore::reference::adamw_step(ts, config);
     for (std::size_t t = 0; t < K; ++t) {
-      const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) + " (numel " +
-                                std::to_string(k.sizes[t]) + ")";
+      const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
+                                " (numel " + std::to_string(k.sizes[t]) + ")";
       tp.add(st.param[t], p[t], w, where);
       tm.add(st.exp_avg[t], m[t], w, where);
       tv.add(st.exp_avg_sq[t], v[t], w, where);
       const bool same_count = stepcore::f32_bits(st.count[t]) == stepcore::f32_bits(count[t]);
       count_mismatches += !same_count;
       if (report) {
-        EXPECT_TRUE(same_count) << where << ": step counter " << count[t] << ", torch " << st.count[t];
+        EXPECT_TRUE(same_count) << where << ": step counter " << count[t] << ", torch "
+                                << st.count[t];
       }
     }
   }
@@ -386,11 +404,14 @@ std::vector<SignSgdCase> load_sign_sgd() {
     for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
     for (std::size_t s = 1; s <= S; ++s) {
       const Record& st = f.expect("step");
-      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s) f.fail("bad step line " + std::to_string(st.line));
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s)
+        f.fail("bad step line " + std::to_string(st.line));
       k.grad.emplace_back();
       k.param.emplace_back();
-      for (std::size_t t = 0; t < K; ++t) k.grad.back().push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
-      for (std::size_t t = 0; t < K; ++t) k.param.back().push_back(read_f32(f, "param", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        k.grad.back().push_back(read_grad(f, k.gdtype, t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        k.param.back().push_back(read_f32(f, "param", t, k.sizes[t]));
     }
     f.expect("end");
     cases.push_back(std::move(k));
@@ -415,8 +436,8 @@ void replay_sign_sgd(const SignSgdCase& k) {
     }
     stepcore::reference::sign_sgd_step(ts, k.config);
     for (std::size_t t = 0; t < K; ++t)
-      ASSERT_TRUE(same_bits(k.param[s][t], p[t])) << k.name << " step " << s + 1 << " tensor " << t
-                                                  << " (numel " << k.sizes[t] << ")";
+      ASSERT_TRUE(same_bits(k.param[s][t], p[t]))
+          << k.name << " step " << s + 1 << " tensor " << t << " (numel " << k.sizes[t] << ")";
   }
 }
 
@@ -433,7 +454,8 @@ bool has_nan_gradient(const SignSgdCase& k) {
 
 TEST(GoldenSignSgd, FileHasTheExpectedCases) {
   const auto& cases = sign_sgd_cases();
-  bool f32 = false, bf16 = false, wd0 = false, wd = false, neg_zero_grad = false, neg_zero_param = false;
+  bool f32 = false, bf16 = false, wd0 = false, wd = false, neg_zero_grad = false,
+       neg_zero_param = false;
   for (const auto& k : cases) {
     (k.gdtype == DType::f32 ? f32 : bf16) = true;
     (k.config.weight_decay > 0.0 ? wd : wd0) = true;
@@ -484,7 +506,8 @@ TEST(GoldenSignSgd, NanGradientsPropagateElsewhereTorchBits) {
           const float gi = g.dtype == DType::f32 ? g.f32[i] : stepcore::bf16_bits_to_f32(g.bf16[i]);
           if (std::isnan(gi)) poisoned[t][i] = true;
           if (poisoned[t][i]) {
-            ASSERT_TRUE(std::isnan(p[t][i])) << "step " << s + 1 << " tensor " << t << " element " << i;
+            ASSERT_TRUE(std::isnan(p[t][i]))
+                << "step " << s + 1 << " tensor " << t << " element " << i;
           } else {
             ASSERT_EQ(stepcore::f32_bits(p[t][i]), stepcore::f32_bits(k.param[s][t][i]))
                 << "step " << s + 1 << " tensor " << t << " element " << i;
@@ -554,7 +577,9 @@ TEST(GoldenClip, FileHasTheExpectedCases) {
   for (const auto& k : cases) {
     for (std::size_t n : k.sizes) empty_tensor |= n == 0;
     (k.coef_torch < 1.0f ? clipped : unclipped) = true;
-    EXPECT_EQ(stepcore::f32_bits(static_cast<float>(k.max_norm)), stepcore::f32_bits(k.max_norm_f32)) << k.name;
+    EXPECT_EQ(stepcore::f32_bits(static_cast<float>(k.max_norm)),
+              stepcore::f32_bits(k.max_norm_f32))
+        << k.name;
   }
   EXPECT_TRUE(empty_tensor && clipped && unclipped);
 }
@@ -580,7 +605,8 @@ TEST(GoldenClip, TorchNormWithinSummationBound) {
     for (std::size_t n : k.sizes) N += n;
     const double exact = k.norm_exact, torch = k.norm_torch;
     const double bound = static_cast<double>(N + k.sizes.size() + 4) * std::ldexp(1.0, -24) * exact;
-    EXPECT_LE(std::fabs(torch - exact), bound) << k.name << ": torch " << torch << ", exact " << exact;
+    EXPECT_LE(std::fabs(torch - exact), bound)
+        << k.name << ": torch " << torch << ", exact " << exact;
   }
   EXPECT_GE(checked, 20);
 }
@@ -592,7 +618,8 @@ TEST(GoldenClip, ScaleByTorchCoefficientMatchesTorch) {
     std::vector<TensorView> views;
     for (auto& t : g) views.push_back({t.data(), t.size(), DType::f32});
     stepcore::reference::scale_(views, k.coef_torch);
-    for (std::size_t t = 0; t < g.size(); ++t) EXPECT_TRUE(same_bits(k.clipped[t], g[t])) << k.name << " tensor " << t;
+    for (std::size_t t = 0; t < g.size(); ++t)
+      EXPECT_TRUE(same_bits(k.clipped[t], g[t])) << k.name << " tensor " << t;
   }
 }
 
@@ -615,7 +642,8 @@ TEST(GoldenClip, ClipThenScaleReproducesTorchGradients) {
     for (auto& t : g) views.push_back({t.data(), t.size(), DType::f32});
     stepcore::reference::scale_(views, coef);
     for (std::size_t t = 0; t < g.size(); ++t)
-      EXPECT_TRUE(same_bits(k.clipped[t], g[t])) << k.name << " tensor " << t << " (coef " << coef << ")";
+      EXPECT_TRUE(same_bits(k.clipped[t], g[t]))
+          << k.name << " tensor " << t << " (coef " << coef << ")";
   }
 }
 

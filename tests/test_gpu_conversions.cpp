@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "stepcore/convert.hpp"
@@ -46,7 +46,11 @@ TEST(GpuConversions, DeviceBitsEqualHostBits) {
   cudaMemcpy(fw.data(), d_fw, 65536 * sizeof(float), cudaMemcpyDeviceToHost);
   cudaMemcpy(bo.data(), d_bo, n * 2, cudaMemcpyDeviceToHost);
   cudaMemcpy(fo.data(), d_fo, n * 2, cudaMemcpyDeviceToHost);
-  cudaFree(d_bw); cudaFree(d_fw); cudaFree(d_in); cudaFree(d_bo); cudaFree(d_fo);
+  cudaFree(d_bw);
+  cudaFree(d_fw);
+  cudaFree(d_in);
+  cudaFree(d_bo);
+  cudaFree(d_fo);
   for (std::uint32_t i = 0; i < 65536; ++i) {
     ASSERT_EQ(stepcore::f32_bits(bw[i]), stepcore::f32_bits(stepcore::bf16_bits_to_f32(i))) << i;
     ASSERT_EQ(stepcore::f32_bits(fw[i]), stepcore::f32_bits(stepcore::f16_bits_to_f32(i))) << i;

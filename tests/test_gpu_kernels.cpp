@@ -38,7 +38,8 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
         host.emplace_back(n * dtype_size(d));
         for (std::size_t i = 0; i < n; ++i) {
           const float x = nd(rng);
-          if (d == DType::f32) std::memcpy(host.back().data() + 4 * i, &x, 4);
+          if (d == DType::f32)
+            std::memcpy(host.back().data() + 4 * i, &x, 4);
           else {
             const std::uint16_t h = d == DType::bf16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
             std::memcpy(host.back().data() + 2 * i, &h, 2);
@@ -46,7 +47,8 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
         }
         void* p = nullptr;
         ASSERT_EQ(cudaMalloc(&p, host.back().size() + 1), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(p, host.back().data(), host.back().size(), cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(p, host.back().data(), host.back().size(), cudaMemcpyHostToDevice),
+                  cudaSuccess);
         dptr.push_back(p);
         dv.push_back({p, n, d});
         hv.push_back({host.back().data(), n, d});
@@ -69,7 +71,8 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
       EXPECT_EQ(f32_bits(r.max_abs), f32_bits(ref.max_abs));
       for (std::size_t k = 0; k < sizes.size(); ++k) {
         std::vector<std::uint8_t> back(host[k].size());
-        ASSERT_EQ(cudaMemcpy(back.data(), dptr[k], back.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(back.data(), dptr[k], back.size(), cudaMemcpyDeviceToHost),
+                  cudaSuccess);
         ASSERT_EQ(back, host[k]) << "scaled tensor " << k;
       }
       // Bad input: a workspace too small and a host pointer, each before any write.
@@ -102,15 +105,22 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
       std::vector<std::vector<std::uint16_t>> o;
       std::vector<float> ref_steps, dev_steps;
       for (std::size_t n : sizes) {
-        p.emplace_back(n); m.emplace_back(n); v.emplace_back(n);
-        g.emplace_back(n * dtype_size(gd)); o.emplace_back(n);
+        p.emplace_back(n);
+        m.emplace_back(n);
+        v.emplace_back(n);
+        g.emplace_back(n * dtype_size(gd));
+        o.emplace_back(n);
         for (std::size_t i = 0; i < n; ++i) {
           p.back()[i] = nd(rng) * 0.05f;
           m.back()[i] = nd(rng) * 1e-3f;
           v.back()[i] = std::abs(nd(rng)) * 1e-6f;
           const float x = nd(rng) * 1e-2f;
-          if (gd == DType::f32) std::memcpy(g.back().data() + 4 * i, &x, 4);
-          else { const std::uint16_t h = f32_to_bf16_bits(x); std::memcpy(g.back().data() + 2 * i, &h, 2); }
+          if (gd == DType::f32)
+            std::memcpy(g.back().data() + 4 * i, &x, 4);
+          else {
+            const std::uint16_t h = f32_to_bf16_bits(x);
+            std::memcpy(g.back().data() + 2 * i, &h, 2);
+          }
         }
         ref_steps.push_back(2.0f);
         dev_steps.push_back(2.0f);
@@ -126,11 +136,24 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
       std::vector<void*> owned;
       for (std::size_t k = 0; k < sizes.size(); ++k) {
         const std::size_t n = sizes[k];
-        void* dp = up(p[k].data(), n * 4); void* dm = up(m[k].data(), n * 4); void* dvv = up(v[k].data(), n * 4);
-        void* dg = up(g[k].data(), g[k].size()); void* dout = up(o[k].data(), n * 2);
+        void* dp = up(p[k].data(), n * 4);
+        void* dm = up(m[k].data(), n * 4);
+        void* dvv = up(v[k].data(), n * 4);
+        void* dg = up(g[k].data(), g[k].size());
+        void* dout = up(o[k].data(), n * 2);
         owned.insert(owned.end(), {dp, dm, dvv, dg, dout});
-        dt.push_back({{dp, n, DType::f32}, {dm, n, DType::f32}, {dvv, n, DType::f32}, &dev_steps[k], {dg, n, gd}, {dout, n, DType::bf16}});
-        ht.push_back({{p[k].data(), n, DType::f32}, {m[k].data(), n, DType::f32}, {v[k].data(), n, DType::f32}, &ref_steps[k], {g[k].data(), n, gd}, {o[k].data(), n, DType::bf16}});
+        dt.push_back({{dp, n, DType::f32},
+                      {dm, n, DType::f32},
+                      {dvv, n, DType::f32},
+                      &dev_steps[k],
+                      {dg, n, gd},
+                      {dout, n, DType::bf16}});
+        ht.push_back({{p[k].data(), n, DType::f32},
+                      {m[k].data(), n, DType::f32},
+                      {v[k].data(), n, DType::f32},
+                      &ref_steps[k],
+                      {g[k].data(), n, gd},
+                      {o[k].data(), n, DType::bf16}});
       }
       float* d_scalars = nullptr;
       ASSERT_EQ(cudaMalloc(&d_scalars, 2 * sizeof(float)), cudaSuccess);

@@ -63,7 +63,8 @@ TEST(GpuPlan, CoversEveryElementExactlyOnce) {
       }
       EXPECT_EQ(blocks, plan.total_blocks);
       for (std::size_t t = 0; t < sizes.size(); ++t)
-        for (std::size_t i = 0; i < sizes[t]; ++i) ASSERT_EQ(hits[t][i], 1) << "tensor " << t << " element " << i;
+        for (std::size_t i = 0; i < sizes[t]; ++i)
+          ASSERT_EQ(hits[t][i], 1) << "tensor " << t << " element " << i;
     }
   }
   EXPECT_THROW(gpu::make_plan(views, {}, 0), Error);
@@ -127,11 +128,15 @@ TEST(GpuExecutor, ScaleAndNormMatchTheReferenceForTwoLaunchShapes) {
       reference::scale_(expected.views, scale);
       std::vector<ConstTensorView> ev(expected.views.begin(), expected.views.end());
       const NormResult ref = finalize(reference::norm_partial(ev));
-      struct Shape { int max_blocks, max_tensors, threads; };
-      for (const Shape shape : {Shape{gpu::kMaxBlocksPerLaunch, gpu::kMaxTensorsPerLaunch, gpu::kBlockThreads},
-                                Shape{3, 2, 64}}) {
+      struct Shape {
+        int max_blocks, max_tensors, threads;
+      };
+      for (const Shape shape :
+           {Shape{gpu::kMaxBlocksPerLaunch, gpu::kMaxTensorsPerLaunch, gpu::kBlockThreads},
+            Shape{3, 2, 64}}) {
         Data got = input;
-        const gpu::LaunchPlan plan = gpu::make_plan(got.views, {}, shape.max_blocks, shape.max_tensors);
+        const gpu::LaunchPlan plan =
+            gpu::make_plan(got.views, {}, shape.max_blocks, shape.max_tensors);
         const NormPartial p = gpu::emulate::scale_and_norm_partial(plan, scale, shape.threads);
         for (std::size_t k = 0; k < got.bufs.size(); ++k)
           ASSERT_EQ(got.bufs[k], expected.bufs[k]) << "scaled tensor " << k;
@@ -148,22 +153,27 @@ TEST(GpuExecutor, ScaleAndNormMatchTheReferenceForTwoLaunchShapes) {
 TEST(GpuExecutor, ReadOnlyNormAndEagerClipMatchTheReference) {
   std::uint32_t seed = 90;
   for (DType d : {DType::f32, DType::bf16, DType::f16}) {
-    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 3000.0f, 1.0f}, GradientRead{0.3f, 0.37f}}) {
-      SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale) + " clip " + std::to_string(read.clip));
+    for (const GradientRead read :
+         {GradientRead{}, GradientRead{1.0f / 3000.0f, 1.0f}, GradientRead{0.3f, 0.37f}}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale) + " clip " +
+                   std::to_string(read.clip));
       Data data = make_data(d, seed++);
       const Data before = data;
       std::vector<ConstTensorView> cv(data.views.begin(), data.views.end());
       const NormResult ref = finalize(reference::norm_partial(cv, read));
-      const NormResult got = finalize(gpu::emulate::norm_partial(gpu::make_plan(data.views, {}, 7, 3), read, 64));
+      const NormResult got =
+          finalize(gpu::emulate::norm_partial(gpu::make_plan(data.views, {}, 7, 3), read, 64));
       ASSERT_FALSE(got.needs_exact);
       EXPECT_EQ(f32_bits(got.norm), f32_bits(ref.norm));
       EXPECT_EQ(f32_bits(got.max_abs), f32_bits(ref.max_abs));
-      for (std::size_t k = 0; k < data.bufs.size(); ++k) ASSERT_EQ(data.bufs[k], before.bufs[k]) << "nothing written";
+      for (std::size_t k = 0; k < data.bufs.size(); ++k)
+        ASSERT_EQ(data.bufs[k], before.bufs[k]) << "nothing written";
       // The eager clip: in place by the coefficient, like reference::scale_.
       Data expected = before;
       reference::scale_(expected.views, read.clip);
       gpu::emulate::scale(gpu::make_plan(data.views), read.clip);
-      for (std::size_t k = 0; k < data.bufs.size(); ++k) ASSERT_EQ(data.bufs[k], expected.bufs[k]) << k;
+      for (std::size_t k = 0; k < data.bufs.size(); ++k)
+        ASSERT_EQ(data.bufs[k], expected.bufs[k]) << k;
     }
   }
 }
@@ -232,7 +242,8 @@ TEST(GpuExecutor, AccumulateMatchesTheReference) {
       }
       reference::accumulate(pairs);
       gpu::emulate::accumulate(gpu::make_plan(got_acc.views, sources, 5, 3), copy, 128);
-      for (std::size_t k = 0; k < ref_acc.bufs.size(); ++k) ASSERT_EQ(got_acc.bufs[k], ref_acc.bufs[k]) << k;
+      for (std::size_t k = 0; k < ref_acc.bufs.size(); ++k)
+        ASSERT_EQ(got_acc.bufs[k], ref_acc.bufs[k]) << k;
     }
   }
 }
@@ -288,18 +299,24 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         State ref = base;
         auto rt = tensors(ref);
         reference::adamw_step(rt, cfg, GradientRead{scale, clip});
-        struct Shape { int max_blocks, max_tensors, threads; };
-        for (const Shape shape : {Shape{gpu::kMaxAdamWBlocksPerLaunch, gpu::kMaxAdamWTensorsPerLaunch, 256},
-                                  Shape{3, 2, 64}}) {
+        struct Shape {
+          int max_blocks, max_tensors, threads;
+        };
+        for (const Shape shape :
+             {Shape{gpu::kMaxAdamWBlocksPerLaunch, gpu::kMaxAdamWTensorsPerLaunch, 256},
+              Shape{3, 2, 64}}) {
           State got = base;
           auto gt = tensors(got);
           const auto launches = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
           gpu::emulate::adamw(launches, &scale, &clip, nullptr, shape.threads);
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0) {  // memcmp on bits; empty vectors have no data pointer
-              ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0) << "param " << k;
-              ASSERT_EQ(std::memcmp(got.m[k].data(), ref.m[k].data(), sizes[k] * 4), 0) << "exp_avg " << k;
-              ASSERT_EQ(std::memcmp(got.v[k].data(), ref.v[k].data(), sizes[k] * 4), 0) << "exp_avg_sq " << k;
+              ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
+                  << "param " << k;
+              ASSERT_EQ(std::memcmp(got.m[k].data(), ref.m[k].data(), sizes[k] * 4), 0)
+                  << "exp_avg " << k;
+              ASSERT_EQ(std::memcmp(got.v[k].data(), ref.v[k].data(), sizes[k] * 4), 0)
+                  << "exp_avg_sq " << k;
             }
             ASSERT_EQ(got.o[k], ref.o[k]) << "compute copy " << k;
             ASSERT_EQ(got.steps[k], ref.steps[k]);

@@ -107,7 +107,8 @@ Big operator*(const Big& a, const Big& b) {
   for (std::size_t i = 0; i < a.limb.size(); ++i) {
     std::uint64_t carry = 0;
     for (std::size_t j = 0; j < b.limb.size(); ++j) {
-      const std::uint64_t v = static_cast<std::uint64_t>(a.limb[i]) * b.limb[j] + r.limb[i + j] + carry;
+      const std::uint64_t v =
+          static_cast<std::uint64_t>(a.limb[i]) * b.limb[j] + r.limb[i + j] + carry;
       r.limb[i + j] = static_cast<std::uint32_t>(v);
       carry = v >> 32;
     }
@@ -122,7 +123,8 @@ Big operator-(const Big& a, const Big& b) {
   Big r = a;
   std::int64_t borrow = 0;
   for (std::size_t i = 0; i < r.limb.size(); ++i) {
-    std::int64_t v = static_cast<std::int64_t>(r.limb[i]) - (i < b.limb.size() ? b.limb[i] : 0) - borrow;
+    std::int64_t v =
+        static_cast<std::int64_t>(r.limb[i]) - (i < b.limb.size() ? b.limb[i] : 0) - borrow;
     borrow = v < 0 ? 1 : 0;
     if (v < 0) v += std::int64_t{1} << 32;
     r.limb[i] = static_cast<std::uint32_t>(v);
@@ -152,7 +154,8 @@ Big isqrt(const Big& s) {
 // x = m * 2^e with integer m < 2^24 and e >= -149 (x finite, non-zero).
 void decompose(float x, std::uint64_t& m, int& e) {
   int ex = 0;
-  const double f = std::frexp(std::fabs(static_cast<double>(x)), &ex);  // |x| = f * 2^ex, f in [0.5, 1)
+  const double f =
+      std::frexp(std::fabs(static_cast<double>(x)), &ex);  // |x| = f * 2^ex, f in [0.5, 1)
   m = static_cast<std::uint64_t>(std::ldexp(f, 24));
   e = ex - 24;
   while (e < -149) {  // subnormals: the low bits are zero
@@ -180,7 +183,7 @@ float round_sqrt(const Big& s) {
   if (s.is_zero()) return 0.0f;
   const Big q = isqrt(s);
   const int L = q.bit_length();
-  const int c = std::max(L - 24, 0);  // the result's grid is 2^(c - 149)
+  const int c = std::max(L - 24, 0);   // the result's grid is 2^(c - 149)
   std::uint64_t k = q.shr(c).low64();  // floor(sqrt(S) / 2^c)
   // Compare sqrt(S) / 2^c with k + 1/2, i.e. 4 S with (2k+1)^2 * 4^c.
   const Big odd = Big::of(2 * k + 1);
@@ -217,17 +220,26 @@ struct HostTensor {
   }
   float value(std::size_t i) const {
     switch (dtype) {
-      case DType::f32: return f32[i];
-      case DType::bf16: return stepcore::bf16_bits_to_f32(h16[i]);
-      case DType::f16: return stepcore::f16_bits_to_f32(h16[i]);
+      case DType::f32:
+        return f32[i];
+      case DType::bf16:
+        return stepcore::bf16_bits_to_f32(h16[i]);
+      case DType::f16:
+        return stepcore::f16_bits_to_f32(h16[i]);
     }
     return NAN;
   }
   void push(float x) {
     switch (dtype) {
-      case DType::f32: f32.push_back(x); break;
-      case DType::bf16: h16.push_back(stepcore::f32_to_bf16_bits(x)); break;
-      case DType::f16: h16.push_back(stepcore::f32_to_f16_bits(x)); break;
+      case DType::f32:
+        f32.push_back(x);
+        break;
+      case DType::bf16:
+        h16.push_back(stepcore::f32_to_bf16_bits(x));
+        break;
+      case DType::f16:
+        h16.push_back(stepcore::f32_to_f16_bits(x));
+        break;
     }
   }
 };
@@ -267,7 +279,8 @@ float log_uniform(std::mt19937_64& rng, double lo, double hi) {
 
 // Random finite f32 bits with a biased exponent field in [elo, ehi].
 float random_f32(std::mt19937_64& rng, int elo, int ehi) {
-  std::uniform_int_distribution<std::uint32_t> e(static_cast<std::uint32_t>(elo), static_cast<std::uint32_t>(ehi));
+  std::uniform_int_distribution<std::uint32_t> e(static_cast<std::uint32_t>(elo),
+                                                 static_cast<std::uint32_t>(ehi));
   const auto r = static_cast<std::uint32_t>(rng());
   return from_bits((r & 0x807FFFFFu) | (e(rng) << 23));
 }
@@ -287,7 +300,8 @@ TEST(NormOracle, SelfCheck) {
   std::mt19937_64 rng(1);
   for (int i = 0; i < 200; ++i) {
     const float a = random_f32(rng, 100, 150), b = random_f32(rng, 100, 150);
-    const double exact2 = static_cast<double>(a) * a + static_cast<double>(b) * b;  // exact: close exponents
+    const double exact2 =
+        static_cast<double>(a) * a + static_cast<double>(b) * b;  // exact: close exponents
     if (std::fabs(std::log2(std::fabs(a)) - std::log2(std::fabs(b))) > 2) continue;
     EXPECT_EQ(bits(oracle_norm({a, b})), bits(static_cast<float>(std::sqrt(exact2))));
   }
@@ -295,7 +309,8 @@ TEST(NormOracle, SelfCheck) {
 
 TEST(NormExact, SingleElementNormIsItsMagnitude) {
   std::mt19937_64 rng(2);
-  std::vector<float> xs = {FLT_MAX, -FLT_MAX, FLT_MIN, std::numeric_limits<float>::denorm_min(), 1.0f, -0.5f};
+  std::vector<float> xs = {FLT_MAX, -FLT_MAX, FLT_MIN, std::numeric_limits<float>::denorm_min(),
+                           1.0f,    -0.5f};
   for (int i = 0; i < 3000; ++i) xs.push_back(random_f32(rng, 0, 254));
   for (float x : xs) ASSERT_EQ(bits(norm_of_f32({x})), bits(std::fabs(x))) << std::hex << bits(x);
 }
@@ -303,11 +318,12 @@ TEST(NormExact, SingleElementNormIsItsMagnitude) {
 TEST(NormExact, HandWorked) {
   EXPECT_EQ(bits(norm_of_f32({3.0f, 4.0f})), bits(5.0f));
   EXPECT_EQ(bits(norm_of_f32({-3.0f, 4.0f})), bits(5.0f));
-  EXPECT_EQ(bits(norm_of_f32({3 * std::ldexp(1.0f, 125), 4 * std::ldexp(1.0f, 125)})), bits(5 * std::ldexp(1.0f, 125)));
+  EXPECT_EQ(bits(norm_of_f32({3 * std::ldexp(1.0f, 125), 4 * std::ldexp(1.0f, 125)})),
+            bits(5 * std::ldexp(1.0f, 125)));
   const float sub = std::numeric_limits<float>::denorm_min();
   EXPECT_EQ(bits(norm_of_f32({3 * sub, 4 * sub})), bits(5 * sub));
   EXPECT_EQ(bits(norm_of_f32({sub, sub, sub, sub})), bits(2 * sub));
-  EXPECT_EQ(bits(norm_of_f32({sub, sub})), bits(sub));  // 1.414 * 2^-149 -> 2^-149
+  EXPECT_EQ(bits(norm_of_f32({sub, sub})), bits(sub));           // 1.414 * 2^-149 -> 2^-149
   EXPECT_EQ(bits(norm_of_f32({sub, sub, sub})), bits(2 * sub));  // 1.732 -> 2
   // FLT_MAX alone is finite; two of them overflow.
   EXPECT_EQ(bits(norm_of_f32({FLT_MAX})), bits(FLT_MAX));
@@ -326,14 +342,16 @@ TEST(NormExact, HandWorked) {
   // y = 2^116 (y^2 = 2^232) passes the midpoint: ties or above go to Inf. Adding
   // y = 2^116 (1 - 2^-24) (y^2 = 2^232 - 2^209 + 2^184) stays below: FLT_MAX.
   EXPECT_EQ(bits(norm_of_f32({FLT_MAX, std::ldexp(1.0f, 116)})), bits(kInf));
-  EXPECT_EQ(bits(norm_of_f32({FLT_MAX, std::nextafter(std::ldexp(1.0f, 116), 0.0f)})), bits(FLT_MAX));
+  EXPECT_EQ(bits(norm_of_f32({FLT_MAX, std::nextafter(std::ldexp(1.0f, 116), 0.0f)})),
+            bits(FLT_MAX));
   EXPECT_EQ(bits(norm_of_f32({FLT_MAX, 1.0f})), bits(FLT_MAX));
   // A norm just below FLT_MAX stays finite: {0.75, 1} * 2^127 gives exactly 1.25 * 2^127.
   EXPECT_EQ(bits(norm_of_f32({0.75f * std::ldexp(1.0f, 127), std::ldexp(1.0f, 127)})),
             bits(1.25f * std::ldexp(1.0f, 127)));
   // Empty lists, empty tensors, zeros of both signs: +0.
   EXPECT_EQ(bits(stepcore::finalize(ref::norm_partial({})).norm), 0u);
-  EXPECT_EQ(bits(norm_of({HostTensor{}, HostTensor{DType::bf16}, HostTensor{DType::f16}}).norm), 0u);
+  EXPECT_EQ(bits(norm_of({HostTensor{}, HostTensor{DType::bf16}, HostTensor{DType::f16}}).norm),
+            0u);
   const NormResult z = norm_of({f32_tensor({0.0f, -0.0f, -0.0f})});
   EXPECT_EQ(bits(z.norm), 0u);
   EXPECT_EQ(bits(z.max_abs), 0u);
@@ -372,7 +390,8 @@ TEST(NormExact, RandomDataMatchesOracle) {
   };
   // Biased exponent ranges: full range, subnormals only, tiny (result near the
   // subnormal/normal boundary), narrow (many near-ties), huge (overflow region).
-  const Range ranges[] = {{0, 254}, {0, 0}, {0, 3}, {120, 121}, {126, 128}, {240, 254}, {252, 254}, {60, 90}};
+  const Range ranges[] = {{0, 254},   {0, 0},     {0, 3},     {120, 121},
+                          {126, 128}, {240, 254}, {252, 254}, {60, 90}};
   for (const Range& r : ranges) {
     for (int trial = 0; trial < 200; ++trial) {
       std::uniform_int_distribution<int> len(1, 300);
@@ -380,7 +399,8 @@ TEST(NormExact, RandomDataMatchesOracle) {
       for (float& x : xs) x = random_f32(rng, r.elo, r.ehi);
       const float want = oracle_norm(xs);
       const NormResult got = norm_of({f32_tensor(xs)});
-      ASSERT_EQ(bits(got.norm), bits(want)) << "range " << r.elo << ".." << r.ehi << " trial " << trial;
+      ASSERT_EQ(bits(got.norm), bits(want))
+          << "range " << r.elo << ".." << r.ehi << " trial " << trial;
       float mx = 0.0f;
       for (float x : xs) mx = std::max(mx, std::fabs(x));
       ASSERT_EQ(bits(got.max_abs), bits(mx));
@@ -409,7 +429,8 @@ TEST(NormExact, SquareUnitsIsExact) {
     int e = 0;
     decompose(x, m, e);
     ASSERT_GE(shift, 0);
-    ASSERT_EQ(cmp(Big::of(m2).shl(shift), Big::of(m * m).shl(2 * e + 298)), 0) << std::hex << bits(x);
+    ASSERT_EQ(cmp(Big::of(m2).shl(shift), Big::of(m * m).shl(2 * e + 298)), 0)
+        << std::hex << bits(x);
   }
 }
 
@@ -554,7 +575,8 @@ TEST(NormBound, WithinHalfUlpOfLongDoubleSum) {
   std::mt19937_64 rng(8);
   for (int trial = 0; trial < 1500; ++trial) {
     std::uniform_int_distribution<int> len(1, 500);
-    std::uniform_real_distribution<double> centre(-33.0, 33.0);  // values 1e-36 .. 1e36: norms stay finite
+    std::uniform_real_distribution<double> centre(-33.0,
+                                                  33.0);  // values 1e-36 .. 1e36: norms stay finite
     const double c = centre(rng);
     std::vector<float> xs(static_cast<std::size_t>(len(rng)));
     for (float& x : xs) x = log_uniform(rng, c - 3, c + 3);
@@ -617,8 +639,8 @@ TEST(NormNonFinite, NaNAndInf) {
 TEST(NormRead, EqualsNormOfEagerlyScaledCopy) {
   std::mt19937_64 rng(9);
   const std::vector<HostTensor> ts = mixed_tensors(rng, 20);
-  const GradientRead reads[] = {{1.0f, 1.0f},      {0.5f, 1.0f},   {1.0f / 3.0f, 0.7f}, {3.0f, 0.1f},
-                                {1e-20f, 0.9f},    {1e20f, 1.0f},  {1e-30f, 0.3f},      {2.0f, 0.0f},
+  const GradientRead reads[] = {{1.0f, 1.0f},      {0.5f, 1.0f},  {1.0f / 3.0f, 0.7f}, {3.0f, 0.1f},
+                                {1e-20f, 0.9f},    {1e20f, 1.0f}, {1e-30f, 0.3f},      {2.0f, 0.0f},
                                 {1000.0f, 0.999f}, {0.001f, 0.5f}};
   for (const GradientRead& rd : reads) {
     SCOPED_TRACE(testing::Message() << "scale " << rd.scale << " clip " << rd.clip);
@@ -683,7 +705,8 @@ TEST(NormRead, ScaleOverflowIsNonFinite) {
   EXPECT_EQ(bits(norm_of({h1}, {1.0f + 0x1p-11f, 1.0f - 0x1p-11f}).norm), bits(1.0f - 0x1p-11f));
   EXPECT_EQ(bits(norm_of({b1}, {1.0f + 0x1p-8f, 1.0f - 0x1p-8f}).norm), bits(1.0f - 0x1p-8f));
   // f32 reads round like f32 arithmetic: 1 * (1 + 2^-23) * (1 - 2^-23) = 1 - 2^-46 -> 1.
-  EXPECT_EQ(bits(norm_of({f32_tensor({1.0f})}, {1.0f + 0x1p-23f, 1.0f - 0x1p-23f}).norm), bits(1.0f));
+  EXPECT_EQ(bits(norm_of({f32_tensor({1.0f})}, {1.0f + 0x1p-23f, 1.0f - 0x1p-23f}).norm),
+            bits(1.0f));
 }
 
 // ---- approximate partials: certified rounding or the exact fallback ------------------
@@ -693,7 +716,8 @@ Big big_of_digits(const std::uint64_t (&d)[stepcore::kNormDigits]) {
   std::memcpy(n, d, sizeof n);
   stepcore::detail::normalize_digits(n);
   Big b;
-  for (int k = 0; k < stepcore::kNormDigits; ++k) b.limb.push_back(static_cast<std::uint32_t>(n[k]));
+  for (int k = 0; k < stepcore::kNormDigits; ++k)
+    b.limb.push_back(static_cast<std::uint32_t>(n[k]));
   b.trim();
   return b;
 }

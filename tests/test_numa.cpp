@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <set>
 #include <string>
@@ -49,7 +49,8 @@ void expect_disjoint_cover(const numa::Topology& t, const std::vector<std::strin
   }
   for (const auto& [node_index, cpus] : used) {
     const int node = node_index;
-    const auto it = std::find_if(t.nodes().begin(), t.nodes().end(), [&](const numa::Node& n) { return n.os_index == node; });
+    const auto it = std::find_if(t.nodes().begin(), t.nodes().end(),
+                                 [&](const numa::Node& n) { return n.os_index == node; });
     ASSERT_NE(it, t.nodes().end());
     std::multiset<int> cores;
     for (const auto& c : it->cores) cores.insert(c.pus.front());
@@ -179,7 +180,8 @@ TEST(NumaTopology, LauncherEnvironment) {
   EXPECT_EQ(numa::local_world_size_from_env(), 8);
   ::setenv("LOCAL_RANK", "x", 1);
   EXPECT_THROW(numa::local_rank_from_env(), Error);
-  for (const char* v : {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"})
+  for (const char* v : {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE"})
     ::unsetenv(v);
   EXPECT_EQ(numa::local_rank_from_env(7), 7);
 }
@@ -193,7 +195,8 @@ TEST(NumaLive, EngineWorkersAreBoundAndTheCallerRestored) {
   const cpu::Engine eng(cpu::EngineConfig{std::nullopt, 0, cpus});
   EXPECT_EQ(eng.threads(), 2);
   std::vector<float> a(1 << 18, 1.0f), b(1 << 18, 2.0f);
-  const std::vector<AccumulatePair> pairs{{{a.data(), a.size(), DType::f32}, {b.data(), b.size(), DType::f32}, false}};
+  const std::vector<AccumulatePair> pairs{
+      {{a.data(), a.size(), DType::f32}, {b.data(), b.size(), DType::f32}, false}};
   std::vector<std::vector<int>> seen(2);
   // The engine's region binds its pool threads; the next region with the same pool
   // sees the masks they kept (worker 0 is the caller, whose mask comes back).
@@ -212,15 +215,17 @@ TEST(NumaLive, StateIsFirstTouchedOnTheRanksNode) {
   const int node = t.nodes().front().os_index;
   numa::HostBuffer buf(std::size_t{8} << 20, node);
   EXPECT_EQ(buf.numa_node(), node);
-  for (int s : numa::page_nodes(buf.data(), buf.bytes())) EXPECT_LT(s, 0) << "no page may be placed before first touch";
+  for (int s : numa::page_nodes(buf.data(), buf.bytes()))
+    EXPECT_LT(s, 0) << "no page may be placed before first touch";
   float* f = buf.at<float>(0, buf.bytes() / 4);
-  const std::vector<TensorView> views{{f, buf.bytes() / 8, DType::f32}, {f + buf.bytes() / 8, buf.bytes() / 8, DType::f32}};
+  const std::vector<TensorView> views{{f, buf.bytes() / 8, DType::f32},
+                                      {f + buf.bytes() / 8, buf.bytes() / 8, DType::f32}};
   cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).first_touch(views);
   const auto nodes = numa::page_nodes(buf.data(), buf.bytes());
   ASSERT_FALSE(nodes.empty());
   for (int s : nodes) ASSERT_EQ(s, node);
   EXPECT_EQ(f[123], 0.0f);
-  EXPECT_THROW(buf.at<float>(2, 1), Error);                 // misaligned
+  EXPECT_THROW(buf.at<float>(2, 1), Error);                    // misaligned
   EXPECT_THROW(buf.at<float>(0, buf.bytes() / 4 + 1), Error);  // past the end
 }
 

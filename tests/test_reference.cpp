@@ -45,13 +45,15 @@ float F(double x) { return static_cast<float>(x); }
 double D(float x) { return static_cast<double>(x); }
 
 // Compares float vectors bit for bit, reporting the first few differences.
-void expect_same_bits(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+void expect_same_bits(const std::vector<float>& got, const std::vector<float>& want,
+                      const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   int bad = 0;
   for (std::size_t i = 0; i < got.size(); ++i)
     if (bits(got[i]) != bits(want[i]) && ++bad <= 5)
-      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << " (" << std::hex << bits(got[i]) << "), want "
-                    << want[i] << " (" << bits(want[i]) << ")" << std::dec << " of " << got.size();
+      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << " (" << std::hex << bits(got[i])
+                    << "), want " << want[i] << " (" << bits(want[i]) << ")" << std::dec << " of "
+                    << got.size();
 }
 
 // ---- storage of any dtype --------------------------------------------------------------
@@ -63,29 +65,43 @@ struct Buf {
 
   Buf() = default;
   Buf(DType t, std::size_t n) : dtype(t) {
-    if (t == DType::f32) f.assign(n, 0.0f);
-    else h.assign(n, 0);
+    if (t == DType::f32)
+      f.assign(n, 0.0f);
+    else
+      h.assign(n, 0);
   }
   std::size_t size() const { return dtype == DType::f32 ? f.size() : h.size(); }
-  void* data() { return dtype == DType::f32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data()); }
+  void* data() {
+    return dtype == DType::f32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data());
+  }
   const void* data() const {
-    return dtype == DType::f32 ? static_cast<const void*>(f.data()) : static_cast<const void*>(h.data());
+    return dtype == DType::f32 ? static_cast<const void*>(f.data())
+                               : static_cast<const void*>(h.data());
   }
   TensorView view() { return {data(), size(), dtype}; }
   ConstTensorView cview() const { return {data(), size(), dtype}; }
   float get(std::size_t i) const {
     switch (dtype) {
-      case DType::f32: return f[i];
-      case DType::bf16: return stepcore::bf16_bits_to_f32(h[i]);
-      case DType::f16: return stepcore::f16_bits_to_f32(h[i]);
+      case DType::f32:
+        return f[i];
+      case DType::bf16:
+        return stepcore::bf16_bits_to_f32(h[i]);
+      case DType::f16:
+        return stepcore::f16_bits_to_f32(h[i]);
     }
     return kNaN;
   }
   void set(std::size_t i, float x) {  // stores R_T(x)
     switch (dtype) {
-      case DType::f32: f[i] = x; break;
-      case DType::bf16: h[i] = stepcore::f32_to_bf16_bits(x); break;
-      case DType::f16: h[i] = stepcore::f32_to_f16_bits(x); break;
+      case DType::f32:
+        f[i] = x;
+        break;
+      case DType::bf16:
+        h[i] = stepcore::f32_to_bf16_bits(x);
+        break;
+      case DType::f16:
+        h[i] = stepcore::f32_to_f16_bits(x);
+        break;
     }
   }
   std::vector<unsigned char> bytes() const {
@@ -117,7 +133,8 @@ float rand_val(std::mt19937_64& rng, DType t, double lo, double hi) {
 
 const std::vector<std::size_t>& boundary_sizes() {
   static const std::vector<std::size_t> s = [] {
-    std::vector<std::size_t> v = {0, 1, 7, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1023, 1024, 1025};
+    std::vector<std::size_t> v = {0,  1,  7,  15,  16,  17,  31,   32,   33,
+                                  63, 64, 65, 127, 128, 129, 1023, 1024, 1025};
     std::mt19937_64 rng(2024);
     for (int i = 0; i < 6; ++i) v.push_back(static_cast<std::size_t>(rng() % 3000));
     return v;
@@ -261,8 +278,10 @@ AdamWBufs expected_adamw(const AdamWBufs& in, const AdamWConfig& c, GradientRead
   const TorchS ts = torch_scalars(c, e.step);
   for (std::size_t i = 0; i < n; ++i) {
     const float g = read_grad(in.g, i, read);
-    if (c.formula == AdamWFormula::native) native_element(e.p[i], e.m[i], e.v[i], g, ns);
-    else torch_element(e.p[i], e.m[i], e.v[i], g, ts, i >= tail_begin);
+    if (c.formula == AdamWFormula::native)
+      native_element(e.p[i], e.m[i], e.v[i], g, ns);
+    else
+      torch_element(e.p[i], e.m[i], e.v[i], g, ts, i >= tail_begin);
     if (e.has_out) e.out.set(i, e.p[i]);
   }
   return e;
@@ -292,29 +311,31 @@ AdamWConfig torch_config(int tail = 8) {
 // ---- scalars ----------------------------------------------------------------------
 
 TEST(AdamWScalars, MatchIndependentPreparation) {
-  const AdamWConfig cfgs[] = {
-      native_config(), torch_config(), [] {
-        AdamWConfig c;
-        c.lr = 0.1;
-        c.beta1 = 0.3;
-        c.beta2 = 0.95;
-        c.eps = 1e-6;
-        c.weight_decay = 0.5;
-        return c;
-      }(),
-      [] {
-        AdamWConfig c;
-        c.weight_decay = 0.0;
-        return c;
-      }()};
+  const AdamWConfig cfgs[] = {native_config(), torch_config(),
+                              [] {
+                                AdamWConfig c;
+                                c.lr = 0.1;
+                                c.beta1 = 0.3;
+                                c.beta2 = 0.95;
+                                c.eps = 1e-6;
+                                c.weight_decay = 0.5;
+                                return c;
+                              }(),
+                              [] {
+                                AdamWConfig c;
+                                c.weight_decay = 0.0;
+                                return c;
+                              }()};
   for (AdamWConfig c : cfgs)
     for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch})
       for (float step : {1.0f, 2.0f, 10.0f, 1000.0f, 16777215.0f}) {
         c.formula = f;
         const stepcore::AdamWScalars s = stepcore::prepare_adamw_scalars(c, step);
-        SCOPED_TRACE(testing::Message() << "formula " << static_cast<int>(f) << " step " << step << " lr " << c.lr);
-        EXPECT_EQ(bits(s.bc2_sqrt), bits(f == AdamWFormula::native ? native_scalars(c, step).bc2_sqrt
-                                                                   : torch_scalars(c, step).bc2_sqrt));
+        SCOPED_TRACE(testing::Message()
+                     << "formula " << static_cast<int>(f) << " step " << step << " lr " << c.lr);
+        EXPECT_EQ(bits(s.bc2_sqrt),
+                  bits(f == AdamWFormula::native ? native_scalars(c, step).bc2_sqrt
+                                                 : torch_scalars(c, step).bc2_sqrt));
         EXPECT_EQ(bits(s.eps), bits(F(c.eps)));
         if (f == AdamWFormula::native) {
           const NativeS n = native_scalars(c, step);
@@ -374,7 +395,7 @@ TEST(AdamWNative, HandWorkedSingleElement) {
   const float lr = F(1e-3), b1 = F(0.9), b2 = F(0.999), eps = F(1e-8), wd = F(0.01);
   const float decay = F(1.0 - D(lr) * D(wd));
   const float omb1 = F(1.0 - D(b1)), omb2 = F(1.0 - D(b2));
-  const float step_size = F(D(lr) / (1.0 - D(b1)));      // bc1 at step 1 = 1 - b1
+  const float step_size = F(D(lr) / (1.0 - D(b1)));  // bc1 at step 1 = 1 - b1
   const float bc2_sqrt = F(std::sqrt(1.0 - D(b2)));
   float p = 1.0f, m = 0.1f, v = 0.01f;
   const float g = 0.5f;
@@ -428,7 +449,8 @@ TEST(AdamWNative, CloseToRealNumberAdamW) {
     adamw(bs, c);
     // The native formula holds its hyper-parameters in f32 (1 - f32(0.999) is
     // 1.3e-5 away from 0.001 relatively), so the real-number AdamW uses those values.
-    const long double b1 = F(c.beta1), b2 = F(c.beta2), lr = F(c.lr), wd = F(c.weight_decay), eps = F(c.eps);
+    const long double b1 = F(c.beta1), b2 = F(c.beta2), lr = F(c.lr), wd = F(c.weight_decay),
+                      eps = F(c.eps);
     for (std::size_t i = 0; i < n; ++i) {
       const long double g = b.g.get(i);
       M[i] = b1 * M[i] + (1 - b1) * g;
@@ -439,9 +461,11 @@ TEST(AdamWNative, CloseToRealNumberAdamW) {
       // m: a few f32 roundings of terms <= 1 per step (m may cancel to ~0: absolute).
       ASSERT_NEAR(static_cast<double>(b.m[i]), static_cast<double>(M[i]), 1e-6);
       // v: a sum of non-negative terms, a few ulps relative per step.
-      ASSERT_NEAR(static_cast<double>(b.v[i]), static_cast<double>(V[i]), 2e-6 * static_cast<double>(V[i]) + 1e-20);
+      ASSERT_NEAR(static_cast<double>(b.v[i]), static_cast<double>(V[i]),
+                  2e-6 * static_cast<double>(V[i]) + 1e-20);
       // The update has size ~lr; the f32 parameter carries ~1e-7 relative error per step.
-      ASSERT_NEAR(static_cast<double>(b.p[i]), static_cast<double>(P[i]), 1e-5) << "step " << t << " i " << i;
+      ASSERT_NEAR(static_cast<double>(b.p[i]), static_cast<double>(P[i]), 1e-5)
+          << "step " << t << " i " << i;
     }
   }
   EXPECT_EQ(bits(b.step), bits(20.0f));
@@ -621,7 +645,7 @@ TEST(AdamWTorch, TailWidthSelectsTheTailForm) {
     std::size_t n;
     std::size_t fused;  // number of trailing elements in the fused form
   };
-  const Case cases[] = {{8, 11, 3}, {8, 16, 0}, {8, 7, 7},   {16, 11, 11}, {16, 16, 0},
+  const Case cases[] = {{8, 11, 3},  {8, 16, 0}, {8, 7, 7},  {16, 11, 11}, {16, 16, 0},
                         {16, 33, 1}, {0, 11, 0}, {1, 11, 0}, {64, 65, 1},  {3, 10, 1}};
   for (const Case& k : cases) {
     SCOPED_TRACE(testing::Message() << "W " << k.width << " n " << k.n);
@@ -672,7 +696,8 @@ TEST(AdamWTorch, HandWorkedWeightDecayAndSign) {
 
 // ---- both formulas over grad dtypes x boundary sizes ----------------------------------------
 
-template <class T> struct GradType : ::testing::Test {};
+template <class T>
+struct GradType : ::testing::Test {};
 using GradTypes = ::testing::Types<float, bfloat16_t, float16_t>;
 TYPED_TEST_SUITE(GradType, GradTypes);
 
@@ -682,8 +707,10 @@ TYPED_TEST(GradType, AdamWMatchesPerElementExpectation) {
   const GradientRead reads[] = {{1.0f, 1.0f}, {1.0f / 3.0f, 0.71f}, {0.001f, 1.0f}};
   for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch})
     for (const GradientRead& rd : reads) {
-      SCOPED_TRACE(testing::Message() << "formula " << static_cast<int>(f) << " scale " << rd.scale);
-      AdamWConfig c = f == AdamWFormula::native ? native_config() : torch_config(rng() % 2 ? 8 : 16);
+      SCOPED_TRACE(testing::Message()
+                   << "formula " << static_cast<int>(f) << " scale " << rd.scale);
+      AdamWConfig c =
+          f == AdamWFormula::native ? native_config() : torch_config(rng() % 2 ? 8 : 16);
       c.weight_decay = rng() % 3 == 0 ? 0.0 : 0.05;
       // All boundary sizes in one call, each with its own counter and output dtype.
       std::vector<AdamWBufs> bs;
@@ -707,12 +734,14 @@ TYPED_TEST(GradType, AdamWMatchesPerElementExpectation) {
 TYPED_TEST(GradType, ReadEqualsEagerScaleThenClip) {
   constexpr DType gdt = stepcore::dtype_of_v<TypeParam>;
   std::mt19937_64 rng(200 + static_cast<int>(gdt));
-  const GradientRead reads[] = {{0.37f, 0.83f}, {1.0f + 0x1p-11f, 1.0f - 0x1p-11f}, {1e-3f, 0.0f}, {4.0f, 0.5f}};
+  const GradientRead reads[] = {
+      {0.37f, 0.83f}, {1.0f + 0x1p-11f, 1.0f - 0x1p-11f}, {1e-3f, 0.0f}, {4.0f, 0.5f}};
   for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch})
     for (const GradientRead& rd : reads) {
       const AdamWConfig c = f == AdamWFormula::native ? native_config() : torch_config();
       std::vector<AdamWBufs> lazy;
-      for (std::size_t n : {1, 17, 64, 129}) lazy.push_back(random_adamw(rng, n, gdt, true, DType::bf16));
+      for (std::size_t n : {1, 17, 64, 129})
+        lazy.push_back(random_adamw(rng, n, gdt, true, DType::bf16));
       std::vector<AdamWBufs> eager = lazy;
       for (AdamWBufs& b : eager) {
         const TensorView v = b.g.view();
@@ -829,7 +858,9 @@ TYPED_TEST(GradType, ScaleInPlace) {
     std::vector<Buf> bs;
     for (std::size_t n : boundary_sizes()) {
       Buf b(dt, n);
-      for (std::size_t i = 0; i < n; ++i) b.set(i, rand_val(rng, DType::f32, dt == DType::f16 ? -6 : -30, dt == DType::f16 ? 4.5 : 30));
+      for (std::size_t i = 0; i < n; ++i)
+        b.set(i,
+              rand_val(rng, DType::f32, dt == DType::f16 ? -6 : -30, dt == DType::f16 ? 4.5 : 30));
       bs.push_back(std::move(b));
     }
     std::vector<Buf> want = bs;
@@ -838,7 +869,8 @@ TYPED_TEST(GradType, ScaleInPlace) {
     std::vector<TensorView> vs;
     for (Buf& b : bs) vs.push_back(b.view());
     ref::scale_(vs, s);
-    for (std::size_t k = 0; k < bs.size(); ++k) EXPECT_EQ(bs[k].bytes(), want[k].bytes()) << "scale " << s;
+    for (std::size_t k = 0; k < bs.size(); ++k)
+      EXPECT_EQ(bs[k].bytes(), want[k].bytes()) << "scale " << s;
   }
 }
 
@@ -852,21 +884,21 @@ TEST(ScaleHandWorked, OverflowSubnormalsZerosAndNaN) {
     return x;
   };
   // f16
-  EXPECT_EQ(run16(DType::f16, 0x7A00, 2.0f), 0x7C00);   // 49152 * 2 -> Inf
-  EXPECT_EQ(run16(DType::f16, 0xFA00, 2.0f), 0xFC00);   // -> -Inf
-  EXPECT_EQ(run16(DType::f16, 0x7BFF, 1.0f), 0x7BFF);   // 65504 * 1 exact
-  EXPECT_EQ(run16(DType::f16, 0x0400, 0x1p-5f), 0x0020);  // 2^-14 * 2^-5 = 2^-19 subnormal
-  EXPECT_EQ(run16(DType::f16, 0x0001, 0.5f), 0x0000);   // 2^-25: tie -> 0
-  EXPECT_EQ(run16(DType::f16, 0x0003, 0.5f), 0x0002);   // 1.5 * 2^-24: tie -> 2
-  EXPECT_EQ(run16(DType::f16, 0x8001, 0.5f), 0x8000);   // -> -0
-  EXPECT_EQ(run16(DType::f16, 0xBC00, 0.0f), 0x8000);   // -1 * 0 = -0
-  EXPECT_EQ(run16(DType::f16, 0xFE01, 1.0f), 0xFE00);   // NaN -> sign | 0x7E00
+  EXPECT_EQ(run16(DType::f16, 0x7A00, 2.0f), 0x7C00);         // 49152 * 2 -> Inf
+  EXPECT_EQ(run16(DType::f16, 0xFA00, 2.0f), 0xFC00);         // -> -Inf
+  EXPECT_EQ(run16(DType::f16, 0x7BFF, 1.0f), 0x7BFF);         // 65504 * 1 exact
+  EXPECT_EQ(run16(DType::f16, 0x0400, 0x1p-5f), 0x0020);      // 2^-14 * 2^-5 = 2^-19 subnormal
+  EXPECT_EQ(run16(DType::f16, 0x0001, 0.5f), 0x0000);         // 2^-25: tie -> 0
+  EXPECT_EQ(run16(DType::f16, 0x0003, 0.5f), 0x0002);         // 1.5 * 2^-24: tie -> 2
+  EXPECT_EQ(run16(DType::f16, 0x8001, 0.5f), 0x8000);         // -> -0
+  EXPECT_EQ(run16(DType::f16, 0xBC00, 0.0f), 0x8000);         // -1 * 0 = -0
+  EXPECT_EQ(run16(DType::f16, 0xFE01, 1.0f), 0xFE00);         // NaN -> sign | 0x7E00
   EXPECT_EQ(run16(DType::f16, 0x3C00, 1.0f / 3.0f), 0x3555);  // 1/3 in f16
   // bf16
-  EXPECT_EQ(run16(DType::bf16, 0x7F00, 4.0f), 0x7F80);  // 2^127 * 4 -> Inf
-  EXPECT_EQ(run16(DType::bf16, 0x0080, 0.5f), 0x0040);  // 2^-126 / 2: subnormal
+  EXPECT_EQ(run16(DType::bf16, 0x7F00, 4.0f), 0x7F80);            // 2^127 * 4 -> Inf
+  EXPECT_EQ(run16(DType::bf16, 0x0080, 0.5f), 0x0040);            // 2^-126 / 2: subnormal
   EXPECT_EQ(run16(DType::bf16, 0x3F80, 1.0f + 0x1p-8f), 0x3F80);  // tie -> even
-  EXPECT_EQ(run16(DType::bf16, 0xFFC1, 1.0f), 0x7FC0);  // NaN -> 0x7FC0, sign dropped
+  EXPECT_EQ(run16(DType::bf16, 0xFFC1, 1.0f), 0x7FC0);            // NaN -> 0x7FC0, sign dropped
   EXPECT_EQ(run16(DType::bf16, 0xBF80, 0.0f), 0x8000);
   // f32
   float x[4] = {FLT_MAX, FLT_MIN, -1.0f, 3.0f};
@@ -895,7 +927,7 @@ TEST(AccumulateHandWorked, SpecialValues) {
   ref::accumulate({&pr, 1});
   EXPECT_EQ(bits(acc[0]), bits(2.0f));
   EXPECT_EQ(bits(acc[1]), bits(kInf));
-  EXPECT_TRUE(std::isnan(acc[2]));  // Inf + -Inf
+  EXPECT_TRUE(std::isnan(acc[2]));       // Inf + -Inf
   EXPECT_EQ(bits(acc[3]), bits(0.0f));   // +0 + -0 = +0
   EXPECT_EQ(bits(acc[4]), bits(-0.0f));  // -0 + -0 = -0
   EXPECT_EQ(bits(acc[5]), bits(1.0f));   // 1 + 2^-24: tie -> 1
@@ -980,7 +1012,8 @@ TEST(SignSgdHandWorked, DecayIsOneFusedOperation) {
   for (int i = 0; i < 2000; ++i) {
     float p = rand_val(rng, DType::f32, -2, 2);
     const float g = 0.0f;  // sign 0: only the decay acts
-    const long double exact = static_cast<long double>(p) * k + p;  // exact: 48-bit product, close exponents
+    const long double exact =
+        static_cast<long double>(p) * k + p;  // exact: 48-bit product, close exponents
     const float once = static_cast<float>(exact);
     const float twice = F(D(F(D(p) * D(k))) + D(p));
     if (bits(once) != bits(twice)) ++differs;
@@ -1000,7 +1033,8 @@ TEST(FoundInf, NonZeroWritesNothing) {
   for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
     const AdamWConfig c = f == AdamWFormula::native ? native_config() : torch_config();
     std::vector<AdamWBufs> bs;
-    for (std::size_t n : {1, 17, 100}) bs.push_back(random_adamw(rng, n, DType::bf16, true, DType::f16));
+    for (std::size_t n : {1, 17, 100})
+      bs.push_back(random_adamw(rng, n, DType::bf16, true, DType::f16));
     const std::vector<AdamWBufs> before = bs;
     for (std::int32_t flag : {1, -1, 0x7FFFFFFF}) {
       adamw(bs, c, {0.5f, 0.5f}, &flag);

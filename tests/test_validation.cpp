@@ -46,7 +46,8 @@ class Arena {
     std::mt19937 rng(1);
     for (auto& b : mem_) b = static_cast<std::byte>(rng() & 0x3F);  // small positive floats, no NaN
   }
-  template <class T> T* alloc(std::size_t n) {
+  template <class T>
+  T* alloc(std::size_t n) {
     used_ = (used_ + 63) & ~std::size_t{63};
     T* p = reinterpret_cast<T*>(mem_.data() + used_);
     used_ += n * sizeof(T) + 64;  // a gap: separate allocations never touch
@@ -73,8 +74,8 @@ void expect_error(const Arena& arena, const std::function<void()>& f, Errc code,
     EXPECT_EQ(e.code(), code) << e.what();
     bool named = false;
     for (const std::string& a : args) named = named || e.argument() == a;
-    EXPECT_TRUE(named) << "argument() = '" << e.argument() << "', expected '" << args[0] << "'" << " (" << e.what()
-                       << ")";
+    EXPECT_TRUE(named) << "argument() = '" << e.argument() << "', expected '" << args[0] << "'"
+                       << " (" << e.what() << ")";
   }
   EXPECT_TRUE(arena.same(before)) << "a buffer changed although the call failed";
 }
@@ -85,7 +86,8 @@ struct AdamWFixture : ::testing::Test {
   Arena arena;
   std::vector<AdamWTensor> valid;  // tensors[0..2]
 
-  AdamWTensor make(std::size_t n, DType gdt = DType::f32, DType odt = DType::bf16, bool out = true) {
+  AdamWTensor make(std::size_t n, DType gdt = DType::f32, DType odt = DType::bf16,
+                   bool out = true) {
     AdamWTensor t;
     t.param = {arena.alloc<float>(n), n, DType::f32};
     t.exp_avg = {arena.alloc<float>(n), n, DType::f32};
@@ -109,7 +111,8 @@ struct AdamWFixture : ::testing::Test {
   }
   void expect(const std::vector<AdamWTensor>& ts, const AdamWConfig& c, GradientRead r, Errc code,
               std::vector<std::string> args, const std::int32_t* found_inf = nullptr) {
-    expect_error(arena, [&] { ref::adamw_step(ts, c, r, found_inf); }, code, std::move(args));
+    expect_error(
+        arena, [&] { ref::adamw_step(ts, c, r, found_inf); }, code, std::move(args));
   }
   void expect_tensor(const AdamWTensor& bad, Errc code, const std::string& arg) {
     for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
@@ -140,36 +143,49 @@ TEST_F(AdamWFixture, HyperParameters) {
   expect_config(cfg([](AdamWConfig& c) { c.lr = kNaN; }), Errc::non_finite, "config.lr");
   expect_config(cfg([](AdamWConfig& c) { c.lr = kInf; }), Errc::non_finite, "config.lr");
   expect_config(cfg([](AdamWConfig& c) { c.lr = -1e-3; }), Errc::invalid_argument, "config.lr");
-  expect_config(cfg([](AdamWConfig& c) { c.lr = 1e300, c.weight_decay = 0; }), Errc::out_of_range, "config.lr");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = 1e300, c.weight_decay = 0; }), Errc::out_of_range,
+                "config.lr");
   expect_config(cfg([](AdamWConfig& c) { c.beta1 = kNaN; }), Errc::non_finite, "config.beta1");
   expect_config(cfg([](AdamWConfig& c) { c.beta1 = 1.0; }), Errc::invalid_argument, "config.beta1");
-  expect_config(cfg([](AdamWConfig& c) { c.beta1 = -0.1; }), Errc::invalid_argument, "config.beta1");
+  expect_config(cfg([](AdamWConfig& c) { c.beta1 = -0.1; }), Errc::invalid_argument,
+                "config.beta1");
   expect_config(cfg([](AdamWConfig& c) { c.beta2 = kNaN; }), Errc::non_finite, "config.beta2");
-  expect_config(cfg([](AdamWConfig& c) { c.beta2 = -0.1; }), Errc::invalid_argument, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) { c.beta2 = -0.1; }), Errc::invalid_argument,
+                "config.beta2");
   expect_config(cfg([](AdamWConfig& c) { c.beta2 = 1.0; }), Errc::invalid_argument, "config.beta2");
   expect_config(cfg([](AdamWConfig& c) { c.eps = 0.0; }), Errc::invalid_argument, "config.eps");
   expect_config(cfg([](AdamWConfig& c) { c.eps = -1e-8; }), Errc::invalid_argument, "config.eps");
   expect_config(cfg([](AdamWConfig& c) { c.eps = kNaN; }), Errc::non_finite, "config.eps");
   expect_config(cfg([](AdamWConfig& c) { c.eps = kInf; }), Errc::non_finite, "config.eps");
-  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e-60; }), Errc::out_of_range, "config.eps");  // 0 in f32
-  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e300; }), Errc::out_of_range, "config.eps");  // Inf in f32
-  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = -0.01; }), Errc::invalid_argument, "config.weight_decay");
-  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = kNaN; }), Errc::non_finite, "config.weight_decay");
-  expect_config(cfg([](AdamWConfig& c) { c.lr = 0.5, c.weight_decay = 3.0; }), Errc::invalid_argument,
+  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e-60; }), Errc::out_of_range,
+                "config.eps");  // 0 in f32
+  expect_config(cfg([](AdamWConfig& c) { c.eps = 1e300; }), Errc::out_of_range,
+                "config.eps");  // Inf in f32
+  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = -0.01; }), Errc::invalid_argument,
                 "config.weight_decay");
-  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range, "config.torch_tail_width");
+  expect_config(cfg([](AdamWConfig& c) { c.weight_decay = kNaN; }), Errc::non_finite,
+                "config.weight_decay");
+  expect_config(cfg([](AdamWConfig& c) { c.lr = 0.5, c.weight_decay = 3.0; }),
+                Errc::invalid_argument, "config.weight_decay");
+  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range,
+                "config.torch_tail_width");
   // Native formula: hyper-parameters are checked again after rounding to f32.
-  expect_config(cfg([](AdamWConfig& c) { c.beta1 = 1.0 - 0x1p-26; }), Errc::out_of_range, "config.beta1");
-  expect_config(cfg([](AdamWConfig& c) { c.beta2 = 1.0 - 0x1p-26; }), Errc::out_of_range, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) { c.beta1 = 1.0 - 0x1p-26; }), Errc::out_of_range,
+                "config.beta1");
+  expect_config(cfg([](AdamWConfig& c) { c.beta2 = 1.0 - 0x1p-26; }), Errc::out_of_range,
+                "config.beta2");
   expect_config(cfg([](AdamWConfig& c) { c.lr = 0.1, c.weight_decay = 10.0; }), Errc::out_of_range,
                 "config.weight_decay");  // exactly 1 in double, 1.0000000149 in f32
-  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range, "config.torch_tail_width");
-  expect_config(cfg([](AdamWConfig& c) { c.formula = static_cast<AdamWFormula>(7); }), Errc::invalid_argument,
-                "config.formula");
+  expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range,
+                "config.torch_tail_width");
+  expect_config(cfg([](AdamWConfig& c) { c.formula = static_cast<AdamWFormula>(7); }),
+                Errc::invalid_argument, "config.formula");
   // Boundary values that are valid.
-  for (auto c : {cfg([](AdamWConfig& c) { c.lr = 0.0; }), cfg([](AdamWConfig& c) { c.beta1 = 0.0, c.beta2 = 0.0; }),
-                 cfg([](AdamWConfig& c) { c.lr = 1.0, c.weight_decay = 1.0; }),
-                 cfg([](AdamWConfig& c) { c.torch_tail_width = 64, c.formula = AdamWFormula::torch; })})
+  for (auto c :
+       {cfg([](AdamWConfig& c) { c.lr = 0.0; }),
+        cfg([](AdamWConfig& c) { c.beta1 = 0.0, c.beta2 = 0.0; }),
+        cfg([](AdamWConfig& c) { c.lr = 1.0, c.weight_decay = 1.0; }),
+        cfg([](AdamWConfig& c) { c.torch_tail_width = 64, c.formula = AdamWFormula::torch; })})
     EXPECT_NO_THROW(ref::adamw_step(with(make(3)), c));
 }
 
@@ -199,30 +215,44 @@ TEST_F(AdamWFixture, PointersDtypesAndSizes) {
     mutate(t);
     return t;
   };
-  expect_tensor(bad([](AdamWTensor& t) { t.param.data = nullptr; }), Errc::null_pointer, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::bf16; }), Errc::unsupported_dtype, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::f16; }), Errc::unsupported_dtype, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = kBadDType; }), Errc::unsupported_dtype, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = (std::size_t{1} << 61); }), Errc::out_of_range, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.data = nullptr; }), Errc::null_pointer, n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.dtype = DType::f16; }), Errc::unsupported_dtype, n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 5; }), Errc::size_mismatch, n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 7; }), Errc::size_mismatch, n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.data = nullptr; }), Errc::null_pointer, n + "exp_avg_sq");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.dtype = DType::bf16; }), Errc::unsupported_dtype,
+  expect_tensor(bad([](AdamWTensor& t) { t.param.data = nullptr; }), Errc::null_pointer,
+                n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::bf16; }), Errc::unsupported_dtype,
+                n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::f16; }), Errc::unsupported_dtype,
+                n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = kBadDType; }), Errc::unsupported_dtype,
+                n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = (std::size_t{1} << 61); }),
+                Errc::out_of_range, n + "param");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.data = nullptr; }), Errc::null_pointer,
+                n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.dtype = DType::f16; }), Errc::unsupported_dtype,
+                n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 5; }), Errc::size_mismatch,
+                n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 7; }), Errc::size_mismatch,
+                n + "exp_avg");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.data = nullptr; }), Errc::null_pointer,
                 n + "exp_avg_sq");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.numel = 0; }), Errc::size_mismatch, n + "exp_avg_sq");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.dtype = DType::bf16; }),
+                Errc::unsupported_dtype, n + "exp_avg_sq");
+  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.numel = 0; }), Errc::size_mismatch,
+                n + "exp_avg_sq");
   expect_tensor(bad([](AdamWTensor& t) { t.grad.data = nullptr; }), Errc::null_pointer, n + "grad");
-  expect_tensor(bad([](AdamWTensor& t) { t.grad.dtype = kBadDType; }), Errc::unsupported_dtype, n + "grad");
+  expect_tensor(bad([](AdamWTensor& t) { t.grad.dtype = kBadDType; }), Errc::unsupported_dtype,
+                n + "grad");
   expect_tensor(bad([](AdamWTensor& t) { t.grad.numel = 5; }), Errc::size_mismatch, n + "grad");
-  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.numel = 5; }), Errc::size_mismatch, n + "compute_param");
+  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.numel = 5; }), Errc::size_mismatch,
+                n + "compute_param");
   expect_tensor(bad([](AdamWTensor& t) { t.compute_param.data = nullptr; }), Errc::null_pointer,
                 n + "compute_param");
-  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.dtype = kBadDType; }), Errc::unsupported_dtype,
-                n + "compute_param");
+  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.dtype = kBadDType; }),
+                Errc::unsupported_dtype, n + "compute_param");
   // param and its moments empty, the gradient not: the gradient is the mismatch.
-  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = t.exp_avg.numel = t.exp_avg_sq.numel = 0; }),
-                Errc::size_mismatch, n + "grad");
+  expect_tensor(
+      bad([](AdamWTensor& t) { t.param.numel = t.exp_avg.numel = t.exp_avg_sq.numel = 0; }),
+      Errc::size_mismatch, n + "grad");
   // Sizes of a valid empty tensor with null pointers are fine.
   AdamWTensor empty;
   float step = 0.0f;
@@ -276,7 +306,8 @@ TEST_F(AdamWFixture, Overlaps) {
   {
     // compute_param (bf16) starting inside tensors[1].grad (read only).
     AdamWTensor t = make(6);
-    t.compute_param.data = const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(valid[1].grad.data)) + 3;
+    t.compute_param.data =
+        const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(valid[1].grad.data)) + 3;
     expect_tensor(t, Errc::overlap, n + "compute_param");
   }
   {
@@ -297,7 +328,8 @@ TEST_F(AdamWFixture, Overlaps) {
     expect(with(valid[1]), AdamWConfig{}, {}, Errc::overlap,
            {"tensors[3].param", "tensors[1].param", "tensors[3].exp_avg", "tensors[1].exp_avg",
             "tensors[3].exp_avg_sq", "tensors[1].exp_avg_sq", "tensors[3].step", "tensors[1].step",
-            "tensors[3].compute_param", "tensors[1].compute_param", "tensors[3].grad", "tensors[1].grad"});
+            "tensors[3].compute_param", "tensors[1].compute_param", "tensors[3].grad",
+            "tensors[1].grad"});
   }
   // Read-only buffers may alias: two tensors reading one gradient is valid.
   AdamWTensor shared = make(17);
@@ -311,7 +343,8 @@ struct SignSgdFixture : ::testing::Test {
   Arena arena;
   std::vector<SignSgdTensor> valid;
 
-  SignSgdTensor make(std::size_t n, DType gdt = DType::f32, bool out = true, DType odt = DType::f16) {
+  SignSgdTensor make(std::size_t n, DType gdt = DType::f32, bool out = true,
+                     DType odt = DType::f16) {
     SignSgdTensor t;
     t.param = {arena.alloc<float>(n), n, DType::f32};
     t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};
@@ -328,9 +361,10 @@ struct SignSgdFixture : ::testing::Test {
     v.push_back(bad);
     return v;
   }
-  void expect(const std::vector<SignSgdTensor>& ts, const SignSgdConfig& c, GradientRead r, Errc code,
-              std::vector<std::string> args) {
-    expect_error(arena, [&] { ref::sign_sgd_step(ts, c, r); }, code, std::move(args));
+  void expect(const std::vector<SignSgdTensor>& ts, const SignSgdConfig& c, GradientRead r,
+              Errc code, std::vector<std::string> args) {
+    expect_error(
+        arena, [&] { ref::sign_sgd_step(ts, c, r); }, code, std::move(args));
   }
 };
 
@@ -374,17 +408,21 @@ TEST_F(SignSgdFixture, TensorsAndOverlaps) {
   };
   expect(bad([](SignSgdTensor& t) { t.param.dtype = DType::bf16; }), c, {}, Errc::unsupported_dtype,
          {"tensors[3].param"});
-  expect(bad([](SignSgdTensor& t) { t.param.data = nullptr; }), c, {}, Errc::null_pointer, {"tensors[3].param"});
-  expect(bad([](SignSgdTensor& t) { t.grad.numel = 7; }), c, {}, Errc::size_mismatch, {"tensors[3].grad"});
+  expect(bad([](SignSgdTensor& t) { t.param.data = nullptr; }), c, {}, Errc::null_pointer,
+         {"tensors[3].param"});
+  expect(bad([](SignSgdTensor& t) { t.grad.numel = 7; }), c, {}, Errc::size_mismatch,
+         {"tensors[3].grad"});
   expect(bad([](SignSgdTensor& t) { t.grad.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
          {"tensors[3].grad"});
-  expect(bad([](SignSgdTensor& t) { t.grad.data = nullptr; }), c, {}, Errc::null_pointer, {"tensors[3].grad"});
+  expect(bad([](SignSgdTensor& t) { t.grad.data = nullptr; }), c, {}, Errc::null_pointer,
+         {"tensors[3].grad"});
   expect(bad([](SignSgdTensor& t) { t.compute_param.numel = 2; }), c, {}, Errc::size_mismatch,
          {"tensors[3].compute_param"});
-  expect(bad([](SignSgdTensor& t) { t.compute_param.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
-         {"tensors[3].compute_param"});
-  expect(bad([&](SignSgdTensor& t) { t.compute_param.data = static_cast<float*>(t.param.data) + 1; }), c, {},
-         Errc::overlap, {"tensors[3].compute_param"});
+  expect(bad([](SignSgdTensor& t) { t.compute_param.dtype = kBadDType; }), c, {},
+         Errc::unsupported_dtype, {"tensors[3].compute_param"});
+  expect(
+      bad([&](SignSgdTensor& t) { t.compute_param.data = static_cast<float*>(t.param.data) + 1; }),
+      c, {}, Errc::overlap, {"tensors[3].compute_param"});
   expect(bad([&](SignSgdTensor& t) {
            t.param.data = const_cast<float*>(static_cast<const float*>(valid[0].grad.data)) + 1;
          }),
@@ -420,7 +458,8 @@ struct AccumulateFixture : ::testing::Test {
   }
   void expect(const AccumulatePair& bad, Errc code, std::vector<std::string> args) {
     const auto ps = with(bad);
-    expect_error(arena, [&] { ref::accumulate(ps); }, code, std::move(args));
+    expect_error(
+        arena, [&] { ref::accumulate(ps); }, code, std::move(args));
   }
 };
 
@@ -436,21 +475,28 @@ TEST_F(AccumulateFixture, BadPairs) {
     mutate(p);
     return p;
   };
-  expect(bad([](AccumulatePair& p) { p.acc.dtype = DType::bf16; }), Errc::unsupported_dtype, {"pairs[3].acc"});
-  expect(bad([](AccumulatePair& p) { p.acc.dtype = kBadDType; }), Errc::unsupported_dtype, {"pairs[3].acc"});
-  expect(bad([](AccumulatePair& p) { p.acc.data = nullptr; }), Errc::null_pointer, {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.acc.dtype = DType::bf16; }), Errc::unsupported_dtype,
+         {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.acc.dtype = kBadDType; }), Errc::unsupported_dtype,
+         {"pairs[3].acc"});
+  expect(bad([](AccumulatePair& p) { p.acc.data = nullptr; }), Errc::null_pointer,
+         {"pairs[3].acc"});
   expect(bad([](AccumulatePair& p) { p.src.numel = 5; }), Errc::size_mismatch, {"pairs[3].src"});
-  expect(bad([](AccumulatePair& p) { p.src.dtype = kBadDType; }), Errc::unsupported_dtype, {"pairs[3].src"});
-  expect(bad([](AccumulatePair& p) { p.src.data = nullptr; }), Errc::null_pointer, {"pairs[3].src"});
+  expect(bad([](AccumulatePair& p) { p.src.dtype = kBadDType; }), Errc::unsupported_dtype,
+         {"pairs[3].src"});
+  expect(bad([](AccumulatePair& p) { p.src.data = nullptr; }), Errc::null_pointer,
+         {"pairs[3].src"});
   // acc starting inside its own source.
-  expect(bad([](AccumulatePair& p) { p.acc.data = const_cast<float*>(static_cast<const float*>(p.src.data)) + 1; }),
+  expect(bad([](AccumulatePair& p) {
+           p.acc.data = const_cast<float*>(static_cast<const float*>(p.src.data)) + 1;
+         }),
          Errc::overlap, {"pairs[3].acc"});
   // acc starting inside pairs[0].acc.
-  expect(bad([&](AccumulatePair& p) { p.acc.data = static_cast<float*>(valid[0].acc.data) + 2; }), Errc::overlap,
-         {"pairs[3].acc"});
+  expect(bad([&](AccumulatePair& p) { p.acc.data = static_cast<float*>(valid[0].acc.data) + 2; }),
+         Errc::overlap, {"pairs[3].acc"});
   // src starting inside pairs[1].acc (written).
-  expect(bad([&](AccumulatePair& p) { p.src.data = static_cast<float*>(valid[1].acc.data) + 2; }), Errc::overlap,
-         {"pairs[3].src"});
+  expect(bad([&](AccumulatePair& p) { p.src.data = static_cast<float*>(valid[1].acc.data) + 2; }),
+         Errc::overlap, {"pairs[3].src"});
   // acc identical to its src (copy onto itself is still an overlap).
   expect(bad([](AccumulatePair& p) {
            p.src = ConstTensorView(p.acc);
@@ -477,8 +523,10 @@ struct ScaleFixture : ::testing::Test {
     v.push_back(bad);
     return v;
   }
-  void expect(const std::vector<TensorView>& ts, float s, Errc code, std::vector<std::string> args) {
-    expect_error(arena, [&] { ref::scale_(ts, s); }, code, std::move(args));
+  void expect(const std::vector<TensorView>& ts, float s, Errc code,
+              std::vector<std::string> args) {
+    expect_error(
+        arena, [&] { ref::scale_(ts, s); }, code, std::move(args));
   }
 };
 
@@ -517,7 +565,8 @@ TEST(NormValidation, ReadAndTensors) {
   std::vector<ConstTensorView> ts = {ConstTensorView(arena.alloc<float>(4), 4, DType::f32),
                                      ConstTensorView(arena.alloc<std::uint16_t>(7), 7, DType::bf16),
                                      ConstTensorView(arena.alloc<std::uint16_t>(7), 7, DType::f16)};
-  auto expect = [&](const std::vector<ConstTensorView>& v, GradientRead r, Errc code, std::string arg) {
+  auto expect = [&](const std::vector<ConstTensorView>& v, GradientRead r, Errc code,
+                    std::string arg) {
     expect_error(arena, [&] { (void)ref::norm_partial(v, r); }, code, {std::move(arg)});
   };
   expect(ts, {0.0f, 1.0f}, Errc::invalid_argument, "read.scale");

@@ -196,8 +196,7 @@ inline float gauss(std::uint64_t key, std::uint64_t i) {
 /// split of [0, n) into ranges, filled in any order or in parallel, gives the same
 /// bits as one sequential fill.
 template <class T>
-void fill_gauss_range(T* out, std::size_t begin, std::size_t end, std::uint64_t key,
-                      float stddev) {
+void fill_gauss_range(T* out, std::size_t begin, std::size_t end, std::uint64_t key, float stddev) {
   constexpr std::uint64_t kBlock = 0x100000000ull;
   std::uint64_t i = begin;
   while (i < end) {

@@ -82,11 +82,11 @@ struct Options {
   std::optional<sc::cpu::Isa> isa;  ///< unset: the engine's choice (STEPCORE_ISA, else best)
   int threads = 0;                  ///< 0: the engine's choice (STEPCORE_THREADS, else affinity)
   std::int64_t check_steps = 1;     ///< steps cross-checked against the reference; 0: none
-  std::int64_t inject_inf = 0;  ///< 1-based step whose gradients get one +Inf; 0: none
-  std::optional<int> local_rank;        ///< unset: LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, else 0
+  std::int64_t inject_inf = 0;      ///< 1-based step whose gradients get one +Inf; 0: none
+  std::optional<int> local_rank;    ///< unset: LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK, else 0
   std::optional<int> local_world_size;  ///< unset: LOCAL_WORLD_SIZE, OMPI_..._LOCAL_SIZE, else 1
-  bool no_bind = false;      ///< no NUMA placement: unbound threads, pre-faulted state
-  bool strict_numa = false;  ///< an unbound placement is an error (exit 2)
+  bool no_bind = false;                 ///< no NUMA placement: unbound threads, pre-faulted state
+  bool strict_numa = false;             ///< an unbound placement is an error (exit 2)
   bool print_layout = false;
   bool help = false;
 };
@@ -192,9 +192,9 @@ std::int64_t parse_size(std::string_view opt, const std::string& text, std::int6
 /// Returns true for the options that take a value.
 bool takes_value(std::string_view name) {
   static constexpr std::string_view kValued[] = {
-      "--model",        "--layers",     "--vocab",     "--steps",     "--micro-batches",
-      "--max-norm",     "--grad-dtype", "--optimizer", "--formula",   "--lr",
-      "--weight-decay", "--seed",       "--backend",   "--inject-inf", "--isa",
+      "--model",        "--layers",      "--vocab",      "--steps",           "--micro-batches",
+      "--max-norm",     "--grad-dtype",  "--optimizer",  "--formula",         "--lr",
+      "--weight-decay", "--seed",        "--backend",    "--inject-inf",      "--isa",
       "--threads",      "--check-steps", "--local-rank", "--local-world-size"};
   for (const std::string_view v : kValued)
     if (v == name) return true;
@@ -431,7 +431,8 @@ NumaChoice choose_numa(const Options& o) {
     want = o.threads;
     c.threads_source = "--threads";
   } else if (env_set("STEPCORE_THREADS")) {
-    want = static_cast<int>(parse_int("STEPCORE_THREADS", std::getenv("STEPCORE_THREADS"), 1, 4096));
+    want =
+        static_cast<int>(parse_int("STEPCORE_THREADS", std::getenv("STEPCORE_THREADS"), 1, 4096));
     c.threads_source = "STEPCORE_THREADS";
   }
   if (want > static_cast<int>(c.share.size()))
@@ -440,7 +441,8 @@ NumaChoice choose_numa(const Options& o) {
                      " of local rank " + std::to_string(c.local_rank) + "'s share of NUMA node " +
                      std::to_string(c.node) + " (cpus " + cpu_list(c.share) +
                      "); use at most that many, or --no-bind");
-  c.cpus.assign(c.share.begin(), c.share.begin() + (want != 0 ? want : static_cast<int>(c.share.size())));
+  c.cpus.assign(c.share.begin(),
+                c.share.begin() + (want != 0 ? want : static_cast<int>(c.share.size())));
   return c;
 }
 
@@ -511,11 +513,13 @@ Backend make_backend(const Options& o) {
   Backend b;
   if (o.backend == "reference") {
     if (o.isa || o.threads != 0)
-      throw UsageError("--isa and --threads configure the cpu engine; not valid with "
-                       "--backend reference");
+      throw UsageError(
+          "--isa and --threads configure the cpu engine; not valid with "
+          "--backend reference");
     if (o.local_rank || o.local_world_size || o.no_bind || o.strict_numa)
-      throw UsageError("--local-rank, --local-world-size, --no-bind and --strict-numa place "
-                       "the cpu engine; not valid with --backend reference");
+      throw UsageError(
+          "--local-rank, --local-world-size, --no-bind and --strict-numa place "
+          "the cpu engine; not valid with --backend reference");
     b.name = "reference";
     b.description = "scalar reference, one element at a time (the oracle)";
     return b;
@@ -548,18 +552,20 @@ Backend make_backend(const Options& o) {
       supported += (supported.empty() ? "" : ", ") + std::string(sc::cpu::isa_name(i));
     b.name = "cpu";
     b.description = "stepcore::cpu::Engine (SIMD + OpenMP), isa " + std::string(e.isa_name()) +
-                    " (" + (o.isa ? "--isa" : env_set("STEPCORE_ISA") ? "STEPCORE_ISA" : "best") +
+                    " (" +
+                    (o.isa                     ? "--isa"
+                     : env_set("STEPCORE_ISA") ? "STEPCORE_ISA"
+                                               : "best") +
                     "; this processor: " + supported + "), " + std::to_string(e.threads()) +
                     (e.threads() == 1 ? " thread (" : " threads (") +
-                    (nc.bound                        ? nc.threads_source
-                     : o.threads != 0                ? std::string("--threads")
+                    (nc.bound                      ? nc.threads_source
+                     : o.threads != 0              ? std::string("--threads")
                      : env_set("STEPCORE_THREADS") ? std::string("STEPCORE_THREADS")
                                                    : std::string("affinity mask")) +
                     ")";
     return b;
   }
-  throw UsageError("--backend: unknown backend '" + o.backend +
-                   "' (available: cpu, reference)");
+  throw UsageError("--backend: unknown backend '" + o.backend + "' (available: cpu, reference)");
 }
 
 // ---- memory -------------------------------------------------------------------------
@@ -984,12 +990,13 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
   else if (o.check_steps == 0)
     std::printf("check      off (--check-steps 0)\n");
   else
-    std::printf("check      step%s 1%s also run by stepcore::reference on a copy of the state, "
-                "compared bit for bit (not in the phase timings)\n",
-                o.check_steps > 1 && o.steps > 1 ? "s" : "",
-                o.check_steps > 1 && o.steps > 1
-                    ? ("-" + std::to_string(std::min(o.check_steps, o.steps))).c_str()
-                    : "");
+    std::printf(
+        "check      step%s 1%s also run by stepcore::reference on a copy of the state, "
+        "compared bit for bit (not in the phase timings)\n",
+        o.check_steps > 1 && o.steps > 1 ? "s" : "",
+        o.check_steps > 1 && o.steps > 1
+            ? ("-" + std::to_string(std::min(o.check_steps, o.steps))).c_str()
+            : "");
 }
 
 /// Where a sample of the placed state's pages are (numa::page_nodes).
@@ -1014,7 +1021,8 @@ void check_pages(PageCheck& pc, const void* data, std::size_t bytes, int node) {
   const std::size_t pages = (bytes + page - 1) / page;
   const std::size_t stride = std::max<std::size_t>(64, (pages + 16383) / 16384);
   for (std::size_t i = 0; i < pages; i += stride) {
-    const std::vector<int> where = sc::numa::page_nodes(static_cast<const char*>(data) + i * page, 1);
+    const std::vector<int> where =
+        sc::numa::page_nodes(static_cast<const char*>(data) + i * page, 1);
     const int w = where.empty() ? -EFAULT : where.front();
     ++pc.checked;
     if (w == node)
@@ -1069,8 +1077,7 @@ void print_numa(const State& s, const Backend& b) {
   if (all_bound)
     std::printf("state on node %d", c.node);
   else
-    std::printf("state first-touched by the workers, not bound to node %d (mbind refused)",
-                c.node);
+    std::printf("state first-touched by the workers, not bound to node %d (mbind refused)", c.node);
   std::printf(" (checked %zu pages: %zu on node %d", pc.checked, pc.on_node, c.node);
   if (pc.elsewhere) std::printf(", %zu on other nodes", pc.elsewhere);
   if (pc.absent) std::printf(", %zu not present", pc.absent);
@@ -1092,7 +1099,7 @@ struct Shadow {
   Calls calls;  ///< over `state`, reading the engine state's micro-batch gradients
   sc::NormResult norm;
   float clip = 1.0f;
-  bool applied = false;   ///< the reference ran its optimizer step
+  bool applied = false;  ///< the reference ran its optimizer step
   double seconds = 0.0;  ///< copy, reference calls and comparison
 };
 
@@ -1141,9 +1148,8 @@ std::string first_difference(const Model& m, const char* what, const T* a, const
 
 /// Compares the engine's state and outcome with the reference's, bit for bit.
 /// Prints the "bitwise:" line; returns true when everything matched.
-bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e,
-                            const Shadow& sh, const Options& o, const Backend& b,
-                            std::int64_t step) {
+bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e, const Shadow& sh,
+                            const Options& o, const Backend& b, std::int64_t step) {
   std::vector<std::string> diffs;  // in the order the step computes them
   std::string matched;             // what was compared and equal
   const auto check = [&](const char* name, std::string diff) {
@@ -1155,8 +1161,9 @@ bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e
   const auto scalar = [&](const char* name, std::uint64_t x, std::uint64_t y, bool hex) {
     if (x == y) return;
     char buf[96];
-    std::snprintf(buf, sizeof buf, hex ? "%s: engine 0x%08" PRIx64 " reference 0x%08" PRIx64
-                                       : "%s: engine %" PRIu64 " reference %" PRIu64,
+    std::snprintf(buf, sizeof buf,
+                  hex ? "%s: engine 0x%08" PRIx64 " reference 0x%08" PRIx64
+                      : "%s: engine %" PRIu64 " reference %" PRIu64,
                   name, x, y);
     diffs.emplace_back(buf);
   };
@@ -1182,8 +1189,8 @@ bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e
     for (std::size_t t = 0; t < s.step.size() && diff.empty(); ++t)
       if (sc::f32_bits(s.step[t]) != sc::f32_bits(sh.state.step[t])) {
         char buf[64];
-        std::snprintf(buf, sizeof buf, ": engine %g reference %g",
-                      static_cast<double>(s.step[t]), static_cast<double>(sh.state.step[t]));
+        std::snprintf(buf, sizeof buf, ": engine %g reference %g", static_cast<double>(s.step[t]),
+                      static_cast<double>(sh.state.step[t]));
         diff = "steps " + m.layout[t].name + buf;
       }
     check("steps", diff);

@@ -80,14 +80,14 @@ STEPCORE_HD_INLINE std::uint16_t f32_to_f16_bits(float f) {
   // 65520 = 0x477FF000 is the midpoint between 65504 (largest finite, odd
   // significand) and 65536; ties-to-even sends it, and everything above, to Inf.
   if (a >= 0x477FF000u) return sign | 0x7C00u;
-  if (a >= 0x38800000u) {  // result is a normal binary16 (|f| >= 2^-14)
+  if (a >= 0x38800000u) {                     // result is a normal binary16 (|f| >= 2^-14)
     const std::uint32_t t = a - 0x38000000u;  // rebias exponent: 127 -> 15
     const std::uint32_t r = t + 0xFFFu + ((t >> 13) & 1u);
     return sign | static_cast<std::uint16_t>(r >> 13);
   }
   // Subnormal or zero result: value / 2^-24 rounded to an integer.
   const std::uint32_t exp = a >> 23;
-  if (exp == 0) return sign;  // f32 subnormals are far below 2^-25
+  if (exp == 0) return sign;                               // f32 subnormals are far below 2^-25
   const std::uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;  // value = mant * 2^(exp-150)
   const std::uint32_t shift = 126u - exp;                  // >= 14 here
   if (shift > 24u) return sign;                            // < 2^-25: rounds to zero
@@ -104,16 +104,25 @@ STEPCORE_HD_INLINE float to_f32(bfloat16_t x) { return bf16_bits_to_f32(x.bits);
 STEPCORE_HD_INLINE float to_f32(float16_t x) { return f16_bits_to_f32(x.bits); }
 
 /// Returns `x` rounded to storage type T (identity for float).
-template <class T> STEPCORE_HD_INLINE T from_f32(float x);
-template <> STEPCORE_HD_INLINE float from_f32<float>(float x) { return x; }
-template <> STEPCORE_HD_INLINE bfloat16_t from_f32<bfloat16_t>(float x) {
+template <class T>
+STEPCORE_HD_INLINE T from_f32(float x);
+template <>
+STEPCORE_HD_INLINE float from_f32<float>(float x) {
+  return x;
+}
+template <>
+STEPCORE_HD_INLINE bfloat16_t from_f32<bfloat16_t>(float x) {
   return bfloat16_t{f32_to_bf16_bits(x)};
 }
-template <> STEPCORE_HD_INLINE float16_t from_f32<float16_t>(float x) {
+template <>
+STEPCORE_HD_INLINE float16_t from_f32<float16_t>(float x) {
   return float16_t{f32_to_f16_bits(x)};
 }
 
 /// Returns `x` rounded to T and widened back: R_T(x) of the spec.
-template <class T> STEPCORE_HD_INLINE float round_to(float x) { return to_f32(from_f32<T>(x)); }
+template <class T>
+STEPCORE_HD_INLINE float round_to(float x) {
+  return to_f32(from_f32<T>(x));
+}
 
 }  // namespace stepcore

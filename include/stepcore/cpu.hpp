@@ -98,8 +98,7 @@ class Engine {
   /// Returns the fast (approximate) norm partial of the read values: S within
   /// 2^-40 relative of exact, combined exactly across chunks (docs/numerics.md 6.2).
   /// Not bitwise comparable across ISAs; its finalized norm is, when certified.
-  NormPartial norm_partial(std::span<const ConstTensorView> tensors,
-                           GradientRead read = {}) const;
+  NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
   /// Returns the norm partial in the given mode; NormMode::exact equals
   /// reference::norm_partial digit for digit.
   NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,

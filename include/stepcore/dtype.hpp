@@ -31,9 +31,12 @@ static_assert(sizeof(bfloat16_t) == 2 && sizeof(float16_t) == 2);
 /// Returns the size in bytes of one element of `t` (0 for an invalid enumerator).
 constexpr std::size_t dtype_size(DType t) noexcept {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::bf16: return 2;
-    case DType::f16: return 2;
+    case DType::f32:
+      return 4;
+    case DType::bf16:
+      return 2;
+    case DType::f16:
+      return 2;
   }
   return 0;
 }
@@ -41,9 +44,12 @@ constexpr std::size_t dtype_size(DType t) noexcept {
 /// Returns "f32", "bf16" or "f16" ("invalid" for anything else).
 constexpr std::string_view dtype_name(DType t) noexcept {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::bf16: return "bf16";
-    case DType::f16: return "f16";
+    case DType::f32:
+      return "f32";
+    case DType::bf16:
+      return "bf16";
+    case DType::f16:
+      return "f16";
   }
   return "invalid";
 }
@@ -52,10 +58,21 @@ constexpr std::string_view dtype_name(DType t) noexcept {
 constexpr bool dtype_valid(DType t) noexcept { return dtype_size(t) != 0; }
 
 /// Maps a storage type to its DType.
-template <class T> struct dtype_of;
-template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
-template <> struct dtype_of<bfloat16_t> { static constexpr DType value = DType::bf16; };
-template <> struct dtype_of<float16_t> { static constexpr DType value = DType::f16; };
-template <class T> inline constexpr DType dtype_of_v = dtype_of<T>::value;
+template <class T>
+struct dtype_of;
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::f32;
+};
+template <>
+struct dtype_of<bfloat16_t> {
+  static constexpr DType value = DType::bf16;
+};
+template <>
+struct dtype_of<float16_t> {
+  static constexpr DType value = DType::f16;
+};
+template <class T>
+inline constexpr DType dtype_of_v = dtype_of<T>::value;
 
 }  // namespace stepcore

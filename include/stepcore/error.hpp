@@ -12,19 +12,19 @@ namespace stepcore {
 /// writes anything; an Error therefore means no buffer was changed, except for
 /// the codes marked "runtime" which report failures after work has started.
 enum class Errc : std::uint8_t {
-  invalid_argument = 1,   ///< a value out of its documented range (e.g. beta1 >= 1)
-  null_pointer,           ///< a null pointer with a non-zero element count
-  size_mismatch,          ///< element counts that must agree do not
-  unsupported_dtype,      ///< a dtype the operation does not accept
-  overlap,                ///< an output overlaps another buffer of the call
-  non_finite,             ///< a hyper-parameter or scalar is NaN or infinite
-  out_of_range,           ///< a count or index beyond a documented limit
-  not_supported,          ///< the build or machine lacks a feature (e.g. no CUDA)
-  cuda_error,             ///< runtime: a CUDA call failed
-  nccl_error,             ///< runtime: an NCCL call failed
-  mpi_error,              ///< runtime: an MPI call failed
-  timeout,                ///< runtime: a peer or a copy did not arrive in time
-  internal,               ///< runtime: a broken invariant (a bug; please report)
+  invalid_argument = 1,  ///< a value out of its documented range (e.g. beta1 >= 1)
+  null_pointer,          ///< a null pointer with a non-zero element count
+  size_mismatch,         ///< element counts that must agree do not
+  unsupported_dtype,     ///< a dtype the operation does not accept
+  overlap,               ///< an output overlaps another buffer of the call
+  non_finite,            ///< a hyper-parameter or scalar is NaN or infinite
+  out_of_range,          ///< a count or index beyond a documented limit
+  not_supported,         ///< the build or machine lacks a feature (e.g. no CUDA)
+  cuda_error,            ///< runtime: a CUDA call failed
+  nccl_error,            ///< runtime: an NCCL call failed
+  mpi_error,             ///< runtime: an MPI call failed
+  timeout,               ///< runtime: a peer or a copy did not arrive in time
+  internal,              ///< runtime: a broken invariant (a bug; please report)
 };
 
 /// Returns a stable lower-case name for `c` ("size_mismatch", ...).

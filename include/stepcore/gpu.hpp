@@ -74,7 +74,8 @@ struct AdamWLaunchArgs {
 
 /// Returns the AdamW launches for `tensors` (validated like reference::adamw_step; the
 /// step counters are incremented and the scalars prepared here, on the host).
-std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors,
+                                             const AdamWConfig& config,
                                              int max_blocks = kMaxAdamWBlocksPerLaunch,
                                              int max_tensors = kMaxAdamWTensorsPerLaunch);
 
@@ -93,7 +94,8 @@ struct SignSgdLaunchArgs {
 
 /// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
 /// positive read; the read does not change a sign and is not applied).
-std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
+                                                  const SignSgdConfig& config,
                                                   int max_blocks = kMaxAdamWBlocksPerLaunch,
                                                   int max_tensors = kMaxAdamWTensorsPerLaunch);
 
@@ -107,7 +109,8 @@ struct LaunchPlan {
 /// Returns the plan for `tensors` (with optional second operands `sources`, same
 /// length, for two-operand kernels). `max_blocks` and `max_tensors` may be lowered
 /// (tests use this to get many launches) but not raised above the compile-time limits.
-LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstTensorView> sources = {},
+LaunchPlan make_plan(std::span<const TensorView> tensors,
+                     std::span<const ConstTensorView> sources = {},
                      int max_blocks = kMaxBlocksPerLaunch, int max_tensors = kMaxTensorsPerLaunch);
 
 /// Returns the workspace bytes scale_and_norm_partial needs for these tensors.
@@ -119,17 +122,20 @@ std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 /// element once. Never allocates, never synchronises; capturable in a CUDA graph.
 /// Determinism: the finalized norm equals reference::norm_partial of the scaled
 /// values on the host, bit for bit, for any launch shape (docs/numerics.md 6.3).
-void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale, NormPartial* d_partial,
-                            void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                            NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream);
 
 /// Norm partial of device tensors read as R_T(R_T(g*scale)*clip), nothing written;
 /// same workspace as scale_and_norm_partial. Same determinism contract.
-void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read, NormPartial* d_partial,
-                  void* d_workspace, std::size_t workspace_bytes, cudaStream_t stream);
+void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                  NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                  cudaStream_t stream);
 
 /// In place g = R_T(f32(g) * *d_factor) with the factor in device memory (the clip
 /// coefficient, applied eagerly); capturable in a graph.
-void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream);
+void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor,
+                            cudaStream_t stream);
 
 /// acc = acc + f32(src) (or a copy) on device tensors.
 void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
@@ -140,8 +146,9 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 /// *d_found_inf != 0 (device memory, optional) makes the kernels write nothing — but
 /// the host has already advanced the step counters: callers skip the call instead when
 /// the flag is known on the host. Never allocates, never synchronises.
-void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config, const float* d_scale,
-                const float* d_clip, const std::int32_t* d_found_inf, cudaStream_t stream);
+void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf,
+                cudaStream_t stream);
 
 /// SignSGD on device tensors; *d_found_inf != 0 (device memory, optional) writes nothing.
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
@@ -152,7 +159,8 @@ namespace emulate {
 /// Runs the scale_and_norm_partial plan on host memory through the kernels' block
 /// bodies, with `threads` emulated threads per block; returns the partial. The same
 /// code the device runs, except for the thread scheduling.
-NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads = kBlockThreads);
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale,
+                                   int threads = kBlockThreads);
 
 /// Returns the norm partial of the read values R_T(R_T(g*scale)*clip) without writing.
 NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads = kBlockThreads);

@@ -35,8 +35,8 @@ inline constexpr int kNormApproxErrorLog2 = -40;
 struct NormPartial {
   /// digits[k] holds bits [32k, 32k+32) of S, plus not-yet-propagated carries.
   std::uint64_t digits[kNormDigits] = {};
-  std::uint64_t nan_count = 0;  ///< number of NaN values seen
-  std::uint64_t inf_count = 0;  ///< number of +-Inf values seen
+  std::uint64_t nan_count = 0;     ///< number of NaN values seen
+  std::uint64_t inf_count = 0;     ///< number of +-Inf values seen
   std::uint32_t max_abs_bits = 0;  ///< bit pattern of max |x| over finite x
   /// 0: S is exact (the reference, or an exact fast path). Non-zero: S is the exact
   /// sum of double block sums, each within gamma(kNormMaxBlockAdditions) of its exact
@@ -48,7 +48,8 @@ struct NormPartial {
 struct NormResult {
   float norm = 0.0f;     ///< RN_f32(sqrt(S * 2^-298)); NaN if any NaN, else +Inf if any Inf
   float max_abs = 0.0f;  ///< max |x|; NaN if any NaN, else +Inf if any Inf
-  bool finite = true;    ///< false when any value was NaN or Inf (found-inf), or the norm overflows f32
+  bool finite =
+      true;  ///< false when any value was NaN or Inf (found-inf), or the norm overflows f32
   std::uint64_t nan_count = 0;
   std::uint64_t inf_count = 0;
   /// True when the partial was approximate and S lies so close to a rounding
@@ -79,8 +80,8 @@ STEPCORE_HD_INLINE void deposit(std::uint64_t (&d)[kNormDigits], std::uint64_t v
   const int k = bit_offset / kNormDigitBits;
   const int r = bit_offset % kNormDigitBits;
   // value << r spans at most 96 bits: three 32-bit digits.
-  const std::uint64_t lo = value << r;                       // bits [0, 64)
-  const std::uint64_t hi = r == 0 ? 0 : value >> (64 - r);   // bits [64, 96)
+  const std::uint64_t lo = value << r;                      // bits [0, 64)
+  const std::uint64_t hi = r == 0 ? 0 : value >> (64 - r);  // bits [64, 96)
   d[k] += lo & 0xFFFFFFFFull;
   d[k + 1] += lo >> 32;
   if (k + 2 < kNormDigits) d[k + 2] += hi;

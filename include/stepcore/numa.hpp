@@ -27,20 +27,20 @@ struct Node {
 
 /// One GPU (a PCI device of NVIDIA's vendor id with a display/3D class).
 struct Gpu {
-  std::string pci_bus_id;        ///< "dddd:bb:dd.f", lower case
-  std::vector<int> numa_nodes;   ///< os indexes of the nodes local to it; empty: unknown
+  std::string pci_bus_id;       ///< "dddd:bb:dd.f", lower case
+  std::vector<int> numa_nodes;  ///< os indexes of the nodes local to it; empty: unknown
 };
 
 /// Where one rank's CPU work should run.
 struct Placement {
   int local_rank = 0;
   int local_world_size = 1;
-  std::string pci_bus_id;        ///< the rank's GPU ("" when not known)
-  int numa_node = -1;            ///< memory node for the rank's state; -1: unbound
-  std::vector<int> cpus;         ///< one PU per core of the rank's share, in core order
-  bool bound = false;            ///< false: run unbound (see reason)
-  bool oversubscribed = false;   ///< more ranks share the node than it has cores
-  std::string reason;            ///< why unbound or oversubscribed ("" when fully placed)
+  std::string pci_bus_id;       ///< the rank's GPU ("" when not known)
+  int numa_node = -1;           ///< memory node for the rank's state; -1: unbound
+  std::vector<int> cpus;        ///< one PU per core of the rank's share, in core order
+  bool bound = false;           ///< false: run unbound (see reason)
+  bool oversubscribed = false;  ///< more ranks share the node than it has cores
+  std::string reason;           ///< why unbound or oversubscribed ("" when fully placed)
   /// Returns the number of worker threads: one per core of the share (1 when unbound
   /// and nothing else is known: callers then use the engine's default).
   int threads() const noexcept { return cpus.empty() ? 0 : static_cast<int>(cpus.size()); }

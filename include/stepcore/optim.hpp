@@ -80,17 +80,17 @@ struct AccumulatePair {
 /// double where the formula says so, then used unchanged by every element,
 /// thread, ISA and device.
 struct AdamWScalars {
-  float decay = 1.0f;             ///< parameter multiplier f32(1 - lr*wd)
-  bool apply_decay = true;        ///< torch skips the multiply when wd == 0
-  float beta1 = 0.0f;             ///< native: f32(beta1)
-  float beta2 = 0.0f;             ///< f32(beta2)
-  float one_minus_beta1 = 0.0f;   ///< native: 1.0f - beta1 in f32
-  float one_minus_beta2 = 0.0f;   ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
-  float lerp_coeff = 0.0f;        ///< torch: w or w - 1, w = f32(1 - beta1)
-  bool lerp_small = true;         ///< torch: |w| < 0.5 selects m + w*(g-m)
-  float step_size = 0.0f;         ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
-  float bc2_sqrt = 1.0f;          ///< f32(sqrt(1 - beta2^step))
-  float eps = 0.0f;               ///< f32(eps)
+  float decay = 1.0f;            ///< parameter multiplier f32(1 - lr*wd)
+  bool apply_decay = true;       ///< torch skips the multiply when wd == 0
+  float beta1 = 0.0f;            ///< native: f32(beta1)
+  float beta2 = 0.0f;            ///< f32(beta2)
+  float one_minus_beta1 = 0.0f;  ///< native: 1.0f - beta1 in f32
+  float one_minus_beta2 = 0.0f;  ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
+  float lerp_coeff = 0.0f;       ///< torch: w or w - 1, w = f32(1 - beta1)
+  bool lerp_small = true;        ///< torch: |w| < 0.5 selects m + w*(g-m)
+  float step_size = 0.0f;        ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
+  float bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
+  float eps = 0.0f;              ///< f32(eps)
 };
 
 /// Returns the scalars of one AdamW update at `step` (the counter value after

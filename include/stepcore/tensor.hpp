@@ -36,10 +36,14 @@ struct ConstTensorView {
 /// Returns a view of `n` floats at `p`.
 inline TensorView f32_view(float* p, std::size_t n) { return {p, n, DType::f32}; }
 /// Returns a read-only view of `n` elements of T at `p`.
-template <class T> ConstTensorView const_view(const T* p, std::size_t n) {
+template <class T>
+ConstTensorView const_view(const T* p, std::size_t n) {
   return {p, n, dtype_of_v<T>};
 }
 /// Returns a writable view of `n` elements of T at `p`.
-template <class T> TensorView view(T* p, std::size_t n) { return {p, n, dtype_of_v<T>}; }
+template <class T>
+TensorView view(T* p, std::size_t n) {
+  return {p, n, dtype_of_v<T>};
+}
 
 }  // namespace stepcore

@@ -18,9 +18,9 @@ namespace stepcore::detail {
 /// gradient read; the same operation order as the reference, FMAs only where the spec
 /// has them (the library builds device code with -fmad=false).
 template <class G, class O>
-STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* grad, O* out, const AdamWScalars& s,
-                                      bool torch, std::uint64_t tail_begin, float scale, float clip,
-                                      std::uint64_t i) {
+STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* grad, O* out,
+                                      const AdamWScalars& s, bool torch, std::uint64_t tail_begin,
+                                      float scale, float clip, std::uint64_t i) {
   float g = to_f32(grad[i]);
   g = round_to<G>(g * scale);
   g = round_to<G>(g * clip);
@@ -61,7 +61,8 @@ STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* gra
 
 /// One SignSGD element (docs/numerics.md section 8): sign(+-0) = +0, sign(NaN) = NaN.
 template <class G, class O>
-STEPCORE_HD_INLINE void sign_sgd_element(float* P, const G* grad, O* out, const SignSgdScalars& s, std::uint64_t i) {
+STEPCORE_HD_INLINE void sign_sgd_element(float* P, const G* grad, O* out, const SignSgdScalars& s,
+                                         std::uint64_t i) {
   const float g = to_f32(grad[i]);
   const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
   float p = P[i];

@@ -5,19 +5,32 @@ namespace stepcore {
 
 std::string_view errc_name(Errc c) noexcept {
   switch (c) {
-    case Errc::invalid_argument: return "invalid_argument";
-    case Errc::null_pointer: return "null_pointer";
-    case Errc::size_mismatch: return "size_mismatch";
-    case Errc::unsupported_dtype: return "unsupported_dtype";
-    case Errc::overlap: return "overlap";
-    case Errc::non_finite: return "non_finite";
-    case Errc::out_of_range: return "out_of_range";
-    case Errc::not_supported: return "not_supported";
-    case Errc::cuda_error: return "cuda_error";
-    case Errc::nccl_error: return "nccl_error";
-    case Errc::mpi_error: return "mpi_error";
-    case Errc::timeout: return "timeout";
-    case Errc::internal: return "internal";
+    case Errc::invalid_argument:
+      return "invalid_argument";
+    case Errc::null_pointer:
+      return "null_pointer";
+    case Errc::size_mismatch:
+      return "size_mismatch";
+    case Errc::unsupported_dtype:
+      return "unsupported_dtype";
+    case Errc::overlap:
+      return "overlap";
+    case Errc::non_finite:
+      return "non_finite";
+    case Errc::out_of_range:
+      return "out_of_range";
+    case Errc::not_supported:
+      return "not_supported";
+    case Errc::cuda_error:
+      return "cuda_error";
+    case Errc::nccl_error:
+      return "nccl_error";
+    case Errc::mpi_error:
+      return "mpi_error";
+    case Errc::timeout:
+      return "timeout";
+    case Errc::internal:
+      return "internal";
   }
   return "unknown";
 }

@@ -7,17 +7,21 @@ namespace stepcore::cuda {
 
 bool built_with_cuda() noexcept { return false; }
 int device_count() noexcept { return 0; }
-std::string unavailable_reason() { return "stepcore was built without CUDA (STEPCORE_CUDA=OFF or no nvcc)"; }
+std::string unavailable_reason() {
+  return "stepcore was built without CUDA (STEPCORE_CUDA=OFF or no nvcc)";
+}
 
-std::string pci_bus_id(int) { throw Error(Errc::not_supported, "device", "stepcore was built without CUDA"); }
+std::string pci_bus_id(int) {
+  throw Error(Errc::not_supported, "device", "stepcore was built without CUDA");
+}
 
 void host_register(void*, std::size_t) {
   throw Error(Errc::not_supported, "ptr", "stepcore was built without CUDA");
 }
 void host_unregister(void*) noexcept {}
 
-void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*, std::size_t,
-                           cudaStream_t) {
+void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*,
+                           std::size_t, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
@@ -25,11 +29,13 @@ void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::ui
 
 namespace stepcore::gpu {
 
-void scale_and_norm_partial(std::span<const TensorView>, float, NormPartial*, void*, std::size_t, cudaStream_t) {
+void scale_and_norm_partial(std::span<const TensorView>, float, NormPartial*, void*, std::size_t,
+                            cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void norm_partial(std::span<const ConstTensorView>, GradientRead, NormPartial*, void*, std::size_t, cudaStream_t) {
+void norm_partial(std::span<const ConstTensorView>, GradientRead, NormPartial*, void*, std::size_t,
+                  cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 void scale_by_device_scalar(std::span<const TensorView>, const float*, cudaStream_t) {
@@ -39,12 +45,13 @@ void accumulate(std::span<const AccumulatePair>, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const std::int32_t*, cudaStream_t) {
+void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const std::int32_t*,
+                   cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*, const std::int32_t*,
-                cudaStream_t) {
+void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*,
+                const std::int32_t*, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 

@@ -1,10 +1,11 @@
 // Final rounding of the exact norm: RN_f32(sqrt(S * 2^-298)) from the integer S.
+#include "stepcore/norm.hpp"
+
 #include <cmath>
 #include <cstring>
 
-#include "stepcore/convert.hpp"
 #include "fp_env.hpp"
-#include "stepcore/norm.hpp"
+#include "stepcore/convert.hpp"
 
 namespace stepcore {
 namespace {
@@ -46,7 +47,6 @@ u128 extract(const std::uint64_t (&d)[kNormDigits], int from, bool& sticky) {
   return v;
 }
 
-
 // Returns RN_f32(sqrt(S * 2^-298)) for the normalised digits S (section 6.4).
 float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
   int top = kNormDigits - 1;
@@ -79,7 +79,8 @@ float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
 }
 
 // Returns floor(S / 2^bits) + 1 (>= S * 2^-bits), normalised digits.
-void shifted_up(const std::uint64_t (&d)[kNormDigits], int bits, std::uint64_t (&out)[kNormDigits]) {
+void shifted_up(const std::uint64_t (&d)[kNormDigits], int bits,
+                std::uint64_t (&out)[kNormDigits]) {
   for (int k = 0; k < kNormDigits; ++k) out[k] = 0;
   for (int p = bits; p < kNormDigits * kNormDigitBits; ++p) {
     if ((d[p / 32] >> (p % 32)) & 1ull) {

@@ -1,9 +1,10 @@
 // Host-side preparation of the per-step optimizer scalars (docs/numerics.md).
 // Compiled with -ffp-contract=off: every line is the spec's operation order.
+#include "stepcore/optim.hpp"
+
 #include <cmath>
 
 #include "fp_env.hpp"
-#include "stepcore/optim.hpp"
 
 namespace stepcore {
 

@@ -12,12 +12,15 @@ namespace {
 [[noreturn]] void fail(Errc code, std::string arg, const std::string& msg) {
   throw Error(code, std::move(arg), msg);
 }
-[[noreturn]] void fail(Errc code, const Arg& arg, const std::string& msg) { throw Error(code, arg.str(), msg); }
+[[noreturn]] void fail(Errc code, const Arg& arg, const std::string& msg) {
+  throw Error(code, arg.str(), msg);
+}
 
 void check_view(const void* data, std::size_t numel, DType dtype, const Arg& name) {
   if (!dtype_valid(dtype))
-    fail(Errc::unsupported_dtype, name,
-         "dtype enumerator " + std::to_string(static_cast<int>(dtype)) + " is not f32, bf16 or f16");
+    fail(
+        Errc::unsupported_dtype, name,
+        "dtype enumerator " + std::to_string(static_cast<int>(dtype)) + " is not f32, bf16 or f16");
   if (numel > (std::size_t{1} << 60))
     fail(Errc::out_of_range, name, "element count " + std::to_string(numel) + " exceeds 2^60");
   if (data == nullptr && numel != 0)
@@ -40,7 +43,8 @@ void require_finite(double v, const char* name) {
   if (!std::isfinite(v)) fail(Errc::non_finite, name, "must be finite, got " + std::to_string(v));
 }
 
-void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, bool written, const Arg& name) {
+void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, bool written,
+               const Arg& name) {
   if (bytes == 0 || data == nullptr) return;
   const auto b = reinterpret_cast<std::uintptr_t>(data);
   out.push_back(Range{b, b + bytes, written, name});
@@ -109,7 +113,8 @@ void check_overlaps(std::span<Range> ranges) {
     if (cur.written && furthest && cur.begin < furthest->end)
       fail(Errc::overlap, cur.name, "written buffer overlaps '" + furthest->name.str() + "'");
     if (furthest_written && cur.begin < furthest_written->end)
-      fail(Errc::overlap, cur.name, "overlaps written buffer '" + furthest_written->name.str() + "'");
+      fail(Errc::overlap, cur.name,
+           "overlaps written buffer '" + furthest_written->name.str() + "'");
     if (!furthest || cur.end > furthest->end) furthest = &cur;
     if (cur.written && (!furthest_written || cur.end > furthest_written->end))
       furthest_written = &cur;
@@ -125,7 +130,8 @@ void validate_read(const GradientRead& read, const char* name) {
   if (!std::isfinite(read.clip))
     fail(Errc::non_finite, base + ".clip", "must be finite, got " + std::to_string(read.clip));
   if (!(read.clip >= 0.0f && read.clip <= 1.0f))
-    fail(Errc::invalid_argument, base + ".clip", "must be in [0, 1], got " + std::to_string(read.clip));
+    fail(Errc::invalid_argument, base + ".clip",
+         "must be in [0, 1], got " + std::to_string(read.clip));
 }
 
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read) {

@@ -17,9 +17,12 @@ namespace {
 // Returns element i of a read-only view as binary32 (exact widening).
 float load(const ConstTensorView& v, std::size_t i) {
   switch (v.dtype) {
-    case DType::f32: return static_cast<const float*>(v.data)[i];
-    case DType::bf16: return bf16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
-    case DType::f16: return f16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
+    case DType::f32:
+      return static_cast<const float*>(v.data)[i];
+    case DType::bf16:
+      return bf16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
+    case DType::f16:
+      return f16_bits_to_f32(static_cast<const std::uint16_t*>(v.data)[i]);
   }
   throw Error(Errc::internal, "dtype", "unreachable");
 }
@@ -27,9 +30,12 @@ float load(const ConstTensorView& v, std::size_t i) {
 // Returns x rounded to dtype t and widened back (R_t).
 float round_dtype(float x, DType t) {
   switch (t) {
-    case DType::f32: return x;
-    case DType::bf16: return bf16_bits_to_f32(f32_to_bf16_bits(x));
-    case DType::f16: return f16_bits_to_f32(f32_to_f16_bits(x));
+    case DType::f32:
+      return x;
+    case DType::bf16:
+      return bf16_bits_to_f32(f32_to_bf16_bits(x));
+    case DType::f16:
+      return f16_bits_to_f32(f32_to_f16_bits(x));
   }
   throw Error(Errc::internal, "dtype", "unreachable");
 }
@@ -37,9 +43,15 @@ float round_dtype(float x, DType t) {
 // Stores x rounded to the view's dtype at element i.
 void store(const TensorView& v, std::size_t i, float x) {
   switch (v.dtype) {
-    case DType::f32: static_cast<float*>(v.data)[i] = x; return;
-    case DType::bf16: static_cast<std::uint16_t*>(v.data)[i] = f32_to_bf16_bits(x); return;
-    case DType::f16: static_cast<std::uint16_t*>(v.data)[i] = f32_to_f16_bits(x); return;
+    case DType::f32:
+      static_cast<float*>(v.data)[i] = x;
+      return;
+    case DType::bf16:
+      static_cast<std::uint16_t*>(v.data)[i] = f32_to_bf16_bits(x);
+      return;
+    case DType::f16:
+      static_cast<std::uint16_t*>(v.data)[i] = f32_to_f16_bits(x);
+      return;
   }
   throw Error(Errc::internal, "dtype", "unreachable");
 }
@@ -56,8 +68,8 @@ bool has_output(const TensorView& v) { return v.data != nullptr || v.numel != 0;
 
 }  // namespace
 
-void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                GradientRead read, const std::int32_t* found_inf) {
+void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
+                const std::int32_t* found_inf) {
   detail::validate_adamw(tensors, config, read);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
@@ -69,7 +81,8 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
     auto* V = static_cast<float*>(t.exp_avg_sq.data);
     const bool out = has_output(t.compute_param);
     const std::size_t n = t.param.numel;
-    const std::size_t w = config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
+    const std::size_t w =
+        config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
     const std::size_t tail_begin = n - n % w;  // torch formula: first element of the scalar tail
     for (std::size_t i = 0; i < n; ++i) {
       const float g = read_gradient(t.grad, i, read);
@@ -166,8 +179,8 @@ void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
   const std::uint32_t exp = a >> 23;
   const std::uint64_t mant = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
   const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
-  mantissa_squared = mant * mant;                                // exact, < 2^48
-  shift = 2 * e - kNormUnitExponent;                             // x^2 / 2^-298 = mant^2 * 2^shift
+  mantissa_squared = mant * mant;                               // exact, < 2^48
+  shift = 2 * e - kNormUnitExponent;                            // x^2 / 2^-298 = mant^2 * 2^shift
 }
 
 NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) {
