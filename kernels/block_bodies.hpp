@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "core/element_ops.hpp"
+#include "stepcore/detail/norm_finalize.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/gpu.hpp"
@@ -252,6 +253,22 @@ STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, i
     case DType::f16:
       sign_sgd_by_output<float16_t>(a, t, task, thread, threads);
       break;
+  }
+}
+
+/// finalize + clip coefficient + found-inf flag (see gpu::finalize_and_clip).
+STEPCORE_HD_INLINE void finalize_and_clip_body(const NormPartial& partial, float max_norm, NormResult& result,
+                                               float& clip, std::int32_t& found_inf) {
+  result = ::stepcore::detail::finalize_partial(partial);
+  if (result.needs_exact) {
+    found_inf = 2;
+    clip = 0.0f;
+  } else if (!result.finite) {
+    found_inf = 1;
+    clip = 0.0f;
+  } else {
+    found_inf = 0;
+    clip = clip_coefficient(result.norm, max_norm);
   }
 }
 

@@ -211,6 +211,12 @@ void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t
       for (int t = 0; t < threads; ++t) detail::sign_sgd_thread(a, b, t, threads);
 }
 
+void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
+                       std::int32_t& found_inf) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f) throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  detail::finalize_and_clip_body(partial, max_norm, result, clip, found_inf);
+}
+
 void accumulate(const LaunchPlan& plan, bool copy, int threads) {
   check_threads(threads);
   for (const LaunchArgs& a : plan.launches)

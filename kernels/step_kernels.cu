@@ -93,6 +93,19 @@ __global__ void __launch_bounds__(kBlockThreads)
   detail::sign_sgd_thread(args, blockIdx.x, threadIdx.x, kBlockThreads);
 }
 
+// One thread: the finalisation is a few hundred integer operations on 20 digits.
+__global__ void finalize_and_clip_kernel(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                                         float* d_clip, std::int32_t* d_found_inf) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  NormResult r;
+  float clip = 0.0f;
+  std::int32_t flag = 0;
+  detail::finalize_and_clip_body(*d_partial, max_norm, r, clip, flag);
+  *d_result = r;
+  *d_clip = clip;
+  *d_found_inf = flag;
+}
+
 void require_device_pointer(const void* p, const std::string& name) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -247,6 +260,17 @@ void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig
     sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_found_inf);
     cuda::detail::check_launch("sign_sgd_kernel");
   }
+}
+
+void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result, float* d_clip,
+                       std::int32_t* d_found_inf, cudaStream_t stream) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f) throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  require_device_pointer(d_partial, "d_partial");
+  require_device_pointer(d_result, "d_result");
+  require_device_pointer(d_clip, "d_clip");
+  require_device_pointer(d_found_inf, "d_found_inf");
+  finalize_and_clip_kernel<<<1, 1, 0, stream>>>(d_partial, max_norm, d_result, d_clip, d_found_inf);
+  cuda::detail::check_launch("finalize_and_clip_kernel");
 }
 
 }  // namespace stepcore::gpu

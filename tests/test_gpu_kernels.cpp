@@ -67,6 +67,27 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
       ASSERT_EQ(cudaMemcpy(&p, d_partial, sizeof p, cudaMemcpyDeviceToHost), cudaSuccess);
       NormResult r = finalize(p);
       ASSERT_FALSE(r.needs_exact);
+      {  // the device's finalisation and clip coefficient give the host's bits
+        NormResult* d_result = nullptr;
+        float* d_clip = nullptr;
+        std::int32_t* d_flag = nullptr;
+        ASSERT_EQ(cudaMalloc(&d_result, sizeof(NormResult)), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_clip, sizeof(float)), cudaSuccess);
+        ASSERT_EQ(cudaMalloc(&d_flag, sizeof(std::int32_t)), cudaSuccess);
+        gpu::finalize_and_clip(d_partial, 0.5f, d_result, d_clip, d_flag, nullptr);
+        NormResult dr;
+        float dclip = 0.0f;
+        std::int32_t dflag = -1;
+        ASSERT_EQ(cudaMemcpy(&dr, d_result, sizeof dr, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(&dclip, d_clip, sizeof dclip, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(&dflag, d_flag, sizeof dflag, cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(f32_bits(dr.norm), f32_bits(r.norm));
+        EXPECT_EQ(dflag, 0);
+        EXPECT_EQ(f32_bits(dclip), f32_bits(clip_coefficient(r.norm, 0.5f)));
+        cudaFree(d_result);
+        cudaFree(d_clip);
+        cudaFree(d_flag);
+      }
       EXPECT_EQ(f32_bits(r.norm), f32_bits(ref.norm)) << dtype_name(d) << " scale " << scale;
       EXPECT_EQ(f32_bits(r.max_abs), f32_bits(ref.max_abs));
       for (std::size_t k = 0; k < sizes.size(); ++k) {

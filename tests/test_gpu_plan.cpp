@@ -214,6 +214,33 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
   }
 }
 
+TEST(GpuExecutor, FinalizeAndClipFlags) {
+  auto run = [](const std::vector<float>& x, float max_norm, NormResult& r, float& clip) {
+    std::vector<float> copy = x;
+    const std::vector<TensorView> v{{copy.data(), copy.size(), DType::f32}};
+    const NormPartial p = gpu::emulate::scale_and_norm_partial(gpu::make_plan(v), 1.0f);
+    std::int32_t flag = -1;
+    gpu::emulate::finalize_and_clip(p, max_norm, r, clip, flag);
+    return flag;
+  };
+  NormResult r;
+  float clip = -1.0f;
+  // 3-4-12: the exact norm is 13; the reference's finalisation and torch's coefficient.
+  EXPECT_EQ(run({3.0f, 4.0f, 12.0f}, 1.0f, r, clip), 0);
+  EXPECT_EQ(r.norm, 13.0f);
+  EXPECT_EQ(f32_bits(clip), f32_bits(clip_coefficient(13.0f, 1.0f)));
+  EXPECT_EQ(run({3.0f, 4.0f, 12.0f}, 100.0f, r, clip), 0);
+  EXPECT_EQ(clip, 1.0f);
+  EXPECT_EQ(run({3.0f, std::nanf("")}, 1.0f, r, clip), 1);
+  EXPECT_EQ(clip, 0.0f);
+  EXPECT_EQ(run({3e38f, 3e38f}, 1.0f, r, clip), 1) << "a norm overflowing f32 is not finite";
+  // A rounding tie (2^25 + 2, see test_cpu_engine) cannot be certified: flag 2.
+  EXPECT_EQ(run({16777216.0f, 16777216.0f, 16777216.0f, 16777216.0f, 8192.0f, 8192.0f, 2.0f}, 1.0f, r, clip), 2);
+  EXPECT_TRUE(r.needs_exact);
+  std::int32_t flag = 0;
+  EXPECT_THROW(gpu::emulate::finalize_and_clip(NormPartial{}, -1.0f, r, clip, flag), Error);
+}
+
 TEST(GpuExecutor, NonFiniteValuesAreCounted) {
   std::vector<float> x(70000, 0.25f);
   x[5] = std::nanf("");

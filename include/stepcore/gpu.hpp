@@ -140,6 +140,17 @@ void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* 
 /// acc = acc + f32(src) (or a copy) on device tensors.
 void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 
+/// Finalises a (reduced) norm partial on the device and derives the step's clip
+/// coefficient, without a host round trip: *d_result = finalize(*d_partial);
+/// *d_found_inf = 1 when the norm is not finite (NaN/Inf values or overflow), else 0;
+/// *d_clip = clip_coefficient(norm, max_norm) when the norm is certified and finite,
+/// else 0 (callers skip the step on found-inf). When d_result->needs_exact (a rounding
+/// tie or near-tie, ~1 in 2^16 norms) *d_found_inf is 2: the caller must recompute an
+/// exact partial (on the host today: cpu::Engine::norm_partial(..., NormMode::exact) of a
+/// copy); a device exact pass is not implemented yet. All pointers device memory.
+void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result, float* d_clip,
+                       std::int32_t* d_found_inf, cudaStream_t stream);
+
 /// AdamW on device tensors (step counters in host memory, incremented on the host) with
 /// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling
 /// and clipping in place first (docs/numerics.md section 3) and to the CPU engine.
@@ -167,6 +178,10 @@ NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads 
 
 /// g = R_T(f32(g) * factor) in place (the clip applied eagerly).
 void scale(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
+
+/// The host twin of gpu::finalize_and_clip (same __host__ __device__ code).
+void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
+                       std::int32_t& found_inf);
 
 /// Runs AdamW launches on host memory with the lazy gradient read R_T(R_T(g*scale)*clip);
 /// when *found_inf != 0 nothing is written (the flag, scale and clip live in device
