@@ -9,9 +9,9 @@
 #include <type_traits>
 
 #include "core/element_ops.hpp"
-#include "stepcore/detail/norm_finalize.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
+#include "stepcore/detail/norm_finalize.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
 
@@ -257,8 +257,9 @@ STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, i
 }
 
 /// finalize + clip coefficient + found-inf flag (see gpu::finalize_and_clip).
-STEPCORE_HD_INLINE void finalize_and_clip_body(const NormPartial& partial, float max_norm, NormResult& result,
-                                               float& clip, std::int32_t& found_inf) {
+STEPCORE_HD_INLINE void finalize_and_clip_body(const NormPartial& partial, float max_norm,
+                                               NormResult& result, float& clip,
+                                               std::int32_t& found_inf) {
   result = ::stepcore::detail::finalize_partial(partial);
   if (result.needs_exact) {
     found_inf = 2;

@@ -213,7 +213,8 @@ void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t
 
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
                        std::int32_t& found_inf) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f) throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
+    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
   detail::finalize_and_clip_body(partial, max_norm, result, clip, found_inf);
 }
 

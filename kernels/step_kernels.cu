@@ -94,8 +94,9 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // One thread: the finalisation is a few hundred integer operations on 20 digits.
-__global__ void finalize_and_clip_kernel(const NormPartial* d_partial, float max_norm, NormResult* d_result,
-                                         float* d_clip, std::int32_t* d_found_inf) {
+__global__ void finalize_and_clip_kernel(const NormPartial* d_partial, float max_norm,
+                                         NormResult* d_result, float* d_clip,
+                                         std::int32_t* d_found_inf) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   NormResult r;
   float clip = 0.0f;
@@ -262,9 +263,10 @@ void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig
   }
 }
 
-void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result, float* d_clip,
-                       std::int32_t* d_found_inf, cudaStream_t stream) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f) throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                       float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
+    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
   require_device_pointer(d_partial, "d_partial");
   require_device_pointer(d_result, "d_result");
   require_device_pointer(d_clip, "d_clip");

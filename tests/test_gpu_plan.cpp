@@ -235,7 +235,9 @@ TEST(GpuExecutor, FinalizeAndClipFlags) {
   EXPECT_EQ(clip, 0.0f);
   EXPECT_EQ(run({3e38f, 3e38f}, 1.0f, r, clip), 1) << "a norm overflowing f32 is not finite";
   // A rounding tie (2^25 + 2, see test_cpu_engine) cannot be certified: flag 2.
-  EXPECT_EQ(run({16777216.0f, 16777216.0f, 16777216.0f, 16777216.0f, 8192.0f, 8192.0f, 2.0f}, 1.0f, r, clip), 2);
+  EXPECT_EQ(run({16777216.0f, 16777216.0f, 16777216.0f, 16777216.0f, 8192.0f, 8192.0f, 2.0f}, 1.0f,
+                r, clip),
+            2);
   EXPECT_TRUE(r.needs_exact);
   std::int32_t flag = 0;
   EXPECT_THROW(gpu::emulate::finalize_and_clip(NormPartial{}, -1.0f, r, clip, flag), Error);

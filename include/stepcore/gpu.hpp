@@ -3,8 +3,9 @@
 // through the same __host__ __device__ block bodies, so kernel logic is tested on
 // machines without a GPU.
 //
-// Work in progress (issue 5): scale + norm partials + found-inf and accumulate exist;
-// the clip kernels and the GPU optimizers follow.
+// Work in progress (issue 5): scale + norm partials + found-inf, read-only norm, eager
+// clip, accumulate, finalize + clip coefficient, AdamW and SignSGD exist; a device-side
+// exact norm pass for uncertifiable norms is still missing.
 #pragma once
 
 #include <cstddef>
@@ -148,8 +149,8 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 /// tie or near-tie, ~1 in 2^16 norms) *d_found_inf is 2: the caller must recompute an
 /// exact partial (on the host today: cpu::Engine::norm_partial(..., NormMode::exact) of a
 /// copy); a device exact pass is not implemented yet. All pointers device memory.
-void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result, float* d_clip,
-                       std::int32_t* d_found_inf, cudaStream_t stream);
+void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                       float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream);
 
 /// AdamW on device tensors (step counters in host memory, incremented on the host) with
 /// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling

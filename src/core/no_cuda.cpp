@@ -50,7 +50,8 @@ void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const s
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void finalize_and_clip(const NormPartial*, float, NormResult*, float*, std::int32_t*, cudaStream_t) {
+void finalize_and_clip(const NormPartial*, float, NormResult*, float*, std::int32_t*,
+                       cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 

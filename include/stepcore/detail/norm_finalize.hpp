@@ -38,7 +38,8 @@ STEPCORE_HD_INLINE std::uint64_t isqrt128(u128 t) {
 
 /// Returns bits [from, from + 128) of the normalised digits (bits below 0 read as 0),
 /// and in `sticky` whether any bit below `from` is set.
-STEPCORE_HD_INLINE u128 extract_bits(const std::uint64_t (&d)[kNormDigits], int from, bool& sticky) {
+STEPCORE_HD_INLINE u128 extract_bits(const std::uint64_t (&d)[kNormDigits], int from,
+                                     bool& sticky) {
   u128 v = 0;
   for (int j = 0; j < 128; ++j) {
     const int p = from + j;
@@ -80,7 +81,8 @@ STEPCORE_HD_INLINE float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
 }
 
 /// out = floor(S / 2^bits) + 1 (>= S * 2^-bits), normalised.
-STEPCORE_HD_INLINE void shifted_up(const std::uint64_t (&d)[kNormDigits], int bits, std::uint64_t (&out)[kNormDigits]) {
+STEPCORE_HD_INLINE void shifted_up(const std::uint64_t (&d)[kNormDigits], int bits,
+                                   std::uint64_t (&out)[kNormDigits]) {
   for (int k = 0; k < kNormDigits; ++k) out[k] = 0;
   for (int p = bits; p < kNormDigits * kNormDigitBits; ++p) {
     if ((d[p / 32] >> (p % 32)) & 1ull) {
@@ -93,7 +95,8 @@ STEPCORE_HD_INLINE void shifted_up(const std::uint64_t (&d)[kNormDigits], int bi
 }
 
 /// a -= b, saturating at zero (normalised digits).
-STEPCORE_HD_INLINE void sub_digits(std::uint64_t (&a)[kNormDigits], const std::uint64_t (&b)[kNormDigits]) {
+STEPCORE_HD_INLINE void sub_digits(std::uint64_t (&a)[kNormDigits],
+                                   const std::uint64_t (&b)[kNormDigits]) {
   std::int64_t borrow = 0;
   for (int k = 0; k < kNormDigits; ++k) {
     std::int64_t v = static_cast<std::int64_t>(a[k]) - static_cast<std::int64_t>(b[k]) - borrow;
