@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/gpu.hpp"
@@ -31,24 +32,6 @@
 namespace {
 
 using namespace stepcore;
-
-// ---- the model: tensor sizes of a Qwen2.5-0.5B-like decoder, repeated to 64M ----------
-std::vector<std::size_t> model_sizes(std::size_t target) {
-  const std::size_t h = 896, kv = 128, ffn = 4864;
-  const std::size_t layer[] = {h * h, h,       kv * h,  kv,      kv * h, kv,
-                               h * h, ffn * h, ffn * h, h * ffn, h,      h};
-  std::vector<std::size_t> sizes;
-  std::size_t total = 0;
-  sizes.push_back(8192 * h);  // a (shortened) embedding
-  total += sizes.back();
-  while (total < target) {
-    for (std::size_t s : layer) {
-      sizes.push_back(s);
-      total += s;
-    }
-  }
-  return sizes;
-}
 
 template <class T>
 struct Slab {
@@ -71,7 +54,7 @@ struct State {
   std::vector<float> steps;
 
   explicit State(std::size_t target)
-      : sizes(model_sizes(target)),
+      : sizes(bench::model_sizes(target)),
         total(count(sizes)),
         p(total),
         m(total),

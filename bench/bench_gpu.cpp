@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/gpu.hpp"
@@ -52,21 +53,6 @@ float best_ms(const std::function<void()>& fn, cudaStream_t stream, int reps = 1
   return best;
 }
 
-/// Tensor sizes of a Qwen2.5-0.5B-like decoder, repeated up to `target` elements.
-std::vector<std::size_t> sizes_up_to(std::size_t target) {
-  const std::size_t h = 896, kv = 128, ffn = 4864;
-  const std::size_t layer[] = {h * h, h,       kv * h,  kv,      kv * h, kv,
-                               h * h, ffn * h, ffn * h, h * ffn, h,      h};
-  std::vector<std::size_t> s;
-  std::size_t total = 0;
-  while (total < target)
-    for (std::size_t x : layer) {
-      s.push_back(x);
-      total += x;
-    }
-  return s;
-}
-
 }  // namespace
 
 int main() {
@@ -83,7 +69,7 @@ int main() {
   CHECK(cudaStreamCreate(&stream));
 
   // 1 GiB of bf16 gradients.
-  const auto sizes = sizes_up_to(std::size_t{1} << 29);
+  const auto sizes = bench::model_sizes(std::size_t{1} << 29);
   std::size_t total = 0;
   for (auto s : sizes) total += s;
   std::uint16_t* d_grad = nullptr;

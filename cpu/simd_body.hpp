@@ -137,6 +137,21 @@ struct Body {
     if (r.clip != 1.0f) return 2;
     return r.scale != 1.0f ? 1 : 0;
   }
+  /// Calls fn(std::integral_constant<int, Mode>{}) for the read's mode.
+  template <class Fn>
+  static void with_read_mode(const GradientRead& r, Fn fn) {
+    switch (read_mode_of(r)) {
+      case 0:
+        fn(std::integral_constant<int, 0>{});
+        break;
+      case 1:
+        fn(std::integral_constant<int, 1>{});
+        break;
+      default:
+        fn(std::integral_constant<int, 2>{});
+        break;
+    }
+  }
   template <class T>
   static float read1(const T* p, float scale, float clip) {
     float x = to_f32(*p);
@@ -202,35 +217,15 @@ struct Body {
     const std::size_t lanes_end = begin + (vec_end - begin) / N * N;
     const G* grad = static_cast<const G*>(r.grad);
     O* out = static_cast<O*>(r.out);
-    auto run = [&](auto torch, auto mode) {
-      adamw_lanes<G, O, decltype(torch)::value, decltype(mode)::value>(
-          r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
-    };
-    using T0 = std::false_type;
-    using T1 = std::true_type;
-    using M0 = std::integral_constant<int, 0>;
-    using M1 = std::integral_constant<int, 1>;
-    using M2 = std::integral_constant<int, 2>;
-    switch (read_mode_of(r.read) + (r.torch ? 3 : 0)) {
-      case 0:
-        run(T0{}, M0{});
-        break;
-      case 1:
-        run(T0{}, M1{});
-        break;
-      case 2:
-        run(T0{}, M2{});
-        break;
-      case 3:
-        run(T1{}, M0{});
-        break;
-      case 4:
-        run(T1{}, M1{});
-        break;
-      default:
-        run(T1{}, M2{});
-        break;
-    }
+    with_read_mode(r.read, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (r.torch)
+        adamw_lanes<G, O, true, M>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
+                                   begin, lanes_end);
+      else
+        adamw_lanes<G, O, false, M>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
+                                    begin, lanes_end);
+    });
     for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
 
@@ -323,17 +318,9 @@ struct Body {
   template <class T>
   static void norm(const void* data_v, const GradientRead& read, std::size_t begin, std::size_t end,
                    NormPartial& out) {
-    switch (read_mode_of(read)) {
-      case 0:
-        norm_mode<T, 0>(static_cast<const T*>(data_v), read, begin, end, out);
-        break;
-      case 1:
-        norm_mode<T, 1>(static_cast<const T*>(data_v), read, begin, end, out);
-        break;
-      default:
-        norm_mode<T, 2>(static_cast<const T*>(data_v), read, begin, end, out);
-        break;
-    }
+    with_read_mode(read, [&](auto mode) {
+      norm_mode<T, decltype(mode)::value>(static_cast<const T*>(data_v), read, begin, end, out);
+    });
   }
 
   template <class T, int Mode>
