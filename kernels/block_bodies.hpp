@@ -24,17 +24,34 @@ struct NormLane {
   std::uint32_t max_bits = 0;
   std::uint32_t nan = 0;
   std::uint32_t inf = 0;
+
+  /// Adds the exact square of a finite value (binary64 holds it exactly).
+  STEPCORE_HD_INLINE void add_square(double square) { sum = sum + square; }
+};
+
+/// One thread's share of an exact norm (the rare fallback for an uncertifiable
+/// rounding): every square is deposited into integer digits, no rounding at all. A
+/// thread deposits at most kChunkElements / 32 squares, so its digits stay below 2^44.
+struct ExactNormLane {
+  std::uint64_t digits[kNormDigits] = {};
+  std::uint32_t max_bits = 0;
+  std::uint32_t nan = 0;
+  std::uint32_t inf = 0;
+
+  STEPCORE_HD_INLINE void add_square(double square) {
+    ::stepcore::detail::deposit_double(digits, square);
+  }
 };
 
 /// Elements [begin + first, end) with stride `stride` of one tensor, read as
 /// x = R_T(R_T(f32(g) * scale) * clip) (a factor is skipped when its flag is off);
 /// with `write`, the scaled value R_T(f32(g) * scale) is stored back (the fused
 /// scale + norm pass, clip off). The value read goes into the lane.
-template <class T>
+template <class T, class Lane>
 STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::uint64_t end,
                                             std::uint64_t first, std::uint64_t stride, float scale,
                                             bool apply_scale, float clip, bool apply_clip,
-                                            bool write, NormLane& lane) {
+                                            bool write, Lane& lane) {
   for (std::uint64_t i = begin + first; i < end; i += stride) {
     float v = to_f32(data[i]);
     if (apply_scale) {
@@ -50,8 +67,8 @@ STEPCORE_HD_INLINE void scale_norm_elements(T* data, std::uint64_t begin, std::u
       ++lane.inf;
     } else {
       if (a > lane.max_bits) lane.max_bits = a;
-      const double d = static_cast<double>(v);  // exact square in binary64
-      lane.sum = lane.sum + d * d;
+      const double d = static_cast<double>(v);
+      lane.add_square(d * d);  // exact: a 24-bit significand squared fits binary64
     }
   }
 }
@@ -63,9 +80,11 @@ struct NormPass {
   bool write = false;
 };
 
-/// Thread `thread` of `threads` on block `block` of launch `a`.
+/// Thread `thread` of `threads` on block `block` of launch `a` (Lane: NormLane for the
+/// fast pass, ExactNormLane for the exact fallback).
+template <class Lane>
 STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int thread, int threads,
-                                          const NormPass& pass, NormLane& lane) {
+                                          const NormPass& pass, Lane& lane) {
   const BlockTask& t = a.tasks[block];
   void* p = a.data[t.tensor];
   const bool s = pass.scale != 1.0f, c = pass.clip != 1.0f;
@@ -116,6 +135,26 @@ STEPCORE_HD_INLINE void combine(NormLane& a, const NormLane& b) {
   a.max_bits = a.max_bits > b.max_bits ? a.max_bits : b.max_bits;
   a.nan += b.nan;
   a.inf += b.inf;
+}
+
+/// a += b for exact lanes (integer digit sums; no normalisation needed below 2^64).
+STEPCORE_HD_INLINE void combine(ExactNormLane& a, const ExactNormLane& b) {
+  for (int k = 0; k < kNormDigits; ++k) a.digits[k] += b.digits[k];
+  a.max_bits = a.max_bits > b.max_bits ? a.max_bits : b.max_bits;
+  a.nan += b.nan;
+  a.inf += b.inf;
+}
+
+/// Returns the block's exact partial (normalised digits, approximate = 0).
+STEPCORE_HD_INLINE NormPartial to_partial(const ExactNormLane& l) {
+  NormPartial p;
+  for (int k = 0; k < kNormDigits; ++k) p.digits[k] = l.digits[k];
+  ::stepcore::detail::normalize_digits(p.digits);
+  p.max_abs_bits = l.max_bits;
+  p.nan_count = l.nan;
+  p.inf_count = l.inf;
+  p.approximate = 0;
+  return p;
 }
 
 /// Returns the block's partial from its combined lane: the binary64 block sum is
@@ -262,15 +301,25 @@ STEPCORE_HD_INLINE void finalize_and_clip_body(const NormPartial& partial, float
                                                std::int32_t& found_inf) {
   result = ::stepcore::detail::finalize_partial(partial);
   if (result.needs_exact) {
-    found_inf = 2;
+    found_inf = kFoundInfNeedsExact;
     clip = 0.0f;
   } else if (!result.finite) {
-    found_inf = 1;
+    found_inf = kFoundInfNonFinite;
     clip = 0.0f;
   } else {
-    found_inf = 0;
+    found_inf = kFoundInfNone;
     clip = clip_coefficient(result.norm, max_norm);
   }
+}
+
+/// The exact fallback's finalisation: when found_inf is kFoundInfNeedsExact, replaces
+/// result, clip and found_inf by the finalisation of the exact partial; otherwise
+/// leaves them as the fast pass set them.
+STEPCORE_HD_INLINE void finalize_exact_and_clip_body(const NormPartial& exact, float max_norm,
+                                                     NormResult& result, float& clip,
+                                                     std::int32_t& found_inf) {
+  if (found_inf != kFoundInfNeedsExact) return;
+  finalize_and_clip_body(exact, max_norm, result, clip, found_inf);
 }
 
 }  // namespace stepcore::gpu::detail

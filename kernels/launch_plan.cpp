@@ -144,6 +144,30 @@ std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) 
   return blocks * sizeof(NormPartial);
 }
 
+namespace detail {
+namespace {
+thread_local int tl_max_blocks = kMaxBlocksPerLaunch;
+thread_local int tl_max_tensors = kMaxTensorsPerLaunch;
+}  // namespace
+
+ScopedLaunchLimits::ScopedLaunchLimits(int max_blocks, int max_tensors)
+    : saved_blocks_(tl_max_blocks), saved_tensors_(tl_max_tensors) {
+  check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
+  tl_max_blocks = max_blocks;
+  tl_max_tensors = max_tensors;
+}
+ScopedLaunchLimits::~ScopedLaunchLimits() {
+  tl_max_blocks = saved_blocks_;
+  tl_max_tensors = saved_tensors_;
+}
+
+LaunchLimits launch_limits(bool adamw) {
+  if (!adamw) return {tl_max_blocks, tl_max_tensors};
+  return {tl_max_blocks < kMaxAdamWBlocksPerLaunch ? tl_max_blocks : kMaxAdamWBlocksPerLaunch,
+          tl_max_tensors < kMaxAdamWTensorsPerLaunch ? tl_max_tensors : kMaxAdamWTensorsPerLaunch};
+}
+}  // namespace detail
+
 namespace emulate {
 namespace {
 void check_threads(int threads) {
@@ -155,13 +179,14 @@ void check_threads(int threads) {
 }  // namespace
 
 namespace {
+template <class Lane = detail::NormLane>
 NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int threads) {
   NormPartial total;
-  std::vector<detail::NormLane> lanes(static_cast<std::size_t>(threads));
+  std::vector<Lane> lanes(static_cast<std::size_t>(threads));
   for (const LaunchArgs& a : plan.launches) {
     for (int b = 0; b < a.num_blocks; ++b) {
       for (int t = 0; t < threads; ++t) {
-        lanes[static_cast<std::size_t>(t)] = detail::NormLane{};
+        lanes[static_cast<std::size_t>(t)] = Lane{};
         detail::scale_norm_thread(a, b, t, threads, pass, lanes[static_cast<std::size_t>(t)]);
       }
       // The same tree as the kernel's shared-memory reduction.
@@ -216,6 +241,21 @@ void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& r
   if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
     throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
   detail::finalize_and_clip_body(partial, max_norm, result, clip, found_inf);
+}
+
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead read,
+                                         std::int32_t found_inf, int threads) {
+  check_threads(threads);
+  if (found_inf != kFoundInfNeedsExact) return NormPartial{};
+  return run_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false},
+                                         threads);
+}
+
+void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
+                             float& clip, std::int32_t& found_inf) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
+    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  detail::finalize_exact_and_clip_body(exact_partial, max_norm, result, clip, found_inf);
 }
 
 void accumulate(const LaunchPlan& plan, bool copy, int threads) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "stepcore/convert.hpp"
+#include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/reference.hpp"
@@ -364,3 +365,128 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
 }
 
 }  // namespace
+
+// The exact fallback's partial equals the reference's exact partial digit for digit
+// (not only after rounding), for every dtype, two launch shapes and a scaled read.
+TEST(GpuExecutor, ExactPassEqualsTheReferencePartial) {
+  std::uint32_t seed = 300;
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{0.3f, 0.37f}}) {
+      SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale));
+      Data data = make_data(d, seed++);
+      const std::vector<ConstTensorView> cv(data.views.begin(), data.views.end());
+      const NormPartial ref = reference::norm_partial(cv, read);
+      ASSERT_EQ(ref.approximate, 0u);
+      for (const auto& [max_blocks, threads] :
+           {std::pair{gpu::kMaxBlocksPerLaunch, 256}, std::pair{5, 32}}) {
+        const gpu::LaunchPlan plan = gpu::make_plan(data.views, {}, max_blocks, 3);
+        const NormPartial p = gpu::emulate::exact_norm_partial_if_needed(
+            plan, read, gpu::kFoundInfNeedsExact, threads);
+        EXPECT_EQ(p.approximate, 0u);
+        EXPECT_TRUE(same_value(p, ref));
+        EXPECT_EQ(std::memcmp(p.digits, ref.digits, sizeof p.digits), 0)
+            << "both normalised: the digits must be identical";
+        // Without the flag the pass is a no-op returning the zero partial.
+        for (std::int32_t flag : {gpu::kFoundInfNone, gpu::kFoundInfNonFinite}) {
+          const NormPartial z =
+              gpu::emulate::exact_norm_partial_if_needed(plan, read, flag, threads);
+          EXPECT_TRUE(same_value(z, NormPartial{}));
+        }
+      }
+    }
+  }
+}
+
+// A norm whose exact value is a rounding tie: the fast pass cannot certify it (flag 2),
+// the exact pass resolves it to round-half-even, as the reference does.
+TEST(GpuExecutor, ExactFallbackResolvesATie) {
+  // Squares summing to (2^25 + 2)^2: sqrt(S) = 2^25 + 2 exactly, the midpoint of the
+  // floats 2^25 and 2^25 + 4.
+  std::vector<float> x = {16777216.0f, 16777216.0f, 16777216.0f, 16777216.0f,
+                          8192.0f,     8192.0f,     2.0f};
+  // Independent expectation: 4 * 2^48 + 2 * 2^26 + 4 = 2^50 + 2^27 + 4 = (2^25 + 2)^2.
+  const double s = 4.0 * std::ldexp(1.0, 48) + 2.0 * std::ldexp(1.0, 26) + 4.0;
+  ASSERT_EQ(s, (std::ldexp(1.0, 25) + 2.0) * (std::ldexp(1.0, 25) + 2.0));
+  const float expected = 33554432.0f;  // 2^25 + 2 ties to the even float 2^25
+  for (float max_norm : {1.0f, 1e9f}) {
+    std::vector<float> g = x;
+    // Spread over three tensors with an empty one in the middle.
+    const std::vector<TensorView> v{
+        {g.data(), 3, DType::f32}, {g.data() + 3, 0, DType::f32}, {g.data() + 3, 4, DType::f32}};
+    const gpu::LaunchPlan plan = gpu::make_plan(v);
+    const NormPartial fast = gpu::emulate::scale_and_norm_partial(plan, 1.0f);
+    NormResult r;
+    float clip = -1.0f;
+    std::int32_t flag = -1;
+    gpu::emulate::finalize_and_clip(fast, max_norm, r, clip, flag);
+    ASSERT_EQ(flag, gpu::kFoundInfNeedsExact);
+    const NormPartial exact = gpu::emulate::exact_norm_partial_if_needed(plan, {}, flag);
+    gpu::emulate::finalize_exact_and_clip(exact, max_norm, r, clip, flag);
+    EXPECT_EQ(flag, gpu::kFoundInfNone);
+    EXPECT_FALSE(r.needs_exact);
+    EXPECT_EQ(f32_bits(r.norm), f32_bits(expected));
+    const float coef = (1.0f / (expected + 1e-6f)) * max_norm;  // torch's clip_grad_norm_
+    const float want_clip = coef < 1.0f ? coef : 1.0f;
+    EXPECT_EQ(f32_bits(clip), f32_bits(want_clip));
+    // A flag other than 2 leaves the fast pass's results alone.
+    NormResult kept = r;
+    float kept_clip = clip;
+    std::int32_t none = gpu::kFoundInfNone;
+    gpu::emulate::finalize_exact_and_clip(NormPartial{}, max_norm, kept, kept_clip, none);
+    EXPECT_EQ(f32_bits(kept.norm), f32_bits(r.norm));
+    EXPECT_EQ(f32_bits(kept_clip), f32_bits(clip));
+  }
+}
+
+// The CUDA entry points check everything that needs no device (shapes, workspace size,
+// null pointers) before any CUDA call, so these errors are the same with or without a
+// device; pointers the runtime cannot vouch for are refused. Nothing is written.
+TEST(GpuApi, BadInputIsRefusedBeforeAnythingIsWritten) {
+  if (!cuda::built_with_cuda()) GTEST_SKIP() << cuda::unavailable_reason();
+  std::vector<float> g(100, 0.5f);
+  const std::vector<float> before = g;
+  const std::vector<TensorView> v{{g.data(), g.size(), DType::f32}};
+  NormPartial partial;
+  partial.digits[0] = 77;  // a canary: must stay
+  alignas(64) unsigned char ws[sizeof(NormPartial)];
+  auto expect_error = [&](auto&& call, Errc code, const std::string& argument) {
+    try {
+      call();
+      ADD_FAILURE() << "no error for " << argument;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_EQ(e.argument(), argument) << e.what();
+    }
+    EXPECT_EQ(std::memcmp(g.data(), before.data(), g.size() * sizeof(float)), 0);
+    EXPECT_EQ(partial.digits[0], 77u);
+  };
+  ASSERT_EQ(gpu::scale_and_norm_workspace_bytes(v), sizeof(NormPartial));
+  expect_error([&] { gpu::scale_and_norm_partial(v, 0.5f, &partial, ws, 10, nullptr); },
+               Errc::out_of_range, "workspace_bytes");
+  expect_error([&] { gpu::scale_and_norm_partial(v, 0.5f, nullptr, ws, sizeof ws, nullptr); },
+               Errc::null_pointer, "d_partial");
+  expect_error([&] { gpu::scale_and_norm_partial(v, NAN, &partial, ws, sizeof ws, nullptr); },
+               Errc::non_finite, "scale");
+  // Host memory where device memory is needed (with or without a device).
+  expect_error([&] { gpu::scale_and_norm_partial(v, 0.5f, &partial, ws, sizeof ws, nullptr); },
+               Errc::invalid_argument, "d_partial");
+  const std::vector<TensorView> bad_dtype{{g.data(), g.size(), static_cast<DType>(9)}};
+  expect_error(
+      [&] { gpu::scale_and_norm_partial(bad_dtype, 0.5f, &partial, ws, 1 << 20, nullptr); },
+      Errc::unsupported_dtype, "d_tensors[0]");
+  // AdamW: a size mismatch is found before the device pointers are looked at.
+  std::vector<float> p(100), m(50), vv(100);
+  float step = 0.0f;
+  const std::vector<AdamWTensor> adamw{{f32_view(p.data(), 100),
+                                        f32_view(m.data(), 50),
+                                        f32_view(vv.data(), 100),
+                                        &step,
+                                        const_view(g.data(), 100),
+                                        {}}};
+  float scale = 1.0f, clip = 1.0f;
+  expect_error([&] { gpu::adamw_step(adamw, AdamWConfig{}, &scale, &clip, nullptr, nullptr); },
+               Errc::size_mismatch, "tensors[0].exp_avg");
+  EXPECT_EQ(step, 0.0f) << "the step counter must not advance on an error";
+  expect_error([&] { gpu::finalize_and_clip(&partial, -1.0f, nullptr, nullptr, nullptr, nullptr); },
+               Errc::non_finite, "max_norm");
+}

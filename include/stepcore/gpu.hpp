@@ -3,9 +3,10 @@
 // through the same __host__ __device__ block bodies, so kernel logic is tested on
 // machines without a GPU.
 //
-// Work in progress (issue 5): scale + norm partials + found-inf, read-only norm, eager
-// clip, accumulate, finalize + clip coefficient, AdamW and SignSGD exist; a device-side
-// exact norm pass for uncertifiable norms is still missing.
+// A step on the device, with no host synchronisation (every scalar in device memory):
+//   scale_and_norm_partial -> [all-reduce the partial] -> finalize_and_clip ->
+//   exact_norm_partial_if_needed -> [all-reduce] -> finalize_exact_and_clip ->
+//   adamw_step / sign_sgd_step (lazy clip on read, skipped on found-inf).
 #pragma once
 
 #include <cstddef>
@@ -24,6 +25,11 @@ namespace stepcore::gpu {
 /// by every kernel, never derived from the device (so results and partials do not
 /// depend on the GPU model).
 inline constexpr std::size_t kChunkElements = std::size_t{1} << 16;
+/// Values of the device found-inf flag finalize_and_clip writes.
+inline constexpr std::int32_t kFoundInfNone = 0;       ///< finite norm, clip set
+inline constexpr std::int32_t kFoundInfNonFinite = 1;  ///< NaN/Inf seen or norm overflow
+inline constexpr std::int32_t kFoundInfNeedsExact =
+    2;  ///< uncertified rounding: run the exact pass
 /// Threads per block of every multi-tensor kernel.
 inline constexpr int kBlockThreads = 256;
 /// Tensors and blocks one launch carries in its by-value kernel argument.
@@ -146,11 +152,31 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 /// *d_found_inf = 1 when the norm is not finite (NaN/Inf values or overflow), else 0;
 /// *d_clip = clip_coefficient(norm, max_norm) when the norm is certified and finite,
 /// else 0 (callers skip the step on found-inf). When d_result->needs_exact (a rounding
-/// tie or near-tie, ~1 in 2^16 norms) *d_found_inf is 2: the caller must recompute an
-/// exact partial (on the host today: cpu::Engine::norm_partial(..., NormMode::exact) of a
-/// copy); a device exact pass is not implemented yet. All pointers device memory.
+/// tie or near-tie, ~1 in 2^16 norms) *d_found_inf is kFoundInfNeedsExact: run
+/// exact_norm_partial_if_needed and finalize_exact_and_clip next (always enqueue them;
+/// they do nothing otherwise). All pointers device memory. Determinism: the same bits
+/// as stepcore::finalize and clip_coefficient on the host.
 void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
                        float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream);
+
+/// The exact fallback, pass 1: when *d_found_inf == kFoundInfNeedsExact, writes the
+/// exact partial (integer deposits of every square, approximate = 0) of the values read
+/// as R_T(R_T(g*scale)*clip) to *d_exact_partial; otherwise writes a zero partial (so an
+/// all-reduce of it across ranks, which every rank enqueues, stays harmless). Same
+/// workspace as scale_and_norm_partial; reads each element once when needed, nothing
+/// otherwise. Never allocates, never synchronises; capturable. Determinism: equal to
+/// reference::norm_partial digit for digit, for any launch shape.
+void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                                  const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                  void* d_workspace, std::size_t workspace_bytes,
+                                  cudaStream_t stream);
+
+/// The exact fallback, pass 2: when *d_found_inf == kFoundInfNeedsExact, finalises the
+/// (reduced) exact partial into *d_result, *d_clip and *d_found_inf as finalize_and_clip
+/// does; otherwise leaves all three unchanged. Capturable, no host synchronisation.
+void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
+                             NormResult* d_result, float* d_clip, std::int32_t* d_found_inf,
+                             cudaStream_t stream);
 
 /// AdamW on device tensors (step counters in host memory, incremented on the host) with
 /// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling
@@ -165,6 +191,32 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
 /// SignSGD on device tensors; *d_found_inf != 0 (device memory, optional) writes nothing.
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                    const std::int32_t* d_found_inf, cudaStream_t stream);
+
+namespace detail {
+
+/// Lowers the blocks and tensors per launch of the CUDA entry points on this thread
+/// while alive (tests run the device kernels under two launch shapes with it). Results
+/// do not depend on it: that is what the tests show.
+class ScopedLaunchLimits {
+ public:
+  ScopedLaunchLimits(int max_blocks, int max_tensors);
+  ~ScopedLaunchLimits();
+  ScopedLaunchLimits(const ScopedLaunchLimits&) = delete;
+  ScopedLaunchLimits& operator=(const ScopedLaunchLimits&) = delete;
+
+ private:
+  int saved_blocks_, saved_tensors_;
+};
+
+/// The limits in force on this thread: {max_blocks, max_tensors}, scaled for AdamW-like
+/// launches by `adamw` (their compile-time limits are smaller).
+struct LaunchLimits {
+  int max_blocks;
+  int max_tensors;
+};
+LaunchLimits launch_limits(bool adamw);
+
+}  // namespace detail
 
 namespace emulate {
 
@@ -183,6 +235,15 @@ void scale(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
 /// The host twin of gpu::finalize_and_clip (same __host__ __device__ code).
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
                        std::int32_t& found_inf);
+
+/// The host twin of gpu::exact_norm_partial_if_needed: the exact partial of the read
+/// values when found_inf == kFoundInfNeedsExact, else a zero partial.
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead read,
+                                         std::int32_t found_inf, int threads = kBlockThreads);
+
+/// The host twin of gpu::finalize_exact_and_clip.
+void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
+                             float& clip, std::int32_t& found_inf);
 
 /// Runs AdamW launches on host memory with the lazy gradient read R_T(R_T(g*scale)*clip);
 /// when *found_inf != 0 nothing is written (the flag, scale and clip live in device

@@ -60,4 +60,15 @@ void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, 
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
+void exact_norm_partial_if_needed(std::span<const ConstTensorView>, GradientRead,
+                                  const std::int32_t*, NormPartial*, void*, std::size_t,
+                                  cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
+void finalize_exact_and_clip(const NormPartial*, float, NormResult*, float*, std::int32_t*,
+                             cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
 }  // namespace stepcore::gpu
