@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "stepcore/convert.hpp"
+#include "stepcore/cpu.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -329,6 +330,17 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         State ref = base;
         auto rt = tensors(ref);
         reference::adamw_step(rt, cfg, GradientRead{scale, clip});
+        {  // the CPU engine gives the reference's bits too: CPU = GPU executor = reference
+          State eng = base;
+          auto et = tensors(eng);
+          cpu::Engine({.threads = 2}).adamw_step(et, cfg, GradientRead{scale, clip});
+          for (std::size_t k = 0; k < sizes.size(); ++k) {
+            if (sizes[k] != 0)
+              ASSERT_EQ(std::memcmp(eng.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
+                  << "engine param " << k;
+            ASSERT_EQ(eng.o[k], ref.o[k]) << "engine compute copy " << k;
+          }
+        }
         struct Shape {
           int max_blocks, max_tensors, threads;
         };
@@ -363,8 +375,6 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
     }
   }
 }
-
-}  // namespace
 
 // The exact fallback's partial equals the reference's exact partial digit for digit
 // (not only after rounding), for every dtype, two launch shapes and a scaled read.
@@ -490,3 +500,5 @@ TEST(GpuApi, BadInputIsRefusedBeforeAnythingIsWritten) {
   expect_error([&] { gpu::finalize_and_clip(&partial, -1.0f, nullptr, nullptr, nullptr, nullptr); },
                Errc::non_finite, "max_norm");
 }
+
+}  // namespace
