@@ -29,6 +29,7 @@
 #include <unistd.h>
 #endif
 
+#include "demo_managers.hpp"
 #include "demo_model.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
@@ -89,6 +90,9 @@ struct Options {
   bool strict_numa = false;             ///< an unbound placement is an error (exit 2)
   bool print_layout = false;
   bool help = false;
+  bool managers = true;                ///< run the managers phase
+  std::int64_t managers_layers = 1;    ///< decoder layers of the managers phase's model
+  std::int64_t managers_vocab = 8192;  ///< vocabulary rows of the managers phase's model
 };
 
 constexpr const char* kUsage = R"(usage: stepcore-demo [options]
@@ -141,6 +145,14 @@ options (--name value or --name=value):
                        0: off; cpu backend only; not counted in the phase timings)
   --inject-inf STEP    put one +Inf into STEP's gradients (1-based) to show found-inf
   --print-layout       list every tensor of the layout
+  --managers-layers N  decoder layers of the managers phase's model (default 1)
+  --managers-vocab N   vocabulary rows of the managers phase's model (default 8192)
+  --no-managers        skip the managers phase: the same model (scaled by the two
+                       options above) and gradient stream through the gradient managers
+                       of offload modes none, optimizer and full (make_gradient_manager;
+                       on CUDA device 0 when there is one, else on the host device that
+                       runs the CUDA kernels' block bodies on the CPU), compared bit for
+                       bit after every step (a second "bitwise:" line)
   --help               this text
 
 exit status: 0 success, 1 runtime error or bitwise mismatch, 2 bad usage (including
@@ -191,11 +203,27 @@ std::int64_t parse_size(std::string_view opt, const std::string& text, std::int6
 
 /// Returns true for the options that take a value.
 bool takes_value(std::string_view name) {
-  static constexpr std::string_view kValued[] = {
-      "--model",        "--layers",      "--vocab",      "--steps",           "--micro-batches",
-      "--max-norm",     "--grad-dtype",  "--optimizer",  "--formula",         "--lr",
-      "--weight-decay", "--seed",        "--backend",    "--inject-inf",      "--isa",
-      "--threads",      "--check-steps", "--local-rank", "--local-world-size"};
+  static constexpr std::string_view kValued[] = {"--model",
+                                                 "--layers",
+                                                 "--vocab",
+                                                 "--steps",
+                                                 "--micro-batches",
+                                                 "--max-norm",
+                                                 "--grad-dtype",
+                                                 "--optimizer",
+                                                 "--formula",
+                                                 "--lr",
+                                                 "--weight-decay",
+                                                 "--seed",
+                                                 "--backend",
+                                                 "--inject-inf",
+                                                 "--isa",
+                                                 "--threads",
+                                                 "--check-steps",
+                                                 "--local-rank",
+                                                 "--local-world-size",
+                                                 "--managers-layers",
+                                                 "--managers-vocab"};
   for (const std::string_view v : kValued)
     if (v == name) return true;
   return false;
@@ -266,6 +294,10 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     o.check_steps = parse_int(name, value, 0, 16777215);
   } else if (name == "--local-rank") {
     o.local_rank = static_cast<int>(parse_int(name, value, 0, 1 << 20));
+  } else if (name == "--managers-layers") {
+    o.managers_layers = parse_int(name, value, 1, 4096);
+  } else if (name == "--managers-vocab") {
+    o.managers_vocab = parse_int(name, value, 1, 16 * 1024 * 1024);
   } else if (name == "--local-world-size") {
     o.local_world_size = static_cast<int>(parse_int(name, value, 1, 1 << 20));
   } else {
@@ -288,6 +320,10 @@ Options parse_options(int argc, char** argv) {
     }
     if (arg == "--no-bind") {
       o.no_bind = true;
+      continue;
+    }
+    if (arg == "--no-managers") {
+      o.managers = false;
       continue;
     }
     if (arg == "--strict-numa") {
@@ -1368,6 +1404,36 @@ StepOutcome run_step(const Model& m, State& s, const Calls& c, const Options& o,
 
 /// Runs the whole demo on `backend`; returns the exit code. Throws stepcore::Error
 /// on failure.
+/// Runs the managers phase: the demo's model scaled to --managers-layers/--managers-vocab,
+/// the same gradient stream, through the three offload modes; returns true when they
+/// agree bit for bit.
+bool run_managers_phase(const Options& o, const Backend& backend) {
+  demo::ManagersOptions mo;
+  demo::ModelConfig config = *demo::find_model(o.model);
+  config.layers = o.managers_layers;
+  config.vocab = o.managers_vocab;
+  mo.layout = demo::build_layout(config);
+  mo.tied = config.tied_embeddings;
+  mo.seed = o.seed;
+  mo.steps = o.steps;
+  mo.micro_batches = o.micro_batches;
+  mo.max_norm = o.max_norm;
+  mo.grad_dtype = o.grad_dtype;
+  mo.optimizer.name = o.optimizer == Optimizer::adamw ? "adamw" : "sign_sgd";
+  mo.optimizer.adamw.lr = o.lr;
+  mo.optimizer.adamw.weight_decay = o.weight_decay;
+  mo.optimizer.adamw.formula = o.formula;
+  mo.optimizer.sign_sgd.lr = o.lr;
+  mo.optimizer.sign_sgd.weight_decay = o.weight_decay;
+  if (backend.engine) {
+    mo.engine.isa = backend.engine->isa();
+    mo.engine.threads = backend.engine->threads();
+  }
+  mo.chunk_elements = std::size_t{4} << 20;  // several chunks even for the small model
+  mo.cuda = sc::cuda::device_count() > 0;
+  return demo::run_managers_phase(mo);
+}
+
 int run(const Options& o, const Backend& backend) {
   const auto start = Clock::now();
   const Model model = make_model(o);
@@ -1421,6 +1487,18 @@ int run(const Options& o, const Backend& backend) {
                     ? "all equal"
                     : (std::to_string(totals.mismatched) + " MISMATCHED").c_str());
   std::printf("total %.2f s\n", seconds_since(start));
+  bool managers_agree = true;
+  if (o.managers) {
+    std::fflush(stdout);
+    managers_agree = run_managers_phase(o, backend);
+  }
+  if (!managers_agree) {
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "stepcore-demo: the gradient managers' modes differ (see the bitwise: "
+                 "lines)\n");
+    return kExitRuntime;
+  }
   if (totals.mismatched > 0) {
     std::fflush(stdout);
     std::fprintf(stderr,

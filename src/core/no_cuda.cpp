@@ -1,5 +1,6 @@
 // The CUDA entry points of a build without CUDA: report that, never pretend.
 #include "stepcore/cuda.hpp"
+#include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 
@@ -72,3 +73,11 @@ void finalize_exact_and_clip(const NormPartial*, float, NormResult*, float*, std
 }
 
 }  // namespace stepcore::gpu
+
+namespace stepcore::device {
+
+std::unique_ptr<Device> make_cuda_device(int, cudaStream_t) {
+  throw Error(Errc::not_supported, "ordinal", "stepcore was built without CUDA");
+}
+
+}  // namespace stepcore::device

@@ -1,0 +1,127 @@
+// The device the gradient managers drive, as an interface: memory, three in-order
+// queues (compute, device-to-host, host-to-device), events, and the multi-tensor
+// kernels of gpu.hpp. Two implementations: the CUDA device (streams, events, the CUDA
+// kernels) and the host device, which stands in for a GPU in CPU-only tests and runs:
+// its "device memory" is host memory, its copy queues are worker threads doing memcpy,
+// its events are real synchronisation points, and its kernels are the CPU executor of
+// the very same block bodies (gpu::emulate), so a manager's results on the host device
+// are the bits the GPU gives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "stepcore/cuda.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::device {
+
+/// The in-order queues of a device. Work on one queue runs in submission order; work
+/// on different queues is ordered only by events.
+enum class Queue : std::uint8_t {
+  compute,  ///< kernels (the CUDA device's compute stream)
+  d2h,      ///< device-to-host copies
+  h2d,      ///< host-to-device copies
+};
+
+/// A point in a queue's work: complete once everything submitted to that queue before
+/// record() has finished. Copyable handle; an empty Event is always complete.
+class Event {
+ public:
+  struct State;  ///< implementation-defined
+  Event() = default;
+  explicit Event(std::shared_ptr<State> s) : state_(std::move(s)) {}
+  bool empty() const noexcept { return state_ == nullptr; }
+  const std::shared_ptr<State>& state() const noexcept { return state_; }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+/// What the managers need from a GPU. Every enqueueing call returns at once; errors of
+/// queued work (a failed copy, a kernel error) are raised by the next synchronize() or
+/// the next call on the device, as stepcore::Error (Errc::cuda_error on CUDA,
+/// Errc::internal or the work's own code on the host device). Thread safety:
+/// synchronize(const Event&) may be called from any thread, concurrently with anything;
+/// every other call must be serialised by the caller (one thread, or a mutex).
+class Device {
+ public:
+  virtual ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  /// Returns "host" or "cuda:N".
+  virtual std::string_view name() const noexcept = 0;
+
+  /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
+  virtual void* allocate(std::size_t bytes) = 0;
+  /// Frees device memory from allocate(); waits for queued work first. Never throws.
+  virtual void deallocate(void* p) noexcept = 0;
+  /// Returns `bytes` of host memory the copy queues transfer asynchronously from/to:
+  /// page-locked on CUDA, placed on `numa_node` (>= 0) (256-byte aligned, zero-filled).
+  virtual void* allocate_host(std::size_t bytes, int numa_node = -1) = 0;
+  /// Frees memory from allocate_host(); waits for queued work first. Never throws.
+  virtual void deallocate_host(void* p) noexcept = 0;
+
+  /// Enqueues a copy of `bytes` from `src` to `dst` (device or host memory, either
+  /// direction) on queue `q`.
+  virtual void copy(Queue q, void* dst, const void* src, std::size_t bytes) = 0;
+  /// Enqueues dst[0, bytes) = 0 on queue `q`.
+  virtual void zero(Queue q, void* dst, std::size_t bytes) = 0;
+  /// Returns an event recorded on queue `q` now.
+  virtual Event record(Queue q) = 0;
+  /// Makes queue `q` wait for `e` before running work submitted after this call.
+  virtual void wait(Queue q, const Event& e) = 0;
+  /// Blocks the calling thread until `e` is complete; raises errors of queued work.
+  virtual void synchronize(const Event& e) = 0;
+  /// Blocks until all queues are idle; raises errors of queued work.
+  virtual void synchronize() = 0;
+
+  // ---- kernels, enqueued on Queue::compute (contracts: gpu.hpp) ----------------------
+  virtual std::size_t norm_workspace_bytes(std::span<const TensorView> d_tensors) const = 0;
+  virtual void accumulate(std::span<const AccumulatePair> d_pairs) = 0;
+  virtual void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                                      NormPartial* d_partial, void* d_workspace,
+                                      std::size_t workspace_bytes) = 0;
+  virtual void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                            NormPartial* d_partial, void* d_workspace,
+                            std::size_t workspace_bytes) = 0;
+  virtual void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                                 float* d_clip, std::int32_t* d_found_inf) = 0;
+  virtual void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                            GradientRead read, const std::int32_t* d_found_inf,
+                                            NormPartial* d_exact_partial, void* d_workspace,
+                                            std::size_t workspace_bytes) = 0;
+  virtual void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
+                                       NormResult* d_result, float* d_clip,
+                                       std::int32_t* d_found_inf) = 0;
+  /// AdamW (the step counters are host memory and advance at the call, as in gpu.hpp).
+  virtual void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                          const float* d_scale, const float* d_clip,
+                          const std::int32_t* d_found_inf) = 0;
+  virtual void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                             const std::int32_t* d_found_inf) = 0;
+
+  /// Returns the CUDA stream of Queue::compute (null on the host device): an NCCL
+  /// communicator used with this device must enqueue on it.
+  virtual cudaStream_t compute_stream() const noexcept = 0;
+
+ protected:
+  Device() = default;
+};
+
+/// Returns the host device: the stand-in GPU of CPU-only tests (see the file comment).
+/// `emulated_threads` is the thread count per block of the CPU executor.
+std::unique_ptr<Device> make_host_device(int emulated_threads = 256);
+
+/// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
+/// given, as the compute stream). Throws Errc::not_supported without CUDA or a device.
+std::unique_ptr<Device> make_cuda_device(int ordinal = 0, cudaStream_t compute = nullptr);
+
+}  // namespace stepcore::device

@@ -1,0 +1,230 @@
+// The gradient managers a trainer drives after (and during) backward, with one
+// interface whatever the offload mode:
+//
+//   begin_step(scale, overlap) -> per micro-batch: begin_backward(final), backward writing
+//   gradient(i) + gradient_ready(i) per parameter, finish_backward() -> optionally
+//   clip_grad_norm(max_norm) -> step() -> ... -> close()
+//
+// Modes: "none" (GpuGradientManager: gradients, masters and moments in device memory),
+// "optimizer" (gradients on the device, AdamW/SignSGD state in host memory streamed
+// through the device in chunks for the step), "full" (OffloadGradientManager: gradients
+// copied to pinned host staging as they finish, accumulated, clipped and stepped on the
+// CPU engine, compute weights uploaded). All three give identical bits: norms, clip
+// coefficients, parameters, moments and compute weights (docs/numerics.md, section
+// "Gradient managers").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "stepcore/comm.hpp"
+#include "stepcore/cpu.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore {
+
+/// Where gradients and optimizer state live.
+enum class OffloadMode : std::uint8_t { none, optimizer, full };
+
+/// Returns the mode named exactly "none", "optimizer" or "full". Anything else (the
+/// removed "fsdp" mode, "cpu", "Full", "") throws Errc::invalid_argument naming
+/// "offload_mode" with the accepted names.
+OffloadMode parse_offload_mode(std::string_view name);
+/// Returns "none", "optimizer" or "full".
+std::string_view offload_mode_name(OffloadMode mode) noexcept;
+
+/// One parameter (this rank's shard of it) in parameter order.
+struct ParamSpec {
+  std::string name;
+  std::size_t numel = 0;
+  DType grad_dtype = DType::bf16;     ///< dtype backward writes the gradient in
+  DType compute_dtype = DType::bf16;  ///< dtype of the compute weights each step writes
+  bool has_compute_weights = true;    ///< false: no compute copy (the master is used)
+  /// false on ranks whose copy must not count towards the norm (a non-zero HSDP or
+  /// tensor-parallel replica): the norm takes one copy of every logical element.
+  bool counts_toward_norm = true;
+};
+
+/// The optimizer, by name: "adamw" or "sign_sgd" (the only ones stepcore implements).
+struct OptimizerSpec {
+  std::string name = "adamw";
+  AdamWConfig adamw;
+  SignSgdConfig sign_sgd;
+};
+
+/// Everything a manager is built from.
+struct ManagerConfig {
+  OffloadMode mode = OffloadMode::optimizer;
+  OptimizerSpec optimizer;
+  std::vector<ParamSpec> params;
+  /// Optimizer-in-backward and streaming chunks: consecutive parameters, never split, up
+  /// to this many elements (a larger parameter is a chunk of its own).
+  std::size_t chunk_elements = std::size_t{16} << 20;
+  /// The device the gradients come from (not owned; must outlive the manager).
+  device::Device* device = nullptr;
+  /// The ranks the norm is global over (not owned; null: this rank alone). Its memory
+  /// space must match the device: host for the host device or the full-offload manager,
+  /// device (NCCL on the compute stream) for a CUDA device with modes none/optimizer.
+  comm::Communicator* comm = nullptr;
+  /// comm::NormLayout::fingerprint() of the global layout (or any value all ranks share):
+  /// checked with every norm reduction; ranks that disagree all get an error.
+  std::uint64_t layout_fingerprint = 0;
+  /// Full offload: the CPU engine (ISA, threads, core binding: numa::place).
+  cpu::EngineConfig engine;
+  /// Full offload / optimizer mode: NUMA node of host state and staging (-1: unbound).
+  int numa_node = -1;
+  /// GPU manager: leave scale and clip lazy (applied on the optimizer's read) instead of
+  /// scaling the accumulators in place. Same bits either way.
+  bool lazy_gpu_scale = false;
+};
+
+/// What the last step did. Known after step() (full offload) or, for the device
+/// managers, once the step's work has been waited for (report() waits).
+struct StepReport {
+  bool stepped = false;            ///< the optimizer updated the parameters
+  bool skipped = false;            ///< non-finite gradients: no parameter changed (no overlap)
+  std::size_t chunks_skipped = 0;  ///< with overlap: chunks left alone for non-finite values
+  NormResult norm;                 ///< the global norm of the scaled gradients (no overlap)
+  float clip_coefficient = 1.0f;
+};
+
+/// The interface the trainer drives; see the file comment for the call sequence.
+/// Every call validates its arguments and the sequence first (Errc::invalid_argument
+/// naming the call, e.g. "clip_grad_norm", nothing changed). Errors of the manager's
+/// asynchronous work (a failed copy, a worker exception) are raised by its next call.
+/// Determinism: every mode, with or without overlap, on any device, thread count and
+/// rank count, gives the same bits as the scalar reference applied to the same
+/// gradient stream (docs/numerics.md, "Gradient managers").
+class GradientManager {
+ public:
+  virtual ~GradientManager();
+  GradientManager(const GradientManager&) = delete;
+  GradientManager& operator=(const GradientManager&) = delete;
+
+  /// Returns the mode this manager implements.
+  OffloadMode mode() const noexcept { return config_.mode; }
+  /// Returns the configuration it was built with.
+  const ManagerConfig& config() const noexcept { return config_; }
+
+  /// Sets parameter i's fp32 master weights (host memory, numel floats) and its
+  /// compute weights to their rounding; moments start at zero, the step counter at 0.
+  /// Only between steps.
+  void load_parameter(std::size_t i, std::span<const float> master);
+
+  /// Starts a step whose gradients are multiplied by `gradient_scale` (finite, > 0;
+  /// e.g. 1 / loss tokens). `overlap_optimizer`: run each chunk's optimizer step during
+  /// the final backward, as soon as its gradients are complete (clipping is then
+  /// impossible: clip_grad_norm throws).
+  void begin_step(float gradient_scale, bool overlap_optimizer);
+  /// Starts a micro-batch's backward; `final_backward` marks the step's last one.
+  void begin_backward(bool final_backward);
+  /// Returns parameter i's gradient buffer for this micro-batch (device memory,
+  /// grad_dtype): backward writes it, then calls gradient_ready(i).
+  TensorView gradient(std::size_t i);
+  /// The post-accumulate-grad hook: parameter i's gradient of this micro-batch is
+  /// complete (at most once per micro-batch). Its buffer may be rewritten only in the
+  /// next begin_backward.
+  void gradient_ready(std::size_t i);
+  /// Ends the micro-batch's backward. Parameters that received no gradient in the whole
+  /// step get a zero gradient.
+  void finish_backward();
+  /// Computes the global norm of the scaled gradients over every rank (before
+  /// clipping) and sets the clip coefficient min(1, max_norm / (norm + 1e-6)) (torch's
+  /// formula, docs/numerics.md) for step(). Between the final finish_backward and
+  /// step(), at most once, not with overlap; max_norm finite and >= 0. Returns the norm
+  /// (NaN/Inf when gradients were not finite: step() then skips the update).
+  float clip_grad_norm(float max_norm);
+  /// Runs the optimizer (with overlap: completes the chunks not yet stepped). The
+  /// device managers enqueue without waiting; the report is ready after report().
+  void step();
+  /// Returns the report of the last step (waits for the step's work when needed).
+  StepReport report();
+  /// Returns the step's effective gradient scale: scale × clip coefficient (1 before
+  /// clip_grad_norm). Valid from begin_step to the next begin_step.
+  float effective_gradient_scale() const noexcept { return scale_ * clip_; }
+
+  /// Returns parameter i's compute weights (device memory), valid after the step's work
+  /// (report() or synchronize()).
+  ConstTensorView compute_weights(std::size_t i) const;
+  /// Copies parameter i's master weights, moments and compute weights to host memory
+  /// (each span may be empty to skip it; exp_avg_sq is empty for SignSGD). Waits for
+  /// outstanding work. Only between steps.
+  void read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
+                      std::span<float> exp_avg_sq, std::span<std::uint8_t> compute);
+  /// Waits for all outstanding work and re-raises its errors.
+  void synchronize();
+  /// Waits for outstanding work and joins the worker; raises the first error of that
+  /// work (once). Idempotent; never deadlocks on a failed copy. Later calls (except
+  /// close()) throw.
+  void close();
+
+ protected:
+  explicit GradientManager(ManagerConfig config);
+
+  /// The chunks: [first, last) parameter index ranges (see ManagerConfig).
+  struct Chunk {
+    std::size_t first = 0, last = 0, elements = 0;
+  };
+
+  // ---- the modes' hooks (called after the base class validated the call) -----------
+  virtual void do_load_parameter(std::size_t i, std::span<const float> master) = 0;
+  virtual void do_begin_step() = 0;
+  virtual void do_begin_backward() = 0;
+  virtual TensorView do_gradient(std::size_t i) = 0;
+  /// `first_in_step`: the parameter's first gradient of the step (copy, not add).
+  virtual void do_gradient_ready(std::size_t i, bool first_in_step) = 0;
+  /// Called by finish_backward of the final micro-batch with the parameters that got no
+  /// gradient in the step (they must read as zero).
+  virtual void do_finish_final_backward(std::span<const std::size_t> no_gradient) = 0;
+  /// With overlap, called once per chunk when all its parameters' final gradients are in.
+  virtual void do_step_chunk(std::size_t chunk) = 0;
+  virtual NormResult do_clip_grad_norm(float max_norm, float& clip) = 0;
+  virtual void do_step() = 0;
+  virtual StepReport do_report() = 0;
+  virtual ConstTensorView do_compute_weights(std::size_t i) const = 0;
+  virtual void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
+                                 std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) = 0;
+  virtual void do_synchronize() = 0;
+  /// Waits for outstanding work and stops workers; returns the first error of that
+  /// work (rethrown by close()), never throws itself.
+  virtual std::exception_ptr do_close() noexcept = 0;
+
+  const std::vector<Chunk>& chunks() const noexcept { return chunks_; }
+  std::size_t chunk_of(std::size_t param) const noexcept { return chunk_of_[param]; }
+  float gradient_scale() const noexcept { return scale_; }
+  bool overlap() const noexcept { return overlap_; }
+  bool is_adamw() const noexcept { return adamw_; }
+
+ private:
+  enum class Phase : std::uint8_t { idle, step, backward, after_final, closed };
+  void expect(bool ok, const char* call, const char* what) const;
+
+  ManagerConfig config_;
+  std::vector<Chunk> chunks_;
+  std::vector<std::size_t> chunk_of_;
+  std::vector<std::uint8_t> ready_in_micro_;  // gradient_ready seen in this micro-batch
+  std::vector<std::uint8_t> got_in_step_;     // any gradient this step
+  std::vector<std::size_t> chunk_pending_;    // final-backward parameters still missing
+  Phase phase_ = Phase::idle;
+  bool final_ = false, saw_final_ = false, overlap_ = false, clipped_ = false, stepped_ = false;
+  bool adamw_ = true;
+  float scale_ = 1.0f, clip_ = 1.0f;
+};
+
+/// Returns the manager for config.mode — the trainer's one entry point: GpuGradientManager
+/// for "none", the streamed-state manager for "optimizer", OffloadGradientManager for
+/// "full". Validates everything first: an optimizer other than "adamw"/"sign_sgd" is
+/// refused (in full offload with the message that full offload accepts only AdamW and
+/// SignSGD), a missing device, a communicator in the wrong memory space, bad sizes.
+std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
+
+}  // namespace stepcore

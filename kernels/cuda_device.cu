@@ -1,0 +1,348 @@
+// The CUDA device: three non-blocking streams (compute, d2h, h2d), cudaMalloc'd device
+// memory, NUMA-placed page-locked host memory, CUDA events, and the kernels of
+// step_kernels.cu enqueued on the compute stream. Every CUDA call is checked
+// (Errc::cuda_error naming the call); every entry point makes the device current for
+// its duration and restores the caller's device.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+
+#include "../src/device/device_internal.hpp"
+#include "check.cuh"
+#include "stepcore/cuda.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/numa.hpp"
+
+namespace stepcore::device {
+namespace {
+
+using cuda::detail::check;
+
+// Makes device `ordinal` current while alive, then restores the caller's device. The
+// quiet form (for never-throwing paths) ignores failures.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != ordinal) {
+      check(cudaSetDevice(ordinal), "cudaSetDevice");
+      switched_ = true;
+    }
+  }
+  DeviceGuard(int ordinal, std::nothrow_t) noexcept {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    if (previous_ != ordinal) {
+      if (cudaSetDevice(ordinal) == cudaSuccess)
+        switched_ = true;
+      else
+        cudaGetLastError();
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_ && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+// A CUDA event (timing disabled), destroyed with its last handle.
+class CudaEventState final : public Event::State {
+ public:
+  explicit CudaEventState(cudaEvent_t e) : event_(e) {}
+  ~CudaEventState() override {
+    if (cudaEventDestroy(event_) != cudaSuccess) cudaGetLastError();
+  }
+  // An event whose query fails counts as complete: wait() raises the failure.
+  bool complete() override {
+    if (cudaEventQuery(event_) != cudaErrorNotReady) return true;
+    cudaGetLastError();  // "not ready" must not be reported by a later launch check
+    return false;
+  }
+  void wait() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  cudaEvent_t event() const noexcept { return event_; }
+
+ private:
+  cudaEvent_t event_;
+};
+
+// A host memset enqueued on a stream (cudaLaunchHostFunc): host memory need not be
+// mapped into the device's address space for Queue::d2h/h2d to zero it in order.
+struct HostZero {
+  void* dst;
+  std::size_t bytes;
+};
+void CUDART_CB run_host_zero(void* arg) {
+  std::unique_ptr<HostZero> z(static_cast<HostZero*>(arg));
+  std::memset(z->dst, 0, z->bytes);
+}
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, cudaStream_t compute)
+      : ordinal_(ordinal), name_("cuda:" + std::to_string(ordinal)) {
+    const DeviceGuard guard(ordinal_);
+    try {
+      if (compute != nullptr) {
+#if CUDART_VERSION >= 12080
+        int dev = -1;
+        check(cudaStreamGetDevice(compute, &dev), "cudaStreamGetDevice");
+        if (dev != ordinal_)
+          throw Error(Errc::invalid_argument, "compute",
+                      "a stream of device " + std::to_string(dev) + ", not " + name_);
+#endif
+        streams_[0] = compute;
+      } else {
+        check(cudaStreamCreateWithFlags(&streams_[0], cudaStreamNonBlocking),
+              "cudaStreamCreateWithFlags");
+        owns_compute_ = true;
+      }
+      check(cudaStreamCreateWithFlags(&streams_[1], cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags");
+      check(cudaStreamCreateWithFlags(&streams_[2], cudaStreamNonBlocking),
+            "cudaStreamCreateWithFlags");
+    } catch (...) {
+      destroy_streams();
+      throw;
+    }
+  }
+
+  ~CudaDevice() override {
+    const DeviceGuard guard(ordinal_, std::nothrow);
+    synchronize_quietly();
+    while (!device_mem_.empty()) {
+      void* p = device_mem_.first();
+      device_mem_.remove(p);
+      if (cudaFree(p) != cudaSuccess) cudaGetLastError();
+    }
+    for (auto& [p, buffer] : host_buffers_) cuda::host_unregister(p);
+    host_buffers_.clear();
+    destroy_streams();
+  }
+
+  std::string_view name() const noexcept override { return name_; }
+
+  void* allocate(std::size_t bytes) override {
+    const DeviceGuard guard(ordinal_);
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    void* p = nullptr;
+    check(cudaMalloc(&p, n), "cudaMalloc");  // 256-byte aligned (at least)
+    try {
+      check(cudaMemsetAsync(p, 0, n, compute()), "cudaMemsetAsync");
+      check(cudaStreamSynchronize(compute()), "cudaStreamSynchronize");
+    } catch (...) {
+      cudaFree(p);
+      throw;
+    }
+    device_mem_.add(p, n);
+    return p;
+  }
+
+  void deallocate(void* p) noexcept override {
+    if (p == nullptr || !device_mem_.owns(p)) return;
+    const DeviceGuard guard(ordinal_, std::nothrow);
+    synchronize_quietly();
+    device_mem_.remove(p);
+    if (cudaFree(p) != cudaSuccess) cudaGetLastError();
+  }
+
+  void* allocate_host(std::size_t bytes, int numa_node) override {
+    if (numa_node < -1) throw Error(Errc::invalid_argument, "numa_node", "must be >= -1");
+    const DeviceGuard guard(ordinal_);
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    // mmap'd, bound to the node, zero-filled; pinning faults the pages in there.
+    numa::HostBuffer buffer(n, numa_node);
+    cuda::host_register(buffer.data(), buffer.bytes());
+    void* p = buffer.data();
+    host_buffers_.emplace(p, std::move(buffer));
+    host_mem_.add(p, n);
+    return p;
+  }
+
+  void deallocate_host(void* p) noexcept override {
+    const auto it = host_buffers_.find(p);
+    if (it == host_buffers_.end()) return;
+    const DeviceGuard guard(ordinal_, std::nothrow);
+    synchronize_quietly();
+    cuda::host_unregister(p);
+    host_mem_.remove(p);
+    host_buffers_.erase(it);
+  }
+
+  void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
+    detail::check_queue(q);
+    detail::check_copy(device_mem_, host_mem_, dst, src, bytes);
+    if (bytes == 0) return;
+    const DeviceGuard guard(ordinal_);
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream(q)), "cudaMemcpyAsync");
+  }
+
+  void zero(Queue q, void* dst, std::size_t bytes) override {
+    detail::check_queue(q);
+    detail::check_zero(device_mem_, host_mem_, dst, bytes);
+    if (bytes == 0) return;
+    const DeviceGuard guard(ordinal_);
+    if (is_device_memory(dst)) {
+      check(cudaMemsetAsync(dst, 0, bytes, stream(q)), "cudaMemsetAsync");
+      return;
+    }
+    auto* z = new HostZero{dst, bytes};
+    const cudaError_t s = cudaLaunchHostFunc(stream(q), run_host_zero, z);
+    if (s != cudaSuccess) delete z;
+    check(s, "cudaLaunchHostFunc");
+  }
+
+  Event record(Queue q) override {
+    detail::check_queue(q);
+    const DeviceGuard guard(ordinal_);
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    auto s = std::make_shared<CudaEventState>(e);  // owns e from here on
+    check(cudaEventRecord(e, stream(q)), "cudaEventRecord");
+    return Event(std::move(s));
+  }
+
+  void wait(Queue q, const Event& e) override {
+    detail::check_queue(q);
+    if (e.empty()) return;
+    if (auto* c = dynamic_cast<CudaEventState*>(e.state().get())) {
+      const DeviceGuard guard(ordinal_);
+      check(cudaStreamWaitEvent(stream(q), c->event(), 0), "cudaStreamWaitEvent");
+    } else {
+      e.state()->wait();  // another kind of device's event: wait on the host
+    }
+  }
+
+  void synchronize(const Event& e) override {
+    if (!e.empty()) e.state()->wait();
+  }
+
+  void synchronize() override {
+    const DeviceGuard guard(ordinal_);
+    for (cudaStream_t s : streams_) check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+
+  std::size_t norm_workspace_bytes(std::span<const TensorView> d_tensors) const override {
+    return gpu::scale_and_norm_workspace_bytes(d_tensors);
+  }
+
+  void accumulate(std::span<const AccumulatePair> d_pairs) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::accumulate(d_pairs, compute());
+  }
+
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::scale_and_norm_partial(d_tensors, scale, d_partial, d_workspace, workspace_bytes,
+                                compute());
+  }
+
+  void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::norm_partial(d_tensors, read, d_partial, d_workspace, workspace_bytes, compute());
+  }
+
+  void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                         float* d_clip, std::int32_t* d_found_inf) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::finalize_and_clip(d_partial, max_norm, d_result, d_clip, d_found_inf, compute());
+  }
+
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::exact_norm_partial_if_needed(d_tensors, read, d_found_inf, d_exact_partial, d_workspace,
+                                      workspace_bytes, compute());
+  }
+
+  void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
+                               NormResult* d_result, float* d_clip,
+                               std::int32_t* d_found_inf) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::finalize_exact_and_clip(d_exact_partial, max_norm, d_result, d_clip, d_found_inf,
+                                 compute());
+  }
+
+  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                  const float* d_scale, const float* d_clip,
+                  const std::int32_t* d_found_inf) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::adamw_step(d_tensors, config, d_scale, d_clip, d_found_inf, compute());
+  }
+
+  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                     const std::int32_t* d_found_inf) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::sign_sgd_step(d_tensors, config, d_found_inf, compute());
+  }
+
+  cudaStream_t compute_stream() const noexcept override { return streams_[0]; }
+
+ private:
+  cudaStream_t compute() const noexcept { return streams_[0]; }
+  cudaStream_t stream(Queue q) const noexcept { return streams_[static_cast<std::size_t>(q)]; }
+
+  bool is_device_memory(const void* p) const {
+    if (device_mem_.find(p).second != 0) return true;
+    cudaPointerAttributes attr{};
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  }
+
+  void synchronize_quietly() noexcept {
+    for (cudaStream_t s : streams_)
+      if (s != nullptr && cudaStreamSynchronize(s) != cudaSuccess) cudaGetLastError();
+  }
+
+  void destroy_streams() noexcept {
+    for (std::size_t i = 0; i < streams_.size(); ++i) {
+      if (streams_[i] != nullptr && (i != 0 || owns_compute_) &&
+          cudaStreamDestroy(streams_[i]) != cudaSuccess)
+        cudaGetLastError();
+      streams_[i] = nullptr;
+    }
+  }
+
+  const int ordinal_;
+  const std::string name_;
+  std::array<cudaStream_t, 3> streams_{};  // indexed by Queue: compute, d2h, h2d
+  bool owns_compute_ = false;
+  detail::Allocations device_mem_, host_mem_;
+  std::map<void*, numa::HostBuffer> host_buffers_;
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_cuda_device(int ordinal, cudaStream_t compute) {
+  const int n = cuda::device_count();
+  if (n == 0)
+    throw Error(Errc::not_supported, "ordinal", "no CUDA device: " + cuda::unavailable_reason());
+  if (ordinal < 0 || ordinal >= n)
+    throw Error(
+        Errc::not_supported, "ordinal",
+        "no CUDA device " + std::to_string(ordinal) + " (" + std::to_string(n) + " present)");
+  return std::make_unique<CudaDevice>(ordinal, compute);
+}
+
+}  // namespace stepcore::device

@@ -1,0 +1,93 @@
+// Internals shared by the device implementations (host_device.cpp, cuda_device.cu): the
+// one definition of Event::State (an interface each device derives from), and the
+// registry of a device's allocations that range-checks copies before they are queued.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+
+namespace stepcore::device {
+
+// What every device's events are: complete() polls, wait() blocks the calling thread.
+struct Event::State {
+  virtual ~State();
+  // Returns true once the work recorded before the event has finished.
+  virtual bool complete() = 0;
+  // Blocks the calling thread until complete(); may throw the device's runtime error.
+  virtual void wait() = 0;
+};
+
+namespace detail {
+
+// The byte ranges of one kind of allocation (device or host) of a device, by start.
+class Allocations {
+ public:
+  void add(const void* p, std::size_t bytes) { ranges_[addr(p)] = bytes; }  // bytes >= 1
+  void remove(const void* p) { ranges_.erase(addr(p)); }
+  bool owns(const void* p) const { return ranges_.count(addr(p)) != 0; }
+  bool empty() const noexcept { return ranges_.empty(); }
+  // Returns the start of the first allocation (the registry must not be empty).
+  void* first() const { return reinterpret_cast<void*>(ranges_.begin()->first); }
+
+  // Returns the allocation holding address p as {begin, bytes}, or {0, 0}.
+  std::pair<std::uintptr_t, std::size_t> find(const void* p) const {
+    auto it = ranges_.upper_bound(addr(p));
+    if (it == ranges_.begin()) return {0, 0};
+    --it;
+    if (addr(p) - it->first >= it->second) return {0, 0};
+    return {it->first, it->second};
+  }
+  // Returns true when p lies in an allocation; throws Errc::out_of_range when
+  // [p, p + bytes) starts inside one and runs past its end.
+  bool check_inside(const void* p, std::size_t bytes, const std::string& name) const {
+    const auto [begin, size] = find(p);
+    if (size == 0) return false;
+    if (bytes > size - (addr(p) - begin))
+      throw Error(Errc::out_of_range, name,
+                  std::to_string(bytes) + " bytes run past the end of a " + std::to_string(size) +
+                      "-byte allocation");
+    return true;
+  }
+
+  static std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+ private:
+  std::map<std::uintptr_t, std::size_t> ranges_;
+};
+
+// Validates copy(q, dst, src, bytes) against the device's allocations: null pointers,
+// ranges past the end of an allocation, overlapping source and destination.
+inline void check_copy(const Allocations& device_mem, const Allocations& host_mem, void* dst,
+                       const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (dst == nullptr) throw Error(Errc::null_pointer, "dst", "null");
+  if (src == nullptr) throw Error(Errc::null_pointer, "src", "null");
+  if (!device_mem.check_inside(dst, bytes, "dst")) host_mem.check_inside(dst, bytes, "dst");
+  if (!device_mem.check_inside(src, bytes, "src")) host_mem.check_inside(src, bytes, "src");
+  const std::uintptr_t d = Allocations::addr(dst), s = Allocations::addr(src);
+  if (d < s + bytes && s < d + bytes) throw Error(Errc::overlap, "dst", "overlaps src");
+}
+
+// Validates zero(q, dst, bytes) against the device's allocations.
+inline void check_zero(const Allocations& device_mem, const Allocations& host_mem, void* dst,
+                       std::size_t bytes) {
+  if (bytes == 0) return;
+  if (dst == nullptr) throw Error(Errc::null_pointer, "dst", "null");
+  if (!device_mem.check_inside(dst, bytes, "dst")) host_mem.check_inside(dst, bytes, "dst");
+}
+
+// Throws Errc::invalid_argument unless q is one of the three queues.
+inline void check_queue(Queue q) {
+  if (q != Queue::compute && q != Queue::d2h && q != Queue::h2d)
+    throw Error(Errc::invalid_argument, "q", "not a queue");
+}
+
+}  // namespace detail
+}  // namespace stepcore::device

@@ -1,0 +1,568 @@
+// The host device, the stand-in GPU of CPU-only tests: "device memory" is 256-byte
+// aligned host memory, Queue::compute runs inline on the calling thread through
+// gpu::emulate (the kernels' own block bodies), Queue::d2h and Queue::h2d are worker
+// threads running FIFOs of memcpy/memset tasks, and events are mutex + condition variable.
+//
+// Errors of queued work: the first one is stored and every later copy, zero and wait is
+// skipped (event markers still complete, so nothing waits forever); the next
+// synchronize() or enqueueing call drains the queues and raises it, once, after which
+// the device runs new work again.
+#include "device/host_device.hpp"
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "device/device_internal.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/numa.hpp"
+
+namespace stepcore::device {
+
+Event::State::~State() = default;
+Device::~Device() = default;
+
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+
+// An event of the host device: set once by the queue's marker task (or born complete).
+class HostEventState final : public Event::State {
+ public:
+  explicit HostEventState(bool done) : done_(done) {}
+  bool complete() override {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return done_;
+  }
+  void wait() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return done_; });
+  }
+  void set() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_;
+};
+
+// The first error of queued work, shared by the queues; failed() makes them skip work.
+class Failure {
+ public:
+  bool failed() const noexcept { return failed_.load(std::memory_order_acquire); }
+  void set(std::exception_ptr e) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (!first_) first_ = std::move(e);
+    failed_.store(true, std::memory_order_release);
+  }
+  // Returns the stored error and clears the failed state.
+  std::exception_ptr take() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    failed_.store(false, std::memory_order_release);
+    return std::exchange(first_, nullptr);
+  }
+
+ private:
+  std::mutex mu_;
+  std::exception_ptr first_;
+  std::atomic<bool> failed_{false};
+};
+
+// Rethrows a stored error as stepcore::Error (an Error as it is, anything else internal).
+[[noreturn]] void raise_error(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& x) {
+    throw Error(Errc::internal, "device", std::string("host device queue: ") + x.what());
+  } catch (...) {
+    throw Error(Errc::internal, "device", "host device queue: unknown exception");
+  }
+}
+
+// One task of a copy queue; markers (skippable == false) run even after a failure.
+struct Task {
+  std::function<void()> run;
+  bool skippable = true;
+};
+
+// One in-order copy queue: a worker thread running its FIFO of tasks.
+class Worker {
+ public:
+  explicit Worker(Failure& failure) : failure_(failure), thread_([this] { loop(); }) {}
+  // Runs what is queued, then joins the thread.
+  ~Worker() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    thread_.join();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void push(Task t) {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(t));
+    }
+    work_cv_.notify_one();
+  }
+  // Blocks until every task pushed so far has run (or been skipped).
+  void drain() {
+    std::unique_lock<std::mutex> lock(mu_);
+    idle_cv_.wait(lock, [this] { return tasks_.empty() && !busy_; });
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      work_cv_.wait(lock, [this] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, and everything has run
+      Task t = std::move(tasks_.front());
+      tasks_.pop_front();
+      busy_ = true;
+      lock.unlock();
+      if (!t.skippable || !failure_.failed()) {
+        try {
+          t.run();
+        } catch (...) {
+          failure_.set(std::current_exception());
+        }
+      }
+      t = Task{};  // release captured state outside the lock
+      lock.lock();
+      busy_ = false;
+      if (tasks_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  Failure& failure_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, idle_cv_;
+  std::deque<Task> tasks_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+void check_max_norm(float max_norm) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
+    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+}
+
+void check_tensor_shapes(std::span<const TensorView> tensors, const char* base) {
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const TensorView& t = tensors[i];
+    if (!dtype_valid(t.dtype))
+      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name(base, i, nullptr),
+                  "unknown dtype");
+    if (t.numel != 0 && t.data == nullptr)
+      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name(base, i, nullptr), "null data");
+  }
+}
+
+std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors) {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (const ConstTensorView& t : tensors)
+    views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
+  return views;
+}
+
+class HostDevice final : public Device {
+ public:
+  explicit HostDevice(int threads) : threads_(threads) {}
+
+  ~HostDevice() override {
+    d2h_.reset();  // each worker runs what is queued (skipping after a failure), then joins
+    h2d_.reset();
+    while (!device_mem_.empty()) {
+      void* p = device_mem_.first();
+      device_mem_.remove(p);
+      std::free(p);
+    }
+  }
+
+  std::string_view name() const noexcept override { return "host"; }
+
+  void* allocate(std::size_t bytes) override {
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    const std::size_t size = (n + kAlignment - 1) / kAlignment * kAlignment;
+    void* p = std::aligned_alloc(kAlignment, size);
+    if (p == nullptr)
+      throw Error(Errc::out_of_range, "bytes",
+                  "allocation of " + std::to_string(bytes) + " bytes failed");
+    std::memset(p, 0, size);
+    device_mem_.add(p, n);
+    return p;
+  }
+
+  void deallocate(void* p) noexcept override {
+    if (p == nullptr || !device_mem_.owns(p)) return;
+    drain();
+    device_mem_.remove(p);
+    std::free(p);
+  }
+
+  void* allocate_host(std::size_t bytes, int numa_node) override {
+    if (numa_node < -1) throw Error(Errc::invalid_argument, "numa_node", "must be >= -1");
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    numa::HostBuffer buffer(n, numa_node);  // mmap: page-aligned and zero-filled
+    void* p = buffer.data();
+    host_buffers_.emplace(p, std::move(buffer));
+    host_mem_.add(p, n);
+    return p;
+  }
+
+  void deallocate_host(void* p) noexcept override {
+    const auto it = host_buffers_.find(p);
+    if (it == host_buffers_.end()) return;
+    drain();
+    host_mem_.remove(p);
+    host_buffers_.erase(it);
+  }
+
+  void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
+    detail::check_queue(q);
+    raise_pending();
+    detail::check_copy(device_mem_, host_mem_, dst, src, bytes);
+    if (bytes == 0) return;
+    const bool fail = take_injected(q);
+    submit(q, [dst, src, bytes, fail] {
+      if (fail) throw Error(Errc::internal, "copy", "injected copy failure");
+      std::memcpy(dst, src, bytes);
+    });
+  }
+
+  void zero(Queue q, void* dst, std::size_t bytes) override {
+    detail::check_queue(q);
+    raise_pending();
+    detail::check_zero(device_mem_, host_mem_, dst, bytes);
+    if (bytes == 0) return;
+    submit(q, [dst, bytes] { std::memset(dst, 0, bytes); });
+  }
+
+  Event record(Queue q) override {
+    detail::check_queue(q);
+    raise_pending();
+    if (q == Queue::compute) return Event(std::make_shared<HostEventState>(true));
+    auto s = std::make_shared<HostEventState>(false);
+    worker(q).push(Task{[s] { s->set(); }, false});
+    return Event(std::move(s));
+  }
+
+  void wait(Queue q, const Event& e) override {
+    detail::check_queue(q);
+    raise_pending();
+    if (e.empty()) return;
+    if (q == Queue::compute) {
+      e.state()->wait();  // compute work runs inline: the "stream wait" is a host wait
+      return;
+    }
+    worker(q).push(Task{[s = e.state()] { s->wait(); }, true});
+  }
+
+  void synchronize(const Event& e) override {
+    if (!e.empty()) e.state()->wait();
+    raise_pending();
+  }
+
+  void synchronize() override {
+    drain();
+    raise_pending();
+  }
+
+  std::size_t norm_workspace_bytes(std::span<const TensorView> d_tensors) const override {
+    return gpu::scale_and_norm_workspace_bytes(d_tensors);
+  }
+
+  void accumulate(std::span<const AccumulatePair> d_pairs) override {
+    raise_pending();
+    ::stepcore::detail::validate_accumulate(d_pairs);
+    std::vector<TensorView> acc;
+    std::vector<ConstTensorView> src;
+    for (const AccumulatePair& p : d_pairs) {
+      acc.push_back(p.acc);
+      src.push_back(p.src);
+    }
+    check_tensor_shapes(acc, "d_pairs.acc");
+    check_device_tensors(acc, "d_pairs.acc");
+    for (std::size_t i = 0; i < src.size(); ++i)
+      if (src[i].numel != 0)
+        require_device(src[i].data, src[i].bytes(), "d_pairs[" + std::to_string(i) + "].src");
+    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(false);
+    for (bool copy : {false, true}) {
+      std::vector<TensorView> a;
+      std::vector<ConstTensorView> s;
+      for (std::size_t i = 0; i < d_pairs.size(); ++i)
+        if (d_pairs[i].copy == copy) {
+          a.push_back(acc[i]);
+          s.push_back(src[i]);
+        }
+      gpu::emulate::accumulate(gpu::make_plan(a, s, lim.max_blocks, lim.max_tensors), copy,
+                               threads_);
+    }
+  }
+
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    raise_pending();
+    if (!(scale >= 0.0f) || scale > 3.4e38f)
+      throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+    const gpu::LaunchPlan plan =
+        checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+    *d_partial = gpu::emulate::scale_and_norm_partial(plan, scale, threads_);
+  }
+
+  void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    raise_pending();
+    ::stepcore::detail::validate_read(read);
+    const gpu::LaunchPlan plan = checked_norm_plan(as_views(d_tensors), d_partial, "d_partial",
+                                                   d_workspace, workspace_bytes);
+    *d_partial = gpu::emulate::norm_partial(plan, read, threads_);
+  }
+
+  void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                         float* d_clip, std::int32_t* d_found_inf) override {
+    raise_pending();
+    check_max_norm(max_norm);
+    require_scalar(d_partial, sizeof(NormPartial), "d_partial");
+    require_scalar(d_result, sizeof(NormResult), "d_result");
+    require_scalar(d_clip, sizeof(float), "d_clip");
+    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    NormResult r;
+    float clip = 0.0f;
+    std::int32_t flag = 0;
+    gpu::emulate::finalize_and_clip(*d_partial, max_norm, r, clip, flag);
+    *d_result = r;
+    *d_clip = clip;
+    *d_found_inf = flag;
+  }
+
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    raise_pending();
+    ::stepcore::detail::validate_read(read);
+    if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
+    const gpu::LaunchPlan plan = checked_norm_plan(as_views(d_tensors), d_exact_partial,
+                                                   "d_exact_partial", d_workspace, workspace_bytes);
+    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    *d_exact_partial =
+        gpu::emulate::exact_norm_partial_if_needed(plan, read, *d_found_inf, threads_);
+  }
+
+  void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
+                               NormResult* d_result, float* d_clip,
+                               std::int32_t* d_found_inf) override {
+    raise_pending();
+    check_max_norm(max_norm);
+    require_scalar(d_exact_partial, sizeof(NormPartial), "d_exact_partial");
+    require_scalar(d_result, sizeof(NormResult), "d_result");
+    require_scalar(d_clip, sizeof(float), "d_clip");
+    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    std::int32_t flag = *d_found_inf;
+    if (flag != gpu::kFoundInfNeedsExact) return;  // as the kernel: all three unchanged
+    NormResult r;
+    float clip = 0.0f;
+    gpu::emulate::finalize_exact_and_clip(*d_exact_partial, max_norm, r, clip, flag);
+    *d_result = r;
+    *d_clip = clip;
+    *d_found_inf = flag;
+  }
+
+  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                  const float* d_scale, const float* d_clip,
+                  const std::int32_t* d_found_inf) override {
+    raise_pending();
+    if (d_scale == nullptr) throw Error(Errc::null_pointer, "d_scale", "required");
+    if (d_clip == nullptr) throw Error(Errc::null_pointer, "d_clip", "required");
+    ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{});
+    require_scalar(d_scale, sizeof(float), "d_scale");
+    require_scalar(d_clip, sizeof(float), "d_clip");
+    if (d_found_inf != nullptr) require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+      const AdamWTensor& t = d_tensors[i];
+      if (t.param.numel == 0) continue;
+      const std::string base = "d_tensors[" + std::to_string(i) + "]";
+      require_device(t.param.data, t.param.bytes(), base + ".param");
+      require_device(t.exp_avg.data, t.exp_avg.bytes(), base + ".exp_avg");
+      require_device(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), base + ".exp_avg_sq");
+      require_device(t.grad.data, t.grad.bytes(), base + ".grad");
+      if (t.compute_param.data != nullptr)
+        require_device(t.compute_param.data, t.compute_param.bytes(), base + ".compute_param");
+    }
+    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(true);
+    const std::vector<gpu::AdamWLaunchArgs> launches =
+        gpu::make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);  // steps
+    gpu::emulate::adamw(launches, d_scale, d_clip, d_found_inf, threads_);
+  }
+
+  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                     const std::int32_t* d_found_inf) override {
+    raise_pending();
+    ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});
+    if (d_found_inf != nullptr) require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+      const SignSgdTensor& t = d_tensors[i];
+      if (t.param.numel == 0) continue;
+      const std::string base = "d_tensors[" + std::to_string(i) + "]";
+      require_device(t.param.data, t.param.bytes(), base + ".param");
+      require_device(t.grad.data, t.grad.bytes(), base + ".grad");
+      if (t.compute_param.data != nullptr)
+        require_device(t.compute_param.data, t.compute_param.bytes(), base + ".compute_param");
+    }
+    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(true);
+    gpu::emulate::sign_sgd(
+        gpu::make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors), d_found_inf,
+        threads_);
+  }
+
+  cudaStream_t compute_stream() const noexcept override { return nullptr; }
+
+  // The fault-injection hook (see host_device.hpp).
+  void inject(Queue q, int after_n_copies) {
+    inject_[static_cast<std::size_t>(q)] = after_n_copies;
+  }
+
+ private:
+  Worker& worker(Queue q) { return q == Queue::d2h ? *d2h_ : *h2d_; }
+
+  // Runs fn inline (compute) or queues it; an inline failure is stored like a queued one.
+  void submit(Queue q, std::function<void()> fn) {
+    if (q != Queue::compute) {
+      worker(q).push(Task{std::move(fn), true});
+      return;
+    }
+    try {
+      fn();
+    } catch (...) {
+      failure_.set(std::current_exception());
+    }
+  }
+
+  void drain() noexcept {
+    d2h_->drain();  // an h2d task never queues d2h work: draining in turn suffices
+    h2d_->drain();
+  }
+
+  // Raises the stored error of queued work, after the queues have drained.
+  void raise_pending() {
+    if (!failure_.failed()) return;
+    drain();
+    // Another thread (synchronize(Event) may be called from any) can have taken it.
+    if (std::exception_ptr e = failure_.take()) raise_error(e);
+  }
+
+  bool take_injected(Queue q) {
+    int& n = inject_[static_cast<std::size_t>(q)];
+    if (n < 0) return false;
+    if (n-- == 0) return true;  // leaves n at -1: one failure per injection
+    return false;
+  }
+
+  // Throws unless [p, p + bytes) is device memory of this device.
+  void require_device(const void* p, std::size_t bytes, const std::string& name) const {
+    if (!device_mem_.check_inside(p, bytes, name))
+      throw Error(Errc::invalid_argument, name,
+                  "not device memory of this device (from allocate()) where device memory is "
+                  "needed");
+  }
+  void require_scalar(const void* p, std::size_t bytes, const char* name) const {
+    if (p == nullptr) throw Error(Errc::null_pointer, name, "null");
+    require_device(p, bytes, name);
+  }
+  void check_device_tensors(std::span<const TensorView> tensors, const char* base) const {
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (tensors[i].numel != 0)
+        require_device(tensors[i].data, tensors[i].bytes(),
+                       ::stepcore::detail::arg_name(base, i, nullptr));
+  }
+
+  // Validates a norm pass like the CUDA entry points (shapes and workspace size first,
+  // then the device pointers) and returns its plan.
+  gpu::LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors,
+                                    const NormPartial* d_partial, const char* partial_name,
+                                    void* d_workspace, std::size_t workspace_bytes) const {
+    if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
+    check_tensor_shapes(d_tensors, "d_tensors");
+    const std::size_t need = gpu::scale_and_norm_workspace_bytes(d_tensors);
+    if (workspace_bytes < need)
+      throw Error(Errc::out_of_range, "workspace_bytes",
+                  std::to_string(workspace_bytes) + " < " + std::to_string(need) +
+                      " (scale_and_norm_workspace_bytes)");
+    if (need != 0 && d_workspace == nullptr) throw Error(Errc::null_pointer, "d_workspace", "null");
+    require_device(d_partial, sizeof(NormPartial), partial_name);
+    check_device_tensors(d_tensors, "d_tensors");
+    if (need != 0) require_device(d_workspace, need, "d_workspace");
+    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(false);
+    return gpu::make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
+  }
+
+  const int threads_;
+  detail::Allocations device_mem_, host_mem_;
+  std::map<void*, numa::HostBuffer> host_buffers_;
+  std::array<int, 3> inject_{-1, -1, -1};
+  Failure failure_;
+  // Last: destroyed (drained and joined) first, while memory and failure_ still exist.
+  std::unique_ptr<Worker> d2h_ = std::make_unique<Worker>(failure_);
+  std::unique_ptr<Worker> h2d_ = std::make_unique<Worker>(failure_);
+};
+
+}  // namespace
+
+std::unique_ptr<Device> make_host_device(int emulated_threads) {
+  if (emulated_threads < 32 || emulated_threads > 1024 ||
+      (emulated_threads & (emulated_threads - 1)) != 0)
+    throw Error(Errc::out_of_range, "emulated_threads", "must be a power of two in [32, 1024]");
+  return std::make_unique<HostDevice>(emulated_threads);
+}
+
+namespace detail {
+
+void inject_copy_failure(Device& host_device, Queue q, int after_n_copies) {
+  auto* host = dynamic_cast<HostDevice*>(&host_device);
+  if (host == nullptr)
+    throw Error(Errc::invalid_argument, "host_device", "not a device from make_host_device");
+  check_queue(q);
+  if (after_n_copies < 0) throw Error(Errc::invalid_argument, "after_n_copies", "must be >= 0");
+  host->inject(q, after_n_copies);
+}
+
+Event make_manual_event() { return Event(std::make_shared<HostEventState>(false)); }
+
+void complete_manual_event(const Event& e) {
+  auto* s = dynamic_cast<HostEventState*>(e.state().get());
+  if (s == nullptr) throw Error(Errc::invalid_argument, "e", "not from make_manual_event()");
+  s->set();
+}
+
+}  // namespace detail
+}  // namespace stepcore::device

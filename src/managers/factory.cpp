@@ -1,0 +1,46 @@
+// make_gradient_manager: the trainer's one entry point, validating everything a mode
+// needs before any memory is allocated, then building the mode's manager.
+#include <string>
+
+#include "managers/factories.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace stepcore {
+
+std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
+  const std::string& opt = config.optimizer.name;
+  if (opt != "adamw" && opt != "sign_sgd") {
+    if (config.mode == OffloadMode::full)
+      throw Error(Errc::not_supported, "optimizer.name",
+                  "'" + opt + "': full offload accepts only AdamW (adamw) and SignSGD (sign_sgd)");
+    throw Error(Errc::not_supported, "optimizer.name",
+                "'" + opt + "': stepcore implements adamw and sign_sgd");
+  }
+  if (config.device == nullptr)
+    throw Error(Errc::null_pointer, "device", "every mode needs the device gradients come from");
+  for (std::size_t i = 0; i < config.params.size(); ++i) {
+    const ParamSpec& p = config.params[i];
+    const std::string name = "params[" + std::to_string(i) + "]";
+    if (!dtype_valid(p.grad_dtype)) throw Error(Errc::unsupported_dtype, name + ".grad_dtype", "");
+    if (p.has_compute_weights && !dtype_valid(p.compute_dtype))
+      throw Error(Errc::unsupported_dtype, name + ".compute_dtype", "");
+  }
+  if (config.comm != nullptr) {
+    const bool host_device = config.device->compute_stream() == nullptr;
+    const bool host_comm = config.comm->memory() == comm::MemorySpace::host;
+    if (config.mode == OffloadMode::full ? !host_comm : host_comm != host_device)
+      throw Error(Errc::invalid_argument, "comm",
+                  std::string("a ") + std::string(config.comm->name()) +
+                      " communicator cannot reduce this mode's norm partials (" +
+                      (config.mode == OffloadMode::full
+                           ? "full offload reduces host memory: use MPI or in-process)"
+                           : "device modes reduce in the device's memory: NCCL on a CUDA device, "
+                             "a host communicator on the host device)"));
+  }
+  if (config.mode == OffloadMode::full)
+    return detail::make_offload_gradient_manager(std::move(config));
+  return detail::make_gpu_gradient_manager(std::move(config));
+}
+
+}  // namespace stepcore

@@ -1,0 +1,665 @@
+// The device-resident gradient managers: mode "none" (gradients, accumulators, masters and
+// moments in device memory) and mode "optimizer" (the same, with the optimizer state in
+// host memory streamed through a ring of device slots chunk by chunk). Everything goes
+// through device::Device; docs/managers.md is the contract.
+//
+// Design: memory is allocated once (one device block carved into 256-byte aligned views,
+// one norm workspace, one pinned host block holding the flag words and, in mode
+// optimizer, each chunk's master|m|v laid out contiguously so a chunk moves in one copy).
+// A step never waits on the host except in clip_grad_norm, which must return the norm.
+// Without it, the found-inf flag travels to a pinned word behind the step's work, and the
+// AdamW step counters (advanced on the host at the launch) are rolled back from their
+// begin_step values when that flag is next read (report, begin_step, load/read_parameter,
+// synchronize, close).
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "managers/factories.hpp"
+#include "stepcore/comm.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"
+
+namespace stepcore::detail {
+namespace {
+
+using device::Event;
+using device::Queue;
+
+constexpr std::size_t kAlign = 256;
+constexpr std::size_t kRingSlots = 3;  // upload k+1, step k, download k-1 at once
+// max_norm of the finalizations that only need the norm and found-inf flag (no clipping:
+// the update then reads the constant 1, whatever clip this writes).
+constexpr float kNoClipMaxNorm = 1.0f;
+
+std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Hands out 256-byte aligned offsets into one allocation.
+struct Carver {
+  std::size_t total = 0;
+  std::size_t take(std::size_t bytes) {
+    const std::size_t at = total;
+    total += align_up(bytes);
+    return at;
+  }
+};
+
+// The step's norm, clip, found-inf flag and reduced layout record: written on the device,
+// copied to the host in one piece.
+struct Summary {
+  comm::LayoutCheck check;
+  NormResult result;
+  float clip;
+  std::int32_t found_inf;
+};
+
+// Device scalars of a whole (non-overlapped) step.
+struct StepScalars {
+  NormPartial partial;  // counted accumulators (reduced over ranks)
+  NormPartial exact;    // the exact fallback (reduced over ranks)
+  NormPartial scratch;  // eager scaling of the non-counted accumulators (discarded)
+  Summary summary;
+  float scale;  // the step's gradient scale, for lazy reads
+  float one;    // constant 1.0f
+};
+
+// Device scalars of one overlapped chunk (its flag lives in a separate array so that all
+// flags come back in one copy).
+struct ChunkScalars {
+  NormPartial partial;
+  NormPartial exact;
+  NormResult result;
+  float clip;
+};
+
+// Pinned host words the device copies to and from.
+struct HostWords {
+  Summary summary;
+  float scale;
+  float one;
+  comm::LayoutCheck check;
+};
+
+// Writes `src` rounded to `dtype` into `dst` (host memory).
+void round_into(std::span<const float> src, DType dtype, void* dst) {
+  switch (dtype) {
+    case DType::f32:
+      if (!src.empty()) std::memcpy(dst, src.data(), src.size_bytes());
+      return;
+    case DType::bf16:
+      for (std::size_t j = 0; j < src.size(); ++j)
+        static_cast<std::uint16_t*>(dst)[j] = f32_to_bf16_bits(src[j]);
+      return;
+    case DType::f16:
+      for (std::size_t j = 0; j < src.size(); ++j)
+        static_cast<std::uint16_t*>(dst)[j] = f32_to_f16_bits(src[j]);
+      return;
+  }
+}
+
+class GpuGradientManager final : public GradientManager {
+ public:
+  explicit GpuGradientManager(ManagerConfig config);
+  ~GpuGradientManager() override;
+
+ protected:
+  void do_load_parameter(std::size_t i, std::span<const float> master) override;
+  void do_begin_step() override;
+  void do_begin_backward() override {}
+  TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
+  void do_gradient_ready(std::size_t i, bool first_in_step) override;
+  void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
+  void do_step_chunk(std::size_t chunk) override;
+  NormResult do_clip_grad_norm(float max_norm, float& clip) override;
+  void do_step() override;
+  StepReport do_report() override;
+  ConstTensorView do_compute_weights(std::size_t i) const override;
+  void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
+                         std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_synchronize() override;
+  std::exception_ptr do_close() noexcept override;
+
+ private:
+  // One parameter's buffers. master/exp_avg/exp_avg_sq: device memory (mode none) or
+  // the host block of its chunk (mode optimizer); *_off: their offsets in that block.
+  struct Param {
+    TensorView grad, acc, compute;
+    float* master = nullptr;
+    float* exp_avg = nullptr;
+    float* exp_avg_sq = nullptr;
+    std::size_t master_off = 0, exp_avg_off = 0, exp_avg_sq_off = 0;
+  };
+
+  bool streamed() const noexcept { return mode() == OffloadMode::optimizer; }
+  void free_memory() noexcept;
+  void ensure_scale();
+  void ensure_global_partial();
+  void enqueue_finalize(float max_norm);
+  void reduce(NormPartial* d_partial);
+  void update_params(std::size_t first, std::size_t last, std::byte* slot, const float* d_scale,
+                     const float* d_clip, const std::int32_t* d_found_inf);
+  void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
+                    const std::int32_t* d_found_inf);
+  void update_all(const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf);
+  void finish_enqueue(bool copy_summary, bool copy_flags);
+  void restore_steps(std::size_t first, std::size_t last);
+  void settle();
+  void wait_idle();
+
+  device::Device& dev_;
+  bool eager_ = true;  // acc <- R(acc * s) in place at the final finish_backward
+  std::vector<Param> params_;
+  std::vector<float> steps_, saved_steps_;  // AdamW step counters (host) and their value
+                                            // at begin_step, for rolling back a skip
+
+  // Views for the kernels.
+  std::vector<TensorView> counted_, uncounted_;
+  std::vector<ConstTensorView> counted_const_;
+  std::vector<std::vector<ConstTensorView>> chunk_acc_;
+
+  // Memory: one device allocation, one workspace, one pinned host allocation.
+  std::byte* dmem_ = nullptr;
+  void* workspace_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+  std::byte* hmem_ = nullptr;
+  StepScalars* d_ = nullptr;
+  ChunkScalars* d_chunks_ = nullptr;
+  std::int32_t* d_flags_ = nullptr;
+  HostWords* h_ = nullptr;
+  std::int32_t* h_flags_ = nullptr;
+
+  // Mode optimizer: per-chunk host blocks and the ring of device slots.
+  std::vector<std::byte*> chunk_host_;
+  std::vector<std::size_t> chunk_bytes_;
+  std::vector<std::byte*> slots_;
+  std::vector<Event> slot_free_;
+  std::size_t ring_next_ = 0;
+
+  // The step in flight.
+  bool scale_uploaded_ = false;
+  bool partial_done_ = false;  // the global partial is enqueued (and reduced)
+  bool flag_known_ = false;    // clip_grad_norm brought the flag to the host
+  bool pending_ = false;       // done_ not yet waited for and its outcome not settled
+  bool overlap_step_ = false;
+  Event done_;
+  StepReport report_;
+  bool closed_ = false;
+};
+
+GpuGradientManager::GpuGradientManager(ManagerConfig config)
+    : GradientManager(std::move(config)), dev_(*this->config().device) {
+  const ManagerConfig& cfg = this->config();
+  if (cfg.mode != OffloadMode::none && cfg.mode != OffloadMode::optimizer)
+    throw Error(Errc::invalid_argument, "mode", "the device manager implements none and optimizer");
+  // SignSGD takes the sign of the raw accumulator (the read is not applied); scaling it in
+  // place could flush a tiny value to zero, so SignSGD always reads lazily.
+  eager_ = !cfg.lazy_gpu_scale && is_adamw();
+  const std::size_t n = cfg.params.size();
+  const std::size_t nchunks = chunks().size();
+  const bool adamw = is_adamw();
+  params_.resize(n);
+  steps_.assign(n, 0.0f);
+  saved_steps_.assign(n, 0.0f);
+
+  // Device layout: per parameter grad, acc, compute (and master, m, v in mode none); the
+  // scalars; mode optimizer: the ring of slots, each as large as the largest chunk block.
+  struct Offsets {
+    std::size_t grad, acc, compute, master, exp_avg, exp_avg_sq;
+  };
+  std::vector<Offsets> off(n);
+  Carver dev_carver;
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamSpec& p = cfg.params[i];
+    off[i].grad = dev_carver.take(p.numel * dtype_size(p.grad_dtype));
+    off[i].acc = dev_carver.take(p.numel * 4);
+    off[i].compute =
+        dev_carver.take(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
+    if (!streamed()) {
+      off[i].master = dev_carver.take(p.numel * 4);
+      off[i].exp_avg = dev_carver.take(adamw ? p.numel * 4 : 0);
+      off[i].exp_avg_sq = dev_carver.take(adamw ? p.numel * 4 : 0);
+    }
+  }
+  const std::size_t scalars_off = dev_carver.take(sizeof(StepScalars));
+  const std::size_t chunks_off = dev_carver.take(sizeof(ChunkScalars) * nchunks);
+  const std::size_t flags_off = dev_carver.take(sizeof(std::int32_t) * nchunks);
+
+  // Host layout: the words and flags, then (mode optimizer) each chunk's block:
+  // masters, then exp_avg, then exp_avg_sq of its parameters.
+  Carver host_carver;
+  const std::size_t words_off = host_carver.take(sizeof(HostWords));
+  const std::size_t hflags_off = host_carver.take(sizeof(std::int32_t) * nchunks);
+  std::vector<std::size_t> chunk_host_off(nchunks, 0);
+  std::size_t slot_bytes = 0;
+  if (streamed()) {
+    chunk_bytes_.assign(nchunks, 0);
+    for (std::size_t k = 0; k < nchunks; ++k) {
+      const Chunk& c = chunks()[k];
+      Carver block;
+      for (std::size_t i = c.first; i < c.last; ++i)
+        params_[i].master_off = block.take(cfg.params[i].numel * 4);
+      if (adamw) {
+        for (std::size_t i = c.first; i < c.last; ++i)
+          params_[i].exp_avg_off = block.take(cfg.params[i].numel * 4);
+        for (std::size_t i = c.first; i < c.last; ++i)
+          params_[i].exp_avg_sq_off = block.take(cfg.params[i].numel * 4);
+      }
+      chunk_bytes_[k] = block.total;
+      chunk_host_off[k] = host_carver.take(block.total);
+      slot_bytes = std::max(slot_bytes, block.total);
+    }
+  }
+  const std::size_t nslots = streamed() ? std::min(kRingSlots, nchunks) : 0;
+  std::vector<std::size_t> slot_off(nslots);
+  for (std::size_t j = 0; j < nslots; ++j) slot_off[j] = dev_carver.take(slot_bytes);
+
+  try {
+    dmem_ = static_cast<std::byte*>(dev_.allocate(std::max(dev_carver.total, kAlign)));
+    hmem_ = static_cast<std::byte*>(
+        dev_.allocate_host(std::max(host_carver.total, kAlign), cfg.numa_node));
+    d_ = reinterpret_cast<StepScalars*>(dmem_ + scalars_off);
+    d_chunks_ = reinterpret_cast<ChunkScalars*>(dmem_ + chunks_off);
+    d_flags_ = reinterpret_cast<std::int32_t*>(dmem_ + flags_off);
+    h_ = reinterpret_cast<HostWords*>(hmem_ + words_off);
+    h_flags_ = reinterpret_cast<std::int32_t*>(hmem_ + hflags_off);
+    for (std::size_t k = 0; k < nchunks && streamed(); ++k)
+      chunk_host_.push_back(hmem_ + chunk_host_off[k]);
+    for (std::size_t j = 0; j < nslots; ++j) slots_.push_back(dmem_ + slot_off[j]);
+    slot_free_.resize(nslots);
+
+    for (std::size_t i = 0; i < n; ++i) {
+      const ParamSpec& p = cfg.params[i];
+      Param& q = params_[i];
+      q.grad = {dmem_ + off[i].grad, p.numel, p.grad_dtype};
+      q.acc = {dmem_ + off[i].acc, p.numel, DType::f32};
+      if (p.has_compute_weights) q.compute = {dmem_ + off[i].compute, p.numel, p.compute_dtype};
+      if (streamed()) {
+        std::byte* block = chunk_host_[chunk_of(i)];
+        q.master = reinterpret_cast<float*>(block + q.master_off);
+        if (adamw) {
+          q.exp_avg = reinterpret_cast<float*>(block + q.exp_avg_off);
+          q.exp_avg_sq = reinterpret_cast<float*>(block + q.exp_avg_sq_off);
+        }
+      } else {
+        q.master = reinterpret_cast<float*>(dmem_ + off[i].master);
+        if (adamw) {
+          q.exp_avg = reinterpret_cast<float*>(dmem_ + off[i].exp_avg);
+          q.exp_avg_sq = reinterpret_cast<float*>(dmem_ + off[i].exp_avg_sq);
+        }
+      }
+      (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
+      if (p.counts_toward_norm) counted_const_.push_back(q.acc);
+    }
+    chunk_acc_.resize(nchunks);
+    for (std::size_t k = 0; k < nchunks; ++k)
+      for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+        chunk_acc_[k].push_back(params_[i].acc);
+
+    // One norm workspace, large enough for every set of accumulators a norm runs over.
+    std::vector<TensorView> all;
+    for (const Param& q : params_) all.push_back(q.acc);
+    workspace_bytes_ =
+        std::max({dev_.norm_workspace_bytes(all), dev_.norm_workspace_bytes(counted_),
+                  dev_.norm_workspace_bytes(uncounted_)});
+    for (std::size_t k = 0; k < nchunks; ++k) {
+      std::vector<TensorView> views;
+      for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+        views.push_back(params_[i].acc);
+      workspace_bytes_ = std::max(workspace_bytes_, dev_.norm_workspace_bytes(views));
+    }
+    if (workspace_bytes_ != 0) workspace_ = dev_.allocate(workspace_bytes_);
+
+    // Constants: 1.0f and this rank's layout record (reduced in place with max, so a
+    // consistent layout leaves it unchanged and it is written once).
+    h_->one = 1.0f;
+    h_->check = comm::make_layout_check(cfg.layout_fingerprint);
+    dev_.copy(Queue::compute, &d_->one, &h_->one, sizeof(float));
+    dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
+    dev_.synchronize();
+  } catch (...) {
+    free_memory();
+    throw;
+  }
+}
+
+GpuGradientManager::~GpuGradientManager() {
+  if (!closed_) (void)do_close();
+}
+
+void GpuGradientManager::free_memory() noexcept {
+  if (workspace_ != nullptr) dev_.deallocate(workspace_);
+  if (dmem_ != nullptr) dev_.deallocate(dmem_);
+  if (hmem_ != nullptr) dev_.deallocate_host(hmem_);
+  workspace_ = nullptr;
+  dmem_ = nullptr;
+  hmem_ = nullptr;
+}
+
+// ---- the step in flight ---------------------------------------------------------------
+
+void GpuGradientManager::restore_steps(std::size_t first, std::size_t last) {
+  for (std::size_t i = first; i < last; ++i) steps_[i] = saved_steps_[i];
+}
+
+// Learns the outcome of the last step once its work is done: found-inf flags (rolling
+// back the step counters of what was skipped) and the layout check. Raises the work's
+// errors once.
+void GpuGradientManager::settle() {
+  if (!pending_) return;
+  pending_ = false;
+  dev_.synchronize(done_);
+  done_ = Event();
+  if (overlap_step_) {
+    for (std::size_t k = 0; k < chunks().size(); ++k)
+      if (h_flags_[k] != 0) {
+        ++report_.chunks_skipped;
+        restore_steps(chunks()[k].first, chunks()[k].last);
+      }
+    report_.stepped = chunks().empty() || report_.chunks_skipped < chunks().size();
+  } else if (!flag_known_) {
+    const Summary s = h_->summary;
+    report_.norm = s.result;
+    report_.skipped = s.found_inf != 0;
+    report_.stepped = !report_.skipped;
+    if (report_.skipped) restore_steps(0, params_.size());
+    if (config().comm != nullptr) comm::check_reduced(s.check, config().layout_fingerprint);
+  }
+}
+
+void GpuGradientManager::wait_idle() {
+  settle();
+  dev_.synchronize();
+}
+
+void GpuGradientManager::ensure_scale() {
+  if (scale_uploaded_) return;
+  h_->scale = gradient_scale();
+  dev_.copy(Queue::compute, &d_->scale, &h_->scale, sizeof(float));
+  scale_uploaded_ = true;
+}
+
+// All-reduces a partial (with the layout record) when there is a communicator. A host
+// communicator reads host memory at the call, so the compute queue is drained first (the
+// host device only: a CUDA device pairs with NCCL, which enqueues on the compute stream).
+void GpuGradientManager::reduce(NormPartial* d_partial) {
+  comm::Communicator* comm = config().comm;
+  if (comm == nullptr) return;
+  if (comm->memory() == comm::MemorySpace::host) dev_.synchronize(dev_.record(Queue::compute));
+  comm->all_reduce_partial(d_partial, &d_->summary.check);
+}
+
+// The global norm partial of the counted accumulators, reduced over the ranks; eager:
+// the accumulators are scaled in place in the same pass.
+void GpuGradientManager::ensure_global_partial() {
+  if (partial_done_) return;
+  const float s = gradient_scale();
+  if (eager_) {
+    dev_.scale_and_norm_partial(counted_, s, &d_->partial, workspace_, workspace_bytes_);
+    if (!uncounted_.empty())
+      dev_.scale_and_norm_partial(uncounted_, s, &d_->scratch, workspace_, workspace_bytes_);
+  } else {
+    dev_.norm_partial(counted_const_, GradientRead{s, 1.0f}, &d_->partial, workspace_,
+                      workspace_bytes_);
+  }
+  reduce(&d_->partial);
+  partial_done_ = true;
+}
+
+// Finalizes the reduced partial into the summary (norm, clip, flag), with the exact
+// fallback and its reduction (always enqueued: every rank takes part).
+void GpuGradientManager::enqueue_finalize(float max_norm) {
+  Summary* s = &d_->summary;
+  const GradientRead read{eager_ ? 1.0f : gradient_scale(), 1.0f};
+  dev_.finalize_and_clip(&d_->partial, max_norm, &s->result, &s->clip, &s->found_inf);
+  dev_.exact_norm_partial_if_needed(counted_const_, read, &s->found_inf, &d_->exact, workspace_,
+                                    workspace_bytes_);
+  reduce(&d_->exact);
+  dev_.finalize_exact_and_clip(&d_->exact, max_norm, &s->result, &s->clip, &s->found_inf);
+}
+
+// The optimizer over parameters [first, last): state in device memory, or in `slot` (a
+// ring slot holding their chunk's block). Gradients are the accumulators, outputs the
+// device compute weights.
+void GpuGradientManager::update_params(std::size_t first, std::size_t last, std::byte* slot,
+                                       const float* d_scale, const float* d_clip,
+                                       const std::int32_t* d_found_inf) {
+  const ManagerConfig& cfg = config();
+  auto f32 = [](float* p, std::size_t n) { return TensorView{p, n, DType::f32}; };
+  auto state = [slot](float* resident, std::size_t slot_off) {
+    return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
+  };
+  if (is_adamw()) {
+    std::vector<AdamWTensor> t;
+    t.reserve(last - first);
+    for (std::size_t i = first; i < last; ++i) {
+      const Param& q = params_[i];
+      const std::size_t n = q.acc.numel;
+      t.push_back({f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
+                   f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), &steps_[i], q.acc, q.compute});
+    }
+    dev_.adamw_step(t, cfg.optimizer.adamw, d_scale, d_clip, d_found_inf);
+  } else {
+    std::vector<SignSgdTensor> t;
+    t.reserve(last - first);
+    for (std::size_t i = first; i < last; ++i) {
+      const Param& q = params_[i];
+      t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
+    }
+    dev_.sign_sgd_step(t, cfg.optimizer.sign_sgd, d_found_inf);
+  }
+}
+
+// Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):
+// upload on h2d once the slot is free, step on compute, download on d2h.
+void GpuGradientManager::update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
+                                      const std::int32_t* d_found_inf) {
+  const Chunk& c = chunks()[k];
+  if (!streamed()) {
+    update_params(c.first, c.last, nullptr, d_scale, d_clip, d_found_inf);
+    return;
+  }
+  const std::size_t j = ring_next_++ % slots_.size();
+  dev_.wait(Queue::h2d, slot_free_[j]);
+  dev_.copy(Queue::h2d, slots_[j], chunk_host_[k], chunk_bytes_[k]);
+  dev_.wait(Queue::compute, dev_.record(Queue::h2d));
+  update_params(c.first, c.last, slots_[j], d_scale, d_clip, d_found_inf);
+  dev_.wait(Queue::d2h, dev_.record(Queue::compute));
+  dev_.copy(Queue::d2h, chunk_host_[k], slots_[j], chunk_bytes_[k]);
+  slot_free_[j] = dev_.record(Queue::d2h);
+}
+
+// Steps every parameter: one multi-tensor update (mode none) or chunk by chunk through
+// the ring (mode optimizer).
+void GpuGradientManager::update_all(const float* d_scale, const float* d_clip,
+                                    const std::int32_t* d_found_inf) {
+  if (!streamed()) {
+    update_params(0, params_.size(), nullptr, d_scale, d_clip, d_found_inf);
+    return;
+  }
+  for (std::size_t k = 0; k < chunks().size(); ++k) update_chunk(k, d_scale, d_clip, d_found_inf);
+}
+
+// Ends the step's enqueueing: the summary and/or chunk flags follow all of the step's
+// work to pinned host words; done_ marks the end of everything.
+void GpuGradientManager::finish_enqueue(bool copy_summary, bool copy_flags) {
+  dev_.wait(Queue::d2h, dev_.record(Queue::compute));
+  if (copy_summary) dev_.copy(Queue::d2h, &h_->summary, &d_->summary, sizeof(Summary));
+  if (copy_flags && !chunks().empty())
+    dev_.copy(Queue::d2h, h_flags_, d_flags_, sizeof(std::int32_t) * chunks().size());
+  done_ = dev_.record(Queue::d2h);
+  pending_ = true;
+}
+
+// ---- hooks ----------------------------------------------------------------------------
+
+void GpuGradientManager::do_load_parameter(std::size_t i, std::span<const float> master) {
+  wait_idle();
+  const ParamSpec& p = config().params[i];
+  Param& q = params_[i];
+  const std::size_t bytes = p.numel * 4;
+  if (streamed()) {
+    if (bytes) std::memcpy(q.master, master.data(), bytes);
+    if (is_adamw() && bytes) {
+      std::memset(q.exp_avg, 0, bytes);
+      std::memset(q.exp_avg_sq, 0, bytes);
+    }
+  } else {
+    dev_.copy(Queue::compute, q.master, master.data(), bytes);
+    if (is_adamw()) {
+      dev_.zero(Queue::compute, q.exp_avg, bytes);
+      dev_.zero(Queue::compute, q.exp_avg_sq, bytes);
+    }
+  }
+  steps_[i] = saved_steps_[i] = 0.0f;
+  std::vector<std::uint8_t> rounded;
+  if (p.has_compute_weights) {
+    rounded.resize(q.compute.bytes());
+    round_into(master, p.compute_dtype, rounded.data());
+    dev_.copy(Queue::compute, q.compute.data, rounded.data(), rounded.size());
+  }
+  dev_.synchronize();  // the sources are the caller's and this frame's memory
+}
+
+void GpuGradientManager::do_begin_step() {
+  settle();  // the previous step's outcome; raises its errors
+  saved_steps_ = steps_;
+  report_ = StepReport{};
+  scale_uploaded_ = partial_done_ = flag_known_ = overlap_step_ = false;
+  ring_next_ = 0;
+}
+
+void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step) {
+  const Param& q = params_[i];
+  const AccumulatePair pair{q.acc, q.grad, first_in_step};
+  dev_.accumulate(std::span(&pair, 1));
+}
+
+void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> no_gradient) {
+  for (std::size_t i : no_gradient)
+    dev_.zero(Queue::compute, params_[i].acc.data, params_[i].acc.bytes());
+  if (overlap()) {
+    ensure_scale();
+    return;
+  }
+  if (eager_) ensure_global_partial();  // lazy: at clip_grad_norm or step
+}
+
+// Optimizer in backward: chunk k's own norm (read {s}, no reduction: a local decision)
+// decides through its device flag whether its update writes anything.
+void GpuGradientManager::do_step_chunk(std::size_t k) {
+  ensure_scale();
+  ChunkScalars* cs = d_chunks_ + k;
+  std::int32_t* flag = d_flags_ + k;
+  const GradientRead read{gradient_scale(), 1.0f};
+  dev_.norm_partial(chunk_acc_[k], read, &cs->partial, workspace_, workspace_bytes_);
+  dev_.finalize_and_clip(&cs->partial, kNoClipMaxNorm, &cs->result, &cs->clip, flag);
+  dev_.exact_norm_partial_if_needed(chunk_acc_[k], read, flag, &cs->exact, workspace_,
+                                    workspace_bytes_);
+  dev_.finalize_exact_and_clip(&cs->exact, kNoClipMaxNorm, &cs->result, &cs->clip, flag);
+  update_chunk(k, &d_->scale, &d_->one, flag);
+}
+
+NormResult GpuGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
+  ensure_global_partial();
+  enqueue_finalize(max_norm);
+  // The one host synchronisation of a clipped step: the caller wants the norm now.
+  dev_.wait(Queue::d2h, dev_.record(Queue::compute));
+  dev_.copy(Queue::d2h, &h_->summary, &d_->summary, sizeof(Summary));
+  dev_.synchronize(dev_.record(Queue::d2h));
+  const Summary s = h_->summary;
+  if (config().comm != nullptr) comm::check_reduced(s.check, config().layout_fingerprint);
+  flag_known_ = true;
+  clip = s.clip;  // 0 when the norm is not finite (the step is then skipped)
+  report_.norm = s.result;
+  report_.clip_coefficient = clip;
+  report_.skipped = s.found_inf != 0;
+  report_.stepped = !report_.skipped;
+  return s.result;
+}
+
+void GpuGradientManager::do_step() {
+  if (overlap()) {  // every chunk was stepped by now (the base triggers the stragglers)
+    overlap_step_ = true;
+    finish_enqueue(false, true);
+    return;
+  }
+  const float* d_scale = eager_ ? &d_->one : &d_->scale;
+  if (!eager_) ensure_scale();
+  if (flag_known_) {
+    if (!report_.skipped)  // known finite: the device flag is 0, the clip is set
+      update_all(d_scale, &d_->summary.clip, &d_->summary.found_inf);
+    finish_enqueue(false, false);
+    return;
+  }
+  // No clip: the norm is still needed for found-inf; c = 1.
+  ensure_global_partial();
+  enqueue_finalize(kNoClipMaxNorm);
+  update_all(d_scale, &d_->one, &d_->summary.found_inf);
+  finish_enqueue(true, false);
+}
+
+StepReport GpuGradientManager::do_report() {
+  settle();
+  return report_;
+}
+
+ConstTensorView GpuGradientManager::do_compute_weights(std::size_t i) const {
+  const Param& q = params_[i];
+  if (config().params[i].has_compute_weights) return q.compute;
+  // No compute copy: the master is used (device memory in mode none only).
+  if (!streamed()) return ConstTensorView(q.master, q.acc.numel, DType::f32);
+  return {};
+}
+
+void GpuGradientManager::do_read_parameter(std::size_t i, std::span<float> master,
+                                           std::span<float> exp_avg, std::span<float> exp_avg_sq,
+                                           std::span<std::uint8_t> compute) {
+  wait_idle();
+  const Param& q = params_[i];
+  auto get = [&](void* dst, const void* src, std::size_t bytes) {
+    if (bytes == 0) return;
+    if (streamed())
+      std::memcpy(dst, src, bytes);
+    else
+      dev_.copy(Queue::compute, dst, src, bytes);
+  };
+  get(master.data(), q.master, master.size_bytes());
+  get(exp_avg.data(), q.exp_avg, exp_avg.size_bytes());
+  get(exp_avg_sq.data(), q.exp_avg_sq, exp_avg_sq.size_bytes());
+  if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
+  dev_.synchronize();
+}
+
+void GpuGradientManager::do_synchronize() { wait_idle(); }
+
+std::exception_ptr GpuGradientManager::do_close() noexcept {
+  if (closed_) return nullptr;
+  closed_ = true;
+  std::exception_ptr error;
+  try {
+    settle();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  try {
+    dev_.synchronize();
+  } catch (...) {
+    if (!error) error = std::current_exception();
+  }
+  free_memory();
+  return error;
+}
+
+}  // namespace
+
+std::unique_ptr<GradientManager> make_gpu_gradient_manager(ManagerConfig config) {
+  return std::make_unique<GpuGradientManager>(std::move(config));
+}
+
+}  // namespace stepcore::detail

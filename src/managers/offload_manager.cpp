@@ -1,0 +1,633 @@
+// OffloadGradientManager (mode "full"): gradients copied device-to-host into pinned
+// staging as backward hands them over, accumulated, normed, clipped and stepped in f32 on
+// the CPU engine by one worker thread, compute weights uploaded host-to-device.
+// docs/managers.md is the contract; every result equals the GPU modes' bits.
+//
+// Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
+// the norm collectives; the worker runs accumulate / step / upload tasks in FIFO order.
+// All Device calls are serialised by dev_mu_; waits on events happen outside it (the
+// event's own wait), then synchronize(event) collects errors under it. The worker never
+// joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
+// the manager failed: every later hook raises that same error (sticky), close() returns it.
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "device/device_internal.hpp"
+#include "managers/factories.hpp"
+#include "stepcore/comm.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/host_slab.hpp"
+#include "stepcore/numa.hpp"
+
+namespace stepcore::detail {
+namespace {
+
+using device::Device;
+using device::Event;
+using device::Queue;
+
+// Returns `ep` if it holds a stepcore::Error, else an Errc::internal Error with its text.
+std::exception_ptr as_error(std::exception_ptr ep) noexcept {
+  try {
+    std::rethrow_exception(ep);
+  } catch (const Error&) {
+    return ep;
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(Error(Errc::internal, "offload worker", e.what()));
+  } catch (...) {
+    return std::make_exception_ptr(Error(Errc::internal, "offload worker", "unknown exception"));
+  }
+}
+
+// Rounds `n` f32 values to `dtype` into `dst` (the compute weights of a master).
+void round_into(void* dst, const float* src, std::size_t n, DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      if (n != 0) std::memcpy(dst, src, n * sizeof(float));
+      return;
+    case DType::bf16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (std::size_t k = 0; k < n; ++k) d[k] = f32_to_bf16_bits(src[k]);
+      return;
+    }
+    case DType::f16: {
+      auto* d = static_cast<std::uint16_t*>(dst);
+      for (std::size_t k = 0; k < n; ++k) d[k] = f32_to_f16_bits(src[k]);
+      return;
+    }
+  }
+}
+
+// (rank + 1) << 8 | code: this rank's LayoutCheck failure word (comm.hpp).
+std::uint64_t failure_word(int rank, Errc code) {
+  return (static_cast<std::uint64_t>(rank) + 1) << 8 | static_cast<std::uint64_t>(code);
+}
+
+class OffloadGradientManager final : public GradientManager {
+ public:
+  explicit OffloadGradientManager(ManagerConfig config);
+  ~OffloadGradientManager() override { (void)do_close(); }
+
+ protected:
+  void do_load_parameter(std::size_t i, std::span<const float> master) override;
+  void do_begin_step() override;
+  void do_begin_backward() override;
+  TensorView do_gradient(std::size_t i) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step) override;
+  void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
+  void do_step_chunk(std::size_t chunk) override;
+  NormResult do_clip_grad_norm(float max_norm, float& clip) override;
+  void do_step() override;
+  StepReport do_report() override;
+  ConstTensorView do_compute_weights(std::size_t i) const override;
+  void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
+                         std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_synchronize() override;
+  std::exception_ptr do_close() noexcept override;
+
+ private:
+  // Per-parameter views into the slabs.
+  struct Param {
+    TensorView grad;     // device, grad_dtype
+    TensorView compute;  // device, compute_dtype (empty without compute weights)
+    TensorView staging;  // pinned host, grad_dtype
+    TensorView out;      // pinned host, compute_dtype (empty without compute weights)
+    TensorView acc, master, exp_avg, exp_avg_sq;  // host f32 (moments empty for SignSGD)
+  };
+
+  // Carves the slabs into the per-parameter views and places the state pages.
+  void carve(const SlabLayout& dl, const SlabLayout& pl, const SlabLayout& sl);
+
+  // ---- errors --------------------------------------------------------------------------
+  void store_error(std::exception_ptr ep) noexcept;
+  void raise_if_failed() const;
+  // Runs f under dev_mu_; a Device error becomes the manager's (sticky) error.
+  template <class F>
+  decltype(auto) on_device(F&& f);
+  // Waits for e (any thread), then raises the device's errors (sticky).
+  void sync_event(const Event& e);
+
+  // ---- the worker ------------------------------------------------------------------------
+  std::uint64_t post(std::function<void()> task);
+  void wait_done(std::uint64_t seq);
+  void drain();  // waits for every posted task, then raises a stored error
+  void worker_loop();
+
+  // ---- numerics --------------------------------------------------------------------------
+  NormResult global_norm(float scale);
+  NormPartial reduce(NormPartial partial, std::exception_ptr local_error);
+  void step_chunk(std::size_t k, GradientRead read);     // on the worker
+  void upload_chunk(std::size_t k, const Event& after);  // on the worker
+  void wait_uploads();
+
+  Device& dev_;
+  cpu::Engine engine_;
+  std::vector<Param> params_;
+  std::vector<float> steps_;
+  std::vector<ConstTensorView> counted_acc_;             // the global norm's tensors
+  std::vector<std::vector<ConstTensorView>> chunk_acc_;  // a chunk's norm tensors
+
+  void* dev_slab_ = nullptr;
+  void* pinned_slab_ = nullptr;
+  numa::HostBuffer state_;
+
+  // Device calls and their events (dev_mu_).
+  std::mutex dev_mu_;
+  Event last_d2h_;     // the latest gradient copy (caller thread only)
+  Event last_upload_;  // the latest compute-weight upload (under dev_mu_)
+
+  // The worker.
+  std::mutex mu_;
+  std::condition_variable task_cv_, done_cv_;
+  std::deque<std::function<void()>> tasks_;
+  std::uint64_t posted_ = 0, done_ = 0;
+  bool stop_ = false;
+  std::vector<std::uint64_t> staging_task_;  // last task reading staging i
+  std::thread worker_;
+
+  // Errors (err_mu_).
+  mutable std::mutex err_mu_;
+  std::exception_ptr error_;
+
+  // The step (caller thread; chunks_skipped_ written by the worker, read after drain()).
+  bool norm_known_ = false;
+  NormResult norm_;
+  float clip_ = 1.0f;
+  StepReport report_;
+  std::size_t chunks_skipped_ = 0;
+  bool closed_ = false;
+};
+
+OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
+    : GradientManager(std::move(config)),
+      dev_(*this->config().device),
+      engine_(this->config().engine) {
+  const ManagerConfig& cfg = this->config();
+  if (is_adamw())
+    validate_adamw({}, cfg.optimizer.adamw, {});
+  else
+    validate_sign_sgd({}, cfg.optimizer.sign_sgd, {});
+
+  // Layouts: device (gradients, compute weights), pinned (staging, upload buffers) and
+  // host state (acc, master, moments), each one slab of 256-byte aligned views.
+  std::vector<std::size_t> dev_bytes, pin_bytes, state_bytes;
+  for (const ParamSpec& p : cfg.params) {
+    const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
+    const std::size_t cb = p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
+    const std::size_t fb = p.numel * sizeof(float);
+    dev_bytes.insert(dev_bytes.end(), {gb, cb});
+    pin_bytes.insert(pin_bytes.end(), {gb, cb});
+    state_bytes.insert(state_bytes.end(), {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0});
+  }
+  const SlabLayout dl = layout_slab(dev_bytes), pl = layout_slab(pin_bytes),
+                   sl = layout_slab(state_bytes);
+  state_ = numa::HostBuffer(std::max<std::size_t>(sl.total_bytes, 1), cfg.numa_node);
+  dev_slab_ = dev_.allocate(std::max(dl.total_bytes, kSlabViewAlignment));
+  try {
+    pinned_slab_ = dev_.allocate_host(std::max(pl.total_bytes, kSlabViewAlignment), cfg.numa_node);
+    carve(dl, pl, sl);
+  } catch (...) {
+    if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
+    dev_.deallocate(dev_slab_);
+    throw;
+  }
+  worker_ = std::thread([this] { worker_loop(); });  // last: nothing below can throw
+}
+
+void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
+                                   const SlabLayout& sl) {
+  const ManagerConfig& cfg = config();
+  const std::size_t n = cfg.params.size();
+  auto at = [](void* base, std::size_t off) { return static_cast<char*>(base) + off; };
+  auto f32_at = [&](std::size_t off, std::size_t numel) {
+    return f32_view(reinterpret_cast<float*>(at(state_.data(), off)), numel);
+  };
+  params_.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamSpec& p = cfg.params[i];
+    const std::size_t cn = p.has_compute_weights ? p.numel : 0;
+    Param& v = params_[i];
+    v.grad = {at(dev_slab_, dl.offsets[2 * i]), p.numel, p.grad_dtype};
+    v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
+    v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
+    v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
+    v.acc = f32_at(sl.offsets[4 * i], p.numel);
+    v.master = f32_at(sl.offsets[4 * i + 1], p.numel);
+    if (is_adamw()) {
+      v.exp_avg = f32_at(sl.offsets[4 * i + 2], p.numel);
+      v.exp_avg_sq = f32_at(sl.offsets[4 * i + 3], p.numel);
+    }
+    if (p.counts_toward_norm) counted_acc_.push_back(v.acc);
+  }
+  steps_.assign(n, 0.0f);
+  staging_task_.assign(n, 0);
+  // Place the state pages: each chunk's buffers touched in the partition its step uses.
+  chunk_acc_.resize(chunks().size());
+  for (std::size_t k = 0; k < chunks().size(); ++k) {
+    std::vector<TensorView> acc, master, m, v;
+    for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+      acc.push_back(params_[i].acc);
+      master.push_back(params_[i].master);
+      m.push_back(params_[i].exp_avg);
+      v.push_back(params_[i].exp_avg_sq);
+      chunk_acc_[k].push_back(params_[i].acc);
+    }
+    for (const auto* list : {&acc, &master, &m, &v}) engine_.first_touch(*list);
+  }
+}
+
+// ---- errors -------------------------------------------------------------------------------
+
+void OffloadGradientManager::store_error(std::exception_ptr ep) noexcept {
+  const std::lock_guard lock(err_mu_);
+  if (!error_) error_ = as_error(ep);
+}
+
+void OffloadGradientManager::raise_if_failed() const {
+  std::exception_ptr ep;
+  {
+    const std::lock_guard lock(err_mu_);
+    ep = error_;
+  }
+  if (ep) std::rethrow_exception(ep);
+}
+
+template <class F>
+decltype(auto) OffloadGradientManager::on_device(F&& f) {
+  const std::lock_guard lock(dev_mu_);
+  try {
+    return std::forward<F>(f)();
+  } catch (...) {
+    store_error(std::current_exception());
+    raise_if_failed();
+    throw;  // unreachable: an error was stored
+  }
+}
+
+void OffloadGradientManager::sync_event(const Event& e) {
+  // Wait without the lock (the other thread keeps enqueueing), then let the device raise
+  // its errors under the lock, so that no two threads ever collect them at once.
+  if (!e.empty()) {
+    try {
+      e.state()->wait();
+    } catch (...) {
+      store_error(std::current_exception());
+      raise_if_failed();
+    }
+  }
+  on_device([&] { dev_.synchronize(e); });
+}
+
+// ---- the worker ---------------------------------------------------------------------------
+
+std::uint64_t OffloadGradientManager::post(std::function<void()> task) {
+  std::uint64_t seq;
+  {
+    const std::lock_guard lock(mu_);
+    tasks_.push_back(std::move(task));
+    seq = ++posted_;
+  }
+  task_cv_.notify_one();
+  return seq;
+}
+
+void OffloadGradientManager::wait_done(std::uint64_t seq) {
+  std::unique_lock lock(mu_);
+  done_cv_.wait(lock, [&] { return done_ >= seq; });
+}
+
+void OffloadGradientManager::drain() {
+  std::uint64_t seq;
+  {
+    const std::lock_guard lock(mu_);
+    seq = posted_;
+  }
+  wait_done(seq);
+  raise_if_failed();
+}
+
+void OffloadGradientManager::worker_loop() {
+  for (;;) {
+    std::function<void()> task;
+    {
+      std::unique_lock lock(mu_);
+      task_cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stop_ and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    bool failed;
+    {
+      const std::lock_guard lock(err_mu_);
+      failed = error_ != nullptr;
+    }
+    if (!failed) {  // after a failure the state is suspect: later tasks are skipped
+      try {
+        task();
+      } catch (...) {
+        store_error(std::current_exception());
+      }
+    }
+    {
+      const std::lock_guard lock(mu_);
+      ++done_;
+    }
+    done_cv_.notify_all();
+  }
+}
+
+// ---- numerics -----------------------------------------------------------------------------
+
+NormPartial OffloadGradientManager::reduce(NormPartial partial, std::exception_ptr local_error) {
+  comm::Communicator& comm = *config().comm;
+  const std::uint64_t fp = config().layout_fingerprint;
+  comm::LayoutCheck check = comm::make_layout_check(fp);
+  if (local_error) {  // still join the collective, so the peers learn of it and do not hang
+    Errc code = Errc::internal;
+    try {
+      std::rethrow_exception(local_error);
+    } catch (const Error& e) {
+      code = e.code();
+    } catch (...) {
+    }
+    check.failure = failure_word(comm.rank(), code);
+    partial = NormPartial{};
+  }
+  comm.all_reduce_partial(&partial, &check);
+  if (local_error) std::rethrow_exception(local_error);
+  comm::check_reduced(check, fp);
+  return partial;
+}
+
+NormResult OffloadGradientManager::global_norm(float scale) {
+  const GradientRead read{scale, 1.0f};
+  if (config().comm == nullptr) {
+    drain();
+    return engine_.norm(counted_acc_, read);
+  }
+  auto local = [&](cpu::NormMode mode) {
+    std::exception_ptr error;
+    NormPartial p;
+    try {
+      drain();
+      p = engine_.norm_partial(counted_acc_, read, mode);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    return reduce(p, error);
+  };
+  NormResult r = finalize(local(cpu::NormMode::fast));
+  // Every rank finalises the same reduced partial, so every rank takes this branch.
+  if (r.needs_exact) r = finalize(local(cpu::NormMode::exact));
+  if (r.needs_exact) throw Error(Errc::internal, "norm", "an exact partial could not be finalised");
+  return r;
+}
+
+void OffloadGradientManager::step_chunk(std::size_t k, [[maybe_unused]] GradientRead read) {
+  const Chunk& c = chunks()[k];
+  if (is_adamw()) {
+    std::vector<AdamWTensor> t;
+    t.reserve(c.last - c.first);
+    for (std::size_t i = c.first; i < c.last; ++i) {
+      const Param& p = params_[i];
+      t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+    }
+    engine_.adamw_step(t, config().optimizer.adamw, read);
+  } else {
+    std::vector<SignSgdTensor> t;
+    t.reserve(c.last - c.first);
+    for (std::size_t i = c.first; i < c.last; ++i)
+      t.push_back({params_[i].master, params_[i].acc, params_[i].out});
+    // SignSGD does not apply the (positive) scale and clip: read them as 1 so that a
+    // zero clip coefficient (max_norm = 0) is not refused.
+    engine_.sign_sgd_step(t, config().optimizer.sign_sgd, GradientRead{});
+  }
+}
+
+void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after) {
+  const Chunk& c = chunks()[k];
+  on_device([&] {
+    dev_.wait(Queue::h2d, after);  // backward's use of the old weights comes first
+    for (std::size_t i = c.first; i < c.last; ++i) {
+      const Param& p = params_[i];
+      if (p.out.numel != 0) dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
+    }
+    last_upload_ = dev_.record(Queue::h2d);
+  });
+}
+
+void OffloadGradientManager::wait_uploads() {
+  Event e;
+  {
+    const std::lock_guard lock(dev_mu_);
+    e = last_upload_;
+  }
+  sync_event(e);
+}
+
+// ---- the hooks ----------------------------------------------------------------------------
+
+void OffloadGradientManager::do_load_parameter(std::size_t i, std::span<const float> master) {
+  drain();
+  wait_uploads();
+  Param& p = params_[i];
+  if (!master.empty()) std::memcpy(p.master.data, master.data(), master.size_bytes());
+  if (p.exp_avg.numel != 0) std::memset(p.exp_avg.data, 0, p.exp_avg.bytes());
+  if (p.exp_avg_sq.numel != 0) std::memset(p.exp_avg_sq.data, 0, p.exp_avg_sq.bytes());
+  steps_[i] = 0.0f;
+  if (p.out.numel == 0) return;
+  round_into(p.out.data, master.data(), p.out.numel, p.out.dtype);
+  const Event e = on_device([&] {
+    dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
+    return last_upload_ = dev_.record(Queue::h2d);
+  });
+  sync_event(e);
+}
+
+void OffloadGradientManager::do_begin_step() {
+  drain();  // the previous step's tasks, and their errors
+  wait_uploads();
+  norm_known_ = false;
+  norm_ = NormResult{};
+  clip_ = 1.0f;
+  report_ = StepReport{};
+  chunks_skipped_ = 0;
+}
+
+void OffloadGradientManager::do_begin_backward() {
+  raise_if_failed();
+  // Backward rewrites the gradient buffers: the previous micro-batch's copies must be done.
+  sync_event(last_d2h_);
+}
+
+TensorView OffloadGradientManager::do_gradient(std::size_t i) {
+  raise_if_failed();
+  return params_[i].grad;
+}
+
+void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step) {
+  raise_if_failed();
+  Param& p = params_[i];
+  // Staging i is free once the worker has accumulated its previous contents.
+  wait_done(staging_task_[i]);
+  raise_if_failed();
+  Event copied;
+  if (p.grad.numel != 0) {
+    copied = on_device([&] {
+      dev_.wait(Queue::d2h, dev_.record(Queue::compute));  // backward's writes first
+      dev_.copy(Queue::d2h, p.staging.data, p.grad.data, p.grad.bytes());
+      return last_d2h_ = dev_.record(Queue::d2h);
+    });
+  }
+  staging_task_[i] = post([this, &p, copied, first_in_step] {
+    sync_event(copied);
+    const AccumulatePair pair{p.acc, p.staging, first_in_step};
+    engine_.accumulate({&pair, 1});
+  });
+}
+
+void OffloadGradientManager::do_finish_final_backward(std::span<const std::size_t> no_gradient) {
+  raise_if_failed();
+  if (no_gradient.empty()) return;
+  post([this, missing = std::vector<std::size_t>(no_gradient.begin(), no_gradient.end())] {
+    for (std::size_t i : missing)
+      if (params_[i].acc.numel != 0) std::memset(params_[i].acc.data, 0, params_[i].acc.bytes());
+  });
+}
+
+void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
+  raise_if_failed();
+  const float scale = gradient_scale();
+  const Event backward = on_device([&] { return dev_.record(Queue::compute); });
+  post([this, chunk, scale, backward] {
+    // Found-inf of this chunk alone, on this rank (docs/managers.md, "With overlap").
+    const NormResult r = engine_.norm(chunk_acc_[chunk], GradientRead{scale, 1.0f});
+    if (!r.finite) {
+      ++chunks_skipped_;
+      return;
+    }
+    step_chunk(chunk, GradientRead{scale, 1.0f});
+    upload_chunk(chunk, backward);
+  });
+}
+
+NormResult OffloadGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
+  // No early raise: a failed rank still joins the reduction (global_norm reports it).
+  norm_ = global_norm(gradient_scale());
+  norm_known_ = true;
+  // Not finite: the step is skipped; 0 is what the device modes' finalize_and_clip sets.
+  clip_ = norm_.finite ? clip_coefficient(norm_.norm, max_norm) : 0.0f;
+  clip = clip_;
+  return norm_;
+}
+
+void OffloadGradientManager::do_step() {
+  if (overlap()) {  // every chunk was posted by the final finish_backward
+    raise_if_failed();
+    report_.stepped = true;
+    return;
+  }
+  if (!norm_known_) {  // found-inf needs the norm even without clipping
+    norm_ = global_norm(gradient_scale());
+    norm_known_ = true;
+  }
+  raise_if_failed();
+  report_.norm = norm_;
+  report_.clip_coefficient = clip_;
+  if (!norm_.finite) {  // found-inf: nothing changes, the step counters stay
+    report_.skipped = true;
+    return;
+  }
+  report_.stepped = true;
+  const GradientRead read{gradient_scale(), clip_};
+  const Event backward = on_device([&] { return dev_.record(Queue::compute); });
+  for (std::size_t k = 0; k < chunks().size(); ++k)  // chunk k's upload overlaps k+1's step
+    post([this, k, read, backward] {
+      step_chunk(k, read);
+      upload_chunk(k, backward);
+    });
+}
+
+StepReport OffloadGradientManager::do_report() {
+  drain();
+  wait_uploads();
+  StepReport r = report_;
+  if (overlap() && r.stepped) {
+    r.chunks_skipped = chunks_skipped_;
+    r.stepped = chunks_skipped_ < chunks().size();
+  }
+  return r;
+}
+
+ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const {
+  raise_if_failed();
+  return params_[i].compute;
+}
+
+void OffloadGradientManager::do_read_parameter(std::size_t i, std::span<float> master,
+                                               std::span<float> exp_avg,
+                                               std::span<float> exp_avg_sq,
+                                               std::span<std::uint8_t> compute) {
+  drain();
+  wait_uploads();
+  const Param& p = params_[i];
+  if (!master.empty()) std::memcpy(master.data(), p.master.data, master.size_bytes());
+  if (!exp_avg.empty()) std::memcpy(exp_avg.data(), p.exp_avg.data, exp_avg.size_bytes());
+  if (!exp_avg_sq.empty())
+    std::memcpy(exp_avg_sq.data(), p.exp_avg_sq.data, exp_avg_sq.size_bytes());
+  if (compute.empty()) return;
+  // What the device holds, through the (idle) pinned upload buffer.
+  const Event e = on_device([&] {
+    dev_.copy(Queue::d2h, p.out.data, p.compute.data, p.out.bytes());
+    return dev_.record(Queue::d2h);
+  });
+  sync_event(e);
+  std::memcpy(compute.data(), p.out.data, compute.size());
+}
+
+void OffloadGradientManager::do_synchronize() {
+  drain();
+  wait_uploads();
+  sync_event(last_d2h_);
+}
+
+std::exception_ptr OffloadGradientManager::do_close() noexcept {
+  if (closed_) return nullptr;
+  closed_ = true;
+  {
+    const std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  task_cv_.notify_all();
+  if (worker_.joinable()) worker_.join();  // runs the queued tasks (skipped after a failure)
+  try {
+    dev_.synchronize();
+  } catch (...) {
+    store_error(std::current_exception());
+  }
+  if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
+  if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
+  pinned_slab_ = dev_slab_ = nullptr;
+  state_ = numa::HostBuffer{};
+  const std::lock_guard lock(err_mu_);
+  return error_;
+}
+
+}  // namespace
+
+std::unique_ptr<GradientManager> make_offload_gradient_manager(ManagerConfig config) {
+  return std::make_unique<OffloadGradientManager>(std::move(config));
+}
+
+}  // namespace stepcore::detail

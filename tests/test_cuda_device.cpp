@@ -1,0 +1,103 @@
+// GPU: the CUDA device (stepcore::device::make_cuda_device) through the Device interface:
+// every kernel entry point against the reference and the CPU executor bit for bit,
+// copies on the d2h/h2d streams ordered by events, zero(), the compute stream waiting on
+// a copy, page-locked host memory, and validation. Skips without a device.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "device_cases.hpp"
+#include "stepcore/cuda.hpp"
+#include "stepcore/device.hpp"
+
+#if defined(STEPCORE_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using namespace stepcore;
+using device::Queue;
+
+#define SKIP_WITHOUT_DEVICE() \
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason()
+
+#if defined(STEPCORE_WITH_CUDA)
+
+TEST(CudaDevice, Basics) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  EXPECT_EQ(dev->name(), "cuda:0");
+  EXPECT_NE(dev->compute_stream(), nullptr);
+  void* h = dev->allocate_host(1 << 20, 0);
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, h), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeHost) << "allocate_host() is page-locked";
+  void* d = dev->allocate(1000);
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, d), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeDevice);
+  dev->deallocate(d);
+  dev->deallocate_host(h);
+  EXPECT_EQ(device_cases::error_code([] { device::make_cuda_device(cuda::device_count()); }),
+            Errc::not_supported);
+}
+
+TEST(CudaDevice, UsesAGivenComputeStream) {
+  SKIP_WITHOUT_DEVICE();
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    auto dev = device::make_cuda_device(0, s);
+    EXPECT_EQ(dev->compute_stream(), s);
+    device_cases::exact_fallback_resolves_a_tie(*dev);
+  }
+  EXPECT_EQ(cudaStreamQuery(s), cudaSuccess) << "the given stream outlives the device";
+  cudaStreamDestroy(s);
+}
+
+TEST(CudaDevice, EveryKernelMatchesTheExecutorAndTheReference) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::kernels_match_reference(*dev, gpu::kBlockThreads);
+}
+
+TEST(CudaDevice, ExactFallbackResolvesATie) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::exact_fallback_resolves_a_tie(*dev);
+}
+
+TEST(CudaDevice, CopiesAreOrderedByEvents) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::copies_are_ordered_by_events(*dev);
+}
+
+TEST(CudaDevice, ZeroOnEveryQueue) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::zero_on_every_queue(*dev);
+}
+
+TEST(CudaDevice, ComputeWaitsForCopies) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::compute_waits_for_copies(*dev);
+}
+
+TEST(CudaDevice, Validation) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::validation(*dev);
+}
+
+#else
+
+TEST(CudaDevice, Basics) {
+  SKIP_WITHOUT_DEVICE();
+  EXPECT_EQ(device_cases::error_code([] { device::make_cuda_device(0); }), Errc::not_supported);
+}
+
+#endif
+
+}  // namespace

@@ -1,0 +1,295 @@
+// The host device (stepcore::device::make_host_device): every kernel entry point gives
+// the CPU executor's and the reference's bits, copies on the worker queues are ordered
+// by events, zero(), the compute queue waiting on a copy, validation, and queued errors
+// (an injected copy failure) surfacing at the next synchronize or call without
+// deadlocking the queues or the destructor.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "device/host_device.hpp"
+#include "device_cases.hpp"
+#include "stepcore/cuda.hpp"
+
+namespace {
+
+using namespace stepcore;
+using device::Device;
+using device::Event;
+using device::Queue;
+using device::detail::inject_copy_failure;
+using device_cases::Buffer;
+using device_cases::error_code;
+
+// Runs f on another thread; a hang past `limit` fails the whole test binary at once
+// (a deadlock must not wait for ctest's timeout).
+template <class F>
+void expect_finishes(F f, std::chrono::seconds limit = std::chrono::seconds(60)) {
+  std::promise<void> done;
+  std::future<void> finished = done.get_future();
+  std::thread t([&] {
+    f();
+    done.set_value();
+  });
+  if (finished.wait_for(limit) != std::future_status::ready) {
+    std::fprintf(stderr, "FATAL: deadlock: the call did not return within %llds\n",
+                 static_cast<long long>(limit.count()));
+    std::_Exit(1);
+  }
+  t.join();
+}
+
+// A closed gate: a manual event and its opener. A queue told to wait for it
+// stalls until open(), so work queued behind it cannot fail before the test has queued
+// everything it needs (a queued error is raised by the next call, which would race).
+struct Gate {
+  Event event = device::detail::make_manual_event();
+  void open() const { device::detail::complete_manual_event(event); }
+};
+
+// Returns the message of the stepcore::Error f throws with `code` ("" and a failure if
+// another or none is thrown).
+template <class F>
+std::string error_message(F&& f, Errc code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no stepcore::Error was thrown";
+  return "";
+}
+
+TEST(HostDevice, Basics) {
+  auto dev = device::make_host_device();
+  EXPECT_EQ(dev->name(), "host");
+  EXPECT_EQ(dev->compute_stream(), nullptr);
+  const Event e = dev->record(Queue::compute);
+  ASSERT_FALSE(e.empty());
+  EXPECT_TRUE(e.state()->complete()) << "compute work runs inline";
+  EXPECT_EQ(error_code([] { device::make_host_device(100); }), Errc::out_of_range);
+  EXPECT_EQ(error_code([] { device::make_host_device(16); }), Errc::out_of_range);
+}
+
+TEST(HostDevice, MakeCudaDeviceWithoutADeviceIsNotSupported) {
+  if (cuda::device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+  EXPECT_EQ(error_code([] { device::make_cuda_device(0); }), Errc::not_supported);
+}
+
+TEST(HostDevice, EveryKernelMatchesTheExecutorAndTheReference) {
+  for (int threads : {256, 64}) {
+    SCOPED_TRACE("emulated threads " + std::to_string(threads));
+    auto dev = device::make_host_device(threads);
+    device_cases::kernels_match_reference(*dev, threads);
+  }
+}
+
+TEST(HostDevice, ExactFallbackResolvesATie) {
+  auto dev = device::make_host_device();
+  device_cases::exact_fallback_resolves_a_tie(*dev);
+}
+
+TEST(HostDevice, CopiesAreOrderedByEvents) {
+  auto dev = device::make_host_device();
+  device_cases::copies_are_ordered_by_events(*dev);
+}
+
+TEST(HostDevice, ZeroOnEveryQueue) {
+  auto dev = device::make_host_device();
+  device_cases::zero_on_every_queue(*dev);
+}
+
+TEST(HostDevice, ComputeWaitsForCopies) {
+  auto dev = device::make_host_device();
+  device_cases::compute_waits_for_copies(*dev);
+}
+
+TEST(HostDevice, Validation) {
+  auto dev = device::make_host_device();
+  device_cases::validation(*dev);
+  // Host memory from allocate_host() is not device memory for a kernel either.
+  auto* h = static_cast<float*>(dev->allocate_host(4096));
+  Buffer d_ws(*dev, 4096), d_partial(*dev, sizeof(NormPartial));
+  const std::vector<TensorView> hv{{h, 1024, DType::f32}};
+  EXPECT_EQ(error_code([&] {
+              dev->scale_and_norm_partial(hv, 1.0f, d_partial.as<NormPartial>(), d_ws.as(), 4096);
+            }),
+            Errc::invalid_argument);
+  // A tensor running past the end of its allocation.
+  const std::vector<TensorView> past{{d_ws.as(), 1025, DType::f32}};
+  EXPECT_EQ(error_code([&] {
+              dev->scale_and_norm_partial(past, 1.0f, d_partial.as<NormPartial>(), d_ws.as(), 4096);
+            }),
+            Errc::out_of_range);
+  dev->deallocate_host(h);
+}
+
+TEST(HostDevice, DeallocateWaitsForQueuedCopies) {
+  auto dev = device::make_host_device();
+  constexpr std::size_t kWords = std::size_t{1} << 22;
+  const std::vector<std::uint32_t> p = device_cases::pattern(kWords, 3);
+  void* d = dev->allocate(4 * kWords);
+  dev->copy(Queue::h2d, d, p.data(), 4 * kWords);
+  dev->synchronize();
+  auto* h = static_cast<std::uint32_t*>(dev->allocate_host(4 * kWords));
+  for (int i = 0; i < 4; ++i) dev->copy(Queue::d2h, h, d, 4 * kWords);
+  dev->deallocate(d);  // must wait for the copies reading it
+  EXPECT_EQ(std::memcmp(h, p.data(), 4 * kWords), 0);
+  dev->deallocate_host(h);
+}
+
+TEST(HostDevice, InjectedCopyFailureSurfacesAtSynchronize) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> src(4096, 0xab);
+  std::vector<std::vector<std::uint8_t>> dst(5, std::vector<std::uint8_t>(4096, 0));
+  Buffer d(*dev, src.data(), src.size());
+  inject_copy_failure(*dev, Queue::d2h, 2);
+  const Gate gate;
+  dev->wait(Queue::d2h, gate.event);
+  for (auto& h : dst) dev->copy(Queue::d2h, h.data(), d.as(), 4096);
+  const Event e = dev->record(Queue::d2h);
+  gate.open();
+  const std::string what = error_message([&] { dev->synchronize(); }, Errc::internal);
+  EXPECT_NE(what.find("injected copy failure"), std::string::npos) << what;
+  EXPECT_TRUE(e.state()->complete()) << "events complete after a failure";
+  EXPECT_EQ(dst[0][0], 0xab);
+  EXPECT_EQ(dst[1][0], 0xab);
+  EXPECT_EQ(dst[2][0], 0) << "the failing copy writes nothing";
+  EXPECT_EQ(dst[3][0], 0) << "work after the failure is skipped";
+  EXPECT_EQ(dst[4][0], 0);
+  // Raised once; the device then runs new work again.
+  dev->synchronize();
+  dev->copy(Queue::d2h, dst[4].data(), d.as(), 4096);
+  dev->synchronize();
+  EXPECT_EQ(dst[4][0], 0xab);
+}
+
+TEST(HostDevice, InjectedCopyFailureSurfacesAtSynchronizeOfAnEvent) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> src(256, 1);
+  Buffer d(*dev, 256);
+  inject_copy_failure(*dev, Queue::h2d, 0);
+  const Gate gate;
+  dev->wait(Queue::h2d, gate.event);
+  dev->copy(Queue::h2d, d.as(), src.data(), 256);
+  const Event e = dev->record(Queue::h2d);
+  gate.open();
+  EXPECT_EQ(error_code([&] { dev->synchronize(e); }), Errc::internal);
+  dev->synchronize(e);  // reported once
+}
+
+TEST(HostDevice, InjectedCopyFailureSurfacesAtTheNextCall) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> host(256, 1);
+  Buffer d(*dev, 256);
+  inject_copy_failure(*dev, Queue::d2h, 0);
+  const Gate gate;
+  dev->wait(Queue::d2h, gate.event);
+  dev->copy(Queue::d2h, host.data(), d.as(), 256);
+  const Event e = dev->record(Queue::d2h);
+  gate.open();
+  while (!e.state()->complete()) std::this_thread::yield();
+  EXPECT_EQ(error_code([&] { dev->zero(Queue::h2d, d.as(), 256); }), Errc::internal);
+  dev->zero(Queue::h2d, d.as(), 256);
+  dev->synchronize();
+}
+
+TEST(HostDevice, InjectedFailureOnTheComputeQueue) {
+  auto dev = device::make_host_device();
+  Buffer a(*dev, 64), b(*dev, 64);
+  inject_copy_failure(*dev, Queue::compute, 1);
+  dev->copy(Queue::compute, a.as(), b.as(), 64);  // succeeds
+  dev->copy(Queue::compute, a.as(), b.as(), 64);  // fails, stored like queued work
+  EXPECT_EQ(error_code([&] { dev->synchronize(); }), Errc::internal);
+  EXPECT_EQ(error_code([&] { inject_copy_failure(*dev, Queue::d2h, -1); }), Errc::invalid_argument);
+}
+
+TEST(HostDevice, AFailedCopyDeadlocksNeitherWaitsNorTheDestructor) {
+  // A queue waiting on an event recorded after the failed copy, more work behind it,
+  // and no synchronize: the destructor drains, joins and returns without throwing.
+  for (Queue failing : {Queue::d2h, Queue::h2d}) {
+    const Queue other = failing == Queue::d2h ? Queue::h2d : Queue::d2h;
+    auto dev = device::make_host_device();
+    std::vector<std::uint8_t> host(1 << 20, 5);
+    void* d = dev->allocate(host.size());  // freed by the destructor
+    inject_copy_failure(*dev, failing, 0);
+    const Gate gate;
+    dev->wait(failing, gate.event);
+    dev->copy(failing, d, host.data(), host.size());
+    const Event after = dev->record(failing);
+    dev->wait(other, after);
+    dev->copy(other, host.data(), d, host.size());
+    dev->wait(failing, dev->record(other));
+    dev->copy(failing, d, host.data(), host.size());
+    gate.open();
+    Device* raw = dev.release();
+    expect_finishes([raw] { delete raw; });
+  }
+  // The same, raising through synchronize() first, then freeing memory.
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> host(4096, 5);
+  void* d = dev->allocate(4096);
+  inject_copy_failure(*dev, Queue::d2h, 0);
+  const Gate gate;
+  dev->wait(Queue::d2h, gate.event);
+  dev->copy(Queue::d2h, host.data(), d, host.size());
+  dev->wait(Queue::h2d, dev->record(Queue::d2h));
+  dev->copy(Queue::h2d, d, host.data(), host.size());
+  gate.open();
+  expect_finishes([&] { EXPECT_EQ(error_code([&] { dev->synchronize(); }), Errc::internal); });
+  dev->deallocate(d);
+  expect_finishes([&] { dev.reset(); });
+}
+
+TEST(HostDevice, QueuesWaitForEvents) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> host(4096, 3), back(4096, 0);
+  Buffer d(*dev, host.size());
+  const Gate gate;
+  dev->wait(Queue::h2d, gate.event);
+  dev->copy(Queue::h2d, d.as(), host.data(), host.size());
+  const Event copied = dev->record(Queue::h2d);
+  dev->wait(Queue::d2h, copied);
+  dev->copy(Queue::d2h, back.data(), d.as(), back.size());
+  const Event done = dev->record(Queue::d2h);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(copied.state()->complete());
+  EXPECT_FALSE(done.state()->complete());
+  gate.open();
+  dev->synchronize(done);
+  EXPECT_EQ(back, host);
+  // The compute queue's wait blocks the caller until the event completes.
+  const Gate gate2;
+  std::thread opener([&gate2] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    gate2.open();
+  });
+  dev->wait(Queue::compute, gate2.event);
+  EXPECT_TRUE(gate2.event.state()->complete());
+  opener.join();
+}
+
+TEST(HostDevice, EventsOfOneQueueCompleteInOrder) {
+  auto dev = device::make_host_device();
+  constexpr std::size_t kBytes = std::size_t{1} << 22;
+  std::vector<std::uint8_t> host(kBytes, 9);
+  Buffer d(*dev, kBytes);
+  std::vector<Event> events;
+  for (int i = 0; i < 8; ++i) {
+    dev->copy(Queue::h2d, d.as(), host.data(), kBytes);
+    events.push_back(dev->record(Queue::h2d));
+  }
+  dev->synchronize(events.back());
+  for (const Event& e : events) EXPECT_TRUE(e.state()->complete());
+}
+
+}  // namespace

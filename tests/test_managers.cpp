@@ -1,0 +1,196 @@
+// The differential test of the gradient managers: one synthetic gradient stream (several
+// steps and micro-batches, bf16 and f32 gradients, SFT- and RL-like flows, max_norm
+// none / 0.05 / 100, AdamW and SignSGD, with and without optimizer overlap) through the
+// three modes — none (GpuGradientManager, eager and lazy scale), optimizer (streamed
+// state) and full (OffloadGradientManager) — on the host device, must give identical
+// norms, clip coefficients, parameters, moments and compute weights after every step,
+// and equal an independent simulation built from stepcore::reference alone. Also the
+// same stream sharded over 2 and 4 in-process ranks, the factory's refusals, and the
+// fault behaviour.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include "managers_cases.hpp"
+#include "stepcore/comm.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace managers_cases;
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (DType d : {DType::bf16, DType::f32})
+    for (const char* opt : {"adamw", "sign_sgd"})
+      for (std::optional<float> mn :
+           {std::optional<float>{}, std::optional<float>{0.05f}, std::optional<float>{100.0f}})
+        for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, mn, f, false});
+  for (DType d : {DType::bf16, DType::f32})
+    for (const char* opt : {"adamw", "sign_sgd"})
+      for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, {}, f, true});
+  return cases;
+}
+
+TEST(Managers, ThreeModesGiveTheReferenceBitsAfterEveryStep) {
+  for (const Case& c : all_cases()) {
+    SCOPED_TRACE(c.label());
+    const auto want = run_reference(c);
+    // The stream must do something: the state changes and, when clipping, the norm is set.
+    ASSERT_NE(want[0].state[0], want[2].state[0]);
+    if (c.max_norm) ASSERT_NE(want[0].norm_bits, 0u);
+    expect_same(run_mode(OffloadMode::none, c), want, "none");
+    expect_same(run_mode(OffloadMode::none, c, /*lazy=*/true), want, "none (lazy scale)");
+    expect_same(run_mode(OffloadMode::optimizer, c), want, "optimizer");
+    expect_same(run_mode(OffloadMode::full, c), want, "full");
+    if (HasFatalFailure()) return;
+  }
+}
+
+/// The model sharded over `ranks` in-process ranks (uneven shards, rank 0's shard of
+/// parameter 0 empty): every rank's norm bits equal the unsharded single-process run's,
+/// and each rank's state is its slice of that run's.
+void sharded_case(int ranks, OffloadMode mode, const Case& c) {
+  const std::vector<StreamParam> model = stream_model(c.grad_dtype);
+  const auto whole = run_mode(OffloadMode::none, c);
+  const Sharding sh = shard_model(model, ranks);
+  auto comms = comm::make_in_process_group(ranks, std::chrono::seconds(60));
+  std::vector<std::vector<StepRecord>> got(static_cast<std::size_t>(ranks));
+  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      const auto ru = static_cast<std::size_t>(r);
+      try {
+        got[ru] = run_mode(mode, c, false, comms[ru].get(), &sh.shards[ru], &sh.offsets[ru]);
+      } catch (const std::exception& e) {
+        errors[ru] = e.what();
+        comms[ru]->abort();  // wake the peers instead of leaving them to time out
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r)
+    ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+  for (int r = 0; r < ranks; ++r)
+    expect_shard_of(got[static_cast<std::size_t>(r)], whole, model, sh, r, c.optimizer == "adamw");
+}
+
+TEST(Managers, ShardedOverInProcessRanksGivesTheUnshardedBits) {
+  for (int ranks : {2, 4})
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+      SCOPED_TRACE(std::to_string(ranks) + " ranks, mode " + std::string(offload_mode_name(mode)));
+      sharded_case(ranks, mode, Case{DType::bf16, "adamw", 0.05f, Flow::rl, false});
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
+  for (bool overlap : {false, true}) {
+    Case c{DType::bf16, "adamw", overlap ? std::optional<float>{} : std::optional<float>{1.0f},
+           Flow::sft, overlap};
+    std::vector<std::vector<StepRecord>> runs;
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+      auto dev = device::make_host_device();
+      ManagerConfig cfg;
+      cfg.mode = mode;
+      cfg.optimizer = optimizer_of("adamw");
+      cfg.params = param_specs(stream_model(DType::bf16));
+      cfg.chunk_elements = kChunk;
+      cfg.device = dev.get();
+      cfg.engine.threads = 2;
+      auto m = make_gradient_manager(cfg);
+      for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+        std::vector<float> init(cfg.params[i].numel, 0.01f);
+        m->load_parameter(i, init);
+      }
+      StreamOptions o;
+      o.max_norm = c.max_norm;
+      o.overlap = overlap;
+      o.poison = std::tuple{1, 1, std::size_t{4}};  // step 1, micro-batch 1, the 4097 param
+      runs.push_back(run_stream(*m, *dev, o));
+      m->close();
+    }
+    for (const auto& r : runs) {
+      if (!overlap) {
+        EXPECT_FALSE(r[0].skipped);
+        EXPECT_TRUE(r[1].skipped);
+        EXPECT_EQ(r[1].state, r[0].state) << "a skipped step changes nothing";
+        EXPECT_FALSE(r[2].skipped);
+      } else {
+        EXPECT_EQ(r[1].chunks_skipped, 1u);
+        EXPECT_EQ(r[1].state[4], r[0].state[4]) << "the poisoned chunk is left alone";
+        EXPECT_NE(r[1].state[0], r[0].state[0]) << "other chunks step";
+      }
+      expect_same(r, runs[0], "modes agree");
+    }
+  }
+}
+
+TEST(Managers, FactoryRefusesWhatItCannotDo) {
+  EXPECT_EQ(parse_offload_mode("none"), OffloadMode::none);
+  EXPECT_EQ(parse_offload_mode("optimizer"), OffloadMode::optimizer);
+  EXPECT_EQ(parse_offload_mode("full"), OffloadMode::full);
+  for (const char* bad : {"fsdp", "Full", "", "cpu", "none "}) {
+    try {
+      parse_offload_mode(bad);
+      ADD_FAILURE() << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_EQ(e.argument(), "offload_mode");
+    }
+  }
+  auto dev = device::make_host_device();
+  ManagerConfig cfg;
+  cfg.mode = OffloadMode::full;
+  cfg.optimizer.name = "muon";
+  cfg.params = param_specs(stream_model(DType::bf16));
+  cfg.device = dev.get();
+  try {
+    make_gradient_manager(cfg);
+    ADD_FAILURE() << "muon in full offload";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::not_supported);
+    EXPECT_NE(std::string(e.what()).find("full offload accepts only AdamW"), std::string::npos)
+        << e.what();
+  }
+  cfg.optimizer.name = "adamw";
+  cfg.device = nullptr;
+  EXPECT_THROW(make_gradient_manager(cfg), Error);
+}
+
+TEST(Managers, ClipWithOverlapIsRefusedAndCloseIsIdempotent) {
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto dev = device::make_host_device();
+    ManagerConfig cfg;
+    cfg.mode = mode;
+    cfg.params = param_specs(stream_model(DType::bf16));
+    cfg.chunk_elements = kChunk;
+    cfg.device = dev.get();
+    cfg.engine.threads = 1;
+    auto m = make_gradient_manager(cfg);
+    m->begin_step(0.5f, /*overlap_optimizer=*/true);
+    m->begin_backward(true);
+    m->finish_backward();
+    const float before = m->effective_gradient_scale();
+    try {
+      m->clip_grad_norm(1.0f);
+      ADD_FAILURE() << "clip with overlap accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_EQ(e.argument(), "clip_grad_norm");
+    }
+    EXPECT_EQ(m->effective_gradient_scale(), before);
+    m->step();  // still usable after the refusal
+    m->close();
+    m->close();
+    EXPECT_THROW(m->begin_step(1.0f, false), Error);
+  }
+}
+
+}  // namespace

@@ -1,0 +1,727 @@
+// The full-offload gradient manager (mode "full") on the host device, against an
+// independent expectation built from stepcore::reference alone: bits of norms, clip
+// coefficients, parameters, moments and compute weights after every step (bf16 and f32
+// gradients, AdamW both formulas and SignSGD, max_norm none / 0.05 / 100, with and
+// without optimizer overlap), found-inf skips, sharding over 2 and 4 in-process ranks,
+// the factory's refusals and the fault behaviour (sequence errors, a failed copy, close).
+#include <gtest/gtest.h>
+
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "device/host_device.hpp"
+#include "stepcore/comm.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+constexpr std::size_t kSizes[] = {0, 1, 33, 1025, 4097, 70000, 5};
+constexpr std::size_t kParams = std::size(kSizes);
+constexpr int kSteps = 3;
+constexpr int kMicro = 3;
+constexpr std::size_t kChunkElements = 5000;  // four chunks: {0..3}, {4}, {5}, {6}
+
+// One element of the stream: step, micro-batch, parameter, element (logical index).
+using Site = std::array<std::size_t, 4>;
+
+struct Scenario {
+  DType grad = DType::bf16;
+  std::string optimizer = "adamw";
+  AdamWFormula formula = AdamWFormula::native;
+  std::optional<float> max_norm;
+  bool overlap = false;
+  std::optional<Site> nan_at;  // a NaN gradient element
+  std::string label() const {
+    return std::string(dtype_name(grad)) + " " + optimizer +
+           (formula == AdamWFormula::torch ? "(torch)" : "") + " max_norm " +
+           (max_norm ? std::to_string(*max_norm) : "none") + (overlap ? " overlap" : "") +
+           (nan_at ? " nan" : "");
+  }
+};
+
+// The model: mixed gradient and compute dtypes, an empty parameter, one without
+// compute weights, one that does not count towards the norm.
+std::vector<ParamSpec> model(DType grad) {
+  const DType compute[] = {DType::bf16, DType::f16,  DType::bf16, DType::f32,
+                           DType::bf16, DType::bf16, DType::f16};
+  std::vector<ParamSpec> specs;
+  for (std::size_t i = 0; i < kParams; ++i)
+    specs.push_back({"p" + std::to_string(i), kSizes[i], i == 4 ? DType::f32 : grad, compute[i],
+                     i != 3, i != 2});
+  return specs;
+}
+
+std::uint64_t mix(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// A value in [-1, 1) from a key.
+float unit(std::uint64_t key) { return static_cast<float>(mix(key) >> 40) * 0x1p-23f - 1.0f; }
+
+float initial_master(std::size_t i, std::size_t k) { return 0.05f * unit(i * 1000003 + k); }
+
+float gradient_scale(int step) { return 1.0f / (3.0f + static_cast<float>(step)); }
+
+// Whether parameter i gets a gradient in micro-batch m of step t: some skip micro-batches,
+// parameter 3 gets none in step 1 (it must then read as zero).
+bool has_gradient(int t, int m, std::size_t i) {
+  if (i == 6) return m == 0;
+  if (i == 3 && t == 1) return false;
+  if (i == 1 && m == 1) return false;
+  return true;
+}
+
+// The stored gradient bytes of elements [lo, hi) of parameter i in (t, m).
+std::vector<std::uint8_t> gradient_bytes(const Scenario& s, const ParamSpec& p, int t, int m,
+                                         std::size_t i, std::size_t lo, std::size_t hi) {
+  const std::size_t es = dtype_size(p.grad_dtype);
+  std::vector<std::uint8_t> out((hi - lo) * es);
+  const float magnitude = 0.002f * static_cast<float>(i + 1);
+  for (std::size_t k = lo; k < hi; ++k) {
+    float x = magnitude * unit((static_cast<std::uint64_t>(t) << 56) ^
+                               (static_cast<std::uint64_t>(m) << 48) ^ (i << 40) ^ k ^ 0x5151);
+    if (s.nan_at && (*s.nan_at)[0] == static_cast<std::size_t>(t) &&
+        (*s.nan_at)[1] == static_cast<std::size_t>(m) && (*s.nan_at)[2] == i && (*s.nan_at)[3] == k)
+      x = std::nanf("");
+    std::uint8_t* dst = out.data() + (k - lo) * es;
+    if (p.grad_dtype == DType::f32) {
+      std::memcpy(dst, &x, 4);
+    } else {
+      const std::uint16_t b =
+          p.grad_dtype == DType::bf16 ? f32_to_bf16_bits(x) : f32_to_f16_bits(x);
+      std::memcpy(dst, &b, 2);
+    }
+  }
+  return out;
+}
+
+std::vector<std::uint8_t> round_bytes(const std::vector<float>& master, std::size_t lo,
+                                      std::size_t hi, DType dtype) {
+  std::vector<std::uint8_t> out((hi - lo) * dtype_size(dtype));
+  for (std::size_t k = lo; k < hi; ++k) {
+    std::uint8_t* dst = out.data() + (k - lo) * dtype_size(dtype);
+    if (dtype == DType::f32) {
+      std::memcpy(dst, &master[k], 4);
+    } else {
+      const std::uint16_t b = dtype == DType::bf16 ? from_f32<bfloat16_t>(master[k]).bits
+                                                   : from_f32<float16_t>(master[k]).bits;
+      std::memcpy(dst, &b, 2);
+    }
+  }
+  return out;
+}
+
+OptimizerSpec optimizer_of(const Scenario& s) {
+  OptimizerSpec o;
+  o.name = s.optimizer;
+  o.adamw.lr = 1e-2;
+  o.adamw.weight_decay = 0.1;
+  o.adamw.formula = s.formula;
+  o.sign_sgd.lr = 1e-3;
+  o.sign_sgd.weight_decay = 0.05;
+  return o;
+}
+
+// Greedy chunks of consecutive parameters (docs/managers.md), independent of the manager.
+std::vector<std::vector<std::size_t>> chunk_list(const std::vector<ParamSpec>& specs) {
+  std::vector<std::vector<std::size_t>> chunks;
+  std::size_t elements = 0;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    if (chunks.empty() || (elements != 0 && elements + specs[i].numel > kChunkElements)) {
+      chunks.emplace_back();
+      elements = 0;
+    }
+    chunks.back().push_back(i);
+    elements += specs[i].numel;
+  }
+  return chunks;
+}
+
+// The expectation: the whole (unsharded) model through stepcore::reference.
+struct Expected {
+  Scenario setup;
+  std::vector<ParamSpec> specs;
+  OptimizerSpec opt;
+  std::vector<std::vector<float>> p, m, v, acc;
+  std::vector<float> steps;
+  StepReport report;
+
+  explicit Expected(const Scenario& s) : setup(s), specs(model(s.grad)), opt(optimizer_of(s)) {
+    for (std::size_t i = 0; i < kParams; ++i) {
+      std::vector<float> init(kSizes[i]);
+      for (std::size_t k = 0; k < init.size(); ++k) init[k] = initial_master(i, k);
+      p.push_back(init);
+      m.emplace_back(kSizes[i], 0.0f);
+      v.emplace_back(kSizes[i], 0.0f);
+      acc.emplace_back(kSizes[i], 0.0f);
+    }
+    steps.assign(kParams, 0.0f);
+  }
+
+  void step_params(const std::vector<std::size_t>& which, GradientRead read) {
+    if (opt.name == "adamw") {
+      std::vector<AdamWTensor> t;
+      for (std::size_t i : which)
+        t.push_back({f32_view(p[i].data(), p[i].size()),
+                     f32_view(m[i].data(), m[i].size()),
+                     f32_view(v[i].data(), v[i].size()),
+                     &steps[i],
+                     const_view(acc[i].data(), acc[i].size()),
+                     {}});
+      reference::adamw_step(t, opt.adamw, read);
+    } else {
+      std::vector<SignSgdTensor> t;
+      for (std::size_t i : which)
+        t.push_back(
+            {f32_view(p[i].data(), p[i].size()), const_view(acc[i].data(), acc[i].size()), {}});
+      reference::sign_sgd_step(t, opt.sign_sgd, read);
+    }
+  }
+
+  void run_step(int t) {
+    const float s = gradient_scale(t);
+    std::vector<bool> got(kParams, false);
+    for (int mb = 0; mb < kMicro; ++mb)
+      for (std::size_t i = 0; i < kParams; ++i) {
+        if (!has_gradient(t, mb, i)) continue;
+        const auto g = gradient_bytes(setup, specs[i], t, mb, i, 0, kSizes[i]);
+        const AccumulatePair pair{f32_view(acc[i].data(), kSizes[i]),
+                                  ConstTensorView(g.data(), kSizes[i], specs[i].grad_dtype),
+                                  !got[i]};
+        reference::accumulate({&pair, 1});
+        got[i] = true;
+      }
+    for (std::size_t i = 0; i < kParams; ++i)
+      if (!got[i]) std::fill(acc[i].begin(), acc[i].end(), 0.0f);
+    report = StepReport{};
+    if (setup.overlap) {
+      const auto chunks = chunk_list(specs);
+      for (const auto& c : chunks) {
+        std::vector<ConstTensorView> views;
+        for (std::size_t i : c) views.push_back(const_view(acc[i].data(), acc[i].size()));
+        if (!finalize(reference::norm_partial(views, {s, 1.0f})).finite) {
+          ++report.chunks_skipped;
+          continue;
+        }
+        step_params(c, {s, 1.0f});
+      }
+      report.stepped = report.chunks_skipped < chunks.size();
+      return;
+    }
+    std::vector<ConstTensorView> counted;
+    for (std::size_t i = 0; i < kParams; ++i)
+      if (specs[i].counts_toward_norm) counted.push_back(const_view(acc[i].data(), acc[i].size()));
+    report.norm = finalize(reference::norm_partial(counted, {s, 1.0f}));
+    float c = 1.0f;  // docs/managers.md: a non-finite norm clips with 0 (and skips)
+    if (setup.max_norm)
+      c = report.norm.finite ? clip_coefficient(report.norm.norm, *setup.max_norm) : 0.0f;
+    report.clip_coefficient = c;
+    if (!report.norm.finite) {
+      report.skipped = true;
+      return;
+    }
+    report.stepped = true;
+    std::vector<std::size_t> all(kParams);
+    for (std::size_t i = 0; i < kParams; ++i) all[i] = i;
+    step_params(all, {s, c});
+  }
+};
+
+// Shard [lo, hi) of every parameter held by one rank (the whole model: [0, numel)).
+using Shards = std::vector<std::pair<std::size_t, std::size_t>>;
+
+Shards whole_model() {
+  Shards s;
+  for (std::size_t n : kSizes) s.emplace_back(0, n);
+  return s;
+}
+
+// Uneven shards over `ranks`: rank (i % ranks) holds nothing of parameter i, the others
+// get parts in proportion 1 : 2 : 3 ...
+Shards shards_of(int ranks, int rank) {
+  Shards out;
+  for (std::size_t i = 0; i < kParams; ++i) {
+    const int empty = static_cast<int>(i % static_cast<std::size_t>(ranks));
+    std::size_t total_w = 0, before_w = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const std::size_t w = r == empty ? 0 : static_cast<std::size_t>(r + 1);
+      if (r < rank) before_w += w;
+      total_w += w;
+    }
+    const std::size_t w = rank == empty ? 0 : static_cast<std::size_t>(rank + 1);
+    const std::size_t lo = kSizes[i] * before_w / total_w;
+    const std::size_t hi = kSizes[i] * (before_w + w) / total_w;
+    out.emplace_back(lo, hi);
+  }
+  return out;
+}
+
+ManagerConfig config_of(const Scenario& s, const Shards& shards, device::Device* dev,
+                        comm::Communicator* comm = nullptr, int threads = 2) {
+  ManagerConfig cfg;
+  cfg.mode = OffloadMode::full;
+  cfg.optimizer = optimizer_of(s);
+  cfg.params = model(s.grad);
+  for (std::size_t i = 0; i < kParams; ++i)
+    cfg.params[i].numel = shards[i].second - shards[i].first;
+  cfg.chunk_elements = kChunkElements;
+  cfg.device = dev;
+  cfg.comm = comm;
+  cfg.layout_fingerprint = 0x5eedull;
+  cfg.engine.threads = threads;
+  return cfg;
+}
+
+void load(GradientManager& mgr, const Shards& shards) {
+  for (std::size_t i = 0; i < kParams; ++i) {
+    std::vector<float> init;
+    for (std::size_t k = shards[i].first; k < shards[i].second; ++k)
+      init.push_back(initial_master(i, k));
+    mgr.load_parameter(i, init);
+  }
+}
+
+// One step of the stream through the manager: backward hands gradients over in reverse
+// parameter order, as a real backward does.
+StepReport drive_step(GradientManager& mgr, const Scenario& s, const Shards& shards, int t,
+                      float* clip_norm = nullptr) {
+  const auto specs = model(s.grad);
+  mgr.begin_step(gradient_scale(t), s.overlap);
+  for (int mb = 0; mb < kMicro; ++mb) {
+    mgr.begin_backward(mb == kMicro - 1);
+    for (std::size_t j = kParams; j-- > 0;) {
+      if (!has_gradient(t, mb, j)) continue;
+      const auto g = gradient_bytes(s, specs[j], t, mb, j, shards[j].first, shards[j].second);
+      const TensorView buf = mgr.gradient(j);
+      EXPECT_EQ(buf.numel, shards[j].second - shards[j].first);
+      EXPECT_EQ(buf.dtype, specs[j].grad_dtype);
+      if (!g.empty()) std::memcpy(buf.data, g.data(), g.size());  // "backward"
+      mgr.gradient_ready(j);
+    }
+    mgr.finish_backward();
+  }
+  if (s.max_norm) {
+    const float n = mgr.clip_grad_norm(*s.max_norm);
+    if (clip_norm) *clip_norm = n;
+  }
+  mgr.step();
+  return mgr.report();
+}
+
+// Everything a rank holds after a step, as read back from its manager.
+struct State {
+  std::vector<std::vector<float>> p, m, v;
+  std::vector<std::vector<std::uint8_t>> compute, device_view;
+};
+
+State read_state(GradientManager& mgr, const Scenario& s, const Shards& shards) {
+  const auto specs = model(s.grad);
+  const bool adamw = s.optimizer == "adamw";
+  State st;
+  for (std::size_t i = 0; i < kParams; ++i) {
+    const std::size_t n = shards[i].second - shards[i].first;
+    const std::size_t cb =
+        specs[i].has_compute_weights ? n * dtype_size(specs[i].compute_dtype) : 0;
+    st.p.emplace_back(n);
+    st.m.emplace_back(adamw ? n : 0);
+    st.v.emplace_back(adamw ? n : 0);
+    st.compute.emplace_back(cb);
+    mgr.read_parameter(i, st.p.back(), st.m.back(), st.v.back(), st.compute.back());
+    const ConstTensorView cw = mgr.compute_weights(i);
+    EXPECT_EQ(cw.numel, specs[i].has_compute_weights ? n : 0);
+    const auto* d = static_cast<const std::uint8_t*>(cw.data);
+    st.device_view.emplace_back(d, d + cw.bytes());  // host device: device memory is host
+  }
+  return st;
+}
+
+template <class T>
+::testing::AssertionResult same_bits(const std::vector<T>& got, const T* want, std::size_t n,
+                                     const std::string& what) {
+  if (got.size() != n)
+    return ::testing::AssertionFailure() << what << ": " << got.size() << " values for " << n;
+  if (n == 0 || std::memcmp(got.data(), want, n * sizeof(T)) == 0)
+    return ::testing::AssertionSuccess();
+  std::size_t k = 0;
+  while (std::memcmp(&got[k], &want[k], sizeof(T)) == 0) ++k;
+  return ::testing::AssertionFailure() << what << ": first difference at element " << k;
+}
+
+void expect_state(const State& st, const Expected& e, const Shards& shards,
+                  const std::string& where) {
+  for (std::size_t i = 0; i < kParams; ++i) {
+    const auto [lo, hi] = shards[i];
+    const std::string at = where + " param " + std::to_string(i);
+    EXPECT_TRUE(same_bits(st.p[i], e.p[i].data() + lo, hi - lo, at + " master"));
+    if (e.opt.name == "adamw") {
+      EXPECT_TRUE(same_bits(st.m[i], e.m[i].data() + lo, hi - lo, at + " exp_avg"));
+      EXPECT_TRUE(same_bits(st.v[i], e.v[i].data() + lo, hi - lo, at + " exp_avg_sq"));
+    }
+    if (e.specs[i].has_compute_weights) {
+      const auto want = round_bytes(e.p[i], lo, hi, e.specs[i].compute_dtype);
+      EXPECT_TRUE(same_bits(st.compute[i], want.data(), want.size(), at + " compute (read)"));
+      EXPECT_TRUE(same_bits(st.device_view[i], want.data(), want.size(), at + " compute (view)"));
+    }
+  }
+}
+
+void expect_norm(const NormResult& got, const NormResult& want, const std::string& where) {
+  EXPECT_EQ(std::bit_cast<std::uint32_t>(got.norm), std::bit_cast<std::uint32_t>(want.norm))
+      << where << " norm " << got.norm << " vs " << want.norm;
+  EXPECT_EQ(std::bit_cast<std::uint32_t>(got.max_abs), std::bit_cast<std::uint32_t>(want.max_abs))
+      << where;
+  EXPECT_EQ(got.finite, want.finite) << where;
+  EXPECT_EQ(got.nan_count, want.nan_count) << where;
+  EXPECT_EQ(got.inf_count, want.inf_count) << where;
+  EXPECT_FALSE(got.needs_exact) << where;
+}
+
+void expect_report(const StepReport& got, const StepReport& want, const std::string& where) {
+  EXPECT_EQ(got.stepped, want.stepped) << where;
+  EXPECT_EQ(got.skipped, want.skipped) << where;
+  EXPECT_EQ(got.chunks_skipped, want.chunks_skipped) << where;
+  EXPECT_EQ(std::bit_cast<std::uint32_t>(got.clip_coefficient),
+            std::bit_cast<std::uint32_t>(want.clip_coefficient))
+      << where << " clip " << got.clip_coefficient << " vs " << want.clip_coefficient;
+  expect_norm(got.norm, want.norm, where);
+}
+
+// Runs the stream through a single-process manager, checking every step's bits.
+void run_and_compare(const Scenario& s) {
+  SCOPED_TRACE(s.label());
+  auto dev = device::make_host_device();
+  const Shards whole = whole_model();
+  auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+  ASSERT_EQ(mgr->mode(), OffloadMode::full);
+  Expected e(s);
+  load(*mgr, whole);
+  expect_state(read_state(*mgr, s, whole), e, whole, "after load");
+  for (int t = 0; t < kSteps; ++t) {
+    const std::string where = "step " + std::to_string(t);
+    float returned = 0.0f;
+    const StepReport r = drive_step(*mgr, s, whole, t, &returned);
+    e.run_step(t);
+    expect_report(r, e.report, where);
+    if (s.max_norm)
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(returned),
+                std::bit_cast<std::uint32_t>(e.report.norm.norm));
+    expect_state(read_state(*mgr, s, whole), e, whole, where);
+  }
+  EXPECT_NO_THROW(mgr->close());
+}
+
+TEST(OffloadManager, MatchesTheReferenceBitForBit) {
+  for (DType g : {DType::bf16, DType::f32})
+    for (const char* opt : {"adamw", "adamw_torch", "sign_sgd"})
+      for (int variant = 0; variant < 4; ++variant) {
+        Scenario s;
+        s.grad = g;
+        s.optimizer = std::string(opt) == "sign_sgd" ? "sign_sgd" : "adamw";
+        s.formula = std::string(opt) == "adamw_torch" ? AdamWFormula::torch : AdamWFormula::native;
+        if (variant == 1) s.max_norm = 0.05f;
+        if (variant == 2) s.max_norm = 100.0f;
+        s.overlap = variant == 3;
+        run_and_compare(s);
+      }
+}
+
+TEST(OffloadManager, ClippingBitesAndTheNormIsReported) {
+  // Guard against a vacuous comparison: 0.05 must clip, 100 must not.
+  Scenario s;
+  s.max_norm = 0.05f;
+  Expected e(s);
+  e.run_step(0);
+  EXPECT_LT(e.report.clip_coefficient, 1.0f);
+  Scenario big = s;
+  big.max_norm = 100.0f;
+  Expected e2(big);
+  e2.run_step(0);
+  EXPECT_EQ(e2.report.clip_coefficient, 1.0f);
+  EXPECT_GT(e2.report.norm.norm, 0.05f);
+}
+
+TEST(OffloadManager, NonFiniteGradientSkipsTheStep) {
+  for (const char* opt : {"adamw", "sign_sgd"}) {
+    Scenario s;
+    s.optimizer = opt;
+    s.max_norm = 1.0f;
+    s.nan_at = Site{1, 1, 5, 7};  // step 1, micro-batch 1, parameter 5 (chunk 2)
+    SCOPED_TRACE(s.label());
+    auto dev = device::make_host_device();
+    const Shards whole = whole_model();
+    auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+    load(*mgr, whole);
+    Expected e(s);
+    State before;
+    for (int t = 0; t < kSteps; ++t) {
+      float returned = 0.0f;
+      const StepReport r = drive_step(*mgr, s, whole, t, &returned);
+      e.run_step(t);
+      expect_report(r, e.report, "step " + std::to_string(t));
+      const State after = read_state(*mgr, s, whole);
+      if (t == 1) {
+        EXPECT_TRUE(std::isnan(returned));
+        EXPECT_TRUE(r.skipped);
+        EXPECT_FALSE(r.stepped);
+        EXPECT_FALSE(r.norm.finite);
+        EXPECT_EQ(r.norm.nan_count, 1u);
+        EXPECT_EQ(r.clip_coefficient, 0.0f);
+        for (std::size_t i = 0; i < kParams; ++i) {  // nothing changed
+          EXPECT_EQ(after.p[i], before.p[i]);
+          EXPECT_EQ(after.m[i], before.m[i]);
+          EXPECT_EQ(after.v[i], before.v[i]);
+          EXPECT_EQ(after.compute[i], before.compute[i]);
+        }
+      }
+      // Step 2 matches the reference only if the counters did not advance in step 1.
+      expect_state(after, e, whole, "step " + std::to_string(t));
+      before = after;
+    }
+  }
+}
+
+TEST(OffloadManager, NonFiniteGradientWithOverlapSkipsOnlyItsChunk) {
+  Scenario s;
+  s.overlap = true;
+  s.nan_at = Site{1, 2, 5, 11};  // in the final micro-batch
+  auto dev = device::make_host_device();
+  const Shards whole = whole_model();
+  auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+  load(*mgr, whole);
+  Expected e(s);
+  State before;
+  for (int t = 0; t < kSteps; ++t) {
+    const StepReport r = drive_step(*mgr, s, whole, t);
+    e.run_step(t);
+    expect_report(r, e.report, "step " + std::to_string(t));
+    const State after = read_state(*mgr, s, whole);
+    if (t == 1) {
+      EXPECT_EQ(r.chunks_skipped, 1u);
+      EXPECT_TRUE(r.stepped);
+      EXPECT_EQ(after.p[5], before.p[5]);  // the NaN's chunk is left alone
+      EXPECT_EQ(after.m[5], before.m[5]);
+      EXPECT_NE(after.p[4], before.p[4]);  // the others are stepped
+      EXPECT_NE(after.p[6], before.p[6]);
+    }
+    expect_state(after, e, whole, "step " + std::to_string(t));
+    before = after;
+  }
+}
+
+TEST(OffloadManager, ClipWithOverlapIsRefusedAndChangesNothing) {
+  Scenario s;
+  s.overlap = true;
+  auto dev = device::make_host_device();
+  const Shards whole = whole_model();
+  auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+  load(*mgr, whole);
+  Expected e(s);
+  const auto specs = model(s.grad);
+  mgr->begin_step(gradient_scale(0), true);
+  for (int mb = 0; mb < kMicro; ++mb) {
+    mgr->begin_backward(mb == kMicro - 1);
+    for (std::size_t j = kParams; j-- > 0;) {
+      if (!has_gradient(0, mb, j)) continue;
+      const auto g = gradient_bytes(s, specs[j], 0, mb, j, 0, kSizes[j]);
+      if (!g.empty()) std::memcpy(mgr->gradient(j).data, g.data(), g.size());
+      mgr->gradient_ready(j);
+    }
+    mgr->finish_backward();
+  }
+  try {
+    mgr->clip_grad_norm(1.0f);
+    ADD_FAILURE() << "clip_grad_norm with overlap did not throw";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::invalid_argument);
+    EXPECT_EQ(err.argument(), "clip_grad_norm");
+  }
+  mgr->step();
+  const StepReport r = mgr->report();
+  e.run_step(0);
+  expect_report(r, e.report, "after the refused clip");
+  expect_state(read_state(*mgr, s, whole), e, whole, "after the refused clip");
+}
+
+TEST(OffloadManager, SequenceErrorsAndCloseTwice) {
+  Scenario s;
+  auto dev = device::make_host_device();
+  const Shards whole = whole_model();
+  auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+  load(*mgr, whole);
+  EXPECT_THROW(mgr->step(), Error);
+  EXPECT_THROW(mgr->clip_grad_norm(1.0f), Error);
+  drive_step(*mgr, s, whole, 0);
+  EXPECT_NO_THROW(mgr->close());
+  EXPECT_NO_THROW(mgr->close());
+  EXPECT_THROW(mgr->begin_step(1.0f, false), Error);
+  EXPECT_THROW(mgr->report(), Error);
+}
+
+TEST(OffloadManager, DestructorWithoutCloseMidStep) {
+  Scenario s;
+  auto dev = device::make_host_device();
+  const Shards whole = whole_model();
+  auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+  load(*mgr, whole);
+  mgr->begin_step(1.0f, true);
+  mgr->begin_backward(true);
+  mgr->gradient_ready(5);
+  mgr.reset();  // joins the worker, frees everything, does not throw
+  SUCCEED();
+}
+
+TEST(OffloadManager, FailedCopySurfacesOnTheNextCallAndCloseDoesNotHang) {
+  for (bool overlap : {false, true}) {
+    Scenario s;
+    s.overlap = overlap;
+    auto dev = device::make_host_device();
+    const Shards whole = whole_model();
+    auto mgr = make_gradient_manager(config_of(s, whole, dev.get()));
+    load(*mgr, whole);
+    drive_step(*mgr, s, whole, 0);
+    device::detail::inject_copy_failure(*dev, device::Queue::d2h, 4);
+    bool raised = false;
+    try {
+      drive_step(*mgr, s, whole, 1);
+    } catch (const Error& err) {
+      raised = true;
+      EXPECT_EQ(err.code(), Errc::internal);
+      EXPECT_NE(std::string(err.what()).find("injected copy failure"), std::string::npos)
+          << err.what();
+    }
+    EXPECT_TRUE(raised);
+    // The manager is failed: every later call raises the error; close() raises it too.
+    try {
+      mgr->synchronize();
+      ADD_FAILURE() << "synchronize after a failed copy did not throw";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::internal);
+    }
+    try {
+      mgr->close();
+      ADD_FAILURE() << "close after a failed copy did not throw";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::internal);
+    }
+    EXPECT_NO_THROW(mgr->close());
+  }
+}
+
+TEST(OffloadManager, ShardedOverRanksGivesTheUnshardedBits) {
+  for (int ranks : {2, 4}) {
+    for (bool with_nan : {false, true}) {
+      Scenario s;
+      s.max_norm = 0.05f;
+      if (with_nan) s.nan_at = Site{1, 0, 5, 69000};  // on one rank only
+      SCOPED_TRACE(std::to_string(ranks) + " ranks " + s.label());
+      Expected e(s);
+      std::vector<StepReport> want;
+      std::vector<Expected> after;
+      for (int t = 0; t < kSteps; ++t) {
+        e.run_step(t);
+        want.push_back(e.report);
+        after.push_back(e);
+      }
+      auto group = comm::make_in_process_group(ranks, std::chrono::seconds(60));
+      std::vector<std::vector<StepReport>> got(ranks);
+      std::vector<std::vector<State>> states(ranks);
+      std::vector<std::exception_ptr> errors(ranks);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < ranks; ++r)
+        threads.emplace_back([&, r] {
+          try {
+            auto dev = device::make_host_device();
+            const Shards shards = shards_of(ranks, r);
+            auto mgr = make_gradient_manager(config_of(s, shards, dev.get(), group[r].get(), 1));
+            load(*mgr, shards);
+            for (int t = 0; t < kSteps; ++t) {
+              got[r].push_back(drive_step(*mgr, s, shards, t));
+              states[r].push_back(read_state(*mgr, s, shards));
+            }
+            mgr->close();
+          } catch (...) {
+            errors[r] = std::current_exception();
+            group[r]->abort();
+          }
+        });
+      for (auto& th : threads) th.join();
+      for (int r = 0; r < ranks; ++r) {
+        if (errors[r]) {
+          try {
+            std::rethrow_exception(errors[r]);
+          } catch (const std::exception& x) {
+            FAIL() << "rank " << r << ": " << x.what();
+          }
+        }
+        const Shards shards = shards_of(ranks, r);
+        for (int t = 0; t < kSteps; ++t) {
+          const std::string where = "rank " + std::to_string(r) + " step " + std::to_string(t);
+          expect_report(got[r][t], want[t], where);
+          expect_state(states[r][t], after[t], shards, where);
+        }
+      }
+      if (with_nan) EXPECT_TRUE(want[1].skipped);
+    }
+  }
+}
+
+TEST(OffloadManager, ShardsAreUnevenWithAnEmptyOne) {
+  for (int ranks : {2, 4})
+    for (std::size_t i = 0; i < kParams; ++i) {
+      std::size_t covered = 0, empties = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const auto [lo, hi] = shards_of(ranks, r)[i];
+        EXPECT_EQ(lo, covered);
+        covered = hi;
+        empties += lo == hi;
+      }
+      EXPECT_EQ(covered, kSizes[i]);
+      EXPECT_GE(empties, 1u);
+    }
+}
+
+TEST(OffloadManager, FactoryRefusals) {
+  auto dev = device::make_host_device();
+  Scenario s;
+  ManagerConfig cfg = config_of(s, whole_model(), dev.get());
+  cfg.optimizer.name = "muon";
+  try {
+    make_gradient_manager(cfg);
+    ADD_FAILURE() << "muon was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::not_supported);
+    const std::string what = err.what();
+    EXPECT_NE(what.find("full offload accepts only AdamW"), std::string::npos) << what;
+    EXPECT_NE(what.find("SignSGD"), std::string::npos) << what;
+  }
+  try {
+    parse_offload_mode("fsdp");
+    ADD_FAILURE() << "fsdp was accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::invalid_argument);
+    EXPECT_EQ(err.argument(), "offload_mode");
+  }
+  EXPECT_EQ(parse_offload_mode("full"), OffloadMode::full);
+  // Bad hyper-parameters are refused at construction, before any step.
+  ManagerConfig bad = config_of(s, whole_model(), dev.get());
+  bad.optimizer.adamw.beta1 = 1.5;
+  EXPECT_THROW(make_gradient_manager(bad), Error);
+}
+
+}  // namespace

@@ -1,0 +1,212 @@
+// A synthetic model and gradient stream for the gradient managers' differential tests
+// and stepcore-demo: deterministic gradients per (seed, step, micro-batch, parameter), an
+// SFT-like flow (fixed micro-batches, scale 1 / tokens known before the step) and an
+// RL-like one (varying micro-batch counts and scales, parameters without gradients in
+// some micro-batches), and a driver that runs any manager over it and records every
+// observable result after every step.
+#pragma once
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/managers.hpp"
+
+namespace stepcore::testing {
+
+enum class Flow : std::uint8_t { sft, rl };
+
+/// One parameter shard of the synthetic model.
+struct StreamParam {
+  std::size_t numel;
+  DType grad_dtype;
+};
+
+/// Returns the element sizes of the test model (an empty parameter in the middle, the
+/// boundary sizes, and one larger than a small chunk).
+inline std::vector<StreamParam> stream_model(DType grad_dtype) {
+  const std::size_t sizes[] = {33, 1, 0, 1025, 4097, 127, 20000, 5};
+  std::vector<StreamParam> out;
+  for (std::size_t n : sizes) out.push_back({n, grad_dtype});
+  return out;
+}
+
+/// The schedule of one step: micro-batch count, scale, which parameters get a gradient.
+struct StepPlan {
+  int micro_batches = 3;
+  float scale = 1.0f;
+  /// has_grad[m][i]: parameter i receives a gradient in micro-batch m.
+  std::vector<std::vector<bool>> has_grad;
+};
+
+/// Returns the plan of step `step` for `params` parameters.
+inline StepPlan plan_step(Flow flow, int step, std::size_t params, std::uint32_t seed) {
+  StepPlan p;
+  std::mt19937 rng(seed * 7919u + static_cast<std::uint32_t>(step));
+  if (flow == Flow::sft) {
+    p.micro_batches = 3;
+    p.scale = 1.0f / static_cast<float>(1000 + 37 * step);  // 1 / loss tokens
+  } else {
+    p.micro_batches = 1 + static_cast<int>(rng() % 4);
+    p.scale = 1.0f / static_cast<float>(1 + rng() % 5000);
+  }
+  p.has_grad.assign(static_cast<std::size_t>(p.micro_batches), std::vector<bool>(params, true));
+  if (flow == Flow::rl)
+    for (auto& row : p.has_grad)
+      for (std::size_t i = 0; i < params; ++i) row[i] = rng() % 5 != 0;
+  return p;
+}
+
+/// Returns the splitmix64 finaliser of x (a bijective 64-bit mix).
+inline std::uint64_t stream_mix(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+/// Returns the gradient value of element j (of the whole parameter) of parameter i in
+/// (step, micro): uniform in (-magnitude, magnitude) times 2^-e, e in [0, 8), so values
+/// span several binades. Counter-based: the same on every shard and thread.
+inline float gradient_value(std::uint32_t seed, int step, int micro, std::size_t i, std::size_t j,
+                            float magnitude = 1.0f) {
+  const std::uint64_t key =
+      stream_mix(stream_mix(stream_mix(seed) ^ static_cast<std::uint64_t>(step)) ^
+                 (static_cast<std::uint64_t>(micro) << 32 | i));
+  const std::uint64_t r = stream_mix(key ^ j);
+  const float u = static_cast<float>(r >> 40) * 0x1p-24f;  // [0, 1), exact
+  const int e = static_cast<int>((r >> 8) & 7);
+  return (2.0f * u - 1.0f) * std::ldexp(magnitude, -e);
+}
+
+/// Writes the gradient of (step, micro, param i) as `dtype` into `out` (numel elements);
+/// element j of parameter i is the same value whatever shard holds it (`offset` is the
+/// shard's first element).
+inline void make_gradient(std::uint32_t seed, int step, int micro, std::size_t i,
+                          std::size_t offset, std::size_t numel, DType dtype, void* out,
+                          float magnitude = 1.0f) {
+  for (std::size_t k = 0; k < numel; ++k) {
+    const float x = gradient_value(seed, step, micro, i, offset + k, magnitude);
+    switch (dtype) {
+      case DType::f32:
+        std::memcpy(static_cast<char*>(out) + 4 * k, &x, 4);
+        break;
+      case DType::bf16: {
+        const std::uint16_t h = f32_to_bf16_bits(x);
+        std::memcpy(static_cast<char*>(out) + 2 * k, &h, 2);
+        break;
+      }
+      case DType::f16: {
+        const std::uint16_t h = f32_to_f16_bits(x);
+        std::memcpy(static_cast<char*>(out) + 2 * k, &h, 2);
+        break;
+      }
+    }
+  }
+}
+
+/// Returns the initial master weight of element j of parameter i (deterministic).
+inline float initial_master(std::size_t i, std::size_t j) {
+  return 0.05f * gradient_value(0xC0FFEEu, -1, 0, i, j);
+}
+
+/// Everything observable after one step.
+struct StepRecord {
+  std::uint32_t norm_bits = 0;   ///< clip_grad_norm's result (0 when not clipped)
+  std::uint32_t scale_bits = 0;  ///< effective_gradient_scale()
+  bool skipped = false;
+  std::size_t chunks_skipped = 0;
+  std::vector<std::vector<std::uint8_t>> state;  ///< per parameter: master|m|v|compute bytes
+};
+
+/// How to run the stream.
+struct StreamOptions {
+  Flow flow = Flow::sft;
+  int steps = 3;
+  std::optional<float> max_norm;
+  bool overlap = false;
+  std::uint32_t seed = 1;
+  float magnitude = 1.0f;
+  /// (step, micro, param) that gets a NaN, if any.
+  std::optional<std::tuple<int, int, std::size_t>> poison;
+  /// Shard of each parameter this rank holds: [first, first + numel) of the full one.
+  std::vector<std::size_t> shard_offset;
+};
+
+/// Runs `opts.steps` steps of the stream through `m` (parameters already loaded) and
+/// returns the records. Gradients are written into the manager's device buffers
+/// through `dev` (a copy on the compute queue, the order a backward kernel would use).
+inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& dev,
+                                          const StreamOptions& opts) {
+  const auto& params = m.config().params;
+  std::vector<StepRecord> out;
+  std::vector<std::uint8_t> host;
+  for (int s = 0; s < opts.steps; ++s) {
+    const StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
+    m.begin_step(plan.scale, opts.overlap);
+    for (int mb = 0; mb < plan.micro_batches; ++mb) {
+      m.begin_backward(mb + 1 == plan.micro_batches);
+      // Backward runs from the last parameter to the first.
+      for (std::size_t i = params.size(); i-- > 0;) {
+        if (!plan.has_grad[static_cast<std::size_t>(mb)][i]) continue;
+        const TensorView g = m.gradient(i);
+        host.assign(g.bytes() + 1, 0);
+        const std::size_t off = opts.shard_offset.empty() ? 0 : opts.shard_offset[i];
+        make_gradient(opts.seed, s, mb, i, off, g.numel, g.dtype, host.data(), opts.magnitude);
+        if (opts.poison && std::get<0>(*opts.poison) == s && std::get<1>(*opts.poison) == mb &&
+            std::get<2>(*opts.poison) == i && g.numel > 0) {
+          const float nan = std::numeric_limits<float>::quiet_NaN();
+          if (g.dtype == DType::f32)
+            std::memcpy(host.data(), &nan, 4);
+          else {
+            const std::uint16_t h = 0x7FC0;  // NaN in bf16; also a NaN pattern in f16
+            std::memcpy(host.data(), &h, 2);
+          }
+        }
+        if (g.numel) {
+          dev.copy(device::Queue::compute, g.data, host.data(), g.bytes());
+          dev.synchronize(dev.record(device::Queue::compute));  // host buffer is reused
+        }
+        m.gradient_ready(i);
+      }
+      m.finish_backward();
+    }
+    StepRecord r;
+    if (opts.max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(m.clip_grad_norm(*opts.max_norm));
+    r.scale_bits = std::bit_cast<std::uint32_t>(m.effective_gradient_scale());
+    m.step();
+    const StepReport rep = m.report();
+    r.skipped = rep.skipped;
+    r.chunks_skipped = rep.chunks_skipped;
+    const bool adamw = m.config().optimizer.name == "adamw";
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const ParamSpec& p = params[i];
+      std::vector<float> master(p.numel), ea(adamw ? p.numel : 0), eas(adamw ? p.numel : 0);
+      std::vector<std::uint8_t> compute(
+          p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
+      m.read_parameter(i, master, ea, eas, compute);
+      std::vector<std::uint8_t> bytes((master.size() + ea.size() + eas.size()) * 4 +
+                                      compute.size());
+      std::size_t at = 0;
+      for (const auto* v : {&master, &ea, &eas}) {
+        if (!v->empty()) std::memcpy(bytes.data() + at, v->data(), v->size() * 4);
+        at += v->size() * 4;
+      }
+      if (!compute.empty()) std::memcpy(bytes.data() + at, compute.data(), compute.size());
+      r.state.push_back(std::move(bytes));
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+}  // namespace stepcore::testing
