@@ -21,6 +21,9 @@ namespace managers_cases {
 using namespace stepcore;
 using namespace stepcore::testing;
 
+/// The device every run uses: the host device, or CUDA device 0 in the gpu variant.
+inline std::unique_ptr<device::Device> (*make_device)() = [] { return device::make_host_device(); };
+
 inline constexpr std::size_t kChunk = 5000;  // several chunks in the test model
 
 struct Case {
@@ -60,7 +63,7 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
                                         comm::Communicator* comm = nullptr,
                                         const std::vector<StreamParam>* shard = nullptr,
                                         const std::vector<std::size_t>* offsets = nullptr) {
-  auto dev = device::make_host_device();
+  auto dev = make_device();
   const std::vector<StreamParam> model = shard ? *shard : stream_model(c.grad_dtype);
   ManagerConfig cfg;
   cfg.mode = mode;

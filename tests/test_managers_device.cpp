@@ -1,0 +1,32 @@
+// GPU (label gpu): the managers' differential test on CUDA device 0 — modes none (eager
+// and lazy), optimizer and full against the independent reference simulation, bit for
+// bit after every step. Skips without a device.
+#include <gtest/gtest.h>
+
+#include "managers_cases.hpp"
+#include "stepcore/cuda.hpp"
+
+namespace {
+
+using namespace managers_cases;
+
+TEST(ManagersDevice, ThreeModesGiveTheReferenceBitsOnACudaDevice) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  make_device = [] { return device::make_cuda_device(0); };
+  for (DType d : {DType::bf16, DType::f32})
+    for (const char* opt : {"adamw", "sign_sgd"})
+      for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.05f}})
+        for (bool overlap : {false, true}) {
+          if (overlap && mn) continue;
+          const Case c{d, opt, mn, Flow::rl, overlap};
+          SCOPED_TRACE(c.label());
+          const auto want = run_reference(c);
+          expect_same(run_mode(OffloadMode::none, c), want, "none");
+          expect_same(run_mode(OffloadMode::none, c, /*lazy=*/true), want, "none (lazy scale)");
+          expect_same(run_mode(OffloadMode::optimizer, c), want, "optimizer");
+          expect_same(run_mode(OffloadMode::full, c), want, "full");
+          if (HasFatalFailure()) return;
+        }
+}
+
+}  // namespace
