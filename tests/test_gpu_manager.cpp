@@ -218,6 +218,13 @@ TEST(GpuManager, AFailedCopyIsRaisedOnceAndCloseDoesNotHang) {
       EXPECT_EQ(e.code(), Errc::internal) << e.what();
     }
     EXPECT_TRUE(raised);
+    // The interrupted step cannot be trusted: the manager stays failed.
+    try {
+      m->begin_step(1e-3f, false);
+      ADD_FAILURE() << "a failed manager started a step";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::internal) << e.what();
+    }
     EXPECT_NO_THROW(m->close());
     EXPECT_NO_THROW(m->close());
   }

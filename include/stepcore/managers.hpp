@@ -100,7 +100,9 @@ struct StepReport {
 /// The interface the trainer drives; see the file comment for the call sequence.
 /// Every call validates its arguments and the sequence first (Errc::invalid_argument
 /// naming the call, e.g. "clip_grad_norm", nothing changed). Errors of the manager's
-/// asynchronous work (a failed copy, a worker exception) are raised by its next call.
+/// asynchronous work (a failed copy, a worker exception, a collective that timed out)
+/// are raised by its next call, and by every call after it: the step they interrupted
+/// cannot be trusted, so the manager stays failed (close() still releases everything).
 /// Determinism: every mode, with or without overlap, on any device, thread count and
 /// rank count, gives the same bits as the scalar reference applied to the same
 /// gradient stream (docs/numerics.md, "Gradient managers").
@@ -207,6 +209,9 @@ class GradientManager {
  private:
   enum class Phase : std::uint8_t { idle, step, backward, after_final, closed };
   void expect(bool ok, const char* call, const char* what) const;
+  /// Runs a hook; a runtime error (failed asynchronous work) poisons the manager.
+  template <class F>
+  decltype(auto) guarded(F&& f);
 
   ManagerConfig config_;
   std::vector<Chunk> chunks_;
@@ -218,6 +223,7 @@ class GradientManager {
   bool final_ = false, saw_final_ = false, overlap_ = false, clipped_ = false, stepped_ = false;
   bool adamw_ = true;
   float scale_ = 1.0f, clip_ = 1.0f;
+  std::exception_ptr failure_;  ///< the runtime error every later call raises again
 };
 
 /// Returns the manager for config.mode — the trainer's one entry point: GpuGradientManager

@@ -60,7 +60,31 @@ GradientManager::~GradientManager() = default;
 
 void GradientManager::expect(bool ok, const char* call, const char* what) const {
   if (phase_ == Phase::closed) throw Error(Errc::invalid_argument, call, "the manager is closed");
+  if (failure_) std::rethrow_exception(failure_);
   if (!ok) throw Error(Errc::invalid_argument, call, what);
+}
+
+namespace {
+// Returns true for the codes of work that already started (docs: error.hpp "runtime").
+bool is_runtime(Errc c) {
+  return c == Errc::cuda_error || c == Errc::nccl_error || c == Errc::mpi_error ||
+         c == Errc::timeout || c == Errc::internal;
+}
+}  // namespace
+
+template <class F>
+decltype(auto) GradientManager::guarded(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    // A failure of asynchronous work leaves the step half done: every later call
+    // raises it again (close() still cleans up). Argument errors change nothing.
+    if (is_runtime(e.code())) failure_ = std::current_exception();
+    throw;
+  } catch (...) {
+    failure_ = std::current_exception();
+    throw;
+  }
 }
 
 void GradientManager::load_parameter(std::size_t i, std::span<const float> master) {
@@ -73,14 +97,14 @@ void GradientManager::load_parameter(std::size_t i, std::span<const float> maste
                     std::to_string(config_.params[i].numel) + " elements");
   for (float x : master)
     if (!std::isfinite(x)) throw Error(Errc::non_finite, "master", "non-finite master weight");
-  do_load_parameter(i, master);
+  guarded([&] { do_load_parameter(i, master); });
 }
 
 void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
   expect(phase_ == Phase::idle, "begin_step", "the previous step has not ended with step()");
   if (!(gradient_scale > 0.0f) || !std::isfinite(gradient_scale))
     throw Error(Errc::non_finite, "gradient_scale", "must be finite and > 0");
-  do_begin_step();  // may raise errors of the previous step's asynchronous work
+  guarded([&] { do_begin_step(); });  // may raise errors of the previous step's work
   scale_ = gradient_scale;
   clip_ = 1.0f;
   overlap_ = overlap_optimizer;
@@ -93,7 +117,7 @@ void GradientManager::begin_backward(bool final_backward) {
   expect(phase_ == Phase::step, "begin_backward",
          "needs begin_step() first, and finish_backward() after each backward");
   expect(!saw_final_, "begin_backward", "the step's final backward has already run");
-  do_begin_backward();
+  guarded([&] { do_begin_backward(); });
   final_ = final_backward;
   std::fill(ready_in_micro_.begin(), ready_in_micro_.end(), std::uint8_t{0});
   if (final_)
@@ -106,7 +130,7 @@ TensorView GradientManager::gradient(std::size_t i) {
   expect(phase_ == Phase::backward, "gradient", "only between begin_backward and finish_backward");
   if (i >= config_.params.size())
     throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
-  return do_gradient(i);
+  return guarded([&] { return do_gradient(i); });
 }
 
 void GradientManager::gradient_ready(std::size_t i) {
@@ -117,12 +141,12 @@ void GradientManager::gradient_ready(std::size_t i) {
   if (ready_in_micro_[i])
     throw Error(Errc::invalid_argument, "gradient_ready",
                 "parameter " + std::to_string(i) + " is already ready in this micro-batch");
-  do_gradient_ready(i, got_in_step_[i] == 0);
+  guarded([&] { do_gradient_ready(i, got_in_step_[i] == 0); });
   ready_in_micro_[i] = 1;
   got_in_step_[i] = 1;
   if (final_ && overlap_) {
     const std::size_t c = chunk_of_[i];
-    if (--chunk_pending_[c] == 0) do_step_chunk(c);
+    if (--chunk_pending_[c] == 0) guarded([&] { do_step_chunk(c); });
   }
 }
 
@@ -132,14 +156,14 @@ void GradientManager::finish_backward() {
     std::vector<std::size_t> missing;
     for (std::size_t i = 0; i < got_in_step_.size(); ++i)
       if (!got_in_step_[i]) missing.push_back(i);
-    do_finish_final_backward(missing);
+    guarded([&] { do_finish_final_backward(missing); });
     for (std::size_t i : missing) got_in_step_[i] = 1;
     if (overlap_) {
       // Chunks whose parameters did not all report in the final micro-batch step now.
       for (std::size_t c = 0; c < chunks_.size(); ++c)
         if (chunk_pending_[c] != 0) {
           chunk_pending_[c] = 0;
-          do_step_chunk(c);
+          guarded([&] { do_step_chunk(c); });
         }
     }
     saw_final_ = true;
@@ -159,7 +183,7 @@ float GradientManager::clip_grad_norm(float max_norm) {
   if (!(max_norm >= 0.0f) || !std::isfinite(max_norm))
     throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
   float clip = 1.0f;
-  const NormResult r = do_clip_grad_norm(max_norm, clip);
+  const NormResult r = guarded([&] { return do_clip_grad_norm(max_norm, clip); });
   clip_ = clip;
   clipped_ = true;
   return r.norm;
@@ -167,14 +191,14 @@ float GradientManager::clip_grad_norm(float max_norm) {
 
 void GradientManager::step() {
   expect(phase_ == Phase::after_final, "step", "only after the step's final finish_backward()");
-  do_step();
+  guarded([&] { do_step(); });
   stepped_ = true;
   phase_ = Phase::idle;
 }
 
 StepReport GradientManager::report() {
   expect(phase_ != Phase::closed, "report", "");
-  return do_report();
+  return guarded([&] { return do_report(); });
 }
 
 ConstTensorView GradientManager::compute_weights(std::size_t i) const {
@@ -201,12 +225,12 @@ void GradientManager::read_parameter(std::size_t i, std::span<float> master,
   check(exp_avg_sq.size(), adamw_ ? p.numel : 0, "exp_avg_sq");
   check(compute.size(), p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0,
         "compute");
-  do_read_parameter(i, master, exp_avg, exp_avg_sq, compute);
+  guarded([&] { do_read_parameter(i, master, exp_avg, exp_avg_sq, compute); });
 }
 
 void GradientManager::synchronize() {
   expect(phase_ != Phase::closed, "synchronize", "");
-  do_synchronize();
+  guarded([&] { do_synchronize(); });
 }
 
 void GradientManager::close() {
