@@ -18,32 +18,16 @@ namespace {
 
 // Block b of the launch: every thread strides over its task; the lanes are combined in
 // shared memory in the same tree order as the CPU executor; thread 0 writes the block's
-// exact-deposit partial.
+// partial. Lane = NormLane: the fast pass (binary64 sums, deposited exactly);
+// ExactNormLane: the exact fallback (every square deposited; 45 KiB of shared memory,
+// under the 48 KiB static limit), run only when *d_found_inf asks for it.
+template <class Lane>
 __global__ void __launch_bounds__(kBlockThreads)
     scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
-                                 NormPartial* d_block_partials) {
-  __shared__ detail::NormLane lanes[kBlockThreads];
-  detail::NormLane lane;
-  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
-  lanes[threadIdx.x] = lane;
-  __syncthreads();
-  for (int half = kBlockThreads / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) detail::combine(lanes[threadIdx.x], lanes[threadIdx.x + half]);
-    __syncthreads();
-  }
-  if (threadIdx.x == 0)
-    d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
-}
-
-// The exact fallback: as scale_and_sum_squares_kernel, but every square is deposited
-// into integer digits (no rounding). Runs only when the flag asks for it; the lanes'
-// digits take 45 KiB of shared memory (under the 48 KiB static limit).
-__global__ void __launch_bounds__(kBlockThreads)
-    exact_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
-                             const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
-  if (*d_found_inf != kFoundInfNeedsExact) return;
-  __shared__ detail::ExactNormLane lanes[kBlockThreads];
-  detail::ExactNormLane lane;
+                                 const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
+  if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
+  __shared__ Lane lanes[kBlockThreads];
+  Lane lane;
   detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
   lanes[threadIdx.x] = lane;
   __syncthreads();
@@ -208,7 +192,8 @@ void run_norm_launches(std::span<const TensorView> d_tensors, const detail::Norm
       checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_blocks);
+    scale_and_sum_squares_kernel<detail::NormLane>
+        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, nullptr, d_blocks);
     cuda::detail::check_launch("scale_and_sum_squares_kernel");
   }
   reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, nullptr, d_partial);
@@ -367,9 +352,9 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
   const detail::NormPass pass{read.scale, read.clip, false};
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
-    exact_sum_squares_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_found_inf,
-                                                                         d_blocks);
-    cuda::detail::check_launch("exact_sum_squares_kernel");
+    scale_and_sum_squares_kernel<detail::ExactNormLane>
+        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_found_inf, d_blocks);
+    cuda::detail::check_launch("scale_and_sum_squares_kernel (exact)");
   }
   reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, d_found_inf,
                                                d_exact_partial);
