@@ -146,11 +146,14 @@ inline bool run_managers_phase(const ManagersOptions& o) {
     runs.push_back(run_manager_mode(mode, o));
     const ManagersRun& r = runs.back();
     std::printf("managers   mode %-9s on %-5s %" PRId64 " steps x %" PRId64
-                " micro-batches, %.1f M parameters: %.2f s; norms",
+                " micro-batches, %.1f M parameters: %.2f s; %s",
                 std::string(sc::offload_mode_name(mode)).c_str(), r.device.c_str(), o.steps,
-                o.micro_batches, static_cast<double>(params) * 1e-6, r.seconds);
-    for (std::size_t s = 0; s < r.norm_bits.size(); ++s)
-      std::printf(" 0x%08" PRIx32 "%s", r.norm_bits[s], r.skipped[s] ? "(skipped)" : "");
+                o.micro_batches, static_cast<double>(params) * 1e-6, r.seconds,
+                o.max_norm > 0.0 ? "norms" : "no clipping, steps");
+    for (std::size_t s = 0; s < r.norm_bits.size(); ++s) {
+      if (o.max_norm > 0.0) std::printf(" 0x%08" PRIx32, r.norm_bits[s]);
+      std::printf("%s", r.skipped[s] ? " skipped" : (o.max_norm > 0.0 ? "" : " applied"));
+    }
     std::printf("\n");
     std::fflush(stdout);
   }
