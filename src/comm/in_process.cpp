@@ -145,7 +145,9 @@ class InProcessCommunicator final : public Communicator {
         throw Error(s.code, "", s.message);
       }
     }
-    std::memcpy(data, s.result.data(), bytes);
+    // A zero-word all_reduce may pass a null `data` (and the result is then empty):
+    // memcpy with a null pointer is undefined even for 0 bytes.
+    if (bytes != 0) std::memcpy(data, s.result.data(), bytes);
   }
 
   static void reduce_in_rank_order(Rendezvous& s) {
