@@ -50,11 +50,15 @@ inline OptimizerSpec optimizer_of(const std::string& name) {
 }
 
 /// The parameters of a rank holding shard [offset, offset + numel) of each full one.
+/// Returns true for the parameters the test model excludes from weight decay (like a
+/// trainer's norms and biases): indexes 1 and 5.
+inline bool no_decay(std::size_t i) { return i == 1 || i == 5; }
+
 inline std::vector<ParamSpec> param_specs(const std::vector<StreamParam>& model) {
   std::vector<ParamSpec> out;
   for (std::size_t i = 0; i < model.size(); ++i)
-    out.push_back(
-        {"p" + std::to_string(i), model[i].numel, model[i].grad_dtype, DType::bf16, true, true});
+    out.push_back({"p" + std::to_string(i), model[i].numel, model[i].grad_dtype, DType::bf16, true,
+                   true, no_decay(i)});
   return out;
 }
 
@@ -121,24 +125,25 @@ inline std::vector<StepRecord> run_reference(const Case& c) {
     chunks.back().second = i + 1;
     elems += model[i].numel;
   }
+  // One reference call per parameter, each with its own weight decay.
   auto step_params = [&](std::size_t first, std::size_t last, GradientRead read) {
-    if (adamw) {
-      std::vector<AdamWTensor> t;
-      for (std::size_t i = first; i < last; ++i)
-        t.push_back({f32_view(p[i].data(), p[i].size()),
-                     f32_view(m[i].data(), m[i].size()),
-                     f32_view(v[i].data(), v[i].size()),
-                     &steps[i],
-                     const_view(acc[i].data(), acc[i].size()),
-                     {out[i].data(), out[i].size(), DType::bf16}});
-      reference::adamw_step(t, opt.adamw, read);
-    } else {
-      std::vector<SignSgdTensor> t;
-      for (std::size_t i = first; i < last; ++i)
-        t.push_back({f32_view(p[i].data(), p[i].size()),
-                     const_view(acc[i].data(), acc[i].size()),
-                     {out[i].data(), out[i].size(), DType::bf16}});
-      reference::sign_sgd_step(t, opt.sign_sgd, read);
+    for (std::size_t i = first; i < last; ++i) {
+      if (adamw) {
+        AdamWConfig cfg = opt.adamw;
+        if (no_decay(i)) cfg.weight_decay = 0.0;
+        const AdamWTensor t{
+            f32_view(p[i].data(), p[i].size()),       f32_view(m[i].data(), m[i].size()),
+            f32_view(v[i].data(), v[i].size()),       &steps[i],
+            const_view(acc[i].data(), acc[i].size()), {out[i].data(), out[i].size(), DType::bf16}};
+        reference::adamw_step(std::span(&t, 1), cfg, read);
+      } else {
+        SignSgdConfig cfg = opt.sign_sgd;
+        if (no_decay(i)) cfg.weight_decay = 0.0;
+        const SignSgdTensor t{f32_view(p[i].data(), p[i].size()),
+                              const_view(acc[i].data(), acc[i].size()),
+                              {out[i].data(), out[i].size(), DType::bf16}};
+        reference::sign_sgd_step(std::span(&t, 1), cfg, read);
+      }
     }
   };
   auto norm_of = [&](std::size_t first, std::size_t last, float scale) {

@@ -61,7 +61,8 @@ inline ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions&
   cfg.mode = mode;
   cfg.optimizer = o.optimizer;
   for (const TensorSpec& t : o.layout)
-    cfg.params.push_back({t.name, t.numel(), o.grad_dtype, sc::DType::bf16, true, true});
+    cfg.params.push_back(
+        {t.name, t.numel(), o.grad_dtype, sc::DType::bf16, true, true, no_decay(t.kind)});
   cfg.chunk_elements = o.chunk_elements;
   cfg.device = dev.get();
   cfg.engine = o.engine;

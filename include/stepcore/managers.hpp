@@ -52,6 +52,9 @@ struct ParamSpec {
   /// false on ranks whose copy must not count towards the norm (a non-zero HSDP or
   /// tensor-parallel replica): the norm takes one copy of every logical element.
   bool counts_toward_norm = true;
+  /// true: the optimizer uses weight decay 0 for this parameter (norms, biases), else
+  /// the configured one.
+  bool no_weight_decay = false;
 };
 
 /// The optimizer, by name: "adamw" or "sign_sgd" (the only ones stepcore implements).

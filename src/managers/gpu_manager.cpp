@@ -434,24 +434,32 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
   auto state = [slot](float* resident, std::size_t slot_off) {
     return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
   };
-  if (is_adamw()) {
-    std::vector<AdamWTensor> t;
-    t.reserve(last - first);
-    for (std::size_t i = first; i < last; ++i) {
-      const Param& q = params_[i];
-      const std::size_t n = q.acc.numel;
-      t.push_back({f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
-                   f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), &steps_[i], q.acc, q.compute});
+  // Two calls at most: parameters with the configured weight decay, then those marked
+  // no_weight_decay (each element's update depends only on its own tensor's config).
+  for (const bool no_decay : {false, true}) {
+    if (is_adamw()) {
+      std::vector<AdamWTensor> t;
+      for (std::size_t i = first; i < last; ++i) {
+        if (cfg.params[i].no_weight_decay != no_decay) continue;
+        const Param& q = params_[i];
+        const std::size_t n = q.acc.numel;
+        t.push_back({f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
+                     f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), &steps_[i], q.acc, q.compute});
+      }
+      AdamWConfig c = cfg.optimizer.adamw;
+      if (no_decay) c.weight_decay = 0.0;
+      if (!t.empty()) dev_.adamw_step(t, c, d_scale, d_clip, d_found_inf);
+    } else {
+      std::vector<SignSgdTensor> t;
+      for (std::size_t i = first; i < last; ++i) {
+        if (cfg.params[i].no_weight_decay != no_decay) continue;
+        const Param& q = params_[i];
+        t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
+      }
+      SignSgdConfig c = cfg.optimizer.sign_sgd;
+      if (no_decay) c.weight_decay = 0.0;
+      if (!t.empty()) dev_.sign_sgd_step(t, c, d_found_inf);
     }
-    dev_.adamw_step(t, cfg.optimizer.adamw, d_scale, d_clip, d_found_inf);
-  } else {
-    std::vector<SignSgdTensor> t;
-    t.reserve(last - first);
-    for (std::size_t i = first; i < last; ++i) {
-      const Param& q = params_[i];
-      t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
-    }
-    dev_.sign_sgd_step(t, cfg.optimizer.sign_sgd, d_found_inf);
   }
 }
 

@@ -396,22 +396,30 @@ NormResult OffloadGradientManager::global_norm(float scale) {
 
 void OffloadGradientManager::step_chunk(std::size_t k, [[maybe_unused]] GradientRead read) {
   const Chunk& c = chunks()[k];
-  if (is_adamw()) {
-    std::vector<AdamWTensor> t;
-    t.reserve(c.last - c.first);
-    for (std::size_t i = c.first; i < c.last; ++i) {
-      const Param& p = params_[i];
-      t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+  const std::vector<ParamSpec>& specs = config().params;
+  // Two calls at most: the configured weight decay, then the no_weight_decay parameters.
+  for (const bool no_decay : {false, true}) {
+    if (is_adamw()) {
+      std::vector<AdamWTensor> t;
+      for (std::size_t i = c.first; i < c.last; ++i) {
+        if (specs[i].no_weight_decay != no_decay) continue;
+        const Param& p = params_[i];
+        t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+      }
+      AdamWConfig cfg = config().optimizer.adamw;
+      if (no_decay) cfg.weight_decay = 0.0;
+      if (!t.empty()) engine_.adamw_step(t, cfg, read);
+    } else {
+      std::vector<SignSgdTensor> t;
+      for (std::size_t i = c.first; i < c.last; ++i)
+        if (specs[i].no_weight_decay == no_decay)
+          t.push_back({params_[i].master, params_[i].acc, params_[i].out});
+      SignSgdConfig cfg = config().optimizer.sign_sgd;
+      if (no_decay) cfg.weight_decay = 0.0;
+      // SignSGD does not apply the (positive) scale and clip: read them as 1 so that a
+      // zero clip coefficient (max_norm = 0) is not refused.
+      if (!t.empty()) engine_.sign_sgd_step(t, cfg, GradientRead{});
     }
-    engine_.adamw_step(t, config().optimizer.adamw, read);
-  } else {
-    std::vector<SignSgdTensor> t;
-    t.reserve(c.last - c.first);
-    for (std::size_t i = c.first; i < c.last; ++i)
-      t.push_back({params_[i].master, params_[i].acc, params_[i].out});
-    // SignSGD does not apply the (positive) scale and clip: read them as 1 so that a
-    // zero clip coefficient (max_norm = 0) is not refused.
-    engine_.sign_sgd_step(t, config().optimizer.sign_sgd, GradientRead{});
   }
 }
 
