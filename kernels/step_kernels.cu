@@ -10,6 +10,7 @@
 #include "../src/core/validate.hpp"
 #include "block_bodies.hpp"
 #include "check.cuh"
+#include "checked_plans.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 
@@ -141,55 +142,19 @@ void require_device_pointer(const void* p, const std::string& name) {
     throw Error(Errc::invalid_argument, name, "a host pointer where device memory is needed");
 }
 
-}  // namespace
-
-namespace {
-
-// Host-side checks of a tensor list (no CUDA call): dtype and null data.
-void check_tensor_shapes(std::span<const TensorView> d_tensors, const char* base) {
-  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const TensorView& t = d_tensors[i];
-    if (!dtype_valid(t.dtype))
-      throw Error(Errc::unsupported_dtype, std::string(base) + "[" + std::to_string(i) + "]",
-                  "unknown dtype");
-    if (t.numel != 0 && t.data == nullptr)
-      throw Error(Errc::null_pointer, std::string(base) + "[" + std::to_string(i) + "]",
-                  "null data");
-  }
-}
-
-// Device-memory checks of a tensor list (after the host-side checks).
-void check_device_tensors(std::span<const TensorView> d_tensors, const char* base) {
-  for (std::size_t i = 0; i < d_tensors.size(); ++i)
-    if (d_tensors[i].numel != 0)
-      require_device_pointer(d_tensors[i].data, std::string(base) + "[" + std::to_string(i) + "]");
-}
-
-// Validates a norm pass's arguments: every host-side check (shapes, workspace size) before
-// any CUDA call, then the device pointers. Returns the plan.
-LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPartial* d_partial,
-                             const char* partial_name, void* d_workspace,
-                             std::size_t workspace_bytes) {
-  if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
-  check_tensor_shapes(d_tensors, "d_tensors");
-  const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
-  if (workspace_bytes < need)
-    throw Error(Errc::out_of_range, "workspace_bytes",
-                std::to_string(workspace_bytes) + " < " + std::to_string(need) +
-                    " (scale_and_norm_workspace_bytes)");
-  if (need != 0 && d_workspace == nullptr) throw Error(Errc::null_pointer, "d_workspace", "null");
-  require_device_pointer(d_partial, partial_name);
-  check_device_tensors(d_tensors, "d_tensors");
-  if (need != 0) require_device_pointer(d_workspace, "d_workspace");
-  const detail::LaunchLimits lim = detail::launch_limits(false);
-  return make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
+// The launchers' memory check: the runtime must know the start as device memory.
+const detail::MemoryCheck& device_memory() {
+  static const detail::MemoryCheck check = [](const void* p, std::size_t, const std::string& name) {
+    require_device_pointer(p, name);
+  };
+  return check;
 }
 
 void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass,
                        NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                        cudaStream_t stream) {
-  const LaunchPlan plan =
-      checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+  const LaunchPlan plan = detail::checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace,
+                                                    workspace_bytes, device_memory());
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
     scale_and_sum_squares_kernel<detail::NormLane>
@@ -198,20 +163,6 @@ void run_norm_launches(std::span<const TensorView> d_tensors, const detail::Norm
   }
   reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, nullptr, d_partial);
   cuda::detail::check_launch("reduce_partials_kernel");
-}
-
-// Read-only views of const tensors (the norm kernels write only when pass.write).
-std::vector<TensorView> as_views(std::span<const ConstTensorView> d_tensors) {
-  std::vector<TensorView> views;
-  views.reserve(d_tensors.size());
-  for (const ConstTensorView& t : d_tensors)
-    views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
-  return views;
-}
-
-void check_max_norm(float max_norm) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
 }
 
 }  // namespace
@@ -229,18 +180,13 @@ void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
-  run_norm_launches(as_views(d_tensors), detail::NormPass{read.scale, read.clip, false}, d_partial,
-                    d_workspace, workspace_bytes, stream);
+  run_norm_launches(detail::as_views(d_tensors), detail::NormPass{read.scale, read.clip, false},
+                    d_partial, d_workspace, workspace_bytes, stream);
 }
 
 void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor,
                             cudaStream_t stream) {
-  if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
-  check_tensor_shapes(d_tensors, "d_tensors");
-  require_device_pointer(d_factor, "d_factor");
-  check_device_tensors(d_tensors, "d_tensors");
-  const detail::LaunchLimits lim = detail::launch_limits(false);
-  const LaunchPlan plan = make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
+  const LaunchPlan plan = detail::checked_scale_plan(d_tensors, d_factor, device_memory());
   for (const LaunchArgs& a : plan.launches) {
     scale_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_factor);
     cuda::detail::check_launch("scale_kernel");
@@ -248,60 +194,18 @@ void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* 
 }
 
 void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
-  ::stepcore::detail::validate_accumulate(d_pairs);
-  std::vector<TensorView> acc;
-  std::vector<ConstTensorView> src;
-  for (const AccumulatePair& p : d_pairs) {
-    acc.push_back(p.acc);
-    src.push_back(p.src);
-  }
-  check_tensor_shapes(acc, "d_pairs.acc");
-  check_device_tensors(acc, "d_pairs.acc");
-  for (std::size_t i = 0; i < src.size(); ++i)
-    if (src[i].numel != 0)
-      require_device_pointer(src[i].data, "d_pairs[" + std::to_string(i) + "].src");
-  // One copy flag per call: split the pairs by it (usually all the same).
-  for (bool copy : {false, true}) {
-    std::vector<TensorView> a;
-    std::vector<ConstTensorView> s;
-    for (std::size_t i = 0; i < d_pairs.size(); ++i)
-      if (d_pairs[i].copy == copy) {
-        a.push_back(acc[i]);
-        s.push_back(src[i]);
-      }
-    const detail::LaunchLimits lim = detail::launch_limits(false);
-    const LaunchPlan plan = make_plan(a, s, lim.max_blocks, lim.max_tensors);
+  for (const auto& [copy, plan] : detail::checked_accumulate_plans(d_pairs, device_memory()))
     for (const LaunchArgs& la : plan.launches) {
       accumulate_kernel<<<la.num_blocks, kBlockThreads, 0, stream>>>(la, copy);
       cuda::detail::check_launch("accumulate_kernel");
     }
-  }
 }
 
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                 const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf,
                 cudaStream_t stream) {
-  if (d_scale == nullptr) throw Error(Errc::null_pointer, "d_scale", "required");
-  if (d_clip == nullptr) throw Error(Errc::null_pointer, "d_clip", "required");
-  ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{});  // before any CUDA call
-  require_device_pointer(d_scale, "d_scale");
-  require_device_pointer(d_clip, "d_clip");
-  if (d_found_inf != nullptr) require_device_pointer(d_found_inf, "d_found_inf");
-  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const AdamWTensor& t = d_tensors[i];
-    const std::string base = "d_tensors[" + std::to_string(i) + "]";
-    if (t.param.numel == 0) continue;
-    for (const void* p :
-         {static_cast<const void*>(t.param.data), static_cast<const void*>(t.exp_avg.data),
-          static_cast<const void*>(t.exp_avg_sq.data), t.grad.data})
-      if (p != nullptr) require_device_pointer(p, base);
-    if (t.compute_param.data != nullptr)
-      require_device_pointer(t.compute_param.data, base + ".compute_param");
-  }
-  const std::vector<AdamWLaunchArgs> launches =
-      make_adamw_plan(d_tensors, config, detail::launch_limits(true).max_blocks,
-                      detail::launch_limits(true).max_tensors);  // validates, then steps
-  for (const AdamWLaunchArgs& a : launches) {
+  for (const AdamWLaunchArgs& a : detail::checked_adamw_plan(d_tensors, config, d_scale, d_clip,
+                                                             d_found_inf, device_memory())) {
     adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_scale, d_clip, d_found_inf);
     cuda::detail::check_launch("adamw_kernel");
   }
@@ -309,20 +213,8 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
 
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                    const std::int32_t* d_found_inf, cudaStream_t stream) {
-  ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});  // before CUDA calls
-  if (d_found_inf != nullptr) require_device_pointer(d_found_inf, "d_found_inf");
-  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const SignSgdTensor& t = d_tensors[i];
-    if (t.param.numel == 0) continue;
-    const std::string base = "d_tensors[" + std::to_string(i) + "]";
-    require_device_pointer(t.param.data, base + ".param");
-    require_device_pointer(t.grad.data, base + ".grad");
-    if (t.compute_param.data != nullptr)
-      require_device_pointer(t.compute_param.data, base + ".compute_param");
-  }
-  const detail::LaunchLimits lim = detail::launch_limits(true);
   for (const SignSgdLaunchArgs& a :
-       make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors)) {
+       detail::checked_sign_sgd_plan(d_tensors, config, d_found_inf, device_memory())) {
     sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_found_inf);
     cuda::detail::check_launch("sign_sgd_kernel");
   }
@@ -330,11 +222,8 @@ void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig
 
 void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
                        float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream) {
-  check_max_norm(max_norm);
-  require_device_pointer(d_partial, "d_partial");
-  require_device_pointer(d_result, "d_result");
-  require_device_pointer(d_clip, "d_clip");
-  require_device_pointer(d_found_inf, "d_found_inf");
+  detail::check_finalize_args(d_partial, "d_partial", max_norm, d_result, d_clip, d_found_inf,
+                              device_memory());
   finalize_and_clip_kernel<<<1, 1, 0, stream>>>(d_partial, max_norm, d_result, d_clip, d_found_inf);
   cuda::detail::check_launch("finalize_and_clip_kernel");
 }
@@ -345,9 +234,9 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
                                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
-  const std::vector<TensorView> views = as_views(d_tensors);
   const LaunchPlan plan =
-      checked_norm_plan(views, d_exact_partial, "d_exact_partial", d_workspace, workspace_bytes);
+      detail::checked_norm_plan(detail::as_views(d_tensors), d_exact_partial, "d_exact_partial",
+                                d_workspace, workspace_bytes, device_memory());
   require_device_pointer(d_found_inf, "d_found_inf");
   const detail::NormPass pass{read.scale, read.clip, false};
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
@@ -364,11 +253,8 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
 void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                              NormResult* d_result, float* d_clip, std::int32_t* d_found_inf,
                              cudaStream_t stream) {
-  check_max_norm(max_norm);
-  require_device_pointer(d_exact_partial, "d_exact_partial");
-  require_device_pointer(d_result, "d_result");
-  require_device_pointer(d_clip, "d_clip");
-  require_device_pointer(d_found_inf, "d_found_inf");
+  detail::check_finalize_args(d_exact_partial, "d_exact_partial", max_norm, d_result, d_clip,
+                              d_found_inf, device_memory());
   finalize_exact_and_clip_kernel<<<1, 1, 0, stream>>>(d_exact_partial, max_norm, d_result, d_clip,
                                                       d_found_inf);
   cuda::detail::check_launch("finalize_exact_and_clip_kernel");

@@ -27,6 +27,7 @@
 
 #include "core/validate.hpp"
 #include "device/device_internal.hpp"
+#include "kernels/checked_plans.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/numa.hpp"
@@ -169,30 +170,6 @@ class Worker {
   std::thread thread_;  // last: starts once the members above exist
 };
 
-void check_max_norm(float max_norm) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
-}
-
-void check_tensor_shapes(std::span<const TensorView> tensors, const char* base) {
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const TensorView& t = tensors[i];
-    if (!dtype_valid(t.dtype))
-      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name(base, i, nullptr),
-                  "unknown dtype");
-    if (t.numel != 0 && t.data == nullptr)
-      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name(base, i, nullptr), "null data");
-  }
-}
-
-std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors) {
-  std::vector<TensorView> views;
-  views.reserve(tensors.size());
-  for (const ConstTensorView& t : tensors)
-    views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
-  return views;
-}
-
 class HostDevice final : public Device {
  public:
   explicit HostDevice(int threads) : threads_(threads) {}
@@ -302,30 +279,8 @@ class HostDevice final : public Device {
 
   void accumulate(std::span<const AccumulatePair> d_pairs) override {
     raise_pending();
-    ::stepcore::detail::validate_accumulate(d_pairs);
-    std::vector<TensorView> acc;
-    std::vector<ConstTensorView> src;
-    for (const AccumulatePair& p : d_pairs) {
-      acc.push_back(p.acc);
-      src.push_back(p.src);
-    }
-    check_tensor_shapes(acc, "d_pairs.acc");
-    check_device_tensors(acc, "d_pairs.acc");
-    for (std::size_t i = 0; i < src.size(); ++i)
-      if (src[i].numel != 0)
-        require_device(src[i].data, src[i].bytes(), "d_pairs[" + std::to_string(i) + "].src");
-    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(false);
-    for (bool copy : {false, true}) {
-      std::vector<TensorView> a;
-      std::vector<ConstTensorView> s;
-      for (std::size_t i = 0; i < d_pairs.size(); ++i)
-        if (d_pairs[i].copy == copy) {
-          a.push_back(acc[i]);
-          s.push_back(src[i]);
-        }
-      gpu::emulate::accumulate(gpu::make_plan(a, s, lim.max_blocks, lim.max_tensors), copy,
-                               threads_);
-    }
+    for (const auto& [copy, plan] : gpu::detail::checked_accumulate_plans(d_pairs, memory_))
+      gpu::emulate::accumulate(plan, copy, threads_);
   }
 
   void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
@@ -334,8 +289,8 @@ class HostDevice final : public Device {
     raise_pending();
     if (!(scale >= 0.0f) || scale > 3.4e38f)
       throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
-    const gpu::LaunchPlan plan =
-        checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+    const gpu::LaunchPlan plan = gpu::detail::checked_norm_plan(
+        d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes, memory_);
     *d_partial = gpu::emulate::scale_and_norm_partial(plan, scale, threads_);
   }
 
@@ -344,19 +299,17 @@ class HostDevice final : public Device {
                     std::size_t workspace_bytes) override {
     raise_pending();
     ::stepcore::detail::validate_read(read);
-    const gpu::LaunchPlan plan = checked_norm_plan(as_views(d_tensors), d_partial, "d_partial",
-                                                   d_workspace, workspace_bytes);
+    const gpu::LaunchPlan plan =
+        gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes, memory_);
     *d_partial = gpu::emulate::norm_partial(plan, read, threads_);
   }
 
   void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
                          float* d_clip, std::int32_t* d_found_inf) override {
     raise_pending();
-    check_max_norm(max_norm);
-    require_scalar(d_partial, sizeof(NormPartial), "d_partial");
-    require_scalar(d_result, sizeof(NormResult), "d_result");
-    require_scalar(d_clip, sizeof(float), "d_clip");
-    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    gpu::detail::check_finalize_args(d_partial, "d_partial", max_norm, d_result, d_clip,
+                                     d_found_inf, memory_);
     NormResult r;
     float clip = 0.0f;
     std::int32_t flag = 0;
@@ -372,9 +325,10 @@ class HostDevice final : public Device {
     raise_pending();
     ::stepcore::detail::validate_read(read);
     if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
-    const gpu::LaunchPlan plan = checked_norm_plan(as_views(d_tensors), d_exact_partial,
-                                                   "d_exact_partial", d_workspace, workspace_bytes);
-    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    const gpu::LaunchPlan plan =
+        gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes, memory_);
+    require_device(d_found_inf, sizeof(std::int32_t), "d_found_inf");
     *d_exact_partial =
         gpu::emulate::exact_norm_partial_if_needed(plan, read, *d_found_inf, threads_);
   }
@@ -383,11 +337,8 @@ class HostDevice final : public Device {
                                NormResult* d_result, float* d_clip,
                                std::int32_t* d_found_inf) override {
     raise_pending();
-    check_max_norm(max_norm);
-    require_scalar(d_exact_partial, sizeof(NormPartial), "d_exact_partial");
-    require_scalar(d_result, sizeof(NormResult), "d_result");
-    require_scalar(d_clip, sizeof(float), "d_clip");
-    require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    gpu::detail::check_finalize_args(d_exact_partial, "d_exact_partial", max_norm, d_result, d_clip,
+                                     d_found_inf, memory_);
     std::int32_t flag = *d_found_inf;
     if (flag != gpu::kFoundInfNeedsExact) return;  // as the kernel: all three unchanged
     NormResult r;
@@ -402,46 +353,16 @@ class HostDevice final : public Device {
                   const float* d_scale, const float* d_clip,
                   const std::int32_t* d_found_inf) override {
     raise_pending();
-    if (d_scale == nullptr) throw Error(Errc::null_pointer, "d_scale", "required");
-    if (d_clip == nullptr) throw Error(Errc::null_pointer, "d_clip", "required");
-    ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{});
-    require_scalar(d_scale, sizeof(float), "d_scale");
-    require_scalar(d_clip, sizeof(float), "d_clip");
-    if (d_found_inf != nullptr) require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
-    for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-      const AdamWTensor& t = d_tensors[i];
-      if (t.param.numel == 0) continue;
-      const std::string base = "d_tensors[" + std::to_string(i) + "]";
-      require_device(t.param.data, t.param.bytes(), base + ".param");
-      require_device(t.exp_avg.data, t.exp_avg.bytes(), base + ".exp_avg");
-      require_device(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), base + ".exp_avg_sq");
-      require_device(t.grad.data, t.grad.bytes(), base + ".grad");
-      if (t.compute_param.data != nullptr)
-        require_device(t.compute_param.data, t.compute_param.bytes(), base + ".compute_param");
-    }
-    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(true);
-    const std::vector<gpu::AdamWLaunchArgs> launches =
-        gpu::make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);  // steps
+    const std::vector<gpu::AdamWLaunchArgs> launches = gpu::detail::checked_adamw_plan(
+        d_tensors, config, d_scale, d_clip, d_found_inf, memory_);  // steps the counters
     gpu::emulate::adamw(launches, d_scale, d_clip, d_found_inf, threads_);
   }
 
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                      const std::int32_t* d_found_inf) override {
     raise_pending();
-    ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});
-    if (d_found_inf != nullptr) require_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf");
-    for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-      const SignSgdTensor& t = d_tensors[i];
-      if (t.param.numel == 0) continue;
-      const std::string base = "d_tensors[" + std::to_string(i) + "]";
-      require_device(t.param.data, t.param.bytes(), base + ".param");
-      require_device(t.grad.data, t.grad.bytes(), base + ".grad");
-      if (t.compute_param.data != nullptr)
-        require_device(t.compute_param.data, t.compute_param.bytes(), base + ".compute_param");
-    }
-    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(true);
     gpu::emulate::sign_sgd(
-        gpu::make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors), d_found_inf,
+        gpu::detail::checked_sign_sgd_plan(d_tensors, config, d_found_inf, memory_), d_found_inf,
         threads_);
   }
 
@@ -495,36 +416,11 @@ class HostDevice final : public Device {
                   "not device memory of this device (from allocate()) where device memory is "
                   "needed");
   }
-  void require_scalar(const void* p, std::size_t bytes, const char* name) const {
-    if (p == nullptr) throw Error(Errc::null_pointer, name, "null");
+  // The shared checks' view of this device's memory (kernels/checked_plans.hpp).
+  const gpu::detail::MemoryCheck memory_ = [this](const void* p, std::size_t bytes,
+                                                  const std::string& name) {
     require_device(p, bytes, name);
-  }
-  void check_device_tensors(std::span<const TensorView> tensors, const char* base) const {
-    for (std::size_t i = 0; i < tensors.size(); ++i)
-      if (tensors[i].numel != 0)
-        require_device(tensors[i].data, tensors[i].bytes(),
-                       ::stepcore::detail::arg_name(base, i, nullptr));
-  }
-
-  // Validates a norm pass like the CUDA entry points (shapes and workspace size first,
-  // then the device pointers) and returns its plan.
-  gpu::LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors,
-                                    const NormPartial* d_partial, const char* partial_name,
-                                    void* d_workspace, std::size_t workspace_bytes) const {
-    if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
-    check_tensor_shapes(d_tensors, "d_tensors");
-    const std::size_t need = gpu::scale_and_norm_workspace_bytes(d_tensors);
-    if (workspace_bytes < need)
-      throw Error(Errc::out_of_range, "workspace_bytes",
-                  std::to_string(workspace_bytes) + " < " + std::to_string(need) +
-                      " (scale_and_norm_workspace_bytes)");
-    if (need != 0 && d_workspace == nullptr) throw Error(Errc::null_pointer, "d_workspace", "null");
-    require_device(d_partial, sizeof(NormPartial), partial_name);
-    check_device_tensors(d_tensors, "d_tensors");
-    if (need != 0) require_device(d_workspace, need, "d_workspace");
-    const gpu::detail::LaunchLimits lim = gpu::detail::launch_limits(false);
-    return gpu::make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
-  }
+  };
 
   const int threads_;
   detail::Allocations device_mem_, host_mem_;

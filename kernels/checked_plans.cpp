@@ -1,0 +1,169 @@
+// The shared argument checks and launch plans of the multi-tensor entry points
+// (kernels/checked_plans.hpp).
+#include "checked_plans.hpp"
+
+#include "core/validate.hpp"
+#include "stepcore/error.hpp"
+
+namespace stepcore::gpu::detail {
+namespace {
+
+// Host-side checks of a tensor list (no memory access): dtype and null data.
+void check_tensor_shapes(std::span<const TensorView> d_tensors, const char* base) {
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const TensorView& t = d_tensors[i];
+    if (!dtype_valid(t.dtype))
+      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name(base, i, nullptr),
+                  "unknown dtype");
+    if (t.numel != 0 && t.data == nullptr)
+      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name(base, i, nullptr), "null data");
+  }
+}
+
+// Memory checks of a tensor list (after the host-side checks).
+void check_tensor_memory(std::span<const TensorView> d_tensors, const char* base,
+                         const MemoryCheck& check) {
+  for (std::size_t i = 0; i < d_tensors.size(); ++i)
+    if (d_tensors[i].numel != 0)
+      check(d_tensors[i].data, d_tensors[i].bytes(),
+            ::stepcore::detail::arg_name(base, i, nullptr));
+}
+
+void check_scalar(const void* p, std::size_t bytes, const char* name, const MemoryCheck& check) {
+  if (p == nullptr) throw Error(Errc::null_pointer, name, "null");
+  check(p, bytes, name);
+}
+
+}  // namespace
+
+void check_max_norm(float max_norm) {
+  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
+    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+}
+
+std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors) {
+  std::vector<TensorView> views;
+  views.reserve(tensors.size());
+  for (const ConstTensorView& t : tensors)
+    views.push_back({const_cast<void*>(t.data), t.numel, t.dtype});
+  return views;
+}
+
+LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPartial* d_partial,
+                             const char* partial_name, const void* d_workspace,
+                             std::size_t workspace_bytes, const MemoryCheck& check) {
+  if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
+  check_tensor_shapes(d_tensors, "d_tensors");
+  const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
+  if (workspace_bytes < need)
+    throw Error(Errc::out_of_range, "workspace_bytes",
+                std::to_string(workspace_bytes) + " < " + std::to_string(need) +
+                    " (scale_and_norm_workspace_bytes)");
+  if (need != 0 && d_workspace == nullptr) throw Error(Errc::null_pointer, "d_workspace", "null");
+  check(d_partial, sizeof(NormPartial), partial_name);
+  check_tensor_memory(d_tensors, "d_tensors", check);
+  if (need != 0) check(d_workspace, need, "d_workspace");
+  const LaunchLimits lim = launch_limits(false);
+  return make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
+}
+
+LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float* d_factor,
+                              const MemoryCheck& check) {
+  if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
+  check_tensor_shapes(d_tensors, "d_tensors");
+  check(d_factor, sizeof(float), "d_factor");
+  check_tensor_memory(d_tensors, "d_tensors", check);
+  const LaunchLimits lim = launch_limits(false);
+  return make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
+}
+
+std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
+    std::span<const AccumulatePair> d_pairs, const MemoryCheck& check) {
+  ::stepcore::detail::validate_accumulate(d_pairs);
+  std::vector<TensorView> acc;
+  std::vector<ConstTensorView> src;
+  acc.reserve(d_pairs.size());
+  src.reserve(d_pairs.size());
+  for (const AccumulatePair& p : d_pairs) {
+    acc.push_back(p.acc);
+    src.push_back(p.src);
+  }
+  check_tensor_shapes(acc, "d_pairs.acc");
+  check_tensor_memory(acc, "d_pairs.acc", check);
+  for (std::size_t i = 0; i < src.size(); ++i)
+    if (src[i].numel != 0)
+      check(src[i].data, src[i].bytes(), ::stepcore::detail::arg_name("d_pairs", i, "src"));
+  // One copy flag per launch: split the pairs by it (usually all the same).
+  std::vector<std::pair<bool, LaunchPlan>> plans;
+  const LaunchLimits lim = launch_limits(false);
+  for (bool copy : {false, true}) {
+    std::vector<TensorView> a;
+    std::vector<ConstTensorView> s;
+    for (std::size_t i = 0; i < d_pairs.size(); ++i)
+      if (d_pairs[i].copy == copy) {
+        a.push_back(acc[i]);
+        s.push_back(src[i]);
+      }
+    if (!a.empty()) plans.emplace_back(copy, make_plan(a, s, lim.max_blocks, lim.max_tensors));
+  }
+  return plans;
+}
+
+std::vector<AdamWLaunchArgs> checked_adamw_plan(std::span<const AdamWTensor> d_tensors,
+                                                const AdamWConfig& config, const float* d_scale,
+                                                const float* d_clip,
+                                                const std::int32_t* d_found_inf,
+                                                const MemoryCheck& check) {
+  if (d_scale == nullptr) throw Error(Errc::null_pointer, "d_scale", "required");
+  if (d_clip == nullptr) throw Error(Errc::null_pointer, "d_clip", "required");
+  ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{});  // before any memory
+  check(d_scale, sizeof(float), "d_scale");
+  check(d_clip, sizeof(float), "d_clip");
+  if (d_found_inf != nullptr) check(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const AdamWTensor& t = d_tensors[i];
+    if (t.param.numel == 0) continue;
+    using ::stepcore::detail::arg_name;
+    check(t.param.data, t.param.bytes(), arg_name("d_tensors", i, "param"));
+    check(t.exp_avg.data, t.exp_avg.bytes(), arg_name("d_tensors", i, "exp_avg"));
+    check(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), arg_name("d_tensors", i, "exp_avg_sq"));
+    check(t.grad.data, t.grad.bytes(), arg_name("d_tensors", i, "grad"));
+    if (t.compute_param.data != nullptr)
+      check(t.compute_param.data, t.compute_param.bytes(),
+            arg_name("d_tensors", i, "compute_param"));
+  }
+  const LaunchLimits lim = launch_limits(true);
+  return make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);  // steps
+}
+
+std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
+                                                     const SignSgdConfig& config,
+                                                     const std::int32_t* d_found_inf,
+                                                     const MemoryCheck& check) {
+  ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});  // before memory
+  if (d_found_inf != nullptr) check(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
+    const SignSgdTensor& t = d_tensors[i];
+    if (t.param.numel == 0) continue;
+    using ::stepcore::detail::arg_name;
+    check(t.param.data, t.param.bytes(), arg_name("d_tensors", i, "param"));
+    check(t.grad.data, t.grad.bytes(), arg_name("d_tensors", i, "grad"));
+    if (t.compute_param.data != nullptr)
+      check(t.compute_param.data, t.compute_param.bytes(),
+            arg_name("d_tensors", i, "compute_param"));
+  }
+  const LaunchLimits lim = launch_limits(true);
+  return make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
+}
+
+void check_finalize_args(const NormPartial* d_partial, const char* partial_name, float max_norm,
+                         const NormResult* d_result, const float* d_clip,
+                         const std::int32_t* d_found_inf, const MemoryCheck& check) {
+  check_max_norm(max_norm);
+  check_scalar(d_partial, sizeof(NormPartial), partial_name, check);
+  check_scalar(d_result, sizeof(NormResult), "d_result", check);
+  check_scalar(d_clip, sizeof(float), "d_clip", check);
+  check_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf", check);
+}
+
+}  // namespace stepcore::gpu::detail
