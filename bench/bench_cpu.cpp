@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/testing.hpp"
 #include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
@@ -488,7 +489,36 @@ void BM_GpuPlanHostOverhead(benchmark::State& st) {
                     : "scale+norm plan, 2000 tensors");
 }
 
+/// The known-answer self-test of one ISA (arg 0), run afresh each iteration: what the
+/// first engine of a process pays once per ISA (docs/numerics.md section 13).
+void BM_SelfTest(benchmark::State& st) {
+  const auto isa = static_cast<cpu::Isa>(st.range(0));
+  double total = 0;
+  for (auto _ : st) {
+    cpu::testing::override_kernel_table(isa, nullptr);  // forget the recorded result
+    const cpu::SelfTestResult r = cpu::self_test(isa);
+    if (!r.passed) validation_failed("self_test");
+    st.SetIterationTime(r.seconds);
+    total += r.seconds;
+  }
+  st.counters["ms"] = total * 1e3 / static_cast<double>(st.iterations());
+  st.SetLabel(std::string(cpu::isa_name(isa)));
+}
+
+void isa_args(benchmark::internal::Benchmark* b) {
+  for (cpu::Isa isa : cpu::supported_isas()) b->Arg(static_cast<int>(isa));
+}
+
 void isa_thread_args(benchmark::internal::Benchmark* b) {
+  static const bool noted = [] {
+    const auto have = cpu::supported_isas();
+    for (cpu::Isa isa : {cpu::Isa::sse2, cpu::Isa::avx2, cpu::Isa::avx512})
+      if (std::find(have.begin(), have.end(), isa) == have.end())
+        std::fprintf(stderr, "not run: %s (this processor lacks it)\n",
+                     std::string(cpu::isa_name(isa)).c_str());
+    return true;
+  }();
+  (void)noted;
   const int max_threads = cpu::Engine().threads();
   for (cpu::Isa isa : cpu::supported_isas())
     for (int t = 1; t <= max_threads; t *= 2) b->Args({static_cast<int>(isa), t, 0});
@@ -541,6 +571,11 @@ BENCHMARK(BM_NormPartials<DType::bf16>)
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_SelfTest)
+    ->Name("SelfTest")
+    ->Apply(isa_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
 BENCHMARK(BM_GpuPlanHostOverhead)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AdamWScalarReference)
     ->Name("AdamW/scalar-reference")

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -11,15 +12,14 @@
 
 #include "../src/core/fp_env.hpp"
 #include "../src/core/validate.hpp"
-#include "kernel_table.hpp"
+#include "dispatch.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
 
 namespace stepcore::cpu {
-namespace {
 
-bool isa_supported(Isa isa) {
+bool detail::isa_supported(Isa isa) {
   const auto arch = xsimd::available_architectures();
   switch (isa) {
     case Isa::sse2:
@@ -32,17 +32,7 @@ bool isa_supported(Isa isa) {
   return false;
 }
 
-const detail::KernelTable& table_for(Isa isa) {
-  switch (isa) {
-    case Isa::sse2:
-      return detail::kernel_table_sse2();
-    case Isa::avx2:
-      return detail::kernel_table_avx2();
-    case Isa::avx512:
-      return detail::kernel_table_avx512();
-  }
-  throw Error(Errc::internal, "isa", "no kernel table");
-}
+namespace {
 
 int affinity_cpu_count() {
   cpu_set_t set;
@@ -160,7 +150,7 @@ Isa parse_isa(std::string_view name, const char* argument) {
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
   for (Isa i : {Isa::sse2, Isa::avx2, Isa::avx512})
-    if (isa_supported(i)) out.push_back(i);
+    if (detail::isa_supported(i)) out.push_back(i);
   return out;
 }
 
@@ -171,18 +161,53 @@ Isa best_isa() {
 }
 
 Engine::Engine(EngineConfig config) {
+  // An ISA asked for must pass its self-test; one chosen here falls back to the best
+  // lower ISA that passes (docs/numerics.md section 13).
+  const char* asked_by = nullptr;
   if (config.isa) {
     isa_ = *config.isa;
+    asked_by = "config.isa";
   } else if (const char* env = std::getenv("STEPCORE_ISA"); env && *env) {
     isa_ = parse_isa(env, "STEPCORE_ISA");
-  } else {
-    isa_ = best_isa();
+    asked_by = "STEPCORE_ISA";
   }
-  if (isa_ != Isa::sse2 && isa_ != Isa::avx2 && isa_ != Isa::avx512)
-    throw Error(Errc::invalid_argument, "config.isa", "not an Isa enumerator");
-  if (!isa_supported(isa_))
-    throw Error(Errc::not_supported, config.isa ? "config.isa" : "STEPCORE_ISA",
-                "this processor cannot run " + std::string(cpu::isa_name(isa_)));
+  if (asked_by != nullptr) {
+    if (isa_ != Isa::sse2 && isa_ != Isa::avx2 && isa_ != Isa::avx512)
+      throw Error(Errc::invalid_argument, asked_by, "not an Isa enumerator");
+    if (!detail::isa_supported(isa_))
+      throw Error(Errc::not_supported, asked_by,
+                  "this processor cannot run " + std::string(cpu::isa_name(isa_)));
+    self_test_ = cpu::self_test(isa_);
+    if (!self_test_.passed)
+      throw Error(Errc::not_supported, asked_by,
+                  std::string(cpu::isa_name(isa_)) + " failed its known-answer self-test: " +
+                      self_test_.kernel + ": " + self_test_.detail);
+  } else {
+    const auto all = supported_isas();
+    if (all.empty()) throw Error(Errc::not_supported, "isa", "this processor lacks SSE2");
+    bool found = false;
+    for (auto it = all.rbegin(); it != all.rend() && !found; ++it) {
+      SelfTestResult r = cpu::self_test(*it);
+      if (r.passed) {
+        isa_ = *it;
+        self_test_ = std::move(r);
+        found = true;
+      } else {
+        rejected_.push_back(std::move(r));
+      }
+    }
+    if (!found)
+      throw Error(Errc::internal, "isa",
+                  "no ISA passed its known-answer self-test; sse2: " + rejected_.back().kernel +
+                      ": " + rejected_.back().detail);
+    for (const SelfTestResult& r : rejected_)
+      if (detail::warn_once_about(r.isa))
+        std::fprintf(stderr,
+                     "stepcore: warning: the %s kernels failed their known-answer self-test "
+                     "(%s: %s); using %s instead\n",
+                     std::string(cpu::isa_name(r.isa)).c_str(), r.kernel.c_str(), r.detail.c_str(),
+                     std::string(cpu::isa_name(isa_)).c_str());
+  }
 
   for (std::size_t i = 0; i < config.cpus.size(); ++i)
     if (config.cpus[i] < 0 || config.cpus[i] >= CPU_SETSIZE)
@@ -212,11 +237,9 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
                         GradientRead read, const std::int32_t* found_inf) const {
   ::stepcore::detail::validate_adamw(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
-  const detail::KernelTable& table = table_for(isa_);
+  const detail::KernelTable& table = detail::kernel_table(isa_);
   std::vector<detail::AdamWRange> ranges(tensors.size());
   std::vector<detail::AdamWFn> fns(tensors.size());
-  const bool torch = config.formula == AdamWFormula::torch;
-  const std::size_t w = config.torch_tail_width > 1 ? config.torch_tail_width : 1;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
@@ -226,18 +249,8 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
   }
   // All checks passed: from here on the call writes.
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamWTensor& t = tensors[i];
-    *t.step = *t.step + 1.0f;
-    const std::size_t n = t.param.numel;
-    ranges[i] = detail::AdamWRange{static_cast<float*>(t.param.data),
-                                   static_cast<float*>(t.exp_avg.data),
-                                   static_cast<float*>(t.exp_avg_sq.data),
-                                   t.grad.data,
-                                   t.compute_param.data,
-                                   prepare_adamw_scalars(config, *t.step),
-                                   read,
-                                   torch ? n - n % w : n,
-                                   torch};
+    *tensors[i].step = *tensors[i].step + 1.0f;
+    ranges[i] = detail::adamw_range(tensors[i], config, read, *tensors[i].step);
   }
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
@@ -249,7 +262,7 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
                            GradientRead read, const std::int32_t* found_inf) const {
   ::stepcore::detail::validate_sign_sgd(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
-  const detail::KernelTable& table = table_for(isa_);
+  const detail::KernelTable& table = detail::kernel_table(isa_);
   const SignSgdScalars s = prepare_sign_sgd_scalars(config);
   std::vector<detail::SignSgdRange> ranges(tensors.size());
   std::vector<detail::SignSgdFn> fns(tensors.size());
@@ -269,7 +282,7 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
 
 void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
   ::stepcore::detail::validate_accumulate(pairs);
-  const detail::KernelTable& table = table_for(isa_);
+  const detail::KernelTable& table = detail::kernel_table(isa_);
   std::vector<detail::AccumulateFn> fns(pairs.size());
   for (std::size_t i = 0; i < pairs.size(); ++i) {
     const int s = static_cast<int>(pairs[i].src.dtype);
@@ -285,7 +298,7 @@ void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
 
 void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
   ::stepcore::detail::validate_scale(tensors, scale);
-  const detail::KernelTable& table = table_for(isa_);
+  const detail::KernelTable& table = detail::kernel_table(isa_);
   std::vector<detail::ScaleFn> fns(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const int d = static_cast<int>(tensors[i].dtype);
@@ -322,7 +335,7 @@ NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors,
 NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
                                  NormMode mode) const {
   ::stepcore::detail::validate_norm(tensors, read);
-  const detail::KernelTable& table = table_for(isa_);
+  const detail::KernelTable& table = detail::kernel_table(isa_);
   const detail::NormFn* fns = mode == NormMode::exact ? table.norm_exact : table.norm;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const int d = static_cast<int>(tensors[i].dtype);

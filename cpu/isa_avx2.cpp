@@ -1,4 +1,5 @@
-// The AVX2 + FMA3 instantiation of the generic body.
+// The AVX2 + FMA3 instantiation of the generic body. Every floating-point primitive is
+// the ISA's own intrinsic; integer lanes use xsimd.
 #include <immintrin.h>
 
 #include "simd_body.hpp"
@@ -9,10 +10,54 @@ using Avx2 = xsimd::fma3<xsimd::avx2>;
 
 template <>
 struct ArchOps<Avx2> {
-  using F = xsimd::batch<float, Avx2>;
+  struct F {
+    __m256 r;
+  };
+  struct D {
+    __m256d r;
+  };
+  struct M {
+    __m256 r;
+  };  // all-ones / all-zeros lanes
   using U = xsimd::batch<std::uint32_t, Avx2>;
-  using D = xsimd::batch<double, Avx2>;
+  static constexpr std::size_t N = 8;
 
+  // ---- f32 lanes ----
+  static F load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x.r); }
+  static F set1(float x) { return {_mm256_set1_ps(x)}; }
+  static U as_u(F x) { return U(_mm256_castps_si256(x.r)); }
+  static F as_f(U x) { return {_mm256_castsi256_ps(x)}; }
+  static F add(F a, F b) { return {_mm256_add_ps(a.r, b.r)}; }
+  static F sub(F a, F b) { return {_mm256_sub_ps(a.r, b.r)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.r, b.r)}; }
+  static F div(F a, F b) { return {_mm256_div_ps(a.r, b.r)}; }
+  static F sqrt(F a) { return {_mm256_sqrt_ps(a.r)}; }
+  static F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.r, b.r, c.r)}; }
+  static M gt(F a, F b) { return {_mm256_cmp_ps(a.r, b.r, _CMP_GT_OQ)}; }
+  static M lt(F a, F b) { return {_mm256_cmp_ps(a.r, b.r, _CMP_LT_OQ)}; }
+  static M eq(F a, F b) { return {_mm256_cmp_ps(a.r, b.r, _CMP_EQ_OQ)}; }
+  static M is_nan(F a) { return {_mm256_cmp_ps(a.r, a.r, _CMP_UNORD_Q)}; }
+  /// m ? a : b (blendv takes its second operand where the mask's sign bit is set).
+  static F select(M m, F a, F b) { return {_mm256_blendv_ps(b.r, a.r, m.r)}; }
+
+  // ---- binary64 lanes ----
+  static D dzero() { return {_mm256_setzero_pd()}; }
+  static D dload(const double* p) { return {_mm256_loadu_pd(p)}; }
+  static void dstore(double* p, D x) { _mm256_storeu_pd(p, x.r); }
+  static void to_double(F x, D& lo, D& hi) {
+    lo = {_mm256_cvtps_pd(_mm256_castps256_ps128(x.r))};
+    hi = {_mm256_cvtps_pd(_mm256_extractf128_ps(x.r, 1))};
+  }
+  static D add_square(D x, D acc) { return {_mm256_fmadd_pd(x.r, x.r, acc.r)}; }
+  static D dadd(D a, D b) { return {_mm256_add_pd(a.r, b.r)}; }
+  /// (l0 + l2) + (l1 + l3).
+  static double dsum(D x) {
+    const __m128d q = _mm_add_pd(_mm256_castpd256_pd128(x.r), _mm256_extractf128_pd(x.r, 1));
+    return _mm_cvtsd_f64(_mm_add_sd(q, _mm_unpackhi_pd(q, q)));
+  }
+
+  // ---- 16-bit storage (integer lanes) ----
   static U load_u16(const std::uint16_t* p) {
     return U(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
@@ -37,16 +82,9 @@ struct ArchOps<Avx2> {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi16(0x7FFF));
     mx16 = U(_mm256_max_epi16(mx16, mag));
-    a = F(_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v)));
-    b = F(_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v)));
+    a = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v))};
+    b = {_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v))};
   }
-  static void to_double(F x, D& lo, D& hi) {
-    const __m256 r = x;
-    lo = D(_mm256_cvtps_pd(_mm256_castps256_ps128(r)));
-    hi = D(_mm256_cvtps_pd(_mm256_extractf128_ps(r, 1)));
-  }
-  static D muladd(D a, D b, D c) { return xsimd::fma(a, b, c); }
-  static F fma(F a, F b, F c) { return xsimd::fma(a, b, c); }
 };
 
 const KernelTable& kernel_table_avx2() {

@@ -1,5 +1,6 @@
-// The SSE2 instantiation of the generic body (x86-64 baseline, no hardware FMA:
-// fused multiply-adds go through std::fma, which is exact).
+// The SSE2 instantiation of the generic body (x86-64 baseline). Every floating-point
+// primitive is an SSE2 intrinsic, except the fused multiply-add, which SSE2 lacks: it
+// is std::fma per lane (C's fma: one rounding, exact by its definition in every libm).
 #include <emmintrin.h>
 
 #include "simd_body.hpp"
@@ -9,10 +10,62 @@ namespace stepcore::cpu::detail {
 template <>
 struct ArchOps<xsimd::sse2> {
   using A = xsimd::sse2;
-  using F = xsimd::batch<float, A>;
+  struct F {
+    __m128 r;
+  };
+  struct D {
+    __m128d r;
+  };
+  struct M {
+    __m128 r;
+  };  // all-ones / all-zeros lanes
   using U = xsimd::batch<std::uint32_t, A>;
-  using D = xsimd::batch<double, A>;
+  static constexpr std::size_t N = 4;
 
+  // ---- f32 lanes ----
+  static F load(const float* p) { return {_mm_loadu_ps(p)}; }
+  static void store(float* p, F x) { _mm_storeu_ps(p, x.r); }
+  static F set1(float x) { return {_mm_set1_ps(x)}; }
+  static U as_u(F x) { return U(_mm_castps_si128(x.r)); }
+  static F as_f(U x) { return {_mm_castsi128_ps(x)}; }
+  static F add(F a, F b) { return {_mm_add_ps(a.r, b.r)}; }
+  static F sub(F a, F b) { return {_mm_sub_ps(a.r, b.r)}; }
+  static F mul(F a, F b) { return {_mm_mul_ps(a.r, b.r)}; }
+  static F div(F a, F b) { return {_mm_div_ps(a.r, b.r)}; }
+  static F sqrt(F a) { return {_mm_sqrt_ps(a.r)}; }
+  static F fma(F a, F b, F c) {
+    alignas(16) float x[4], y[4], z[4];
+    _mm_store_ps(x, a.r);
+    _mm_store_ps(y, b.r);
+    _mm_store_ps(z, c.r);
+    for (int l = 0; l < 4; ++l) x[l] = std::fma(x[l], y[l], z[l]);
+    return {_mm_load_ps(x)};
+  }
+  // cmpgt/cmplt are the ordered predicates (false on a NaN); SSE2 has no quiet form,
+  // which changes only the invalid flag, never a result.
+  static M gt(F a, F b) { return {_mm_cmpgt_ps(a.r, b.r)}; }
+  static M lt(F a, F b) { return {_mm_cmplt_ps(a.r, b.r)}; }
+  static M eq(F a, F b) { return {_mm_cmpeq_ps(a.r, b.r)}; }
+  static M is_nan(F a) { return {_mm_cmpunord_ps(a.r, a.r)}; }
+  static F select(M m, F a, F b) {
+    return {_mm_or_ps(_mm_and_ps(m.r, a.r), _mm_andnot_ps(m.r, b.r))};
+  }
+
+  // ---- binary64 lanes ----
+  static D dzero() { return {_mm_setzero_pd()}; }
+  static D dload(const double* p) { return {_mm_loadu_pd(p)}; }
+  static void dstore(double* p, D x) { _mm_storeu_pd(p, x.r); }
+  static void to_double(F x, D& lo, D& hi) {
+    lo = {_mm_cvtps_pd(x.r)};
+    hi = {_mm_cvtps_pd(_mm_movehl_ps(x.r, x.r))};
+  }
+  /// x*x is exact for x widened from f32 (48 significant bits), so one rounding.
+  static D add_square(D x, D acc) { return {_mm_add_pd(_mm_mul_pd(x.r, x.r), acc.r)}; }
+  static D dadd(D a, D b) { return {_mm_add_pd(a.r, b.r)}; }
+  /// l0 + l1.
+  static double dsum(D x) { return _mm_cvtsd_f64(_mm_add_sd(x.r, _mm_unpackhi_pd(x.r, x.r))); }
+
+  // ---- 16-bit storage (integer lanes) ----
   static U load_u16(const std::uint16_t* p) {
     const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     return U(_mm_unpacklo_epi16(v, _mm_setzero_si128()));
@@ -32,22 +85,8 @@ struct ArchOps<xsimd::sse2> {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m128i mag = _mm_and_si128(v, _mm_set1_epi16(0x7FFF));
     mx16 = U(_mm_max_epi16(mx16, mag));  // magnitudes <= 0x7FFF: signed max is exact
-    a = F(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v)));
-    b = F(_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v)));
-  }
-  static void to_double(F x, D& lo, D& hi) {
-    const __m128 r = x;
-    lo = D(_mm_cvtps_pd(r));
-    hi = D(_mm_cvtps_pd(_mm_movehl_ps(r, r)));
-  }
-  static D muladd(D a, D b, D c) { return a * b + c; }
-  static F fma(F a, F b, F c) {
-    alignas(16) float x[4], y[4], z[4];
-    a.store_aligned(x);
-    b.store_aligned(y);
-    c.store_aligned(z);
-    for (int l = 0; l < 4; ++l) x[l] = std::fma(x[l], y[l], z[l]);
-    return F::load_aligned(x);
+    a = {_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v))};
+    b = {_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v))};
   }
 };
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -52,9 +53,37 @@ using ScaleFn = void (*)(void* data, float scale, std::size_t begin, std::size_t
 using NormFn = void (*)(const void* data, const GradientRead& read, std::size_t begin,
                         std::size_t end, NormPartial& partial);
 
+/// The floating-point primitives every body is built from (simd_body.hpp, ArchOps),
+/// exposed per ISA over whole arrays for the primitive tests.
+enum class Primitive : std::uint8_t {
+  add,     ///< out = a + b
+  sub,     ///< out = a - b
+  mul,     ///< out = a * b
+  div,     ///< out = a / b
+  sqrt,    ///< out = sqrt(a)
+  fma,     ///< out = RN(a*b + c), one rounding
+  gt,      ///< out = a > b ? 1 : 0 (ordered)
+  lt,      ///< out = a < b ? 1 : 0 (ordered)
+  eq,      ///< out = a == b ? 1 : 0 (ordered)
+  is_nan,  ///< out = isnan(a) ? 1 : 0
+  select,  ///< out = c < 0 ? a : b (the mask from lt)
+};
+/// Binary64 primitives: widen (out[2i], out[2i+1] = the lanes' doubles in element
+/// order), add_square (out = acc + x*x) and dsum (out[0] = the sum of one vector of
+/// acc, out[1..] untouched).
+enum class Primitive64 : std::uint8_t { widen, add_square, dsum };
+/// Applies `op` lane-wise to elements [0, n) (n a multiple of the ISA's width).
+using PrimitiveFn = void (*)(Primitive op, const float* a, const float* b, const float* c,
+                             float* out, std::size_t n);
+using Primitive64Fn = void (*)(Primitive64 op, const float* x, const double* acc, double* out,
+                               std::size_t n);
+
 /// One ISA's kernels, indexed [gradient dtype][output kind] etc.
 struct KernelTable {
   const char* isa;
+  std::size_t width;  ///< f32 lanes per vector
+  PrimitiveFn primitive;
+  Primitive64Fn primitive64;
   AdamWFn adamw[kDTypes][kOutputKinds];
   SignSgdFn sign_sgd[kDTypes][kOutputKinds];
   AccumulateFn accumulate[kDTypes];
@@ -68,6 +97,24 @@ struct KernelTable {
 const KernelTable& kernel_table_sse2();
 const KernelTable& kernel_table_avx2();
 const KernelTable& kernel_table_avx512();
+
+/// Returns the range record of one AdamW tensor whose counter already holds `step`
+/// (after its increment): the engine's calls and the self-test build it the same way.
+inline AdamWRange adamw_range(const AdamWTensor& t, const AdamWConfig& config, GradientRead read,
+                              float step) {
+  const bool torch = config.formula == AdamWFormula::torch;
+  const std::size_t w = config.torch_tail_width > 1 ? config.torch_tail_width : 1;
+  const std::size_t n = t.param.numel;
+  return AdamWRange{static_cast<float*>(t.param.data),
+                    static_cast<float*>(t.exp_avg.data),
+                    static_cast<float*>(t.exp_avg_sq.data),
+                    t.grad.data,
+                    t.compute_param.data,
+                    prepare_adamw_scalars(config, step),
+                    read,
+                    torch ? n - n % w : n,
+                    torch};
+}
 
 /// Elements per norm block: squares are summed in binary64 within a block and the
 /// block sum is deposited exactly. Must not exceed kNormMaxBlockAdditions.

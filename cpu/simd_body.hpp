@@ -1,7 +1,15 @@
-// The one generic body of every CPU kernel, written once over xsimd batches and
-// compiled per ISA (each isa_<name>.cpp includes it with its own -m flags and
-// supplies ArchOps<Arch>, the few operations xsimd 8.1 lacks: 16-bit widening
-// loads and narrowing stores, float->double halves, and an exact FMA).
+// The one generic body of every CPU kernel, written once and compiled per ISA (each
+// isa_<name>.cpp includes it with its own -m flags and supplies ArchOps<Arch>).
+//
+// Every floating-point operation whose rounding docs/numerics.md fixes — add, sub,
+// mul, div, sqrt, the fused multiply-add, the ordered compares, the NaN test, the
+// float select, binary64 widening and sums — is an ArchOps primitive written with the
+// ISA's own intrinsic. The body never touches xsimd float arithmetic: its f32 and
+// binary64 vectors are ArchOps' own register structs, which have no operators at all, so a
+// library fallback (Debian's xsimd 8.1 computes avx512 `fma` as x*y+z, two roundings)
+// cannot be reached by construction. xsimd is used only for 32-bit integer lanes
+// (shifts, adds, masks, compares, integer selects, max), where every implementation,
+// intrinsic or generic fallback, gives the same bits. cpu/README.md has the table.
 //
 // Every element follows docs/numerics.md with the same operation order as the
 // reference; vector lanes and the scalar remainder loop compute identical bits.
@@ -21,34 +29,47 @@
 
 namespace stepcore::cpu::detail {
 
-/// Per-architecture primitives; specialised in each ISA's translation unit.
+/// Per-architecture primitives; specialised in each ISA's translation unit. Contract
+/// of the floating-point ones (all lanes, round to nearest even, no FTZ/DAZ):
+///   add/sub/mul/div/sqrt  one correctly rounded binary32 operation
+///   fma(a, b, c)          RN(a*b + c), one rounding
+///   gt/lt/eq              ordered compares: false when either operand is a NaN
+///   is_nan                true exactly for NaN lanes
+///   select(m, a, b)       m ? a : b, bit for bit (NaN payloads and zero signs kept)
+///   to_double             exact f32 -> binary64 widening of the low and high halves
+///   add_square(x, acc)    acc + x*x for x widened from f32 (x*x is exact in binary64,
+///                         so fused and unfused evaluation give the same bits)
+///   dadd, dsum            binary64 add; a horizontal sum in a fixed lane order
 template <class A>
 struct ArchOps;
 
 template <class A>
 struct Body {
-  using F = xsimd::batch<float, A>;
+  using Ops = ArchOps<A>;
+  using F = typename Ops::F;  // N binary32 lanes (opaque)
+  using D = typename Ops::D;  // N/2 binary64 lanes (opaque)
   using I = xsimd::batch<std::int32_t, A>;
   using U = xsimd::batch<std::uint32_t, A>;
-  using D = xsimd::batch<double, A>;
-  using Ops = ArchOps<A>;
-  static constexpr std::size_t N = F::size;
+  static constexpr std::size_t N = Ops::N;
+  static_assert(N == U::size, "ArchOps and xsimd disagree on the vector width");
   /// Software prefetch distance of the streaming loops (bytes ahead of the read).
   static constexpr std::size_t kPrefetchBytes = 1024;
 
   // ---- bit casts ----------------------------------------------------------------
-  static U as_u(F x) { return xsimd::bitwise_cast<U>(x); }
+  static U as_u(F x) { return Ops::as_u(x); }
   static U as_u(I x) { return xsimd::bitwise_cast<U>(x); }
   static I as_i(U x) { return xsimd::bitwise_cast<I>(x); }
-  static F as_f(U x) { return xsimd::bitwise_cast<F>(x); }
+  static F as_f(U x) { return Ops::as_f(x); }
+  static F splat(float x) { return Ops::set1(x); }
 
-  // ---- conversions (docs/numerics.md section 2) -----------------------------------
+  // ---- conversions (docs/numerics.md section 2), integer lanes only ----------------
+  /// True in lanes holding a NaN pattern (an integer test: exact on every ISA).
+  static auto nan_lanes(U u) { return as_i(u & U(0x7FFFFFFFu)) > I(0x7F800000); }
   /// f32 -> bf16 bits in the low half of each lane.
   static U bf16_bits(F x) {
     const U u = as_u(x);
     const U r = (u + U(0x7FFFu) + ((u >> 16) & U(1u))) >> 16;
-    const auto is_nan = as_i(u & U(0x7FFFFFFFu)) > I(0x7F800000);
-    return as_u(xsimd::select(is_nan, I(0x7FC0), as_i(r)));
+    return as_u(xsimd::select(nan_lanes(u), I(0x7FC0), as_i(r)));
   }
   /// R_bf16 of a gradient read, in place: f32 rounded to the bf16 grid, still an f32.
   /// Only for x = f32(g) * factor with g read from bf16 and a finite factor: a NaN x
@@ -69,7 +90,7 @@ struct Body {
     const U t = a - U(0x38000000u);  // rebias 127 -> 15 (normal results only)
     const U normal = (t + U(0xFFFu) + ((t >> 13) & U(1u))) >> 13;
     // |x| < 2^-14: adding 0.5 (ulp 2^-24) rounds |x| to the f16 subnormal grid, RNE.
-    const U sub = as_u(as_f(a) + F(0.5f)) - U(0x3F000000u);
+    const U sub = as_u(Ops::add(as_f(a), splat(0.5f))) - U(0x3F000000u);
     I r = xsimd::select(ai >= I(0x38800000), as_i(normal), as_i(sub));
     r = xsimd::select(ai >= I(0x477FF000), I(0x7C00), r);
     r = xsimd::select(ai > I(0x7F800000), I(0x7E00), r);
@@ -77,32 +98,32 @@ struct Body {
   }
   /// bf16 bits (low half of each lane) -> f32, exact.
   static F from_bf16(U h) { return as_f(h << 16); }
-  /// f16 bits (low half of each lane) -> f32, exact (subnormals scaled by 2^112).
+  /// f16 bits (low half of each lane) -> f32, exact (subnormals scaled by 2^112, a
+  /// power of two: the multiply is exact).
   static F from_f16(U h) {
     const U sign = (h & U(0x8000u)) << 16;
     const U em = h & U(0x7FFFu);
     const U shifted = em << 13;
-    const F finite = as_f(shifted) * F(0x1p112f);
+    const U finite = as_u(Ops::mul(as_f(shifted), splat(0x1p112f)));
     const U special = shifted | U(0x7F800000u);
     const auto is_special = as_i(em) >= I(0x7C00);
-    return as_f(as_u(xsimd::select(is_special, as_i(special), as_i(as_u(finite)))) | sign);
+    return as_f(as_u(xsimd::select(is_special, as_i(special), as_i(finite))) | sign);
   }
 
   // ---- typed loads and stores ------------------------------------------------------
-  static F load(const float* p) { return F::load_unaligned(p); }
+  static F load(const float* p) { return Ops::load(p); }
   static F load(const bfloat16_t* p) {
     return from_bf16(Ops::load_u16(reinterpret_cast<const std::uint16_t*>(p)));
   }
   static F load(const float16_t* p) {
     return from_f16(Ops::load_u16(reinterpret_cast<const std::uint16_t*>(p)));
   }
-  static void store(float* p, F x) { x.store_unaligned(p); }
+  static void store(float* p, F x) { Ops::store(p, x); }
   static void store(bfloat16_t* p, F x) {
     // Round in place on the f32 pattern, then keep each lane's high half.
     const U u = as_u(x);
     const U r = u + U(0x7FFFu) + ((u >> 16) & U(1u));
-    const U bits =
-        as_u(xsimd::select(xsimd::isnan(x), F(std::numeric_limits<float>::quiet_NaN()), as_f(r)));
+    const U bits = as_u(xsimd::select(nan_lanes(u), I(0x7FC00000), as_i(r)));
     Ops::store_hi16(reinterpret_cast<std::uint16_t*>(p), bits);
   }
   static void store(float16_t* p, F x) {
@@ -129,8 +150,8 @@ struct Body {
   template <int Mode, class T>
   static F read_mode(const T* p, F scale, F clip) {
     F x = load(p);
-    if constexpr (Mode >= 1) x = round_to<T>(x * scale);
-    if constexpr (Mode >= 2) x = round_to<T>(x * clip);
+    if constexpr (Mode >= 1) x = round_to<T>(Ops::mul(x, scale));
+    if constexpr (Mode >= 2) x = round_to<T>(Ops::mul(x, clip));
     return x;
   }
   static int read_mode_of(const GradientRead& r) {
@@ -177,33 +198,35 @@ struct Body {
   static void adamw_lanes(float* __restrict P, float* __restrict M, float* __restrict V,
                           const G* __restrict grad, O* __restrict out, const AdamWScalars s,
                           const GradientRead read, std::size_t i, std::size_t end) {
-    const F scale(read.scale), clip(read.clip);
-    const F decay(s.decay), b1(s.beta1), b2(s.beta2), omb1(s.one_minus_beta1),
-        omb2(s.one_minus_beta2), coeff(s.lerp_coeff), step_size(s.step_size), bc2(s.bc2_sqrt),
-        eps(s.eps);
+    const F scale = splat(read.scale), clip = splat(read.clip);
+    const F decay = splat(s.decay), b1 = splat(s.beta1), b2 = splat(s.beta2),
+            omb1 = splat(s.one_minus_beta1), omb2 = splat(s.one_minus_beta2),
+            coeff = splat(s.lerp_coeff), step_size = splat(s.step_size), bc2 = splat(s.bc2_sqrt),
+            eps = splat(s.eps);
     const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
     for (; i + N <= end; i += N) {
       const F g = read_mode<Mode>(grad + i, scale, clip);
-      F p = F::load_unaligned(P + i);
-      F m = F::load_unaligned(M + i);
-      F v = F::load_unaligned(V + i);
+      F p = Ops::load(P + i);
+      F m = Ops::load(M + i);
+      F v = Ops::load(V + i);
       if constexpr (!Torch) {
-        p = p * decay;
-        m = m * b1 + g * omb1;
-        v = v * b2 + (g * g) * omb2;
-        const F d = xsimd::sqrt(v) / bc2 + eps;
-        p = p - (step_size * m) / d;
+        // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
+        p = Ops::mul(p, decay);
+        m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
+        v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
+        const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+        p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
       } else {
-        if (apply_decay) p = p * decay;
-        const F diff = g - m;
+        if (apply_decay) p = Ops::mul(p, decay);
+        const F diff = Ops::sub(g, m);
         m = Ops::fma(coeff, diff, lerp_small ? m : g);
-        v = Ops::fma(omb2 * g, g, v * b2);
-        const F d = xsimd::sqrt(v) / bc2 + eps;
-        p = p + (step_size * m) / d;
+        v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
+        const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+        p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
       }
-      p.store_unaligned(P + i);
-      m.store_unaligned(M + i);
-      v.store_unaligned(V + i);
+      Ops::store(P + i, p);
+      Ops::store(M + i, m);
+      Ops::store(V + i, v);
       if constexpr (!std::is_void_v<O>) store(out + i, p);
     }
   }
@@ -235,19 +258,21 @@ struct Body {
   static void sign_sgd(const SignSgdRange& r, std::size_t begin, std::size_t end) {
     const SignSgdScalars& s = r.scalars;
     const G* grad = static_cast<const G*>(r.grad);
-    const F neg_lr(s.neg_lr), neg_lr_wd(s.neg_lr_wd), one(1.0f), minus_one(-1.0f), zero(0.0f);
+    const F neg_lr = splat(s.neg_lr), neg_lr_wd = splat(s.neg_lr_wd), one = splat(1.0f),
+            minus_one = splat(-1.0f), zero = splat(0.0f);
     std::size_t i = begin;
     for (; i + N <= end; i += N) {
       const F g = load(grad + i);
-      // +1, -1, +0 for zeros, and the NaN itself for NaN (selects keep g there).
-      F sg = xsimd::select(g > zero, one, xsimd::select(g < zero, minus_one, g));
-      sg = xsimd::select(g == zero, zero, sg);
-      F p = F::load_unaligned(r.param + i);
+      // +1, -1, +0 for zeros, and the NaN itself for NaN (ordered compares are false
+      // on a NaN, so the selects keep g there).
+      F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
+      sg = Ops::select(Ops::eq(g, zero), zero, sg);
+      F p = Ops::load(r.param + i);
       if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
       // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
       // separate multiply and add round once, like the FMA (cheap without FMA too).
-      p = p + sg * neg_lr;
-      p.store_unaligned(r.param + i);
+      p = Ops::add(p, Ops::mul(sg, neg_lr));
+      Ops::store(r.param + i, p);
       if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
     }
     for (; i < end; ++i)
@@ -261,13 +286,13 @@ struct Body {
     const S* src = static_cast<const S*>(src_v);
     std::size_t i = begin;
     if (copy) {
-      for (; i + N <= end; i += N) load(src + i).store_unaligned(acc + i);
+      for (; i + N <= end; i += N) Ops::store(acc + i, load(src + i));
       for (; i < end; ++i) acc[i] = to_f32(src[i]);
     } else {
       for (; i + N <= end; i += N) {
         __builtin_prefetch(acc + i + kPrefetchBytes / sizeof(float), 1);
         __builtin_prefetch(src + i + kPrefetchBytes / sizeof(float));
-        (F::load_unaligned(acc + i) + load(src + i)).store_unaligned(acc + i);
+        Ops::store(acc + i, Ops::add(Ops::load(acc + i), load(src + i)));
       }
       for (; i < end; ++i) acc[i] = acc[i] + to_f32(src[i]);
     }
@@ -276,9 +301,9 @@ struct Body {
   template <class T>
   static void scale(void* data_v, float s, std::size_t begin, std::size_t end) {
     T* data = static_cast<T*>(data_v);
-    const F sv(s);
+    const F sv = splat(s);
     std::size_t i = begin;
-    for (; i + N <= end; i += N) store(data + i, load(data + i) * sv);
+    for (; i + N <= end; i += N) store(data + i, Ops::mul(load(data + i), sv));
     for (; i < end; ++i) data[i] = from_f32<T>(to_f32(data[i]) * s);
   }
 
@@ -326,12 +351,12 @@ struct Body {
   template <class T, int Mode>
   static void norm_mode(const T* data, const GradientRead& read, std::size_t begin, std::size_t end,
                         NormPartial& out) {
-    const F scale(read.scale), clip(read.clip);
+    const F scale = splat(read.scale), clip = splat(read.clip);
     const U abs_mask(0x7FFFFFFFu);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {
       const std::size_t e = b + kNormBlockElements < end ? b + kNormBlockElements : end;
       // Four independent binary64 chains hide the FMA latency.
-      D acc0(0.0), acc1(0.0), acc2(0.0), acc3(0.0);
+      D acc0 = Ops::dzero(), acc1 = Ops::dzero(), acc2 = Ops::dzero(), acc3 = Ops::dzero();
       I mx(0), mx2(0);
       std::size_t i = b;
       if constexpr (std::is_same_v<T, bfloat16_t> && Mode == 0) {
@@ -345,10 +370,10 @@ struct Body {
           D xl, xh, yl, yh;
           Ops::to_double(x, xl, xh);
           Ops::to_double(y, yl, yh);
-          acc0 = Ops::muladd(xl, xl, acc0);
-          acc1 = Ops::muladd(xh, xh, acc1);
-          acc2 = Ops::muladd(yl, yl, acc2);
-          acc3 = Ops::muladd(yh, yh, acc3);
+          acc0 = Ops::add_square(xl, acc0);
+          acc1 = Ops::add_square(xh, acc1);
+          acc2 = Ops::add_square(yl, acc2);
+          acc3 = Ops::add_square(yh, acc3);
         }
         alignas(64) std::uint16_t m16[2 * N];
         mx16.store_aligned(reinterpret_cast<std::uint32_t*>(m16));
@@ -365,18 +390,18 @@ struct Body {
         D xl, xh, yl, yh;
         Ops::to_double(x, xl, xh);
         Ops::to_double(y, yl, yh);
-        acc0 = Ops::muladd(xl, xl, acc0);
-        acc1 = Ops::muladd(xh, xh, acc1);
-        acc2 = Ops::muladd(yl, yl, acc2);
-        acc3 = Ops::muladd(yh, yh, acc3);
+        acc0 = Ops::add_square(xl, acc0);
+        acc1 = Ops::add_square(xh, acc1);
+        acc2 = Ops::add_square(yl, acc2);
+        acc3 = Ops::add_square(yh, acc3);
       }
       for (; i + N <= e; i += N) {
         const F x = read_mode<Mode>(data + i, scale, clip);
         mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
         D xl, xh;
         Ops::to_double(x, xl, xh);
-        acc0 = Ops::muladd(xl, xl, acc0);
-        acc1 = Ops::muladd(xh, xh, acc1);
+        acc0 = Ops::add_square(xl, acc0);
+        acc1 = Ops::add_square(xh, acc1);
       }
       mx = xsimd::max(mx, mx2);
       alignas(64) std::int32_t lanes[N];
@@ -396,7 +421,7 @@ struct Body {
         norm_exact(data, read, b, e, out);
         continue;
       }
-      const double sum = xsimd::hadd((acc0 + acc1) + (acc2 + acc3)) + tail;
+      const double sum = Ops::dsum(Ops::dadd(Ops::dadd(acc0, acc1), Ops::dadd(acc2, acc3))) + tail;
       ::stepcore::detail::deposit_double(out.digits, sum);
       if (block_max > out.max_abs_bits) out.max_abs_bits = block_max;
       out.approximate = 1;
@@ -421,9 +446,79 @@ struct Body {
     t.norm_exact[g] = &norm_exact_range<G>;
   }
 
+  // ---- the primitives, over arrays (for the primitive tests) -------------------------
+  static void primitive(Primitive op, const float* a, const float* b, const float* c, float* out,
+                        std::size_t n) {
+    const F one = splat(1.0f), zero = splat(0.0f);
+    for (std::size_t i = 0; i + N <= n; i += N) {
+      const F x = Ops::load(a + i), y = Ops::load(b + i), z = Ops::load(c + i);
+      F r = zero;
+      switch (op) {
+        case Primitive::add:
+          r = Ops::add(x, y);
+          break;
+        case Primitive::sub:
+          r = Ops::sub(x, y);
+          break;
+        case Primitive::mul:
+          r = Ops::mul(x, y);
+          break;
+        case Primitive::div:
+          r = Ops::div(x, y);
+          break;
+        case Primitive::sqrt:
+          r = Ops::sqrt(x);
+          break;
+        case Primitive::fma:
+          r = Ops::fma(x, y, z);
+          break;
+        case Primitive::gt:
+          r = Ops::select(Ops::gt(x, y), one, zero);
+          break;
+        case Primitive::lt:
+          r = Ops::select(Ops::lt(x, y), one, zero);
+          break;
+        case Primitive::eq:
+          r = Ops::select(Ops::eq(x, y), one, zero);
+          break;
+        case Primitive::is_nan:
+          r = Ops::select(Ops::is_nan(x), one, zero);
+          break;
+        case Primitive::select:
+          r = Ops::select(Ops::lt(z, zero), x, y);
+          break;
+      }
+      Ops::store(out + i, r);
+    }
+  }
+  static void primitive64(Primitive64 op, const float* x, const double* acc, double* out,
+                          std::size_t n) {
+    constexpr std::size_t H = N / 2;
+    for (std::size_t i = 0; i + N <= n; i += N) {
+      D lo, hi;
+      Ops::to_double(Ops::load(x + i), lo, hi);
+      switch (op) {
+        case Primitive64::widen:
+          Ops::dstore(out + i, lo);
+          Ops::dstore(out + i + H, hi);
+          break;
+        case Primitive64::add_square:
+          Ops::dstore(out + i, Ops::add_square(lo, Ops::dload(acc + i)));
+          Ops::dstore(out + i + H, Ops::add_square(hi, Ops::dload(acc + i + H)));
+          break;
+        case Primitive64::dsum:
+          out[i] = Ops::dsum(Ops::dload(acc + i));
+          break;
+      }
+    }
+  }
+
   static KernelTable make_table(const char* name) {
     KernelTable t{};
     t.isa = name;
+    t.width = N;
+    t.primitive = &primitive;
+    t.primitive64 = &primitive64;
     fill_grad<float>(t, static_cast<int>(DType::f32));
     fill_grad<bfloat16_t>(t, static_cast<int>(DType::bf16));
     fill_grad<float16_t>(t, static_cast<int>(DType::f16));

@@ -18,6 +18,7 @@
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
+#include "isa_list.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {
@@ -191,7 +192,7 @@ TEST(CpuEngine, AdamWMatchesReferenceOnEveryIsaAndThreadCount) {
     Model input = ref;
     auto rt = ref.adamw();
     reference::adamw_step(rt, cfg, read);
-    for (cpu::Isa isa : cpu::supported_isas()) {
+    for (cpu::Isa isa : testing_support::isas_under_test()) {
       for (int threads : kThreadCounts) {
         SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
         Model eng = input;
@@ -217,7 +218,7 @@ TEST(CpuEngine, SignSgdMatchesReference) {
         auto rt = ref.sign_sgd();
         const SignSgdConfig cfg{1e-3, wd};
         reference::sign_sgd_step(rt, cfg);
-        for (cpu::Isa isa : cpu::supported_isas()) {
+        for (cpu::Isa isa : testing_support::isas_under_test()) {
           for (int threads : kThreadCounts) {
             Model eng = input;
             auto et = eng.sign_sgd();
@@ -247,7 +248,7 @@ TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
     Model input = ref;
     auto rt = ref.adamw();
     reference::adamw_step(rt, cfg, read);
-    for (cpu::Isa isa : cpu::supported_isas()) {
+    for (cpu::Isa isa : testing_support::isas_under_test()) {
       for (int threads : {2, 7}) {
         Model eng = input;
         auto et = eng.adamw();
@@ -292,7 +293,7 @@ TEST(CpuEngine, AccumulateAndScaleMatchReference) {
                       {src[k].data() + dtype_size(d), sizes[k], d},
                       copy});
       reference::accumulate(rp);
-      for (cpu::Isa isa : cpu::supported_isas()) {
+      for (cpu::Isa isa : testing_support::isas_under_test()) {
         for (int threads : kThreadCounts) {
           auto eng = acc;
           std::vector<AccumulatePair> ep;
@@ -313,7 +314,7 @@ TEST(CpuEngine, AccumulateAndScaleMatchReference) {
         for (std::size_t k = 0; k < sizes.size(); ++k)
           rv.push_back({ref_src[k].data() + dtype_size(d), sizes[k], d});
         reference::scale_(rv, s);
-        for (cpu::Isa isa : cpu::supported_isas()) {
+        for (cpu::Isa isa : testing_support::isas_under_test()) {
           for (int threads : {1, 3}) {
             auto eng_src = src;
             std::vector<TensorView> ev;
@@ -367,7 +368,7 @@ TEST(CpuEngine, NormMatchesReferenceBits) {
         NormData data = norm_data(d, sizes, seed++, scale);
         const NormPartial ref_partial = reference::norm_partial(data.views, read);
         const NormResult ref = finalize(ref_partial);
-        for (cpu::Isa isa : cpu::supported_isas()) {
+        for (cpu::Isa isa : testing_support::isas_under_test()) {
           for (int threads : kThreadCounts) {
             const cpu::Engine eng(cpu::EngineConfig{isa, threads});
             const NormResult got = eng.norm(data.views, read);
@@ -393,7 +394,7 @@ TEST(CpuEngine, NormCountsNonFinite) {
   x[4000] = INFINITY;
   x[4001] = -INFINITY;
   const std::vector<ConstTensorView> v{{x.data(), x.size(), DType::f32}};
-  for (cpu::Isa isa : cpu::supported_isas()) {
+  for (cpu::Isa isa : testing_support::isas_under_test()) {
     const NormResult r = cpu::Engine(cpu::EngineConfig{isa, 2}).norm(v);
     EXPECT_TRUE(std::isnan(r.norm));
     EXPECT_FALSE(r.finite);
@@ -401,7 +402,7 @@ TEST(CpuEngine, NormCountsNonFinite) {
     EXPECT_EQ(r.inf_count, 2u);
   }
   x[17] = 0.5f;
-  for (cpu::Isa isa : cpu::supported_isas()) {
+  for (cpu::Isa isa : testing_support::isas_under_test()) {
     const NormResult r = cpu::Engine(cpu::EngineConfig{isa, 2}).norm(v);
     EXPECT_EQ(f32_bits(r.norm), f32_bits(INFINITY));
     EXPECT_EQ(r.inf_count, 2u);
@@ -437,7 +438,7 @@ TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
       Model eng_model = ref_model;
       auto rt = ref_model.adamw();
       reference::adamw_step(rt, AdamWConfig{}, read);
-      for (cpu::Isa isa : cpu::supported_isas()) {
+      for (cpu::Isa isa : testing_support::isas_under_test()) {
         const cpu::Engine eng(cpu::EngineConfig{isa, 2});
         const NormResult got = eng.norm(views, read);
         EXPECT_EQ(got.nan_count, ref.nan_count) << cpu::isa_name(isa);
@@ -461,7 +462,7 @@ TEST(CpuEngine, NormOnARoundingTieFallsBackToExact) {
                                            {c.data(), c.size(), DType::f32}};
   const NormResult ref = finalize(reference::norm_partial(views));
   EXPECT_EQ(ref.norm, 33554432.0f) << "tie rounds to the even neighbour 2^25";
-  for (cpu::Isa isa : cpu::supported_isas()) {
+  for (cpu::Isa isa : testing_support::isas_under_test()) {
     const cpu::Engine eng(cpu::EngineConfig{isa, 1});
     const NormResult fast = finalize(eng.norm_partial(views));
     EXPECT_TRUE(fast.needs_exact) << "a tie cannot be certified from an approximate partial";

@@ -599,6 +599,13 @@ Backend make_backend(const Options& o) {
                      : env_set("STEPCORE_THREADS") ? std::string("STEPCORE_THREADS")
                                                    : std::string("affinity mask")) +
                     ")";
+    char selftest[96];
+    std::snprintf(selftest, sizeof selftest, "; %s self-test passed (%.2f ms)",
+                  std::string(e.isa_name()).c_str(), e.self_test().seconds * 1e3);
+    b.description += selftest;
+    for (const sc::cpu::SelfTestResult& r : e.rejected_isas())
+      b.description += "; " + std::string(sc::cpu::isa_name(r.isa)) + " failed its self-test (" +
+                       r.kernel + "), not used";
     return b;
   }
   throw UsageError("--backend: unknown backend '" + o.backend + "' (available: cpu, reference)");

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -35,10 +36,27 @@ std::vector<Isa> supported_isas();
 /// Returns the best ISA this processor can run.
 Isa best_isa();
 
+/// The outcome of one ISA's known-answer self-test (docs/numerics.md section 13):
+/// every kernel of the ISA run on a small built-in adversarial input and compared
+/// with stepcore::reference bit for bit.
+struct SelfTestResult {
+  Isa isa = Isa::sse2;
+  bool passed = false;
+  std::string
+      kernel;  ///< the first kernel that differed, e.g. "adamw (torch, grad bf16, output f16)"
+  std::string detail;  ///< where: the case, the element, the reference's and the kernel's bits
+  double seconds = 0;  ///< how long the self-test took (wall clock, on first use)
+};
+
+/// Returns the self-test result of `isa`, running the self-test on first use in this
+/// process (thread-safe; later calls return the recorded result). Throws
+/// Errc::not_supported when this processor cannot run `isa`.
+SelfTestResult self_test(Isa isa);
+
 /// Engine settings. Unset fields come from the environment, then the machine:
-/// isa from STEPCORE_ISA, else best_isa(); threads from STEPCORE_THREADS, else
-/// the number of CPUs in this process's affinity mask (never OMP_NUM_THREADS,
-/// which launchers set to 1).
+/// isa from STEPCORE_ISA, else the best ISA whose self-test passes; threads from STEPCORE_THREADS,
+/// else the number of CPUs in this process's affinity mask (never OMP_NUM_THREADS, which launchers
+/// set to 1).
 struct EngineConfig {
   std::optional<Isa> isa;
   int threads = 0;  ///< 0: from STEPCORE_THREADS or the affinity mask (or cpus.size())
@@ -67,14 +85,22 @@ class Engine {
   /// Elements per work chunk (a multiple of every vector width and cache line).
   static constexpr std::size_t kChunkElements = std::size_t{1} << 15;
 
-  /// Throws Errc::not_supported when the requested ISA is not available here,
-  /// Errc::invalid_argument for a bad thread count or environment value.
+  /// Throws Errc::not_supported when the requested ISA (config.isa or STEPCORE_ISA)
+  /// is not available here or fails its self-test (the message names the kernel),
+  /// Errc::invalid_argument for a bad thread count or environment value. An ISA the
+  /// engine chooses itself that fails its self-test is skipped for the best lower one
+  /// that passes, with one warning per process on stderr naming the ISA and kernel.
   explicit Engine(EngineConfig config = {});
 
   /// Returns the ISA in use.
   Isa isa() const noexcept { return isa_; }
   /// Returns its name ("avx2", ...).
   std::string_view isa_name() const noexcept { return cpu::isa_name(isa_); }
+  /// Returns the self-test result of the ISA in use (always passed).
+  const SelfTestResult& self_test() const noexcept { return self_test_; }
+  /// Returns the results of the higher ISAs this engine skipped because their
+  /// self-test failed (empty unless a fallback happened; never for an ISA asked for).
+  const std::vector<SelfTestResult>& rejected_isas() const noexcept { return rejected_; }
   /// Returns the number of threads each call uses.
   int threads() const noexcept { return threads_; }
   /// Returns the PUs workers are bound to (empty: unbound).
@@ -109,9 +135,11 @@ class Engine {
   NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
 
  private:
-  Isa isa_;
-  int threads_;
+  Isa isa_ = Isa::sse2;
+  int threads_ = 0;
   std::vector<int> cpus_;
+  SelfTestResult self_test_;
+  std::vector<SelfTestResult> rejected_;
 };
 
 }  // namespace stepcore::cpu
