@@ -14,11 +14,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "isa_list.hpp"
 #include "stepcore/convert.hpp"
+#include "stepcore/cpu.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {
@@ -294,7 +298,14 @@ struct Tally {
 // after the previous step (identical to chaining when the reference agrees), so a
 // disagreement is reported at the step and element where it arises. Returns the number
 // of differing element-steps; reports them per quantity when `report`.
-std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config, bool report) {
+using AdamWStepFn =
+    std::function<void(std::span<const stepcore::AdamWTensor>, const stepcore::AdamWConfig&)>;
+void reference_adamw(std::span<const stepcore::AdamWTensor> ts, const stepcore::AdamWConfig& c) {
+  stepcore::reference::adamw_step(ts, c);
+}
+
+std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config, bool report,
+                         const AdamWStepFn& step = reference_adamw) {
   const std::size_t K = k.sizes.size();
   const std::size_t w = 8;  // torch's AVX2 vector width, only for the report
   Tally tp, tm, tv;
@@ -317,7 +328,7 @@ std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config
       ts[t].step = &count[t];
       ts[t].grad = st.grad[t].view();
     }
-    stepcore::reference::adamw_step(ts, config);
+    step(ts, config);
     for (std::size_t t = 0; t < K; ++t) {
       const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
                                 " (numel " + std::to_string(k.sizes[t]) + ")";
@@ -374,6 +385,35 @@ TEST(GoldenAdamW, DataDistinguishesTheScalarTail) {
   EXPECT_GT(mismatches, 0u);
 }
 
+// torch's fused AdamW on an AVX-512 processor runs its AVX2 kernel (REGISTER_DISPATCH
+// leaves the AVX-512 slot empty; docs/numerics.md 7.2), so its tail is 8 wide there too:
+// a 16-wide tail must disagree with the data, which has tensors of 8 < numel mod 16.
+TEST(GoldenAdamW, DataRejectsASixteenWideTail) {
+  std::size_t mismatches = 0;
+  for (const auto& k : adamw_cases()) {
+    auto config = k.config;
+    config.torch_tail_width = 16;
+    mismatches += replay_adamw(k, config, /*report=*/false);
+  }
+  EXPECT_GT(mismatches, 0u);
+}
+
+// The CPU engine on every ISA and several thread counts replays torch's steps bit for bit.
+TEST(GoldenAdamW, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
+  for (const stepcore::cpu::Isa isa : stepcore::testing_support::isas_under_test()) {
+    for (const int threads : {1, 3}) {
+      const stepcore::cpu::Engine engine(stepcore::cpu::EngineConfig{isa, threads});
+      for (const auto& k : adamw_cases()) {
+        SCOPED_TRACE("case " + k.name + ", " + std::string(engine.isa_name()) + ", threads " +
+                     std::to_string(threads));
+        replay_adamw(k, k.config, /*report=*/true,
+                     [&](std::span<const stepcore::AdamWTensor> ts,
+                         const stepcore::AdamWConfig& c) { engine.adamw_step(ts, c); });
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- SignSGD
 
 struct SignSgdCase {
@@ -424,8 +464,9 @@ const std::vector<SignSgdCase>& sign_sgd_cases() {
   return cases;
 }
 
-// Chains every step of a case through the reference from torch's initial parameters.
-void replay_sign_sgd(const SignSgdCase& k) {
+// Chains every step of a case through the reference (or `engine`) from torch's initial
+// parameters.
+void replay_sign_sgd(const SignSgdCase& k, const stepcore::cpu::Engine* engine = nullptr) {
   const std::size_t K = k.sizes.size();
   std::vector<std::vector<float>> p = k.init;
   for (std::size_t s = 0; s < k.grad.size(); ++s) {
@@ -434,7 +475,10 @@ void replay_sign_sgd(const SignSgdCase& k) {
       ts[t].param = {p[t].data(), p[t].size(), DType::f32};
       ts[t].grad = k.grad[s][t].view();
     }
-    stepcore::reference::sign_sgd_step(ts, k.config);
+    if (engine != nullptr)
+      engine->sign_sgd_step(ts, k.config);
+    else
+      stepcore::reference::sign_sgd_step(ts, k.config);
     for (std::size_t t = 0; t < K; ++t)
       ASSERT_TRUE(same_bits(k.param[s][t], p[t]))
           << k.name << " step " << s + 1 << " tensor " << t << " (numel " << k.sizes[t] << ")";
@@ -478,6 +522,17 @@ TEST(GoldenSignSgd, ReferenceMatchesPlainTorchSignSgdBitForBit) {
     ++replayed;
   }
   EXPECT_GE(replayed, 4);
+}
+
+TEST(GoldenSignSgd, CpuEngineOnEveryIsaMatchesPlainTorchSignSgd) {
+  for (const stepcore::cpu::Isa isa : stepcore::testing_support::isas_under_test()) {
+    const stepcore::cpu::Engine engine(stepcore::cpu::EngineConfig{isa, 2});
+    for (const auto& k : sign_sgd_cases()) {
+      if (has_nan_gradient(k)) continue;
+      SCOPED_TRACE("case " + k.name + ", " + std::string(engine.isa_name()));
+      replay_sign_sgd(k, &engine);
+    }
+  }
 }
 
 // torch.sign(NaN) is +0 on CPU, so plain PyTorch SignSGD silently leaves a parameter
@@ -590,6 +645,17 @@ TEST(GoldenClip, ExactNormMatchesPythonFractions) {
     const auto r = stepcore::finalize(stepcore::reference::norm_partial(const_views(k.grad)));
     EXPECT_TRUE(r.finite) << k.name;
     EXPECT_EQ(hex32(stepcore::f32_bits(r.norm)), hex32(stepcore::f32_bits(k.norm_exact))) << k.name;
+  }
+}
+
+TEST(GoldenClip, CpuEngineNormOnEveryIsaMatchesPythonFractions) {
+  for (const stepcore::cpu::Isa isa : stepcore::testing_support::isas_under_test()) {
+    const stepcore::cpu::Engine engine(stepcore::cpu::EngineConfig{isa, 2});
+    for (const auto& k : clip_cases()) {
+      const auto r = engine.norm(const_views(k.grad));
+      EXPECT_EQ(hex32(stepcore::f32_bits(r.norm)), hex32(stepcore::f32_bits(k.norm_exact)))
+          << k.name << " " << engine.isa_name();
+    }
   }
 }
 

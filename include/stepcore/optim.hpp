@@ -27,8 +27,9 @@ struct AdamWConfig {
   AdamWFormula formula = AdamWFormula::native;
   /// torch formula only: torch's kernel runs its last (numel mod W) elements of
   /// each tensor through a scalar loop that its compiler fused as v = fma(v, b2, c*g*g),
-  /// while the vector body computes v = fma(c*g, g, v*b2). W is torch's
-  /// CPU vector width in floats: 8 for its AVX2 build, 16 for AVX-512. 0 or 1:
+  /// while the vector body computes v = fma(c*g, g, v*b2). W is the width in floats of
+  /// the torch kernel that runs: 8 on every AVX2 and AVX-512 processor (torch 2.15
+  /// dispatches its AVX2 build of fused AdamW on AVX-512; docs/numerics.md 7.2). 0 or 1:
   /// use the vector-body form everywhere.
   int torch_tail_width = 8;
 };
