@@ -9,6 +9,7 @@
 // FLT_MAX, ±Inf and NaN payloads, and pairs where a fused and an unfused multiply-add
 // disagree. Comparison follows the spec: exact bits, except that two f32 (or f16) NaNs
 // produced by arithmetic are equal whatever their payload and sign.
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -374,10 +375,11 @@ bool check_norm(const KernelTable& t, Failure& fail) {
 // ---- the once-per-process record ------------------------------------------------------
 
 struct Registry {
-  std::mutex mutex;
+  std::mutex mutex;  ///< guards results and warned (not the hot-path table lookup)
   std::optional<SelfTestResult> results[3];
-  const KernelTable* overrides[3] = {};
   bool warned[3] = {};
+  /// A test's replacement tables; read on every engine call, so atomic, not locked.
+  std::atomic<const KernelTable*> overrides[3] = {};
 };
 
 Registry& registry() {
@@ -395,6 +397,13 @@ const KernelTable& builtin_table(Isa isa) {
       return detail::kernel_table_avx512();
   }
   throw Error(Errc::internal, "isa", "no kernel table");
+}
+
+/// The table engines of `isa` run: a test's replacement, else the built-in one.
+const KernelTable& table_in_force(Isa isa) {
+  const KernelTable* t =
+      registry().overrides[static_cast<int>(isa)].load(std::memory_order_acquire);
+  return t != nullptr ? *t : builtin_table(isa);
 }
 
 SelfTestResult run_self_test(Isa isa, const KernelTable& table) {
@@ -416,14 +425,7 @@ SelfTestResult run_self_test(Isa isa, const KernelTable& table) {
 
 namespace detail {
 
-const KernelTable& kernel_table(Isa isa) {
-  Registry& reg = registry();
-  {
-    const std::lock_guard<std::mutex> lock(reg.mutex);
-    if (const KernelTable* t = reg.overrides[static_cast<int>(isa)]) return *t;
-  }
-  return builtin_table(isa);
-}
+const KernelTable& kernel_table(Isa isa) { return table_in_force(isa); }
 
 bool warn_once_about(Isa isa) {
   Registry& reg = registry();
@@ -440,7 +442,7 @@ namespace testing {
 void override_kernel_table(Isa isa, const detail::KernelTable* table) {
   Registry& reg = registry();
   const std::lock_guard<std::mutex> lock(reg.mutex);
-  reg.overrides[static_cast<int>(isa)] = table;
+  reg.overrides[static_cast<int>(isa)].store(table, std::memory_order_release);
   reg.results[static_cast<int>(isa)].reset();
   reg.warned[static_cast<int>(isa)] = false;
 }
@@ -458,10 +460,7 @@ SelfTestResult self_test(Isa isa) {
   Registry& reg = registry();
   const std::lock_guard<std::mutex> lock(reg.mutex);
   std::optional<SelfTestResult>& slot = reg.results[static_cast<int>(isa)];
-  if (!slot) {
-    const KernelTable* t = reg.overrides[static_cast<int>(isa)];
-    slot = run_self_test(isa, t ? *t : builtin_table(isa));
-  }
+  if (!slot) slot = run_self_test(isa, table_in_force(isa));
   return *slot;
 }
 

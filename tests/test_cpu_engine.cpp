@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "isa_list.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
-#include "isa_list.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {
