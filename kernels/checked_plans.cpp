@@ -109,21 +109,24 @@ std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
   return plans;
 }
 
-std::vector<AdamWLaunchArgs> checked_adamw_plan(std::span<const AdamWTensor> d_tensors,
-                                                const AdamWConfig& config, const float* d_scale,
-                                                const float* d_clip,
-                                                const std::int32_t* d_found_inf,
-                                                const MemoryCheck& check) {
-  if (d_scale == nullptr) throw Error(Errc::null_pointer, "d_scale", "required");
-  if (d_clip == nullptr) throw Error(Errc::null_pointer, "d_clip", "required");
-  ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{});  // before any memory
-  check(d_scale, sizeof(float), "d_scale");
-  check(d_clip, sizeof(float), "d_clip");
-  if (d_found_inf != nullptr) check(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                             const AdamWDeviceArgs& d, const MemoryCheck& check) {
+  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
+  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
+  if (d.bias_table == nullptr)
+    throw Error(Errc::null_pointer, "d.bias_table", "required: gpu::make_adamw_bias_table(config)");
+  ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{},
+                                     ::stepcore::detail::StepCounters::unread);  // before memory
+  check(d.scale, sizeof(float), "d.scale");
+  check(d.clip, sizeof(float), "d.clip");
+  check(d.bias_table, 2 * sizeof(double), "d.bias_table");
+  if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), "d.found_inf");
+  if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), "d.hyper");
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
     const AdamWTensor& t = d_tensors[i];
-    if (t.param.numel == 0) continue;
     using ::stepcore::detail::arg_name;
+    check(t.step, sizeof(float), arg_name("d_tensors", i, "step"));
+    if (t.param.numel == 0) continue;
     check(t.param.data, t.param.bytes(), arg_name("d_tensors", i, "param"));
     check(t.exp_avg.data, t.exp_avg.bytes(), arg_name("d_tensors", i, "exp_avg"));
     check(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), arg_name("d_tensors", i, "exp_avg_sq"));
@@ -133,15 +136,16 @@ std::vector<AdamWLaunchArgs> checked_adamw_plan(std::span<const AdamWTensor> d_t
             arg_name("d_tensors", i, "compute_param"));
   }
   const LaunchLimits lim = launch_limits(true);
-  return make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);  // steps
+  return make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
 }
 
 std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
                                                      const SignSgdConfig& config,
-                                                     const std::int32_t* d_found_inf,
+                                                     const SignSgdDeviceArgs& d,
                                                      const MemoryCheck& check) {
   ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});  // before memory
-  if (d_found_inf != nullptr) check(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+  if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), "d.found_inf");
+  if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), "d.hyper");
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
     const SignSgdTensor& t = d_tensors[i];
     if (t.param.numel == 0) continue;

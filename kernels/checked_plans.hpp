@@ -42,18 +42,15 @@ LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float
 std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
     std::span<const AccumulatePair> d_pairs, const MemoryCheck& check);
 
-/// Validates an AdamW call (scalars, tensors, then memory) and returns its launches;
-/// the step counters advance here, after every check passed.
-std::vector<AdamWLaunchArgs> checked_adamw_plan(std::span<const AdamWTensor> d_tensors,
-                                                const AdamWConfig& config, const float* d_scale,
-                                                const float* d_clip,
-                                                const std::int32_t* d_found_inf,
-                                                const MemoryCheck& check);
+/// Validates an AdamW call (device inputs, tensors, then memory: every tensor's
+/// buffers and step counter) and returns its plan. Nothing is read from device memory.
+AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                             const AdamWDeviceArgs& d, const MemoryCheck& check);
 
 /// Validates a SignSGD call and returns its launches.
 std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
                                                      const SignSgdConfig& config,
-                                                     const std::int32_t* d_found_inf,
+                                                     const SignSgdDeviceArgs& d,
                                                      const MemoryCheck& check);
 
 /// Validates the scalars of finalize_and_clip / finalize_exact_and_clip.

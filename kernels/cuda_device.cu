@@ -215,6 +215,25 @@ class CudaDevice final : public Device {
     return Event(std::move(s));
   }
 
+  Event record_on(cudaStream_t stream) override {
+    const DeviceGuard guard(ordinal_);
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    auto s = std::make_shared<CudaEventState>(e);
+    check(cudaEventRecord(e, stream), "cudaEventRecord");
+    return Event(std::move(s));
+  }
+
+  void wait_on(cudaStream_t stream, const Event& e) override {
+    if (e.empty()) return;
+    if (auto* c = dynamic_cast<CudaEventState*>(e.state().get())) {
+      const DeviceGuard guard(ordinal_);
+      check(cudaStreamWaitEvent(stream, c->event(), 0), "cudaStreamWaitEvent");
+    } else {
+      e.state()->wait();
+    }
+  }
+
   void wait(Queue q, const Event& e) override {
     detail::check_queue(q);
     if (e.empty()) return;
@@ -282,16 +301,15 @@ class CudaDevice final : public Device {
   }
 
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const float* d_scale, const float* d_clip,
-                  const std::int32_t* d_found_inf) override {
+                  const AdamWDeviceArgs& d) override {
     const DeviceGuard guard(ordinal_);
-    gpu::adamw_step(d_tensors, config, d_scale, d_clip, d_found_inf, compute());
+    gpu::adamw_step(d_tensors, config, d, compute());
   }
 
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const std::int32_t* d_found_inf) override {
+                     const SignSgdDeviceArgs& d) override {
     const DeviceGuard guard(ordinal_);
-    gpu::sign_sgd_step(d_tensors, config, d_found_inf, compute());
+    gpu::sign_sgd_step(d_tensors, config, d, compute());
   }
 
   cudaStream_t compute_stream() const noexcept override { return streams_[0]; }

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "../src/core/fp_env.hpp"
 #include "../src/core/validate.hpp"
 #include "block_bodies.hpp"
 #include "stepcore/error.hpp"
@@ -13,10 +14,11 @@ namespace stepcore::gpu {
 
 namespace {
 
-/// Splits tensors [0, count) into chunk tasks of kChunkElements, packed into launches of
-/// type Args (at most max_blocks tasks and max_tensors tensors each): `numel(i)` gives
-/// tensor i's size, `bind(args, slot, i)` fills the launch's per-tensor fields for it.
-/// Empty tensors get no task; a tensor continuing into the next launch is bound again.
+/// Splits tensors [0, count) into chunks of kChunkElements, one block each, packed into
+/// launches of type Args (at most max_blocks blocks and max_tensors tensor slots each):
+/// `numel(i)` gives tensor i's size, `bind(args, slot, i)` fills the launch's per-tensor
+/// fields for it. Empty tensors get no block; a tensor continuing into the next launch
+/// takes a slot there too.
 template <class Args, class Numel, class Bind>
 std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int max_blocks,
                                  int max_tensors, const Args& blank) {
@@ -29,18 +31,18 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
   };
   for (std::size_t i = 0; i < count; ++i) {
     const std::uint64_t n = numel(i);
-    int slot = -1;
-    for (std::uint64_t b = 0; b < n; b += kChunkElements) {
-      if (cur.num_blocks == max_blocks || (slot < 0 && cur.num_tensors == max_tensors)) {
-        flush();
-        slot = -1;
-      }
-      if (slot < 0) {
-        slot = cur.num_tensors++;
-        bind(cur, slot, i);
-      }
-      cur.tasks[cur.num_blocks++] = BlockTask{static_cast<std::uint16_t>(slot), b,
-                                              std::min<std::uint64_t>(n, b + kChunkElements)};
+    const std::uint64_t chunks = (n + kChunkElements - 1) / kChunkElements;
+    for (std::uint64_t c = 0; c < chunks;) {
+      if (cur.num_blocks == max_blocks || cur.num_tensors == max_tensors) flush();
+      const int slot = cur.num_tensors++;
+      bind(cur, slot, i);
+      const std::uint64_t take =
+          std::min<std::uint64_t>(chunks - c, static_cast<std::uint64_t>(max_blocks - cur.num_blocks));
+      cur.map.numel[slot] = n;
+      cur.map.first_chunk[slot] = c;
+      cur.num_blocks += static_cast<int>(take);
+      cur.map.block_end[slot] = static_cast<std::uint32_t>(cur.num_blocks);
+      c += take;
     }
   }
   flush();
@@ -85,23 +87,18 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   return plan;
 }
 
-std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors,
-                                             const AdamWConfig& config, int max_blocks,
-                                             int max_tensors) {
+AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                          int max_blocks, int max_tensors) {
   check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
-  ::stepcore::detail::validate_adamw(tensors, config, GradientRead{});
+  ::stepcore::detail::validate_adamw(tensors, config, GradientRead{},
+                                     ::stepcore::detail::StepCounters::unread);
   const bool torch = config.formula == AdamWFormula::torch;
   const std::uint64_t w =
       config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
-  std::vector<AdamWScalars> scalars(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    *tensors[i].step =
-        *tensors[i].step + 1.0f;  // the counter advances first, also for empty tensors
-    scalars[i] = prepare_adamw_scalars(config, *tensors[i].step);
-  }
   AdamWLaunchArgs blank{};
-  blank.torch = torch;
-  return build_launches(
+  blank.config = config;
+  AdamWPlan plan;
+  plan.launches = build_launches(
       tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
       [&](AdamWLaunchArgs& a, int slot, std::size_t i) {
         const AdamWTensor& t = tensors[i];
@@ -112,10 +109,48 @@ std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensor
         a.grad_dtype[slot] = t.grad.dtype;
         a.out[slot] = t.compute_param.data;
         a.out_kind[slot] = output_kind(t.compute_param);
-        a.scalars[slot] = scalars[i];
+        a.step[slot] = t.step;
         a.tail_begin[slot] = torch ? t.param.numel - t.param.numel % w : t.param.numel;
       },
       max_blocks, max_tensors, blank);
+  // Every counter advances once per step, empty tensors' too (as on the host).
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    if (plan.counters.empty() || plan.counters.back().count == kMaxCountersPerLaunch)
+      plan.counters.push_back(StepCounterArgs{});
+    StepCounterArgs& c = plan.counters.back();
+    c.step[c.count++] = tensors[i].step;
+  }
+  return plan;
+}
+
+std::vector<double> make_adamw_bias_table(const AdamWConfig& config) {
+  ::stepcore::detail::validate_adamw({}, config, GradientRead{});
+  const ::stepcore::detail::FpEnvGuard env;
+  std::vector<double> bc1, bc2;
+  // Steps until 1 - beta^t rounds to 1: beta^t <= 2^-54 from then on (pow decreases in
+  // t and errs by less than an ulp), so every later correction is exactly 1.
+  auto fill = [&](std::vector<double>& out, bool second, const char* name) {
+    for (std::uint32_t t = 1;; ++t) {
+      const ::stepcore::detail::BiasCorrections bc =
+          ::stepcore::detail::adamw_bias_corrections(config, static_cast<float>(t));
+      const double v = second ? bc.bc2 : bc.bc1;
+      if (v == 1.0) return;
+      if (t == kMaxBiasTableSteps)
+        throw Error(Errc::not_supported, name,
+                    "so close to 1 that its bias correction differs from 1 beyond 2^22 steps; "
+                    "the device bias table does not cover it");
+      out.push_back(v);
+    }
+  };
+  fill(bc1, false, "config.beta1");
+  fill(bc2, true, "config.beta2");
+  std::vector<double> table;
+  table.reserve(2 + bc1.size() + bc2.size());
+  table.push_back(static_cast<double>(bc1.size()));
+  table.push_back(static_cast<double>(bc2.size()));
+  table.insert(table.end(), bc1.begin(), bc1.end());
+  table.insert(table.end(), bc2.begin(), bc2.end());
+  return table;
 }
 
 std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
@@ -124,7 +159,8 @@ std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor>
   check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
   ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
   SignSgdLaunchArgs blank{};
-  blank.scalars = prepare_sign_sgd_scalars(config);
+  blank.lr = config.lr;
+  blank.weight_decay = config.weight_decay;
   return build_launches(
       tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
       [&](SignSgdLaunchArgs& a, int slot, std::size_t i) {
@@ -218,22 +254,31 @@ void scale(const LaunchPlan& plan, float factor, int threads) {
       for (int t = 0; t < threads; ++t) detail::scale_thread(a, b, t, threads, factor);
 }
 
-void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,
-           const std::int32_t* found_inf, int threads) {
+void adamw(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
   check_threads(threads);
-  if (found_inf != nullptr && *found_inf != 0) return;
-  for (const AdamWLaunchArgs& a : launches)
-    for (int b = 0; b < a.num_blocks; ++b)
-      for (int t = 0; t < threads; ++t) detail::adamw_thread(a, b, t, threads, *scale, *clip);
+  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
+  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
+  if (d.bias_table == nullptr) throw Error(Errc::null_pointer, "d.bias_table", "required");
+  if (d.found_inf != nullptr && *d.found_inf != 0) return;
+  for (const AdamWLaunchArgs& a : plan.launches)
+    for (int b = 0; b < a.num_blocks; ++b) {
+      const AdamWScalars s = detail::adamw_block_scalars(a, a.task(b).tensor, d);
+      for (int t = 0; t < threads; ++t)
+        detail::adamw_thread(a, b, t, threads, s, *d.scale, *d.clip);
+    }
+  for (const StepCounterArgs& c : plan.counters)
+    for (int k = 0; k < c.count; ++k) detail::advance_counter(c, k);
 }
 
-void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf,
+void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
               int threads) {
   check_threads(threads);
-  if (found_inf != nullptr && *found_inf != 0) return;
-  for (const SignSgdLaunchArgs& a : launches)
+  if (d.found_inf != nullptr && *d.found_inf != 0) return;
+  for (const SignSgdLaunchArgs& a : launches) {
+    const SignSgdScalars s = detail::sign_sgd_block_scalars(a, d.hyper);
     for (int b = 0; b < a.num_blocks; ++b)
-      for (int t = 0; t < threads; ++t) detail::sign_sgd_thread(a, b, t, threads);
+      for (int t = 0; t < threads; ++t) detail::sign_sgd_thread(a, b, t, threads, s);
+  }
 }
 
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,

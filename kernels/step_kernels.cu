@@ -1,8 +1,11 @@
-// CUDA drivers of the multi-tensor block bodies: one thread block per BlockTask of a
-// launch (grid = the launch's blocks, kBlockThreads threads), launch metadata passed by
-// value, results per block into the caller's workspace, then an exact integer
-// reduction of the block partials. No allocation, no host synchronisation.
+// CUDA drivers of the multi-tensor block bodies: one thread block per chunk of a launch
+// (grid = the launch's blocks, up to 65,536, kBlockThreads threads), launch metadata
+// passed by value, results per block into the caller's workspace, then an exact
+// integer reduction of the block partials, one block per partial field. No
+// allocation, no host synchronisation.
 #include <cuda_runtime.h>
+
+#include <cub/block/block_reduce.cuh>
 
 #include <string>
 #include <vector>
@@ -40,42 +43,76 @@ __global__ void __launch_bounds__(kBlockThreads)
     d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
 }
 
-// One block of 32 threads: thread k sums digit k (and the counts / max) over all block
-// partials by integer addition, so the result does not depend on the number of blocks
-// or their order.
-// With d_found_inf, it runs only for the exact fallback and writes a zero partial
-// otherwise.
-__global__ void reduce_partials_kernel(const NormPartial* d_block_partials, std::uint32_t blocks,
-                                       const std::int32_t* d_found_inf, NormPartial* d_out) {
-  __shared__ NormPartial out;
+// The fields of a NormPartial the reduction combines, one block each: the digits and
+// the two counts are summed, max_abs_bits is a max, approximate an or.
+constexpr int kReduceFields = kNormDigits + 4;
+constexpr int kReduceThreads = 256;
+
+// Block f reduces field f of every block partial: each thread combines a strided share,
+// then a CUB block reduction combines the threads. Integer sums, max and or are
+// associative and exact, so the result does not depend on the number of blocks, their
+// order or the tree (determinism: bitwise). The digits stay unnormalised here;
+// normalize_partial_kernel follows. With d_found_inf, it runs only for the exact
+// fallback and writes a zero partial otherwise.
+__global__ void __launch_bounds__(kReduceThreads)
+    reduce_partial_fields_kernel(const NormPartial* d_block_partials, std::uint32_t blocks,
+                                 const std::int32_t* d_found_inf, NormPartial* d_out) {
+  const int f = blockIdx.x;
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) {
-    if (threadIdx.x == 0) *d_out = NormPartial{};
+    if (f == 0 && threadIdx.x == 0) *d_out = NormPartial{};
     return;
   }
-  const int k = threadIdx.x;
-  if (k < kNormDigits) {
-    std::uint64_t s = 0;
-    for (std::uint32_t b = 0; b < blocks; ++b) s += d_block_partials[b].digits[k];
-    out.digits[k] = s;
-  } else if (k == kNormDigits) {
-    std::uint64_t n = 0, i = 0;
-    std::uint32_t m = 0, approx = 0;
-    for (std::uint32_t b = 0; b < blocks; ++b) {
-      n += d_block_partials[b].nan_count;
-      i += d_block_partials[b].inf_count;
-      m = d_block_partials[b].max_abs_bits > m ? d_block_partials[b].max_abs_bits : m;
-      approx |= d_block_partials[b].approximate;
+  using Reduce = cub::BlockReduce<std::uint64_t, kReduceThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  std::uint64_t acc = 0;
+  for (std::uint32_t b = threadIdx.x; b < blocks; b += kReduceThreads) {
+    const NormPartial& p = d_block_partials[b];
+    if (f < kNormDigits) {
+      acc += p.digits[f];
+    } else if (f == kNormDigits) {
+      acc += p.nan_count;
+    } else if (f == kNormDigits + 1) {
+      acc += p.inf_count;
+    } else if (f == kNormDigits + 2) {
+      acc = acc > p.max_abs_bits ? acc : p.max_abs_bits;
+    } else {
+      acc |= p.approximate;
     }
-    out.nan_count = n;
-    out.inf_count = i;
-    out.max_abs_bits = m;
-    out.approximate = approx;
   }
-  __syncthreads();
-  if (k == 0) {
-    ::stepcore::detail::normalize_digits(out.digits);
-    *d_out = out;
-  }
+  std::uint64_t r = 0;
+  if (f < kNormDigits + 2)
+    r = Reduce(temp).Sum(acc);
+  else if (f == kNormDigits + 2)
+    r = Reduce(temp).Reduce(acc, [](std::uint64_t x, std::uint64_t y) { return x > y ? x : y; });
+  else
+    r = Reduce(temp).Reduce(acc, [](std::uint64_t x, std::uint64_t y) { return x | y; });
+  if (threadIdx.x != 0) return;
+  if (f < kNormDigits)
+    d_out->digits[f] = r;
+  else if (f == kNormDigits)
+    d_out->nan_count = r;
+  else if (f == kNormDigits + 1)
+    d_out->inf_count = r;
+  else if (f == kNormDigits + 2)
+    d_out->max_abs_bits = static_cast<std::uint32_t>(r);
+  else
+    d_out->approximate = static_cast<std::uint32_t>(r);
+}
+
+// Normalises the reduced digits (one thread), as the CPU executor's merge does.
+__global__ void normalize_partial_kernel(const std::int32_t* d_found_inf, NormPartial* d_out) {
+  if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
+  if (threadIdx.x == 0) ::stepcore::detail::normalize_digits(d_out->digits);
+}
+
+// Enqueues the reduction of `blocks` block partials into *d_out.
+void reduce_partials(const NormPartial* d_blocks, std::uint32_t blocks,
+                     const std::int32_t* d_found_inf, NormPartial* d_out, cudaStream_t stream) {
+  reduce_partial_fields_kernel<<<kReduceFields, kReduceThreads, 0, stream>>>(d_blocks, blocks,
+                                                                              d_found_inf, d_out);
+  cuda::detail::check_launch("reduce_partial_fields_kernel");
+  normalize_partial_kernel<<<1, 1, 0, stream>>>(d_found_inf, d_out);
+  cuda::detail::check_launch("normalize_partial_kernel");
 }
 
 // In place g = R_T(g * *d_factor), one block per task.
@@ -89,19 +126,31 @@ __global__ void __launch_bounds__(kBlockThreads)
   detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
 }
 
-// One block per task; the scale, clip and found-inf flag are read from device memory,
-// so a captured graph replays with new values. found-inf set: the kernel writes nothing.
+// One block per chunk; everything per step is read from device memory when it runs
+// (scale, clip, found-inf flag, step counter, lr, weight decay, bias table), so a
+// captured graph replays with new values. found-inf set: the kernel writes nothing.
+// Thread 0 derives the block's scalars once; the others read them from shared memory.
 __global__ void __launch_bounds__(kBlockThreads)
-    adamw_kernel(const AdamWLaunchArgs args, const float* d_scale, const float* d_clip,
-                 const std::int32_t* d_found_inf) {
+    adamw_kernel(const AdamWLaunchArgs args, const AdamWDeviceArgs d) {
+  if (d.found_inf != nullptr && *d.found_inf != 0) return;
+  __shared__ AdamWScalars scalars;
+  if (threadIdx.x == 0) scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
+  __syncthreads();
+  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, *d.scale, *d.clip);
+}
+
+// After every AdamW launch of the step: each counter advances, unless found-inf.
+__global__ void advance_counters_kernel(const StepCounterArgs args,
+                                        const std::int32_t* d_found_inf) {
   if (d_found_inf != nullptr && *d_found_inf != 0) return;
-  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_scale, *d_clip);
+  if (static_cast<int>(threadIdx.x) < args.count) detail::advance_counter(args, threadIdx.x);
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
-    sign_sgd_kernel(const SignSgdLaunchArgs args, const std::int32_t* d_found_inf) {
-  if (d_found_inf != nullptr && *d_found_inf != 0) return;
-  detail::sign_sgd_thread(args, blockIdx.x, threadIdx.x, kBlockThreads);
+    sign_sgd_kernel(const SignSgdLaunchArgs args, const SignSgdDeviceArgs d) {
+  if (d.found_inf != nullptr && *d.found_inf != 0) return;
+  const SignSgdScalars s = detail::sign_sgd_block_scalars(args, d.hyper);
+  detail::sign_sgd_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, s);
 }
 
 // One thread: the finalisation is a few hundred integer operations on 20 digits.
@@ -161,8 +210,7 @@ void run_norm_launches(std::span<const TensorView> d_tensors, const detail::Norm
         <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, nullptr, d_blocks);
     cuda::detail::check_launch("scale_and_sum_squares_kernel");
   }
-  reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, nullptr, d_partial);
-  cuda::detail::check_launch("reduce_partials_kernel");
+  reduce_partials(d_blocks, plan.total_blocks, nullptr, d_partial, stream);
 }
 
 }  // namespace
@@ -202,20 +250,23 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
 }
 
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf,
-                cudaStream_t stream) {
-  for (const AdamWLaunchArgs& a : detail::checked_adamw_plan(d_tensors, config, d_scale, d_clip,
-                                                             d_found_inf, device_memory())) {
-    adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_scale, d_clip, d_found_inf);
+                const AdamWDeviceArgs& d, cudaStream_t stream) {
+  const AdamWPlan plan = detail::checked_adamw_plan(d_tensors, config, d, device_memory());
+  for (const AdamWLaunchArgs& a : plan.launches) {
+    adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d);
     cuda::detail::check_launch("adamw_kernel");
+  }
+  for (const StepCounterArgs& c : plan.counters) {
+    advance_counters_kernel<<<1, kMaxCountersPerLaunch, 0, stream>>>(c, d.found_inf);
+    cuda::detail::check_launch("advance_counters_kernel");
   }
 }
 
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                   const std::int32_t* d_found_inf, cudaStream_t stream) {
+                   const SignSgdDeviceArgs& d, cudaStream_t stream) {
   for (const SignSgdLaunchArgs& a :
-       detail::checked_sign_sgd_plan(d_tensors, config, d_found_inf, device_memory())) {
-    sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_found_inf);
+       detail::checked_sign_sgd_plan(d_tensors, config, d, device_memory())) {
+    sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d);
     cuda::detail::check_launch("sign_sgd_kernel");
   }
 }
@@ -245,9 +296,7 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
         <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_found_inf, d_blocks);
     cuda::detail::check_launch("scale_and_sum_squares_kernel (exact)");
   }
-  reduce_partials_kernel<<<1, 32, 0, stream>>>(d_blocks, plan.total_blocks, d_found_inf,
-                                               d_exact_partial);
-  cuda::detail::check_launch("reduce_partials_kernel");
+  reduce_partials(d_blocks, plan.total_blocks, d_found_inf, d_exact_partial, stream);
 }
 
 void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,

@@ -232,35 +232,40 @@ inline void kernels_match_reference(Device& dev, int threads) {
         }
         const SignSgdConfig sc{1e-3, 0.1};
         d_flag.upload(&zero, 4);
-        dev.sign_sgd_step(ds, sc, d_flag.as<std::int32_t>());
+        dev.sign_sgd_step(ds, sc, SignSgdDeviceArgs{d_flag.as<std::int32_t>(), nullptr});
         reference::sign_sgd_step(hs, sc);
         param.expect_equal("sign_sgd param");
         out.expect_equal("sign_sgd compute copy");
         const std::int32_t one = gpu::kFoundInfNonFinite;
         d_flag.upload(&one, 4);
-        dev.sign_sgd_step(ds, sc, d_flag.as<std::int32_t>());
+        dev.sign_sgd_step(ds, sc, SignSgdDeviceArgs{d_flag.as<std::int32_t>(), nullptr});
         param.expect_equal("sign_sgd skipped on found-inf");
       }
 
       // AdamW with the lazy read R(R(g*scale)*clip), scale and clip in device memory;
-      // then skipped on found-inf (the host step counters still advance).
+      // then skipped on found-inf (nothing written, the device step counters kept).
       {
         Tensors param(dev, DType::f32, seed++, 0.05f), out(dev, DType::bf16, seed++);
         Tensors m(dev, DType::f32, seed++, 1e-3f), v(dev, DType::f32, seed++, 1e-3f, true);
-        std::vector<float> host_steps(g.hv.size(), 3.0f), dev_steps = host_steps;
+        std::vector<float> host_steps(g.hv.size(), 3.0f), dev_steps(g.hv.size());
+        Buffer d_steps(dev, host_steps.data(), 4 * host_steps.size());
         std::vector<AdamWTensor> ht, dt;
         for (std::size_t k = 0; k < g.hv.size(); ++k) {
           ht.push_back({param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]});
-          dt.push_back({param.dv[k], m.dv[k], v.dv[k], &dev_steps[k], g.dv[k], out.dv[k]});
+          dt.push_back({param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
         }
         AdamWConfig cfg;
         cfg.weight_decay = 0.1;
+        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+        Buffer d_bias(dev, bias.data(), bias.size() * sizeof(double));
         const float a_scale = 1.0f / 7.0f, a_clip = 0.61f;
         Buffer d_scale(dev, &a_scale, 4), d_aclip(dev, &a_clip, 4);
+        const AdamWDeviceArgs args{d_scale.as<float>(), d_aclip.as<float>(),
+                                   d_flag.as<std::int32_t>(), nullptr, d_bias.as<double>()};
         d_flag.upload(&zero, 4);
-        dev.adamw_step(dt, cfg, d_scale.as<float>(), d_aclip.as<float>(),
-                       d_flag.as<std::int32_t>());
+        dev.adamw_step(dt, cfg, args);
         reference::adamw_step(ht, cfg, GradientRead{a_scale, a_clip});
+        d_steps.download(dev_steps.data(), 4 * dev_steps.size());
         EXPECT_EQ(std::memcmp(host_steps.data(), dev_steps.data(), 4 * host_steps.size()), 0);
         param.expect_equal("adamw param");
         m.expect_equal("adamw exp_avg");
@@ -268,9 +273,10 @@ inline void kernels_match_reference(Device& dev, int threads) {
         out.expect_equal("adamw compute copy");
         const std::int32_t one = gpu::kFoundInfNonFinite;
         d_flag.upload(&one, 4);
-        dev.adamw_step(dt, cfg, d_scale.as<float>(), d_aclip.as<float>(),
-                       d_flag.as<std::int32_t>());
-        EXPECT_EQ(dev_steps[0], host_steps[0] + 1.0f) << "the host counters advance at the call";
+        dev.adamw_step(dt, cfg, args);
+        d_steps.download(dev_steps.data(), 4 * dev_steps.size());
+        EXPECT_EQ(std::memcmp(host_steps.data(), dev_steps.data(), 4 * host_steps.size()), 0)
+            << "a skipped step leaves the device counters as they were";
         param.expect_equal("adamw skipped on found-inf");
         m.expect_equal("adamw exp_avg skipped on found-inf");
       }

@@ -180,8 +180,16 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
       ASSERT_EQ(cudaMalloc(&d_scalars, 2 * sizeof(float)), cudaSuccess);
       const float hs[2] = {scale, clip};
       ASSERT_EQ(cudaMemcpy(d_scalars, hs, sizeof hs, cudaMemcpyHostToDevice), cudaSuccess);
-      gpu::adamw_step(dt, cfg, d_scalars, d_scalars + 1, nullptr, nullptr);
+      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      auto* d_bias = static_cast<double*>(up(bias.data(), bias.size() * sizeof(double)));
+      auto* d_steps = static_cast<float*>(up(dev_steps.data(), dev_steps.size() * 4));
+      owned.insert(owned.end(), {d_bias, d_steps});
+      for (std::size_t k = 0; k < dt.size(); ++k) dt[k].step = d_steps + k;
+      gpu::adamw_step(dt, cfg, AdamWDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
+                      nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(dev_steps.data(), d_steps, dev_steps.size() * 4, cudaMemcpyDeviceToHost),
+                cudaSuccess);
       reference::adamw_step(ht, cfg, GradientRead{scale, clip});
       for (std::size_t k = 0; k < sizes.size(); ++k) {
         const std::size_t n = sizes[k];

@@ -4,6 +4,7 @@
 // for two different launch shapes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -49,7 +50,7 @@ TEST(GpuPlan, CoversEveryElementExactlyOnce) {
         ASSERT_LE(a.num_tensors, max_tensors);
         ASSERT_EQ(a.first_block, blocks);
         for (int b = 0; b < a.num_blocks; ++b) {
-          const gpu::BlockTask& task = a.tasks[b];
+          const gpu::BlockTask task = a.task(b);
           ASSERT_LT(task.tensor, a.num_tensors);
           const void* data = a.data[task.tensor];
           std::size_t t = 0;
@@ -74,21 +75,30 @@ TEST(GpuPlan, CoversEveryElementExactlyOnce) {
 }
 
 TEST(GpuPlan, TensorsBeyond2To31ElementsUse64BitRanges) {
-  // Nothing is executed: the plan is plain data over a fake pointer.
-  const std::uint64_t n = (std::uint64_t{1} << 31) + 5;
+  // Nothing is executed: the plan is plain data over a fake pointer. 2^33 + 5 elements
+  // are 131,073 chunks: more than one launch's 65,536 blocks.
+  const std::uint64_t n = (std::uint64_t{1} << 33) + 5;
   const std::vector<TensorView> views{{reinterpret_cast<void*>(0x1000), n, DType::bf16}};
   const gpu::LaunchPlan plan = gpu::make_plan(views);
   std::uint64_t covered = 0, last_end = 0;
   for (const auto& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b) {
-      ASSERT_EQ(a.tasks[b].begin, last_end);
-      last_end = a.tasks[b].end;
-      covered += a.tasks[b].end - a.tasks[b].begin;
+      const gpu::BlockTask task = a.task(b);
+      ASSERT_EQ(task.begin, last_end);
+      last_end = task.end;
+      covered += task.end - task.begin;
     }
   EXPECT_EQ(covered, n);
   EXPECT_EQ(last_end, n);
   EXPECT_EQ(plan.total_blocks, (n + gpu::kChunkElements - 1) / gpu::kChunkElements);
-  EXPECT_GT(plan.launches.size(), 1u);
+  EXPECT_EQ(plan.launches.size(), 3u);
+  // 1 GiB of bf16 (the benchmark's size) is one launch of 8,192 blocks: enough to fill
+  // any GPU, where the old plans capped a launch at 256.
+  const std::vector<TensorView> gib{{reinterpret_cast<void*>(0x1000), std::uint64_t{1} << 29,
+                                     DType::bf16}};
+  const gpu::LaunchPlan one = gpu::make_plan(gib);
+  ASSERT_EQ(one.launches.size(), 1u);
+  EXPECT_EQ(one.launches[0].num_blocks, 8192);
 }
 
 /// Buffers and views over them; copies re-point the views at their own buffers.
@@ -206,7 +216,7 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
         auto rt = tensors(ref_p, ref_o);
         reference::sign_sgd_step(rt, cfg);
         auto gt = tensors(got_p, got_o);
-        gpu::emulate::sign_sgd(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), nullptr, 64);
+        gpu::emulate::sign_sgd(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{}, 64);
         for (std::size_t k = 0; k < ref_p.bufs.size(); ++k) {
           ASSERT_EQ(got_p.bufs[k], ref_p.bufs[k]) << dtype_name(gd) << " tensor " << k;
           ASSERT_EQ(got_o[k], ref_o[k]) << "compute copy " << k;
@@ -291,6 +301,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         cfg.formula = f;
         cfg.weight_decay = out % 2 ? 0.1 : 0.0;
         cfg.beta1 = out == 3 ? 0.3 : 0.9;
+        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
         const float scale = 1.0f / 3001.0f, clip = out == 2 ? 0.37f : 1.0f;
         // One model, three copies: reference, and two launch shapes of the executor.
         const Data grads = make_data(gd, seed++);
@@ -349,8 +360,9 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
               Shape{3, 2, 64}}) {
           State got = base;
           auto gt = tensors(got);
-          const auto launches = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
-          gpu::emulate::adamw(launches, &scale, &clip, nullptr, shape.threads);
+          const auto plan = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
+          gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
+                              shape.threads);
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0) {  // memcmp on bits; empty vectors have no data pointer
               ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
@@ -367,12 +379,156 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         // found-inf: nothing written by the kernels.
         State skipped = base;
         auto st = tensors(skipped);
-        const auto launches = gpu::make_adamw_plan(st, cfg);
+        const auto plan = gpu::make_adamw_plan(st, cfg);
         const std::int32_t flag = 1;
-        gpu::emulate::adamw(launches, &scale, &clip, &flag);
-        for (std::size_t k = 0; k < sizes.size(); ++k) ASSERT_EQ(skipped.p[k], base.p[k]);
+        gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, &flag, nullptr, bias.data()});
+        for (std::size_t k = 0; k < sizes.size(); ++k) {
+          ASSERT_EQ(skipped.p[k], base.p[k]);
+          ASSERT_EQ(skipped.steps[k], base.steps[k]) << "a skipped step keeps its counter";
+        }
       }
     }
+  }
+}
+
+// A plan is built once and replayed, as a captured CUDA graph is: each replay must take
+// the step its device counter is at and the lr in device memory at replay time, and a
+// replay with found-inf must leave everything, counters included, as it was (no
+// rollback). Both formulas, aligned and misaligned tensors (the 16-byte and the
+// one-element paths), against the reference stepping with each replay's lr.
+TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
+  const std::vector<std::size_t> sizes{1, 33, 1025, gpu::kChunkElements + 7};
+  for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+    for (std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
+      SCOPED_TRACE(std::string(f == AdamWFormula::torch ? "torch" : "native") + " offset " +
+                   std::to_string(offset));
+      AdamWConfig cfg;
+      cfg.formula = f;
+      cfg.weight_decay = 0.05;
+      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      std::mt19937 rng(17);
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+      struct State {
+        std::vector<std::vector<float>> p, m, v;
+        std::vector<std::vector<std::uint16_t>> g, o;
+        std::vector<float> steps;
+      } ref, got;
+      for (std::size_t n : sizes) {
+        ref.p.emplace_back(n + offset);
+        ref.m.emplace_back(n + offset);
+        ref.v.emplace_back(n + offset);
+        ref.g.emplace_back(n + offset);
+        ref.o.emplace_back(n + offset);
+        for (std::size_t i = 0; i < n + offset; ++i) {
+          ref.p.back()[i] = nd(rng) * 0.05f;
+          ref.g.back()[i] = f32_to_bf16_bits(nd(rng));
+        }
+        ref.steps.push_back(0.0f);
+      }
+      got = ref;
+      auto tensors = [&](State& st) {
+        std::vector<AdamWTensor> t;
+        for (std::size_t k = 0; k < sizes.size(); ++k)
+          t.push_back({{st.p[k].data() + offset, sizes[k], DType::f32},
+                       {st.m[k].data() + offset, sizes[k], DType::f32},
+                       {st.v[k].data() + offset, sizes[k], DType::f32},
+                       &st.steps[k],
+                       {st.g[k].data() + offset, sizes[k], DType::bf16},
+                       {st.o[k].data() + offset, sizes[k], DType::bf16}});
+        return t;
+      };
+      auto gt = tensors(got);
+      const gpu::AdamWPlan plan = gpu::make_adamw_plan(gt, cfg, 3, 2);  // built once
+      const float scale = 0.25f, clip = 1.0f;
+      StepHyper hyper{};  // "device memory" the replays read
+      std::int32_t found_inf = 0;
+      const double lrs[] = {1e-3, 4e-4, 7e-3, 2e-3};
+      const std::int32_t flags[] = {0, 0, 1, 0};
+      for (int r = 0; r < 4; ++r) {
+        hyper = StepHyper{lrs[r], cfg.weight_decay};
+        found_inf = flags[r];
+        gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
+        if (flags[r] == 0) {
+          AdamWConfig step_cfg = cfg;
+          step_cfg.lr = lrs[r];
+          auto rt = tensors(ref);
+          reference::adamw_step(rt, step_cfg, GradientRead{scale, clip});
+        }
+        for (std::size_t k = 0; k < sizes.size(); ++k) {
+          ASSERT_EQ(got.steps[k], ref.steps[k]) << "replay " << r << " tensor " << k;
+          ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), got.p[k].size() * 4), 0)
+              << "replay " << r << " param " << k;
+          ASSERT_EQ(std::memcmp(got.m[k].data(), ref.m[k].data(), got.m[k].size() * 4), 0);
+          ASSERT_EQ(std::memcmp(got.v[k].data(), ref.v[k].data(), got.v[k].size() * 4), 0);
+          ASSERT_EQ(got.o[k], ref.o[k]) << "replay " << r << " compute copy " << k;
+        }
+      }
+      EXPECT_EQ(got.steps[0], 3.0f) << "three steps taken, one skipped";
+    }
+  }
+}
+
+// The same for SignSGD: the lr of each replay is read when it runs.
+TEST(GpuExecutor, AReplayedSignSgdPlanTakesEachReplaysLearningRate) {
+  std::vector<float> p_ref(1031), p_got;
+  std::vector<float> g(1031);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    p_ref[i] = nd(rng);
+    g[i] = nd(rng);
+  }
+  p_got = p_ref;
+  const SignSgdConfig cfg{1e-3, 0.1};
+  const std::vector<SignSgdTensor> gt{{f32_view(p_got.data(), p_got.size()),
+                                       const_view(g.data(), g.size()),
+                                       {}}};
+  const auto plan = gpu::make_sign_sgd_plan(gt, cfg);
+  for (double lr : {1e-3, 3e-2, 5e-4}) {
+    const StepHyper hyper{lr, 0.1};
+    gpu::emulate::sign_sgd(plan, SignSgdDeviceArgs{nullptr, &hyper});
+    const std::vector<SignSgdTensor> rt{{f32_view(p_ref.data(), p_ref.size()),
+                                         const_view(g.data(), g.size()),
+                                         {}}};
+    reference::sign_sgd_step(rt, SignSgdConfig{lr, 0.1});
+    ASSERT_EQ(std::memcmp(p_got.data(), p_ref.data(), p_ref.size() * 4), 0) << "lr " << lr;
+  }
+}
+
+// The bias table holds exactly the host's corrections, and every step past its end has a
+// correction of exactly 1 (checked well past it).
+TEST(GpuPlan, TheBiasTableHoldsTheHostsCorrectionsAndEndsWhereTheyReachOne) {
+  for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+    for (double beta2 : {0.999, 0.95, 0.0}) {
+      AdamWConfig cfg;
+      cfg.formula = f;
+      cfg.beta2 = beta2;
+      const std::vector<double> table = gpu::make_adamw_bias_table(cfg);
+      const auto len1 = static_cast<std::size_t>(table[0]);
+      const auto len2 = static_cast<std::size_t>(table[1]);
+      ASSERT_EQ(table.size(), 2 + len1 + len2);
+      for (std::size_t t = 1; t <= std::max(len1, len2) + 2000; ++t) {
+        // The independent expectation: 1 - beta^t with the formula's betas, in binary64.
+        const bool native = f == AdamWFormula::native;
+        const double b1 = native ? static_cast<float>(cfg.beta1) : cfg.beta1;
+        const double b2 = native ? static_cast<float>(cfg.beta2) : cfg.beta2;
+        const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
+        const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
+        ASSERT_EQ(t <= len1 ? table[2 + t - 1] : 1.0, bc1) << "t " << t;
+        ASSERT_EQ(t <= len2 ? table[2 + len1 + t - 1] : 1.0, bc2) << "t " << t;
+      }
+      if (beta2 == 0.999) EXPECT_GT(len2, 30000u);
+      if (beta2 == 0.0) EXPECT_EQ(len2, 0u);
+    }
+  }
+  AdamWConfig near_one;
+  near_one.beta2 = 1.0 - 1e-7;
+  try {
+    (void)gpu::make_adamw_bias_table(near_one);
+    ADD_FAILURE() << "a beta this close to 1 needs more than 2^22 table entries";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::not_supported);
+    EXPECT_EQ(e.argument(), "config.beta2");
   }
 }
 
@@ -494,8 +650,13 @@ TEST(GpuApi, BadInputIsRefusedBeforeAnythingIsWritten) {
                                         const_view(g.data(), 100),
                                         {}}};
   float scale = 1.0f, clip = 1.0f;
-  expect_error([&] { gpu::adamw_step(adamw, AdamWConfig{}, &scale, &clip, nullptr, nullptr); },
-               Errc::size_mismatch, "tensors[0].exp_avg");
+  const std::vector<double> bias = gpu::make_adamw_bias_table(AdamWConfig{});
+  expect_error(
+      [&] {
+        gpu::adamw_step(adamw, AdamWConfig{},
+                        AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, nullptr);
+      },
+      Errc::size_mismatch, "tensors[0].exp_avg");
   EXPECT_EQ(step, 0.0f) << "the step counter must not advance on an error";
   expect_error([&] { gpu::finalize_and_clip(&partial, -1.0f, nullptr, nullptr, nullptr, nullptr); },
                Errc::non_finite, "max_norm");

@@ -177,7 +177,7 @@ TEST(GpuSteps, EveryKernelMatchesTheReferenceUnderTwoLaunchShapes) {
         ds.push_back({param.dv[k], g.dv[k], out.dv[k]});
       }
       const SignSgdConfig sc{1e-3, 0.1};
-      gpu::sign_sgd_step(ds, sc, nullptr, nullptr);
+      gpu::sign_sgd_step(ds, sc, SignSgdDeviceArgs{}, nullptr);
       reference::sign_sgd_step(hs, sc);
       param.expect_equal("sign_sgd param");
       out.expect_equal("sign_sgd compute copy");
@@ -219,7 +219,10 @@ TEST(GpuSteps, ExactFallbackOnTheDeviceResolvesATie) {
   EXPECT_EQ(f32_bits(clip), f32_bits((1.0f / (33554432.0f + 1e-6f)) * 1.0f));
 }
 
-TEST(GpuSteps, AStepCapturedInACudaGraphMatchesTheReference) {
+// A whole step captured once and replayed three times, with a new lr written to device
+// memory before each replay: every replay must be the next step (its counter, its bias
+// corrections, its lr), bit for bit the eager reference's three steps.
+TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearningRate) {
   SKIP_WITHOUT_DEVICE();
   const float scale = 1.0f / 4099.0f, max_norm = 0.05f;
   Tensors g(DType::bf16, 99, 4.0f), param(DType::f32, 100, 0.05f), out(DType::bf16, 101);
@@ -232,10 +235,11 @@ TEST(GpuSteps, AStepCapturedInACudaGraphMatchesTheReference) {
     }
   }
   std::vector<float> host_steps(g.hv.size(), 3.0f), dev_steps = host_steps;
+  DeviceBytes d_steps(dev_steps.data(), dev_steps.size() * 4);
   std::vector<AdamWTensor> ht, dt;
   for (std::size_t k = 0; k < g.hv.size(); ++k) {
     ht.push_back({param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]});
-    dt.push_back({param.dv[k], m.dv[k], v.dv[k], &dev_steps[k], g.dv[k], out.dv[k]});
+    dt.push_back({param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
   }
   const std::vector<ConstTensorView> gc = g.dev_const();
   const std::size_t ws = gpu::scale_and_norm_workspace_bytes(g.dv);
@@ -245,6 +249,10 @@ TEST(GpuSteps, AStepCapturedInACudaGraphMatchesTheReference) {
   DeviceBytes d_one(&one, 4);
   AdamWConfig cfg;
   cfg.weight_decay = 0.1;
+  const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+  DeviceBytes d_bias(bias.data(), bias.size() * sizeof(double));
+  StepHyper hyper{cfg.lr, cfg.weight_decay};
+  DeviceBytes d_hyper(&hyper, sizeof hyper);
 
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -258,30 +266,45 @@ TEST(GpuSteps, AStepCapturedInACudaGraphMatchesTheReference) {
                                     d_ws.as<void>(), ws, stream);
   gpu::finalize_exact_and_clip(d_exact.as<NormPartial>(), max_norm, d_result.as<NormResult>(),
                                d_clip.as<float>(), d_flag.as<std::int32_t>(), stream);
-  gpu::adamw_step(dt, cfg, d_one.as<float>(), d_clip.as<float>(), d_flag.as<std::int32_t>(),
+  gpu::adamw_step(dt, cfg,
+                  AdamWDeviceArgs{d_one.as<float>(), d_clip.as<float>(), d_flag.as<std::int32_t>(),
+                                  d_hyper.as<StepHyper>(), d_bias.as<double>()},
                   stream);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess)
       << "a launcher synchronised or used a capture-unsafe call";
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 
-  // The eager reference: scale in place, exact norm, torch's coefficient, AdamW.
-  reference::scale_(g.hv, scale);
-  const NormResult ref = finalize(reference::norm_partial(g.host_const()));
-  ASSERT_TRUE(ref.finite);
-  const float coef = (1.0f / (ref.norm + 1e-6f)) * max_norm;
-  const float clip = coef < 1.0f ? coef : 1.0f;
-  reference::adamw_step(ht, cfg, GradientRead{1.0f, clip});
-  float dev_clip = 0.0f;
-  d_clip.download(&dev_clip, 4);
-  EXPECT_EQ(f32_bits(dev_clip), f32_bits(clip));
-  g.expect_equal("scaled gradient");
-  param.expect_equal("param");
-  m.expect_equal("exp_avg");
-  v.expect_equal("exp_avg_sq");
-  out.expect_equal("compute copy");
+  const double lrs[] = {1e-3, 3e-4, 2e-3};
+  for (int r = 0; r < 3; ++r) {
+    hyper.lr = lrs[r];
+    ASSERT_EQ(cudaMemcpyAsync(d_hyper.as<void>(), &hyper, sizeof hyper, cudaMemcpyHostToDevice,
+                              stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+
+    // The eager reference: scale in place, exact norm, torch's coefficient, AdamW.
+    reference::scale_(g.hv, scale);
+    const NormResult ref = finalize(reference::norm_partial(g.host_const()));
+    ASSERT_TRUE(ref.finite);
+    const float coef = (1.0f / (ref.norm + 1e-6f)) * max_norm;
+    const float clip = coef < 1.0f ? coef : 1.0f;
+    AdamWConfig step_cfg = cfg;
+    step_cfg.lr = lrs[r];
+    reference::adamw_step(ht, step_cfg, GradientRead{1.0f, clip});
+    float dev_clip = 0.0f;
+    d_clip.download(&dev_clip, 4);
+    EXPECT_EQ(f32_bits(dev_clip), f32_bits(clip)) << "replay " << r;
+    d_steps.download(dev_steps.data(), dev_steps.size() * 4);
+    EXPECT_EQ(dev_steps, host_steps) << "replay " << r << ": the counters advance on the device";
+    g.expect_equal("scaled gradient");
+    param.expect_equal("param");
+    m.expect_equal("exp_avg");
+    v.expect_equal("exp_avg_sq");
+    out.expect_equal("compute copy");
+  }
+  EXPECT_EQ(host_steps[0], 6.0f);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

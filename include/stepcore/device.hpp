@@ -78,6 +78,14 @@ class Device {
   virtual Event record(Queue q) = 0;
   /// Makes queue `q` wait for `e` before running work submitted after this call.
   virtual void wait(Queue q, const Event& e) = 0;
+  /// Returns an event recorded now on the caller's `stream` (the trainer's backward
+  /// stream): CUDA records a CUDA event there; the host device, whose callers have no
+  /// stream, returns a complete event (pass nullptr).
+  virtual Event record_on(cudaStream_t stream) = 0;
+  /// Makes the caller's `stream` wait for `e` before its later work (CUDA:
+  /// cudaStreamWaitEvent, no host synchronisation); the host device blocks until `e`
+  /// is complete.
+  virtual void wait_on(cudaStream_t stream, const Event& e) = 0;
   /// Blocks the calling thread until `e` is complete; raises errors of queued work.
   virtual void synchronize(const Event& e) = 0;
   /// Blocks until all queues are idle; raises errors of queued work.
@@ -101,12 +109,12 @@ class Device {
   virtual void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                                        NormResult* d_result, float* d_clip,
                                        std::int32_t* d_found_inf) = 0;
-  /// AdamW (the step counters are host memory and advance at the call, as in gpu.hpp).
+  /// AdamW: step counters, lr, weight decay and the bias table in device memory, read
+  /// when the kernels run (gpu.hpp); found-inf leaves everything, counters too, unchanged.
   virtual void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                          const float* d_scale, const float* d_clip,
-                          const std::int32_t* d_found_inf) = 0;
+                          const AdamWDeviceArgs& d) = 0;
   virtual void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                             const std::int32_t* d_found_inf) = 0;
+                             const SignSgdDeviceArgs& d) = 0;
 
   /// Returns the CUDA stream of Queue::compute (null on the host device): an NCCL
   /// communicator used with this device must enqueue on it.
@@ -121,7 +129,9 @@ class Device {
 std::unique_ptr<Device> make_host_device(int emulated_threads = 256);
 
 /// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
-/// given, as the compute stream). Throws Errc::not_supported without CUDA or a device.
+/// given, as the compute stream: the trainer's stream, so gradients written on it are
+/// ordered before the manager's reads; cudaStreamLegacy or cudaStreamPerThread name the
+/// default streams). Throws Errc::not_supported without CUDA or a device.
 std::unique_ptr<Device> make_cuda_device(int ordinal = 0, cudaStream_t compute = nullptr);
 
 }  // namespace stepcore::device

@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "stepcore/config.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -32,9 +33,14 @@ inline constexpr std::int32_t kFoundInfNeedsExact =
     2;  ///< uncertified rounding: run the exact pass
 /// Threads per block of every multi-tensor kernel.
 inline constexpr int kBlockThreads = 256;
-/// Tensors and blocks one launch carries in its by-value kernel argument.
+/// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
+/// blocks are described per tensor (a BlockMap), so the block count costs no argument
+/// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch).
 inline constexpr int kMaxTensorsPerLaunch = 64;
-inline constexpr int kMaxBlocksPerLaunch = 256;
+inline constexpr int kMaxBlocksPerLaunch = 1 << 16;
+/// Bytes one thread loads at once where the tensors are aligned to it (the executor
+/// runs the same grouping, so the bits it tests are the device's).
+inline constexpr int kVectorBytes = 16;
 
 /// One block's work: elements [begin, end) of tensor `tensor` of its launch.
 struct BlockTask {
@@ -43,48 +49,110 @@ struct BlockTask {
   std::uint64_t end;
 };
 
-/// The kernel argument of one launch: tensors (device pointers) and block tasks, by
+/// The blocks of one launch, per tensor slot: slot s owns blocks [start(s), block_end[s])
+/// (start(0) = 0, start(s) = block_end[s - 1]); its j-th block covers chunk
+/// first_chunk[s] + j of a tensor of numel[s] elements. Every block but a tensor's
+/// last covers exactly kChunkElements elements.
+template <int N>
+struct BlockMap {
+  std::uint64_t numel[N];
+  std::uint64_t first_chunk[N];
+  std::uint32_t block_end[N];
+
+  /// Returns block b's task; b < block_end[num_tensors - 1].
+  STEPCORE_HD_INLINE BlockTask task(std::uint32_t b, int num_tensors) const {
+    int lo = 0, hi = num_tensors - 1;  // the first slot whose block_end exceeds b
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (block_end[mid] > b)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    const std::uint32_t start = lo == 0 ? 0u : block_end[lo - 1];
+    const std::uint64_t begin = (first_chunk[lo] + (b - start)) * kChunkElements;
+    const std::uint64_t end = begin + kChunkElements < numel[lo] ? begin + kChunkElements : numel[lo];
+    return BlockTask{static_cast<std::uint16_t>(lo), begin, end};
+  }
+};
+
+/// The kernel argument of one launch: tensors (device pointers) and their blocks, by
 /// value. Plain data: built on the host, copied into the launch's parameter space.
 struct LaunchArgs {
   void* data[kMaxTensorsPerLaunch];
   const void* src[kMaxTensorsPerLaunch];  ///< second operand (accumulate's source)
   DType dtype[kMaxTensorsPerLaunch];
   DType src_dtype[kMaxTensorsPerLaunch];
-  BlockTask tasks[kMaxBlocksPerLaunch];
+  BlockMap<kMaxTensorsPerLaunch> map;
   int num_tensors;
   int num_blocks;
-  std::uint32_t first_block;  ///< index of tasks[0] among all blocks of the plan
+  std::uint32_t first_block;  ///< index of this launch's block 0 among all blocks of the plan
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
 };
 
-/// Tensors of one AdamW launch (fewer than kMaxTensorsPerLaunch: the per-tensor
-/// scalars travel in the kernel argument too; CUDA 12.1+ allows 32 KiB of them).
+/// Tensors of one AdamW launch (fewer than kMaxTensorsPerLaunch: five pointers each).
 inline constexpr int kMaxAdamWTensorsPerLaunch = 32;
-inline constexpr int kMaxAdamWBlocksPerLaunch = 128;
+inline constexpr int kMaxAdamWBlocksPerLaunch = 1 << 16;
 
-/// The kernel argument of one AdamW launch: per-tensor pointers and host-prepared
-/// scalars, and the block tasks.
+/// The kernel argument of one AdamW launch: per-tensor pointers, the configuration's
+/// constants and the blocks. The per-step scalars are not here: each block derives them
+/// from device memory when it runs (its step counter, the bias table, lr and weight
+/// decay), so a replayed graph takes the step it is at, never the one it was captured at.
 struct AdamWLaunchArgs {
   float* param[kMaxAdamWTensorsPerLaunch];
   float* exp_avg[kMaxAdamWTensorsPerLaunch];
   float* exp_avg_sq[kMaxAdamWTensorsPerLaunch];
   const void* grad[kMaxAdamWTensorsPerLaunch];
   void* out[kMaxAdamWTensorsPerLaunch];
+  const float* step[kMaxAdamWTensorsPerLaunch];  ///< the counter before this step (device)
   DType grad_dtype[kMaxAdamWTensorsPerLaunch];
   std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
-  AdamWScalars scalars[kMaxAdamWTensorsPerLaunch];
   std::uint64_t tail_begin[kMaxAdamWTensorsPerLaunch];
-  BlockTask tasks[kMaxAdamWBlocksPerLaunch];
+  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  AdamWConfig config;  ///< betas, eps, formula; lr and weight decay unless from device memory
   int num_tensors;
   int num_blocks;
-  bool torch;
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
 };
 
-/// Returns the AdamW launches for `tensors` (validated like reference::adamw_step; the
-/// step counters are incremented and the scalars prepared here, on the host).
-std::vector<AdamWLaunchArgs> make_adamw_plan(std::span<const AdamWTensor> tensors,
-                                             const AdamWConfig& config,
-                                             int max_blocks = kMaxAdamWBlocksPerLaunch,
-                                             int max_tensors = kMaxAdamWTensorsPerLaunch);
+/// Step counters one counter launch advances (one thread each).
+inline constexpr int kMaxCountersPerLaunch = 128;
+
+/// The kernel argument of one step-counter launch: counter k becomes counter k + 1
+/// unless the step was skipped (found-inf). It runs after every AdamW launch of the step
+/// has read the counters.
+struct StepCounterArgs {
+  float* step[kMaxCountersPerLaunch];
+  int count;
+};
+
+/// An AdamW step's launches: the updates, then the counter advances.
+struct AdamWPlan {
+  std::vector<AdamWLaunchArgs> launches;
+  std::vector<StepCounterArgs> counters;
+};
+
+/// Returns the AdamW plan for `tensors` (validated like reference::adamw_step, except
+/// that step counters are device memory, so their values are not read here). Nothing is
+/// prepared from the step: the plan is the same for every step of these tensors.
+AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                          int max_blocks = kMaxAdamWBlocksPerLaunch,
+                          int max_tensors = kMaxAdamWTensorsPerLaunch);
+
+/// Most steps a bias table covers: beyond its last entry 1 - beta^t rounds to 1 exactly.
+inline constexpr std::uint32_t kMaxBiasTableSteps = std::uint32_t{1} << 22;
+
+/// Returns the bias table of `config`'s betas, for device memory (AdamWDeviceArgs):
+/// {len1, len2, 1 - beta1^1 .. 1 - beta1^len1, 1 - beta2^1 .. 1 - beta2^len2} in binary64,
+/// each exactly prepare_adamw_scalars' value (the host's pow), where len is the first t
+/// at which 1 - beta^t rounds to 1 (so every later step's correction is exactly 1).
+/// Throws Errc::not_supported naming "config.beta1"/"config.beta2" when a beta is so
+/// close to 1 that this takes more than kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).
+std::vector<double> make_adamw_bias_table(const AdamWConfig& config);
 
 /// The kernel argument of one SignSGD launch.
 struct SignSgdLaunchArgs {
@@ -93,10 +161,14 @@ struct SignSgdLaunchArgs {
   void* out[kMaxAdamWTensorsPerLaunch];
   DType grad_dtype[kMaxAdamWTensorsPerLaunch];
   std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];
-  BlockTask tasks[kMaxAdamWBlocksPerLaunch];
-  SignSgdScalars scalars;
+  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  double lr;            ///< the config's, unless read from device memory
+  double weight_decay;  ///< the config's, unless read from device memory
   int num_tensors;
   int num_blocks;
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
 };
 
 /// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
@@ -178,19 +250,20 @@ void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                              NormResult* d_result, float* d_clip, std::int32_t* d_found_inf,
                              cudaStream_t stream);
 
-/// AdamW on device tensors (step counters in host memory, incremented on the host) with
-/// the gradient read lazily as R_T(R_T(g * *d_scale) * *d_clip): bit-identical to scaling
-/// and clipping in place first (docs/numerics.md section 3) and to the CPU engine.
-/// *d_found_inf != 0 (device memory, optional) makes the kernels write nothing — but
-/// the host has already advanced the step counters: callers skip the call instead when
-/// the flag is known on the host. Never allocates, never synchronises.
+/// AdamW on device tensors with the gradient read lazily as R_T(R_T(g * *d.scale) *
+/// *d.clip): bit-identical to scaling and clipping in place first (docs/numerics.md
+/// section 3) and to the CPU engine. Step counters, lr and weight decay (d.hyper), the
+/// bias corrections (d.bias_table) and the found-inf flag are device memory, read when
+/// the kernels run: a captured graph replays the next step with the current lr, and
+/// *d.found_inf != 0 leaves parameters, moments and counters untouched (no rollback).
+/// Never allocates, never synchronises.
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf,
-                cudaStream_t stream);
+                const AdamWDeviceArgs& d, cudaStream_t stream);
 
-/// SignSGD on device tensors; *d_found_inf != 0 (device memory, optional) writes nothing.
+/// SignSGD on device tensors; lr and weight decay from d.hyper when given, read when the
+/// kernels run; *d.found_inf != 0 (optional) writes nothing.
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                   const std::int32_t* d_found_inf, cudaStream_t stream);
+                   const SignSgdDeviceArgs& d, cudaStream_t stream);
 
 namespace detail {
 
@@ -208,8 +281,8 @@ class ScopedLaunchLimits {
   int saved_blocks_, saved_tensors_;
 };
 
-/// The limits in force on this thread: {max_blocks, max_tensors}, scaled for AdamW-like
-/// launches by `adamw` (their compile-time limits are smaller).
+/// The limits in force on this thread: {max_blocks, max_tensors}, capped for AdamW-like
+/// launches by `adamw` (their compile-time tensor limit is smaller).
 struct LaunchLimits {
   int max_blocks;
   int max_tensors;
@@ -245,14 +318,12 @@ NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead re
 void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
                              float& clip, std::int32_t& found_inf);
 
-/// Runs AdamW launches on host memory with the lazy gradient read R_T(R_T(g*scale)*clip);
-/// when *found_inf != 0 nothing is written (the flag, scale and clip live in device
-/// memory on the GPU).
-void adamw(const std::vector<AdamWLaunchArgs>& launches, const float* scale, const float* clip,
-           const std::int32_t* found_inf, int threads = kBlockThreads);
+/// Runs an AdamW plan on host memory (every pointer of `d` host memory standing for
+/// device memory): the updates, then the counter advances, as the device runs them.
+void adamw(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads = kBlockThreads);
 
-/// Runs SignSGD launches on host memory; *found_inf != 0 writes nothing.
-void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const std::int32_t* found_inf,
+/// Runs SignSGD launches on host memory; *d.found_inf != 0 writes nothing.
+void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
               int threads = kBlockThreads);
 
 /// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host

@@ -136,9 +136,17 @@ class GradientManager {
   /// grad_dtype): backward writes it, then calls gradient_ready(i).
   TensorView gradient(std::size_t i);
   /// The post-accumulate-grad hook: parameter i's gradient of this micro-batch is
-  /// complete (at most once per micro-batch). Its buffer may be rewritten only in the
-  /// next begin_backward.
-  void gradient_ready(std::size_t i);
+  /// complete (at most once per micro-batch) once `written` is. The manager's reads of
+  /// it are ordered after `written` on the device, with no host synchronisation: pass
+  /// the event of the write (Device::record_on(trainer stream), or record(queue) of the
+  /// device queue that wrote it); an empty event means it was written in order on the
+  /// device's compute queue (the trainer's stream, when the device was made on it).
+  void gradient_ready(std::size_t i, const device::Event& written = {});
+  /// Returns the event after which parameter i's buffer may be rewritten (the
+  /// manager's reads of its last gradient are done): the trainer's stream waits for it
+  /// (Device::wait_on) before the next backward writes the buffer. Empty before the
+  /// parameter's first gradient_ready.
+  device::Event gradient_released(std::size_t i) const;
   /// Ends the micro-batch's backward. Parameters that received no gradient in the whole
   /// step get a zero gradient.
   void finish_backward();
@@ -185,8 +193,12 @@ class GradientManager {
   virtual void do_begin_step() = 0;
   virtual void do_begin_backward() = 0;
   virtual TensorView do_gradient(std::size_t i) = 0;
-  /// `first_in_step`: the parameter's first gradient of the step (copy, not add).
-  virtual void do_gradient_ready(std::size_t i, bool first_in_step) = 0;
+  /// `first_in_step`: the parameter's first gradient of the step (copy, not add); the
+  /// reads wait for `written` on the device.
+  virtual void do_gradient_ready(std::size_t i, bool first_in_step,
+                                 const device::Event& written) = 0;
+  /// The event after which parameter i's gradient buffer may be rewritten.
+  virtual device::Event do_gradient_released(std::size_t i) const = 0;
   /// Called by finish_backward of the final micro-batch with the parameters that got no
   /// gradient in the step (they must read as zero).
   virtual void do_finish_final_backward(std::span<const std::size_t> no_gradient) = 0;

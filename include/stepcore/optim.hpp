@@ -77,6 +77,32 @@ struct AccumulatePair {
   bool copy = false;
 };
 
+/// The per-step hyper-parameters a device step reads from device memory when it runs:
+/// a trainer's schedule writes them there before each step (or each replay of a
+/// captured CUDA graph), with no host synchronisation.
+struct StepHyper {
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+};
+
+/// The device-memory inputs of a device AdamW step, all read when the kernels run (not
+/// when they are enqueued), so a captured graph replays with the values there at replay.
+/// Step counters (AdamWTensor::step) are device memory too: each tensor's counter is read
+/// as t - 1 and set to t by the step, on the device.
+struct AdamWDeviceArgs {
+  const float* scale = nullptr;             ///< the read's gradient scale (required)
+  const float* clip = nullptr;              ///< the read's clip coefficient (required)
+  const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing, counters kept
+  const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
+  const double* bias_table = nullptr;       ///< required: gpu::make_adamw_bias_table(config)
+};
+
+/// The device-memory inputs of a device SignSGD step (read when the kernels run).
+struct SignSgdDeviceArgs {
+  const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing
+  const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
+};
+
 /// The per-tensor f32 scalars of one AdamW update, prepared on the host in
 /// double where the formula says so, then used unchanged by every element,
 /// thread, ISA and device.

@@ -14,6 +14,67 @@
 
 namespace stepcore::detail {
 
+/// The bias corrections of one AdamW step: bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
+struct BiasCorrections {
+  double bc1;
+  double bc2;
+};
+
+/// Host only: the bias corrections at step t of the formula's betas (the native formula
+/// raises its f32-rounded betas), with the C library's pow in binary64.
+BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step);
+
+/// The per-tensor scalars of one AdamW update from the hyper-parameters and the step's
+/// bias corrections bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (binary64, computed on the
+/// host: prepare_adamw_scalars, or the device bias table). lr and weight decay are
+/// arguments, not read from `c`, so a device step can take them from device memory.
+/// The same operations on host and device (no contraction: -ffp-contract=off and
+/// -fmad=false), so both give the same bits.
+STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in,
+                                              double weight_decay, double bc1, double bc2) {
+  AdamWScalars s;
+  if (c.formula == AdamWFormula::native) {
+    // The native kernel holds its hyper-parameters in f32.
+    const float lr = static_cast<float>(lr_in);
+    const float b1 = static_cast<float>(c.beta1);
+    const float b2 = static_cast<float>(c.beta2);
+    const float wd = static_cast<float>(weight_decay);
+    s.decay = static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(wd));
+    s.apply_decay = true;
+    s.beta1 = b1;
+    s.beta2 = b2;
+    s.one_minus_beta1 = 1.0f - b1;
+    s.one_minus_beta2 = 1.0f - b2;
+    s.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
+    s.bc2_sqrt = static_cast<float>(sqrt(bc2));
+    s.eps = static_cast<float>(c.eps);
+  } else {
+    // torch's fused CPU AdamW: Python doubles, rounded to f32 at the last moment.
+    s.apply_decay = weight_decay != 0.0;
+    s.decay = static_cast<float>(1.0 - lr_in * weight_decay);
+    const float w = static_cast<float>(1.0 - c.beta1);
+    s.lerp_small = fabsf(w) < 0.5f;
+    s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
+    s.beta1 = static_cast<float>(c.beta1);
+    s.beta2 = static_cast<float>(c.beta2);
+    s.one_minus_beta1 = w;
+    s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+    s.step_size = static_cast<float>(-(lr_in / bc1));
+    s.bc2_sqrt = static_cast<float>(sqrt(bc2));
+    s.eps = static_cast<float>(c.eps);
+  }
+  return s;
+}
+
+/// The f32 scalars of one SignSGD update (host and device alike).
+STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_decay) {
+  SignSgdScalars s;
+  s.neg_lr = static_cast<float>(-lr);
+  s.neg_lr_wd = static_cast<float>(-(lr * weight_decay));
+  s.apply_decay = weight_decay > 0.0;
+  return s;
+}
+
 /// One AdamW element of either formula (docs/numerics.md section 7) with the lazy
 /// gradient read; the same operation order as the reference, FMAs only where the spec
 /// has them (the library builds device code with -fmad=false).

@@ -46,7 +46,7 @@ void accumulate(std::span<const AccumulatePair>, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const std::int32_t*,
+void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const SignSgdDeviceArgs&,
                    cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
@@ -56,8 +56,8 @@ void finalize_and_clip(const NormPartial*, float, NormResult*, float*, std::int3
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const float*, const float*,
-                const std::int32_t*, cudaStream_t) {
+void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const AdamWDeviceArgs&,
+                cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 

@@ -134,7 +134,8 @@ void validate_read(const GradientRead& read, const char* name) {
          "must be in [0, 1], got " + std::to_string(read.clip));
 }
 
-void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read) {
+void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
+                    StepCounters counters) {
   require_finite(c.lr, "config.lr");
   require_finite(c.beta1, "config.beta1");
   require_finite(c.beta2, "config.beta2");
@@ -179,10 +180,12 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
     const Arg s{"tensors", i, "step"};
     if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
-    const float step = *t.step;
-    if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
-    if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
-      fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
+    if (counters == StepCounters::read) {
+      const float step = *t.step;
+      if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
+      if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
+        fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
+    }
     add_range(ranges, t.step, sizeof(float), true, s);
   }
   check_overlaps(ranges);

@@ -13,10 +13,14 @@
 
 namespace stepcore::detail {
 
+/// Whether validate_adamw reads the step counters (host memory) or checks only their
+/// pointers (device memory, which the kernels read).
+enum class StepCounters : std::uint8_t { read, unread };
+
 /// Throws unless every AdamW argument is valid (dtypes, sizes, pointers,
 /// overlaps, hyper-parameter ranges, step counters, read scalars).
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                    GradientRead read);
+                    GradientRead read, StepCounters counters = StepCounters::read);
 /// Same for SignSGD (scale and clip must be finite and > 0).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);

@@ -252,6 +252,18 @@ class HostDevice final : public Device {
     return Event(std::move(s));
   }
 
+  Event record_on(cudaStream_t stream) override {
+    if (stream != nullptr)
+      throw Error(Errc::invalid_argument, "stream", "the host device has no CUDA streams");
+    return Event(std::make_shared<HostEventState>(true));  // the caller's work is done
+  }
+
+  void wait_on(cudaStream_t stream, const Event& e) override {
+    if (stream != nullptr)
+      throw Error(Errc::invalid_argument, "stream", "the host device has no CUDA streams");
+    if (!e.empty()) e.state()->wait();  // the caller's "stream" is the calling thread
+  }
+
   void wait(Queue q, const Event& e) override {
     detail::check_queue(q);
     raise_pending();
@@ -350,20 +362,17 @@ class HostDevice final : public Device {
   }
 
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const float* d_scale, const float* d_clip,
-                  const std::int32_t* d_found_inf) override {
+                  const AdamWDeviceArgs& d) override {
     raise_pending();
-    const std::vector<gpu::AdamWLaunchArgs> launches = gpu::detail::checked_adamw_plan(
-        d_tensors, config, d_scale, d_clip, d_found_inf, memory_);  // steps the counters
-    gpu::emulate::adamw(launches, d_scale, d_clip, d_found_inf, threads_);
+    gpu::emulate::adamw(gpu::detail::checked_adamw_plan(d_tensors, config, d, memory_), d,
+                        threads_);
   }
 
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const std::int32_t* d_found_inf) override {
+                     const SignSgdDeviceArgs& d) override {
     raise_pending();
-    gpu::emulate::sign_sgd(
-        gpu::detail::checked_sign_sgd_plan(d_tensors, config, d_found_inf, memory_), d_found_inf,
-        threads_);
+    gpu::emulate::sign_sgd(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_), d,
+                           threads_);
   }
 
   cudaStream_t compute_stream() const noexcept override { return nullptr; }

@@ -7,15 +7,22 @@
 // one norm workspace, one pinned host block holding the flag words and, in mode
 // optimizer, each chunk's master|m|v laid out contiguously so a chunk moves in one copy).
 // A step never waits on the host except in clip_grad_norm, which must return the norm.
-// Without it, the found-inf flag travels to a pinned word behind the step's work, and the
-// AdamW step counters (advanced on the host at the launch) are rolled back from their
-// begin_step values when that flag is next read (report, begin_step, load/read_parameter,
-// synchronize, close).
+// Without it, the found-inf flag travels to a pinned word behind the step's work. The
+// per-step scalars live in device memory (step counters, lr and weight decay per
+// weight-decay group, the bias table): the kernels read them when they run, and a
+// skipped step leaves the counters as they were, so nothing is rolled back on the host.
+//
+// Ordering with the trainer: gradient_ready(i, written) makes the compute queue wait for
+// `written` before reading the gradient; gradient_released(i) is the compute-queue event
+// after that read. Every host wait goes through wait_for(), which with a device-memory
+// communicator (NCCL) first waits on the communicator with its timeout, so a dead peer
+// raises Errc::timeout instead of hanging an event wait.
 #include <algorithm>
 #include <cstring>
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "managers/factories.hpp"
@@ -25,6 +32,7 @@
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/managers.hpp"
+#include "stepcore/optim.hpp"
 
 namespace stepcore::detail {
 namespace {
@@ -113,7 +121,8 @@ class GpuGradientManager final : public GradientManager {
   void do_begin_step() override;
   void do_begin_backward() override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
-  void do_gradient_ready(std::size_t i, bool first_in_step) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step, const Event& written) override;
+  Event do_gradient_released(std::size_t i) const override { return released_[i]; }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
   NormResult do_clip_grad_norm(float max_norm, float& clip) override;
@@ -148,15 +157,15 @@ class GpuGradientManager final : public GradientManager {
                     const std::int32_t* d_found_inf);
   void update_all(const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf);
   void finish_enqueue(bool copy_summary, bool copy_flags);
-  void restore_steps(std::size_t first, std::size_t last);
   void settle();
+  void wait_for(const Event& e);
+  void wait_all();
   void wait_idle();
 
   device::Device& dev_;
   bool eager_ = true;  // acc <- R(acc * s) in place at the final finish_backward
   std::vector<Param> params_;
-  std::vector<float> steps_, saved_steps_;  // AdamW step counters (host) and their value
-                                            // at begin_step, for rolling back a skip
+  std::vector<Event> released_;  // per parameter: its gradient's last read is done
 
   // Views for the kernels.
   std::vector<TensorView> counted_, uncounted_;
@@ -169,6 +178,9 @@ class GpuGradientManager final : public GradientManager {
   std::size_t workspace_bytes_ = 0;
   std::byte* hmem_ = nullptr;
   StepScalars* d_ = nullptr;
+  float* d_steps_ = nullptr;          // AdamW step counters, one per parameter
+  StepHyper* d_hyper_ = nullptr;      // [0]: configured weight decay, [1]: no_weight_decay
+  const double* d_bias_ = nullptr;    // AdamW bias table (gpu::make_adamw_bias_table)
   ChunkScalars* d_chunks_ = nullptr;
   std::int32_t* d_flags_ = nullptr;
   HostWords* h_ = nullptr;
@@ -204,8 +216,10 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const std::size_t nchunks = chunks().size();
   const bool adamw = is_adamw();
   params_.resize(n);
-  steps_.assign(n, 0.0f);
-  saved_steps_.assign(n, 0.0f);
+  released_.resize(n);
+  // The bias table first: it validates the optimizer configuration before any memory.
+  const std::vector<double> bias =
+      adamw ? gpu::make_adamw_bias_table(cfg.optimizer.adamw) : std::vector<double>{};
 
   // Device layout: per parameter grad, acc, compute (and master, m, v in mode none); the
   // scalars; mode optimizer: the ring of slots, each as large as the largest chunk block.
@@ -227,6 +241,9 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     }
   }
   const std::size_t scalars_off = dev_carver.take(sizeof(StepScalars));
+  const std::size_t steps_off = dev_carver.take(sizeof(float) * n);
+  const std::size_t hyper_off = dev_carver.take(sizeof(StepHyper) * 2);
+  const std::size_t bias_off = dev_carver.take(sizeof(double) * bias.size());
   const std::size_t chunks_off = dev_carver.take(sizeof(ChunkScalars) * nchunks);
   const std::size_t flags_off = dev_carver.take(sizeof(std::int32_t) * nchunks);
 
@@ -264,6 +281,9 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     hmem_ = static_cast<std::byte*>(
         dev_.allocate_host(std::max(host_carver.total, kAlign), cfg.numa_node));
     d_ = reinterpret_cast<StepScalars*>(dmem_ + scalars_off);
+    d_steps_ = reinterpret_cast<float*>(dmem_ + steps_off);
+    d_hyper_ = reinterpret_cast<StepHyper*>(dmem_ + hyper_off);
+    d_bias_ = reinterpret_cast<const double*>(dmem_ + bias_off);
     d_chunks_ = reinterpret_cast<ChunkScalars*>(dmem_ + chunks_off);
     d_flags_ = reinterpret_cast<std::int32_t*>(dmem_ + flags_off);
     h_ = reinterpret_cast<HostWords*>(hmem_ + words_off);
@@ -321,7 +341,15 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     h_->check = comm::make_layout_check(cfg.layout_fingerprint);
     dev_.copy(Queue::compute, &d_->one, &h_->one, sizeof(float));
     dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
-    dev_.synchronize();
+    // The per-step hyper-parameters and the bias table, read by every step's kernels.
+    const double lr = adamw ? cfg.optimizer.adamw.lr : cfg.optimizer.sign_sgd.lr;
+    const double wd =
+        adamw ? cfg.optimizer.adamw.weight_decay : cfg.optimizer.sign_sgd.weight_decay;
+    const StepHyper hyper[2] = {{lr, wd}, {lr, 0.0}};
+    dev_.copy(Queue::compute, d_hyper_, hyper, sizeof hyper);
+    if (!bias.empty())
+      dev_.copy(Queue::compute, dmem_ + bias_off, bias.data(), sizeof(double) * bias.size());
+    dev_.synchronize();  // the sources are this frame's memory
   } catch (...) {
     free_memory();
     throw;
@@ -343,38 +371,46 @@ void GpuGradientManager::free_memory() noexcept {
 
 // ---- the step in flight ---------------------------------------------------------------
 
-void GpuGradientManager::restore_steps(std::size_t first, std::size_t last) {
-  for (std::size_t i = first; i < last; ++i) steps_[i] = saved_steps_[i];
+// Blocks until `e` is complete. With a device-memory communicator the device's work may
+// sit behind a collective whose peer died: the communicator's bounded wait (its
+// timeout, then abort: Errc::timeout) comes first, so no event wait hangs.
+void GpuGradientManager::wait_for(const Event& e) {
+  comm::Communicator* comm = config().comm;
+  if (comm != nullptr && comm->memory() == comm::MemorySpace::device) comm->synchronize();
+  dev_.synchronize(e);
 }
 
-// Learns the outcome of the last step once its work is done: found-inf flags (rolling
-// back the step counters of what was skipped) and the layout check. Raises the work's
+// Blocks until every queue is idle, bounded like wait_for.
+void GpuGradientManager::wait_all() {
+  comm::Communicator* comm = config().comm;
+  if (comm != nullptr && comm->memory() == comm::MemorySpace::device) comm->synchronize();
+  dev_.synchronize();
+}
+
+// Learns the outcome of the last step once its work is done: found-inf flags (the device
+// skipped what they mark, counters included) and the layout check. Raises the work's
 // errors once.
 void GpuGradientManager::settle() {
   if (!pending_) return;
   pending_ = false;
-  dev_.synchronize(done_);
-  done_ = Event();
+  const Event done = std::exchange(done_, Event());
+  wait_for(done);
   if (overlap_step_) {
     for (std::size_t k = 0; k < chunks().size(); ++k)
-      if (h_flags_[k] != 0) {
-        ++report_.chunks_skipped;
-        restore_steps(chunks()[k].first, chunks()[k].last);
-      }
+      if (h_flags_[k] != 0) ++report_.chunks_skipped;
     report_.stepped = chunks().empty() || report_.chunks_skipped < chunks().size();
   } else if (!flag_known_) {
     const Summary s = h_->summary;
     report_.norm = s.result;
     report_.skipped = s.found_inf != 0;
     report_.stepped = !report_.skipped;
-    if (report_.skipped) restore_steps(0, params_.size());
     if (config().comm != nullptr) comm::check_reduced(s.check, config().layout_fingerprint);
   }
 }
 
 void GpuGradientManager::wait_idle() {
   settle();
-  dev_.synchronize();
+  wait_all();
 }
 
 void GpuGradientManager::ensure_scale() {
@@ -391,7 +427,7 @@ void GpuGradientManager::reduce(NormPartial* d_partial) {
   comm::Communicator* comm = config().comm;
   if (comm == nullptr) return;
   if (comm->memory() == comm::MemorySpace::host) dev_.synchronize(dev_.record(Queue::compute));
-  comm->all_reduce_partial(d_partial, &d_->summary.check);
+  comm->all_reduce_partial(d_partial, &d_->summary.check);  // device: on the compute stream
 }
 
 // The global norm partial of the counted accumulators, reduced over the ranks; eager:
@@ -436,7 +472,9 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
   };
   // Two calls at most: parameters with the configured weight decay, then those marked
   // no_weight_decay (each element's update depends only on its own tensor's config).
+  // Each group's lr and weight decay come from d_hyper_ when the kernels run.
   for (const bool no_decay : {false, true}) {
+    const StepHyper* hyper = d_hyper_ + (no_decay ? 1 : 0);
     if (is_adamw()) {
       std::vector<AdamWTensor> t;
       for (std::size_t i = first; i < last; ++i) {
@@ -444,11 +482,12 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
         const Param& q = params_[i];
         const std::size_t n = q.acc.numel;
         t.push_back({f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
-                     f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), &steps_[i], q.acc, q.compute});
+                     f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc,
+                     q.compute});
       }
       AdamWConfig c = cfg.optimizer.adamw;
       if (no_decay) c.weight_decay = 0.0;
-      if (!t.empty()) dev_.adamw_step(t, c, d_scale, d_clip, d_found_inf);
+      if (!t.empty()) dev_.adamw_step(t, c, AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
     } else {
       std::vector<SignSgdTensor> t;
       for (std::size_t i = first; i < last; ++i) {
@@ -458,7 +497,7 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
       }
       SignSgdConfig c = cfg.optimizer.sign_sgd;
       if (no_decay) c.weight_decay = 0.0;
-      if (!t.empty()) dev_.sign_sgd_step(t, c, d_found_inf);
+      if (!t.empty()) dev_.sign_sgd_step(t, c, SignSgdDeviceArgs{d_found_inf, hyper});
     }
   }
 }
@@ -524,28 +563,30 @@ void GpuGradientManager::do_load_parameter(std::size_t i, std::span<const float>
       dev_.zero(Queue::compute, q.exp_avg_sq, bytes);
     }
   }
-  steps_[i] = saved_steps_[i] = 0.0f;
+  dev_.zero(Queue::compute, d_steps_ + i, sizeof(float));
   std::vector<std::uint8_t> rounded;
   if (p.has_compute_weights) {
     rounded.resize(q.compute.bytes());
     round_into(master, p.compute_dtype, rounded.data());
     dev_.copy(Queue::compute, q.compute.data, rounded.data(), rounded.size());
   }
-  dev_.synchronize();  // the sources are the caller's and this frame's memory
+  wait_all();  // the sources are the caller's and this frame's memory
 }
 
 void GpuGradientManager::do_begin_step() {
   settle();  // the previous step's outcome; raises its errors
-  saved_steps_ = steps_;
   report_ = StepReport{};
   scale_uploaded_ = partial_done_ = flag_known_ = overlap_step_ = false;
   ring_next_ = 0;
 }
 
-void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step) {
+void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
+                                           const Event& written) {
   const Param& q = params_[i];
+  dev_.wait(Queue::compute, written);  // the trainer's write, before the read
   const AccumulatePair pair{q.acc, q.grad, first_in_step};
   dev_.accumulate(std::span(&pair, 1));
+  released_[i] = dev_.record(Queue::compute);
 }
 
 void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> no_gradient) {
@@ -579,7 +620,7 @@ NormResult GpuGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
   // The one host synchronisation of a clipped step: the caller wants the norm now.
   dev_.wait(Queue::d2h, dev_.record(Queue::compute));
   dev_.copy(Queue::d2h, &h_->summary, &d_->summary, sizeof(Summary));
-  dev_.synchronize(dev_.record(Queue::d2h));
+  wait_for(dev_.record(Queue::d2h));
   const Summary s = h_->summary;
   if (config().comm != nullptr) comm::check_reduced(s.check, config().layout_fingerprint);
   flag_known_ = true;
@@ -641,7 +682,7 @@ void GpuGradientManager::do_read_parameter(std::size_t i, std::span<float> maste
   get(exp_avg.data(), q.exp_avg, exp_avg.size_bytes());
   get(exp_avg_sq.data(), q.exp_avg_sq, exp_avg_sq.size_bytes());
   if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
-  dev_.synchronize();
+  wait_all();
 }
 
 void GpuGradientManager::do_synchronize() { wait_idle(); }
@@ -656,7 +697,7 @@ std::exception_ptr GpuGradientManager::do_close() noexcept {
     error = std::current_exception();
   }
   try {
-    dev_.synchronize();
+    wait_all();
   } catch (...) {
     if (!error) error = std::current_exception();
   }

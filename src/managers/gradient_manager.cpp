@@ -133,7 +133,7 @@ TensorView GradientManager::gradient(std::size_t i) {
   return guarded([&] { return do_gradient(i); });
 }
 
-void GradientManager::gradient_ready(std::size_t i) {
+void GradientManager::gradient_ready(std::size_t i, const device::Event& written) {
   expect(phase_ == Phase::backward, "gradient_ready",
          "only between begin_backward and finish_backward");
   if (i >= config_.params.size())
@@ -141,13 +141,19 @@ void GradientManager::gradient_ready(std::size_t i) {
   if (ready_in_micro_[i])
     throw Error(Errc::invalid_argument, "gradient_ready",
                 "parameter " + std::to_string(i) + " is already ready in this micro-batch");
-  guarded([&] { do_gradient_ready(i, got_in_step_[i] == 0); });
+  guarded([&] { do_gradient_ready(i, got_in_step_[i] == 0, written); });
   ready_in_micro_[i] = 1;
   got_in_step_[i] = 1;
   if (final_ && overlap_) {
     const std::size_t c = chunk_of_[i];
     if (--chunk_pending_[c] == 0) guarded([&] { do_step_chunk(c); });
   }
+}
+
+device::Event GradientManager::gradient_released(std::size_t i) const {
+  if (i >= config_.params.size())
+    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  return do_gradient_released(i);
 }
 
 void GradientManager::finish_backward() {

@@ -84,7 +84,8 @@ class OffloadGradientManager final : public GradientManager {
   void do_begin_step() override;
   void do_begin_backward() override;
   TensorView do_gradient(std::size_t i) override;
-  void do_gradient_ready(std::size_t i, bool first_in_step) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step, const Event& written) override;
+  Event do_gradient_released(std::size_t i) const override { return released_[i]; }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
   NormResult do_clip_grad_norm(float max_norm, float& clip) override;
@@ -154,6 +155,7 @@ class OffloadGradientManager final : public GradientManager {
   std::uint64_t posted_ = 0, done_ = 0;
   bool stop_ = false;
   std::vector<std::uint64_t> staging_task_;  // last task reading staging i
+  std::vector<Event> released_;              // per parameter: its device buffer is staged
   std::thread worker_;
 
   // Errors (err_mu_).
@@ -232,6 +234,7 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
   }
   steps_.assign(n, 0.0f);
   staging_task_.assign(n, 0);
+  released_.resize(n);
   // Place the state pages: each chunk's buffers touched in the partition its step uses.
   chunk_acc_.resize(chunks().size());
   for (std::size_t k = 0; k < chunks().size(); ++k) {
@@ -484,7 +487,8 @@ TensorView OffloadGradientManager::do_gradient(std::size_t i) {
   return params_[i].grad;
 }
 
-void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step) {
+void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
+                                               const Event& written) {
   raise_if_failed();
   Param& p = params_[i];
   // Staging i is free once the worker has accumulated its previous contents.
@@ -494,10 +498,12 @@ void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step
   if (p.grad.numel != 0) {
     copied = on_device([&] {
       dev_.wait(Queue::d2h, dev_.record(Queue::compute));  // backward's writes first
+      dev_.wait(Queue::d2h, written);                      // and the trainer's event
       dev_.copy(Queue::d2h, p.staging.data, p.grad.data, p.grad.bytes());
       return last_d2h_ = dev_.record(Queue::d2h);
     });
   }
+  released_[i] = copied;  // the device buffer is free once it is staged
   staging_task_[i] = post([this, &p, copied, first_in_step] {
     sync_event(copied);
     const AccumulatePair pair{p.acc, p.staging, first_in_step};

@@ -1,0 +1,323 @@
+// The GPU benchmark's body, over device::Device so that it runs on the CUDA device (the
+// stepcore-bench-gpu program) and on the host device (a small smoke test in the test
+// suite, so a harness bug cannot stop a scarce GPU run): it builds the model's tensor
+// list and a 2,000-tensor list, sizes one workspace for every list it uses, validates
+// every kernel against the scalar reference, then times each kernel and a
+// same-traffic device-to-device copy (the probe) in the same run.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/model_sizes.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/reference.hpp"
+
+namespace stepcore::bench {
+
+/// What to run: the bf16 gradient elements of the model list, the tensors of the
+/// small-tensor list (host time per call), and repetitions per timing.
+struct GpuBenchOptions {
+  std::size_t total_elements = std::size_t{1} << 29;  // 1 GiB of bf16
+  std::size_t small_tensors = 2000;
+  int reps = 10;
+};
+
+/// One timed kernel: best time and the bytes it moves.
+struct GpuBenchRow {
+  std::string name;
+  double ms = 0.0;
+  double bytes = 0.0;
+};
+
+/// The run: the probe, the kernels, the host enqueue time per call, and the first
+/// validation failure ("" when every kernel matched the reference).
+struct GpuBenchResult {
+  double probe_ms = 0.0;
+  double probe_bytes = 0.0;
+  std::vector<GpuBenchRow> rows;
+  double host_us_per_small_call = 0.0;
+  std::size_t tensors = 0, elements = 0, blocks = 0;
+  std::string failure;
+};
+
+/// Times fn (enqueue + completion) on the device: returns the best of `reps` in ms.
+using BestMs = std::function<double(const std::function<void()>& fn, int reps)>;
+
+namespace harness_detail {
+
+/// A device allocation freed with its owner.
+class DeviceMemory {
+ public:
+  DeviceMemory(device::Device& d, std::size_t bytes) : dev_(d), p_(d.allocate(bytes)) {}
+  ~DeviceMemory() { dev_.deallocate(p_); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  device::Device& dev_;
+  void* p_;
+};
+
+inline void upload(device::Device& dev, void* d, const void* h, std::size_t bytes) {
+  dev.copy(device::Queue::compute, d, h, bytes);
+  dev.synchronize();
+}
+inline void download(device::Device& dev, void* h, const void* d, std::size_t bytes) {
+  dev.copy(device::Queue::compute, h, d, bytes);
+  dev.synchronize();
+}
+
+}  // namespace harness_detail
+
+/// Runs the benchmark on `dev`; stops at the first validation failure (result.failure).
+inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
+                                    const GpuBenchOptions& o) {
+  using harness_detail::DeviceMemory;
+  using harness_detail::download;
+  using harness_detail::upload;
+  using device::Queue;
+  GpuBenchResult res;
+  const std::vector<std::size_t> sizes = model_sizes(o.total_elements);
+  std::size_t total = 0;
+  for (std::size_t s : sizes) total += s;
+  res.tensors = sizes.size();
+  res.elements = total;
+
+  DeviceMemory d_grad(dev, total * 2), d_copy(dev, total * 4), d_acc(dev, total * 4);
+  DeviceMemory d_p(dev, total * 4), d_m(dev, total * 4), d_v(dev, total * 4);
+  DeviceMemory d_out(dev, total * 2), d_steps(dev, sizes.size() * 4);
+  DeviceMemory d_words(dev, 256);  // scale, clip, hyper
+  std::vector<std::uint16_t> h_grad(total);
+  std::vector<float> h_p(total);
+  {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> nd(0.0f, 1e-3f);
+    for (auto& x : h_grad) x = f32_to_bf16_bits(nd(rng));
+    for (auto& x : h_p) x = nd(rng) * 50.0f;
+  }
+  upload(dev, d_grad.as<void>(), h_grad.data(), total * 2);
+  upload(dev, d_p.as<void>(), h_p.data(), total * 4);
+
+  auto* g16 = d_grad.as<std::uint16_t>();
+  std::vector<TensorView> views;
+  std::vector<ConstTensorView> cviews;
+  std::vector<AccumulatePair> pairs;
+  std::vector<AdamWTensor> adamw;
+  std::vector<SignSgdTensor> sign;
+  std::size_t off = 0;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const std::size_t s = sizes[k];
+    views.push_back({g16 + off, s, DType::bf16});
+    cviews.push_back({g16 + off, s, DType::bf16});
+    pairs.push_back({{d_acc.as<float>() + off, s, DType::f32}, {g16 + off, s, DType::bf16}, false});
+    adamw.push_back({{d_p.as<float>() + off, s, DType::f32},
+                     {d_m.as<float>() + off, s, DType::f32},
+                     {d_v.as<float>() + off, s, DType::f32},
+                     d_steps.as<float>() + k,
+                     {g16 + off, s, DType::bf16},
+                     {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
+    sign.push_back({{d_p.as<float>() + off, s, DType::f32},
+                    {g16 + off, s, DType::bf16},
+                    {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
+    off += s;
+  }
+  // The small-tensor list for the host time per call.
+  std::vector<TensorView> small;
+  const std::size_t each = std::max<std::size_t>(1, total / o.small_tensors);
+  for (std::size_t i = 0; i < o.small_tensors && (i + 1) * each <= total; ++i)
+    small.push_back({g16 + i * each, each, DType::bf16});
+
+  // One workspace for every list the run uses (the largest block count wins).
+  const std::size_t ws = std::max(dev.norm_workspace_bytes(views), dev.norm_workspace_bytes(small));
+  res.blocks = dev.norm_workspace_bytes(views) / sizeof(NormPartial);
+  DeviceMemory d_ws(dev, ws), d_partial(dev, sizeof(NormPartial));
+
+  // Device scalars: scale 1, clip 1, the AdamW bias table and hyper-parameters.
+  AdamWConfig acfg;
+  acfg.lr = 1e-4;
+  acfg.weight_decay = 0.01;
+  const std::vector<double> bias = gpu::make_adamw_bias_table(acfg);
+  DeviceMemory d_bias(dev, bias.size() * sizeof(double));
+  upload(dev, d_bias.as<void>(), bias.data(), bias.size() * sizeof(double));
+  const float ones[2] = {1.0f, 1.0f};
+  upload(dev, d_words.as<void>(), ones, sizeof ones);
+  const float* d_one = d_words.as<float>();
+  const AdamWDeviceArgs dargs{d_one, d_one + 1, nullptr, nullptr, d_bias.as<double>()};
+  const SignSgdConfig scfg{1e-5, 0.0};
+
+  auto fail = [&](std::string what) {
+    res.failure = std::move(what);
+    return res;
+  };
+  auto read_partial = [&] {
+    NormPartial p;
+    download(dev, &p, d_partial.as<void>(), sizeof p);
+    return p;
+  };
+
+  // ---- validation, before anything is timed ------------------------------------------
+  const std::size_t nv = std::min<std::size_t>(3, sizes.size());
+  std::size_t head = 0;  // elements of the first nv tensors
+  for (std::size_t k = 0; k < nv; ++k) head += sizes[k];
+  {
+    const ConstTensorView hv{h_grad.data(), total, DType::bf16};
+    const NormResult ref = finalize(reference::norm_partial({&hv, 1}, GradientRead{1.0f, 1.0f}));
+    dev.norm_partial(cviews, GradientRead{}, d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
+    if (f32_bits(finalize(read_partial()).norm) != f32_bits(ref.norm))
+      return fail("norm of the model list differs from the reference");
+    const NormResult ref_small = [&] {
+      std::vector<ConstTensorView> hs;
+      for (std::size_t i = 0; i < small.size(); ++i)
+        hs.push_back({h_grad.data() + i * each, each, DType::bf16});
+      return finalize(reference::norm_partial(hs, GradientRead{}));
+    }();
+    dev.scale_and_norm_partial(small, 1.0f, d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
+    if (f32_bits(finalize(read_partial()).norm) != f32_bits(ref_small.norm))
+      return fail("scale+norm of the small-tensor list differs from the reference");
+  }
+  {  // scale+norm with a scale: the head tensors' stored values and the norm
+    std::vector<std::uint16_t> ref(h_grad.begin(), h_grad.begin() + static_cast<long>(head));
+    const TensorView rv{ref.data(), head, DType::bf16};
+    reference::scale_({&rv, 1}, 0.37f);
+    const ConstTensorView rc{ref.data(), head, DType::bf16};
+    const NormResult want = finalize(reference::norm_partial({&rc, 1}));
+    const std::vector<TensorView> hv(views.begin(), views.begin() + static_cast<long>(nv));
+    dev.scale_and_norm_partial(hv, 0.37f, d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
+    const NormResult got = finalize(read_partial());
+    std::vector<std::uint16_t> back(head);
+    download(dev, back.data(), g16, head * 2);
+    if (back != ref || f32_bits(got.norm) != f32_bits(want.norm))
+      return fail("scale+norm (scale 0.37) differs from the reference");
+    upload(dev, g16, h_grad.data(), head * 2);  // restore
+  }
+  {  // accumulate (copy, then add) into the head accumulators
+    std::vector<float> ref(head, 0.0f);
+    std::vector<AccumulatePair> hp(pairs.begin(), pairs.begin() + static_cast<long>(nv));
+    for (auto& p : hp) p.copy = true;
+    dev.accumulate(hp);
+    for (auto& p : hp) p.copy = false;
+    dev.accumulate(hp);
+    for (std::size_t i = 0; i < head; ++i) {
+      const float x = bf16_bits_to_f32(h_grad[i]);
+      ref[i] = x + x;
+    }
+    std::vector<float> back(head);
+    download(dev, back.data(), d_acc.as<void>(), head * 4);
+    if (std::memcmp(back.data(), ref.data(), head * 4) != 0)
+      return fail("accumulate differs from the reference");
+  }
+  {  // one AdamW step of the head tensors
+    std::vector<float> p(h_p.begin(), h_p.begin() + static_cast<long>(head)), m(head, 0.0f),
+        v(head, 0.0f);
+    std::vector<std::uint16_t> out(head);
+    std::vector<float> steps(nv, 0.0f);
+    std::vector<AdamWTensor> ht;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < nv; ++k) {
+      const std::size_t s = sizes[k];
+      ht.push_back({{p.data() + at, s, DType::f32},
+                    {m.data() + at, s, DType::f32},
+                    {v.data() + at, s, DType::f32},
+                    &steps[k],
+                    {h_grad.data() + at, s, DType::bf16},
+                    {out.data() + at, s, DType::bf16}});
+      at += s;
+    }
+    reference::adamw_step(ht, acfg, GradientRead{});
+    const std::vector<AdamWTensor> dt(adamw.begin(), adamw.begin() + static_cast<long>(nv));
+    dev.adamw_step(dt, acfg, dargs);
+    std::vector<float> back(head);
+    std::vector<std::uint16_t> oback(head);
+    download(dev, back.data(), d_p.as<void>(), head * 4);
+    download(dev, oback.data(), d_out.as<void>(), head * 2);
+    if (std::memcmp(back.data(), p.data(), head * 4) != 0 || oback != out)
+      return fail("AdamW differs from the reference");
+    std::vector<float> dsteps(nv);
+    download(dev, dsteps.data(), d_steps.as<void>(), nv * 4);
+    if (dsteps != steps) return fail("AdamW step counters differ from the reference");
+    // SignSGD on the updated head parameters.
+    std::vector<SignSgdTensor> hs;
+    at = 0;
+    for (std::size_t k = 0; k < nv; ++k) {
+      const std::size_t s = sizes[k];
+      hs.push_back({{p.data() + at, s, DType::f32},
+                    {h_grad.data() + at, s, DType::bf16},
+                    {out.data() + at, s, DType::bf16}});
+      at += s;
+    }
+    reference::sign_sgd_step(hs, scfg);
+    const std::vector<SignSgdTensor> ds(sign.begin(), sign.begin() + static_cast<long>(nv));
+    dev.sign_sgd_step(ds, scfg, SignSgdDeviceArgs{});
+    download(dev, back.data(), d_p.as<void>(), head * 4);
+    download(dev, oback.data(), d_out.as<void>(), head * 2);
+    if (std::memcmp(back.data(), p.data(), head * 4) != 0 || oback != out)
+      return fail("SignSGD differs from the reference");
+  }
+
+  // ---- timing --------------------------------------------------------------------------
+  const double g_bytes = static_cast<double>(total) * 2.0;
+  // The probe: a device-to-device copy of the gradients (read + write of 2 bytes each).
+  res.probe_ms = best_ms(
+      [&] { dev.copy(Queue::compute, d_copy.as<void>(), g16, total * 2); }, o.reps);
+  res.probe_bytes = 2.0 * g_bytes;
+  auto row = [&](const char* name, double ms, double bytes) {
+    res.rows.push_back({name, ms, bytes});
+  };
+  row("norm only (bf16, read)",
+      best_ms(
+          [&] {
+            dev.norm_partial(cviews, GradientRead{1.0f / 3000.0f, 1.0f},
+                             d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
+          },
+          o.reps),
+      g_bytes);
+  // With scale 1 the fused pass writes nothing; time a power-of-two scale and its inverse
+  // so the data stays as it was.
+  row("scale+norm (bf16, scale 2^-12)",
+      best_ms(
+          [&] {
+            dev.scale_and_norm_partial(views, 0x1p-12f, d_partial.as<NormPartial>(),
+                                       d_ws.as<void>(), ws);
+            dev.scale_and_norm_partial(views, 0x1p12f, d_partial.as<NormPartial>(),
+                                       d_ws.as<void>(), ws);
+          },
+          o.reps) /
+          2.0,
+      2.0 * g_bytes);
+  row("accumulate bf16 -> f32", best_ms([&] { dev.accumulate(pairs); }, o.reps),
+      static_cast<double>(total) * 10.0);
+  row("adamw (f32 state, bf16 g/out)", best_ms([&] { dev.adamw_step(adamw, acfg, dargs); }, o.reps),
+      static_cast<double>(total) * 28.0);
+  row("sign_sgd (f32, bf16 g/out)",
+      best_ms([&] { dev.sign_sgd_step(sign, scfg, SignSgdDeviceArgs{}); }, o.reps),
+      static_cast<double>(total) * 12.0);
+
+  // Host time per call for the small-tensor list (enqueue only; the device runs meanwhile).
+  {
+    const int reps = 20;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; r < reps; ++r)
+      dev.scale_and_norm_partial(small, 1.0f, d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
+    res.host_us_per_small_call =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e6 / reps;
+    dev.synchronize();
+  }
+  return res;
+}
+
+}  // namespace stepcore::bench
