@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <deque>
 #include <optional>
 #include <string>
 #include <utility>
@@ -196,17 +197,23 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
   std::vector<StepOut> out;
   for (int s = 0; s < kSteps; ++s) {
     m->begin_step(step_scale(s), sc.overlap);
+    // The trainer's backward runs on its own queue (h2d stands in for its stream): each
+    // write waits for the manager's release of the buffer and hands its event to
+    // gradient_ready. No host synchronisation: the host sources live until the report.
+    std::deque<std::vector<std::uint8_t>> sources;
     for (int mb = 0; mb < kMicroBatches; ++mb) {
       m->begin_backward(mb + 1 == kMicroBatches);
       for (std::size_t i = n; i-- > 0;) {  // backward: last parameter first
         if (!has_gradient(s, mb, i)) continue;
         const TensorView g = m->gradient(i);
-        const std::vector<std::uint8_t> bytes = gradient_bytes(sc, s, mb, i, offset(i), g.numel);
+        sources.push_back(gradient_bytes(sc, s, mb, i, offset(i), g.numel));
+        device::Event written;
         if (g.numel) {
-          dev.copy(device::Queue::compute, g.data, bytes.data(), bytes.size());
-          dev.synchronize(dev.record(device::Queue::compute));
+          dev.wait(device::Queue::h2d, m->gradient_released(i));
+          dev.copy(device::Queue::h2d, g.data, sources.back().data(), sources.back().size());
+          written = dev.record(device::Queue::h2d);
         }
-        m->gradient_ready(i);
+        m->gradient_ready(i, written);
       }
       m->finish_backward();
     }
