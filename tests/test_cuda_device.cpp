@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "device_cases.hpp"
 #include "stepcore/cuda.hpp"
@@ -53,6 +54,32 @@ TEST(CudaDevice, UsesAGivenComputeStream) {
   }
   EXPECT_EQ(cudaStreamQuery(s), cudaSuccess) << "the given stream outlives the device";
   cudaStreamDestroy(s);
+}
+
+// The legacy default stream can be the compute stream (the trainer's stream when it uses
+// the default one); a kernel written there before gradient-style reads is ordered by
+// the stream alone. record_on/wait_on order a foreign stream with the device's queues.
+TEST(CudaDevice, TheLegacyDefaultStreamAndForeignStreamEvents) {
+  SKIP_WITHOUT_DEVICE();
+  {
+    auto dev = device::make_cuda_device(0, cudaStreamLegacy);
+    EXPECT_EQ(dev->compute_stream(), cudaStreamLegacy);
+    device_cases::exact_fallback_resolves_a_tie(*dev);
+  }
+  auto dev = device::make_cuda_device(0);
+  cudaStream_t trainer = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
+  std::vector<float> host(1 << 20, 3.0f), back(1 << 20, 0.0f);
+  void* d = dev->allocate(host.size() * 4);
+  ASSERT_EQ(cudaMemcpyAsync(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice, trainer),
+            cudaSuccess);
+  dev->wait(device::Queue::d2h, dev->record_on(trainer));  // the write, then the read
+  dev->copy(device::Queue::d2h, back.data(), d, back.size() * 4);
+  dev->wait_on(trainer, dev->record(device::Queue::d2h));
+  ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
+  EXPECT_EQ(back, host);
+  dev->deallocate(d);
+  cudaStreamDestroy(trainer);
 }
 
 TEST(CudaDevice, EveryKernelMatchesTheExecutorAndTheReference) {
