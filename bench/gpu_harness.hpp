@@ -87,10 +87,10 @@ inline void download(device::Device& dev, void* h, const void* d, std::size_t by
 /// Runs the benchmark on `dev`; stops at the first validation failure (result.failure).
 inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
                                     const GpuBenchOptions& o) {
+  using device::Queue;
   using harness_detail::DeviceMemory;
   using harness_detail::download;
   using harness_detail::upload;
-  using device::Queue;
   GpuBenchResult res;
   const std::vector<std::size_t> sizes = model_sizes(o.total_elements);
   std::size_t total = 0;
@@ -272,8 +272,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   // ---- timing --------------------------------------------------------------------------
   const double g_bytes = static_cast<double>(total) * 2.0;
   // The probe: a device-to-device copy of the gradients (read + write of 2 bytes each).
-  res.probe_ms = best_ms(
-      [&] { dev.copy(Queue::compute, d_copy.as<void>(), g16, total * 2); }, o.reps);
+  res.probe_ms =
+      best_ms([&] { dev.copy(Queue::compute, d_copy.as<void>(), g16, total * 2); }, o.reps);
   res.probe_bytes = 2.0 * g_bytes;
   auto row = [&](const char* name, double ms, double bytes) {
     res.rows.push_back({name, ms, bytes});
@@ -293,8 +293,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
           [&] {
             dev.scale_and_norm_partial(views, 0x1p-12f, d_partial.as<NormPartial>(),
                                        d_ws.as<void>(), ws);
-            dev.scale_and_norm_partial(views, 0x1p12f, d_partial.as<NormPartial>(),
-                                       d_ws.as<void>(), ws);
+            dev.scale_and_norm_partial(views, 0x1p12f, d_partial.as<NormPartial>(), d_ws.as<void>(),
+                                       ws);
           },
           o.reps) /
           2.0,

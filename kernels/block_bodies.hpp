@@ -43,7 +43,7 @@ STEPCORE_HD_INLINE void load_group(const T* p, T (&out)[V]) {
   if constexpr (V == 1) {
     out[0] = p[0];
   } else {
-    const Bytes<sizeof(T) * V> w = *reinterpret_cast<const Bytes<sizeof(T) * V>*>(p);
+    const Bytes<sizeof(T)* V> w = *reinterpret_cast<const Bytes<sizeof(T) * V>*>(p);
     memcpy(out, &w, sizeof w);
   }
 }
@@ -78,7 +78,6 @@ STEPCORE_HD_INLINE void for_thread_groups(std::uint64_t begin, std::uint64_t end
          i += static_cast<std::uint64_t>(threads))
       f.template operator()<1>(i);
 }
-
 
 /// One thread's share of a norm: binary64 sum of exact squares of finite values, the
 /// largest finite |x| bit pattern and the non-finite counts.
@@ -356,8 +355,8 @@ STEPCORE_HD_INLINE void adamw_range(const AdamWLaunchArgs& a, int t, const Block
     const std::uint64_t local_tail = tail > i ? tail - i : 0;
     for (int k = 0; k < W; ++k)
       ::stepcore::detail::adamw_element<G, O>(p, m, v, g, std::is_void_v<O> ? nullptr : o, s,
-                                              a.config.formula == AdamWFormula::torch,
-                                              local_tail, scale, clip, static_cast<std::uint64_t>(k));
+                                              a.config.formula == AdamWFormula::torch, local_tail,
+                                              scale, clip, static_cast<std::uint64_t>(k));
     store_group<float, W>(a.param[t] + i, p);
     store_group<float, W>(a.exp_avg[t] + i, m);
     store_group<float, W>(a.exp_avg_sq[t] + i, v);
@@ -381,8 +380,8 @@ STEPCORE_HD_INLINE void adamw_typed(const AdamWLaunchArgs& a, int t, const Block
 
 template <class G>
 STEPCORE_HD_INLINE void adamw_by_output(const AdamWLaunchArgs& a, int t, const BlockTask& task,
-                                        int thread, int threads, const AdamWScalars& s,
-                                        float scale, float clip) {
+                                        int thread, int threads, const AdamWScalars& s, float scale,
+                                        float clip) {
   switch (a.out_kind[t]) {
     case 0:
       adamw_typed<G, void>(a, t, task, thread, threads, s, scale, clip);

@@ -36,8 +36,8 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
       if (cur.num_blocks == max_blocks || cur.num_tensors == max_tensors) flush();
       const int slot = cur.num_tensors++;
       bind(cur, slot, i);
-      const std::uint64_t take =
-          std::min<std::uint64_t>(chunks - c, static_cast<std::uint64_t>(max_blocks - cur.num_blocks));
+      const std::uint64_t take = std::min<std::uint64_t>(
+          chunks - c, static_cast<std::uint64_t>(max_blocks - cur.num_blocks));
       cur.map.numel[slot] = n;
       cur.map.first_chunk[slot] = c;
       cur.num_blocks += static_cast<int>(take);

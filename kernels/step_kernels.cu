@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
-
 #include <string>
 #include <vector>
 
@@ -109,7 +108,7 @@ __global__ void normalize_partial_kernel(const std::int32_t* d_found_inf, NormPa
 void reduce_partials(const NormPartial* d_blocks, std::uint32_t blocks,
                      const std::int32_t* d_found_inf, NormPartial* d_out, cudaStream_t stream) {
   reduce_partial_fields_kernel<<<kReduceFields, kReduceThreads, 0, stream>>>(d_blocks, blocks,
-                                                                              d_found_inf, d_out);
+                                                                             d_found_inf, d_out);
   cuda::detail::check_launch("reduce_partial_fields_kernel");
   normalize_partial_kernel<<<1, 1, 0, stream>>>(d_found_inf, d_out);
   cuda::detail::check_launch("normalize_partial_kernel");
@@ -134,7 +133,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     adamw_kernel(const AdamWLaunchArgs args, const AdamWDeviceArgs d) {
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
   __shared__ AdamWScalars scalars;
-  if (threadIdx.x == 0) scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
+  if (threadIdx.x == 0)
+    scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
   __syncthreads();
   detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, *d.scale, *d.clip);
 }

@@ -252,7 +252,8 @@ inline void kernels_match_reference(Device& dev, int threads) {
         std::vector<AdamWTensor> ht, dt;
         for (std::size_t k = 0; k < g.hv.size(); ++k) {
           ht.push_back({param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]});
-          dt.push_back({param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
+          dt.push_back(
+              {param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
         }
         AdamWConfig cfg;
         cfg.weight_decay = 0.1;

@@ -10,8 +10,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <deque>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>

@@ -23,9 +23,9 @@ TEST(GpuBenchHarness, ValidatesAndTimesEveryKernelOnTheHostDevice) {
       const auto t0 = std::chrono::steady_clock::now();
       fn();
       dev->synchronize();
-      best = std::min(best, std::chrono::duration<double, std::milli>(
-                                std::chrono::steady_clock::now() - t0)
-                                .count());
+      best = std::min(
+          best,
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     }
     return best;
   };

@@ -94,8 +94,8 @@ TEST(GpuPlan, TensorsBeyond2To31ElementsUse64BitRanges) {
   EXPECT_EQ(plan.launches.size(), 3u);
   // 1 GiB of bf16 (the benchmark's size) is one launch of 8,192 blocks: enough to fill
   // any GPU, where the old plans capped a launch at 256.
-  const std::vector<TensorView> gib{{reinterpret_cast<void*>(0x1000), std::uint64_t{1} << 29,
-                                     DType::bf16}};
+  const std::vector<TensorView> gib{
+      {reinterpret_cast<void*>(0x1000), std::uint64_t{1} << 29, DType::bf16}};
   const gpu::LaunchPlan one = gpu::make_plan(gib);
   ASSERT_EQ(one.launches.size(), 1u);
   EXPECT_EQ(one.launches[0].num_blocks, 8192);
@@ -480,16 +480,14 @@ TEST(GpuExecutor, AReplayedSignSgdPlanTakesEachReplaysLearningRate) {
   }
   p_got = p_ref;
   const SignSgdConfig cfg{1e-3, 0.1};
-  const std::vector<SignSgdTensor> gt{{f32_view(p_got.data(), p_got.size()),
-                                       const_view(g.data(), g.size()),
-                                       {}}};
+  const std::vector<SignSgdTensor> gt{
+      {f32_view(p_got.data(), p_got.size()), const_view(g.data(), g.size()), {}}};
   const auto plan = gpu::make_sign_sgd_plan(gt, cfg);
   for (double lr : {1e-3, 3e-2, 5e-4}) {
     const StepHyper hyper{lr, 0.1};
     gpu::emulate::sign_sgd(plan, SignSgdDeviceArgs{nullptr, &hyper});
-    const std::vector<SignSgdTensor> rt{{f32_view(p_ref.data(), p_ref.size()),
-                                         const_view(g.data(), g.size()),
-                                         {}}};
+    const std::vector<SignSgdTensor> rt{
+        {f32_view(p_ref.data(), p_ref.size()), const_view(g.data(), g.size()), {}}};
     reference::sign_sgd_step(rt, SignSgdConfig{lr, 0.1});
     ASSERT_EQ(std::memcmp(p_got.data(), p_ref.data(), p_ref.size() * 4), 0) << "lr " << lr;
   }

@@ -278,9 +278,9 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearning
   const double lrs[] = {1e-3, 3e-4, 2e-3};
   for (int r = 0; r < 3; ++r) {
     hyper.lr = lrs[r];
-    ASSERT_EQ(cudaMemcpyAsync(d_hyper.as<void>(), &hyper, sizeof hyper, cudaMemcpyHostToDevice,
-                              stream),
-              cudaSuccess);
+    ASSERT_EQ(
+        cudaMemcpyAsync(d_hyper.as<void>(), &hyper, sizeof hyper, cudaMemcpyHostToDevice, stream),
+        cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 

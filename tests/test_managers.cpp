@@ -17,9 +17,9 @@
 
 #include "device/host_device.hpp"
 #include "managers_cases.hpp"
+#include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
-#include "stepcore/comm.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/reference.hpp"
@@ -219,12 +219,16 @@ TEST(Managers, GradientReadsFollowTheTrainersEventsWithoutAHostSynchronisation) 
   std::vector<std::uint16_t> compute(n);
   float step = 0.0f;
   {
-    const std::vector<AccumulatePair> p1{{f32_view(acc.data(), n), {g1.data(), n, DType::bf16}, true}};
+    const std::vector<AccumulatePair> p1{
+        {f32_view(acc.data(), n), {g1.data(), n, DType::bf16}, true}};
     reference::accumulate(p1);
-    const std::vector<AccumulatePair> p2{{f32_view(acc.data(), n), {g2.data(), n, DType::bf16}, false}};
+    const std::vector<AccumulatePair> p2{
+        {f32_view(acc.data(), n), {g2.data(), n, DType::bf16}, false}};
     reference::accumulate(p2);
-    const std::vector<AdamWTensor> t{{f32_view(master.data(), n), f32_view(m.data(), n),
-                                      f32_view(v.data(), n), &step,
+    const std::vector<AdamWTensor> t{{f32_view(master.data(), n),
+                                      f32_view(m.data(), n),
+                                      f32_view(v.data(), n),
+                                      &step,
                                       ConstTensorView(acc.data(), n, DType::f32),
                                       {compute.data(), n, DType::bf16}}};
     reference::adamw_step(t, AdamWConfig{}, GradientRead{scale, 1.0f});

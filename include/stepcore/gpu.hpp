@@ -71,7 +71,8 @@ struct BlockMap {
     }
     const std::uint32_t start = lo == 0 ? 0u : block_end[lo - 1];
     const std::uint64_t begin = (first_chunk[lo] + (b - start)) * kChunkElements;
-    const std::uint64_t end = begin + kChunkElements < numel[lo] ? begin + kChunkElements : numel[lo];
+    const std::uint64_t end =
+        begin + kChunkElements < numel[lo] ? begin + kChunkElements : numel[lo];
     return BlockTask{static_cast<std::uint16_t>(lo), begin, end};
   }
 };

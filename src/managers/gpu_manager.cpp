@@ -178,9 +178,9 @@ class GpuGradientManager final : public GradientManager {
   std::size_t workspace_bytes_ = 0;
   std::byte* hmem_ = nullptr;
   StepScalars* d_ = nullptr;
-  float* d_steps_ = nullptr;          // AdamW step counters, one per parameter
-  StepHyper* d_hyper_ = nullptr;      // [0]: configured weight decay, [1]: no_weight_decay
-  const double* d_bias_ = nullptr;    // AdamW bias table (gpu::make_adamw_bias_table)
+  float* d_steps_ = nullptr;        // AdamW step counters, one per parameter
+  StepHyper* d_hyper_ = nullptr;    // [0]: configured weight decay, [1]: no_weight_decay
+  const double* d_bias_ = nullptr;  // AdamW bias table (gpu::make_adamw_bias_table)
   ChunkScalars* d_chunks_ = nullptr;
   std::int32_t* d_flags_ = nullptr;
   HostWords* h_ = nullptr;
@@ -487,7 +487,8 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
       }
       AdamWConfig c = cfg.optimizer.adamw;
       if (no_decay) c.weight_decay = 0.0;
-      if (!t.empty()) dev_.adamw_step(t, c, AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
+      if (!t.empty())
+        dev_.adamw_step(t, c, AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
     } else {
       std::vector<SignSgdTensor> t;
       for (std::size_t i = first; i < last; ++i) {
