@@ -2,9 +2,10 @@
 // MPI, NCCL), the description of how gradient groups are laid out over ranks, and the
 // exact reduction of norm partials. docs/numerics.md, "Global norm across ranks".
 //
-// Free of CUDA and MPI headers: the MPI and NCCL factories live in comm_mpi.hpp and
-// comm_nccl.hpp, and every factory exists in every build (throwing
-// Errc::not_supported when the library was built without that transport).
+// Free of CUDA and MPI headers (streams are stepcore/cuda.hpp's opaque cudaStream_t):
+// the MPI and NCCL factories live in comm_mpi.hpp and comm_nccl.hpp, and every factory
+// exists in every build (throwing Errc::not_supported when the library was built
+// without that transport).
 #pragma once
 
 #include <array>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "stepcore/cpu.hpp"
+#include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -84,6 +86,10 @@ class Communicator {
   virtual MemorySpace memory() const noexcept = 0;
   /// Returns "in_process", "mpi" or "nccl".
   virtual std::string_view name() const noexcept = 0;
+  /// Returns the CUDA stream device-memory collectives are enqueued on (null for host
+  /// communicators; null is also the legacy default stream of a device communicator).
+  /// A device's kernels that produce or consume the reduced data must run on it.
+  virtual cudaStream_t stream() const noexcept { return nullptr; }
 
   /// In-place all-reduce of `count` words at `data` (in memory(); the NCCL
   /// communicator also accepts host memory, staged and synchronised). Blocks until

@@ -25,16 +25,20 @@ NcclUniqueId nccl_unique_id();
 /// memory. Collectives are enqueued without host synchronisation; synchronize()
 /// waits for the stream up to the timeout, reading ncclCommGetAsyncError, and aborts
 /// the NCCL communicator on a timeout (Errc::timeout) or an error (Errc::nccl_error).
-/// Throws Errc::not_supported without NCCL. Determinism: as every communicator.
+/// Host buffers are staged through page-locked memory the communicator owns, waited for
+/// by the same bounded poll. `stream` must outlive the communicator (stream() returns
+/// it; its teardown frees staging memory on it without waiting). Throws
+/// Errc::not_supported without NCCL. Determinism: as every communicator.
 std::unique_ptr<Communicator> make_nccl_communicator(
     ncclComm_t comm, cudaStream_t stream, std::chrono::milliseconds timeout = kDefaultTimeout);
 
 /// Returns a communicator that owns a new NCCL communicator of `nranks` ranks
 /// created from `id` on CUDA device `device` (nonblocking initialisation, polled
 /// against the timeout: a rank that never joins gives Errc::timeout), issuing
-/// collectives on `stream`. Destroying it destroys (or, once failed, aborts) the
-/// NCCL communicator. Throws out_of_range for a bad rank/nranks/device,
-/// not_supported without NCCL, nccl_error, cuda_error, timeout.
+/// collectives on `stream` (as above). Destroying it destroys (or, once failed or when
+/// the flush exceeds the timeout, aborts) the NCCL communicator. Throws out_of_range
+/// for a bad rank/nranks/device, not_supported without NCCL, nccl_error, cuda_error,
+/// timeout.
 std::unique_ptr<Communicator> make_nccl_communicator(
     const NcclUniqueId& id, int rank, int nranks, int device, cudaStream_t stream,
     std::chrono::milliseconds timeout = kDefaultTimeout);

@@ -245,7 +245,8 @@ class GradientManager {
 /// for "none", the streamed-state manager for "optimizer", OffloadGradientManager for
 /// "full". Validates everything first: an optimizer other than "adamw"/"sign_sgd" is
 /// refused (in full offload with the message that full offload accepts only AdamW and
-/// SignSGD), a missing device, a communicator in the wrong memory space, bad sizes.
+/// SignSGD), a missing device, a communicator in the wrong memory space or (a device
+/// communicator) on another stream than the device's compute stream, bad sizes.
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 
 }  // namespace stepcore

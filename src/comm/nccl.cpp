@@ -1,11 +1,15 @@
 // The NCCL communicator: grouped in-place all-reduces on the caller's stream with no
-// host synchronisation, host buffers staged through device memory, errors read with
-// ncclCommGetAsyncError, waits bounded by the timeout and ended with ncclCommAbort.
+// host synchronisation, host buffers staged through page-locked host memory and device
+// scratch the communicator owns, errors read with ncclCommGetAsyncError, waits bounded
+// by the timeout and ended with ncclCommAbort; teardown never waits for the stream.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "comm_internal.hpp"
 #include "stepcore/comm_nccl.hpp"
@@ -54,6 +58,10 @@ class DeviceScope {
   int previous_ = 0;
 };
 
+// The smallest staging capacity (a norm partial with its check is 208 bytes; a
+// layout check of a few hundred groups fits).
+constexpr std::size_t kMinStagingBytes = 16 * 1024;
+
 bool is_device_pointer(const void* p) {
   cudaPointerAttributes a{};
   if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
@@ -74,32 +82,18 @@ class NcclCommunicator final : public Communicator {
     check_nccl(ncclCommCuDevice(comm_, &device_), "ncclCommCuDevice", false);
   }
 
+  // The transport first (a bounded finalize, else abort), then the staging buffers, so
+  // that no device-synchronising free can wait for a hung collective.
   ~NcclCommunicator() override {
-    if (scratch_) {
-      int previous = 0;
-      if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device_) == cudaSuccess) {
-        cudaFree(scratch_);
-        cudaSetDevice(previous);
-      }
-    }
-    if (!owned_ || aborted_) return;
-    if (failed_) {
-      ncclCommAbort(comm_);
-      return;
-    }
-    // Flush, bounded by the timeout; abort if the flush does not finish.
-    ncclResult_t r = ncclCommFinalize(comm_);
-    if (r == ncclInProgress || r == ncclSuccess) r = wait_not_in_progress();
-    if (r == ncclSuccess)
-      ncclCommDestroy(comm_);
-    else
-      ncclCommAbort(comm_);
+    release_transport();
+    release_staging();
   }
 
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return size_; }
   MemorySpace memory() const noexcept override { return MemorySpace::device; }
   std::string_view name() const noexcept override { return "nccl"; }
+  cudaStream_t stream() const noexcept override { return stream_; }
 
   void all_reduce(void* data, std::size_t count, Word word, Op op) override {
     detail::validate_all_reduce(data, count, word, op);
@@ -112,13 +106,20 @@ class NcclCommunicator final : public Communicator {
                  "ncclAllReduce");
       return;
     }
-    // A host buffer (set-up calls such as validate_layout): staged and synchronised.
-    void* d = scratch(bytes);
-    check_cuda(cudaMemcpyAsync(d, data, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync");
-    check_nccl(ncclAllReduce(d, d, count, nccl_type(word), nccl_op(op), comm_, stream_),
-               "ncclAllReduce");
-    check_cuda(cudaMemcpyAsync(data, d, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync");
+    // A host buffer (set-up calls such as validate_layout): staged through the
+    // communicator's page-locked buffer, so that every copy is truly asynchronous and the
+    // wait is synchronize()'s bounded poll; the caller's memory is written only after it.
+    const Staging& s = staging(bytes);
+    std::memcpy(s.host, data, bytes);
+    enqueue(cudaMemcpyAsync(s.device, s.host, bytes, cudaMemcpyHostToDevice, stream_),
+            "cudaMemcpyAsync (host to device)");
+    check_nccl(
+        ncclAllReduce(s.device, s.device, count, nccl_type(word), nccl_op(op), comm_, stream_),
+        "ncclAllReduce");
+    enqueue(cudaMemcpyAsync(s.host, s.device, bytes, cudaMemcpyDeviceToHost, stream_),
+            "cudaMemcpyAsync (device to host)");
     synchronize();
+    std::memcpy(data, s.host, bytes);
   }
 
   void all_reduce_partial(NormPartial* partial, LayoutCheck* check) override {
@@ -133,24 +134,23 @@ class NcclCommunicator final : public Communicator {
     }
     if (check != nullptr && is_device_pointer(check))
       throw Error(Errc::invalid_argument, "check", "device memory (the partial is not)");
-    // Host buffers: staged through the scratch and synchronised.
-    auto* d = static_cast<unsigned char*>(scratch(sizeof(NormPartial) + sizeof(LayoutCheck)));
-    auto* d_partial = reinterpret_cast<NormPartial*>(d);
-    auto* d_check = check ? reinterpret_cast<LayoutCheck*>(d + sizeof(NormPartial)) : nullptr;
-    check_cuda(
-        cudaMemcpyAsync(d_partial, partial, sizeof *partial, cudaMemcpyHostToDevice, stream_),
-        "cudaMemcpyAsync");
-    if (check)
-      check_cuda(cudaMemcpyAsync(d_check, check, sizeof *check, cudaMemcpyHostToDevice, stream_),
-                 "cudaMemcpyAsync");
-    enqueue_partial(d_partial, d_check);
-    check_cuda(
-        cudaMemcpyAsync(partial, d_partial, sizeof *partial, cudaMemcpyDeviceToHost, stream_),
-        "cudaMemcpyAsync");
-    if (check)
-      check_cuda(cudaMemcpyAsync(check, d_check, sizeof *check, cudaMemcpyDeviceToHost, stream_),
-                 "cudaMemcpyAsync");
+    // Host buffers: staged as in all_reduce (partial, then check, in one record).
+    constexpr std::size_t kBytes = sizeof(NormPartial) + sizeof(LayoutCheck);
+    const std::size_t bytes = check ? kBytes : sizeof(NormPartial);
+    const Staging& s = staging(kBytes);
+    auto* h = static_cast<unsigned char*>(s.host);
+    auto* d = static_cast<unsigned char*>(s.device);
+    std::memcpy(h, partial, sizeof *partial);
+    if (check) std::memcpy(h + sizeof(NormPartial), check, sizeof *check);
+    enqueue(cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, stream_),
+            "cudaMemcpyAsync (host to device)");
+    enqueue_partial(reinterpret_cast<NormPartial*>(d),
+                    check ? reinterpret_cast<LayoutCheck*>(d + sizeof(NormPartial)) : nullptr);
+    enqueue(cudaMemcpyAsync(h, d, bytes, cudaMemcpyDeviceToHost, stream_),
+            "cudaMemcpyAsync (device to host)");
     synchronize();
+    std::memcpy(partial, h, sizeof *partial);
+    if (check) std::memcpy(check, h + sizeof(NormPartial), sizeof *check);
   }
 
   void synchronize() override {
@@ -162,7 +162,12 @@ class NcclCommunicator final : public Communicator {
       if (ncclCommGetAsyncError(comm_, &nccl) != ncclSuccess) nccl = ncclInternalError;
       if (nccl != ncclSuccess && nccl != ncclInProgress) return true;
       cuda = cudaStreamQuery(stream_);
-      return cuda != cudaErrorNotReady;
+      if (cuda != cudaErrorNotReady) return true;
+      // "Not ready" is recorded as the thread's last error; clear it so that a later
+      // launch check (cudaGetLastError) does not report it. It is not sticky, and a
+      // sticky error would have been returned by the query itself (reported below).
+      cudaGetLastError();
+      return false;
     });
     if (nccl != ncclSuccess && nccl != ncclInProgress)
       fail(Errc::nccl_error, std::string("asynchronous NCCL error: ") + ncclGetErrorString(nccl));
@@ -206,15 +211,93 @@ class NcclCommunicator final : public Communicator {
     check_nccl(end, "ncclGroupEnd");
   }
 
-  void* scratch(std::size_t bytes) {
-    if (bytes > scratch_bytes_) {
-      if (scratch_) cudaFree(scratch_);
-      scratch_ = nullptr;
-      scratch_bytes_ = 0;
-      check_cuda(cudaMalloc(&scratch_, bytes), "cudaMalloc");
-      scratch_bytes_ = bytes;
+  // A page-locked host buffer and a device buffer of the same capacity, for host-staged
+  // collectives. The device buffer comes from the stream-ordered allocator on the
+  // communicator's stream where the device supports it (freed with cudaFreeAsync: no
+  // device-wide synchronisation), else from cudaMalloc.
+  struct Staging {
+    void* host = nullptr;
+    void* device = nullptr;
+    std::size_t bytes = 0;
+    bool stream_ordered = false;
+  };
+
+  // Returns staging of at least `bytes` (the current device is device_). A buffer that
+  // is outgrown is retired, not freed: freeing may synchronise the device, which must
+  // not happen outside the bounded waits; release_staging frees it with the others.
+  const Staging& staging(std::size_t bytes) {
+    if (bytes <= staging_.bytes) return staging_;
+    retired_.reserve(retired_.size() + 1);  // so that nothing below throws after allocating
+    Staging s;
+    s.bytes = std::max({bytes, 2 * staging_.bytes, kMinStagingBytes});
+    check_cuda(cudaMallocHost(&s.host, s.bytes), "cudaMallocHost");
+    int pools = 0;
+    if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device_) != cudaSuccess) {
+      cudaGetLastError();
+      pools = 0;
     }
-    return scratch_;
+    s.stream_ordered = pools != 0;
+    const cudaError_t e = s.stream_ordered ? cudaMallocAsync(&s.device, s.bytes, stream_)
+                                           : cudaMalloc(&s.device, s.bytes);
+    if (e != cudaSuccess) {
+      cudaFreeHost(s.host);  // never used by the device: nothing to wait for
+      check_cuda(e, s.stream_ordered ? "cudaMallocAsync" : "cudaMalloc");
+    }
+    if (staging_.bytes != 0) retired_.push_back(staging_);
+    staging_ = s;
+    return staging_;
+  }
+
+  // Throws for a failed enqueue of a staged copy, marking the communicator failed:
+  // copies already queued may still write the staging buffers, which must not be reused.
+  void enqueue(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) fail(Errc::cuda_error, std::string(what) + ": " + cudaGetErrorString(e));
+  }
+
+  // Finalises the owned NCCL communicator, bounded by the timeout (aborting it if the
+  // flush does not finish), or aborts it when the communicator failed.
+  void release_transport() noexcept {
+    if (!owned_ || aborted_) return;
+    if (failed_) {
+      ncclCommAbort(comm_);
+      return;
+    }
+    ncclResult_t r = ncclCommFinalize(comm_);
+    if (r == ncclInProgress || r == ncclSuccess) r = wait_not_in_progress();
+    if (r == ncclSuccess)
+      ncclCommDestroy(comm_);
+    else
+      ncclCommAbort(comm_);
+  }
+
+  // Frees the staging buffers once the transport is gone, without waiting for the
+  // stream: stream-ordered device buffers with cudaFreeAsync; the others (whose free may
+  // synchronise the device) only when the stream is idle. With work still queued (a
+  // failed staged collective's copies may still write them, or a hung stream) they are
+  // left allocated: a few KiB, rather than a teardown that never returns.
+  void release_staging() noexcept {
+    if (staging_.bytes == 0) return;
+    int previous = 0;
+    if (cudaGetDevice(&previous) != cudaSuccess || cudaSetDevice(device_) != cudaSuccess) {
+      cudaGetLastError();
+      return;
+    }
+    const cudaError_t query = cudaStreamQuery(stream_);
+    if (query != cudaSuccess) cudaGetLastError();
+    const bool idle = query == cudaSuccess;
+    const auto release = [&](const Staging& s) {
+      if (s.stream_ordered) {
+        if (cudaFreeAsync(s.device, stream_) != cudaSuccess) cudaGetLastError();
+      } else if (idle && cudaFree(s.device) != cudaSuccess) {
+        cudaGetLastError();
+      }
+      if (idle && cudaFreeHost(s.host) != cudaSuccess) cudaGetLastError();
+    };
+    release(staging_);
+    for (const Staging& s : retired_) release(s);
+    staging_ = Staging{};
+    retired_.clear();
+    if (cudaSetDevice(previous) != cudaSuccess) cudaGetLastError();
   }
 
   // Waits while a nonblocking communicator reports ncclInProgress; returns the state.
@@ -265,8 +348,8 @@ class NcclCommunicator final : public Communicator {
   bool aborted_ = false;
   Errc code_ = Errc::timeout;
   std::string message_;
-  void* scratch_ = nullptr;
-  std::size_t scratch_bytes_ = 0;
+  Staging staging_;               // the buffers host-staged collectives use
+  std::vector<Staging> retired_;  // outgrown buffers, freed by release_staging
 };
 
 }  // namespace

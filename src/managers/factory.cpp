@@ -1,5 +1,6 @@
 // make_gradient_manager: the trainer's one entry point, validating everything a mode
 // needs before any memory is allocated, then building the mode's manager.
+#include <cstdio>
 #include <string>
 
 #include "managers/factories.hpp"
@@ -7,6 +8,17 @@
 #include "stepcore/managers.hpp"
 
 namespace stepcore {
+namespace {
+
+// Returns "0x..." for a stream handle, "null (the legacy default stream)" for null.
+std::string stream_name(cudaStream_t s) {
+  if (s == nullptr) return "null (the legacy default stream)";
+  char buf[2 + 2 * sizeof(void*) + 1];
+  std::snprintf(buf, sizeof buf, "%p", static_cast<void*>(s));
+  return buf;
+}
+
+}  // namespace
 
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
   const std::string& opt = config.optimizer.name;
@@ -37,6 +49,17 @@ std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
                            ? "full offload reduces host memory: use MPI or in-process)"
                            : "device modes reduce in the device's memory: NCCL on a CUDA device, "
                              "a host communicator on the host device)"));
+    // A device communicator reduces the partials the compute stream's kernels write and
+    // read: on any other stream nothing orders the two, and the norm is silently wrong.
+    if (!host_comm && config.comm->stream() != config.device->compute_stream())
+      throw Error(Errc::invalid_argument, "comm",
+                  "the " + std::string(config.comm->name()) + " communicator enqueues on stream " +
+                      stream_name(config.comm->stream()) + ", not on " +
+                      std::string(config.device->name()) + "'s compute stream " +
+                      stream_name(config.device->compute_stream()) +
+                      ": make the device on the communicator's stream "
+                      "(device::make_cuda_device(ordinal, comm.stream())) or the communicator "
+                      "on device.compute_stream()");
   }
   if (config.mode == OffloadMode::full)
     return detail::make_offload_gradient_manager(std::move(config));

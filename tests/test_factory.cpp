@@ -1,0 +1,192 @@
+// make_gradient_manager's communicator checks (CPU): a device-memory communicator must
+// enqueue on the device's compute stream. A fake "CUDA" device (the host device with a
+// made-up non-null compute stream) and a fake device-memory communicator with a stream
+// of its own: refused with Errc::invalid_argument naming "comm" before any allocation;
+// on the same stream the check passes and the manager is built and steps. Host
+// communicators report no stream.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "stepcore/comm.hpp"
+#include "stepcore/cuda.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+cudaStream_t fake_stream(std::uintptr_t value) { return reinterpret_cast<cudaStream_t>(value); }
+
+// The host device, forwarding every call, except that it claims a compute stream (so
+// the factory takes it for a CUDA device) and counts allocations.
+class FakeCudaDevice final : public device::Device {
+ public:
+  explicit FakeCudaDevice(cudaStream_t compute)
+      : host_(device::make_host_device(32)), compute_(compute) {}
+
+  int allocations() const noexcept { return allocations_; }
+
+  std::string_view name() const noexcept override { return "fake-cuda"; }
+  void* allocate(std::size_t bytes) override {
+    ++allocations_;
+    return host_->allocate(bytes);
+  }
+  void deallocate(void* p) noexcept override { host_->deallocate(p); }
+  void* allocate_host(std::size_t bytes, int numa_node) override {
+    ++allocations_;
+    return host_->allocate_host(bytes, numa_node);
+  }
+  void deallocate_host(void* p) noexcept override { host_->deallocate_host(p); }
+  void copy(device::Queue q, void* dst, const void* src, std::size_t bytes) override {
+    host_->copy(q, dst, src, bytes);
+  }
+  void zero(device::Queue q, void* dst, std::size_t bytes) override { host_->zero(q, dst, bytes); }
+  device::Event record(device::Queue q) override { return host_->record(q); }
+  void wait(device::Queue q, const device::Event& e) override { host_->wait(q, e); }
+  void synchronize(const device::Event& e) override { host_->synchronize(e); }
+  void synchronize() override { host_->synchronize(); }
+  std::size_t norm_workspace_bytes(std::span<const TensorView> d_tensors) const override {
+    return host_->norm_workspace_bytes(d_tensors);
+  }
+  void accumulate(std::span<const AccumulatePair> d_pairs) override { host_->accumulate(d_pairs); }
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    host_->scale_and_norm_partial(d_tensors, scale, d_partial, d_workspace, workspace_bytes);
+  }
+  void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    host_->norm_partial(d_tensors, read, d_partial, d_workspace, workspace_bytes);
+  }
+  void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
+                         float* d_clip, std::int32_t* d_found_inf) override {
+    host_->finalize_and_clip(d_partial, max_norm, d_result, d_clip, d_found_inf);
+  }
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    host_->exact_norm_partial_if_needed(d_tensors, read, d_found_inf, d_exact_partial, d_workspace,
+                                        workspace_bytes);
+  }
+  void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
+                               NormResult* d_result, float* d_clip,
+                               std::int32_t* d_found_inf) override {
+    host_->finalize_exact_and_clip(d_exact_partial, max_norm, d_result, d_clip, d_found_inf);
+  }
+  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                  const float* d_scale, const float* d_clip,
+                  const std::int32_t* d_found_inf) override {
+    host_->adamw_step(d_tensors, config, d_scale, d_clip, d_found_inf);
+  }
+  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
+                     const std::int32_t* d_found_inf) override {
+    host_->sign_sgd_step(d_tensors, config, d_found_inf);
+  }
+  cudaStream_t compute_stream() const noexcept override { return compute_; }
+
+ private:
+  std::unique_ptr<device::Device> host_;
+  cudaStream_t compute_;
+  int allocations_ = 0;
+};
+
+// One rank in device memory on `stream`: every reduction is the identity (in place, as
+// one rank's NCCL all-reduce), so the device's memory being host memory is harmless.
+class FakeDeviceComm final : public comm::Communicator {
+ public:
+  explicit FakeDeviceComm(cudaStream_t stream)
+      : Communicator(std::chrono::seconds(10)), stream_(stream) {}
+  int rank() const noexcept override { return 0; }
+  int size() const noexcept override { return 1; }
+  comm::MemorySpace memory() const noexcept override { return comm::MemorySpace::device; }
+  std::string_view name() const noexcept override { return "fake_nccl"; }
+  cudaStream_t stream() const noexcept override { return stream_; }
+  void all_reduce(void*, std::size_t, comm::Word, comm::Op) override { ++collectives_; }
+  void all_reduce_partial(NormPartial*, comm::LayoutCheck*) override { ++collectives_; }
+  void synchronize() override {}
+  void abort() noexcept override { failed_ = true; }
+  bool failed() const noexcept override { return failed_; }
+  int collectives() const noexcept { return collectives_; }
+
+ private:
+  cudaStream_t stream_;
+  int collectives_ = 0;
+  bool failed_ = false;
+};
+
+ManagerConfig config_on(device::Device& dev, comm::Communicator& c) {
+  ManagerConfig cfg;
+  cfg.mode = OffloadMode::none;
+  cfg.params = {ParamSpec{"w", 1000, DType::bf16}, ParamSpec{"b", 17, DType::f32}};
+  cfg.device = &dev;
+  cfg.comm = &c;
+  cfg.layout_fingerprint = 7;
+  return cfg;
+}
+
+TEST(Factory, RefusesADeviceCommunicatorOnAnotherStream) {
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    FakeCudaDevice dev(fake_stream(0x10));
+    FakeDeviceComm c(fake_stream(0x20));
+    ManagerConfig cfg = config_on(dev, c);
+    cfg.mode = mode;
+    try {
+      make_gradient_manager(cfg);
+      ADD_FAILURE() << "a communicator on another stream was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_EQ(e.argument(), "comm");
+      const std::string what = e.what();
+      for (const char* part :
+           {"fake_nccl", "fake-cuda", "0x20", "0x10", "make_cuda_device", "compute_stream()"})
+        EXPECT_NE(what.find(part), std::string::npos) << part << " missing from: " << what;
+    }
+    EXPECT_EQ(dev.allocations(), 0) << "the factory allocated before refusing";
+    EXPECT_EQ(c.collectives(), 0);
+  }
+  // The legacy default stream (null) is another stream too.
+  FakeCudaDevice dev(fake_stream(0x10));
+  FakeDeviceComm c(nullptr);
+  try {
+    make_gradient_manager(config_on(dev, c));
+    ADD_FAILURE() << "a communicator on the legacy default stream was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::invalid_argument);
+    EXPECT_EQ(e.argument(), "comm");
+    EXPECT_NE(std::string(e.what()).find("legacy default stream"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Factory, AcceptsADeviceCommunicatorOnTheComputeStream) {
+  FakeCudaDevice dev(fake_stream(0x10));
+  FakeDeviceComm c(fake_stream(0x10));
+  std::unique_ptr<GradientManager> m;
+  ASSERT_NO_THROW(m = make_gradient_manager(config_on(dev, c)));
+  EXPECT_GT(dev.allocations(), 0);
+  // A step through the identity reduction: the communicator is used.
+  m->begin_step(1.0f, false);
+  m->begin_backward(true);
+  m->finish_backward();
+  EXPECT_EQ(m->clip_grad_norm(1.0f), 0.0f);  // no gradient arrived: zero accumulators
+  m->step();
+  EXPECT_GT(c.collectives(), 0);
+  m->close();
+}
+
+TEST(Factory, HostCommunicatorsHaveNoStream) {
+  auto group = comm::make_in_process_group(2);
+  for (const auto& c : group) EXPECT_EQ(c->stream(), nullptr);
+}
+
+}  // namespace
