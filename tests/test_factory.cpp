@@ -1,5 +1,7 @@
-// make_gradient_manager's communicator checks (CPU): a device-memory communicator must
-// enqueue on the device's compute stream. A fake "CUDA" device (the host device with a
+// make_gradient_manager's communicator checks and the device managers' bounded waits
+// (CPU): a device-memory communicator must enqueue on the device's compute stream, and a
+// manager must wait on it (with its timeout) before trusting anything behind a
+// collective. A fake "CUDA" device (the host device with a
 // made-up non-null compute stream) and a fake device-memory communicator with a stream
 // of its own: refused with Errc::invalid_argument naming "comm" before any allocation;
 // on the same stream the check passes and the manager is built and steps. Host
@@ -12,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "stepcore/comm.hpp"
@@ -84,14 +87,15 @@ class FakeCudaDevice final : public device::Device {
     host_->finalize_exact_and_clip(d_exact_partial, max_norm, d_result, d_clip, d_found_inf);
   }
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const float* d_scale, const float* d_clip,
-                  const std::int32_t* d_found_inf) override {
-    host_->adamw_step(d_tensors, config, d_scale, d_clip, d_found_inf);
+                  const AdamWDeviceArgs& d) override {
+    host_->adamw_step(d_tensors, config, d);
   }
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const std::int32_t* d_found_inf) override {
-    host_->sign_sgd_step(d_tensors, config, d_found_inf);
+                     const SignSgdDeviceArgs& d) override {
+    host_->sign_sgd_step(d_tensors, config, d);
   }
+  device::Event record_on(cudaStream_t) override { return host_->record_on(nullptr); }
+  void wait_on(cudaStream_t, const device::Event& e) override { host_->wait_on(nullptr, e); }
   cudaStream_t compute_stream() const noexcept override { return compute_; }
 
  private:
@@ -102,25 +106,43 @@ class FakeCudaDevice final : public device::Device {
 
 // One rank in device memory on `stream`: every reduction is the identity (in place, as
 // one rank's NCCL all-reduce), so the device's memory being host memory is harmless.
+// With `dead_peer`, a collective is "enqueued" but never completes, as with NCCL when a
+// peer died: synchronize() waits out the timeout and fails (Errc::timeout, aborted).
 class FakeDeviceComm final : public comm::Communicator {
  public:
-  explicit FakeDeviceComm(cudaStream_t stream)
-      : Communicator(std::chrono::seconds(10)), stream_(stream) {}
+  explicit FakeDeviceComm(cudaStream_t stream, bool dead_peer = false,
+                          std::chrono::milliseconds timeout = std::chrono::seconds(10))
+      : Communicator(timeout), stream_(stream), dead_peer_(dead_peer) {}
   int rank() const noexcept override { return 0; }
   int size() const noexcept override { return 1; }
   comm::MemorySpace memory() const noexcept override { return comm::MemorySpace::device; }
   std::string_view name() const noexcept override { return "fake_nccl"; }
   cudaStream_t stream() const noexcept override { return stream_; }
   void all_reduce(void*, std::size_t, comm::Word, comm::Op) override { ++collectives_; }
-  void all_reduce_partial(NormPartial*, comm::LayoutCheck*) override { ++collectives_; }
-  void synchronize() override {}
+  void all_reduce_partial(NormPartial*, comm::LayoutCheck*) override {
+    if (failed_) throw Error(Errc::timeout, "", "aborted");
+    ++collectives_;
+    pending_ = dead_peer_;
+  }
+  void synchronize() override {
+    ++synchronizes_;
+    if (failed_) throw Error(Errc::timeout, "", "aborted");
+    if (!pending_) return;
+    std::this_thread::sleep_for(timeout());
+    failed_ = true;
+    throw Error(Errc::timeout, "", "the peer never arrived (fake)");
+  }
   void abort() noexcept override { failed_ = true; }
   bool failed() const noexcept override { return failed_; }
   int collectives() const noexcept { return collectives_; }
+  int synchronizes() const noexcept { return synchronizes_; }
 
  private:
   cudaStream_t stream_;
+  bool dead_peer_ = false;
+  bool pending_ = false;
   int collectives_ = 0;
+  int synchronizes_ = 0;
   bool failed_ = false;
 };
 
@@ -182,6 +204,40 @@ TEST(Factory, AcceptsADeviceCommunicatorOnTheComputeStream) {
   m->step();
   EXPECT_GT(c.collectives(), 0);
   m->close();
+}
+
+// A dead peer behind a device-memory collective: every host wait of the device manager
+// must go through the communicator's bounded wait, so clip_grad_norm (and report,
+// without clipping) raises Errc::timeout within about the timeout instead of returning
+// a norm from a partial that was never reduced, or hanging in an event wait with NCCL.
+// The manager then stays failed, and close() returns.
+TEST(GpuManagerWaits, ADeadPeerIsATimeoutNotAHangOrANorm) {
+  for (const bool clip : {true, false}) {
+    SCOPED_TRACE(clip ? "clip_grad_norm" : "report");
+    FakeCudaDevice dev(fake_stream(0x10));
+    FakeDeviceComm c(fake_stream(0x10), /*dead_peer=*/true, std::chrono::milliseconds(200));
+    auto m = make_gradient_manager(config_on(dev, c));
+    m->begin_step(1.0f, false);
+    m->begin_backward(true);
+    m->finish_backward();
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      if (clip) {
+        (void)m->clip_grad_norm(1.0f);
+      } else {
+        m->step();
+        (void)m->report();
+      }
+      ADD_FAILURE() << "a collective whose peer died was trusted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s, 5.0);
+    EXPECT_GT(c.synchronizes(), 0);
+    EXPECT_THROW(m->begin_step(1.0f, false), Error) << "the manager stays failed";
+    EXPECT_THROW(m->close(), Error);  // raises the stored error once, returns
+  }
 }
 
 TEST(Factory, HostCommunicatorsHaveNoStream) {
