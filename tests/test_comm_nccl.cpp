@@ -352,6 +352,46 @@ TEST(NcclGate, FactoryRequiresTheCommunicatorOnTheComputeStream) {
   cudaStreamDestroy(stream);
 }
 
+// Defect 2 on the device: the manager's collective sits behind a held stream (the gate
+// stands in for a peer that never arrives). clip_grad_norm must raise Errc::timeout
+// within about the communicator's timeout, not block in an event wait; close() returns.
+TEST(NcclGate, TheManagersWaitsAreBoundedByTheCommunicatorsTimeout) {
+  SKIP_WITHOUT_DEVICE();
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  {
+    auto c = comm::make_nccl_communicator(comm::nccl_unique_id(), 0, 1, 0, stream, 60s);
+    c->set_timeout(300ms);
+    auto dev = device::make_cuda_device(0, stream);
+    ManagerConfig cfg;
+    cfg.mode = OffloadMode::none;
+    cfg.params = {ParamSpec{"w", 4096, DType::bf16}, ParamSpec{"b", 33, DType::f32}};
+    cfg.comm = c.get();
+    cfg.device = dev.get();
+    auto m = make_gradient_manager(cfg);
+    cuda_gate::Gate gate;
+    m->begin_step(1.0f, false);
+    m->begin_backward(true);
+    gate.close(stream, 10s);  // everything after this on the stream is held
+    m->finish_backward();
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      (void)m->clip_grad_norm(1.0f);
+      ADD_FAILURE() << "clip_grad_norm returned while its collective was held";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::timeout) << e.what();
+    }
+    const auto waited = std::chrono::steady_clock::now() - t0;
+    EXPECT_LT(waited, 2300ms);
+    EXPECT_FALSE(gate.opened_by_watchdog());
+    gate.open();
+    EXPECT_THROW(m->close(), Error);  // the stored error, once
+  }
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaStreamDestroy(stream);
+}
+
 #else
 
 TEST(Nccl, NeedsCuda) { GTEST_SKIP() << "stepcore was built without CUDA"; }
