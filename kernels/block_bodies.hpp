@@ -26,16 +26,28 @@
 
 namespace stepcore::gpu::detail {
 
-/// B bytes moved as one access (the device's 16/8/4-byte loads and stores).
-template <int B>
-struct alignas(B) Bytes {
-  unsigned char b[B];
-};
-
 /// Returns true when p is aligned to `bytes` (a power of two).
 STEPCORE_HD_INLINE bool aligned_to(const void* p, std::uint64_t bytes) {
   return (reinterpret_cast<std::uintptr_t>(p) & (bytes - 1)) == 0;
 }
+
+#if defined(__CUDA_ARCH__)
+/// The device's native word of B bytes: one ld/st.global instruction (v4.u32: 16 bytes).
+template <int B>
+struct DeviceWord;
+template <>
+struct DeviceWord<16> {
+  using type = uint4;
+};
+template <>
+struct DeviceWord<8> {
+  using type = uint2;
+};
+template <>
+struct DeviceWord<4> {
+  using type = unsigned int;
+};
+#endif
 
 /// out[0, V) = p[0, V), one access of V * sizeof(T) bytes (p aligned to it when V > 1).
 template <class T, int V>
@@ -43,8 +55,13 @@ STEPCORE_HD_INLINE void load_group(const T* p, T (&out)[V]) {
   if constexpr (V == 1) {
     out[0] = p[0];
   } else {
-    const Bytes<sizeof(T)* V> w = *reinterpret_cast<const Bytes<sizeof(T) * V>*>(p);
+#if defined(__CUDA_ARCH__)
+    using W = typename DeviceWord<sizeof(T) * V>::type;
+    const W w = *reinterpret_cast<const W*>(p);
     memcpy(out, &w, sizeof w);
+#else
+    std::memcpy(out, p, sizeof(T) * V);
+#endif
   }
 }
 
@@ -54,9 +71,14 @@ STEPCORE_HD_INLINE void store_group(T* p, const T (&in)[V]) {
   if constexpr (V == 1) {
     p[0] = in[0];
   } else {
-    Bytes<sizeof(T) * V> w;
+#if defined(__CUDA_ARCH__)
+    using W = typename DeviceWord<sizeof(T) * V>::type;
+    W w;
     memcpy(&w, in, sizeof w);
-    *reinterpret_cast<Bytes<sizeof(T) * V>*>(p) = w;
+    *reinterpret_cast<W*>(p) = w;
+#else
+    std::memcpy(p, in, sizeof(T) * V);
+#endif
   }
 }
 
