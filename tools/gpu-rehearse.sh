@@ -6,22 +6,27 @@
 # bind-mounted read-only and no network (a new network namespace). The CUDA tests skip
 # (no GPU); every phase must still pass. Logs land in build/gpu-rehearsal/.
 #
-#   tools/gpu-rehearse.sh [--suite SUITE] [--sanitizer] [--nccl-wheel] [--ar]
+#   tools/gpu-rehearse.sh [--suite SUITE] [--no-sanitizer] [--nccl-wheel] [--ar] [--pip-cmake]
 #     --suite SUITE  Debian release of the chroot (default bookworm; e.g. trixie)
-#     --sanitizer    also put NVIDIA's compute-sanitizer wheel (PyPI) in the chroot, so
-#                    the sanitizer phase runs its commands (the GPU machine has its own)
+#     --no-sanitizer leave out NVIDIA's compute-sanitizer wheel (PyPI), which is put in the
+#                    chroot so the sanitizer phase runs its commands (the GPU machine has
+#                    its own; without a driver it cannot instrument, so that phase skips)
 #     --nccl-wheel   take NCCL from the nvidia-nccl wheel of this machine's Python,
 #                    mounted where the GPU machine's PyTorch venv has it, not the toolkit's
 #     --ar           unpack the bundle with ar + tar, as on a machine without dpkg
-# Environment: STEPCORE_REHEARSE_ROOT (chroot folder, default /var/tmp/stepcore-rehearse/SUITE).
+#     --pip-cmake    cmake and ninja from PyPI's wheels (newest), as on the GPU machine,
+#                    in place of Debian's
+# Environment: STEPCORE_REHEARSE_ROOT (chroot folder, default /var/tmp/stepcore-rehearse/SUITE),
+# STEPCORE_GPU_BUDGET (the check's budget here, default 3600 s: this machine may be slow).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$PWD
-suite=bookworm sanitizer=0 nccl_wheel=0 use_ar=0
+suite=bookworm sanitizer=1 nccl_wheel=0 use_ar=0 pip_cmake=0
 while [ $# -gt 0 ]; do
   case $1 in
     --suite) suite=${2:?--suite needs a value}; shift ;;
-    --sanitizer) sanitizer=1 ;;
+    --no-sanitizer) sanitizer=0 ;;
+    --pip-cmake) pip_cmake=1 ;;
     --nccl-wheel) nccl_wheel=1 ;;
     --ar) use_ar=1 ;;
     *) echo "gpu-rehearse: unknown argument '$1'" >&2; exit 2 ;;
@@ -84,7 +89,9 @@ mount -t proc proc "$rootfs/proc" && mounted+=("$rootfs/proc") || die "cannot mo
 mount --bind /dev "$rootfs/dev" && mounted+=("$rootfs/dev") || die "cannot bind /dev"
 bind_ro "$(readlink -f /usr/local/cuda)" "$rootfs/usr/local/cuda"
 
-env_extra=()
+# This machine may have few cores (the GPU machine has 16): a longer budget, so the
+# build's time here is measured instead of cut off.
+env_extra=(STEPCORE_GPU_BUDGET="${STEPCORE_GPU_BUDGET:-3600}")
 if [ "$sanitizer" = 1 ]; then
   cache=/var/tmp/stepcore-rehearse/wheels
   mkdir -p "$cache"
@@ -107,6 +114,18 @@ if [ "$nccl_wheel" = 1 ]; then
   env_extra+=(STEPCORE_NCCL_SEARCH=wheel)
 fi
 [ "$use_ar" = 1 ] && env_extra+=(STEPCORE_UNPACK=ar)
+path=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+if [ "$pip_cmake" = 1 ]; then
+  cache=/var/tmp/stepcore-rehearse/wheels
+  mkdir -p "$cache/cmake"
+  ls "$cache"/cmake/cmake-*.whl "$cache"/cmake/ninja-*.whl >/dev/null 2>&1 ||
+    python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+      --platform manylinux_2_17_x86_64 -d "$cache/cmake" cmake ninja || die "cannot download cmake/ninja wheels"
+  rm -rf "$rootfs/opt/pycmake" && mkdir -p "$rootfs/opt/pycmake"
+  for w in "$cache"/cmake/*.whl; do python3 -m zipfile -e "$w" "$rootfs/opt/pycmake" || die "cannot unpack $w"; done
+  chmod +x "$rootfs"/opt/pycmake/cmake/data/bin/* "$rootfs"/opt/pycmake/ninja/data/bin/*
+  path=/opt/pycmake/cmake/data/bin:/opt/pycmake/ninja/data/bin:$path
+fi
 
 # ---- the check, offline ------------------------------------------------------------------------
 isolate=(unshare --net)
@@ -114,15 +133,15 @@ isolate=(unshare --net)
 echo "gpu-rehearse: $suite chroot $rootfs, clone of $head, ${env_extra[*]:-default options}, network: ${isolate[*]:-shared}"
 t0=$(date +%s)
 "${isolate[@]}" chroot "$rootfs" /usr/bin/env -i HOME=/root LANG=C.UTF-8 \
-  PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin OUT=/out "${env_extra[@]}" \
-  /bin/bash -c 'cd /work/stepcore && tools/gpu-check.sh' 2>&1 | tee "$results/console.log"
+  PATH="$path" OUT=/out "${env_extra[@]}" \
+  /bin/bash -c "cd /work/stepcore && tools/gpu-check.sh" 2>&1 | tee "$results/console.log"
 rc=${PIPESTATUS[0]}
 t1=$(date +%s)
 cp "$rootfs"/out/* "$results/" 2>/dev/null
 mib() { awk -v b="$1" 'BEGIN {printf "%.2f MiB", b / 1048576}'; }
 {
   echo "rehearsal: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname) ($(nproc) cores), Debian $suite chroot, clone of $head"
-  echo "rehearsal: options: ${env_extra[*]:-none}; network: ${isolate[*]:-shared}"
+  echo "rehearsal: options: ${env_extra[*]:-none}; PATH=$path; network: ${isolate[*]:-shared}"
   echo "rehearsal: tools/gpu-check.sh exit $rc, $((t1 - t0)) s"
   echo "rehearsal: travels: source tree $(mib "$tree_bytes") + bundle $(mib "$bundle_bytes") = $(mib $((tree_bytes + bundle_bytes))) (limit 64 MiB)"
 } | tee "$results/rehearsal.txt"

@@ -3,7 +3,9 @@
 // with the same gradient stream through the same mode on the host device (the CPU
 // executor, no communicator). Modes none and optimizer, AdamW and SignSGD, clipped.
 // Run by tools/gpu-check.sh. Exit 0: every run agrees; 1: a mismatch; 2: an error.
-// Without a CUDA device it prints a SKIP line and exits 0.
+// Without a CUDA device it prints a SKIP line and exits 0. `--host` runs the same
+// comparison with the host device and an in-process communicator of one rank in place of
+// CUDA and NCCL: a check of this program itself on a machine without a GPU.
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -177,40 +179,53 @@ int compare(const std::string& label, const std::vector<StepOut>& got,
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  if (cuda::device_count() == 0) {
+  const bool host_only = argc > 1 && std::string(argv[1]) == "--host";
+  if (argc > 2 || (argc == 2 && !host_only)) {
+    std::fprintf(stderr, "usage: stepcore-gpu-nccl-step [--host]\n");
+    return 2;
+  }
+  if (!host_only && cuda::device_count() == 0) {
     std::printf("stepcore-gpu-nccl-step: SKIP: no CUDA device: %s\n",
                 cuda::unavailable_reason().c_str());
     return 0;
   }
-  if (!comm::built_with_nccl()) {
+  if (!host_only && !comm::built_with_nccl()) {
     std::printf("stepcore-gpu-nccl-step: FAIL: stepcore was built without NCCL\n");
     return 2;
   }
   try {
     auto host = device::make_host_device();
-    auto gpu = device::make_cuda_device(0);
-    auto nccl = comm::make_nccl_communicator(comm::nccl_unique_id(), /*rank=*/0, /*nranks=*/1,
-                                             /*device=*/0, gpu->compute_stream(), 60s);
+    std::unique_ptr<device::Device> dev;
+    std::unique_ptr<comm::Communicator> comm;
+    if (host_only) {
+      dev = device::make_host_device();
+      comm = std::move(comm::make_in_process_group(1, 60s).front());
+    } else {
+      dev = device::make_cuda_device(0);
+      comm = comm::make_nccl_communicator(comm::nccl_unique_id(), /*rank=*/0, /*nranks=*/1,
+                                          /*device=*/0, dev->compute_stream(), 60s);
+    }
+    const char* what = host_only ? "host+in-process" : "cuda+nccl";
     int bad = 0;
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer})
       for (const char* opt : {"adamw", "sign_sgd"}) {
-        const std::string label =
-            std::string(offload_mode_name(mode)) + " " + opt + " nccl x1";
+        const std::string label = std::string(offload_mode_name(mode)) + " " + opt + " x1";
         const auto t0 = std::chrono::steady_clock::now();
-        const auto got = run(*gpu, nccl.get(), mode, opt);
+        const auto got = run(*dev, comm.get(), mode, opt);
         const auto t1 = std::chrono::steady_clock::now();
         const auto want = run(*host, nullptr, mode, opt);
-        std::printf("%-28s cuda+nccl %.1f ms\n", label.c_str(),
+        std::printf("%-28s %s %.1f ms\n", label.c_str(), what,
                     std::chrono::duration<double, std::milli>(t1 - t0).count());
         bad += compare(label, got, want);
       }
-    nccl.reset();
-    std::printf("stepcore-gpu-nccl-step: %s\n",
+    comm.reset();
+    std::printf("stepcore-gpu-nccl-step: %s (%s, one rank)\n",
                 bad == 0 ? "PASS: every step gave the host device's bits"
-                         : (std::to_string(bad) + " step(s) DIFFER").c_str());
+                         : (std::to_string(bad) + " step(s) DIFFER").c_str(),
+                what);
     return bad == 0 ? 0 : 1;
   } catch (const std::exception& e) {
     std::printf("stepcore-gpu-nccl-step: FAIL: %s\n", e.what());
