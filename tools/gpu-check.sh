@@ -119,6 +119,9 @@ phase_env() {
   else
     echo "nvcc:    not found"
   fi
+  # MPI is not built here (STEPCORE_GPU_MPI=ON would try): say what there is, for next time.
+  echo "mpi:     mpicc $(command -v mpicc || echo none), mpirun $(command -v mpirun || echo none);" \
+    "mpi4py: $(python3 -c 'import mpi4py, mpi4py.MPI as M; print(mpi4py.__version__, M.Get_library_version().splitlines()[0])' 2>/dev/null || echo none)"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,pci.bus_id,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
       --format=csv 2>&1
@@ -164,7 +167,10 @@ phase_unpack() {
   fi
   rm -rf "$prefix" && mkdir -p "$prefix" || return 1
   local f n=0 base system_udev=0
-  ldconfig -p 2>/dev/null | grep -q 'libudev\.so\.1 ' && system_udev=1
+  PATH=$PATH:/sbin:/usr/sbin ldconfig -p 2>/dev/null | grep -q 'libudev\.so\.1 ' && system_udev=1
+  for f in /lib/x86_64-linux-gnu/libudev.so.1 /usr/lib/x86_64-linux-gnu/libudev.so.1 /usr/lib64/libudev.so.1; do
+    [ -e "$f" ] && system_udev=1
+  done
   for f in "$bundle"/*.deb; do
     base=$(basename "$f")
     if [ "${base%%_*}" = libudev1 ] && [ "$system_udev" = 1 ]; then
@@ -302,8 +308,10 @@ run_ctest() {
   bounded $((test_timeout * 4 + 60)) ctest --test-dir "$build" -L gpu --timeout "$test_timeout" \
     --output-on-failure --no-tests=error "$@" 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
-  total=$(sed -nE 's/.* tests? failed out of ([0-9]+).*/\1/p' "$out" | tail -1)
-  failed=$(sed -nE 's/.* ([0-9]+) tests? failed out of.*/\1/p' "$out" | tail -1)
+  # "100% tests passed, 0 tests failed out of 18" (CMake 3) or "... passed out of 18" (4).
+  total=$(sed -nE 's/.*% tests passed.* out of ([0-9]+).*/\1/p' "$out" | tail -1)
+  failed=$(sed -nE 's/.*% tests passed.* ([0-9]+) tests? failed out of.*/\1/p' "$out" | tail -1)
+  [ -n "$total" ] && [ -z "$failed" ] && failed=0
   skipped=$(grep -cE '\(Skipped\)$' "$out")
   local skipped_names
   skipped_names=$(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) \(Skipped\)$/\1/p' "$out" | head -3 | tr '\n' ' ')

@@ -123,8 +123,10 @@ if [ "$pip_cmake" = 1 ]; then
       --platform manylinux_2_17_x86_64 -d "$cache/cmake" cmake ninja || die "cannot download cmake/ninja wheels"
   rm -rf "$rootfs/opt/pycmake" && mkdir -p "$rootfs/opt/pycmake"
   for w in "$cache"/cmake/*.whl; do python3 -m zipfile -e "$w" "$rootfs/opt/pycmake" || die "cannot unpack $w"; done
-  chmod +x "$rootfs"/opt/pycmake/cmake/data/bin/* "$rootfs"/opt/pycmake/ninja/data/bin/*
-  path=/opt/pycmake/cmake/data/bin:/opt/pycmake/ninja/data/bin:$path
+  ninja_dir=$(cd "$rootfs" && dirname "$(find opt/pycmake -path '*ninja*' -name ninja -type f -size +100k | head -1)")
+  [ -n "$ninja_dir" ] && [ "$ninja_dir" != . ] || die "no ninja in the ninja wheel"
+  chmod +x "$rootfs"/opt/pycmake/cmake/data/bin/* "$rootfs/$ninja_dir/ninja"
+  path=/opt/pycmake/cmake/data/bin:/$ninja_dir:$path
 fi
 
 # ---- the check, offline ------------------------------------------------------------------------
