@@ -63,16 +63,18 @@ bounded() {
 }
 
 # echoed CAP CMD...: bounded CMD, its output to the log as it comes and to the console
-# once it ends; returns CMD's status.
+# once it ends (and kept in $echoed_out until the next call); returns CMD's status.
+echoed_out=$(mktemp)
+trap 'rm -f "$echoed_out"' EXIT
 echoed() {
-  local tmp rc
-  tmp=$(mktemp)
-  bounded "$@" 2>&1 | tee "$tmp"
+  local rc
+  bounded "$@" 2>&1 | tee "$echoed_out"
   rc=${PIPESTATUS[0]}
-  cat "$tmp" >&3
-  rm -f "$tmp"
+  cat "$echoed_out" >&3
   return "$rc"
 }
+# device_skipped: the last echoed program said it found no CUDA device.
+device_skipped() { grep -qiE 'skip(ped)?[:,] no CUDA device' "$echoed_out"; }
 
 # phase NAME LOG FUNCTION: runs FUNCTION with its output appended to LOG. FUNCTION
 # returns 0 (pass), 3 (skip: it could not run; a failure when a GPU is present), 4 (n/a:
@@ -336,6 +338,7 @@ phase_manager_nccl() {
   rc=$?
   note="stepcore-gpu-nccl-step rc $rc"
   [ $rc -eq 0 ] || return 1
+  if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
   if [ "$have_gpu" = 0 ]; then
     # No GPU: check the program's manager steps with the host device and an in-process
     # communicator instead, so that the rehearsal runs them.
@@ -420,6 +423,7 @@ phase_bench_gpu() {
   rc=$?
   note="rc $rc"
   [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
+  if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
   [ $rc -eq 0 ]
 }
 phase_bench_comm() {

@@ -31,7 +31,7 @@ using namespace stepcore;
 constexpr int kSteps = 2;
 constexpr int kMicroBatches = 2;
 constexpr std::uint64_t kFingerprint = 0x6E63636C;  // any value every rank shares
-constexpr float kMaxNorm = 0.05f;                     // small enough that every step clips
+constexpr float kMaxNorm = 0.05f;                   // small enough that every step clips
 
 std::vector<ParamSpec> model() {
   const std::size_t sizes[] = {1, 4097, (std::size_t{1} << 20) + 3, 70000};
