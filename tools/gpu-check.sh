@@ -37,6 +37,7 @@ jobs=$(nproc 2>/dev/null || echo 4)
 mkdir -p "$logdir" "$build" || { echo "gpu-check: cannot create $logdir or $build" >&2; exit 2; }
 for f in build.log gpu-tests.log sanitizer.log bench.log summary.txt; do : >"$logdir/$f"; done
 exec 3>&1  # the console, while a phase's output goes to its log
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own warnings into the logs
 
 # ---- phases: name, status, seconds, note ------------------------------------------
 names=() statuses=() secs=() notes=()
