@@ -2,10 +2,11 @@
 # The device check, for an offline, bare GPU machine: unpacks .gpu-bundle/ (made by
 # tools/gpu-prepare.sh) into a private prefix, builds only the CUDA tests and programs
 # (sm_90, Release, no MPI) and runs every phase even past a failing one: env, unpack,
-# configure, build, gpu-tests (every `gpu` test but NCCL's, per-test timeout), nccl
-# (Nccl.*), manager-nccl (stepcore-gpu-nccl-step: manager steps with NCCL on one rank
-# against the host device, plus any gpu test naming NCCL), bench-gpu, bench-comm (when
-# built), sanitizer (compute-sanitizer memcheck and racecheck over the kernel tests).
+# configure, build, gpu-tests (every `gpu` test not naming NCCL, per-test timeout), nccl
+# (those naming NCCL but no manager), manager-nccl (stepcore-gpu-nccl-step: manager steps
+# with NCCL on one rank against the host device, plus the gpu tests naming NCCL and a
+# manager), bench-gpu, bench-comm (when built), sanitizer (compute-sanitizer memcheck
+# and racecheck over the kernel tests).
 # CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
 # gpu-tests.log, bench.log, sanitizer.log, summary.txt; the summary table is printed last.
 # Exit status: 0 when no phase failed, else 1. Without a GPU the CUDA tests skip and every
@@ -328,9 +329,12 @@ run_ctest() {
   return 0
 }
 phase_gpu_tests() { run_ctest -E '[Nn]ccl|NCCL'; }
+# The gpu tests split three ways by name: NCCL's and the managers' with NCCL
+# (Nccl*.*Manager*), the communicator's other NCCL tests, and all the rest.
+mgr_nccl_re='Manager.*([Nn]ccl|NCCL)|([Nn]ccl|NCCL).*Manager'
 phase_nccl() {
   has_target test_comm_nccl || { note="test_comm_nccl not built: no NCCL"; return 1; }
-  run_ctest -R '^Nccl\.'
+  run_ctest -R '[Nn]ccl|NCCL' -E "$mgr_nccl_re"
 }
 phase_manager_nccl() {
   local exe=$build/tools/stepcore-gpu-nccl-step rc
@@ -348,10 +352,10 @@ phase_manager_nccl() {
     note="$note (no GPU: skipped); --host self-check rc $rc"
     [ $rc -eq 0 ] || return 1
   fi
-  # Manager tests with NCCL in their names, once the suites have some.
-  if ctest --test-dir "$build" -L gpu -N -R '[Nn]ccl|NCCL' -E '^Nccl\.' 2>/dev/null | grep -q 'Test *#'; then
+  # The gpu tests of a manager with NCCL (e.g. NcclGate.TheManagersWaits...).
+  if ctest --test-dir "$build" -L gpu -N -R "$mgr_nccl_re" 2>/dev/null | grep -q 'Test *#'; then
     local n=$note
-    run_ctest -R '[Nn]ccl|NCCL' -E '^Nccl\.' || { note="$n; tests: $note"; return 1; }
+    run_ctest -R "$mgr_nccl_re" || { note="$n; tests: $note"; return 1; }
     note="$n; tests: $note"
   fi
   return 0
