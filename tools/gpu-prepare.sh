@@ -40,6 +40,14 @@ fi
 
 command -v apt-get >/dev/null || die "needs apt-get (a Debian or Ubuntu machine)"
 command -v dpkg-deb >/dev/null || die "needs dpkg-deb"
+# The shared libraries (libbenchmark, libhwloc, pkgconf) need the glibc and libstdc++ of
+# the release they come from; the GPU machine's are unknown (Python 3.12.3 there suggests
+# Ubuntu 24.04: glibc 2.39). Debian 12's (glibc 2.36, libstdc++ 12) were rehearsed.
+codename=$(. /etc/os-release && echo "${VERSION_CODENAME:-?}")
+if [ "$codename" != bookworm ]; then
+  echo "gpu-prepare: WARNING: this is '$codename', not Debian 12 (bookworm): its libraries" \
+    "may need a newer glibc than the GPU machine has (docs/gpu-check.md)" >&2
+fi
 
 if [ -f "$bundle/MANIFEST" ] && [ "$(ls "$bundle"/*.deb 2>/dev/null | wc -l)" -eq "${#packages[@]}" ]; then
   echo "gpu-prepare: $bundle is already complete (--force fetches again)"
