@@ -421,23 +421,22 @@ phase_sanitizer() {
 }
 
 # ---- benchmarks ------------------------------------------------------------------------------
-phase_bench_gpu() {
-  local exe=$build/bench/stepcore-bench-gpu rc
-  [ -x "$exe" ] || { note="stepcore-bench-gpu not built"; return 1; }
-  echoed 200 "$exe"
+# program_phase EXE SECONDS MISSING_STATUS MISSING_NOTE: runs a built program for at most
+# SECONDS; a program that is not built gives MISSING_STATUS with MISSING_NOTE. With a GPU
+# present, a program that reports no CUDA device fails.
+program_phase() {
+  local exe=$1 limit=$2 rc
+  [ -x "$exe" ] || { note=$4; return "$3"; }
+  echoed "$limit" "$exe"
   rc=$?
   note="rc $rc"
   [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
   if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
   [ $rc -eq 0 ]
 }
+phase_bench_gpu() { program_phase "$build/bench/stepcore-bench-gpu" 200 1 "stepcore-bench-gpu not built"; }
 phase_bench_comm() {
-  local exe=$build/bench/stepcore-bench-comm rc
-  [ -x "$exe" ] || { note="not built (it needs MPI: STEPCORE_GPU_MPI=ON)"; return 4; }
-  echoed 120 "$exe"
-  rc=$?
-  note="rc $rc"
-  [ $rc -eq 0 ]
+  program_phase "$build/bench/stepcore-bench-comm" 120 4 "not built (it needs MPI: STEPCORE_GPU_MPI=ON)"
 }
 
 # ---- run ----------------------------------------------------------------------------------
