@@ -3,7 +3,7 @@
 // once-per-ISA warning of a failed self-test. Not installed.
 #pragma once
 
-#include "kernel_table.hpp"
+#include "cpu/kernel_table.hpp"
 #include "stepcore/cpu.hpp"
 
 namespace stepcore::cpu::detail {

@@ -10,9 +10,9 @@
 #include <string>
 #include <xsimd/config/xsimd_cpuid.hpp>
 
-#include "../src/core/fp_env.hpp"
-#include "../src/core/validate.hpp"
-#include "dispatch.hpp"
+#include "core/fp_env.hpp"
+#include "core/validate.hpp"
+#include "cpu/dispatch.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"

@@ -2,7 +2,7 @@
 // the ISA's own intrinsic; integer lanes use xsimd.
 #include <immintrin.h>
 
-#include "simd_body.hpp"
+#include "cpu/simd_body.hpp"
 
 namespace stepcore::cpu::detail {
 

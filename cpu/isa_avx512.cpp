@@ -3,7 +3,7 @@
 // computes x*y+z with two roundings, so nothing here goes through xsimd float math).
 #include <immintrin.h>
 
-#include "simd_body.hpp"
+#include "cpu/simd_body.hpp"
 
 namespace stepcore::cpu::detail {
 

@@ -3,7 +3,7 @@
 // is std::fma per lane (C's fma: one rounding, exact by its definition in every libm).
 #include <emmintrin.h>
 
-#include "simd_body.hpp"
+#include "cpu/simd_body.hpp"
 
 namespace stepcore::cpu::detail {
 

@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "../src/core/fp_env.hpp"
-#include "dispatch.hpp"
+#include "core/fp_env.hpp"
+#include "cpu/dispatch.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/reference.hpp"
-#include "testing.hpp"
+#include "cpu/testing.hpp"
 
 namespace stepcore::cpu {
 namespace {

@@ -23,8 +23,8 @@
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
-#include "../src/core/element_ops.hpp"
-#include "kernel_table.hpp"
+#include "core/element_ops.hpp"
+#include "cpu/kernel_table.hpp"
 #include "stepcore/convert.hpp"
 
 namespace stepcore::cpu::detail {

@@ -3,7 +3,7 @@
 // self-test's fallback and its error.
 #pragma once
 
-#include "kernel_table.hpp"
+#include "cpu/kernel_table.hpp"
 #include "stepcore/cpu.hpp"
 
 namespace stepcore::cpu::testing {

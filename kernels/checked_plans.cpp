@@ -1,6 +1,6 @@
 // The shared argument checks and launch plans of the multi-tensor entry points
 // (kernels/checked_plans.hpp).
-#include "checked_plans.hpp"
+#include "kernels/checked_plans.hpp"
 
 #include "core/validate.hpp"
 #include "stepcore/error.hpp"

@@ -2,7 +2,7 @@
 // can compare them with the host's bits.
 #include <cuda_runtime.h>
 
-#include "check.cuh"
+#include "kernels/check.cuh"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
 

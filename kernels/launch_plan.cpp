@@ -4,9 +4,9 @@
 #include <string>
 #include <vector>
 
-#include "../src/core/fp_env.hpp"
-#include "../src/core/validate.hpp"
-#include "block_bodies.hpp"
+#include "core/fp_env.hpp"
+#include "core/validate.hpp"
+#include "kernels/block_bodies.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 

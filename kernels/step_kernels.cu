@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "../src/core/validate.hpp"
-#include "block_bodies.hpp"
-#include "check.cuh"
-#include "checked_plans.hpp"
+#include "core/validate.hpp"
+#include "kernels/block_bodies.hpp"
+#include "kernels/check.cuh"
+#include "kernels/checked_plans.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 

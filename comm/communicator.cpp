@@ -3,7 +3,7 @@
 #include <cstring>
 #include <string>
 
-#include "comm_internal.hpp"
+#include "comm/comm_internal.hpp"
 
 namespace stepcore::comm {
 

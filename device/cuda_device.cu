@@ -13,8 +13,8 @@
 #include <string>
 #include <utility>
 
-#include "../src/device/device_internal.hpp"
-#include "check.cuh"
+#include "device/device_internal.hpp"
+#include "kernels/check.cuh"
 #include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "comm_internal.hpp"
+#include "comm/comm_internal.hpp"
 
 namespace stepcore::comm {
 namespace {

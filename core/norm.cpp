@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "fp_env.hpp"
+#include "core/fp_env.hpp"
 #include "stepcore/detail/norm_finalize.hpp"
 
 namespace stepcore {

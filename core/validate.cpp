@@ -1,6 +1,6 @@
 // Argument validation for every public entry point: all checks run before any
 // write, so a failing call leaves every buffer as it was.
-#include "validate.hpp"
+#include "core/validate.hpp"
 
 #include <algorithm>
 #include <cmath>

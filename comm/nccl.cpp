@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "comm_internal.hpp"
+#include "comm/comm_internal.hpp"
 #include "stepcore/comm_nccl.hpp"
 
 static_assert(sizeof(ncclUniqueId) == sizeof(stepcore::comm::NcclUniqueId));

@@ -1,7 +1,7 @@
 // Device discovery for the CUDA layer.
 #include <cuda_runtime.h>
 
-#include "check.cuh"
+#include "kernels/check.cuh"
 #include "stepcore/cuda.hpp"
 
 namespace stepcore::cuda {

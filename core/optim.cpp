@@ -4,8 +4,8 @@
 
 #include <cmath>
 
-#include "element_ops.hpp"
-#include "fp_env.hpp"
+#include "core/element_ops.hpp"
+#include "core/fp_env.hpp"
 
 namespace stepcore {
 

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "../core/fp_env.hpp"
-#include "../core/validate.hpp"
+#include "core/fp_env.hpp"
+#include "core/validate.hpp"
 #include "stepcore/convert.hpp"
 
 namespace stepcore::reference {

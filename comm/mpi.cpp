@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "comm_internal.hpp"
+#include "comm/comm_internal.hpp"
 #include "stepcore/comm_mpi.hpp"
 #include "stepcore/comm_nccl.hpp"
 

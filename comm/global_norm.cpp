@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "comm_internal.hpp"
+#include "comm/comm_internal.hpp"
 #include "core/validate.hpp"
 
 namespace stepcore::comm {

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Fails when a file of the library includes from a layer above its own, or sideways.
+# The layers, bottom to top, and what each may include (besides system headers and the
+# public headers "stepcore/..."); every internal include is written from the project
+# root, so its first folder names its layer. Public headers include only public headers.
+#
+#   include/stepcore  the public API (what an integrator calls)
+#   core              types' implementation, validation, scalar preparation, formulas
+#   reference         the scalar reference                  may include: core
+#   host              NUMA topology, placed/pinned memory   may include: core
+#   cpu               the SIMD engine                       may include: core host
+#   kernels           block bodies, plans, executor, CUDA   may include: core
+#   comm              communicators, global norm            may include: core host cpu
+#   device            host device, CUDA device              may include: core host kernels
+#   managers          the gradient managers                 may include: every layer below
+#   tools bench tests on top: anything
+#
+#   tools/check-layers.sh [ROOT]   (exit 0: clean; 1: violations, each printed)
+set -uo pipefail
+root=${1:-$(cd "$(dirname "$0")/.." && pwd)}
+cd "$root" || exit 2
+
+declare -A allowed=(
+  [core]=""
+  [reference]="core"
+  [host]="core"
+  [cpu]="core host"
+  [kernels]="core"
+  [comm]="core host cpu"
+  [device]="core host kernels"
+  [managers]="core reference host cpu kernels comm device"
+)
+internal=" ${!allowed[*]} "
+bad=0
+files=0
+
+report() {
+  echo "check-layers: $1" >&2
+  bad=$((bad + 1))
+}
+
+# Library layers: every quoted include is public or from an allowed lower layer.
+for layer in "${!allowed[@]}"; do
+  [ -d "$layer" ] || { report "layer folder '$layer' is missing"; continue; }
+  while IFS= read -r -d '' f; do
+    files=$((files + 1))
+    while IFS=: read -r line inc; do
+      case $inc in
+        stepcore/*) continue ;;
+      esac
+      target=${inc%%/*}
+      if [ "$target" = "$inc" ]; then
+        report "$f:$line: \"$inc\" is not written from the project root (\"$layer/$inc\"?)"
+      elif [ "$target" = "$layer" ]; then
+        :
+      elif [[ $internal == *" $target "* ]]; then
+        [[ " ${allowed[$layer]} " == *" $target "* ]] ||
+          report "$f:$line: $layer includes \"$inc\" from layer $target, which is not below it"
+      else
+        report "$f:$line: $layer includes \"$inc\", outside the library's layers"
+      fi
+    done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
+             sed -E 's/^([0-9]+):.*"([^"]+)".*/\1:\2/')
+  done < <(find "$layer" -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) -print0)
+done
+
+# Public headers: only other public headers.
+while IFS= read -r -d '' f; do
+  files=$((files + 1))
+  while IFS=: read -r line inc; do
+    case $inc in
+      stepcore/*) ;;
+      *) report "$f:$line: a public header includes \"$inc\"" ;;
+    esac
+  done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
+           sed -E 's/^([0-9]+):.*"([^"]+)".*/\1:\2/')
+done < <(find include -type f -name '*.hpp' -print0)
+
+# No stray source folder outside the layers and the top floor.
+for d in */; do
+  d=${d%/}
+  case " $d " in
+    " include " | " tools " | " bench " | " tests " | " docs " | " cmake " | " build " | " python " | " shared ") ;;
+    *) [[ $internal == *" $d "* ]] ||
+         { find "$d" -type f \( -name '*.cpp' -o -name '*.cu' \) | grep -q . &&
+             report "folder '$d' holds sources but is not a layer"; } ;;
+  esac
+done
+
+if [ $bad -ne 0 ]; then
+  echo "check-layers: $bad violation(s) in $files files" >&2
+  exit 1
+fi
+echo "check-layers: $files files, every include points down"
