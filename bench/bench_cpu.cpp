@@ -24,6 +24,7 @@
 
 #include "cpu/testing.hpp"
 #include "model_sizes.hpp"
+#include "kernels/plans.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/gpu.hpp"

@@ -28,6 +28,7 @@
 #include "core/validate.hpp"
 #include "device/device_internal.hpp"
 #include "kernels/checked_plans.hpp"
+#include "kernels/plans.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/numa.hpp"
@@ -364,14 +365,14 @@ class HostDevice final : public Device {
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                   const AdamWDeviceArgs& d) override {
     raise_pending();
-    gpu::emulate::adamw(gpu::detail::checked_adamw_plan(d_tensors, config, d, memory_), d,
+    gpu::emulate::adamw_step(gpu::detail::checked_adamw_plan(d_tensors, config, d, memory_), d,
                         threads_);
   }
 
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                      const SignSgdDeviceArgs& d) override {
     raise_pending();
-    gpu::emulate::sign_sgd(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_), d,
+    gpu::emulate::sign_sgd_step(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_), d,
                            threads_);
   }
 

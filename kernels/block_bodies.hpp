@@ -20,6 +20,7 @@
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/detail/norm_finalize.hpp"
+#include "kernels/plans.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/plans.hpp"
 #include "stepcore/gpu.hpp"
 
 namespace stepcore::gpu::detail {

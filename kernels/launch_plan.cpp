@@ -8,6 +8,8 @@
 #include "core/validate.hpp"
 #include "kernels/block_bodies.hpp"
 #include "stepcore/error.hpp"
+#include "kernels/plans.hpp"
+#include "kernels/testing.hpp"
 #include "stepcore/gpu.hpp"
 
 namespace stepcore::gpu {
@@ -186,23 +188,25 @@ thread_local int tl_max_blocks = kMaxBlocksPerLaunch;
 thread_local int tl_max_tensors = kMaxTensorsPerLaunch;
 }  // namespace
 
-ScopedLaunchLimits::ScopedLaunchLimits(int max_blocks, int max_tensors)
-    : saved_blocks_(tl_max_blocks), saved_tensors_(tl_max_tensors) {
-  check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
-  tl_max_blocks = max_blocks;
-  tl_max_tensors = max_tensors;
-}
-ScopedLaunchLimits::~ScopedLaunchLimits() {
-  tl_max_blocks = saved_blocks_;
-  tl_max_tensors = saved_tensors_;
-}
-
 LaunchLimits launch_limits(bool adamw) {
   if (!adamw) return {tl_max_blocks, tl_max_tensors};
   return {tl_max_blocks < kMaxAdamWBlocksPerLaunch ? tl_max_blocks : kMaxAdamWBlocksPerLaunch,
           tl_max_tensors < kMaxAdamWTensorsPerLaunch ? tl_max_tensors : kMaxAdamWTensorsPerLaunch};
 }
 }  // namespace detail
+
+namespace testing {
+ScopedLaunchLimits::ScopedLaunchLimits(int max_blocks, int max_tensors)
+    : saved_blocks_(detail::tl_max_blocks), saved_tensors_(detail::tl_max_tensors) {
+  check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
+  detail::tl_max_blocks = max_blocks;
+  detail::tl_max_tensors = max_tensors;
+}
+ScopedLaunchLimits::~ScopedLaunchLimits() {
+  detail::tl_max_blocks = saved_blocks_;
+  detail::tl_max_tensors = saved_tensors_;
+}
+}  // namespace testing
 
 namespace emulate {
 namespace {
@@ -247,14 +251,14 @@ NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads)
   return run_norm(plan, detail::NormPass{read.scale, read.clip, false}, threads);
 }
 
-void scale(const LaunchPlan& plan, float factor, int threads) {
+void scale_(const LaunchPlan& plan, float factor, int threads) {
   check_threads(threads);
   for (const LaunchArgs& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b)
       for (int t = 0; t < threads; ++t) detail::scale_thread(a, b, t, threads, factor);
 }
 
-void adamw(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
+void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
   check_threads(threads);
   if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
   if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
@@ -270,8 +274,8 @@ void adamw(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
     for (int k = 0; k < c.count; ++k) detail::advance_counter(c, k);
 }
 
-void sign_sgd(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
-              int threads) {
+void sign_sgd_step(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
+                   int threads) {
   check_threads(threads);
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
   for (const SignSgdLaunchArgs& a : launches) {

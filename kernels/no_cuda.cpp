@@ -39,7 +39,7 @@ void norm_partial(std::span<const ConstTensorView>, GradientRead, NormPartial*, 
                   cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
-void scale_by_device_scalar(std::span<const TensorView>, const float*, cudaStream_t) {
+void scale_(std::span<const TensorView>, const float*, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 void accumulate(std::span<const AccumulatePair>, cudaStream_t) {

@@ -232,8 +232,7 @@ void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                     d_partial, d_workspace, workspace_bytes, stream);
 }
 
-void scale_by_device_scalar(std::span<const TensorView> d_tensors, const float* d_factor,
-                            cudaStream_t stream) {
+void scale_(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream) {
   const LaunchPlan plan = detail::checked_scale_plan(d_tensors, d_factor, device_memory());
   for (const LaunchArgs& a : plan.launches) {
     scale_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d_factor);

@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "device/device_internal.hpp"
+#include "kernels/plans.hpp"
+#include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -129,7 +131,7 @@ inline void kernels_match_reference(Device& dev, int threads) {
   std::uint32_t seed = 11;
   for (const auto& [blocks, tensors] :
        {std::pair{gpu::kMaxBlocksPerLaunch, gpu::kMaxTensorsPerLaunch}, std::pair{3, 2}}) {
-    const gpu::detail::ScopedLaunchLimits limits(blocks, tensors);
+    const gpu::testing::ScopedLaunchLimits limits(blocks, tensors);
     for (DType d : {DType::f32, DType::bf16, DType::f16}) {
       SCOPED_TRACE(std::string(dtype_name(d)) + " max_blocks " + std::to_string(blocks));
       Tensors g(dev, d, seed++);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "device_cases.hpp"
+#include "kernels/plans.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/device.hpp"
 

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "kernels/plans.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/cuda.hpp"
@@ -183,7 +184,7 @@ TEST(GpuExecutor, ReadOnlyNormAndEagerClipMatchTheReference) {
       // The eager clip: in place by the coefficient, like reference::scale_.
       Data expected = before;
       reference::scale_(expected.views, read.clip);
-      gpu::emulate::scale(gpu::make_plan(data.views), read.clip);
+      gpu::emulate::scale_(gpu::make_plan(data.views), read.clip);
       for (std::size_t k = 0; k < data.bufs.size(); ++k)
         ASSERT_EQ(data.bufs[k], expected.bufs[k]) << k;
     }
@@ -216,7 +217,7 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
         auto rt = tensors(ref_p, ref_o);
         reference::sign_sgd_step(rt, cfg);
         auto gt = tensors(got_p, got_o);
-        gpu::emulate::sign_sgd(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{}, 64);
+        gpu::emulate::sign_sgd_step(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{}, 64);
         for (std::size_t k = 0; k < ref_p.bufs.size(); ++k) {
           ASSERT_EQ(got_p.bufs[k], ref_p.bufs[k]) << dtype_name(gd) << " tensor " << k;
           ASSERT_EQ(got_o[k], ref_o[k]) << "compute copy " << k;
@@ -361,7 +362,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
           State got = base;
           auto gt = tensors(got);
           const auto plan = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
-          gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
+          gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
                               shape.threads);
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0) {  // memcmp on bits; empty vectors have no data pointer
@@ -381,7 +382,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         auto st = tensors(skipped);
         const auto plan = gpu::make_adamw_plan(st, cfg);
         const std::int32_t flag = 1;
-        gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, &flag, nullptr, bias.data()});
+        gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, &flag, nullptr, bias.data()});
         for (std::size_t k = 0; k < sizes.size(); ++k) {
           ASSERT_EQ(skipped.p[k], base.p[k]);
           ASSERT_EQ(skipped.steps[k], base.steps[k]) << "a skipped step keeps its counter";
@@ -447,7 +448,7 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       for (int r = 0; r < 4; ++r) {
         hyper = StepHyper{lrs[r], cfg.weight_decay};
         found_inf = flags[r];
-        gpu::emulate::adamw(plan, AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
+        gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
         if (flags[r] == 0) {
           AdamWConfig step_cfg = cfg;
           step_cfg.lr = lrs[r];
@@ -485,7 +486,7 @@ TEST(GpuExecutor, AReplayedSignSgdPlanTakesEachReplaysLearningRate) {
   const auto plan = gpu::make_sign_sgd_plan(gt, cfg);
   for (double lr : {1e-3, 3e-2, 5e-4}) {
     const StepHyper hyper{lr, 0.1};
-    gpu::emulate::sign_sgd(plan, SignSgdDeviceArgs{nullptr, &hyper});
+    gpu::emulate::sign_sgd_step(plan, SignSgdDeviceArgs{nullptr, &hyper});
     const std::vector<SignSgdTensor> rt{
         {f32_view(p_ref.data(), p_ref.size()), const_view(g.data(), g.size()), {}}};
     reference::sign_sgd_step(rt, SignSgdConfig{lr, 0.1});

@@ -10,6 +10,8 @@
 #include <random>
 #include <vector>
 
+#include "kernels/plans.hpp"
+#include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
@@ -108,7 +110,7 @@ TEST(GpuSteps, EveryKernelMatchesTheReferenceUnderTwoLaunchShapes) {
   std::uint32_t seed = 7;
   for (const auto& [blocks, tensors] :
        {std::pair{gpu::kMaxBlocksPerLaunch, gpu::kMaxTensorsPerLaunch}, std::pair{3, 2}}) {
-    const gpu::detail::ScopedLaunchLimits limits(blocks, tensors);
+    const gpu::testing::ScopedLaunchLimits limits(blocks, tensors);
     for (DType d : {DType::f32, DType::bf16, DType::f16}) {
       SCOPED_TRACE(std::string(dtype_name(d)) + " max_blocks " + std::to_string(blocks));
       Tensors g(d, seed++);
@@ -152,7 +154,7 @@ TEST(GpuSteps, EveryKernelMatchesTheReferenceUnderTwoLaunchShapes) {
       // Eager clip by a device scalar.
       const float clip = 0.61f;
       DeviceBytes d_clip(&clip, sizeof clip);
-      gpu::scale_by_device_scalar(g.dv, d_clip.as<float>(), nullptr);
+      gpu::scale_(g.dv, d_clip.as<float>(), nullptr);
       reference::scale_(g.hv, clip);
       g.expect_equal("clipped");
 

@@ -1,0 +1,223 @@
+// The multi-tensor kernels' launch plans (internal): plain-data kernel arguments built
+// on the host, the plan builders, the per-thread launch limits, and the CPU executor
+// (gpu::emulate) that runs a plan through the same __host__ __device__ block bodies as
+// the CUDA kernels, so every CPU-only test runs the kernels' own logic.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "stepcore/config.hpp"
+#include "stepcore/gpu.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::gpu {
+
+/// Threads per block of every multi-tensor kernel.
+inline constexpr int kBlockThreads = 256;
+/// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
+/// blocks are described per tensor (a BlockMap), so the block count costs no argument
+/// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch).
+inline constexpr int kMaxTensorsPerLaunch = 64;
+inline constexpr int kMaxBlocksPerLaunch = 1 << 16;
+/// Bytes one thread loads at once where the tensors are aligned to it (the executor
+/// runs the same grouping, so the bits it tests are the device's).
+inline constexpr int kVectorBytes = 16;
+
+/// One block's work: elements [begin, end) of tensor `tensor` of its launch.
+struct BlockTask {
+  std::uint16_t tensor;
+  std::uint64_t begin;
+  std::uint64_t end;
+};
+
+/// The blocks of one launch, per tensor slot: slot s owns blocks [start(s), block_end[s])
+/// (start(0) = 0, start(s) = block_end[s - 1]); its j-th block covers chunk
+/// first_chunk[s] + j of a tensor of numel[s] elements. Every block but a tensor's
+/// last covers exactly kChunkElements elements.
+template <int N>
+struct BlockMap {
+  std::uint64_t numel[N];
+  std::uint64_t first_chunk[N];
+  std::uint32_t block_end[N];
+
+  /// Returns block b's task; b < block_end[num_tensors - 1].
+  STEPCORE_HD_INLINE BlockTask task(std::uint32_t b, int num_tensors) const {
+    int lo = 0, hi = num_tensors - 1;  // the first slot whose block_end exceeds b
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (block_end[mid] > b)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    const std::uint32_t start = lo == 0 ? 0u : block_end[lo - 1];
+    const std::uint64_t begin = (first_chunk[lo] + (b - start)) * kChunkElements;
+    const std::uint64_t end =
+        begin + kChunkElements < numel[lo] ? begin + kChunkElements : numel[lo];
+    return BlockTask{static_cast<std::uint16_t>(lo), begin, end};
+  }
+};
+
+/// The kernel argument of one launch: tensors (device pointers) and their blocks, by
+/// value. Plain data: built on the host, copied into the launch's parameter space.
+struct LaunchArgs {
+  void* data[kMaxTensorsPerLaunch];
+  const void* src[kMaxTensorsPerLaunch];  ///< second operand (accumulate's source)
+  DType dtype[kMaxTensorsPerLaunch];
+  DType src_dtype[kMaxTensorsPerLaunch];
+  BlockMap<kMaxTensorsPerLaunch> map;
+  int num_tensors;
+  int num_blocks;
+  std::uint32_t first_block;  ///< index of this launch's block 0 among all blocks of the plan
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
+};
+
+/// Tensors of one AdamW launch (fewer than kMaxTensorsPerLaunch: five pointers each).
+inline constexpr int kMaxAdamWTensorsPerLaunch = 32;
+inline constexpr int kMaxAdamWBlocksPerLaunch = 1 << 16;
+
+/// The kernel argument of one AdamW launch: per-tensor pointers, the configuration's
+/// constants and the blocks. The per-step scalars are not here: each block derives them
+/// from device memory when it runs (its step counter, the bias table, lr and weight
+/// decay), so a replayed graph takes the step it is at, never the one it was captured at.
+struct AdamWLaunchArgs {
+  float* param[kMaxAdamWTensorsPerLaunch];
+  float* exp_avg[kMaxAdamWTensorsPerLaunch];
+  float* exp_avg_sq[kMaxAdamWTensorsPerLaunch];
+  const void* grad[kMaxAdamWTensorsPerLaunch];
+  void* out[kMaxAdamWTensorsPerLaunch];
+  const float* step[kMaxAdamWTensorsPerLaunch];  ///< the counter before this step (device)
+  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
+  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
+  std::uint64_t tail_begin[kMaxAdamWTensorsPerLaunch];
+  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  AdamWConfig config;  ///< betas, eps, formula; lr and weight decay unless from device memory
+  int num_tensors;
+  int num_blocks;
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
+};
+
+/// Step counters one counter launch advances (one thread each).
+inline constexpr int kMaxCountersPerLaunch = 128;
+
+/// The kernel argument of one step-counter launch: counter k becomes counter k + 1
+/// unless the step was skipped (found-inf). It runs after every AdamW launch of the step
+/// has read the counters.
+struct StepCounterArgs {
+  float* step[kMaxCountersPerLaunch];
+  int count;
+};
+
+/// An AdamW step's launches: the updates, then the counter advances.
+struct AdamWPlan {
+  std::vector<AdamWLaunchArgs> launches;
+  std::vector<StepCounterArgs> counters;
+};
+
+/// Returns the AdamW plan for `tensors` (validated like reference::adamw_step, except
+/// that step counters are device memory, so their values are not read here). Nothing is
+/// prepared from the step: the plan is the same for every step of these tensors.
+AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                          int max_blocks = kMaxAdamWBlocksPerLaunch,
+                          int max_tensors = kMaxAdamWTensorsPerLaunch);
+
+/// The kernel argument of one SignSGD launch.
+struct SignSgdLaunchArgs {
+  float* param[kMaxAdamWTensorsPerLaunch];
+  const void* grad[kMaxAdamWTensorsPerLaunch];
+  void* out[kMaxAdamWTensorsPerLaunch];
+  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
+  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];
+  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  double lr;            ///< the config's, unless read from device memory
+  double weight_decay;  ///< the config's, unless read from device memory
+  int num_tensors;
+  int num_blocks;
+  STEPCORE_HD_INLINE BlockTask task(int b) const {
+    return map.task(static_cast<std::uint32_t>(b), num_tensors);
+  }
+};
+
+/// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
+/// positive read; the read does not change a sign and is not applied).
+std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
+                                                  const SignSgdConfig& config,
+                                                  int max_blocks = kMaxAdamWBlocksPerLaunch,
+                                                  int max_tensors = kMaxAdamWTensorsPerLaunch);
+
+/// A multi-tensor launch plan: every element of every tensor covered exactly once, in
+/// tensor order then chunk order; empty tensors get no block.
+struct LaunchPlan {
+  std::vector<LaunchArgs> launches;
+  std::uint32_t total_blocks = 0;
+};
+
+/// Returns the plan for `tensors` (with optional second operands `sources`, same
+/// length, for two-operand kernels). `max_blocks` and `max_tensors` may be lowered
+/// (tests use this to get many launches) but not raised above the compile-time limits.
+LaunchPlan make_plan(std::span<const TensorView> tensors,
+                     std::span<const ConstTensorView> sources = {},
+                     int max_blocks = kMaxBlocksPerLaunch, int max_tensors = kMaxTensorsPerLaunch);
+
+namespace detail {
+
+/// The limits in force on this thread: {max_blocks, max_tensors}, capped for AdamW-like
+/// launches by `adamw` (their compile-time tensor limit is smaller).
+struct LaunchLimits {
+  int max_blocks;
+  int max_tensors;
+};
+LaunchLimits launch_limits(bool adamw);
+
+}  // namespace detail
+
+namespace emulate {
+
+/// Runs the scale_and_norm_partial plan on host memory through the kernels' block
+/// bodies, with `threads` emulated threads per block; returns the partial. The same
+/// code the device runs, except for the thread scheduling.
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale,
+                                   int threads = kBlockThreads);
+
+/// Returns the norm partial of the read values R_T(R_T(g*scale)*clip) without writing.
+NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads = kBlockThreads);
+
+/// g = R_T(f32(g) * factor) in place (the clip applied eagerly).
+void scale_(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
+
+/// The host twin of gpu::finalize_and_clip (same __host__ __device__ code).
+void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
+                       std::int32_t& found_inf);
+
+/// The host twin of gpu::exact_norm_partial_if_needed: the exact partial of the read
+/// values when found_inf == kFoundInfNeedsExact, else a zero partial.
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead read,
+                                         std::int32_t found_inf, int threads = kBlockThreads);
+
+/// The host twin of gpu::finalize_exact_and_clip.
+void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
+                             float& clip, std::int32_t& found_inf);
+
+/// Runs an AdamW plan on host memory (every pointer of `d` host memory standing for
+/// device memory): the updates, then the counter advances, as the device runs them.
+void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads = kBlockThreads);
+
+/// Runs SignSGD launches on host memory; *d.found_inf != 0 writes nothing.
+void sign_sgd_step(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
+                   int threads = kBlockThreads);
+
+/// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host
+/// memory: acc = acc + f32(src), or a copy when `copy`.
+void accumulate(const LaunchPlan& plan, bool copy, int threads = kBlockThreads);
+
+}  // namespace emulate
+}  // namespace stepcore::gpu
