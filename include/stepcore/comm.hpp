@@ -19,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/cpu.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
@@ -94,9 +95,9 @@ class Communicator {
   /// In-place all-reduce of `count` words at `data` (in memory(); the NCCL
   /// communicator also accepts host memory, staged and synchronised). Blocks until
   /// done for host memory; enqueues on the stream for device memory. Determinism:
-  /// integer words give the exact result; floating-point sums are combined in rank
-  /// order by the in-process group and in the transport's order otherwise (the
-  /// baseline the norm does not use).
+  /// bitwise for integer words and max/min; floating-point sums are run_to_run in the
+  /// in-process group (rank order) and not_guaranteed otherwise (the transport's order:
+  /// the baseline the norm does not use).
   virtual void all_reduce(void* data, std::size_t count, Word word, Op op) = 0;
 
   /// Reduces a norm partial in place as one collective: digits, nan_count and
@@ -105,8 +106,8 @@ class Communicator {
   /// `check` (may be null) combined with max. Both pointers are in memory(). The
   /// input digits must be normalised (every stepcore partial is); the reduced
   /// digits are not (finalize and merge normalise). Host memory: blocks. Device
-  /// memory: enqueued on the stream, no host synchronisation. Determinism: every
-  /// rank receives the identical record, independent of the transport's algorithm.
+  /// memory: enqueued on the stream, no host synchronisation. Determinism: bitwise:
+  /// every rank receives the identical record, independent of the transport's algorithm.
   virtual void all_reduce_partial(NormPartial* partial, LayoutCheck* check) = 0;
 
   /// Waits (up to timeout()) until every collective this rank has issued is
@@ -213,7 +214,7 @@ class NormLayout {
 /// hold logical_numel elements in total, all replicas num_replicas * logical_numel,
 /// and num_shards * num_replicas ranks hold a part. Throws Errc::invalid_argument
 /// naming "layout" on every rank otherwise (communicator errors as usual).
-/// Determinism: the verdict is the same on every rank.
+/// Determinism: bitwise: the verdict is the same on every rank.
 void validate_layout(Communicator& comm, const NormLayout& layout);
 
 /// Computes this rank's norm partial over `tensors`: NormMode::fast may return an
@@ -230,7 +231,7 @@ using LocalPartialFn =
 /// invalid_argument "layout" on every rank when the fingerprints disagree, and the
 /// communicator's errors (timeout, mpi_error, ...). A rank whose partial throws
 /// rethrows that error; its peers throw the same code naming "rank N".
-/// Determinism: every rank returns the identical NormResult, bit for bit equal to
+/// Determinism: bitwise: every rank returns the identical NormResult, equal to
 /// finalize(reference::norm_partial(...)) of all logical elements in one process —
 /// for any rank count, sharding, replication, transport and collective algorithm.
 /// The inf-norm (max_abs) and found-inf (!finite, nan_count, inf_count) are global.

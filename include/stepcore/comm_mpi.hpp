@@ -7,6 +7,7 @@
 #include <chrono>
 #include <memory>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
 
 namespace stepcore::comm {
@@ -25,7 +26,7 @@ NcclUniqueId share_nccl_unique_id(const void* mpi_comm, int root);
 /// Errc::timeout and marks the communicator failed (the pending request cannot be
 /// cancelled in MPI: it and its buffer are kept until it completes, and released
 /// when the communicator is destroyed). MPI errors give Errc::mpi_error. Determinism:
-/// integer reductions are exact, so the norm is independent of MPI's algorithm.
+/// bitwise (integer reductions are exact, so the norm is independent of MPI's algorithm).
 inline std::unique_ptr<Communicator> make_mpi_communicator(
     MPI_Comm comm, std::chrono::milliseconds timeout = kDefaultTimeout) {
   return detail::make_mpi_communicator(&comm, timeout);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <memory>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
 #include "stepcore/cuda.hpp"
 
@@ -28,7 +29,7 @@ NcclUniqueId nccl_unique_id();
 /// Host buffers are staged through page-locked memory the communicator owns, waited for
 /// by the same bounded poll. `stream` must outlive the communicator (stream() returns
 /// it; its teardown frees staging memory on it without waiting). Throws
-/// Errc::not_supported without NCCL. Determinism: as every communicator.
+/// Errc::not_supported without NCCL. Determinism: bitwise, as every communicator's norm.
 std::unique_ptr<Communicator> make_nccl_communicator(
     ncclComm_t comm, cudaStream_t stream, std::chrono::milliseconds timeout = kDefaultTimeout);
 

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -79,8 +80,8 @@ enum class NormMode : std::uint8_t {
 /// Every call validates all arguments first (stepcore::Error, nothing written),
 /// then runs one parallel region over all tensors with a static partition into
 /// chunks of kChunkElements, so the memory each thread touches does not depend
-/// on timing. Determinism: every result equals stepcore::reference bit for bit,
-/// for every ISA and thread count (the norm because its partial is exact).
+/// on timing. Determinism: bitwise for every result, for every ISA and thread count
+/// (the norm because its partial is exact); approximate partials are run_to_run.
 class Engine {
  public:
   /// Elements per work chunk (a multiple of every vector width and cache line).
@@ -132,7 +133,7 @@ class Engine {
                            NormMode mode) const;
   /// Returns the finalized norm of the read values in one process: the fast
   /// partial, and the exact one only when the fast one cannot be certified.
-  /// Determinism: equals finalize(reference::norm_partial(...)) bit for bit.
+  /// Determinism: bitwise: equals finalize(reference::norm_partial(...)).
   NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
 
  private:

@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -48,23 +49,24 @@ std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 /// scale == 1), the approximate norm partial of the stored values and the
 /// non-finite counts written to *d_partial (device memory). Reads and writes each
 /// element once. Never allocates, never synchronises; capturable in a CUDA graph.
-/// Determinism: the finalized norm equals reference::norm_partial of the scaled
-/// values on the host, bit for bit, for any launch shape (docs/numerics.md 6.3).
+/// Determinism: bitwise for the stored values and the finalised norm (equal to
+/// reference::norm_partial of the scaled values, for any launch shape: docs/numerics.md
+/// 6.3); the partial itself is run_to_run.
 void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                             cudaStream_t stream);
 
 /// Norm partial of device tensors read as R_T(R_T(g*scale)*clip), nothing written;
-/// same workspace as scale_and_norm_partial. Same determinism contract.
+/// same workspace as scale_and_norm_partial. Determinism: as scale_and_norm_partial.
 void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream);
 
 /// In place g = R_T(f32(g) * *d_factor) with the factor in device memory (the clip
-/// coefficient, applied eagerly); capturable in a graph.
+/// coefficient, applied eagerly); capturable in a graph. Determinism: bitwise.
 void scale_(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream);
 
-/// acc = acc + f32(src) (or a copy) on device tensors.
+/// acc = acc + f32(src) (or a copy) on device tensors. Determinism: bitwise.
 void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 
 /// Finalises a (reduced) norm partial on the device and derives the step's clip
@@ -74,8 +76,8 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream);
 /// else 0 (callers skip the step on found-inf). When d_result->needs_exact (a rounding
 /// tie or near-tie, ~1 in 2^16 norms) *d_found_inf is kFoundInfNeedsExact: run
 /// exact_norm_partial_if_needed and finalize_exact_and_clip next (always enqueue them;
-/// they do nothing otherwise). All pointers device memory. Determinism: the same bits
-/// as stepcore::finalize and clip_coefficient on the host.
+/// they do nothing otherwise). All pointers device memory. Determinism: bitwise
+/// (stepcore::finalize and clip_coefficient on the host).
 void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
                        float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream);
 
@@ -84,7 +86,7 @@ void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult*
 /// as R_T(R_T(g*scale)*clip) to *d_exact_partial; otherwise writes a zero partial (so an
 /// all-reduce of it across ranks, which every rank enqueues, stays harmless). Same
 /// workspace as scale_and_norm_partial; reads each element once when needed, nothing
-/// otherwise. Never allocates, never synchronises; capturable. Determinism: equal to
+/// otherwise. Never allocates, never synchronises; capturable. Determinism: bitwise:
 /// reference::norm_partial digit for digit, for any launch shape.
 void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
                                   const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
@@ -104,12 +106,13 @@ void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
 /// bias corrections (d.bias_table) and the found-inf flag are device memory, read when
 /// the kernels run: a captured graph replays the next step with the current lr, and
 /// *d.found_inf != 0 leaves parameters, moments and counters untouched (no rollback).
-/// Never allocates, never synchronises.
+/// Never allocates, never synchronises. Determinism: bitwise (the reference and the CPU
+/// engine, for any launch shape).
 void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                 const AdamWDeviceArgs& d, cudaStream_t stream);
 
 /// SignSGD on device tensors; lr and weight decay from d.hyper when given, read when the
-/// kernels run; *d.found_inf != 0 (optional) writes nothing.
+/// kernels run; *d.found_inf != 0 (optional) writes nothing. Determinism: bitwise.
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                    const SignSgdDeviceArgs& d, cudaStream_t stream);
 

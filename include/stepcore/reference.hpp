@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <span>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -17,7 +18,7 @@ namespace stepcore::reference {
 
 /// One AdamW update of every tensor. Gradients are read with `read`; when
 /// `found_inf` is non-null and *found_inf != 0 nothing is written and no step
-/// counter advances. Determinism: a pure function of its inputs.
+/// counter advances. Determinism: bitwise (the definition itself).
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                 GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
