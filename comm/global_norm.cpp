@@ -6,6 +6,7 @@
 
 #include "comm/comm_internal.hpp"
 #include "core/validate.hpp"
+#include "stepcore/cpu.hpp"
 
 namespace stepcore::comm {
 namespace {
@@ -176,12 +177,12 @@ NormResult global_norm(Communicator& comm, const NormLayout& layout, const Local
   if (!local) throw Error(Errc::null_pointer, "local", "an empty partial function");
   const auto tensors = layout.counted_tensors();
   const std::uint64_t fp = layout.fingerprint();
-  NormPartial reduced = reduce_local(comm, fp, [&] { return local(tensors, cpu::NormMode::fast); });
+  NormPartial reduced = reduce_local(comm, fp, [&] { return local(tensors, NormMode::fast); });
   NormResult result = finalize(reduced);
   if (!result.needs_exact) return result;
   // Every rank sees the same reduced partial, so every rank takes this branch.
   reduced = reduce_local(comm, fp, [&] {
-    NormPartial p = local(tensors, cpu::NormMode::exact);
+    NormPartial p = local(tensors, NormMode::exact);
     if (p.approximate != 0)
       throw Error(Errc::internal, "local", "NormMode::exact returned an approximate partial");
     return p;
@@ -195,7 +196,7 @@ NormResult global_norm(Communicator& comm, const NormLayout& layout, const Local
 NormResult global_norm(Communicator& comm, const NormLayout& layout, const cpu::Engine& engine,
                        GradientRead read) {
   return global_norm(comm, layout,
-                     [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
+                     [&](std::span<const ConstTensorView> tensors, NormMode mode) {
                        return engine.norm_partial(tensors, read, mode);
                      });
 }

@@ -60,7 +60,7 @@ for layer in "${!allowed[@]}"; do
         report "$f:$line: $layer includes \"$inc\", outside the library's layers"
       fi
     done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
-             sed -E 's/^([0-9]+):.*"([^"]+)".*/\1:\2/')
+             sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
   done < <(find "$layer" -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) -print0)
 done
 
@@ -73,7 +73,7 @@ while IFS= read -r -d '' f; do
       *) report "$f:$line: a public header includes \"$inc\"" ;;
     esac
   done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
-           sed -E 's/^([0-9]+):.*"([^"]+)".*/\1:\2/')
+           sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
 done < <(find include -type f -name '*.hpp' -print0)
 
 # No stray source folder outside the layers and the top floor.

@@ -20,11 +20,14 @@
 #include <vector>
 
 #include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
-#include "stepcore/cpu.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
+
+namespace stepcore::cpu {
+class Engine;  // cpu.hpp: the overload of global_norm taking an engine
+}  // namespace stepcore::cpu
 
 namespace stepcore::comm {
 
@@ -221,7 +224,7 @@ void validate_layout(Communicator& comm, const NormLayout& layout);
 /// approximate partial, NormMode::exact must return the exact one
 /// (reference::norm_partial or cpu::Engine::norm_partial(..., NormMode::exact)).
 using LocalPartialFn =
-    std::function<NormPartial(std::span<const ConstTensorView> tensors, cpu::NormMode mode)>;
+    std::function<NormPartial(std::span<const ConstTensorView> tensors, NormMode mode)>;
 
 /// Collective: the norm of every logical element of the layout, over all ranks.
 /// Each rank computes the fast partial of its counted tensors, the partials and the

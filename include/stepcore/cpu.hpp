@@ -67,11 +67,8 @@ struct EngineConfig {
   std::vector<int> cpus;
 };
 
-/// How a norm partial is computed.
-enum class NormMode : std::uint8_t {
-  fast = 0,   ///< exact squares, binary64 block sums: an approximate, certified partial
-  exact = 1,  ///< one exact integer deposit per element (the fallback; several times slower)
-};
+/// How a norm partial is computed (stepcore::NormMode, norm.hpp).
+using NormMode = ::stepcore::NormMode;
 
 /// A configured CPU engine. Cheap to create (the first engine of each ISA in a process
 /// also runs that ISA's self-test, about 1.5 ms); thread-safe for concurrent calls on

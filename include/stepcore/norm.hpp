@@ -30,6 +30,12 @@ inline constexpr int kNormMaxBlockAdditions = 4096;
 /// log2 of the relative error bound finalize() assumes for approximate partials.
 inline constexpr int kNormApproxErrorLog2 = -40;
 
+/// How a norm partial is computed.
+enum class NormMode : std::uint8_t {
+  fast = 0,   ///< exact squares, binary64 block sums: an approximate, certified partial
+  exact = 1,  ///< one exact integer deposit per element (the fallback; several times slower)
+};
+
 /// An exact partial of the L2 norm and inf-norm of a set of binary32 values.
 /// Plain data: can be copied to and from devices and summed digit by digit.
 struct NormPartial {
