@@ -1,39 +1,20 @@
-// stepcore-demo's managers phase: the same synthetic model and gradient stream driven
-// through the gradient managers of the three offload modes (none, optimizer, full) via
-// make_gradient_manager, with a 64-bit FNV-1a hash of every parameter's master weights,
-// moments and compute weights after every step, so the modes can be compared bit for bit.
-#pragma once
+// stepcore-demo's managers phase: each offload mode's manager fed the synthetic
+// gradient stream in backward order, its state hashed after every step, and the
+// per-mode lines and the "bitwise:" verdict across the modes.
+#include "managers_phase.hpp"
 
-#include <chrono>
 #include <cinttypes>
-#include <cstdint>
 #include <cstdio>
 #include <string>
-#include <vector>
 
-#include "demo_model.hpp"
+#include "report.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/device.hpp"
-#include "stepcore/managers.hpp"
+#include "synthetic.hpp"
 
 namespace stepcore_demo {
 
-namespace sc = ::stepcore;
-
-/// What the managers phase runs.
-struct ManagersOptions {
-  std::vector<TensorSpec> layout;
-  bool tied = true;
-  std::uint64_t seed = 1;
-  std::int64_t steps = 3;
-  std::int64_t micro_batches = 4;
-  double max_norm = 1.0;  ///< 0: no clipping
-  sc::DType grad_dtype = sc::DType::bf16;
-  sc::OptimizerSpec optimizer;
-  sc::cpu::EngineConfig engine;
-  std::size_t chunk_elements = std::size_t{16} << 20;
-  bool cuda = false;  ///< run on CUDA device 0 instead of the host device
-};
+namespace {
 
 /// One mode's observable results, per step.
 struct ManagersRun {
@@ -45,15 +26,14 @@ struct ManagersRun {
 };
 
 /// FNV-1a 64 over bytes, continuing from `h`.
-inline std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t bytes) {
+std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t bytes) {
   const auto* p = static_cast<const unsigned char*>(data);
   for (std::size_t i = 0; i < bytes; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
   return h;
 }
 
 /// Runs the stream through the manager of `mode`; returns its results.
-inline ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o) {
-  using Clock = std::chrono::steady_clock;
+ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o) {
   ManagersRun run;
   auto dev = o.cuda ? sc::device::make_cuda_device(0) : sc::device::make_host_device();
   run.device = std::string(dev->name());
@@ -131,13 +111,40 @@ inline ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions&
     run.state_hash.push_back(h);
   }
   m->close();
-  run.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  run.seconds = seconds_since(t0);
   return run;
 }
 
-/// Runs the three modes and prints one line per mode and the "bitwise:" verdict;
-/// returns true when all agree bit for bit on every step.
-inline bool run_managers_phase(const ManagersOptions& o) {
+}  // namespace
+
+ManagersOptions managers_options(const Options& o, const Backend& backend) {
+  ManagersOptions mo;
+  ModelConfig config = *find_model(o.model);
+  config.layers = o.managers_layers;
+  config.vocab = o.managers_vocab;
+  mo.layout = build_layout(config);
+  mo.tied = config.tied_embeddings;
+  mo.seed = o.seed;
+  mo.steps = o.steps;
+  mo.micro_batches = o.micro_batches;
+  mo.max_norm = o.max_norm;
+  mo.grad_dtype = o.grad_dtype;
+  mo.optimizer.name = o.optimizer == Optimizer::adamw ? "adamw" : "sign_sgd";
+  mo.optimizer.adamw.lr = o.lr;
+  mo.optimizer.adamw.weight_decay = o.weight_decay;
+  mo.optimizer.adamw.formula = o.formula;
+  mo.optimizer.sign_sgd.lr = o.lr;
+  mo.optimizer.sign_sgd.weight_decay = o.weight_decay;
+  if (backend.engine) {
+    mo.engine.isa = backend.engine->isa();
+    mo.engine.threads = backend.engine->threads();
+  }
+  mo.chunk_elements = std::size_t{4} << 20;  // several chunks even for the small model
+  mo.cuda = sc::cuda::device_count() > 0;
+  return mo;
+}
+
+bool run_managers_phase(const ManagersOptions& o) {
   const sc::OffloadMode modes[] = {sc::OffloadMode::none, sc::OffloadMode::optimizer,
                                    sc::OffloadMode::full};
   std::vector<ManagersRun> runs;
