@@ -13,6 +13,7 @@
 #include <set>
 #include <string>
 
+#include "host/warn.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
 
@@ -29,12 +30,14 @@ std::size_t page_size() {
 
 }  // namespace
 
+namespace detail {
 void warn_once(const std::string& message) {
   static std::mutex mu;
   static std::set<std::string> seen;
   const std::lock_guard<std::mutex> lock(mu);
   if (seen.insert(message).second) std::fprintf(stderr, "stepcore: warning: %s\n", message.c_str());
 }
+}  // namespace detail
 
 std::string cpu_list_string(const std::vector<int>& v) {
   std::string s;
@@ -105,7 +108,7 @@ HostBuffer::HostBuffer(std::size_t bytes, int numa_node, bool strict) {
         data_ = nullptr;
         throw Error(Errc::not_supported, "numa_node", why);
       }
-      warn_once(why + "; state stays unbound");
+      detail::warn_once(why + "; state stays unbound");
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "host/warn.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
 
@@ -153,8 +154,8 @@ Placement Topology::place(std::span<const std::string> rank_gpus, int local_rank
       throw Error(Errc::not_supported, "rank_gpus[" + std::to_string(local_rank) + "]", why);
     p.bound = false;
     p.reason = why;
-    warn_once(why +
-              "; the CPU optimizer runs unbound (set strict placement to make this an error)");
+    detail::warn_once(
+        why + "; the CPU optimizer runs unbound (set strict placement to make this an error)");
     return p;
   };
   // The node of every rank's GPU (-1: unknown or not a single node).
@@ -217,7 +218,7 @@ Placement Topology::place_on_node(int node, int index, int sharers) const {
     p.cpus.push_back(it->cores[static_cast<std::size_t>(index % cores)].pus.front());
     p.reason = std::to_string(sharers) + " ranks share NUMA node " + std::to_string(node) +
                " with " + std::to_string(cores) + " cores: one core each, shared round-robin";
-    warn_once(p.reason);
+    detail::warn_once(p.reason);
   }
   return p;
 }

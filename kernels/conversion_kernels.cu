@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/check.cuh"
+#include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
 
@@ -30,6 +31,7 @@ __global__ void narrow_kernel(const float* in, std::uint16_t* bf16_out, std::uin
 
 }  // namespace
 
+namespace testing {
 void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const float* d_f32_in,
                            std::uint16_t* d_bf16_out, std::uint16_t* d_f16_out, std::size_t n,
                            cudaStream_t stream) {
@@ -47,5 +49,6 @@ void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const fl
     detail::check_launch("narrow_kernel");
   }
 }
+}  // namespace testing
 
 }  // namespace stepcore::cuda

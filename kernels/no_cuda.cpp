@@ -1,4 +1,5 @@
 // The CUDA entry points of a build without CUDA: report that, never pretend.
+#include "kernels/testing.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -21,10 +22,12 @@ void host_register(void*, std::size_t) {
 }
 void host_unregister(void*) noexcept {}
 
+namespace testing {
 void convert_all_on_device(float*, float*, const float*, std::uint16_t*, std::uint16_t*,
                            std::size_t, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
+}  // namespace testing
 
 }  // namespace stepcore::cuda
 

@@ -1,8 +1,13 @@
-// Test hooks of the multi-tensor kernels (internal, not installed): tests run the
-// launchers under other launch shapes to show that results do not depend on them.
+// Test hooks of the kernels (internal, not installed): tests run the launchers under
+// other launch shapes to show that results do not depend on them, and run every
+// conversion on the device to compare its bits with the host's.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
+
 #include "kernels/plans.hpp"
+#include "stepcore/cuda.hpp"
 
 namespace stepcore::gpu::testing {
 
@@ -21,3 +26,15 @@ class ScopedLaunchLimits {
 };
 
 }  // namespace stepcore::gpu::testing
+
+namespace stepcore::cuda::testing {
+
+/// Converts every bf16 and f16 bit pattern (65,536 each) to f32, and each of the `n` f32
+/// values in `d_f32_in` to bf16 and f16, on the current device. Device buffers:
+/// d_bf16_widened and d_f16_widened hold 65,536 floats each, d_bf16_out and d_f16_out
+/// hold n uint16. Does not synchronise; throws Errc::not_supported without CUDA.
+void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const float* d_f32_in,
+                           std::uint16_t* d_bf16_out, std::uint16_t* d_f16_out, std::size_t n,
+                           cudaStream_t stream);
+
+}  // namespace stepcore::cuda::testing

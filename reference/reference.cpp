@@ -9,6 +9,7 @@
 
 #include "core/fp_env.hpp"
 #include "core/validate.hpp"
+#include "reference/testing.hpp"
 #include "stepcore/convert.hpp"
 
 namespace stepcore::reference {
@@ -174,15 +175,6 @@ void scale_(std::span<const TensorView> tensors, float scale) {
   }
 }
 
-void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
-  const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
-  const std::uint32_t exp = a >> 23;
-  const std::uint64_t mant = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
-  const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
-  mantissa_squared = mant * mant;                               // exact, < 2^48
-  shift = 2 * e - kNormUnitExponent;                            // x^2 / 2^-298 = mant^2 * 2^shift
-}
-
 NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) {
   detail::validate_norm(tensors, read);
   const detail::FpEnvGuard env;
@@ -204,7 +196,7 @@ NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead 
       if (a == 0) continue;
       std::uint64_t m2 = 0;
       int shift = 0;
-      square_units(x, m2, shift);
+      testing::square_units(x, m2, shift);
       detail::deposit(p.digits, m2, shift);
       if (++since_normalize == (1u << 30)) {
         detail::normalize_digits(p.digits);
@@ -215,5 +207,16 @@ NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead 
   detail::normalize_digits(p.digits);
   return p;
 }
+
+namespace testing {
+void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
+  const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+  const std::uint32_t exp = a >> 23;
+  const std::uint64_t mant = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
+  const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
+  mantissa_squared = mant * mant;                               // exact, < 2^48
+  shift = 2 * e - kNormUnitExponent;                            // x^2 / 2^-298 = mant^2 * 2^shift
+}
+}  // namespace testing
 
 }  // namespace stepcore::reference

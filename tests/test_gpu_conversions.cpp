@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/host_slab.hpp"
@@ -38,7 +39,7 @@ TEST(GpuConversions, DeviceBitsEqualHostBits) {
   ASSERT_EQ(cudaMalloc(&d_bo, n * 2), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&d_fo, n * 2), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(d_in, in.data(), n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-  stepcore::cuda::convert_all_on_device(d_bw, d_fw, d_in, d_bo, d_fo, n, nullptr);
+  stepcore::cuda::testing::convert_all_on_device(d_bw, d_fw, d_in, d_bo, d_fo, n, nullptr);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<float> bw(65536), fw(65536);
   std::vector<std::uint16_t> bo(n), fo(n);

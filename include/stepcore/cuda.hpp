@@ -31,13 +31,4 @@ void host_unregister(void* ptr) noexcept;
 /// when they skip.
 std::string unavailable_reason();
 
-/// Converts every bf16 and f16 bit pattern (65,536 each) to f32, and each of
-/// the `n` f32 values in `d_f32_in` to bf16 and f16, on the current device.
-/// Device buffers: d_bf16_widened and d_f16_widened hold 65,536 floats each,
-/// d_bf16_out and d_f16_out hold n uint16. Used to check that device
-/// conversions give the host's bits. Does not synchronise.
-void convert_all_on_device(float* d_bf16_widened, float* d_f16_widened, const float* d_f32_in,
-                           std::uint16_t* d_bf16_out, std::uint16_t* d_f16_out, std::size_t n,
-                           cudaStream_t stream);
-
 }  // namespace stepcore::cuda

@@ -150,9 +150,6 @@ std::vector<int> page_nodes(const void* data, std::size_t bytes);
 /// Returns "0-3,8,10-11" for a sorted list of CPU indexes ("-" when empty).
 std::string cpu_list_string(const std::vector<int>& cpus);
 
-/// Prints a one-time warning to stderr ("stepcore: ..."), once per distinct message.
-void warn_once(const std::string& message);
-
 }  // namespace stepcore::numa
 
 // ---- inline definitions -------------------------------------------------------------

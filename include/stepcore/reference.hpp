@@ -36,8 +36,4 @@ void scale_(std::span<const TensorView> tensors, float scale);
 /// Returns the exact norm partial of the values x = read(g) over all tensors.
 NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {});
 
-/// Returns the exact binary32 value of x^2 * 2^298 split as M^2 * 2^shift:
-/// the spec's per-element contribution (exposed for tests). x must be finite.
-void square_units(float x, std::uint64_t& mantissa_squared, int& shift);
-
 }  // namespace stepcore::reference

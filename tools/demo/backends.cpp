@@ -5,6 +5,7 @@
 
 #include <cstdio>
 
+#include "report.hpp"
 #include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
 
@@ -63,15 +64,15 @@ Backend make_backend(const Options& o) {
         throw StrictNumaError("cannot place local rank " + std::to_string(nc.local_rank) +
                               " on one NUMA node: " + nc.reason);
       if (!nc.warned)
-        sc::numa::warn_once("NUMA placement: " + nc.reason +
-                            "; running unbound (threads float, state pre-faulted by the "
-                            "allocating thread)");
+        warn_once("NUMA placement: " + nc.reason +
+                  "; running unbound (threads float, state pre-faulted by the "
+                  "allocating thread)");
     }
-    if (nc.oversubscribed && !nc.warned) sc::numa::warn_once("NUMA placement: " + nc.reason);
+    if (nc.oversubscribed && !nc.warned) warn_once("NUMA placement: " + nc.reason);
     if (nc.bound) {
       if (!restrict_main_thread(nc.share))
-        sc::numa::warn_once("cannot restrict the main thread to cpus " + cpu_list(nc.share) +
-                            "; only the engine's workers are bound");
+        warn_once("cannot restrict the main thread to cpus " + cpu_list(nc.share) +
+                  "; only the engine's workers are bound");
       b.engine.emplace(sc::cpu::EngineConfig{o.isa, static_cast<int>(nc.cpus.size()), nc.cpus});
     } else {
       b.engine.emplace(sc::cpu::EngineConfig{o.isa, o.threads, {}});

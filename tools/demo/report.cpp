@@ -7,6 +7,8 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <set>
+#include <string>
 #include <vector>
 
 #if defined(__linux__)
@@ -108,6 +110,11 @@ std::string f32_text(float x) {
   char buf[48];
   std::snprintf(buf, sizeof buf, "%.9g [0x%08" PRIx32 "]", static_cast<double>(x), sc::f32_bits(x));
   return buf;
+}
+
+void warn_once(const std::string& message) {
+  static std::set<std::string> seen;  // the demo's main thread only
+  if (seen.insert(message).second) std::fprintf(stderr, "stepcore: warning: %s\n", message.c_str());
 }
 
 void print_phase(const char* name, double sec, double bytes, const std::string& note) {
@@ -225,9 +232,8 @@ void print_numa(const State& s, const Backend& b) {
   std::printf(")\n");
   if (pc.on_node != pc.checked) {
     std::fflush(stdout);
-    sc::numa::warn_once(std::to_string(pc.checked - pc.on_node) + " of " +
-                        std::to_string(pc.checked) + " sampled state pages are not on NUMA node " +
-                        std::to_string(c.node));
+    warn_once(std::to_string(pc.checked - pc.on_node) + " of " + std::to_string(pc.checked) +
+              " sampled state pages are not on NUMA node " + std::to_string(c.node));
   }
 }
 

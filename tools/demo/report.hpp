@@ -29,6 +29,9 @@ std::string f32_text(float x);
 /// Prints one timed phase: name, milliseconds, GB/s of `bytes` touched, and a note.
 void print_phase(const char* name, double sec, double bytes, const std::string& note);
 
+/// Prints "stepcore: warning: <message>" to stderr, once per distinct message.
+void warn_once(const std::string& message);
+
 /// Prints the backend, the model, its layout summary, the size of the state and the run.
 void print_header(const Model& m, const Options& o, const Backend& b);
 
