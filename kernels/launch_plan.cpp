@@ -7,9 +7,9 @@
 #include "core/fp_env.hpp"
 #include "core/validate.hpp"
 #include "kernels/block_bodies.hpp"
-#include "stepcore/error.hpp"
 #include "kernels/plans.hpp"
 #include "kernels/testing.hpp"
+#include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 
 namespace stepcore::gpu {
@@ -91,7 +91,8 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
 
 AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                           int max_blocks, int max_tensors) {
-  check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
+  check_limits(max_blocks, max_tensors, kMaxOptimizerBlocksPerLaunch,
+               kMaxOptimizerTensorsPerLaunch);
   ::stepcore::detail::validate_adamw(tensors, config, GradientRead{},
                                      ::stepcore::detail::StepCounters::unread);
   const bool torch = config.formula == AdamWFormula::torch;
@@ -158,7 +159,8 @@ std::vector<double> make_adamw_bias_table(const AdamWConfig& config) {
 std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
                                                   const SignSgdConfig& config, int max_blocks,
                                                   int max_tensors) {
-  check_limits(max_blocks, max_tensors, kMaxAdamWBlocksPerLaunch, kMaxAdamWTensorsPerLaunch);
+  check_limits(max_blocks, max_tensors, kMaxOptimizerBlocksPerLaunch,
+               kMaxOptimizerTensorsPerLaunch);
   ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
   SignSgdLaunchArgs blank{};
   blank.lr = config.lr;
@@ -188,10 +190,12 @@ thread_local int tl_max_blocks = kMaxBlocksPerLaunch;
 thread_local int tl_max_tensors = kMaxTensorsPerLaunch;
 }  // namespace
 
-LaunchLimits launch_limits(bool adamw) {
-  if (!adamw) return {tl_max_blocks, tl_max_tensors};
-  return {tl_max_blocks < kMaxAdamWBlocksPerLaunch ? tl_max_blocks : kMaxAdamWBlocksPerLaunch,
-          tl_max_tensors < kMaxAdamWTensorsPerLaunch ? tl_max_tensors : kMaxAdamWTensorsPerLaunch};
+LaunchLimits launch_limits(bool optimizer) {
+  if (!optimizer) return {tl_max_blocks, tl_max_tensors};
+  return {
+      tl_max_blocks < kMaxOptimizerBlocksPerLaunch ? tl_max_blocks : kMaxOptimizerBlocksPerLaunch,
+      tl_max_tensors < kMaxOptimizerTensorsPerLaunch ? tl_max_tensors
+                                                     : kMaxOptimizerTensorsPerLaunch};
 }
 }  // namespace detail
 

@@ -79,25 +79,26 @@ struct LaunchArgs {
   }
 };
 
-/// Tensors of one AdamW launch (fewer than kMaxTensorsPerLaunch: five pointers each).
-inline constexpr int kMaxAdamWTensorsPerLaunch = 32;
-inline constexpr int kMaxAdamWBlocksPerLaunch = 1 << 16;
+/// Tensors of one optimizer (AdamW or SignSGD) launch: fewer than kMaxTensorsPerLaunch,
+/// since each carries up to six pointers.
+inline constexpr int kMaxOptimizerTensorsPerLaunch = 32;
+inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 
 /// The kernel argument of one AdamW launch: per-tensor pointers, the configuration's
 /// constants and the blocks. The per-step scalars are not here: each block derives them
 /// from device memory when it runs (its step counter, the bias table, lr and weight
 /// decay), so a replayed graph takes the step it is at, never the one it was captured at.
 struct AdamWLaunchArgs {
-  float* param[kMaxAdamWTensorsPerLaunch];
-  float* exp_avg[kMaxAdamWTensorsPerLaunch];
-  float* exp_avg_sq[kMaxAdamWTensorsPerLaunch];
-  const void* grad[kMaxAdamWTensorsPerLaunch];
-  void* out[kMaxAdamWTensorsPerLaunch];
-  const float* step[kMaxAdamWTensorsPerLaunch];  ///< the counter before this step (device)
-  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
-  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
-  std::uint64_t tail_begin[kMaxAdamWTensorsPerLaunch];
-  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  float* param[kMaxOptimizerTensorsPerLaunch];
+  float* exp_avg[kMaxOptimizerTensorsPerLaunch];
+  float* exp_avg_sq[kMaxOptimizerTensorsPerLaunch];
+  const void* grad[kMaxOptimizerTensorsPerLaunch];
+  void* out[kMaxOptimizerTensorsPerLaunch];
+  const float* step[kMaxOptimizerTensorsPerLaunch];  ///< the counter before this step (device)
+  DType grad_dtype[kMaxOptimizerTensorsPerLaunch];
+  std::int8_t out_kind[kMaxOptimizerTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
+  std::uint64_t tail_begin[kMaxOptimizerTensorsPerLaunch];
+  BlockMap<kMaxOptimizerTensorsPerLaunch> map;
   AdamWConfig config;  ///< betas, eps, formula; lr and weight decay unless from device memory
   int num_tensors;
   int num_blocks;
@@ -127,17 +128,17 @@ struct AdamWPlan {
 /// that step counters are device memory, so their values are not read here). Nothing is
 /// prepared from the step: the plan is the same for every step of these tensors.
 AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                          int max_blocks = kMaxAdamWBlocksPerLaunch,
-                          int max_tensors = kMaxAdamWTensorsPerLaunch);
+                          int max_blocks = kMaxOptimizerBlocksPerLaunch,
+                          int max_tensors = kMaxOptimizerTensorsPerLaunch);
 
 /// The kernel argument of one SignSGD launch.
 struct SignSgdLaunchArgs {
-  float* param[kMaxAdamWTensorsPerLaunch];
-  const void* grad[kMaxAdamWTensorsPerLaunch];
-  void* out[kMaxAdamWTensorsPerLaunch];
-  DType grad_dtype[kMaxAdamWTensorsPerLaunch];
-  std::int8_t out_kind[kMaxAdamWTensorsPerLaunch];
-  BlockMap<kMaxAdamWTensorsPerLaunch> map;
+  float* param[kMaxOptimizerTensorsPerLaunch];
+  const void* grad[kMaxOptimizerTensorsPerLaunch];
+  void* out[kMaxOptimizerTensorsPerLaunch];
+  DType grad_dtype[kMaxOptimizerTensorsPerLaunch];
+  std::int8_t out_kind[kMaxOptimizerTensorsPerLaunch];
+  BlockMap<kMaxOptimizerTensorsPerLaunch> map;
   double lr;            ///< the config's, unless read from device memory
   double weight_decay;  ///< the config's, unless read from device memory
   int num_tensors;
@@ -151,8 +152,8 @@ struct SignSgdLaunchArgs {
 /// positive read; the read does not change a sign and is not applied).
 std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
                                                   const SignSgdConfig& config,
-                                                  int max_blocks = kMaxAdamWBlocksPerLaunch,
-                                                  int max_tensors = kMaxAdamWTensorsPerLaunch);
+                                                  int max_blocks = kMaxOptimizerBlocksPerLaunch,
+                                                  int max_tensors = kMaxOptimizerTensorsPerLaunch);
 
 /// A multi-tensor launch plan: every element of every tensor covered exactly once, in
 /// tensor order then chunk order; empty tensors get no block.
@@ -170,13 +171,13 @@ LaunchPlan make_plan(std::span<const TensorView> tensors,
 
 namespace detail {
 
-/// The limits in force on this thread: {max_blocks, max_tensors}, capped for AdamW-like
-/// launches by `adamw` (their compile-time tensor limit is smaller).
+/// The limits in force on this thread: {max_blocks, max_tensors}, capped for optimizer
+/// launches (`optimizer`: their compile-time tensor limit is smaller).
 struct LaunchLimits {
   int max_blocks;
   int max_tensors;
 };
-LaunchLimits launch_limits(bool adamw);
+LaunchLimits launch_limits(bool optimizer);
 
 }  // namespace detail
 

@@ -217,7 +217,8 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
         auto rt = tensors(ref_p, ref_o);
         reference::sign_sgd_step(rt, cfg);
         auto gt = tensors(got_p, got_o);
-        gpu::emulate::sign_sgd_step(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{}, 64);
+        gpu::emulate::sign_sgd_step(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{},
+                                    64);
         for (std::size_t k = 0; k < ref_p.bufs.size(); ++k) {
           ASSERT_EQ(got_p.bufs[k], ref_p.bufs[k]) << dtype_name(gd) << " tensor " << k;
           ASSERT_EQ(got_o[k], ref_o[k]) << "compute copy " << k;
@@ -357,13 +358,13 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
           int max_blocks, max_tensors, threads;
         };
         for (const Shape shape :
-             {Shape{gpu::kMaxAdamWBlocksPerLaunch, gpu::kMaxAdamWTensorsPerLaunch, 256},
+             {Shape{gpu::kMaxOptimizerBlocksPerLaunch, gpu::kMaxOptimizerTensorsPerLaunch, 256},
               Shape{3, 2, 64}}) {
           State got = base;
           auto gt = tensors(got);
           const auto plan = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
-          gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
-                              shape.threads);
+          gpu::emulate::adamw_step(
+              plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, shape.threads);
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0) {  // memcmp on bits; empty vectors have no data pointer
               ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
@@ -448,7 +449,8 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       for (int r = 0; r < 4; ++r) {
         hyper = StepHyper{lrs[r], cfg.weight_decay};
         found_inf = flags[r];
-        gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
+        gpu::emulate::adamw_step(plan,
+                                 AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
         if (flags[r] == 0) {
           AdamWConfig step_cfg = cfg;
           step_cfg.lr = lrs[r];
