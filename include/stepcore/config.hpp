@@ -1,9 +1,7 @@
 // Build-wide macros: host/device annotations and version numbers.
 #pragma once
 
-#define STEPCORE_VERSION_MAJOR 0
-#define STEPCORE_VERSION_MINOR 1
-#define STEPCORE_VERSION_PATCH 0
+#include "stepcore/version.hpp"  // STEPCORE_VERSION_* (generated from project(VERSION))
 
 #if defined(__CUDACC__)
 #define STEPCORE_HD __host__ __device__
