@@ -13,6 +13,7 @@
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/cuda.hpp"
+#include "stepcore/determinism.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/dtype.hpp"
 #include "stepcore/error.hpp"
