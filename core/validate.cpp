@@ -52,6 +52,39 @@ void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, boo
 
 bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
 
+// The range of a scalar argument, besides being finite.
+enum class Bound : std::uint8_t { positive, non_negative, unit_interval };
+
+// The one scalar rule: NaN and +-Inf are Errc::non_finite, a finite value outside its
+// range Errc::invalid_argument (so FLT_MAX passes wherever large values are in range).
+void check_scalar(double v, Bound bound, std::string_view name) {
+  if (!std::isfinite(v))
+    fail(Errc::non_finite, std::string(name), "must be finite, got " + std::to_string(v));
+  bool ok = false;
+  const char* want = "";
+  switch (bound) {
+    case Bound::positive:
+      ok = v > 0.0;
+      want = "must be > 0";
+      break;
+    case Bound::non_negative:
+      ok = v >= 0.0;
+      want = "must be >= 0";
+      break;
+    case Bound::unit_interval:
+      ok = v >= 0.0 && v <= 1.0;
+      want = "must be in [0, 1]";
+      break;
+  }
+  if (!ok) fail(Errc::invalid_argument, std::string(name), want + (", got " + std::to_string(v)));
+}
+
+template <class View>
+void check_list(std::span<const View> tensors, const char* base) {
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, Arg{base, i, ""});
+}
+
 // Checks tensor i's f32 param, its read-only grad and its optional compute output,
 // adds their memory ranges, and returns the element count.
 std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
@@ -121,17 +154,30 @@ void check_overlaps(std::span<Range> ranges) {
   }
 }
 
+void check_gradient_scale(float scale, std::string_view name) {
+  check_scalar(scale, Bound::positive, name);
+}
+void check_clip(float clip, std::string_view name) {
+  check_scalar(clip, Bound::unit_interval, name);
+}
+void check_scale_factor(float factor, std::string_view name) {
+  check_scalar(factor, Bound::non_negative, name);
+}
+void check_max_norm(float max_norm, std::string_view name) {
+  check_scalar(max_norm, Bound::non_negative, name);
+}
+
+void validate_tensors(std::span<const TensorView> tensors, const char* base) {
+  check_list(tensors, base);
+}
+void validate_tensors(std::span<const ConstTensorView> tensors, const char* base) {
+  check_list(tensors, base);
+}
+
 void validate_read(const GradientRead& read, const char* name) {
   const std::string base = name;
-  if (!std::isfinite(read.scale))
-    fail(Errc::non_finite, base + ".scale", "must be finite, got " + std::to_string(read.scale));
-  if (!(read.scale > 0.0f))
-    fail(Errc::invalid_argument, base + ".scale", "must be > 0, got " + std::to_string(read.scale));
-  if (!std::isfinite(read.clip))
-    fail(Errc::non_finite, base + ".clip", "must be finite, got " + std::to_string(read.clip));
-  if (!(read.clip >= 0.0f && read.clip <= 1.0f))
-    fail(Errc::invalid_argument, base + ".clip",
-         "must be in [0, 1], got " + std::to_string(read.clip));
+  check_gradient_scale(read.scale, base + ".scale");
+  check_clip(read.clip, base + ".clip");
 }
 
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
@@ -229,22 +275,22 @@ void validate_accumulate(std::span<const AccumulatePair> pairs) {
 }
 
 void validate_scale(std::span<const TensorView> tensors, float scale) {
-  if (!std::isfinite(scale)) fail(Errc::non_finite, "scale", "must be finite");
-  if (!(scale >= 0.0f)) fail(Errc::invalid_argument, "scale", "must be >= 0");
+  check_scale_factor(scale, "scale");
+  validate_scale_tensors(tensors);
+}
+
+void validate_scale_tensors(std::span<const TensorView> tensors) {
+  validate_tensors(tensors);
   std::vector<Range> ranges;
   ranges.reserve(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const Arg n{"tensors", i, ""};
-    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, n);
-    add_range(ranges, tensors[i].data, tensors[i].bytes(), true, n);
-  }
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    add_range(ranges, tensors[i].data, tensors[i].bytes(), true, Arg{"tensors", i, ""});
   check_overlaps(ranges);
 }
 
 void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read) {
   validate_read(read);
-  for (std::size_t i = 0; i < tensors.size(); ++i)
-    check_view(tensors[i].data, tensors[i].numel, tensors[i].dtype, Arg{"tensors", i, ""});
+  validate_tensors(tensors);
 }
 
 }  // namespace stepcore::detail

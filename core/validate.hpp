@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 
 #include "stepcore/error.hpp"
 #include "stepcore/optim.hpp"
@@ -25,10 +26,36 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& con
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);
 void validate_accumulate(std::span<const AccumulatePair> pairs);
+/// An in-place scale: check_scale_factor(scale, "scale"), validate_tensors, and no
+/// tensor overlapping another (each is written).
 void validate_scale(std::span<const TensorView> tensors, float scale);
+/// The tensors of an in-place scale by a factor that is not on the host (validate_scale
+/// without the factor).
+void validate_scale_tensors(std::span<const TensorView> tensors);
+/// A read-only norm: validate_read, then validate_tensors (overlaps are harmless).
 void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read);
-/// Throws unless scale is finite and > 0 and clip is in [0, 1].
+/// Throws unless read.scale passes check_gradient_scale and read.clip check_clip,
+/// naming "read.scale" / "read.clip".
 void validate_read(const GradientRead& read, const char* name = "read");
+
+// ---- The scalar rules (docs/numerics.md section 9), one function per kind ------------
+// Each throws Errc::non_finite when the value is NaN or +-Inf, then Errc::invalid_argument
+// when it lies outside its range; `name` is the argument as the caller's API calls it.
+// Every finite value in range is accepted (FLT_MAX included).
+
+/// A gradient scale (GradientRead::scale, a manager's gradient_scale): finite, > 0.
+void check_gradient_scale(float scale, std::string_view name);
+/// A clip coefficient (GradientRead::clip): finite, in [0, 1].
+void check_clip(float clip, std::string_view name);
+/// An in-place scale factor (scale_, scale_and_norm_partial, emulate::scale): finite, >= 0.
+void check_scale_factor(float factor, std::string_view name);
+/// A clipping threshold (max_norm of finalize_and_clip, clip_grad_norm): finite, >= 0.
+void check_max_norm(float max_norm, std::string_view name = "max_norm");
+
+/// Throws unless every tensor of a list has a known dtype, at most 2^60 elements and
+/// data unless it is empty, naming it "base[i]".
+void validate_tensors(std::span<const TensorView> tensors, const char* base = "tensors");
+void validate_tensors(std::span<const ConstTensorView> tensors, const char* base = "tensors");
 
 /// The name of an argument, built into a string only when an error reports it
 /// ("base", or "base[index].field"): validation of thousands of tensors allocates nothing.

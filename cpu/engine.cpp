@@ -311,14 +311,7 @@ void Engine::scale_(std::span<const TensorView> tensors, float scale) const {
 }
 
 void Engine::first_touch(std::span<const TensorView> tensors) const {
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const TensorView& t = tensors[i];
-    if (!dtype_valid(t.dtype))
-      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name("tensors", i, ""),
-                  "unknown dtype");
-    if (t.data == nullptr && t.numel != 0)
-      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name("tensors", i, ""), "null data");
-  }
+  ::stepcore::detail::validate_tensors(tensors);
   const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
   run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
     const TensorView& t = tensors[c.tensor];

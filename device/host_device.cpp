@@ -300,8 +300,7 @@ class HostDevice final : public Device {
                               NormPartial* d_partial, void* d_workspace,
                               std::size_t workspace_bytes) override {
     raise_pending();
-    if (!(scale >= 0.0f) || scale > 3.4e38f)
-      throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+    ::stepcore::detail::validate_scale(d_tensors, scale);
     const gpu::LaunchPlan plan = gpu::detail::checked_norm_plan(
         d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes, memory_);
     *d_partial = gpu::emulate::scale_and_norm_partial(plan, scale, threads_);

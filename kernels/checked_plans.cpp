@@ -8,18 +8,6 @@
 namespace stepcore::gpu::detail {
 namespace {
 
-// Host-side checks of a tensor list (no memory access): dtype and null data.
-void check_tensor_shapes(std::span<const TensorView> d_tensors, const char* base) {
-  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const TensorView& t = d_tensors[i];
-    if (!dtype_valid(t.dtype))
-      throw Error(Errc::unsupported_dtype, ::stepcore::detail::arg_name(base, i, nullptr),
-                  "unknown dtype");
-    if (t.numel != 0 && t.data == nullptr)
-      throw Error(Errc::null_pointer, ::stepcore::detail::arg_name(base, i, nullptr), "null data");
-  }
-}
-
 // Memory checks of a tensor list (after the host-side checks).
 void check_tensor_memory(std::span<const TensorView> d_tensors, const char* base,
                          const MemoryCheck& check) {
@@ -36,11 +24,6 @@ void check_scalar(const void* p, std::size_t bytes, const char* name, const Memo
 
 }  // namespace
 
-void check_max_norm(float max_norm) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
-}
-
 std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors) {
   std::vector<TensorView> views;
   views.reserve(tensors.size());
@@ -53,7 +36,7 @@ LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPa
                              const char* partial_name, const void* d_workspace,
                              std::size_t workspace_bytes, const MemoryCheck& check) {
   if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
-  check_tensor_shapes(d_tensors, "d_tensors");
+  ::stepcore::detail::validate_tensors(d_tensors);  // the one checker: names "tensors[i]"
   const std::size_t need = scale_and_norm_workspace_bytes(d_tensors);
   if (workspace_bytes < need)
     throw Error(Errc::out_of_range, "workspace_bytes",
@@ -61,7 +44,7 @@ LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPa
                     " (scale_and_norm_workspace_bytes)");
   if (need != 0 && d_workspace == nullptr) throw Error(Errc::null_pointer, "d_workspace", "null");
   check(d_partial, sizeof(NormPartial), partial_name);
-  check_tensor_memory(d_tensors, "d_tensors", check);
+  check_tensor_memory(d_tensors, "tensors", check);
   if (need != 0) check(d_workspace, need, "d_workspace");
   const LaunchLimits lim = launch_limits(false);
   return make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
@@ -70,9 +53,9 @@ LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPa
 LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float* d_factor,
                               const MemoryCheck& check) {
   if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
-  check_tensor_shapes(d_tensors, "d_tensors");
+  ::stepcore::detail::validate_scale_tensors(d_tensors);
   check(d_factor, sizeof(float), "d_factor");
-  check_tensor_memory(d_tensors, "d_tensors", check);
+  check_tensor_memory(d_tensors, "tensors", check);
   const LaunchLimits lim = launch_limits(false);
   return make_plan(d_tensors, {}, lim.max_blocks, lim.max_tensors);
 }
@@ -88,11 +71,11 @@ std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
     acc.push_back(p.acc);
     src.push_back(p.src);
   }
-  check_tensor_shapes(acc, "d_pairs.acc");
-  check_tensor_memory(acc, "d_pairs.acc", check);
-  for (std::size_t i = 0; i < src.size(); ++i)
-    if (src[i].numel != 0)
-      check(src[i].data, src[i].bytes(), ::stepcore::detail::arg_name("d_pairs", i, "src"));
+  for (std::size_t i = 0; i < d_pairs.size(); ++i) {
+    using ::stepcore::detail::arg_name;
+    if (acc[i].numel != 0) check(acc[i].data, acc[i].bytes(), arg_name("pairs", i, "acc"));
+    if (src[i].numel != 0) check(src[i].data, src[i].bytes(), arg_name("pairs", i, "src"));
+  }
   // One copy flag per launch: split the pairs by it (usually all the same).
   std::vector<std::pair<bool, LaunchPlan>> plans;
   const LaunchLimits lim = launch_limits(false);
@@ -125,15 +108,14 @@ AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamW
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
     const AdamWTensor& t = d_tensors[i];
     using ::stepcore::detail::arg_name;
-    check(t.step, sizeof(float), arg_name("d_tensors", i, "step"));
+    check(t.step, sizeof(float), arg_name("tensors", i, "step"));
     if (t.param.numel == 0) continue;
-    check(t.param.data, t.param.bytes(), arg_name("d_tensors", i, "param"));
-    check(t.exp_avg.data, t.exp_avg.bytes(), arg_name("d_tensors", i, "exp_avg"));
-    check(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), arg_name("d_tensors", i, "exp_avg_sq"));
-    check(t.grad.data, t.grad.bytes(), arg_name("d_tensors", i, "grad"));
+    check(t.param.data, t.param.bytes(), arg_name("tensors", i, "param"));
+    check(t.exp_avg.data, t.exp_avg.bytes(), arg_name("tensors", i, "exp_avg"));
+    check(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), arg_name("tensors", i, "exp_avg_sq"));
+    check(t.grad.data, t.grad.bytes(), arg_name("tensors", i, "grad"));
     if (t.compute_param.data != nullptr)
-      check(t.compute_param.data, t.compute_param.bytes(),
-            arg_name("d_tensors", i, "compute_param"));
+      check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
   }
   const LaunchLimits lim = launch_limits(true);
   return make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
@@ -150,11 +132,10 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
     const SignSgdTensor& t = d_tensors[i];
     if (t.param.numel == 0) continue;
     using ::stepcore::detail::arg_name;
-    check(t.param.data, t.param.bytes(), arg_name("d_tensors", i, "param"));
-    check(t.grad.data, t.grad.bytes(), arg_name("d_tensors", i, "grad"));
+    check(t.param.data, t.param.bytes(), arg_name("tensors", i, "param"));
+    check(t.grad.data, t.grad.bytes(), arg_name("tensors", i, "grad"));
     if (t.compute_param.data != nullptr)
-      check(t.compute_param.data, t.compute_param.bytes(),
-            arg_name("d_tensors", i, "compute_param"));
+      check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
   }
   const LaunchLimits lim = launch_limits(true);
   return make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
@@ -163,7 +144,7 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
 void check_finalize_args(const NormPartial* d_partial, const char* partial_name, float max_norm,
                          const NormResult* d_result, const float* d_clip,
                          const std::int32_t* d_found_inf, const MemoryCheck& check) {
-  check_max_norm(max_norm);
+  ::stepcore::detail::check_max_norm(max_norm);
   check_scalar(d_partial, sizeof(NormPartial), partial_name, check);
   check_scalar(d_result, sizeof(NormResult), "d_result", check);
   check_scalar(d_clip, sizeof(float), "d_clip", check);

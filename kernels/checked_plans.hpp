@@ -22,9 +22,6 @@ namespace stepcore::gpu::detail {
 /// argument. The CUDA launchers ask the runtime; the host device checks its allocations.
 using MemoryCheck = std::function<void(const void* p, std::size_t bytes, const std::string& name)>;
 
-/// Throws Errc::non_finite unless max_norm is finite and >= 0.
-void check_max_norm(float max_norm);
-
 /// Returns writable views of read-only tensors (the norm kernels write only when asked).
 std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors);
 

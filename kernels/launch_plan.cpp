@@ -246,16 +246,19 @@ NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int t
 }  // namespace
 
 NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int threads) {
+  ::stepcore::detail::check_scale_factor(scale, "scale");
   check_threads(threads);
   return run_norm(plan, detail::NormPass{scale, 1.0f, true}, threads);
 }
 
 NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads) {
+  ::stepcore::detail::validate_read(read);
   check_threads(threads);
   return run_norm(plan, detail::NormPass{read.scale, read.clip, false}, threads);
 }
 
 void scale_(const LaunchPlan& plan, float factor, int threads) {
+  ::stepcore::detail::check_scale_factor(factor, "factor");
   check_threads(threads);
   for (const LaunchArgs& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b)
@@ -291,13 +294,13 @@ void sign_sgd_step(const std::vector<SignSgdLaunchArgs>& launches, const SignSgd
 
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
                        std::int32_t& found_inf) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  ::stepcore::detail::check_max_norm(max_norm);
   detail::finalize_and_clip_body(partial, max_norm, result, clip, found_inf);
 }
 
 NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead read,
                                          std::int32_t found_inf, int threads) {
+  ::stepcore::detail::validate_read(read);
   check_threads(threads);
   if (found_inf != kFoundInfNeedsExact) return NormPartial{};
   return run_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false},
@@ -306,8 +309,7 @@ NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead re
 
 void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
                              float& clip, std::int32_t& found_inf) {
-  if (!(max_norm >= 0.0f) || max_norm > 3.4e38f)
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  ::stepcore::detail::check_max_norm(max_norm);
   detail::finalize_exact_and_clip_body(exact_partial, max_norm, result, clip, found_inf);
 }
 

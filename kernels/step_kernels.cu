@@ -218,8 +218,7 @@ void run_norm_launches(std::span<const TensorView> d_tensors, const detail::Norm
 void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                             cudaStream_t stream) {
-  if (!(scale >= 0.0f) || scale > 3.4e38f)
-    throw Error(Errc::non_finite, "scale", "must be finite and >= 0");
+  ::stepcore::detail::validate_scale(d_tensors, scale);
   run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace,
                     workspace_bytes, stream);
 }

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "core/validate.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 
@@ -102,8 +103,7 @@ void GradientManager::load_parameter(std::size_t i, std::span<const float> maste
 
 void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
   expect(phase_ == Phase::idle, "begin_step", "the previous step has not ended with step()");
-  if (!(gradient_scale > 0.0f) || !std::isfinite(gradient_scale))
-    throw Error(Errc::non_finite, "gradient_scale", "must be finite and > 0");
+  ::stepcore::detail::check_gradient_scale(gradient_scale, "gradient_scale");
   guarded([&] { do_begin_step(); });  // may raise errors of the previous step's work
   scale_ = gradient_scale;
   clip_ = 1.0f;
@@ -186,8 +186,7 @@ float GradientManager::clip_grad_norm(float max_norm) {
          "clipping needs every gradient before any optimizer step, but this step overlaps "
          "the optimizer with backward (begin_step(..., overlap_optimizer = true))");
   expect(!clipped_, "clip_grad_norm", "already called in this step");
-  if (!(max_norm >= 0.0f) || !std::isfinite(max_norm))
-    throw Error(Errc::non_finite, "max_norm", "must be finite and >= 0");
+  ::stepcore::detail::check_max_norm(max_norm);
   float clip = 1.0f;
   const NormResult r = guarded([&] { return do_clip_grad_norm(max_norm, clip); });
   clip_ = clip;
