@@ -75,7 +75,7 @@ inline ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions&
   }
   std::vector<sc::bfloat16_t> host_bf16;
   const auto t0 = Clock::now();
-  const bool adamw = o.optimizer.name == "adamw";
+  const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
   for (std::int64_t step = 0; step < o.steps; ++step) {
     const std::vector<std::int64_t> tokens = micro_batch_tokens(o.seed, step, o.micro_batches);
     std::int64_t total = 0;
