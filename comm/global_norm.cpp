@@ -1,5 +1,7 @@
 // Layouts of gradient groups over ranks, their collective validation, and the global
 // norm: local exact-or-certified partials reduced exactly, the same result everywhere.
+#include "comm/global_norm.hpp"
+
 #include <exception>
 #include <string>
 #include <vector>
@@ -173,15 +175,16 @@ void validate_layout(Communicator& comm, const NormLayout& layout) {
   }
 }
 
-NormResult global_norm(Communicator& comm, const NormLayout& layout, const LocalPartialFn& local) {
+NormResult detail::global_norm(Communicator& comm, std::uint64_t fingerprint,
+                               std::span<const ConstTensorView> tensors,
+                               const LocalPartialFn& local) {
   if (!local) throw Error(Errc::null_pointer, "local", "an empty partial function");
-  const auto tensors = layout.counted_tensors();
-  const std::uint64_t fp = layout.fingerprint();
-  NormPartial reduced = reduce_local(comm, fp, [&] { return local(tensors, NormMode::fast); });
+  NormPartial reduced =
+      reduce_local(comm, fingerprint, [&] { return local(tensors, NormMode::fast); });
   NormResult result = finalize(reduced);
   if (!result.needs_exact) return result;
   // Every rank sees the same reduced partial, so every rank takes this branch.
-  reduced = reduce_local(comm, fp, [&] {
+  reduced = reduce_local(comm, fingerprint, [&] {
     NormPartial p = local(tensors, NormMode::exact);
     if (p.approximate != 0)
       throw Error(Errc::internal, "local", "NormMode::exact returned an approximate partial");
@@ -191,6 +194,10 @@ NormResult global_norm(Communicator& comm, const NormLayout& layout, const Local
   if (result.needs_exact)
     throw Error(Errc::internal, "", "an exact reduced partial could not be finalised");
   return result;
+}
+
+NormResult global_norm(Communicator& comm, const NormLayout& layout, const LocalPartialFn& local) {
+  return detail::global_norm(comm, layout.fingerprint(), layout.counted_tensors(), local);
 }
 
 NormResult global_norm(Communicator& comm, const NormLayout& layout, const cpu::Engine& engine,

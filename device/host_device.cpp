@@ -35,7 +35,13 @@
 
 namespace stepcore::device {
 
+// The interface's out-of-line members, defined once for both devices (this file is in
+// every build).
 Event::State::~State() = default;
+bool Event::complete() const { return state_ == nullptr || state_->complete(); }
+void Event::wait() const {
+  if (state_ != nullptr) state_->wait();
+}
 Device::~Device() = default;
 
 namespace {

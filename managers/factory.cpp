@@ -1,7 +1,9 @@
 // make_gradient_manager: the trainer's one entry point, validating everything a mode
 // needs before any memory is allocated, then building the mode's manager.
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "managers/factories.hpp"
 #include "stepcore/error.hpp"
@@ -21,13 +23,14 @@ std::string stream_name(cudaStream_t s) {
 }  // namespace
 
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
-  const std::string& opt = config.optimizer.name;
-  if (opt != "adamw" && opt != "sign_sgd") {
+  const OptimizerKind opt = config.optimizer.kind;
+  if (opt != OptimizerKind::adamw && opt != OptimizerKind::sign_sgd) {
+    const std::string what = std::to_string(static_cast<int>(opt)) + " is not an OptimizerKind: ";
     if (config.mode == OffloadMode::full)
-      throw Error(Errc::not_supported, "optimizer.name",
-                  "'" + opt + "': full offload accepts only AdamW (adamw) and SignSGD (sign_sgd)");
-    throw Error(Errc::not_supported, "optimizer.name",
-                "'" + opt + "': stepcore implements adamw and sign_sgd");
+      throw Error(Errc::not_supported, "optimizer.kind",
+                  what + "full offload accepts only AdamW (adamw) and SignSGD (sign_sgd)");
+    throw Error(Errc::not_supported, "optimizer.kind",
+                what + "stepcore implements adamw and sign_sgd");
   }
   if (config.device == nullptr)
     throw Error(Errc::null_pointer, "device", "every mode needs the device gradients come from");
@@ -61,9 +64,10 @@ std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
                       "(device::make_cuda_device(ordinal, comm.stream())) or the communicator "
                       "on device.compute_stream()");
   }
-  if (config.mode == OffloadMode::full)
-    return detail::make_offload_gradient_manager(std::move(config));
-  return detail::make_gpu_gradient_manager(std::move(config));
+  std::unique_ptr<detail::ManagerImpl> impl =
+      config.mode == OffloadMode::full ? detail::make_offload_gradient_manager(std::move(config))
+                                       : detail::make_gpu_gradient_manager(std::move(config));
+  return std::unique_ptr<GradientManager>(new GradientManager(std::move(impl)));
 }
 
 }  // namespace stepcore

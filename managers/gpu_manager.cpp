@@ -3,7 +3,7 @@
 // host memory streamed through a ring of device slots chunk by chunk). Everything goes
 // through device::Device; docs/managers.md is the contract.
 //
-// Design: memory is allocated once (one device block carved into 256-byte aligned views,
+// Design: memory is allocated once (one device block of 256-byte aligned views,
 // one norm workspace, one pinned host block holding the flag words and, in mode
 // optimizer, each chunk's master|m|v laid out contiguously so a chunk moves in one copy).
 // A step never waits on the host except in clip_grad_norm, which must return the norm.
@@ -21,13 +21,15 @@
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "managers/common.hpp"
 #include "managers/factories.hpp"
+#include "managers/manager_impl.hpp"
 #include "stepcore/comm.hpp"
-#include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -40,23 +42,10 @@ namespace {
 using device::Event;
 using device::Queue;
 
-constexpr std::size_t kAlign = 256;
 constexpr std::size_t kRingSlots = 3;  // upload k+1, step k, download k-1 at once
 // max_norm of the finalizations that only need the norm and found-inf flag (no clipping:
 // the update then reads the constant 1, whatever clip this writes).
 constexpr float kNoClipMaxNorm = 1.0f;
-
-std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-// Hands out 256-byte aligned offsets into one allocation.
-struct Carver {
-  std::size_t total = 0;
-  std::size_t take(std::size_t bytes) {
-    const std::size_t at = total;
-    total += align_up(bytes);
-    return at;
-  }
-};
 
 // The step's norm, clip, found-inf flag and reduced layout record: written on the device,
 // copied to the host in one piece.
@@ -94,24 +83,7 @@ struct HostWords {
   comm::LayoutCheck check;
 };
 
-// Writes `src` rounded to `dtype` into `dst` (host memory).
-void round_into(std::span<const float> src, DType dtype, void* dst) {
-  switch (dtype) {
-    case DType::f32:
-      if (!src.empty()) std::memcpy(dst, src.data(), src.size_bytes());
-      return;
-    case DType::bf16:
-      for (std::size_t j = 0; j < src.size(); ++j)
-        static_cast<std::uint16_t*>(dst)[j] = f32_to_bf16_bits(src[j]);
-      return;
-    case DType::f16:
-      for (std::size_t j = 0; j < src.size(); ++j)
-        static_cast<std::uint16_t*>(dst)[j] = f32_to_f16_bits(src[j]);
-      return;
-  }
-}
-
-class GpuGradientManager final : public GradientManager {
+class GpuGradientManager final : public ManagerImpl {
  public:
   explicit GpuGradientManager(ManagerConfig config);
   ~GpuGradientManager() override;
@@ -205,7 +177,7 @@ class GpuGradientManager final : public GradientManager {
 };
 
 GpuGradientManager::GpuGradientManager(ManagerConfig config)
-    : GradientManager(std::move(config)), dev_(*this->config().device) {
+    : ManagerImpl(std::move(config)), dev_(*this->config().device) {
   const ManagerConfig& cfg = this->config();
   if (cfg.mode != OffloadMode::none && cfg.mode != OffloadMode::optimizer)
     throw Error(Errc::invalid_argument, "mode", "the device manager implements none and optimizer");
@@ -221,84 +193,94 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const std::vector<double> bias =
       adamw ? gpu::make_adamw_bias_table(cfg.optimizer.adamw) : std::vector<double>{};
 
-  // Device layout: per parameter grad, acc, compute (and master, m, v in mode none); the
+  // Device views: per parameter grad, acc, compute (and master, m, v in mode none); the
   // scalars; mode optimizer: the ring of slots, each as large as the largest chunk block.
-  struct Offsets {
-    std::size_t grad, acc, compute, master, exp_avg, exp_avg_sq;
+  struct Views {
+    std::size_t grad = 0, acc = 0, compute = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
   };
-  std::vector<Offsets> off(n);
-  Carver dev_carver;
+  std::vector<Views> view(n);
+  SlabViews dev_views;
   for (std::size_t i = 0; i < n; ++i) {
     const ParamSpec& p = cfg.params[i];
-    off[i].grad = dev_carver.take(p.numel * dtype_size(p.grad_dtype));
-    off[i].acc = dev_carver.take(p.numel * 4);
-    off[i].compute =
-        dev_carver.take(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
+    view[i].grad = dev_views.add(p.numel * dtype_size(p.grad_dtype));
+    view[i].acc = dev_views.add(p.numel * 4);
+    view[i].compute =
+        dev_views.add(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
     if (!streamed()) {
-      off[i].master = dev_carver.take(p.numel * 4);
-      off[i].exp_avg = dev_carver.take(adamw ? p.numel * 4 : 0);
-      off[i].exp_avg_sq = dev_carver.take(adamw ? p.numel * 4 : 0);
+      view[i].master = dev_views.add(p.numel * 4);
+      view[i].exp_avg = dev_views.add(adamw ? p.numel * 4 : 0);
+      view[i].exp_avg_sq = dev_views.add(adamw ? p.numel * 4 : 0);
     }
   }
-  const std::size_t scalars_off = dev_carver.take(sizeof(StepScalars));
-  const std::size_t steps_off = dev_carver.take(sizeof(float) * n);
-  const std::size_t hyper_off = dev_carver.take(sizeof(StepHyper) * 2);
-  const std::size_t bias_off = dev_carver.take(sizeof(double) * bias.size());
-  const std::size_t chunks_off = dev_carver.take(sizeof(ChunkScalars) * nchunks);
-  const std::size_t flags_off = dev_carver.take(sizeof(std::int32_t) * nchunks);
+  const std::size_t scalars_view = dev_views.add(sizeof(StepScalars));
+  const std::size_t steps_view = dev_views.add(sizeof(float) * n);
+  const std::size_t hyper_view = dev_views.add(sizeof(StepHyper) * kDecayGroups);
+  const std::size_t bias_view = dev_views.add(sizeof(double) * bias.size());
+  const std::size_t chunks_view = dev_views.add(sizeof(ChunkScalars) * nchunks);
+  const std::size_t flags_view = dev_views.add(sizeof(std::int32_t) * nchunks);
 
-  // Host layout: the words and flags, then (mode optimizer) each chunk's block:
-  // masters, then exp_avg, then exp_avg_sq of its parameters.
-  Carver host_carver;
-  const std::size_t words_off = host_carver.take(sizeof(HostWords));
-  const std::size_t hflags_off = host_carver.take(sizeof(std::int32_t) * nchunks);
-  std::vector<std::size_t> chunk_host_off(nchunks, 0);
+  // Host views: the words and flags, then (mode optimizer) each chunk's block: masters,
+  // then exp_avg, then exp_avg_sq of its parameters (a slab of its own, moved in one copy).
+  SlabViews host_views;
+  const std::size_t words_view = host_views.add(sizeof(HostWords));
+  const std::size_t hflags_view = host_views.add(sizeof(std::int32_t) * nchunks);
+  std::vector<std::size_t> chunk_host_view(nchunks, 0);
   std::size_t slot_bytes = 0;
   if (streamed()) {
     chunk_bytes_.assign(nchunks, 0);
     for (std::size_t k = 0; k < nchunks; ++k) {
       const Chunk& c = chunks()[k];
-      Carver block;
+      SlabViews block;
       for (std::size_t i = c.first; i < c.last; ++i)
-        params_[i].master_off = block.take(cfg.params[i].numel * 4);
+        view[i].master = block.add(cfg.params[i].numel * 4);
       if (adamw) {
         for (std::size_t i = c.first; i < c.last; ++i)
-          params_[i].exp_avg_off = block.take(cfg.params[i].numel * 4);
+          view[i].exp_avg = block.add(cfg.params[i].numel * 4);
         for (std::size_t i = c.first; i < c.last; ++i)
-          params_[i].exp_avg_sq_off = block.take(cfg.params[i].numel * 4);
+          view[i].exp_avg_sq = block.add(cfg.params[i].numel * 4);
       }
-      chunk_bytes_[k] = block.total;
-      chunk_host_off[k] = host_carver.take(block.total);
-      slot_bytes = std::max(slot_bytes, block.total);
+      const SlabLayout bl = block.layout();
+      for (std::size_t i = c.first; i < c.last; ++i) {
+        params_[i].master_off = bl.offsets[view[i].master];
+        if (adamw) {
+          params_[i].exp_avg_off = bl.offsets[view[i].exp_avg];
+          params_[i].exp_avg_sq_off = bl.offsets[view[i].exp_avg_sq];
+        }
+      }
+      chunk_bytes_[k] = bl.total_bytes;
+      chunk_host_view[k] = host_views.add(bl.total_bytes);
+      slot_bytes = std::max(slot_bytes, bl.total_bytes);
     }
   }
   const std::size_t nslots = streamed() ? std::min(kRingSlots, nchunks) : 0;
-  std::vector<std::size_t> slot_off(nslots);
-  for (std::size_t j = 0; j < nslots; ++j) slot_off[j] = dev_carver.take(slot_bytes);
+  std::vector<std::size_t> slot_view(nslots);
+  for (std::size_t j = 0; j < nslots; ++j) slot_view[j] = dev_views.add(slot_bytes);
+  const SlabLayout dl = dev_views.layout(), hl = host_views.layout();
 
   try {
-    dmem_ = static_cast<std::byte*>(dev_.allocate(std::max(dev_carver.total, kAlign)));
-    hmem_ = static_cast<std::byte*>(
-        dev_.allocate_host(std::max(host_carver.total, kAlign), cfg.numa_node));
-    d_ = reinterpret_cast<StepScalars*>(dmem_ + scalars_off);
-    d_steps_ = reinterpret_cast<float*>(dmem_ + steps_off);
-    d_hyper_ = reinterpret_cast<StepHyper*>(dmem_ + hyper_off);
-    d_bias_ = reinterpret_cast<const double*>(dmem_ + bias_off);
-    d_chunks_ = reinterpret_cast<ChunkScalars*>(dmem_ + chunks_off);
-    d_flags_ = reinterpret_cast<std::int32_t*>(dmem_ + flags_off);
-    h_ = reinterpret_cast<HostWords*>(hmem_ + words_off);
-    h_flags_ = reinterpret_cast<std::int32_t*>(hmem_ + hflags_off);
+    dmem_ = static_cast<std::byte*>(dev_.allocate(slab_allocation_bytes(dl)));
+    hmem_ = static_cast<std::byte*>(dev_.allocate_host(slab_allocation_bytes(hl), cfg.numa_node));
+    auto dev_at = [&](std::size_t v) { return dmem_ + dl.offsets[v]; };
+    auto host_at = [&](std::size_t v) { return hmem_ + hl.offsets[v]; };
+    d_ = reinterpret_cast<StepScalars*>(dev_at(scalars_view));
+    d_steps_ = reinterpret_cast<float*>(dev_at(steps_view));
+    d_hyper_ = reinterpret_cast<StepHyper*>(dev_at(hyper_view));
+    d_bias_ = reinterpret_cast<const double*>(dev_at(bias_view));
+    d_chunks_ = reinterpret_cast<ChunkScalars*>(dev_at(chunks_view));
+    d_flags_ = reinterpret_cast<std::int32_t*>(dev_at(flags_view));
+    h_ = reinterpret_cast<HostWords*>(host_at(words_view));
+    h_flags_ = reinterpret_cast<std::int32_t*>(host_at(hflags_view));
     for (std::size_t k = 0; k < nchunks && streamed(); ++k)
-      chunk_host_.push_back(hmem_ + chunk_host_off[k]);
-    for (std::size_t j = 0; j < nslots; ++j) slots_.push_back(dmem_ + slot_off[j]);
+      chunk_host_.push_back(host_at(chunk_host_view[k]));
+    for (std::size_t j = 0; j < nslots; ++j) slots_.push_back(dev_at(slot_view[j]));
     slot_free_.resize(nslots);
 
     for (std::size_t i = 0; i < n; ++i) {
       const ParamSpec& p = cfg.params[i];
       Param& q = params_[i];
-      q.grad = {dmem_ + off[i].grad, p.numel, p.grad_dtype};
-      q.acc = {dmem_ + off[i].acc, p.numel, DType::f32};
-      if (p.has_compute_weights) q.compute = {dmem_ + off[i].compute, p.numel, p.compute_dtype};
+      q.grad = {dev_at(view[i].grad), p.numel, p.grad_dtype};
+      q.acc = {dev_at(view[i].acc), p.numel, DType::f32};
+      if (p.has_compute_weights) q.compute = {dev_at(view[i].compute), p.numel, p.compute_dtype};
       if (streamed()) {
         std::byte* block = chunk_host_[chunk_of(i)];
         q.master = reinterpret_cast<float*>(block + q.master_off);
@@ -307,10 +289,10 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
           q.exp_avg_sq = reinterpret_cast<float*>(block + q.exp_avg_sq_off);
         }
       } else {
-        q.master = reinterpret_cast<float*>(dmem_ + off[i].master);
+        q.master = reinterpret_cast<float*>(dev_at(view[i].master));
         if (adamw) {
-          q.exp_avg = reinterpret_cast<float*>(dmem_ + off[i].exp_avg);
-          q.exp_avg_sq = reinterpret_cast<float*>(dmem_ + off[i].exp_avg_sq);
+          q.exp_avg = reinterpret_cast<float*>(dev_at(view[i].exp_avg));
+          q.exp_avg_sq = reinterpret_cast<float*>(dev_at(view[i].exp_avg_sq));
         }
       }
       (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
@@ -343,12 +325,13 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
     // The per-step hyper-parameters and the bias table, read by every step's kernels.
     const double lr = adamw ? cfg.optimizer.adamw.lr : cfg.optimizer.sign_sgd.lr;
-    const double wd =
-        adamw ? cfg.optimizer.adamw.weight_decay : cfg.optimizer.sign_sgd.weight_decay;
-    const StepHyper hyper[2] = {{lr, wd}, {lr, 0.0}};
+    StepHyper hyper[kDecayGroups];
+    for (std::size_t g = 0; g < kDecayGroups; ++g)
+      hyper[g] = {lr, adamw ? decay_group_config(cfg.optimizer.adamw, g).weight_decay
+                            : decay_group_config(cfg.optimizer.sign_sgd, g).weight_decay};
     dev_.copy(Queue::compute, d_hyper_, hyper, sizeof hyper);
     if (!bias.empty())
-      dev_.copy(Queue::compute, dmem_ + bias_off, bias.data(), sizeof(double) * bias.size());
+      dev_.copy(Queue::compute, dev_at(bias_view), bias.data(), sizeof(double) * bias.size());
     dev_.synchronize();  // the sources are this frame's memory
   } catch (...) {
     free_memory();
@@ -470,37 +453,32 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
   auto state = [slot](float* resident, std::size_t slot_off) {
     return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
   };
-  // Two calls at most: parameters with the configured weight decay, then those marked
-  // no_weight_decay (each element's update depends only on its own tensor's config).
-  // Each group's lr and weight decay come from d_hyper_ when the kernels run.
-  for (const bool no_decay : {false, true}) {
-    const StepHyper* hyper = d_hyper_ + (no_decay ? 1 : 0);
-    if (is_adamw()) {
-      std::vector<AdamWTensor> t;
-      for (std::size_t i = first; i < last; ++i) {
-        if (cfg.params[i].no_weight_decay != no_decay) continue;
-        const Param& q = params_[i];
-        const std::size_t n = q.acc.numel;
-        t.push_back({f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
-                     f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc,
-                     q.compute});
-      }
-      AdamWConfig c = cfg.optimizer.adamw;
-      if (no_decay) c.weight_decay = 0.0;
-      if (!t.empty())
-        dev_.adamw_step(t, c, AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
-    } else {
-      std::vector<SignSgdTensor> t;
-      for (std::size_t i = first; i < last; ++i) {
-        if (cfg.params[i].no_weight_decay != no_decay) continue;
-        const Param& q = params_[i];
-        t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
-      }
-      SignSgdConfig c = cfg.optimizer.sign_sgd;
-      if (no_decay) c.weight_decay = 0.0;
-      if (!t.empty()) dev_.sign_sgd_step(t, c, SignSgdDeviceArgs{d_found_inf, hyper});
-    }
-  }
+  // One call per weight-decay group; each group's lr and weight decay come from d_hyper_
+  // when the kernels run.
+  for_each_decay_group(
+      cfg.params, first, last, [&](std::size_t group, std::span<const std::size_t> members) {
+        const StepHyper* hyper = d_hyper_ + group;
+        if (is_adamw()) {
+          std::vector<AdamWTensor> t;
+          for (std::size_t i : members) {
+            const Param& q = params_[i];
+            const std::size_t n = q.acc.numel;
+            t.push_back(
+                {f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
+                 f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc, q.compute});
+          }
+          dev_.adamw_step(t, decay_group_config(cfg.optimizer.adamw, group),
+                          AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
+        } else {
+          std::vector<SignSgdTensor> t;
+          for (std::size_t i : members) {
+            const Param& q = params_[i];
+            t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
+          }
+          dev_.sign_sgd_step(t, decay_group_config(cfg.optimizer.sign_sgd, group),
+                             SignSgdDeviceArgs{d_found_inf, hyper});
+        }
+      });
 }
 
 // Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):
@@ -568,7 +546,7 @@ void GpuGradientManager::do_load_parameter(std::size_t i, std::span<const float>
   std::vector<std::uint8_t> rounded;
   if (p.has_compute_weights) {
     rounded.resize(q.compute.bytes());
-    round_into(master, p.compute_dtype, rounded.data());
+    round_into(master, TensorView{rounded.data(), p.numel, p.compute_dtype});
     dev_.copy(Queue::compute, q.compute.data, rounded.data(), rounded.size());
   }
   wait_all();  // the sources are the caller's and this frame's memory
@@ -708,7 +686,7 @@ std::exception_ptr GpuGradientManager::do_close() noexcept {
 
 }  // namespace
 
-std::unique_ptr<GradientManager> make_gpu_gradient_manager(ManagerConfig config) {
+std::unique_ptr<ManagerImpl> make_gpu_gradient_manager(ManagerConfig config) {
   return std::make_unique<GpuGradientManager>(std::move(config));
 }
 

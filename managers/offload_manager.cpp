@@ -5,8 +5,8 @@
 //
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
 // the norm collectives; the worker runs accumulate / step / upload tasks in FIFO order.
-// All Device calls are serialised by dev_mu_; waits on events happen outside it (the
-// event's own wait), then synchronize(event) collects errors under it. The worker never
+// All Device calls are serialised by dev_mu_; waits on events happen outside it
+// (Event::wait), then synchronize(event) collects errors under it. The worker never
 // joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
 // the manager failed: every later hook raises that same error (sticky), close() returns it.
 #include <algorithm>
@@ -16,16 +16,19 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "comm/global_norm.hpp"
 #include "core/validate.hpp"
-#include "device/device_internal.hpp"
+#include "managers/common.hpp"
 #include "managers/factories.hpp"
+#include "managers/manager_impl.hpp"
 #include "stepcore/comm.hpp"
-#include "stepcore/convert.hpp"
+#include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/host_slab.hpp"
 #include "stepcore/numa.hpp"
@@ -50,31 +53,7 @@ std::exception_ptr as_error(std::exception_ptr ep) noexcept {
   }
 }
 
-// Rounds `n` f32 values to `dtype` into `dst` (the compute weights of a master).
-void round_into(void* dst, const float* src, std::size_t n, DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      if (n != 0) std::memcpy(dst, src, n * sizeof(float));
-      return;
-    case DType::bf16: {
-      auto* d = static_cast<std::uint16_t*>(dst);
-      for (std::size_t k = 0; k < n; ++k) d[k] = f32_to_bf16_bits(src[k]);
-      return;
-    }
-    case DType::f16: {
-      auto* d = static_cast<std::uint16_t*>(dst);
-      for (std::size_t k = 0; k < n; ++k) d[k] = f32_to_f16_bits(src[k]);
-      return;
-    }
-  }
-}
-
-// (rank + 1) << 8 | code: this rank's LayoutCheck failure word (comm.hpp).
-std::uint64_t failure_word(int rank, Errc code) {
-  return (static_cast<std::uint64_t>(rank) + 1) << 8 | static_cast<std::uint64_t>(code);
-}
-
-class OffloadGradientManager final : public GradientManager {
+class OffloadGradientManager final : public ManagerImpl {
  public:
   explicit OffloadGradientManager(ManagerConfig config);
   ~OffloadGradientManager() override { (void)do_close(); }
@@ -127,7 +106,6 @@ class OffloadGradientManager final : public GradientManager {
 
   // ---- numerics --------------------------------------------------------------------------
   NormResult global_norm(float scale);
-  NormPartial reduce(NormPartial partial, std::exception_ptr local_error);
   void step_chunk(std::size_t k, GradientRead read);     // on the worker
   void upload_chunk(std::size_t k, const Event& after);  // on the worker
   void wait_uploads();
@@ -172,9 +150,7 @@ class OffloadGradientManager final : public GradientManager {
 };
 
 OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
-    : GradientManager(std::move(config)),
-      dev_(*this->config().device),
-      engine_(this->config().engine) {
+    : ManagerImpl(std::move(config)), dev_(*this->config().device), engine_(this->config().engine) {
   const ManagerConfig& cfg = this->config();
   if (is_adamw())
     validate_adamw({}, cfg.optimizer.adamw, {});
@@ -182,22 +158,25 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     validate_sign_sgd({}, cfg.optimizer.sign_sgd, {});
 
   // Layouts: device (gradients, compute weights), pinned (staging, upload buffers) and
-  // host state (acc, master, moments), each one slab of 256-byte aligned views.
-  std::vector<std::size_t> dev_bytes, pin_bytes, state_bytes;
+  // host state (acc, master, moments), each one slab of 256-byte aligned views: per
+  // parameter i views 2i, 2i + 1 of the device and pinned slabs, 4i .. 4i + 3 of the state.
+  SlabViews dev_views, pin_views, state_views;
   for (const ParamSpec& p : cfg.params) {
     const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
     const std::size_t cb = p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
     const std::size_t fb = p.numel * sizeof(float);
-    dev_bytes.insert(dev_bytes.end(), {gb, cb});
-    pin_bytes.insert(pin_bytes.end(), {gb, cb});
-    state_bytes.insert(state_bytes.end(), {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0});
+    for (SlabViews* v : {&dev_views, &pin_views}) {
+      v->add(gb);
+      v->add(cb);
+    }
+    for (std::size_t bytes : {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0})
+      state_views.add(bytes);
   }
-  const SlabLayout dl = layout_slab(dev_bytes), pl = layout_slab(pin_bytes),
-                   sl = layout_slab(state_bytes);
+  const SlabLayout dl = dev_views.layout(), pl = pin_views.layout(), sl = state_views.layout();
   state_ = numa::HostBuffer(std::max<std::size_t>(sl.total_bytes, 1), cfg.numa_node);
-  dev_slab_ = dev_.allocate(std::max(dl.total_bytes, kSlabViewAlignment));
+  dev_slab_ = dev_.allocate(slab_allocation_bytes(dl));
   try {
-    pinned_slab_ = dev_.allocate_host(std::max(pl.total_bytes, kSlabViewAlignment), cfg.numa_node);
+    pinned_slab_ = dev_.allocate_host(slab_allocation_bytes(pl), cfg.numa_node);
     carve(dl, pl, sl);
   } catch (...) {
     if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
@@ -283,7 +262,7 @@ void OffloadGradientManager::sync_event(const Event& e) {
   // its errors under the lock, so that no two threads ever collect them at once.
   if (!e.empty()) {
     try {
-      e.state()->wait();
+      e.wait();
     } catch (...) {
       store_error(std::current_exception());
       raise_if_failed();
@@ -352,78 +331,46 @@ void OffloadGradientManager::worker_loop() {
 
 // ---- numerics -----------------------------------------------------------------------------
 
-NormPartial OffloadGradientManager::reduce(NormPartial partial, std::exception_ptr local_error) {
-  comm::Communicator& comm = *config().comm;
-  const std::uint64_t fp = config().layout_fingerprint;
-  comm::LayoutCheck check = comm::make_layout_check(fp);
-  if (local_error) {  // still join the collective, so the peers learn of it and do not hang
-    Errc code = Errc::internal;
-    try {
-      std::rethrow_exception(local_error);
-    } catch (const Error& e) {
-      code = e.code();
-    } catch (...) {
-    }
-    check.failure = failure_word(comm.rank(), code);
-    partial = NormPartial{};
-  }
-  comm.all_reduce_partial(&partial, &check);
-  if (local_error) std::rethrow_exception(local_error);
-  comm::check_reduced(check, fp);
-  return partial;
-}
-
 NormResult OffloadGradientManager::global_norm(float scale) {
   const GradientRead read{scale, 1.0f};
   if (config().comm == nullptr) {
     drain();
     return engine_.norm(counted_acc_, read);
   }
-  auto local = [&](cpu::NormMode mode) {
-    std::exception_ptr error;
-    NormPartial p;
-    try {
-      drain();
-      p = engine_.norm_partial(counted_acc_, read, mode);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    return reduce(p, error);
-  };
-  NormResult r = finalize(local(cpu::NormMode::fast));
-  // Every rank finalises the same reduced partial, so every rank takes this branch.
-  if (r.needs_exact) r = finalize(local(cpu::NormMode::exact));
-  if (r.needs_exact) throw Error(Errc::internal, "norm", "an exact partial could not be finalised");
-  return r;
+  // comm's protocol: fast partials reduced with the layout check, the exact pass when
+  // the result cannot be certified. A rank whose drain or partial fails still joins
+  // every reduction (its peers learn of it) and then raises its own error.
+  return comm::detail::global_norm(
+      *config().comm, config().layout_fingerprint, counted_acc_,
+      [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
+        drain();
+        return engine_.norm_partial(tensors, read, mode);
+      });
 }
 
-void OffloadGradientManager::step_chunk(std::size_t k, [[maybe_unused]] GradientRead read) {
+void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read) {
   const Chunk& c = chunks()[k];
   const std::vector<ParamSpec>& specs = config().params;
-  // Two calls at most: the configured weight decay, then the no_weight_decay parameters.
-  for (const bool no_decay : {false, true}) {
-    if (is_adamw()) {
-      std::vector<AdamWTensor> t;
-      for (std::size_t i = c.first; i < c.last; ++i) {
-        if (specs[i].no_weight_decay != no_decay) continue;
-        const Param& p = params_[i];
-        t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
-      }
-      AdamWConfig cfg = config().optimizer.adamw;
-      if (no_decay) cfg.weight_decay = 0.0;
-      if (!t.empty()) engine_.adamw_step(t, cfg, read);
-    } else {
-      std::vector<SignSgdTensor> t;
-      for (std::size_t i = c.first; i < c.last; ++i)
-        if (specs[i].no_weight_decay == no_decay)
-          t.push_back({params_[i].master, params_[i].acc, params_[i].out});
-      SignSgdConfig cfg = config().optimizer.sign_sgd;
-      if (no_decay) cfg.weight_decay = 0.0;
-      // SignSGD does not apply the (positive) scale and clip: read them as 1 so that a
-      // zero clip coefficient (max_norm = 0) is not refused.
-      if (!t.empty()) engine_.sign_sgd_step(t, cfg, GradientRead{});
-    }
-  }
+  // One call per weight-decay group.
+  for_each_decay_group(
+      specs, c.first, c.last, [&](std::size_t group, std::span<const std::size_t> members) {
+        if (is_adamw()) {
+          std::vector<AdamWTensor> t;
+          for (std::size_t i : members) {
+            const Param& p = params_[i];
+            t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+          }
+          engine_.adamw_step(t, decay_group_config(config().optimizer.adamw, group), read);
+        } else {
+          std::vector<SignSgdTensor> t;
+          for (std::size_t i : members)
+            t.push_back({params_[i].master, params_[i].acc, params_[i].out});
+          // SignSGD does not apply the (positive) scale and clip: read them
+          // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
+          engine_.sign_sgd_step(t, decay_group_config(config().optimizer.sign_sgd, group),
+                                GradientRead{});
+        }
+      });
 }
 
 void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after) {
@@ -458,7 +405,7 @@ void OffloadGradientManager::do_load_parameter(std::size_t i, std::span<const fl
   if (p.exp_avg_sq.numel != 0) std::memset(p.exp_avg_sq.data, 0, p.exp_avg_sq.bytes());
   steps_[i] = 0.0f;
   if (p.out.numel == 0) return;
-  round_into(p.out.data, master.data(), p.out.numel, p.out.dtype);
+  round_into(master, p.out);
   const Event e = on_device([&] {
     dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
     return last_upload_ = dev_.record(Queue::h2d);
@@ -640,7 +587,7 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
 
 }  // namespace
 
-std::unique_ptr<GradientManager> make_offload_gradient_manager(ManagerConfig config) {
+std::unique_ptr<ManagerImpl> make_offload_gradient_manager(ManagerConfig config) {
   return std::make_unique<OffloadGradientManager>(std::move(config));
 }
 

@@ -1,7 +1,7 @@
 // Shared by the device-resident gradient managers' tests (host device: test_gpu_manager,
 // CUDA: test_gpu_manager_device): a small model, a deterministic gradient stream, a run
 // through a manager of mode none (eager or lazy scale) or optimizer on any device, and
-// the independent expectation computed with stepcore::reference alone.
+// the independent expectation: the stream through manager_model (stepcore::reference).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -17,15 +17,16 @@
 #include <utility>
 #include <vector>
 
+#include "manager_model.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/managers.hpp"
-#include "stepcore/reference.hpp"
 
 namespace gpu_manager_cases {
 
 using namespace stepcore;
+using manager_model::ParamState;
 
 inline constexpr std::size_t kChunkElements = 5000;  // chunks {0-3}, {4}, {5}, {6}
 inline constexpr int kSteps = 3;
@@ -59,14 +60,14 @@ struct Poison {
 /// What one run does.
 struct Scenario {
   DType grad_dtype = DType::bf16;
-  std::string optimizer = "adamw";
+  OptimizerKind optimizer = OptimizerKind::adamw;
   std::optional<float> max_norm;
   bool overlap = false;
   std::optional<Poison> poison;
   std::string label() const {
-    return std::string(dtype_name(grad_dtype)) + " " + optimizer + " max_norm " +
-           (max_norm ? std::to_string(*max_norm) : "none") + (overlap ? " overlap" : "") +
-           (poison ? " poisoned" : "");
+    return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
+           " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
+           (overlap ? " overlap" : "") + (poison ? " poisoned" : "");
   }
 };
 
@@ -75,9 +76,9 @@ struct Shard {
   std::vector<std::size_t> offset, numel;
 };
 
-inline OptimizerSpec optimizer_of(const std::string& name) {
+inline OptimizerSpec optimizer_of(OptimizerKind kind) {
   OptimizerSpec o;
-  o.name = name;
+  o.kind = kind;
   o.adamw.lr = 2e-3;
   o.adamw.weight_decay = 0.1;
   o.sign_sgd.lr = 1e-3;
@@ -132,34 +133,6 @@ inline std::vector<std::uint8_t> gradient_bytes(const Scenario& sc, int step, in
   return out;
 }
 
-/// One parameter's state: master, moments, compute weights (bytes).
-struct ParamState {
-  std::vector<float> master, exp_avg, exp_avg_sq;
-  std::vector<std::uint8_t> compute;
-  bool operator==(const ParamState& o) const {
-    auto same = [](const auto& a, const auto& b) {
-      return a.size() == b.size() &&
-             (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
-    };
-    return same(master, o.master) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
-           same(compute, o.compute);
-  }
-  /// Returns elements [off, off + n) of every array.
-  ParamState slice(std::size_t off, std::size_t n, std::size_t compute_size) const {
-    ParamState s;
-    auto cut = [&](const std::vector<float>& v) {
-      return v.empty() ? v : std::vector<float>(v.begin() + off, v.begin() + off + n);
-    };
-    s.master = cut(master);
-    s.exp_avg = cut(exp_avg);
-    s.exp_avg_sq = cut(exp_avg_sq);
-    if (!compute.empty())
-      s.compute.assign(compute.begin() + off * compute_size,
-                       compute.begin() + (off + n) * compute_size);
-    return s;
-  }
-};
-
 /// Everything observable after one step.
 struct StepOut {
   std::uint32_t norm_bits = 0;  // report().norm.norm (no overlap)
@@ -193,7 +166,7 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
     for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, offset(i) + j);
     m->load_parameter(i, init);
   }
-  const bool adamw = sc.optimizer == "adamw";
+  const bool adamw = sc.optimizer == OptimizerKind::adamw;
   std::vector<StepOut> out;
   for (int s = 0; s < kSteps; ++s) {
     m->begin_step(step_scale(s), sc.overlap);
@@ -248,111 +221,24 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
   return out;
 }
 
-/// The independent expectation over the whole model: stepcore::reference only.
+/// The independent expectation over the whole model: manager_model (stepcore::reference).
 inline std::vector<StepOut> run_reference(const Scenario& sc) {
-  const std::vector<ParamSpec> params = model(sc.grad_dtype);
-  const std::size_t n = params.size();
-  const OptimizerSpec opt = optimizer_of(sc.optimizer);
-  const bool adamw = sc.optimizer == "adamw";
-  std::vector<ParamState> st(n);
-  std::vector<std::vector<float>> acc(n);
-  std::vector<float> steps(n, 0.0f);
-  auto compute_view = [&](std::size_t i) {
-    return params[i].has_compute_weights
-               ? TensorView{st[i].compute.data(), params[i].numel, params[i].compute_dtype}
-               : TensorView{};
+  const manager_model::Setup setup{model(sc.grad_dtype), optimizer_of(sc.optimizer), kChunkElements,
+                                   sc.max_norm, sc.overlap};
+  auto gradient = [&](int s, int mb, std::size_t i) {
+    return gradient_bytes(sc, s, mb, i, 0, setup.params[i].numel);
   };
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t numel = params[i].numel;
-    st[i].master.resize(numel);
-    for (std::size_t j = 0; j < numel; ++j) st[i].master[j] = initial_master(i, j);
-    if (adamw) {
-      st[i].exp_avg.assign(numel, 0.0f);
-      st[i].exp_avg_sq.assign(numel, 0.0f);
-    }
-    acc[i].assign(numel, 0.0f);
-    if (params[i].has_compute_weights) {
-      st[i].compute.resize(numel * dtype_size(params[i].compute_dtype));
-      for (std::size_t j = 0; j < numel; ++j) {
-        const std::uint16_t h = params[i].compute_dtype == DType::bf16
-                                    ? f32_to_bf16_bits(st[i].master[j])
-                                    : f32_to_f16_bits(st[i].master[j]);
-        std::memcpy(st[i].compute.data() + 2 * j, &h, 2);
-      }
-    }
-  }
-  // Chunks: consecutive parameters up to kChunkElements, never split.
-  std::vector<std::pair<std::size_t, std::size_t>> chunks;
-  std::size_t elems = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (chunks.empty() || (elems != 0 && elems + params[i].numel > kChunkElements)) {
-      chunks.push_back({i, i});
-      elems = 0;
-    }
-    chunks.back().second = i + 1;
-    elems += params[i].numel;
-  }
-  auto update = [&](std::size_t first, std::size_t last, GradientRead read) {
-    if (adamw) {
-      std::vector<AdamWTensor> t;
-      for (std::size_t i = first; i < last; ++i)
-        t.push_back({f32_view(st[i].master.data(), params[i].numel),
-                     f32_view(st[i].exp_avg.data(), params[i].numel),
-                     f32_view(st[i].exp_avg_sq.data(), params[i].numel), &steps[i],
-                     const_view(acc[i].data(), params[i].numel), compute_view(i)});
-      reference::adamw_step(t, opt.adamw, read);
-    } else {
-      std::vector<SignSgdTensor> t;
-      for (std::size_t i = first; i < last; ++i)
-        t.push_back({f32_view(st[i].master.data(), params[i].numel),
-                     const_view(acc[i].data(), params[i].numel), compute_view(i)});
-      reference::sign_sgd_step(t, opt.sign_sgd, read);
-    }
-  };
-  auto norm = [&](std::size_t first, std::size_t last, float scale, bool counted_only) {
-    std::vector<ConstTensorView> views;
-    for (std::size_t i = first; i < last; ++i)
-      if (!counted_only || params[i].counts_toward_norm)
-        views.push_back(const_view(acc[i].data(), params[i].numel));
-    return finalize(reference::norm_partial(views, GradientRead{scale, 1.0f}));
-  };
+  const manager_model::Stream stream = manager_model::fixed_stream(
+      kSteps, kMicroBatches, step_scale, has_gradient, gradient, initial_master);
   std::vector<StepOut> out;
-  for (int s = 0; s < kSteps; ++s) {
-    const float scale = step_scale(s);
-    std::vector<bool> got(n, false);
-    for (int mb = 0; mb < kMicroBatches; ++mb)
-      for (std::size_t i = 0; i < n; ++i) {
-        if (!has_gradient(s, mb, i)) continue;
-        const std::vector<std::uint8_t> g = gradient_bytes(sc, s, mb, i, 0, params[i].numel);
-        const AccumulatePair pair{f32_view(acc[i].data(), params[i].numel),
-                                  ConstTensorView(g.data(), params[i].numel, sc.grad_dtype),
-                                  !got[i]};
-        reference::accumulate(std::span(&pair, 1));
-        got[i] = true;
-      }
-    for (std::size_t i = 0; i < n; ++i)
-      if (!got[i]) std::fill(acc[i].begin(), acc[i].end(), 0.0f);
+  for (const manager_model::Step& step : manager_model::run(setup, stream).steps) {
     StepOut o;
-    if (!sc.overlap) {
-      const NormResult r = norm(0, n, scale, true);
-      float clip = 1.0f;
-      if (sc.max_norm) clip = r.finite ? clip_coefficient(r.norm, *sc.max_norm) : 0.0f;
-      o.norm_bits = std::bit_cast<std::uint32_t>(r.norm);
-      o.norm_finite = r.finite;
-      o.clip_bits = std::bit_cast<std::uint32_t>(clip);
-      o.skipped = !r.finite;
-      if (r.finite) update(0, n, GradientRead{scale, clip});
-    } else {
-      o.norm_bits = std::bit_cast<std::uint32_t>(NormResult{}.norm);
-      o.clip_bits = std::bit_cast<std::uint32_t>(1.0f);
-      for (const auto& [first, last] : chunks) {
-        if (norm(first, last, scale, false).finite)
-          update(first, last, GradientRead{scale, 1.0f});
-        else
-          ++o.chunks_skipped;
-      }
-    }
-    o.state = st;
+    o.norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
+    o.norm_finite = step.report.norm.finite;
+    o.clip_bits = std::bit_cast<std::uint32_t>(step.report.clip_coefficient);
+    o.skipped = step.report.skipped;
+    o.chunks_skipped = step.report.chunks_skipped;
+    o.state = step.state;
     out.push_back(std::move(o));
   }
   return out;
@@ -385,7 +271,7 @@ inline void expect_same(const std::vector<StepOut>& got, const std::vector<StepO
 inline std::vector<Scenario> all_scenarios() {
   std::vector<Scenario> out;
   for (DType d : {DType::bf16, DType::f32})
-    for (const char* opt : {"adamw", "sign_sgd"}) {
+    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
       for (std::optional<float> mn :
            {std::optional<float>{}, std::optional<float>{0.05f}, std::optional<float>{100.0f}})
         out.push_back({d, opt, mn, false, {}});
@@ -429,7 +315,7 @@ void non_finite(MakeDevice make_device) {
   for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.5f}})
     for (bool overlap : {false, true}) {
       if (overlap && mn) continue;
-      for (const char* opt : {"adamw", "sign_sgd"}) {
+      for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
         const Scenario sc{DType::bf16, opt, mn, overlap, Poison{1, 1, 4}};
         SCOPED_TRACE(sc.label());
         const auto want = run_reference(sc);

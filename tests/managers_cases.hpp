@@ -1,6 +1,7 @@
 // Shared by the gradient managers' tests (in-process and MPI): the test cases, a run of
 // the synthetic stream through a manager of any mode on a fresh host device, the
-// independent expectation built from stepcore::reference alone, and sharding helpers.
+// independent expectation (the stream through manager_model, stepcore::reference alone),
+// and sharding helpers.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,10 +12,10 @@
 #include <vector>
 
 #include "gradient_stream.hpp"
+#include "manager_model.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
-#include "stepcore/reference.hpp"
 
 namespace managers_cases {
 
@@ -28,20 +29,20 @@ inline constexpr std::size_t kChunk = 5000;  // several chunks in the test model
 
 struct Case {
   DType grad_dtype = DType::bf16;
-  std::string optimizer = "adamw";
+  OptimizerKind optimizer = OptimizerKind::adamw;
   std::optional<float> max_norm;
   Flow flow = Flow::sft;
   bool overlap = false;
   std::string label() const {
-    return std::string(dtype_name(grad_dtype)) + " " + optimizer + " max_norm " +
-           (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
-           (overlap ? " overlap" : "");
+    return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
+           " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
+           (flow == Flow::sft ? " sft" : " rl") + (overlap ? " overlap" : "");
   }
 };
 
-inline OptimizerSpec optimizer_of(const std::string& name) {
+inline OptimizerSpec optimizer_of(OptimizerKind kind) {
   OptimizerSpec o;
-  o.name = name;
+  o.kind = kind;
   o.adamw.lr = 1e-3;
   o.adamw.weight_decay = 0.1;
   o.sign_sgd.lr = 1e-3;
@@ -96,111 +97,44 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
   return rec;
 }
 
-/// The independent expectation: the same stream through stepcore::reference only.
+/// The independent expectation: the same stream through manager_model (the reference).
 inline std::vector<StepRecord> run_reference(const Case& c) {
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
-  const std::size_t n = model.size();
-  const OptimizerSpec opt = optimizer_of(c.optimizer);
-  const bool adamw = c.optimizer == "adamw";
-  std::vector<std::vector<float>> p(n), m(n), v(n), acc(n);
-  std::vector<std::vector<std::uint16_t>> out(n);
-  std::vector<float> steps(n, 0.0f);
-  for (std::size_t i = 0; i < n; ++i) {
-    p[i].resize(model[i].numel);
-    for (std::size_t j = 0; j < p[i].size(); ++j) p[i][j] = initial_master(i, j);
-    m[i].assign(model[i].numel, 0.0f);
-    v[i].assign(model[i].numel, 0.0f);
-    acc[i].assign(model[i].numel, 0.0f);
-    out[i].resize(model[i].numel);
-    for (std::size_t j = 0; j < p[i].size(); ++j) out[i][j] = f32_to_bf16_bits(p[i][j]);
-  }
-  // Chunks: consecutive parameters up to kChunk elements, never split.
-  std::vector<std::pair<std::size_t, std::size_t>> chunks;
-  std::size_t elems = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (chunks.empty() || (elems != 0 && elems + model[i].numel > kChunk)) {
-      chunks.push_back({i, i});
-      elems = 0;
-    }
-    chunks.back().second = i + 1;
-    elems += model[i].numel;
-  }
-  // One reference call per parameter, each with its own weight decay.
-  auto step_params = [&](std::size_t first, std::size_t last, GradientRead read) {
-    for (std::size_t i = first; i < last; ++i) {
-      if (adamw) {
-        AdamWConfig cfg = opt.adamw;
-        if (no_decay(i)) cfg.weight_decay = 0.0;
-        const AdamWTensor t{
-            f32_view(p[i].data(), p[i].size()),       f32_view(m[i].data(), m[i].size()),
-            f32_view(v[i].data(), v[i].size()),       &steps[i],
-            const_view(acc[i].data(), acc[i].size()), {out[i].data(), out[i].size(), DType::bf16}};
-        reference::adamw_step(std::span(&t, 1), cfg, read);
-      } else {
-        SignSgdConfig cfg = opt.sign_sgd;
-        if (no_decay(i)) cfg.weight_decay = 0.0;
-        const SignSgdTensor t{f32_view(p[i].data(), p[i].size()),
-                              const_view(acc[i].data(), acc[i].size()),
-                              {out[i].data(), out[i].size(), DType::bf16}};
-        reference::sign_sgd_step(std::span(&t, 1), cfg, read);
-      }
-    }
-  };
-  auto norm_of = [&](std::size_t first, std::size_t last, float scale) {
-    std::vector<ConstTensorView> views;
-    for (std::size_t i = first; i < last; ++i)
-      views.push_back(const_view(acc[i].data(), acc[i].size()));
-    return finalize(reference::norm_partial(views, GradientRead{scale, 1.0f}));
-  };
-  std::vector<StepRecord> records;
-  std::vector<std::uint8_t> g;
-  for (int s = 0; s < 3; ++s) {
-    const StepPlan plan = plan_step(c.flow, s, n, 1);
-    std::vector<bool> got(n, false);
-    for (int mb = 0; mb < plan.micro_batches; ++mb)
-      for (std::size_t i = n; i-- > 0;) {
-        if (!plan.has_grad[static_cast<std::size_t>(mb)][i]) continue;
-        g.assign(model[i].numel * dtype_size(c.grad_dtype) + 1, 0);
+  const manager_model::Setup setup{param_specs(model), optimizer_of(c.optimizer), kChunk,
+                                   c.max_norm, c.overlap};
+  // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
+  auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
+  const manager_model::Stream stream{
+      3,
+      [&](int s) { return plan(s).scale; },
+      [&](int s) { return plan(s).micro_batches; },
+      [&](int s, int mb, std::size_t i) {
+        return static_cast<bool>(plan(s).has_grad[static_cast<std::size_t>(mb)][i]);
+      },
+      [&](int s, int mb, std::size_t i) {
+        std::vector<std::uint8_t> g(model[i].numel * dtype_size(c.grad_dtype) + 1);
         make_gradient(1, s, mb, i, 0, model[i].numel, c.grad_dtype, g.data());
-        const AccumulatePair pair{f32_view(acc[i].data(), acc[i].size()),
-                                  ConstTensorView(g.data(), model[i].numel, c.grad_dtype), !got[i]};
-        reference::accumulate(std::span(&pair, 1));
-        got[i] = true;
-      }
-    for (std::size_t i = 0; i < n; ++i)
-      if (!got[i]) std::fill(acc[i].begin(), acc[i].end(), 0.0f);
+        return g;
+      },
+      initial_master};
+  std::vector<StepRecord> records;
+  for (const manager_model::Step& step : manager_model::run(setup, stream).steps) {
     StepRecord r;
-    if (!c.overlap) {
-      const NormResult norm = norm_of(0, n, plan.scale);
-      float clip = 1.0f;
-      if (c.max_norm) {
-        r.norm_bits = std::bit_cast<std::uint32_t>(norm.norm);
-        clip = norm.finite ? clip_coefficient(norm.norm, *c.max_norm) : 0.0f;
-      }
-      r.scale_bits = std::bit_cast<std::uint32_t>(plan.scale * clip);
-      r.skipped = !norm.finite;
-      if (norm.finite) step_params(0, n, GradientRead{plan.scale, clip});
-    } else {
-      r.scale_bits = std::bit_cast<std::uint32_t>(plan.scale);
-      for (const auto& [first, last] : chunks) {
-        if (norm_of(first, last, plan.scale).finite)
-          step_params(first, last, GradientRead{plan.scale, 1.0f});
-        else
-          ++r.chunks_skipped;
-      }
-    }
-    for (std::size_t i = 0; i < n; ++i) {
+    // clip_grad_norm's result when the stream clips (else 0), effective_gradient_scale().
+    if (c.max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
+    r.scale_bits = std::bit_cast<std::uint32_t>(step.effective_scale);
+    r.skipped = step.report.skipped;
+    r.chunks_skipped = step.report.chunks_skipped;
+    for (const manager_model::ParamState& p : step.state) {  // master|m|v|compute bytes
       std::vector<std::uint8_t> bytes;
       auto append = [&](const void* d, std::size_t b) {
         const auto* c8 = static_cast<const std::uint8_t*>(d);
         bytes.insert(bytes.end(), c8, c8 + b);
       };
-      append(p[i].data(), p[i].size() * 4);
-      if (adamw) {
-        append(m[i].data(), m[i].size() * 4);
-        append(v[i].data(), v[i].size() * 4);
-      }
-      append(out[i].data(), out[i].size() * 2);
+      append(p.master.data(), p.master.size() * 4);
+      append(p.exp_avg.data(), p.exp_avg.size() * 4);
+      append(p.exp_avg_sq.data(), p.exp_avg_sq.size() * 4);
+      append(p.compute.data(), p.compute.size());
       r.state.push_back(std::move(bytes));
     }
     records.push_back(std::move(r));

@@ -14,12 +14,14 @@
 #include <thread>
 
 #include "comm_cases.hpp"
+#include "expect_error.hpp"
 #include "stepcore/comm_nccl.hpp"
 #include "stepcore/error.hpp"
 
 namespace {
 
 using namespace comm_cases;
+using test_support::expect_error;
 using namespace std::chrono_literals;
 
 /// Runs body(comm) on `size` threads, one per rank of a fresh in-process group;
@@ -42,17 +44,6 @@ void run_group(int size, const std::function<void(Communicator&)>& body,
   }
   for (auto& t : threads) t.join();
   for (const auto& e : errors) ADD_FAILURE() << e;
-}
-
-/// Runs body(comm) expecting an Error on the rank: returns it through `check`.
-void expect_error(const std::function<void()>& f, Errc code, const std::string& argument) {
-  try {
-    f();
-    ADD_FAILURE() << "no error (expected " << errc_name(code) << ")";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    if (!argument.empty()) EXPECT_EQ(e.argument(), argument) << e.what();
-  }
 }
 
 // ---- every layout, every rank count, both dtypes -----------------------------------

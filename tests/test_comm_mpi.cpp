@@ -11,28 +11,20 @@
 #include <thread>
 
 #include "comm_cases.hpp"
+#include "expect_error.hpp"
 #include "stepcore/comm_mpi.hpp"
 #include "stepcore/error.hpp"
 
 namespace {
 
 using namespace comm_cases;
+using test_support::expect_error;
 using namespace std::chrono_literals;
 
 /// The world communicator every test shares (created in main after MPI_Init).
 std::unique_ptr<Communicator> g_world;
 
 Communicator& world() { return *g_world; }
-
-void expect_error(const std::function<void()>& f, Errc code, const std::string& argument) {
-  try {
-    f();
-    ADD_FAILURE() << "no error (expected " << errc_name(code) << ")";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    if (!argument.empty()) EXPECT_EQ(e.argument(), argument) << e.what();
-  }
-}
 
 class Layouts : public ::testing::TestWithParam<ScenarioParam> {};
 

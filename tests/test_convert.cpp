@@ -278,25 +278,67 @@ TEST(ConvertWidening, HandWorkedCases) {
   EXPECT_EQ(bits(f16_bits_to_f32(0xFC01)), 0xFF802000u);  // signalling NaN kept as is
 }
 
-TEST(ConvertTemplates, AgreeWithBitFunctions) {
+// ---- the storage-type templates (to_f32, from_f32, round_to) -------------------------
+
+// Against the independent expectations of this file, not against the bit functions
+// they wrap: the widening of every 16-bit pattern from its fields, narrowing by the
+// nearest-candidate oracle, and the f32 identity.
+// Inf and NaN keep sign and payload: bf16's bits are the top half of the f32's, f16's
+// fraction moves up 13 bits. Finite patterns: the value of the fields, exact in f32
+// (8 or 11 significant bits, exponents well inside f32's range), signed zeros included.
+float expected_widening_bf16(std::uint16_t h) {
+  if (((h >> 7) & 0xFF) == 0xFF) return from_bits(std::uint32_t{h} << 16);
+  return static_cast<float>(bf16_value(h));
+}
+
+float expected_widening_f16(std::uint16_t h) {
+  if (((h >> 10) & 0x1F) == 0x1F)
+    return from_bits((std::uint32_t{h} & 0x8000u) << 16 | 0x7F800000u | (h & 0x3FFu) << 13);
+  return static_cast<float>(f16_value(h));
+}
+
+TEST(ConvertTemplates, WidenEveryPatternAsItsFieldsSay) {
   using stepcore::bfloat16_t;
   using stepcore::float16_t;
+  for (std::uint32_t u = 0; u < 65536; ++u) {
+    const auto h = static_cast<std::uint16_t>(u);
+    ASSERT_EQ(bits(stepcore::to_f32(bfloat16_t{h})), bits(expected_widening_bf16(h)))
+        << std::hex << h;
+    ASSERT_EQ(bits(stepcore::to_f32(float16_t{h})), bits(expected_widening_f16(h)))
+        << std::hex << h;
+  }
+  // The expectation itself, on known values: 1.0, -0, pi's bf16 and f16 roundings, NaN.
+  EXPECT_EQ(bits(expected_widening_f16(0x3C00)), 0x3F800000u);
+  EXPECT_EQ(bits(expected_widening_f16(0x8000)), 0x80000000u);
+  EXPECT_EQ(expected_widening_f16(0x4248), 3.140625f);
+  EXPECT_EQ(bits(expected_widening_bf16(0xC049)), 0xC0490000u);  // -3.140625
+  EXPECT_EQ(bits(expected_widening_bf16(0xFFC1)), 0xFFC10000u);
+}
+
+TEST(ConvertTemplates, NarrowAndRoundAsTheOracleSays) {
+  using stepcore::bfloat16_t;
+  using stepcore::float16_t;
+  std::vector<float> inputs;
+  for (std::uint32_t u = 0; u < 65536; ++u) {  // every widened pattern, and its neighbours
+    const float b = from_bits(u << 16);
+    for (float x : {b, std::nextafter(b, 0.0f), std::nextafter(b, INFINITY)}) inputs.push_back(x);
+    const float f = expected_widening_f16(static_cast<std::uint16_t>(u));
+    for (float x : {f, std::nextafter(f, 0.0f), std::nextafter(f, INFINITY)}) inputs.push_back(x);
+  }
   std::mt19937 rng(11);
-  for (int i = 0; i < 100000; ++i) {
-    const float x = from_bits(rng());
-    EXPECT_EQ(stepcore::from_f32<bfloat16_t>(x).bits, f32_to_bf16_bits(x));
-    EXPECT_EQ(stepcore::from_f32<float16_t>(x).bits, f32_to_f16_bits(x));
-    EXPECT_EQ(bits(stepcore::from_f32<float>(x)), bits(x));
-    EXPECT_EQ(bits(stepcore::to_f32(x)), bits(x));
-    if (!std::isnan(x)) {
-      EXPECT_EQ(bits(stepcore::round_to<bfloat16_t>(x)),
-                bits(bf16_bits_to_f32(f32_to_bf16_bits(x))));
-      EXPECT_EQ(bits(stepcore::round_to<float16_t>(x)), bits(f16_bits_to_f32(f32_to_f16_bits(x))));
-      EXPECT_EQ(bits(stepcore::round_to<float>(x)), bits(x));
-    }
-    const auto h = static_cast<std::uint16_t>(rng());
-    EXPECT_EQ(bits(stepcore::to_f32(bfloat16_t{h})), bits(bf16_bits_to_f32(h)));
-    EXPECT_EQ(bits(stepcore::to_f32(float16_t{h})), bits(f16_bits_to_f32(h)));
+  for (int i = 0; i < 100000; ++i) inputs.push_back(from_bits(rng()));
+  for (const float x : inputs) {
+    const std::uint16_t b = expect_bf16(x), f = expect_f16(x);
+    ASSERT_EQ(stepcore::from_f32<bfloat16_t>(x).bits, b) << std::hex << bits(x);
+    ASSERT_EQ(stepcore::from_f32<float16_t>(x).bits, f) << std::hex << bits(x);
+    ASSERT_EQ(bits(stepcore::from_f32<float>(x)), bits(x));
+    ASSERT_EQ(bits(stepcore::to_f32(x)), bits(x));
+    ASSERT_EQ(bits(stepcore::round_to<float>(x)), bits(x));
+    if (std::isnan(x)) continue;  // R_T of a NaN is a NaN; its pattern is checked above
+    ASSERT_EQ(bits(stepcore::round_to<bfloat16_t>(x)), bits(expected_widening_bf16(b)))
+        << std::hex << bits(x);
+    ASSERT_EQ(bits(stepcore::round_to<float16_t>(x)), bits(expected_widening_f16(f)))
+        << std::hex << bits(x);
   }
 }
 

@@ -75,7 +75,7 @@ TEST(HostDevice, Basics) {
   EXPECT_EQ(dev->compute_stream(), nullptr);
   const Event e = dev->record(Queue::compute);
   ASSERT_FALSE(e.empty());
-  EXPECT_TRUE(e.state()->complete()) << "compute work runs inline";
+  EXPECT_TRUE(e.complete()) << "compute work runs inline";
   EXPECT_EQ(error_code([] { device::make_host_device(100); }), Errc::out_of_range);
   EXPECT_EQ(error_code([] { device::make_host_device(16); }), Errc::out_of_range);
 }
@@ -160,7 +160,7 @@ TEST(HostDevice, InjectedCopyFailureSurfacesAtSynchronize) {
   gate.open();
   const std::string what = error_message([&] { dev->synchronize(); }, Errc::internal);
   EXPECT_NE(what.find("injected copy failure"), std::string::npos) << what;
-  EXPECT_TRUE(e.state()->complete()) << "events complete after a failure";
+  EXPECT_TRUE(e.complete()) << "events complete after a failure";
   EXPECT_EQ(dst[0][0], 0xab);
   EXPECT_EQ(dst[1][0], 0xab);
   EXPECT_EQ(dst[2][0], 0) << "the failing copy writes nothing";
@@ -197,7 +197,7 @@ TEST(HostDevice, InjectedCopyFailureSurfacesAtTheNextCall) {
   dev->copy(Queue::d2h, host.data(), d.as(), 256);
   const Event e = dev->record(Queue::d2h);
   gate.open();
-  while (!e.state()->complete()) std::this_thread::yield();
+  while (!e.complete()) std::this_thread::yield();
   EXPECT_EQ(error_code([&] { dev->zero(Queue::h2d, d.as(), 256); }), Errc::internal);
   dev->zero(Queue::h2d, d.as(), 256);
   dev->synchronize();
@@ -262,8 +262,8 @@ TEST(HostDevice, QueuesWaitForEvents) {
   dev->copy(Queue::d2h, back.data(), d.as(), back.size());
   const Event done = dev->record(Queue::d2h);
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  EXPECT_FALSE(copied.state()->complete());
-  EXPECT_FALSE(done.state()->complete());
+  EXPECT_FALSE(copied.complete());
+  EXPECT_FALSE(done.complete());
   gate.open();
   dev->synchronize(done);
   EXPECT_EQ(back, host);
@@ -274,7 +274,7 @@ TEST(HostDevice, QueuesWaitForEvents) {
     gate2.open();
   });
   dev->wait(Queue::compute, gate2.event);
-  EXPECT_TRUE(gate2.event.state()->complete());
+  EXPECT_TRUE(gate2.event.complete());
   opener.join();
 }
 
@@ -289,7 +289,7 @@ TEST(HostDevice, EventsOfOneQueueCompleteInOrder) {
     events.push_back(dev->record(Queue::h2d));
   }
   dev->synchronize(events.back());
-  for (const Event& e : events) EXPECT_TRUE(e.state()->complete());
+  for (const Event& e : events) EXPECT_TRUE(e.complete());
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "device/host_device.hpp"
+#include "expect_error.hpp"
 #include "managers_cases.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
@@ -31,12 +32,12 @@ using namespace managers_cases;
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (DType d : {DType::bf16, DType::f32})
-    for (const char* opt : {"adamw", "sign_sgd"})
+    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
       for (std::optional<float> mn :
            {std::optional<float>{}, std::optional<float>{0.05f}, std::optional<float>{100.0f}})
         for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, mn, f, false});
   for (DType d : {DType::bf16, DType::f32})
-    for (const char* opt : {"adamw", "sign_sgd"})
+    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
       for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, {}, f, true});
   return cases;
 }
@@ -81,28 +82,29 @@ void sharded_case(int ranks, OffloadMode mode, const Case& c) {
   for (int r = 0; r < ranks; ++r)
     ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
   for (int r = 0; r < ranks; ++r)
-    expect_shard_of(got[static_cast<std::size_t>(r)], whole, model, sh, r, c.optimizer == "adamw");
+    expect_shard_of(got[static_cast<std::size_t>(r)], whole, model, sh, r,
+                    c.optimizer == OptimizerKind::adamw);
 }
 
 TEST(Managers, ShardedOverInProcessRanksGivesTheUnshardedBits) {
   for (int ranks : {2, 4})
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
       SCOPED_TRACE(std::to_string(ranks) + " ranks, mode " + std::string(offload_mode_name(mode)));
-      sharded_case(ranks, mode, Case{DType::bf16, "adamw", 0.05f, Flow::rl, false});
+      sharded_case(ranks, mode, Case{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::rl, false});
       if (HasFatalFailure()) return;
     }
 }
 
 TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
   for (bool overlap : {false, true}) {
-    Case c{DType::bf16, "adamw", overlap ? std::optional<float>{} : std::optional<float>{1.0f},
-           Flow::sft, overlap};
+    Case c{DType::bf16, OptimizerKind::adamw,
+           overlap ? std::optional<float>{} : std::optional<float>{1.0f}, Flow::sft, overlap};
     std::vector<std::vector<StepRecord>> runs;
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
       auto dev = device::make_host_device();
       ManagerConfig cfg;
       cfg.mode = mode;
-      cfg.optimizer = optimizer_of("adamw");
+      cfg.optimizer = optimizer_of(OptimizerKind::adamw);
       cfg.params = param_specs(stream_model(DType::bf16));
       cfg.chunk_elements = kChunk;
       cfg.device = dev.get();
@@ -139,30 +141,42 @@ TEST(Managers, FactoryRefusesWhatItCannotDo) {
   EXPECT_EQ(parse_offload_mode("none"), OffloadMode::none);
   EXPECT_EQ(parse_offload_mode("optimizer"), OffloadMode::optimizer);
   EXPECT_EQ(parse_offload_mode("full"), OffloadMode::full);
-  for (const char* bad : {"fsdp", "Full", "", "cpu", "none "}) {
+  for (const char* bad : {"fsdp", "Full", "", "cpu", "none "})
+    test_support::expect_error([&] { parse_offload_mode(bad); }, Errc::invalid_argument,
+                               "offload_mode");
+  // The optimizer is named like the mode: exact names, anything else refused with them.
+  EXPECT_EQ(parse_optimizer("adamw"), OptimizerKind::adamw);
+  EXPECT_EQ(parse_optimizer("sign_sgd"), OptimizerKind::sign_sgd);
+  EXPECT_EQ(optimizer_name(OptimizerKind::adamw), "adamw");
+  EXPECT_EQ(optimizer_name(OptimizerKind::sign_sgd), "sign_sgd");
+  for (const char* bad : {"muon", "AdamW", "", "sgd", "adamw "}) {
+    test_support::expect_error([&] { parse_optimizer(bad); }, Errc::invalid_argument, "optimizer");
     try {
-      parse_offload_mode(bad);
-      ADD_FAILURE() << bad;
+      parse_optimizer(bad);
     } catch (const Error& e) {
-      EXPECT_EQ(e.code(), Errc::invalid_argument);
-      EXPECT_EQ(e.argument(), "offload_mode");
+      EXPECT_NE(std::string(e.what()).find("adamw, sign_sgd"), std::string::npos) << e.what();
     }
   }
+  // A kind outside the enum (what a bad cast or a newer caller could pass) is refused by
+  // the factory, in full offload with the message that it accepts only AdamW and SignSGD.
   auto dev = device::make_host_device();
   ManagerConfig cfg;
   cfg.mode = OffloadMode::full;
-  cfg.optimizer.name = "muon";
+  cfg.optimizer.kind = static_cast<OptimizerKind>(7);
   cfg.params = param_specs(stream_model(DType::bf16));
   cfg.device = dev.get();
   try {
     make_gradient_manager(cfg);
-    ADD_FAILURE() << "muon in full offload";
+    ADD_FAILURE() << "an unknown optimizer in full offload";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::not_supported);
     EXPECT_NE(std::string(e.what()).find("full offload accepts only AdamW"), std::string::npos)
         << e.what();
   }
-  cfg.optimizer.name = "adamw";
+  cfg.mode = OffloadMode::none;
+  test_support::expect_error([&] { make_gradient_manager(cfg); }, Errc::not_supported,
+                             "optimizer.kind");
+  cfg.optimizer.kind = OptimizerKind::adamw;
   cfg.device = nullptr;
   EXPECT_THROW(make_gradient_manager(cfg), Error);
 }

@@ -14,7 +14,7 @@ TEST(ManagersDevice, ThreeModesGiveTheReferenceBitsOnACudaDevice) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
   make_device = [] { return device::make_cuda_device(0); };
   for (DType d : {DType::bf16, DType::f32})
-    for (const char* opt : {"adamw", "sign_sgd"})
+    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
       for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.05f}})
         for (bool overlap : {false, true}) {
           if (overlap && mn) continue;

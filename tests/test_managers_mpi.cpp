@@ -21,9 +21,9 @@ std::unique_ptr<comm::Communicator> g_world;
 
 TEST(ManagersMpi, ShardedRanksGiveTheUnshardedBits) {
   const int ranks = g_world->size(), rank = g_world->rank();
-  for (const Case& c : {Case{DType::bf16, "adamw", 0.05f, Flow::rl, false},
-                        Case{DType::f32, "sign_sgd", 100.0f, Flow::sft, false},
-                        Case{DType::bf16, "adamw", {}, Flow::sft, false}}) {
+  for (const Case& c : {Case{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::rl, false},
+                        Case{DType::f32, OptimizerKind::sign_sgd, 100.0f, Flow::sft, false},
+                        Case{DType::bf16, OptimizerKind::adamw, {}, Flow::sft, false}}) {
     SCOPED_TRACE(c.label());
     const std::vector<StreamParam> model = stream_model(c.grad_dtype);
     const auto whole = run_mode(OffloadMode::none, c);
@@ -32,7 +32,7 @@ TEST(ManagersMpi, ShardedRanksGiveTheUnshardedBits) {
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
       SCOPED_TRACE(std::string(offload_mode_name(mode)));
       const auto got = run_mode(mode, c, false, g_world.get(), &sh.shards[r], &sh.offsets[r]);
-      expect_shard_of(got, whole, model, sh, rank, c.optimizer == "adamw");
+      expect_shard_of(got, whole, model, sh, rank, c.optimizer == OptimizerKind::adamw);
     }
   }
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
@@ -67,16 +68,7 @@ class Arena {
 void expect_error(const Arena& arena, const std::function<void()>& f, Errc code,
                   std::vector<std::string> args) {
   const auto before = arena.snapshot();
-  try {
-    f();
-    ADD_FAILURE() << "no exception; expected " << stepcore::errc_name(code) << " for " << args[0];
-  } catch (const stepcore::Error& e) {
-    EXPECT_EQ(e.code(), code) << e.what();
-    bool named = false;
-    for (const std::string& a : args) named = named || e.argument() == a;
-    EXPECT_TRUE(named) << "argument() = '" << e.argument() << "', expected '" << args[0] << "'"
-                       << " (" << e.what() << ")";
-  }
+  test_support::expect_error(f, code, std::move(args));
   EXPECT_TRUE(arena.same(before)) << "a buffer changed although the call failed";
 }
 

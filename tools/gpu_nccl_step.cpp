@@ -90,7 +90,7 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
                          const std::string& optimizer) {
   ManagerConfig cfg;
   cfg.mode = mode;
-  cfg.optimizer.name = optimizer;
+  cfg.optimizer.kind = parse_optimizer(optimizer);
   cfg.optimizer.adamw.lr = 2e-3;
   cfg.optimizer.adamw.weight_decay = 0.1;
   cfg.optimizer.sign_sgd.lr = 1e-3;

@@ -187,7 +187,7 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     const StepReport rep = m.report();
     r.skipped = rep.skipped;
     r.chunks_skipped = rep.chunks_skipped;
-    const bool adamw = m.config().optimizer.name == "adamw";
+    const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
       std::vector<float> master(p.numel), ea(adamw ? p.numel : 0), eas(adamw ? p.numel : 0);

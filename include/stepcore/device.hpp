@@ -38,6 +38,14 @@ class Event {
   Event() = default;
   explicit Event(std::shared_ptr<State> s) : state_(std::move(s)) {}
   bool empty() const noexcept { return state_ == nullptr; }
+  /// Returns true once the event is complete (true for an empty event). Never blocks.
+  bool complete() const;
+  /// Blocks the calling thread until the event is complete (an empty event returns at
+  /// once). Any thread may call it, concurrently with anything, without the device: it
+  /// raises only a failure of the wait itself (CUDA: Errc::cuda_error), never the
+  /// errors of other queued work — Device::synchronize(e) waits and raises those.
+  void wait() const;
+  /// The implementation's state (for the devices).
   const std::shared_ptr<State>& state() const noexcept { return state_; }
 
  private:
@@ -86,7 +94,8 @@ class Device {
   /// cudaStreamWaitEvent, no host synchronisation); the host device blocks until `e`
   /// is complete.
   virtual void wait_on(cudaStream_t stream, const Event& e) = 0;
-  /// Blocks the calling thread until `e` is complete; raises errors of queued work.
+  /// Blocks the calling thread until `e` is complete (e.wait()); raises errors of queued
+  /// work.
   virtual void synchronize(const Event& e) = 0;
   /// Blocks until all queues are idle; raises errors of queued work.
   virtual void synchronize() = 0;

@@ -32,6 +32,10 @@
 
 namespace stepcore {
 
+namespace detail {
+class ManagerImpl;  // the mode's implementation: its state and hooks (internal)
+}  // namespace detail
+
 /// Where gradients and optimizer state live.
 enum class OffloadMode : std::uint8_t { none, optimizer, full };
 
@@ -57,9 +61,18 @@ struct ParamSpec {
   bool no_weight_decay = false;
 };
 
-/// The optimizer, by name: "adamw" or "sign_sgd" (the only ones stepcore implements).
+/// The optimizers stepcore implements.
+enum class OptimizerKind : std::uint8_t { adamw, sign_sgd };
+
+/// Returns the optimizer named exactly "adamw" or "sign_sgd". Anything else ("AdamW",
+/// "muon", "") throws Errc::invalid_argument naming "optimizer" with the accepted names.
+OptimizerKind parse_optimizer(std::string_view name);
+/// Returns "adamw" or "sign_sgd".
+std::string_view optimizer_name(OptimizerKind kind) noexcept;
+
+/// The optimizer and the configuration of each (only the one `kind` names is used).
 struct OptimizerSpec {
-  std::string name = "adamw";
+  OptimizerKind kind = OptimizerKind::adamw;
   AdamWConfig adamw;
   SignSgdConfig sign_sgd;
 };
@@ -109,16 +122,16 @@ struct StepReport {
 /// Determinism: every mode, with or without overlap, on any device, thread count and
 /// rank count, gives the same bits as the scalar reference applied to the same
 /// gradient stream (docs/numerics.md, "Gradient managers").
-class GradientManager {
+class GradientManager final {
  public:
-  virtual ~GradientManager();
+  ~GradientManager();
   GradientManager(const GradientManager&) = delete;
   GradientManager& operator=(const GradientManager&) = delete;
 
   /// Returns the mode this manager implements.
-  OffloadMode mode() const noexcept { return config_.mode; }
+  OffloadMode mode() const noexcept;
   /// Returns the configuration it was built with.
-  const ManagerConfig& config() const noexcept { return config_; }
+  const ManagerConfig& config() const noexcept;
 
   /// Sets parameter i's fp32 master weights (host memory, numel floats) and its
   /// compute weights to their rounding; moments start at zero, the step counter at 0.
@@ -163,7 +176,7 @@ class GradientManager {
   StepReport report();
   /// Returns the step's effective gradient scale: scale × clip coefficient (1 before
   /// clip_grad_norm). Valid from begin_step to the next begin_step.
-  float effective_gradient_scale() const noexcept { return scale_ * clip_; }
+  float effective_gradient_scale() const noexcept;
 
   /// Returns parameter i's compute weights (device memory), valid after the step's work
   /// (report() or synchronize()).
@@ -180,72 +193,20 @@ class GradientManager {
   /// close()) throw.
   void close();
 
- protected:
-  explicit GradientManager(ManagerConfig config);
-
-  /// The chunks: [first, last) parameter index ranges (see ManagerConfig).
-  struct Chunk {
-    std::size_t first = 0, last = 0, elements = 0;
-  };
-
-  // ---- the modes' hooks (called after the base class validated the call) -----------
-  virtual void do_load_parameter(std::size_t i, std::span<const float> master) = 0;
-  virtual void do_begin_step() = 0;
-  virtual void do_begin_backward() = 0;
-  virtual TensorView do_gradient(std::size_t i) = 0;
-  /// `first_in_step`: the parameter's first gradient of the step (copy, not add); the
-  /// reads wait for `written` on the device.
-  virtual void do_gradient_ready(std::size_t i, bool first_in_step,
-                                 const device::Event& written) = 0;
-  /// The event after which parameter i's gradient buffer may be rewritten.
-  virtual device::Event do_gradient_released(std::size_t i) const = 0;
-  /// Called by finish_backward of the final micro-batch with the parameters that got no
-  /// gradient in the step (they must read as zero).
-  virtual void do_finish_final_backward(std::span<const std::size_t> no_gradient) = 0;
-  /// With overlap, called once per chunk when all its parameters' final gradients are in.
-  virtual void do_step_chunk(std::size_t chunk) = 0;
-  virtual NormResult do_clip_grad_norm(float max_norm, float& clip) = 0;
-  virtual void do_step() = 0;
-  virtual StepReport do_report() = 0;
-  virtual ConstTensorView do_compute_weights(std::size_t i) const = 0;
-  virtual void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
-                                 std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) = 0;
-  virtual void do_synchronize() = 0;
-  /// Waits for outstanding work and stops workers; returns the first error of that
-  /// work (rethrown by close()), never throws itself.
-  virtual std::exception_ptr do_close() noexcept = 0;
-
-  const std::vector<Chunk>& chunks() const noexcept { return chunks_; }
-  std::size_t chunk_of(std::size_t param) const noexcept { return chunk_of_[param]; }
-  float gradient_scale() const noexcept { return scale_; }
-  bool overlap() const noexcept { return overlap_; }
-  bool is_adamw() const noexcept { return adamw_; }
-
  private:
-  enum class Phase : std::uint8_t { idle, step, backward, after_final, closed };
-  void expect(bool ok, const char* call, const char* what) const;
-  /// Runs a hook; a runtime error (failed asynchronous work) poisons the manager.
-  template <class F>
-  decltype(auto) guarded(F&& f);
+  /// make_gradient_manager builds the mode's implementation and hands it over; every
+  /// call validates the sequence and arguments, then runs the implementation's hook.
+  explicit GradientManager(std::unique_ptr<detail::ManagerImpl> impl) noexcept;
+  friend std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 
-  ManagerConfig config_;
-  std::vector<Chunk> chunks_;
-  std::vector<std::size_t> chunk_of_;
-  std::vector<std::uint8_t> ready_in_micro_;  // gradient_ready seen in this micro-batch
-  std::vector<std::uint8_t> got_in_step_;     // any gradient this step
-  std::vector<std::size_t> chunk_pending_;    // final-backward parameters still missing
-  Phase phase_ = Phase::idle;
-  bool final_ = false, saw_final_ = false, overlap_ = false, clipped_ = false, stepped_ = false;
-  bool adamw_ = true;
-  float scale_ = 1.0f, clip_ = 1.0f;
-  std::exception_ptr failure_;  ///< the runtime error every later call raises again
+  std::unique_ptr<detail::ManagerImpl> impl_;  ///< the mode's manager (managers/manager_impl.hpp)
 };
 
 /// Returns the manager for config.mode — the trainer's one entry point: GpuGradientManager
 /// for "none", the streamed-state manager for "optimizer", OffloadGradientManager for
-/// "full". Validates everything first: an optimizer other than "adamw"/"sign_sgd" is
-/// refused (in full offload with the message that full offload accepts only AdamW and
-/// SignSGD), a missing device, a communicator in the wrong memory space or (a device
+/// "full". Validates everything first: an OptimizerKind outside its values is refused
+/// (Errc::not_supported; in full offload with the message that full offload accepts only
+/// AdamW and SignSGD), a missing device, a communicator in the wrong memory space or (a device
 /// communicator) on another stream than the device's compute stream, bad sizes.
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 

@@ -55,7 +55,7 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o) {
   }
   std::vector<sc::bfloat16_t> host_bf16;
   const auto t0 = Clock::now();
-  const bool adamw = o.optimizer.name == "adamw";
+  const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
   for (std::int64_t step = 0; step < o.steps; ++step) {
     const std::vector<std::int64_t> tokens = micro_batch_tokens(o.seed, step, o.micro_batches);
     std::int64_t total = 0;
@@ -129,7 +129,7 @@ ManagersOptions managers_options(const Options& o, const Backend& backend) {
   mo.micro_batches = o.micro_batches;
   mo.max_norm = o.max_norm;
   mo.grad_dtype = o.grad_dtype;
-  mo.optimizer.name = o.optimizer == Optimizer::adamw ? "adamw" : "sign_sgd";
+  mo.optimizer.kind = o.optimizer == Optimizer::adamw ? sc::OptimizerKind::adamw : sc::OptimizerKind::sign_sgd;
   mo.optimizer.adamw.lr = o.lr;
   mo.optimizer.adamw.weight_decay = o.weight_decay;
   mo.optimizer.adamw.formula = o.formula;

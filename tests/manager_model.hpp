@@ -1,0 +1,242 @@
+// The one independent expectation of the gradient managers' contract (docs/managers.md),
+// built from stepcore::reference alone, for every manager test (host device, CUDA, MPI):
+// a model (whole, unsharded ParamSpecs), an optimizer, a gradient stream and the
+// trainer's calls go in; what the trainer can observe after loading and after every
+// step comes out: the report, the effective gradient scale, and every parameter's
+// master weights, moments and compute weights. Each test drives its managers with the
+// same stream and compares bits (its shards against slices of the whole).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "stepcore/convert.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/reference.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace manager_model {
+
+using namespace stepcore;
+
+/// One parameter's state: master, moments (empty for SignSGD), compute weights (bytes in
+/// compute_dtype; empty without compute weights).
+struct ParamState {
+  std::vector<float> master, exp_avg, exp_avg_sq;
+  std::vector<std::uint8_t> compute;
+  bool operator==(const ParamState& o) const {
+    auto same = [](const auto& a, const auto& b) {
+      return a.size() == b.size() &&
+             (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
+    };
+    return same(master, o.master) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
+           same(compute, o.compute);
+  }
+  /// Returns elements [off, off + n) of every array (compute: `compute_size` bytes each).
+  ParamState slice(std::size_t off, std::size_t n, std::size_t compute_size) const {
+    ParamState s;
+    auto cut = [&](const std::vector<float>& v) {
+      return v.empty() ? v : std::vector<float>(v.begin() + off, v.begin() + off + n);
+    };
+    s.master = cut(master);
+    s.exp_avg = cut(exp_avg);
+    s.exp_avg_sq = cut(exp_avg_sq);
+    if (!compute.empty())
+      s.compute.assign(compute.begin() + off * compute_size,
+                       compute.begin() + (off + n) * compute_size);
+    return s;
+  }
+};
+
+/// The gradient stream a test's trainer runs, over the whole model.
+struct Stream {
+  int steps = 3;
+  std::function<float(int step)> scale;  ///< begin_step's gradient scale
+  std::function<int(int step)> micro_batches;
+  /// Whether parameter i receives a gradient in (step, micro).
+  std::function<bool(int step, int micro, std::size_t i)> has_gradient;
+  /// Parameter i's whole gradient in (step, micro): numel elements of its grad_dtype.
+  std::function<std::vector<std::uint8_t>(int step, int micro, std::size_t i)> gradient;
+  /// The master weight load_parameter sets for element j of parameter i.
+  std::function<float(std::size_t i, std::size_t j)> initial_master;
+};
+
+/// Returns a stream of `steps` steps with `micro` micro-batches each.
+inline Stream fixed_stream(int steps, int micro, std::function<float(int)> scale,
+                           std::function<bool(int, int, std::size_t)> has_gradient,
+                           std::function<std::vector<std::uint8_t>(int, int, std::size_t)> gradient,
+                           std::function<float(std::size_t, std::size_t)> initial_master) {
+  return {steps,
+          std::move(scale),
+          [micro](int) { return micro; },
+          std::move(has_gradient),
+          std::move(gradient),
+          std::move(initial_master)};
+}
+
+/// The managers' configuration, as far as the results depend on it.
+struct Setup {
+  std::vector<ParamSpec> params;  ///< the whole model
+  OptimizerSpec optimizer;
+  std::size_t chunk_elements = 0;
+  std::optional<float> max_norm;  ///< clip_grad_norm(*max_norm) in every step
+  bool overlap = false;           ///< begin_step(scale, overlap)
+};
+
+/// What the trainer observes after one step.
+struct Step {
+  StepReport report;  ///< report(); norm (also clip_grad_norm's result) and clip without overlap
+  float effective_scale = 1.0f;  ///< effective_gradient_scale()
+  std::vector<ParamState> state;
+};
+
+struct Run {
+  std::vector<ParamState> loaded;  ///< after load_parameter
+  std::vector<Step> steps;
+};
+
+/// Returns `master` rounded to `dtype` (the compute weights of a master), as bytes.
+inline std::vector<std::uint8_t> rounded(const std::vector<float>& master, DType dtype) {
+  std::vector<std::uint8_t> out(master.size() * dtype_size(dtype));
+  for (std::size_t j = 0; j < master.size(); ++j) {
+    if (dtype == DType::f32) {
+      std::memcpy(out.data() + 4 * j, &master[j], 4);
+    } else {
+      const std::uint16_t h =
+          dtype == DType::bf16 ? f32_to_bf16_bits(master[j]) : f32_to_f16_bits(master[j]);
+      std::memcpy(out.data() + 2 * j, &h, 2);
+    }
+  }
+  return out;
+}
+
+/// Returns the chunks of docs/managers.md: consecutive parameters, never split, up to
+/// `chunk_elements` elements (a larger parameter alone), as [first, last) ranges.
+inline std::vector<std::pair<std::size_t, std::size_t>> chunks_of(
+    const std::vector<ParamSpec>& params, std::size_t chunk_elements) {
+  std::vector<std::pair<std::size_t, std::size_t>> chunks;
+  std::size_t elements = 0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (chunks.empty() || (elements != 0 && elements + params[i].numel > chunk_elements)) {
+      chunks.push_back({i, i});
+      elements = 0;
+    }
+    chunks.back().second = i + 1;
+    elements += params[i].numel;
+  }
+  return chunks;
+}
+
+/// Runs the stream through the contract with stepcore::reference: accumulate (copy, then
+/// add), zero for parameters without a gradient in the step, then without overlap the
+/// norm of the counted parameters' R(acc * s), clip = clip_coefficient(norm, max_norm)
+/// (0 for a non-finite norm, 1 without clipping), found-inf skips the whole step, and
+/// each parameter's update reads R(R(acc * s) * clip) with its own weight decay (0 for
+/// no_weight_decay); with overlap each chunk's own norm decides whether it is updated
+/// (read R(acc * s)) or skipped.
+inline Run run(const Setup& setup, const Stream& stream) {
+  const std::vector<ParamSpec>& params = setup.params;
+  const std::size_t n = params.size();
+  const bool adamw = setup.optimizer.kind == OptimizerKind::adamw;
+  std::vector<ParamState> st(n);
+  std::vector<std::vector<float>> acc(n);
+  std::vector<float> steps(n, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t numel = params[i].numel;
+    st[i].master.resize(numel);
+    for (std::size_t j = 0; j < numel; ++j) st[i].master[j] = stream.initial_master(i, j);
+    if (adamw) {
+      st[i].exp_avg.assign(numel, 0.0f);
+      st[i].exp_avg_sq.assign(numel, 0.0f);
+    }
+    if (params[i].has_compute_weights)
+      st[i].compute = rounded(st[i].master, params[i].compute_dtype);
+    acc[i].assign(numel, 0.0f);
+  }
+  const auto chunks = chunks_of(params, setup.chunk_elements);
+  auto update = [&](std::size_t first, std::size_t last, GradientRead read) {
+    for (std::size_t i = first; i < last; ++i) {
+      const std::size_t numel = params[i].numel;
+      const TensorView compute =
+          params[i].has_compute_weights
+              ? TensorView{st[i].compute.data(), numel, params[i].compute_dtype}
+              : TensorView{};
+      const ConstTensorView grad = const_view(acc[i].data(), numel);
+      if (adamw) {
+        AdamWConfig c = setup.optimizer.adamw;
+        if (params[i].no_weight_decay) c.weight_decay = 0.0;
+        const AdamWTensor t{f32_view(st[i].master.data(), numel),
+                            f32_view(st[i].exp_avg.data(), numel),
+                            f32_view(st[i].exp_avg_sq.data(), numel),
+                            &steps[i],
+                            grad,
+                            compute};
+        reference::adamw_step(std::span(&t, 1), c, read);
+      } else {
+        SignSgdConfig c = setup.optimizer.sign_sgd;
+        if (params[i].no_weight_decay) c.weight_decay = 0.0;
+        const SignSgdTensor t{f32_view(st[i].master.data(), numel), grad, compute};
+        reference::sign_sgd_step(std::span(&t, 1), c, read);
+      }
+    }
+  };
+  auto norm = [&](std::size_t first, std::size_t last, float scale, bool counted_only) {
+    std::vector<ConstTensorView> views;
+    for (std::size_t i = first; i < last; ++i)
+      if (!counted_only || params[i].counts_toward_norm)
+        views.push_back(const_view(acc[i].data(), params[i].numel));
+    return finalize(reference::norm_partial(views, GradientRead{scale, 1.0f}));
+  };
+
+  Run out;
+  out.loaded = st;
+  for (int s = 0; s < stream.steps; ++s) {
+    const float scale = stream.scale(s);
+    std::vector<bool> got(n, false);
+    for (int mb = 0; mb < stream.micro_batches(s); ++mb)
+      for (std::size_t i = 0; i < n; ++i) {
+        if (!stream.has_gradient(s, mb, i)) continue;
+        const std::vector<std::uint8_t> g = stream.gradient(s, mb, i);
+        const AccumulatePair pair{f32_view(acc[i].data(), params[i].numel),
+                                  ConstTensorView(g.data(), params[i].numel, params[i].grad_dtype),
+                                  !got[i]};
+        reference::accumulate(std::span(&pair, 1));
+        got[i] = true;
+      }
+    for (std::size_t i = 0; i < n; ++i)
+      if (!got[i]) std::fill(acc[i].begin(), acc[i].end(), 0.0f);
+    Step step;
+    if (!setup.overlap) {
+      StepReport& r = step.report;
+      r.norm = norm(0, n, scale, true);
+      if (setup.max_norm)
+        r.clip_coefficient = r.norm.finite ? clip_coefficient(r.norm.norm, *setup.max_norm) : 0.0f;
+      r.skipped = !r.norm.finite;
+      r.stepped = !r.skipped;
+      if (r.stepped) update(0, n, GradientRead{scale, r.clip_coefficient});
+    } else {
+      for (const auto& [first, last] : chunks) {
+        if (norm(first, last, scale, false).finite)
+          update(first, last, GradientRead{scale, 1.0f});
+        else
+          ++step.report.chunks_skipped;
+      }
+      step.report.stepped = step.report.chunks_skipped < chunks.size();
+    }
+    step.effective_scale = scale * step.report.clip_coefficient;
+    step.state = st;
+    out.steps.push_back(std::move(step));
+  }
+  return out;
+}
+
+}  // namespace manager_model
