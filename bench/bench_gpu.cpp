@@ -70,7 +70,7 @@ int main() {
     }
     const double probe_bw = r.probe_bytes / (r.probe_ms * 1e-3);
     std::printf("tensors    %zu, %zu elements (%zu blocks of %zu)\n", r.tensors, r.elements,
-                r.blocks, gpu::kChunkElements);
+                r.blocks, gpu::kBlockElements);
     std::printf("%-32s %8.3f ms  %7.1f GB/s  (probe: device-to-device copy)\n", "memcpy d2d",
                 r.probe_ms, probe_bw * 1e-9);
     for (const bench::GpuBenchRow& row : r.rows) {

@@ -57,8 +57,8 @@ std::vector<Chunk> make_chunks(std::size_t count, SizeOf size_of) {
   std::vector<Chunk> chunks;
   for (std::size_t t = 0; t < count; ++t) {
     const std::size_t n = size_of(t);
-    for (std::size_t b = 0; b < n; b += Engine::kChunkElements)
-      chunks.push_back({t, b, std::min(n, b + Engine::kChunkElements)});
+    for (std::size_t b = 0; b < n; b += Engine::kWorkChunkElements)
+      chunks.push_back({t, b, std::min(n, b + Engine::kWorkChunkElements)});
   }
   return chunks;
 }

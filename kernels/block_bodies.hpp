@@ -17,10 +17,10 @@
 #include <type_traits>
 
 #include "core/element_ops.hpp"
+#include "kernels/plans.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/detail/norm_finalize.hpp"
-#include "kernels/plans.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -116,7 +116,7 @@ struct NormLane {
 
 /// One thread's share of an exact norm (the rare fallback for an uncertifiable
 /// rounding): every square is deposited into integer digits, no rounding at all. A
-/// thread deposits at most kChunkElements / 32 squares, so its digits stay below 2^44.
+/// thread deposits at most kBlockElements / 32 squares, so its digits stay below 2^44.
 struct ExactNormLane {
   std::uint64_t digits[kNormDigits] = {};
   std::uint32_t max_bits = 0;
@@ -274,7 +274,7 @@ STEPCORE_HD_INLINE NormPartial to_partial(const ExactNormLane& l) {
 }
 
 /// Returns the block's partial from its combined lane: the binary64 block sum is
-/// deposited exactly (every path has at most kChunkElements / threads + log2(threads)
+/// deposited exactly (every path has at most kBlockElements / threads + log2(threads)
 /// additions, within kNormMaxBlockAdditions).
 STEPCORE_HD_INLINE NormPartial to_partial(const NormLane& l) {
   NormPartial p;

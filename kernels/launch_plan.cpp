@@ -16,7 +16,7 @@ namespace stepcore::gpu {
 
 namespace {
 
-/// Splits tensors [0, count) into chunks of kChunkElements, one block each, packed into
+/// Splits tensors [0, count) into chunks of kBlockElements, one block each, packed into
 /// launches of type Args (at most max_blocks blocks and max_tensors tensor slots each):
 /// `numel(i)` gives tensor i's size, `bind(args, slot, i)` fills the launch's per-tensor
 /// fields for it. Empty tensors get no block; a tensor continuing into the next launch
@@ -33,7 +33,7 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
   };
   for (std::size_t i = 0; i < count; ++i) {
     const std::uint64_t n = numel(i);
-    const std::uint64_t chunks = (n + kChunkElements - 1) / kChunkElements;
+    const std::uint64_t chunks = (n + kBlockElements - 1) / kBlockElements;
     for (std::uint64_t c = 0; c < chunks;) {
       if (cur.num_blocks == max_blocks || cur.num_tensors == max_tensors) flush();
       const int slot = cur.num_tensors++;
@@ -180,7 +180,7 @@ std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor>
 
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
-  for (const TensorView& t : tensors) blocks += (t.numel + kChunkElements - 1) / kChunkElements;
+  for (const TensorView& t : tensors) blocks += (t.numel + kBlockElements - 1) / kBlockElements;
   return blocks * sizeof(NormPartial);
 }
 
@@ -215,7 +215,7 @@ ScopedLaunchLimits::~ScopedLaunchLimits() {
 namespace emulate {
 namespace {
 void check_threads(int threads) {
-  // Each thread sums at most kChunkElements / threads squares: keep every path within
+  // Each thread sums at most kBlockElements / threads squares: keep every path within
   // the certified bound (kNormMaxBlockAdditions).
   if (threads < 32 || threads > 1024 || (threads & (threads - 1)) != 0)
     throw Error(Errc::out_of_range, "threads", "must be a power of two in [32, 1024]");

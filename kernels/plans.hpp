@@ -38,7 +38,7 @@ struct BlockTask {
 /// The blocks of one launch, per tensor slot: slot s owns blocks [start(s), block_end[s])
 /// (start(0) = 0, start(s) = block_end[s - 1]); its j-th block covers chunk
 /// first_chunk[s] + j of a tensor of numel[s] elements. Every block but a tensor's
-/// last covers exactly kChunkElements elements.
+/// last covers exactly kBlockElements elements.
 template <int N>
 struct BlockMap {
   std::uint64_t numel[N];
@@ -56,9 +56,9 @@ struct BlockMap {
         lo = mid + 1;
     }
     const std::uint32_t start = lo == 0 ? 0u : block_end[lo - 1];
-    const std::uint64_t begin = (first_chunk[lo] + (b - start)) * kChunkElements;
+    const std::uint64_t begin = (first_chunk[lo] + (b - start)) * kBlockElements;
     const std::uint64_t end =
-        begin + kChunkElements < numel[lo] ? begin + kChunkElements : numel[lo];
+        begin + kBlockElements < numel[lo] ? begin + kBlockElements : numel[lo];
     return BlockTask{static_cast<std::uint16_t>(lo), begin, end};
   }
 };

@@ -73,7 +73,7 @@ struct Tensors {
 
   Tensors(Device& d, DType t, std::uint32_t seed, float magnitude = 1.0f,
           bool non_negative = false) {
-    const std::size_t c = gpu::kChunkElements;
+    const std::size_t c = gpu::kBlockElements;
     const std::vector<std::size_t> sizes = {1, 31, 33, 0, 127, 1025, c - 1, c, c + 1, 3 * c + 5};
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.0f, magnitude);

@@ -28,7 +28,7 @@ namespace gpu_manager_cases {
 using namespace stepcore;
 using manager_model::ParamState;
 
-inline constexpr std::size_t kChunkElements = 5000;  // chunks {0-3}, {4}, {5}, {6}
+inline constexpr std::size_t kManagerChunkElements = 5000;  // chunks {0-3}, {4}, {5}, {6}
 inline constexpr int kSteps = 3;
 inline constexpr int kMicroBatches = 3;
 inline constexpr std::uint64_t kFingerprint = 0x5EED;
@@ -153,7 +153,7 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
   cfg.params = model(sc.grad_dtype);
   if (shard)
     for (std::size_t i = 0; i < cfg.params.size(); ++i) cfg.params[i].numel = shard->numel[i];
-  cfg.chunk_elements = kChunkElements;
+  cfg.chunk_elements = kManagerChunkElements;
   cfg.device = &dev;
   cfg.comm = comm;
   cfg.layout_fingerprint = kFingerprint;
@@ -223,8 +223,8 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
 
 /// The independent expectation over the whole model: manager_model (stepcore::reference).
 inline std::vector<StepOut> run_reference(const Scenario& sc) {
-  const manager_model::Setup setup{model(sc.grad_dtype), optimizer_of(sc.optimizer), kChunkElements,
-                                   sc.max_norm, sc.overlap};
+  const manager_model::Setup setup{model(sc.grad_dtype), optimizer_of(sc.optimizer),
+                                   kManagerChunkElements, sc.max_norm, sc.overlap};
   auto gradient = [&](int s, int mb, std::size_t i) {
     return gradient_bytes(sc, s, mb, i, 0, setup.params[i].numel);
   };

@@ -29,7 +29,7 @@ const int kThreadCounts[] = {1, 2, 3, 7};
 
 /// Boundary sizes of the issue plus the chunk size +-1.
 std::vector<std::size_t> boundary_sizes() {
-  const std::size_t c = cpu::Engine::kChunkElements;
+  const std::size_t c = cpu::Engine::kWorkChunkElements;
   return {0,  1,   7,   15,  16,   17,   31,   32,    33, 63,   64,
           65, 127, 128, 129, 1023, 1024, 1025, c - 1, c,  c + 1};
 }
@@ -236,7 +236,7 @@ TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
   std::vector<std::size_t> sizes;
   for (int i = 0; i < 300; ++i) sizes.push_back(rng() % 3000);
   sizes.push_back(1000003);
-  sizes.push_back(2 * cpu::Engine::kChunkElements + 5);
+  sizes.push_back(2 * cpu::Engine::kWorkChunkElements + 5);
   for (const Combo& c : {Combo{DType::bf16, 3, AdamWFormula::native, 0.1},
                          Combo{DType::f32, 2, AdamWFormula::torch, 0.0}}) {
     SCOPED_TRACE(name(c));

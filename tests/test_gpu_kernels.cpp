@@ -25,7 +25,7 @@ using namespace stepcore;
 TEST(GpuKernels, ScaleAndNormMatchTheReference) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
 #if defined(STEPCORE_WITH_CUDA)
-  const std::size_t c = gpu::kChunkElements;
+  const std::size_t c = gpu::kBlockElements;
   const std::vector<std::size_t> sizes = {0, 1, 33, 1025, c - 1, c, c + 1, 0, 5 * c + 3, 4000000};
   std::mt19937 rng(9);
   std::normal_distribution<float> nd(0.0f, 1e-2f);
@@ -112,7 +112,7 @@ TEST(GpuKernels, ScaleAndNormMatchTheReference) {
 TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
 #if defined(STEPCORE_WITH_CUDA)
-  const std::size_t c = gpu::kChunkElements;
+  const std::size_t c = gpu::kBlockElements;
   const std::vector<std::size_t> sizes = {1, 7, 33, c - 1, c + 1, 0, 3 * c + 5, 1000003};
   std::mt19937 rng(17);
   std::normal_distribution<float> nd(0.0f, 1.0f);

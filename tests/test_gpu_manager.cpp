@@ -83,7 +83,7 @@ std::unique_ptr<GradientManager> make_loaded(device::Device& dev, OffloadMode mo
   ManagerConfig cfg;
   cfg.mode = mode;
   cfg.params = model(DType::bf16);
-  cfg.chunk_elements = kChunkElements;
+  cfg.chunk_elements = kManagerChunkElements;
   cfg.device = &dev;
   cfg.comm = comm;
   cfg.layout_fingerprint = fingerprint;

@@ -25,7 +25,7 @@ namespace {
 using namespace stepcore;
 
 std::vector<std::size_t> sizes_with_empty() {
-  const std::size_t c = gpu::kChunkElements;
+  const std::size_t c = gpu::kBlockElements;
   return {0, 1, 31, 32, 33, 1023, 1024, 1025, 0, c - 1, c, c + 1, 3 * c + 7, 0, 129};
 }
 
@@ -57,7 +57,7 @@ TEST(GpuPlan, CoversEveryElementExactlyOnce) {
           const void* data = a.data[task.tensor];
           std::size_t t = 0;
           while (views[t].data != data || views[t].numel == 0) ++t;
-          ASSERT_LE(task.end - task.begin, gpu::kChunkElements);
+          ASSERT_LE(task.end - task.begin, gpu::kBlockElements);
           ASSERT_LT(task.begin, task.end);
           if (data == last_tensor) ASSERT_EQ(task.begin, last_end) << "chunks in order";
           last_tensor = data;
@@ -92,7 +92,7 @@ TEST(GpuPlan, TensorsBeyond2To31ElementsUse64BitRanges) {
     }
   EXPECT_EQ(covered, n);
   EXPECT_EQ(last_end, n);
-  EXPECT_EQ(plan.total_blocks, (n + gpu::kChunkElements - 1) / gpu::kChunkElements);
+  EXPECT_EQ(plan.total_blocks, (n + gpu::kBlockElements - 1) / gpu::kBlockElements);
   EXPECT_EQ(plan.launches.size(), 3u);
   // 1 GiB of bf16 (the benchmark's size) is one launch of 8,192 blocks: enough to fill
   // any GPU, where the old plans capped a launch at 256.
@@ -400,7 +400,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
 // rollback). Both formulas, aligned and misaligned tensors (the 16-byte and the
 // one-element paths), against the reference stepping with each replay's lr.
 TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
-  const std::vector<std::size_t> sizes{1, 33, 1025, gpu::kChunkElements + 7};
+  const std::vector<std::size_t> sizes{1, 33, 1025, gpu::kBlockElements + 7};
   for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
     for (std::size_t offset : {std::size_t{0}, std::size_t{1}}) {
       SCOPED_TRACE(std::string(f == AdamWFormula::torch ? "torch" : "native") + " offset " +

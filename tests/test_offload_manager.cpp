@@ -33,7 +33,7 @@ constexpr std::size_t kSizes[] = {0, 1, 33, 1025, 4097, 70000, 5};
 constexpr std::size_t kParams = std::size(kSizes);
 constexpr int kSteps = 3;
 constexpr int kMicro = 3;
-constexpr std::size_t kChunkElements = 5000;  // four chunks: {0..3}, {4}, {5}, {6}
+constexpr std::size_t kManagerChunkElements = 5000;  // four chunks: {0..3}, {4}, {5}, {6}
 
 // One element of the stream: step, micro-batch, parameter, element (logical index).
 using Site = std::array<std::size_t, 4>;
@@ -125,8 +125,8 @@ OptimizerSpec optimizer_of(const Scenario& s) {
 
 // The expectation: the whole (unsharded) model through manager_model (stepcore::reference).
 manager_model::Run expected(const Scenario& s) {
-  const manager_model::Setup setup{model(s.grad), optimizer_of(s), kChunkElements, s.max_norm,
-                                   s.overlap};
+  const manager_model::Setup setup{model(s.grad), optimizer_of(s), kManagerChunkElements,
+                                   s.max_norm, s.overlap};
   auto gradient = [&](int t, int m, std::size_t i) {
     return gradient_bytes(s, setup.params[i], t, m, i, 0, kSizes[i]);
   };
@@ -172,7 +172,7 @@ ManagerConfig config_of(const Scenario& s, const Shards& shards, device::Device*
   cfg.params = model(s.grad);
   for (std::size_t i = 0; i < kParams; ++i)
     cfg.params[i].numel = shards[i].second - shards[i].first;
-  cfg.chunk_elements = kChunkElements;
+  cfg.chunk_elements = kManagerChunkElements;
   cfg.device = dev;
   cfg.comm = comm;
   cfg.layout_fingerprint = 0x5eedull;

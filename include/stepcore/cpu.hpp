@@ -76,13 +76,13 @@ using NormMode = ::stepcore::NormMode;
 ///
 /// Every call validates all arguments first (stepcore::Error, nothing written),
 /// then runs one parallel region over all tensors with a static partition into
-/// chunks of kChunkElements, so the memory each thread touches does not depend
+/// chunks of kWorkChunkElements, so the memory each thread touches does not depend
 /// on timing. Determinism: bitwise for every result, for every ISA and thread count
 /// (the norm because its partial is exact); approximate partials are run_to_run.
 class Engine {
  public:
   /// Elements per work chunk (a multiple of every vector width and cache line).
-  static constexpr std::size_t kChunkElements = std::size_t{1} << 15;
+  static constexpr std::size_t kWorkChunkElements = std::size_t{1} << 15;
 
   /// Throws Errc::not_supported when the requested ISA (config.isa or STEPCORE_ISA)
   /// is not available here or fails its self-test (the message names the kernel),

@@ -14,8 +14,8 @@
 #include <span>
 #include <vector>
 
-#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/cuda.hpp"
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -25,7 +25,7 @@ namespace stepcore::gpu {
 /// Elements of one tensor handled by one thread block: a compile-time constant shared
 /// by every kernel, never derived from the device (so results and partials do not
 /// depend on the GPU model).
-inline constexpr std::size_t kChunkElements = std::size_t{1} << 16;
+inline constexpr std::size_t kBlockElements = std::size_t{1} << 16;
 /// Values of the device found-inf flag finalize_and_clip writes.
 inline constexpr std::int32_t kFoundInfNone = 0;       ///< finite norm, clip set
 inline constexpr std::int32_t kFoundInfNonFinite = 1;  ///< NaN/Inf seen or norm overflow
