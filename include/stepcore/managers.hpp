@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/device.hpp"
@@ -119,7 +120,7 @@ struct StepReport {
 /// asynchronous work (a failed copy, a worker exception, a collective that timed out)
 /// are raised by its next call, and by every call after it: the step they interrupted
 /// cannot be trusted, so the manager stays failed (close() still releases everything).
-/// Determinism: every mode, with or without overlap, on any device, thread count and
+/// Determinism: bitwise: every mode, with or without overlap, on any device, thread count and
 /// rank count, gives the same bits as the scalar reference applied to the same
 /// gradient stream (docs/numerics.md, "Gradient managers").
 class GradientManager final {
