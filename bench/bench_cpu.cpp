@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "cpu/testing.hpp"
-#include "model_sizes.hpp"
 #include "kernels/plans.hpp"
+#include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/gpu.hpp"

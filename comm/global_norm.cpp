@@ -202,10 +202,9 @@ NormResult global_norm(Communicator& comm, const NormLayout& layout, const Local
 
 NormResult global_norm(Communicator& comm, const NormLayout& layout, const cpu::Engine& engine,
                        GradientRead read) {
-  return global_norm(comm, layout,
-                     [&](std::span<const ConstTensorView> tensors, NormMode mode) {
-                       return engine.norm_partial(tensors, read, mode);
-                     });
+  return global_norm(comm, layout, [&](std::span<const ConstTensorView> tensors, NormMode mode) {
+    return engine.norm_partial(tensors, read, mode);
+  });
 }
 
 }  // namespace stepcore::comm

@@ -21,10 +21,10 @@
 
 #include "core/fp_env.hpp"
 #include "cpu/dispatch.hpp"
+#include "cpu/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/reference.hpp"
-#include "cpu/testing.hpp"
 
 namespace stepcore::cpu {
 namespace {

@@ -371,14 +371,14 @@ class HostDevice final : public Device {
                   const AdamWDeviceArgs& d) override {
     raise_pending();
     gpu::emulate::adamw_step(gpu::detail::checked_adamw_plan(d_tensors, config, d, memory_), d,
-                        threads_);
+                             threads_);
   }
 
   void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                      const SignSgdDeviceArgs& d) override {
     raise_pending();
-    gpu::emulate::sign_sgd_step(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_), d,
-                           threads_);
+    gpu::emulate::sign_sgd_step(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_),
+                                d, threads_);
   }
 
   cudaStream_t compute_stream() const noexcept override { return nullptr; }

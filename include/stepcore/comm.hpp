@@ -19,8 +19,8 @@
 #include <string_view>
 #include <vector>
 
-#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/cuda.hpp"
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"

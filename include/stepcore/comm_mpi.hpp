@@ -7,8 +7,8 @@
 #include <chrono>
 #include <memory>
 
-#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 
 namespace stepcore::comm {
 

@@ -6,9 +6,9 @@
 #include <chrono>
 #include <memory>
 
-#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
 #include "stepcore/cuda.hpp"
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 
 struct ncclComm;
 typedef struct ncclComm* ncclComm_t;  // NOLINT: the same typedef as <nccl.h>

@@ -23,9 +23,9 @@
 #include <string_view>
 #include <vector>
 
-#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/comm.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/device.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

@@ -49,9 +49,10 @@ void expect(bool ok, const char* what) {
 int main() {
   using namespace stepcore;
   char version[32];
-  std::snprintf(version, sizeof version, "%d.%d.%d", STEPCORE_VERSION_MAJOR,
-                STEPCORE_VERSION_MINOR, STEPCORE_VERSION_PATCH);
-  expect(std::strcmp(version, CONSUMER_VERSION) == 0, "STEPCORE_VERSION_* match the package version");
+  std::snprintf(version, sizeof version, "%d.%d.%d", STEPCORE_VERSION_MAJOR, STEPCORE_VERSION_MINOR,
+                STEPCORE_VERSION_PATCH);
+  expect(std::strcmp(version, CONSUMER_VERSION) == 0,
+         "STEPCORE_VERSION_* match the package version");
   expect(std::strcmp(STEPCORE_VERSION_STRING, CONSUMER_VERSION) == 0, "STEPCORE_VERSION_STRING");
   expect(cuda::built_with_cuda() == bool(CONSUMER_EXPECT_CUDA),
          "cuda::built_with_cuda() agrees with stepcore_cuda_FOUND");
@@ -67,13 +68,15 @@ int main() {
   const TensorView reference_view = f32_view(reference_data.data(), reference_data.size());
   engine.scale_(std::span<const TensorView>(&engine_view, 1), 0.3f);
   reference::scale_(std::span<const TensorView>(&reference_view, 1), 0.3f);
-  expect(std::memcmp(engine_data.data(), reference_data.data(), engine_data.size() * sizeof(float)) == 0,
+  expect(std::memcmp(engine_data.data(), reference_data.data(),
+                     engine_data.size() * sizeof(float)) == 0,
          "Engine::scale_ equals reference::scale_ bit for bit");
 
   const ConstTensorView engine_const = engine_view;
   const ConstTensorView reference_const = reference_view;
   const NormResult fast = engine.norm(std::span<const ConstTensorView>(&engine_const, 1));
-  const NormResult exact = finalize(reference::norm_partial(std::span<const ConstTensorView>(&reference_const, 1)));
+  const NormResult exact =
+      finalize(reference::norm_partial(std::span<const ConstTensorView>(&reference_const, 1)));
   expect(std::bit_cast<std::uint32_t>(fast.norm) == std::bit_cast<std::uint32_t>(exact.norm),
          "Engine::norm equals finalize(reference::norm_partial) bit for bit");
   expect(fast.finite && fast.norm > 0.0f, "the norm is finite and positive");
@@ -89,8 +92,8 @@ int main() {
 
 #if CONSUMER_NCCL
   // Links (not called: that needs a GPU).
-  std::unique_ptr<comm::Communicator> (*nccl_entry)(ncclComm_t, cudaStream_t, std::chrono::milliseconds) =
-      &comm::make_nccl_communicator;
+  std::unique_ptr<comm::Communicator> (*nccl_entry)(
+      ncclComm_t, cudaStream_t, std::chrono::milliseconds) = &comm::make_nccl_communicator;
   expect(nccl_entry != nullptr, "the NCCL communicator links");
 #endif
 #if defined(CONSUMER_MPI)
@@ -99,8 +102,9 @@ int main() {
   expect(mpi_entry != nullptr, "the MPI communicator links");
 #endif
 
-  std::printf("consumer: stepcore %s (isa %s, cuda %d), scale_ and norm match the reference: norm %a\n",
-              STEPCORE_VERSION_STRING, std::string(engine.isa_name()).c_str(),
-              int(cuda::built_with_cuda()), static_cast<double>(fast.norm));
+  std::printf(
+      "consumer: stepcore %s (isa %s, cuda %d), scale_ and norm match the reference: norm %a\n",
+      STEPCORE_VERSION_STRING, std::string(engine.isa_name()).c_str(), int(cuda::built_with_cuda()),
+      static_cast<double>(fast.norm));
   return failures == 0 ? 0 : 1;
 }

@@ -129,7 +129,8 @@ ManagersOptions managers_options(const Options& o, const Backend& backend) {
   mo.micro_batches = o.micro_batches;
   mo.max_norm = o.max_norm;
   mo.grad_dtype = o.grad_dtype;
-  mo.optimizer.kind = o.optimizer == Optimizer::adamw ? sc::OptimizerKind::adamw : sc::OptimizerKind::sign_sgd;
+  mo.optimizer.kind =
+      o.optimizer == Optimizer::adamw ? sc::OptimizerKind::adamw : sc::OptimizerKind::sign_sgd;
   mo.optimizer.adamw.lr = o.lr;
   mo.optimizer.adamw.weight_decay = o.weight_decay;
   mo.optimizer.adamw.formula = o.formula;
