@@ -128,8 +128,7 @@ class CudaDevice final : public Device {
       device_mem_.remove(p);
       if (cudaFree(p) != cudaSuccess) cudaGetLastError();
     }
-    for (auto& [p, buffer] : host_buffers_) cuda::host_unregister(p);
-    host_buffers_.clear();
+    host_buffers_.for_each([](void* p) { cuda::host_unregister(p); });
     destroy_streams();
   }
 
@@ -160,31 +159,23 @@ class CudaDevice final : public Device {
   }
 
   void* allocate_host(std::size_t bytes, int numa_node) override {
-    if (numa_node < -1) throw Error(Errc::invalid_argument, "numa_node", "must be >= -1");
     const DeviceGuard guard(ordinal_);
-    const std::size_t n = bytes == 0 ? 1 : bytes;
-    // mmap'd, bound to the node, zero-filled; pinning faults the pages in there.
-    numa::HostBuffer buffer(n, numa_node);
-    cuda::host_register(buffer.data(), buffer.bytes());
-    void* p = buffer.data();
-    host_buffers_.emplace(p, std::move(buffer));
-    host_mem_.add(p, n);
-    return p;
+    // Pinning faults the pages in on the node the buffer is bound to.
+    return host_buffers_.add(bytes, numa_node,
+                             [](void* p, std::size_t n) { cuda::host_register(p, n); });
   }
 
   void deallocate_host(void* p) noexcept override {
-    const auto it = host_buffers_.find(p);
-    if (it == host_buffers_.end()) return;
+    if (!host_buffers_.owns(p)) return;
     const DeviceGuard guard(ordinal_, std::nothrow);
     synchronize_quietly();
     cuda::host_unregister(p);
-    host_mem_.remove(p);
-    host_buffers_.erase(it);
+    host_buffers_.remove(p);
   }
 
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
-    detail::check_copy(device_mem_, host_mem_, dst, src, bytes);
+    detail::check_copy(device_mem_, host_buffers_.ranges(), dst, src, bytes);
     if (bytes == 0) return;
     const DeviceGuard guard(ordinal_);
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream(q)), "cudaMemcpyAsync");
@@ -192,7 +183,7 @@ class CudaDevice final : public Device {
 
   void zero(Queue q, void* dst, std::size_t bytes) override {
     detail::check_queue(q);
-    detail::check_zero(device_mem_, host_mem_, dst, bytes);
+    detail::check_zero(device_mem_, host_buffers_.ranges(), dst, bytes);
     if (bytes == 0) return;
     const DeviceGuard guard(ordinal_);
     if (is_device_memory(dst)) {
@@ -346,8 +337,8 @@ class CudaDevice final : public Device {
   const std::string name_;
   std::array<cudaStream_t, 3> streams_{};  // indexed by Queue: compute, d2h, h2d
   bool owns_compute_ = false;
-  detail::Allocations device_mem_, host_mem_;
-  std::map<void*, numa::HostBuffer> host_buffers_;
+  detail::Allocations device_mem_;
+  detail::HostBuffers host_buffers_;
 };
 
 }  // namespace

@@ -12,6 +12,7 @@
 
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/numa.hpp"
 
 namespace stepcore::device {
 
@@ -88,6 +89,41 @@ inline void check_queue(Queue q) {
   if (q != Queue::compute && q != Queue::d2h && q != Queue::h2d)
     throw Error(Errc::invalid_argument, "q", "not a queue");
 }
+
+// The host allocations of a device (allocate_host): NUMA-placed, zero-filled buffers by
+// start, and their ranges for the copy checks. Both devices keep them alike; the CUDA
+// device also page-locks each one (the `pin` step of add, `unpin` on release).
+class HostBuffers {
+ public:
+  // Returns a new buffer of max(bytes, 1) bytes placed on `numa_node` (>= -1), after
+  // pin(data, bytes) succeeded (if it throws, nothing is kept).
+  template <class Pin>
+  void* add(std::size_t bytes, int numa_node, Pin&& pin) {
+    if (numa_node < -1) throw Error(Errc::invalid_argument, "numa_node", "must be >= -1");
+    const std::size_t n = bytes == 0 ? 1 : bytes;
+    numa::HostBuffer buffer(n, numa_node);  // mmap'd: page-aligned, zero-filled, bound
+    pin(buffer.data(), buffer.bytes());
+    void* p = buffer.data();
+    buffers_.emplace(p, std::move(buffer));
+    ranges_.add(p, n);
+    return p;
+  }
+  bool owns(const void* p) const { return buffers_.count(const_cast<void*>(p)) != 0; }
+  // Frees buffer p (its queued work must be done); a pointer not from add is ignored.
+  void remove(void* p) {
+    if (buffers_.erase(p) != 0) ranges_.remove(p);
+  }
+  // Calls f(start) for every buffer (e.g. to unpin them all before the device goes).
+  template <class F>
+  void for_each(F&& f) const {
+    for (const auto& entry : buffers_) f(entry.first);
+  }
+  const Allocations& ranges() const noexcept { return ranges_; }
+
+ private:
+  std::map<void*, numa::HostBuffer> buffers_;
+  Allocations ranges_;
+};
 
 }  // namespace detail
 }  // namespace stepcore::device

@@ -213,27 +213,19 @@ class HostDevice final : public Device {
   }
 
   void* allocate_host(std::size_t bytes, int numa_node) override {
-    if (numa_node < -1) throw Error(Errc::invalid_argument, "numa_node", "must be >= -1");
-    const std::size_t n = bytes == 0 ? 1 : bytes;
-    numa::HostBuffer buffer(n, numa_node);  // mmap: page-aligned and zero-filled
-    void* p = buffer.data();
-    host_buffers_.emplace(p, std::move(buffer));
-    host_mem_.add(p, n);
-    return p;
+    return host_buffers_.add(bytes, numa_node, [](void*, std::size_t) {});  // nothing to pin
   }
 
   void deallocate_host(void* p) noexcept override {
-    const auto it = host_buffers_.find(p);
-    if (it == host_buffers_.end()) return;
+    if (!host_buffers_.owns(p)) return;
     drain();
-    host_mem_.remove(p);
-    host_buffers_.erase(it);
+    host_buffers_.remove(p);
   }
 
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
     raise_pending();
-    detail::check_copy(device_mem_, host_mem_, dst, src, bytes);
+    detail::check_copy(device_mem_, host_buffers_.ranges(), dst, src, bytes);
     if (bytes == 0) return;
     const bool fail = take_injected(q);
     submit(q, [dst, src, bytes, fail] {
@@ -245,7 +237,7 @@ class HostDevice final : public Device {
   void zero(Queue q, void* dst, std::size_t bytes) override {
     detail::check_queue(q);
     raise_pending();
-    detail::check_zero(device_mem_, host_mem_, dst, bytes);
+    detail::check_zero(device_mem_, host_buffers_.ranges(), dst, bytes);
     if (bytes == 0) return;
     submit(q, [dst, bytes] { std::memset(dst, 0, bytes); });
   }
@@ -438,8 +430,8 @@ class HostDevice final : public Device {
   };
 
   const int threads_;
-  detail::Allocations device_mem_, host_mem_;
-  std::map<void*, numa::HostBuffer> host_buffers_;
+  detail::Allocations device_mem_;
+  detail::HostBuffers host_buffers_;
   std::array<int, 3> inject_{-1, -1, -1};
   Failure failure_;
   // Last: destroyed (drained and joined) first, while memory and failure_ still exist.
