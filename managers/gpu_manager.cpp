@@ -94,7 +94,11 @@ class GpuGradientManager final : public ManagerImpl {
   void do_begin_backward() override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
   void do_gradient_ready(std::size_t i, bool first_in_step, const Event& written) override;
-  Event do_gradient_released(std::size_t i) const override { return released_[i]; }
+  // The compute queue is in order: an event recorded now follows the accumulation of i's
+  // last gradient (and whatever came after it), so no event is made per gradient.
+  Event do_gradient_released(std::size_t i) const override {
+    return accumulated_[i] ? dev_.record(Queue::compute) : Event();
+  }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
   NormResult do_clip_grad_norm(float max_norm, float& clip) override;
@@ -137,7 +141,7 @@ class GpuGradientManager final : public ManagerImpl {
   device::Device& dev_;
   bool eager_ = true;  // acc <- R(acc * s) in place at the final finish_backward
   std::vector<Param> params_;
-  std::vector<Event> released_;  // per parameter: its gradient's last read is done
+  std::vector<std::uint8_t> accumulated_;  // per parameter: a gradient was read at least once
 
   // Views for the kernels.
   std::vector<TensorView> counted_, uncounted_;
@@ -188,7 +192,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const std::size_t nchunks = chunks().size();
   const bool adamw = is_adamw();
   params_.resize(n);
-  released_.resize(n);
+  accumulated_.assign(n, 0);
   // The bias table first: it validates the optimizer configuration before any memory.
   const std::vector<double> bias =
       adamw ? gpu::make_adamw_bias_table(cfg.optimizer.adamw) : std::vector<double>{};
@@ -565,7 +569,7 @@ void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
   dev_.wait(Queue::compute, written);  // the trainer's write, before the read
   const AccumulatePair pair{q.acc, q.grad, first_in_step};
   dev_.accumulate(std::span(&pair, 1));
-  released_[i] = dev_.record(Queue::compute);
+  accumulated_[i] = 1;
 }
 
 void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> no_gradient) {
