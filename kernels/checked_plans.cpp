@@ -98,8 +98,10 @@ AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamW
   if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
   if (d.bias_table == nullptr)
     throw Error(Errc::null_pointer, "d.bias_table", "required: gpu::make_adamw_bias_table(config)");
-  ::stepcore::detail::validate_adamw(d_tensors, config, GradientRead{},
-                                     ::stepcore::detail::StepCounters::unread);  // before memory
+  // The plan validates every host-side argument (before any memory is looked at) and
+  // touches no buffer: build it first, then check the memory, so validation runs once.
+  const LaunchLimits lim = launch_limits(true);
+  AdamWPlan plan = make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
   check(d.scale, sizeof(float), "d.scale");
   check(d.clip, sizeof(float), "d.clip");
   check(d.bias_table, 2 * sizeof(double), "d.bias_table");
@@ -117,15 +119,16 @@ AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamW
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
   }
-  const LaunchLimits lim = launch_limits(true);
-  return make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
+  return plan;
 }
 
 std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
                                                      const SignSgdConfig& config,
                                                      const SignSgdDeviceArgs& d,
                                                      const MemoryCheck& check) {
-  ::stepcore::detail::validate_sign_sgd(d_tensors, config, GradientRead{});  // before memory
+  const LaunchLimits lim = launch_limits(true);  // the plan validates, as for AdamW
+  std::vector<SignSgdLaunchArgs> launches =
+      make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
   if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), "d.found_inf");
   if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), "d.hyper");
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
@@ -137,8 +140,7 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
   }
-  const LaunchLimits lim = launch_limits(true);
-  return make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
+  return launches;
 }
 
 void check_finalize_args(const NormPartial* d_partial, const char* partial_name, float max_norm,
