@@ -31,6 +31,10 @@ std::string_view errc_name(Errc c) noexcept {
       return "timeout";
     case Errc::internal:
       return "internal";
+    case Errc::io_error:
+      return "io_error";
+    case Errc::corrupt_file:
+      return "corrupt_file";
   }
   return "unknown";
 }

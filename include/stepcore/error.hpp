@@ -25,6 +25,8 @@ enum class Errc : std::uint8_t {
   mpi_error,             ///< runtime: an MPI call failed
   timeout,               ///< runtime: a peer or a copy did not arrive in time
   internal,              ///< runtime: a broken invariant (a bug; please report)
+  io_error,              ///< runtime: a file could not be read, written, synced or renamed
+  corrupt_file,          ///< a file is not what it claims (truncated, bad checksum, bad layout)
 };
 
 /// Returns a stable lower-case name for `c` ("size_mismatch", ...).

@@ -1,0 +1,98 @@
+// The checkpoint file of one rank (docs/checkpoint.md is the format): what a gradient
+// manager's save_checkpoint writes and load_checkpoint reads — a versioned header (the
+// optimizer, the parameter groups, every parameter's name, size, group and step counter)
+// and the f32 arrays (master, exp_avg, exp_avg_sq) — written atomically and verified
+// completely (sizes, offsets, checksums) before anything is handed to the manager.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace stepcore::detail::checkpoint {
+
+/// The format version this build writes and the only one it reads.
+inline constexpr std::uint32_t kFormatVersion = 1;
+
+/// One parameter group as the file records it.
+struct GroupRecord {
+  std::string name;
+  double lr = 0.0;
+  double weight_decay = 0.0;
+  double beta1 = 0.0;  ///< AdamW only (0 for SignSGD)
+  double beta2 = 0.0;  ///< AdamW only
+  double eps = 0.0;    ///< AdamW only
+};
+
+/// One parameter (this rank's shard) as the file records it; its arrays are in the payload.
+struct ParamRecord {
+  std::string name;
+  std::uint64_t numel = 0;
+  std::uint32_t group = 0;  ///< index into Header::groups
+  float step = 0.0f;        ///< AdamW step counter (0 for SignSGD)
+};
+
+/// Everything in the file but the arrays.
+struct Header {
+  std::uint32_t optimizer = 0;   ///< OptimizerKind
+  std::uint32_t formula = 0;     ///< AdamWFormula (0 for SignSGD)
+  std::uint32_t saved_mode = 0;  ///< OffloadMode of the manager that saved (informational)
+  /// f32 arrays per parameter: 3 (master, exp_avg, exp_avg_sq: AdamW) or 1 (master: SignSGD).
+  std::uint32_t arrays = 3;
+  std::int32_t rank = 0;
+  std::int32_t world_size = 1;
+  std::uint64_t layout_fingerprint = 0;
+  std::string library_version;  ///< informational
+  std::vector<GroupRecord> groups;
+  std::vector<ParamRecord> params;
+};
+
+/// Supplies array `a` (0 master, 1 exp_avg, 2 exp_avg_sq) of parameter `i`: numel floats,
+/// valid until the next call (a view of host state, or a copy the source owns).
+using ArraySource = std::function<std::span<const float>(std::size_t i, std::size_t a)>;
+
+/// Writes `header` and the arrays `source` supplies (params in order, arrays in order) to
+/// `path`, atomically: a temporary file in the same directory, written in full (short
+/// writes and EINTR retried), fsync'ed, renamed over `path`, then the directory fsync'ed.
+/// On any failure the temporary file is removed and `path` is what it was before
+/// (Errc::io_error naming "path" with the system's reason). Throws Errc::invalid_argument
+/// for a header that cannot be written (arrays not 1 or 3, a group index out of range, a
+/// source span of the wrong size) before creating anything.
+void save(const std::string& path, const Header& header, const ArraySource& source);
+
+/// A checkpoint file, opened and verified: magic, format version, every length and offset
+/// inside the file, no two arrays overlapping, the header's and the payload's CRC-32C.
+/// Any disagreement is Errc::corrupt_file naming "path" and what is wrong (a file that
+/// cannot be opened or read: Errc::io_error). The arrays are read-only views of the
+/// file's contents, valid while the File lives.
+class File {
+ public:
+  static File open(const std::string& path);
+  ~File();
+  File(File&&) noexcept;
+  File& operator=(File&&) noexcept;
+
+  const Header& header() const noexcept;
+  /// Returns array `a` of parameter `i` (numel floats; a < header().arrays).
+  std::span<const float> array(std::size_t i, std::size_t a) const;
+
+ private:
+  struct Impl;
+  explicit File(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Throws unless the file's header (`file`, read from `path`) can be loaded by the manager
+/// whose header is `mine`: the same optimizer, formula and arrays; the same groups (count,
+/// names, betas and eps; lr and weight decay may differ: they are the schedule's state and
+/// are restored); the same rank, world size and layout fingerprint; the same parameters
+/// (count, and each one's name, numel and group). The error names the first difference,
+/// e.g. Errc::invalid_argument naming "checkpoint.params[3].name" with "'w2' in <path>,
+/// 'w3' in this manager"; differing sizes are Errc::size_mismatch.
+void check_compatible(const Header& file, const Header& mine, const std::string& path);
+
+}  // namespace stepcore::detail::checkpoint
