@@ -1,6 +1,6 @@
 // What both gradient managers do the same way, in one place: the compute weights of a
 // master (round_into), the views of one allocation (SlabViews, laid out by layout_slab),
-// and the weight-decay groups of a range of parameters (for_each_decay_group).
+// and the parameter groups of a range of parameters (for_each_group).
 #pragma once
 
 #include <algorithm>
@@ -58,30 +58,18 @@ inline std::size_t slab_allocation_bytes(const SlabLayout& layout) {
   return std::max(layout.total_bytes, kSlabViewAlignment);
 }
 
-/// The weight-decay groups: 0 holds the parameters with the configured weight decay,
-/// 1 those marked ParamSpec::no_weight_decay (updated with weight decay 0).
-inline constexpr std::size_t kDecayGroups = 2;
-
-/// Returns the optimizer configuration (AdamWConfig or SignSgdConfig) of decay group
-/// `group`: `config`, with weight decay 0 for group 1.
-template <class Config>
-Config decay_group_config(Config config, std::size_t group) {
-  if (group == 1) config.weight_decay = 0.0;
-  return config;
-}
-
-/// Calls step(group, params) for each decay group of parameters [first, last) that is
-/// not empty, group 0 first; `params` (a std::span<const std::size_t>) lists the group's
-/// parameter indices in order. One optimizer call per group changes no bit: each
-/// element's update depends only on its own tensor's configuration.
+/// Calls step(group, params) for each parameter group with members in parameters
+/// [first, last), in group order; `params` (a std::span<const std::size_t>) lists the
+/// group's parameter indices in order. One optimizer call per group changes no bit:
+/// each element's update depends only on its own tensor's configuration.
 template <class Step>
-void for_each_decay_group(std::span<const ParamSpec> specs, std::size_t first, std::size_t last,
-                          Step&& step) {
+void for_each_group(std::span<const ParamSpec> specs, std::size_t groups, std::size_t first,
+                    std::size_t last, Step&& step) {
   std::vector<std::size_t> members;
-  for (std::size_t group = 0; group < kDecayGroups; ++group) {
+  for (std::size_t group = 0; group < groups; ++group) {
     members.clear();
     for (std::size_t i = first; i < last; ++i)
-      if ((specs[i].no_weight_decay ? 1u : 0u) == group) members.push_back(i);
+      if (specs[i].group == group) members.push_back(i);
     if (!members.empty()) step(group, std::span<const std::size_t>(members));
   }
 }

@@ -89,11 +89,14 @@ class GpuGradientManager final : public ManagerImpl {
   ~GpuGradientManager() override;
 
  protected:
-  void do_load_parameter(std::size_t i, std::span<const float> master) override;
+  void do_import_parameter(std::size_t i, std::span<const float> master,
+                           std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
+                           float step) override;
   void do_begin_step() override;
   void do_begin_backward() override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
-  void do_gradient_ready(std::size_t i, bool first_in_step, const Event& written) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
+                         const Event& written) override;
   // The compute queue is in order: an event recorded now follows the accumulation of i's
   // last gradient (and whatever came after it), so no event is made per gradient.
   Event do_gradient_released(std::size_t i) const override {
@@ -107,6 +110,8 @@ class GpuGradientManager final : public ManagerImpl {
   ConstTensorView do_compute_weights(std::size_t i) const override;
   void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
                          std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_step_counts(std::span<float> out) override;
+  GradientManager::HostState do_host_state(std::size_t i) override;
   void do_synchronize() override;
   std::exception_ptr do_close() noexcept override;
 
@@ -124,6 +129,7 @@ class GpuGradientManager final : public ManagerImpl {
   bool streamed() const noexcept { return mode() == OffloadMode::optimizer; }
   void free_memory() noexcept;
   void ensure_scale();
+  void ensure_hyper();
   void ensure_global_partial();
   void enqueue_finalize(float max_norm);
   void reduce(NormPartial* d_partial);
@@ -154,9 +160,11 @@ class GpuGradientManager final : public ManagerImpl {
   std::size_t workspace_bytes_ = 0;
   std::byte* hmem_ = nullptr;
   StepScalars* d_ = nullptr;
-  float* d_steps_ = nullptr;        // AdamW step counters, one per parameter
-  StepHyper* d_hyper_ = nullptr;    // [0]: configured weight decay, [1]: no_weight_decay
-  const double* d_bias_ = nullptr;  // AdamW bias table (gpu::make_adamw_bias_table)
+  float* d_steps_ = nullptr;       // AdamW step counters, one per parameter
+  StepHyper* d_hyper_ = nullptr;   // per group: lr and weight decay as the kernels read them
+  StepHyper* h_hyper_ = nullptr;   // their pinned staging (rewritten only between steps)
+  std::uint64_t hyper_uploaded_ = 0;           // hyper_version() of d_hyper_'s values
+  std::vector<const double*> d_bias_;          // per group: its betas' bias table
   ChunkScalars* d_chunks_ = nullptr;
   std::int32_t* d_flags_ = nullptr;
   HostWords* h_ = nullptr;
@@ -193,9 +201,24 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const bool adamw = is_adamw();
   params_.resize(n);
   accumulated_.assign(n, 0);
-  // The bias table first: it validates the optimizer configuration before any memory.
-  const std::vector<double> bias =
-      adamw ? gpu::make_adamw_bias_table(cfg.optimizer.adamw) : std::vector<double>{};
+  const std::size_t ngroups = groups().size();
+  // The bias tables first (they may refuse a beta too close to 1, before any memory): one
+  // per distinct pair of betas; bias_of[g] is group g's.
+  std::vector<std::vector<double>> bias;
+  std::vector<std::size_t> bias_of(ngroups, 0);
+  for (std::size_t g = 0; g < ngroups && adamw; ++g) {
+    const ParamGroup& pg = groups()[g];
+    std::size_t t = 0;
+    while (t < g && !(groups()[t].beta1 == pg.beta1 && groups()[t].beta2 == pg.beta2)) ++t;
+    if (t < g) {
+      bias_of[g] = bias_of[t];
+      continue;
+    }
+    bias_of[g] = bias.size();
+    with_group_names(cfg.groups.empty() ? "optimizer.adamw." : "groups[" + std::to_string(g) + "].",
+                     "optimizer.adamw.",
+                     [&] { bias.push_back(gpu::make_adamw_bias_table(adamw_config(g))); });
+  }
 
   // Device views: per parameter grad, acc, compute (and master, m, v in mode none); the
   // scalars; mode optimizer: the ring of slots, each as large as the largest chunk block.
@@ -206,10 +229,11 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   SlabViews dev_views;
   for (std::size_t i = 0; i < n; ++i) {
     const ParamSpec& p = cfg.params[i];
-    view[i].grad = dev_views.add(p.numel * dtype_size(p.grad_dtype));
+    view[i].grad = dev_views.add(p.gradient_buffer ? p.numel * dtype_size(p.grad_dtype) : 0);
     view[i].acc = dev_views.add(p.numel * 4);
-    view[i].compute =
-        dev_views.add(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
+    const bool own_compute =
+        p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0;
+    view[i].compute = dev_views.add(own_compute ? p.numel * dtype_size(p.compute_dtype) : 0);
     if (!streamed()) {
       view[i].master = dev_views.add(p.numel * 4);
       view[i].exp_avg = dev_views.add(adamw ? p.numel * 4 : 0);
@@ -218,8 +242,9 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   }
   const std::size_t scalars_view = dev_views.add(sizeof(StepScalars));
   const std::size_t steps_view = dev_views.add(sizeof(float) * n);
-  const std::size_t hyper_view = dev_views.add(sizeof(StepHyper) * kDecayGroups);
-  const std::size_t bias_view = dev_views.add(sizeof(double) * bias.size());
+  const std::size_t hyper_view = dev_views.add(sizeof(StepHyper) * ngroups);
+  std::vector<std::size_t> bias_view;
+  for (const auto& table : bias) bias_view.push_back(dev_views.add(sizeof(double) * table.size()));
   const std::size_t chunks_view = dev_views.add(sizeof(ChunkScalars) * nchunks);
   const std::size_t flags_view = dev_views.add(sizeof(std::int32_t) * nchunks);
 
@@ -228,6 +253,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   SlabViews host_views;
   const std::size_t words_view = host_views.add(sizeof(HostWords));
   const std::size_t hflags_view = host_views.add(sizeof(std::int32_t) * nchunks);
+  const std::size_t hhyper_view = host_views.add(sizeof(StepHyper) * ngroups);
   std::vector<std::size_t> chunk_host_view(nchunks, 0);
   std::size_t slot_bytes = 0;
   if (streamed()) {
@@ -269,7 +295,9 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     d_ = reinterpret_cast<StepScalars*>(dev_at(scalars_view));
     d_steps_ = reinterpret_cast<float*>(dev_at(steps_view));
     d_hyper_ = reinterpret_cast<StepHyper*>(dev_at(hyper_view));
-    d_bias_ = reinterpret_cast<const double*>(dev_at(bias_view));
+    h_hyper_ = reinterpret_cast<StepHyper*>(host_at(hhyper_view));
+    for (std::size_t g = 0; g < ngroups && adamw; ++g)
+      d_bias_.push_back(reinterpret_cast<const double*>(dev_at(bias_view[bias_of[g]])));
     d_chunks_ = reinterpret_cast<ChunkScalars*>(dev_at(chunks_view));
     d_flags_ = reinterpret_cast<std::int32_t*>(dev_at(flags_view));
     h_ = reinterpret_cast<HostWords*>(host_at(words_view));
@@ -282,9 +310,12 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     for (std::size_t i = 0; i < n; ++i) {
       const ParamSpec& p = cfg.params[i];
       Param& q = params_[i];
-      q.grad = {dev_at(view[i].grad), p.numel, p.grad_dtype};
+      if (p.gradient_buffer) q.grad = {dev_at(view[i].grad), p.numel, p.grad_dtype};
       q.acc = {dev_at(view[i].acc), p.numel, DType::f32};
-      if (p.has_compute_weights) q.compute = {dev_at(view[i].compute), p.numel, p.compute_dtype};
+      if (p.compute_into.data != nullptr || p.compute_into.numel != 0)
+        q.compute = p.compute_into;  // the caller's storage (validated by the base)
+      else if (p.has_compute_weights)
+        q.compute = {dev_at(view[i].compute), p.numel, p.compute_dtype};
       if (streamed()) {
         std::byte* block = chunk_host_[chunk_of(i)];
         q.master = reinterpret_cast<float*>(block + q.master_off);
@@ -327,15 +358,13 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     h_->check = comm::make_layout_check(cfg.layout_fingerprint);
     dev_.copy(Queue::compute, &d_->one, &h_->one, sizeof(float));
     dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
-    // The per-step hyper-parameters and the bias table, read by every step's kernels.
-    const double lr = adamw ? cfg.optimizer.adamw.lr : cfg.optimizer.sign_sgd.lr;
-    StepHyper hyper[kDecayGroups];
-    for (std::size_t g = 0; g < kDecayGroups; ++g)
-      hyper[g] = {lr, adamw ? decay_group_config(cfg.optimizer.adamw, g).weight_decay
-                            : decay_group_config(cfg.optimizer.sign_sgd, g).weight_decay};
-    dev_.copy(Queue::compute, d_hyper_, hyper, sizeof hyper);
-    if (!bias.empty())
-      dev_.copy(Queue::compute, dev_at(bias_view), bias.data(), sizeof(double) * bias.size());
+    // The groups' hyper-parameters (ensure_hyper keeps them current) and the bias
+    // tables, read by every step's kernels.
+    for (std::size_t t = 0; t < bias.size(); ++t)
+      dev_.copy(Queue::compute, dev_at(bias_view[t]), bias[t].data(),
+                sizeof(double) * bias[t].size());
+    hyper_uploaded_ = hyper_version() + 1;  // differs: the first ensure_hyper uploads
+    ensure_hyper();
     dev_.synchronize();  // the sources are this frame's memory
   } catch (...) {
     free_memory();
@@ -400,6 +429,18 @@ void GpuGradientManager::wait_idle() {
   wait_all();
 }
 
+// Uploads the groups' lr and weight decay when set_hyperparameters (or a checkpoint)
+// changed them since the last upload: through the pinned staging words, which no queued
+// work still reads (the previous step was waited for by begin_step, and load/import wait
+// for everything), on the compute queue ahead of the step's kernels. No host wait.
+void GpuGradientManager::ensure_hyper() {
+  if (hyper_uploaded_ == hyper_version()) return;
+  for (std::size_t g = 0; g < groups().size(); ++g)
+    h_hyper_[g] = {groups()[g].lr, groups()[g].weight_decay};
+  dev_.copy(Queue::compute, d_hyper_, h_hyper_, sizeof(StepHyper) * groups().size());
+  hyper_uploaded_ = hyper_version();
+}
+
 void GpuGradientManager::ensure_scale() {
   if (scale_uploaded_) return;
   h_->scale = gradient_scale();
@@ -457,10 +498,11 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
   auto state = [slot](float* resident, std::size_t slot_off) {
     return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
   };
-  // One call per weight-decay group; each group's lr and weight decay come from d_hyper_
+  // One call per parameter group; each group's lr and weight decay come from d_hyper_
   // when the kernels run.
-  for_each_decay_group(
-      cfg.params, first, last, [&](std::size_t group, std::span<const std::size_t> members) {
+  for_each_group(
+      cfg.params, groups().size(), first, last,
+      [&](std::size_t group, std::span<const std::size_t> members) {
         const StepHyper* hyper = d_hyper_ + group;
         if (is_adamw()) {
           std::vector<AdamWTensor> t;
@@ -471,16 +513,15 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
                 {f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
                  f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc, q.compute});
           }
-          dev_.adamw_step(t, decay_group_config(cfg.optimizer.adamw, group),
-                          AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_});
+          dev_.adamw_step(t, adamw_config(group),
+                          AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_[group]});
         } else {
           std::vector<SignSgdTensor> t;
           for (std::size_t i : members) {
             const Param& q = params_[i];
             t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
           }
-          dev_.sign_sgd_step(t, decay_group_config(cfg.optimizer.sign_sgd, group),
-                             SignSgdDeviceArgs{d_found_inf, hyper});
+          dev_.sign_sgd_step(t, sign_sgd_config(group), SignSgdDeviceArgs{d_found_inf, hyper});
         }
       });
 }
@@ -528,25 +569,33 @@ void GpuGradientManager::finish_enqueue(bool copy_summary, bool copy_flags) {
 
 // ---- hooks ----------------------------------------------------------------------------
 
-void GpuGradientManager::do_load_parameter(std::size_t i, std::span<const float> master) {
+void GpuGradientManager::do_import_parameter(std::size_t i, std::span<const float> master,
+                                             std::span<const float> exp_avg,
+                                             std::span<const float> exp_avg_sq, float step) {
   wait_idle();
   const ParamSpec& p = config().params[i];
   Param& q = params_[i];
   const std::size_t bytes = p.numel * 4;
-  if (streamed()) {
-    if (bytes) std::memcpy(q.master, master.data(), bytes);
-    if (is_adamw() && bytes) {
-      std::memset(q.exp_avg, 0, bytes);
-      std::memset(q.exp_avg_sq, 0, bytes);
+  // One moment: the caller's values, or zero when empty (load_parameter).
+  auto put = [&](float* dst, std::span<const float> src) {
+    if (bytes == 0) return;
+    if (streamed()) {
+      if (src.empty())
+        std::memset(dst, 0, bytes);
+      else
+        std::memcpy(dst, src.data(), bytes);
+    } else if (src.empty()) {
+      dev_.zero(Queue::compute, dst, bytes);
+    } else {
+      dev_.copy(Queue::compute, dst, src.data(), bytes);
     }
-  } else {
-    dev_.copy(Queue::compute, q.master, master.data(), bytes);
-    if (is_adamw()) {
-      dev_.zero(Queue::compute, q.exp_avg, bytes);
-      dev_.zero(Queue::compute, q.exp_avg_sq, bytes);
-    }
+  };
+  put(q.master, master);
+  if (is_adamw()) {
+    put(q.exp_avg, exp_avg);
+    put(q.exp_avg_sq, exp_avg_sq);
+    dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
   }
-  dev_.zero(Queue::compute, d_steps_ + i, sizeof(float));
   std::vector<std::uint8_t> rounded;
   if (p.has_compute_weights) {
     rounded.resize(q.compute.bytes());
@@ -564,10 +613,10 @@ void GpuGradientManager::do_begin_step() {
 }
 
 void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
-                                           const Event& written) {
+                                           ConstTensorView grad, const Event& written) {
   const Param& q = params_[i];
   dev_.wait(Queue::compute, written);  // the trainer's write, before the read
-  const AccumulatePair pair{q.acc, q.grad, first_in_step};
+  const AccumulatePair pair{q.acc, grad, first_in_step};
   dev_.accumulate(std::span(&pair, 1));
   accumulated_[i] = 1;
 }
@@ -586,6 +635,7 @@ void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> n
 // decides through its device flag whether its update writes anything.
 void GpuGradientManager::do_step_chunk(std::size_t k) {
   ensure_scale();
+  ensure_hyper();
   ChunkScalars* cs = d_chunks_ + k;
   std::int32_t* flag = d_flags_ + k;
   const GradientRead read{gradient_scale(), 1.0f};
@@ -621,6 +671,7 @@ void GpuGradientManager::do_step() {
     finish_enqueue(false, true);
     return;
   }
+  ensure_hyper();
   const float* d_scale = eager_ ? &d_->one : &d_->scale;
   if (!eager_) ensure_scale();
   if (flag_known_) {
@@ -666,6 +717,27 @@ void GpuGradientManager::do_read_parameter(std::size_t i, std::span<float> maste
   get(exp_avg_sq.data(), q.exp_avg_sq, exp_avg_sq.size_bytes());
   if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
   wait_all();
+}
+
+void GpuGradientManager::do_step_counts(std::span<float> out) {
+  wait_idle();
+  if (is_adamw() && !out.empty()) dev_.copy(Queue::compute, out.data(), d_steps_, out.size_bytes());
+  if (!is_adamw()) std::fill(out.begin(), out.end(), 0.0f);
+  wait_all();
+}
+
+GradientManager::HostState GpuGradientManager::do_host_state(std::size_t i) {
+  wait_idle();
+  if (!streamed()) return {};  // device memory
+  const Param& q = params_[i];
+  const std::size_t n = config().params[i].numel;
+  GradientManager::HostState h;
+  h.master = {q.master, n};
+  if (is_adamw()) {
+    h.exp_avg = {q.exp_avg, n};
+    h.exp_avg_sq = {q.exp_avg_sq, n};
+  }
+  return h;
 }
 
 void GpuGradientManager::do_synchronize() { wait_idle(); }

@@ -4,8 +4,10 @@
 // public GradientManager forwards every call to it. Also the mode and optimizer parsers.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <iterator>
 #include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "core/validate.hpp"
@@ -62,6 +64,52 @@ std::string_view optimizer_name(OptimizerKind kind) noexcept {
 
 namespace detail {
 
+void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
+                      const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const Error& e) {
+    const std::string& arg = e.argument();
+    if (arg.rfind("config.", 0) != 0) throw;
+    const std::string field = arg.substr(7);
+    const bool group_field = field == "lr" || field == "weight_decay" || field == "beta1" ||
+                             field == "beta2" || field == "eps";
+    // The message after "stepcore: <code> in '<arg>': ".
+    const std::string what = e.what();
+    const std::string::size_type at = what.find("': ");
+    throw Error(e.code(), (group_field ? group_prefix : optimizer_prefix) + field,
+                at == std::string::npos ? what : what.substr(at + 3));
+  }
+}
+
+namespace {
+
+// The groups a configuration has: its own, or the single group "default" made of the
+// optimizer's hyper-parameters.
+std::vector<ParamGroup> resolve_groups(const ManagerConfig& c) {
+  if (!c.groups.empty()) return c.groups;
+  ParamGroup g;
+  g.name = "default";
+  if (c.optimizer.kind == OptimizerKind::adamw) {
+    const AdamWConfig& a = c.optimizer.adamw;
+    g.lr = a.lr;
+    g.weight_decay = a.weight_decay;
+    g.beta1 = a.beta1;
+    g.beta2 = a.beta2;
+    g.eps = a.eps;
+  } else {
+    g.lr = c.optimizer.sign_sgd.lr;
+    g.weight_decay = c.optimizer.sign_sgd.weight_decay;
+  }
+  return {g};
+}
+
+std::string indexed(const char* base, std::size_t i, const char* field) {
+  return std::string(base) + "[" + std::to_string(i) + "]." + field;
+}
+
+}  // namespace
+
 ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
   const std::size_t n = config_.params.size();
   const OptimizerKind kind = config_.optimizer.kind;
@@ -70,6 +118,58 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
                 std::to_string(static_cast<int>(kind)) +
                     " is not an OptimizerKind: stepcore implements adamw and sign_sgd");
   if (config_.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
+
+  // The groups: names, and each one's configuration as the optimizer will see it.
+  groups_ = resolve_groups(config_);
+  const bool implicit = config_.groups.empty();
+  const std::string opt_prefix = is_adamw() ? "optimizer.adamw." : "optimizer.sign_sgd.";
+  std::unordered_set<std::string_view> group_names;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].name.empty())
+      throw Error(Errc::invalid_argument, indexed("groups", g, "name"), "must not be empty");
+    if (!group_names.insert(groups_[g].name).second)
+      throw Error(Errc::invalid_argument, indexed("groups", g, "name"),
+                  "'" + groups_[g].name + "' names two groups");
+    with_group_names(implicit ? opt_prefix : indexed("groups", g, ""), opt_prefix, [&] {
+      if (is_adamw())
+        validate_adamw({}, adamw_config(g), {});
+      else
+        validate_sign_sgd({}, sign_sgd_config(g), {});
+    });
+  }
+
+  // The parameters: unique names (checkpoints key by them), groups, destinations.
+  std::unordered_set<std::string_view> names;
+  std::vector<Range> destinations;
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamSpec& p = config_.params[i];
+    if (!names.insert(p.name).second)
+      throw Error(Errc::invalid_argument, indexed("params", i, "name"),
+                  "'" + p.name + "' names two parameters (checkpoints key state by name)");
+    if (p.group >= groups_.size())
+      throw Error(Errc::out_of_range, indexed("params", i, "group"),
+                  std::to_string(p.group) + " >= the number of groups (" +
+                      std::to_string(groups_.size()) + ")");
+    const TensorView& d = p.compute_into;
+    if (d.data == nullptr && d.numel == 0) continue;
+    const std::string arg = indexed("params", i, "compute_into");
+    if (!p.has_compute_weights)
+      throw Error(Errc::invalid_argument, arg, "needs has_compute_weights");
+    if (d.dtype != p.compute_dtype)
+      throw Error(Errc::unsupported_dtype, arg,
+                  std::string(dtype_name(d.dtype)) + " for compute_dtype " +
+                      std::string(dtype_name(p.compute_dtype)));
+    if (d.numel != p.numel)
+      throw Error(Errc::size_mismatch, arg,
+                  std::to_string(d.numel) + " elements for " + std::to_string(p.numel));
+    if (d.data == nullptr) throw Error(Errc::null_pointer, arg, "no data for numel > 0");
+    if (reinterpret_cast<std::uintptr_t>(d.data) % dtype_size(d.dtype) != 0)
+      throw Error(Errc::invalid_argument, arg, "not aligned to its element size");
+    const auto begin = reinterpret_cast<std::uintptr_t>(d.data);
+    destinations.push_back({begin, begin + d.bytes(), true, Arg{"params", i, "compute_into"}});
+  }
+  check_overlaps(destinations);
+
   chunk_of_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t numel = config_.params[i].numel;
@@ -85,6 +185,31 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
   ready_in_micro_.assign(n, 0);
   got_in_step_.assign(n, 0);
   chunk_pending_.assign(chunks_.size(), 0);
+}
+
+AdamWConfig ManagerImpl::adamw_config(std::size_t g) const {
+  AdamWConfig c = config_.optimizer.adamw;
+  const ParamGroup& p = groups_[g];
+  c.lr = p.lr;
+  c.weight_decay = p.weight_decay;
+  c.beta1 = p.beta1;
+  c.beta2 = p.beta2;
+  c.eps = p.eps;
+  return c;
+}
+
+SignSgdConfig ManagerImpl::sign_sgd_config(std::size_t g) const {
+  SignSgdConfig c = config_.optimizer.sign_sgd;
+  c.lr = groups_[g].lr;
+  c.weight_decay = groups_[g].weight_decay;
+  return c;
+}
+
+void ManagerImpl::expect_param(std::size_t i) const {
+  if (i >= config_.params.size())
+    throw Error(Errc::out_of_range, "i",
+                std::to_string(i) + " >= number of parameters (" +
+                    std::to_string(config_.params.size()) + ")");
 }
 
 ManagerImpl::~ManagerImpl() = default;
@@ -135,18 +260,107 @@ float GradientManager::effective_gradient_scale() const noexcept {
   return impl_->scale_ * impl_->clip_;
 }
 
+namespace {
+
+// Throws unless `values` has `want` elements, all finite (and >= 0 when `non_negative`).
+void check_state_array(std::span<const float> values, std::size_t want, const char* name,
+                       bool non_negative = false) {
+  if (values.size() != want)
+    throw Error(Errc::size_mismatch, name,
+                std::to_string(values.size()) + " values for " + std::to_string(want) +
+                    " elements");
+  for (std::size_t j = 0; j < values.size(); ++j) {
+    if (!std::isfinite(values[j]))
+      throw Error(Errc::non_finite, name, "element " + std::to_string(j) + " is not finite");
+    if (non_negative && values[j] < 0.0f)
+      throw Error(Errc::invalid_argument, name,
+                  "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
+  }
+}
+
+// The largest step counter an f32 counter holds exactly.
+constexpr float kMaxStepCount = 16777216.0f;  // 2^24
+
+}  // namespace
+
 void GradientManager::load_parameter(std::size_t i, std::span<const float> master) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "load_parameter", "only between steps");
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
-  if (master.size() != m.config_.params[i].numel)
-    throw Error(Errc::size_mismatch, "master",
-                std::to_string(master.size()) + " values for " +
-                    std::to_string(m.config_.params[i].numel) + " elements");
-  for (float x : master)
-    if (!std::isfinite(x)) throw Error(Errc::non_finite, "master", "non-finite master weight");
-  m.guarded([&] { m.do_load_parameter(i, master); });
+  m.expect_param(i);
+  check_state_array(master, m.config_.params[i].numel, "master");
+  m.guarded([&] { m.do_import_parameter(i, master, {}, {}, 0.0f); });
+}
+
+void GradientManager::import_parameter(std::size_t i, std::span<const float> master,
+                                       std::span<const float> exp_avg,
+                                       std::span<const float> exp_avg_sq, float step) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "import_parameter", "only between steps");
+  m.expect_param(i);
+  const std::size_t numel = m.config_.params[i].numel;
+  const std::size_t moments = m.is_adamw() ? numel : 0;
+  check_state_array(master, numel, "master");
+  check_state_array(exp_avg, moments, "exp_avg");
+  check_state_array(exp_avg_sq, moments, "exp_avg_sq", /*non_negative=*/true);
+  if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");
+  if (m.is_adamw()) {
+    if (!(step >= 0.0f && step <= kMaxStepCount) || step != std::floor(step))
+      throw Error(Errc::out_of_range, "step",
+                  std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)");
+  } else if (step != 0.0f || std::signbit(step)) {
+    throw Error(Errc::invalid_argument, "step", "SignSGD has no step counter: pass 0");
+  }
+  m.guarded([&] { m.do_import_parameter(i, master, exp_avg, exp_avg_sq, step); });
+}
+
+std::size_t GradientManager::group_count() const noexcept { return impl_->groups_.size(); }
+
+std::size_t GradientManager::group_index(std::string_view name) const {
+  const auto& groups = impl_->groups_;
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    if (groups[g].name == name) return g;
+  std::string known;
+  for (const ParamGroup& g : groups) known += (known.empty() ? "" : ", ") + g.name;
+  throw Error(Errc::invalid_argument, "group",
+              "no group named '" + std::string(name) + "' (groups: " + known + ")");
+}
+
+const ParamGroup& GradientManager::group(std::size_t g) const {
+  const auto& groups = impl_->groups_;
+  if (g >= groups.size())
+    throw Error(Errc::out_of_range, "group",
+                std::to_string(g) + " >= the number of groups (" + std::to_string(groups.size()) +
+                    ")");
+  return groups[g];
+}
+
+void GradientManager::set_hyperparameters(std::size_t g, const StepHyper& hyper) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(true, "set_hyperparameters", "");
+  (void)group(g);
+  m.expect(!(m.overlap_ && m.final_ &&
+             (m.phase_ == CallPhase::backward || m.phase_ == CallPhase::after_final)),
+           "set_hyperparameters",
+           "this step overlaps the optimizer with its final backward, whose chunks already "
+           "use the current values: set them before begin_backward(true) or after step()");
+  // The group's configuration with the new values must pass the configuration's checks.
+  detail::with_group_names("hyper.", m.is_adamw() ? "optimizer.adamw." : "optimizer.sign_sgd.",
+                           [&] {
+                             if (m.is_adamw()) {
+                               AdamWConfig c = m.adamw_config(g);
+                               c.lr = hyper.lr;
+                               c.weight_decay = hyper.weight_decay;
+                               detail::validate_adamw({}, c, {});
+                             } else {
+                               SignSgdConfig c = m.sign_sgd_config(g);
+                               c.lr = hyper.lr;
+                               c.weight_decay = hyper.weight_decay;
+                               detail::validate_sign_sgd({}, c, {});
+                             }
+                           });
+  m.groups_[g].lr = hyper.lr;
+  m.groups_[g].weight_decay = hyper.weight_decay;
+  ++m.hyper_version_;
 }
 
 void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
@@ -181,8 +395,12 @@ TensorView GradientManager::gradient(std::size_t i) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient",
            "only between begin_backward and finish_backward");
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  m.expect_param(i);
+  if (!m.config_.params[i].gradient_buffer)
+    throw Error(Errc::invalid_argument, "gradient",
+                "parameter " + std::to_string(i) +
+                    " has no manager buffer (ParamSpec::gradient_buffer = false): pass yours "
+                    "to gradient_ready(i, grad, written)");
   return m.guarded([&] { return m.do_gradient(i); });
 }
 
@@ -190,12 +408,42 @@ void GradientManager::gradient_ready(std::size_t i, const device::Event& written
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient_ready",
            "only between begin_backward and finish_backward");
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  m.expect_param(i);
+  if (!m.config_.params[i].gradient_buffer)
+    throw Error(Errc::invalid_argument, "gradient_ready",
+                "parameter " + std::to_string(i) +
+                    " has no manager buffer (ParamSpec::gradient_buffer = false): pass the "
+                    "gradient (gradient_ready(i, grad, written))");
+  ready(i, m.guarded([&] { return ConstTensorView(m.do_gradient(i)); }), written);
+}
+
+void GradientManager::gradient_ready(std::size_t i, ConstTensorView grad,
+                                     const device::Event& written) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::backward, "gradient_ready",
+           "only between begin_backward and finish_backward");
+  m.expect_param(i);
+  const ParamSpec& p = m.config_.params[i];
+  if (grad.dtype != p.grad_dtype)
+    throw Error(Errc::unsupported_dtype, "grad",
+                std::string(dtype_name(grad.dtype)) + " for grad_dtype " +
+                    std::string(dtype_name(p.grad_dtype)));
+  if (grad.numel != p.numel)
+    throw Error(Errc::size_mismatch, "grad",
+                std::to_string(grad.numel) + " elements for " + std::to_string(p.numel));
+  if (grad.data == nullptr && grad.numel != 0)
+    throw Error(Errc::null_pointer, "grad", "no data for numel > 0");
+  if (reinterpret_cast<std::uintptr_t>(grad.data) % dtype_size(grad.dtype) != 0)
+    throw Error(Errc::invalid_argument, "grad", "not aligned to its element size");
+  ready(i, grad, written);
+}
+
+void GradientManager::ready(std::size_t i, ConstTensorView grad, const device::Event& written) {
+  detail::ManagerImpl& m = *impl_;
   if (m.ready_in_micro_[i])
     throw Error(Errc::invalid_argument, "gradient_ready",
                 "parameter " + std::to_string(i) + " is already ready in this micro-batch");
-  m.guarded([&] { m.do_gradient_ready(i, m.got_in_step_[i] == 0, written); });
+  m.guarded([&] { m.do_gradient_ready(i, m.got_in_step_[i] == 0, grad, written); });
   m.ready_in_micro_[i] = 1;
   m.got_in_step_[i] = 1;
   if (m.final_ && m.overlap_) {
@@ -206,8 +454,7 @@ void GradientManager::gradient_ready(std::size_t i, const device::Event& written
 
 device::Event GradientManager::gradient_released(std::size_t i) const {
   const detail::ManagerImpl& m = *impl_;
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  m.expect_param(i);
   return m.do_gradient_released(i);
 }
 
@@ -269,8 +516,7 @@ StepReport GradientManager::report() {
 ConstTensorView GradientManager::compute_weights(std::size_t i) const {
   const detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ != CallPhase::closed, "compute_weights", "");
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  m.expect_param(i);
   return m.do_compute_weights(i);
 }
 
@@ -279,8 +525,7 @@ void GradientManager::read_parameter(std::size_t i, std::span<float> master,
                                      std::span<std::uint8_t> compute) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "read_parameter", "only between steps");
-  if (i >= m.config_.params.size())
-    throw Error(Errc::out_of_range, "i", std::to_string(i) + " >= number of parameters");
+  m.expect_param(i);
   const ParamSpec& p = m.config_.params[i];
   auto check = [&](std::size_t got, std::size_t want, const char* name) {
     if (got != 0 && got != want)
@@ -293,6 +538,22 @@ void GradientManager::read_parameter(std::size_t i, std::span<float> master,
   check(compute.size(), p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0,
         "compute");
   m.guarded([&] { m.do_read_parameter(i, master, exp_avg, exp_avg_sq, compute); });
+}
+
+float GradientManager::step_count(std::size_t i) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "step_count", "only between steps");
+  m.expect_param(i);
+  std::vector<float> steps(m.config_.params.size());
+  m.guarded([&] { m.do_step_counts(steps); });
+  return steps[i];
+}
+
+GradientManager::HostState GradientManager::host_state(std::size_t i) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "host_state", "only between steps");
+  m.expect_param(i);
+  return m.guarded([&] { return m.do_host_state(i); });
 }
 
 void GradientManager::synchronize() {

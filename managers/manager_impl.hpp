@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "stepcore/device.hpp"
@@ -30,7 +32,8 @@ class ManagerImpl {
   ManagerImpl& operator=(const ManagerImpl&) = delete;
 
  protected:
-  /// Validates the optimizer kind and chunk_elements, and forms the chunks.
+  /// Validates the optimizer kind, the groups (each one's resolved configuration), the
+  /// parameters' groups and destinations and chunk_elements, and forms the chunks.
   explicit ManagerImpl(ManagerConfig config);
 
   /// The chunks: [first, last) parameter index ranges (see ManagerConfig).
@@ -39,13 +42,17 @@ class ManagerImpl {
   };
 
   // ---- the modes' hooks (called after GradientManager validated the call) ----------
-  virtual void do_load_parameter(std::size_t i, std::span<const float> master) = 0;
+  /// Sets parameter i's state (validated): empty moments mean zero (load_parameter).
+  virtual void do_import_parameter(std::size_t i, std::span<const float> master,
+                                   std::span<const float> exp_avg,
+                                   std::span<const float> exp_avg_sq, float step) = 0;
   virtual void do_begin_step() = 0;
   virtual void do_begin_backward() = 0;
   virtual TensorView do_gradient(std::size_t i) = 0;
-  /// `first_in_step`: the parameter's first gradient of the step (copy, not add); the
-  /// reads wait for `written` on the device.
-  virtual void do_gradient_ready(std::size_t i, bool first_in_step,
+  /// `first_in_step`: the parameter's first gradient of the step (copy, not add); `grad`
+  /// the buffer to read (the manager's or the caller's, validated); the reads wait for
+  /// `written` on the device.
+  virtual void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
                                  const device::Event& written) = 0;
   /// The event after which parameter i's gradient buffer may be rewritten.
   virtual device::Event do_gradient_released(std::size_t i) const = 0;
@@ -60,6 +67,10 @@ class ManagerImpl {
   virtual ConstTensorView do_compute_weights(std::size_t i) const = 0;
   virtual void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
                                  std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) = 0;
+  /// Writes every parameter's step counter to out (out.size() == number of parameters).
+  virtual void do_step_counts(std::span<float> out) = 0;
+  /// Views of host-resident state (empty where it is device memory).
+  virtual GradientManager::HostState do_host_state(std::size_t i) = 0;
   virtual void do_synchronize() = 0;
   /// Waits for outstanding work and stops workers; returns the first error of that
   /// work (rethrown by close()), never throws itself.
@@ -72,17 +83,31 @@ class ManagerImpl {
   float gradient_scale() const noexcept { return scale_; }
   bool overlap() const noexcept { return overlap_; }
   bool is_adamw() const noexcept { return config_.optimizer.kind == OptimizerKind::adamw; }
+  /// The groups' current hyper-parameters (set_hyperparameters changes lr and weight decay
+  /// between the calls of the caller's thread; the modes read them there).
+  const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
+  /// Changes whenever a group's lr or weight decay changes (the device managers upload
+  /// the groups' values when it differs from what they uploaded last).
+  std::uint64_t hyper_version() const noexcept { return hyper_version_; }
+  /// Group g's AdamW / SignSGD configuration: the optimizer's formula with the group's
+  /// current hyper-parameters.
+  AdamWConfig adamw_config(std::size_t g) const;
+  SignSgdConfig sign_sgd_config(std::size_t g) const;
 
  private:
   friend class ::stepcore::GradientManager;  // runs the call sequence over this state
 
   /// Throws Errc::invalid_argument naming `call` unless `ok`; raises a stored failure.
   void expect(bool ok, const char* call, const char* what) const;
+  /// Throws Errc::out_of_range naming "i" unless i names a parameter.
+  void expect_param(std::size_t i) const;
   /// Runs a hook; a runtime error (failed asynchronous work) poisons the manager.
   template <class F>
   decltype(auto) guarded(F&& f);
 
   ManagerConfig config_;
+  std::vector<ParamGroup> groups_;
+  std::uint64_t hyper_version_ = 0;
   std::vector<Chunk> chunks_;
   std::vector<std::size_t> chunk_of_;
   std::vector<std::uint8_t> ready_in_micro_;  // gradient_ready seen in this micro-batch
@@ -93,5 +118,11 @@ class ManagerImpl {
   float scale_ = 1.0f, clip_ = 1.0f;
   std::exception_ptr failure_;  ///< the runtime error every later call raises again
 };
+
+/// Runs `check` (a validation of a resolved optimizer configuration, whose errors name
+/// "config.<field>") and rethrows its Error naming `group_prefix` + field for a group's
+/// fields (lr, weight_decay, beta1, beta2, eps) and `optimizer_prefix` + field otherwise.
+void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
+                      const std::function<void()>& check);
 
 }  // namespace stepcore::detail

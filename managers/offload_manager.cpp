@@ -15,6 +15,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -59,11 +60,14 @@ class OffloadGradientManager final : public ManagerImpl {
   ~OffloadGradientManager() override { (void)do_close(); }
 
  protected:
-  void do_load_parameter(std::size_t i, std::span<const float> master) override;
+  void do_import_parameter(std::size_t i, std::span<const float> master,
+                           std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
+                           float step) override;
   void do_begin_step() override;
   void do_begin_backward() override;
   TensorView do_gradient(std::size_t i) override;
-  void do_gradient_ready(std::size_t i, bool first_in_step, const Event& written) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
+                         const Event& written) override;
   Event do_gradient_released(std::size_t i) const override { return released_[i]; }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
@@ -73,6 +77,8 @@ class OffloadGradientManager final : public ManagerImpl {
   ConstTensorView do_compute_weights(std::size_t i) const override;
   void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
                          std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_step_counts(std::span<float> out) override;
+  GradientManager::HostState do_host_state(std::size_t i) override;
   void do_synchronize() override;
   std::exception_ptr do_close() noexcept override;
 
@@ -106,7 +112,14 @@ class OffloadGradientManager final : public ManagerImpl {
 
   // ---- numerics --------------------------------------------------------------------------
   NormResult global_norm(float scale);
-  void step_chunk(std::size_t k, GradientRead read);     // on the worker
+  // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
+  // change the groups while they wait).
+  struct GroupConfigs {
+    std::vector<AdamWConfig> adamw;
+    std::vector<SignSgdConfig> sign_sgd;
+  };
+  GroupConfigs group_configs() const;
+  void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs);  // worker
   void upload_chunk(std::size_t k, const Event& after);  // on the worker
   void wait_uploads();
 
@@ -152,11 +165,6 @@ class OffloadGradientManager final : public ManagerImpl {
 OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     : ManagerImpl(std::move(config)), dev_(*this->config().device), engine_(this->config().engine) {
   const ManagerConfig& cfg = this->config();
-  if (is_adamw())
-    validate_adamw({}, cfg.optimizer.adamw, {});
-  else
-    validate_sign_sgd({}, cfg.optimizer.sign_sgd, {});
-
   // Layouts: device (gradients, compute weights), pinned (staging, upload buffers) and
   // host state (acc, master, moments), each one slab of 256-byte aligned views: per
   // parameter i views 2i, 2i + 1 of the device and pinned slabs, 4i .. 4i + 3 of the state.
@@ -165,10 +173,11 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
     const std::size_t cb = p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
     const std::size_t fb = p.numel * sizeof(float);
-    for (SlabViews* v : {&dev_views, &pin_views}) {
-      v->add(gb);
-      v->add(cb);
-    }
+    // Device: the gradient and compute buffers the caller does not provide.
+    dev_views.add(p.gradient_buffer ? gb : 0);
+    dev_views.add(p.compute_into.data == nullptr && p.compute_into.numel == 0 ? cb : 0);
+    pin_views.add(gb);
+    pin_views.add(cb);
     for (std::size_t bytes : {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0})
       state_views.add(bytes);
   }
@@ -199,8 +208,11 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
     const ParamSpec& p = cfg.params[i];
     const std::size_t cn = p.has_compute_weights ? p.numel : 0;
     Param& v = params_[i];
-    v.grad = {at(dev_slab_, dl.offsets[2 * i]), p.numel, p.grad_dtype};
-    v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
+    if (p.gradient_buffer) v.grad = {at(dev_slab_, dl.offsets[2 * i]), p.numel, p.grad_dtype};
+    if (p.compute_into.data != nullptr || p.compute_into.numel != 0)
+      v.compute = p.compute_into;  // the caller's storage (validated by the base)
+    else
+      v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
     v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
     v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
     v.acc = f32_at(sl.offsets[4 * i], p.numel);
@@ -348,27 +360,39 @@ NormResult OffloadGradientManager::global_norm(float scale) {
       });
 }
 
-void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read) {
+OffloadGradientManager::GroupConfigs OffloadGradientManager::group_configs() const {
+  GroupConfigs c;
+  for (std::size_t g = 0; g < groups().size(); ++g) {
+    if (is_adamw())
+      c.adamw.push_back(adamw_config(g));
+    else
+      c.sign_sgd.push_back(sign_sgd_config(g));
+  }
+  return c;
+}
+
+void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
+                                        const GroupConfigs& configs) {
   const Chunk& c = chunks()[k];
   const std::vector<ParamSpec>& specs = config().params;
-  // One call per weight-decay group.
-  for_each_decay_group(
-      specs, c.first, c.last, [&](std::size_t group, std::span<const std::size_t> members) {
+  // One call per parameter group.
+  for_each_group(
+      specs, groups().size(), c.first, c.last,
+      [&](std::size_t group, std::span<const std::size_t> members) {
         if (is_adamw()) {
           std::vector<AdamWTensor> t;
           for (std::size_t i : members) {
             const Param& p = params_[i];
             t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
           }
-          engine_.adamw_step(t, decay_group_config(config().optimizer.adamw, group), read);
+          engine_.adamw_step(t, configs.adamw[group], read);
         } else {
           std::vector<SignSgdTensor> t;
           for (std::size_t i : members)
             t.push_back({params_[i].master, params_[i].acc, params_[i].out});
           // SignSGD does not apply the (positive) scale and clip: read them
           // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
-          engine_.sign_sgd_step(t, decay_group_config(config().optimizer.sign_sgd, group),
-                                GradientRead{});
+          engine_.sign_sgd_step(t, configs.sign_sgd[group], GradientRead{});
         }
       });
 }
@@ -396,14 +420,24 @@ void OffloadGradientManager::wait_uploads() {
 
 // ---- the hooks ----------------------------------------------------------------------------
 
-void OffloadGradientManager::do_load_parameter(std::size_t i, std::span<const float> master) {
+void OffloadGradientManager::do_import_parameter(std::size_t i, std::span<const float> master,
+                                                 std::span<const float> exp_avg,
+                                                 std::span<const float> exp_avg_sq, float step) {
   drain();
   wait_uploads();
   Param& p = params_[i];
-  if (!master.empty()) std::memcpy(p.master.data, master.data(), master.size_bytes());
-  if (p.exp_avg.numel != 0) std::memset(p.exp_avg.data, 0, p.exp_avg.bytes());
-  if (p.exp_avg_sq.numel != 0) std::memset(p.exp_avg_sq.data, 0, p.exp_avg_sq.bytes());
-  steps_[i] = 0.0f;
+  // One array: the caller's values, or zero when empty (load_parameter).
+  auto put = [](const TensorView& dst, std::span<const float> src) {
+    if (dst.numel == 0) return;
+    if (src.empty())
+      std::memset(dst.data, 0, dst.bytes());
+    else
+      std::memcpy(dst.data, src.data(), dst.bytes());
+  };
+  put(p.master, master);
+  put(p.exp_avg, exp_avg);
+  put(p.exp_avg_sq, exp_avg_sq);
+  steps_[i] = step;
   if (p.out.numel == 0) return;
   round_into(master, p.out);
   const Event e = on_device([&] {
@@ -435,22 +469,22 @@ TensorView OffloadGradientManager::do_gradient(std::size_t i) {
 }
 
 void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
-                                               const Event& written) {
+                                               ConstTensorView grad, const Event& written) {
   raise_if_failed();
   Param& p = params_[i];
   // Staging i is free once the worker has accumulated its previous contents.
   wait_done(staging_task_[i]);
   raise_if_failed();
   Event copied;
-  if (p.grad.numel != 0) {
+  if (grad.numel != 0) {
     copied = on_device([&] {
       dev_.wait(Queue::d2h, dev_.record(Queue::compute));  // backward's writes first
       dev_.wait(Queue::d2h, written);                      // and the trainer's event
-      dev_.copy(Queue::d2h, p.staging.data, p.grad.data, p.grad.bytes());
+      dev_.copy(Queue::d2h, p.staging.data, grad.data, grad.bytes());
       return last_d2h_ = dev_.record(Queue::d2h);
     });
   }
-  released_[i] = copied;  // the device buffer is free once it is staged
+  released_[i] = copied;  // the device buffer (the manager's or the caller's) is free once staged
   staging_task_[i] = post([this, &p, copied, first_in_step] {
     sync_event(copied);
     const AccumulatePair pair{p.acc, p.staging, first_in_step};
@@ -471,14 +505,14 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
   raise_if_failed();
   const float scale = gradient_scale();
   const Event backward = on_device([&] { return dev_.record(Queue::compute); });
-  post([this, chunk, scale, backward] {
+  post([this, chunk, scale, backward, configs = group_configs()] {
     // Found-inf of this chunk alone, on this rank (docs/managers.md, "With overlap").
     const NormResult r = engine_.norm(chunk_acc_[chunk], GradientRead{scale, 1.0f});
     if (!r.finite) {
       ++chunks_skipped_;
       return;
     }
-    step_chunk(chunk, GradientRead{scale, 1.0f});
+    step_chunk(chunk, GradientRead{scale, 1.0f}, configs);
     upload_chunk(chunk, backward);
   });
 }
@@ -513,9 +547,10 @@ void OffloadGradientManager::do_step() {
   report_.stepped = true;
   const GradientRead read{gradient_scale(), clip_};
   const Event backward = on_device([&] { return dev_.record(Queue::compute); });
+  const auto configs = std::make_shared<const GroupConfigs>(group_configs());
   for (std::size_t k = 0; k < chunks().size(); ++k)  // chunk k's upload overlaps k+1's step
-    post([this, k, read, backward] {
-      step_chunk(k, read);
+    post([this, k, read, backward, configs] {
+      step_chunk(k, read, *configs);
       upload_chunk(k, backward);
     });
 }
@@ -555,6 +590,21 @@ void OffloadGradientManager::do_read_parameter(std::size_t i, std::span<float> m
   });
   sync_event(e);
   std::memcpy(compute.data(), p.out.data, compute.size());
+}
+
+void OffloadGradientManager::do_step_counts(std::span<float> out) {
+  drain();
+  std::copy(steps_.begin(), steps_.end(), out.begin());
+}
+
+GradientManager::HostState OffloadGradientManager::do_host_state(std::size_t i) {
+  drain();
+  wait_uploads();
+  const Param& p = params_[i];
+  auto view = [](const TensorView& t) {
+    return std::span<const float>(static_cast<const float*>(t.data), t.numel);
+  };
+  return {view(p.master), view(p.exp_avg), view(p.exp_avg_sq)};
 }
 
 void OffloadGradientManager::do_synchronize() {

@@ -90,6 +90,9 @@ struct Setup {
   std::size_t chunk_elements = 0;
   std::optional<float> max_norm;  ///< clip_grad_norm(*max_norm) in every step
   bool overlap = false;           ///< begin_step(scale, overlap)
+  std::vector<ParamGroup> groups;  ///< ManagerConfig::groups (empty: the optimizer's values)
+  /// When set: group g's lr and weight decay in step s (set_hyperparameters before it).
+  std::function<StepHyper(int step, std::size_t group)> schedule;
 };
 
 /// What the trainer observes after one step.
@@ -97,6 +100,7 @@ struct Step {
   StepReport report;  ///< report(); norm (also clip_grad_norm's result) and clip without overlap
   float effective_scale = 1.0f;  ///< effective_gradient_scale()
   std::vector<ParamState> state;
+  std::vector<float> steps;  ///< per parameter: the AdamW step counter (0 for SignSGD)
 };
 
 struct Run {
@@ -140,9 +144,9 @@ inline std::vector<std::pair<std::size_t, std::size_t>> chunks_of(
 /// add), zero for parameters without a gradient in the step, then without overlap the
 /// norm of the counted parameters' R(acc * s), clip = clip_coefficient(norm, max_norm)
 /// (0 for a non-finite norm, 1 without clipping), found-inf skips the whole step, and
-/// each parameter's update reads R(R(acc * s) * clip) with its own weight decay (0 for
-/// no_weight_decay); with overlap each chunk's own norm decides whether it is updated
-/// (read R(acc * s)) or skipped.
+/// each parameter's update reads R(R(acc * s) * clip) with its group's hyper-parameters
+/// (the schedule's lr and weight decay in that step); with overlap each chunk's own norm
+/// decides whether it is updated (read R(acc * s)) or skipped.
 inline Run run(const Setup& setup, const Stream& stream) {
   const std::vector<ParamSpec>& params = setup.params;
   const std::size_t n = params.size();
@@ -163,6 +167,28 @@ inline Run run(const Setup& setup, const Stream& stream) {
     acc[i].assign(numel, 0.0f);
   }
   const auto chunks = chunks_of(params, setup.chunk_elements);
+  int step_now = 0;
+  // Parameter i's hyper-parameters in the current step: its group's (or the optimizer's),
+  // with the schedule's lr and weight decay.
+  auto group_of = [&](std::size_t i) {
+    ParamGroup g;
+    if (setup.groups.empty()) {
+      g.lr = adamw ? setup.optimizer.adamw.lr : setup.optimizer.sign_sgd.lr;
+      g.weight_decay =
+          adamw ? setup.optimizer.adamw.weight_decay : setup.optimizer.sign_sgd.weight_decay;
+      g.beta1 = setup.optimizer.adamw.beta1;
+      g.beta2 = setup.optimizer.adamw.beta2;
+      g.eps = setup.optimizer.adamw.eps;
+    } else {
+      g = setup.groups[params[i].group];
+    }
+    if (setup.schedule) {
+      const StepHyper h = setup.schedule(step_now, params[i].group);
+      g.lr = h.lr;
+      g.weight_decay = h.weight_decay;
+    }
+    return g;
+  };
   auto update = [&](std::size_t first, std::size_t last, GradientRead read) {
     for (std::size_t i = first; i < last; ++i) {
       const std::size_t numel = params[i].numel;
@@ -173,7 +199,12 @@ inline Run run(const Setup& setup, const Stream& stream) {
       const ConstTensorView grad = const_view(acc[i].data(), numel);
       if (adamw) {
         AdamWConfig c = setup.optimizer.adamw;
-        if (params[i].no_weight_decay) c.weight_decay = 0.0;
+        const ParamGroup g = group_of(i);
+        c.lr = g.lr;
+        c.weight_decay = g.weight_decay;
+        c.beta1 = g.beta1;
+        c.beta2 = g.beta2;
+        c.eps = g.eps;
         const AdamWTensor t{f32_view(st[i].master.data(), numel),
                             f32_view(st[i].exp_avg.data(), numel),
                             f32_view(st[i].exp_avg_sq.data(), numel),
@@ -183,7 +214,9 @@ inline Run run(const Setup& setup, const Stream& stream) {
         reference::adamw_step(std::span(&t, 1), c, read);
       } else {
         SignSgdConfig c = setup.optimizer.sign_sgd;
-        if (params[i].no_weight_decay) c.weight_decay = 0.0;
+        const ParamGroup g = group_of(i);
+        c.lr = g.lr;
+        c.weight_decay = g.weight_decay;
         const SignSgdTensor t{f32_view(st[i].master.data(), numel), grad, compute};
         reference::sign_sgd_step(std::span(&t, 1), c, read);
       }
@@ -200,6 +233,7 @@ inline Run run(const Setup& setup, const Stream& stream) {
   Run out;
   out.loaded = st;
   for (int s = 0; s < stream.steps; ++s) {
+    step_now = s;
     const float scale = stream.scale(s);
     std::vector<bool> got(n, false);
     for (int mb = 0; mb < stream.micro_batches(s); ++mb)
@@ -234,6 +268,7 @@ inline Run run(const Setup& setup, const Stream& stream) {
     }
     step.effective_scale = scale * step.report.clip_coefficient;
     step.state = st;
+    step.steps = steps;
     out.steps.push_back(std::move(step));
   }
   return out;

@@ -6,7 +6,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <cmath>
 #include <optional>
 #include <string>
 #include <vector>
@@ -14,6 +19,7 @@
 #include "gradient_stream.hpp"
 #include "manager_model.hpp"
 #include "stepcore/comm.hpp"
+#include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 
@@ -33,10 +39,15 @@ struct Case {
   std::optional<float> max_norm;
   Flow flow = Flow::sft;
   bool overlap = false;
+  bool schedule = false;  ///< warm-up + cosine lr per group (schedule_of) before every step
+  int steps = 3;
+  bool caller_gradients = false;  ///< the trainer's own gradient buffers (poisoned on release)
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
            " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
-           (flow == Flow::sft ? " sft" : " rl") + (overlap ? " overlap" : "");
+           (flow == Flow::sft ? " sft" : " rl") + (overlap ? " overlap" : "") +
+           (schedule ? " schedule" : "") + (caller_gradients ? " caller-gradients" : "") + " " +
+           std::to_string(steps) + " steps";
   }
 };
 
@@ -50,17 +61,107 @@ inline OptimizerSpec optimizer_of(OptimizerKind kind) {
   return o;
 }
 
-/// The parameters of a rank holding shard [offset, offset + numel) of each full one.
-/// Returns true for the parameters the test model excludes from weight decay (like a
+/// Returns true for the parameters the test model puts in group 1, "no_decay" (like a
 /// trainer's norms and biases): indexes 1 and 5.
 inline bool no_decay(std::size_t i) { return i == 1 || i == 5; }
 
+/// The test model's groups: "decay" (lr 1e-3, weight decay 0.1) and "no_decay" (lr 1e-3,
+/// weight decay 0), PyTorch's usual pair.
+inline std::vector<ParamGroup> groups_of() {
+  ParamGroup decay, no_decay_group;
+  decay.name = "decay";
+  decay.lr = 1e-3;
+  decay.weight_decay = 0.1;
+  no_decay_group.name = "no_decay";
+  no_decay_group.lr = 1e-3;
+  no_decay_group.weight_decay = 0.0;
+  return {decay, no_decay_group};
+}
+
+/// A trainer's schedule over `steps` steps: linear warm-up over 5 steps, then cosine decay
+/// to a tenth; group 0 from lr 1e-3 with weight decay 0.1, group 1 from lr 2e-3 with
+/// weight decay 0.
+inline StepHyper schedule_of(int step, std::size_t group, int steps) {
+  const double base = group == 0 ? 1e-3 : 2e-3;
+  const int warmup = 5;
+  double lr;
+  if (step < warmup) {
+    lr = base * (step + 1) / warmup;
+  } else {
+    const double t = static_cast<double>(step - warmup) / std::max(1, steps - warmup);
+    lr = 0.1 * base + 0.45 * base * (1.0 + std::cos(3.141592653589793 * t));
+  }
+  return {lr, group == 0 ? 0.1 : 0.0};
+}
+
+/// The parameters of the model in order (group 1 for no_decay(i)).
 inline std::vector<ParamSpec> param_specs(const std::vector<StreamParam>& model) {
   std::vector<ParamSpec> out;
-  for (std::size_t i = 0; i < model.size(); ++i)
-    out.push_back({"p" + std::to_string(i), model[i].numel, model[i].grad_dtype, DType::bf16, true,
-                   true, no_decay(i)});
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    ParamSpec p;
+    p.name = "p" + std::to_string(i);
+    p.numel = model[i].numel;
+    p.grad_dtype = model[i].grad_dtype;
+    p.compute_dtype = DType::bf16;
+    p.group = no_decay(i) ? 1 : 0;
+    out.push_back(p);
+  }
   return out;
+}
+
+/// How a test builds its manager, beyond the case.
+struct Build {
+  OffloadMode mode = OffloadMode::none;
+  bool lazy = false;                                  ///< ManagerConfig::lazy_gpu_scale
+  comm::Communicator* comm = nullptr;                 ///< a rank's communicator
+  const std::vector<StreamParam>* shard = nullptr;    ///< a rank's shard sizes (else whole)
+  const std::vector<std::size_t>* offsets = nullptr;  ///< the shard's offsets
+  int threads = 2;                                    ///< full offload's engine threads
+  std::optional<cpu::Isa> isa;                        ///< full offload's engine ISA
+};
+
+/// Returns the manager of `b` for the case on `dev`, parameters loaded with the stream's
+/// initial masters.
+inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case& c,
+                                                     device::Device& dev) {
+  const std::vector<StreamParam> model = b.shard ? *b.shard : stream_model(c.grad_dtype);
+  ManagerConfig cfg;
+  cfg.mode = b.mode;
+  cfg.optimizer = optimizer_of(c.optimizer);
+  cfg.groups = groups_of();
+  cfg.params = param_specs(model);
+  for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
+  cfg.chunk_elements = kChunk;
+  cfg.device = &dev;
+  cfg.comm = b.comm;
+  cfg.layout_fingerprint = 42;
+  cfg.engine.threads = b.threads;
+  cfg.engine.isa = b.isa;
+  cfg.lazy_gpu_scale = b.lazy;
+  auto m = make_gradient_manager(cfg);
+  for (std::size_t i = 0; i < model.size(); ++i) {
+    std::vector<float> init(model[i].numel);
+    const std::size_t off = b.offsets ? (*b.offsets)[i] : 0;
+    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, off + j);
+    m->load_parameter(i, init);
+  }
+  return m;
+}
+
+/// Returns the stream options of the case (steps [first_step, first_step + steps)).
+inline StreamOptions stream_options(const Case& c, const std::vector<std::size_t>* offsets,
+                                    int first_step = 0, int steps = -1) {
+  StreamOptions o;
+  o.flow = c.flow;
+  o.max_norm = c.max_norm;
+  o.overlap = c.overlap;
+  o.first_step = first_step;
+  o.steps = steps < 0 ? c.steps : steps;
+  o.caller_gradients = c.caller_gradients;
+  if (c.schedule)
+    o.schedule = [total = c.steps](int s, std::size_t g) { return schedule_of(s, g, total); };
+  if (offsets) o.shard_offset = *offsets;
+  return o;
 }
 
 /// Runs the stream through the manager of `mode` on a fresh host device.
@@ -69,30 +170,14 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
                                         const std::vector<StreamParam>* shard = nullptr,
                                         const std::vector<std::size_t>* offsets = nullptr) {
   auto dev = make_device();
-  const std::vector<StreamParam> model = shard ? *shard : stream_model(c.grad_dtype);
-  ManagerConfig cfg;
-  cfg.mode = mode;
-  cfg.optimizer = optimizer_of(c.optimizer);
-  cfg.params = param_specs(model);
-  cfg.chunk_elements = kChunk;
-  cfg.device = dev.get();
-  cfg.comm = comm;
-  cfg.layout_fingerprint = 42;
-  cfg.engine.threads = 2;
-  cfg.lazy_gpu_scale = lazy;
-  auto m = make_gradient_manager(cfg);
-  for (std::size_t i = 0; i < model.size(); ++i) {
-    std::vector<float> init(model[i].numel);
-    const std::size_t off = offsets ? (*offsets)[i] : 0;
-    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, off + j);
-    m->load_parameter(i, init);
-  }
-  StreamOptions o;
-  o.flow = c.flow;
-  o.max_norm = c.max_norm;
-  o.overlap = c.overlap;
-  if (offsets) o.shard_offset = *offsets;
-  auto rec = run_stream(*m, *dev, o);
+  Build b;
+  b.mode = mode;
+  b.lazy = lazy;
+  b.comm = comm;
+  b.shard = shard;
+  b.offsets = offsets;
+  auto m = make_manager(b, c, *dev);
+  auto rec = run_stream(*m, *dev, stream_options(c, offsets));
   m->close();
   return rec;
 }
@@ -100,12 +185,19 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
 /// The independent expectation: the same stream through manager_model (the reference).
 inline std::vector<StepRecord> run_reference(const Case& c) {
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
-  const manager_model::Setup setup{param_specs(model), optimizer_of(c.optimizer), kChunk,
-                                   c.max_norm, c.overlap};
+  manager_model::Setup setup;
+  setup.params = param_specs(model);
+  setup.optimizer = optimizer_of(c.optimizer);
+  setup.groups = groups_of();
+  if (c.schedule)
+    setup.schedule = [steps = c.steps](int s, std::size_t g) { return schedule_of(s, g, steps); };
+  setup.chunk_elements = kChunk;
+  setup.max_norm = c.max_norm;
+  setup.overlap = c.overlap;
   // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
   auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
   const manager_model::Stream stream{
-      3,
+      c.steps,
       [&](int s) { return plan(s).scale; },
       [&](int s) { return plan(s).micro_batches; },
       [&](int s, int mb, std::size_t i) {
@@ -137,6 +229,7 @@ inline std::vector<StepRecord> run_reference(const Case& c) {
       append(p.compute.data(), p.compute.size());
       r.state.push_back(std::move(bytes));
     }
+    r.steps = step.steps;
     records.push_back(std::move(r));
   }
   return records;
@@ -151,6 +244,7 @@ inline void expect_same(const std::vector<StepRecord>& got, const std::vector<St
     EXPECT_EQ(got[s].skipped, want[s].skipped) << what << " step " << s;
     EXPECT_EQ(got[s].chunks_skipped, want[s].chunks_skipped) << what << " step " << s;
     ASSERT_EQ(got[s].state.size(), want[s].state.size()) << what;
+    EXPECT_EQ(got[s].steps, want[s].steps) << what << " step " << s << " step counters";
     for (std::size_t i = 0; i < got[s].state.size(); ++i)
       ASSERT_TRUE(got[s].state[i] == want[s].state[i])
           << what << " step " << s << " parameter " << i << ": state bits differ";
@@ -196,6 +290,7 @@ inline void expect_shard_of(const std::vector<StepRecord>& rec,
     EXPECT_EQ(rec[s].norm_bits, whole[s].norm_bits) << "rank " << r << " step " << s;
     EXPECT_EQ(rec[s].scale_bits, whole[s].scale_bits) << "rank " << r << " step " << s;
     EXPECT_EQ(rec[s].skipped, whole[s].skipped) << "rank " << r << " step " << s;
+    EXPECT_EQ(rec[s].steps, whole[s].steps) << "rank " << r << " step " << s;
     for (std::size_t i = 0; i < model.size(); ++i) {
       // Slice the whole parameter's master|m|v|compute bytes to this shard.
       const std::size_t n = model[i].numel, off = sh.offsets[ru][i], len = sh.shards[ru][i].numel;
@@ -211,6 +306,31 @@ inline void expect_shard_of(const std::vector<StepRecord>& rec,
       ASSERT_TRUE(rec[s].state[i] == want) << "rank " << r << " step " << s << " param " << i;
     }
   }
+}
+
+/// Runs the case sharded over `ranks` in-process ranks (threads; uneven shards, rank 0's
+/// shard of parameter 0 empty) in `mode`; returns each rank's records (a rank's failure
+/// aborts the group and fails the test).
+inline std::vector<std::vector<StepRecord>> run_sharded(int ranks, OffloadMode mode, const Case& c,
+                                                        const Sharding& sh, bool lazy = false) {
+  auto comms = comm::make_in_process_group(ranks, std::chrono::seconds(60));
+  std::vector<std::vector<StepRecord>> got(static_cast<std::size_t>(ranks));
+  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.emplace_back([&, r] {
+      const auto ru = static_cast<std::size_t>(r);
+      try {
+        got[ru] = run_mode(mode, c, lazy, comms[ru].get(), &sh.shards[ru], &sh.offsets[ru]);
+      } catch (const std::exception& e) {
+        errors[ru] = e.what();
+        comms[ru]->abort();  // wake the peers instead of leaving them to time out
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < ranks; ++r)
+    EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+  return got;
 }
 
 }  // namespace managers_cases

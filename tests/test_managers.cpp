@@ -64,23 +64,8 @@ void sharded_case(int ranks, OffloadMode mode, const Case& c) {
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
   const auto whole = run_mode(OffloadMode::none, c);
   const Sharding sh = shard_model(model, ranks);
-  auto comms = comm::make_in_process_group(ranks, std::chrono::seconds(60));
-  std::vector<std::vector<StepRecord>> got(static_cast<std::size_t>(ranks));
-  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      const auto ru = static_cast<std::size_t>(r);
-      try {
-        got[ru] = run_mode(mode, c, false, comms[ru].get(), &sh.shards[ru], &sh.offsets[ru]);
-      } catch (const std::exception& e) {
-        errors[ru] = e.what();
-        comms[ru]->abort();  // wake the peers instead of leaving them to time out
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < ranks; ++r)
-    ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+  const auto got = run_sharded(ranks, mode, c, sh);
+  if (::testing::Test::HasFailure()) return;
   for (int r = 0; r < ranks; ++r)
     expect_shard_of(got[static_cast<std::size_t>(r)], whole, model, sh, r,
                     c.optimizer == OptimizerKind::adamw);
@@ -105,6 +90,7 @@ TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
       ManagerConfig cfg;
       cfg.mode = mode;
       cfg.optimizer = optimizer_of(OptimizerKind::adamw);
+      cfg.groups = groups_of();
       cfg.params = param_specs(stream_model(DType::bf16));
       cfg.chunk_elements = kChunk;
       cfg.device = dev.get();
@@ -163,6 +149,7 @@ TEST(Managers, FactoryRefusesWhatItCannotDo) {
   ManagerConfig cfg;
   cfg.mode = OffloadMode::full;
   cfg.optimizer.kind = static_cast<OptimizerKind>(7);
+  cfg.groups = groups_of();
   cfg.params = param_specs(stream_model(DType::bf16));
   cfg.device = dev.get();
   try {
@@ -187,6 +174,7 @@ TEST(Managers, ClipWithOverlapIsRefusedAndCloseIsIdempotent) {
     auto dev = device::make_host_device();
     ManagerConfig cfg;
     cfg.mode = mode;
+    cfg.groups = groups_of();
     cfg.params = param_specs(stream_model(DType::bf16));
     cfg.chunk_elements = kChunk;
     cfg.device = dev.get();

@@ -42,7 +42,7 @@ std::vector<ParamSpec> model() {
     p.numel = sizes[i];
     p.grad_dtype = i == 3 ? DType::f32 : DType::bf16;
     p.compute_dtype = DType::bf16;
-    p.no_weight_decay = i == 0;
+    p.group = i == 0 ? 1 : 0;  // group 1: no weight decay
     out.push_back(p);
   }
   return out;
@@ -95,6 +95,16 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
   cfg.optimizer.adamw.weight_decay = 0.1;
   cfg.optimizer.sign_sgd.lr = 1e-3;
   cfg.optimizer.sign_sgd.weight_decay = 0.05;
+  // Two groups: "decay" with the optimizer's values, "no_decay" (parameter 0) without.
+  const bool is_adamw = cfg.optimizer.kind == OptimizerKind::adamw;
+  ParamGroup decay;
+  decay.name = "decay";
+  decay.lr = is_adamw ? cfg.optimizer.adamw.lr : cfg.optimizer.sign_sgd.lr;
+  decay.weight_decay = is_adamw ? cfg.optimizer.adamw.weight_decay : 0.05;
+  ParamGroup no_decay = decay;
+  no_decay.name = "no_decay";
+  no_decay.weight_decay = 0.0;
+  cfg.groups = {decay, no_decay};
   cfg.params = model();
   cfg.chunk_elements = 300000;  // chunks {0, 1}, {2}, {3}
   cfg.device = &dev;

@@ -10,9 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <algorithm>
 #include <limits>
 #include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -126,6 +129,7 @@ struct StepRecord {
   bool skipped = false;
   std::size_t chunks_skipped = 0;
   std::vector<std::vector<std::uint8_t>> state;  ///< per parameter: master|m|v|compute bytes
+  std::vector<float> steps;                      ///< per parameter: step_count(i)
 };
 
 /// How to run the stream.
@@ -140,6 +144,14 @@ struct StreamOptions {
   std::optional<std::tuple<int, int, std::size_t>> poison;
   /// Shard of each parameter this rank holds: [first, first + numel) of the full one.
   std::vector<std::size_t> shard_offset;
+  /// The stream's step numbers run from first_step (a resumed run continues the stream).
+  int first_step = 0;
+  /// When set: before each step, every group's lr and weight decay (a schedule).
+  std::function<StepHyper(int step, std::size_t group)> schedule;
+  /// true: gradients go in buffers of the driver's own (device memory of `dev`), handed
+  /// over with gradient_ready(i, grad); each is overwritten with NaN as soon as
+  /// gradient_released(i) is complete, so a manager still reading it would be caught.
+  bool caller_gradients = false;
 };
 
 /// Runs `opts.steps` steps of the stream through `m` (parameters already loaded) and
@@ -150,15 +162,47 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
   const auto& params = m.config().params;
   std::vector<StepRecord> out;
   std::vector<std::uint8_t> host;
-  for (int s = 0; s < opts.steps; ++s) {
+  // The driver's own gradient buffers (caller_gradients), one per parameter, and a NaN
+  // pattern to poison them with once the manager has released them.
+  struct Owned {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  std::vector<Owned> owned(opts.caller_gradients ? params.size() : 0);
+  struct Free {
+    device::Device& dev;
+    std::vector<Owned>& owned;
+    ~Free() {
+      for (Owned& o : owned)
+        if (o.data != nullptr) dev.deallocate(o.data);
+    }
+  } free_owned{dev, owned};
+  for (std::size_t i = 0; i < owned.size(); ++i) {
+    owned[i].bytes = params[i].numel * dtype_size(params[i].grad_dtype);
+    owned[i].data = dev.allocate(std::max<std::size_t>(owned[i].bytes, 1));
+  }
+  const std::vector<std::uint8_t> poison_bytes(
+      [&] {
+        std::size_t b = 0;
+        for (const Owned& o : owned) b = std::max(b, o.bytes);
+        return b;
+      }(),
+      0xFF);  // all-ones: a NaN in f32, bf16 and f16
+  for (int s = opts.first_step; s < opts.first_step + opts.steps; ++s) {
     const StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
+    if (opts.schedule)
+      for (std::size_t g = 0; g < m.group_count(); ++g) m.set_hyperparameters(g, opts.schedule(s, g));
     m.begin_step(plan.scale, opts.overlap);
     for (int mb = 0; mb < plan.micro_batches; ++mb) {
       m.begin_backward(mb + 1 == plan.micro_batches);
       // Backward runs from the last parameter to the first.
       for (std::size_t i = params.size(); i-- > 0;) {
         if (!plan.has_grad[static_cast<std::size_t>(mb)][i]) continue;
-        const TensorView g = m.gradient(i);
+        const TensorView g = opts.caller_gradients
+                                 ? TensorView{owned[i].data, params[i].numel, params[i].grad_dtype}
+                                 : m.gradient(i);
+        if (opts.caller_gradients)  // the previous read of this buffer must be over
+          dev.synchronize(m.gradient_released(i));
         host.assign(g.bytes() + 1, 0);
         const std::size_t off = opts.shard_offset.empty() ? 0 : opts.shard_offset[i];
         make_gradient(opts.seed, s, mb, i, off, g.numel, g.dtype, host.data(), opts.magnitude);
@@ -176,7 +220,26 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
           dev.copy(device::Queue::compute, g.data, host.data(), g.bytes());
           dev.synchronize(dev.record(device::Queue::compute));  // host buffer is reused
         }
-        m.gradient_ready(i);
+        if (!opts.caller_gradients) {
+          m.gradient_ready(i);
+          continue;
+        }
+        m.gradient_ready(i, ConstTensorView(g));
+        // Released: the manager must not read it again; poison it at once. First, it
+        // must hold what was written (the manager never writes a caller's gradient).
+        dev.synchronize(m.gradient_released(i));
+        if (g.numel) {
+          std::vector<std::uint8_t> back(g.bytes());
+          dev.copy(device::Queue::compute, back.data(), g.data, g.bytes());
+          dev.synchronize(dev.record(device::Queue::compute));
+          if (std::memcmp(back.data(), host.data(), g.bytes()) != 0)
+            throw std::logic_error("the manager wrote the caller's gradient of parameter " +
+                                   std::to_string(i));
+        }
+        if (g.numel) {
+          dev.copy(device::Queue::compute, g.data, poison_bytes.data(), g.bytes());
+          dev.synchronize(dev.record(device::Queue::compute));
+        }
       }
       m.finish_backward();
     }
@@ -203,6 +266,7 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
       }
       if (!compute.empty()) std::memcpy(bytes.data() + at, compute.data(), compute.size());
       r.state.push_back(std::move(bytes));
+      r.steps.push_back(m.step_count(i));
     }
     out.push_back(std::move(r));
   }

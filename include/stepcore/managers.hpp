@@ -49,7 +49,7 @@ std::string_view offload_mode_name(OffloadMode mode) noexcept;
 
 /// One parameter (this rank's shard of it) in parameter order.
 struct ParamSpec {
-  std::string name;
+  std::string name;  ///< unique: checkpoints key the parameter's state by it
   std::size_t numel = 0;
   DType grad_dtype = DType::bf16;     ///< dtype backward writes the gradient in
   DType compute_dtype = DType::bf16;  ///< dtype of the compute weights each step writes
@@ -57,9 +57,27 @@ struct ParamSpec {
   /// false on ranks whose copy must not count towards the norm (a non-zero HSDP or
   /// tensor-parallel replica): the norm takes one copy of every logical element.
   bool counts_toward_norm = true;
-  /// true: the optimizer uses weight decay 0 for this parameter (norms, biases), else
-  /// the configured one.
-  bool no_weight_decay = false;
+  /// Index into ManagerConfig::groups of the group whose hyper-parameters it uses.
+  std::size_t group = 0;
+  /// false: the manager allocates no gradient buffer for it (gradient(i) throws); the
+  /// caller hands over its own with gradient_ready(i, grad, written) every time.
+  bool gradient_buffer = true;
+  /// Where step() writes the compute weights: the model's own parameter storage (device
+  /// memory, compute_dtype, numel elements; no two destinations overlap). Empty: a
+  /// buffer of the manager's. Needs has_compute_weights. Same bits either way.
+  TensorView compute_into;
+};
+
+/// A parameter group (PyTorch's param_groups): the hyper-parameters its parameters share.
+/// lr and weight_decay are the schedule's: set_hyperparameters changes them between
+/// steps; betas and eps are fixed.
+struct ParamGroup {
+  std::string name;  ///< non-empty and unique (checkpoints and errors name it)
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double beta1 = 0.9;    ///< AdamW only
+  double beta2 = 0.999;  ///< AdamW only
+  double eps = 1e-8;     ///< AdamW only
 };
 
 /// The optimizers stepcore implements.
@@ -71,7 +89,10 @@ OptimizerKind parse_optimizer(std::string_view name);
 /// Returns "adamw" or "sign_sgd".
 std::string_view optimizer_name(OptimizerKind kind) noexcept;
 
-/// The optimizer and the configuration of each (only the one `kind` names is used).
+/// The optimizer and the configuration of each (only the one `kind` names is used). The
+/// AdamW formula (formula, torch_tail_width) applies to every group; lr, weight decay,
+/// betas and eps are the hyper-parameters of the single group "default" that a
+/// configuration without ManagerConfig::groups has.
 struct OptimizerSpec {
   OptimizerKind kind = OptimizerKind::adamw;
   AdamWConfig adamw;
@@ -82,6 +103,9 @@ struct OptimizerSpec {
 struct ManagerConfig {
   OffloadMode mode = OffloadMode::optimizer;
   OptimizerSpec optimizer;
+  /// The parameter groups (ParamSpec::group indexes them). Empty: one group, "default",
+  /// with the optimizer's lr, weight decay, betas and eps.
+  std::vector<ParamGroup> groups;
   std::vector<ParamSpec> params;
   /// Optimizer-in-backward and streaming chunks: consecutive parameters, never split, up
   /// to this many elements (a larger parameter is a chunk of its own).
@@ -138,6 +162,28 @@ class GradientManager final {
   /// compute weights to their rounding; moments start at zero, the step counter at 0.
   /// Only between steps.
   void load_parameter(std::size_t i, std::span<const float> master);
+  /// Sets parameter i's whole optimizer state from host memory: master (numel finite
+  /// floats), AdamW moments (numel finite floats each, exp_avg_sq >= 0; empty for
+  /// SignSGD) and step counter (AdamW: an integer in [0, 2^24]; SignSGD: 0), and its
+  /// compute weights to the master's rounding: what a resumed run continues from, the
+  /// same bits as the run that exported it. Only between steps.
+  void import_parameter(std::size_t i, std::span<const float> master,
+                        std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
+                        float step);
+
+  /// The number of parameter groups (ManagerConfig::groups, or 1: "default").
+  std::size_t group_count() const noexcept;
+  /// Returns the index of the group named `name`; Errc::invalid_argument naming "group".
+  std::size_t group_index(std::string_view name) const;
+  /// Returns group g's current hyper-parameters (lr and weight decay as last set).
+  const ParamGroup& group(std::size_t g) const;
+  /// Sets group g's lr and weight decay (a schedule's values) for the optimizer work
+  /// enqueued after this call, validated like the configuration (Errc naming
+  /// "hyper.lr" / "hyper.weight_decay", nothing changed). Any time except during an
+  /// overlapped step's final backward and until its step() (chunks already stepped
+  /// with the old values). The device managers upload them with the next step's work,
+  /// without a host synchronisation (docs/managers.md, "Schedules").
+  void set_hyperparameters(std::size_t g, const StepHyper& hyper);
 
   /// Starts a step whose gradients are multiplied by `gradient_scale` (finite, > 0;
   /// e.g. 1 / loss tokens). `overlap_optimizer`: run each chunk's optimizer step during
@@ -147,7 +193,8 @@ class GradientManager final {
   /// Starts a micro-batch's backward; `final_backward` marks the step's last one.
   void begin_backward(bool final_backward);
   /// Returns parameter i's gradient buffer for this micro-batch (device memory,
-  /// grad_dtype): backward writes it, then calls gradient_ready(i).
+  /// grad_dtype): backward writes it, then calls gradient_ready(i). Errc::invalid_argument
+  /// when the parameter has no buffer (ParamSpec::gradient_buffer = false).
   TensorView gradient(std::size_t i);
   /// The post-accumulate-grad hook: parameter i's gradient of this micro-batch is
   /// complete (at most once per micro-batch) once `written` is. The manager's reads of
@@ -156,6 +203,12 @@ class GradientManager final {
   /// device queue that wrote it); an empty event means it was written in order on the
   /// device's compute queue (the trainer's stream, when the device was made on it).
   void gradient_ready(std::size_t i, const device::Event& written = {});
+  /// The same hook for a gradient in the caller's buffer (FSDP's reduced shard): `grad`
+  /// (device memory; the host device's is host memory) holds numel elements of
+  /// grad_dtype, aligned to the element size. The manager reads it after `written`,
+  /// never writes it, and keeps no reference to it once gradient_released(i) is
+  /// complete: from then on the caller may rewrite or free it.
+  void gradient_ready(std::size_t i, ConstTensorView grad, const device::Event& written = {});
   /// Returns the event after which parameter i's buffer may be rewritten (the
   /// manager's reads of its last gradient are done): the trainer's stream waits for it
   /// (Device::wait_on) before the next backward writes the buffer. Empty before the
@@ -187,6 +240,34 @@ class GradientManager final {
   /// outstanding work. Only between steps.
   void read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
                       std::span<float> exp_avg_sq, std::span<std::uint8_t> compute);
+  /// Returns parameter i's AdamW step counter (0 for SignSGD). Waits for outstanding
+  /// work. Only between steps.
+  float step_count(std::size_t i);
+
+  /// Parameter i's optimizer state where it lives in host memory.
+  struct HostState {
+    std::span<const float> master, exp_avg, exp_avg_sq;  ///< moments empty for SignSGD
+  };
+  /// Returns views of parameter i's state where it is host memory (modes optimizer and
+  /// full: no copy, e.g. for a distributed checkpoint), valid until the next call that
+  /// starts work or changes state (begin_step, load/import, load_checkpoint, close);
+  /// empty views in mode none (device memory: read_parameter copies). Waits for
+  /// outstanding work. Only between steps.
+  HostState host_state(std::size_t i);
+
+  /// Writes this rank's optimizer state (every parameter's master, moments and step
+  /// counter, keyed by name; the groups' hyper-parameters) to `path`, atomically (a
+  /// temporary file, fsync, rename: a crash leaves the previous file intact), in the
+  /// versioned format of docs/checkpoint.md. Each rank saves its own file. Only between
+  /// steps; Errc::io_error naming "path" when the file cannot be written.
+  void save_checkpoint(const std::string& path);
+  /// Reads a checkpoint written by save_checkpoint in any mode, thread count, ISA or
+  /// device, and continues from it bit for bit. Everything is checked first (format,
+  /// checksums, optimizer, groups, rank, layout, parameter names, sizes and values):
+  /// any disagreement is an Error naming it (Errc::corrupt_file for a damaged file),
+  /// with nothing loaded. Restores each group's lr and weight decay. Only between steps.
+  void load_checkpoint(const std::string& path);
+
   /// Waits for all outstanding work and re-raises its errors.
   void synchronize();
   /// Waits for outstanding work and joins the worker; raises the first error of that
@@ -198,6 +279,8 @@ class GradientManager final {
   /// make_gradient_manager builds the mode's implementation and hands it over; every
   /// call validates the sequence and arguments, then runs the implementation's hook.
   explicit GradientManager(std::unique_ptr<detail::ManagerImpl> impl) noexcept;
+  /// Both gradient_ready overloads, once the buffer is known and validated.
+  void ready(std::size_t i, ConstTensorView grad, const device::Event& written);
   friend std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 
   std::unique_ptr<detail::ManagerImpl> impl_;  ///< the mode's manager (managers/manager_impl.hpp)

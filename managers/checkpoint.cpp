@@ -1,0 +1,153 @@
+// GradientManager::save_checkpoint / load_checkpoint: a manager's optimizer state as one
+// rank's checkpoint file (managers/checkpoint_file.hpp, docs/checkpoint.md), in any mode.
+// Saving reads host-resident state in place and copies device state one parameter at a
+// time; loading verifies the whole file and every value before it imports anything.
+#include <cmath>
+#include <cstring>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "managers/checkpoint_file.hpp"
+#include "managers/manager_impl.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace stepcore {
+
+using detail::CallPhase;
+namespace ckpt = detail::checkpoint;
+
+namespace {
+
+// The header of `m`'s checkpoint (step counters from `steps`, one per parameter).
+ckpt::Header header_of(const GradientManager& m, std::span<const float> steps) {
+  const ManagerConfig& c = m.config();
+  const bool adamw = c.optimizer.kind == OptimizerKind::adamw;
+  ckpt::Header h;
+  h.optimizer = static_cast<std::uint32_t>(c.optimizer.kind);
+  h.formula = adamw ? static_cast<std::uint32_t>(c.optimizer.adamw.formula) : 0;
+  h.saved_mode = static_cast<std::uint32_t>(c.mode);
+  h.arrays = adamw ? 3 : 1;
+  h.rank = c.comm != nullptr ? c.comm->rank() : 0;
+  h.world_size = c.comm != nullptr ? c.comm->size() : 1;
+  h.layout_fingerprint = c.layout_fingerprint;
+  h.library_version = STEPCORE_VERSION_STRING;
+  for (std::size_t g = 0; g < m.group_count(); ++g) {
+    const ParamGroup& pg = m.group(g);
+    h.groups.push_back({pg.name, pg.lr, pg.weight_decay, adamw ? pg.beta1 : 0.0,
+                        adamw ? pg.beta2 : 0.0, adamw ? pg.eps : 0.0});
+  }
+  for (std::size_t i = 0; i < c.params.size(); ++i) {
+    const ParamSpec& p = c.params[i];
+    h.params.push_back({p.name, p.numel, static_cast<std::uint32_t>(p.group),
+                        steps.empty() ? 0.0f : steps[i]});
+  }
+  return h;
+}
+
+// "checkpoint.params[i].<field>" for parameter i's name in errors.
+std::string param_arg(std::size_t i, const char* field) {
+  return "checkpoint.params[" + std::to_string(i) + "]." + field;
+}
+
+// Throws unless every value of `a` is finite (and >= 0 when `non_negative`), naming it.
+void check_values(std::span<const float> a, std::size_t i, const char* field,
+                  const std::string& param, const std::string& path, bool non_negative) {
+  for (std::size_t j = 0; j < a.size(); ++j) {
+    if (!std::isfinite(a[j]))
+      throw Error(Errc::non_finite, param_arg(i, field),
+                  path + ": element " + std::to_string(j) + " of '" + param + "' is not finite");
+    if (non_negative && a[j] < 0.0f)
+      throw Error(Errc::invalid_argument, param_arg(i, field),
+                  path + ": element " + std::to_string(j) + " of '" + param + "' is negative");
+  }
+}
+
+}  // namespace
+
+void GradientManager::save_checkpoint(const std::string& path) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "save_checkpoint", "only between steps");
+  if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
+  const std::size_t n = m.config_.params.size();
+  std::vector<float> steps(n);
+  m.guarded([&] { m.do_step_counts(steps); });
+  const ckpt::Header header = header_of(*this, steps);
+  // Host-resident state is written in place; device state through one parameter's copy.
+  std::vector<float> copy[3];
+  std::size_t copied = n;  // the parameter `copy` holds
+  const bool adamw = m.is_adamw();
+  const ckpt::ArraySource source = [&](std::size_t i, std::size_t a) -> std::span<const float> {
+    const HostState h = m.guarded([&] { return m.do_host_state(i); });
+    const std::size_t numel = m.config_.params[i].numel;
+    if (numel == 0) return {};
+    if (!h.master.empty()) return a == 0 ? h.master : a == 1 ? h.exp_avg : h.exp_avg_sq;
+    if (copied != i) {
+      for (auto& v : copy) v.assign(adamw ? numel : (&v == &copy[0] ? numel : 0), 0.0f);
+      m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
+      copied = i;
+    }
+    return copy[a];
+  };
+  ckpt::save(path, header, source);
+}
+
+void GradientManager::load_checkpoint(const std::string& path) {
+  detail::ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
+  if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
+  const ckpt::File file = ckpt::File::open(path);  // the format, sizes and checksums
+  const ckpt::Header& h = file.header();
+  ckpt::check_compatible(h, header_of(*this, {}), path);
+  // Every value before anything changes: states a manager can continue from, and the
+  // groups' hyper-parameters as set_hyperparameters would accept them.
+  const bool adamw = m.is_adamw();
+  for (std::size_t i = 0; i < h.params.size(); ++i) {
+    const std::string& name = h.params[i].name;
+    check_values(file.array(i, 0), i, "master", name, path, false);
+    if (adamw) {
+      check_values(file.array(i, 1), i, "exp_avg", name, path, false);
+      check_values(file.array(i, 2), i, "exp_avg_sq", name, path, true);
+    }
+    const float step = h.params[i].step;
+    const bool step_ok = adamw ? std::isfinite(step) && step >= 0.0f && step <= 16777216.0f &&
+                                     step == std::floor(step)
+                               : step == 0.0f && !std::signbit(step);
+    if (!step_ok)
+      throw Error(Errc::invalid_argument, param_arg(i, "step"),
+                  path + ": step counter " + std::to_string(step) + " of '" + name +
+                      "' is not " + (adamw ? "an integer in [0, 2^24]" : "0 (SignSGD)"));
+  }
+  for (std::size_t g = 0; g < h.groups.size(); ++g) {
+    const std::string prefix = "checkpoint.groups[" + std::to_string(g) + "].";
+    detail::with_group_names(prefix, prefix, [&] {
+      if (adamw) {
+        AdamWConfig c = m.adamw_config(g);
+        c.lr = h.groups[g].lr;
+        c.weight_decay = h.groups[g].weight_decay;
+        detail::validate_adamw({}, c, {});
+      } else {
+        SignSgdConfig c = m.sign_sgd_config(g);
+        c.lr = h.groups[g].lr;
+        c.weight_decay = h.groups[g].weight_decay;
+        detail::validate_sign_sgd({}, c, {});
+      }
+    });
+  }
+  for (std::size_t i = 0; i < h.params.size(); ++i)
+    m.guarded([&] {
+      m.do_import_parameter(i, file.array(i, 0), adamw ? file.array(i, 1) : std::span<const float>{},
+                            adamw ? file.array(i, 2) : std::span<const float>{},
+                            h.params[i].step);
+    });
+  for (std::size_t g = 0; g < h.groups.size(); ++g) {
+    m.groups_[g].lr = h.groups[g].lr;
+    m.groups_[g].weight_decay = h.groups[g].weight_decay;
+  }
+  ++m.hyper_version_;
+}
+
+}  // namespace stepcore

@@ -1,0 +1,443 @@
+// What a real training loop needs from the gradient managers, against the independent
+// simulation built from stepcore::reference (manager_model): parameter groups with a
+// warm-up + cosine schedule set before every step, the trainer's own gradient buffers
+// (poisoned as soon as the manager releases them) and compute-weight destinations in the
+// model's storage (guard bands around them), in every mode, with and without overlap,
+// on 1 and 2 in-process ranks; and every new call's bad input refused with nothing changed.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <memory>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "expect_error.hpp"
+#include "managers_cases.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace {
+
+using namespace managers_cases;
+
+constexpr OffloadMode kModes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
+
+// Expects every mode (none eager and lazy, optimizer, full) on one rank, and each mode on
+// 2 in-process ranks, to equal the reference after every step.
+void expect_every_mode_equals(const Case& c, const std::vector<StepRecord>& want) {
+  expect_same(run_mode(OffloadMode::none, c), want, "none");
+  expect_same(run_mode(OffloadMode::none, c, /*lazy=*/true), want, "none (lazy scale)");
+  expect_same(run_mode(OffloadMode::optimizer, c), want, "optimizer");
+  expect_same(run_mode(OffloadMode::full, c), want, "full");
+  const std::vector<StreamParam> model = stream_model(c.grad_dtype);
+  const Sharding sh = shard_model(model, 2);
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(std::string("2 ranks, mode ") + std::string(offload_mode_name(mode)));
+    const auto got = run_sharded(2, mode, c, sh);
+    if (::testing::Test::HasFailure()) return;
+    for (int r = 0; r < 2; ++r)
+      expect_shard_of(got[static_cast<std::size_t>(r)], want, model, sh, r,
+                      c.optimizer == OptimizerKind::adamw);
+  }
+}
+
+TEST(TrainerApi, ATwentyStepScheduleOverTwoGroupsEqualsTheReferenceInEveryMode) {
+  for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+    for (bool overlap : {false, true}) {
+      Case c{DType::bf16, opt, overlap ? std::optional<float>{} : std::optional<float>{0.05f},
+             Flow::sft, overlap};
+      c.schedule = true;
+      c.steps = 20;
+      SCOPED_TRACE(c.label());
+      const auto want = run_reference(c);
+      // The run must exercise what it claims: the schedule changes the result, and
+      // without overlap clipping clips (the effective scale is below the step's scale).
+      Case constant = c;
+      constant.schedule = false;
+      ASSERT_NE(run_reference(constant)[19].state[0], want[19].state[0]);
+      if (!overlap) {
+        bool clipped = false;
+        for (int s = 0; s < c.steps; ++s)
+          clipped = clipped || std::bit_cast<float>(want[static_cast<std::size_t>(s)].scale_bits) <
+                                   plan_step(c.flow, s, want[0].state.size(), 1).scale;
+        ASSERT_TRUE(clipped) << "max_norm 0.05 never clipped";
+      }
+      expect_every_mode_equals(c, want);
+      if (HasFatalFailure()) return;
+    }
+}
+
+TEST(TrainerApi, CallerOwnedGradientsGiveTheOwnedBuffersBitsAndAreNeverWritten) {
+  // run_stream hands each gradient over in a buffer of its own, checks after
+  // gradient_released(i) that the manager did not write it, then poisons it with NaN.
+  for (bool overlap : {false, true})
+    for (Flow flow : {Flow::sft, Flow::rl}) {
+      Case c{DType::bf16, OptimizerKind::adamw,
+             overlap ? std::optional<float>{} : std::optional<float>{0.05f}, flow, overlap};
+      c.schedule = true;
+      c.steps = 6;
+      SCOPED_TRACE(c.label());
+      Case owned = c;
+      const auto want = run_reference(owned);
+      c.caller_gradients = true;
+      expect_every_mode_equals(c, want);
+      if (HasFatalFailure()) return;
+    }
+}
+
+// A device allocation holding every parameter's compute-weight destination between
+// guard bands of a fixed pattern.
+struct Destinations {
+  static constexpr std::size_t kGuard = 256;
+  static constexpr std::uint8_t kPattern = 0xA5;
+  device::Device& dev;
+  std::vector<std::size_t> offsets;
+  std::size_t bytes = kGuard;
+  void* base = nullptr;
+  Destinations(device::Device& d, const std::vector<ParamSpec>& params) : dev(d) {
+    for (const ParamSpec& p : params) {
+      offsets.push_back(bytes);
+      bytes += p.numel * dtype_size(p.compute_dtype) + kGuard;
+    }
+    base = dev.allocate(bytes);
+    const std::vector<std::uint8_t> fill(bytes, kPattern);
+    dev.copy(device::Queue::compute, base, fill.data(), bytes);
+    dev.synchronize();
+  }
+  ~Destinations() { dev.deallocate(base); }
+  TensorView view(std::size_t i, const ParamSpec& p) const {
+    return {static_cast<std::uint8_t*>(base) + offsets[i], p.numel, p.compute_dtype};
+  }
+  std::vector<std::uint8_t> contents() const {
+    std::vector<std::uint8_t> out(bytes);
+    dev.copy(device::Queue::compute, out.data(), base, bytes);
+    dev.synchronize();
+    return out;
+  }
+};
+
+TEST(TrainerApi, ComputeWeightsGoIntoTheCallersStorageAndNowhereElse) {
+  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::rl, false};
+  c.schedule = true;
+  c.steps = 5;
+  const auto want = run_reference(c);
+  for (OffloadMode mode : kModes)
+    for (bool overlap : {false, true}) {
+      SCOPED_TRACE(std::string(offload_mode_name(mode)) + (overlap ? " overlap" : ""));
+      Case run_case = c;
+      run_case.overlap = overlap;
+      if (overlap) run_case.max_norm.reset();
+      const auto expected = overlap ? run_reference(run_case) : want;
+      auto dev = make_device();
+      const std::vector<ParamSpec> specs = param_specs(stream_model(c.grad_dtype));
+      Destinations dest(*dev, specs);
+      // The manager of make_manager, with destinations: built the same way by hand.
+      ManagerConfig cfg;
+      cfg.mode = mode;
+      cfg.optimizer = optimizer_of(c.optimizer);
+      cfg.groups = groups_of();
+      cfg.params = specs;
+      for (std::size_t i = 0; i < specs.size(); ++i)
+        cfg.params[i].compute_into = dest.view(i, specs[i]);
+      cfg.chunk_elements = kChunk;
+      cfg.device = dev.get();
+      cfg.engine.threads = 2;
+      auto m = make_gradient_manager(cfg);
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        std::vector<float> init(specs[i].numel);
+        for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+        m->load_parameter(i, init);
+      }
+      for (std::size_t i = 0; i < specs.size(); ++i)
+        EXPECT_EQ(m->compute_weights(i).data, dest.view(i, specs[i]).data) << "parameter " << i;
+      const auto got = run_stream(*m, *dev, stream_options(run_case, nullptr));
+      expect_same(got, expected, "destinations");
+      // The destinations hold the last step's compute weights (the tail of each record),
+      // and every byte between them is the guard pattern.
+      const std::vector<std::uint8_t> bytes = dest.contents();
+      std::size_t at = 0;
+      for (std::size_t i = 0; i < specs.size(); ++i) {
+        for (; at < dest.offsets[i]; ++at)
+          ASSERT_EQ(bytes[at], Destinations::kPattern) << "guard byte " << at << " written";
+        const std::size_t cb = specs[i].numel * dtype_size(specs[i].compute_dtype);
+        const auto& rec = expected.back().state[i];
+        ASSERT_EQ(0, cb == 0 ? 0 : std::memcmp(bytes.data() + at, rec.data() + rec.size() - cb, cb))
+            << "parameter " << i << ": destination bits";
+        at += cb;
+      }
+      for (; at < bytes.size(); ++at)
+        ASSERT_EQ(bytes[at], Destinations::kPattern) << "guard byte " << at << " written";
+      m->close();
+    }
+}
+
+// ---- bad input: the error, naming the argument, and nothing changed --------------------
+
+using test_support::expect_error;
+
+// Everything observable of a manager between steps: groups, every parameter's state,
+// step counter and compute weights.
+std::vector<std::uint8_t> snapshot(GradientManager& m) {
+  std::vector<std::uint8_t> out;
+  auto append = [&](const void* p, std::size_t n) {
+    const auto* b = static_cast<const std::uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
+  };
+  for (std::size_t g = 0; g < m.group_count(); ++g) {
+    append(&m.group(g).lr, sizeof(double));
+    append(&m.group(g).weight_decay, sizeof(double));
+  }
+  const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
+  for (std::size_t i = 0; i < m.config().params.size(); ++i) {
+    const ParamSpec& p = m.config().params[i];
+    std::vector<float> master(p.numel), ea(adamw ? p.numel : 0), eas(adamw ? p.numel : 0);
+    std::vector<std::uint8_t> compute(p.numel * dtype_size(p.compute_dtype));
+    m.read_parameter(i, master, ea, eas, compute);
+    for (const auto* v : {&master, &ea, &eas}) append(v->data(), v->size() * sizeof(float));
+    append(compute.data(), compute.size());
+    const float step = m.step_count(i);
+    append(&step, sizeof step);
+  }
+  return out;
+}
+
+// A manager of `mode` after 2 steps of the test stream (moments and counters non-zero).
+struct Stepped {
+  std::unique_ptr<device::Device> dev = make_device();
+  std::unique_ptr<GradientManager> m;
+  Stepped(OffloadMode mode, OptimizerKind opt = OptimizerKind::adamw) {
+    Case c{DType::bf16, opt, 0.05f, Flow::sft, false};
+    c.steps = 2;
+    Build b;
+    b.mode = mode;
+    m = make_manager(b, c, *dev);
+    (void)run_stream(*m, *dev, stream_options(c, nullptr));
+  }
+  ~Stepped() { m->close(); }
+};
+
+TEST(TrainerApi, SetHyperparametersRefusesBadValuesAndChangesNothing) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (OffloadMode mode : kModes)
+    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
+      SCOPED_TRACE(std::string(offload_mode_name(mode)) + " " + std::string(optimizer_name(opt)));
+      Stepped t(mode, opt);
+      GradientManager& m = *t.m;
+      const auto before = snapshot(m);
+      expect_error([&] { m.set_hyperparameters(2, {1e-3, 0.0}); }, Errc::out_of_range, "group");
+      expect_error([&] { m.set_hyperparameters(0, {nan, 0.0}); }, Errc::non_finite, "hyper.lr");
+      expect_error([&] { m.set_hyperparameters(0, {1e-3, INFINITY}); }, Errc::non_finite,
+                   "hyper.weight_decay");
+      expect_error([&] { m.set_hyperparameters(1, {-1e-3, 0.0}); }, Errc::invalid_argument,
+                   "hyper.lr");
+      expect_error([&] { m.set_hyperparameters(1, {1e-3, -0.5}); }, Errc::invalid_argument,
+                   "hyper.weight_decay");
+      expect_error([&] { m.set_hyperparameters(0, {0.5, 2.5}); }, Errc::invalid_argument,
+                   "hyper.weight_decay");  // lr * weight_decay > 1
+      expect_error([&] { (void)m.group_index("decayed"); }, Errc::invalid_argument, "group");
+      expect_error([&] { (void)m.group(2); }, Errc::out_of_range, "group");
+      EXPECT_EQ(snapshot(m), before) << "a refused call changed the manager";
+      EXPECT_EQ(m.group_index("no_decay"), 1u);
+      // Not while an overlapped step's final backward runs: its chunks use the values.
+      m.begin_step(1e-3f, true);
+      m.set_hyperparameters(0, {2e-3, 0.1});  // before the final backward: accepted
+      m.begin_backward(true);
+      expect_error([&] { m.set_hyperparameters(0, {3e-3, 0.1}); }, Errc::invalid_argument,
+                   "set_hyperparameters");
+      m.finish_backward();
+      expect_error([&] { m.set_hyperparameters(0, {3e-3, 0.1}); }, Errc::invalid_argument,
+                   "set_hyperparameters");
+      m.step();
+      m.set_hyperparameters(0, {3e-3, 0.1});
+      EXPECT_EQ(m.group(0).lr, 3e-3);
+    }
+}
+
+TEST(TrainerApi, ImportParameterRefusesBadStateAndChangesNothing) {
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    Stepped t(mode);
+    GradientManager& m = *t.m;
+    const auto before = snapshot(m);
+    const std::size_t n = m.config().params[3].numel;
+    std::vector<float> ok(n, 0.25f), short_(n - 1, 0.25f), nan(n, 0.25f), neg(n, 0.25f);
+    nan[n / 2] = std::numeric_limits<float>::quiet_NaN();
+    neg[n - 1] = -1e-30f;
+    expect_error([&] { m.import_parameter(8, ok, ok, ok, 1.0f); }, Errc::out_of_range, "i");
+    expect_error([&] { m.import_parameter(3, short_, ok, ok, 1.0f); }, Errc::size_mismatch,
+                 "master");
+    expect_error([&] { m.import_parameter(3, ok, short_, ok, 1.0f); }, Errc::size_mismatch,
+                 "exp_avg");
+    expect_error([&] { m.import_parameter(3, ok, ok, {}, 1.0f); }, Errc::size_mismatch,
+                 "exp_avg_sq");
+    expect_error([&] { m.import_parameter(3, nan, ok, ok, 1.0f); }, Errc::non_finite, "master");
+    expect_error([&] { m.import_parameter(3, ok, nan, ok, 1.0f); }, Errc::non_finite, "exp_avg");
+    expect_error([&] { m.import_parameter(3, ok, ok, neg, 1.0f); }, Errc::invalid_argument,
+                 "exp_avg_sq");
+    for (float step : {-1.0f, 1.5f, 16777218.0f})
+      expect_error([&] { m.import_parameter(3, ok, ok, ok, step); }, Errc::out_of_range, "step");
+    expect_error([&] { m.import_parameter(3, ok, ok, ok, NAN); }, Errc::non_finite, "step");
+    EXPECT_EQ(snapshot(m), before) << "a refused import changed the manager";
+    m.begin_step(1e-3f, false);
+    expect_error([&] { m.import_parameter(3, ok, ok, ok, 1.0f); }, Errc::invalid_argument,
+                 "import_parameter");
+    expect_error([&] { (void)m.step_count(3); }, Errc::invalid_argument, "step_count");
+    expect_error([&] { (void)m.host_state(3); }, Errc::invalid_argument, "host_state");
+    m.begin_backward(true);
+    m.finish_backward();
+    m.step();
+  }
+  Stepped sgd(OffloadMode::full, OptimizerKind::sign_sgd);
+  const std::size_t n = sgd.m->config().params[3].numel;
+  const std::vector<float> ok(n, 0.25f);
+  expect_error([&] { sgd.m->import_parameter(3, ok, ok, ok, 0.0f); }, Errc::size_mismatch,
+               "exp_avg");
+  expect_error([&] { sgd.m->import_parameter(3, ok, {}, {}, 1.0f); }, Errc::invalid_argument,
+               "step");
+}
+
+TEST(TrainerApi, ImportedStateReadsBackAndHostStateViewsIt) {
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    Stepped t(mode);
+    GradientManager& m = *t.m;
+    const ParamSpec& p = m.config().params[3];
+    std::vector<float> master(p.numel), ea(p.numel), eas(p.numel);
+    for (std::size_t j = 0; j < p.numel; ++j) {
+      master[j] = -0.0f + 0.001f * static_cast<float>(j);
+      ea[j] = j % 2 ? -0.0f : 1e-40f;  // a signed zero and a subnormal survive
+      eas[j] = 1e-3f * static_cast<float>(j);
+    }
+    m.import_parameter(3, master, ea, eas, 17.0f);
+    std::vector<float> gm(p.numel), gea(p.numel), geas(p.numel);
+    std::vector<std::uint8_t> compute(p.numel * 2);
+    m.read_parameter(3, gm, gea, geas, compute);
+    EXPECT_EQ(0, std::memcmp(gm.data(), master.data(), p.numel * 4));
+    EXPECT_EQ(0, std::memcmp(gea.data(), ea.data(), p.numel * 4));
+    EXPECT_EQ(0, std::memcmp(geas.data(), eas.data(), p.numel * 4));
+    EXPECT_EQ(compute, manager_model::rounded(master, DType::bf16));
+    EXPECT_EQ(m.step_count(3), 17.0f);
+    const GradientManager::HostState h = m.host_state(3);
+    if (mode == OffloadMode::none) {
+      EXPECT_TRUE(h.master.empty() && h.exp_avg.empty()) << "mode none keeps state on the device";
+    } else {
+      ASSERT_EQ(h.master.size(), p.numel);
+      EXPECT_EQ(0, std::memcmp(h.master.data(), master.data(), p.numel * 4));
+      EXPECT_EQ(0, std::memcmp(h.exp_avg_sq.data(), eas.data(), p.numel * 4));
+    }
+  }
+}
+
+TEST(TrainerApi, CallerGradientsAreValidatedBeforeTheyAreRead) {
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    Stepped t(mode);
+    GradientManager& m = *t.m;
+    device::Device& dev = *t.dev;
+    const std::size_t n = m.config().params[3].numel;  // bf16
+    void* buf = dev.allocate(n * 2 + 16);
+    const ConstTensorView ok(buf, n, DType::bf16);
+    const auto before = snapshot(m);
+    expect_error([&] { m.gradient_ready(3, ok); }, Errc::invalid_argument, "gradient_ready");
+    m.begin_step(1e-3f, false);
+    m.begin_backward(true);
+    expect_error([&] { m.gradient_ready(3, ConstTensorView(buf, n, DType::f32)); },
+                 Errc::unsupported_dtype, "grad");
+    expect_error([&] { m.gradient_ready(3, ConstTensorView(buf, n + 1, DType::bf16)); },
+                 Errc::size_mismatch, "grad");
+    expect_error([&] { m.gradient_ready(3, ConstTensorView(nullptr, n, DType::bf16)); },
+                 Errc::null_pointer, "grad");
+    expect_error(
+        [&] { m.gradient_ready(3, ConstTensorView(static_cast<char*>(buf) + 1, n, DType::bf16)); },
+        Errc::invalid_argument, "grad");
+    expect_error([&] { m.gradient_ready(9, ok); }, Errc::out_of_range, "i");
+    dev.zero(device::Queue::compute, buf, n * 2);
+    m.gradient_ready(3, ok);
+    expect_error([&] { m.gradient_ready(3, ok); }, Errc::invalid_argument, "gradient_ready");
+    m.finish_backward();
+    m.step();
+    (void)m.report();
+    dev.synchronize();
+    dev.deallocate(buf);
+    EXPECT_NE(snapshot(m), before) << "the accepted gradient stepped";
+  }
+}
+
+TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated) {
+  auto dev = make_device();
+  auto base = [&] {
+    ManagerConfig cfg;
+    cfg.optimizer = optimizer_of(OptimizerKind::adamw);
+    cfg.groups = groups_of();
+    cfg.params = param_specs(stream_model(DType::bf16));
+    cfg.device = dev.get();
+    return cfg;
+  };
+  void* mem = dev->allocate(1 << 16);
+  const TensorView dest(mem, 33, DType::bf16);  // parameter 0's size
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    auto refused = [&](auto&& spoil, Errc code, const test_support::ArgumentNames& arg) {
+      ManagerConfig cfg = base();
+      cfg.mode = mode;
+      spoil(cfg);
+      expect_error([&] { (void)make_gradient_manager(cfg); }, code, arg);
+    };
+    refused([](ManagerConfig& c) { c.params[6].group = 2; }, Errc::out_of_range,
+            "params[6].group");
+    refused([](ManagerConfig& c) { c.groups[1].name = "decay"; }, Errc::invalid_argument,
+            "groups[1].name");
+    refused([](ManagerConfig& c) { c.groups[0].name.clear(); }, Errc::invalid_argument,
+            "groups[0].name");
+    refused([](ManagerConfig& c) { c.groups[1].lr = -1.0; }, Errc::invalid_argument,
+            "groups[1].lr");
+    refused([](ManagerConfig& c) { c.groups[0].beta2 = 1.0; }, Errc::invalid_argument,
+            "groups[0].beta2");
+    refused([](ManagerConfig& c) { c.groups[1].eps = NAN; }, Errc::non_finite, "groups[1].eps");
+    refused([](ManagerConfig& c) { c.groups.clear(); }, Errc::out_of_range, "params[1].group");
+    refused([](ManagerConfig& c) { c.optimizer.adamw.formula = static_cast<AdamWFormula>(7); },
+            Errc::invalid_argument, "optimizer.adamw.formula");
+    refused([](ManagerConfig& c) { c.params[4].name = "p2"; }, Errc::invalid_argument,
+            "params[4].name");
+    refused([&](ManagerConfig& c) { c.params[0].compute_into = {mem, 32, DType::bf16}; },
+            Errc::size_mismatch, "params[0].compute_into");
+    refused([&](ManagerConfig& c) { c.params[0].compute_into = {mem, 33, DType::f32}; },
+            Errc::unsupported_dtype, "params[0].compute_into");
+    refused([&](ManagerConfig& c) { c.params[0].compute_into = {nullptr, 33, DType::bf16}; },
+            Errc::null_pointer, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = {static_cast<char*>(mem) + 1, 33, DType::bf16};
+        },
+        Errc::invalid_argument, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = dest;
+          c.params[0].has_compute_weights = false;
+        },
+        Errc::invalid_argument, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = dest;
+          c.params[1].compute_into = {static_cast<char*>(mem) + 64, 1, DType::bf16};
+        },
+        Errc::overlap, {"params[0].compute_into", "params[1].compute_into"});
+    // Without the manager's buffer, gradient(i) and gradient_ready(i) say what to do.
+    ManagerConfig cfg = base();
+    cfg.mode = mode;
+    cfg.params[3].gradient_buffer = false;
+    auto m = make_gradient_manager(cfg);
+    m->begin_step(1.0f, false);
+    m->begin_backward(true);
+    expect_error([&] { (void)m->gradient(3); }, Errc::invalid_argument, "gradient");
+    expect_error([&] { m->gradient_ready(3); }, Errc::invalid_argument, "gradient_ready");
+    m->close();
+  }
+  dev->deallocate(mem);
+}
+
+}  // namespace
