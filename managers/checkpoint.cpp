@@ -42,8 +42,8 @@ ckpt::Header header_of(const GradientManager& m, std::span<const float> steps) {
   }
   for (std::size_t i = 0; i < c.params.size(); ++i) {
     const ParamSpec& p = c.params[i];
-    h.params.push_back({p.name, p.numel, static_cast<std::uint32_t>(p.group),
-                        steps.empty() ? 0.0f : steps[i]});
+    h.params.push_back(
+        {p.name, p.numel, static_cast<std::uint32_t>(p.group), steps.empty() ? 0.0f : steps[i]});
   }
   return h;
 }
@@ -118,8 +118,8 @@ void GradientManager::load_checkpoint(const std::string& path) {
                                : step == 0.0f && !std::signbit(step);
     if (!step_ok)
       throw Error(Errc::invalid_argument, param_arg(i, "step"),
-                  path + ": step counter " + std::to_string(step) + " of '" + name +
-                      "' is not " + (adamw ? "an integer in [0, 2^24]" : "0 (SignSGD)"));
+                  path + ": step counter " + std::to_string(step) + " of '" + name + "' is not " +
+                      (adamw ? "an integer in [0, 2^24]" : "0 (SignSGD)"));
   }
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     const std::string prefix = "checkpoint.groups[" + std::to_string(g) + "].";
@@ -139,9 +139,9 @@ void GradientManager::load_checkpoint(const std::string& path) {
   }
   for (std::size_t i = 0; i < h.params.size(); ++i)
     m.guarded([&] {
-      m.do_import_parameter(i, file.array(i, 0), adamw ? file.array(i, 1) : std::span<const float>{},
-                            adamw ? file.array(i, 2) : std::span<const float>{},
-                            h.params[i].step);
+      m.do_import_parameter(i, file.array(i, 0),
+                            adamw ? file.array(i, 1) : std::span<const float>{},
+                            adamw ? file.array(i, 2) : std::span<const float>{}, h.params[i].step);
     });
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     m.groups_[g].lr = h.groups[g].lr;

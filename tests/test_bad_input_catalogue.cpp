@@ -88,6 +88,7 @@ enum Part : unsigned {
   kSgdTensors = 1u << 8,
   kPairs = 1u << 9,
   kGrads = 1u << 10,
+  kStepHyper = 1u << 11,  ///< lr and weight decay alone (a manager's set_hyperparameters)
 };
 constexpr unsigned kRead = kReadScale | kReadClip;
 
@@ -184,7 +185,8 @@ struct Entry {
   Op op;
   std::function<void(Args&)> call;
   /// The entry point's own name for an argument where its API names it differently
-  /// ({"read.scale", "gradient_scale"}: a manager's begin_step); empty otherwise.
+  /// ({"read.scale", "gradient_scale"}: a manager's begin_step; a first part ending in '.'
+  /// renames a prefix: {"config.", "hyper."}); empty otherwise.
   std::pair<std::string, std::string> rename = {};
   /// Brings the family into the state the call needs (before the snapshot).
   std::function<void()> prepare = {};
@@ -453,6 +455,13 @@ class ManagerFamily : public Family {
          [this](Args& a) { (void)m_->clip_grad_norm(a.max_norm); },
          {},
          [this] { run_backward(); }},
+        {"GradientManager::set_hyperparameters",
+         kStepHyper,
+         kOpAdamW,
+         [this](Args& a) {
+           m_->set_hyperparameters(0, {a.adamw.lr, a.adamw.weight_decay});
+         },
+         {"config.", "hyper."}},
     };
   }
   ~ManagerFamily() override {
@@ -472,9 +481,11 @@ class ManagerFamily : public Family {
   /// The scale the manager holds, its compute weights and, between steps, its state.
   std::vector<std::byte> snapshot() override {
     m_->synchronize();
-    std::vector<std::byte> s(sizeof(float));
+    std::vector<std::byte> s(sizeof(float) + 2 * sizeof(double));
     const float eff = m_->effective_gradient_scale();
     std::memcpy(s.data(), &eff, sizeof eff);
+    std::memcpy(s.data() + sizeof eff, &m_->group(0).lr, sizeof(double));
+    std::memcpy(s.data() + sizeof eff + sizeof(double), &m_->group(0).weight_decay, sizeof(double));
     for (std::size_t i = 0; i < cfg_.params.size(); ++i) {
       const ConstTensorView w = m_->compute_weights(i);
       const auto* p = static_cast<const std::byte*>(w.data);
@@ -662,11 +673,12 @@ std::vector<Row> make_catalogue() {
   scalar_rows(rows, "scale", kScale, scale, {{fmax, ok}, {0.0, ok}, {-1.0, invalid}});
   scalar_rows(rows, "max_norm", kMaxNorm, max_norm, {{fmax, ok}, {0.0, ok}, {-1.0, invalid}});
   // Hyper-parameters: AdamW and SignSGD alike where both have them.
-  scalar_rows(rows, "config.lr", kOpt, lr, {{-1e-3, invalid}});
-  scalar_rows(rows, "config.lr", kOpt, lr_no_decay,
+  scalar_rows(rows, "config.lr", kOpt | kStepHyper, lr, {{-1e-3, invalid}});
+  scalar_rows(rows, "config.lr", kOpt | kStepHyper, lr_no_decay,
               {{1e300, range, "f32 overflows"}, {fmax, ok, "weight decay 0"}});
-  scalar_rows(rows, "config.weight_decay", kOpt, weight_decay, {{-0.01, invalid}});
-  rows.push_back({"config.weight_decay", kOpt, lr_times_decay, 2.5, invalid, "lr 0.5"});
+  scalar_rows(rows, "config.weight_decay", kOpt | kStepHyper, weight_decay, {{-0.01, invalid}});
+  rows.push_back(
+      {"config.weight_decay", kOpt | kStepHyper, lr_times_decay, 2.5, invalid, "lr 0.5"});
   scalar_rows(rows, "config.beta1", kAdamWConfig, beta1,
               {{1.0, invalid}, {-0.1, invalid}, {fmax, invalid}, {1.0 - 1e-10, range, "1 in f32"}});
   scalar_rows(rows, "config.beta2", kAdamWConfig, beta2, {{1.0, invalid}, {0.0, ok}});
@@ -764,7 +776,10 @@ void run(Family& f, const Entry& e, const Row& row) {
   row.spoil(args, row.value);
   const std::vector<std::byte> before = f.snapshot();
   std::string name = row.argument;
-  if (!e.rename.first.empty() && name == e.rename.first) name = e.rename.second;
+  if (!e.rename.first.empty() && e.rename.first.back() == '.' && name.rfind(e.rename.first, 0) == 0)
+    name = e.rename.second + name.substr(e.rename.first.size());
+  else if (!e.rename.first.empty() && name == e.rename.first)
+    name = e.rename.second;
   std::optional<Error> got;
   try {
     e.call(args);

@@ -1,6 +1,7 @@
 // GPU (label gpu): the managers' differential test on CUDA device 0 — modes none (eager
 // and lazy), optimizer and full against the independent reference simulation, bit for
-// bit after every step. Skips without a device.
+// bit after every step, also with a schedule over two groups and the trainer's own
+// gradient buffers. Skips without a device.
 #include <gtest/gtest.h>
 
 #include "managers_cases.hpp"
@@ -27,6 +28,24 @@ TEST(ManagersDevice, ThreeModesGiveTheReferenceBitsOnACudaDevice) {
           expect_same(run_mode(OffloadMode::full, c), want, "full");
           if (HasFatalFailure()) return;
         }
+}
+
+TEST(ManagersDevice, ScheduledGroupsAndCallerGradientsGiveTheReferenceBitsOnACudaDevice) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  make_device = [] { return device::make_cuda_device(0); };
+  for (bool overlap : {false, true}) {
+    Case c{DType::bf16, OptimizerKind::adamw,
+           overlap ? std::optional<float>{} : std::optional<float>{0.05f}, Flow::rl, overlap};
+    c.schedule = true;
+    c.steps = 12;
+    const auto want = run_reference(c);
+    c.caller_gradients = true;  // the trainer's buffers, poisoned once released
+    SCOPED_TRACE(c.label());
+    expect_same(run_mode(OffloadMode::none, c), want, "none");
+    expect_same(run_mode(OffloadMode::optimizer, c), want, "optimizer");
+    expect_same(run_mode(OffloadMode::full, c), want, "full");
+    if (HasFatalFailure()) return;
+  }
 }
 
 }  // namespace

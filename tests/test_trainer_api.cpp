@@ -8,9 +8,9 @@
 
 #include <bit>
 #include <cmath>
-#include <memory>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -230,14 +230,27 @@ TEST(TrainerApi, SetHyperparametersRefusesBadValuesAndChangesNothing) {
       const auto before = snapshot(m);
       expect_error([&] { m.set_hyperparameters(2, {1e-3, 0.0}); }, Errc::out_of_range, "group");
       expect_error([&] { m.set_hyperparameters(0, {nan, 0.0}); }, Errc::non_finite, "hyper.lr");
-      expect_error([&] { m.set_hyperparameters(0, {1e-3, INFINITY}); }, Errc::non_finite,
-                   "hyper.weight_decay");
-      expect_error([&] { m.set_hyperparameters(1, {-1e-3, 0.0}); }, Errc::invalid_argument,
-                   "hyper.lr");
-      expect_error([&] { m.set_hyperparameters(1, {1e-3, -0.5}); }, Errc::invalid_argument,
-                   "hyper.weight_decay");
-      expect_error([&] { m.set_hyperparameters(0, {0.5, 2.5}); }, Errc::invalid_argument,
-                   "hyper.weight_decay");  // lr * weight_decay > 1
+      expect_error(
+          [&] {
+            m.set_hyperparameters(0, {1e-3, INFINITY});
+          },
+          Errc::non_finite, "hyper.weight_decay");
+      expect_error(
+          [&] {
+            m.set_hyperparameters(1, {-1e-3, 0.0});
+          },
+          Errc::invalid_argument, "hyper.lr");
+      expect_error(
+          [&] {
+            m.set_hyperparameters(1, {1e-3, -0.5});
+          },
+          Errc::invalid_argument, "hyper.weight_decay");
+      expect_error(
+          [&] {
+            m.set_hyperparameters(0, {0.5, 2.5});
+          },
+          Errc::invalid_argument,
+          "hyper.weight_decay");  // lr * weight_decay > 1
       expect_error([&] { (void)m.group_index("decayed"); }, Errc::invalid_argument, "group");
       expect_error([&] { (void)m.group(2); }, Errc::out_of_range, "group");
       EXPECT_EQ(snapshot(m), before) << "a refused call changed the manager";
@@ -246,11 +259,17 @@ TEST(TrainerApi, SetHyperparametersRefusesBadValuesAndChangesNothing) {
       m.begin_step(1e-3f, true);
       m.set_hyperparameters(0, {2e-3, 0.1});  // before the final backward: accepted
       m.begin_backward(true);
-      expect_error([&] { m.set_hyperparameters(0, {3e-3, 0.1}); }, Errc::invalid_argument,
-                   "set_hyperparameters");
+      expect_error(
+          [&] {
+            m.set_hyperparameters(0, {3e-3, 0.1});
+          },
+          Errc::invalid_argument, "set_hyperparameters");
       m.finish_backward();
-      expect_error([&] { m.set_hyperparameters(0, {3e-3, 0.1}); }, Errc::invalid_argument,
-                   "set_hyperparameters");
+      expect_error(
+          [&] {
+            m.set_hyperparameters(0, {3e-3, 0.1});
+          },
+          Errc::invalid_argument, "set_hyperparameters");
       m.step();
       m.set_hyperparameters(0, {3e-3, 0.1});
       EXPECT_EQ(m.group(0).lr, 3e-3);
@@ -387,8 +406,7 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
       spoil(cfg);
       expect_error([&] { (void)make_gradient_manager(cfg); }, code, arg);
     };
-    refused([](ManagerConfig& c) { c.params[6].group = 2; }, Errc::out_of_range,
-            "params[6].group");
+    refused([](ManagerConfig& c) { c.params[6].group = 2; }, Errc::out_of_range, "params[6].group");
     refused([](ManagerConfig& c) { c.groups[1].name = "decay"; }, Errc::invalid_argument,
             "groups[1].name");
     refused([](ManagerConfig& c) { c.groups[0].name.clear(); }, Errc::invalid_argument,
@@ -403,12 +421,21 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
             Errc::invalid_argument, "optimizer.adamw.formula");
     refused([](ManagerConfig& c) { c.params[4].name = "p2"; }, Errc::invalid_argument,
             "params[4].name");
-    refused([&](ManagerConfig& c) { c.params[0].compute_into = {mem, 32, DType::bf16}; },
-            Errc::size_mismatch, "params[0].compute_into");
-    refused([&](ManagerConfig& c) { c.params[0].compute_into = {mem, 33, DType::f32}; },
-            Errc::unsupported_dtype, "params[0].compute_into");
-    refused([&](ManagerConfig& c) { c.params[0].compute_into = {nullptr, 33, DType::bf16}; },
-            Errc::null_pointer, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = {mem, 32, DType::bf16};
+        },
+        Errc::size_mismatch, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = {mem, 33, DType::f32};
+        },
+        Errc::unsupported_dtype, "params[0].compute_into");
+    refused(
+        [&](ManagerConfig& c) {
+          c.params[0].compute_into = {nullptr, 33, DType::bf16};
+        },
+        Errc::null_pointer, "params[0].compute_into");
     refused(
         [&](ManagerConfig& c) {
           c.params[0].compute_into = {static_cast<char*>(mem) + 1, 33, DType::bf16};

@@ -1,10 +1,16 @@
 // stepcore-demo's managers phase: each offload mode's manager fed the synthetic
-// gradient stream in backward order, its state hashed after every step, and the
-// per-mode lines and the "bitwise:" verdict across the modes.
+// gradient stream in backward order under a warm-up + cosine lr schedule over two
+// parameter groups, its state hashed after every step, and the per-mode lines and the
+// "bitwise:" verdicts: across the modes, and of a run saved to a checkpoint half way in
+// one mode and resumed in another against the uninterrupted one.
 #include "managers_phase.hpp"
 
+#include <unistd.h>
+
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 
 #include "report.hpp"
@@ -32,31 +38,80 @@ std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t bytes) {
   return h;
 }
 
-/// Runs the stream through the manager of `mode`; returns its results.
-ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o) {
+/// The schedule of group `group` at `step` of `steps`: linear warm-up over the first
+/// quarter, then cosine decay to a tenth of the peak lr; group 0 ("decay") has the
+/// configured weight decay, group 1 ("no_decay": norms and biases) none.
+sc::StepHyper scheduled(const ManagersOptions& o, std::int64_t step, std::size_t group) {
+  const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
+  const double peak = adamw ? o.optimizer.adamw.lr : o.optimizer.sign_sgd.lr;
+  const double wd = adamw ? o.optimizer.adamw.weight_decay : o.optimizer.sign_sgd.weight_decay;
+  const std::int64_t warmup = std::max<std::int64_t>(1, o.steps / 4);
+  double lr;
+  if (step < warmup) {
+    lr = peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  } else {
+    const double t = static_cast<double>(step - warmup) /
+                     static_cast<double>(std::max<std::int64_t>(1, o.steps - warmup));
+    lr = peak * (0.1 + 0.45 * (1.0 + std::cos(3.141592653589793 * t)));
+  }
+  return {lr, group == 0 ? wd : 0.0};
+}
+
+/// Which steps a run makes, and where it starts from and saves to.
+struct RunSpan {
+  std::int64_t first = 0, last = 0;  ///< steps [first, last)
+  std::string load;                  ///< non-empty: load_checkpoint(load) instead of the init
+  std::string save;                  ///< non-empty: save_checkpoint(save) after the last step
+};
+
+/// Runs the stream's steps `span` through the manager of `mode`; returns its results.
+ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, const RunSpan& span) {
   ManagersRun run;
   auto dev = o.cuda ? sc::device::make_cuda_device(0) : sc::device::make_host_device();
   run.device = std::string(dev->name());
   sc::ManagerConfig cfg;
   cfg.mode = mode;
   cfg.optimizer = o.optimizer;
-  for (const TensorSpec& t : o.layout)
-    cfg.params.push_back(
-        {t.name, t.numel(), o.grad_dtype, sc::DType::bf16, true, true, no_decay(t.kind)});
+  for (const char* name : {"decay", "no_decay"}) {
+    sc::ParamGroup g;
+    g.name = name;
+    const sc::StepHyper h = scheduled(o, 0, cfg.groups.size());
+    g.lr = h.lr;
+    g.weight_decay = h.weight_decay;
+    g.beta1 = o.optimizer.adamw.beta1;
+    g.beta2 = o.optimizer.adamw.beta2;
+    g.eps = o.optimizer.adamw.eps;
+    cfg.groups.push_back(g);
+  }
+  for (const TensorSpec& t : o.layout) {
+    sc::ParamSpec p;
+    p.name = t.name;
+    p.numel = t.numel();
+    p.grad_dtype = o.grad_dtype;
+    p.compute_dtype = sc::DType::bf16;
+    p.group = no_decay(t.kind) ? 1 : 0;
+    cfg.params.push_back(p);
+  }
   cfg.chunk_elements = o.chunk_elements;
   cfg.device = dev.get();
   cfg.engine = o.engine;
   auto m = sc::make_gradient_manager(cfg);
   std::vector<float> host_f32;
-  for (std::size_t t = 0; t < o.layout.size(); ++t) {
-    host_f32.assign(o.layout[t].numel(), 0.0f);
-    fill_init(host_f32.data(), host_f32.size(), o.seed, t, o.layout[t].kind);
-    m->load_parameter(t, host_f32);
+  if (!span.load.empty()) {
+    m->load_checkpoint(span.load);
+  } else {
+    for (std::size_t t = 0; t < o.layout.size(); ++t) {
+      host_f32.assign(o.layout[t].numel(), 0.0f);
+      fill_init(host_f32.data(), host_f32.size(), o.seed, t, o.layout[t].kind);
+      m->load_parameter(t, host_f32);
+    }
   }
   std::vector<sc::bfloat16_t> host_bf16;
   const auto t0 = Clock::now();
   const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
-  for (std::int64_t step = 0; step < o.steps; ++step) {
+  for (std::int64_t step = span.first; step < span.last; ++step) {
+    for (std::size_t g = 0; g < m->group_count(); ++g)
+      m->set_hyperparameters(g, scheduled(o, step, g));
     const std::vector<std::int64_t> tokens = micro_batch_tokens(o.seed, step, o.micro_batches);
     std::int64_t total = 0;
     for (std::int64_t n : tokens) total += n;
@@ -110,9 +165,51 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o) {
     }
     run.state_hash.push_back(h);
   }
+  if (!span.save.empty()) m->save_checkpoint(span.save);
   m->close();
   run.seconds = seconds_since(t0);
   return run;
+}
+
+/// Saves a full-offload run to a checkpoint half way, resumes it in mode none (another
+/// mode, device and code path), and prints the "bitwise:" verdict against `whole` (the
+/// uninterrupted mode-none run): the resumed steps' norms, clip coefficients and states.
+bool run_resume_check(const ManagersOptions& o, const ManagersRun& whole) {
+  const std::int64_t half = o.steps / 2;
+  if (half == 0 || half == o.steps) {
+    std::printf("checkpoint skipped: %" PRId64 " steps cannot be split\n", o.steps);
+    return true;
+  }
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("stepcore-demo-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "rank-00000.stepcore").string();
+  const auto t0 = Clock::now();
+  (void)run_manager_mode(sc::OffloadMode::full, o, RunSpan{0, half, "", path});
+  const double save_s = seconds_since(t0);
+  const auto bytes = fs::file_size(path);
+  const ManagersRun resumed =
+      run_manager_mode(sc::OffloadMode::none, o, RunSpan{half, o.steps, path, ""});
+  fs::remove_all(dir);
+  for (std::size_t k = 0; k < resumed.state_hash.size(); ++k) {
+    const std::size_t s = static_cast<std::size_t>(half) + k;
+    if (resumed.state_hash[k] != whole.state_hash[s] ||
+        resumed.norm_bits[k] != whole.norm_bits[s] ||
+        resumed.scale_bits[k] != whole.scale_bits[s]) {
+      std::printf("bitwise: MISMATCH resumed run != uninterrupted run on step %zu\n", s + 1);
+      return false;
+    }
+  }
+  std::printf("checkpoint %.1f MiB saved by mode full after step %" PRId64
+              " (%.2f s with its steps), loaded by mode none on %s\n",
+              static_cast<double>(bytes) / (1024.0 * 1024.0), half, save_s, resumed.device.c_str());
+  std::printf(
+      "bitwise: resumed run (full -> checkpoint -> none) == uninterrupted run on steps "
+      "%" PRId64 "..%" PRId64
+      ": norms, clip coefficients, parameters, moments, compute "
+      "weights; state hash %016" PRIx64 "\n",
+      half + 1, o.steps, resumed.state_hash.back());
+  return true;
 }
 
 }  // namespace
@@ -152,7 +249,7 @@ bool run_managers_phase(const ManagersOptions& o) {
   std::size_t params = 0;
   for (const TensorSpec& t : o.layout) params += t.numel();
   for (sc::OffloadMode mode : modes) {
-    runs.push_back(run_manager_mode(mode, o));
+    runs.push_back(run_manager_mode(mode, o, RunSpan{0, o.steps, "", ""}));
     const ManagersRun& r = runs.back();
     std::printf("managers   mode %-9s on %-5s %" PRId64 " steps x %" PRId64
                 " micro-batches, %.1f M parameters: %.2f s; %s",
@@ -185,7 +282,7 @@ bool run_managers_phase(const ManagersOptions& o) {
               " steps: norms, clip coefficients, parameters, moments, compute weights; state "
               "hash %016" PRIx64 "\n",
               runs[0].device.c_str(), o.steps, runs[0].state_hash.back());
-  return true;
+  return run_resume_check(o, runs[0]);
 }
 
 }  // namespace stepcore_demo
