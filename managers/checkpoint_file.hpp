@@ -86,6 +86,36 @@ class File {
   std::unique_ptr<Impl> impl_;
 };
 
+/// The fixed preamble at the start of every file (docs/checkpoint.md has the layout).
+inline constexpr char kMagic[8] = {'S', 'T', 'E', 'P', 'C', 'K', 'P', 'T'};
+inline constexpr std::size_t kPreambleBytes = 40;
+/// The payload starts, and every array starts, at a multiple of this many bytes.
+inline constexpr std::uint64_t kPayloadAlignment = 64;
+/// The longest name (of a parameter, a group, the library version) a file may hold.
+inline constexpr std::uint32_t kMaxNameBytes = 4096;
+/// The most parameters, and the most groups, a file may hold.
+inline constexpr std::uint32_t kMaxRecords = std::uint32_t{1} << 24;
+
+/// A file's bytes, verified: the header and where each array lies.
+struct ParsedFile {
+  Header header;
+  std::uint64_t payload_start = 0;  ///< file offset of the payload (a multiple of 64)
+  /// Offset of array a of parameter i from the payload start, at [i * header.arrays + a].
+  std::vector<std::uint64_t> array_offsets;
+};
+
+/// Verifies `bytes` as a whole file, everything File::open verifies, and returns what it
+/// holds; `name` (the path) names the file in the errors (Errc::corrupt_file naming
+/// "path"). A pure function of `bytes` that never reads outside them, for any input:
+/// tests and fuzzers call it directly.
+ParsedFile parse(std::span<const std::byte> bytes, const std::string& name);
+
+/// Verifies the binary header alone (its bytes between the preamble and the payload,
+/// `payload_length` the payload's size; no checksum) and returns it, payload_start 0.
+/// What parse does after the checksums agree: a fuzzer's way past the CRC.
+ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t payload_length,
+                        const std::string& name);
+
 /// Throws unless the file's header (`file`, read from `path`) can be loaded by the manager
 /// whose header is `mine`: the same optimizer, formula and arrays; the same groups (count,
 /// names, betas and eps; lr and weight decay may differ: they are the schedule's state and

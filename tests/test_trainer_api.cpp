@@ -9,12 +9,22 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <thread>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include <stdlib.h>
+
 #include "expect_error.hpp"
+#include "isa_list.hpp"
+#include "managers/checkpoint_file.hpp"
+#include "managers/testing.hpp"
 #include "managers_cases.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -23,6 +33,8 @@
 namespace {
 
 using namespace managers_cases;
+namespace checkpoint = stepcore::detail::checkpoint;
+using test_support::errc_name;
 
 constexpr OffloadMode kModes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
 
@@ -465,6 +477,317 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
     m->close();
   }
   dev->deallocate(mem);
+}
+
+// ---- checkpoints and resume -----------------------------------------------------------
+
+// A fresh temporary directory, removed with everything in it at the end.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string templ = (std::filesystem::temp_directory_path() / "stepcore-ckpt-XXXXXX").string();
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path = templ;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+// Runs steps [first, first + count) of the case through a manager built by `b`, which
+// first loads `load` (when given) and finally saves to `save` (when given).
+std::vector<StepRecord> run_span(const Build& b, const Case& c, int first, int count,
+                                 const std::string& load, const std::string& save) {
+  auto dev = make_device();
+  auto m = make_manager(b, c, *dev);
+  if (!load.empty()) m->load_checkpoint(load);
+  auto rec = run_stream(*m, *dev, stream_options(c, b.offsets, first, count));
+  if (!save.empty()) m->save_checkpoint(save);
+  m->close();
+  return rec;
+}
+
+std::vector<StepRecord> slice(const std::vector<StepRecord>& r, std::size_t first, std::size_t n) {
+  return {r.begin() + static_cast<std::ptrdiff_t>(first),
+          r.begin() + static_cast<std::ptrdiff_t>(first + n)};
+}
+
+Build build_of(OffloadMode mode, int threads = 2, std::optional<cpu::Isa> isa = {},
+               bool lazy = false) {
+  Build b;
+  b.mode = mode;
+  b.threads = threads;
+  b.isa = isa;
+  b.lazy = lazy;
+  return b;
+}
+
+TEST(TrainerApi, AResumedRunEqualsTheUninterruptedOneInAnyModeThreadCountAndIsa) {
+  for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+    for (bool overlap : {false, true}) {
+      Case c{DType::bf16, opt, overlap ? std::optional<float>{} : std::optional<float>{0.05f},
+             Flow::rl, overlap};
+      c.schedule = true;
+      c.steps = 10;
+      SCOPED_TRACE(c.label());
+      const auto want = run_reference(c);  // 10 steps uninterrupted
+      struct Pair {
+        const char* what;
+        Build saver, loader;
+      };
+      std::vector<Pair> pairs = {
+          {"full -> none", build_of(OffloadMode::full), build_of(OffloadMode::none)},
+          {"none -> optimizer", build_of(OffloadMode::none), build_of(OffloadMode::optimizer)},
+          {"optimizer -> full", build_of(OffloadMode::optimizer), build_of(OffloadMode::full)},
+          {"none lazy -> none", build_of(OffloadMode::none, 2, {}, true),
+           build_of(OffloadMode::none)},
+      };
+      // Another thread count and every other ISA this processor runs (full offload's engine).
+      const std::vector<cpu::Isa> isas = stepcore::testing_support::isas_under_test();
+      for (cpu::Isa isa : isas)
+        pairs.push_back({"full sse2 1 thread -> full (2 threads, another ISA)",
+                         build_of(OffloadMode::full, 1, cpu::Isa::sse2),
+                         build_of(OffloadMode::full, 2, isa)});
+      TempDir dir;
+      for (const Pair& p : pairs) {
+        SCOPED_TRACE(p.what);
+        const std::string path = dir.file("rank-00000.stepcore");
+        expect_same(run_span(p.saver, c, 0, 5, "", path), slice(want, 0, 5), "before the save");
+        expect_same(run_span(p.loader, c, 5, 5, path, ""), slice(want, 5, 5), "resumed");
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+TEST(TrainerApi, ShardedRanksResumeFromTheirOwnFiles) {
+  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+  c.schedule = true;
+  c.steps = 8;
+  const auto want = run_reference(c);
+  const std::vector<StreamParam> model = stream_model(c.grad_dtype);
+  const Sharding sh = shard_model(model, 2);
+  TempDir dir;
+  for (bool resume : {false, true}) {
+    auto comms = comm::make_in_process_group(2, std::chrono::seconds(60));
+    std::vector<std::vector<StepRecord>> got(2);
+    std::vector<std::string> errors(2);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        const auto ru = static_cast<std::size_t>(r);
+        try {
+          Build b = build_of(resume ? OffloadMode::optimizer : OffloadMode::full);
+          b.comm = comms[ru].get();
+          b.shard = &sh.shards[ru];
+          b.offsets = &sh.offsets[ru];
+          const std::string path = dir.file("rank-" + std::to_string(r) + ".stepcore");
+          got[ru] = resume ? run_span(b, c, 4, 4, path, "") : run_span(b, c, 0, 4, "", path);
+        } catch (const std::exception& e) {
+          errors[ru] = e.what();
+          comms[ru]->abort();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
+      expect_shard_of(got[static_cast<std::size_t>(r)], slice(want, resume ? 4 : 0, 4), model, sh,
+                      r, true);
+    }
+  }
+  // Rank 1's file is not rank 0's: its rank (and its sizes) differ.
+  auto dev = make_device();
+  Build b = build_of(OffloadMode::none);
+  b.shard = &sh.shards[0];
+  b.offsets = &sh.offsets[0];
+  auto m = make_manager(b, c, *dev);
+  try {
+    m->load_checkpoint(dir.file("rank-1.stepcore"));
+    ADD_FAILURE() << "another rank's checkpoint was loaded";
+  } catch (const Error& e) {
+    EXPECT_NE(e.argument().find("checkpoint."), std::string::npos) << e.what();
+  }
+  m->close();
+}
+
+// Expects load_checkpoint(path) to throw `code` naming an argument that contains `arg`,
+// and the manager to be exactly as before.
+void expect_refused_load(GradientManager& m, const std::string& path, Errc code,
+                         const std::string& arg) {
+  const auto before = snapshot(m);
+  try {
+    m.load_checkpoint(path);
+    ADD_FAILURE() << "loaded; expected " << errc_name(code) << " naming " << arg;
+  } catch (const Error& e) {
+    EXPECT_EQ(errc_name(e.code()), errc_name(code)) << e.what();
+    EXPECT_NE(e.argument().find(arg), std::string::npos)
+        << "argument '" << e.argument() << "', expected one naming " << arg << ": " << e.what();
+  }
+  EXPECT_EQ(snapshot(m), before) << "a refused checkpoint changed the manager";
+}
+
+std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+void write_file(const std::string& path, const std::vector<char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
+  TempDir dir;
+  const std::string good = dir.file("good.stepcore");
+  {
+    Stepped t(OffloadMode::full);
+    t.m->save_checkpoint(good);
+  }
+  const std::vector<char> bytes = read_file(good);
+  ASSERT_GT(bytes.size(), 4096u);
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    // A manager fresh from its initial masters: anything loaded would show.
+    Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+    auto dev = make_device();
+    auto fresh = make_manager(build_of(mode), c, *dev);
+    GradientManager& m = *fresh;
+    const std::string bad = dir.file("bad.stepcore");
+    std::vector<char> b = bytes;
+    b.resize(b.size() - 1);
+    write_file(bad, b);
+    expect_refused_load(m, bad, Errc::corrupt_file, "path");
+    b = bytes;
+    b[b.size() - 3] ^= 0x10;  // a payload byte
+    write_file(bad, b);
+    expect_refused_load(m, bad, Errc::corrupt_file, "path");
+    expect_refused_load(m, dir.file("missing.stepcore"), Errc::io_error, "path");
+    // Other managers: a renamed parameter, other sizes, another optimizer, other groups.
+    auto refused_by = [&](auto&& spoil, Errc code, const std::string& arg) {
+      ManagerConfig cfg;
+      cfg.mode = mode;
+      cfg.optimizer = optimizer_of(OptimizerKind::adamw);
+      cfg.groups = groups_of();
+      cfg.params = param_specs(stream_model(DType::bf16));
+      cfg.chunk_elements = kChunk;
+      cfg.device = dev.get();
+      spoil(cfg);
+      auto other = make_gradient_manager(cfg);
+      expect_refused_load(*other, good, code, arg);
+      other->close();
+    };
+    refused_by([](ManagerConfig& cfg) { cfg.params[3].name = "p3.weight"; },
+               Errc::invalid_argument, "params[3].name");
+    refused_by([](ManagerConfig& cfg) { cfg.params[4].numel += 1; }, Errc::size_mismatch,
+               "params[4].numel");
+    refused_by([](ManagerConfig& cfg) { cfg.optimizer = optimizer_of(OptimizerKind::sign_sgd); },
+               Errc::invalid_argument, "optimizer");
+    refused_by([](ManagerConfig& cfg) { cfg.groups[1].name = "norms"; }, Errc::invalid_argument,
+               "groups[1].name");
+    refused_by([](ManagerConfig& cfg) { cfg.groups[0].beta2 = 0.95; }, Errc::invalid_argument,
+               "groups[0].beta2");
+    refused_by([](ManagerConfig& cfg) { cfg.params.pop_back(); }, Errc::size_mismatch, "params");
+    refused_by([](ManagerConfig& cfg) { cfg.layout_fingerprint = 7; }, Errc::invalid_argument,
+               "layout_fingerprint");
+    // The good file loads into every mode's manager, and so does its state.
+    m.load_checkpoint(good);
+    fresh->close();
+  }
+}
+
+TEST(TrainerApi, ValuesAManagerCannotContinueFromAreRefusedAtLoad) {
+  // A structurally valid file (written by the format's own writer, checksums right) whose
+  // values are not a state: a NaN master, a negative second moment, a fractional step.
+  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+  TempDir dir;
+  const std::string good = dir.file("good.stepcore");
+  {
+    Stepped t(OffloadMode::none);
+    t.m->save_checkpoint(good);
+  }
+  const checkpoint::File f = checkpoint::File::open(good);
+  struct Spoil {
+    const char* arg;
+    Errc code;
+    std::size_t array;  // 0 master, 1 exp_avg, 2 exp_avg_sq, 3: the step counter
+    float value;
+  };
+  const Spoil spoils[] = {
+      {"checkpoint.params[3].master", Errc::non_finite, 0, NAN},
+      {"checkpoint.params[3].exp_avg", Errc::non_finite, 1, INFINITY},
+      {"checkpoint.params[3].exp_avg_sq", Errc::invalid_argument, 2, -1.0f},
+      {"checkpoint.params[3].step", Errc::invalid_argument, 3, 2.5f},
+  };
+  for (const Spoil& sp : spoils) {
+    checkpoint::Header h = f.header();
+    std::vector<float> spoiled(f.array(3, sp.array == 3 ? 0 : sp.array).begin(),
+                               f.array(3, sp.array == 3 ? 0 : sp.array).end());
+    if (sp.array == 3)
+      h.params[3].step = sp.value;
+    else
+      spoiled[7] = sp.value;
+    const std::string bad = dir.file("bad.stepcore");
+    checkpoint::save(bad, h, [&](std::size_t i, std::size_t a) -> std::span<const float> {
+      return i == 3 && a == sp.array ? std::span<const float>(spoiled) : f.array(i, a);
+    });
+    for (OffloadMode mode : kModes) {
+      auto dev = make_device();
+      auto m = make_manager(build_of(mode), c, *dev);
+      expect_refused_load(*m, bad, sp.code, sp.arg);
+      m->close();
+    }
+  }
+}
+
+TEST(TrainerApi, SaveAndLoadOnlyBetweenSteps) {
+  TempDir dir;
+  Stepped t(OffloadMode::full);
+  GradientManager& m = *t.m;
+  expect_error([&] { m.save_checkpoint(""); }, Errc::invalid_argument, "path");
+  expect_error([&] { m.load_checkpoint(""); }, Errc::invalid_argument, "path");
+  expect_error([&] { m.save_checkpoint(dir.file("no/such/dir/x.stepcore")); }, Errc::io_error,
+               "path");
+  m.begin_step(1e-3f, false);
+  expect_error([&] { m.save_checkpoint(dir.file("x.stepcore")); }, Errc::invalid_argument,
+               "save_checkpoint");
+  expect_error([&] { m.load_checkpoint(dir.file("x.stepcore")); }, Errc::invalid_argument,
+               "load_checkpoint");
+  EXPECT_FALSE(std::filesystem::exists(dir.file("x.stepcore")));
+  m.begin_backward(true);
+  m.finish_backward();
+  m.step();
+}
+
+TEST(TrainerApi, ASaveKilledBeforeItsRenameLeavesThePreviousCheckpointLoadable) {
+  namespace faults = checkpoint::testing;
+  TempDir dir;
+  const std::string path = dir.file("rank-00000.stepcore");
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    Stepped t(mode);
+    GradientManager& m = *t.m;
+    m.save_checkpoint(path);
+    const auto saved = snapshot(m);
+    // One more step, then saves that fail the ways a disk and a kill do.
+    Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+    (void)run_stream(m, *t.dev, stream_options(c, nullptr, 2, 1));
+    ASSERT_NE(snapshot(m), saved);
+    for (faults::SaveFaultKind kind :
+         {faults::SaveFaultKind::crash_before_rename, faults::SaveFaultKind::fsync_fails,
+          faults::SaveFaultKind::disk_full_after}) {
+      const faults::ScopedSaveFault fault(kind, 1000);
+      expect_error([&] { m.save_checkpoint(path); }, Errc::io_error, "path");
+    }
+    auto dev = make_device();
+    auto fresh = make_manager(build_of(mode), c, *dev);
+    fresh->load_checkpoint(path);
+    EXPECT_EQ(snapshot(*fresh), saved) << "the previous checkpoint did not survive";
+    m.save_checkpoint(path);  // the manager is not failed by a failed save
+    const auto now = snapshot(m);
+    fresh->load_checkpoint(path);
+    EXPECT_EQ(snapshot(*fresh), now);
+    fresh->close();
+  }
 }
 
 }  // namespace
