@@ -221,29 +221,6 @@ void ManagerImpl::expect(bool ok, const char* call, const char* what) const {
   if (!ok) throw Error(Errc::invalid_argument, call, what);
 }
 
-namespace {
-// Returns true for the codes of work that already started (docs: error.hpp "runtime").
-bool is_runtime(Errc c) {
-  return c == Errc::cuda_error || c == Errc::nccl_error || c == Errc::mpi_error ||
-         c == Errc::timeout || c == Errc::internal;
-}
-}  // namespace
-
-template <class F>
-decltype(auto) ManagerImpl::guarded(F&& f) {
-  try {
-    return f();
-  } catch (const Error& e) {
-    // A failure of asynchronous work leaves the step half done: every later call
-    // raises it again (close() still cleans up). Argument errors change nothing.
-    if (is_runtime(e.code())) failure_ = std::current_exception();
-    throw;
-  } catch (...) {
-    failure_ = std::current_exception();
-    throw;
-  }
-}
-
 }  // namespace detail
 
 // ---- the call sequence: validated here, then the mode's hook ---------------------------

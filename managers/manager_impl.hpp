@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/tensor.hpp"
@@ -118,6 +119,27 @@ class ManagerImpl {
   float scale_ = 1.0f, clip_ = 1.0f;
   std::exception_ptr failure_;  ///< the runtime error every later call raises again
 };
+
+/// Returns true for the codes of work that already started (error.hpp: "runtime").
+inline bool is_runtime(Errc c) {
+  return c == Errc::cuda_error || c == Errc::nccl_error || c == Errc::mpi_error ||
+         c == Errc::timeout || c == Errc::internal;
+}
+
+template <class F>
+decltype(auto) ManagerImpl::guarded(F&& f) {
+  try {
+    return f();
+  } catch (const Error& e) {
+    // A failure of asynchronous work leaves the step half done: every later call
+    // raises it again (close() still cleans up). Argument errors change nothing.
+    if (is_runtime(e.code())) failure_ = std::current_exception();
+    throw;
+  } catch (...) {
+    failure_ = std::current_exception();
+    throw;
+  }
+}
 
 /// Runs `check` (a validation of a resolved optimizer configuration, whose errors name
 /// "config.<field>") and rethrows its Error naming `group_prefix` + field for a group's

@@ -671,6 +671,7 @@ TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
       cfg.params = param_specs(stream_model(DType::bf16));
       cfg.chunk_elements = kChunk;
       cfg.device = dev.get();
+      cfg.layout_fingerprint = 42;  // as make_manager's
       spoil(cfg);
       auto other = make_gradient_manager(cfg);
       expect_refused_load(*other, good, code, arg);
