@@ -682,7 +682,8 @@ File File::open(const std::string& path) {
       throw Error(Errc::io_error, "path", path + ": too large to map");
     }
     const std::size_t length = static_cast<std::size_t>(st.st_size);
-    void* map = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE, fd, 0);
+    // MAP_POPULATE: the whole file is read (checksums, values, import) at once anyway.
+    void* map = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
     const int err = errno;
     ::close(fd);
     if (map == MAP_FAILED) io_failure(path, "cannot map", err);
