@@ -60,8 +60,10 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 /// writes and EINTR retried), fsync'ed, renamed over `path`, then the directory fsync'ed.
 /// On any failure the temporary file is removed and `path` is what it was before
 /// (Errc::io_error naming "path" with the system's reason). Throws Errc::invalid_argument
-/// for a header that cannot be written (arrays not 1 or 3, a group index out of range, a
-/// source span of the wrong size) before creating anything.
+/// for a header that cannot be written (arrays not 1 or 3, a group index out of range,
+/// duplicate names) before creating anything, and naming "source" for a source span of
+/// the wrong size (found while writing, each array is read once; the temporary file is
+/// removed and `path` is untouched).
 void save(const std::string& path, const Header& header, const ArraySource& source);
 
 /// A checkpoint file, opened and verified: magic, format version, every length and offset
