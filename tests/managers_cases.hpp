@@ -33,16 +33,20 @@ struct Case {
   std::optional<float> max_norm;
   Flow flow = Flow::sft;
   bool overlap = false;
+  AdamWFormula formula = AdamWConfig{}.formula;
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
-           " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
-           (flow == Flow::sft ? " sft" : " rl") + (overlap ? " overlap" : "");
+           (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
+           (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
+           (overlap ? " overlap" : "");
   }
 };
 
-inline OptimizerSpec optimizer_of(OptimizerKind kind) {
+inline OptimizerSpec optimizer_of(OptimizerKind kind,
+                                  AdamWFormula formula = AdamWConfig{}.formula) {
   OptimizerSpec o;
   o.kind = kind;
+  o.adamw.formula = formula;
   o.adamw.lr = 1e-3;
   o.adamw.weight_decay = 0.1;
   o.sign_sgd.lr = 1e-3;
@@ -72,7 +76,7 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
   const std::vector<StreamParam> model = shard ? *shard : stream_model(c.grad_dtype);
   ManagerConfig cfg;
   cfg.mode = mode;
-  cfg.optimizer = optimizer_of(c.optimizer);
+  cfg.optimizer = optimizer_of(c.optimizer, c.formula);
   cfg.params = param_specs(model);
   cfg.chunk_elements = kChunk;
   cfg.device = dev.get();
@@ -100,7 +104,7 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
 /// The independent expectation: the same stream through manager_model (the reference).
 inline std::vector<StepRecord> run_reference(const Case& c) {
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
-  const manager_model::Setup setup{param_specs(model), optimizer_of(c.optimizer), kChunk,
+  const manager_model::Setup setup{param_specs(model), optimizer_of(c.optimizer, c.formula), kChunk,
                                    c.max_norm, c.overlap};
   // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
   auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
