@@ -64,10 +64,12 @@ struct Scenario {
   std::optional<float> max_norm;
   bool overlap = false;
   std::optional<Poison> poison;
+  AdamWFormula formula = AdamWConfig{}.formula;
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
-           " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
-           (overlap ? " overlap" : "") + (poison ? " poisoned" : "");
+           (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
+           (max_norm ? std::to_string(*max_norm) : "none") + (overlap ? " overlap" : "") +
+           (poison ? " poisoned" : "");
   }
 };
 
@@ -76,9 +78,11 @@ struct Shard {
   std::vector<std::size_t> offset, numel;
 };
 
-inline OptimizerSpec optimizer_of(OptimizerKind kind) {
+inline OptimizerSpec optimizer_of(OptimizerKind kind,
+                                  AdamWFormula formula = AdamWConfig{}.formula) {
   OptimizerSpec o;
   o.kind = kind;
+  o.adamw.formula = formula;
   o.adamw.lr = 2e-3;
   o.adamw.weight_decay = 0.1;
   o.sign_sgd.lr = 1e-3;
@@ -149,7 +153,7 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
                                         const Shard* shard = nullptr) {
   ManagerConfig cfg;
   cfg.mode = mode;
-  cfg.optimizer = optimizer_of(sc.optimizer);
+  cfg.optimizer = optimizer_of(sc.optimizer, sc.formula);
   cfg.params = model(sc.grad_dtype);
   if (shard)
     for (std::size_t i = 0; i < cfg.params.size(); ++i) cfg.params[i].numel = shard->numel[i];
@@ -223,7 +227,7 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
 
 /// The independent expectation over the whole model: manager_model (stepcore::reference).
 inline std::vector<StepOut> run_reference(const Scenario& sc) {
-  const manager_model::Setup setup{model(sc.grad_dtype), optimizer_of(sc.optimizer),
+  const manager_model::Setup setup{model(sc.grad_dtype), optimizer_of(sc.optimizer, sc.formula),
                                    kManagerChunkElements, sc.max_norm, sc.overlap};
   auto gradient = [&](int s, int mb, std::size_t i) {
     return gradient_bytes(sc, s, mb, i, 0, setup.params[i].numel);

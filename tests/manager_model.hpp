@@ -93,6 +93,11 @@ struct Setup {
   std::vector<ParamGroup> groups;  ///< ManagerConfig::groups (empty: the optimizer's values)
   /// When set: group g's lr and weight decay in step s (set_hyperparameters before it).
   std::function<StepHyper(int step, std::size_t group)> schedule;
+  /// When set: per parameter, the first elements of the tensors the optimizer is given
+  /// (a sharded run's shard offsets, ascending from 0): each is updated as a tensor of its
+  /// own, as the ranks do. Only AdamW's torch formula can tell (its tail form falls on
+  /// each tensor's last numel mod W elements); the norm stays the whole model's.
+  std::vector<std::vector<std::size_t>> segments;
 };
 
 /// What the trainer observes after one step.
@@ -205,13 +210,27 @@ inline Run run(const Setup& setup, const Stream& stream) {
         c.beta1 = g.beta1;
         c.beta2 = g.beta2;
         c.eps = g.eps;
-        const AdamWTensor t{f32_view(st[i].master.data(), numel),
-                            f32_view(st[i].exp_avg.data(), numel),
-                            f32_view(st[i].exp_avg_sq.data(), numel),
-                            &steps[i],
-                            grad,
-                            compute};
-        reference::adamw_step(std::span(&t, 1), c, read);
+        const std::vector<std::size_t> whole{0};
+        const std::vector<std::size_t>& starts = setup.segments.empty() ? whole : setup.segments[i];
+        const float before = steps[i];
+        for (std::size_t k = 0; k < starts.size(); ++k) {
+          const std::size_t off = starts[k];
+          const std::size_t n = (k + 1 < starts.size() ? starts[k + 1] : numel) - off;
+          const std::size_t cs = compute.numel != 0 ? dtype_size(compute.dtype) : 0;
+          float counter = before;  // every shard's counter steps alike
+          const AdamWTensor t{f32_view(st[i].master.data() + off, n),
+                              f32_view(st[i].exp_avg.data() + off, n),
+                              f32_view(st[i].exp_avg_sq.data() + off, n),
+                              &counter,
+                              const_view(acc[i].data() + off, n),
+                              compute.numel != 0
+                                  ? TensorView{static_cast<std::uint8_t*>(compute.data) + off * cs,
+                                               n, compute.dtype}
+                                  : TensorView{}};
+          reference::adamw_step(std::span(&t, 1), c, read);
+          steps[i] = counter;
+        }
+        (void)grad;
       } else {
         SignSgdConfig c = setup.optimizer.sign_sgd;
         const ParamGroup g = group_of(i);

@@ -39,21 +39,25 @@ struct Case {
   std::optional<float> max_norm;
   Flow flow = Flow::sft;
   bool overlap = false;
+  AdamWFormula formula = AdamWConfig{}.formula;
   bool schedule = false;  ///< warm-up + cosine lr per group (schedule_of) before every step
   int steps = 3;
   bool caller_gradients = false;  ///< the trainer's own gradient buffers (poisoned on release)
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
-           " max_norm " + (max_norm ? std::to_string(*max_norm) : "none") +
-           (flow == Flow::sft ? " sft" : " rl") + (overlap ? " overlap" : "") +
+           (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
+           (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
+           (overlap ? " overlap" : "") +
            (schedule ? " schedule" : "") + (caller_gradients ? " caller-gradients" : "") + " " +
            std::to_string(steps) + " steps";
   }
 };
 
-inline OptimizerSpec optimizer_of(OptimizerKind kind) {
+inline OptimizerSpec optimizer_of(OptimizerKind kind,
+                                  AdamWFormula formula = AdamWConfig{}.formula) {
   OptimizerSpec o;
   o.kind = kind;
+  o.adamw.formula = formula;
   o.adamw.lr = 1e-3;
   o.adamw.weight_decay = 0.1;
   o.sign_sgd.lr = 1e-3;
@@ -127,7 +131,7 @@ inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case&
   const std::vector<StreamParam> model = b.shard ? *b.shard : stream_model(c.grad_dtype);
   ManagerConfig cfg;
   cfg.mode = b.mode;
-  cfg.optimizer = optimizer_of(c.optimizer);
+  cfg.optimizer = optimizer_of(c.optimizer, c.formula);
   cfg.groups = groups_of();
   cfg.params = param_specs(model);
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
@@ -182,18 +186,36 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
   return rec;
 }
 
-/// The independent expectation: the same stream through manager_model (the reference).
-inline std::vector<StepRecord> run_reference(const Case& c) {
+/// The model sharded over ranks: per rank, the shard sizes and their offsets in the
+/// whole parameters (shard_model).
+struct Sharding {
+  std::vector<std::vector<StreamParam>> shards;
+  std::vector<std::vector<std::size_t>> offsets;
+};
+
+/// Returns per parameter the shard offsets of `sh` (the tensors each rank's optimizer
+/// is given), for manager_model::Setup::segments.
+inline std::vector<std::vector<std::size_t>> segments_of(const Sharding& sh, std::size_t params) {
+  std::vector<std::vector<std::size_t>> out(params);
+  for (std::size_t i = 0; i < params; ++i)
+    for (const auto& rank_offsets : sh.offsets) out[i].push_back(rank_offsets[i]);
+  return out;
+}
+
+/// The independent expectation: the same stream through manager_model (the reference);
+/// with `sharding`, each shard of every parameter is updated as a tensor of its own.
+inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* sharding = nullptr) {
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
   manager_model::Setup setup;
   setup.params = param_specs(model);
-  setup.optimizer = optimizer_of(c.optimizer);
+  setup.optimizer = optimizer_of(c.optimizer, c.formula);
   setup.groups = groups_of();
   if (c.schedule)
     setup.schedule = [steps = c.steps](int s, std::size_t g) { return schedule_of(s, g, steps); };
   setup.chunk_elements = kChunk;
   setup.max_norm = c.max_norm;
   setup.overlap = c.overlap;
+  if (sharding != nullptr) setup.segments = segments_of(*sharding, model.size());
   // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
   auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
   const manager_model::Stream stream{
@@ -253,12 +275,7 @@ inline void expect_same(const std::vector<StepRecord>& got, const std::vector<St
 
 /// Shards of the model over `ranks` ranks: shard r of every parameter holds
 /// numel * (r + 1) / T elements (T = ranks (ranks + 1) / 2; the last takes the rest),
-/// and rank 0's shard of parameter 0 is empty. Returns per rank the shard sizes and
-/// their offsets in the whole parameter.
-struct Sharding {
-  std::vector<std::vector<StreamParam>> shards;
-  std::vector<std::vector<std::size_t>> offsets;
-};
+/// and rank 0's shard of parameter 0 is empty.
 inline Sharding shard_model(const std::vector<StreamParam>& model, int ranks) {
   Sharding s;
   s.shards.resize(static_cast<std::size_t>(ranks));

@@ -575,6 +575,10 @@ void lr_times_decay(Args& a, double v) {
   weight_decay(a, v);
 }
 void beta1(Args& a, double v) { a.adamw.beta1 = v; }
+void beta1_native(Args& a, double v) {
+  a.adamw.formula = AdamWFormula::native;  // the formula that rounds beta1 to f32
+  beta1(a, v);
+}
 void beta2(Args& a, double v) { a.adamw.beta2 = v; }
 void eps(Args& a, double v) { a.adamw.eps = v; }
 void formula(Args& a, double v) { a.adamw.formula = static_cast<AdamWFormula>(v); }
@@ -680,7 +684,9 @@ std::vector<Row> make_catalogue() {
   rows.push_back(
       {"config.weight_decay", kOpt | kStepHyper, lr_times_decay, 2.5, invalid, "lr 0.5"});
   scalar_rows(rows, "config.beta1", kAdamWConfig, beta1,
-              {{1.0, invalid}, {-0.1, invalid}, {fmax, invalid}, {1.0 - 1e-10, range, "1 in f32"}});
+              {{1.0, invalid}, {-0.1, invalid}, {fmax, invalid}});
+  rows.push_back(
+      {"config.beta1", kAdamWConfig, beta1_native, 1.0 - 1e-10, range, "native, 1 in f32"});
   scalar_rows(rows, "config.beta2", kAdamWConfig, beta2, {{1.0, invalid}, {0.0, ok}});
   scalar_rows(rows, "config.eps", kAdamWConfig, eps,
               {{0.0, invalid},

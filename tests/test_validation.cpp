@@ -162,11 +162,16 @@ TEST_F(AdamWFixture, HyperParameters) {
   expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range,
                 "config.torch_tail_width");
   // Native formula: hyper-parameters are checked again after rounding to f32.
-  expect_config(cfg([](AdamWConfig& c) { c.beta1 = 1.0 - 0x1p-26; }), Errc::out_of_range,
-                "config.beta1");
-  expect_config(cfg([](AdamWConfig& c) { c.beta2 = 1.0 - 0x1p-26; }), Errc::out_of_range,
-                "config.beta2");
-  expect_config(cfg([](AdamWConfig& c) { c.lr = 0.1, c.weight_decay = 10.0; }), Errc::out_of_range,
+  expect_config(
+      cfg([](AdamWConfig& c) { c.formula = AdamWFormula::native, c.beta1 = 1.0 - 0x1p-26; }),
+      Errc::out_of_range, "config.beta1");
+  expect_config(
+      cfg([](AdamWConfig& c) { c.formula = AdamWFormula::native, c.beta2 = 1.0 - 0x1p-26; }),
+      Errc::out_of_range, "config.beta2");
+  expect_config(cfg([](AdamWConfig& c) {
+                  c.formula = AdamWFormula::native, c.lr = 0.1, c.weight_decay = 10.0;
+                }),
+                Errc::out_of_range,
                 "config.weight_decay");  // exactly 1 in double, 1.0000000149 in f32
   expect_config(cfg([](AdamWConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range,
                 "config.torch_tail_width");

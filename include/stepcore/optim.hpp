@@ -12,8 +12,10 @@ namespace stepcore {
 
 /// Which AdamW arithmetic to reproduce bit for bit (docs/numerics.md, "AdamW").
 enum class AdamWFormula : std::uint8_t {
-  native = 0,  ///< the offload framework's native CPU AdamW (f32 hyper-parameters, no FMA)
-  torch = 1,   ///< torch.optim.AdamW(fused=True) on CPU, f32 parameters (lerp with FMA)
+  /// The offload framework's CPU AdamW source formula: f32 hyper-parameters, no contraction.
+  native = 0,
+  /// The default: torch.optim.AdamW(fused=True) on CPU with f32 parameters (lerp with FMA).
+  torch = 1,
 };
 
 /// AdamW hyper-parameters. Values are given in double, as a Python trainer holds
@@ -24,7 +26,7 @@ struct AdamWConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;
-  AdamWFormula formula = AdamWFormula::native;
+  AdamWFormula formula = AdamWFormula::torch;
   /// torch formula only: torch's kernel runs its last (numel mod W) elements of
   /// each tensor through a scalar loop that its compiler fused as v = fma(v, b2, c*g*g),
   /// while the vector body computes v = fma(c*g, g, v*b2). W is the width in floats of

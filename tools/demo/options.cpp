@@ -38,7 +38,7 @@ options (--name value or --name=value):
   --max-norm X|none    clip the global norm to X (default 1.0; 0 or none: no clipping)
   --grad-dtype T       dtype of the micro-batch gradients: bf16 (default) or f32
   --optimizer O        adamw (default) or sign_sgd
-  --formula F          AdamW arithmetic: native (default) or torch
+  --formula F          AdamW arithmetic: torch (default) or native
   --lr X               learning rate (default 3e-4)
   --weight-decay X     decoupled weight decay of matrices and embeddings (default 0.1;
                        norms and biases never decay)

@@ -32,7 +32,7 @@ struct Options {
   std::int64_t micro_batches = 4;
   double max_norm = 1.0;  ///< 0: no clipping
   sc::DType grad_dtype = sc::DType::bf16;
-  sc::AdamWFormula formula = sc::AdamWFormula::native;
+  sc::AdamWFormula formula = sc::AdamWFormula::torch;
   Optimizer optimizer = Optimizer::adamw;
   double lr = 3e-4;
   double weight_decay = 0.1;
