@@ -38,23 +38,14 @@ std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t bytes) {
   return h;
 }
 
-/// The schedule of group `group` at `step` of `steps`: linear warm-up over the first
-/// quarter, then cosine decay to a tenth of the peak lr; group 0 ("decay") has the
-/// configured weight decay, group 1 ("no_decay": norms and biases) none.
+/// Group `group`'s hyper-parameters at `step`: the demo's schedule (scheduled_lr, the
+/// main phase's), with the configured weight decay for group 0 ("decay") and none for
+/// group 1 ("no_decay": norms and biases).
 sc::StepHyper scheduled(const ManagersOptions& o, std::int64_t step, std::size_t group) {
   const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
   const double peak = adamw ? o.optimizer.adamw.lr : o.optimizer.sign_sgd.lr;
   const double wd = adamw ? o.optimizer.adamw.weight_decay : o.optimizer.sign_sgd.weight_decay;
-  const std::int64_t warmup = std::max<std::int64_t>(1, o.steps / 4);
-  double lr;
-  if (step < warmup) {
-    lr = peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
-  } else {
-    const double t = static_cast<double>(step - warmup) /
-                     static_cast<double>(std::max<std::int64_t>(1, o.steps - warmup));
-    lr = peak * (0.1 + 0.45 * (1.0 + std::cos(3.141592653589793 * t)));
-  }
-  return {lr, group == 0 ? wd : 0.0};
+  return {scheduled_lr(peak, step, o.steps), group == 0 ? wd : 0.0};
 }
 
 /// Which steps a run makes, and where it starts from and saves to.

@@ -2,6 +2,7 @@
 // parser that turns argv into Options or a UsageError (exit code 2).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -62,5 +63,15 @@ Options parse_options(int argc, char** argv);
 /// Returns `text` as an integer in [lo, hi]; throws UsageError naming `opt`.
 std::int64_t parse_int(std::string_view opt, const std::string& text, std::int64_t lo,
                        std::int64_t hi);
+
+/// The demo's learning-rate schedule: linear warm-up over the first quarter of `steps`
+/// (at least one step), then cosine decay to a tenth of `peak` at the last step.
+inline double scheduled_lr(double peak, std::int64_t step, std::int64_t steps) {
+  const std::int64_t warmup = steps / 4 > 1 ? steps / 4 : 1;
+  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  const double t = static_cast<double>(step - warmup) /
+                   static_cast<double>(steps - warmup > 1 ? steps - warmup : 1);
+  return peak * (0.1 + 0.45 * (1.0 + std::cos(3.141592653589793 * t)));
+}
 
 }  // namespace stepcore_demo

@@ -22,12 +22,14 @@ const Backend& reference_backend() {
   return reference;
 }
 
-/// Runs the optimizer of `o` over the calls `c` with the gradient read `read`,
-/// through `b`, once per weight-decay group.
-void optimizer_step(const Calls& c, const Options& o, const Backend& b, sc::GradientRead read) {
+/// Runs the optimizer of `o` over the calls `c` with the gradient read `read` and the
+/// schedule's lr of `step`, through `b`, once per weight-decay group.
+void optimizer_step(const Calls& c, const Options& o, const Backend& b, sc::GradientRead read,
+                    std::int64_t step) {
+  const double lr = scheduled_lr(o.lr, step, o.steps);
   if (o.optimizer == Optimizer::adamw) {
     sc::AdamWConfig cfg;
-    cfg.lr = o.lr;
+    cfg.lr = lr;
     cfg.formula = o.formula;
     for (int g = 0; g < 2; ++g) {
       cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
@@ -35,7 +37,7 @@ void optimizer_step(const Calls& c, const Options& o, const Backend& b, sc::Grad
     }
   } else {
     sc::SignSgdConfig cfg;
-    cfg.lr = o.lr;
+    cfg.lr = lr;
     for (int g = 0; g < 2; ++g) {
       cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
       b.sign_sgd_step(c.sign[g], cfg, read);
@@ -62,9 +64,10 @@ StepOutcome run_step(const Model& m, State& s, const Calls& c, const Options& o,
   // The step's gradient scale: 1 / loss tokens, a Python double narrowed to f32.
   const float scale = static_cast<float>(1.0 / static_cast<double>(total_tokens));
   std::printf("step %" PRId64 "/%" PRId64 ": %" PRId64 " loss tokens in %" PRId64
-              " micro-batches%s%s%s, scale %s\n",
+              " micro-batches%s%s%s, scale %s, lr %.4g\n",
               step + 1, o.steps, total_tokens, o.micro_batches, split.empty() ? "" : " (",
-              split.c_str(), split.empty() ? "" : ")", f32_text(scale).c_str());
+              split.c_str(), split.empty() ? "" : ")", f32_text(scale).c_str(),
+              scheduled_lr(o.lr, step, o.steps));
 
   // Micro-batches: generate (not a stepcore phase), then accumulate.
   const double n = static_cast<double>(m.numel);
@@ -112,7 +115,8 @@ StepOutcome run_step(const Model& m, State& s, const Calls& c, const Options& o,
     shadow->norm = reference_backend().norm(shadow->calls.accs, unclipped);
     if (shadow->norm.finite) {
       shadow->clip = clip_of(o, shadow->norm.norm);
-      optimizer_step(shadow->calls, o, reference_backend(), sc::GradientRead{scale, shadow->clip});
+      optimizer_step(shadow->calls, o, reference_backend(), sc::GradientRead{scale, shadow->clip},
+                     step);
       shadow->applied = true;
     }
     shadow->seconds += seconds_since(t0);
@@ -138,7 +142,7 @@ StepOutcome run_step(const Model& m, State& s, const Calls& c, const Options& o,
   totals.clipped += clipped ? 1 : 0;
 
   t0 = Clock::now();
-  optimizer_step(c, o, b, sc::GradientRead{scale, out.clip});
+  optimizer_step(c, o, b, sc::GradientRead{scale, out.clip}, step);
   const double opt_s = seconds_since(t0);
   if (o.optimizer == Optimizer::adamw)
     print_phase("adamw", opt_s, 30.0 * n, "f32 params + moments in place, bf16 compute weights");
