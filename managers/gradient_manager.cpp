@@ -243,9 +243,9 @@ namespace {
 void check_state_array(std::span<const float> values, std::size_t want, const char* name,
                        bool non_negative = false) {
   if (values.size() != want)
-    throw Error(Errc::size_mismatch, name,
-                std::to_string(values.size()) + " values for " + std::to_string(want) +
-                    " elements");
+    throw Error(
+        Errc::size_mismatch, name,
+        std::to_string(values.size()) + " values for " + std::to_string(want) + " elements");
   for (std::size_t j = 0; j < values.size(); ++j) {
     if (!std::isfinite(values[j]))
       throw Error(Errc::non_finite, name, "element " + std::to_string(j) + " is not finite");
@@ -305,9 +305,9 @@ std::size_t GradientManager::group_index(std::string_view name) const {
 const ParamGroup& GradientManager::group(std::size_t g) const {
   const auto& groups = impl_->groups_;
   if (g >= groups.size())
-    throw Error(Errc::out_of_range, "group",
-                std::to_string(g) + " >= the number of groups (" + std::to_string(groups.size()) +
-                    ")");
+    throw Error(
+        Errc::out_of_range, "group",
+        std::to_string(g) + " >= the number of groups (" + std::to_string(groups.size()) + ")");
   return groups[g];
 }
 
@@ -368,16 +368,26 @@ void GradientManager::begin_backward(bool final_backward) {
   m.phase_ = CallPhase::backward;
 }
 
+namespace {
+
+// Throws unless `call` may use parameter i's manager-owned gradient buffer now.
+// (i is a parameter's index).
+void expect_owned_buffer(const ManagerConfig& config, std::size_t i, const char* call) {
+  if (!config.params[i].gradient_buffer)
+    throw Error(Errc::invalid_argument, call,
+                "parameter " + std::to_string(i) +
+                    " has no manager buffer (ParamSpec::gradient_buffer = false): pass the "
+                    "trainer's own to gradient_ready(i, grad, written)");
+}
+
+}  // namespace
+
 TensorView GradientManager::gradient(std::size_t i) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient",
            "only between begin_backward and finish_backward");
   m.expect_param(i);
-  if (!m.config_.params[i].gradient_buffer)
-    throw Error(Errc::invalid_argument, "gradient",
-                "parameter " + std::to_string(i) +
-                    " has no manager buffer (ParamSpec::gradient_buffer = false): pass yours "
-                    "to gradient_ready(i, grad, written)");
+  expect_owned_buffer(m.config_, i, "gradient");
   return m.guarded([&] { return m.do_gradient(i); });
 }
 
@@ -386,11 +396,7 @@ void GradientManager::gradient_ready(std::size_t i, const device::Event& written
   m.expect(m.phase_ == CallPhase::backward, "gradient_ready",
            "only between begin_backward and finish_backward");
   m.expect_param(i);
-  if (!m.config_.params[i].gradient_buffer)
-    throw Error(Errc::invalid_argument, "gradient_ready",
-                "parameter " + std::to_string(i) +
-                    " has no manager buffer (ParamSpec::gradient_buffer = false): pass the "
-                    "gradient (gradient_ready(i, grad, written))");
+  expect_owned_buffer(m.config_, i, "gradient_ready");
   ready(i, m.guarded([&] { return ConstTensorView(m.do_gradient(i)); }), written);
 }
 

@@ -9,15 +9,16 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
-#include <memory>
-#include <thread>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gradient_stream.hpp"
 #include "manager_model.hpp"
+#include "ranks.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
@@ -47,9 +48,8 @@ struct Case {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
            (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
            (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
-           (overlap ? " overlap" : "") +
-           (schedule ? " schedule" : "") + (caller_gradients ? " caller-gradients" : "") + " " +
-           std::to_string(steps) + " steps";
+           (overlap ? " overlap" : "") + (schedule ? " schedule" : "") +
+           (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps";
   }
 };
 
@@ -124,21 +124,32 @@ struct Build {
   std::optional<cpu::Isa> isa;                        ///< full offload's engine ISA
 };
 
+/// Returns the test model's configuration in `mode` on `dev`: the groups, the parameters
+/// (`model`, or the whole test model of bf16 gradients), kChunk, fingerprint 42, 2 threads.
+inline ManagerConfig config_of(OffloadMode mode, device::Device& dev,
+                               OptimizerKind optimizer = OptimizerKind::adamw,
+                               const std::vector<StreamParam>& model = stream_model(DType::bf16),
+                               AdamWFormula formula = AdamWConfig{}.formula) {
+  ManagerConfig cfg;
+  cfg.mode = mode;
+  cfg.optimizer = optimizer_of(optimizer, formula);
+  cfg.groups = groups_of();
+  cfg.params = param_specs(model);
+  cfg.chunk_elements = kChunk;
+  cfg.device = &dev;
+  cfg.layout_fingerprint = 42;
+  cfg.engine.threads = 2;
+  return cfg;
+}
+
 /// Returns the manager of `b` for the case on `dev`, parameters loaded with the stream's
 /// initial masters.
 inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case& c,
                                                      device::Device& dev) {
   const std::vector<StreamParam> model = b.shard ? *b.shard : stream_model(c.grad_dtype);
-  ManagerConfig cfg;
-  cfg.mode = b.mode;
-  cfg.optimizer = optimizer_of(c.optimizer, c.formula);
-  cfg.groups = groups_of();
-  cfg.params = param_specs(model);
+  ManagerConfig cfg = config_of(b.mode, dev, c.optimizer, model, c.formula);
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
-  cfg.chunk_elements = kChunk;
-  cfg.device = &dev;
   cfg.comm = b.comm;
-  cfg.layout_fingerprint = 42;
   cfg.engine.threads = b.threads;
   cfg.engine.isa = b.isa;
   cfg.lazy_gpu_scale = b.lazy;
@@ -330,21 +341,11 @@ inline void expect_shard_of(const std::vector<StepRecord>& rec,
 /// aborts the group and fails the test).
 inline std::vector<std::vector<StepRecord>> run_sharded(int ranks, OffloadMode mode, const Case& c,
                                                         const Sharding& sh, bool lazy = false) {
-  auto comms = comm::make_in_process_group(ranks, std::chrono::seconds(60));
   std::vector<std::vector<StepRecord>> got(static_cast<std::size_t>(ranks));
-  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      const auto ru = static_cast<std::size_t>(r);
-      try {
-        got[ru] = run_mode(mode, c, lazy, comms[ru].get(), &sh.shards[ru], &sh.offsets[ru]);
-      } catch (const std::exception& e) {
-        errors[ru] = e.what();
-        comms[ru]->abort();  // wake the peers instead of leaving them to time out
-      }
-    });
-  for (auto& t : threads) t.join();
+  const auto errors = test_support::on_ranks(ranks, [&](int r, comm::Communicator& comm) {
+    const auto ru = static_cast<std::size_t>(r);
+    got[ru] = run_mode(mode, c, lazy, &comm, &sh.shards[ru], &sh.offsets[ru]);
+  });
   for (int r = 0; r < ranks; ++r)
     EXPECT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
   return got;

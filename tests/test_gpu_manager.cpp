@@ -10,6 +10,7 @@
 #include "device/host_device.hpp"
 #include "gpu_manager_cases.hpp"
 #include "managers/factories.hpp"
+#include "ranks.hpp"
 #include "stepcore/error.hpp"
 
 namespace {
@@ -51,24 +52,14 @@ TEST(GpuManager, ShardedOverInProcessRanksGivesTheUnshardedBits) {
         const Scenario sc{DType::bf16, OptimizerKind::adamw, mn, false, {}, AdamWFormula::native};
         SCOPED_TRACE(std::to_string(ranks) + " ranks, " + v.label + ", " + sc.label());
         const auto want = run_reference(sc);
-        auto comms = comm::make_in_process_group(ranks, std::chrono::seconds(60));
         std::vector<std::vector<StepOut>> got(static_cast<std::size_t>(ranks));
         std::vector<Shard> shards;
         for (int r = 0; r < ranks; ++r) shards.push_back(shard_of(ranks, r));
-        std::vector<std::string> errors(static_cast<std::size_t>(ranks));
-        std::vector<std::thread> threads;
-        for (int r = 0; r < ranks; ++r)
-          threads.emplace_back([&, r] {
-            const auto ru = static_cast<std::size_t>(r);
-            try {
-              auto dev = device::make_host_device();
-              got[ru] = run_manager(*dev, sc, v.mode, v.lazy, comms[ru].get(), &shards[ru]);
-            } catch (const std::exception& e) {
-              errors[ru] = e.what();
-              comms[ru]->abort();
-            }
-          });
-        for (auto& t : threads) t.join();
+        const auto errors = test_support::on_ranks(ranks, [&](int r, comm::Communicator& comm) {
+          auto dev = device::make_host_device();
+          const auto ru = static_cast<std::size_t>(r);
+          got[ru] = run_manager(*dev, sc, v.mode, v.lazy, &comm, &shards[ru]);
+        });
         for (int r = 0; r < ranks; ++r) {
           const auto ru = static_cast<std::size_t>(r);
           ASSERT_EQ(errors[ru], "") << "rank " << r;

@@ -90,14 +90,7 @@ TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
     std::vector<std::vector<StepRecord>> runs;
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
       auto dev = device::make_host_device();
-      ManagerConfig cfg;
-      cfg.mode = mode;
-      cfg.optimizer = optimizer_of(OptimizerKind::adamw);
-      cfg.groups = groups_of();
-      cfg.params = param_specs(stream_model(DType::bf16));
-      cfg.chunk_elements = kChunk;
-      cfg.device = dev.get();
-      cfg.engine.threads = 2;
+      ManagerConfig cfg = config_of(mode, *dev);
       auto m = make_gradient_manager(cfg);
       for (std::size_t i = 0; i < cfg.params.size(); ++i) {
         std::vector<float> init(cfg.params[i].numel, 0.01f);

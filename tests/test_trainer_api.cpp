@@ -5,6 +5,7 @@
 // model's storage (guard bands around them), in every mode, with and without overlap,
 // on 1 and 2 in-process ranks; and every new call's bad input refused with nothing changed.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 
 #include <bit>
 #include <cmath>
@@ -12,14 +13,12 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <stdexcept>
-#include <thread>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
-
-#include <stdlib.h>
 
 #include "expect_error.hpp"
 #include "isa_list.hpp"
@@ -157,16 +156,9 @@ TEST(TrainerApi, ComputeWeightsGoIntoTheCallersStorageAndNowhereElse) {
       const std::vector<ParamSpec> specs = param_specs(stream_model(c.grad_dtype));
       Destinations dest(*dev, specs);
       // The manager of make_manager, with destinations: built the same way by hand.
-      ManagerConfig cfg;
-      cfg.mode = mode;
-      cfg.optimizer = optimizer_of(c.optimizer);
-      cfg.groups = groups_of();
-      cfg.params = specs;
+      ManagerConfig cfg = config_of(mode, *dev, c.optimizer);
       for (std::size_t i = 0; i < specs.size(); ++i)
         cfg.params[i].compute_into = dest.view(i, specs[i]);
-      cfg.chunk_elements = kChunk;
-      cfg.device = dev.get();
-      cfg.engine.threads = 2;
       auto m = make_gradient_manager(cfg);
       for (std::size_t i = 0; i < specs.size(); ++i) {
         std::vector<float> init(specs[i].numel);
@@ -409,14 +401,7 @@ TEST(TrainerApi, CallerGradientsAreValidatedBeforeTheyAreRead) {
 
 TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated) {
   auto dev = make_device();
-  auto base = [&] {
-    ManagerConfig cfg;
-    cfg.optimizer = optimizer_of(OptimizerKind::adamw);
-    cfg.groups = groups_of();
-    cfg.params = param_specs(stream_model(DType::bf16));
-    cfg.device = dev.get();
-    return cfg;
-  };
+  auto base = [&] { return config_of(OffloadMode::none, *dev); };
   void* mem = dev->allocate(1 << 16);
   const TensorView dest(mem, 33, DType::bf16);  // parameter 0's size
   for (OffloadMode mode : kModes) {
@@ -579,26 +564,16 @@ TEST(TrainerApi, ShardedRanksResumeFromTheirOwnFiles) {
   const auto want = run_reference(c, &sh);
   TempDir dir;
   for (bool resume : {false, true}) {
-    auto comms = comm::make_in_process_group(2, std::chrono::seconds(60));
     std::vector<std::vector<StepRecord>> got(2);
-    std::vector<std::string> errors(2);
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r)
-      threads.emplace_back([&, r] {
-        const auto ru = static_cast<std::size_t>(r);
-        try {
-          Build b = build_of(resume ? OffloadMode::optimizer : OffloadMode::full);
-          b.comm = comms[ru].get();
-          b.shard = &sh.shards[ru];
-          b.offsets = &sh.offsets[ru];
-          const std::string path = dir.file("rank-" + std::to_string(r) + ".stepcore");
-          got[ru] = resume ? run_span(b, c, 4, 4, path, "") : run_span(b, c, 0, 4, "", path);
-        } catch (const std::exception& e) {
-          errors[ru] = e.what();
-          comms[ru]->abort();
-        }
-      });
-    for (auto& t : threads) t.join();
+    const auto errors = test_support::on_ranks(2, [&](int r, comm::Communicator& comm) {
+      const auto ru = static_cast<std::size_t>(r);
+      Build b = build_of(resume ? OffloadMode::optimizer : OffloadMode::full);
+      b.comm = &comm;
+      b.shard = &sh.shards[ru];
+      b.offsets = &sh.offsets[ru];
+      const std::string path = dir.file("rank-" + std::to_string(r) + ".stepcore");
+      got[ru] = resume ? run_span(b, c, 4, 4, path, "") : run_span(b, c, 0, 4, "", path);
+    });
     for (int r = 0; r < 2; ++r) {
       ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
       expect_shard_of(got[static_cast<std::size_t>(r)], slice(want, resume ? 4 : 0, 4), model, sh,
@@ -673,21 +648,14 @@ TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
     expect_refused_load(m, dir.file("missing.stepcore"), Errc::io_error, "path");
     // Other managers: a renamed parameter, other sizes, another optimizer, other groups.
     auto refused_by = [&](auto&& spoil, Errc code, const std::string& arg) {
-      ManagerConfig cfg;
-      cfg.mode = mode;
-      cfg.optimizer = optimizer_of(OptimizerKind::adamw);
-      cfg.groups = groups_of();
-      cfg.params = param_specs(stream_model(DType::bf16));
-      cfg.chunk_elements = kChunk;
-      cfg.device = dev.get();
-      cfg.layout_fingerprint = 42;  // as make_manager's
+      ManagerConfig cfg = config_of(mode, *dev);  // make_manager's, but for the spoil
       spoil(cfg);
       auto other = make_gradient_manager(cfg);
       expect_refused_load(*other, good, code, arg);
       other->close();
     };
-    refused_by([](ManagerConfig& cfg) { cfg.params[3].name = "p3.weight"; },
-               Errc::invalid_argument, "params[3].name");
+    refused_by([](ManagerConfig& cfg) { cfg.params[3].name = "p3.weight"; }, Errc::invalid_argument,
+               "params[3].name");
     refused_by([](ManagerConfig& cfg) { cfg.params[4].numel += 1; }, Errc::size_mismatch,
                "params[4].numel");
     refused_by([](ManagerConfig& cfg) { cfg.optimizer = optimizer_of(OptimizerKind::sign_sgd); },
