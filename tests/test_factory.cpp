@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "forwarding_device.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/device.hpp"
@@ -30,78 +31,15 @@ using namespace stepcore;
 cudaStream_t fake_stream(std::uintptr_t value) { return reinterpret_cast<cudaStream_t>(value); }
 
 // The host device, forwarding every call, except that it claims a compute stream (so
-// the factory takes it for a CUDA device) and counts allocations.
-class FakeCudaDevice final : public device::Device {
+// the factory takes it for a CUDA device); counts allocations.
+class FakeCudaDevice final : public test_support::ForwardingDevice {
  public:
-  explicit FakeCudaDevice(cudaStream_t compute)
-      : host_(device::make_host_device(32)), compute_(compute) {}
-
-  int allocations() const noexcept { return allocations_; }
-
+  explicit FakeCudaDevice(cudaStream_t compute) : compute_(compute) {}
   std::string_view name() const noexcept override { return "fake-cuda"; }
-  void* allocate(std::size_t bytes) override {
-    ++allocations_;
-    return host_->allocate(bytes);
-  }
-  void deallocate(void* p) noexcept override { host_->deallocate(p); }
-  void* allocate_host(std::size_t bytes, int numa_node) override {
-    ++allocations_;
-    return host_->allocate_host(bytes, numa_node);
-  }
-  void deallocate_host(void* p) noexcept override { host_->deallocate_host(p); }
-  void copy(device::Queue q, void* dst, const void* src, std::size_t bytes) override {
-    host_->copy(q, dst, src, bytes);
-  }
-  void zero(device::Queue q, void* dst, std::size_t bytes) override { host_->zero(q, dst, bytes); }
-  device::Event record(device::Queue q) override { return host_->record(q); }
-  void wait(device::Queue q, const device::Event& e) override { host_->wait(q, e); }
-  void synchronize(const device::Event& e) override { host_->synchronize(e); }
-  void synchronize() override { host_->synchronize(); }
-  std::size_t norm_workspace_bytes(std::span<const TensorView> d_tensors) const override {
-    return host_->norm_workspace_bytes(d_tensors);
-  }
-  void accumulate(std::span<const AccumulatePair> d_pairs) override { host_->accumulate(d_pairs); }
-  void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
-                              NormPartial* d_partial, void* d_workspace,
-                              std::size_t workspace_bytes) override {
-    host_->scale_and_norm_partial(d_tensors, scale, d_partial, d_workspace, workspace_bytes);
-  }
-  void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
-                    NormPartial* d_partial, void* d_workspace,
-                    std::size_t workspace_bytes) override {
-    host_->norm_partial(d_tensors, read, d_partial, d_workspace, workspace_bytes);
-  }
-  void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
-                         float* d_clip, std::int32_t* d_found_inf) override {
-    host_->finalize_and_clip(d_partial, max_norm, d_result, d_clip, d_found_inf);
-  }
-  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, GradientRead read,
-                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
-                                    void* d_workspace, std::size_t workspace_bytes) override {
-    host_->exact_norm_partial_if_needed(d_tensors, read, d_found_inf, d_exact_partial, d_workspace,
-                                        workspace_bytes);
-  }
-  void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
-                               NormResult* d_result, float* d_clip,
-                               std::int32_t* d_found_inf) override {
-    host_->finalize_exact_and_clip(d_exact_partial, max_norm, d_result, d_clip, d_found_inf);
-  }
-  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const AdamWDeviceArgs& d) override {
-    host_->adamw_step(d_tensors, config, d);
-  }
-  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const SignSgdDeviceArgs& d) override {
-    host_->sign_sgd_step(d_tensors, config, d);
-  }
-  device::Event record_on(cudaStream_t) override { return host_->record_on(nullptr); }
-  void wait_on(cudaStream_t, const device::Event& e) override { host_->wait_on(nullptr, e); }
   cudaStream_t compute_stream() const noexcept override { return compute_; }
 
  private:
-  std::unique_ptr<device::Device> host_;
   cudaStream_t compute_;
-  int allocations_ = 0;
 };
 
 // One rank in device memory on `stream`: every reduction is the identity (in place, as

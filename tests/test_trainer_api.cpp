@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "expect_error.hpp"
+#include "forwarding_device.hpp"
 #include "isa_list.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers/testing.hpp"
@@ -36,6 +39,16 @@ namespace checkpoint = stepcore::detail::checkpoint;
 using test_support::errc_name;
 
 constexpr OffloadMode kModes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
+
+Build build_of(OffloadMode mode, int threads = 2, std::optional<cpu::Isa> isa = {},
+               bool lazy = false) {
+  Build b;
+  b.mode = mode;
+  b.threads = threads;
+  b.isa = isa;
+  b.lazy = lazy;
+  return b;
+}
 
 // Expects every mode (none eager and lazy, optimizer, full) on one rank, and each mode on
 // 2 in-process ranks, to equal the reference after every step.
@@ -186,6 +199,61 @@ TEST(TrainerApi, ComputeWeightsGoIntoTheCallersStorageAndNowhereElse) {
         ASSERT_EQ(bytes[at], Destinations::kPattern) << "guard byte " << at << " written";
       m->close();
     }
+}
+
+TEST(TrainerApi, DeviceManagersTakeANewLearningRateWithoutAHostSynchronisation) {
+  // A device that counts host waits (synchronize calls): from the new step's gradients to
+  // step(), through set_hyperparameters, the device managers wait for nothing (no clip),
+  // and the step uses the new values.
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer}) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    Case c{DType::bf16, OptimizerKind::adamw, {}, Flow::sft, false};
+    c.steps = 2;
+    c.schedule = true;  // the reference: schedule_of's values before each step
+    const auto want = run_reference(c);
+    test_support::ForwardingDevice dev;
+    auto m = make_manager(build_of(mode), c, dev);
+    (void)run_stream(*m, dev, stream_options(c, nullptr, 0, 1));  // step 0, as scheduled
+    const StepPlan plan = plan_step(c.flow, 1, m->config().params.size(), 1);
+    m->begin_step(plan.scale, false);
+    std::vector<std::vector<std::uint8_t>> host(m->config().params.size());
+    for (int mb = 0; mb < plan.micro_batches; ++mb) {
+      m->begin_backward(mb + 1 == plan.micro_batches);
+      for (std::size_t i = m->config().params.size(); i-- > 0;) {
+        const TensorView g = m->gradient(i);
+        dev.synchronize(m->gradient_released(i));  // the trainer's own wait (before `start`)
+        host[i].assign(g.bytes() + 1, 0);
+        make_gradient(1, 1, mb, i, 0, g.numel, g.dtype, host[i].data());
+        dev.copy(device::Queue::compute, g.data, host[i].data(), g.bytes());
+        m->gradient_ready(i);
+      }
+      if (mb + 1 < plan.micro_batches) m->finish_backward();
+    }
+    const int start = dev.synchronizations();
+    m->finish_backward();
+    for (std::size_t g = 0; g < m->group_count(); ++g)
+      m->set_hyperparameters(g, schedule_of(1, g, c.steps));
+    m->step();
+    EXPECT_EQ(dev.synchronizations() - start, 0)
+        << "finish_backward, set_hyperparameters or step waited on the host";
+    (void)m->report();
+    EXPECT_GT(dev.synchronizations() - start, 0) << "report() must wait for the step";
+    // Step 1's state must be the reference's (which used schedule_of's step-1 values).
+    for (std::size_t i = 0; i < m->config().params.size(); ++i) {
+      const ParamSpec& p = m->config().params[i];
+      std::vector<float> master(p.numel), ea(p.numel), eas(p.numel);
+      std::vector<std::uint8_t> compute(p.numel * 2);
+      m->read_parameter(i, master, ea, eas, compute);
+      std::vector<std::uint8_t> bytes(want[1].state[i].size());
+      if (p.numel == 0) continue;
+      std::memcpy(bytes.data(), master.data(), p.numel * 4);
+      std::memcpy(bytes.data() + p.numel * 4, ea.data(), p.numel * 4);
+      std::memcpy(bytes.data() + p.numel * 8, eas.data(), p.numel * 4);
+      std::memcpy(bytes.data() + p.numel * 12, compute.data(), compute.size());
+      EXPECT_EQ(bytes, want[1].state[i]) << "parameter " << i << ": not the new lr's step";
+    }
+    m->close();
+  }
 }
 
 // ---- bad input: the error, naming the argument, and nothing changed --------------------
@@ -506,16 +574,6 @@ std::vector<StepRecord> run_span(const Build& b, const Case& c, int first, int c
 std::vector<StepRecord> slice(const std::vector<StepRecord>& r, std::size_t first, std::size_t n) {
   return {r.begin() + static_cast<std::ptrdiff_t>(first),
           r.begin() + static_cast<std::ptrdiff_t>(first + n)};
-}
-
-Build build_of(OffloadMode mode, int threads = 2, std::optional<cpu::Isa> isa = {},
-               bool lazy = false) {
-  Build b;
-  b.mode = mode;
-  b.threads = threads;
-  b.isa = isa;
-  b.lazy = lazy;
-  return b;
 }
 
 TEST(TrainerApi, AResumedRunEqualsTheUninterruptedOneInAnyModeThreadCountAndIsa) {
