@@ -471,7 +471,7 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
   auto dev = make_device();
   auto base = [&] { return config_of(OffloadMode::none, *dev); };
   void* mem = dev->allocate(1 << 16);
-  const TensorView dest(mem, 33, DType::bf16);  // parameter 0's size
+  const TensorView dest{mem, 33, DType::bf16};  // parameter 0's size
   for (OffloadMode mode : kModes) {
     SCOPED_TRACE(offload_mode_name(mode));
     auto refused = [&](auto&& spoil, Errc code, const test_support::ArgumentNames& arg) {
