@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -150,6 +151,37 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
   return p;
 }
 
+// Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
+// "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]".
+std::string python_name(const std::string& arg) {
+  static const std::pair<const char*, const char*> fields[] = {
+      {".param", "params"},     {".exp_avg_sq", "exp_avg_sqs"}, {".exp_avg", "exp_avgs"},
+      {".step", "steps"},       {".grad", "grads"},             {".compute_param", "computes"},
+      {".acc", "accs"},         {".src", "srcs"}};
+  const auto open = arg.find('[');
+  const auto close = arg.find(']');
+  if ((arg.rfind("tensors[", 0) == 0 || arg.rfind("pairs[", 0) == 0) && close != std::string::npos &&
+      close + 1 < arg.size()) {
+    const std::string field = arg.substr(close + 1);
+    for (const auto& [suffix, list] : fields)
+      if (field == suffix) return std::string(list) + arg.substr(open, close - open + 1);
+  }
+  if (arg.rfind("config.", 0) == 0) return arg.substr(7);
+  if (arg == "read.scale") return "grad_scale";
+  if (arg == "read.clip") return "clip";
+  return arg;
+}
+
+// The C++ message with the argument renamed for Python.
+std::string python_message(const Error& e) {
+  std::string what = e.what();
+  const std::string from = "'" + e.argument() + "'";
+  const auto at = what.find(from);
+  if (!e.argument().empty() && at != std::string::npos)
+    what.replace(at, from.size(), "'" + python_name(e.argument()) + "'");
+  return what;
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -163,13 +195,15 @@ NB_MODULE(_core, m) {
     try {
       std::rethrow_exception(p);
     } catch (const Error& e) {
+      const std::string msg = python_message(e);
+      PyObject* type = PyExc_RuntimeError;
       switch (e.code()) {
         case Errc::unsupported_dtype:
-          PyErr_SetString(PyExc_TypeError, e.what());
-          return;
+          type = PyExc_TypeError;
+          break;
         case Errc::not_supported:
-          PyErr_SetString(PyExc_NotImplementedError, e.what());
-          return;
+          type = PyExc_NotImplementedError;
+          break;
         case Errc::invalid_argument:
         case Errc::null_pointer:
         case Errc::size_mismatch:
@@ -177,18 +211,18 @@ NB_MODULE(_core, m) {
         case Errc::non_finite:
         case Errc::out_of_range:
         case Errc::corrupt_file:
-          PyErr_SetString(PyExc_ValueError, e.what());
-          return;
+          type = PyExc_ValueError;
+          break;
         case Errc::timeout:
-          PyErr_SetString(PyExc_TimeoutError, e.what());
-          return;
+          type = PyExc_TimeoutError;
+          break;
         case Errc::io_error:
-          PyErr_SetString(PyExc_OSError, e.what());
-          return;
+          type = PyExc_OSError;
+          break;
         default:
-          PyErr_SetString(PyExc_RuntimeError, e.what());
-          return;
+          break;
       }
+      PyErr_SetString(type, msg.c_str());
     }
   });
 

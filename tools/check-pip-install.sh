@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Purpose: shows that `pip install .` builds and installs the Python package from a clean
+# copy of the checkout (the ctest Python.PipInstallFromACleanCopy): the tracked files are
+# copied to a scratch directory, pip builds them with scikit-build-core (no build
+# isolation: nanobind and scikit-build-core come from the venv, so no network is needed),
+# and the installed package is imported from outside the source tree.
+#
+# Usage: tools/check-pip-install.sh <python> [<runner>]   (runner: e.g. the torch venv's py)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="$1"
+RUN="${2:-$1}"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+mkdir -p "$scratch/src"
+git ls-files -z | tar --null -T - -cf - | tar -xf - -C "$scratch/src"
+"$PY" -m pip install -q --no-build-isolation --no-deps --target "$scratch/site" \
+  -C cmake.define.STEPCORE_CUDA=OFF "$scratch/src"
+cd "$scratch"
+PYTHONPATH="$scratch/site" "$RUN" - <<'PYEOF'
+import sys
+import stepcore
+assert "torch" not in sys.modules, "import stepcore imported torch"
+assert "/site/stepcore/" in stepcore.__file__, stepcore.__file__  # the installed copy
+e = stepcore.Engine(threads=1)
+print("pip install: stepcore", stepcore.__version__, "from", stepcore.__file__, "ISA", e.isa)
+PYEOF
