@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "stepcore/config.hpp"
@@ -31,13 +31,15 @@ namespace {
 
 // ---- arrays -------------------------------------------------------------------------
 
-using Array = nb::ndarray<>;               // writable, any dtype and device (checked here)
-using ConstArray = nb::ndarray<nb::ro>;    // read-only view accepted too
+using Array = nb::ndarray<>;              // writable, any dtype and device (checked here)
+using ConstArray = nb::ndarray<nb::ro>;   // read-only view accepted too
+using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 
 // The Python exception for a bad array: TypeError for its dtype, ValueError otherwise.
 [[noreturn]] void bad_array(bool type_error, const std::string& name, const std::string& why) {
-  const std::string msg = "stepcore: " + std::string(type_error ? "unsupported_dtype" : "invalid_argument") +
-                          " in '" + name + "': " + why;
+  const std::string msg =
+      "stepcore: " + std::string(type_error ? "unsupported_dtype" : "invalid_argument") + " in '" +
+      name + "': " + why;
   if (type_error) throw nb::type_error(msg.c_str());
   throw nb::value_error(msg.c_str());
 }
@@ -50,25 +52,27 @@ DType dtype_of(nb::dlpack::dtype t, const std::string& name) {
     if (code == nb::dlpack::dtype_code::Float && t.bits == 16) return DType::f16;
     if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return DType::bf16;
   }
-  bad_array(true, name, "dtype (code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                            " bits) is not float32, bfloat16 or float16");
+  bad_array(true, name,
+            "dtype (code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
+                " bits) is not float32, bfloat16 or float16");
 }
 
 // Checks that `a` is C-contiguous CPU memory and returns its view (numel, dtype).
 template <class A>
 TensorView view_of(const A& a, const std::string& name) {
   if (a.device_type() != nb::device::cpu::value)
-    bad_array(false, name, "must be CPU memory (device type " + std::to_string(a.device_type()) +
-                               "); the CPU engine reads and writes host memory");
+    bad_array(false, name,
+              "must be CPU memory (device type " + std::to_string(a.device_type()) +
+                  "); the CPU engine reads and writes host memory");
   std::int64_t expect = 1;
   std::size_t numel = 1;
-  for (std::size_t d = a.ndim(); d-- > 0;) {
+  for (std::size_t d = 0; d < a.ndim(); ++d) numel *= a.shape(d);
+  for (std::size_t d = a.ndim(); d-- > 0 && numel != 0;) {  // an empty array has any strides
     if (a.shape(d) != 1 && a.stride(d) != expect)
-      bad_array(false, name, "must be C-contiguous (dimension " + std::to_string(d) +
-                                 " has stride " + std::to_string(a.stride(d)) + ", not " +
-                                 std::to_string(expect) + ")");
+      bad_array(false, name,
+                "must be C-contiguous (dimension " + std::to_string(d) + " has stride " +
+                    std::to_string(a.stride(d)) + ", not " + std::to_string(expect) + ")");
     expect *= static_cast<std::int64_t>(a.shape(d));
-    numel *= a.shape(d);
   }
   return TensorView{const_cast<void*>(static_cast<const void*>(a.data())), numel,
                     dtype_of(a.dtype(), name)};
@@ -76,6 +80,38 @@ TensorView view_of(const A& a, const std::string& name) {
 
 std::string indexed(const char* base, std::size_t i) {
   return std::string(base) + "[" + std::to_string(i) + "]";
+}
+
+// Returns `h` as an array, or throws TypeError naming `name` (a meta tensor, a list, ...).
+template <class A>
+A array_of(nb::handle h, const std::string& name) {
+  A a;
+  if (!nb::try_cast(h, a))
+    bad_array(true, name,
+              "a " + std::string(nb::type_name(h.type()).c_str()) +
+                  " is not an array stepcore can read (DLPack or the buffer protocol, in CPU or "
+                  "CUDA memory)");
+  return a;
+}
+
+// The arrays of a Python list, each converted and named base[i].
+template <class A>
+std::vector<A> arrays_of(const std::vector<nb::object>& list, const char* base) {
+  std::vector<A> out;
+  out.reserve(list.size());
+  for (std::size_t i = 0; i < list.size(); ++i)
+    out.push_back(array_of<A>(list[i], indexed(base, i)));
+  return out;
+}
+
+// The optional compute outputs: None, or a list whose entries are None or arrays.
+std::optional<std::vector<std::optional<Array>>> optional_arrays(const std::optional<Objects>& in) {
+  if (!in) return std::nullopt;
+  std::vector<std::optional<Array>> out;
+  for (std::size_t i = 0; i < in->size(); ++i)
+    out.push_back((*in)[i].is_none() ? std::optional<Array>{}
+                                     : array_of<Array>((*in)[i], indexed("computes", i)));
+  return out;
 }
 
 template <class A>
@@ -89,8 +125,8 @@ std::vector<TensorView> views_of(const std::vector<A>& list, const char* base) {
 // Throws ValueError naming `name` unless `got` == `want` list entries.
 void same_length(std::size_t got, std::size_t want, const char* name) {
   if (got != want)
-    throw nb::value_error(("stepcore: size_mismatch in '" + std::string(name) + "': " +
-                           std::to_string(got) + " entries for " + std::to_string(want) +
+    throw nb::value_error(("stepcore: size_mismatch in '" + std::string(name) +
+                           "': " + std::to_string(got) + " entries for " + std::to_string(want) +
                            " tensors")
                               .c_str());
 }
@@ -104,7 +140,6 @@ AdamWFormula parse_formula(const std::string& name) {
       ("stepcore: invalid_argument in 'formula': '" + name + "': expected 'torch' or 'native'")
           .c_str());
 }
-
 
 // The partial as a plain int64 vector: 20 digits, nan_count, inf_count, max_abs_bits,
 // approximate (kPartialWords). SUM of every word but max_abs_bits, MAX of that one,
@@ -144,8 +179,9 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
   p.inf_count = word(kNormDigits + 1, "inf_count");
   const std::uint64_t max_bits = word(kMaxAbsWord, "max_abs_bits");
   if (max_bits > 0x7F7FFFFFull)
-    throw nb::value_error("stepcore: out_of_range in 'partial': max_abs_bits is not a finite "
-                          "non-negative float");
+    throw nb::value_error(
+        "stepcore: out_of_range in 'partial': max_abs_bits is not a finite "
+        "non-negative float");
   p.max_abs_bits = static_cast<std::uint32_t>(max_bits);
   p.approximate = word(kNormDigits + 3, "approximate") != 0 ? 1u : 0u;
   return p;
@@ -155,13 +191,14 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
 // "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]".
 std::string python_name(const std::string& arg) {
   static const std::pair<const char*, const char*> fields[] = {
-      {".param", "params"},     {".exp_avg_sq", "exp_avg_sqs"}, {".exp_avg", "exp_avgs"},
-      {".step", "steps"},       {".grad", "grads"},             {".compute_param", "computes"},
+      {".param", "params"},     {".exp_avg_sq", "exp_avg_sqs"},
+      {".exp_avg", "exp_avgs"}, {".step", "steps"},
+      {".grad", "grads"},       {".compute_param", "computes"},
       {".acc", "accs"},         {".src", "srcs"}};
   const auto open = arg.find('[');
   const auto close = arg.find(']');
-  if ((arg.rfind("tensors[", 0) == 0 || arg.rfind("pairs[", 0) == 0) && close != std::string::npos &&
-      close + 1 < arg.size()) {
+  if ((arg.rfind("tensors[", 0) == 0 || arg.rfind("pairs[", 0) == 0) &&
+      close != std::string::npos && close + 1 < arg.size()) {
     const std::string field = arg.substr(close + 1);
     for (const auto& [suffix, list] : fields)
       if (field == suffix) return std::string(list) + arg.substr(open, close - open + 1);
@@ -238,7 +275,8 @@ NB_MODULE(_core, m) {
   nb::class_<cpu::Engine>(m, "Engine", "The SIMD CPU engine (ISA chosen at run time).")
       .def(
           "__init__",
-          [](cpu::Engine* self, std::optional<std::string> isa, int threads, std::vector<int> cpus) {
+          [](cpu::Engine* self, std::optional<std::string> isa, int threads,
+             std::vector<int> cpus) {
             cpu::EngineConfig c;
             if (isa) c.isa = cpu::parse_isa(*isa);
             c.threads = threads;
@@ -250,11 +288,17 @@ NB_MODULE(_core, m) {
       .def_prop_ro("threads", &cpu::Engine::threads)
       .def(
           "adamw_step",
-          [](const cpu::Engine& e, std::vector<Array> params, std::vector<Array> exp_avgs,
-             std::vector<Array> exp_avg_sqs, std::vector<Array> steps, std::vector<ConstArray> grads,
-             std::optional<std::vector<std::optional<Array>>> computes, double lr, double beta1,
-             double beta2, double eps, double weight_decay, const std::string& formula,
-             int torch_tail_width, float grad_scale, float clip) {
+          [](const cpu::Engine& e, const Objects& params_in, const Objects& exp_avgs_in,
+             const Objects& exp_avg_sqs_in, const Objects& steps_in, const Objects& grads_in,
+             std::optional<Objects> computes_in, double lr, double beta1, double beta2, double eps,
+             double weight_decay, const std::string& formula, int torch_tail_width,
+             float grad_scale, float clip) {
+            const auto params = arrays_of<Array>(params_in, "params");
+            const auto exp_avgs = arrays_of<Array>(exp_avgs_in, "exp_avgs");
+            const auto exp_avg_sqs = arrays_of<Array>(exp_avg_sqs_in, "exp_avg_sqs");
+            const auto steps = arrays_of<Array>(steps_in, "steps");
+            const auto grads = arrays_of<ConstArray>(grads_in, "grads");
+            const auto computes = optional_arrays(computes_in);
             const std::size_t n = params.size();
             same_length(exp_avgs.size(), n, "exp_avgs");
             same_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
@@ -297,9 +341,11 @@ NB_MODULE(_core, m) {
           "and thread count.")
       .def(
           "sign_sgd_step",
-          [](const cpu::Engine& e, std::vector<Array> params, std::vector<ConstArray> grads,
-             std::optional<std::vector<std::optional<Array>>> computes, double lr,
-             double weight_decay) {
+          [](const cpu::Engine& e, const Objects& params_in, const Objects& grads_in,
+             std::optional<Objects> computes_in, double lr, double weight_decay) {
+            const auto params = arrays_of<Array>(params_in, "params");
+            const auto grads = arrays_of<ConstArray>(grads_in, "grads");
+            const auto computes = optional_arrays(computes_in);
             const std::size_t n = params.size();
             same_length(grads.size(), n, "grads");
             if (computes) same_length(computes->size(), n, "computes");
@@ -321,8 +367,9 @@ NB_MODULE(_core, m) {
           "SignSGD in place: p = p*(1 - lr*wd) - lr*sign(g) (docs/numerics.md section 8).")
       .def(
           "accumulate",
-          [](const cpu::Engine& e, std::vector<Array> accs, std::vector<ConstArray> srcs,
-             bool copy) {
+          [](const cpu::Engine& e, const Objects& accs_in, const Objects& srcs_in, bool copy) {
+            const auto accs = arrays_of<Array>(accs_in, "accs");
+            const auto srcs = arrays_of<ConstArray>(srcs_in, "srcs");
             same_length(srcs.size(), accs.size(), "srcs");
             std::vector<AccumulatePair> pairs(accs.size());
             for (std::size_t i = 0; i < accs.size(); ++i) {
@@ -337,17 +384,19 @@ NB_MODULE(_core, m) {
           "acc = acc + f32(src) for every pair (acc = f32(src) with copy=True).")
       .def(
           "scale_",
-          [](const cpu::Engine& e, std::vector<Array> tensors, float factor) {
-            const std::vector<TensorView> v = views_of(tensors, "tensors");
+          [](const cpu::Engine& e, const Objects& tensors, float factor) {
+            const std::vector<TensorView> v =
+                views_of(arrays_of<Array>(tensors, "tensors"), "tensors");
             nb::gil_scoped_release release;
             e.scale_(v, factor);
           },
           nb::arg("tensors"), nb::arg("factor"), "g = R(f32(g) * factor) in place.")
       .def(
           "norm_partial",
-          [](const cpu::Engine& e, std::vector<ConstArray> tensors, float grad_scale, float clip,
+          [](const cpu::Engine& e, const Objects& tensors, float grad_scale, float clip,
              bool exact) {
-            const std::vector<TensorView> v = views_of(tensors, "tensors");
+            const std::vector<TensorView> v =
+                views_of(arrays_of<ConstArray>(tensors, "tensors"), "tensors");
             const std::vector<ConstTensorView> cv(v.begin(), v.end());
             NormPartial p;
             {
@@ -374,7 +423,8 @@ NB_MODULE(_core, m) {
       "rounded f32 L2 norm; needs_exact: recompute with exact partials (norm unset).");
 
   m.def(
-      "clip_coefficient", [](float norm, float max_norm) { return clip_coefficient(norm, max_norm); },
-      nb::arg("norm"), nb::arg("max_norm"),
+      "clip_coefficient",
+      [](float norm, float max_norm) { return clip_coefficient(norm, max_norm); }, nb::arg("norm"),
+      nb::arg("max_norm"),
       "min(1, max_norm / (norm + 1e-6)) in f32 as torch.nn.utils.clip_grad_norm_ computes it.");
 }
