@@ -14,6 +14,7 @@
 #   device            host device, CUDA device              may include: core host kernels
 #   managers          the gradient managers                 may include: every layer below
 #   tools bench tests on top: anything
+#   python/src        the Python extension: a thin binding, public headers only
 #
 #   tools/check-layers.sh [ROOT]   (exit 0: clean; 1: violations, each printed)
 set -uo pipefail
@@ -75,6 +76,20 @@ while IFS= read -r -d '' f; do
   done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
            sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
 done < <(find include -type f -name '*.hpp' -print0)
+
+# The Python extension binds the public API only (a thin layer, like an integrator).
+if [ -d python/src ]; then
+  while IFS= read -r -d '' f; do
+    files=$((files + 1))
+    while IFS=: read -r line inc; do
+      case $inc in
+        stepcore/*) ;;
+        *) report "$f:$line: the Python extension includes \"$inc\" (public headers only)" ;;
+      esac
+    done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
+             sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
+  done < <(find python/src -type f \( -name '*.cpp' -o -name '*.hpp' \) -print0)
+fi
 
 # No stray source folder outside the layers and the top floor.
 for d in */; do

@@ -1,0 +1,154 @@
+"""The full-offload optimizer step as a PyTorch user writes it, against the same step
+through stepcore, in one run with the same threads (not a timed test: a benchmark).
+
+torch:     4 bf16 micro-batch gradients accumulated into f32 (torch._foreach_copy_ /
+           torch._foreach_add_), torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True),
+           a bf16 copy of every parameter.
+stepcore:  Engine.accumulate (copy, then add), the exact norm (norm_partial + finalize),
+           Engine.adamw_step reading the gradients with the clip coefficient and writing the
+           bf16 copy in its own pass.
+
+Validation first: stepcore's step, given torch's clip coefficient, must give torch's
+parameters, moments and bf16 copies bit for bit. Then both pipelines are timed
+(median of --repeats), their ratio printed, and the Python overhead of one engine call on
+2,000 one-element tensors.
+
+Usage: /opt/torchenv/py bench/bench_torch_step.py [--hidden 512] [--layers 16] [--repeats 5]
+       (PYTHONPATH must reach the stepcore package: the build tree's python/ or an install)
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import stepcore
+
+
+def tensor_list(hidden, layers, vocab):
+    """A decoder-only transformer's parameter shapes (Qwen/Llama-like, untied head)."""
+    inter, kv = 4 * hidden, hidden // 8
+    shapes = [(vocab, hidden)]
+    for _ in range(layers):
+        shapes += [(hidden,), (hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+                   (hidden,), (inter, hidden), (inter, hidden), (hidden, inter)]
+    shapes += [(hidden,), (vocab, hidden)]
+    return shapes
+
+
+def make_state(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    micro = [[(torch.randn(s, generator=g) * 1e-3).to(torch.bfloat16) for s in shapes]
+             for _ in range(4)]
+    return params, micro
+
+
+def torch_step(params, opt, micro, accs, copies, max_norm):
+    torch._foreach_copy_(accs, micro[0])
+    for mb in micro[1:]:
+        torch._foreach_add_(accs, mb)
+    for p, a in zip(params, accs):
+        p.grad = a
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+    torch._foreach_copy_(copies, params)
+    return norm
+
+
+def stepcore_step(engine, params, state, micro, accs, copies, max_norm, lr, clip=None):
+    engine.accumulate(accs, micro[0], copy=True)
+    for mb in micro[1:]:
+        engine.accumulate(accs, mb)
+    norm, finite, _, needs_exact = stepcore.finalize(engine.norm_partial(accs))
+    if needs_exact:
+        norm, finite, _, _ = stepcore.finalize(engine.norm_partial(accs, exact=True))
+    c = stepcore.clip_coefficient(norm, max_norm) if clip is None else clip
+    m, v, s = state
+    engine.adamw_step(params, m, v, s, accs, copies, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.01, clip=c)
+    return norm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-norm", type=float, default=1e-4)  # small: the step clips
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    engine = stepcore.Engine(threads=threads)
+    shapes = tensor_list(args.hidden, args.layers, args.vocab)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    lr = 1e-3
+
+    # torch's pipeline.
+    t_params, micro = make_state(shapes, 1)
+    t_params = [p.requires_grad_() for p in t_params]
+    opt = torch.optim.AdamW(t_params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                            fused=True)
+    t_accs = [torch.empty(s) for s in shapes]
+    t_copies = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    # stepcore's: the same start.
+    s_params = [p.detach().clone() for p in t_params]
+    s_state = ([torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes],
+               [torch.zeros((), dtype=torch.float32) for _ in shapes])
+    s_accs = [torch.empty(s) for s in shapes]
+    s_copies = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+
+    # Validation: one step each; stepcore given torch's clip coefficient.
+    with torch.no_grad():
+        t_norm = torch_step(t_params, opt, micro, t_accs, t_copies, args.max_norm)
+    coef = min(1.0, float(torch.tensor(args.max_norm) / (t_norm + 1e-6)))
+    stepcore_step(engine, s_params, s_state, micro, s_accs, s_copies, args.max_norm, lr,
+                  clip=float(torch.clamp(torch.tensor(args.max_norm, dtype=torch.float32) /
+                                         (t_norm + 1e-6), max=1.0)))
+    same = all(torch.equal(a.detach().view(torch.int32), b.view(torch.int32))
+               for a, b in zip(t_params, s_params))
+    same = same and all(torch.equal(opt.state[p]["exp_avg"].view(torch.int32), m.view(torch.int32))
+                        for p, m in zip(t_params, s_state[0]))
+    same = same and all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                        for a, b in zip(t_copies, s_copies))
+    if not same:
+        raise SystemExit("FAILED: stepcore's step with torch's clip coefficient differs from torch's")
+    print(f"validated: with torch's clip coefficient ({coef:.6g}) stepcore's step equals torch's "
+          f"bit for bit (params, exp_avg, bf16 copies)")
+
+    def timed(fn):
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.no_grad():
+        t_s = timed(lambda: torch_step(t_params, opt, micro, t_accs, t_copies, args.max_norm))
+    s_s = timed(lambda: stepcore_step(engine, s_params, s_state, micro, s_accs, s_copies,
+                                      args.max_norm, lr))
+    print(f"step of {numel / 1e6:.1f} M parameters ({len(shapes)} tensors), 4 bf16 micro-batches, "
+          f"{threads} threads, ISA {engine.isa}:")
+    print(f"  torch    {t_s * 1e3:8.1f} ms  (foreach copy/add, clip_grad_norm_, AdamW(fused=True), "
+          f"bf16 copy)")
+    print(f"  stepcore {s_s * 1e3:8.1f} ms  (accumulate, exact norm, AdamW with the bf16 copy)")
+    print(f"  ratio torch / stepcore: {t_s / s_s:.2f}")
+
+    # Python overhead: one call on 2,000 one-element tensors.
+    n = 2000
+    ps = [torch.zeros(1) for _ in range(n)]
+    ms = [torch.zeros(1) for _ in range(n)]
+    vs = [torch.zeros(1) for _ in range(n)]
+    ss = [torch.zeros((), dtype=torch.float32) for _ in range(n)]
+    gs = [torch.full((1,), 1e-3) for _ in range(n)]
+    one = stepcore.Engine(threads=1)
+    call = timed(lambda: one.adamw_step(ps, ms, vs, ss, gs, lr=lr, beta1=0.9, beta2=0.999,
+                                        eps=1e-8, weight_decay=0.0))
+    print(f"  one adamw_step call on {n} one-element tensors: {call * 1e3:.3f} ms "
+          f"(binding + validation + kernels)")
+
+
+if __name__ == "__main__":
+    main()
