@@ -146,7 +146,7 @@ class _ComputeCopies:
 
 
 class _EngineOwner:
-    """Mixin: the engine (isa, threads), compute copies, and the loaded-group fixes."""
+    """Mixin: the engine (isa, threads), compute copies, group and gradient checks."""
 
     def _init_engine(self, isa, threads) -> None:
         """Creates the engine (the extension validates isa and threads)."""
@@ -167,6 +167,19 @@ class _EngineOwner:
                 self._compute.set(param, tensor)
                 return
         raise ValueError("stepcore.torch: set_compute_copy: 'param' is not in this optimizer")
+
+    def add_param_group(self, param_group) -> None:
+        """Adds a group like torch; a group stepcore cannot step is refused (and not added)."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        try:
+            self._group_hyper(gi, group)  # ValueError naming a bad hyper-parameter
+            for i, p in enumerate(group["params"]):
+                _check_param(p, f"param_groups[{gi}]['params'][{i}]")
+        except BaseException:
+            self.param_groups.pop()
+            raise
 
     def _group_params_with_grads(self, gi, group):
         """Returns [(index, param, grad)] of `group` with gradients, checked."""
@@ -219,11 +232,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                         differentiable=False, fused=True, decoupled_weight_decay=True,
                         formula=formula)
         self._init_engine(isa, threads)
-        super().__init__(params, defaults)
-        for gi, group in enumerate(self.param_groups):
-            self._group_hyper(gi, group)  # ValueError naming a bad hyper-parameter now
-            for i, p in enumerate(group["params"]):
-                _check_param(p, f"param_groups[{gi}]['params'][{i}]")
+        super().__init__(params, defaults)  # add_param_group checks every group
 
     def __setstate__(self, state):
         """Restores pickled/loaded state with torch's group keys and stepcore's defaults."""
@@ -388,10 +397,6 @@ class SignSGD(_EngineOwner, torch.optim.Optimizer):
         """Creates the optimizer (no state)."""
         self._init_engine(isa, threads)
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
-        for gi, group in enumerate(self.param_groups):
-            self._group_hyper(gi, group)
-            for i, p in enumerate(group["params"]):
-                _check_param(p, f"param_groups[{gi}]['params'][{i}]")
 
     def __setstate__(self, state):
         """Restores pickled state (the engine is rebuilt with defaults)."""

@@ -369,6 +369,7 @@ def test_unsupported_options_raise(option):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], **{option: True})
 
 
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_unsupported_params_raise():
     with pytest.raises(NotImplementedError, match="fused"):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=False)
@@ -393,6 +394,19 @@ def test_unsupported_params_raise():
 def test_invalid_hyper_parameters_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_add_param_group_checks_the_group():
+    o = st.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match=r"param_groups\[1\].*beta1"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (1.5, 0.9)})
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    with pytest.raises(NotImplementedError, match="non-float32"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
+    assert len(o.param_groups) == 1
+    o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.5})
+    assert len(o.param_groups) == 2 and o.param_groups[1]["fused"] is True
 
 
 # ---- bad input: an exception naming the argument, nothing changed ------------------
