@@ -14,7 +14,6 @@ import math
 import threading
 import types
 import warnings
-from collections.abc import Iterable
 
 import torch
 
@@ -153,7 +152,19 @@ class _EngineOwner:
         if isa is not None and not isinstance(isa, str):
             raise ValueError(f"stepcore.torch: 'isa' must be a string or None, got {isa!r}")
         self._engine = _core.Engine(isa=isa, threads=int(threads))
+        self._engine_config = (isa, int(threads))
         self._compute = _ComputeCopies()
+
+    def __getstate__(self):
+        """Pickles like torch, plus the engine's (isa, threads); compute copies are not kept."""
+        state = dict(super().__getstate__())
+        state["_engine_config"] = self._engine_config
+        return state
+
+    def _restore_engine(self) -> None:
+        """Rebuilds the engine after unpickling (torch's load_state_dict keeps it)."""
+        if not hasattr(self, "_engine"):
+            self._init_engine(*getattr(self, "_engine_config", (None, 0)))
 
     @property
     def engine(self):
@@ -237,8 +248,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
     def __setstate__(self, state):
         """Restores pickled/loaded state with torch's group keys and stepcore's defaults."""
         super().__setstate__(state)
-        if not hasattr(self, "_engine"):
-            self._init_engine(None, 0)
+        self._restore_engine()
         for group in self.param_groups:
             group.setdefault("formula", self.defaults.get("formula", "torch"))
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
@@ -401,8 +411,7 @@ class SignSGD(_EngineOwner, torch.optim.Optimizer):
     def __setstate__(self, state):
         """Restores pickled state (the engine is rebuilt with defaults)."""
         super().__setstate__(state)
-        if not hasattr(self, "_engine"):
-            self._init_engine(None, 0)
+        self._restore_engine()
 
     def _group_hyper(self, gi, group):
         """Returns the group's (lr, weight_decay), validated by the engine."""

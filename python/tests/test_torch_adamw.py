@@ -246,6 +246,22 @@ def test_state_dict_round_trip(direction, source_fused):
     assert set(out["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_deepcopy_and_pickle_keep_engine_and_state():
+    import pickle
+
+    p = torch.nn.Parameter(torch.randn(50))
+    o = st.AdamW([p], lr=1e-2, isa=ISAS[0], threads=1)
+    p.grad = torch.randn(50)
+    o.step()
+    for clone in (copy.deepcopy(o), pickle.loads(pickle.dumps(o))):
+        assert clone.engine.isa == ISAS[0] and clone.engine.threads == 1
+        q = clone.param_groups[0]["params"][0]
+        assert_bits(clone.state[q]["exp_avg"], o.state[p]["exp_avg"], "copied state")
+        q.grad = p.grad.clone()
+        clone.step()
+        assert clone.state[q]["step"].item() == 2
+
+
 def test_state_dict_rejects_amsgrad():
     p = torch.nn.Parameter(torch.randn(4))
     t = torch.optim.AdamW([p], amsgrad=True)

@@ -8,7 +8,6 @@ and 4 processes; a process group over uneven slices, DTensor Shard(0) with empty
 a 2-D mesh with a replicated dimension) must give the single-process norm's bits.
 """
 
-import copy
 import hashlib
 import math
 import os
@@ -24,7 +23,6 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
 
-import stepcore  # noqa: E402
 import stepcore.torch as st  # noqa: E402
 
 FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
@@ -93,7 +91,8 @@ def test_reference_rounding():
     # Fractions by squaring the midpoints, an independent test of round_sqrt_to_f32).
     rng = random.Random(4)
     for _ in range(200):
-        vals = [rng.uniform(-1, 1) * 2.0 ** rng.randint(-140, 120) for _ in range(rng.randint(1, 6))]
+        vals = [rng.uniform(-1, 1) * 2.0 ** rng.randint(-140, 120)
+                for _ in range(rng.randint(1, 6))]
         t = torch.tensor(vals, dtype=torch.float32)
         r = exact_norm([t])
         s = sum(Fraction(x) ** 2 for x in t.tolist())
@@ -121,7 +120,8 @@ def cases():
     sub_bits = [rng.randrange(1, 0x800000) | (rng.randrange(2) << 31) for _ in range(1000)]
     out = {
         "mixed_magnitudes": [torch.tensor(mixed[:77]), torch.tensor(mixed[77:]),
-                             torch.tensor(mixed[::3]).bfloat16(), torch.tensor([0.5, -3e-5]).half()],
+                             torch.tensor(mixed[::3]).bfloat16(),
+                             torch.tensor([0.5, -3e-5]).half()],
         "subnormals": [f32_from_bits(sub_bits[:999]), f32_from_bits(sub_bits[999:])],
         "single_subnormal": [f32_from_bits([1]), torch.zeros(7)],
         "squares_overflow": [torch.tensor([1e38, -1e38, 3e37]), torch.tensor([2e19, 1.8e38])],
