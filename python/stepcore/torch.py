@@ -365,7 +365,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             return loss
 
         # Pass 2: one engine call per group.
-        for h, entries, states, computes in plans:
+        for k, (h, entries, states, computes) in enumerate(plans):
             if not entries:
                 continue
             params = [p for _, p, _ in entries]
@@ -383,8 +383,10 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                     [st["exp_avg_sq"] for st in states], steps, _detached(reads), computes,
                     **h)
             except BaseException:
+                stepped = {id(p) for _, ents, _, _ in plans[:k] for _, p, _ in ents}
                 for p in created:
-                    self.state.pop(p, None)
+                    if id(p) not in stepped:  # state of earlier groups has advanced: keep it
+                        self.state.pop(p, None)
                 raise
             if scale_t is not None:
                 for g, r in zip(grads, reads):

@@ -508,6 +508,19 @@ def test_lazy_state_not_created_on_error():
     assert len(o.state) == 0
 
 
+def test_engine_error_in_a_later_group_keeps_earlier_state():
+    """An error only the engine sees (an overlap) in group 1: group 0 has stepped and keeps
+    its new state; group 1's lazily created state is removed."""
+    ps = [torch.nn.Parameter(torch.randn(6)) for _ in range(2)]
+    o = st.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    for p in ps:
+        p.grad = torch.randn(6)
+    o.set_compute_copy(ps[1], ps[1].grad)  # the output overlaps the gradient it reads
+    with pytest.raises(ValueError, match="overlap"):
+        o.step()
+    assert o.state[ps[0]]["step"].item() == 1 and ps[1] not in o.state
+
+
 # ---- threads -----------------------------------------------------------------------
 
 
