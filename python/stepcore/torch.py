@@ -1,0 +1,574 @@
+"""stepcore.torch: PyTorch optimizers and gradient clipping over the stepcore CPU engine.
+
+``AdamW`` is a ``torch.optim.Optimizer`` whose default formula is bit-identical to
+``torch.optim.AdamW(fused=True)`` on CPU (state layout and ``state_dict`` included),
+``SignSGD`` is stepcore's SignSGD, and ``clip_grad_norm_`` is signature-compatible with
+``torch.nn.utils.clip_grad_norm_`` but computes the correctly rounded, order-independent
+norm (exact across ranks and DTensor shardings). Tensors reach the engine zero-copy
+through DLPack; the engine releases the GIL. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import types
+import warnings
+
+import torch
+
+from . import _core
+
+__all__ = ["AdamW", "SignSGD", "clip_grad_norm_"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+try:  # DTensor lives in torch.distributed, which some builds lack.
+    from torch.distributed.tensor import DTensor as _DTensor
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+
+
+def _is_dtensor(t) -> bool:
+    """Returns whether `t` is a torch.distributed.tensor.DTensor."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+# ---- checks (all before anything is written) ----------------------------------------
+
+
+def _check_tensor(t, name: str, dtypes, *, numel=None, role="tensor") -> None:
+    """Raises (naming `name`) unless `t` is a dense, contiguous CPU tensor of `dtypes`."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"stepcore.torch: '{name}' must be a torch.Tensor, got {type(t).__name__}")
+    if _is_dtensor(t):
+        raise NotImplementedError(
+            f"stepcore.torch: '{name}' is a DTensor; DTensor {role}s are not supported")
+    if t.layout != torch.strided:
+        raise NotImplementedError(
+            f"stepcore.torch: '{name}' has layout {t.layout}; sparse {role}s are not supported")
+    if t.device.type != "cpu":
+        raise NotImplementedError(
+            f"stepcore.torch: '{name}' is on device '{t.device}'; non-CPU {role}s are not "
+            "supported (the CPU engine reads and writes host memory)")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"stepcore.torch: '{name}' has dtype {t.dtype}; expected {names}")
+    if not t.is_contiguous():
+        raise ValueError(f"stepcore.torch: '{name}' must be contiguous (strides {t.stride()})")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(
+            f"stepcore.torch: '{name}' has {t.numel()} elements, expected {numel}")
+
+
+def _check_param(p, name: str) -> None:
+    """Raises NotImplementedError for a param stepcore cannot update, naming it."""
+    if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != torch.float32 \
+            and p.device.type == "cpu" and not _is_dtensor(p):
+        raise NotImplementedError(
+            f"stepcore.torch: '{name}' has dtype {p.dtype}; non-float32 params are not "
+            "supported (keep f32 master params; a compute copy can receive bf16)")
+    _check_tensor(p, name, (torch.float32,), role="param")
+
+
+def _check_grad(p, g, name: str) -> None:
+    """Raises unless `g` is a usable gradient of `p`, naming it."""
+    if isinstance(g, torch.Tensor) and (g.is_sparse or g.layout != torch.strided):
+        raise NotImplementedError(f"stepcore.torch: '{name}' is sparse; sparse gradients "
+                                  "are not supported")
+    _check_tensor(g, name, _GRAD_DTYPES, role="gradient")
+    if g.shape != p.shape:
+        raise ValueError(
+            f"stepcore.torch: '{name}' has shape {tuple(g.shape)}, the param {tuple(p.shape)}")
+
+
+def _scalar(x, name: str) -> float:
+    """Returns a hyper-parameter (float or one-element tensor) as a Python float."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"stepcore.torch: '{name}' must have one element, got {x.numel()}")
+        return float(x.item())
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"stepcore.torch: '{name}' must be a number, got {x!r}") from None
+
+
+def _engine_checked(fn, where: str):
+    """Runs an engine validation call; re-raises its error with `where` prefixed."""
+    try:
+        fn()
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise type(e)(f"stepcore.torch: {where}: {e}") from e
+
+
+def _unsupported(name: str, value, allowed) -> None:
+    """Raises NotImplementedError naming an option stepcore does not implement."""
+    if value not in allowed:
+        raise NotImplementedError(
+            f"stepcore.torch: {name}={value!r} is not supported (allowed: "
+            + ", ".join(repr(a) for a in allowed) + ")")
+
+
+def _detached(ts):
+    """Returns the tensors detached (same storage), as DLPack requires."""
+    return [t.detach() for t in ts]
+
+
+def _bump_versions(ts) -> None:
+    """Advances the autograd version counters of tensors the engine wrote in place."""
+    if ts:
+        torch.autograd.graph.increment_version(ts)
+
+
+class _ComputeCopies:
+    """Per-parameter compute copies (bf16/f16/f32 tensors receiving R(p_new))."""
+
+    def __init__(self):
+        self._by_param = {}
+
+    def set(self, param, tensor) -> None:
+        """Registers `tensor` as `param`'s compute copy (None removes it)."""
+        if tensor is None:
+            self._by_param.pop(param, None)
+            return
+        _check_tensor(tensor, "compute copy", _COMPUTE_DTYPES, numel=param.numel(),
+                      role="compute copy")
+        if tensor.data_ptr() == param.data_ptr() and tensor.numel():
+            raise ValueError("stepcore.torch: 'compute copy' must not share memory with its param")
+        self._by_param[param] = tensor
+
+    def get(self, param):
+        """Returns `param`'s compute copy or None."""
+        return self._by_param.get(param)
+
+
+class _EngineOwner:
+    """Mixin: the engine (isa, threads), compute copies, group and gradient checks."""
+
+    def _init_engine(self, isa, threads) -> None:
+        """Creates the engine (the extension validates isa and threads)."""
+        if isa is not None and not isinstance(isa, str):
+            raise ValueError(f"stepcore.torch: 'isa' must be a string or None, got {isa!r}")
+        self._engine = _core.Engine(isa=isa, threads=int(threads))
+        self._engine_config = (isa, int(threads))
+        self._compute = _ComputeCopies()
+
+    def __getstate__(self):
+        """Pickles like torch, plus the engine's (isa, threads); compute copies are not kept."""
+        state = dict(super().__getstate__())
+        state["_engine_config"] = self._engine_config
+        return state
+
+    def _restore_engine(self) -> None:
+        """Rebuilds the engine after unpickling (torch's load_state_dict keeps it)."""
+        if not hasattr(self, "_engine"):
+            self._init_engine(*getattr(self, "_engine_config", (None, 0)))
+
+    @property
+    def engine(self):
+        """The stepcore._core.Engine this optimizer runs on."""
+        return self._engine
+
+    def set_compute_copy(self, param, tensor) -> None:
+        """Registers a tensor (bf16/f16/f32, same numel) that receives `param` after every step."""
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                self._compute.set(param, tensor)
+                return
+        raise ValueError("stepcore.torch: set_compute_copy: 'param' is not in this optimizer")
+
+    def add_param_group(self, param_group) -> None:
+        """Adds a group like torch; a group stepcore cannot step is refused (and not added)."""
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[gi]
+        try:
+            self._group_hyper(gi, group)  # ValueError naming a bad hyper-parameter
+            for i, p in enumerate(group["params"]):
+                _check_param(p, f"param_groups[{gi}]['params'][{i}]")
+        except BaseException:
+            self.param_groups.pop()
+            raise
+
+    def _group_params_with_grads(self, gi, group):
+        """Returns [(index, param, grad)] of `group` with gradients, checked."""
+        out = []
+        for i, p in enumerate(group["params"]):
+            name = f"param_groups[{gi}]['params'][{i}]"
+            _check_param(p, name)
+            g = p.grad
+            if g is None:
+                continue
+            _check_grad(p, g, name + ".grad")
+            out.append((i, p, g))
+        return out
+
+    def _computes_of(self, gi, entries):
+        """Returns the compute list of a group for the engine (None when it has none)."""
+        computes = [self._compute.get(p) for _, p, _ in entries]
+        if all(c is None for c in computes):
+            return None
+        for (i, p, _), c in zip(entries, computes):
+            if c is not None:
+                _check_tensor(c, f"compute copy of param_groups[{gi}]['params'][{i}]",
+                              _COMPUTE_DTYPES, numel=p.numel(), role="compute copy")
+        return [None if c is None else c.detach() for c in computes]
+
+
+# ---- AdamW ---------------------------------------------------------------------------
+
+
+class AdamW(_EngineOwner, torch.optim.Optimizer):
+    """AdamW on stepcore's CPU engine; formula "torch" equals torch.optim.AdamW(fused=True)."""
+
+    _step_supports_amp_scaling = True  # GradScaler sets self.grad_scale / self.found_inf
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 formula="torch", amsgrad=False, maximize=False, foreach=None,
+                 capturable=False, differentiable=False, fused=None, threads=0, isa=None):
+        """Creates the optimizer; see docs/python.md for what differs from torch."""
+        _unsupported("amsgrad", amsgrad, (False,))
+        _unsupported("maximize", maximize, (False,))
+        _unsupported("capturable", capturable, (False,))
+        _unsupported("differentiable", differentiable, (False,))
+        _unsupported("fused", fused, (None, True))
+        _unsupported("foreach", foreach, (None, False, True))
+        _unsupported("formula", formula, ("torch", "native"))
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=False, maximize=False, foreach=None, capturable=False,
+                        differentiable=False, fused=True, decoupled_weight_decay=True,
+                        formula=formula)
+        self._init_engine(isa, threads)
+        super().__init__(params, defaults)  # add_param_group checks every group
+
+    def __setstate__(self, state):
+        """Restores pickled/loaded state with torch's group keys and stepcore's defaults."""
+        super().__setstate__(state)
+        self._restore_engine()
+        for group in self.param_groups:
+            group.setdefault("formula", self.defaults.get("formula", "torch"))
+            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
+                               ("capturable", False), ("differentiable", False)):
+                group.setdefault(key, value)
+            group["fused"] = True
+            group["decoupled_weight_decay"] = True
+
+    def load_state_dict(self, state_dict):
+        """Loads a torch.optim.AdamW or stepcore AdamW state_dict (torch's layout)."""
+        for gi, g in enumerate(state_dict["param_groups"]):
+            for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+                if g.get(key, False):
+                    raise NotImplementedError(
+                        f"stepcore.torch: the state_dict's param_groups[{gi}] has {key}=True, "
+                        "which stepcore.torch.AdamW does not support")
+            if g.get("decoupled_weight_decay", True) is False:
+                raise NotImplementedError(
+                    f"stepcore.torch: the state_dict's param_groups[{gi}] is torch.optim.Adam's "
+                    "(decoupled_weight_decay=False); only AdamW is supported")
+        super().load_state_dict(state_dict)
+        # torch keeps `step` as saved for non-fused groups; the engine needs torch's fused
+        # layout (a 0-dim float32 CPU tensor) and contiguous f32 moments.
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                step = st.get("step")
+                if not isinstance(step, torch.Tensor):
+                    step = torch.tensor(float(step))
+                if step.dtype != torch.float32 or step.device.type != "cpu" or step.dim() != 0:
+                    step = step.detach().to(device="cpu", dtype=torch.float32).reshape(())
+                st["step"] = step
+                for key in ("exp_avg", "exp_avg_sq"):
+                    v = st.get(key)
+                    if isinstance(v, torch.Tensor) and not v.is_contiguous():
+                        st[key] = v.contiguous()
+
+    def _group_hyper(self, gi, group):
+        """Returns the group's (lr, beta1, beta2, eps, wd, formula), validated by the engine."""
+        where = f"param_groups[{gi}]"
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"stepcore.torch: {where}['betas'] must be a pair, got {betas!r}")
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            _unsupported(f"{where}['{key}']", group.get(key, False), (False,))
+        h = dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                 beta1=_scalar(betas[0], f"{where}['betas'][0]"),
+                 beta2=_scalar(betas[1], f"{where}['betas'][1]"),
+                 eps=_scalar(group["eps"], f"{where}['eps']"),
+                 weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"),
+                 formula=group.get("formula", "torch"))
+        # The engine validates every hyper-parameter before touching a tensor: with no
+        # tensors it only validates, so a bad group is reported before any group steps.
+        _engine_checked(lambda: self._engine.adamw_step([], [], [], [], [], **h), where)
+        return h
+
+    def _state_of(self, gi, i, p, created):
+        """Returns p's state, initialising it like torch's fused AdamW (recorded in `created`)."""
+        st = self.state[p]
+        if len(st) == 0:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            created.append(p)
+        name = f"state of param_groups[{gi}]['params'][{i}]"
+        _check_tensor(st["step"], name + "['step']", (torch.float32,), numel=1, role="step")
+        t = float(st["step"])
+        if not (t.is_integer() and 0 <= t < 2**24 - 1):
+            raise ValueError(f"stepcore.torch: '{name}['step']' is {t}; step counters must be "
+                             "integers in [0, 2^24 - 1) (f32 counts exactly below 2^24)")
+        _check_tensor(st["exp_avg"], name + "['exp_avg']", (torch.float32,), numel=p.numel())
+        _check_tensor(st["exp_avg_sq"], name + "['exp_avg_sq']", (torch.float32,),
+                      numel=p.numel())
+        return st
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """One AdamW step over every group (grad_scale/found_inf: torch's fused AMP semantics)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        scale_t = None
+        if grad_scale is not None:
+            scale_t = torch.as_tensor(grad_scale).detach().to("cpu", torch.float32).reshape(())
+        inf_t = None
+        if found_inf is not None:
+            inf_t = torch.as_tensor(found_inf).detach().to("cpu", torch.float32).reshape(())
+
+        # Pass 1: check everything (hyper-parameters through the engine, tensors here).
+        plans = []
+        created = []
+        try:
+            for gi, group in enumerate(self.param_groups):
+                h = self._group_hyper(gi, group)
+                entries = self._group_params_with_grads(gi, group)
+                states = [self._state_of(gi, i, p, created) for i, p, _ in entries]
+                computes = self._computes_of(gi, entries)
+                plans.append((h, entries, states, computes))
+        except BaseException:
+            for p in created:
+                self.state.pop(p, None)
+            raise
+
+        # torch's fused CPU kernel returns at once when found_inf == 1, and the Python side
+        # adds 1 to every step before and subtracts found_inf after: nothing changes.
+        if inf_t is not None and float(inf_t) == 1.0:
+            return loss
+
+        # Pass 2: one engine call per group.
+        for k, (h, entries, states, computes) in enumerate(plans):
+            if not entries:
+                continue
+            params = [p for _, p, _ in entries]
+            grads = [g for _, _, g in entries]
+            steps = [st["step"] for st in states]
+            reads = grads
+            if scale_t is not None:
+                # The fused kernel divides (g / grad_scale, f32) and stores the quotient in
+                # p.grad. Divide out of place so a failing call changes nothing, then store.
+                reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
+                         for g in grads]
+            try:
+                self._engine.adamw_step(
+                    _detached(params), [st["exp_avg"] for st in states],
+                    [st["exp_avg_sq"] for st in states], steps, _detached(reads), computes,
+                    **h)
+            except BaseException:
+                stepped = {id(p) for _, ents, _, _ in plans[:k] for _, p, _ in ents}
+                for p in created:
+                    if id(p) not in stepped:  # state of earlier groups has advanced: keep it
+                        self.state.pop(p, None)
+                raise
+            if scale_t is not None:
+                for g, r in zip(grads, reads):
+                    g.copy_(r)
+            if inf_t is not None and float(inf_t) != 0.0:
+                torch._foreach_sub_(steps, [inf_t] * len(steps))  # torch's own bookkeeping
+            _bump_versions(params + [st["exp_avg"] for st in states]
+                           + [st["exp_avg_sq"] for st in states] + steps
+                           + [c for c in (computes or []) if c is not None])
+        return loss
+
+
+# ---- SignSGD -------------------------------------------------------------------------
+
+
+class SignSGD(_EngineOwner, torch.optim.Optimizer):
+    """SignSGD on stepcore's CPU engine: p = p*(1 - lr*wd) - lr*sign(g) (docs/numerics.md 8)."""
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.0, *, threads=0, isa=None):
+        """Creates the optimizer (no state)."""
+        self._init_engine(isa, threads)
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    def __setstate__(self, state):
+        """Restores pickled state (the engine is rebuilt with defaults)."""
+        super().__setstate__(state)
+        self._restore_engine()
+
+    def _group_hyper(self, gi, group):
+        """Returns the group's (lr, weight_decay), validated by the engine."""
+        where = f"param_groups[{gi}]"
+        h = dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                 weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"))
+        _engine_checked(lambda: self._engine.sign_sgd_step([], [], **h), where)
+        return h
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One SignSGD step over every group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plans = []
+        for gi, group in enumerate(self.param_groups):
+            h = self._group_hyper(gi, group)
+            entries = self._group_params_with_grads(gi, group)
+            plans.append((h, entries, self._computes_of(gi, entries)))
+        for h, entries, computes in plans:
+            if not entries:
+                continue
+            params = [p for _, p, _ in entries]
+            self._engine.sign_sgd_step(_detached(params), _detached([g for _, _, g in entries]),
+                                       computes, **h)
+            _bump_versions(params + [c for c in (computes or []) if c is not None])
+        return loss
+
+
+# ---- clip_grad_norm_ -----------------------------------------------------------------
+
+_engines = {}
+_engines_lock = threading.Lock()
+
+
+def _default_engine():
+    """Returns the process-wide engine for norms (the engine is thread-safe)."""
+    with _engines_lock:
+        e = _engines.get(None)
+        if e is None:
+            e = _engines[None] = _core.Engine()
+        return e
+
+
+def _local_grads(parameters):
+    """Returns (local grads to scale, local grads this rank counts, DTensor meshes)."""
+    scale, counted, meshes = [], [], []
+    for i, p in enumerate(parameters):
+        g = p.grad
+        if g is None:
+            continue
+        name = f"parameters[{i}].grad"
+        if _is_dtensor(g):
+            placements = g.placements
+            for d, pl in enumerate(placements):
+                if pl.is_partial():
+                    raise NotImplementedError(
+                        f"stepcore.torch: '{name}' has a Partial placement on mesh dimension "
+                        f"{d}; reduce it (redistribute) before computing the norm")
+            mesh = g.device_mesh
+            if all(m is not mesh for m in meshes):
+                meshes.append(mesh)
+            local = g.to_local()
+            coord = mesh.get_coordinate()
+            counts = coord is not None and all(
+                coord[d] == 0 for d, pl in enumerate(placements) if pl.is_replicate())
+        else:
+            local, counts = g, True
+        _check_tensor(local, name, _GRAD_DTYPES, role="gradient")
+        scale.append(local)
+        if counts:
+            counted.append(local.detach())
+    return scale, counted, meshes
+
+
+def _reduce_group(process_group, meshes):
+    """Returns the process group the partials are combined over."""
+    import torch.distributed as dist
+
+    if process_group is not None:
+        return process_group
+    if len(meshes) == 1 and meshes[0].ndim == 1:
+        return meshes[0].get_group(0)
+    if all(m.size() == dist.get_world_size() for m in meshes):
+        return dist.group.WORLD
+    raise ValueError("stepcore.torch: 'process_group' is needed: the gradients' device meshes "
+                     "do not span the default group (pass the group covering all of them)")
+
+
+def _combine(partial, group):
+    """All-reduces a norm partial exactly: SUM of every word, MAX of the max_abs word."""
+    import numpy as np
+    import torch.distributed as dist
+
+    device = "cpu"
+    if "nccl" in str(dist.get_backend(group)):
+        device = torch.device("cuda", torch.cuda.current_device())
+    words = torch.from_numpy(np.array(partial, dtype=np.int64)).to(device)
+    mx = words[_core.PARTIAL_MAX_ABS_WORD:_core.PARTIAL_MAX_ABS_WORD + 1].clone()
+    words[_core.PARTIAL_MAX_ABS_WORD] = 0
+    dist.all_reduce(words, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    words[_core.PARTIAL_MAX_ABS_WORD] = mx[0]
+    return words.cpu().numpy()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None,
+                    *, process_group=None):
+    """torch.nn.utils.clip_grad_norm_ with the exact (correctly rounded) total norm."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and not parameters:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                          stacklevel=3)
+    norm_type = float(norm_type)
+    if norm_type != 2.0 and norm_type != math.inf:
+        raise NotImplementedError(
+            f"stepcore.torch: norm_type={norm_type} is not supported (2.0 or inf)")
+    max_norm = float(max_norm)
+    scale, counted, meshes = _local_grads(parameters)
+    distributed = process_group is not None or bool(meshes)
+    if not scale and not distributed:
+        return torch.tensor(0.0)
+
+    engine = _default_engine()
+    group = _reduce_group(process_group, meshes) if distributed else None
+
+    def norm_of(exact):
+        partial = engine.norm_partial(counted, exact=exact)
+        if distributed:
+            partial = _combine(partial, group)
+        return _core.finalize(partial)
+
+    norm, finite, max_abs, needs_exact = norm_of(False)
+    if needs_exact and norm_type == 2.0:
+        # Every rank sees the same combined partial, so every rank takes this branch.
+        norm, finite, max_abs, needs_exact = norm_of(True)
+    total = max_abs if norm_type == math.inf else norm
+    total_t = torch.tensor(total, dtype=torch.float32)
+    if error_if_nonfinite and (math.isnan(total) or math.isinf(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    if scale:
+        coef = torch.tensor(_core.clip_coefficient(total, max_norm), dtype=torch.float32)
+        by_dtype = {}
+        for t in scale:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            torch._foreach_mul_(ts, coef)  # as torch does, also when coef == 1
+    return total_t

@@ -1,0 +1,570 @@
+"""Tests of stepcore.torch.AdamW and SignSGD against independent expectations.
+
+AdamW is compared bit for bit with torch.optim.AdamW(fused=True) on CPU (params, moments,
+step and unscaled gradients after every step), across sizes, gradient dtypes, weight
+decay, betas, param groups, an LR schedule, AMP grad_scale/found_inf and every ISA;
+state_dict round trips in both directions; SignSGD against the formula of
+docs/numerics.md section 8 evaluated with an exactly rounded fma written here; bad input
+(an exception naming the argument, nothing changed); two threads at once.
+"""
+
+import copy
+import hashlib
+import math
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
+np = pytest.importorskip("numpy", reason="stepcore.torch tests need numpy")
+
+import stepcore  # noqa: E402
+import stepcore.torch as st  # noqa: E402
+
+ISAS = stepcore.supported_isas()
+SIZES = [0, 1, 7, 8, 15, 16, 17, 31, 33, 100, 257, 1025, 65537]
+BIG = random.Random(20240607).randrange(999_001, 1_001_000, 2)  # odd: a partial last vector
+
+
+def bits(t):
+    """Returns the bit pattern of an f32/bf16/f16 tensor as integers (NaN-safe equality)."""
+    t = t.detach()
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+def assert_bits(a, b, what):
+    """Asserts two tensors are bit-identical, reporting the first difference."""
+    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
+    ba, bb = bits(a), bits(b)
+    if not torch.equal(ba, bb):
+        i = int((ba != bb).nonzero()[0])
+        raise AssertionError(f"{what}: element {i} of {a.numel()}: {a.flatten()[i].item()!r} "
+                             f"vs {b.flatten()[i].item()!r}")
+
+
+def make_grad(n, gen):
+    """Returns an f32 gradient with magnitudes over many binades and some exact zeros."""
+    g = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 3)
+    g[::13] = 0.0
+    return g
+
+
+def allow_any_grad_dtype(p):
+    """Lets a bf16/f16 gradient be assigned to an f32 param (torch >= 2.10 has grad_dtype)."""
+    if hasattr(p, "grad_dtype"):
+        p.grad_dtype = None
+
+
+def schedule(step):
+    """Warm-up (3 steps) then cosine decay over 7: the LambdaLR multiplier."""
+    return (step + 1) / 3 if step < 3 else 0.5 * (1 + math.cos(math.pi * (step - 3) / 7))
+
+
+# AMP per step: (grad_scale, found_inf) or None. A non-power-of-two scale shows division.
+AMP = {2: (65536.0, 0.0), 4: (3.0, 0.0), 6: (1024.0, 1.0), 8: (0.75, 0.0)}
+
+
+def run_against_torch(sizes, grad_dtype, wd, betas, isa, steps=10, amp=AMP, seed=0):
+    """Steps stepcore and torch fused AdamW side by side and checks every bit after each step."""
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = [torch.nn.Parameter(x.clone()) for x in init]
+    half = len(sizes) // 2
+
+    def groups(ps):
+        return [{"params": ps[:half]}, {"params": ps[half:], "lr": 3e-3, "weight_decay": wd / 2}]
+
+    o_ours = st.AdamW(groups(ours), lr=1e-2, betas=betas, weight_decay=wd, isa=isa)
+    o_ref = torch.optim.AdamW(groups(ref), lr=1e-2, betas=betas, weight_decay=wd, fused=True)
+    s_ours = torch.optim.lr_scheduler.LambdaLR(o_ours, schedule)
+    s_ref = torch.optim.lr_scheduler.LambdaLR(o_ref, schedule)
+    for p in ours:
+        allow_any_grad_dtype(p)
+    for k in range(steps):
+        for p, q in zip(ours, ref):
+            g = make_grad(p.numel(), gen).to(grad_dtype)
+            p.grad = g.clone()
+            q.grad = g.float()  # the exact f32 widening
+        scale, found = amp.get(k, (None, None))
+        for o in (o_ours, o_ref):
+            o.grad_scale = None if scale is None else torch.tensor(scale)
+            o.found_inf = None if found is None else torch.tensor(found)
+        o_ours.step()
+        o_ref.step()
+        s_ours.step()
+        s_ref.step()
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            what = f"isa={isa} step {k} param {i} (n={p.numel()})"
+            assert_bits(p, q, what + " param")
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert_bits(o_ours.state[p][key], o_ref.state[q][key], f"{what} {key}")
+            assert_bits(p.grad, q.grad.to(grad_dtype), what + " grad (unscaled in place)")
+    assert o_ours.state[ours[1]]["step"].item() == steps - 1  # the found_inf step was skipped
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.95)])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_adamw_bitwise_vs_torch_fused(grad_dtype, wd, betas, isa):
+    run_against_torch(SIZES, grad_dtype, wd, betas, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_adamw_bitwise_vs_torch_fused_large(grad_dtype, isa):
+    run_against_torch([BIG, 65537, 33], grad_dtype, 0.1, (0.9, 0.999), isa, steps=10, seed=1)
+
+
+def test_adamw_f16_grads_and_threads():
+    for threads in (1, 2):
+        gen = torch.Generator().manual_seed(5)
+        p = torch.nn.Parameter(torch.randn(40_003, generator=gen))
+        q = torch.nn.Parameter(p.detach().clone())
+        allow_any_grad_dtype(p)
+        o = st.AdamW([p], lr=1e-3, threads=threads)
+        r = torch.optim.AdamW([q], lr=1e-3, fused=True)
+        for _ in range(3):
+            g = (torch.randn(p.numel(), generator=gen) * 0.01).half()
+            p.grad, q.grad = g.clone(), g.float()
+            o.step()
+            r.step()
+            assert_bits(p, q, f"threads={threads} f16 grads")
+
+
+def test_grad_scaler_protocol():
+    """torch.amp.GradScaler drives stepcore's AdamW exactly as it drives torch's fused one."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(9, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+    twin = copy.deepcopy(model)
+    o = st.AdamW(model.parameters(), lr=1e-2)
+    r = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    s_o = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    s_r = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(32, 9)
+    for k in range(4):
+        for m, opt, sc in ((model, o, s_o), (twin, r, s_r)):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            if k == 2:
+                loss = loss * float("inf")  # an overflow: both must skip the step
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+        assert s_o.get_scale() == s_r.get_scale()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            assert_bits(a, b, f"GradScaler step {k}")
+            assert_bits(o.state[a]["step"], r.state[b]["step"], "step")
+
+
+def test_found_inf_changes_nothing():
+    p = torch.nn.Parameter(torch.randn(19))
+    o = st.AdamW([p], lr=0.1)
+    p.grad = torch.randn(19)
+    o.step()
+    before = [t.clone() for t in (p.detach(), p.grad, *o.state[p].values())]
+    o.step(grad_scale=torch.tensor(8.0), found_inf=torch.tensor(1.0))
+    after = [p.detach(), p.grad, *o.state[p].values()]
+    for a, b in zip(before, after):
+        assert_bits(a, b, "found_inf=1")
+
+
+# ---- state_dict interop ------------------------------------------------------------
+
+
+def grads_for(ps, gen):
+    """Returns one fresh gradient per param."""
+    return [make_grad(p.numel(), gen) for p in ps]
+
+
+def apply(ps, gs):
+    """Sets p.grad = copy of g for each pair."""
+    for p, g in zip(ps, gs):
+        p.grad = g.clone()
+
+
+@pytest.mark.parametrize("direction,source_fused", [
+    ("torch_to_stepcore", True), ("torch_to_stepcore", False), ("stepcore_to_torch", True)],
+    ids=["torch_fused_to_stepcore", "torch_foreach_to_stepcore", "stepcore_to_torch"])
+def test_state_dict_round_trip(direction, source_fused):
+    gen = torch.Generator().manual_seed(11)
+    sizes = [3, 17, 1025]
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    first = [torch.nn.Parameter(x.clone()) for x in init]
+    groups = lambda ps: [{"params": ps[:1]}, {"params": ps[1:], "lr": 5e-3}]  # noqa: E731
+    hyper = dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.05)
+    if direction == "torch_to_stepcore":
+        src = torch.optim.AdamW(groups(first), fused=source_fused,
+                                foreach=None if source_fused else True, **hyper)
+    else:
+        src = st.AdamW(groups(first), **hyper)
+    sched = torch.optim.lr_scheduler.LambdaLR(src, schedule)
+    for _ in range(3):
+        apply(first, grads_for(first, gen))
+        src.step()
+        sched.step()
+    sd = copy.deepcopy(src.state_dict())
+    sched_sd = copy.deepcopy(sched.state_dict())
+    # The continuation under test and the reference: torch fused continuing the same state.
+    cont = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    refp = [torch.nn.Parameter(p.detach().clone()) for p in first]
+    dst = (st.AdamW(groups(cont), **hyper) if direction == "torch_to_stepcore"
+           else torch.optim.AdamW(groups(cont), fused=True, **hyper))
+    ref = torch.optim.AdamW(groups(refp), fused=True, **hyper)
+    d_sched = torch.optim.lr_scheduler.LambdaLR(dst, schedule)
+    r_sched = torch.optim.lr_scheduler.LambdaLR(ref, schedule)
+    d_sched.load_state_dict(sched_sd)
+    r_sched.load_state_dict(copy.deepcopy(sched_sd))
+    dst.load_state_dict(sd)
+    ref.load_state_dict(copy.deepcopy(sd))
+    for group in ref.param_groups:  # loading a foreach state_dict also loads fused=None
+        group["fused"], group["foreach"] = True, None
+    for group in dst.param_groups:
+        assert group["fused"] is True  # so torch continues with its fused kernel
+    for p in cont:
+        s = dst.state[p]["step"]
+        assert s.dtype == torch.float32 and s.dim() == 0 and s.device.type == "cpu"
+    for k in range(3):
+        gs = grads_for(cont, gen)
+        apply(cont, gs)
+        apply(refp, gs)
+        dst.step()
+        ref.step()
+        d_sched.step()
+        r_sched.step()
+        for i, (a, b) in enumerate(zip(cont, refp)):
+            assert_bits(a, b, f"{direction} continued step {k} param {i}")
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert_bits(dst.state[a][key], ref.state[b][key], f"{key} {i}")
+    # and the state_dict written after continuing has torch's layout
+    out = dst.state_dict()
+    assert set(out["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_deepcopy_and_pickle_keep_engine_and_state():
+    import pickle
+
+    p = torch.nn.Parameter(torch.randn(50))
+    o = st.AdamW([p], lr=1e-2, isa=ISAS[0], threads=1)
+    p.grad = torch.randn(50)
+    o.step()
+    for clone in (copy.deepcopy(o), pickle.loads(pickle.dumps(o))):
+        assert clone.engine.isa == ISAS[0] and clone.engine.threads == 1
+        q = clone.param_groups[0]["params"][0]
+        assert_bits(clone.state[q]["exp_avg"], o.state[p]["exp_avg"], "copied state")
+        q.grad = p.grad.clone()
+        clone.step()
+        assert clone.state[q]["step"].item() == 2
+
+
+def test_state_dict_rejects_amsgrad():
+    p = torch.nn.Parameter(torch.randn(4))
+    t = torch.optim.AdamW([p], amsgrad=True)
+    p.grad = torch.randn(4)
+    t.step()
+    o = st.AdamW([torch.nn.Parameter(torch.randn(4))])
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        o.load_state_dict(t.state_dict())
+
+
+# ---- compute copies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_copy(dtype):
+    gen = torch.Generator().manual_seed(2)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (5, 300)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    compute = torch.empty(300, dtype=dtype)
+    o = st.AdamW(ps, lr=1e-2)
+    o.set_compute_copy(ps[1], compute)
+    r = torch.optim.AdamW(qs, lr=1e-2, fused=True)
+    for _ in range(2):
+        gs = grads_for(ps, gen)
+        apply(ps, gs)
+        apply(qs, gs)
+        o.step()
+        r.step()
+        assert_bits(ps[1], qs[1], "param with a compute copy")
+        assert_bits(compute, qs[1].detach().to(dtype), "compute copy = R(p)")
+    s = st.SignSGD(ps, lr=1e-3)
+    s.set_compute_copy(ps[0], torch.empty(5, dtype=dtype))
+    with pytest.raises(ValueError, match="not in this optimizer"):
+        s.set_compute_copy(torch.nn.Parameter(torch.zeros(5)), torch.empty(5, dtype=dtype))
+    with pytest.raises(ValueError, match="elements"):
+        s.set_compute_copy(ps[0], torch.empty(6, dtype=dtype))
+
+
+# ---- SignSGD -----------------------------------------------------------------------
+
+
+def fma_f32(a, b, c):
+    """Returns fma(a, b, c) correctly rounded to f32 for f32 numpy arrays (a*b exact in f64)."""
+    a64, b64, c64 = (np.asarray(x, np.float32).astype(np.float64) for x in (a, b, c))
+    prod = a64 * b64                          # exact: 24 + 24 bits
+    s = prod + c64                            # rounded to f64 ...
+    bv = s - prod
+    err = (prod - (s - bv)) + (c64 - bv)      # ... with its exact error (TwoSum)
+    r = s.astype(np.float32)
+    # Double rounding only errs when s sits exactly on an f32 midpoint and err != 0:
+    # then the exact value lies on err's side of it.
+    with np.errstate(invalid="ignore", over="ignore"):
+        toward = np.nextafter(r, np.where(s > r.astype(np.float64), np.inf, -np.inf)
+                              .astype(np.float32))
+        mid = (r.astype(np.float64) + toward.astype(np.float64)) / 2
+        fix = np.isfinite(s) & (s != r.astype(np.float64)) & (s == mid) & (err != 0)
+        other = np.where(fix & ((err > 0) == (toward > r)), toward, r)
+    return np.where(fix, other, r).astype(np.float32)
+
+
+def sign_sgd_expected(p, g, lr, wd):
+    """docs/numerics.md 8: s = sign(g) (+0 for ±0, NaN for NaN: g's own NaN, payload kept);
+    p = fma(p, -(lr*wd), p) if wd > 0; p = fma(s, -lr, p); scalars f32 from double."""
+    p = p.numpy().astype(np.float32)
+    g = g.float().numpy()
+    s = np.where(g > 0, 1.0, np.where(g < 0, -1.0, np.where(np.isnan(g), g, 0.0)))
+    s = s.astype(np.float32)
+    if wd > 0:
+        p = fma_f32(p, np.float32(-(lr * wd)), p)
+    return torch.from_numpy(fma_f32(s, np.float32(-lr), p).copy())
+
+
+def test_fma_helper_is_exact():
+    # a*b = 2^-24 + 2^-60 (1774001 * 38737 = 2^36 + 1): 1 + a*b rounds in f64 onto the f32
+    # midpoint 1 + 2^-24, where a second rounding goes to even (1); the exact value is
+    # above the midpoint, so the correctly rounded fma is 1 + 2^-23.
+    a = np.float32(1774001 * 2.0**-30)
+    b = np.float32(38737 * 2.0**-30)
+    assert np.float64(a) * np.float64(b) == 2.0**-24 + 2.0**-60
+    assert np.float32(np.float64(a) * np.float64(b) + 1.0) == np.float32(1.0)
+    got = fma_f32(np.array([a]), np.array([b]), np.array([np.float32(1.0)]))[0]
+    assert got == np.float32(1 + 2.0**-23)
+    got = fma_f32(np.array([-a]), np.array([b]), np.array([np.float32(-1.0)]))[0]
+    assert got == np.float32(-(1 + 2.0**-23))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("lr,wd", [(1e-3, 0.0), (0.37, 0.1), (3e-4, 0.01)])
+def test_sign_sgd_vs_formula(grad_dtype, lr, wd, isa):
+    gen = torch.Generator().manual_seed(7)
+    sizes = [0, 1, 7, 17, 1025, 65537]
+    ps = [torch.nn.Parameter(make_grad(n, gen)) for n in sizes]
+    for p in ps:
+        allow_any_grad_dtype(p)
+    with torch.no_grad():
+        ps[3][:4] = torch.tensor([0.0, -0.0, 0.0, -0.0])   # signed zero params
+    o = st.SignSGD([{"params": ps[:3]}, {"params": ps[3:]}], lr=lr, weight_decay=wd, isa=isa)
+    for k in range(3):
+        gs = [make_grad(p.numel(), gen).to(grad_dtype) for p in ps]
+        if gs[4].numel():
+            gs[4][:4] = torch.tensor([0.0, -0.0, float("nan"), float("inf")]).to(grad_dtype)
+            gs[3][:4] = torch.tensor([0.0, -0.0, 1.0, -1.0]).to(grad_dtype)
+        expect = [sign_sgd_expected(p.detach(), g, lr, wd) for p, g in zip(ps, gs)]
+        apply(ps, gs)
+        o.step()
+        for i, (p, e) in enumerate(zip(ps, expect)):
+            assert_bits(p, e, f"SignSGD step {k} param {i}")
+        assert math.isnan(ps[4][2].item())  # sign(NaN) = NaN, unlike torch.sign
+        with torch.no_grad():
+            ps[4][2] = 0.0
+
+
+# ---- options and hyper-parameters --------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "maximize", "capturable", "differentiable"])
+def test_unsupported_options_raise(option):
+    with pytest.raises(NotImplementedError, match=option):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2))], **{option: True})
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_unsupported_params_raise():
+    with pytest.raises(NotImplementedError, match="fused"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=False)
+    with pytest.raises(NotImplementedError, match="non-float32 params"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(NotImplementedError, match="non-CPU params"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    with pytest.raises(NotImplementedError, match="non-CPU params"):
+        st.SignSGD([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    p = torch.nn.Parameter(torch.zeros(3))
+    o = st.AdamW([p])
+    p.grad = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    with pytest.raises(NotImplementedError, match="sparse"):
+        o.step()
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(betas=(1.0, 0.9)), "beta1"),
+    (dict(betas=(0.9, -0.1)), "beta2"), (dict(eps=0.0), "eps"),
+    (dict(weight_decay=float("inf")), "weight_decay"), (dict(lr=2.0, weight_decay=1.0),
+                                                        "weight_decay")])
+def test_invalid_hyper_parameters_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_add_param_group_checks_the_group():
+    o = st.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match=r"param_groups\[1\].*beta1"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (1.5, 0.9)})
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    with pytest.raises(NotImplementedError, match="non-float32"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
+    assert len(o.param_groups) == 1
+    o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.5})
+    assert len(o.param_groups) == 2 and o.param_groups[1]["fused"] is True
+
+
+# ---- bad input: an exception naming the argument, nothing changed ------------------
+
+
+def fingerprint(tensors):
+    """Returns a digest of the tensors' bytes."""
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(str(t.dtype).encode())
+    return h.hexdigest()
+
+
+def two_group_setup():
+    """Returns (optimizer, params): group 0 fine, group 1 about to be broken."""
+    gen = torch.Generator().manual_seed(9)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (33, 12)]
+    o = st.AdamW([{"params": ps[:1]}, {"params": ps[1:]}], lr=1e-2)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    o.step()  # state exists for both
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    return o, ps
+
+
+def everything(o, ps):
+    """Returns every tensor the step could write."""
+    out = []
+    for p in ps:
+        out += [p, p.grad, *o.state[p].values()]
+    return out
+
+
+@pytest.mark.parametrize("breakage,match", [
+    ("non_contiguous_grad", r"param_groups\[1\]\['params'\]\[0\]\.grad.*contiguous"),
+    ("float64_grad", r"param_groups\[1\]\['params'\]\[0\]\.grad.*float64"),
+    ("nan_lr", r"param_groups\[1\].*lr"),
+    ("non_contiguous_state", r"param_groups\[1\]\['params'\]\[0\].*exp_avg.*contiguous"),
+    ("meta_state", r"param_groups\[1\]\['params'\]\[0\].*exp_avg_sq.*meta"),
+])
+def test_bad_input_names_argument_and_changes_nothing(breakage, match):
+    o, ps = two_group_setup()
+    p = ps[1]
+    allow_any_grad_dtype(p)
+    if breakage == "non_contiguous_grad":
+        p.grad = torch.randn(24)[::2]
+    elif breakage == "float64_grad":
+        p.grad = torch.randn(12, dtype=torch.float64)
+    elif breakage == "nan_lr":
+        o.param_groups[1]["lr"] = float("nan")
+    elif breakage == "non_contiguous_state":
+        o.state[p]["exp_avg"] = torch.zeros(24)[::2]
+    elif breakage == "meta_state":
+        o.state[p]["exp_avg_sq"] = torch.zeros(12, device="meta")
+    tensors = [t for t in everything(o, ps) if t.device.type == "cpu"]
+    before = fingerprint(tensors)
+    with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
+        o.step()
+    assert fingerprint(tensors) == before
+
+
+def test_bad_grad_scale_changes_nothing():
+    o, ps = two_group_setup()
+    tensors = everything(o, ps)
+    before = fingerprint(tensors)
+    o.param_groups[1]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match="beta2"):
+        o.step(grad_scale=torch.tensor(4.0), found_inf=torch.tensor(0.0))
+    assert fingerprint(tensors) == before
+
+
+def test_lazy_state_not_created_on_error():
+    gen = torch.Generator().manual_seed(1)
+    ps = [torch.nn.Parameter(torch.randn(4, generator=gen)) for _ in range(2)]
+    o = st.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    ps[0].grad = torch.randn(4)
+    ps[1].grad = torch.randn(8)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        o.step()
+    assert len(o.state) == 0
+
+
+def test_engine_error_in_a_later_group_keeps_earlier_state():
+    """An error only the engine sees (an overlap) in group 1: group 0 has stepped and keeps
+    its new state; group 1's lazily created state is removed."""
+    ps = [torch.nn.Parameter(torch.randn(6)) for _ in range(2)]
+    o = st.AdamW([{"params": ps[:1]}, {"params": ps[1:]}])
+    for p in ps:
+        p.grad = torch.randn(6)
+    o.set_compute_copy(ps[1], ps[1].grad)  # the output overlaps the gradient it reads
+    with pytest.raises(ValueError, match="overlap"):
+        o.step()
+    assert o.state[ps[0]]["step"].item() == 1 and ps[1] not in o.state
+
+
+# ---- threads -----------------------------------------------------------------------
+
+
+def test_two_threads_disjoint_optimizers():
+    """Two optimizers stepping at once (the engine releases the GIL) equal sequential runs."""
+    def setup(seed):
+        gen = torch.Generator().manual_seed(seed)
+        ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (1_000_003, 4097)]
+        gs = [[make_grad(p.numel(), gen) for p in ps] for _ in range(4)]
+        return ps, gs
+
+    def run(ps, gs, opt_cls, **kw):
+        o = opt_cls(ps, threads=1, **kw)
+        for step_grads in gs:
+            apply(ps, step_grads)
+            o.step()
+
+    jobs = [(st.AdamW, dict(lr=1e-3)), (st.SignSGD, dict(lr=1e-3, weight_decay=0.1))]
+    seq = [setup(s) for s in (1, 2)]
+    par = [setup(s) for s in (1, 2)]
+    for (ps, gs), (cls, kw) in zip(seq, jobs):
+        run(ps, gs, cls, **kw)
+    errors = []
+
+    def worker(ps, gs, cls, kw):
+        try:
+            run(ps, gs, cls, **kw)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(ps, gs, cls, kw))
+               for (ps, gs), (cls, kw) in zip(par, jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (a_ps, _), (b_ps, _) in zip(seq, par):
+        for a, b in zip(a_ps, b_ps):
+            assert_bits(a, b, "threaded vs sequential")
+
+
+def test_import_stepcore_does_not_import_torch():
+    code = "import sys, stepcore; assert 'torch' not in sys.modules, 'torch imported'"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
