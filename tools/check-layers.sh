@@ -65,31 +65,25 @@ for layer in "${!allowed[@]}"; do
   done < <(find "$layer" -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' \) -print0)
 done
 
-# Public headers: only other public headers.
-while IFS= read -r -d '' f; do
-  files=$((files + 1))
-  while IFS=: read -r line inc; do
-    case $inc in
-      stepcore/*) ;;
-      *) report "$f:$line: a public header includes \"$inc\"" ;;
-    esac
-  done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
-           sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
-done < <(find include -type f -name '*.hpp' -print0)
-
-# The Python extension binds the public API only (a thin layer, like an integrator).
-if [ -d python/src ]; then
+# Files that may include public headers only: the public headers themselves, and the
+# Python extension (a thin binding of the public API, as an integrator would write).
+public_only() {  # <folder> <find -name patterns...> <who, for the message>
+  local dir=$1 who=$2
+  shift 2
+  [ -d "$dir" ] || return 0
   while IFS= read -r -d '' f; do
     files=$((files + 1))
     while IFS=: read -r line inc; do
       case $inc in
         stepcore/*) ;;
-        *) report "$f:$line: the Python extension includes \"$inc\" (public headers only)" ;;
+        *) report "$f:$line: $who includes \"$inc\" (public headers only)" ;;
       esac
     done < <(grep -nE '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' "$f" |
              sed -E 's/^([0-9]+):[^"]*"([^"]+)".*/\1:\2/')
-  done < <(find python/src -type f \( -name '*.cpp' -o -name '*.hpp' \) -print0)
-fi
+  done < <(find "$dir" -type f \( "$@" \) -print0)
+}
+public_only include "a public header" -name '*.hpp'
+public_only python/src "the Python extension" -name '*.cpp' -o -name '*.hpp'
 
 # No stray source folder outside the layers and the top floor.
 for d in */; do
