@@ -179,7 +179,7 @@ class Worker {
 
 class HostDevice final : public Device {
  public:
-  explicit HostDevice(int threads) : threads_(threads) {}
+  HostDevice(int threads, HostDeviceMemory memory) : threads_(threads), memory_kind_(memory) {}
 
   ~HostDevice() override {
     d2h_.reset();  // each worker runs what is queued (skipping after a failure), then joins
@@ -418,6 +418,7 @@ class HostDevice final : public Device {
 
   // Throws unless [p, p + bytes) is device memory of this device.
   void require_device(const void* p, std::size_t bytes, const std::string& name) const {
+    if (memory_kind_ == HostDeviceMemory::any_host_memory) return;  // a CPU trainer's tensors
     if (!device_mem_.check_inside(p, bytes, name))
       throw Error(Errc::invalid_argument, name,
                   "not device memory of this device (from allocate()) where device memory is "
@@ -430,6 +431,7 @@ class HostDevice final : public Device {
   };
 
   const int threads_;
+  const HostDeviceMemory memory_kind_;
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
   std::array<int, 3> inject_{-1, -1, -1};
@@ -441,11 +443,13 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device(int emulated_threads) {
+std::unique_ptr<Device> make_host_device(int emulated_threads, HostDeviceMemory memory) {
   if (emulated_threads < 32 || emulated_threads > 1024 ||
       (emulated_threads & (emulated_threads - 1)) != 0)
     throw Error(Errc::out_of_range, "emulated_threads", "must be a power of two in [32, 1024]");
-  return std::make_unique<HostDevice>(emulated_threads);
+  if (memory != HostDeviceMemory::allocated_only && memory != HostDeviceMemory::any_host_memory)
+    throw Error(Errc::invalid_argument, "memory", "not a HostDeviceMemory");
+  return std::make_unique<HostDevice>(emulated_threads, memory);
 }
 
 namespace detail {

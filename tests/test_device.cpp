@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <future>
 #include <memory>
 #include <string>
@@ -17,7 +18,9 @@
 
 #include "device/host_device.hpp"
 #include "device_cases.hpp"
+#include "stepcore/convert.hpp"
 #include "stepcore/cuda.hpp"
+#include "stepcore/reference.hpp"
 
 namespace {
 
@@ -290,6 +293,48 @@ TEST(HostDevice, EventsOfOneQueueCompleteInOrder) {
   }
   dev->synchronize(events.back());
   for (const Event& e : events) EXPECT_TRUE(e.complete());
+}
+
+}  // namespace
+
+namespace {
+
+using device_cases::error_code;
+
+TEST(HostDevice, AnyHostMemoryIsDeviceMemoryOnlyWhenAskedFor) {
+  // allocated_only (the stand-in GPU) refuses a plain host pointer as a kernel argument,
+  // naming it; any_host_memory (a CPU trainer's device) reads it, with the same result as
+  // the reference.
+  std::vector<std::uint16_t> g(100);
+  for (std::size_t j = 0; j < g.size(); ++j)
+    g[j] = stepcore::f32_to_bf16_bits(0.01f * static_cast<float>(j) - 0.3f);
+  std::vector<float> want(g.size(), 0.0f);
+  const stepcore::AccumulatePair ref{stepcore::f32_view(want.data(), want.size()),
+                                     {g.data(), g.size(), stepcore::DType::bf16},
+                                     true};
+  stepcore::reference::accumulate(std::span(&ref, 1));
+  for (auto memory : {stepcore::device::HostDeviceMemory::allocated_only,
+                      stepcore::device::HostDeviceMemory::any_host_memory}) {
+    auto dev = stepcore::device::make_host_device(32, memory);
+    std::vector<float> acc(g.size(), 1.0f);
+    const stepcore::AccumulatePair pair{stepcore::f32_view(acc.data(), acc.size()),
+                                        {g.data(), g.size(), stepcore::DType::bf16},
+                                        true};
+    if (memory == stepcore::device::HostDeviceMemory::allocated_only) {
+      EXPECT_EQ(error_code([&] { dev->accumulate(std::span(&pair, 1)); }),
+                stepcore::Errc::invalid_argument);
+      EXPECT_EQ(acc, std::vector<float>(g.size(), 1.0f)) << "written before the refusal";
+    } else {
+      dev->accumulate(std::span(&pair, 1));
+      dev->synchronize();
+      EXPECT_EQ(0, std::memcmp(acc.data(), want.data(), acc.size() * 4));
+    }
+  }
+  EXPECT_EQ(error_code([] {
+              stepcore::device::make_host_device(
+                  32, static_cast<stepcore::device::HostDeviceMemory>(9));
+            }),
+            stepcore::Errc::invalid_argument);
 }
 
 }  // namespace

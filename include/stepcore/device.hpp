@@ -133,9 +133,22 @@ class Device {
   Device() = default;
 };
 
-/// Returns the host device: the stand-in GPU of CPU-only tests (see the file comment).
+/// What the host device takes as its "device memory" in kernel arguments.
+enum class HostDeviceMemory : std::uint8_t {
+  /// Only memory from its allocate(), as a GPU would insist (a host pointer where device
+  /// memory is needed is refused, naming the argument): the stand-in GPU of tests.
+  allocated_only,
+  /// Any host memory: the device of a CPU-only trainer, whose gradients and parameters
+  /// are its framework's CPU tensors (caller-owned gradients, compute destinations). A
+  /// stray pointer is then not caught as on a GPU.
+  any_host_memory,
+};
+
+/// Returns the host device: the stand-in GPU of CPU-only tests (see the file comment), or
+/// with HostDeviceMemory::any_host_memory the device of a CPU-only trainer.
 /// `emulated_threads` is the thread count per block of the CPU executor.
-std::unique_ptr<Device> make_host_device(int emulated_threads = 256);
+std::unique_ptr<Device> make_host_device(
+    int emulated_threads = 256, HostDeviceMemory memory = HostDeviceMemory::allocated_only);
 
 /// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
 /// given, as the compute stream: the trainer's stream, so gradients written on it are

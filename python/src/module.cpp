@@ -221,6 +221,8 @@ std::string python_message(const Error& e) {
 
 }  // namespace
 
+void bind_managers(nb::module_& m);  // python/src/managers.cpp
+
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
   m.attr("__version__") = STEPCORE_VERSION_STRING;
@@ -427,4 +429,5 @@ NB_MODULE(_core, m) {
       [](float norm, float max_norm) { return clip_coefficient(norm, max_norm); }, nb::arg("norm"),
       nb::arg("max_norm"),
       "min(1, max_norm / (norm + 1e-6)) in f32 as torch.nn.utils.clip_grad_norm_ computes it.");
+  bind_managers(m);
 }

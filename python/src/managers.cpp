@@ -1,0 +1,450 @@
+// stepcore._core's gradient managers, communicators and NUMA placement: the public C++
+// managers (make_gradient_manager) driven from Python, on the host device or a CUDA device
+// the binding creates, with parameters and groups given as dicts (unknown keys refused),
+// buffers returned as DLPack arrays without copies, and the GIL released around every
+// call that runs kernels or waits.
+#include "stepcore/managers.hpp"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "stepcore/comm.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/dtype.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/numa.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace nb = nanobind;
+using namespace stepcore;
+
+namespace {
+
+[[noreturn]] void bad(const std::string& name, const std::string& why) {
+  throw nb::value_error(("stepcore: invalid_argument in '" + name + "': " + why).c_str());
+}
+
+DType parse_dtype(const std::string& s, const std::string& name) {
+  if (s == "f32" || s == "float32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "f16" || s == "float16") return DType::f16;
+  throw nb::type_error(
+      ("stepcore: unsupported_dtype in '" + name + "': '" + s + "': expected f32, bf16 or f16")
+          .c_str());
+}
+
+// Reads the dict `d` (named `name`) into fields by key; a key no field takes is refused.
+template <class Fields>
+void read_dict(const nb::dict& d, const std::string& name, Fields&& fields) {
+  std::set<std::string> taken;
+  fields([&](const char* key, auto& field) {
+    taken.insert(key);
+    if (!d.contains(key)) return;
+    using T = std::decay_t<decltype(field)>;
+    if (!nb::try_cast(d[key], field)) bad(name + "." + key, "has the wrong type");
+    (void)sizeof(T);
+  });
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(k);
+    if (!taken.count(key)) bad(name + "." + key, "is not a field of " + name);
+  }
+}
+
+// An array-API object (__dlpack__) over `v` (device memory of `dev`: CPU for the host device),
+// owned by `owner` (the Python manager), without a copy.
+nb::ndarray<nb::array_api> array_of(const ConstTensorView& v, bool cuda, int ordinal,
+                                    nb::handle owner) {
+  const std::size_t shape[1] = {v.numel};
+  nb::dlpack::dtype t;
+  t.lanes = 1;
+  t.bits = static_cast<std::uint8_t>(8 * dtype_size(v.dtype));
+  t.code = static_cast<std::uint8_t>(v.dtype == DType::bf16 ? nb::dlpack::dtype_code::Bfloat
+                                                            : nb::dlpack::dtype_code::Float);
+  return nb::ndarray<nb::array_api>(const_cast<void*>(v.data), 1, shape, owner, nullptr, t,
+                                    cuda ? nb::device::cuda::value : nb::device::cpu::value,
+                                    ordinal);
+}
+
+// A manager with the device it runs on (made by the binding) and its communicator.
+struct PyManager {
+  std::unique_ptr<device::Device> dev;
+  std::unique_ptr<GradientManager> m;
+  nb::object comm_owner;  // keeps the Python communicator alive
+  bool cuda = false;
+  int ordinal = 0;
+};
+
+// Returns the view of array `a` (CPU memory for the host device, CUDA for a CUDA device).
+template <class A>
+TensorView view_of(const A& a, const std::string& name) {
+  std::size_t numel = 1;
+  for (std::size_t d = 0; d < a.ndim(); ++d) numel *= a.shape(d);
+  std::int64_t expect = 1;
+  for (std::size_t d = a.ndim(); d-- > 0 && numel != 0;) {
+    if (a.shape(d) != 1 && a.stride(d) != expect) bad(name, "must be C-contiguous");
+    expect *= static_cast<std::int64_t>(a.shape(d));
+  }
+  const auto code = static_cast<nb::dlpack::dtype_code>(a.dtype().code);
+  DType dt;
+  if (code == nb::dlpack::dtype_code::Float && a.dtype().bits == 32)
+    dt = DType::f32;
+  else if (code == nb::dlpack::dtype_code::Float && a.dtype().bits == 16)
+    dt = DType::f16;
+  else if (code == nb::dlpack::dtype_code::Bfloat && a.dtype().bits == 16)
+    dt = DType::bf16;
+  else
+    throw nb::type_error(
+        ("stepcore: unsupported_dtype in '" + name + "': not float32, bfloat16 or float16")
+            .c_str());
+  return {const_cast<void*>(static_cast<const void*>(a.data())), numel, dt};
+}
+
+}  // namespace
+
+void bind_managers(nb::module_& m) {
+  nb::class_<comm::Communicator>(m, "Communicator",
+                                 "One rank of a group that all-reduces (comm.hpp).")
+      .def_prop_ro("rank", &comm::Communicator::rank)
+      .def_prop_ro("size", &comm::Communicator::size)
+      .def_prop_ro("name", [](const comm::Communicator& c) { return std::string(c.name()); })
+      .def("abort", &comm::Communicator::abort);
+
+  m.def(
+      "make_in_process_group",
+      [](int size, double timeout_s) {
+        auto group = comm::make_in_process_group(
+            size, std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)));
+        nb::list out;
+        for (auto& c : group) out.append(nb::cast(c.release(), nb::rv_policy::take_ownership));
+        return out;
+      },
+      nb::arg("size"), nb::arg("timeout_s") = 60.0,
+      "Returns `size` communicators of one group in this process, one per thread (rank i is "
+      "element i): for tests and single-process multi-worker setups.");
+
+  auto placement_dict = [](const numa::Placement& p) {
+    nb::dict d;
+    d["numa_node"] = p.numa_node;
+    d["cpus"] = p.cpus;
+    d["threads"] = p.threads();
+    d["bound"] = p.bound;
+    d["oversubscribed"] = p.oversubscribed;
+    d["reason"] = p.reason;
+    return d;
+  };
+  m.def(
+      "numa_placement",
+      [placement_dict](const std::vector<std::string>& rank_gpus, int local_rank) {
+        const numa::Topology topo = numa::Topology::live();
+        return placement_dict(topo.place(rank_gpus, local_rank));
+      },
+      nb::arg("rank_gpus"), nb::arg("local_rank"),
+      "Where local rank `local_rank` runs, rank i driving GPU rank_gpus[i] (PCI bus ids): "
+      "{'numa_node', 'cpus', 'threads', 'bound', 'oversubscribed', 'reason'} (hwloc).");
+  m.def(
+      "numa_place_on_node",
+      [placement_dict](int node, int index, int sharers) {
+        return placement_dict(numa::Topology::live().place_on_node(node, index, sharers));
+      },
+      nb::arg("node"), nb::arg("index"), nb::arg("sharers"),
+      "The share of NUMA node `node` for the index-th of `sharers` ranks (runs without a GPU).");
+  m.def("local_rank_from_env", &numa::local_rank_from_env, nb::arg("fallback") = 0,
+        "LOCAL_RANK (torchrun), else OMPI_COMM_WORLD_LOCAL_RANK, else fallback.");
+  m.def("local_world_size_from_env", &numa::local_world_size_from_env, nb::arg("fallback") = 1,
+        "LOCAL_WORLD_SIZE, else OMPI_COMM_WORLD_LOCAL_SIZE, else fallback.");
+
+  nb::class_<PyManager>(m, "GradientManager",
+                        "A gradient manager (managers.hpp) on its own device: 'host' or 'cuda:N'.")
+      .def(
+          "__init__",
+          [](PyManager* self, const std::string& mode, const std::vector<nb::dict>& params,
+             const std::string& optimizer, std::optional<std::vector<nb::dict>> groups,
+             std::optional<nb::dict> adamw, std::optional<nb::dict> sign_sgd,
+             std::size_t chunk_elements, const std::string& device, nb::object comm,
+             std::uint64_t layout_fingerprint, int threads, std::optional<std::string> isa,
+             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale) {
+            ManagerConfig c;
+            c.mode = parse_offload_mode(mode);
+            c.optimizer.kind = parse_optimizer(optimizer);
+            if (adamw) {
+              std::string formula = "torch";
+              read_dict(*adamw, "adamw", [&](auto&& f) {
+                f("lr", c.optimizer.adamw.lr);
+                f("beta1", c.optimizer.adamw.beta1);
+                f("beta2", c.optimizer.adamw.beta2);
+                f("eps", c.optimizer.adamw.eps);
+                f("weight_decay", c.optimizer.adamw.weight_decay);
+                f("formula", formula);
+                f("torch_tail_width", c.optimizer.adamw.torch_tail_width);
+              });
+              if (formula != "torch" && formula != "native")
+                bad("adamw.formula", "'" + formula + "'");
+              c.optimizer.adamw.formula =
+                  formula == "torch" ? AdamWFormula::torch : AdamWFormula::native;
+            }
+            if (sign_sgd)
+              read_dict(*sign_sgd, "sign_sgd", [&](auto&& f) {
+                f("lr", c.optimizer.sign_sgd.lr);
+                f("weight_decay", c.optimizer.sign_sgd.weight_decay);
+              });
+            if (groups)
+              for (std::size_t g = 0; g < groups->size(); ++g) {
+                ParamGroup pg;
+                read_dict((*groups)[g], "groups[" + std::to_string(g) + "]", [&](auto&& f) {
+                  f("name", pg.name);
+                  f("lr", pg.lr);
+                  f("weight_decay", pg.weight_decay);
+                  f("beta1", pg.beta1);
+                  f("beta2", pg.beta2);
+                  f("eps", pg.eps);
+                });
+                c.groups.push_back(pg);
+              }
+            for (std::size_t i = 0; i < params.size(); ++i) {
+              ParamSpec p;
+              std::string grad_dtype = "bf16", compute_dtype = "bf16";
+              const std::string name = "params[" + std::to_string(i) + "]";
+              read_dict(params[i], name, [&](auto&& f) {
+                f("name", p.name);
+                f("numel", p.numel);
+                f("grad_dtype", grad_dtype);
+                f("compute_dtype", compute_dtype);
+                f("has_compute_weights", p.has_compute_weights);
+                f("counts_toward_norm", p.counts_toward_norm);
+                f("group", p.group);
+                f("gradient_buffer", p.gradient_buffer);
+              });
+              p.grad_dtype = parse_dtype(grad_dtype, name + ".grad_dtype");
+              p.compute_dtype = parse_dtype(compute_dtype, name + ".compute_dtype");
+              c.params.push_back(std::move(p));
+            }
+            c.chunk_elements = chunk_elements;
+            c.layout_fingerprint = layout_fingerprint;
+            c.engine.threads = threads;
+            if (isa) c.engine.isa = cpu::parse_isa(*isa);
+            c.engine.cpus = std::move(cpus);
+            c.numa_node = numa_node;
+            c.lazy_gpu_scale = lazy_gpu_scale;
+            auto pm = std::make_unique<PyManager>();
+            if (device == "host") {  // a CPU trainer: its CPU tensors count as device memory
+              pm->dev = device::make_host_device(256, device::HostDeviceMemory::any_host_memory);
+            } else if (device.rfind("cuda:", 0) == 0) {
+              pm->ordinal = std::stoi(device.substr(5));
+              pm->dev = device::make_cuda_device(pm->ordinal);
+              pm->cuda = true;
+            } else {
+              bad("device", "'" + device + "': expected 'host' or 'cuda:N'");
+            }
+            c.device = pm->dev.get();
+            if (!comm.is_none()) {
+              c.comm = nb::cast<comm::Communicator*>(comm);
+              pm->comm_owner = comm;
+            }
+            pm->m = make_gradient_manager(std::move(c));
+            new (self) PyManager(std::move(*pm));
+          },
+          nb::arg("mode"), nb::arg("params"), nb::kw_only(), nb::arg("optimizer") = "adamw",
+          nb::arg("groups") = nb::none(), nb::arg("adamw") = nb::none(),
+          nb::arg("sign_sgd") = nb::none(), nb::arg("chunk_elements") = std::size_t{16} << 20,
+          nb::arg("device") = "host", nb::arg("comm") = nb::none(),
+          nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
+          nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
+          nb::arg("lazy_gpu_scale") = false)
+      .def_prop_ro("mode",
+                   [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
+      .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
+      .def("group_index",
+           [](const PyManager& p, const std::string& n) { return p.m->group_index(n); })
+      .def(
+          "set_hyperparameters",
+          [](PyManager& p, std::size_t g, double lr, double weight_decay) {
+            p.m->set_hyperparameters(g, {lr, weight_decay});
+          },
+          nb::arg("group"), nb::arg("lr"), nb::arg("weight_decay"))
+      .def(
+          "load_parameter",
+          [](PyManager& p, std::size_t i,
+             const nb::ndarray<nb::ro, float, nb::device::cpu>& master) {
+            const std::span<const float> s(master.data(), master.size());
+            nb::gil_scoped_release r;
+            p.m->load_parameter(i, s);
+          },
+          nb::arg("i"), nb::arg("master"))
+      .def(
+          "import_parameter",
+          [](PyManager& p, std::size_t i, const nb::ndarray<nb::ro, float, nb::device::cpu>& master,
+             std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> exp_avg,
+             std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> exp_avg_sq, float step) {
+            auto span_of = [](const auto& a) {
+              return a ? std::span<const float>(a->data(), a->size()) : std::span<const float>{};
+            };
+            const std::span<const float> m0(master.data(), master.size());
+            const auto m1 = span_of(exp_avg), m2 = span_of(exp_avg_sq);
+            nb::gil_scoped_release r;
+            p.m->import_parameter(i, m0, m1, m2, step);
+          },
+          nb::arg("i"), nb::arg("master"), nb::arg("exp_avg") = nb::none(),
+          nb::arg("exp_avg_sq") = nb::none(), nb::arg("step") = 0.0f)
+      .def(
+          "begin_step",
+          [](PyManager& p, float scale, bool overlap) {
+            nb::gil_scoped_release r;
+            p.m->begin_step(scale, overlap);
+          },
+          nb::arg("gradient_scale"), nb::arg("overlap_optimizer") = false)
+      .def(
+          "begin_backward",
+          [](PyManager& p, bool final_backward) {
+            nb::gil_scoped_release r;
+            p.m->begin_backward(final_backward);
+          },
+          nb::arg("final_backward"))
+      .def(
+          "gradient",
+          [](nb::handle self, std::size_t i) {
+            PyManager& p = nb::cast<PyManager&>(self);
+            return array_of(p.m->gradient(i), p.cuda, p.ordinal, self);
+          },
+          nb::arg("i"), "The manager's gradient buffer of parameter i (no copy; device memory).")
+      .def(
+          "gradient_ready",
+          [](PyManager& p, std::size_t i, std::optional<nb::ndarray<nb::ro>> grad) {
+            if (!grad) {
+              nb::gil_scoped_release r;
+              p.m->gradient_ready(i);
+              return;
+            }
+            const TensorView v = view_of(*grad, "grad");
+            nb::gil_scoped_release r;
+            p.m->gradient_ready(i, ConstTensorView(v));
+          },
+          nb::arg("i"), nb::arg("grad") = nb::none(),
+          "Parameter i's gradient of this micro-batch is complete: in the manager's buffer, "
+          "or in `grad` (the caller's, never written; reusable once released).")
+      .def(
+          "gradient_released_wait",
+          [](PyManager& p, std::size_t i) {
+            const device::Event e = p.m->gradient_released(i);
+            nb::gil_scoped_release r;
+            p.dev->synchronize(e);
+          },
+          nb::arg("i"), "Blocks until parameter i's last gradient buffer may be reused.")
+      .def("finish_backward",
+           [](PyManager& p) {
+             nb::gil_scoped_release r;
+             p.m->finish_backward();
+           })
+      .def(
+          "clip_grad_norm",
+          [](PyManager& p, float max_norm) {
+            nb::gil_scoped_release r;
+            return p.m->clip_grad_norm(max_norm);
+          },
+          nb::arg("max_norm"))
+      .def("step",
+           [](PyManager& p) {
+             nb::gil_scoped_release r;
+             p.m->step();
+           })
+      .def("report",
+           [](PyManager& p) {
+             StepReport rep;
+             {
+               nb::gil_scoped_release r;
+               rep = p.m->report();
+             }
+             nb::dict d;
+             d["stepped"] = rep.stepped;
+             d["skipped"] = rep.skipped;
+             d["chunks_skipped"] = rep.chunks_skipped;
+             d["norm"] = rep.norm.norm;
+             d["finite"] = rep.norm.finite;
+             d["clip_coefficient"] = rep.clip_coefficient;
+             return d;
+           })
+      .def_prop_ro("effective_gradient_scale",
+                   [](const PyManager& p) { return p.m->effective_gradient_scale(); })
+      .def(
+          "compute_weights",
+          [](nb::handle self, std::size_t i) {
+            PyManager& p = nb::cast<PyManager&>(self);
+            return array_of(p.m->compute_weights(i), p.cuda, p.ordinal, self);
+          },
+          nb::arg("i"), "Parameter i's compute weights (no copy; valid after report()).")
+      .def(
+          "read_parameter",
+          [](PyManager& p, std::size_t i) {
+            const ParamSpec& s = p.m->config().params[i];
+            const bool adamw = p.m->config().optimizer.kind == OptimizerKind::adamw;
+            std::vector<float> master(s.numel), m1(adamw ? s.numel : 0), m2(adamw ? s.numel : 0);
+            std::vector<std::uint8_t> compute(
+                s.has_compute_weights ? s.numel * dtype_size(s.compute_dtype) : 0);
+            {
+              nb::gil_scoped_release r;
+              p.m->read_parameter(i, master, m1, m2, compute);
+            }
+            auto out = [](std::vector<float> v) {
+              auto* data = new std::vector<float>(std::move(v));
+              nb::capsule owner(
+                  data, [](void* q) noexcept { delete static_cast<std::vector<float>*>(q); });
+              const std::size_t shape[1] = {data->size()};
+              return nb::ndarray<nb::numpy, float>(data->data(), 1, shape, owner);
+            };
+            return nb::make_tuple(
+                out(std::move(master)), out(std::move(m1)), out(std::move(m2)),
+                nb::bytes(reinterpret_cast<const char*>(compute.data()), compute.size()));
+          },
+          nb::arg("i"), "Copies of parameter i's (master, exp_avg, exp_avg_sq, compute bytes).")
+      .def("step_count", [](PyManager& p, std::size_t i) { return p.m->step_count(i); })
+      .def(
+          "host_state",
+          [](nb::handle self, std::size_t i) {
+            PyManager& p = nb::cast<PyManager&>(self);
+            const GradientManager::HostState h = p.m->host_state(i);
+            auto view = [&](std::span<const float> s) -> nb::object {
+              if (s.data() == nullptr && s.empty()) return nb::none();
+              return nb::cast(
+                  array_of(ConstTensorView(s.data(), s.size(), DType::f32), false, 0, self));
+            };
+            return nb::make_tuple(view(h.master), view(h.exp_avg), view(h.exp_avg_sq));
+          },
+          nb::arg("i"),
+          "Views (no copy) of parameter i's host-resident state (modes optimizer, full; None in "
+          "mode none), valid until the next call that starts work or changes state.")
+      .def(
+          "save_checkpoint",
+          [](PyManager& p, const std::string& path) {
+            nb::gil_scoped_release r;
+            p.m->save_checkpoint(path);
+          },
+          nb::arg("path"))
+      .def(
+          "load_checkpoint",
+          [](PyManager& p, const std::string& path) {
+            nb::gil_scoped_release r;
+            p.m->load_checkpoint(path);
+          },
+          nb::arg("path"))
+      .def("synchronize",
+           [](PyManager& p) {
+             nb::gil_scoped_release r;
+             p.m->synchronize();
+           })
+      .def("close", [](PyManager& p) {
+        nb::gil_scoped_release r;
+        p.m->close();
+      });
+}

@@ -1,0 +1,207 @@
+"""The gradient managers from Python (stepcore._core.GradientManager on the host device):
+the three offload modes give the same bits, equal to torch's fused AdamW fed the
+manager's gradient read (an independent expectation), also on two in-process ranks; the
+trainer's own gradient buffers, groups and schedules, checkpoints across modes; bad
+input named."""
+
+import threading
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import stepcore._core as core
+
+MODES = ("none", "optimizer", "full")
+SIZES = (33, 1, 0, 1025, 300)
+
+
+def specs(grad_dtype="f32", gradient_buffer=True):
+    return [{"name": f"p{i}", "numel": n, "grad_dtype": grad_dtype, "group": i % 2,
+             "gradient_buffer": gradient_buffer} for i, n in enumerate(SIZES)]
+
+
+GROUPS = [{"name": "decay", "lr": 1e-3, "weight_decay": 0.1},
+          {"name": "no_decay", "lr": 2e-3, "weight_decay": 0.0}]
+
+
+def master(i, n):
+    return (np.sin(np.arange(n, dtype=np.float64) * 0.37 + i) * 0.05).astype(np.float32)
+
+
+def grad(step, micro, i, n):
+    x = np.cos(np.arange(n, dtype=np.float64) * (0.11 + 0.01 * i) + step * 1.7 + micro)
+    return (x * 2.0 ** -(i % 4)).astype(np.float32)
+
+
+def lr_at(step, g):
+    return (1e-3 if g == 0 else 2e-3) * (0.5 + 0.5 * np.cos(step * 0.3))
+
+
+def run(mode, steps=4, max_norm=0.5, caller=False, comm=None, shard=None, save=None, load=None,
+        first=0):
+    """Drives a manager through `steps` steps of 2 micro-batches; returns per step the norm
+    and every parameter's (master, exp_avg, exp_avg_sq, compute bytes, step)."""
+    m = core.GradientManager(mode, specs(gradient_buffer=not caller) if shard is None else shard[0],
+                             groups=GROUPS, threads=2, chunk_elements=1000, comm=comm,
+                             layout_fingerprint=7)
+    sizes = SIZES if shard is None else [p["numel"] for p in shard[0]]
+    offs = [0] * len(SIZES) if shard is None else shard[1]
+    for i, n in enumerate(sizes):
+        m.load_parameter(i, master(i, SIZES[i])[offs[i]:offs[i] + n])
+    if load:
+        m.load_checkpoint(load)
+    out = []
+    for s in range(first, first + steps):
+        for g in range(2):
+            m.set_hyperparameters(g, lr_at(s, g), GROUPS[g]["weight_decay"])
+        m.begin_step(1.0 / (100 + s))
+        for mb in range(2):
+            m.begin_backward(mb == 1)
+            for i in reversed(range(len(sizes))):
+                gi = grad(s, mb, i, SIZES[i])[offs[i]:offs[i] + sizes[i]]
+                if caller:  # the trainer's buffer: alive until the manager releases it
+                    buf = gi.copy()
+                    m.gradient_ready(i, buf)
+                    m.gradient_released_wait(i)
+                    buf[:] = np.nan  # released: rewriting it must change nothing
+                else:
+                    np.from_dlpack(m.gradient(i))[:] = gi
+                    m.gradient_ready(i)
+            m.finish_backward()
+        norm = m.clip_grad_norm(max_norm)
+        m.step()
+        m.report()
+        state = [m.read_parameter(i) + (m.step_count(i),) for i in range(len(sizes))]
+        out.append((norm, state))
+    if save:
+        m.save_checkpoint(save)
+    m.close()
+    return out
+
+
+def same(a, b):
+    assert len(a) == len(b)
+    for (na, sa), (nb, sb) in zip(a, b):
+        assert np.float32(na).tobytes() == np.float32(nb).tobytes()
+        for pa, pb in zip(sa, sb):
+            for x, y in zip(pa[:3], pb[:3]):
+                assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+            assert pa[3] == pb[3] and pa[4] == pb[4]
+
+
+def test_the_three_modes_give_the_same_bits_and_the_trainers_buffers_too():
+    want = run("none")
+    for mode in MODES:
+        same(run(mode), want)
+        same(run(mode, caller=True), want)
+
+
+def test_the_manager_equals_torch_fused_adamw_fed_its_gradient_read():
+    torch = pytest.importorskip("torch")
+    got = run("full", steps=3)
+    params = [torch.nn.Parameter(torch.from_numpy(master(i, n))) for i, n in enumerate(SIZES)]
+    groups = [{"params": [p for i, p in enumerate(params) if i % 2 == g], **GROUPS[g]}
+              for g in range(2)]
+    for grp in groups:
+        grp.pop("name")
+    opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    for s in range(3):
+        accs = []
+        for i, n in enumerate(SIZES):
+            acc = torch.from_numpy(grad(s, 0, i, n)).clone()
+            acc += torch.from_numpy(grad(s, 1, i, n))  # copy, then add, in f32
+            accs.append(acc)
+        scale = np.float32(1.0 / (100 + s))
+        x = [a * torch.tensor(scale) for a in accs]  # R(acc * s)
+        # The exact norm of the read values (Fractions), rounded once to f32.
+        s2 = sum(Fraction(float(v)) ** 2 for t in x for v in t.tolist())
+        norm = got[s][0]
+        assert abs(Fraction(float(norm)) ** 2 - s2) <= abs(
+            Fraction(float(np.nextafter(np.float32(norm), np.float32(1e30)))) ** 2 - s2)
+        clip = core.clip_coefficient(norm, 0.5)
+        for g in range(2):
+            opt.param_groups[g]["lr"] = lr_at(s, g)
+        for p, xi in zip(params, x):
+            p.grad = xi * torch.tensor(np.float32(clip))  # R(R(acc * s) * c)
+        opt.step()
+        for i, p in enumerate(params):
+            st = opt.state[p]
+            mine = got[s][1][i]
+            assert mine[0].tobytes() == p.detach().numpy().tobytes(), (s, i)
+            assert mine[1].tobytes() == st["exp_avg"].numpy().tobytes(), (s, i)
+            assert mine[2].tobytes() == st["exp_avg_sq"].numpy().tobytes(), (s, i)
+            assert mine[4] == st["step"].item()
+
+
+def test_two_in_process_ranks_give_the_whole_models_norms():
+    whole = run("none")
+    comms = core.make_in_process_group(2, 30.0)
+    # Rank r holds elements [off, off + len) of every parameter (rank 0's first share empty).
+    shards = []
+    for r in range(2):
+        sp, offs = [], []
+        for i, n in enumerate(SIZES):
+            cut = 0 if i == 0 else n // 3
+            off, ln = (0, cut) if r == 0 else (cut, n - cut)
+            sp.append({"name": f"p{i}", "numel": ln, "grad_dtype": "f32", "group": i % 2})
+            offs.append(off)
+        shards.append((sp, offs))
+    results, errors = [None, None], [None, None]
+
+    def rank(r):
+        try:
+            results[r] = run("full", comm=comms[r], shard=shards[r])
+        except Exception as e:  # pragma: no cover - reported below
+            errors[r] = e
+            comms[r].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [None, None]
+    for r in range(2):
+        for (nw, _), (nr, _) in zip(whole, results[r]):
+            assert np.float32(nw).tobytes() == np.float32(nr).tobytes()  # exact global norm
+
+
+def test_a_checkpoint_saved_in_one_mode_resumes_in_another(tmp_path):
+    want = run("none", steps=6)
+    path = str(tmp_path / "rank-00000.stepcore")
+    for a, b in (("full", "none"), ("none", "optimizer"), ("optimizer", "full")):
+        same(run(a, steps=3, save=path), want[:3])
+        same(run(b, steps=3, load=path, first=3), want[3:])
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="fsdp"):
+        core.GradientManager("fsdp", specs())
+    with pytest.raises(ValueError, match=r"params\[0\].numels"):
+        core.GradientManager("full", [{"name": "w", "numels": 3}])
+    with pytest.raises(TypeError, match=r"params\[0\].grad_dtype"):
+        core.GradientManager("full", [{"name": "w", "numel": 3, "grad_dtype": "f64"}])
+    with pytest.raises(ValueError, match=r"groups\[1\].lr"):
+        core.GradientManager("full", specs(), groups=[GROUPS[0], {**GROUPS[1], "lr": -1.0}])
+    with pytest.raises(ValueError, match="device"):
+        core.GradientManager("full", specs(), device="tpu")
+    m = core.GradientManager("full", specs(gradient_buffer=False), groups=GROUPS, threads=1)
+    m.begin_step(1.0)
+    m.begin_backward(True)
+    with pytest.raises(ValueError, match="'grad'"):
+        m.gradient_ready(0, np.zeros(32, np.float32))  # 33 elements expected
+    with pytest.raises(TypeError, match="'grad'"):
+        m.gradient_ready(0, np.zeros(33, np.float64))
+    with pytest.raises(ValueError, match="gradient"):
+        m.gradient(0)  # no manager buffer
+    with pytest.raises(ValueError, match="hyper.lr"):
+        m.set_hyperparameters(0, float("nan"), 0.0)
+    m.close()
+
+
+def test_placement_and_launcher_environment(monkeypatch):
+    p = core.numa_place_on_node(0, 0, 1)
+    assert p["threads"] >= 1 and len(p["cpus"]) == p["threads"]
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert core.local_rank_from_env() == 3
