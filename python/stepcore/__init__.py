@@ -1,22 +1,37 @@
 """stepcore: the numerics of a training step after backward, from Python.
 
 The CPU engine (AdamW, SignSGD, accumulate, scale, the exact norm partial) over arrays
-passed through DLPack (torch tensors, numpy arrays) without copies. Importing stepcore
+passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
+in-process communicators and NUMA placement. Importing stepcore
 never imports torch; ``stepcore.torch`` is the PyTorch layer.
 """
 
 from ._core import (
     PARTIAL_MAX_ABS_WORD,
     PARTIAL_WORDS,
+    Communicator,
     Engine,
+    GradientManager,
     __version__,
     clip_coefficient,
     finalize,
+    local_rank_from_env,
+    local_world_size_from_env,
+    make_in_process_group,
+    numa_place_on_node,
+    numa_placement,
     supported_isas,
 )
 
 __all__ = [
+    "Communicator",
     "Engine",
+    "GradientManager",
+    "local_rank_from_env",
+    "local_world_size_from_env",
+    "make_in_process_group",
+    "numa_place_on_node",
+    "numa_placement",
     "PARTIAL_MAX_ABS_WORD",
     "PARTIAL_WORDS",
     "__version__",
