@@ -231,7 +231,8 @@ class _EngineOwner:
 # only while what it was built from is provably the same: the same param objects at the
 # same addresses, the same state dicts holding the same tensor objects, the same grad
 # objects (held weakly: a grad freed by zero_grad(set_to_none=True) invalidates the rows)
-# at the same addresses, the same compute copies at the same addresses. Replaced grads of
+# at the same addresses, the same compute copies at the same addresses; the step counters
+# are re-read every step (_check_table_steps: the limit _state_of checks). Replaced grads of
 # the same params are re-checked in bulk and their columns rewritten; anything else
 # changed rebuilds the group's table through the full checks. Not detected (and not
 # supported): swapping the storage of a state tensor in place (state[p]['exp_avg'].data =
@@ -259,8 +260,9 @@ class _GroupTable:
                  "compute_generation", "computes", "compute_ptrs", "table",
                  "none_count", "positions")
 
-    def watch_grads(self, grads) -> None:
-        """Records `grads` (weakly; freeing one marks the rows stale) and their addresses.
+    def watch_grads(self, grads, codes=None) -> None:
+        """Records `grads` (weakly; freeing one marks the rows stale), their addresses and
+        dtype codes (`codes`, when the caller has them).
 
         While none was freed their ids cannot be reused, so equal ids mean the same objects.
         """
@@ -273,7 +275,8 @@ class _GroupTable:
         self.grad_ids = list(map(id, grads))
         self.grad_ptrs = list(map(_data_ptr, grads))
         self.table[:, _C_GRAD] = self.grad_ptrs
-        self.table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads]
+        self.table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads] if codes is None \
+            else codes
 
 
 def _build_table(engine_params, states, grads, computes):
@@ -460,16 +463,17 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         if any(map(operator.is_, grads, repeat(None))):
             return None  # a param lost its grad: rebuild without it
         # New grad objects: the bulk form of _check_grad for plain CPU tensors.
-        ok = (all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
-              and all(map(operator.is_, map(_layout_of, grads), repeat(torch.strided)))
-              and all(map(_is_cpu, grads))
-              and all(map(operator.contains, repeat(_DTYPE_CODE), map(_dtype_of, grads)))
-              and all(map(_is_contiguous, grads))
-              and list(map(_shape_of, grads)) == c.shapes)
-        if not ok:  # find the bad one and raise naming it, as the full check does
-            for i, p, g in zip(c.positions, c.eparams, grads):
+        codes = None
+        if (all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
+                and all(map(operator.is_, map(_layout_of, grads), repeat(torch.strided)))
+                and all(map(_is_cpu, grads))):
+            codes = list(map(_DTYPE_CODE.get, map(_dtype_of, grads)))
+        if (codes is None or None in codes or not all(map(_is_contiguous, grads))
+                or list(map(_shape_of, grads)) != c.shapes):
+            for i, p, g in zip(c.positions, c.eparams, grads):  # raise naming the bad one
                 _check_grad(p, g, f"param_groups[{gi}]['params'][{i}].grad")
-        c.watch_grads(grads)
+            codes = None  # all passed (a tensor subclass): look the codes up one by one
+        c.watch_grads(grads, codes)
         return c.table, grads
 
     def _new_table(self, gi, group, created):
