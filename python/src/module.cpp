@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -187,6 +188,68 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
   return p;
 }
 
+// ---- the private AdamW table (stepcore.torch's cached step) ----------------------------
+
+// The columns of one row of Engine._adamw_step_table's int64 table, one row per tensor.
+enum AdamWColumn : std::size_t {
+  kColParam,
+  kColExpAvg,
+  kColExpAvgSq,
+  kColStep,
+  kColGrad,
+  kColGradDType,
+  kColCompute,
+  kColComputeDType,
+  kColNumel,
+  kAdamWColumns
+};
+
+using AdamWTable = nb::ndarray<nb::ro, std::int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+
+// Returns the stepcore dtype of a table code (0 f32, 1 bf16, 2 f16), or throws naming base[i].
+DType table_dtype(std::int64_t code, const char* base, std::size_t i) {
+  if (code == static_cast<std::int64_t>(DType::f32)) return DType::f32;
+  if (code == static_cast<std::int64_t>(DType::bf16)) return DType::bf16;
+  if (code == static_cast<std::int64_t>(DType::f16)) return DType::f16;
+  bad_array(true, indexed(base, i),
+            "dtype code " + std::to_string(code) + " is not 0 (f32), 1 (bf16) or 2 (f16)");
+}
+
+// Throws ValueError naming 'table' unless it has kAdamWColumns columns.
+void check_table_columns(const AdamWTable& table) {
+  if (table.shape(1) != kAdamWColumns)
+    throw nb::value_error(("stepcore: size_mismatch in 'table': " + std::to_string(table.shape(1)) +
+                           " columns, expected " + std::to_string(kAdamWColumns))
+                              .c_str());
+}
+
+// The AdamW tensors of a table's rows; the pointers are taken as given (unchecked), the
+// engine then validates null pointers, sizes, dtypes and overlaps before writing.
+std::vector<AdamWTensor> tensors_of_table(const AdamWTable& table) {
+  check_table_columns(table);
+  const std::size_t n = table.shape(0);
+  std::vector<AdamWTensor> t(n);
+  const std::int64_t* row = table.data();
+  for (std::size_t i = 0; i < n; ++i, row += kAdamWColumns) {
+    const auto ptr = [&](AdamWColumn c) {
+      return reinterpret_cast<void*>(static_cast<std::uintptr_t>(row[c]));
+    };
+    if (row[kColNumel] < 0)
+      bad_array(false, indexed("table", i),
+                "numel " + std::to_string(row[kColNumel]) + " is negative");
+    const auto numel = static_cast<std::size_t>(row[kColNumel]);
+    t[i].param = TensorView{ptr(kColParam), numel, DType::f32};
+    t[i].exp_avg = TensorView{ptr(kColExpAvg), numel, DType::f32};
+    t[i].exp_avg_sq = TensorView{ptr(kColExpAvgSq), numel, DType::f32};
+    t[i].step = static_cast<float*>(ptr(kColStep));
+    t[i].grad = ConstTensorView{ptr(kColGrad), numel, table_dtype(row[kColGradDType], "grads", i)};
+    if (row[kColCompute] != 0)
+      t[i].compute_param =
+          TensorView{ptr(kColCompute), numel, table_dtype(row[kColComputeDType], "computes", i)};
+  }
+  return t;
+}
+
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
 // "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]".
 std::string python_name(const std::string& arg) {
@@ -341,6 +404,49 @@ NB_MODULE(_core, m) {
           "incremented first, f32/bf16/f16 grads read as R(R(g*grad_scale)*clip)); computes[i] "
           "receives params[i] rounded to its dtype. Bitwise: equals the reference for any ISA "
           "and thread count.")
+      .def(
+          "_adamw_step_table",
+          [](const cpu::Engine& e, const AdamWTable& table, double lr, double beta1, double beta2,
+             double eps, double weight_decay, const std::string& formula, int torch_tail_width,
+             float grad_scale, float clip) {
+            AdamWConfig config;
+            config.lr = lr;
+            config.beta1 = beta1;
+            config.beta2 = beta2;
+            config.eps = eps;
+            config.weight_decay = weight_decay;
+            config.formula = parse_formula(formula);
+            config.torch_tail_width = torch_tail_width;
+            const std::vector<AdamWTensor> t = tensors_of_table(table);
+            nb::gil_scoped_release release;
+            e.adamw_step(t, config, GradientRead{grad_scale, clip});
+          },
+          nb::arg("table"), nb::kw_only(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
+          nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
+          nb::arg("torch_tail_width") = 8, nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
+          "Private (stepcore.torch only): adamw_step over an int64 (n, 9) table of rows (param, "
+          "exp_avg, exp_avg_sq, step, grad, grad dtype, compute or 0, compute dtype, numel); the "
+          "addresses are UNCHECKED: they must be live contiguous CPU memory of that numel (the "
+          "engine still checks nulls, dtypes, overlaps, steps, hyper-parameters before writing).")
+      .def(
+          "_check_table_steps",
+          [](const cpu::Engine&, const AdamWTable& table) {
+            check_table_columns(table);
+            const std::int64_t* row = table.data();
+            for (std::size_t i = 0; i < table.shape(0); ++i, row += kAdamWColumns) {
+              const auto* step =
+                  reinterpret_cast<const float*>(static_cast<std::uintptr_t>(row[kColStep]));
+              const float s = step != nullptr ? *step : 0.0f;
+              if (!(s >= 0.0f && s < 16777215.0f && s == std::floor(s)))
+                bad_array(false, indexed("steps", i),
+                          "step counter " + std::to_string(s) +
+                              " is not an integer in [0, 2^24 - 1) (one more step must count "
+                              "exactly in f32)");
+            }
+          },
+          nb::arg("table"),
+          "Private (stepcore.torch only): checks the step counters of an _adamw_step_table table "
+          "(UNCHECKED addresses, as there), writing nothing: ValueError naming steps[i].")
       .def(
           "sign_sgd_step",
           [](const cpu::Engine& e, const Objects& params_in, const Objects& grads_in,

@@ -5,16 +5,21 @@
 ``SignSGD`` is stepcore's SignSGD, and ``clip_grad_norm_`` is signature-compatible with
 ``torch.nn.utils.clip_grad_norm_`` but computes the correctly rounded, order-independent
 norm (exact across ranks and DTensor shardings). Tensors reach the engine zero-copy
-through DLPack; the engine releases the GIL. See docs/python.md.
+(AdamW: through a cached table of addresses it validated; the rest through DLPack); the
+engine releases the GIL. See docs/python.md.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import types
 import warnings
+import weakref
+from itertools import chain, repeat
 
+import numpy as np
 import torch
 
 from . import _core
@@ -127,9 +132,11 @@ class _ComputeCopies:
 
     def __init__(self):
         self._by_param = {}
+        self.generation = 0  # advances on every set(): AdamW's cached tables compare it
 
     def set(self, param, tensor) -> None:
         """Registers `tensor` as `param`'s compute copy (None removes it)."""
+        self.generation += 1
         if tensor is None:
             self._by_param.pop(param, None)
             return
@@ -217,6 +224,82 @@ class _EngineOwner:
         return [None if c is None else c.detach() for c in computes]
 
 
+# ---- AdamW's cached engine table ------------------------------------------------------
+#
+# Engine._adamw_step_table takes one int64 row per tensor (the column order below) and
+# trusts its addresses, so a row is only ever built from tensors checked here, and reused
+# only while what it was built from is provably the same: the same param objects at the
+# same addresses, the same state dicts holding the same tensor objects, the same grad
+# objects (held weakly: a grad freed by zero_grad(set_to_none=True) invalidates the rows)
+# at the same addresses, the same compute copies at the same addresses; the step counters
+# are re-read every step (_check_table_steps: the limit _state_of checks). Replaced grads of
+# the same params are re-checked in bulk and their columns rewritten; anything else
+# changed rebuilds the group's table through the full checks. Not detected (and not
+# supported): swapping the storage of a state tensor in place (state[p]['exp_avg'].data =
+# ...) or changing a param's or grad's shape or dtype while keeping its address.
+
+(_C_PARAM, _C_EXP_AVG, _C_EXP_AVG_SQ, _C_STEP, _C_GRAD, _C_GRAD_DTYPE, _C_COMPUTE,
+ _C_COMPUTE_DTYPE, _C_NUMEL) = range(9)
+_TABLE_COLUMNS = 9
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # stepcore::DType
+_grad_of = operator.attrgetter("grad")
+_moments_and_step = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+_is_cpu = operator.attrgetter("is_cpu")
+_layout_of = operator.attrgetter("layout")
+_dtype_of = operator.attrgetter("dtype")
+_shape_of = operator.attrgetter("shape")
+
+
+class _GroupTable:
+    """One group's engine rows and the objects and addresses they were validated against."""
+
+    __slots__ = ("params", "eparams", "param_ptrs", "shapes", "grad_refs", "alive",
+                 "grad_ids", "grad_ptrs", "state_dicts", "state_tensors", "steps", "written",
+                 "compute_generation", "computes", "compute_ptrs", "table",
+                 "none_count", "positions")
+
+    def watch_grads(self, grads, codes=None) -> None:
+        """Records `grads` (weakly; freeing one marks the rows stale), their addresses and
+        dtype codes (`codes`, when the caller has them).
+
+        While none was freed their ids cannot be reused, so equal ids mean the same objects.
+        """
+        alive = self.alive = [True]
+
+        def freed(_ref, alive=alive):
+            alive[0] = False
+
+        self.grad_refs = [weakref.ref(g, freed) for g in grads]
+        self.grad_ids = list(map(id, grads))
+        self.grad_ptrs = list(map(_data_ptr, grads))
+        self.table[:, _C_GRAD] = self.grad_ptrs
+        self.table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads] if codes is None \
+            else codes
+
+
+def _build_table(engine_params, states, grads, computes):
+    """Returns the int64 (n, 9) table of checked tensors (computes: None or list with Nones)."""
+    n = len(engine_params)
+    table = np.zeros((n, _TABLE_COLUMNS), dtype=np.int64)
+    if n == 0:
+        return table
+    table[:, _C_PARAM] = list(map(_data_ptr, engine_params))
+    table[:, _C_EXP_AVG] = [_data_ptr(st["exp_avg"]) for st in states]
+    table[:, _C_EXP_AVG_SQ] = [_data_ptr(st["exp_avg_sq"]) for st in states]
+    table[:, _C_STEP] = [_data_ptr(st["step"]) for st in states]
+    table[:, _C_NUMEL] = [p.numel() for p in engine_params]
+    table[:, _C_GRAD] = list(map(_data_ptr, grads))
+    table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads]
+    if computes is not None:
+        for k, c in enumerate(computes):
+            if c is not None:
+                table[k, _C_COMPUTE] = c.data_ptr()
+                table[k, _C_COMPUTE_DTYPE] = _DTYPE_CODE[c.dtype]
+    return table
+
+
 # ---- AdamW ---------------------------------------------------------------------------
 
 
@@ -243,12 +326,14 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                         differentiable=False, fused=True, decoupled_weight_decay=True,
                         formula=formula)
         self._init_engine(isa, threads)
+        self._reset_tables()
         super().__init__(params, defaults)  # add_param_group checks every group
 
     def __setstate__(self, state):
         """Restores pickled/loaded state with torch's group keys and stepcore's defaults."""
         super().__setstate__(state)
         self._restore_engine()
+        self._reset_tables()
         for group in self.param_groups:
             group.setdefault("formula", self.defaults.get("formula", "torch"))
             for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
@@ -326,6 +411,99 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                       numel=p.numel())
         return st
 
+    # ---- the cached table (see "AdamW's cached engine table" above) ----
+
+    def _reset_tables(self) -> None:
+        """Forgets every group's cached table (state loaded, unpickled or new)."""
+        self._tables = {}
+        self._state_seen = None
+
+    def _state_unchanged(self) -> bool:
+        """Returns whether self.state maps the same params to the same dicts as last step."""
+        seen, s = self._state_seen, self.state
+        return (seen is not None and seen[0] is s and len(s) == len(seen[1])
+                and all(map(operator.is_, s.keys(), seen[1]))
+                and all(map(operator.is_, s.values(), seen[2])))
+
+    def _cached_table(self, gi, group):
+        """Returns (table, grads) of the group's cached rows when still valid, else None.
+
+        Grads replaced by new tensors (same params, same params without one) are checked
+        in bulk here, raising like the full check for a bad one, and their columns rewritten.
+        """
+        c = self._tables.get(gi)
+        if c is None:
+            return None
+        params = group["params"]
+        if (len(params) != len(c.params) or not all(map(operator.is_, params, c.params))
+                or c.compute_generation != self._compute.generation
+                or list(map(_data_ptr, c.eparams)) != c.param_ptrs
+                or list(map(_data_ptr, c.computes)) != c.compute_ptrs):
+            return None
+        try:
+            tensors = list(chain.from_iterable(map(_moments_and_step, c.state_dicts)))
+        except KeyError:
+            return None
+        if not all(map(operator.is_, tensors, c.state_tensors)):
+            return None
+        grads = list(map(_grad_of, params))
+        if c.none_count:
+            if sum(map(operator.is_, grads, repeat(None))) != c.none_count:
+                return None
+            grads = [grads[i] for i in c.positions]
+            if any(g is None for g in grads):
+                return None
+        try:  # values may have been written in place: the limit _state_of checks
+            self._engine._check_table_steps(c.table)
+        except ValueError:
+            return None  # the full check names the counter
+        if (c.alive[0] and list(map(id, grads)) == c.grad_ids
+                and list(map(_data_ptr, grads)) == c.grad_ptrs):
+            return c.table, grads
+        if any(map(operator.is_, grads, repeat(None))):
+            return None  # a param lost its grad: rebuild without it
+        # New grad objects: the bulk form of _check_grad for plain CPU tensors.
+        codes = None
+        if (all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
+                and all(map(operator.is_, map(_layout_of, grads), repeat(torch.strided)))
+                and all(map(_is_cpu, grads))):
+            codes = list(map(_DTYPE_CODE.get, map(_dtype_of, grads)))
+        if (codes is None or None in codes or not all(map(_is_contiguous, grads))
+                or list(map(_shape_of, grads)) != c.shapes):
+            for i, p, g in zip(c.positions, c.eparams, grads):  # raise naming the bad one
+                _check_grad(p, g, f"param_groups[{gi}]['params'][{i}].grad")
+            codes = None  # all passed (a tensor subclass): look the codes up one by one
+        c.watch_grads(grads, codes)
+        return c.table, grads
+
+    def _new_table(self, gi, group, created):
+        """Checks the group in full, caches its table and returns (table, grads)."""
+        self._tables.pop(gi, None)
+        entries = self._group_params_with_grads(gi, group)
+        states = [self._state_of(gi, i, p, created) for i, p, _ in entries]
+        computes = self._computes_of(gi, entries)
+        eparams = [p for _, p, _ in entries]
+        grads = [g for _, _, g in entries]
+        c = _GroupTable()
+        c.params = list(group["params"])
+        c.eparams = eparams
+        c.positions = [i for i, _, _ in entries]
+        c.none_count = len(c.params) - len(entries)
+        c.param_ptrs = list(map(_data_ptr, eparams))
+        c.shapes = list(map(_shape_of, eparams))
+        c.state_dicts = states
+        c.state_tensors = list(chain.from_iterable(map(_moments_and_step, states)))
+        c.steps = [st["step"] for st in states]
+        c.compute_generation = self._compute.generation
+        c.computes = [x for x in (computes or []) if x is not None]
+        c.compute_ptrs = list(map(_data_ptr, c.computes))
+        c.written = (eparams + [st["exp_avg"] for st in states]
+                     + [st["exp_avg_sq"] for st in states] + c.steps + c.computes)
+        c.table = _build_table(eparams, states, grads, computes)
+        c.watch_grads(grads)
+        self._tables[gi] = c
+        return c.table, grads
+
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         """One AdamW step over every group (grad_scale/found_inf: torch's fused AMP semantics)."""
@@ -344,20 +522,28 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         if found_inf is not None:
             inf_t = torch.as_tensor(found_inf).detach().to("cpu", torch.float32).reshape(())
 
-        # Pass 1: check everything (hyper-parameters through the engine, tensors here).
+        # Pass 1: check everything (hyper-parameters through the engine, tensors here, or
+        # the cached table's cheap revalidation).
         plans = []
         created = []
+        if not self._state_unchanged():
+            self._tables.clear()
         try:
             for gi, group in enumerate(self.param_groups):
                 h = self._group_hyper(gi, group)
-                entries = self._group_params_with_grads(gi, group)
-                states = [self._state_of(gi, i, p, created) for i, p, _ in entries]
-                computes = self._computes_of(gi, entries)
-                plans.append((h, entries, states, computes))
+                cached = self._cached_table(gi, group)
+                fresh = cached is None
+                table, grads = self._new_table(gi, group, created) if fresh else cached
+                plans.append((gi, h, table, grads, fresh))
         except BaseException:
             for p in created:
                 self.state.pop(p, None)
+            self._reset_tables()
             raise
+        for gi in [k for k in self._tables if k >= len(self.param_groups)]:
+            del self._tables[gi]  # groups that no longer exist
+        s = self.state
+        self._state_seen = (s, list(s.keys()), list(s.values()))
 
         # torch's fused CPU kernel returns at once when found_inf == 1, and the Python side
         # adds 1 to every step before and subtracts found_inf after: nothing changes.
@@ -365,38 +551,49 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             return loss
 
         # Pass 2: one engine call per group.
-        for k, (h, entries, states, computes) in enumerate(plans):
-            if not entries:
+        for k, (gi, h, table, grads, fresh) in enumerate(plans):
+            if not grads:
                 continue
-            params = [p for _, p, _ in entries]
-            grads = [g for _, _, g in entries]
-            steps = [st["step"] for st in states]
-            reads = grads
-            if scale_t is not None:
-                # The fused kernel divides (g / grad_scale, f32) and stores the quotient in
-                # p.grad. Divide out of place so a failing call changes nothing, then store.
-                reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
-                         for g in grads]
             try:
-                self._engine.adamw_step(
-                    _detached(params), [st["exp_avg"] for st in states],
-                    [st["exp_avg_sq"] for st in states], steps, _detached(reads), computes,
-                    **h)
+                try:
+                    reads = self._run_table(table, grads, h, scale_t)
+                except (ValueError, TypeError, NotImplementedError):
+                    if fresh:
+                        raise
+                    # The engine wrote nothing. Check the group in full, which names a bad
+                    # argument as an uncached step does, and run its fresh table once.
+                    table, grads = self._new_table(gi, self.param_groups[gi], created)
+                    reads = self._run_table(table, grads, h, scale_t)
             except BaseException:
-                stepped = {id(p) for _, ents, _, _ in plans[:k] for _, p, _ in ents}
+                stepped = {id(p) for gj, _, _, gr, _ in plans[:k] if gr
+                           for p in self._tables[gj].eparams}
                 for p in created:
                     if id(p) not in stepped:  # state of earlier groups has advanced: keep it
                         self.state.pop(p, None)
+                self._reset_tables()
                 raise
+            c = self._tables[gi]
             if scale_t is not None:
                 for g, r in zip(grads, reads):
                     g.copy_(r)
             if inf_t is not None and float(inf_t) != 0.0:
-                torch._foreach_sub_(steps, [inf_t] * len(steps))  # torch's own bookkeeping
-            _bump_versions(params + [st["exp_avg"] for st in states]
-                           + [st["exp_avg_sq"] for st in states] + steps
-                           + [c for c in (computes or []) if c is not None])
+                torch._foreach_sub_(c.steps, [inf_t] * len(c.steps))  # torch's own bookkeeping
+            _bump_versions(c.written)
         return loss
+
+    def _run_table(self, table, grads, h, scale_t):
+        """Runs the engine on `table`; with a grad scale on quotients g / scale, returned."""
+        reads = grads
+        if scale_t is not None:
+            # The fused kernel divides (g / grad_scale, f32) and stores the quotient in
+            # p.grad. Divide out of place so a failing call changes nothing; step() stores.
+            reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
+                     for g in grads]
+            table = table.copy()
+            table[:, _C_GRAD] = list(map(_data_ptr, reads))
+            table[:, _C_GRAD_DTYPE] = _DTYPE_CODE[torch.float32]
+        self._engine._adamw_step_table(table, **h)
+        return reads
 
 
 # ---- SignSGD -------------------------------------------------------------------------

@@ -521,6 +521,166 @@ def test_engine_error_in_a_later_group_keeps_earlier_state():
     assert o.state[ps[0]]["step"].item() == 1 and ps[1] not in o.state
 
 
+# ---- the cached engine table: reused only while provably valid ---------------------
+
+
+def twin_optimizers(sizes, seed, **kw):
+    """Returns (ours, ref, stepcore AdamW, torch fused AdamW, generator) from the same start."""
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    ours = [torch.nn.Parameter(x.clone()) for x in init]
+    ref = [torch.nn.Parameter(x.clone()) for x in init]
+    for p in ours:
+        allow_any_grad_dtype(p)
+    return (ours, ref, st.AdamW(ours, lr=1e-2, weight_decay=0.1, **kw),
+            torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, fused=True), gen)
+
+
+def assert_twins(o, r, ours, ref, what):
+    """Asserts params and state of both optimizers are bit-identical."""
+    for i, (p, q) in enumerate(zip(ours, ref)):
+        assert_bits(p, q, f"{what} param {i}")
+        if q in r.state:
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert_bits(o.state[p][key], r.state[q][key], f"{what} {key} {i}")
+
+
+def test_cached_step_after_grads_replaced_equals_torch():
+    """In-place grads reuse the table; set_to_none, new dtypes, a param losing and regaining
+    its grad rewrite or rebuild it; every step equals torch's fused AdamW."""
+    ours, ref, o, r, gen = twin_optimizers([1, 7, 300, 33], 21)
+    tables = []
+    for k in range(8):
+        if k in (2, 5):
+            o.zero_grad(set_to_none=True)
+            r.zero_grad(set_to_none=True)
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            if k == 4 and i == 1:  # no grad this step: the param does not step
+                p.grad = q.grad = None
+                continue
+            g = make_grad(p.numel(), gen).to(torch.bfloat16 if k == 3 else torch.float32)
+            if p.grad is not None and p.grad.dtype == g.dtype:
+                p.grad.copy_(g)  # the same grad objects: the cached rows as they are
+                q.grad.copy_(g.float())
+            else:
+                p.grad, q.grad = g.clone(), g.float()
+        o.step()
+        r.step()
+        tables.append(o._tables[0])
+        assert_twins(o, r, ours, ref, f"step {k}")
+    assert tables[1] is tables[0] and tables[3] is tables[2]  # reused, not rebuilt
+
+
+def test_cached_step_after_param_data_replaced_equals_torch():
+    ours, ref, o, r, gen = twin_optimizers([5, 64], 22)
+    for k in range(5):
+        if k == 2:
+            new = torch.randn(64, generator=gen)
+            ours[1].data = new.clone()  # new storage: the table must not write the old one
+            ref[1].data = new.clone()
+        gs = grads_for(ours, gen)
+        apply(ours, gs)
+        apply(ref, gs)
+        o.step()
+        r.step()
+        assert_twins(o, r, ours, ref, f"step {k}")
+
+
+def test_cached_step_after_add_param_group_equals_torch():
+    ours, ref, o, r, gen = twin_optimizers([9, 17], 23)
+    for k in range(5):
+        if k == 2:
+            x = torch.randn(40, generator=gen)
+            ours.append(torch.nn.Parameter(x.clone()))
+            ref.append(torch.nn.Parameter(x.clone()))
+            o.add_param_group({"params": ours[2:], "lr": 3e-3})
+            r.add_param_group({"params": ref[2:], "lr": 3e-3})
+        gs = grads_for(ours, gen)
+        apply(ours, gs)
+        apply(ref, gs)
+        o.step()
+        r.step()
+        assert_twins(o, r, ours, ref, f"step {k}")
+
+
+def test_cached_step_with_grad_scale_and_compute_copy_equals_torch():
+    ours, ref, o, r, gen = twin_optimizers([3, 70], 24)
+    compute = torch.empty(70, dtype=torch.bfloat16)
+    for k in range(5):
+        if k == 2:
+            o.set_compute_copy(ours[1], compute)
+        gs = grads_for(ours, gen)
+        for p, q, g in zip(ours, ref, gs):
+            if p.grad is None:
+                p.grad, q.grad = g.clone(), g.clone()
+            else:
+                p.grad.copy_(g)
+                q.grad.copy_(g)
+        for opt in (o, r):  # GradScaler's protocol: attributes the fused step reads
+            opt.grad_scale = torch.tensor(3.0 if k % 2 else 1024.0)
+            opt.found_inf = torch.tensor(0.0)
+        o.step()
+        r.step()
+        assert_twins(o, r, ours, ref, f"step {k}")
+        for p, q in zip(ours, ref):
+            assert_bits(p.grad, q.grad, f"step {k} unscaled grad")
+        if k >= 2:
+            assert_bits(compute, ref[1].detach().to(torch.bfloat16), f"step {k} compute copy")
+
+
+@pytest.mark.parametrize("breakage,error,match", [
+    ("grad_data_non_contiguous", ValueError,
+     r"param_groups\[1\]\['params'\]\[0\]\.grad.*contiguous"),
+    ("grad_replaced_float64", TypeError, r"param_groups\[1\]\['params'\]\[0\]\.grad.*float64"),
+    ("param_data_bf16", NotImplementedError,
+     r"param_groups\[1\]\['params'\]\[0\].*non-float32"),
+    ("state_replaced_float64", TypeError,
+     r"param_groups\[1\]\['params'\]\[0\].*exp_avg.*float64"),
+    ("step_written_in_place", ValueError, r"param_groups\[1\]\['params'\]\[0\].*step"),
+])
+def test_bad_input_on_the_cached_path_names_argument_and_changes_nothing(breakage, error, match):
+    """After two steps (the table cached), a breakage raises naming the argument (as the
+    uncached step does) before anything is written, in every group."""
+    o, ps = two_group_setup()
+    o.step()  # the grads of two_group_setup: now every group's table is cached and reused
+    p = ps[1]
+    allow_any_grad_dtype(p)
+    if breakage == "grad_data_non_contiguous":
+        p.grad.data = torch.randn(24)[::2]  # the same grad object, new storage
+    elif breakage == "grad_replaced_float64":
+        p.grad = torch.randn(12, dtype=torch.float64)
+    elif breakage == "param_data_bf16":
+        p.data = torch.zeros(12, dtype=torch.bfloat16)
+    elif breakage == "state_replaced_float64":
+        o.state[p]["exp_avg"] = torch.zeros(12, dtype=torch.float64)
+    elif breakage == "step_written_in_place":
+        o.state[p]["step"].fill_(2.0**24 - 1)  # the same tensor object, a value off limits
+    tensors = everything(o, ps)
+    before = fingerprint(tensors)
+    with pytest.raises(error, match=match):
+        o.step()
+    assert fingerprint(tensors) == before
+
+
+def test_table_entry_checks_its_table():
+    """The private entry still names bad columns, null pointers and step counters."""
+    e = stepcore.Engine(threads=1)
+    h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match="table.*columns"):
+        e._adamw_step_table(np.zeros((2, 8), dtype=np.int64), **h)
+    with pytest.raises(ValueError, match="params\\[0\\]"):
+        e._adamw_step_table(np.array([[0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), **h)
+    t = [torch.zeros(1) for _ in range(4)]
+    row = [x.data_ptr() for x in t] + [torch.ones(1).data_ptr()]
+    with pytest.raises(TypeError, match="grads\\[0\\]"):
+        e._adamw_step_table(np.array([row + [7, 0, 0, 1]], dtype=np.int64), **h)
+    t[3].fill_(2.0**24 - 1)
+    with pytest.raises(ValueError, match="steps\\[0\\]"):
+        e._check_table_steps(np.array([row + [0, 0, 0, 1]], dtype=np.int64))
+    assert all(float(x.sum()) == 2.0**24 - 1 if k == 3 else float(x.sum()) == 0
+               for k, x in enumerate(t))
+
+
 # ---- threads -----------------------------------------------------------------------
 
 
