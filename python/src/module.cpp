@@ -142,6 +142,20 @@ AdamWFormula parse_formula(const std::string& name) {
           .c_str());
 }
 
+// The AdamW configuration of the keyword arguments (validated by the engine's call).
+AdamWConfig adamw_config(double lr, double beta1, double beta2, double eps, double weight_decay,
+                         const std::string& formula, int torch_tail_width) {
+  AdamWConfig config;
+  config.lr = lr;
+  config.beta1 = beta1;
+  config.beta2 = beta2;
+  config.eps = eps;
+  config.weight_decay = weight_decay;
+  config.formula = parse_formula(formula);
+  config.torch_tail_width = torch_tail_width;
+  return config;
+}
+
 // The partial as a plain int64 vector: 20 digits, nan_count, inf_count, max_abs_bits,
 // approximate (kPartialWords). SUM of every word but max_abs_bits, MAX of that one,
 // combine partials exactly (the digits stay below 2^63 for up to 2^31 partials).
@@ -370,14 +384,8 @@ NB_MODULE(_core, m) {
             same_length(steps.size(), n, "steps");
             same_length(grads.size(), n, "grads");
             if (computes) same_length(computes->size(), n, "computes");
-            AdamWConfig config;
-            config.lr = lr;
-            config.beta1 = beta1;
-            config.beta2 = beta2;
-            config.eps = eps;
-            config.weight_decay = weight_decay;
-            config.formula = parse_formula(formula);
-            config.torch_tail_width = torch_tail_width;
+            const AdamWConfig config =
+                adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
             std::vector<AdamWTensor> t(n);
             for (std::size_t i = 0; i < n; ++i) {
               t[i].param = view_of(params[i], indexed("params", i));
@@ -409,14 +417,8 @@ NB_MODULE(_core, m) {
           [](const cpu::Engine& e, const AdamWTable& table, double lr, double beta1, double beta2,
              double eps, double weight_decay, const std::string& formula, int torch_tail_width,
              float grad_scale, float clip) {
-            AdamWConfig config;
-            config.lr = lr;
-            config.beta1 = beta1;
-            config.beta2 = beta2;
-            config.eps = eps;
-            config.weight_decay = weight_decay;
-            config.formula = parse_formula(formula);
-            config.torch_tail_width = torch_tail_width;
+            const AdamWConfig config =
+                adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
             const std::vector<AdamWTensor> t = tensors_of_table(table);
             nb::gil_scoped_release release;
             e.adamw_step(t, config, GradientRead{grad_scale, clip});
