@@ -55,7 +55,8 @@ std::unique_ptr<GradientManager> make(OffloadMode mode, const std::vector<std::s
   std::vector<float> w;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     w.resize(sizes[i]);
-    for (std::size_t j = 0; j < w.size(); ++j) w[j] = 1e-3f * static_cast<float>((i * 131 + j) % 977);
+    for (std::size_t j = 0; j < w.size(); ++j)
+      w[j] = 1e-3f * static_cast<float>((i * 131 + j) % 977);
     m->load_parameter(i, w);
   }
   std::vector<std::uint16_t> g;
@@ -141,14 +142,16 @@ int main(int argc, char** argv) {
   }
   const std::string path = dir + "/stepcore-bench-" + std::to_string(::getpid()) + ".stepcore";
   const std::string probe = path + ".probe";
-  std::printf("checkpoint of %.1f M parameters (%zu tensors, AdamW: master, exp_avg, exp_avg_sq) "
-              "in %s, median of %d\n",
-              static_cast<double>(total) * 1e-6, sizes.size(), dir.c_str(), repeats);
+  std::printf(
+      "checkpoint of %.1f M parameters (%zu tensors, AdamW: master, exp_avg, exp_avg_sq) "
+      "in %s, median of %d\n",
+      static_cast<double>(total) * 1e-6, sizes.size(), dir.c_str(), repeats);
   std::vector<char> buf(8u << 20, 1);
   auto dev = device::make_host_device();
   for (OffloadMode mode : {OffloadMode::full, OffloadMode::none}) {
     auto saver = make(mode, sizes, *dev);
-    auto loader = make(mode == OffloadMode::full ? OffloadMode::none : OffloadMode::full, sizes, *dev);
+    auto loader =
+        make(mode == OffloadMode::full ? OffloadMode::none : OffloadMode::full, sizes, *dev);
     // Validate: what is loaded is what was saved (and the loader's state differed before).
     saver->save_checkpoint(path);
     const auto want = state_of(*saver);
@@ -171,16 +174,16 @@ int main(int argc, char** argv) {
       pr_s.push_back(probe_read(probe, whole));
     }
     const double gb = static_cast<double>(bytes) * 1e-9;
-    std::printf("  save from mode %-4s %7.1f MB: %.3f s = %5.2f GB/s; probe write+fsync %.3f s = "
-                "%5.2f GB/s; ratio %.2f\n",
-                std::string(offload_mode_name(mode)).c_str(), gb * 1e3, median(save_s),
-                gb / median(save_s), median(pw_s), gb / median(pw_s),
-                median(pw_s) / median(save_s));
-    std::printf("  load into mode %-4s %7.1f MB: %.3f s = %5.2f GB/s; probe read %.3f s = "
-                "%5.2f GB/s; ratio %.2f\n",
-                std::string(offload_mode_name(loader->mode())).c_str(), gb * 1e3, median(load_s),
-                gb / median(load_s), median(pr_s), gb / median(pr_s),
-                median(pr_s) / median(load_s));
+    std::printf(
+        "  save from mode %-4s %7.1f MB: %.3f s = %5.2f GB/s; probe write+fsync %.3f s = "
+        "%5.2f GB/s; ratio %.2f\n",
+        std::string(offload_mode_name(mode)).c_str(), gb * 1e3, median(save_s), gb / median(save_s),
+        median(pw_s), gb / median(pw_s), median(pw_s) / median(save_s));
+    std::printf(
+        "  load into mode %-4s %7.1f MB: %.3f s = %5.2f GB/s; probe read %.3f s = "
+        "%5.2f GB/s; ratio %.2f\n",
+        std::string(offload_mode_name(loader->mode())).c_str(), gb * 1e3, median(load_s),
+        gb / median(load_s), median(pr_s), gb / median(pr_s), median(pr_s) / median(load_s));
     saver->close();
     loader->close();
   }
@@ -188,7 +191,8 @@ int main(int argc, char** argv) {
   std::filesystem::remove(probe);
   // The checksum against a plain pass over the same bytes.
   std::vector<std::byte> data(256u << 20);
-  for (std::size_t i = 0; i < data.size(); ++i) data[i] = static_cast<std::byte>(i * 2654435761u >> 24);
+  for (std::size_t i = 0; i < data.size(); ++i)
+    data[i] = static_cast<std::byte>(i * 2654435761u >> 24);
   std::vector<double> crc_s, sum_s;
   std::uint32_t crc = 0;
   std::uint64_t sum = 0;
@@ -202,9 +206,10 @@ int main(int argc, char** argv) {
     sum_s.push_back(seconds_since(t0));
   }
   const double gb = static_cast<double>(data.size()) * 1e-9;
-  std::printf("  crc32c 256 MiB: %5.2f GB/s; probe (64-bit sum, one thread) %5.2f GB/s; ratio "
-              "%.2f  [%08x %016llx]\n",
-              gb / median(crc_s), gb / median(sum_s), median(sum_s) / median(crc_s), crc,
-              static_cast<unsigned long long>(sum));
+  std::printf(
+      "  crc32c 256 MiB: %5.2f GB/s; probe (64-bit sum, one thread) %5.2f GB/s; ratio "
+      "%.2f  [%08x %016llx]\n",
+      gb / median(crc_s), gb / median(sum_s), median(sum_s) / median(crc_s), crc,
+      static_cast<unsigned long long>(sum));
   return 0;
 }

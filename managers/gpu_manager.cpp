@@ -160,11 +160,11 @@ class GpuGradientManager final : public ManagerImpl {
   std::size_t workspace_bytes_ = 0;
   std::byte* hmem_ = nullptr;
   StepScalars* d_ = nullptr;
-  float* d_steps_ = nullptr;       // AdamW step counters, one per parameter
-  StepHyper* d_hyper_ = nullptr;   // per group: lr and weight decay as the kernels read them
-  StepHyper* h_hyper_ = nullptr;   // their pinned staging (rewritten only between steps)
-  std::uint64_t hyper_uploaded_ = 0;           // hyper_version() of d_hyper_'s values
-  std::vector<const double*> d_bias_;          // per group: its betas' bias table
+  float* d_steps_ = nullptr;           // AdamW step counters, one per parameter
+  StepHyper* d_hyper_ = nullptr;       // per group: lr and weight decay as the kernels read them
+  StepHyper* h_hyper_ = nullptr;       // their pinned staging (rewritten only between steps)
+  std::uint64_t hyper_uploaded_ = 0;   // hyper_version() of d_hyper_'s values
+  std::vector<const double*> d_bias_;  // per group: its betas' bias table
   ChunkScalars* d_chunks_ = nullptr;
   std::int32_t* d_flags_ = nullptr;
   HostWords* h_ = nullptr;
@@ -612,8 +612,8 @@ void GpuGradientManager::do_begin_step() {
   ring_next_ = 0;
 }
 
-void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
-                                           ConstTensorView grad, const Event& written) {
+void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
+                                           const Event& written) {
   const Param& q = params_[i];
   dev_.wait(Queue::compute, written);  // the trainer's write, before the read
   const AccumulatePair pair{q.acc, grad, first_in_step};

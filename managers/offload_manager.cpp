@@ -120,7 +120,7 @@ class OffloadGradientManager final : public ManagerImpl {
   };
   GroupConfigs group_configs() const;
   void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs);  // worker
-  void upload_chunk(std::size_t k, const Event& after);  // on the worker
+  void upload_chunk(std::size_t k, const Event& after);                            // on the worker
   void wait_uploads();
 
   Device& dev_;
@@ -376,25 +376,24 @@ void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
   const Chunk& c = chunks()[k];
   const std::vector<ParamSpec>& specs = config().params;
   // One call per parameter group.
-  for_each_group(
-      specs, groups().size(), c.first, c.last,
-      [&](std::size_t group, std::span<const std::size_t> members) {
-        if (is_adamw()) {
-          std::vector<AdamWTensor> t;
-          for (std::size_t i : members) {
-            const Param& p = params_[i];
-            t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
-          }
-          engine_.adamw_step(t, configs.adamw[group], read);
-        } else {
-          std::vector<SignSgdTensor> t;
-          for (std::size_t i : members)
-            t.push_back({params_[i].master, params_[i].acc, params_[i].out});
-          // SignSGD does not apply the (positive) scale and clip: read them
-          // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
-          engine_.sign_sgd_step(t, configs.sign_sgd[group], GradientRead{});
-        }
-      });
+  for_each_group(specs, groups().size(), c.first, c.last,
+                 [&](std::size_t group, std::span<const std::size_t> members) {
+                   if (is_adamw()) {
+                     std::vector<AdamWTensor> t;
+                     for (std::size_t i : members) {
+                       const Param& p = params_[i];
+                       t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+                     }
+                     engine_.adamw_step(t, configs.adamw[group], read);
+                   } else {
+                     std::vector<SignSgdTensor> t;
+                     for (std::size_t i : members)
+                       t.push_back({params_[i].master, params_[i].acc, params_[i].out});
+                     // SignSGD does not apply the (positive) scale and clip: read them
+                     // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
+                     engine_.sign_sgd_step(t, configs.sign_sgd[group], GradientRead{});
+                   }
+                 });
 }
 
 void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after) {

@@ -88,8 +88,8 @@ struct Setup {
   std::vector<ParamSpec> params;  ///< the whole model
   OptimizerSpec optimizer;
   std::size_t chunk_elements = 0;
-  std::optional<float> max_norm;  ///< clip_grad_norm(*max_norm) in every step
-  bool overlap = false;           ///< begin_step(scale, overlap)
+  std::optional<float> max_norm;   ///< clip_grad_norm(*max_norm) in every step
+  bool overlap = false;            ///< begin_step(scale, overlap)
   std::vector<ParamGroup> groups;  ///< ManagerConfig::groups (empty: the optimizer's values)
   /// When set: group g's lr and weight decay in step s (set_hyperparameters before it).
   std::function<StepHyper(int step, std::size_t group)> schedule;

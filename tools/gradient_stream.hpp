@@ -6,12 +6,12 @@
 // observable result after every step.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <algorithm>
 #include <limits>
 #include <optional>
 #include <random>
@@ -191,7 +191,8 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
   for (int s = opts.first_step; s < opts.first_step + opts.steps; ++s) {
     const StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
     if (opts.schedule)
-      for (std::size_t g = 0; g < m.group_count(); ++g) m.set_hyperparameters(g, opts.schedule(s, g));
+      for (std::size_t g = 0; g < m.group_count(); ++g)
+        m.set_hyperparameters(g, opts.schedule(s, g));
     m.begin_step(plan.scale, opts.overlap);
     for (int mb = 0; mb < plan.micro_batches; ++mb) {
       m.begin_backward(mb + 1 == plan.micro_batches);
