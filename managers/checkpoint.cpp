@@ -55,28 +55,6 @@ std::string param_arg(std::size_t i, const char* field) {
   return "checkpoint.params[" + std::to_string(i) + "]." + field;
 }
 
-// Throws unless every value of `a` is finite (and >= 0 when `non_negative`), naming it.
-void check_values(std::span<const float> a, std::size_t i, const char* field,
-                  const std::string& param, const std::string& path, bool non_negative) {
-  // One branch-free pass over the bits (vectorised): an exponent of all ones is NaN or
-  // Inf; above 0x80000000 is a negative value other than -0. Only a bad array is searched.
-  std::uint32_t bad = 0;
-  for (const float x : a) {
-    const auto b = std::bit_cast<std::uint32_t>(x);
-    bad |= static_cast<std::uint32_t>((b & 0x7F800000u) == 0x7F800000u) |
-           static_cast<std::uint32_t>(non_negative && b > 0x80000000u);
-  }
-  if (bad == 0) return;
-  for (std::size_t j = 0; j < a.size(); ++j) {
-    if (!std::isfinite(a[j]))
-      throw Error(Errc::non_finite, param_arg(i, field),
-                  path + ": element " + std::to_string(j) + " of '" + param + "' is not finite");
-    if (non_negative && a[j] < 0.0f)
-      throw Error(Errc::invalid_argument, param_arg(i, field),
-                  path + ": element " + std::to_string(j) + " of '" + param + "' is negative");
-  }
-}
-
 }  // namespace
 
 void GradientManager::save_checkpoint(const std::string& path) {
@@ -88,20 +66,29 @@ void GradientManager::save_checkpoint(const std::string& path) {
   m.guarded([&] { m.do_step_counts(steps); });
   const ckpt::Header header = header_of(*this, steps);
   // Host-resident state is written in place; device state through one parameter's copy.
+  // The source is asked for each parameter's arrays in order: one lookup per parameter.
   std::vector<float> copy[3];
-  std::size_t copied = n;  // the parameter `copy` holds
+  std::span<const float> arrays[3];
+  std::size_t current = n;  // the parameter `arrays` describe
   const bool adamw = m.is_adamw();
   const ckpt::ArraySource source = [&](std::size_t i, std::size_t a) -> std::span<const float> {
-    const HostState h = m.guarded([&] { return m.do_host_state(i); });
-    const std::size_t numel = m.config_.params[i].numel;
-    if (numel == 0) return {};
-    if (!h.master.empty()) return a == 0 ? h.master : a == 1 ? h.exp_avg : h.exp_avg_sq;
-    if (copied != i) {
-      for (auto& v : copy) v.assign(adamw ? numel : (&v == &copy[0] ? numel : 0), 0.0f);
-      m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
-      copied = i;
+    if (current != i) {
+      current = i;
+      const HostState h = m.guarded([&] { return m.do_host_state(i); });
+      const std::size_t numel = m.config_.params[i].numel;
+      if (numel == 0 || !h.master.empty()) {
+        arrays[0] = h.master;
+        arrays[1] = h.exp_avg;
+        arrays[2] = h.exp_avg_sq;
+      } else {  // device memory (mode none)
+        copy[0].assign(numel, 0.0f);
+        copy[1].assign(adamw ? numel : 0, 0.0f);
+        copy[2].assign(adamw ? numel : 0, 0.0f);
+        m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
+        for (int k = 0; k < 3; ++k) arrays[k] = copy[k];
+      }
     }
-    return copy[a];
+    return arrays[a];
   };
   ckpt::save(path, header, source);
 }
@@ -118,16 +105,15 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool adamw = m.is_adamw();
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const std::string& name = h.params[i].name;
-    check_values(file.array(i, 0), i, "master", name, path, false);
+    const std::string where = path + ", parameter '" + name + "': ";
+    const std::size_t numel = h.params[i].numel;
+    detail::check_state_values(file.array(i, 0), numel, param_arg(i, "master"), false, where);
     if (adamw) {
-      check_values(file.array(i, 1), i, "exp_avg", name, path, false);
-      check_values(file.array(i, 2), i, "exp_avg_sq", name, path, true);
+      detail::check_state_values(file.array(i, 1), numel, param_arg(i, "exp_avg"), false, where);
+      detail::check_state_values(file.array(i, 2), numel, param_arg(i, "exp_avg_sq"), true, where);
     }
     const float step = h.params[i].step;
-    const bool step_ok = adamw ? std::isfinite(step) && step >= 0.0f && step <= 16777216.0f &&
-                                     step == std::floor(step)
-                               : step == 0.0f && !std::signbit(step);
-    if (!step_ok)
+    if (!detail::valid_step_count(step, adamw))
       throw Error(Errc::invalid_argument, param_arg(i, "step"),
                   path + ": step counter " + std::to_string(step) + " of '" + name + "' is not " +
                       (adamw ? "an integer in [0, 2^24]" : "0 (SignSGD)"));

@@ -3,6 +3,7 @@
 // bookkeeping and the optimizer-in-backward trigger; the modes implement its hooks. The
 // public GradientManager forwards every call to it. Also the mode and optimizer parsers.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -237,34 +238,45 @@ float GradientManager::effective_gradient_scale() const noexcept {
   return impl_->scale_ * impl_->clip_;
 }
 
-namespace {
+namespace detail {
 
-// Throws unless `values` has `want` elements, all finite (and >= 0 when `non_negative`).
-void check_state_array(std::span<const float> values, std::size_t want, const char* name,
-                       bool non_negative = false) {
+void check_state_values(std::span<const float> values, std::size_t want, const std::string& name,
+                        bool non_negative, const std::string& where) {
   if (values.size() != want)
-    throw Error(
-        Errc::size_mismatch, name,
-        std::to_string(values.size()) + " values for " + std::to_string(want) + " elements");
+    throw Error(Errc::size_mismatch, name,
+                where + std::to_string(values.size()) + " values for " + std::to_string(want) +
+                    " elements");
+  // An exponent of all ones is NaN or Inf; above 0x80000000 is a negative value but -0.
+  std::uint32_t bad = 0;
+  for (const float x : values) {
+    const auto b = std::bit_cast<std::uint32_t>(x);
+    bad |= static_cast<std::uint32_t>((b & 0x7F800000u) == 0x7F800000u) |
+           static_cast<std::uint32_t>(non_negative && b > 0x80000000u);
+  }
+  if (bad == 0) return;
   for (std::size_t j = 0; j < values.size(); ++j) {
     if (!std::isfinite(values[j]))
-      throw Error(Errc::non_finite, name, "element " + std::to_string(j) + " is not finite");
+      throw Error(Errc::non_finite, name,
+                  where + "element " + std::to_string(j) + " is not finite");
     if (non_negative && values[j] < 0.0f)
-      throw Error(Errc::invalid_argument, name,
-                  "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
+      throw Error(
+          Errc::invalid_argument, name,
+          where + "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
   }
 }
 
-// The largest step counter an f32 counter holds exactly.
-constexpr float kMaxStepCount = 16777216.0f;  // 2^24
+bool valid_step_count(float step, bool adamw) noexcept {
+  if (!adamw) return step == 0.0f && !std::signbit(step);
+  return step >= 0.0f && step <= 16777216.0f && step == std::floor(step);  // NaN fails
+}
 
-}  // namespace
+}  // namespace detail
 
 void GradientManager::load_parameter(std::size_t i, std::span<const float> master) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "load_parameter", "only between steps");
   m.expect_param(i);
-  check_state_array(master, m.config_.params[i].numel, "master");
+  detail::check_state_values(master, m.config_.params[i].numel, "master", false);
   m.guarded([&] { m.do_import_parameter(i, master, {}, {}, 0.0f); });
 }
 
@@ -276,17 +288,15 @@ void GradientManager::import_parameter(std::size_t i, std::span<const float> mas
   m.expect_param(i);
   const std::size_t numel = m.config_.params[i].numel;
   const std::size_t moments = m.is_adamw() ? numel : 0;
-  check_state_array(master, numel, "master");
-  check_state_array(exp_avg, moments, "exp_avg");
-  check_state_array(exp_avg_sq, moments, "exp_avg_sq", /*non_negative=*/true);
+  detail::check_state_values(master, numel, "master", false);
+  detail::check_state_values(exp_avg, moments, "exp_avg", false);
+  detail::check_state_values(exp_avg_sq, moments, "exp_avg_sq", /*non_negative=*/true);
   if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");
-  if (m.is_adamw()) {
-    if (!(step >= 0.0f && step <= kMaxStepCount) || step != std::floor(step))
-      throw Error(Errc::out_of_range, "step",
-                  std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)");
-  } else if (step != 0.0f || std::signbit(step)) {
-    throw Error(Errc::invalid_argument, "step", "SignSGD has no step counter: pass 0");
-  }
+  if (!detail::valid_step_count(step, m.is_adamw()))
+    throw Error(m.is_adamw() ? Errc::out_of_range : Errc::invalid_argument, "step",
+                m.is_adamw()
+                    ? std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)"
+                    : std::string("SignSGD has no step counter: pass 0"));
   m.guarded([&] { m.do_import_parameter(i, master, exp_avg, exp_avg_sq, step); });
 }
 

@@ -141,6 +141,15 @@ decltype(auto) ManagerImpl::guarded(F&& f) {
   }
 }
 
+/// Throws unless `values` has `want` elements, all finite (and >= 0 when `non_negative`):
+/// Errc::size_mismatch / non_finite / invalid_argument naming `name`, the message prefixed
+/// by `where` (e.g. "<path>: "). One branch-free pass; only a bad array is searched.
+void check_state_values(std::span<const float> values, std::size_t want, const std::string& name,
+                        bool non_negative, const std::string& where = "");
+/// Returns true for a step counter a manager can continue from: for AdamW an integer in
+/// [0, 2^24] (what an f32 counter holds exactly), for SignSGD (no counter) +0.
+bool valid_step_count(float step, bool adamw) noexcept;
+
 /// Runs `check` (a validation of a resolved optimizer configuration, whose errors name
 /// "config.<field>") and rethrows its Error naming `group_prefix` + field for a group's
 /// fields (lr, weight_decay, beta1, beta2, eps) and `optimizer_prefix` + field otherwise.

@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxsimd-dev libhwloc-dev hwloc libnuma-dev
   libopenmpi-dev openmpi-bin
+  python3-dev python3-venv python3-pip  # the Python package: headers, the test venv, pip
 )
 
 # --tsan adds what the tsan preset needs: clang and LLVM's OpenMP (with the Archer tool).

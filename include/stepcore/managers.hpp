@@ -204,7 +204,8 @@ class GradientManager final {
   /// device's compute queue (the trainer's stream, when the device was made on it).
   void gradient_ready(std::size_t i, const device::Event& written = {});
   /// The same hook for a gradient in the caller's buffer (FSDP's reduced shard): `grad`
-  /// (device memory; the host device's is host memory) holds numel elements of
+  /// (device memory: on the host device, memory from its allocate(), or any host memory
+  /// when it was made with HostDeviceMemory::any_host_memory) holds numel elements of
   /// grad_dtype, aligned to the element size. The manager reads it after `written`,
   /// never writes it, and keeps no reference to it once gradient_released(i) is
   /// complete: from then on the caller may rewrite or free it.
