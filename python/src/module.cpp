@@ -24,19 +24,21 @@
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
+#include "arrays.hpp"
 
 namespace nb = nanobind;
 using namespace stepcore;
 
 namespace {
 
-// ---- arrays -------------------------------------------------------------------------
+// ---- arrays (arrays.hpp: the C exchange API or nanobind's ndarray, one check) ---------
 
-using Array = nb::ndarray<>;              // writable, any dtype and device (checked here)
-using ConstArray = nb::ndarray<nb::ro>;   // read-only view accepted too
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
+using python::Access;
+using python::ArgName;
+using python::Memory;
 
-// The Python exception for a bad array: TypeError for its dtype, ValueError otherwise.
+// The Python exception for a bad argument: TypeError for its dtype, ValueError otherwise.
 [[noreturn]] void bad_array(bool type_error, const std::string& name, const std::string& why) {
   const std::string msg =
       "stepcore: " + std::string(type_error ? "unsupported_dtype" : "invalid_argument") + " in '" +
@@ -45,81 +47,21 @@ using Objects = std::vector<nb::object>;  // a Python list of arrays, converted 
   throw nb::value_error(msg.c_str());
 }
 
-// Returns the stepcore dtype of a DLPack dtype, or throws TypeError naming `name`.
-DType dtype_of(nb::dlpack::dtype t, const std::string& name) {
-  const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
-  if (t.lanes == 1) {
-    if (code == nb::dlpack::dtype_code::Float && t.bits == 32) return DType::f32;
-    if (code == nb::dlpack::dtype_code::Float && t.bits == 16) return DType::f16;
-    if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return DType::bf16;
-  }
-  bad_array(true, name,
-            "dtype (code " + std::to_string(t.code) + ", " + std::to_string(t.bits) +
-                " bits) is not float32, bfloat16 or float16");
-}
-
-// Checks that `a` is C-contiguous CPU memory and returns its view (numel, dtype).
-template <class A>
-TensorView view_of(const A& a, const std::string& name) {
-  if (a.device_type() != nb::device::cpu::value)
-    bad_array(false, name,
-              "must be CPU memory (device type " + std::to_string(a.device_type()) +
-                  "); the CPU engine reads and writes host memory");
-  std::int64_t expect = 1;
-  std::size_t numel = 1;
-  for (std::size_t d = 0; d < a.ndim(); ++d) numel *= a.shape(d);
-  for (std::size_t d = a.ndim(); d-- > 0 && numel != 0;) {  // an empty array has any strides
-    if (a.shape(d) != 1 && a.stride(d) != expect)
-      bad_array(false, name,
-                "must be C-contiguous (dimension " + std::to_string(d) + " has stride " +
-                    std::to_string(a.stride(d)) + ", not " + std::to_string(expect) + ")");
-    expect *= static_cast<std::int64_t>(a.shape(d));
-  }
-  return TensorView{const_cast<void*>(static_cast<const void*>(a.data())), numel,
-                    dtype_of(a.dtype(), name)};
-}
-
 std::string indexed(const char* base, std::size_t i) {
-  return std::string(base) + "[" + std::to_string(i) + "]";
+  return ArgName{base, static_cast<std::ptrdiff_t>(i)}.str();
 }
 
-// Returns `h` as an array, or throws TypeError naming `name` (a meta tensor, a list, ...).
-template <class A>
-A array_of(nb::handle h, const std::string& name) {
-  A a;
-  if (!nb::try_cast(h, a))
-    bad_array(true, name,
-              "a " + std::string(nb::type_name(h.type()).c_str()) +
-                  " is not an array stepcore can read (DLPack or the buffer protocol, in CPU or "
-                  "CUDA memory)");
-  return a;
+// The checked CPU view of list entry base[i].
+TensorView cpu_view(nb::handle h, const char* base, std::size_t i, Access access) {
+  return python::array_arg(h, ArgName{base, static_cast<std::ptrdiff_t>(i)}, Memory::cpu, access)
+      .view;
 }
 
-// The arrays of a Python list, each converted and named base[i].
-template <class A>
-std::vector<A> arrays_of(const std::vector<nb::object>& list, const char* base) {
-  std::vector<A> out;
-  out.reserve(list.size());
-  for (std::size_t i = 0; i < list.size(); ++i)
-    out.push_back(array_of<A>(list[i], indexed(base, i)));
-  return out;
-}
-
-// The optional compute outputs: None, or a list whose entries are None or arrays.
-std::optional<std::vector<std::optional<Array>>> optional_arrays(const std::optional<Objects>& in) {
-  if (!in) return std::nullopt;
-  std::vector<std::optional<Array>> out;
-  for (std::size_t i = 0; i < in->size(); ++i)
-    out.push_back((*in)[i].is_none() ? std::optional<Array>{}
-                                     : array_of<Array>((*in)[i], indexed("computes", i)));
-  return out;
-}
-
-template <class A>
-std::vector<TensorView> views_of(const std::vector<A>& list, const char* base) {
+// The checked CPU views of a Python list's arrays, each named base[i].
+std::vector<TensorView> cpu_views(const Objects& list, const char* base, Access access) {
   std::vector<TensorView> out;
   out.reserve(list.size());
-  for (std::size_t i = 0; i < list.size(); ++i) out.push_back(view_of(list[i], indexed(base, i)));
+  for (std::size_t i = 0; i < list.size(); ++i) out.push_back(cpu_view(list[i], base, i, access));
   return out;
 }
 
@@ -202,67 +144,158 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
   return p;
 }
 
-// ---- the private AdamW table (stepcore.torch's cached step) ----------------------------
+// ---- stepcore.torch.AdamW's cached rows (private) --------------------------------------
 
-// The columns of one row of Engine._adamw_step_table's int64 table, one row per tensor.
-enum AdamWColumn : std::size_t {
-  kColParam,
-  kColExpAvg,
-  kColExpAvgSq,
-  kColStep,
-  kColGrad,
-  kColGradDType,
-  kColCompute,
-  kColComputeDType,
-  kColNumel,
-  kAdamWColumns
-};
-
-using AdamWTable = nb::ndarray<nb::ro, std::int64_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
-
-// Returns the stepcore dtype of a table code (0 f32, 1 bf16, 2 f16), or throws naming base[i].
-DType table_dtype(std::int64_t code, const char* base, std::size_t i) {
-  if (code == static_cast<std::int64_t>(DType::f32)) return DType::f32;
-  if (code == static_cast<std::int64_t>(DType::bf16)) return DType::bf16;
-  if (code == static_cast<std::int64_t>(DType::f16)) return DType::f16;
-  bad_array(true, indexed(base, i),
-            "dtype code " + std::to_string(code) + " is not 0 (f32), 1 (bf16) or 2 (f16)");
-}
-
-// Throws ValueError naming 'table' unless it has kAdamWColumns columns.
-void check_table_columns(const AdamWTable& table) {
-  if (table.shape(1) != kAdamWColumns)
-    throw nb::value_error(("stepcore: size_mismatch in 'table': " + std::to_string(table.shape(1)) +
-                           " columns, expected " + std::to_string(kAdamWColumns))
-                              .c_str());
-}
-
-// The AdamW tensors of a table's rows; the pointers are taken as given (unchecked), the
-// engine then validates null pointers, sizes, dtypes and overlaps before writing.
-std::vector<AdamWTensor> tensors_of_table(const AdamWTable& table) {
-  check_table_columns(table);
-  const std::size_t n = table.shape(0);
-  std::vector<AdamWTensor> t(n);
-  const std::int64_t* row = table.data();
-  for (std::size_t i = 0; i < n; ++i, row += kAdamWColumns) {
-    const auto ptr = [&](AdamWColumn c) {
-      return reinterpret_cast<void*>(static_cast<std::uintptr_t>(row[c]));
-    };
-    if (row[kColNumel] < 0)
-      bad_array(false, indexed("table", i),
-                "numel " + std::to_string(row[kColNumel]) + " is negative");
-    const auto numel = static_cast<std::size_t>(row[kColNumel]);
-    t[i].param = TensorView{ptr(kColParam), numel, DType::f32};
-    t[i].exp_avg = TensorView{ptr(kColExpAvg), numel, DType::f32};
-    t[i].exp_avg_sq = TensorView{ptr(kColExpAvgSq), numel, DType::f32};
-    t[i].step = static_cast<float*>(ptr(kColStep));
-    t[i].grad = ConstTensorView{ptr(kColGrad), numel, table_dtype(row[kColGradDType], "grads", i)};
-    if (row[kColCompute] != 0)
-      t[i].compute_param =
-          TensorView{ptr(kColCompute), numel, table_dtype(row[kColComputeDType], "computes", i)};
+// One param group's rows, built from objects stepcore.torch checked in full, and re-read on
+// every step at C speed: each param's grad (via the `grad` attribute) and the param and
+// grad arrays themselves (so replaced grads and swapped param storage are seen), the state
+// dicts' entries by identity (a replaced exp_avg, exp_avg_sq or step makes the rows stale;
+// swapping a state tensor's storage in place is not supported), the compute copies'
+// arrays. Anything that no longer matches the full check's result makes step() return
+// False having written nothing; the torch layer then rebuilds the rows through the full
+// check, which names the bad argument.
+class AdamWRows {
+ public:
+  // `params`: the group's params in order; `rows`: the positions that have state rows;
+  // `states`: their state dicts; `computes`: None or one entry (None or array) per row;
+  // `grad_types`: the exact types a grad may have (torch.Tensor).
+  AdamWRows(Objects params, std::vector<std::size_t> rows, Objects states,
+            std::optional<Objects> computes, Objects grad_types)
+      : params_(std::move(params)), states_(std::move(states)), grad_types_(std::move(grad_types)) {
+    same_length(states_.size(), rows.size(), "states");
+    if (computes) same_length(computes->size(), rows.size(), "computes");
+    row_of_.assign(params_.size(), kNoRow);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      if (rows[r] >= params_.size() || row_of_[rows[r]] != kNoRow)
+        throw nb::value_error("stepcore: invalid_argument in 'rows': not distinct param indices");
+      row_of_[rows[r]] = r;
+    }
+    tensors_.resize(rows.size());
+    grad_objects_.resize(rows.size());
+    state_objects_.resize(3 * rows.size());
+    computes_.resize(rows.size());
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      const nb::handle st = states_[r];
+      if (!PyDict_Check(st.ptr()))
+        throw nb::type_error("stepcore: invalid_argument in 'states': not a dict");
+      for (int k = 0; k < 3; ++k) {
+        PyObject* v = PyDict_GetItemWithError(st.ptr(), key(k));
+        if (v == nullptr) {
+          if (PyErr_Occurred()) throw nb::python_error();
+          throw nb::value_error(("stepcore: invalid_argument in 'states': a state lacks '" +
+                                 std::string(kKeys[k]) + "'")
+                                    .c_str());
+        }
+        state_objects_[3 * r + k] = nb::borrow(v);
+      }
+      tensors_[r].exp_avg = cpu_view(state_objects_[3 * r], "exp_avgs", r, Access::write);
+      tensors_[r].exp_avg_sq = cpu_view(state_objects_[3 * r + 1], "exp_avg_sqs", r, Access::write);
+      const TensorView step = cpu_view(state_objects_[3 * r + 2], "steps", r, Access::write);
+      if (step.dtype != DType::f32 || step.numel != 1)
+        bad_array(step.dtype != DType::f32, indexed("steps", r),
+                  "must be one float32 value (torch's 0-dim step tensor)");
+      tensors_[r].step = static_cast<float*>(step.data);
+      if (computes && !(*computes)[r].is_none()) computes_[r] = (*computes)[r];
+    }
   }
-  return t;
-}
+
+  // Re-reads the rows with each param's current grad (or `grads`, one per row, when given:
+  // the torch layer's unscaled quotients). Returns false when they are stale.
+  bool prepare(nb::handle group_params, const std::optional<Objects>& grads) {
+    prepared_ = false;
+    if (!PyList_Check(group_params.ptr()) ||
+        static_cast<std::size_t>(PyList_GET_SIZE(group_params.ptr())) != params_.size())
+      return false;
+    if (grads && grads->size() != tensors_.size()) return false;
+    static PyObject* const grad_name = PyUnicode_InternFromString("grad");
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      PyObject* p = PyList_GET_ITEM(group_params.ptr(), static_cast<Py_ssize_t>(i));
+      if (p != params_[i].ptr()) return false;
+      PyObject* g = PyObject_GetAttr(p, grad_name);
+      if (g == nullptr) throw nb::python_error();
+      const nb::object grad = nb::steal(g);
+      const std::size_t r = row_of_[i];
+      if (r == kNoRow) {
+        if (!grad.is_none()) return false;  // a param gained a grad: it needs state
+        continue;
+      }
+      if (grad.is_none() || !known_grad_type(grad)) return false;
+      const nb::handle st = states_[r];
+      for (int k = 0; k < 3; ++k)
+        if (PyDict_GetItemWithError(st.ptr(), key(k)) != state_objects_[3 * r + k].ptr()) {
+          if (PyErr_Occurred()) throw nb::python_error();
+          return false;
+        }
+      AdamWTensor& t = tensors_[r];
+      try {
+        t.param = cpu_view(p, "params", r, Access::write);
+        if (t.param.dtype != DType::f32) return false;
+        const nb::handle read = grads ? nb::handle((*grads)[r]) : nb::handle(grad);
+        const TensorView gv = cpu_view(read, "grads", r, Access::read);
+        if (gv.numel != t.param.numel) return false;
+        t.grad = gv;
+        grad_objects_[r] = nb::borrow(read);  // alive until run()
+        t.compute_param = computes_[r].is_valid()
+                              ? cpu_view(computes_[r], "computes", r, Access::write)
+                              : TensorView{};
+      } catch (const nb::builtin_exception&) {
+        return false;  // the full check names what is wrong
+      }
+      if (t.exp_avg.numel != t.param.numel || t.exp_avg_sq.numel != t.param.numel) return false;
+      const float counter = *t.step;  // written in place? the full check names it
+      if (!(counter >= 0.0f && counter < 16777215.0f && counter == std::floor(counter)))
+        return false;
+    }
+    prepared_ = true;
+    return true;
+  }
+
+  // One AdamW step over the rows prepare() just read (their objects must still be alive:
+  // the caller holds them). Raises what the engine raises, before writing anything.
+  void run(const cpu::Engine& e, const AdamWConfig& config, GradientRead read) {
+    if (!prepared_)
+      throw nb::value_error("stepcore: invalid_argument in 'rows': run() without prepare()");
+    prepared_ = false;
+    const auto release_grads = [&] {
+      for (nb::object& g : grad_objects_) g.reset();
+    };
+    try {
+      nb::gil_scoped_release release;
+      e.adamw_step(tensors_, config, read);
+    } catch (...) {
+      release_grads();
+      throw;
+    }
+    release_grads();
+  }
+
+ private:
+  static constexpr std::size_t kNoRow = static_cast<std::size_t>(-1);
+  static constexpr const char* kKeys[3] = {"exp_avg", "exp_avg_sq", "step"};
+
+  static PyObject* key(int k) {
+    static PyObject* const keys[3] = {PyUnicode_InternFromString(kKeys[0]),
+                                      PyUnicode_InternFromString(kKeys[1]),
+                                      PyUnicode_InternFromString(kKeys[2])};
+    return keys[k];
+  }
+
+  bool known_grad_type(nb::handle g) const {
+    for (const nb::object& t : grad_types_)
+      if (reinterpret_cast<PyObject*>(Py_TYPE(g.ptr())) == t.ptr()) return true;
+    return false;
+  }
+
+  Objects params_;                      // the group's params, in order (identity)
+  std::vector<std::size_t> row_of_;     // param index -> row, kNoRow without state
+  Objects states_;                      // per row: the state dict
+  Objects state_objects_;               // per row: exp_avg, exp_avg_sq, step (identity)
+  Objects computes_;                    // per row: the compute copy or an invalid handle
+  Objects grad_types_;                  // exact types a grad may have
+  Objects grad_objects_;                // per row: the grad prepare() read, until run()
+  std::vector<AdamWTensor> tensors_;    // per row: the views prepare() read
+  bool prepared_ = false;               // prepare() succeeded and run() has not run since
+};
 
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
 // "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]".
@@ -372,33 +405,27 @@ NB_MODULE(_core, m) {
              std::optional<Objects> computes_in, double lr, double beta1, double beta2, double eps,
              double weight_decay, const std::string& formula, int torch_tail_width,
              float grad_scale, float clip) {
-            const auto params = arrays_of<Array>(params_in, "params");
-            const auto exp_avgs = arrays_of<Array>(exp_avgs_in, "exp_avgs");
-            const auto exp_avg_sqs = arrays_of<Array>(exp_avg_sqs_in, "exp_avg_sqs");
-            const auto steps = arrays_of<Array>(steps_in, "steps");
-            const auto grads = arrays_of<ConstArray>(grads_in, "grads");
-            const auto computes = optional_arrays(computes_in);
-            const std::size_t n = params.size();
-            same_length(exp_avgs.size(), n, "exp_avgs");
-            same_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
-            same_length(steps.size(), n, "steps");
-            same_length(grads.size(), n, "grads");
-            if (computes) same_length(computes->size(), n, "computes");
+            const std::size_t n = params_in.size();
+            same_length(exp_avgs_in.size(), n, "exp_avgs");
+            same_length(exp_avg_sqs_in.size(), n, "exp_avg_sqs");
+            same_length(steps_in.size(), n, "steps");
+            same_length(grads_in.size(), n, "grads");
+            if (computes_in) same_length(computes_in->size(), n, "computes");
             const AdamWConfig config =
                 adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
             std::vector<AdamWTensor> t(n);
             for (std::size_t i = 0; i < n; ++i) {
-              t[i].param = view_of(params[i], indexed("params", i));
-              t[i].exp_avg = view_of(exp_avgs[i], indexed("exp_avgs", i));
-              t[i].exp_avg_sq = view_of(exp_avg_sqs[i], indexed("exp_avg_sqs", i));
-              const TensorView s = view_of(steps[i], indexed("steps", i));
+              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
+              t[i].exp_avg = cpu_view(exp_avgs_in[i], "exp_avgs", i, Access::write);
+              t[i].exp_avg_sq = cpu_view(exp_avg_sqs_in[i], "exp_avg_sqs", i, Access::write);
+              const TensorView s = cpu_view(steps_in[i], "steps", i, Access::write);
               if (s.dtype != DType::f32 || s.numel != 1)
                 bad_array(s.dtype != DType::f32, indexed("steps", i),
                           "must be one float32 value (torch's 0-dim step tensor)");
               t[i].step = static_cast<float*>(s.data);
-              t[i].grad = view_of(grads[i], indexed("grads", i));
-              if (computes && (*computes)[i])
-                t[i].compute_param = view_of(*(*computes)[i], indexed("computes", i));
+              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
+              if (computes_in && !(*computes_in)[i].is_none())
+                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
             }
             nb::gil_scoped_release release;
             e.adamw_step(t, config, GradientRead{grad_scale, clip});
@@ -413,61 +440,21 @@ NB_MODULE(_core, m) {
           "receives params[i] rounded to its dtype. Bitwise: equals the reference for any ISA "
           "and thread count.")
       .def(
-          "_adamw_step_table",
-          [](const cpu::Engine& e, const AdamWTable& table, double lr, double beta1, double beta2,
-             double eps, double weight_decay, const std::string& formula, int torch_tail_width,
-             float grad_scale, float clip) {
-            const AdamWConfig config =
-                adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
-            const std::vector<AdamWTensor> t = tensors_of_table(table);
-            nb::gil_scoped_release release;
-            e.adamw_step(t, config, GradientRead{grad_scale, clip});
-          },
-          nb::arg("table"), nb::kw_only(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
-          nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
-          nb::arg("torch_tail_width") = 8, nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
-          "Private (stepcore.torch only): adamw_step over an int64 (n, 9) table of rows (param, "
-          "exp_avg, exp_avg_sq, step, grad, grad dtype, compute or 0, compute dtype, numel); the "
-          "addresses are UNCHECKED: they must be live contiguous CPU memory of that numel (the "
-          "engine still checks nulls, dtypes, overlaps, steps, hyper-parameters before writing).")
-      .def(
-          "_check_table_steps",
-          [](const cpu::Engine&, const AdamWTable& table) {
-            check_table_columns(table);
-            const std::int64_t* row = table.data();
-            for (std::size_t i = 0; i < table.shape(0); ++i, row += kAdamWColumns) {
-              const auto* step =
-                  reinterpret_cast<const float*>(static_cast<std::uintptr_t>(row[kColStep]));
-              const float s = step != nullptr ? *step : 0.0f;
-              if (!(s >= 0.0f && s < 16777215.0f && s == std::floor(s)))
-                bad_array(false, indexed("steps", i),
-                          "step counter " + std::to_string(s) +
-                              " is not an integer in [0, 2^24 - 1) (one more step must count "
-                              "exactly in f32)");
-            }
-          },
-          nb::arg("table"),
-          "Private (stepcore.torch only): checks the step counters of an _adamw_step_table table "
-          "(UNCHECKED addresses, as there), writing nothing: ValueError naming steps[i].")
-      .def(
           "sign_sgd_step",
           [](const cpu::Engine& e, const Objects& params_in, const Objects& grads_in,
              std::optional<Objects> computes_in, double lr, double weight_decay) {
-            const auto params = arrays_of<Array>(params_in, "params");
-            const auto grads = arrays_of<ConstArray>(grads_in, "grads");
-            const auto computes = optional_arrays(computes_in);
-            const std::size_t n = params.size();
-            same_length(grads.size(), n, "grads");
-            if (computes) same_length(computes->size(), n, "computes");
+            const std::size_t n = params_in.size();
+            same_length(grads_in.size(), n, "grads");
+            if (computes_in) same_length(computes_in->size(), n, "computes");
             SignSgdConfig config;
             config.lr = lr;
             config.weight_decay = weight_decay;
             std::vector<SignSgdTensor> t(n);
             for (std::size_t i = 0; i < n; ++i) {
-              t[i].param = view_of(params[i], indexed("params", i));
-              t[i].grad = view_of(grads[i], indexed("grads", i));
-              if (computes && (*computes)[i])
-                t[i].compute_param = view_of(*(*computes)[i], indexed("computes", i));
+              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
+              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
+              if (computes_in && !(*computes_in)[i].is_none())
+                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
             }
             nb::gil_scoped_release release;
             e.sign_sgd_step(t, config);
@@ -478,13 +465,11 @@ NB_MODULE(_core, m) {
       .def(
           "accumulate",
           [](const cpu::Engine& e, const Objects& accs_in, const Objects& srcs_in, bool copy) {
-            const auto accs = arrays_of<Array>(accs_in, "accs");
-            const auto srcs = arrays_of<ConstArray>(srcs_in, "srcs");
-            same_length(srcs.size(), accs.size(), "srcs");
-            std::vector<AccumulatePair> pairs(accs.size());
-            for (std::size_t i = 0; i < accs.size(); ++i) {
-              pairs[i].acc = view_of(accs[i], indexed("accs", i));
-              pairs[i].src = view_of(srcs[i], indexed("srcs", i));
+            same_length(srcs_in.size(), accs_in.size(), "srcs");
+            std::vector<AccumulatePair> pairs(accs_in.size());
+            for (std::size_t i = 0; i < accs_in.size(); ++i) {
+              pairs[i].acc = cpu_view(accs_in[i], "accs", i, Access::write);
+              pairs[i].src = cpu_view(srcs_in[i], "srcs", i, Access::read);
               pairs[i].copy = copy;
             }
             nb::gil_scoped_release release;
@@ -495,8 +480,7 @@ NB_MODULE(_core, m) {
       .def(
           "scale_",
           [](const cpu::Engine& e, const Objects& tensors, float factor) {
-            const std::vector<TensorView> v =
-                views_of(arrays_of<Array>(tensors, "tensors"), "tensors");
+            const std::vector<TensorView> v = cpu_views(tensors, "tensors", Access::write);
             nb::gil_scoped_release release;
             e.scale_(v, factor);
           },
@@ -505,8 +489,7 @@ NB_MODULE(_core, m) {
           "norm_partial",
           [](const cpu::Engine& e, const Objects& tensors, float grad_scale, float clip,
              bool exact) {
-            const std::vector<TensorView> v =
-                views_of(arrays_of<ConstArray>(tensors, "tensors"), "tensors");
+            const std::vector<TensorView> v = cpu_views(tensors, "tensors", Access::read);
             const std::vector<ConstTensorView> cv(v.begin(), v.end());
             NormPartial p;
             {
@@ -537,5 +520,32 @@ NB_MODULE(_core, m) {
       [](float norm, float max_norm) { return clip_coefficient(norm, max_norm); }, nb::arg("norm"),
       nb::arg("max_norm"),
       "min(1, max_norm / (norm + 1e-6)) in f32 as torch.nn.utils.clip_grad_norm_ computes it.");
+  nb::class_<AdamWRows>(m, "_AdamWRows",
+                        "Private (stepcore.torch only): one param group's cached AdamW rows.")
+      .def(nb::init<Objects, std::vector<std::size_t>, Objects, std::optional<Objects>, Objects>(),
+           nb::arg("params"), nb::arg("rows"), nb::arg("states"), nb::arg("computes").none(),
+           nb::arg("grad_types"))
+      .def("prepare", &AdamWRows::prepare, nb::arg("group_params"),
+           nb::arg("grads").none() = nb::none(),
+           "Re-reads the rows with each param's current grad (or `grads`): False when stale.")
+      .def(
+          "run",
+          [](AdamWRows& rows, const cpu::Engine& e, double lr, double beta1, double beta2,
+             double eps, double weight_decay, const std::string& formula, int torch_tail_width,
+             float grad_scale, float clip) {
+            rows.run(e, adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width),
+                     GradientRead{grad_scale, clip});
+          },
+          nb::arg("engine"), nb::kw_only(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
+          nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
+          nb::arg("torch_tail_width") = 8, nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
+          "One AdamW step over the rows prepare() just read (the engine checks everything "
+          "before writing).");
+  m.def("_exchange_imports", &python::exchange_imports,
+        "Private (tests): array imports through the DLPack C exchange API so far.");
+  m.def(
+      "_stream_address", [](nb::handle stream) { return python::stream_address(stream); },
+      nb::arg("stream").none(),
+      "Private (tests): the cudaStream_t address a stream argument names (None: 0).");
   bind_managers(m);
 }

@@ -16,8 +16,7 @@ import operator
 import threading
 import types
 import warnings
-import weakref
-from itertools import chain, repeat
+
 
 import numpy as np
 import torch
@@ -224,80 +223,29 @@ class _EngineOwner:
         return [None if c is None else c.detach() for c in computes]
 
 
-# ---- AdamW's cached engine table ------------------------------------------------------
+# ---- AdamW's cached rows ---------------------------------------------------------------
 #
-# Engine._adamw_step_table takes one int64 row per tensor (the column order below) and
-# trusts its addresses, so a row is only ever built from tensors checked here, and reused
-# only while what it was built from is provably the same: the same param objects at the
-# same addresses, the same state dicts holding the same tensor objects, the same grad
-# objects (held weakly: a grad freed by zero_grad(set_to_none=True) invalidates the rows)
-# at the same addresses, the same compute copies at the same addresses; the step counters
-# are re-read every step (_check_table_steps: the limit _state_of checks). Replaced grads of
-# the same params are re-checked in bulk and their columns rewritten; anything else
-# changed rebuilds the group's table through the full checks. Not detected (and not
-# supported): swapping the storage of a state tensor in place (state[p]['exp_avg'].data =
-# ...) or changing a param's or grad's shape or dtype while keeping its address.
+# A group is checked in full (here, naming every bad argument) when it is first stepped or
+# anything about it changed; the result is a _core._AdamWRows, which re-reads at C speed on
+# every step what may change between steps: each param's grad (new grad objects, a grad
+# gained or lost), the param's and grad's arrays (so swapped storage is seen; through the
+# DLPack C exchange API) and the compute copies, and compares the state dicts' exp_avg,
+# exp_avg_sq and step entries by identity. When anything no longer matches it writes
+# nothing and the group is checked in full again. Not detected (and not supported):
+# swapping a state tensor's storage in place (state[p]['exp_avg'].data = ...).
+# Version counters: the params and compute copies, which autograd may have saved, advance
+# after every step as torch's in-place update does; the moments and step counters are the
+# optimizer's own and their counters do not advance (see docs/python.md).
 
-(_C_PARAM, _C_EXP_AVG, _C_EXP_AVG_SQ, _C_STEP, _C_GRAD, _C_GRAD_DTYPE, _C_COMPUTE,
- _C_COMPUTE_DTYPE, _C_NUMEL) = range(9)
-_TABLE_COLUMNS = 9
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # stepcore::DType
 _grad_of = operator.attrgetter("grad")
-_moments_and_step = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
-_data_ptr = torch.Tensor.data_ptr
-_is_contiguous = torch.Tensor.is_contiguous
-_is_cpu = operator.attrgetter("is_cpu")
-_layout_of = operator.attrgetter("layout")
-_dtype_of = operator.attrgetter("dtype")
-_shape_of = operator.attrgetter("shape")
+_GRAD_TYPES = [torch.Tensor]  # exact types of grads the rows take (others: the full path)
 
 
-class _GroupTable:
-    """One group's engine rows and the objects and addresses they were validated against."""
+class _GroupRows:
+    """One group's cached rows and what the step needs beside them."""
 
-    __slots__ = ("params", "eparams", "param_ptrs", "shapes", "grad_refs", "alive",
-                 "grad_ids", "grad_ptrs", "state_dicts", "state_tensors", "steps", "written",
-                 "compute_generation", "computes", "compute_ptrs", "table",
-                 "none_count", "positions")
-
-    def watch_grads(self, grads, codes=None) -> None:
-        """Records `grads` (weakly; freeing one marks the rows stale), their addresses and
-        dtype codes (`codes`, when the caller has them).
-
-        While none was freed their ids cannot be reused, so equal ids mean the same objects.
-        """
-        alive = self.alive = [True]
-
-        def freed(_ref, alive=alive):
-            alive[0] = False
-
-        self.grad_refs = [weakref.ref(g, freed) for g in grads]
-        self.grad_ids = list(map(id, grads))
-        self.grad_ptrs = list(map(_data_ptr, grads))
-        self.table[:, _C_GRAD] = self.grad_ptrs
-        self.table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads] if codes is None \
-            else codes
-
-
-def _build_table(engine_params, states, grads, computes):
-    """Returns the int64 (n, 9) table of checked tensors (computes: None or list with Nones)."""
-    n = len(engine_params)
-    table = np.zeros((n, _TABLE_COLUMNS), dtype=np.int64)
-    if n == 0:
-        return table
-    table[:, _C_PARAM] = list(map(_data_ptr, engine_params))
-    table[:, _C_EXP_AVG] = [_data_ptr(st["exp_avg"]) for st in states]
-    table[:, _C_EXP_AVG_SQ] = [_data_ptr(st["exp_avg_sq"]) for st in states]
-    table[:, _C_STEP] = [_data_ptr(st["step"]) for st in states]
-    table[:, _C_NUMEL] = [p.numel() for p in engine_params]
-    table[:, _C_GRAD] = list(map(_data_ptr, grads))
-    table[:, _C_GRAD_DTYPE] = [_DTYPE_CODE[g.dtype] for g in grads]
-    if computes is not None:
-        for k, c in enumerate(computes):
-            if c is not None:
-                table[k, _C_COMPUTE] = c.data_ptr()
-                table[k, _C_COMPUTE_DTYPE] = _DTYPE_CODE[c.dtype]
-    return table
+    __slots__ = ("rows", "eparams", "states", "steps", "computes", "bump",
+                 "compute_generation", "usable", "reads")
 
 
 # ---- AdamW ---------------------------------------------------------------------------
@@ -426,83 +374,31 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                 and all(map(operator.is_, s.values(), seen[2])))
 
     def _cached_table(self, gi, group):
-        """Returns (table, grads) of the group's cached rows when still valid, else None.
-
-        Grads replaced by new tensors (same params, same params without one) are checked
-        in bulk here, raising like the full check for a bad one, and their columns rewritten.
-        """
+        """Returns the group's cached rows when their computes are current, else None."""
         c = self._tables.get(gi)
-        if c is None:
+        if c is None or c.compute_generation != self._compute.generation:
             return None
-        params = group["params"]
-        if (len(params) != len(c.params) or not all(map(operator.is_, params, c.params))
-                or c.compute_generation != self._compute.generation
-                or list(map(_data_ptr, c.eparams)) != c.param_ptrs
-                or list(map(_data_ptr, c.computes)) != c.compute_ptrs):
-            return None
-        try:
-            tensors = list(chain.from_iterable(map(_moments_and_step, c.state_dicts)))
-        except KeyError:
-            return None
-        if not all(map(operator.is_, tensors, c.state_tensors)):
-            return None
-        grads = list(map(_grad_of, params))
-        if c.none_count:
-            if sum(map(operator.is_, grads, repeat(None))) != c.none_count:
-                return None
-            grads = [grads[i] for i in c.positions]
-            if any(g is None for g in grads):
-                return None
-        try:  # values may have been written in place: the limit _state_of checks
-            self._engine._check_table_steps(c.table)
-        except ValueError:
-            return None  # the full check names the counter
-        if (c.alive[0] and list(map(id, grads)) == c.grad_ids
-                and list(map(_data_ptr, grads)) == c.grad_ptrs):
-            return c.table, grads
-        if any(map(operator.is_, grads, repeat(None))):
-            return None  # a param lost its grad: rebuild without it
-        # New grad objects: the bulk form of _check_grad for plain CPU tensors.
-        codes = None
-        if (all(map(operator.is_, map(type, grads), repeat(torch.Tensor)))
-                and all(map(operator.is_, map(_layout_of, grads), repeat(torch.strided)))
-                and all(map(_is_cpu, grads))):
-            codes = list(map(_DTYPE_CODE.get, map(_dtype_of, grads)))
-        if (codes is None or None in codes or not all(map(_is_contiguous, grads))
-                or list(map(_shape_of, grads)) != c.shapes):
-            for i, p, g in zip(c.positions, c.eparams, grads):  # raise naming the bad one
-                _check_grad(p, g, f"param_groups[{gi}]['params'][{i}].grad")
-            codes = None  # all passed (a tensor subclass): look the codes up one by one
-        c.watch_grads(grads, codes)
-        return c.table, grads
+        return c
 
     def _new_table(self, gi, group, created):
-        """Checks the group in full, caches its table and returns (table, grads)."""
+        """Checks the group in full and caches its rows."""
         self._tables.pop(gi, None)
         entries = self._group_params_with_grads(gi, group)
         states = [self._state_of(gi, i, p, created) for i, p, _ in entries]
         computes = self._computes_of(gi, entries)
-        eparams = [p for _, p, _ in entries]
-        grads = [g for _, _, g in entries]
-        c = _GroupTable()
-        c.params = list(group["params"])
-        c.eparams = eparams
-        c.positions = [i for i, _, _ in entries]
-        c.none_count = len(c.params) - len(entries)
-        c.param_ptrs = list(map(_data_ptr, eparams))
-        c.shapes = list(map(_shape_of, eparams))
-        c.state_dicts = states
-        c.state_tensors = list(chain.from_iterable(map(_moments_and_step, states)))
+        c = _GroupRows()
+        c.eparams = [p for _, p, _ in entries]
+        c.states = states
         c.steps = [st["step"] for st in states]
+        c.computes = computes
         c.compute_generation = self._compute.generation
-        c.computes = [x for x in (computes or []) if x is not None]
-        c.compute_ptrs = list(map(_data_ptr, c.computes))
-        c.written = (eparams + [st["exp_avg"] for st in states]
-                     + [st["exp_avg_sq"] for st in states] + c.steps + c.computes)
-        c.table = _build_table(eparams, states, grads, computes)
-        c.watch_grads(grads)
+        c.bump = c.eparams + [x for x in (computes or []) if x is not None]
+        c.rows = _core._AdamWRows(list(group["params"]), [i for i, _, _ in entries], states,
+                                  computes, _GRAD_TYPES)
+        c.usable = True
+        c.reads = None
         self._tables[gi] = c
-        return c.table, grads
+        return c
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
@@ -522,8 +418,8 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         if found_inf is not None:
             inf_t = torch.as_tensor(found_inf).detach().to("cpu", torch.float32).reshape(())
 
-        # Pass 1: check everything (hyper-parameters through the engine, tensors here, or
-        # the cached table's cheap revalidation).
+        # Pass 1: check everything before any group is written (hyper-parameters through
+        # the engine; tensors by the cached rows, or in full when they are stale).
         plans = []
         created = []
         if not self._state_unchanged():
@@ -531,10 +427,11 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         try:
             for gi, group in enumerate(self.param_groups):
                 h = self._group_hyper(gi, group)
-                cached = self._cached_table(gi, group)
-                fresh = cached is None
-                table, grads = self._new_table(gi, group, created) if fresh else cached
-                plans.append((gi, h, table, grads, fresh))
+                c = self._cached_table(gi, group)
+                if c is None or not self._prepare(c, group, scale_t):
+                    c = self._new_table(gi, group, created)
+                    c.usable = self._prepare(c, group, scale_t)
+                plans.append((h, c))
         except BaseException:
             for p in created:
                 self.state.pop(p, None)
@@ -551,49 +448,50 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             return loss
 
         # Pass 2: one engine call per group.
-        for k, (gi, h, table, grads, fresh) in enumerate(plans):
-            if not grads:
+        for k, (h, c) in enumerate(plans):
+            if not c.eparams:
                 continue
             try:
-                try:
-                    reads = self._run_table(table, grads, h, scale_t)
-                except (ValueError, TypeError, NotImplementedError):
-                    if fresh:
-                        raise
-                    # The engine wrote nothing. Check the group in full, which names a bad
-                    # argument as an uncached step does, and run its fresh table once.
-                    table, grads = self._new_table(gi, self.param_groups[gi], created)
-                    reads = self._run_table(table, grads, h, scale_t)
+                if c.usable:
+                    c.rows.run(self._engine, **h)
+                else:  # the rows cannot read these tensors (a torch without the C exchange API)
+                    self._run_lists(c, h)
             except BaseException:
-                stepped = {id(p) for gj, _, _, gr, _ in plans[:k] if gr
-                           for p in self._tables[gj].eparams}
+                stepped = {id(p) for _, cj in plans[:k] for p in cj.eparams}
                 for p in created:
                     if id(p) not in stepped:  # state of earlier groups has advanced: keep it
                         self.state.pop(p, None)
                 self._reset_tables()
                 raise
-            c = self._tables[gi]
-            if scale_t is not None:
-                for g, r in zip(grads, reads):
-                    g.copy_(r)
+            if c.reads is not None:
+                for p, r in zip(c.eparams, c.reads):
+                    p.grad.copy_(r)  # the fused kernel stores g / grad_scale in p.grad
+                c.reads = None
             if inf_t is not None and float(inf_t) != 0.0:
                 torch._foreach_sub_(c.steps, [inf_t] * len(c.steps))  # torch's own bookkeeping
-            _bump_versions(c.written)
+            _bump_versions(c.bump)
         return loss
 
-    def _run_table(self, table, grads, h, scale_t):
-        """Runs the engine on `table`; with a grad scale on quotients g / scale, returned."""
-        reads = grads
+    def _prepare(self, c, group, scale_t) -> bool:
+        """Has the rows re-read the group (with a grad scale: on quotients g / scale)."""
+        c.reads = None
         if scale_t is not None:
             # The fused kernel divides (g / grad_scale, f32) and stores the quotient in
             # p.grad. Divide out of place so a failing call changes nothing; step() stores.
-            reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
-                     for g in grads]
-            table = table.copy()
-            table[:, _C_GRAD] = list(map(_data_ptr, reads))
-            table[:, _C_GRAD_DTYPE] = _DTYPE_CODE[torch.float32]
-        self._engine._adamw_step_table(table, **h)
-        return reads
+            grads = list(map(_grad_of, c.eparams))
+            if any(g is None for g in grads):
+                return False
+            c.reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
+                       for g in grads]
+        return c.rows.prepare(group["params"], c.reads)
+
+    def _run_lists(self, c, h) -> None:
+        """The step through Engine.adamw_step on detached tensors (no cached rows)."""
+        grads = c.reads if c.reads is not None else list(map(_grad_of, c.eparams))
+        self._engine.adamw_step(
+            _detached(c.eparams), _detached([st["exp_avg"] for st in c.states]),
+            _detached([st["exp_avg_sq"] for st in c.states]), _detached(c.steps),
+            _detached(grads), c.computes, **h)
 
 
 # ---- SignSGD -------------------------------------------------------------------------

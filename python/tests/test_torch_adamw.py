@@ -662,23 +662,41 @@ def test_bad_input_on_the_cached_path_names_argument_and_changes_nothing(breakag
     assert fingerprint(tensors) == before
 
 
-def test_table_entry_checks_its_table():
-    """The private entry still names bad columns, null pointers and step counters."""
+def test_cached_rows_refuse_what_no_longer_matches():
+    """The private rows re-read every step: stale objects make prepare() False (the full
+    check then names them) and run() needs a prepare()."""
     e = stepcore.Engine(threads=1)
+    ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    states = [dict(step=torch.zeros(()), exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))]
+    rows = stepcore._core._AdamWRows(ps, [0], states, None, [torch.Tensor])
     h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
-    with pytest.raises(ValueError, match="table.*columns"):
-        e._adamw_step_table(np.zeros((2, 8), dtype=np.int64), **h)
-    with pytest.raises(ValueError, match="params\\[0\\]"):
-        e._adamw_step_table(np.array([[0, 0, 0, 0, 0, 0, 0, 0, 1]], dtype=np.int64), **h)
-    t = [torch.zeros(1) for _ in range(4)]
-    row = [x.data_ptr() for x in t] + [torch.ones(1).data_ptr()]
-    with pytest.raises(TypeError, match="grads\\[0\\]"):
-        e._adamw_step_table(np.array([row + [7, 0, 0, 1]], dtype=np.int64), **h)
-    t[3].fill_(2.0**24 - 1)
-    with pytest.raises(ValueError, match="steps\\[0\\]"):
-        e._check_table_steps(np.array([row + [0, 0, 0, 1]], dtype=np.int64))
-    assert all(float(x.sum()) == 2.0**24 - 1 if k == 3 else float(x.sum()) == 0
-               for k, x in enumerate(t))
+    with pytest.raises(ValueError, match="prepare"):
+        rows.run(e, **h)
+    assert not rows.prepare(ps)  # params[0] has no grad
+    ps[0].grad = torch.ones(3)
+    assert rows.prepare(ps)
+    rows.run(e, **h)
+    assert float(states[0]["step"]) == 1.0
+    assert not rows.prepare(list(reversed(ps)))  # other params
+    ps[1].grad = torch.ones(2)
+    assert not rows.prepare(ps)  # a param without state gained a grad
+    ps[1].grad = None
+    assert not rows.prepare(ps, [torch.ones(2)])  # given grads: numel differs
+    assert not rows.prepare(ps, [torch.ones(6)[::2]])  # not contiguous
+    assert rows.prepare(ps, [torch.ones(3, dtype=torch.bfloat16)])
+    assert not rows.prepare(ps, [torch.ones(3, dtype=torch.float64)])  # a dtype it cannot read
+    states[0]["exp_avg"] = torch.zeros(3)  # replaced: identity differs
+    assert not rows.prepare(ps)
+
+
+def test_fast_import_takes_torch_tensors_through_the_c_exchange_api():
+    """torch tensors reach the engine through the DLPack C exchange API (no __dlpack__)."""
+    if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+        pytest.skip("this torch has no DLPack C exchange API; the __dlpack__ path is used")
+    e = stepcore.Engine(threads=1)
+    before = stepcore._core._exchange_imports()
+    e.scale_([torch.nn.Parameter(torch.ones(5)), torch.ones(2)], 2.0)
+    assert stepcore._core._exchange_imports() - before == 2
 
 
 # ---- threads -----------------------------------------------------------------------

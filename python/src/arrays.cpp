@@ -1,0 +1,266 @@
+// The array and stream arguments of stepcore._core (arrays.hpp): the DLPack C exchange API
+// (DLPack 1.x, declared here from its published layout), nanobind's ndarray as the
+// fallback, and the CUDA stream protocol.
+#include "arrays.hpp"
+
+#include <nanobind/ndarray.h>
+
+#include <array>
+#include <atomic>
+#include <string>
+
+namespace stepcore::python {
+
+namespace {
+
+// ---- the DLPack C exchange API (dlpack.h, version 1.x), only what is read -----------------
+
+struct DlDevice {
+  std::int32_t type;  // kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13
+  std::int32_t id;
+};
+struct DlDataType {
+  std::uint8_t code;  // kDLFloat = 2, kDLBfloat = 4
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct DlTensor {
+  void* data;
+  DlDevice device;
+  std::int32_t ndim;
+  DlDataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;  // in elements; null: compact row-major
+  std::uint64_t byte_offset;
+};
+struct DlVersion {
+  std::uint32_t major;
+  std::uint32_t minor;
+};
+struct DlExchangeHeader {
+  DlVersion version;
+  DlExchangeHeader* prev_api;
+};
+struct DlExchangeApi {
+  DlExchangeHeader header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, DlTensor* out);
+  int (*current_work_stream)(std::int32_t device_type, std::int32_t device_id, void** out_stream);
+};
+
+constexpr std::int32_t kDlCpu = 1;
+constexpr std::int32_t kDlCuda = 2;
+constexpr std::int32_t kDlCudaHost = 3;
+constexpr std::int32_t kDlCudaManaged = 13;
+constexpr std::uint8_t kDlFloat = 2;
+constexpr std::uint8_t kDlBfloat = 4;
+
+std::atomic<std::uint64_t> g_exchange_imports{0};
+
+// Returns the exchange API of `type` (nullptr when it has none usable), cached per type.
+// The GIL serialises callers; a cached type is kept alive (its address is the key).
+const DlExchangeApi* exchange_api_of(PyTypeObject* type) {
+  struct Entry {
+    PyTypeObject* type;
+    const DlExchangeApi* api;
+  };
+  static std::array<Entry, 8> cache{};
+  static std::size_t used = 0;
+  static std::size_t last = 0;  // most calls ask for the type the previous call asked for
+  if (used != 0 && cache[last].type == type) return cache[last].api;
+  for (std::size_t k = 0; k < used; ++k)
+    if (cache[k].type == type) {
+      last = k;
+      return cache[k].api;
+    }
+  const DlExchangeApi* api = nullptr;
+  PyObject* capsule =
+      PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+  } else {
+    if (PyCapsule_IsValid(capsule, "dlpack_exchange_api")) {
+      const auto* a =
+          static_cast<const DlExchangeApi*>(PyCapsule_GetPointer(capsule, "dlpack_exchange_api"));
+      // Major version 1 has this table layout; a later major may walk prev_api to one.
+      for (const DlExchangeHeader* h = a != nullptr ? &a->header : nullptr; h != nullptr;
+           h = h->prev_api)
+        if (h->version.major == 1) {
+          const auto* v1 = reinterpret_cast<const DlExchangeApi*>(h);
+          if (v1->dltensor_from_py_object_no_sync != nullptr) api = v1;
+          break;
+        }
+    }
+    PyErr_Clear();
+    Py_DECREF(capsule);  // the table itself is static in its framework (the protocol's rule)
+  }
+  if (used < cache.size()) {
+    Py_INCREF(reinterpret_cast<PyObject*>(type));
+    last = used;
+    cache[used++] = Entry{type, api};
+  }
+  return api;
+}
+
+[[noreturn]] void bad_array(bool type_error, const ArgName& name, const std::string& why) {
+  const std::string msg = "stepcore: " +
+                          std::string(type_error ? "unsupported_dtype" : "invalid_argument") +
+                          " in '" + name.str() + "': " + why;
+  if (type_error) throw nb::type_error(msg.c_str());
+  throw nb::value_error(msg.c_str());
+}
+
+DType dtype_of(std::uint8_t code, std::uint8_t bits, std::uint16_t lanes, const ArgName& name) {
+  if (lanes == 1) {
+    if (code == kDlFloat && bits == 32) return DType::f32;
+    if (code == kDlFloat && bits == 16) return DType::f16;
+    if (code == kDlBfloat && bits == 16) return DType::bf16;
+  }
+  bad_array(true, name,
+            "dtype (code " + std::to_string(code) + ", " + std::to_string(bits) +
+                " bits) is not float32, bfloat16 or float16");
+}
+
+// The one check of every array: memory kind, C-contiguity (an empty array has any
+// strides, a dimension of extent 1 any stride), dtype.
+template <class Shape, class Stride>
+ArrayArg checked(void* data, std::int32_t device_type, std::int32_t device_id, std::size_t ndim,
+                 Shape shape, Stride stride, DlDataType dtype, const ArgName& name,
+                 Memory memory) {
+  const bool host = device_type == kDlCpu || device_type == kDlCudaHost;
+  const bool cuda = device_type == kDlCuda || device_type == kDlCudaManaged;
+  if (memory == Memory::cpu && !host)
+    bad_array(false, name,
+              "must be CPU memory (device type " + std::to_string(device_type) +
+                  "); the CPU engine reads and writes host memory");
+  if (memory == Memory::cuda && !cuda)
+    bad_array(false, name,
+              "must be CUDA device memory (device type " + std::to_string(device_type) +
+                  "); the GPU launchers read and write device memory");
+  std::size_t numel = 1;
+  for (std::size_t d = 0; d < ndim; ++d) numel *= static_cast<std::size_t>(shape(d));
+  std::int64_t expect = 1;
+  for (std::size_t d = ndim; d-- > 0 && numel != 0;) {
+    if (shape(d) != 1 && stride(d) != expect)
+      bad_array(false, name,
+                "must be C-contiguous (dimension " + std::to_string(d) + " has stride " +
+                    std::to_string(stride(d)) + ", not " + std::to_string(expect) + ")");
+    expect *= static_cast<std::int64_t>(shape(d));
+  }
+  const DType t = dtype_of(dtype.code, dtype.bits, dtype.lanes, name);
+  return ArrayArg{TensorView{data, numel, t}, device_id};
+}
+
+// The check of an array nanobind imported (DLPack's __dlpack__ or the buffer protocol).
+template <class A>
+ArrayArg from_ndarray(const A& a, const ArgName& name, Memory memory) {
+  const nb::dlpack::dtype d = a.dtype();
+  return checked(
+      const_cast<void*>(static_cast<const void*>(a.data())), a.device_type(), a.device_id(),
+      a.ndim(), [&](std::size_t k) { return static_cast<std::int64_t>(a.shape(k)); },
+      [&](std::size_t k) { return a.stride(k); }, DlDataType{d.code, d.bits, d.lanes}, name,
+      memory);
+}
+
+}  // namespace
+
+std::string ArgName::str() const {
+  return index < 0 ? std::string(base) : std::string(base) + "[" + std::to_string(index) + "]";
+}
+
+ArrayArg array_arg(nb::handle h, ArgName name, Memory memory, Access access) {
+  if (const DlExchangeApi* api = exchange_api_of(Py_TYPE(h.ptr()))) {
+    DlTensor t;
+    if (api->dltensor_from_py_object_no_sync(h.ptr(), &t) == 0) {
+      g_exchange_imports.fetch_add(1, std::memory_order_relaxed);
+      void* data = static_cast<char*>(t.data) + t.byte_offset;
+      const auto ndim = static_cast<std::size_t>(t.ndim < 0 ? 0 : t.ndim);
+      const std::int64_t* shape = t.shape;
+      const std::int64_t* strides = t.strides;
+      if (strides == nullptr) {  // compact row-major: contiguous by definition
+        return checked(
+            data, t.device.type, t.device.id, ndim, [&](std::size_t d) { return shape[d]; },
+            [&](std::size_t d) {
+              std::int64_t s = 1;
+              for (std::size_t k = d + 1; k < ndim; ++k) s *= shape[k];
+              return s;
+            },
+            t.dtype, name, memory);
+      }
+      return checked(
+          data, t.device.type, t.device.id, ndim, [&](std::size_t d) { return shape[d]; },
+          [&](std::size_t d) { return strides[d]; }, t.dtype, name, memory);
+    }
+    PyErr_Clear();  // not describable by DLPack: the fallback below reports it
+  }
+  if (access == Access::write) {
+    nb::ndarray<> a;
+    if (nb::try_cast(h, a)) return from_ndarray(a, name, memory);
+    nb::ndarray<nb::ro> ro;
+    if (nb::try_cast(h, ro)) bad_array(false, name, "is read-only; this argument is written");
+  } else {
+    nb::ndarray<nb::ro> a;
+    if (nb::try_cast(h, a)) return from_ndarray(a, name, memory);
+  }
+  bad_array(true, name,
+            "a " + std::string(nb::type_name(h.type()).c_str()) +
+                " is not an array stepcore can read (DLPack or the buffer protocol, in CPU or "
+                "CUDA memory)");
+}
+
+std::uintptr_t stream_address(nb::handle stream) {
+  if (stream.is_none()) return 0;
+  nb::handle s = stream;
+  nb::object held;
+  if (nb::hasattr(stream, "__cuda_stream__")) {
+    held = stream.attr("__cuda_stream__")();
+    nb::tuple t;
+    if (!nb::try_cast(held, t) || t.size() != 2)
+      throw nb::type_error(
+          "stepcore: invalid_argument in 'stream': __cuda_stream__() must return a "
+          "(version, address) tuple");
+    long version = -1;
+    if (!nb::try_cast(t[0], version) || version != 0)
+      throw nb::type_error(
+          "stepcore: invalid_argument in 'stream': __cuda_stream__() version must be 0");
+    held = nb::borrow(t[1]);
+    s = held;
+  }
+  if (!PyLong_Check(s.ptr()) || PyBool_Check(s.ptr()))
+    throw nb::type_error(("stepcore: invalid_argument in 'stream': a " +
+                          std::string(nb::type_name(stream.type()).c_str()) +
+                          " is not a CUDA stream (an int address, an object with "
+                          "__cuda_stream__, or None)")
+                             .c_str());
+  const unsigned long long v = PyLong_AsUnsignedLongLong(s.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    throw nb::value_error(
+        "stepcore: out_of_range in 'stream': the address is negative or wider than 64 bits");
+  }
+  return static_cast<std::uintptr_t>(v);
+}
+
+cudaStream_t stream_arg(nb::handle stream, nb::handle producer) {
+  if (stream.is_none() && producer.is_valid() && !producer.is_none()) {
+    if (const DlExchangeApi* api = exchange_api_of(Py_TYPE(producer.ptr()))) {
+      DlTensor t;
+      if (api->dltensor_from_py_object_no_sync(producer.ptr(), &t) == 0 &&
+          t.device.type == kDlCuda && api->current_work_stream != nullptr) {
+        void* current = nullptr;
+        if (api->current_work_stream(t.device.type, t.device.id, &current) == 0)
+          return static_cast<cudaStream_t>(current);
+      }
+      PyErr_Clear();
+    }
+  }
+  return reinterpret_cast<cudaStream_t>(stream_address(stream));
+}
+
+std::uint64_t exchange_imports() noexcept {
+  return g_exchange_imports.load(std::memory_order_relaxed);
+}
+
+}  // namespace stepcore::python
