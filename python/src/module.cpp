@@ -24,7 +24,8 @@
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
-#include "arrays.hpp"
+
+#include "arrays.hpp"  // this extension's one checker of array and stream arguments
 
 namespace nb = nanobind;
 using namespace stepcore;
