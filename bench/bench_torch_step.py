@@ -11,8 +11,9 @@ stepcore:  Engine.accumulate (copy, then add), the exact norm (norm_partial + fi
 Validation first: stepcore's step, given torch's clip coefficient, must give torch's
 parameters, moments and bf16 copies bit for bit. Then both pipelines are timed
 (median of --repeats), their ratio printed, and the Python overhead of one engine call on
-2,000 one-element tensors and of stepcore.torch.AdamW.step() on 2,000 one-element params
-(its cached table: grads kept, and new grads after zero_grad(set_to_none=True)).
+2,000 one-element params and of stepcore.torch.AdamW.step() on them (its cached rows: grads
+kept, and new grads after zero_grad(set_to_none=True)), decomposed, beside torch's fused
+AdamW step on the same params and its kernel call alone.
 
 Usage: /opt/torchenv/py bench/bench_torch_step.py [--hidden 512] [--layers 16] [--repeats 5]
        (PYTHONPATH must reach the stepcore package: the build tree's python/ or an install)
@@ -104,10 +105,11 @@ def main():
     # Validation: one step each; stepcore given torch's clip coefficient.
     with torch.no_grad():
         t_norm = torch_step(t_params, opt, micro, t_accs, t_copies, args.max_norm)
-    coef = min(1.0, float(torch.tensor(args.max_norm) / (t_norm + 1e-6)))
+    # torch's coefficient exactly as clip_grad_norm_ forms it: a Python float divided by the
+    # f32 norm tensor (Tensor.__rtruediv__: reciprocal, then multiply), clamped to 1.
+    coef = float(torch.clamp(args.max_norm / (t_norm + 1e-6), max=1.0))
     stepcore_step(engine, s_params, s_state, micro, s_accs, s_copies, args.max_norm, lr,
-                  clip=float(torch.clamp(torch.tensor(args.max_norm, dtype=torch.float32) /
-                                         (t_norm + 1e-6), max=1.0)))
+                  clip=coef)
     same = all(torch.equal(a.detach().view(torch.int32), b.view(torch.int32))
                for a, b in zip(t_params, s_params))
     same = same and all(torch.equal(opt.state[p]["exp_avg"].view(torch.int32), m.view(torch.int32))
@@ -138,7 +140,8 @@ def main():
     print(f"  stepcore {s_s * 1e3:8.1f} ms  (accumulate, exact norm, AdamW with the bf16 copy)")
     print(f"  ratio torch / stepcore: {t_s / s_s:.2f}")
 
-    # Python overhead: one call on 2,000 one-element tensors.
+    # Python overhead on 2,000 one-element params: the kernels are negligible, so what is
+    # timed is the binding and the Python layer (and each engine's per-tensor dispatch).
     n = 2000
     ps = [torch.zeros(1) for _ in range(n)]
     ms = [torch.zeros(1) for _ in range(n)]
@@ -148,15 +151,17 @@ def main():
     one = stepcore.Engine(threads=1)
     call = timed(lambda: one.adamw_step(ps, ms, vs, ss, gs, lr=lr, beta1=0.9, beta2=0.999,
                                         eps=1e-8, weight_decay=0.0))
-    print(f"  one adamw_step call on {n} one-element tensors: {call * 1e3:.3f} ms "
-          f"(binding + validation + kernels)")
+    print(f"  one Engine.adamw_step call on {n} one-element params ({5 * n} tensor arguments): "
+          f"{call * 1e3:.3f} ms (binding + validation + kernels)")
+    scale_call = timed(lambda: one.scale_(gs, 1.0))
+    print(f"  one Engine.scale_ call on {n} one-element tensors: {scale_call * 1e3:.3f} ms")
 
-    # The same through stepcore.torch.AdamW: its cached table, and the engine alone on it.
+    # stepcore.torch.AdamW.step(): its cached rows, decomposed.
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(n)]
     opt = stepcore.torch.AdamW(params, lr=lr, weight_decay=0.0, threads=1)
     for p in params:
         p.grad = torch.full((1,), 1e-3)
-    opt.step()  # builds and caches the table
+    opt.step()  # checks in full and caches the rows
     kept = timed(opt.step)
 
     def renewed():
@@ -169,12 +174,41 @@ def main():
 
     renewed()
     fresh = statistics.median(renewed() for _ in range(args.repeats))
-    table = opt._tables[0].table
+    rows = opt._tables[0]
+    group_params = opt.param_groups[0]["params"]
     hyper = opt._group_hyper(0, opt.param_groups[0])
-    engine_only = timed(lambda: opt.engine._adamw_step_table(table, **hyper))
-    print(f"  stepcore.torch.AdamW.step() on {n} one-element params: {kept * 1e3:.3f} ms "
-          f"(grads kept), {fresh * 1e3:.3f} ms (new grads after zero_grad(set_to_none=True)); "
-          f"of it the engine call on the cached table {engine_only * 1e3:.3f} ms")
+
+    def engine_only():
+        rows.rows.prepare(group_params)
+        t0 = time.perf_counter()
+        rows.rows.run(opt.engine, **hyper)
+        return time.perf_counter() - t0
+
+    engine = statistics.median(engine_only() for _ in range(max(args.repeats, 20)))
+    prepare = timed(lambda: rows.rows.prepare(group_params))
+    bumps = timed(lambda: torch.autograd.graph.increment_version(rows.bump))
+    print(f"  stepcore.torch.AdamW.step() on {n} one-element params: {kept * 1e3:.3f} ms (grads "
+          f"kept), {fresh * 1e3:.3f} ms (new grads after zero_grad(set_to_none=True)); of it the "
+          f"engine (2,000 kernels, run on the rows) {engine * 1e3:.3f} ms, so the Python + binding "
+          f"overhead is {(kept - engine) * 1e3:.3f} ms: re-reading the rows {prepare * 1e3:.3f} ms, "
+          f"autograd version bumps {bumps * 1e3:.3f} ms")
+
+    # torch's fused AdamW on the same params: its step and its kernel call alone.
+    tps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(n)]
+    topt = torch.optim.AdamW(tps, lr=lr, weight_decay=0.0, fused=True)
+    for p in tps:
+        p.grad = torch.full((1,), 1e-3)
+    topt.step()
+    t_kept = timed(topt.step)
+    st = [topt.state[p] for p in tps]
+    lists = ([p.detach() for p in tps], [p.grad for p in tps], [x["exp_avg"] for x in st],
+             [x["exp_avg_sq"] for x in st], [], [x["step"] for x in st])
+    t_kernel = timed(lambda: torch._fused_adamw_(*lists, lr=lr, beta1=0.9, beta2=0.999,
+                                                weight_decay=0.0, eps=1e-8, amsgrad=False,
+                                                maximize=False))
+    print(f"  torch.optim.AdamW(fused=True).step() on the same: {t_kept * 1e3:.3f} ms; of it "
+          f"torch._fused_adamw_ on the lists {t_kernel * 1e3:.3f} ms, so its Python overhead is "
+          f"{(t_kept - t_kernel) * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -105,9 +105,9 @@ const DlExchangeApi* exchange_api_of(PyTypeObject* type) {
 }
 
 [[noreturn]] void bad_array(bool type_error, const ArgName& name, const std::string& why) {
-  const std::string msg = "stepcore: " +
-                          std::string(type_error ? "unsupported_dtype" : "invalid_argument") +
-                          " in '" + name.str() + "': " + why;
+  const std::string msg =
+      "stepcore: " + std::string(type_error ? "unsupported_dtype" : "invalid_argument") + " in '" +
+      name.str() + "': " + why;
   if (type_error) throw nb::type_error(msg.c_str());
   throw nb::value_error(msg.c_str());
 }
@@ -127,8 +127,7 @@ DType dtype_of(std::uint8_t code, std::uint8_t bits, std::uint16_t lanes, const 
 // strides, a dimension of extent 1 any stride), dtype.
 template <class Shape, class Stride>
 ArrayArg checked(void* data, std::int32_t device_type, std::int32_t device_id, std::size_t ndim,
-                 Shape shape, Stride stride, DlDataType dtype, const ArgName& name,
-                 Memory memory) {
+                 Shape shape, Stride stride, DlDataType dtype, const ArgName& name, Memory memory) {
   const bool host = device_type == kDlCpu || device_type == kDlCudaHost;
   const bool cuda = device_type == kDlCuda || device_type == kDlCudaManaged;
   if (memory == Memory::cpu && !host)

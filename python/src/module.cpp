@@ -18,14 +18,13 @@
 #include <utility>
 #include <vector>
 
+#include "arrays.hpp"  // this extension's one checker of array and stream arguments
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
-
-#include "arrays.hpp"  // this extension's one checker of array and stream arguments
 
 namespace nb = nanobind;
 using namespace stepcore;
@@ -287,15 +286,15 @@ class AdamWRows {
     return false;
   }
 
-  Objects params_;                      // the group's params, in order (identity)
-  std::vector<std::size_t> row_of_;     // param index -> row, kNoRow without state
-  Objects states_;                      // per row: the state dict
-  Objects state_objects_;               // per row: exp_avg, exp_avg_sq, step (identity)
-  Objects computes_;                    // per row: the compute copy or an invalid handle
-  Objects grad_types_;                  // exact types a grad may have
-  Objects grad_objects_;                // per row: the grad prepare() read, until run()
-  std::vector<AdamWTensor> tensors_;    // per row: the views prepare() read
-  bool prepared_ = false;               // prepare() succeeded and run() has not run since
+  Objects params_;                    // the group's params, in order (identity)
+  std::vector<std::size_t> row_of_;   // param index -> row, kNoRow without state
+  Objects states_;                    // per row: the state dict
+  Objects state_objects_;             // per row: exp_avg, exp_avg_sq, step (identity)
+  Objects computes_;                  // per row: the compute copy or an invalid handle
+  Objects grad_types_;                // exact types a grad may have
+  Objects grad_objects_;              // per row: the grad prepare() read, until run()
+  std::vector<AdamWTensor> tensors_;  // per row: the views prepare() read
+  bool prepared_ = false;             // prepare() succeeded and run() has not run since
 };
 
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
@@ -534,7 +533,8 @@ NB_MODULE(_core, m) {
           [](AdamWRows& rows, const cpu::Engine& e, double lr, double beta1, double beta2,
              double eps, double weight_decay, const std::string& formula, int torch_tail_width,
              float grad_scale, float clip) {
-            rows.run(e, adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width),
+            rows.run(e,
+                     adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width),
                      GradientRead{grad_scale, clip});
           },
           nb::arg("engine"), nb::kw_only(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),

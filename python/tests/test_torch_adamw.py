@@ -662,6 +662,45 @@ def test_bad_input_on_the_cached_path_names_argument_and_changes_nothing(breakag
     assert fingerprint(tensors) == before
 
 
+class _GradSubclass(torch.Tensor):
+    """A plain tensor subclass: the cached rows do not take it (the list path does)."""
+
+
+def test_grads_the_rows_do_not_take_go_through_the_list_path_with_torch_bits():
+    """Grads of a tensor subclass skip the cached rows (Engine.adamw_step on detached
+    tensors); the bits still equal torch's fused AdamW."""
+    ours, ref, o, r, gen = twin_optimizers([5, 130], 25)
+    for k in range(3):
+        gs = grads_for(ours, gen)
+        for p, q, g in zip(ours, ref, gs):
+            p.grad = g.clone().as_subclass(_GradSubclass)
+            q.grad = g.clone()
+        o.step()
+        r.step()
+        assert not o._tables[0].usable
+        assert_twins(o, r, ours, ref, f"step {k}")
+
+
+def test_step_advances_the_version_of_params_and_compute_copies():
+    """Autograd sees the in-place update of params and compute copies (as torch's does)."""
+    ours, ref, o, r, gen = twin_optimizers([4, 9], 26)
+    compute = torch.empty(9, dtype=torch.bfloat16)
+    o.set_compute_copy(ours[1], compute)
+    for k in range(2):
+        apply(ours, grads_for(ours, gen))
+        before = [p._version for p in ours] + [compute._version]
+        o.step()
+        after = [p._version for p in ours] + [compute._version]
+        assert all(b > a for a, b in zip(before, after)), (before, after)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = st.AdamW([w], lr=0.1)
+    y = (w * w).sum()  # saves w for backward
+    w.grad = torch.ones(3)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
 def test_cached_rows_refuse_what_no_longer_matches():
     """The private rows re-read every step: stale objects make prepare() False (the full
     check then names them) and run() needs a prepare()."""
