@@ -35,6 +35,8 @@ std::string_view errc_name(Errc c) noexcept {
       return "io_error";
     case Errc::corrupt_file:
       return "corrupt_file";
+    case Errc::comm_error:
+      return "comm_error";
   }
   return "unknown";
 }

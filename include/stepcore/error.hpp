@@ -27,6 +27,7 @@ enum class Errc : std::uint8_t {
   internal,              ///< runtime: a broken invariant (a bug; please report)
   io_error,              ///< runtime: a file could not be read, written, synced or renamed
   corrupt_file,          ///< a file is not what it claims (truncated, bad checksum, bad layout)
+  comm_error,            ///< runtime: a caller-provided communicator's collective failed
 };
 
 /// Returns a stable lower-case name for `c` ("size_mismatch", ...).

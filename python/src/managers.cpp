@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "arrays.hpp"  // this extension's one checker of array and stream arguments
 #include "stepcore/comm.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/dtype.hpp"
@@ -82,35 +84,161 @@ nb::ndarray<nb::array_api> array_of(const ConstTensorView& v, bool cuda, int ord
 struct PyManager {
   std::unique_ptr<device::Device> dev;
   std::unique_ptr<GradientManager> m;
-  nb::object comm_owner;  // keeps the Python communicator alive
+  nb::object comm_owner;               // keeps the Python communicator alive
+  std::vector<nb::object> keep_alive;  // the compute_into arrays the manager writes
   bool cuda = false;
   int ordinal = 0;
 };
 
-// Returns the view of array `a` (CPU memory for the host device, CUDA for a CUDA device).
-template <class A>
-TensorView view_of(const A& a, const std::string& name) {
-  std::size_t numel = 1;
-  for (std::size_t d = 0; d < a.ndim(); ++d) numel *= a.shape(d);
-  std::int64_t expect = 1;
-  for (std::size_t d = a.ndim(); d-- > 0 && numel != 0;) {
-    if (a.shape(d) != 1 && a.stride(d) != expect) bad(name, "must be C-contiguous");
-    expect *= static_cast<std::int64_t>(a.shape(d));
-  }
-  const auto code = static_cast<nb::dlpack::dtype_code>(a.dtype().code);
-  DType dt;
-  if (code == nb::dlpack::dtype_code::Float && a.dtype().bits == 32)
-    dt = DType::f32;
-  else if (code == nb::dlpack::dtype_code::Float && a.dtype().bits == 16)
-    dt = DType::f16;
-  else if (code == nb::dlpack::dtype_code::Bfloat && a.dtype().bits == 16)
-    dt = DType::bf16;
-  else
-    throw nb::type_error(
-        ("stepcore: unsupported_dtype in '" + name + "': not float32, bfloat16 or float16")
-            .c_str());
-  return {const_cast<void*>(static_cast<const void*>(a.data())), numel, dt};
+// The checked view of an array argument in the manager's device memory (CPU memory for
+// the host device, CUDA memory for a CUDA device), named `name`.
+TensorView device_view(const PyManager& p, nb::handle h, const char* name, python::Access access) {
+  return python::array_arg(h, python::ArgName{name},
+                           p.cuda ? python::Memory::cuda : python::Memory::cpu, access)
+      .view;
 }
+
+// A communicator whose collectives call a Python function: all_reduce(array, op) reduces the
+// array (numpy for host memory; a DLPack array in device memory) in place over the ranks with
+// op "sum", "max" or "min" (e.g. torch.distributed.all_reduce on a gloo or NCCL group). Every
+// word travels as int64 (unsigned words SUM identically mod 2^64; MAX/MIN of unsigned words
+// are taken on the words with their top bit flipped, which orders them as signed) or as
+// float64/float32. Called with the GIL from whichever thread the manager runs its
+// collective on; a Python exception marks the communicator failed (Errc::comm_error).
+class CallbackCommunicator final : public comm::Communicator {
+ public:
+  CallbackCommunicator(int rank, int size, nb::object all_reduce, comm::MemorySpace memory,
+                       cudaStream_t stream, int device_ordinal)
+      : Communicator(comm::kDefaultTimeout),
+        rank_(rank),
+        size_(size),
+        fn_(std::move(all_reduce)),
+        memory_(memory),
+        stream_(stream),
+        ordinal_(device_ordinal) {}
+
+  ~CallbackCommunicator() override {
+    nb::gil_scoped_acquire gil;
+    fn_.reset();
+  }
+
+  int rank() const noexcept override { return rank_; }
+  int size() const noexcept override { return size_; }
+  comm::MemorySpace memory() const noexcept override { return memory_; }
+  std::string_view name() const noexcept override { return "callback"; }
+  cudaStream_t stream() const noexcept override { return stream_; }
+
+  void all_reduce(void* data, std::size_t count, comm::Word word, comm::Op op) override {
+    check_usable();
+    if (count == 0) return;
+    if (memory_ == comm::MemorySpace::device)
+      throw Error(Errc::not_supported, "comm",
+                  "the callback communicator reduces device memory only as norm partials");
+    switch (word) {
+      case comm::Word::u64:
+        reduce_u64(static_cast<std::uint64_t*>(data), count, op);
+        return;
+      case comm::Word::u32: {
+        std::vector<std::uint64_t> w(static_cast<const std::uint32_t*>(data),
+                                     static_cast<const std::uint32_t*>(data) + count);
+        reduce_u64(w.data(), count, op);
+        for (std::size_t k = 0; k < count; ++k)
+          static_cast<std::uint32_t*>(data)[k] = static_cast<std::uint32_t>(w[k]);
+        return;
+      }
+      case comm::Word::f32:
+        call(data, count, nb::dlpack::dtype_code::Float, 32, op);
+        return;
+      case comm::Word::f64:
+        call(data, count, nb::dlpack::dtype_code::Float, 64, op);
+        return;
+    }
+  }
+
+  void all_reduce_partial(NormPartial* partial, comm::LayoutCheck* check) override {
+    check_usable();
+    if (memory_ == comm::MemorySpace::device) {
+      // The record in device memory (the GPU manager's), as int64 words: digits, nan and
+      // inf counts summed; max_abs_bits | approximate << 32 and the check maxed.
+      throw Error(Errc::not_supported, "comm",
+                  "device norm partials through a callback communicator are not supported yet; "
+                  "use the NCCL communicator");
+    }
+    std::uint64_t sum[kNormDigits + 2];
+    for (int k = 0; k < kNormDigits; ++k) sum[k] = partial->digits[k];
+    sum[kNormDigits] = partial->nan_count;
+    sum[kNormDigits + 1] = partial->inf_count;
+    std::uint64_t max[5] = {partial->max_abs_bits, partial->approximate, 0, 0, 0};
+    const std::size_t nmax = check != nullptr ? 5 : 2;
+    if (check != nullptr) {
+      max[2] = check->fingerprint;
+      max[3] = check->inverse;
+      max[4] = check->failure;
+    }
+    reduce_u64(sum, kNormDigits + 2, comm::Op::sum);
+    reduce_u64(max, nmax, comm::Op::max);
+    for (int k = 0; k < kNormDigits; ++k) partial->digits[k] = sum[k];
+    partial->nan_count = sum[kNormDigits];
+    partial->inf_count = sum[kNormDigits + 1];
+    partial->max_abs_bits = static_cast<std::uint32_t>(max[0]);
+    partial->approximate = static_cast<std::uint32_t>(max[1]);
+    if (check != nullptr) {
+      check->fingerprint = max[2];
+      check->inverse = max[3];
+      check->failure = max[4];
+    }
+  }
+
+  void synchronize() override { check_usable(); }
+  void abort() noexcept override { failed_ = true; }
+  bool failed() const noexcept override { return failed_; }
+
+ private:
+  void check_usable() const {
+    if (failed_)
+      throw Error(Errc::comm_error, "comm",
+                  "the communicator failed earlier (a collective raised)");
+  }
+
+  // In place over the ranks; MAX/MIN through the sign-flip order (see the class comment).
+  void reduce_u64(std::uint64_t* w, std::size_t count, comm::Op op) {
+    const bool order = op != comm::Op::sum;
+    constexpr std::uint64_t kTop = std::uint64_t{1} << 63;
+    if (order)
+      for (std::size_t k = 0; k < count; ++k) w[k] ^= kTop;
+    call(w, count, nb::dlpack::dtype_code::Int, 64, op);
+    if (order)
+      for (std::size_t k = 0; k < count; ++k) w[k] ^= kTop;
+  }
+
+  void call(void* data, std::size_t count, nb::dlpack::dtype_code code, int bits, comm::Op op) {
+    nb::gil_scoped_acquire gil;
+    try {
+      nb::dlpack::dtype t;
+      t.code = static_cast<std::uint8_t>(code);
+      t.bits = static_cast<std::uint8_t>(bits);
+      t.lanes = 1;
+      const std::size_t shape[1] = {count};
+      nb::ndarray<nb::numpy> a(data, 1, shape, nb::handle(), nullptr, t);
+      const char* name = op == comm::Op::sum ? "sum" : op == comm::Op::max ? "max" : "min";
+      // A view, not a copy (nanobind copies an owner-less array it converts by default):
+      // the callback reduces these very words.
+      fn_(nb::cast(a, nb::rv_policy::reference), name);
+    } catch (nb::python_error& e) {
+      failed_ = true;
+      const std::string what =
+          std::string(nb::type_name(e.type()).c_str()) + ": " + nb::str(e.value()).c_str();
+      throw Error(Errc::comm_error, "comm", "the all_reduce callback raised " + what);
+    }
+  }
+
+  int rank_, size_;
+  nb::object fn_;
+  comm::MemorySpace memory_;
+  cudaStream_t stream_;
+  int ordinal_;
+  std::atomic<bool> failed_{false};
+};
 
 }  // namespace
 
@@ -121,6 +249,22 @@ void bind_managers(nb::module_& m) {
       .def_prop_ro("size", &comm::Communicator::size)
       .def_prop_ro("name", [](const comm::Communicator& c) { return std::string(c.name()); })
       .def("abort", &comm::Communicator::abort);
+
+  m.def(
+      "make_callback_communicator",
+      [](int rank, int size, nb::object all_reduce) {
+        if (size < 1) bad("size", "must be >= 1");
+        if (rank < 0 || rank >= size) bad("rank", "must be in [0, size)");
+        if (!PyCallable_Check(all_reduce.ptr())) bad("all_reduce", "must be callable");
+        comm::Communicator* c = new CallbackCommunicator(rank, size, std::move(all_reduce),
+                                                         comm::MemorySpace::host, nullptr, 0);
+        return nb::cast(c, nb::rv_policy::take_ownership);
+      },
+      nb::arg("rank"), nb::arg("size"), nb::arg("all_reduce"),
+      "Returns a host-memory communicator whose collectives call all_reduce(array, op): reduce "
+      "the numpy array in place over the ranks with op 'sum', 'max' or 'min' (e.g. "
+      "torch.distributed.all_reduce on a gloo group); the array is valid only during the call. "
+      "The norm travels as int64 words, so any transport combines it exactly.");
 
   m.def(
       "make_in_process_group",
@@ -175,7 +319,7 @@ void bind_managers(nb::module_& m) {
              std::optional<nb::dict> adamw, std::optional<nb::dict> sign_sgd,
              std::size_t chunk_elements, const std::string& device, nb::object comm,
              std::uint64_t layout_fingerprint, int threads, std::optional<std::string> isa,
-             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale) {
+             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale, nb::handle stream) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             c.optimizer.kind = parse_optimizer(optimizer);
@@ -213,9 +357,27 @@ void bind_managers(nb::module_& m) {
                 });
                 c.groups.push_back(pg);
               }
+            auto pm = std::make_unique<PyManager>();
+            if (device == "host") {  // a CPU trainer: its CPU tensors count as device memory
+              pm->dev = device::make_host_device(256, device::HostDeviceMemory::any_host_memory);
+            } else if (device.rfind("cuda:", 0) == 0) {
+              pm->ordinal = std::stoi(device.substr(5));
+              // The trainer's stream as the compute stream; an address of 0 names the legacy
+              // default stream (cudaStreamLegacy, 0x1), None new streams of the manager's own.
+              cudaStream_t compute = nullptr;
+              if (!stream.is_none()) {
+                const std::uintptr_t a = python::stream_address(stream);
+                compute = reinterpret_cast<cudaStream_t>(a == 0 ? std::uintptr_t{1} : a);
+              }
+              pm->dev = device::make_cuda_device(pm->ordinal, compute);
+              pm->cuda = true;
+            } else {
+              bad("device", "'" + device + "': expected 'host' or 'cuda:N'");
+            }
             for (std::size_t i = 0; i < params.size(); ++i) {
               ParamSpec p;
               std::string grad_dtype = "bf16", compute_dtype = "bf16";
+              nb::object compute_into = nb::none();
               const std::string name = "params[" + std::to_string(i) + "]";
               read_dict(params[i], name, [&](auto&& f) {
                 f("name", p.name);
@@ -226,9 +388,16 @@ void bind_managers(nb::module_& m) {
                 f("counts_toward_norm", p.counts_toward_norm);
                 f("group", p.group);
                 f("gradient_buffer", p.gradient_buffer);
+                f("compute_into", compute_into);
               });
               p.grad_dtype = parse_dtype(grad_dtype, name + ".grad_dtype");
               p.compute_dtype = parse_dtype(compute_dtype, name + ".compute_dtype");
+              if (!compute_into.is_none()) {  // the model's storage: kept alive by the manager
+                const std::string field = name + ".compute_into";
+                p.compute_into =
+                    device_view(*pm, compute_into, field.c_str(), python::Access::write);
+                pm->keep_alive.push_back(compute_into);
+              }
               c.params.push_back(std::move(p));
             }
             c.chunk_elements = chunk_elements;
@@ -238,16 +407,6 @@ void bind_managers(nb::module_& m) {
             c.engine.cpus = std::move(cpus);
             c.numa_node = numa_node;
             c.lazy_gpu_scale = lazy_gpu_scale;
-            auto pm = std::make_unique<PyManager>();
-            if (device == "host") {  // a CPU trainer: its CPU tensors count as device memory
-              pm->dev = device::make_host_device(256, device::HostDeviceMemory::any_host_memory);
-            } else if (device.rfind("cuda:", 0) == 0) {
-              pm->ordinal = std::stoi(device.substr(5));
-              pm->dev = device::make_cuda_device(pm->ordinal);
-              pm->cuda = true;
-            } else {
-              bad("device", "'" + device + "': expected 'host' or 'cuda:N'");
-            }
             c.device = pm->dev.get();
             if (!comm.is_none()) {
               c.comm = nb::cast<comm::Communicator*>(comm);
@@ -262,7 +421,7 @@ void bind_managers(nb::module_& m) {
           nb::arg("device") = "host", nb::arg("comm") = nb::none(),
           nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
           nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
-          nb::arg("lazy_gpu_scale") = false)
+          nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none())
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
@@ -321,17 +480,17 @@ void bind_managers(nb::module_& m) {
           nb::arg("i"), "The manager's gradient buffer of parameter i (no copy; device memory).")
       .def(
           "gradient_ready",
-          [](PyManager& p, std::size_t i, std::optional<nb::ndarray<nb::ro>> grad) {
-            if (!grad) {
+          [](PyManager& p, std::size_t i, nb::handle grad) {
+            if (grad.is_none()) {
               nb::gil_scoped_release r;
               p.m->gradient_ready(i);
               return;
             }
-            const TensorView v = view_of(*grad, "grad");
+            const TensorView v = device_view(p, grad, "grad", python::Access::read);
             nb::gil_scoped_release r;
             p.m->gradient_ready(i, ConstTensorView(v));
           },
-          nb::arg("i"), nb::arg("grad") = nb::none(),
+          nb::arg("i"), nb::arg("grad").none() = nb::none(),
           "Parameter i's gradient of this micro-batch is complete: in the manager's buffer, "
           "or in `grad` (the caller's, never written; reusable once released).")
       .def(

@@ -336,6 +336,9 @@ void bind_managers(nb::module_& m);  // python/src/managers.cpp
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
   m.attr("__version__") = STEPCORE_VERSION_STRING;
+  // Managers live in torch objects' hooks and LR schedulers, which interpreter shutdown
+  // may not collect before nanobind's leak check: its exit-time report would be noise.
+  nb::set_leak_warnings(false);
   m.attr("PARTIAL_WORDS") = kPartialWords;
   m.attr("PARTIAL_MAX_ABS_WORD") = kMaxAbsWord;
 

@@ -23,7 +23,7 @@ import torch
 
 from . import _core
 
-__all__ = ["AdamW", "SignSGD", "clip_grad_norm_"]
+__all__ = ["AdamW", "GradientManager", "SignSGD", "clip_grad_norm_"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -667,3 +667,6 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         for ts in by_dtype.values():
             torch._foreach_mul_(ts, coef)  # as torch does, also when coef == 1
     return total_t
+
+
+from ._manager import GradientManager  # noqa: E402  (the managers' torch face)

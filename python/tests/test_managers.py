@@ -208,3 +208,73 @@ def test_placement_and_launcher_environment(monkeypatch):
     assert p["threads"] >= 1 and len(p["cpus"]) == p["threads"]
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert core.local_rank_from_env() == 3
+
+
+def test_callback_communicator_combines_partials_exactly_across_threads():
+    """Two ranks in two threads, their collectives through Python callbacks over a shared
+    board (what torch.distributed.all_reduce does over gloo): the whole model's norms."""
+    board = {"arrays": [None, None], "barrier": threading.Barrier(2)}
+
+    def make(rank):
+        def all_reduce(array, op):
+            assert array.dtype == np.int64
+            board["arrays"][rank] = array.copy()
+            board["barrier"].wait()
+            both = board["arrays"]
+            combined = both[0] + both[1] if op == "sum" else np.maximum(both[0], both[1])
+            board["barrier"].wait()
+            array[:] = combined
+        return all_reduce
+
+    comms = [core.make_callback_communicator(r, 2, make(r)) for r in range(2)]
+    whole = run("full", steps=2)
+    halves = [[{**s, "numel": (n // 2 if r == 0 else n - n // 2)} for s, n in zip(specs(), SIZES)]
+              for r in range(2)]
+    offsets = [[0] * len(SIZES), [n // 2 for n in SIZES]]
+    got = [None, None]
+
+    def rank(r):
+        got[r] = run("full", steps=2, comm=comms[r], shard=(halves[r], offsets[r]))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(2):
+        for (n_whole, _), (n_rank, _) in zip(whole, got[r]):
+            assert np.float32(n_whole).tobytes() == np.float32(n_rank).tobytes()
+
+
+def test_callback_communicator_that_raises_fails_the_manager():
+    """A collective whose callback raises: Errc comm_error naming 'comm', and every later
+    collective of that communicator raises at once."""
+    calls = []
+
+    def broken(array, op):
+        calls.append(op)
+        raise ConnectionError("peer went away")
+
+    comm = core.make_callback_communicator(0, 2, broken)
+    m = core.GradientManager("full", specs(), groups=GROUPS, threads=1, comm=comm)
+    for i, n in enumerate(SIZES):
+        m.load_parameter(i, master(i, n))
+    m.begin_step(0.01)
+    m.begin_backward(True)
+    for i, n in enumerate(SIZES):
+        np.from_dlpack(m.gradient(i))[:] = grad(0, 0, i, n)
+        m.gradient_ready(i)
+    m.finish_backward()
+    with pytest.raises(RuntimeError, match=r"comm_error in 'comm'.*ConnectionError: peer went away"):
+        m.clip_grad_norm(1.0)
+    with pytest.raises(RuntimeError):
+        m.step()
+    try:
+        m.close()
+    except RuntimeError:
+        pass  # close() may re-raise the step's failure once
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="rank"):
+        core.make_callback_communicator(2, 2, broken)
+    with pytest.raises(ValueError, match="all_reduce"):
+        core.make_callback_communicator(0, 2, 42)

@@ -24,52 +24,13 @@ import pytest
 torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
 
 import stepcore.torch as st  # noqa: E402
+from exact import exact_norm, round_sqrt_to_f32  # noqa: E402
 
 FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 TINY = 2.0**-149
 
 
-# ---- the exact reference -----------------------------------------------------------
-
-
-def round_sqrt_to_f32(s):
-    """Returns sqrt(s * 2^-298) correctly rounded to f32 (ties to even), s a non-negative int."""
-    if s == 0:
-        return 0.0
-    j = max(0, (130 - s.bit_length()) // 2 + 1)   # >= 65 bits of the root
-    t = s << (2 * j)
-    q = math.isqrt(t)
-    sticky = q * q != t                          # root in (q, q+1) when inexact
-    e = -149 - j                                 # root = (q + frac) * 2^e
-    msb = q.bit_length() - 1 + e
-    lsb = max(msb - 23, -149)                    # f32 ulp there (subnormals: 2^-149)
-    shift = lsb - e
-    m, rem, half = q >> shift, q & ((1 << shift) - 1), 1 << (shift - 1)
-    if rem > half or (rem == half and (sticky or m & 1)):
-        m += 1
-    r = math.ldexp(m, lsb)
-    return math.inf if r >= 2.0**128 else r
-
-
-def exact_norm(tensors):
-    """Returns the correctly rounded f32 L2 norm of the tensors' values (NaN, then Inf win)."""
-    s, nan, inf = 0, False, False
-    for t in tensors:
-        for x in t.detach().float().reshape(-1).tolist():
-            if math.isnan(x):
-                nan = True
-            elif math.isinf(x):
-                inf = True
-            else:
-                n, d = x.as_integer_ratio()        # d is a power of two <= 2^149
-                k = n * ((1 << 149) // d)          # x * 2^149, an integer
-                s += k * k
-    if nan:
-        return math.nan
-    if inf:
-        return math.inf
-    return round_sqrt_to_f32(s)
-
+# ---- the exact reference (exact.py) ----
 
 def f32_neighbours(x):
     """Returns the f32 values just below and above the finite f32 x."""

@@ -1,0 +1,390 @@
+"""stepcore.torch.GradientManager: the gradient managers behind one ``offload`` setting.
+
+A ``torch.optim.Optimizer`` (so LR schedulers drive its ``param_groups``) that owns a
+``stepcore._core.GradientManager``: post-accumulate-grad hooks hand each finished gradient
+(the local shard of a DTensor, a plain tensor otherwise) to the manager as the framework's
+own buffer, the manager accumulates, scales, computes the exact global norm, clips and
+steps in the mode's place (GPU-resident, host-resident optimizer state, or full offload),
+and writes the compute weights straight into the model's parameter storage. Every mode
+gives the same bits (docs/managers.md); see docs/python.md, "GradientManager".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _core
+
+__all__ = ["GradientManager"]
+
+OFFLOAD_MODES = ("none", "optimizer", "full")
+OPTIMIZERS = ("adamw", "sign_sgd")
+_DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+_REDUCE_OPS = None  # name -> torch.distributed.ReduceOp, filled on first use
+
+try:  # DTensor lives in torch.distributed, which some builds lack.
+    from torch.distributed.tensor import DTensor as _DTensor
+    from torch.distributed.tensor import Replicate as _Replicate
+except Exception:  # pragma: no cover - torch without distributed
+    _DTensor = None
+    _Replicate = None
+
+
+def _is_dtensor(t) -> bool:
+    """Returns whether `t` is a DTensor."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def _local(t):
+    """Returns the local tensor of a DTensor (this rank's shard), else `t`, detached."""
+    return (t.to_local() if _is_dtensor(t) else t).detach()
+
+
+def _check_choice(name: str, value, allowed, extra: str = "") -> None:
+    """Raises ValueError naming `name` and listing `allowed` unless value is one of them."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"stepcore.torch: '{name}' must be one of "
+                         + ", ".join(repr(a) for a in allowed) + f"; got {value!r}{extra}")
+
+
+def _all_reduce_function(group):
+    """Returns all_reduce(array, op) over `group` with torch.distributed (in place)."""
+    import torch.distributed as dist
+
+    global _REDUCE_OPS
+    if _REDUCE_OPS is None:
+        _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                       "min": dist.ReduceOp.MIN}
+
+    def all_reduce(array, op):
+        dist.all_reduce(torch.from_numpy(array), op=_REDUCE_OPS[op], group=group)
+
+    return all_reduce
+
+
+def _default_threads(local_world_size: int) -> int:
+    """The optimizer threads of one rank: its share of the CPUs it may run on."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        allowed = os.cpu_count() or 1
+    return max(1, min(allowed, (os.cpu_count() or 1) // max(1, local_world_size)))
+
+
+class GradientManager(torch.optim.Optimizer):
+    """The step after backward in one of three places, chosen by ``offload``."""
+
+    def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=0.0, formula="torch", chunk_elements=16 << 20,
+                 process_group=None, threads=None, isa=None, numa=True):
+        """Builds the manager over a module or parameters (see docs/python.md)."""
+        extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
+        _check_choice("offload", offload, OFFLOAD_MODES, extra)
+        extra = ""
+        if offload == "full":
+            extra = " (full offload accepts only AdamW and SignSGD)"
+        _check_choice("optimizer", optimizer, OPTIMIZERS, extra)
+        _check_choice("formula", formula, ("torch", "native"))
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
+        names = None
+        if isinstance(params, torch.nn.Module):
+            named = list(params.named_parameters())
+            names = {id(p): n for n, p in named}
+            params = [p for _, p in named]
+        if optimizer == "adamw":
+            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        else:
+            defaults = dict(lr=lr, weight_decay=weight_decay)
+        self._built = False
+        super().__init__(params, defaults)
+        self.offload = offload
+        self.optimizer_name = optimizer
+        self._formula = formula
+        flat = [p for g in self.param_groups for p in g["params"]]
+        if not flat:
+            raise ValueError("stepcore.torch: 'params' is empty")
+        self._params = flat
+        self._names = [names.get(id(p), f"param{i}") if names else f"param{i}"
+                       for i, p in enumerate(flat)]
+        self._index = {id(p): i for i, p in enumerate(flat)}
+        self._build(chunk_elements, process_group, threads, isa, numa)
+        self._built = True
+
+    # ---- construction --------------------------------------------------------------
+
+    def _build(self, chunk_elements, process_group, threads, isa, numa) -> None:
+        """Checks the parameters and creates the C++ manager, its hooks and masters."""
+        locals_ = []
+        for i, p in enumerate(self._params):
+            name = f"params[{i}] ({self._names[i]})"
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise TypeError(f"stepcore.torch: {name} must be a floating-point tensor")
+            local = _local(p)
+            if local.dtype not in _DTYPE_NAME:
+                raise TypeError(f"stepcore.torch: {name} has dtype {local.dtype}; expected "
+                                "float32, bfloat16 or float16")
+            if not local.is_contiguous():
+                raise ValueError(f"stepcore.torch: {name} must be contiguous (its storage "
+                                 "receives the compute weights)")
+            if not p.requires_grad:
+                raise ValueError(f"stepcore.torch: {name} does not require grad")
+            locals_.append(local)
+        devices = {t.device for t in locals_}
+        if len(devices) != 1:
+            raise ValueError("stepcore.torch: every parameter must be on one device, got "
+                             + ", ".join(sorted(str(d) for d in devices)))
+        dev = devices.pop()
+        stream = None
+        if dev.type == "cpu":
+            device = "host"
+        elif dev.type == "cuda":
+            device = f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+            stream = torch.cuda.current_stream(dev).cuda_stream
+        else:
+            raise NotImplementedError(f"stepcore.torch: parameters on '{dev}' are not supported")
+        self.device = dev
+
+        group, counts = self._process_group(process_group)
+        comm = None
+        if group is not None:
+            import torch.distributed as dist
+
+            self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+            if self.world_size > 1:
+                comm = _core.make_callback_communicator(self.rank, self.world_size,
+                                                        _all_reduce_function(group))
+        else:
+            self.rank, self.world_size = 0, 1
+
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            entry = dict(name=str(g.get("name", f"group{gi}")), lr=float(g["lr"]),
+                         weight_decay=float(g["weight_decay"]))
+            if self.optimizer_name == "adamw":
+                if not isinstance(g["betas"], (tuple, list)) or len(g["betas"]) != 2:
+                    raise ValueError(f"stepcore.torch: param_groups[{gi}]['betas'] must be a pair")
+                entry.update(beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
+                             eps=float(g["eps"]))
+            groups.append(entry)
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        specs = []
+        for i, (p, local) in enumerate(zip(self._params, locals_)):
+            dt = _DTYPE_NAME[local.dtype]
+            specs.append(dict(name=self._names[i], numel=local.numel(), grad_dtype=dt,
+                              compute_dtype=dt, has_compute_weights=True,
+                              counts_toward_norm=counts(p), group=group_of[i],
+                              gradient_buffer=False, compute_into=local))
+
+        local_rank = _core.local_rank_from_env(0)
+        local_world = _core.local_world_size_from_env(1)
+        cpus, numa_node = [], -1
+        if threads is None:
+            threads = _default_threads(local_world)
+        if numa and self.offload != "none" and device == "host":
+            place = _core.numa_place_on_node(0, local_rank, local_world)
+            if place["bound"]:
+                cpus, numa_node = list(place["cpus"]), int(place["numa_node"])
+                threads = min(int(threads), len(cpus)) if cpus else int(threads)
+        self.threads = int(threads)
+        adamw = dict(formula=self._formula) if self.optimizer_name == "adamw" else None
+        self._m = _core.GradientManager(
+            self.offload, specs, optimizer=self.optimizer_name, groups=groups, adamw=adamw,
+            chunk_elements=int(chunk_elements), device=device, comm=comm,
+            threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream)
+        self._locals = locals_
+        for i, local in enumerate(locals_):  # masters start from the model's values
+            self._m.load_parameter(i, local.float().contiguous().cpu())
+        self._pushed = [(g["lr"], g["weight_decay"]) for g in groups]
+        self._pending = {}  # i -> the grad handed over, kept alive until released
+        self._overlap = False
+        self._in_backward = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self._params)]
+
+    def _process_group(self, process_group):
+        """Returns (the group the norm is global over or None, counts_toward_norm(p))."""
+        meshes = []  # distinct meshes (fully_shard makes equal mesh objects per module)
+        for p in self._params:
+            if _is_dtensor(p) and not any(p.device_mesh == m for m in meshes):
+                meshes.append(p.device_mesh)
+
+        def counts(p):
+            if not _is_dtensor(p):
+                return True
+            # A replicated mesh dimension holds the same shard on every coordinate: the norm
+            # counts the copy of coordinate 0 only.
+            coord = p.device_mesh.get_coordinate() or []
+            return all(c == 0 for c, pl in zip(coord, p.placements) if isinstance(pl, _Replicate))
+
+        if process_group is not None:
+            return process_group, counts
+        if meshes:
+            import torch.distributed as dist
+
+            if len(meshes) > 1:
+                raise ValueError("stepcore.torch: DTensor parameters on several device meshes; "
+                                 "pass 'process_group' (the group the norm is global over)")
+            mesh = meshes[0]
+            return (mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD), counts
+        return None, counts
+
+    def add_param_group(self, param_group) -> None:
+        """Groups are fixed once the manager is built (its layout is fixed)."""
+        if getattr(self, "_built", False):
+            raise NotImplementedError("stepcore.torch: GradientManager cannot add parameter "
+                                      "groups after construction (the manager's layout is fixed)")
+        super().add_param_group(param_group)
+
+    # ---- the step ------------------------------------------------------------------
+
+    def _hook(self, i):
+        """Returns parameter i's post-accumulate-grad hook."""
+        def hook(p):
+            g = p.grad
+            if g is None:
+                return
+            local = _local(g)
+            try:
+                self._m.gradient_ready(i, local)
+            except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
+                raise type(e)(f"stepcore.torch: the gradient of params[{i}] "
+                              f"({self._names[i]}): {e}") from e
+            self._pending[i] = g  # the manager reads it until gradient_released
+            p.grad = None
+        return hook
+
+    def _push_hyperparameters(self) -> None:
+        """Hands each group's lr and weight decay (a scheduler's values) to the manager."""
+        for gi, g in enumerate(self.param_groups):
+            now = (float(g["lr"]), float(g["weight_decay"]))
+            if now != self._pushed[gi]:
+                self._m.set_hyperparameters(gi, *now)
+                self._pushed[gi] = now
+
+    def begin_step(self, gradient_scale, overlap_optimizer=False) -> None:
+        """Starts a step whose gradients are multiplied by `gradient_scale` (e.g. 1/tokens)."""
+        self._push_hyperparameters()
+        self._m.begin_step(float(gradient_scale), bool(overlap_optimizer))
+        self._overlap = bool(overlap_optimizer)
+
+    def begin_backward(self, final_backward) -> None:
+        """Starts a micro-batch's backward (`final_backward`: the step's last)."""
+        self._m.begin_backward(bool(final_backward))
+        self._in_backward = True
+
+    def finish_backward(self) -> None:
+        """Ends the micro-batch's backward; the grads handed over are released."""
+        self._m.finish_backward()
+        self._in_backward = False
+        for i in list(self._pending):
+            self._m.gradient_released_wait(i)
+        self._pending.clear()
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """Returns the global norm before clipping (0-dim f32) and clips by it."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"stepcore.torch: 'norm_type' must be 2 (got {norm_type!r}); the "
+                             "managers compute the L2 norm")
+        norm = self._m.clip_grad_norm(float(max_norm))
+        return torch.tensor(norm, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Runs the optimizer (with overlap: the chunks not yet stepped) and waits for it."""
+        if closure is not None:
+            raise NotImplementedError("stepcore.torch: GradientManager.step takes no closure "
+                                      "(backward runs between begin_backward and finish_backward)")
+        if not self._overlap:
+            self._push_hyperparameters()
+        self._m.step()
+        self._report = self._m.report()
+        torch.autograd.graph.increment_version(self._locals)
+        return None
+
+    def report(self) -> dict:
+        """The last step's report: stepped, skipped, chunks_skipped, norm, finite, clip."""
+        return dict(self._report)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The hooks already released every gradient; clears any left on the params."""
+        for p in self._params:
+            p.grad = None
+
+    def close(self) -> None:
+        """Waits for outstanding work, removes the hooks and frees the manager."""
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        if hasattr(self, "_m"):
+            self._m.close()
+
+    # ---- state -----------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's layout: state[i] = {step, exp_avg, exp_avg_sq, master}, plus param_groups.
+
+        Modes optimizer and full return views of the manager's host state (no copy; valid
+        until the next begin_step, load or close); mode none copies. DTensor parameters get
+        DTensor state with their placements, so a distributed checkpoint saves the shards.
+        """
+        state = {}
+        for i, p in enumerate(self._params):
+            master, m1, m2 = self._m.host_state(i)
+            if master is None:
+                master, m1, m2, _ = self._m.read_parameter(i)
+            entry = {"master": self._shaped(i, torch.from_dlpack(master))}
+            if self.optimizer_name == "adamw":
+                entry["exp_avg"] = self._shaped(i, torch.from_dlpack(m1))
+                entry["exp_avg_sq"] = self._shaped(i, torch.from_dlpack(m2))
+                entry["step"] = torch.tensor(self._m.step_count(i), dtype=torch.float32)
+            state[i] = entry
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def _shaped(self, i, flat):
+        """Returns parameter i's flat state as its local shape (a DTensor for DTensor params)."""
+        p = self._params[i]
+        t = flat.view(self._locals[i].shape)
+        if _is_dtensor(p):
+            return _DTensor.from_local(t, p.device_mesh, p.placements, run_check=False,
+                                       shape=p.shape, stride=p.stride())
+        return t
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads a state_dict of this manager in any mode (or torch.optim.AdamW's layout)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"stepcore.torch: the state_dict has {len(groups)} param groups, "
+                             f"this manager {len(self.param_groups)}")
+        state = state_dict["state"]
+        rows = []
+        for i, p in enumerate(self._params):
+            st = state.get(i, {})
+            master = st.get("master", p)
+            def flat(t):
+                t = _local(t) if isinstance(t, torch.Tensor) else torch.as_tensor(t)
+                return t.detach().float().contiguous().cpu().reshape(-1)
+            m1 = flat(st["exp_avg"]) if "exp_avg" in st else None
+            m2 = flat(st["exp_avg_sq"]) if "exp_avg_sq" in st else None
+            step = float(st.get("step", 0.0)) if self.optimizer_name == "adamw" else 0.0
+            rows.append((flat(master), m1, m2, step))
+        for i, (master, m1, m2, step) in enumerate(rows):
+            if self.optimizer_name == "adamw" and m1 is None:
+                m1 = torch.zeros_like(master)
+                m2 = torch.zeros_like(master)
+            self._m.import_parameter(i, master, m1, m2, step)
+        for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
+            for key in ("lr", "weight_decay"):
+                if key in saved:
+                    g[key] = saved[key]
+        self._push_hyperparameters()
+        torch.autograd.graph.increment_version(self._locals)

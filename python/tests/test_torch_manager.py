@@ -1,0 +1,542 @@
+"""Tests of stepcore.torch.GradientManager driving a real nn.Module training loop.
+
+The independent reference is plain torch: the same model trained with autograd's own
+gradient accumulation, the step's scale as an f32 multiply, the exact norm (Python
+integers, exact.py), torch's clip coefficient formula, torch's multiply for the clip and
+torch.optim.AdamW(fused=True) under the same LambdaLR schedule. Every mode (none,
+optimizer, full), with and without optimizer overlap, must give its bits after every step:
+parameters, moments, step counters, norms and clip coefficients; on 1 and 2 gloo processes
+(FSDP2 fully_shard); and through a state_dict saved in one mode and loaded in another.
+"""
+
+import hashlib
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
+
+import stepcore.torch as st  # noqa: E402
+from exact import exact_norm  # noqa: E402
+
+MODES = ("none", "optimizer", "full")
+VOCAB, HIDDEN = 61, 12
+MAX_NORM = 0.05
+BETAS, WD = (0.9, 0.95), 0.1
+
+
+class TinyLM(torch.nn.Module):
+    """A next-token model small enough to check exactly: embedding, norm, MLP, head."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.up = torch.nn.Linear(HIDDEN, 2 * HIDDEN)
+        self.head = torch.nn.Linear(2 * HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.up(self.norm(self.embed(tokens)))))
+
+
+def micro_batches(step, rank=None):
+    """Returns the step's micro-batches: (tokens, targets) of uneven lengths, -100 = pad."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for k in range(3):
+        rows, length = 2 + k, 5 + 3 * k
+        tokens = torch.randint(0, VOCAB, (rows, length), generator=g)
+        targets = torch.randint(0, VOCAB, (rows, length), generator=g)
+        cut = torch.randint(1, length + 1, (rows,), generator=g)
+        for r in range(rows):
+            targets[r, cut[r]:] = -100  # uneven token counts
+        out.append((tokens, targets))
+    return out
+
+
+def loss_sum(model, mb):
+    """The micro-batch's summed token loss (the step scales by 1 / tokens)."""
+    tokens, targets = mb
+    logits = model(tokens)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1),
+                                             ignore_index=-100, reduction="sum")
+
+
+def tokens_of(mbs):
+    """The step's loss tokens."""
+    return sum(int((t != -100).sum()) for _, t in mbs)
+
+
+def schedule(step):
+    """Warm-up over 2 steps, then cosine to 10 %."""
+    if step < 2:
+        return (step + 1) / 2
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 2) / 4)))
+
+
+def f32(x):
+    """x rounded to f32, as a Python float."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def bits(t):
+    """The tensor's bit patterns (int32 view of an f32 copy's bytes)."""
+    t = t.detach()
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.contiguous().view(torch.int32).clone()
+
+
+def make_groups(model):
+    """Two torch-style groups: no weight decay for norms and biases."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": WD, "name": "decay"},
+            {"params": rest, "weight_decay": 0.0, "name": "no_decay"}]
+
+
+# ---- the reference: plain torch ------------------------------------------------------
+
+
+def run_reference(steps, overlap):
+    """Returns per-step records of the reference: (params bits, state bits, norm, clip)."""
+    model = TinyLM()
+    groups = make_groups(model)
+    for g in groups:
+        g.pop("name")
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=BETAS, eps=1e-8, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    records = []
+    for step in range(steps):
+        mbs = micro_batches(step)
+        scale = torch.tensor(1.0 / tokens_of(mbs), dtype=torch.float32)
+        for mb in mbs:
+            loss_sum(model, mb).backward()  # autograd accumulates: copy, then f32 adds
+        with torch.no_grad():
+            scaled = [p.grad * scale for p in params]  # R(g * s)
+            norm, clip = None, 1.0
+            if not overlap:
+                norm = f32(exact_norm(scaled))
+                clip = float(torch.clamp(MAX_NORM / (torch.tensor(norm) + 1e-6), max=1.0))
+            for p, x in zip(params, scaled):
+                p.grad = x * torch.tensor(clip, dtype=torch.float32)  # R(R(g*s)*c)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        records.append(([bits(p) for p in params],
+                        [(bits(opt.state[p]["exp_avg"]), bits(opt.state[p]["exp_avg_sq"]),
+                          float(opt.state[p]["step"])) for p in params], norm, clip))
+    return records
+
+
+# ---- the manager ------------------------------------------------------------------------
+
+
+def drive(gm, model, sched, step, overlap, rank=None):
+    """One training step through the manager; returns (norm or None, report)."""
+    mbs = micro_batches(step)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=overlap)
+    for k, mb in enumerate(mbs):
+        gm.begin_backward(final_backward=k == len(mbs) - 1)
+        loss_sum(model, mb).backward()
+        gm.finish_backward()
+    norm = None if overlap else gm.clip_grad_norm_(MAX_NORM)
+    gm.step()
+    sched.step()
+    return norm, gm.report()
+
+
+def record(gm, model, norm, rep):
+    """The step's record in the reference's form."""
+    sd = gm.state_dict()["state"]
+    params = [p for g in gm.param_groups for p in g["params"]]
+    return ([bits(p) for p in params],
+            [(bits(sd[i]["exp_avg"]), bits(sd[i]["exp_avg_sq"]), float(sd[i]["step"]))
+             for i in range(len(params))],
+            None if norm is None else norm.item(), rep["clip_coefficient"])
+
+
+def run_manager(mode, steps, overlap, *, start=None, until=None, **kw):
+    """Trains TinyLM through a GradientManager in `mode`; returns the per-step records."""
+    model = TinyLM()
+    gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=2, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    records = []
+    try:
+        for step in range(steps):
+            norm, rep = drive(gm, model, sched, step, overlap)
+            records.append(record(gm, model, norm, rep))
+    finally:
+        gm.close()
+    return records
+
+
+def assert_records_equal(got, want, what):
+    """Asserts two runs' records are bit-identical after every step."""
+    assert len(got) == len(want)
+    for s, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g[0], w[0])):
+            assert torch.equal(a, b), (f"{what}: step {s} param {i}: "
+                                       f"{a.view(torch.float32)} != {b.view(torch.float32)}")
+        for i, (a, b) in enumerate(zip(g[1], w[1])):
+            assert torch.equal(a[0], b[0]), f"{what}: step {s} exp_avg {i}"
+            assert torch.equal(a[1], b[1]), f"{what}: step {s} exp_avg_sq {i}"
+            assert a[2] == b[2], f"{what}: step {s} step counter {i}"
+        assert g[2] == w[2], f"{what}: step {s} norm {g[2]} != {w[2]}"
+        assert f32(g[3]) == f32(w[3]), f"{what}: step {s} clip {g[3]} != {w[3]}"
+
+
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The reference records, without and with overlap (no clipping)."""
+    return {overlap: run_reference(STEPS, overlap) for overlap in (False, True)}
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_gives_the_reference_bits_after_every_step(mode, overlap, reference):
+    """Params, moments, counters, norms and clip coefficients equal plain torch's, every
+    step, under a LambdaLR schedule (the manager reads each group's lr at every step)."""
+    got = run_manager(mode, STEPS, overlap, chunk_elements=300)
+    assert_records_equal(got, reference[overlap], f"{mode} overlap={overlap}")
+    assert overlap or got[0][3] < 1.0, "the test should clip"
+
+
+def test_state_dict_saved_in_one_mode_resumes_in_another(reference):
+    """full for 2 steps, state_dict, then mode none (a new model and manager) for 3 more:
+    the bits of an uninterrupted run."""
+    model = TinyLM()
+    gm = st.GradientManager(make_groups(model), offload="full", lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    for step in range(2):
+        drive(gm, model, sched, step, False)
+    saved = gm.state_dict()
+    saved = {"state": {i: {k: v.clone() for k, v in s.items()} for i, s in saved["state"].items()},
+             "param_groups": [dict(g) for g in saved["param_groups"]]}
+    sched_state = sched.state_dict()
+    params_now = [p.detach().clone() for p in model.parameters()]
+    gm.close()
+
+    model2 = TinyLM(seed=99)  # other values: load_state_dict must restore the masters
+    gm2 = st.GradientManager(make_groups(model2), offload="none", lr=1e-2, betas=BETAS,
+                             weight_decay=WD, threads=1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(gm2, schedule)  # torch's resume order
+    gm2.load_state_dict(saved)
+    sched2.load_state_dict(sched_state)
+    for p, q in zip(model2.parameters(), params_now):
+        assert torch.equal(p.detach(), q), "load_state_dict writes the compute weights"
+    records = []
+    try:
+        for step in range(2, STEPS):
+            norm, rep = drive(gm2, model2, sched2, step, False)
+            records.append(record(gm2, model2, norm, rep))
+    finally:
+        gm2.close()
+    assert_records_equal(records, reference[False][2:], "full -> none resume")
+
+
+def test_state_dict_interoperates_with_torch_adamw(reference):
+    """The manager's state_dict loads into torch.optim.AdamW (and the params it holds)."""
+    model = TinyLM()
+    gm = st.GradientManager(make_groups(model), offload="optimizer", lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=1)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    for step in range(2):
+        drive(gm, model, sched, step, False)
+    sd = gm.state_dict()
+    groups = make_groups(model)
+    for g in groups:
+        g.pop("name")
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=BETAS, fused=True)
+    opt.load_state_dict(sd)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        assert torch.equal(bits(opt.state[p]["exp_avg"]), reference[False][1][1][i][0])
+    gm.close()
+
+
+# ---- the error catalogue -------------------------------------------------------------
+
+
+def fingerprint(model, gm=None):
+    """A hash of the model's params and (when given) the manager's state."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    if gm is not None:
+        for i, s in sorted(gm.state_dict()["state"].items()):
+            for k in sorted(s):
+                h.update(k.encode())
+                h.update(s[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("offload", ["fsdp", "cpu", "Full", "", None, 1])
+def test_unknown_offload_modes_are_refused(offload):
+    with pytest.raises(ValueError, match=r"'offload' must be one of 'none', 'optimizer', 'full'"):
+        st.GradientManager(TinyLM(), offload=offload)
+
+
+def test_fsdp_names_its_replacement_and_full_offload_names_its_optimizers():
+    with pytest.raises(ValueError, match="fsdp.*removed"):
+        st.GradientManager(TinyLM(), offload="fsdp")
+    with pytest.raises(ValueError, match="full offload accepts only AdamW and SignSGD"):
+        st.GradientManager(TinyLM(), offload="full", optimizer="muon")
+    with pytest.raises(ValueError, match="'optimizer' must be one of 'adamw', 'sign_sgd'"):
+        st.GradientManager(TinyLM(), offload="none", optimizer="sgd")
+
+
+def prepared(mode="full", threads=1):
+    """A model, its manager and scheduler after one step."""
+    model = TinyLM()
+    gm = st.GradientManager(model, offload=mode, lr=1e-2, threads=threads)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    drive(gm, model, sched, 0, False)
+    return model, gm, sched
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_clipping_after_the_overlapped_optimizer_started_is_refused(mode):
+    model, gm, _ = prepared(mode)
+    mbs = micro_batches(1)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=True)
+    for k, mb in enumerate(mbs):
+        gm.begin_backward(final_backward=k == len(mbs) - 1)
+        loss_sum(model, mb).backward()
+        gm.finish_backward()
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        gm.clip_grad_norm_(MAX_NORM)
+    gm.step()  # the manager still completes the step
+    gm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_firing_twice_in_one_micro_batch_is_refused(mode):
+    """Two backwards in one micro-batch: the second hook of a parameter raises naming it,
+    and neither the params nor the manager's state change."""
+    model, gm, _ = prepared(mode)
+    mbs = micro_batches(1)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=False)
+    gm.begin_backward(final_backward=False)
+    loss_sum(model, mbs[0]).backward()
+    params = fingerprint(model)
+    with pytest.raises(ValueError, match=r"params\[\d+\] \(\w+\.\w+\).*already ready"):
+        loss_sum(model, mbs[1]).backward()  # the second backward in one micro-batch
+    assert fingerprint(model) == params
+    gm.finish_backward()
+    gm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_before_finish_backward_is_refused_and_changes_nothing(mode):
+    model, gm, _ = prepared(mode)
+    mbs = micro_batches(1)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=False)
+    gm.begin_backward(final_backward=True)
+    loss_sum(model, mbs[0]).backward()
+    params = fingerprint(model)
+    with pytest.raises(ValueError, match="step"):
+        gm.step()
+    assert fingerprint(model) == params
+    gm.finish_backward()
+    gm.clip_grad_norm_(MAX_NORM)
+    gm.step()
+    gm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_gradient_whose_dtype_changes_is_refused(mode):
+    model, gm, _ = prepared(mode)
+    p = model.up.weight
+    if not hasattr(p, "grad_dtype"):
+        pytest.skip("this torch has no grad_dtype")
+    p.grad_dtype = torch.bfloat16  # autograd now delivers bf16 for an f32 parameter
+    mbs = micro_batches(1)
+    before = fingerprint(model)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=False)
+    gm.begin_backward(final_backward=True)
+    with pytest.raises(TypeError, match=r"params\[\d+\] \(up.weight\)"):
+        loss_sum(model, mbs[0]).backward()
+    assert fingerprint(model) == before
+    gm.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_contiguous_gradient_is_refused(mode):
+    model, gm, _ = prepared(mode)
+    p = model.up.weight
+
+    def strided(param):  # another framework's hook that runs first
+        param.grad = torch.randn(param.shape[1], param.shape[0]).t()
+
+    handle = p.register_post_accumulate_grad_hook(strided)
+    # Hooks run in registration order: move ours after it by re-registering.
+    mbs = micro_batches(1)
+    before = fingerprint(model)
+    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=False)
+    gm.begin_backward(final_backward=True)
+    i = next(k for k, q in enumerate(q for g in gm.param_groups for q in g["params"]) if q is p)
+    gm._hooks[i].remove()
+    gm._hooks[i] = p.register_post_accumulate_grad_hook(gm._hook(i))
+    with pytest.raises(ValueError, match=r"params\[\d+\] \(up.weight\).*contiguous"):
+        loss_sum(model, mbs[0]).backward()
+    assert fingerprint(model) == before
+    handle.remove()
+    gm.close()
+
+
+def test_threads_come_from_the_launcher_environment(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE", raising=False)
+    gm = st.GradientManager(TinyLM(), offload="full")
+    allowed = len(os.sched_getaffinity(0))
+    assert gm.threads == min(allowed, os.cpu_count()), "OMP_NUM_THREADS alone changes nothing"
+    gm.close()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    gm = st.GradientManager(TinyLM(), offload="full")
+    assert gm.threads == max(1, min(allowed, os.cpu_count() // 2))
+    gm.close()
+
+
+# ---- two processes: FSDP2 on gloo ------------------------------------------------------
+#
+# Every rank runs the same micro-batches: FSDP's average of identical gradients is exact, so
+# each rank's shard holds the single-process gradient's bits and the exact global norm is
+# the single-process norm. The "native" formula is elementwise, so every shard's update is
+# the single-process update's slice. The "torch" formula is torch's fused kernel, whose
+# last numel % 8 elements of each tensor take its scalar tail: on shards those are the
+# shards' tails, as torch.optim.AdamW(fused=True) on FSDP2 shards does; its peer here is
+# exactly that (FSDP2, torch's accumulation, the scale and clip as torch multiplies, fused
+# AdamW on the DTensor params), given the manager's norm, which must be the 1-process norm.
+
+
+def sharded_model():
+    """TinyLM under FSDP2: each submodule and the root fully_shard-ed."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = TinyLM()
+    for sub in (model.embed, model.norm, model.up, model.head):
+        fully_shard(sub)
+    fully_shard(model)
+    return model
+
+
+def _local_value(t):
+    """A (possibly DTensor) scalar's value."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def torch_fsdp_peer(norms):
+    """FSDP2 + torch.optim.AdamW(fused=True) given the step norms: the full params and
+    moments after every step (the manager's torch-formula records on these shards)."""
+    model = sharded_model()
+    groups = make_groups(model)
+    for g in groups:
+        g.pop("name")
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=BETAS, eps=1e-8, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    records = []
+    for step, norm in enumerate(norms):
+        mbs = micro_batches(step)
+        scale = torch.tensor(1.0 / tokens_of(mbs), dtype=torch.float32)
+        for mb in mbs:
+            loss_sum(model, mb).backward()
+        with torch.no_grad():
+            clip = float(torch.clamp(MAX_NORM / (torch.tensor(norm) + 1e-6), max=1.0))
+            for p in params:
+                local = p.grad.to_local()
+                local.copy_(local * scale)
+                local.copy_(local * torch.tensor(clip, dtype=torch.float32))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        records.append(([bits(p) for p in params],
+                        [(bits(opt.state[p]["exp_avg"]), bits(opt.state[p]["exp_avg_sq"]),
+                          float(_local_value(opt.state[p]["step"]))) for p in params],
+                        norm, clip))
+    return records
+
+
+def fsdp_worker(rank, world, init_file, out_file):
+    """One gloo process: every mode and formula under FSDP2; saves rank 0's records."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    results = {}
+    for formula in ("native", "torch"):
+        for mode, overlap in [(m, False) for m in MODES] + [("full", True), ("none", True)]:
+            model = sharded_model()
+            gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                                    weight_decay=WD, threads=1, chunk_elements=300,
+                                    formula=formula)
+            sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+            recs = []
+            for step in range(STEPS):
+                norm, rep = drive(gm, model, sched, step, overlap)
+                recs.append(record(gm, model, norm, rep))
+            gm.close()
+            results[(formula, mode, overlap)] = recs
+    norms = [r[2] for r in results[("torch", "none", False)]]
+    results["peer"] = torch_fsdp_peer(norms)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out_file)
+
+
+def test_two_fsdp2_processes_give_the_single_process_bits(reference):
+    """FSDP2 (fully_shard) on 2 gloo processes: the norm global over the ranks equals the
+    1-process norm every step; native-formula runs equal the 1-process runs bit for bit in
+    every mode; torch-formula runs equal torch's fused AdamW on the same shards."""
+    native = {overlap: run_manager("none", STEPS, overlap, formula="native")
+              for overlap in (False, True)}
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir] + [p for p in sys.path if p])
+    # torch's own CPU reductions (LayerNorm's weight gradient) depend on its thread count:
+    # the workers use this process's, so their gradients are the reference's.
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        out = os.path.join(tmp, "rank0.pt")
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", "import sys, test_torch_manager as t; "
+             "t.fsdp_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])",
+             str(r), str(world), init_file, out], env=env, cwd=tmp,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+        logs = [p.communicate(timeout=600)[0].decode(errors="replace") for p in procs]
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+        results = torch.load(out, weights_only=False)
+    peer = results.pop("peer")
+    for (formula, mode, overlap), recs in results.items():
+        what = f"2 processes {formula} {mode} overlap={overlap}"
+        for s, (got, want) in enumerate(zip(recs, reference[overlap])):
+            assert got[2] == want[2], f"{what}: step {s} norm"  # the 1-process exact norm
+        if formula == "native":
+            assert_records_equal(recs, native[overlap], what)
+        elif not overlap:
+            assert_records_equal(recs, peer, what + " (against FSDP2 + torch fused AdamW)")
+        else:  # no clip to give the peer: the modes agree with each other
+            assert_records_equal(recs, results[("torch", "none", True)], what)
