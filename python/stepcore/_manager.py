@@ -73,6 +73,19 @@ def _default_threads(local_world_size: int) -> int:
     return max(1, min(allowed, (os.cpu_count() or 1) // max(1, local_world_size)))
 
 
+def _local_gpu_buses(local_world_size):
+    """PCI bus ids of local ranks' GPUs (rank i drives cuda:i), or None when unknown."""
+    try:
+        out = []
+        for i in range(local_world_size):
+            props = torch.cuda.get_device_properties(i)
+            out.append(f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:"
+                       f"{props.pci_device_id:02x}.0")
+        return out
+    except Exception:  # fewer GPUs than local ranks, or a torch without the fields
+        return None
+
+
 class GradientManager(torch.optim.Optimizer):
     """The step after backward in one of three places, chosen by ``offload``."""
 
@@ -183,9 +196,15 @@ class GradientManager(torch.optim.Optimizer):
         cpus, numa_node = [], -1
         if threads is None:
             threads = _default_threads(local_world)
-        if numa and self.offload != "none" and device == "host":
-            place = _core.numa_place_on_node(0, local_rank, local_world)
-            if place["bound"]:
+        place = None
+        if numa and self.offload != "none":
+            if device == "host":
+                place = _core.numa_place_on_node(0, local_rank, local_world)
+            else:  # the GPU's node: every local rank's GPU by its PCI bus id
+                buses = _local_gpu_buses(local_world)
+                if buses is not None and local_rank < len(buses):
+                    place = _core.numa_placement(buses, local_rank)
+            if place is not None and place["bound"]:
                 cpus, numa_node = list(place["cpus"]), int(place["numa_node"])
                 threads = min(int(threads), len(cpus)) if cpus else int(threads)
         self.threads = int(threads)
