@@ -1,0 +1,81 @@
+"""Tests of examples/train_tiny_lm.py's plain-PyTorch baseline (no stepcore needed).
+
+The baseline is the reference the example compares stepcore's GradientManager against, so
+it must learn (the loss falls by a clear margin in a few steps), be deterministic (two
+runs give the same bits) and be quick; and its batches must have what the example claims:
+uneven micro-batches whose padding does not count as loss tokens.
+"""
+
+import math
+import os
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the tiny LM example needs PyTorch")
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+sys.path.insert(0, os.path.abspath(EXAMPLES))
+
+import tiny_corpus  # noqa: E402
+import train_tiny_lm as lm  # noqa: E402
+
+
+@pytest.fixture
+def torch_settings():
+    """Restores the global RNG, deterministic mode and thread count the example changes."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng():
+        yield
+    torch.use_deterministic_algorithms(deterministic)
+    torch.set_num_threads(threads)
+
+
+def baseline(argv):
+    """Runs the baseline quietly with the example's determinism settings; returns (records, params, seconds)."""
+    args = lm.parse_args(argv)
+    lm.setup_determinism(args, args.torch_threads)
+    start = time.perf_counter()
+    records, params = lm.run_torch(args, show=False)
+    return records, params, time.perf_counter() - start
+
+
+def test_loss_falls_by_a_clear_margin_within_seconds(torch_settings):
+    """12 steps take the loss from about ln(2048) = 7.6 to well below 6, in under 20 s."""
+    records, _, seconds = baseline(["--steps", "12", "--warmup", "3"])
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 12
+    assert all(math.isfinite(x) for x in losses), losses
+    assert losses[0] > 7.0, losses
+    assert losses[-1] < losses[0] - 1.5, losses
+    assert seconds < 20.0, f"baseline took {seconds:.1f} s"
+    assert records[0]["lr"] < records[2]["lr"]  # warm-up
+    assert records[-1]["lr"] < records[3]["lr"]  # cosine decay
+
+
+def test_two_runs_give_the_same_bits(torch_settings):
+    """Same seed, same params, moments, norms and losses (compared as bits, not with tolerance)."""
+    a, pa, _ = baseline(["--steps", "3"])
+    b, pb, _ = baseline(["--steps", "3"])
+    assert [r["digests"] for r in a] == [r["digests"] for r in b]
+    assert [r["norm_bits"] for r in a] == [r["norm_bits"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    for x, y in zip(pa, pb):
+        assert torch.equal(lm.bits(x), lm.bits(y))
+
+
+def test_micro_batches_are_uneven_and_padding_is_not_counted():
+    """Each step's micro-batches differ in rows/lengths; tokens count exactly the non-PAD targets."""
+    steps = tiny_corpus.make_steps(4, 3, vocab=2048, context=64, rows=6, seed=0)
+    assert any(mb.tokens < mb.targets.numel() for mbs in steps for mb in mbs)  # some padding
+    for mbs in steps:
+        assert len({mb.tokens for mb in mbs}) > 1
+        for mb in mbs:
+            assert mb.inputs.shape == mb.targets.shape and mb.inputs.shape[1] <= 64
+            assert mb.tokens == int((mb.targets != tiny_corpus.PAD).sum())
+            assert bool((mb.inputs[:, 0] == tiny_corpus.BOS).all())
+        # the data-parallel split keeps every token exactly once
+        assert sum(mb.rows(0, 2).tokens + mb.rows(1, 2).tokens for mb in mbs) == \
+            lm.step_tokens(mbs)
