@@ -13,7 +13,8 @@ several ways:
 `main()` prints loss, gradient norm and lr per step for every run, then one `bitwise:`
 line saying whether the stepcore modes gave the same bits (params, exp_avg, exp_avg_sq,
 step and norm after every step), and a line comparing stepcore with the baseline. With
-`--processes 2` the loop runs data parallel on two gloo processes (rank 0 prints). When
+`--processes 2` the model is sharded with FSDP2 over two gloo processes that each run every
+batch, and rank 0 compares every mode with the 1-process run (rank 0 prints). When
 stepcore.torch.GradientManager cannot be imported only the baseline runs (exit 0).
 
 Run: PYTHONPATH=build/<preset>/python /opt/torchenv/py examples/train_tiny_lm.py
@@ -142,8 +143,12 @@ def make_schedule(warmup: int, total: int, floor: float = 0.1):
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """Returns the bit pattern of an f32 tensor as int32 (other dtypes: a byte view)."""
-    t = t.detach().contiguous().reshape(-1)
+    """Returns the bit pattern of an f32 tensor as int32 (other dtypes: a byte view); a
+    DTensor's whole tensor (a collective: every rank calls it)."""
+    t = t.detach()
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    t = t.contiguous().reshape(-1)
     return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.uint8)
 
 
@@ -237,26 +242,38 @@ def run_torch(args, data=None, *, rank: int = 0, world: int = 1, show: bool = Tr
     return records, [p.detach().clone() for p in params]
 
 
+def shard(model: nn.Module) -> nn.Module:
+    """FSDP2: every block and the root fully_shard-ed (params become Shard(0) DTensors)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
 def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
-                 world: int = 1, show: bool = True):
+                 world: int = 1, show: bool = True, fsdp: bool = False):
     """Trains with stepcore.torch.GradientManager in mode `offload`, optimizer-in-backward if `overlap`.
 
     Returns (records, final params) like run_torch. With overlap the optimizer runs during
     the final backward, so clip_grad_norm_ is not called (the manager refuses it): the
-    record's norm is report()["norm"] when the report has one, else None.
+    record's norm is report()["norm"] when the report has one, else None. With `fsdp` the
+    model is sharded over the ranks (FSDP2) and every rank runs every micro-batch: each
+    rank's shard of the gradient is the 1-process gradient's, and the manager's norm is
+    global over the shards.
     """
     from stepcore.torch import GradientManager
 
     torch.manual_seed(args.seed)
     data = data if data is not None else corpus(args)
     model = build_model(args)
+    if fsdp:
+        model = shard(model)
     params = list(model.parameters())
-    extra = {}
-    if world > 1:
-        import torch.distributed as dist
-        extra["process_group"] = dist.group.WORLD
     gm = GradientManager(model, offload=offload, optimizer="adamw", lr=args.lr, betas=BETAS,
-                         eps=EPS, weight_decay=WEIGHT_DECAY, threads=args.threads, **extra)
+                         eps=EPS, weight_decay=WEIGHT_DECAY, threads=args.threads or None,
+                         formula=args.formula)
     try:
         sched = torch.optim.lr_scheduler.LambdaLR(gm, make_schedule(args.warmup, args.steps))
         records = []
@@ -265,7 +282,7 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
             tokens = step_tokens(mbs)
             lr = gm.param_groups[0]["lr"]
             gm.begin_step(1.0 / tokens, overlap_optimizer=overlap)
-            local = local_share(mbs, rank, world)
+            local = mbs if fsdp else local_share(mbs, rank, world)
             loss_sum = 0.0
             for k, mb in enumerate(local):
                 gm.begin_backward(final_backward=(k == len(local) - 1))
@@ -279,7 +296,7 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
             rep = gm.report()
             if norm is None and rep.get("norm") is not None:
                 norm = torch.as_tensor(rep["norm"], dtype=torch.float32)
-            rec = {"loss": all_reduce_sum(loss_sum, world) / tokens,
+            rec = {"loss": (loss_sum if fsdp else all_reduce_sum(loss_sum, world)) / tokens,
                    "norm": None if norm is None else float(norm),
                    "norm_bits": None if norm is None else int(bits(torch.as_tensor(norm))[0]),
                    "lr": lr, "clipped": (not overlap) and float(norm) > args.max_norm,
@@ -356,7 +373,10 @@ def parse_args(argv=None):
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default; 1 is fastest for this model "
                         "and does not spin on busy cores)")
-    p.add_argument("--processes", type=int, default=1, help="data-parallel gloo processes")
+    p.add_argument("--processes", type=int, default=1,
+                   help="gloo processes sharding the model (FSDP2), each running every batch")
+    p.add_argument("--formula", choices=("torch", "native"), default="torch",
+                   help="stepcore's AdamW formula (torch: torch's fused kernel bit for bit)")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
@@ -376,17 +396,17 @@ def setup_determinism(args, threads: int) -> None:
 
 def run_all(args, rank: int = 0, world: int = 1) -> int:
     """Runs the baseline and every stepcore mode on this rank, printing on rank 0; returns the exit code."""
+    if world > 1:
+        return run_sharded(args, rank, world)
     show = rank == 0
     say = print if show else (lambda *a, **k: None)
     data = corpus(args)
     t0 = time.perf_counter()
-    base = run_torch(args, data, rank=rank, world=world, show=show and not args.quiet)
+    base = run_torch(args, data, show=show and not args.quiet)
     elapsed = time.perf_counter() - t0
     brecs = base[0]
     say(f"torch baseline: {len(brecs)} steps in {elapsed:.2f} s, loss {brecs[0]['loss']:.4f} -> "
-        f"{brecs[-1]['loss']:.4f}" + (f" ({world} processes)" if world > 1 else ""), flush=True)
-    if world > 1:
-        say(f"ranks agree on the baseline's params: {ranks_agree(base[1], world)}")
+        f"{brecs[-1]['loss']:.4f}", flush=True)
     try:
         from stepcore.torch import GradientManager  # noqa: F401
     except ImportError as e:
@@ -395,27 +415,55 @@ def run_all(args, rank: int = 0, world: int = 1) -> int:
         return 0
     runs, overlap_runs = {}, {}
     for offload in MODES:
-        runs[offload] = run_stepcore(args, offload, False, data, rank=rank, world=world,
-                                     show=show and not args.quiet)
+        runs[offload] = run_stepcore(args, offload, False, data, show=show and not args.quiet)
     for offload in MODES:
-        try:
-            overlap_runs[offload] = run_stepcore(args, offload, True, data, rank=rank,
-                                                 world=world, show=show and not args.quiet)
-        except Exception as e:  # a mode that refuses overlap says why
-            say(f"stepcore {offload} overlap: not run ({type(e).__name__}: {e})")
+        overlap_runs[offload] = run_stepcore(args, offload, True, data,
+                                             show=show and not args.quiet)
     ok, why = same_bits(runs)
     say(f"bitwise: modes {', '.join(runs)} {'identical' if ok else 'NOT identical'} in params, "
         f"exp_avg, exp_avg_sq, step and norm after every step" + ("" if ok else f" ({why})"))
-    if overlap_runs:
-        ok2, why2 = same_bits(overlap_runs) if len(overlap_runs) > 1 else (True, "")
-        say(f"bitwise (overlap): modes {', '.join(overlap_runs)} "
-            f"{'identical' if ok2 else 'NOT identical'} after every step" + ("" if ok2 else f" ({why2})")
-            + "; overlap steps during the final backward, so there is no clipping "
-              "(clip_grad_norm_ is refused) and these runs differ from the clipped ones")
+    ok2, why2 = same_bits(overlap_runs)
+    say(f"bitwise (overlap): modes {', '.join(overlap_runs)} "
+        f"{'identical' if ok2 else 'NOT identical'} after every step" + ("" if ok2 else f" ({why2})")
+        + "; overlap steps during the final backward, so there is no clipping "
+          "(clip_grad_norm_ is refused) and these runs differ from the clipped ones")
     say(compare_with_torch(base, runs[MODES[0]], args.max_norm))
-    if world > 1:
-        say(f"ranks agree on stepcore's params: {ranks_agree(runs[MODES[0]][1], world)}")
-    return 0 if ok else 1
+    return 0 if ok and ok2 else 1
+
+
+def run_sharded(args, rank: int, world: int) -> int:
+    """`world` processes under FSDP2, every mode; rank 0 also runs the 1-process loop and
+    compares: the norms, and (formula native) every bit."""
+    import torch.distributed as dist
+
+    say = print if rank == 0 else (lambda *a, **k: None)
+    data = corpus(args)
+    single = None
+    if rank == 0:  # no collectives: a plain model and manager in this process alone
+        single = run_stepcore(args, "none", False, data, show=False)
+    dist.barrier()
+    runs = {}
+    for offload in MODES:
+        runs[offload] = run_stepcore(args, offload, False, data, rank=rank, world=world,
+                                     show=rank == 0 and not args.quiet, fsdp=True)
+    if rank != 0:
+        return 0
+    ok, why = same_bits(runs)
+    say(f"bitwise: {world} processes (FSDP2), modes {', '.join(runs)} "
+        f"{'identical' if ok else 'NOT identical'} after every step" + ("" if ok else f" ({why})"))
+    recs = runs[MODES[0]][0]
+    norms_same = all(a["norm_bits"] == b["norm_bits"] for a, b in zip(single[0], recs))
+    first = next((s for s, (a, b) in enumerate(zip(single[0], recs))
+                  if a["digests"] != b["digests"]), None)
+    say(f"vs 1 process: norms {'identical' if norms_same else 'NOT identical'} at every step; "
+        + ("params, exp_avg, exp_avg_sq and step identical after every step"
+           if first is None else f"state first differs after step {first + 1}"))
+    if args.formula == "torch" and first is not None:
+        say("  (formula torch is torch's fused kernel, whose scalar tail takes each tensor's "
+            "last numel % 8 elements: on shards, each shard's, as torch.optim.AdamW(fused=True) "
+            "on FSDP2 shards does; formula native is elementwise and gives the 1-process bits)")
+    same = ok and norms_same and (first is None or args.formula == "torch")
+    return 0 if same else 1
 
 
 def ranks_agree(params: list[torch.Tensor], world: int) -> bool:

@@ -1,13 +1,16 @@
-"""Tests of examples/train_tiny_lm.py's plain-PyTorch baseline (no stepcore needed).
+"""Tests of examples/train_tiny_lm.py: its plain-PyTorch baseline and its stepcore runs.
 
 The baseline is the reference the example compares stepcore's GradientManager against, so
 it must learn (the loss falls by a clear margin in a few steps), be deterministic (two
-runs give the same bits) and be quick; and its batches must have what the example claims:
-uneven micro-batches whose padding does not count as loss tokens.
+runs give the same bits) and be quick; its batches must have what the example claims:
+uneven micro-batches whose padding does not count as loss tokens. The example itself must
+report the three offload modes bitwise identical (with and without overlap), and on 2
+FSDP2 processes identical to the 1-process run.
 """
 
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -79,3 +82,34 @@ def test_micro_batches_are_uneven_and_padding_is_not_counted():
         # the data-parallel split keeps every token exactly once
         assert sum(mb.rows(0, 2).tokens + mb.rows(1, 2).tokens for mb in mbs) == \
             lm.step_tokens(mbs)
+
+
+def run_example(argv, timeout=600):
+    """Runs the example in a subprocess (it sets torch's global state); returns (rc, output)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_tiny_lm.py"), *argv],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_the_example_reports_the_three_modes_bitwise_identical():
+    """The README's `bitwise:` lines, from the example itself (6 steps)."""
+    pytest.importorskip("stepcore.torch")
+    rc, out = run_example(["--steps", "6", "--warmup", "2", "--quiet"])
+    assert rc == 0, out[-3000:]
+    assert "bitwise: modes none, optimizer, full identical in params, exp_avg, exp_avg_sq, " \
+        "step and norm after every step" in out, out
+    assert "bitwise (overlap): modes none, optimizer, full identical after every step" in out, out
+    assert "vs torch: max |loss diff|" in out, out
+
+
+def test_the_example_on_two_fsdp2_processes_equals_one_process():
+    """--processes 2: FSDP2 over gloo, every mode, the 1-process norms and bits."""
+    pytest.importorskip("stepcore.torch")
+    rc, out = run_example(["--steps", "4", "--warmup", "2", "--quiet", "--processes", "2",
+                           "--formula", "native"])
+    assert rc == 0, out[-3000:]
+    assert "bitwise: 2 processes (FSDP2), modes none, optimizer, full identical" in out, out
+    assert "vs 1 process: norms identical at every step; params, exp_avg, exp_avg_sq and " \
+        "step identical after every step" in out, out
