@@ -91,7 +91,8 @@ class Launch {
     const BufferArg b = buffer(h, name, access, dtypes);
     if (b.numel != numel)
       bad("size_mismatch", name,
-          std::to_string(b.numel) + " elements; " + what + " is " + std::to_string(numel));
+          "has " + std::to_string(b.numel) + " elements, not " + std::to_string(numel) + ": " +
+              what);
     return b;
   }
 
@@ -121,8 +122,8 @@ class Launch {
     const BufferArg b = buffer(h, name, access, python::kU8 | python::kI64);
     if (b.bytes() != sizeof(T))
       bad("size_mismatch", name,
-          std::to_string(b.bytes()) + " bytes; " + what + " is " + std::to_string(sizeof(T)) +
-              " bytes (a uint8 array of that size, or int64 of a eighth)");
+          "has " + std::to_string(b.bytes()) + " bytes, not " + std::to_string(sizeof(T)) + ": " +
+              what + ", as uint8 or int64");
     if (reinterpret_cast<std::uintptr_t>(b.data) % alignof(T) != 0)
       bad("invalid_argument", name,
           "is not aligned to " + std::to_string(alignof(T)) + " bytes (a fresh allocation is)");
@@ -219,7 +220,8 @@ T host_record(nb::handle h, const char* name, const char* what) {
       python::buffer_arg(h, ArgName{name}, Memory::cpu, Access::read, python::kU8 | python::kI64);
   if (b.bytes() != sizeof(T))
     bad("size_mismatch", ArgName{name},
-        std::to_string(b.bytes()) + " bytes; " + what + " is " + std::to_string(sizeof(T)));
+        "has " + std::to_string(b.bytes()) + " bytes, not " + std::to_string(sizeof(T)) + ": " +
+            what + ", as uint8 or int64");
   T out;
   std::memcpy(&out, b.data, sizeof(T));
   return out;
@@ -456,7 +458,7 @@ void bind_cuda(nb::module_& parent) {
         d.bias_table = static_cast<const double*>(
             l.exact(bias_table, ArgName{"bias_table"}, Access::read, python::kF64,
                     bias_table_numel(config),
-                    "make_adamw_bias_table(beta1, beta2, formula=formula)'s length")
+                    "the length of make_adamw_bias_table(beta1, beta2, formula=formula)")
                 .data);
         if (!found_inf.is_none())
           d.found_inf = l.found_inf(found_inf, ArgName{"found_inf"}, Access::read);

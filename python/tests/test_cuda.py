@@ -282,7 +282,7 @@ def bad_buffer_cases():
     misaligned = np.zeros(PARTIAL + 8, np.uint8)[1:PARTIAL + 1]
     return [
         ("scale_and_norm_partial", "partial", u8(PARTIAL - 1), ValueError, "183 bytes"),
-        ("scale_and_norm_partial", "partial", u8(PARTIAL + 8), ValueError, "184 bytes"),
+        ("scale_and_norm_partial", "partial", u8(PARTIAL + 8), ValueError, "192 bytes, not 184"),
         ("scale_and_norm_partial", "partial", np.zeros(PARTIAL // 4, np.float32), TypeError,
          "int64 or uint8"),
         ("scale_and_norm_partial", "partial", misaligned, ValueError, "aligned"),
