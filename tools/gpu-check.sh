@@ -5,8 +5,10 @@
 # configure, build, gpu-tests (every `gpu` test not naming NCCL, per-test timeout), nccl
 # (those naming NCCL but no manager), manager-nccl (stepcore-gpu-nccl-step: manager steps
 # with NCCL on one rank against the host device, plus the gpu tests naming NCCL and a
-# manager), bench-gpu, bench-comm (when built), sanitizer (compute-sanitizer memcheck
-# and racecheck over the kernel tests).
+# manager), python (stepcore._core built against the machine's CUDA torch, then
+# python/tests/test_cuda.py -m gpu; n/a without such a torch or nanobind), bench-gpu,
+# bench-comm (when built), sanitizer (compute-sanitizer memcheck and racecheck over the
+# kernel tests).
 # CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
 # gpu-tests.log, bench.log, sanitizer.log, summary.txt; the summary table is printed last.
 # Exit status: 0 when no phase failed, else 1. Without a GPU the CUDA tests skip and every
@@ -25,6 +27,8 @@
 #   STEPCORE_SANITIZER_FILTER gtest filter of the sanitizer runs (default *)
 #   STEPCORE_SANITIZER_BUDGET seconds for all the sanitizer runs (default 240; 150 at most each)
 #   STEPCORE_UNPACK           dpkg (default when dpkg-deb exists) or ar
+#   STEPCORE_GPU_PYTHON       the Python (with a CUDA build of torch) of the python phase
+#   STEPCORE_GPU_PY_BUILD     its build folder (default build/gpu-check-python)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$PWD
@@ -36,7 +40,7 @@ budget=${STEPCORE_GPU_BUDGET:-480}
 test_timeout=${STEPCORE_TEST_TIMEOUT:-120}
 jobs=$(nproc 2>/dev/null || echo 4)
 mkdir -p "$logdir" "$build" || { echo "gpu-check: cannot create $logdir or $build" >&2; exit 2; }
-for f in build.log gpu-tests.log sanitizer.log bench.log summary.txt; do : >"$logdir/$f"; done
+for f in build.log gpu-tests.log python.log sanitizer.log bench.log summary.txt; do : >"$logdir/$f"; done
 exec 3>&1  # the console, while a phase's output goes to its log
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own warnings into the logs
 
@@ -211,6 +215,7 @@ phase_unpack() {
 
 # ---- configure: NCCL from what the machine has, then cmake ---------------------------
 nccl_inc="" nccl_lib=""
+prefix_args=()  # the bundle's prefix and pkg-config, for the python phase's own configure
 nccl_try() {  # nccl_try ROOT: sets nccl_inc/nccl_lib when ROOT has both
   local r=$1 l
   [ -f "$r/include/nccl.h" ] || return 1
@@ -259,6 +264,8 @@ phase_configure() {
     [ -d "$cm/benchmark" ] && args+=(-Dbenchmark_DIR="$cm/benchmark")
   fi
   [ -n "$pkgconfig_exe" ] && args+=(-DPKG_CONFIG_EXECUTABLE="$pkgconfig_exe")
+  [ "$unpacked" = 1 ] && prefix_args+=(-DCMAKE_PREFIX_PATH="$prefix/usr")
+  [ -n "$pkgconfig_exe" ] && prefix_args+=(-DPKG_CONFIG_EXECUTABLE="$pkgconfig_exe")
   if find_nccl; then
     local v
     v=$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{printf "%s%s", sep, $3; sep="."}' "$nccl_inc/nccl.h")
@@ -361,6 +368,81 @@ phase_manager_nccl() {
   return 0
 }
 
+# ---- python: stepcore.cuda on torch CUDA tensors (python/tests/test_cuda.py -m gpu) ------
+# The machine's Python whose torch is a CUDA build; nanobind and pytest from it, else from
+# .gpu-bundle/python (tools/gpu-prepare.sh). Its own build folder: the extension, CUDA on.
+py_exe=""
+find_torch_python() {
+  local c
+  for c in "${STEPCORE_GPU_PYTHON:-}" "$(command -v python3)" "$(command -v python)" \
+    /opt/*/.venv/bin/python /opt/*/bin/python /opt/*/venv/bin/python "$HOME"/.venv/bin/python; do
+    [ -n "$c" ] && [ -x "$c" ] || continue
+    if "$c" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1; then
+      py_exe=$c
+      return 0
+    fi
+  done
+  return 1
+}
+phase_python() {
+  [ -n "$nvcc" ] || { note="no nvcc"; return 1; }
+  find_torch_python || { note="no Python with a CUDA build of torch (STEPCORE_GPU_PYTHON): not run"; echo "$note"; return 4; }
+  local bundled=$bundle/python pypath="" m missing=() torch_v
+  torch_v=$("$py_exe" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1)
+  echo "python: $py_exe ($("$py_exe" --version 2>&1)), torch $torch_v"
+  for m in nanobind pytest numpy; do
+    if ! "$py_exe" -c "import $m" >/dev/null 2>&1; then
+      if [ -d "$bundled" ] && PYTHONPATH=$bundled "$py_exe" -c "import $m" >/dev/null 2>&1; then
+        pypath=$bundled
+      else
+        missing+=("$m")
+      fi
+    fi
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    note="$py_exe lacks ${missing[*]} (tools/gpu-prepare.sh carries nanobind and pytest in .gpu-bundle/python): not run"
+    echo "$note"
+    return 4
+  fi
+  if ! "$py_exe" -c 'import os, sysconfig, sys; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)'; then
+    note="$py_exe has no Python.h (no development headers): not run"
+    echo "$note"
+    return 4
+  fi
+  # The bundle's packages after the machine's own.
+  export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$pypath
+  [ -n "$pypath" ] && echo "PYTHONPATH=$PYTHONPATH (the bundle's nanobind/pytest)"
+  local pybuild=${STEPCORE_GPU_PY_BUILD:-$root/build/gpu-check-python} out rc passed skipped failed
+  local args=(
+    -S "$root" -B "$pybuild" -G Ninja -DCMAKE_BUILD_TYPE=Release
+    -DSTEPCORE_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90
+    -DSTEPCORE_PYTHON=ON -DPython_EXECUTABLE="$py_exe"
+    -DSTEPCORE_TESTS=OFF -DSTEPCORE_TOOLS=OFF -DSTEPCORE_BENCH=OFF -DSTEPCORE_INSTALL=OFF
+    -DSTEPCORE_MPI=OFF -DSTEPCORE_NCCL=OFF ${prefix_args[@]+"${prefix_args[@]}"}
+  )
+  echo "cmake ${args[*]}"
+  bounded 120 cmake "${args[@]}" || { note="cmake failed (see python.log)"; return 1; }
+  bounded $((budget - 200)) cmake --build "$pybuild" --parallel "$jobs" --target _core stepcore_python_files ||
+    { note="build of stepcore._core failed (see python.log)"; return 1; }
+  out=$(mktemp)
+  (cd /tmp && bounded 240 env PYTHONPATH="$pybuild/python${PYTHONPATH:+:$PYTHONPATH}" \
+    "$py_exe" -m pytest -q -p no:cacheprovider -m gpu -rs "$root/python/tests/test_cuda.py") 2>&1 | tee "$out"
+  rc=${PIPESTATUS[0]}
+  passed=$(grep -oE '[0-9]+ passed' "$out" | tail -1 | cut -d' ' -f1)
+  skipped=$(grep -oE '[0-9]+ skipped' "$out" | tail -1 | cut -d' ' -f1)
+  failed=$(grep -oE '[0-9]+ (failed|error)' "$out" | awk '{s += $1} END {print s + 0}')
+  grep -E 'passed|failed|error|SKIPPED' "$out" | tail -n 5 >&3
+  rm -f "$out"
+  note="${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped (torch $torch_v)"
+  [ "$rc" -eq 124 ] && note="$note; TIMED OUT"
+  [ "$rc" -eq 0 ] || return 1
+  if [ "${skipped:-0}" -gt 0 ]; then
+    [ "$have_gpu" = 1 ] && { note="$note: a skip with a GPU present"; return 1; }
+    note="$note (no GPU)"
+  fi
+  return 0
+}
+
 # ---- compute-sanitizer over the kernel tests --------------------------------------------
 find_sanitizer() {
   local c
@@ -448,6 +530,7 @@ phase build build.log phase_build
 phase gpu-tests gpu-tests.log phase_gpu_tests
 phase nccl gpu-tests.log phase_nccl
 phase manager-nccl gpu-tests.log phase_manager_nccl
+phase python python.log phase_python
 phase bench-gpu bench.log phase_bench_gpu
 phase bench-comm bench.log phase_bench_comm
 phase sanitizer sanitizer.log phase_sanitizer  # last: the slowest, cut to what the budget leaves

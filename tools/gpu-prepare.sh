@@ -12,6 +12,11 @@
 #   xsimd (headers), hwloc (headers, pkg-config file, shared library) and libudev1, which
 #   libhwloc needs (unpacked there only when the system has none), pkgconf (the build's
 #   pkg_check_modules needs a pkg-config; used there only when the system has none).
+# Also carried (python/, pure Python, copied from this machine's Python; optional): nanobind
+# (stepcore's Python extension is built with it) and pytest with its dependencies, so the
+# check's python phase can build stepcore._core against the GPU machine's torch and run
+# python/tests/test_cuda.py -m gpu offline. From STEPCORE_BUNDLE_PYTHON (a site-packages
+# folder), else the first python3 / /opt/*/bin/python that imports nanobind.
 # Not fetched: Open MPI (the device build runs with STEPCORE_MPI=OFF), libnuma (nothing
 # links it: stepcore calls the NUMA system calls itself), NCCL (libnccl.so.2 is
 # ~210 MiB; gpu-check.sh finds the GPU machine's own, from the CUDA toolkit or from
@@ -78,6 +83,38 @@ else
         "$(dpkg-deb -f "$f" Architecture)" "$(sha256sum "$f" | cut -d' ' -f1)"
     done
   } >"$bundle/MANIFEST"
+fi
+
+# The Python packages the python phase needs, when this machine has them (pure Python).
+python_packages=(nanobind pytest _pytest py.py pluggy iniconfig packaging pygments)
+find_site_packages() {
+  local c d
+  if [ -n "${STEPCORE_BUNDLE_PYTHON:-}" ]; then echo "$STEPCORE_BUNDLE_PYTHON"; return 0; fi
+  for c in python3 /opt/*/bin/python /opt/*/.venv/bin/python; do
+    command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
+    d=$("$c" -c 'import nanobind, os; print(os.path.dirname(os.path.dirname(nanobind.__file__)))' 2>/dev/null) &&
+      [ -d "$d/nanobind" ] && { echo "$d"; return 0; }
+  done
+  return 1
+}
+if [ ! -d "$bundle/python/nanobind" ]; then
+  if site=$(find_site_packages); then
+    rm -rf "$bundle/python" && mkdir -p "$bundle/python" || die "cannot create $bundle/python"
+    for p in "${python_packages[@]}"; do
+      if [ -e "$site/$p" ]; then
+        cp -r "$site/$p" "$bundle/python/" || die "cannot copy $site/$p"
+        cp -r "$site/${p%.py}"-[0-9]*.dist-info "$bundle/python/" 2>/dev/null
+      else
+        echo "gpu-prepare: WARNING: $site has no $p (the python phase then needs the GPU machine's)" >&2
+      fi
+    done
+    find "$bundle/python" -name __pycache__ -type d -prune -exec rm -rf {} +
+    echo "# from $site on $(date -u +%Y-%m-%dT%H:%M:%SZ)" >"$bundle/python/FROM"
+    echo "gpu-prepare: Python packages from $site: $(ls "$bundle/python" | grep -v -e dist-info -e FROM | tr '\n' ' ')"
+  else
+    echo "gpu-prepare: WARNING: no Python with nanobind here (set STEPCORE_BUNDLE_PYTHON):" \
+      "the check's python phase will need the GPU machine's nanobind" >&2
+  fi
 fi
 
 # Every package there, every file a valid x86-64 .deb.

@@ -8,6 +8,8 @@
 #include <array>
 #include <atomic>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace stepcore::python {
 
@@ -20,7 +22,7 @@ struct DlDevice {
   std::int32_t id;
 };
 struct DlDataType {
-  std::uint8_t code;  // kDLFloat = 2, kDLBfloat = 4
+  std::uint8_t code;  // kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4
   std::uint8_t bits;
   std::uint16_t lanes;
 };
@@ -54,6 +56,8 @@ constexpr std::int32_t kDlCpu = 1;
 constexpr std::int32_t kDlCuda = 2;
 constexpr std::int32_t kDlCudaHost = 3;
 constexpr std::int32_t kDlCudaManaged = 13;
+constexpr std::uint8_t kDlInt = 0;
+constexpr std::uint8_t kDlUInt = 1;
 constexpr std::uint8_t kDlFloat = 2;
 constexpr std::uint8_t kDlBfloat = 4;
 
@@ -123,10 +127,18 @@ DType dtype_of(std::uint8_t code, std::uint8_t bits, std::uint16_t lanes, const 
                 " bits) is not float32, bfloat16 or float16");
 }
 
-// The one check of every array: memory kind, C-contiguity (an empty array has any
-// strides, a dimension of extent 1 any stride), dtype.
+// An imported array whose memory kind and C-contiguity were checked, its dtype not yet.
+struct Imported {
+  void* data;
+  std::size_t numel;
+  DlDataType dtype;
+  int device_id;
+};
+
+// The one check of every array: memory kind, then C-contiguity (an empty array has any
+// strides, a dimension of extent 1 any stride); the caller checks the dtype next.
 template <class Shape, class Stride>
-ArrayArg checked(void* data, std::int32_t device_type, std::int32_t device_id, std::size_t ndim,
+Imported checked(void* data, std::int32_t device_type, std::int32_t device_id, std::size_t ndim,
                  Shape shape, Stride stride, DlDataType dtype, const ArgName& name, Memory memory) {
   const bool host = device_type == kDlCpu || device_type == kDlCudaHost;
   const bool cuda = device_type == kDlCuda || device_type == kDlCudaManaged;
@@ -138,6 +150,9 @@ ArrayArg checked(void* data, std::int32_t device_type, std::int32_t device_id, s
     bad_array(false, name,
               "must be CUDA device memory (device type " + std::to_string(device_type) +
                   "); the GPU launchers read and write device memory");
+  if (memory == Memory::any && !host && !cuda)
+    bad_array(false, name,
+              "must be CPU or CUDA memory (device type " + std::to_string(device_type) + ")");
   std::size_t numel = 1;
   for (std::size_t d = 0; d < ndim; ++d) numel *= static_cast<std::size_t>(shape(d));
   std::int64_t expect = 1;
@@ -148,13 +163,12 @@ ArrayArg checked(void* data, std::int32_t device_type, std::int32_t device_id, s
                     std::to_string(stride(d)) + ", not " + std::to_string(expect) + ")");
     expect *= static_cast<std::int64_t>(shape(d));
   }
-  const DType t = dtype_of(dtype.code, dtype.bits, dtype.lanes, name);
-  return ArrayArg{TensorView{data, numel, t}, device_id};
+  return Imported{data, numel, dtype, device_id};
 }
 
 // The check of an array nanobind imported (DLPack's __dlpack__ or the buffer protocol).
 template <class A>
-ArrayArg from_ndarray(const A& a, const ArgName& name, Memory memory) {
+Imported from_ndarray(const A& a, const ArgName& name, Memory memory) {
   const nb::dlpack::dtype d = a.dtype();
   return checked(
       const_cast<void*>(static_cast<const void*>(a.data())), a.device_type(), a.device_id(),
@@ -163,13 +177,10 @@ ArrayArg from_ndarray(const A& a, const ArgName& name, Memory memory) {
       memory);
 }
 
-}  // namespace
-
-std::string ArgName::str() const {
-  return index < 0 ? std::string(base) : std::string(base) + "[" + std::to_string(index) + "]";
-}
-
-ArrayArg array_arg(nb::handle h, ArgName name, Memory memory, Access access) {
+// Returns the array `h` after the memory and contiguity checks: through its type's C
+// exchange API when it has one, else nanobind's ndarray (refusing read-only arrays for
+// Access::write); TypeError naming `name` for an object that is not an array.
+Imported imported(nb::handle h, const ArgName& name, Memory memory, Access access) {
   if (const DlExchangeApi* api = exchange_api_of(Py_TYPE(h.ptr()))) {
     DlTensor t;
     if (api->dltensor_from_py_object_no_sync(h.ptr(), &t) == 0) {
@@ -207,6 +218,57 @@ ArrayArg array_arg(nb::handle h, ArgName name, Memory memory, Access access) {
             "a " + std::string(nb::type_name(h.type()).c_str()) +
                 " is not an array stepcore can read (DLPack or the buffer protocol, in CPU or "
                 "CUDA memory)");
+}
+
+// Returns the Dtypes bit of a DLPack dtype (0 for one no buffer takes).
+unsigned dtype_bit(DlDataType t) {
+  if (t.lanes != 1) return 0;
+  if (t.code == kDlFloat && t.bits == 32) return kF32;
+  if (t.code == kDlFloat && t.bits == 64) return kF64;
+  if (t.code == kDlInt && t.bits == 32) return kI32;
+  if (t.code == kDlInt && t.bits == 64) return kI64;
+  if (t.code == kDlUInt && t.bits == 8) return kU8;
+  return 0;
+}
+
+// Returns "float32, int64 or uint8": the names of the bits in `dtypes`.
+std::string dtype_names(unsigned dtypes) {
+  static const std::pair<unsigned, const char*> names[] = {
+      {kF32, "float32"}, {kF64, "float64"}, {kI32, "int32"}, {kI64, "int64"}, {kU8, "uint8"}};
+  std::vector<const char*> in;
+  for (const auto& [bit, n] : names)
+    if ((dtypes & bit) != 0) in.push_back(n);
+  std::string out;
+  for (std::size_t k = 0; k < in.size(); ++k)
+    out += std::string(k == 0 ? "" : (k + 1 == in.size() ? " or " : ", ")) + in[k];
+  return out;
+}
+
+}  // namespace
+
+std::string ArgName::str() const {
+  return index < 0 ? std::string(base) : std::string(base) + "[" + std::to_string(index) + "]";
+}
+
+ArrayArg array_arg(nb::handle h, ArgName name, Memory memory, Access access) {
+  const Imported a = imported(h, name, memory, access);
+  const DType t = dtype_of(a.dtype.code, a.dtype.bits, a.dtype.lanes, name);
+  return ArrayArg{TensorView{a.data, a.numel, t}, a.device_id};
+}
+
+BufferArg buffer_arg(nb::handle h, ArgName name, Memory memory, Access access, unsigned dtypes) {
+  const Imported a = imported(h, name, memory, access);
+  const std::size_t item = (static_cast<std::size_t>(a.dtype.bits) * a.dtype.lanes + 7) / 8;
+  if (dtypes != kAnyDtype && (dtype_bit(a.dtype) & dtypes) == 0)
+    bad_array(true, name,
+              "dtype (code " + std::to_string(a.dtype.code) + ", " + std::to_string(a.dtype.bits) +
+                  " bits) is not " + dtype_names(dtypes));
+  const auto address = reinterpret_cast<std::uintptr_t>(a.data);
+  if (item > 1 && (item & (item - 1)) == 0 && address % item != 0)
+    bad_array(false, name,
+              "starts at an address that is not a multiple of its element size (" +
+                  std::to_string(item) + " bytes)");
+  return BufferArg{a.data, a.numel, item, a.device_id};
 }
 
 std::uintptr_t stream_address(nb::handle stream) {

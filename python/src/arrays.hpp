@@ -2,7 +2,9 @@
 // exchange API of the object's type when it has one (torch >= 2.9: a C call, no Python
 // call, no allocation, ~30 ns), else through nanobind's ndarray (DLPack's __dlpack__ or
 // the buffer protocol: numpy, older torch). One check (memory kind, C-contiguity, dtype)
-// names the argument ("params[3]"); the name string is built only for the error.
+// names the argument ("params[3]"); the name string is built only for the error. The GPU
+// launchers' other device buffers (scalars, tables, partials, workspaces) come through the
+// same import and checks, with their own dtypes (buffer_arg).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -26,8 +28,8 @@ struct ArgName {
   std::string str() const;
 };
 
-/// The memory an entry point reads and writes.
-enum class Memory { cpu, cuda };
+/// The memory an entry point reads and writes (any: either, for calls that read only shapes).
+enum class Memory { cpu, cuda, any };
 
 /// Whether an entry point writes the array (a read-only numpy array is refused) or only
 /// reads it.
@@ -44,6 +46,32 @@ struct ArrayArg {
 /// not contiguous, read-only for Access::write) naming `name`. The view is valid while `h`
 /// is alive and unresized.
 ArrayArg array_arg(nb::handle h, ArgName name, Memory memory, Access access);
+
+/// Element types a buffer argument may have (a bit mask: Dtypes{} | ...); kAnyDtype takes
+/// every dtype DLPack describes (a workspace of raw bytes).
+enum Dtypes : unsigned {
+  kF32 = 1u << 0,
+  kF64 = 1u << 1,
+  kI32 = 1u << 2,
+  kI64 = 1u << 3,
+  kU8 = 1u << 4,
+  kAnyDtype = ~0u,
+};
+
+/// A checked buffer argument: start, elements, element size in bytes, device ordinal.
+struct BufferArg {
+  void* data = nullptr;
+  std::size_t numel = 0;
+  std::size_t item_bytes = 0;
+  int device_id = 0;
+  /// Returns the buffer's size in bytes.
+  std::size_t bytes() const noexcept { return numel * item_bytes; }
+};
+
+/// Returns the buffer `h` (memory, C-contiguity and read-only checked as array_arg does)
+/// whose dtype is one of `dtypes` and whose start is aligned to its element size, or
+/// throws TypeError (dtype) or ValueError naming `name`. Sizes are the caller's to check.
+BufferArg buffer_arg(nb::handle h, ArgName name, Memory memory, Access access, unsigned dtypes);
 
 /// Returns a CUDA stream argument: None (the legacy default stream, or `producer`'s current
 /// stream when it is an array whose framework reports one), an int (the cudaStream_t's

@@ -18,7 +18,8 @@
 #include <utility>
 #include <vector>
 
-#include "arrays.hpp"  // this extension's one checker of array and stream arguments
+#include "arrays.hpp"    // this extension's one checker of array and stream arguments
+#include "partials.hpp"  // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
@@ -36,7 +37,10 @@ namespace {
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 using python::Access;
 using python::ArgName;
+using python::kMaxAbsWord;
+using python::kPartialWords;
 using python::Memory;
+using python::partial_array;
 
 // The Python exception for a bad argument: TypeError for its dtype, ValueError otherwise.
 [[noreturn]] void bad_array(bool type_error, const std::string& name, const std::string& why) {
@@ -96,23 +100,6 @@ AdamWConfig adamw_config(double lr, double beta1, double beta2, double eps, doub
   config.formula = parse_formula(formula);
   config.torch_tail_width = torch_tail_width;
   return config;
-}
-
-// The partial as a plain int64 vector: 20 digits, nan_count, inf_count, max_abs_bits,
-// approximate (kPartialWords). SUM of every word but max_abs_bits, MAX of that one,
-// combine partials exactly (the digits stay below 2^63 for up to 2^31 partials).
-constexpr std::size_t kPartialWords = kNormDigits + 4;
-constexpr std::size_t kMaxAbsWord = kNormDigits + 2;
-
-nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1>> partial_array(const NormPartial& p) {
-  auto* words = new std::int64_t[kPartialWords];
-  for (int k = 0; k < kNormDigits; ++k) words[k] = static_cast<std::int64_t>(p.digits[k]);
-  words[kNormDigits] = static_cast<std::int64_t>(p.nan_count);
-  words[kNormDigits + 1] = static_cast<std::int64_t>(p.inf_count);
-  words[kMaxAbsWord] = static_cast<std::int64_t>(p.max_abs_bits);
-  words[kNormDigits + 3] = static_cast<std::int64_t>(p.approximate);
-  nb::capsule owner(words, [](void* w) noexcept { delete[] static_cast<std::int64_t*>(w); });
-  return {words, {kPartialWords}, owner};
 }
 
 NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb::device::cpu>& a) {
@@ -298,7 +285,8 @@ class AdamWRows {
 };
 
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
-// "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]".
+// "config.beta1" -> "beta1", "read.scale" -> "grad_scale", "pairs[2].src" -> "srcs[2]",
+// "d.found_inf" -> "found_inf", "d_exact_partial" -> "exact_partial".
 std::string python_name(const std::string& arg) {
   static const std::pair<const char*, const char*> fields[] = {
       {".param", "params"},     {".exp_avg_sq", "exp_avg_sqs"},
@@ -316,6 +304,10 @@ std::string python_name(const std::string& arg) {
   if (arg.rfind("config.", 0) == 0) return arg.substr(7);
   if (arg == "read.scale") return "grad_scale";
   if (arg == "read.clip") return "clip";
+  // The GPU launchers' device arguments (stepcore.cuda): "d.scale" -> "scale",
+  // "d_partial" -> "partial", "workspace_bytes" -> "workspace".
+  if (arg.rfind("d.", 0) == 0 || arg.rfind("d_", 0) == 0) return arg.substr(2);
+  if (arg == "workspace_bytes") return "workspace";
   return arg;
 }
 
@@ -332,6 +324,7 @@ std::string python_message(const Error& e) {
 }  // namespace
 
 void bind_managers(nb::module_& m);  // python/src/managers.cpp
+void bind_cuda(nb::module_& m);      // python/src/cuda.cpp: the submodule _core.cuda
 
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
@@ -552,4 +545,5 @@ NB_MODULE(_core, m) {
       nb::arg("stream").none(),
       "Private (tests): the cudaStream_t address a stream argument names (None: 0).");
   bind_managers(m);
+  bind_cuda(m);
 }

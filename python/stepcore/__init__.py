@@ -2,10 +2,12 @@
 
 The CPU engine (AdamW, SignSGD, accumulate, scale, the exact norm partial) over arrays
 passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
-in-process communicators and NUMA placement. Importing stepcore
-never imports torch; ``stepcore.torch`` is the PyTorch layer.
+in-process communicators and NUMA placement; ``stepcore.cuda`` holds the GPU launchers on
+device arrays. Importing stepcore never imports torch; ``stepcore.torch`` is the PyTorch
+layer.
 """
 
+from . import cuda
 from ._core import (
     PARTIAL_MAX_ABS_WORD,
     PARTIAL_WORDS,
@@ -25,6 +27,7 @@ from ._core import (
 
 __all__ = [
     "Communicator",
+    "cuda",
     "Engine",
     "GradientManager",
     "local_rank_from_env",
