@@ -540,3 +540,45 @@ def test_two_fsdp2_processes_give_the_single_process_bits(reference):
             assert_records_equal(recs, peer, what + " (against FSDP2 + torch fused AdamW)")
         else:  # no clip to give the peer: the modes agree with each other
             assert_records_equal(recs, results[("torch", "none", True)], what)
+
+
+# ---- CUDA (label gpu: skips without a GPU) ---------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_parameters_give_the_same_bits_in_every_mode():
+    """On CUDA parameters (the CUDA device on the caller's current stream): modes none and
+    optimizer run the GPU kernels, full the CPU engine; all three agree after every step."""
+    import stepcore
+
+    if not torch.cuda.is_available() or not stepcore.cuda.built_with_cuda():
+        pytest.skip("needs a CUDA GPU and stepcore built with CUDA "
+                    f"({stepcore.cuda.unavailable_reason() or 'no GPU visible to torch'})")
+    runs = {}
+    for mode in MODES:
+        model = TinyLM().cuda()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                                    weight_decay=WD, chunk_elements=300)
+            sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+            recs = []
+            for step in range(3):
+                mbs = [(t.cuda(), y.cuda()) for t, y in micro_batches(step)]
+                gm.begin_step(1.0 / tokens_of(mbs))
+                for k, mb in enumerate(mbs):
+                    gm.begin_backward(final_backward=k == len(mbs) - 1)
+                    loss_sum(model, mb).backward()
+                    gm.finish_backward()
+                norm = gm.clip_grad_norm_(MAX_NORM)
+                gm.step()
+                sched.step()
+                sd = gm.state_dict()["state"]
+                recs.append(([bits(p.cpu()) for p in model.parameters()],
+                             [(bits(sd[i]["exp_avg"].cpu()), bits(sd[i]["exp_avg_sq"].cpu()),
+                               float(sd[i]["step"])) for i in range(len(sd))],
+                             norm.item(), gm.report()["clip_coefficient"]))
+            gm.close()
+        runs[mode] = recs
+    for mode in MODES[1:]:
+        assert_records_equal(runs[mode], runs[MODES[0]], f"cuda {mode}")
