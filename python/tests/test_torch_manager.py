@@ -250,6 +250,20 @@ def test_state_dict_saved_in_one_mode_resumes_in_another(reference):
     assert_records_equal(records, reference[False][2:], "full -> none resume")
 
 
+def test_state_dict_is_a_view_of_the_host_state_in_modes_optimizer_and_full():
+    """No copy: the state_dict's tensors are the manager's host memory (a checkpoint reads
+    the live state), and in mode none they are copies."""
+    for mode in MODES:
+        model = TinyLM()
+        gm = st.GradientManager(model, offload=mode, lr=1e-2, threads=1)
+        sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+        drive(gm, model, sched, 0, False)
+        a, b = gm.state_dict()["state"][0], gm.state_dict()["state"][0]
+        shared = all(a[k].data_ptr() == b[k].data_ptr() for k in ("master", "exp_avg"))
+        assert shared == (mode != "none"), mode
+        gm.close()
+
+
 def test_state_dict_interoperates_with_torch_adamw(reference):
     """The manager's state_dict loads into torch.optim.AdamW (and the params it holds)."""
     model = TinyLM()
@@ -475,6 +489,37 @@ def torch_fsdp_peer(norms):
     return records
 
 
+def dcp_resume(path):
+    """Mode full for 2 steps, a distributed checkpoint (torch.distributed.checkpoint) of its
+    state_dict (DTensor shards of the host state, no copy), then a new model and manager in
+    mode none load it and train on: the records of steps 2.. (formula native)."""
+    import torch.distributed.checkpoint as dcp
+
+    model = sharded_model()
+    gm = st.GradientManager(make_groups(model), offload="full", lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=1, formula="native")
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    for step in range(2):
+        drive(gm, model, sched, step, False)
+    dcp.save({"optim": gm.state_dict()}, checkpoint_id=path)
+    sched_state = sched.state_dict()
+    gm.close()
+    model2 = sharded_model()
+    gm2 = st.GradientManager(make_groups(model2), offload="none", lr=1e-2, betas=BETAS,
+                             weight_decay=WD, threads=1, formula="native")
+    sched2 = torch.optim.lr_scheduler.LambdaLR(gm2, schedule)
+    target = {"optim": gm2.state_dict()}
+    dcp.load(target, checkpoint_id=path)
+    gm2.load_state_dict(target["optim"])
+    sched2.load_state_dict(sched_state)
+    recs = []
+    for step in range(2, STEPS):
+        norm, rep = drive(gm2, model2, sched2, step, False)
+        recs.append(record(gm2, model2, norm, rep))
+    gm2.close()
+    return recs
+
+
 def fsdp_worker(rank, world, init_file, out_file):
     """One gloo process: every mode and formula under FSDP2; saves rank 0's records."""
     import torch.distributed as dist
@@ -498,6 +543,7 @@ def fsdp_worker(rank, world, init_file, out_file):
             results[(formula, mode, overlap)] = recs
     norms = [r[2] for r in results[("torch", "none", False)]]
     results["peer"] = torch_fsdp_peer(norms)
+    results["dcp"] = dcp_resume(os.path.join(os.path.dirname(out_file), "dcp"))
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -530,6 +576,8 @@ def test_two_fsdp2_processes_give_the_single_process_bits(reference):
             assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
         results = torch.load(out, weights_only=False)
     peer = results.pop("peer")
+    assert_records_equal(results.pop("dcp"), native[False][2:],
+                         "2 processes: a distributed checkpoint of mode full resumed in mode none")
     for (formula, mode, overlap), recs in results.items():
         what = f"2 processes {formula} {mode} overlap={overlap}"
         for s, (got, want) in enumerate(zip(recs, reference[overlap])):
