@@ -538,6 +538,19 @@ NB_MODULE(_core, m) {
           nb::arg("torch_tail_width") = 8, nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
           "One AdamW step over the rows prepare() just read (the engine checks everything "
           "before writing).");
+  m.def(
+      "_same_objects",
+      [](nb::handle a, nb::handle b) {
+        if (!PyList_Check(a.ptr()) || !PyList_Check(b.ptr()))
+          throw nb::type_error("stepcore: invalid_argument in 'a': two lists expected");
+        const Py_ssize_t n = PyList_GET_SIZE(a.ptr());
+        if (n != PyList_GET_SIZE(b.ptr())) return false;
+        for (Py_ssize_t k = 0; k < n; ++k)
+          if (PyList_GET_ITEM(a.ptr(), k) != PyList_GET_ITEM(b.ptr(), k)) return false;
+        return true;
+      },
+      nb::arg("a"), nb::arg("b"),
+      "Private (stepcore.torch): whether two lists hold the same objects in order (`is`).");
   m.def("_exchange_imports", &python::exchange_imports,
         "Private (tests): array imports through the DLPack C exchange API so far.");
   m.def(

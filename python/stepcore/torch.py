@@ -370,8 +370,8 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         """Returns whether self.state maps the same params to the same dicts as last step."""
         seen, s = self._state_seen, self.state
         return (seen is not None and seen[0] is s and len(s) == len(seen[1])
-                and all(map(operator.is_, s.keys(), seen[1]))
-                and all(map(operator.is_, s.values(), seen[2])))
+                and _core._same_objects(list(s.keys()), seen[1])
+                and _core._same_objects(list(s.values()), seen[2]))
 
     def _cached_table(self, gi, group):
         """Returns the group's cached rows when their computes are current, else None."""
@@ -422,7 +422,8 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         # the engine; tensors by the cached rows, or in full when they are stale).
         plans = []
         created = []
-        if not self._state_unchanged():
+        unchanged = self._state_unchanged()
+        if not unchanged:
             self._tables.clear()
         try:
             for gi, group in enumerate(self.param_groups):
@@ -440,7 +441,8 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         for gi in [k for k in self._tables if k >= len(self.param_groups)]:
             del self._tables[gi]  # groups that no longer exist
         s = self.state
-        self._state_seen = (s, list(s.keys()), list(s.values()))
+        if created or not unchanged:
+            self._state_seen = (s, list(s.keys()), list(s.values()))
 
         # torch's fused CPU kernel returns at once when found_inf == 1, and the Python side
         # adds 1 to every step before and subtracts found_inf after: nothing changes.
