@@ -24,8 +24,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "arrays.hpp"    // this extension's one checker of array and stream arguments
-#include "partials.hpp"  // a norm partial as PARTIAL_WORDS int64 words
+#include "arrays.hpp"      // this extension's one checker of array and stream arguments
+#include "optim_args.hpp"  // the formula and AdamW keyword arguments
+#include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/dtype.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
@@ -39,9 +40,11 @@ namespace {
 
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 using python::Access;
+using python::adamw_config;
 using python::ArgName;
 using python::BufferArg;
 using python::Memory;
+using python::parse_formula;
 
 // The device layouts Python code indexes (docs/python.md, "CUDA launchers").
 constexpr std::size_t kSumWords = kNormDigits + 2;  // digits, nan_count, inf_count: SUM
@@ -182,14 +185,6 @@ nb::handle first_of(const Objects& list, nb::handle fallback) {
   return list.empty() ? fallback : nb::handle(list.front());
 }
 
-AdamWFormula parse_formula(const std::string& name) {
-  if (name == "torch") return AdamWFormula::torch;
-  if (name == "native") return AdamWFormula::native;
-  throw nb::value_error(
-      ("stepcore: invalid_argument in 'formula': '" + name + "': expected 'torch' or 'native'")
-          .c_str());
-}
-
 // Returns the entries of make_adamw_bias_table(config): computed once per distinct
 // (beta1, beta2, formula) of the last few (under the GIL), so each step can check a
 // table's length without rebuilding it.
@@ -225,6 +220,25 @@ T host_record(nb::handle h, const char* name, const char* what) {
   T out;
   std::memcpy(&out, b.data, sizeof(T));
   return out;
+}
+
+// The binding of finalize_and_clip and finalize_exact_and_clip (the same arguments: a
+// partial named `partial_name`, max_norm, result, clip, found_inf, stream).
+template <class Launcher>
+auto finalize_binding(Launcher launch, const char* partial_name) {
+  return [launch, partial_name](nb::handle partial, float max_norm, nb::handle result,
+                                nb::handle clip, nb::handle found_inf, nb::handle stream) {
+    const cudaStream_t s = launch_stream(stream, partial);
+    Launch l;
+    const auto* p = l.record<NormPartial>(partial, ArgName{partial_name}, Access::read,
+                                          "a NormPartial (NORM_PARTIAL_BYTES)");
+    auto* r = l.record<NormResult>(result, ArgName{"result"}, Access::write,
+                                   "a NormResult (NORM_RESULT_BYTES)");
+    float* c = l.f32_scalar(clip, ArgName{"clip"}, Access::write);
+    std::int32_t* f = l.found_inf(found_inf, ArgName{"found_inf"}, Access::write);
+    nb::gil_scoped_release release;
+    launch(p, max_norm, r, c, f, s);
+  };
 }
 
 }  // namespace
@@ -356,26 +370,12 @@ void bind_cuda(nb::module_& parent) {
       nb::arg("stream").none() = nb::none(),
       "acc = acc + f32(src) for every pair (acc = f32(src) with copy=True).");
 
-  m.def(
-      "finalize_and_clip",
-      [](nb::handle partial, float max_norm, nb::handle result, nb::handle clip,
-         nb::handle found_inf, nb::handle stream) {
-        const cudaStream_t s = launch_stream(stream, partial);
-        Launch l;
-        const auto* p = l.record<NormPartial>(partial, ArgName{"partial"}, Access::read,
-                                              "a NormPartial (NORM_PARTIAL_BYTES)");
-        auto* r = l.record<NormResult>(result, ArgName{"result"}, Access::write,
-                                       "a NormResult (NORM_RESULT_BYTES)");
-        float* c = l.f32_scalar(clip, ArgName{"clip"}, Access::write);
-        std::int32_t* f = l.found_inf(found_inf, ArgName{"found_inf"}, Access::write);
-        nb::gil_scoped_release release;
-        gpu::finalize_and_clip(p, max_norm, r, c, f, s);
-      },
-      nb::arg("partial"), nb::arg("max_norm"), nb::arg("result"), nb::arg("clip"),
-      nb::arg("found_inf"), nb::kw_only(), nb::arg("stream").none() = nb::none(),
-      "On the device: result = finalize(partial); found_inf = FOUND_INF_NONE, "
-      "FOUND_INF_NON_FINITE or FOUND_INF_NEEDS_EXACT; clip = clip_coefficient(norm, "
-      "max_norm) when the norm is certified and finite, else 0.");
+  m.def("finalize_and_clip", finalize_binding(&gpu::finalize_and_clip, "partial"),
+        nb::arg("partial"), nb::arg("max_norm"), nb::arg("result"), nb::arg("clip"),
+        nb::arg("found_inf"), nb::kw_only(), nb::arg("stream").none() = nb::none(),
+        "On the device: result = finalize(partial); found_inf = FOUND_INF_NONE, "
+        "FOUND_INF_NON_FINITE or FOUND_INF_NEEDS_EXACT; clip = clip_coefficient(norm, "
+        "max_norm) when the norm is certified and finite, else 0.");
 
   m.def(
       "exact_norm_partial_if_needed",
@@ -398,25 +398,11 @@ void bind_cuda(nb::module_& parent) {
       "When found_inf == FOUND_INF_NEEDS_EXACT: the exact partial of the values read as "
       "R(R(g*grad_scale)*clip) into exact_partial; otherwise a zero partial there.");
 
-  m.def(
-      "finalize_exact_and_clip",
-      [](nb::handle exact_partial, float max_norm, nb::handle result, nb::handle clip,
-         nb::handle found_inf, nb::handle stream) {
-        const cudaStream_t s = launch_stream(stream, exact_partial);
-        Launch l;
-        const auto* p = l.record<NormPartial>(exact_partial, ArgName{"exact_partial"}, Access::read,
-                                              "a NormPartial (NORM_PARTIAL_BYTES)");
-        auto* r = l.record<NormResult>(result, ArgName{"result"}, Access::write,
-                                       "a NormResult (NORM_RESULT_BYTES)");
-        float* c = l.f32_scalar(clip, ArgName{"clip"}, Access::write);
-        std::int32_t* f = l.found_inf(found_inf, ArgName{"found_inf"}, Access::write);
-        nb::gil_scoped_release release;
-        gpu::finalize_exact_and_clip(p, max_norm, r, c, f, s);
-      },
-      nb::arg("exact_partial"), nb::arg("max_norm"), nb::arg("result"), nb::arg("clip"),
-      nb::arg("found_inf"), nb::kw_only(), nb::arg("stream").none() = nb::none(),
-      "When found_inf == FOUND_INF_NEEDS_EXACT: result, clip and found_inf from the "
-      "(reduced) exact partial, as finalize_and_clip; otherwise nothing changes.");
+  m.def("finalize_exact_and_clip", finalize_binding(&gpu::finalize_exact_and_clip, "exact_partial"),
+        nb::arg("exact_partial"), nb::arg("max_norm"), nb::arg("result"), nb::arg("clip"),
+        nb::arg("found_inf"), nb::kw_only(), nb::arg("stream").none() = nb::none(),
+        "When found_inf == FOUND_INF_NEEDS_EXACT: result, clip and found_inf from the "
+        "(reduced) exact partial, as finalize_and_clip; otherwise nothing changes.");
 
   m.def(
       "adamw_step",
@@ -432,14 +418,8 @@ void bind_cuda(nb::module_& parent) {
         same_length(steps.size(), n, "steps");
         same_length(grads.size(), n, "grads");
         if (computes) same_length(computes->size(), n, "computes");
-        AdamWConfig config;
-        config.lr = lr;
-        config.beta1 = beta1;
-        config.beta2 = beta2;
-        config.eps = eps;
-        config.weight_decay = weight_decay;
-        config.formula = parse_formula(formula);
-        config.torch_tail_width = torch_tail_width;
+        const AdamWConfig config =
+            adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
         Launch l;
         std::vector<AdamWTensor> t(n);
         for (std::size_t i = 0; i < n; ++i) {

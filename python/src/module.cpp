@@ -18,8 +18,9 @@
 #include <utility>
 #include <vector>
 
-#include "arrays.hpp"    // this extension's one checker of array and stream arguments
-#include "partials.hpp"  // a norm partial as PARTIAL_WORDS int64 words
+#include "arrays.hpp"      // this extension's one checker of array and stream arguments
+#include "optim_args.hpp"  // the formula and AdamW keyword arguments
+#include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
@@ -36,6 +37,7 @@ namespace {
 
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 using python::Access;
+using python::adamw_config;
 using python::ArgName;
 using python::kMaxAbsWord;
 using python::kPartialWords;
@@ -79,28 +81,6 @@ void same_length(std::size_t got, std::size_t want, const char* name) {
 }
 
 // ---- the engine ---------------------------------------------------------------------
-
-AdamWFormula parse_formula(const std::string& name) {
-  if (name == "torch") return AdamWFormula::torch;
-  if (name == "native") return AdamWFormula::native;
-  throw nb::value_error(
-      ("stepcore: invalid_argument in 'formula': '" + name + "': expected 'torch' or 'native'")
-          .c_str());
-}
-
-// The AdamW configuration of the keyword arguments (validated by the engine's call).
-AdamWConfig adamw_config(double lr, double beta1, double beta2, double eps, double weight_decay,
-                         const std::string& formula, int torch_tail_width) {
-  AdamWConfig config;
-  config.lr = lr;
-  config.beta1 = beta1;
-  config.beta2 = beta2;
-  config.eps = eps;
-  config.weight_decay = weight_decay;
-  config.formula = parse_formula(formula);
-  config.torch_tail_width = torch_tail_width;
-  return config;
-}
 
 NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb::device::cpu>& a) {
   if (a.shape(0) != kPartialWords)

@@ -107,9 +107,11 @@ def make_groups(model):
 # ---- the reference: plain torch ------------------------------------------------------
 
 
-def run_reference(steps, overlap):
-    """Returns per-step records of the reference: (params bits, state bits, norm, clip)."""
-    model = TinyLM()
+def train_with_torch(model, steps, norm_of):
+    """Trains `model` with plain torch and returns per-step records (params bits, state
+    bits, norm, clip): autograd's accumulation, g = R(g * s) and then R(g * c) in place on
+    each (local) gradient, torch.optim.AdamW(fused=True) under the schedule.
+    norm_of(step, scaled local grads) gives the step's norm, or None for no clipping."""
     groups = make_groups(model)
     for g in groups:
         g.pop("name")
@@ -123,20 +125,34 @@ def run_reference(steps, overlap):
         for mb in mbs:
             loss_sum(model, mb).backward()  # autograd accumulates: copy, then f32 adds
         with torch.no_grad():
-            scaled = [p.grad * scale for p in params]  # R(g * s)
-            norm, clip = None, 1.0
-            if not overlap:
-                norm = f32(exact_norm(scaled))
+            local = [_local_value(p.grad) for p in params]
+            for g in local:
+                g.copy_(g * scale)  # R(g * s)
+            norm = norm_of(step, local)
+            clip = 1.0
+            if norm is not None:
                 clip = float(torch.clamp(MAX_NORM / (torch.tensor(norm) + 1e-6), max=1.0))
-            for p, x in zip(params, scaled):
-                p.grad = x * torch.tensor(clip, dtype=torch.float32)  # R(R(g*s)*c)
+                for g in local:
+                    g.copy_(g * torch.tensor(clip, dtype=torch.float32))  # R(R(g*s)*c)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         records.append(([bits(p) for p in params],
                         [(bits(opt.state[p]["exp_avg"]), bits(opt.state[p]["exp_avg_sq"]),
-                          float(opt.state[p]["step"])) for p in params], norm, clip))
+                          float(_local_value(opt.state[p]["step"]))) for p in params],
+                        norm, clip))
     return records
+
+
+def _local_value(t):
+    """A DTensor's local tensor (or scalar), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def run_reference(steps, overlap):
+    """The reference records: plain torch with the exact norm (none with overlap)."""
+    return train_with_torch(TinyLM(), steps,
+                            lambda step, grads: None if overlap else f32(exact_norm(grads)))
 
 
 # ---- the manager ------------------------------------------------------------------------
@@ -452,41 +468,10 @@ def sharded_model():
     return model
 
 
-def _local_value(t):
-    """A (possibly DTensor) scalar's value."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def torch_fsdp_peer(norms):
     """FSDP2 + torch.optim.AdamW(fused=True) given the step norms: the full params and
     moments after every step (the manager's torch-formula records on these shards)."""
-    model = sharded_model()
-    groups = make_groups(model)
-    for g in groups:
-        g.pop("name")
-    opt = torch.optim.AdamW(groups, lr=1e-2, betas=BETAS, eps=1e-8, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    records = []
-    for step, norm in enumerate(norms):
-        mbs = micro_batches(step)
-        scale = torch.tensor(1.0 / tokens_of(mbs), dtype=torch.float32)
-        for mb in mbs:
-            loss_sum(model, mb).backward()
-        with torch.no_grad():
-            clip = float(torch.clamp(MAX_NORM / (torch.tensor(norm) + 1e-6), max=1.0))
-            for p in params:
-                local = p.grad.to_local()
-                local.copy_(local * scale)
-                local.copy_(local * torch.tensor(clip, dtype=torch.float32))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        records.append(([bits(p) for p in params],
-                        [(bits(opt.state[p]["exp_avg"]), bits(opt.state[p]["exp_avg_sq"]),
-                          float(_local_value(opt.state[p]["step"]))) for p in params],
-                        norm, clip))
-    return records
+    return train_with_torch(sharded_model(), len(norms), lambda step, grads: norms[step])
 
 
 def dcp_resume(path):
