@@ -835,6 +835,73 @@ float expected_clip(float norm, float max_norm) {
   return q < 1.0f ? q : 1.0f;
 }
 
+// ---- partials beyond the documented range: exact, or flagged (issue 18) -------------
+
+// S of raw (unnormalised) 64-bit digits, summed here without stepcore's carry code.
+Big big_of_raw_digits(const std::uint64_t (&d)[stepcore::kNormDigits]) {
+  Big s;
+  for (int k = 0; k < stepcore::kNormDigits; ++k) s = s + Big::of(d[k]).shl(32 * k);
+  return s;
+}
+
+TEST(NormRange, DigitsAt2To64AreSummedExactly) {
+  // The two low digits at 2^64 - 1 (more than 2^32 partials summed): once 2^-117 with
+  // finite = true, the true norm being about 2^-101.
+  NormPartial p;
+  p.digits[0] = p.digits[1] = ~std::uint64_t{0};
+  const NormResult r = stepcore::finalize(p);
+  EXPECT_TRUE(r.finite);
+  EXPECT_EQ(bits(r.norm), bits(round_sqrt(big_of_raw_digits(p.digits))));
+  EXPECT_NEAR(std::log2(r.norm), -101.0, 0.01);
+  // Random raw digits anywhere below the top: finalize and merge agree with the oracle.
+  std::mt19937_64 rng(18);
+  for (int i = 0; i < 300; ++i) {
+    NormPartial a, b;
+    const int top = static_cast<int>(rng() % (stepcore::kNormDigits - 1));
+    for (int k = 0; k <= top; ++k) {
+      a.digits[k] = rng() >> (rng() % 64);
+      b.digits[k] = rng() >> (rng() % 64);
+    }
+    const Big sa = big_of_raw_digits(a.digits), sb = big_of_raw_digits(b.digits);
+    ASSERT_EQ(bits(stepcore::finalize(a).norm), bits(round_sqrt(sa))) << i;
+    stepcore::merge(a, b);
+    ASSERT_EQ(bits(stepcore::finalize(a).norm), bits(round_sqrt(sa + sb))) << i;
+  }
+}
+
+TEST(NormRange, ValuesBeyond640BitsAreInfinite) {
+  NormPartial p;
+  p.digits[stepcore::kNormDigits - 1] = std::uint64_t{1} << 33;  // S = 2^641
+  NormResult r = stepcore::finalize(p);
+  EXPECT_EQ(bits(r.norm), bits(kInf));
+  EXPECT_FALSE(r.finite);
+  NormPartial a, b;
+  for (auto& d : a.digits) d = ~std::uint64_t{0};
+  for (auto& d : b.digits) d = ~std::uint64_t{0};
+  stepcore::merge(a, b);  // saturates: still +Inf, never a wrapped small value
+  r = stepcore::finalize(a);
+  EXPECT_EQ(bits(r.norm), bits(kInf));
+  EXPECT_FALSE(r.finite);
+}
+
+TEST(NormRange, AMaxAbsThatNoFiniteValueGivesIsFlagged) {
+  // NaN, Inf or negative max-abs records with no NaN/Inf counted: once max_abs NaN with
+  // finite = true.
+  for (std::uint32_t m : {0x7FC00000u, 0x7FC00001u, 0x7F800000u, 0x80000001u, 0xFFFFFFFFu}) {
+    NormPartial p;
+    p.digits[9] = 1;
+    p.max_abs_bits = m;
+    const NormResult r = stepcore::finalize(p);
+    EXPECT_FALSE(r.finite) << std::hex << m;
+    EXPECT_TRUE(std::isnan(r.norm)) << std::hex << m;
+    EXPECT_TRUE(std::isnan(r.max_abs)) << std::hex << m;
+  }
+  NormPartial ok;
+  ok.digits[9] = 1;
+  ok.max_abs_bits = 0x7F7FFFFFu;  // FLT_MAX: a finite record stays as it is
+  EXPECT_TRUE(stepcore::finalize(ok).finite);
+}
+
 TEST(ClipCoefficient, HandWorked) {
   using stepcore::clip_coefficient;
   // norm 0: max / 1e-6f = 1e6 -> 1.

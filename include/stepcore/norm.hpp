@@ -66,14 +66,17 @@ struct NormResult {
 
 namespace detail {
 
-/// Propagates carries so every digit is below 2^32. Returns false on overflow
-/// of the top digit (impossible for fewer than 2^64 elements).
+/// Propagates carries so every digit is below 2^32, exactly for any 64-bit digits (the
+/// value sum d[k] * 2^(32k) is kept: the carry into a digit stays below 2^33, and a
+/// digit's high half moves up without wrapping). Returns false when the value needs more
+/// than kNormDigits digits (impossible for fewer than 2^64 elements; then the digits
+/// hold the value modulo 2^(32 kNormDigits)).
 STEPCORE_HD_INLINE bool normalize_digits(std::uint64_t (&d)[kNormDigits]) {
-  std::uint64_t carry = 0;
+  std::uint64_t carry = 0;  // < 2^33
   for (int k = 0; k < kNormDigits; ++k) {
-    const std::uint64_t v = d[k] + carry;
+    const std::uint64_t v = (d[k] & 0xFFFFFFFFull) + carry;  // < 2^32 + 2^33: no wrap
+    carry = (v >> kNormDigitBits) + (d[k] >> kNormDigitBits);  // < 2^3 + 2^32
     d[k] = v & 0xFFFFFFFFull;
-    carry = v >> kNormDigitBits;
   }
   return carry == 0;
 }
@@ -117,8 +120,18 @@ STEPCORE_HD_INLINE void deposit_double(std::uint64_t (&d)[kNormDigits], double x
 /// Adds `b` into `a` (exact). Both may carry unpropagated digits; the result
 /// is normalised. Commutative and associative.
 STEPCORE_HD_INLINE void merge(NormPartial& a, const NormPartial& b) {
-  for (int k = 0; k < kNormDigits; ++k) a.digits[k] += b.digits[k];
-  detail::normalize_digits(a.digits);
+  // Exact for any digits: both sides normalised first (digits below 2^32), so the sums
+  // stay below 2^33. A value of 2^640 or more (possible only far outside the documented
+  // range) saturates to 2^640 - 1, which finalises to +Inf: its exact rounding.
+  std::uint64_t bd[kNormDigits];
+  for (int k = 0; k < kNormDigits; ++k) bd[k] = b.digits[k];
+  bool fits = detail::normalize_digits(a.digits) && detail::normalize_digits(bd);
+  if (fits) {
+    for (int k = 0; k < kNormDigits; ++k) a.digits[k] += bd[k];
+    fits = detail::normalize_digits(a.digits);
+  }
+  if (!fits)
+    for (auto& x : a.digits) x = 0xFFFFFFFFull;
   a.nan_count += b.nan_count;
   a.inf_count += b.inf_count;
   a.max_abs_bits = a.max_abs_bits > b.max_abs_bits ? a.max_abs_bits : b.max_abs_bits;

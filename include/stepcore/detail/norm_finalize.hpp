@@ -122,10 +122,21 @@ STEPCORE_HD_INLINE NormResult finalize_partial(const NormPartial& partial) {
     r.norm = r.max_abs = f32_from_bits(0x7F800000u);
     return r;
   }
+  // A max-abs record that is not a finite non-negative float cannot come from finite
+  // values (a hand-made or corrupted partial): flagged, never a silently wrong number.
+  if (partial.max_abs_bits >= 0x7F800000u) {
+    r.norm = r.max_abs = f32_from_bits(0x7FC00000u);
+    r.finite = false;
+    return r;
+  }
   r.max_abs = f32_from_bits(partial.max_abs_bits);
   std::uint64_t d[kNormDigits];
   for (int k = 0; k < kNormDigits; ++k) d[k] = partial.digits[k];
-  normalize_digits(d);
+  if (!normalize_digits(d)) {  // S >= 2^640: its root is far beyond f32, exactly +Inf
+    r.norm = f32_from_bits(0x7F800000u);
+    r.finite = false;
+    return r;
+  }
   if (partial.approximate == 0) {
     r.norm = round_sqrt(d);
   } else {
