@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 namespace stepcore::detail {
@@ -25,6 +26,14 @@ void check_view(const void* data, std::size_t numel, DType dtype, const Arg& nam
     fail(Errc::out_of_range, name, "element count " + std::to_string(numel) + " exceeds 2^60");
   if (data == nullptr && numel != 0)
     fail(Errc::null_pointer, name, "null data with " + std::to_string(numel) + " elements");
+  // Every kernel (scalar tails included) reads elements as their type: misaligned data
+  // would be undefined behaviour, so it is refused here for every entry point.
+  const auto address = reinterpret_cast<std::uintptr_t>(data);
+  if (numel != 0 && address % dtype_size(dtype) != 0)
+    fail(Errc::invalid_argument, name,
+         "data is not aligned to its element size (" + std::to_string(dtype_size(dtype)) +
+             " bytes; address mod " + std::to_string(dtype_size(dtype)) + " = " +
+             std::to_string(address % dtype_size(dtype)) + ")");
 }
 
 void require_dtype(DType got, DType want, const Arg& name) {
@@ -226,6 +235,8 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
     const Arg s{"tensors", i, "step"};
     if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
+    if (reinterpret_cast<std::uintptr_t>(t.step) % alignof(float) != 0)
+      fail(Errc::invalid_argument, s, "step counter is not aligned to 4 bytes");
     if (counters == StepCounters::read) {
       const float step = *t.step;
       if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");

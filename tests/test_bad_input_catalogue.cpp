@@ -616,6 +616,18 @@ void compute_inside_param(Args& a, double) {
 void compute_long(Args& a, double) {
   both_optimizers(a, [](TensorView&, ConstTensorView&, TensorView& o) { o.numel = kN + 1; });
 }
+void param_misaligned(Args& a, double) {  // f32 data two bytes off its alignment
+  both_optimizers(a, [](TensorView& p, ConstTensorView&, TensorView&) {
+    p.data = static_cast<std::byte*>(p.data) + 2;
+    p.numel -= 1;
+  });
+}
+void grad_misaligned(Args& a, double) {  // one byte off: misaligned for every dtype
+  both_optimizers(a, [](TensorView& p, ConstTensorView& g, TensorView& o) {
+    g.data = static_cast<const std::byte*>(g.data) + 1;
+    g.numel = p.numel = o.numel = g.numel - 1;
+  });
+}
 void exp_avg_short(Args& a, double) { a.adamw_t[0].exp_avg.numel = kN - 1; }
 void exp_avg_sq_f16(Args& a, double) { a.adamw_t[0].exp_avg_sq.dtype = DType::f16; }
 void step_null(Args& a, double) { a.adamw_t[0].step = nullptr; }
@@ -624,8 +636,15 @@ void step_inside_exp_avg(Args& a, double) {
   *a.adamw_t[0].step = 3.0f;  // a valid count: only the overlap is wrong
 }
 void step_value(Args& a, double v) { *a.adamw_t[0].step = static_cast<float>(v); }
+void step_misaligned(Args& a, double) {
+  a.adamw_t[0].step = reinterpret_cast<float*>(reinterpret_cast<std::byte*>(a.adamw_t[0].step) + 2);
+}
 void acc_bf16(Args& a, double) { a.pairs[0].acc.dtype = DType::bf16; }
 void acc_null(Args& a, double) { a.pairs[0].acc.data = nullptr; }
+void acc_misaligned(Args& a, double) {
+  a.pairs[0].acc.data = static_cast<std::byte*>(a.pairs[0].acc.data) + 2;
+  a.pairs[0].acc.numel = a.pairs[0].src.numel = kN - 1;
+}
 void src_null(Args& a, double) { a.pairs[0].src.data = nullptr; }
 void src_short(Args& a, double) { a.pairs[0].src.numel = kN - 1; }
 void src_dtype(Args& a, double) { a.pairs[0].src.dtype = kBadDType; }
@@ -634,6 +653,10 @@ void src_inside_acc(Args& a, double) {
 }
 void grads_dtype(Args& a, double) { a.grads[0].dtype = kBadDType; }
 void grads_null(Args& a, double) { a.grads[0].data = nullptr; }
+void grads_misaligned(Args& a, double) {
+  a.grads[0].data = static_cast<std::byte*>(a.grads[0].data) + 1;
+  a.grads[0].numel -= 1;
+}
 void grads_null_empty(Args& a, double) { a.grads[0] = {nullptr, 0, DType::bf16}; }
 void grads_huge(Args& a, double) { a.grads[0].numel = kHuge; }
 void grads_overlap(Args& a, double) {
@@ -711,15 +734,20 @@ std::vector<Row> make_catalogue() {
     std::vector<Bad> bad;
   };
   const Errc null = Errc::null_pointer, size = Errc::size_mismatch, dtype = Errc::unsupported_dtype;
+  const Errc misaligned = Errc::invalid_argument;
   const Group groups[] = {
       {"tensors[0].grad",
        kOptT,
        {{grad_null, null, "null data"},
         {grad_short, size, "one element short"},
-        {grad_dtype, dtype, "dtype 7"}}},
+        {grad_dtype, dtype, "dtype 7"},
+        {grad_misaligned, misaligned, "one byte off"}}},
       {"tensors[0].param",
        kOptT,
-       {{param_bf16, dtype, "bf16"}, {param_null, null, "null data"}, {param_huge, range, "2^61"}}},
+       {{param_bf16, dtype, "bf16"},
+        {param_null, null, "null data"},
+        {param_huge, range, "2^61"},
+        {param_misaligned, misaligned, "two bytes off"}}},
       {"tensors[0].compute_param",
        kOptT,
        {{compute_inside_param, Errc::overlap, "in param"}, {compute_long, size, "too long"}}},
@@ -727,8 +755,12 @@ std::vector<Row> make_catalogue() {
       {"tensors[0].exp_avg_sq", kAdamWTensors, {{exp_avg_sq_f16, dtype, "f16"}}},
       {"tensors[0].step",
        kAdamWTensors,
-       {{step_null, null, "null counter"}, {step_inside_exp_avg, Errc::overlap, "in exp_avg"}}},
-      {"pairs[0].acc", kPairs, {{acc_bf16, dtype, "bf16"}, {acc_null, null, "null data"}}},
+       {{step_null, null, "null counter"},
+        {step_inside_exp_avg, Errc::overlap, "in exp_avg"},
+        {step_misaligned, misaligned, "two bytes off"}}},
+      {"pairs[0].acc",
+       kPairs,
+       {{acc_bf16, dtype, "bf16"}, {acc_null, null, "null data"}, {acc_misaligned, misaligned, "two bytes off"}}},
       {"pairs[0].src",
        kPairs,
        {{src_null, null, "null data"},
@@ -740,6 +772,7 @@ std::vector<Row> make_catalogue() {
        {{grads_dtype, dtype, "dtype 7"},
         {grads_null, null, "null data"},
         {grads_null_empty, ok, "null and empty"},
+        {grads_misaligned, misaligned, "one byte off"},
         {grads_huge, range, "2^61 elements"}}},
       {"tensors[1]",
        kGrads,

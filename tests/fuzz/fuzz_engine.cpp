@@ -1,0 +1,244 @@
+// libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step,
+// accumulate, scale_, norm_partial) on random tensor lists carved from one arena: random
+// sizes and dtypes, overlapping, adjacent and misaligned ranges, null pointers,
+// hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every ISA the
+// machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
+// both succeed with identical bits, or both throw the same Errc and the engine's arena
+// is unchanged (all-or-nothing).
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "fuzz/fuzz_input.hpp"
+#include "stepcore/cpu.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/reference.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+constexpr std::size_t kArenaBytes = 2048;
+constexpr int kMaxTensors = 4;
+
+// The engines of every ISA this machine runs, 2 threads each (built once).
+const std::vector<std::unique_ptr<cpu::Engine>>& engines() {
+  static const auto all = [] {
+    std::vector<std::unique_ptr<cpu::Engine>> v;
+    for (cpu::Isa isa : cpu::supported_isas()) {
+      cpu::EngineConfig c;
+      c.isa = isa;
+      c.threads = 2;
+      v.push_back(std::make_unique<cpu::Engine>(c));
+    }
+    return v;
+  }();
+  return all;
+}
+
+struct Arena {
+  alignas(64) std::array<std::byte, kArenaBytes> bytes;
+};
+
+// A view into `arena` at a fuzzed offset: numel elements of a fuzzed dtype (sometimes
+// null, sometimes misaligned, sometimes overlapping others; clipped to the arena).
+struct Slot {
+  std::size_t offset = 0;
+  std::size_t numel = 0;
+  DType dtype = DType::f32;
+  bool null = false;
+};
+
+Slot decode_slot(fuzz::Input& in, std::optional<DType> dtype) {
+  static const std::size_t sizes[] = {0, 1, 7, 8, 15, 16, 17, 31, 33, 64, 65, 100};
+  Slot s;
+  const std::uint8_t d = in.byte();
+  s.dtype = dtype ? *dtype : (d % 3 == 0 ? DType::f32 : d % 3 == 1 ? DType::bf16 : DType::f16);
+  if (in.byte() % 8 == 0 && dtype) s.dtype = (d & 8) ? DType::bf16 : DType::f16;  // wrong dtype
+  s.numel = sizes[in.below(sizeof sizes / sizeof sizes[0])];
+  const std::size_t esize = dtype_size(s.dtype);
+  const std::size_t max_off = kArenaBytes - s.numel * esize;
+  s.offset = (in.below(static_cast<std::uint32_t>(max_off / 2 + 1)) * 2) % (max_off + 1);
+  if (in.byte() % 4 != 0) s.offset -= s.offset % esize;  // mostly aligned
+  s.null = in.byte() % 32 == 0;
+  return s;
+}
+
+TensorView view(Arena& a, const Slot& s) {
+  return TensorView{s.null ? nullptr : a.bytes.data() + s.offset, s.numel, s.dtype};
+}
+
+struct Case {
+  int op = 0;
+  int n = 0;
+  std::array<std::array<Slot, 6>, kMaxTensors> slots;  // per tensor: up to 6 roles
+  std::array<bool, kMaxTensors> has_compute{};
+  std::array<bool, kMaxTensors> copy{};
+  AdamWConfig adamw;
+  SignSgdConfig sign;
+  GradientRead read;
+  float factor = 1.0f;
+  bool found_inf_given = false;
+  std::int32_t found_inf = 0;
+  bool exact = false;
+};
+
+Case decode(fuzz::Input& in) {
+  Case c;
+  c.op = in.byte() % 5;
+  c.n = in.byte() % (kMaxTensors + 1);
+  for (int i = 0; i < c.n; ++i) {
+    auto& t = c.slots[i];
+    switch (c.op) {
+      case 0:  // adamw: param, exp_avg, exp_avg_sq (f32), step (one f32), grad, compute
+        t[0] = decode_slot(in, DType::f32);
+        t[1] = decode_slot(in, DType::f32);
+        t[2] = decode_slot(in, DType::f32);
+        t[3] = decode_slot(in, DType::f32);
+        t[4] = decode_slot(in, std::nullopt);
+        t[5] = decode_slot(in, std::nullopt);
+        if (in.byte() % 4 != 0) {  // mostly consistent sizes
+          t[1].numel = t[2].numel = t[4].numel = t[5].numel = t[0].numel;
+          t[3].numel = 1;
+        }
+        c.has_compute[i] = in.flag();
+        break;
+      case 1:  // sign_sgd: param (f32), grad, compute
+        t[0] = decode_slot(in, DType::f32);
+        t[4] = decode_slot(in, std::nullopt);
+        t[5] = decode_slot(in, std::nullopt);
+        if (in.byte() % 4 != 0) t[4].numel = t[5].numel = t[0].numel;
+        c.has_compute[i] = in.flag();
+        break;
+      case 2:  // accumulate: acc (f32), src
+        t[0] = decode_slot(in, DType::f32);
+        t[4] = decode_slot(in, std::nullopt);
+        if (in.byte() % 4 != 0) t[4].numel = t[0].numel;
+        c.copy[i] = in.flag();
+        break;
+      default:  // scale_, norm_partial: one tensor each
+        t[0] = decode_slot(in, std::nullopt);
+        break;
+    }
+    // Keep every slot inside the arena after the size fix-ups.
+    for (Slot& s : t) {
+      const std::size_t bytes = s.numel * dtype_size(s.dtype);
+      if (s.offset + bytes > kArenaBytes) s.offset = kArenaBytes - bytes;
+    }
+  }
+  c.adamw.lr = fuzz::special(in);
+  c.adamw.beta1 = fuzz::special(in);
+  c.adamw.beta2 = fuzz::special(in);
+  c.adamw.eps = fuzz::special(in);
+  c.adamw.weight_decay = fuzz::special(in);
+  c.adamw.formula = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
+  c.adamw.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.sign.lr = fuzz::special(in);
+  c.sign.weight_decay = fuzz::special(in);
+  c.read.scale = static_cast<float>(fuzz::special(in));
+  c.read.clip = static_cast<float>(fuzz::special(in));
+  c.factor = static_cast<float>(fuzz::special(in));
+  c.found_inf_given = in.flag();
+  c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
+  c.exact = in.flag();
+  return c;
+}
+
+// Runs the case on `a` with the engine (nullptr: the reference); returns the Errc thrown
+// or nullopt, and the norm partial for op 4.
+std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial) {
+  try {
+    const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
+    switch (c.op) {
+      case 0: {
+        std::vector<AdamWTensor> t(c.n);
+        for (int i = 0; i < c.n; ++i) {
+          const auto& s = c.slots[i];
+          t[i].param = view(a, s[0]);
+          t[i].exp_avg = view(a, s[1]);
+          t[i].exp_avg_sq = view(a, s[2]);
+          t[i].step = s[3].null ? nullptr : reinterpret_cast<float*>(a.bytes.data() + s[3].offset);
+          t[i].grad = view(a, s[4]);
+          if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
+        }
+        if (e) e->adamw_step(t, c.adamw, c.read, fi);
+        else reference::adamw_step(t, c.adamw, c.read, fi);
+        break;
+      }
+      case 1: {
+        std::vector<SignSgdTensor> t(c.n);
+        for (int i = 0; i < c.n; ++i) {
+          t[i].param = view(a, c.slots[i][0]);
+          t[i].grad = view(a, c.slots[i][4]);
+          if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
+        }
+        if (e) e->sign_sgd_step(t, c.sign, c.read, fi);
+        else reference::sign_sgd_step(t, c.sign, c.read, fi);
+        break;
+      }
+      case 2: {
+        std::vector<AccumulatePair> p(c.n);
+        for (int i = 0; i < c.n; ++i) {
+          p[i].acc = view(a, c.slots[i][0]);
+          p[i].src = view(a, c.slots[i][4]);
+          p[i].copy = c.copy[i];
+        }
+        if (e) e->accumulate(p);
+        else reference::accumulate(p);
+        break;
+      }
+      case 3: {
+        std::vector<TensorView> t(c.n);
+        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
+        if (e) e->scale_(t, c.factor);
+        else reference::scale_(t, c.factor);
+        break;
+      }
+      default: {
+        std::vector<ConstTensorView> t(c.n);
+        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
+        if (e) partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast);
+        else partial = reference::norm_partial(t, c.read);
+        break;
+      }
+    }
+  } catch (const Error& err) {
+    return err.code();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  fuzz::Input in(data, size);
+  const auto& all = engines();
+  const cpu::Engine& engine = *all[in.byte() % all.size()];
+  const Case c = decode(in);
+  Arena original;
+  for (auto& b : original.bytes) b = static_cast<std::byte>(in.byte());
+  Arena mine = original, ref = original;
+  NormPartial p_mine, p_ref;
+  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine);
+  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref);
+  if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
+  if (e_mine) {  // refused: nothing written
+    if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
+    return 0;
+  }
+  if (std::memcmp(mine.bytes.data(), ref.bytes.data(), kArenaBytes) != 0) __builtin_trap();
+  if (c.op == 4) {
+    if (c.exact) {
+      if (!same_value(p_mine, p_ref)) __builtin_trap();
+    } else {  // the fast partial: its finalised norm, when certified, is the exact one
+      const NormResult a = finalize(p_mine), b = finalize(p_ref);
+      if (!a.needs_exact && std::memcmp(&a.norm, &b.norm, sizeof a.norm) != 0) __builtin_trap();
+    }
+  }
+  return 0;
+}
