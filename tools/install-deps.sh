@@ -12,8 +12,9 @@ packages=(
   python3-dev python3-venv python3-pip  # the Python package: headers, the test venv, pip
 )
 
-# --tsan adds what the tsan preset needs: clang and LLVM's OpenMP (with the Archer tool).
-if [ "${1:-}" = "--tsan" ]; then
+# --sanitizers adds what the tsan and fuzz presets need: clang (libFuzzer, TSan) and
+# LLVM's OpenMP with its Archer tool (--tsan is the older name).
+if [ "${1:-}" = "--sanitizers" ] || [ "${1:-}" = "--tsan" ]; then
   packages+=(clang libomp-dev)
 fi
 

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The sanitizer half of CI (.ci/run runs it after the README's test command): the asan
+# preset (AddressSanitizer + UndefinedBehaviorSanitizer) over every unit and mpi test,
+# the tsan preset (ThreadSanitizer with LLVM's libomp and its Archer tool) over the
+# threaded suites (CPU engine, host device, managers, communicators), and the fuzz preset's
+# libFuzzer harnesses for STEPCORE_FUZZ_SECONDS each (default 60) from the committed
+# corpus. CPU only. Prints each phase's duration; exits non-zero at the first failure.
+#
+#   tools/run-sanitizers.sh [asan] [tsan] [fuzz]     (default: all three)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+phases=("$@")
+[ ${#phases[@]} -eq 0 ] && phases=(asan tsan fuzz)
+jobs=$(nproc 2>/dev/null || echo 2)
+tools/install-deps.sh --sanitizers
+
+# The threaded suites TSan runs (their test binaries; every test in them).
+tsan_targets=(test_cpu_engine test_device test_comm test_gpu_manager test_offload_manager
+              test_managers test_trainer_api)
+
+timed() {  # timed NAME COMMAND...: runs the command and prints how long it took
+  local name=$1 start=$SECONDS
+  shift
+  echo "== $name"
+  "$@"
+  echo "== $name: $((SECONDS - start)) s"
+}
+
+asan() {
+  cmake --preset asan -DSTEPCORE_PYTHON=OFF >/dev/null
+  cmake --build --preset asan -j "$jobs"
+  ctest --preset asan -L 'unit|mpi' -j "$jobs"
+}
+
+tsan() {
+  cmake --preset tsan -DSTEPCORE_PYTHON=OFF -DSTEPCORE_MPI=OFF -DSTEPCORE_TOOLS=OFF >/dev/null
+  cmake --build --preset tsan -j "$jobs" --target "${tsan_targets[@]}"
+  # The gtest suites of the binaries built here (the preset's other tests are not built).
+  local suites=()
+  for t in "${tsan_targets[@]}"; do
+    while IFS= read -r s; do suites+=("$s"); done < <(
+      build/tsan/tests/"$t" --gtest_list_tests | awk '/^[A-Za-z_][A-Za-z0-9_\/]*\.( |$)/ { sub(/\..*/, ""); print }')
+  done
+  ctest --preset tsan -R "^($(IFS='|'; echo "${suites[*]}"))\\." -j 1
+}
+
+fuzz() {
+  cmake --preset fuzz -DSTEPCORE_FUZZ_SECONDS="${STEPCORE_FUZZ_SECONDS:-60}" >/dev/null
+  cmake --build --preset fuzz -j "$jobs" --target fuzz_norm fuzz_checkpoint fuzz_engine
+  ctest --preset fuzz
+}
+
+for p in "${phases[@]}"; do
+  case $p in
+    asan|tsan|fuzz) timed "$p" "$p" ;;
+    *) echo "run-sanitizers: unknown phase '$p' (asan, tsan, fuzz)" >&2; exit 2 ;;
+  esac
+done
