@@ -1,0 +1,166 @@
+// libFuzzer harness: a gradient manager as a state machine. Each input builds a manager
+// on the host device (mode none, optimizer or full; AdamW or SignSGD; 1-3 parameters of
+// fuzzed sizes, gradient dtypes and buffers; 1-2 groups) and drives it through up to 32
+// calls with fuzzed arguments in any order. Every call succeeds or throws stepcore::Error;
+// it never crashes, hangs or corrupts memory (ASan, UBSan); and after an Error from
+// validation (a bad argument or call sequence) the parameters' state is what it was.
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fuzz/fuzz_input.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+// A validation error: the manager promises nothing changed.
+bool validation(Errc c) {
+  switch (c) {
+    case Errc::invalid_argument:
+    case Errc::null_pointer:
+    case Errc::size_mismatch:
+    case Errc::unsupported_dtype:
+    case Errc::overlap:
+    case Errc::non_finite:
+    case Errc::out_of_range:
+    case Errc::not_supported:
+      return true;
+    default:
+      return false;
+  }
+}
+
+using Snapshot = std::vector<std::vector<float>>;
+
+// Every parameter's master and moments and step counter, or nullopt when the manager
+// cannot be read now (mid-step, or failed).
+std::optional<Snapshot> snapshot(GradientManager& m) {
+  Snapshot s;
+  try {
+    const auto& params = m.config().params;
+    const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::size_t n = params[i].numel;
+      std::vector<float> master(n), m1(adamw ? n : 0), m2(adamw ? n : 0);
+      m.read_parameter(i, master, m1, m2, {});
+      s.push_back(std::move(master));
+      s.push_back(std::move(m1));
+      s.push_back(std::move(m2));
+      s.push_back({m.step_count(i)});
+    }
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  return s;
+}
+
+bool same(const Snapshot& a, const Snapshot& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t k = 0; k < a.size(); ++k)
+    if (a[k].size() != b[k].size() ||
+        (!a[k].empty() && std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) != 0))
+      return false;
+  return true;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  fuzz::Input in(data, size);
+  static const std::unique_ptr<device::Device> dev =
+      device::make_host_device(32, device::HostDeviceMemory::any_host_memory);
+  static const std::size_t sizes[] = {0, 1, 7, 33, 100, 257};
+
+  ManagerConfig c;
+  c.mode = static_cast<OffloadMode>(in.byte() % 3);
+  c.optimizer.kind = in.flag() ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
+  const int groups = 1 + in.byte() % 2;
+  for (int g = 0; g < groups && groups > 1; ++g) c.groups.push_back({"g" + std::to_string(g)});
+  const int n = 1 + in.byte() % 3;
+  for (int i = 0; i < n; ++i) {
+    ParamSpec p;
+    p.name = "p" + std::to_string(i);
+    p.numel = sizes[in.byte() % (sizeof sizes / sizeof sizes[0])];
+    p.grad_dtype = in.flag() ? DType::f32 : DType::bf16;
+    p.has_compute_weights = in.flag();
+    p.gradient_buffer = in.byte() % 4 != 0;
+    p.group = static_cast<std::size_t>(in.byte()) % static_cast<std::size_t>(groups);
+    c.params.push_back(p);
+  }
+  c.chunk_elements = 1 + in.byte() % 300;
+  c.device = dev.get();
+  c.engine.threads = 1 + in.byte() % 2;
+  std::unique_ptr<GradientManager> m;
+  try {
+    m = make_gradient_manager(c);
+  } catch (const Error&) {
+    return 0;  // a refused configuration
+  }
+  // The caller's gradient buffers (kept until the manager is closed).
+  std::vector<std::vector<std::byte>> caller(c.params.size());
+  for (int call = 0; call < 32 && !in.empty(); ++call) {
+    const std::optional<Snapshot> before = snapshot(*m);
+    const std::size_t i = in.byte() % (c.params.size() + 1);  // sometimes out of range
+    try {
+      switch (in.byte() % 12) {
+        case 0: m->begin_step(static_cast<float>(fuzz::special(in)), in.flag()); break;
+        case 1: m->begin_backward(in.flag()); break;
+        case 2: {
+          const TensorView g = m->gradient(i);
+          for (std::size_t k = 0; k < g.numel * dtype_size(g.dtype); ++k)
+            static_cast<std::byte*>(g.data)[k] = static_cast<std::byte>(in.byte());
+          m->gradient_ready(i);
+          break;
+        }
+        case 3: {
+          const std::size_t k = i < c.params.size() ? i : 0;
+          const std::size_t numel = c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0);
+          const DType dt = in.byte() % 8 == 0 ? DType::f16 : c.params[k].grad_dtype;
+          caller[k].assign(numel * dtype_size(dt) + 2, std::byte{0});
+          for (auto& b : caller[k]) b = static_cast<std::byte>(in.byte());
+          const std::size_t shift = in.byte() % 8 == 0 ? 1 : 0;  // sometimes misaligned
+          m->gradient_ready(i, ConstTensorView{caller[k].data() + shift, numel, dt});
+          break;
+        }
+        case 4: m->finish_backward(); break;
+        case 5: m->clip_grad_norm(static_cast<float>(fuzz::special(in))); break;
+        case 6: m->step(); break;
+        case 7: (void)m->report(); break;
+        case 8: m->set_hyperparameters(i % 3, {fuzz::special(in), fuzz::special(in)}); break;
+        case 9: {
+          const std::size_t k = i < c.params.size() ? i : 0;
+          std::vector<float> v(c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0));
+          for (float& x : v) x = static_cast<float>(fuzz::special(in));
+          if (in.flag()) {
+            m->load_parameter(i, v);
+          } else {
+            std::vector<float> m1(v.size()), m2(v.size());
+            for (float& x : m2) x = static_cast<float>(fuzz::special(in));
+            m->import_parameter(i, v, m1, m2, static_cast<float>(fuzz::special(in)));
+          }
+          break;
+        }
+        case 10: m->synchronize(); break;
+        default: (void)m->step_count(i); break;
+      }
+    } catch (const Error& e) {
+      if (validation(e.code()) && before) {
+        const std::optional<Snapshot> after = snapshot(*m);
+        if (after && !same(*before, *after)) __builtin_trap();  // refused but changed
+      }
+    }
+  }
+  try {
+    m->close();
+  } catch (const Error&) {
+  }
+  return 0;
+}
