@@ -146,5 +146,4 @@ inline float round_sqrt(const Big& s) {
   return static_cast<float>(v);  // exact
 }
 
-
 }  // namespace test_support

@@ -74,7 +74,7 @@ namespace detail {
 STEPCORE_HD_INLINE bool normalize_digits(std::uint64_t (&d)[kNormDigits]) {
   std::uint64_t carry = 0;  // < 2^33
   for (int k = 0; k < kNormDigits; ++k) {
-    const std::uint64_t v = (d[k] & 0xFFFFFFFFull) + carry;  // < 2^32 + 2^33: no wrap
+    const std::uint64_t v = (d[k] & 0xFFFFFFFFull) + carry;    // < 2^32 + 2^33: no wrap
     carry = (v >> kNormDigitBits) + (d[k] >> kNormDigitBits);  // < 2^3 + 2^32
     d[k] = v & 0xFFFFFFFFull;
   }

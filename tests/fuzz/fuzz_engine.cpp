@@ -166,8 +166,10 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
-        if (e) e->adamw_step(t, c.adamw, c.read, fi);
-        else reference::adamw_step(t, c.adamw, c.read, fi);
+        if (e)
+          e->adamw_step(t, c.adamw, c.read, fi);
+        else
+          reference::adamw_step(t, c.adamw, c.read, fi);
         break;
       }
       case 1: {
@@ -177,8 +179,10 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, c.slots[i][4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
         }
-        if (e) e->sign_sgd_step(t, c.sign, c.read, fi);
-        else reference::sign_sgd_step(t, c.sign, c.read, fi);
+        if (e)
+          e->sign_sgd_step(t, c.sign, c.read, fi);
+        else
+          reference::sign_sgd_step(t, c.sign, c.read, fi);
         break;
       }
       case 2: {
@@ -188,22 +192,28 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           p[i].src = view(a, c.slots[i][4]);
           p[i].copy = c.copy[i];
         }
-        if (e) e->accumulate(p);
-        else reference::accumulate(p);
+        if (e)
+          e->accumulate(p);
+        else
+          reference::accumulate(p);
         break;
       }
       case 3: {
         std::vector<TensorView> t(c.n);
         for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
-        if (e) e->scale_(t, c.factor);
-        else reference::scale_(t, c.factor);
+        if (e)
+          e->scale_(t, c.factor);
+        else
+          reference::scale_(t, c.factor);
         break;
       }
       default: {
         std::vector<ConstTensorView> t(c.n);
         for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
-        if (e) partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast);
-        else partial = reference::norm_partial(t, c.read);
+        if (e)
+          partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast);
+        else
+          partial = reference::norm_partial(t, c.read);
         break;
       }
     }
@@ -227,7 +237,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine);
   const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref);
   if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
-  if (e_mine) {  // refused: nothing written
+  if (e_mine) {                           // refused: nothing written
     if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
     return 0;
   }

@@ -41,14 +41,17 @@ class Input {
 /// A hyper-parameter from a table of specials (NaN, Inf, subnormal, huge, negative,
 /// zero, one) or raw bits.
 inline double special(Input& in) {
-  static const double table[] = {0.0,    -0.0,  1.0,   -1.0,    1e-3,      0.9,   0.999,
-                                 1e-8,   1e30,  -1e30, 1e-310,  1e-45,     2.0,   0.5,
-                                 1e300,  0.1,   1e-2,  0.99999, 1 - 1e-12, 3e-4,  1e-6};
+  static const double table[] = {0.0,   -0.0, 1.0,   -1.0,    1e-3,      0.9,  0.999,
+                                 1e-8,  1e30, -1e30, 1e-310,  1e-45,     2.0,  0.5,
+                                 1e300, 0.1,  1e-2,  0.99999, 1 - 1e-12, 3e-4, 1e-6};
   const std::uint8_t k = in.byte();
   if (k < 2 * (sizeof table / sizeof table[0])) return table[k / 2];
   if (k < 240) {
     const double nan = __builtin_nan(""), inf = __builtin_inf();
-    return (k & 3) == 0 ? nan : (k & 3) == 1 ? inf : (k & 3) == 2 ? -inf : static_cast<double>(in.f32());
+    return (k & 3) == 0   ? nan
+           : (k & 3) == 1 ? inf
+           : (k & 3) == 2 ? -inf
+                          : static_cast<double>(in.f32());
   }
   double d;
   const std::uint64_t b = in.u64();

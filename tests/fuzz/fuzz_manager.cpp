@@ -111,8 +111,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const std::size_t i = in.byte() % (c.params.size() + 1);  // sometimes out of range
     try {
       switch (in.byte() % 12) {
-        case 0: m->begin_step(static_cast<float>(fuzz::special(in)), in.flag()); break;
-        case 1: m->begin_backward(in.flag()); break;
+        case 0:
+          m->begin_step(static_cast<float>(fuzz::special(in)), in.flag());
+          break;
+        case 1:
+          m->begin_backward(in.flag());
+          break;
         case 2: {
           const TensorView g = m->gradient(i);
           for (std::size_t k = 0; k < g.numel * dtype_size(g.dtype); ++k)
@@ -130,11 +134,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           m->gradient_ready(i, ConstTensorView{caller[k].data() + shift, numel, dt});
           break;
         }
-        case 4: m->finish_backward(); break;
-        case 5: m->clip_grad_norm(static_cast<float>(fuzz::special(in))); break;
-        case 6: m->step(); break;
-        case 7: (void)m->report(); break;
-        case 8: m->set_hyperparameters(i % 3, {fuzz::special(in), fuzz::special(in)}); break;
+        case 4:
+          m->finish_backward();
+          break;
+        case 5:
+          m->clip_grad_norm(static_cast<float>(fuzz::special(in)));
+          break;
+        case 6:
+          m->step();
+          break;
+        case 7:
+          (void)m->report();
+          break;
+        case 8:
+          m->set_hyperparameters(i % 3, {fuzz::special(in), fuzz::special(in)});
+          break;
         case 9: {
           const std::size_t k = i < c.params.size() ? i : 0;
           std::vector<float> v(c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0));
@@ -148,8 +162,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           }
           break;
         }
-        case 10: m->synchronize(); break;
-        default: (void)m->step_count(i); break;
+        case 10:
+          m->synchronize();
+          break;
+        default:
+          (void)m->step_count(i);
+          break;
       }
     } catch (const Error& e) {
       if (validation(e.code()) && before) {

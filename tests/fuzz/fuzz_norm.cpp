@@ -48,7 +48,8 @@ bool correctly_rounded(const Big& s, float r) {
   auto equal = [&](std::uint64_t c, int t) {
     return cmp(s.shl(348), (Big::of(c) * Big::of(c)).shl(2 * t + 646)) == 0;
   };
-  if (std::isinf(r)) return at_least((std::uint64_t{1} << 25) - 1, 103);  // FLT_MAX's upper midpoint
+  if (std::isinf(r))
+    return at_least((std::uint64_t{1} << 25) - 1, 103);  // FLT_MAX's upper midpoint
   if (r == 0.0f) return s.is_zero();
   std::uint64_t m;
   int q;
@@ -78,19 +79,33 @@ NormPartial decode(fuzz::Input& in) {
   NormPartial p;
   for (int k = 0; k < kNormDigits; ++k) {
     switch (in.byte() % 4) {
-      case 0: p.digits[k] = 0; break;
-      case 1: p.digits[k] = in.u32(); break;
-      case 2: p.digits[k] = in.u64(); break;
-      default: p.digits[k] = ~std::uint64_t{0} - in.byte(); break;
+      case 0:
+        p.digits[k] = 0;
+        break;
+      case 1:
+        p.digits[k] = in.u32();
+        break;
+      case 2:
+        p.digits[k] = in.u64();
+        break;
+      default:
+        p.digits[k] = ~std::uint64_t{0} - in.byte();
+        break;
     }
   }
   const std::uint8_t counts = in.byte();
   p.nan_count = (counts & 0x0F) == 1 ? in.byte() : 0;
   p.inf_count = (counts & 0xF0) == 0x10 ? in.byte() : 0;
   switch (in.byte() % 3) {
-    case 0: p.max_abs_bits = in.u32(); break;                 // anything, NaN patterns too
-    case 1: p.max_abs_bits = in.u32() & 0x7F7FFFFFu; break;   // a finite record
-    default: p.max_abs_bits = 0; break;
+    case 0:
+      p.max_abs_bits = in.u32();
+      break;  // anything, NaN patterns too
+    case 1:
+      p.max_abs_bits = in.u32() & 0x7F7FFFFFu;
+      break;  // a finite record
+    default:
+      p.max_abs_bits = 0;
+      break;
   }
   p.approximate = in.flag() ? 1u : 0u;
   return p;

@@ -1,0 +1,216 @@
+// Unit (issue 18): faults that are not bad arguments. Host memory exhaustion while a
+// manager is built (a device whose allocations fail past a limit, swept over every
+// allocation point, and a state too large for the machine): an Error, and nothing the
+// build allocated stays allocated. A soak: 1,000 managers of random modes, optimizers and
+// shapes, each driven through a step and closed, in one process: resident memory grows by
+// at most 1 MiB after a warm-up, and neither threads nor file descriptors grow.
+#include <dirent.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+
+#include "expect_error.hpp"
+#include "forwarding_device.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+
+namespace {
+
+using namespace stepcore;
+
+constexpr OffloadMode kModes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
+
+/// The host device with an allocation limit: an allocation that would take the live bytes
+/// past `limit` fails as a real one does (Errc::out_of_range naming "bytes").
+class LimitedDevice final : public test_support::ForwardingDevice {
+ public:
+  explicit LimitedDevice(std::size_t limit) : limit_(limit) {}
+  void* allocate(std::size_t bytes) override { return take(bytes, false, 0); }
+  void* allocate_host(std::size_t bytes, int numa_node) override {
+    return take(bytes, true, numa_node);
+  }
+  void deallocate(void* p) noexcept override { give(p, false); }
+  void deallocate_host(void* p) noexcept override { give(p, true); }
+  std::size_t live_bytes() const noexcept { return live_; }
+  std::size_t live_blocks() const noexcept { return sizes_.size(); }
+  std::size_t peak_bytes() const noexcept { return peak_; }
+
+ private:
+  void* take(std::size_t bytes, bool host, int node) {
+    if (live_ + bytes > limit_)
+      throw Error(Errc::out_of_range, "bytes",
+                  "allocation of " + std::to_string(bytes) + " bytes failed (test limit)");
+    void* p =
+        host ? ForwardingDevice::allocate_host(bytes, node) : ForwardingDevice::allocate(bytes);
+    if (p != nullptr) {
+      sizes_[p] = bytes;
+      live_ += bytes;
+      peak_ = std::max(peak_, live_);
+    }
+    return p;
+  }
+  void give(void* p, bool host) noexcept {
+    const auto it = sizes_.find(p);
+    if (it != sizes_.end()) {
+      live_ -= it->second;
+      sizes_.erase(it);
+    }
+    if (host)
+      ForwardingDevice::deallocate_host(p);
+    else
+      ForwardingDevice::deallocate(p);
+  }
+  std::size_t limit_;
+  std::size_t live_ = 0, peak_ = 0;
+  std::map<void*, std::size_t> sizes_;
+};
+
+ManagerConfig config_of(OffloadMode mode, OptimizerKind kind, const std::vector<std::size_t>& sizes,
+                        device::Device& dev) {
+  ManagerConfig c;
+  c.mode = mode;
+  c.optimizer.kind = kind;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    ParamSpec p;
+    p.name = "p" + std::to_string(i);
+    p.numel = sizes[i];
+    p.grad_dtype = i % 2 ? DType::bf16 : DType::f32;
+    c.params.push_back(p);
+  }
+  c.chunk_elements = 500;
+  c.device = &dev;
+  c.engine.threads = 2;
+  return c;
+}
+
+TEST(Faults, ExhaustedDeviceMemoryWhileBuildingIsAnErrorAndLeaksNothing) {
+  const std::vector<std::size_t> sizes = {1000, 33, 4097, 1};
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    // What a build takes, then every limit below it (each allocation point fails once).
+    std::size_t need = 0;
+    {
+      LimitedDevice dev(~std::size_t{0});
+      auto m = make_gradient_manager(config_of(mode, OptimizerKind::adamw, sizes, dev));
+      need = dev.peak_bytes();
+      m->close();
+    }
+    ASSERT_GT(need, 0u);
+    int failed = 0;
+    for (std::size_t limit = 0; limit < need; limit += std::max<std::size_t>(need / 97, 1)) {
+      LimitedDevice dev(limit);
+      try {
+        auto m = make_gradient_manager(config_of(mode, OptimizerKind::adamw, sizes, dev));
+        ADD_FAILURE() << "built within " << limit << " of " << need << " bytes";
+        m->close();
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::out_of_range) << e.what();
+        EXPECT_EQ(e.argument(), "bytes") << e.what();
+        ++failed;
+      }
+      EXPECT_EQ(dev.live_blocks(), 0u) << "leaked after a failed build within " << limit;
+    }
+    EXPECT_GT(failed, 0);
+  }
+}
+
+TEST(Faults, AStateTooLargeForTheMachineIsAnError) {
+  // 2^38 floats (1 TiB) of master weights: the host allocation fails, nothing is built.
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(offload_mode_name(mode));
+    LimitedDevice dev(~std::size_t{0});
+    try {
+      auto m = make_gradient_manager(
+          config_of(mode, OptimizerKind::adamw, {1000, std::size_t{1} << 38}, dev));
+      ADD_FAILURE() << "a 1 TiB state was built";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::out_of_range) << e.what();
+    }
+    EXPECT_EQ(dev.live_blocks(), 0u);
+  }
+}
+
+// ---- the soak --------------------------------------------------------------------------
+
+struct Usage {
+  long rss_kib = 0;
+  int threads = 0;
+  int fds = 0;
+};
+
+Usage usage() {
+  Usage u;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) u.rss_kib = std::stol(line.substr(6));
+    if (line.rfind("Threads:", 0) == 0) u.threads = std::stoi(line.substr(8));
+  }
+  if (DIR* d = opendir("/proc/self/fd")) {
+    while (readdir(d) != nullptr) ++u.fds;
+    closedir(d);
+  }
+  return u;
+}
+
+// One step of `m` with its own gradient buffers, filled from `rng`.
+void one_step(GradientManager& m, std::mt19937_64& rng, bool overlap) {
+  m.begin_step(1.0f / 64, overlap);
+  for (int mb = 0; mb < 2; ++mb) {
+    m.begin_backward(mb == 1);
+    for (std::size_t i = 0; i < m.config().params.size(); ++i) {
+      const TensorView g = m.gradient(i);
+      if (g.dtype == DType::f32)
+        for (std::size_t k = 0; k < g.numel; ++k)
+          static_cast<float*>(g.data)[k] = static_cast<float>(rng() % 1000) * 1e-5f;
+      else
+        for (std::size_t k = 0; k < g.numel; ++k)
+          static_cast<std::uint16_t*>(g.data)[k] = static_cast<std::uint16_t>(0x3800 + rng() % 256);
+      m.gradient_ready(i);
+    }
+    m.finish_backward();
+  }
+  if (!overlap) (void)m.clip_grad_norm(0.5f);
+  m.step();
+  (void)m.report();
+}
+
+TEST(Faults, SoakOfAThousandManagersGrowsNothing) {
+  std::mt19937_64 rng(18);
+  auto dev = device::make_host_device(32);
+  Usage warm;
+  constexpr int kSteps = 1000, kWarmUp = 100;
+  for (int s = 0; s < kSteps; ++s) {
+    if (s == kWarmUp) warm = usage();
+    const OffloadMode mode = kModes[rng() % 3];
+    const OptimizerKind kind = rng() % 2 ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
+    std::vector<std::size_t> sizes(1 + rng() % 4);
+    for (auto& n : sizes) n = rng() % 3000;
+    auto m = make_gradient_manager(config_of(mode, kind, sizes, *dev));
+    one_step(*m, rng, rng() % 3 == 0);
+    m->close();
+  }
+  const Usage end = usage();
+  std::printf(
+      "soak: %d managers; after warm-up (%d): RSS %ld KiB, %d threads, %d fds; "
+      "at the end: RSS %ld KiB (%+ld KiB), %d threads, %d fds\n",
+      kSteps, kWarmUp, warm.rss_kib, warm.threads, warm.fds, end.rss_kib,
+      end.rss_kib - warm.rss_kib, end.threads, end.fds);
+  EXPECT_EQ(end.threads, warm.threads);
+  EXPECT_EQ(end.fds, warm.fds);
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // The sanitizers' quarantines and shadow memory make RSS meaningless here.
+#else
+  EXPECT_LE(end.rss_kib - warm.rss_kib, 1024) << "resident memory grew by more than 1 MiB";
+#endif
+}
+
+}  // namespace
