@@ -153,3 +153,49 @@ def test_recorded_tensors_are_the_runs_bits(tmp_path, torch_settings, offload):
         last = [torch.from_numpy(r.get(len(records), "after_step", f"param/{n}").copy())
                 for n in names]
         assert all(torch.equal(lm.bits(a), lm.bits(b)) for a, b in zip(last, final)), tag
+
+
+def test_the_hook_with_sign_sgd_and_no_clip(tmp_path):
+    """SignSGD, no clip_grad_norm_: master and param only, p - 0.1·sign(g) rounded once."""
+    import stepcore.torch as st
+
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="'recorder' must be a stepcore.diff.Recorder"):
+        st.GradientManager(model, offload="none", recorder="runs/x")
+    rec = sd.Recorder(tmp_path / "s")
+    gm = st.GradientManager(model, offload="optimizer", optimizer="sign_sgd", lr=0.1,
+                            threads=1, recorder=rec)
+    try:
+        gm.begin_step(1.0)
+        gm.begin_backward(final_backward=True)
+        x = torch.randn(4, 3, generator=g)
+        model(x).square().sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}  # None: handed over
+        gm.finish_backward()
+        gm.step()
+    finally:
+        gm.close()
+    assert all(v is None for v in grads.values())
+    assert rec.step == 2  # the manager's step ended the recorder's step
+    rec.close()
+    r = sd.read_recording(tmp_path / "s")
+    assert [(e["point"], e["name"]) for e in r.entries] == [
+        ("after_step", "master/weight"), ("after_step", "master/bias"),
+        ("after_step", "param/weight"), ("after_step", "param/bias")]
+    assert (r.run["optimizer"], r.run["formula"], r.run["offload"]) == \
+        ("sign_sgd", None, "optimizer")
+    # the gradient of sum((Wx + b)^2), by hand: dW = 2 (Wx + b)^T x, db = 2 sum(Wx + b)
+    w, b = before["weight"], before["bias"]
+    y = x @ w.t() + b
+    want = {"weight": w - torch.sign(2 * y.t() @ x) * torch.tensor(0.1),
+            "bias": b - torch.sign(2 * y.sum(0)) * torch.tensor(0.1)}
+    for n, p in model.named_parameters():
+        got = r.get(1, "after_step", f"param/{n}")
+        assert got.tobytes() == p.detach().numpy().tobytes(), n
+        assert got.tobytes() == want[n].numpy().tobytes(), n
+        assert r.get(1, "after_step", f"master/{n}").tobytes() == got.tobytes(), n
