@@ -10,6 +10,14 @@ several ways:
 * `run_stepcore`: the same loop driven by `stepcore.torch.GradientManager` in each offload
   mode ("none", "optimizer", "full"), with and without optimizer-in-backward (overlap).
 
+With `--record DIR` every run records its tensors after each step with stepcore.diff
+(docs/python.md, "Differential testing") into DIR/<run tag>/ (`torch`, `stepcore-none`,
+`stepcore-full-overlap`, ...): the stepcore runs through the manager's `recorder=` hook,
+the baseline with explicit `record` calls of the same names (the norm and clip
+coefficient at point "clip"; exp_avg, exp_avg_sq, step, master and param of every
+parameter at point "after_step"), so `python -m stepcore.diff DIR/torch DIR/stepcore-none`
+says where they first diverge.
+
 `main()` prints loss, gradient norm and lr per step for every run, then one `bitwise:`
 line saying whether the stepcore modes gave the same bits (params, exp_avg, exp_avg_sq,
 step and norm after every step), and a line comparing stepcore with the baseline. With
@@ -201,6 +209,36 @@ def print_step(tag: str, s: int, rec: dict, show: bool) -> None:
 # ---- the two trainers ----------------------------------------------------------------
 
 
+def make_recorder(args, tag: str, *, rank=None, extra=None):
+    """Returns a stepcore.diff.Recorder into args.record/<tag>/ (None without --record)."""
+    if not getattr(args, "record", None):
+        return None
+    from stepcore.diff import Recorder
+
+    meta = {"run_tag": tag, "example": "train_tiny_lm", "steps": args.steps,
+            "micro_batches": args.micro_batches, "seed": args.seed, "max_norm": args.max_norm,
+            "lr": args.lr, "model": f"vocab {args.vocab} context {args.context} dim "
+                                   f"{args.dim} layers {args.layers} heads {args.heads}"}
+    meta.update(extra or {})
+    return Recorder(os.path.join(args.record, tag), meta, rank=rank, overwrite=True)
+
+
+def record_torch_step(rec, named, opt, norm, max_norm: float) -> None:
+    """Records a baseline step under the names the manager's hook uses, then ends the step."""
+    # norm and clip coefficient at "clip", then exp_avg, exp_avg_sq, step, master (the f32
+    # param itself) and param of every parameter at "after_step".
+    rec.record("clip", "norm", norm.detach().float().reshape(()))
+    coef = torch.clamp(max_norm / (norm.detach().float() + 1e-6), max=1.0)  # torch's formula
+    rec.record("clip", "clip_coefficient", coef.reshape(()))
+    for kind in ("exp_avg", "exp_avg_sq", "step"):
+        for name, p in named:
+            rec.record("after_step", f"{kind}/{name}", opt.state[p][kind])
+    for kind in ("master", "param"):
+        for name, p in named:
+            rec.record("after_step", f"{kind}/{name}", p)
+    rec.next_step()
+
+
 def run_torch(args, data=None, *, rank: int = 0, world: int = 1, show: bool = True):
     """Trains with plain PyTorch (fused AdamW, autograd accumulation, clip_grad_norm_).
 
@@ -211,6 +249,9 @@ def run_torch(args, data=None, *, rank: int = 0, world: int = 1, show: bool = Tr
     data = data if data is not None else corpus(args)
     model = build_model(args)
     params = list(model.parameters())
+    named = list(model.named_parameters())
+    rec = make_recorder(args, "torch", rank=rank,
+                        extra={"formula": "torch.optim.AdamW(fused=True)", "offload": None})
     opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, make_schedule(args.warmup, args.steps))
@@ -231,14 +272,18 @@ def run_torch(args, data=None, *, rank: int = 0, world: int = 1, show: bool = Tr
         torch._foreach_mul_(grads, 1.0 / tokens)
         norm = torch.nn.utils.clip_grad_norm_(params, args.max_norm)
         opt.step()
+        if rec is not None:
+            record_torch_step(rec, named, opt, norm, args.max_norm)
         sched.step()
         opt.zero_grad(set_to_none=True)
-        rec = {"loss": all_reduce_sum(loss_sum, world) / tokens, "norm": float(norm),
-               "norm_bits": int(bits(norm)[0]), "lr": lr,
-               "clipped": float(norm) > args.max_norm,
-               "digests": state_digests(params, opt.state_dict())}
-        records.append(rec)
-        print_step("torch", s, rec, show)
+        rec_ = {"loss": all_reduce_sum(loss_sum, world) / tokens, "norm": float(norm),
+                "norm_bits": int(bits(norm)[0]), "lr": lr,
+                "clipped": float(norm) > args.max_norm,
+                "digests": state_digests(params, opt.state_dict())}
+        records.append(rec_)
+        print_step("torch", s, rec_, show)
+    if rec is not None:
+        rec.close()
     return records, [p.detach().clone() for p in params]
 
 
@@ -253,7 +298,7 @@ def shard(model: nn.Module) -> nn.Module:
 
 
 def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
-                 world: int = 1, show: bool = True, fsdp: bool = False):
+                 world: int = 1, show: bool = True, fsdp: bool = False, record_tag=None):
     """Trains with stepcore.torch.GradientManager in mode `offload`, optimizer-in-backward if `overlap`.
 
     Returns (records, final params) like run_torch. With overlap the optimizer runs during
@@ -261,7 +306,8 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
     record's norm is report()["norm"] when the report has one, else None. With `fsdp` the
     model is sharded over the ranks (FSDP2) and every rank runs every micro-batch: each
     rank's shard of the gradient is the 1-process gradient's, and the manager's norm is
-    global over the shards.
+    global over the shards. With --record the run records into args.record/<record_tag>
+    (default: stepcore-<mode>[-overlap][-fsdp]; FSDP runs record every rank's shards).
     """
     from stepcore.torch import GradientManager
 
@@ -271,9 +317,13 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
     if fsdp:
         model = shard(model)
     params = list(model.parameters())
+    run_tag = record_tag or (f"stepcore-{offload}{'-overlap' if overlap else ''}"
+                             f"{'-fsdp' if fsdp else ''}")
+    # Under torch.distributed a run of rank 0 alone records as rank 0 without collectives.
+    recorder = make_recorder(args, run_tag, rank=None if fsdp else rank)
     gm = GradientManager(model, offload=offload, optimizer="adamw", lr=args.lr, betas=BETAS,
                          eps=EPS, weight_decay=WEIGHT_DECAY, threads=args.threads or None,
-                         formula=args.formula)
+                         formula=args.formula, recorder=recorder)
     try:
         sched = torch.optim.lr_scheduler.LambdaLR(gm, make_schedule(args.warmup, args.steps))
         records = []
@@ -306,6 +356,8 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
         return records, [p.detach().clone() for p in params]
     finally:
         gm.close()
+        if recorder is not None:
+            recorder.close()
 
 
 # ---- comparisons ---------------------------------------------------------------------
@@ -383,6 +435,9 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--quiet", action="store_true", help="summary lines only")
+    p.add_argument("--record", metavar="DIR",
+                   help="record every run's tensors after each step into DIR/<run tag>/ "
+                        "(stepcore.diff; compare with python -m stepcore.diff)")
     return p.parse_args(argv)
 
 
@@ -440,7 +495,8 @@ def run_sharded(args, rank: int, world: int) -> int:
     data = corpus(args)
     single = None
     if rank == 0:  # no collectives: a plain model and manager in this process alone
-        single = run_stepcore(args, "none", False, data, show=False)
+        single = run_stepcore(args, "none", False, data, show=False,
+                              record_tag="stepcore-none-single")
     dist.barrier()
     runs = {}
     for offload in MODES:

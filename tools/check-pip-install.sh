@@ -21,6 +21,8 @@ PYTHONPATH="$scratch/site" "$RUN" - <<'PYEOF'
 import sys
 import stepcore
 assert "torch" not in sys.modules, "import stepcore imported torch"
+import stepcore.diff
+assert "torch" not in sys.modules, "import stepcore.diff imported torch"
 assert "/site/stepcore/" in stepcore.__file__, stepcore.__file__  # the installed copy
 e = stepcore.Engine(threads=1)
 print("pip install: stepcore", stepcore.__version__, "from", stepcore.__file__, "ISA", e.isa)

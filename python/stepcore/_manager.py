@@ -91,7 +91,7 @@ class GradientManager(torch.optim.Optimizer):
 
     def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0, formula="torch", chunk_elements=16 << 20,
-                 process_group=None, threads=None, isa=None, numa=True):
+                 process_group=None, threads=None, isa=None, numa=True, recorder=None):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
@@ -123,8 +123,21 @@ class GradientManager(torch.optim.Optimizer):
         self._names = [names.get(id(p), f"param{i}") if names else f"param{i}"
                        for i, p in enumerate(flat)]
         self._index = {id(p): i for i, p in enumerate(flat)}
+        self._recorder = None
+        self._clip_called = False
+        if recorder is not None:
+            from .diff import Recorder
+
+            if not isinstance(recorder, Recorder):
+                raise TypeError("stepcore.torch: 'recorder' must be a stepcore.diff.Recorder "
+                                f"or None, got {type(recorder).__name__}")
         self._build(chunk_elements, process_group, threads, isa, numa)
         self._built = True
+        if recorder is not None:
+            recorder._set_run(device=str(self.device), offload=offload,
+                              formula=formula if optimizer == "adamw" else None,
+                              optimizer=optimizer, threads=self.threads)
+            self._recorder = recorder
 
     # ---- construction --------------------------------------------------------------
 
@@ -288,6 +301,7 @@ class GradientManager(torch.optim.Optimizer):
         self._push_hyperparameters()
         self._m.begin_step(float(gradient_scale), bool(overlap_optimizer))
         self._overlap = bool(overlap_optimizer)
+        self._clip_called = False
 
     def begin_backward(self, final_backward) -> None:
         """Starts a micro-batch's backward (`final_backward`: the step's last)."""
@@ -308,6 +322,7 @@ class GradientManager(torch.optim.Optimizer):
             raise ValueError(f"stepcore.torch: 'norm_type' must be 2 (got {norm_type!r}); the "
                              "managers compute the L2 norm")
         norm = self._m.clip_grad_norm(float(max_norm))
+        self._clip_called = True
         return torch.tensor(norm, dtype=torch.float32)
 
     @torch.no_grad()
@@ -321,7 +336,40 @@ class GradientManager(torch.optim.Optimizer):
         self._m.step()
         self._report = self._m.report()
         torch.autograd.graph.increment_version(self._locals)
+        if self._recorder is not None:
+            self._record_step()
         return None
+
+    def _record_step(self) -> None:
+        """Copies the step's norm, clip coefficient and state into the recorder; ends its step."""
+        # Point "clip" (only when clip_grad_norm_ was called), then "after_step": exp_avg,
+        # exp_avg_sq, step, master and param of every parameter, kind by kind.
+        rec = self._recorder
+        if self._clip_called:
+            rec.record("clip", "norm", torch.tensor(self._report["norm"], dtype=torch.float32))
+            rec.record("clip", "clip_coefficient",
+                       torch.tensor(self._report["clip_coefficient"], dtype=torch.float32))
+        adamw = self.optimizer_name == "adamw"
+        state = []
+        for i in range(len(self._params)):
+            master, m1, m2 = self._m.host_state(i)  # views in modes optimizer and full
+            if master is None:
+                master, m1, m2, _ = self._m.read_parameter(i)  # copies
+            shape = self._locals[i].shape
+            state.append([torch.from_dlpack(t).view(shape)
+                          for t in ((master, m1, m2) if adamw else (master,))])
+        kinds = (("exp_avg", 1), ("exp_avg_sq", 2), ("step", None), ("master", 0),
+                 ("param", None)) if adamw else (("master", 0), ("param", None))
+        for kind, k in kinds:
+            for i, name in enumerate(self._names):
+                if kind == "step":
+                    t = torch.tensor(self._m.step_count(i), dtype=torch.float32)
+                elif kind == "param":
+                    t = self._locals[i]  # the compute weights, in the model's storage
+                else:
+                    t = state[i][k]
+                rec.record("after_step", f"{kind}/{name}", t)
+        rec._manager_step_done()
 
     def report(self) -> dict:
         """The last step's report: stepped, skipped, chunks_skipped, norm, finite, clip."""
