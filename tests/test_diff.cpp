@@ -740,8 +740,11 @@ TEST(DiffCorrupt, Recordings) {
   e.dtype = "Q4";
   expect_bad(manifest({e}), m, "unknown dtype \"Q4\"");
   e = ok;
-  e.file = "../good/" + f1;
-  expect_bad(manifest({e}), m, "is not a relative path inside the recording");
+  for (const std::string& outside :
+       {"../good/" + f1, "sub/../../good/" + f1, "/" + rec + "/" + f1}) {
+    e.file = outside;
+    expect_bad(manifest({e}), m, "is not a relative path inside the recording");
+  }
   std::string bad_step = manifest({ok});
   bad_step.replace(bad_step.find("\"step\": 1"), 9, "\"step\": \"1\"");
   expect_bad(bad_step, m, "entries[0]: \"step\" is \"1\", not a non-negative integer");

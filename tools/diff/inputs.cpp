@@ -4,6 +4,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -26,14 +27,13 @@ std::string join_path(const std::string& dir, const std::string& rel) {
   return dir + "/" + rel;
 }
 
-// A relative path that stays inside the recording: not empty, not absolute, no "..".
+// A relative path that stays inside the recording: not empty, not absolute, no ".."
+// component.
 bool inside(const std::string& rel) {
   if (rel.empty() || rel.front() == '/') return false;
-  std::size_t at = 0;
-  while (at <= rel.size()) {
-    std::size_t slash = rel.find('/', at);
-    if (slash == std::string::npos) slash = rel.size();
-    if (rel.compare(at, slash - at, "..") == 0 && slash - at == 2) return false;
+  for (std::size_t at = 0; at <= rel.size();) {  // each '/'-separated component
+    const std::size_t slash = std::min(rel.find('/', at), rel.size());
+    if (rel.compare(at, slash - at, "..") == 0) return false;
     at = slash + 1;
   }
   return true;
