@@ -9,6 +9,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxsimd-dev libhwloc-dev hwloc libnuma-dev
   libopenmpi-dev openmpi-bin
+  nlohmann-json3-dev  # stepcore-diff (JSON of safetensors headers and recording manifests)
   python3-dev python3-venv python3-pip  # the Python package: headers, the test venv, pip
 )
 
