@@ -255,8 +255,8 @@ ElementStats finish(const ArrayPair& p, Accum& acc, SecondPass&& second_pass) {
     }
     return (at.value << 16) | fine->locate(at.rank_in_bucket).value;
   };
-  const std::uint64_t lo = value_at((s.ulp_counted - 1) / 2), hi = value_at(s.ulp_counted / 2);
-  s.median_ulps = (static_cast<double>(lo) + static_cast<double>(hi)) / 2.0;
+  // The lower median (an integer, the Python comparer's too): the ((k - 1) / 2)-th smallest.
+  s.median_ulps = value_at((s.ulp_counted - 1) / 2);
   return s;
 }
 

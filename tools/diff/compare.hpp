@@ -46,7 +46,7 @@ struct ElementStats {
   std::uint64_t signed_zero = 0;
   std::uint64_t ulp_counted = 0;
   std::uint64_t max_ulps = 0;
-  double median_ulps = 0;  ///< the middle value, or the mean of the two middle values
+  std::uint64_t median_ulps = 0;  ///< the lower median: the ((k - 1) / 2)-th smallest of k
 
   std::uint64_t class_differences() const {
     return nan_vs_number + nan_payload + inf + signed_zero;

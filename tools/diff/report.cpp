@@ -60,6 +60,7 @@ Json value_json(DType t, std::uint64_t bits) {
     return v;
   }
   if (is_signed_int(t)) return signed_value(t, bits);
+  if (t == DType::boolean) return bits != 0;
   return bits;
 }
 
@@ -238,7 +239,9 @@ void write_human(std::ostream& out, const DiffResult& r, bool all,
 
 void write_json(std::ostream& out, const DiffResult& r) {
   Json j;
-  j["identical"] = !r.first_divergence.has_value();
+  // Bitwise identical: every tensor (a run accepted with --max-ulps has exit status 0 but
+  // is not identical).
+  j["identical"] = r.counts[static_cast<std::size_t>(Status::identical)] == r.tensors.size();
   j["exit_status"] = r.exit_status();
   if (r.first_divergence) {
     const TensorResult& f = r.tensors[*r.first_divergence];

@@ -109,20 +109,23 @@ def _hex(dtype: str, bits: int) -> str:
     return f"0x{bits:0{2 * DTYPES[dtype][0]}x}"
 
 
-def _value(dtype: str, bits: int) -> str:
-    """Returns the decimal value of a bit pattern (floats: shortest round trip; NaN's sign)."""
+def _value(dtype: str, bits: int):
+    """Returns the value of a bit pattern for JSON: a number (floats: the exact value of
+    the element, printed as the shortest round trip of that double), "nan", "inf" or
+    "-inf"; true/false for BOOL (what the C++ stepcore-diff emits)."""
     if dtype in ("F32", "BF16", "F16", "F64"):
         if dtype == "BF16":
             x = np.array([bits << 16], np.uint32).view(np.float32)[0]
         else:
             x = np.array([bits], DTYPES[dtype][1]).view(DTYPES[dtype][2])[0]
         if np.isnan(x):
-            sign = bits >> (8 * DTYPES[dtype][0] - 1)
-            return "-nan" if sign else "nan"
-        return str(x)
+            return "nan"
+        if np.isinf(x):
+            return "inf" if x > 0 else "-inf"
+        return float(x)
     if dtype == "BOOL":
-        return "false" if bits == 0 else "true"
-    return str(np.array([bits], DTYPES[dtype][1]).view(DTYPES[dtype][2])[0])
+        return bits != 0
+    return int(np.array([bits], DTYPES[dtype][1]).view(DTYPES[dtype][2])[0])
 
 
 def _compare_pair(dtype, ra, rb, max_ulps):
@@ -139,8 +142,9 @@ def _compare_pair(dtype, ra, rb, max_ulps):
            "median_ulps": _lower_median(st.dists) if ulp else None,
            "first_index": st.first_index, "a_hex": None, "b_hex": None,
            "a_value": None, "b_value": None,
-           "nan_vs_number": st.nan_vs_number, "nan_payload": st.nan_payload,
-           "signed_zero": st.signed_zero, "inf": st.inf}
+           "nan_vs_number": st.nan_vs_number if ulp else None,
+           "nan_payload": st.nan_payload if ulp else None,
+           "signed_zero": st.signed_zero if ulp else None, "inf": st.inf if ulp else None}
     if st.first_index is not None:
         i = st.first_index
         av, bv = int(ra[i]), int(rb[i])
@@ -270,7 +274,8 @@ def compare_detailed(a, b, max_ulps=0):
                     "within_tolerance": count["within_tolerance"],
                     "missing_in_a": count["missing_in_a"],
                     "missing_in_b": count["missing_in_b"],
-                    "mismatched": count["shape_mismatch"] + count["dtype_mismatch"]},
+                    "shape_mismatch": count["shape_mismatch"],
+                    "dtype_mismatch": count["dtype_mismatch"]},
     }
     return result, extras, kind, runs
 
