@@ -46,7 +46,7 @@ tsan() {
 
 fuzz() {
   cmake --preset fuzz -DSTEPCORE_FUZZ_SECONDS="${STEPCORE_FUZZ_SECONDS:-60}" >/dev/null
-  cmake --build --preset fuzz -j "$jobs" --target fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager
+  cmake --build --preset fuzz -j "$jobs" --target fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager fuzz_safetensors
   ctest --preset fuzz
 }
 
