@@ -411,7 +411,8 @@ TEST(DiffMedian, ExactOverACraftedDistribution) {
       {{0, 140000, 70000}, 70000, 140000, 2, 1},
       // the middle ones in the same wide range: 1 2 3 [65540] 65541 65542 70000 70001
       {{65542, 1, 70001, 65540, 2, 65541, 3, 70000}, 65540, 70001, 8, 0},
-      // the lower median itself in a wide range resolved by the second pass: 65536 [65537] 65538 70000
+      // the lower median itself in a wide range resolved by the second pass: 65536 [65537] 65538
+      // 70000
       {{65538, 65536, 70000, 65537}, 65537, 70000, 4, 0},
   };
   for (const Case& c : cases) {

@@ -14,7 +14,8 @@
 #include "diff/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  static const std::string path = "/dev/shm/stepcore-fuzz-" + std::to_string(getpid()) + ".safetensors";
+  static const std::string path =
+      "/dev/shm/stepcore-fuzz-" + std::to_string(getpid()) + ".safetensors";
   if (FILE* f = std::fopen(path.c_str(), "wb")) {
     if (size != 0 && std::fwrite(data, 1, size, f) != size) __builtin_trap();
     std::fclose(f);

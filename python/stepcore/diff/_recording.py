@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from ._safetensors import DTYPES, FormatError, read_file, write_file
+from ._safetensors import DTYPES, FormatError, _no_duplicate_keys, read_file, write_file
 
 __all__ = ["FORMAT", "VERSION", "Recorder", "Recording", "read_recording"]
 
@@ -423,7 +423,7 @@ def read_recording(directory) -> Recording:
     except OSError as e:
         raise FormatError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
-        m = json.loads(text.decode("utf-8"), object_pairs_hook=_dup_hook(path))
+        m = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(path))
     except FormatError:
         raise
     except (UnicodeDecodeError, ValueError) as e:
@@ -445,19 +445,6 @@ def read_recording(directory) -> Recording:
     for i, e in enumerate(entries):
         out.append(_check_entry(path, i, e, d, files, seen))
     return Recording(d, run, out, files)
-
-
-def _dup_hook(where):
-    """Returns an object_pairs_hook refusing duplicate JSON keys (FormatError naming where)."""
-    def hook(pairs):
-        """Builds the object, refusing a repeated key."""
-        out = {}
-        for k, v in pairs:
-            if k in out:
-                raise FormatError(f"{where}: duplicate key {k!r} in the JSON")
-            out[k] = v
-        return out
-    return hook
 
 
 def _check_entry(path, i, e, d, files, seen) -> dict:
