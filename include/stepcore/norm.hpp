@@ -55,7 +55,8 @@ struct NormResult {
   float norm = 0.0f;     ///< RN_f32(sqrt(S * 2^-298)); NaN if any NaN, else +Inf if any Inf
   float max_abs = 0.0f;  ///< max |x|; NaN if any NaN, else +Inf if any Inf
   bool finite =
-      true;  ///< false when any value was NaN or Inf (found-inf), or the norm overflows f32
+      true;  ///< false when any value was NaN or Inf (found-inf), the norm overflows f32, or the
+             ///< partial is one no finite values give (a NaN/Inf/negative max-abs record: norm NaN)
   std::uint64_t nan_count = 0;
   std::uint64_t inf_count = 0;
   /// True when the partial was approximate and S lies so close to a rounding
