@@ -93,8 +93,8 @@ struct Body {
     const U sub = as_u(Ops::add(as_f(a), splat(0.5f))) - U(0x3F000000u);
     I r = xsimd::select(ai >= I(0x38800000), as_i(normal), as_i(sub));
     r = xsimd::select(ai >= I(0x477FF000), I(0x7C00), r);
-    r = xsimd::select(ai > I(0x7F800000), I(0x7E00), r);
-    return as_u(r) | sign;
+    r = as_i(as_u(r) | sign);
+    return as_u(xsimd::select(ai > I(0x7F800000), I(0x7E00), r));  // a NaN: sign dropped
   }
   /// bf16 bits (low half of each lane) -> f32, exact.
   static F from_bf16(U h) { return as_f(h << 16); }

@@ -892,7 +892,7 @@ TEST(ScaleHandWorked, OverflowSubnormalsZerosAndNaN) {
   EXPECT_EQ(run16(DType::f16, 0x0003, 0.5f), 0x0002);         // 1.5 * 2^-24: tie -> 2
   EXPECT_EQ(run16(DType::f16, 0x8001, 0.5f), 0x8000);         // -> -0
   EXPECT_EQ(run16(DType::f16, 0xBC00, 0.0f), 0x8000);         // -1 * 0 = -0
-  EXPECT_EQ(run16(DType::f16, 0xFE01, 1.0f), 0xFE00);         // NaN -> sign | 0x7E00
+  EXPECT_EQ(run16(DType::f16, 0xFE01, 1.0f), 0x7E00);         // NaN -> 0x7E00, sign dropped
   EXPECT_EQ(run16(DType::f16, 0x3C00, 1.0f / 3.0f), 0x3555);  // 1/3 in f16
   // bf16
   EXPECT_EQ(run16(DType::bf16, 0x7F00, 4.0f), 0x7F80);            // 2^127 * 4 -> Inf

@@ -4,8 +4,9 @@
 //  * widening (bf16 -> f32, f16 -> f32) is exact, NaN payloads and signs kept;
 //  * narrowing rounds to nearest, ties to even; overflow goes to +-Inf;
 //    subnormal results are rounded on the subnormal grid;
-//  * narrowing a NaN gives a quiet NaN: bf16 0x7FC0 (sign dropped), f16 sign|0x7E00.
-//    These are the bits PyTorch's CPU conversions produce.
+//  * narrowing a NaN gives the positive quiet NaN, sign and payload dropped: bf16
+//    0x7FC0 (PyTorch's CPU conversion does the same), f16 0x7E00 (PyTorch keeps the
+//    sign; stepcore drops it because an arithmetic NaN's sign differs between paths).
 #pragma once
 
 #include <cstdint>
@@ -71,12 +72,12 @@ STEPCORE_HD_INLINE float f16_bits_to_f32(std::uint16_t h) {
   return f32_from_bits(sign | ((exp + 112u) << 23) | (frac << 13));
 }
 
-/// Returns `f` rounded to binary16 (nearest, ties to even); NaN -> sign|0x7E00.
+/// Returns `f` rounded to binary16 (nearest, ties to even); NaN -> 0x7E00 (sign dropped).
 STEPCORE_HD_INLINE std::uint16_t f32_to_f16_bits(float f) {
   const std::uint32_t u = f32_bits(f);
   const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
   const std::uint32_t a = u & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00u;
+  if (a > 0x7F800000u) return 0x7E00u;
   // 65520 = 0x477FF000 is the midpoint between 65504 (largest finite, odd
   // significand) and 65536; ties-to-even sends it, and everything above, to Inf.
   if (a >= 0x477FF000u) return sign | 0x7C00u;

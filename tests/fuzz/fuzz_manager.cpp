@@ -1,11 +1,12 @@
 // libFuzzer harness: a gradient manager as a state machine. Each input builds a manager
 // on the host device (mode none, optimizer or full; AdamW or SignSGD; 1-3 parameters of
-// fuzzed sizes, gradient dtypes and buffers; 1-2 groups) and drives it through up to 32
-// calls with fuzzed arguments in any order. Every call succeeds or throws stepcore::Error;
-// it never crashes, hangs or corrupts memory (ASan, UBSan); and after an Error from
-// validation (a bad argument or call sequence) the parameters' state is what it was.
+// fuzzed sizes, gradient dtypes and buffers; 1-2 groups; AdamW betas) and drives it through up to
+// 32 calls with fuzzed arguments in any order. Every call succeeds or throws stepcore::Error; it
+// never crashes, hangs or corrupts memory (ASan, UBSan); and after an Error from validation (a bad
+// argument or call sequence) the parameters' state is what it was.
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -73,6 +74,15 @@ bool same(const Snapshot& a, const Snapshot& b) {
 
 }  // namespace
 
+// LLVM's libomp keeps an idle team spinning for 200 ms after each parallel region; with a
+// new manager (and its engine's team) per input, those spins took a quarter of the
+// harness's time from the fuzzer's own thread. 0: idle workers sleep at once. An
+// explicit setting in the environment wins.
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  setenv("KMP_BLOCKTIME", "0", 0);
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   fuzz::Input in(data, size);
   static const std::unique_ptr<device::Device> dev =
@@ -82,8 +92,23 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   ManagerConfig c;
   c.mode = static_cast<OffloadMode>(in.byte() % 3);
   c.optimizer.kind = in.flag() ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
-  const int groups = 1 + in.byte() % 2;
-  for (int g = 0; g < groups && groups > 1; ++g) c.groups.push_back({"g" + std::to_string(g)});
+  // One byte picks the groups and AdamW's betas. The betas vary because a GPU-mode
+  // AdamW manager's bias table has an entry per step until 1 - beta^t rounds to 1:
+  // 37,000 pow calls for beta2 = 0.999 (the default, one input in eight), which would
+  // otherwise be most of an input's time. A NaN beta2 is a refused configuration.
+  const std::uint8_t shape = in.byte();
+  static const double beta1s[] = {0.9, 0.0, 0.5, 0.8};
+  static const double beta2s[] = {0.999, 0.95, 0.9, 0.5, 0.0, 0.99, 0.8, __builtin_nan("")};
+  const double beta1 = beta1s[(shape >> 4) % 4], beta2 = beta2s[(shape >> 1) % 8];
+  c.optimizer.adamw.beta1 = beta1;
+  c.optimizer.adamw.beta2 = beta2;
+  const int groups = 1 + shape % 2;
+  for (int g = 0; g < groups && groups > 1; ++g) {
+    ParamGroup group{"g" + std::to_string(g)};
+    group.beta1 = beta1;
+    group.beta2 = beta2;
+    c.groups.push_back(group);
+  }
   const int n = 1 + in.byte() % 3;
   for (int i = 0; i < n; ++i) {
     ParamSpec p;
@@ -104,7 +129,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const Error&) {
     return 0;  // a refused configuration
   }
-  // The caller's gradient buffers (kept until the manager is closed).
+  // The caller's gradient buffers, one per parameter. A buffer is freed (and replaced)
+  // only once gradient_released of its parameter is complete, as the contract allows:
+  // ASan then reports any read by the manager after that event.
   std::vector<std::vector<std::byte>> caller(c.params.size());
   for (int call = 0; call < 32 && !in.empty(); ++call) {
     const std::optional<Snapshot> before = snapshot(*m);
@@ -128,7 +155,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           const std::size_t k = i < c.params.size() ? i : 0;
           const std::size_t numel = c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0);
           const DType dt = in.byte() % 8 == 0 ? DType::f16 : c.params[k].grad_dtype;
-          caller[k].assign(numel * dtype_size(dt) + 2, std::byte{0});
+          m->gradient_released(k).wait();
+          caller[k] = std::vector<std::byte>(numel * dtype_size(dt) + 2);
           for (auto& b : caller[k]) b = static_cast<std::byte>(in.byte());
           const std::size_t shift = in.byte() % 8 == 0 ? 1 : 0;  // sometimes misaligned
           m->gradient_ready(i, ConstTensorView{caller[k].data() + shift, numel, dt});
@@ -180,5 +208,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     m->close();
   } catch (const Error&) {
   }
+  m.reset();  // before the caller's buffers: a failed close may have left reads queued
   return 0;
 }
