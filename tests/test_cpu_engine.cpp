@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -447,6 +448,49 @@ TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
         auto et = m.adamw();
         eng.adamw_step(et, AdamWConfig{}, read);
         EXPECT_TRUE(same_model(ref_model, m)) << cpu::isa_name(isa) << " " << dtype_name(d);
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, NanResultsStoreAsThePositiveQuietNanOnEveryIsa) {
+  // docs/numerics.md section 2: narrowing a NaN drops its sign and payload (bf16 0x7FC0,
+  // f16 0x7E00), so a NaN result is the same 16 bits whatever NaN the arithmetic gave
+  // (fuzz_engine found an f16 compute weight whose sign followed the ISA's NaN). The
+  // expectation is the spec's constant, not the reference.
+  const std::uint32_t nans[] = {0x7FC00000u, 0xFFC00000u, 0xFFFF0000u, 0x7F800001u,
+                                0xFF812345u, 0x7FFFFFFFu, 0xFFFFFFFFu};
+  for (const std::size_t n : boundary_sizes()) {
+    if (n == 0) continue;
+    std::vector<std::size_t> at;  // where the NaN masters are: ends, middle, a stride
+    for (std::size_t k = 0; k < n; k += 1 + n / 9) at.push_back(k);
+    at.push_back(n - 1);
+    for (const DType out : {DType::f16, DType::bf16}) {
+      const std::uint16_t want = out == DType::f16 ? 0x7E00 : 0x7FC0;
+      for (cpu::Isa isa : testing_support::isas_under_test()) {
+        SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " n " + std::to_string(n) + " " +
+                     std::string(dtype_name(out)));
+        // SignSGD: a NaN master stays NaN (x86 keeps the operand's NaN, sign included).
+        std::vector<float> param(n, 0.25f), grad(n, -1.0f);
+        for (std::size_t j = 0; j < at.size(); ++j)
+          param[at[j]] = f32_from_bits(nans[j % (sizeof nans / sizeof nans[0])]);
+        std::vector<std::uint16_t> compute(n, 0x1234);
+        const SignSgdTensor t{
+            {param.data(), n, DType::f32}, {grad.data(), n, DType::f32}, {compute.data(), n, out}};
+        const cpu::Engine eng(cpu::EngineConfig{isa, 2});
+        eng.sign_sgd_step(std::span(&t, 1), SignSgdConfig{1e-3, 0.1});
+        for (const std::size_t k : at) {
+          ASSERT_TRUE(std::isnan(param[k])) << k;
+          ASSERT_EQ(compute[k], want) << "compute[" << k << "]";
+        }
+        // scale_ in place on a 16-bit tensor of NaNs of both signs and any payload.
+        std::vector<std::uint16_t> g(n, out == DType::f16 ? 0x3C00 : 0x3F80);
+        for (std::size_t j = 0; j < at.size(); ++j)
+          g[at[j]] = static_cast<std::uint16_t>((j % 2 ? 0x8000u : 0u) |
+                                                (out == DType::f16 ? 0x7C01u + j : 0x7F81u + j));
+        const TensorView v{g.data(), n, out};
+        eng.scale_(std::span(&v, 1), 0.5f);
+        for (const std::size_t k : at) ASSERT_EQ(g[k], want) << "scaled[" << k << "]";
       }
     }
   }
