@@ -135,11 +135,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // only once gradient_released of its parameter is complete, as the contract allows:
   // ASan then reports any read by the manager after that event.
   std::vector<std::vector<std::byte>> caller(c.params.size());
+  // The state before each call. Reading it synchronises the device, so it is read again
+  // only when a call may have changed it: after a call that succeeded and is not a pure
+  // read (report, synchronize, step_count), or one that failed other than by validation.
+  std::optional<Snapshot> before;
+  bool before_is_now = false;
   for (int call = 0; call < 32 && !in.empty(); ++call) {
-    const std::optional<Snapshot> before = snapshot(*m);
+    if (!before_is_now) before = snapshot(*m);
+    before_is_now = before.has_value();
     const std::size_t i = in.byte() % (c.params.size() + 1);  // sometimes out of range
+    const int op = in.byte() % 12;
+    const bool pure_read = op == 7 || op == 10 || op == 11;
     try {
-      switch (in.byte() % 12) {
+      switch (op) {
         case 0:
           m->begin_step(static_cast<float>(fuzz::special(in)), in.flag());
           break;
@@ -199,10 +207,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           (void)m->step_count(i);
           break;
       }
+      if (!pure_read) before_is_now = false;
     } catch (const Error& e) {
       if (validation(e.code()) && before) {
         const std::optional<Snapshot> after = snapshot(*m);
         if (after && !same(*before, *after)) __builtin_trap();  // refused but changed
+      } else {
+        before_is_now = false;
       }
     }
   }
