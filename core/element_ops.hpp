@@ -77,15 +77,18 @@ STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_deca
 
 /// One AdamW element of either formula (docs/numerics.md section 7) with the lazy
 /// gradient read; the same operation order as the reference, FMAs only where the spec
-/// has them (the library builds device code with -fmad=false).
+/// has them (the library builds device code with -fmad=false). The old state is read
+/// from Ps/Ms/Vs and the new state written to P/M/V: the same arrays (in place) or
+/// separate ones (out of place); element i is read before it is written, so either is legal.
 template <class G, class O>
-STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* grad, O* out,
+STEPCORE_HD_INLINE void adamw_element(const float* Ps, const float* Ms, const float* Vs, float* P,
+                                      float* M, float* V, const G* grad, O* out,
                                       const AdamWScalars& s, bool torch, std::uint64_t tail_begin,
                                       float scale, float clip, std::uint64_t i) {
   float g = to_f32(grad[i]);
   g = round_to<G>(g * scale);
   g = round_to<G>(g * clip);
-  float p = P[i], m = M[i], v = V[i];
+  float p = Ps[i], m = Ms[i], v = Vs[i];
   if (!torch) {
     p = p * s.decay;
     const float mk = m * s.beta1;
@@ -121,12 +124,13 @@ STEPCORE_HD_INLINE void adamw_element(float* P, float* M, float* V, const G* gra
 }
 
 /// One SignSGD element (docs/numerics.md section 8): sign(+-0) = +0, sign(NaN) = NaN.
+/// The old parameter is read from Ps, the new one written to P (the same array or not).
 template <class G, class O>
-STEPCORE_HD_INLINE void sign_sgd_element(float* P, const G* grad, O* out, const SignSgdScalars& s,
-                                         std::uint64_t i) {
+STEPCORE_HD_INLINE void sign_sgd_element(const float* Ps, float* P, const G* grad, O* out,
+                                         const SignSgdScalars& s, std::uint64_t i) {
   const float g = to_f32(grad[i]);
   const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
-  float p = P[i];
+  float p = Ps[i];
   if (s.apply_decay) p = fmaf(p, s.neg_lr_wd, p);
   p = fmaf(sg, s.neg_lr, p);
   P[i] = p;

@@ -59,7 +59,10 @@ void add_range(std::vector<Range>& out, const void* data, std::size_t bytes, boo
   out.push_back(Range{b, b + bytes, written, name});
 }
 
-bool has_view(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
+template <class View>
+bool has_view(const View& v) {
+  return v.data != nullptr || v.numel != 0;
+}
 
 // The range of a scalar argument, besides being finite.
 enum class Bound : std::uint8_t { positive, non_negative, unit_interval };
@@ -125,6 +128,21 @@ void check_moment(std::size_t i, const TensorView& v, std::size_t n, const char*
   require_dtype(v.dtype, DType::f32, name);
   require_numel(v.numel, n, name, Arg{"tensors", i, "param"});
   add_range(ranges, v.data, v.bytes(), true, name);
+}
+
+// Checks the optional source of tensor i's f32 buffer `dst` (named dst_field): the old
+// values, read only. A source must be f32 with dst's size; it is either dst itself (in
+// place) or a separate read range, which check_overlaps keeps clear of every written
+// buffer of the call, so an out-of-place step never reads what it (or another tensor)
+// writes.
+void check_source(std::size_t i, const ConstTensorView& src, const TensorView& dst,
+                  const char* field, const char* dst_field, std::vector<Range>& ranges) {
+  if (!has_view(src)) return;
+  const Arg name{"tensors", i, field};
+  check_view(src.data, src.numel, src.dtype, name);
+  require_dtype(src.dtype, DType::f32, name);
+  require_numel(src.numel, dst.numel, name, Arg{"tensors", i, dst_field});
+  if (src.data != dst.data) add_range(ranges, src.data, src.bytes(), false, name);
 }
 
 }  // namespace
@@ -227,12 +245,15 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
   validate_read(read);
 
   std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 6);
+  ranges.reserve(tensors.size() * 9);
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
     const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
     check_moment(i, t.exp_avg, n, "exp_avg", ranges);
     check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+    check_source(i, t.exp_avg_src, t.exp_avg, "exp_avg_src", "exp_avg", ranges);
+    check_source(i, t.exp_avg_sq_src, t.exp_avg_sq, "exp_avg_sq_src", "exp_avg_sq", ranges);
     const Arg s{"tensors", i, "step"};
     if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
     if (reinterpret_cast<std::uintptr_t>(t.step) % alignof(float) != 0)
@@ -262,9 +283,12 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
   if (!(read.clip > 0.0f))
     fail(Errc::invalid_argument, "read.clip", "SignSGD needs a positive clip coefficient");
   std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 3);
-  for (std::size_t i = 0; i < tensors.size(); ++i)
-    check_param_grad_output(i, tensors[i].param, tensors[i].grad, tensors[i].compute_param, ranges);
+  ranges.reserve(tensors.size() * 4);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const SignSgdTensor& t = tensors[i];
+    check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+  }
   check_overlaps(ranges);
 }
 

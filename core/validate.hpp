@@ -19,12 +19,21 @@ namespace stepcore::detail {
 enum class StepCounters : std::uint8_t { read, unread };
 
 /// Throws unless every AdamW argument is valid (dtypes, sizes, pointers,
-/// overlaps, hyper-parameter ranges, step counters, read scalars).
+/// overlaps, hyper-parameter ranges, step counters, read scalars). An out-of-place
+/// source (AdamWTensor::param_src, ...) is f32 with its destination's size and either is
+/// the destination or overlaps no written buffer of the call.
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                     GradientRead read, StepCounters counters = StepCounters::read);
-/// Same for SignSGD (scale and clip must be finite and > 0).
+/// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);
+/// The array a validated f32 state buffer's old values are read from: its out-of-place
+/// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
+inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {
+  const bool given = src.data != nullptr || src.numel != 0;
+  return static_cast<const float*>(given ? src.data : dst.data);
+}
+
 void validate_accumulate(std::span<const AccumulatePair> pairs);
 /// An in-place scale: check_scale_factor(scale, "scale"), validate_tensors, and no
 /// tensor overlapping another (each is written).

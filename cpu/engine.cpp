@@ -272,7 +272,9 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
     const int o = detail::output_kind(t.compute_param);
     if (g < 0 || g >= detail::kDTypes || !table.sign_sgd[g][o]) unreachable_dtype("sign_sgd");
     fns[i] = table.sign_sgd[g][o];
-    ranges[i] = {static_cast<float*>(t.param.data), t.grad.data, t.compute_param.data, s};
+    ranges[i] = {static_cast<float*>(t.param.data),
+                 ::stepcore::detail::source_or(t.param_src, t.param), t.grad.data,
+                 t.compute_param.data, s};
   }
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });

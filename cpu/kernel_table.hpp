@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/validate.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -23,11 +24,16 @@ inline int output_kind(const TensorView& v) {
   return 1 + static_cast<int>(v.dtype);
 }
 
-/// Arguments of one AdamW range: elements [begin, end) of one tensor.
+/// Arguments of one AdamW range: elements [begin, end) of one tensor. The old state is
+/// read from the *_src arrays (the destinations themselves for an in-place step), the
+/// new state written to param/exp_avg/exp_avg_sq.
 struct AdamWRange {
   float* param;
   float* exp_avg;
   float* exp_avg_sq;
+  const float* param_src;
+  const float* exp_avg_src;
+  const float* exp_avg_sq_src;
   const void* grad;
   void* out;
   AdamWScalars scalars;
@@ -36,9 +42,10 @@ struct AdamWRange {
   bool torch;
 };
 
-/// Arguments of one SignSGD range.
+/// Arguments of one SignSGD range (param_src: the old parameter; param itself in place).
 struct SignSgdRange {
   float* param;
+  const float* param_src;
   const void* grad;
   void* out;
   SignSgdScalars scalars;
@@ -108,6 +115,9 @@ inline AdamWRange adamw_range(const AdamWTensor& t, const AdamWConfig& config, G
   return AdamWRange{static_cast<float*>(t.param.data),
                     static_cast<float*>(t.exp_avg.data),
                     static_cast<float*>(t.exp_avg_sq.data),
+                    ::stepcore::detail::source_or(t.param_src, t.param),
+                    ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg),
+                    ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq),
                     t.grad.data,
                     t.compute_param.data,
                     prepare_adamw_scalars(config, step),

@@ -243,7 +243,8 @@ bool check_sign_sgd(const KernelTable& t, Failure& fail) {
         SignSgdTensor ref{f32_view(pr.data(), kLength), ConstTensorView(g.data(), kLength, gd), {}};
         if (out != 0) ref.compute_param = TensorView{outr.data(), kLength, od};
         reference::sign_sgd_step({&ref, 1}, config);
-        const detail::SignSgdRange range{pk.data(), g.data(), out != 0 ? outk.data() : nullptr,
+        const detail::SignSgdRange range{pk.data(), pk.data(), g.data(),
+                                         out != 0 ? outk.data() : nullptr,
                                          prepare_sign_sgd_scalars(config)};
         const detail::SignSgdFn fn = t.sign_sgd[static_cast<int>(gd)][out];
         fn(range, 0, kSplit);

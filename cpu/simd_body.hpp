@@ -186,18 +186,23 @@ struct Body {
   /// formulas shared with the GPU block bodies.
   template <class G, class O>
   static void adamw_one(const AdamWRange& r, std::size_t i) {
-    ::stepcore::detail::adamw_element<G, O>(
-        r.param, r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad), static_cast<O*>(r.out),
-        r.scalars, r.torch, r.tail_begin, r.read.scale, r.read.clip, i);
+    ::stepcore::detail::adamw_element<G, O>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
+                                            r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad),
+                                            static_cast<O*>(r.out), r.scalars, r.torch,
+                                            r.tail_begin, r.read.scale, r.read.clip, i);
   }
 
   /// Vector lanes of one formula over [i, end): every element uses the body form.
   /// Pointers and scalars are locals so nothing is reloaded per iteration; the
-  /// loop-invariant read flags are unswitched by the compiler.
+  /// loop-invariant read flags are unswitched by the compiler. The old state is loaded
+  /// from Ps/Ms/Vs and the new one stored to P/M/V: the same arrays for an in-place step,
+  /// so that pair carries no __restrict (each vector is loaded before it is stored, and
+  /// a source never overlaps another destination: validation); grad and out never alias.
   template <class G, class O, bool Torch, int Mode>
-  static void adamw_lanes(float* __restrict P, float* __restrict M, float* __restrict V,
-                          const G* __restrict grad, O* __restrict out, const AdamWScalars s,
-                          const GradientRead read, std::size_t i, std::size_t end) {
+  static void adamw_lanes(const float* Ps, const float* Ms, const float* Vs, float* P, float* M,
+                          float* V, const G* __restrict grad, O* __restrict out,
+                          const AdamWScalars s, const GradientRead read, std::size_t i,
+                          std::size_t end) {
     const F scale = splat(read.scale), clip = splat(read.clip);
     const F decay = splat(s.decay), b1 = splat(s.beta1), b2 = splat(s.beta2),
             omb1 = splat(s.one_minus_beta1), omb2 = splat(s.one_minus_beta2),
@@ -206,9 +211,9 @@ struct Body {
     const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
     for (; i + N <= end; i += N) {
       const F g = read_mode<Mode>(grad + i, scale, clip);
-      F p = Ops::load(P + i);
-      F m = Ops::load(M + i);
-      F v = Ops::load(V + i);
+      F p = Ops::load(Ps + i);
+      F m = Ops::load(Ms + i);
+      F v = Ops::load(Vs + i);
       if constexpr (!Torch) {
         // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
         p = Ops::mul(p, decay);
@@ -243,11 +248,12 @@ struct Body {
     with_read_mode(r.read, [&](auto mode) {
       constexpr int M = decltype(mode)::value;
       if (r.torch)
-        adamw_lanes<G, O, true, M>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
-                                   begin, lanes_end);
+        adamw_lanes<G, O, true, M>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param, r.exp_avg,
+                                   r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
       else
-        adamw_lanes<G, O, false, M>(r.param, r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
-                                    begin, lanes_end);
+        adamw_lanes<G, O, false, M>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
+                                    r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin,
+                                    lanes_end);
     });
     for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
@@ -257,6 +263,8 @@ struct Body {
   template <class G, class O>
   static void sign_sgd(const SignSgdRange& r, std::size_t begin, std::size_t end) {
     const SignSgdScalars& s = r.scalars;
+    const float* Ps = r.param_src;  // == P in place: loaded before stored, as for AdamW
+    float* P = r.param;
     const G* grad = static_cast<const G*>(r.grad);
     const F neg_lr = splat(s.neg_lr), neg_lr_wd = splat(s.neg_lr_wd), one = splat(1.0f),
             minus_one = splat(-1.0f), zero = splat(0.0f);
@@ -267,16 +275,16 @@ struct Body {
       // on a NaN, so the selects keep g there).
       F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
       sg = Ops::select(Ops::eq(g, zero), zero, sg);
-      F p = Ops::load(r.param + i);
+      F p = Ops::load(Ps + i);
       if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
       // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
       // separate multiply and add round once, like the FMA (cheap without FMA too).
       p = Ops::add(p, Ops::mul(sg, neg_lr));
-      Ops::store(r.param + i, p);
+      Ops::store(P + i, p);
       if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
     }
     for (; i < end; ++i)
-      ::stepcore::detail::sign_sgd_element<G, O>(r.param, grad, static_cast<O*>(r.out), s, i);
+      ::stepcore::detail::sign_sgd_element<G, O>(Ps, P, grad, static_cast<O*>(r.out), s, i);
   }
 
   // ---- accumulate and scale ---------------------------------------------------------

@@ -369,17 +369,20 @@ STEPCORE_HD_INLINE void adamw_range(const AdamWLaunchArgs& a, int t, const Block
     float p[W], m[W], v[W];
     G g[W];
     OutStorage<O> o[W];
-    load_group<float, W>(a.param[t] + i, p);
-    load_group<float, W>(a.exp_avg[t] + i, m);
-    load_group<float, W>(a.exp_avg_sq[t] + i, v);
+    // The old state from the sources (the destinations when in place), updated in the
+    // thread's registers, then stored to the destinations.
+    load_group<float, W>(a.param_src[t] + i, p);
+    load_group<float, W>(a.exp_avg_src[t] + i, m);
+    load_group<float, W>(a.exp_avg_sq_src[t] + i, v);
     load_group<G, W>(grad + i, g);
     // The torch formula's tail test on the group's own indices: element i + k is in the
     // tail exactly when k >= tail - i.
     const std::uint64_t local_tail = tail > i ? tail - i : 0;
     for (int k = 0; k < W; ++k)
-      ::stepcore::detail::adamw_element<G, O>(p, m, v, g, std::is_void_v<O> ? nullptr : o, s,
-                                              a.config.formula == AdamWFormula::torch, local_tail,
-                                              scale, clip, static_cast<std::uint64_t>(k));
+      ::stepcore::detail::adamw_element<G, O>(p, m, v, p, m, v, g, std::is_void_v<O> ? nullptr : o,
+                                              s, a.config.formula == AdamWFormula::torch,
+                                              local_tail, scale, clip,
+                                              static_cast<std::uint64_t>(k));
     store_group<float, W>(a.param[t] + i, p);
     store_group<float, W>(a.exp_avg[t] + i, m);
     store_group<float, W>(a.exp_avg_sq[t] + i, v);
@@ -393,7 +396,10 @@ STEPCORE_HD_INLINE void adamw_typed(const AdamWLaunchArgs& a, int t, const Block
                                     float clip) {
   constexpr int V = kGroup<float>;
   bool vec = aligned_to(a.param[t], kVectorBytes) && aligned_to(a.exp_avg[t], kVectorBytes) &&
-             aligned_to(a.exp_avg_sq[t], kVectorBytes) && aligned_to(a.grad[t], V * sizeof(G));
+             aligned_to(a.exp_avg_sq[t], kVectorBytes) &&
+             aligned_to(a.param_src[t], kVectorBytes) &&
+             aligned_to(a.exp_avg_src[t], kVectorBytes) &&
+             aligned_to(a.exp_avg_sq_src[t], kVectorBytes) && aligned_to(a.grad[t], V * sizeof(G));
   if constexpr (!std::is_void_v<O>) vec = vec && aligned_to(a.out[t], V * sizeof(O));
   if (vec)
     adamw_range<G, O, V>(a, t, task, thread, threads, s, scale, clip);
@@ -456,10 +462,10 @@ STEPCORE_HD_INLINE void sign_sgd_range(const SignSgdLaunchArgs& a, int t, const 
     float p[W];
     G g[W];
     OutStorage<O> o[W];
-    load_group<float, W>(a.param[t] + i, p);
+    load_group<float, W>(a.param_src[t] + i, p);  // the old parameter (param when in place)
     load_group<G, W>(grad + i, g);
     for (int k = 0; k < W; ++k)
-      ::stepcore::detail::sign_sgd_element<G, O>(p, g, std::is_void_v<O> ? nullptr : o, s,
+      ::stepcore::detail::sign_sgd_element<G, O>(p, p, g, std::is_void_v<O> ? nullptr : o, s,
                                                  static_cast<std::uint64_t>(k));
     store_group<float, W>(a.param[t] + i, p);
     if constexpr (!std::is_void_v<O>) store_group<O, W>(out + i, o);
@@ -470,7 +476,8 @@ template <class G, class O>
 STEPCORE_HD_INLINE void sign_sgd_typed(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
                                        int thread, int threads, const SignSgdScalars& s) {
   constexpr int V = kGroup<float>;
-  bool vec = aligned_to(a.param[t], kVectorBytes) && aligned_to(a.grad[t], V * sizeof(G));
+  bool vec = aligned_to(a.param[t], kVectorBytes) && aligned_to(a.param_src[t], kVectorBytes) &&
+             aligned_to(a.grad[t], V * sizeof(G));
   if constexpr (!std::is_void_v<O>) vec = vec && aligned_to(a.out[t], V * sizeof(O));
   if (vec)
     sign_sgd_range<G, O, V>(a, t, task, thread, threads, s);

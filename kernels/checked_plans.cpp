@@ -17,6 +17,12 @@ void check_tensor_memory(std::span<const TensorView> d_tensors, const char* base
             ::stepcore::detail::arg_name(base, i, nullptr));
 }
 
+// The memory check of an optimizer tensor's out-of-place source (validated: empty, or
+// f32 with its destination's size), after its destination's.
+void check_source(const ConstTensorView& src, const std::string& name, const MemoryCheck& check) {
+  if (src.data != nullptr) check(src.data, src.bytes(), name);
+}
+
 void check_scalar(const void* p, std::size_t bytes, const char* name, const MemoryCheck& check) {
   if (p == nullptr) throw Error(Errc::null_pointer, name, "null");
   check(p, bytes, name);
@@ -118,6 +124,9 @@ AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamW
     check(t.grad.data, t.grad.bytes(), arg_name("tensors", i, "grad"));
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
+    check_source(t.param_src, arg_name("tensors", i, "param_src"), check);
+    check_source(t.exp_avg_src, arg_name("tensors", i, "exp_avg_src"), check);
+    check_source(t.exp_avg_sq_src, arg_name("tensors", i, "exp_avg_sq_src"), check);
   }
   return plan;
 }
@@ -139,6 +148,7 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
     check(t.grad.data, t.grad.bytes(), arg_name("tensors", i, "grad"));
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), arg_name("tensors", i, "compute_param"));
+    check_source(t.param_src, arg_name("tensors", i, "param_src"), check);
   }
   return launches;
 }

@@ -108,6 +108,9 @@ AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfi
         a.param[slot] = static_cast<float*>(t.param.data);
         a.exp_avg[slot] = static_cast<float*>(t.exp_avg.data);
         a.exp_avg_sq[slot] = static_cast<float*>(t.exp_avg_sq.data);
+        a.param_src[slot] = ::stepcore::detail::source_or(t.param_src, t.param);
+        a.exp_avg_src[slot] = ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg);
+        a.exp_avg_sq_src[slot] = ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq);
         a.grad[slot] = t.grad.data;
         a.grad_dtype[slot] = t.grad.dtype;
         a.out[slot] = t.compute_param.data;
@@ -170,6 +173,7 @@ std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor>
       [&](SignSgdLaunchArgs& a, int slot, std::size_t i) {
         const SignSgdTensor& t = tensors[i];
         a.param[slot] = static_cast<float*>(t.param.data);
+        a.param_src[slot] = ::stepcore::detail::source_or(t.param_src, t.param);
         a.grad[slot] = t.grad.data;
         a.grad_dtype[slot] = t.grad.dtype;
         a.out[slot] = t.compute_param.data;

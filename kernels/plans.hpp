@@ -80,7 +80,7 @@ struct LaunchArgs {
 };
 
 /// Tensors of one optimizer (AdamW or SignSGD) launch: fewer than kMaxTensorsPerLaunch,
-/// since each carries up to six pointers.
+/// since each carries up to nine pointers.
 inline constexpr int kMaxOptimizerTensorsPerLaunch = 32;
 inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 
@@ -88,10 +88,15 @@ inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 /// constants and the blocks. The per-step scalars are not here: each block derives them
 /// from device memory when it runs (its step counter, the bias table, lr and weight
 /// decay), so a replayed graph takes the step it is at, never the one it was captured at.
+/// The old state is loaded from the *_src arrays (the destinations themselves when the
+/// tensor steps in place) and the new state stored to param/exp_avg/exp_avg_sq.
 struct AdamWLaunchArgs {
   float* param[kMaxOptimizerTensorsPerLaunch];
   float* exp_avg[kMaxOptimizerTensorsPerLaunch];
   float* exp_avg_sq[kMaxOptimizerTensorsPerLaunch];
+  const float* param_src[kMaxOptimizerTensorsPerLaunch];
+  const float* exp_avg_src[kMaxOptimizerTensorsPerLaunch];
+  const float* exp_avg_sq_src[kMaxOptimizerTensorsPerLaunch];
   const void* grad[kMaxOptimizerTensorsPerLaunch];
   void* out[kMaxOptimizerTensorsPerLaunch];
   const float* step[kMaxOptimizerTensorsPerLaunch];  ///< the counter before this step (device)
@@ -131,9 +136,11 @@ AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfi
                           int max_blocks = kMaxOptimizerBlocksPerLaunch,
                           int max_tensors = kMaxOptimizerTensorsPerLaunch);
 
-/// The kernel argument of one SignSGD launch.
+/// The kernel argument of one SignSGD launch (param_src: the old parameter, param itself
+/// in place).
 struct SignSgdLaunchArgs {
   float* param[kMaxOptimizerTensorsPerLaunch];
+  const float* param_src[kMaxOptimizerTensorsPerLaunch];
   const void* grad[kMaxOptimizerTensorsPerLaunch];
   void* out[kMaxOptimizerTensorsPerLaunch];
   DType grad_dtype[kMaxOptimizerTensorsPerLaunch];
@@ -147,6 +154,11 @@ struct SignSgdLaunchArgs {
     return map.task(static_cast<std::uint32_t>(b), num_tensors);
   }
 };
+
+/// A step kernel's parameters (its launch argument and its device arguments, by value)
+/// fit the 4,096 bytes every CUDA version and architecture accepts.
+static_assert(sizeof(AdamWLaunchArgs) + sizeof(AdamWDeviceArgs) <= 4096);
+static_assert(sizeof(SignSgdLaunchArgs) + sizeof(SignSgdDeviceArgs) <= 4096);
 
 /// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
 /// positive read; the read does not change a sign and is not applied).

@@ -67,6 +67,14 @@ float read_gradient(const ConstTensorView& g, std::size_t i, const GradientRead&
 
 bool has_output(const TensorView& v) { return v.data != nullptr || v.numel != 0; }
 
+// An out-of-place step, literally: the old values are copied from the source into the
+// destination (validated: f32, the same size, the destination itself or disjoint from
+// every written buffer), then the destination steps in place.
+void copy_source(const ConstTensorView& src, const TensorView& dst) {
+  if (src.numel == 0 || src.data == dst.data) return;  // none (empty), or in place
+  std::memcpy(dst.data, src.data, src.bytes());
+}
+
 }  // namespace
 
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
@@ -75,6 +83,9 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   for (const AdamWTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    copy_source(t.exp_avg_src, t.exp_avg);
+    copy_source(t.exp_avg_sq_src, t.exp_avg_sq);
     *t.step = *t.step + 1.0f;
     const AdamWScalars s = prepare_adamw_scalars(config, *t.step);
     auto* P = static_cast<float*>(t.param.data);
@@ -139,6 +150,7 @@ void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& 
   if (found_inf != nullptr && *found_inf != 0) return;
   const SignSgdScalars s = prepare_sign_sgd_scalars(config);
   for (const SignSgdTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
     auto* P = static_cast<float*>(t.param.data);
     const bool out = has_output(t.compute_param);
     for (std::size_t i = 0; i < t.param.numel; ++i) {

@@ -52,9 +52,11 @@ struct GradientRead {
   float clip = 1.0f;   ///< the clip coefficient; in [0, 1]
 };
 
-/// One tensor of an AdamW call. param/exp_avg/exp_avg_sq are f32 and updated
-/// in place; grad is read only; compute_param, when given (data != nullptr or
-/// numel != 0), receives the updated parameter rounded to its dtype.
+/// One tensor of an AdamW call. param/exp_avg/exp_avg_sq are f32 and receive the
+/// updated state: in place, or out of place from the old values in the optional *_src
+/// views (read only, left intact; same bits either way). grad is read only;
+/// compute_param, when given (data != nullptr or numel != 0), receives the updated
+/// parameter rounded to its dtype. A view is empty when data == nullptr and numel == 0.
 struct AdamWTensor {
   TensorView param;
   TensorView exp_avg;
@@ -62,14 +64,25 @@ struct AdamWTensor {
   float* step = nullptr;  ///< per-tensor f32 step counter, incremented before use
   ConstTensorView grad;
   TensorView compute_param;
+  // The optional sources, last and `= {}`: initialisations that list only the fields
+  // above stay valid (and free of missing-initialiser warnings).
+  /// The old param is read from here (f32, numel elements); empty: in place (from param).
+  ConstTensorView param_src = {};
+  /// The old exp_avg is read from here (f32, numel elements); empty: in place (from exp_avg).
+  ConstTensorView exp_avg_src = {};
+  /// The old exp_avg_sq is read from here (f32, numel elements); empty: in place (from
+  /// exp_avg_sq).
+  ConstTensorView exp_avg_sq_src = {};
 };
 
-/// One tensor of a SignSGD call: f32 param in place, read-only grad, optional
-/// compute-parameter output.
+/// One tensor of a SignSGD call: f32 param (in place, or out of place from param_src),
+/// read-only grad, optional compute-parameter output.
 struct SignSgdTensor {
   TensorView param;
   ConstTensorView grad;
   TensorView compute_param;
+  /// The old param is read from here (f32, numel elements); empty: in place (from param).
+  ConstTensorView param_src = {};
 };
 
 /// One pair of an accumulate call: acc (f32) = copy ? f32(src) : acc + f32(src).

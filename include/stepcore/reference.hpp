@@ -16,14 +16,16 @@
 
 namespace stepcore::reference {
 
-/// One AdamW update of every tensor. Gradients are read with `read`; when
-/// `found_inf` is non-null and *found_inf != 0 nothing is written and no step
-/// counter advances. Determinism: bitwise (the definition itself).
+/// One AdamW update of every tensor, in place or out of place from its *_src views.
+/// Gradients are read with `read`; when `found_inf` is non-null and *found_inf != 0
+/// nothing is written (out-of-place destinations included) and no step counter
+/// advances. Determinism: bitwise (the definition itself).
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                 GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
-/// One SignSGD update of every tensor. The positive `read` scale and clip do not
-/// change a sign and are not applied (they are still validated: finite, > 0).
+/// One SignSGD update of every tensor (in place, or out of place from param_src). The
+/// positive `read` scale and clip do not change a sign and are not applied (they are
+/// still validated: finite, > 0).
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                    GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
