@@ -628,6 +628,50 @@ void grad_misaligned(Args& a, double) {  // one byte off: misaligned for every d
     g.numel = p.numel = o.numel = g.numel - 1;
   });
 }
+// Gives tensors[0] of both optimizers an out-of-place param source: f(param, param_src).
+template <class F>
+void both_sources(Args& a, F f) {
+  f(a.adamw_t[0].param, a.adamw_t[0].param_src);
+  f(a.sgd_t[0].param, a.sgd_t[0].param_src);
+}
+// A separate f32 buffer of kN elements that no optimizer call writes (grads[1]).
+const float* spare(const Args& a) { return static_cast<const float*>(a.grads[1].data); }
+void src_separate(Args& a, double) {
+  both_sources(a, [&](TensorView&, ConstTensorView& s) { s = {spare(a), kN, DType::f32}; });
+}
+void src_is_param(Args& a, double) {
+  both_sources(a, [](TensorView& p, ConstTensorView& s) { s = p; });
+}
+void src_f16(Args& a, double) {
+  both_sources(a, [&](TensorView&, ConstTensorView& s) { s = {spare(a), kN, DType::f16}; });
+}
+void src_long(Args& a, double) {
+  both_sources(a, [&](TensorView&, ConstTensorView& s) { s = {spare(a), kN + 1, DType::f32}; });
+}
+void src_null_data(Args& a, double) {
+  both_sources(a, [](TensorView&, ConstTensorView& s) { s = {nullptr, kN, DType::f32}; });
+}
+void src_misaligned(Args& a, double) {
+  both_sources(a, [&](TensorView&, ConstTensorView& s) {
+    s = {reinterpret_cast<const std::byte*>(spare(a)) + 2, kN, DType::f32};
+  });
+}
+void src_inside_param(Args& a, double) {  // starts one element into its own destination
+  both_sources(a, [](TensorView& p, ConstTensorView& s) {
+    s = {static_cast<const float*>(p.data) + 1, kN, DType::f32};
+  });
+}
+void exp_avg_src_in_other_param(Args& a, double) {  // inside tensors[1].param (written)
+  a.adamw_t[0].exp_avg_src = {static_cast<const float*>(a.adamw_t[1].param.data) + 1, kN,
+                              DType::f32};
+}
+void exp_avg_sq_src_in_compute(Args& a, double) {  // inside its own compute output
+  a.adamw_t[0].exp_avg_sq_src = {static_cast<const float*>(a.adamw_t[0].compute_param.data) + 1, kN,
+                                 DType::f32};
+}
+void exp_avg_sq_src_bf16(Args& a, double) {
+  a.adamw_t[0].exp_avg_sq_src = {spare(a), kN, DType::bf16};
+}
 void exp_avg_short(Args& a, double) { a.adamw_t[0].exp_avg.numel = kN - 1; }
 void exp_avg_sq_f16(Args& a, double) { a.adamw_t[0].exp_avg_sq.dtype = DType::f16; }
 void step_null(Args& a, double) { a.adamw_t[0].step = nullptr; }
@@ -751,6 +795,22 @@ std::vector<Row> make_catalogue() {
       {"tensors[0].compute_param",
        kOptT,
        {{compute_inside_param, Errc::overlap, "in param"}, {compute_long, size, "too long"}}},
+      {"tensors[0].param_src",
+       kOptT,
+       {{src_separate, ok, "a separate f32 buffer"},
+        {src_is_param, ok, "the param itself"},
+        {src_f16, dtype, "f16"},
+        {src_long, size, "one element long"},
+        {src_null_data, null, "null data"},
+        {src_misaligned, misaligned, "two bytes off"},
+        {src_inside_param, Errc::overlap, "one element into its param"}}},
+      {"tensors[0].exp_avg_src",
+       kAdamWTensors,
+       {{exp_avg_src_in_other_param, Errc::overlap, "in tensors[1].param"}}},
+      {"tensors[0].exp_avg_sq_src",
+       kAdamWTensors,
+       {{exp_avg_sq_src_bf16, dtype, "bf16"},
+        {exp_avg_sq_src_in_compute, Errc::overlap, "in its compute_param"}}},
       {"tensors[0].exp_avg", kAdamWTensors, {{exp_avg_short, size, "one element short"}}},
       {"tensors[0].exp_avg_sq", kAdamWTensors, {{exp_avg_sq_f16, dtype, "f16"}}},
       {"tensors[0].step",

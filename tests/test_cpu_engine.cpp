@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <bit>
 #include <cfenv>
 #include <cmath>
@@ -14,6 +15,8 @@
 #include <random>
 #include <span>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "isa_list.hpp"
@@ -270,6 +273,193 @@ TEST(CpuEngine, FoundInfWritesNothing) {
   auto s = m.sign_sgd();
   cpu::Engine().sign_sgd_step(s, SignSgdConfig{}, GradientRead{}, &found_inf);
   EXPECT_TRUE(same_model(before, m));
+}
+
+// ---- out-of-place steps -------------------------------------------------------------
+
+/// Where a tensor of an out-of-place call reads its old state from.
+enum class Source : std::uint8_t {
+  in_place,    ///< no sources: the destinations hold the old state
+  separate,    ///< every state buffer from a disjoint source
+  param_only,  ///< param from a disjoint source, the moments in place
+  self,        ///< sources given, each exactly its own destination (in place)
+};
+
+/// A NaN bit pattern per element (quiet and signalling, both signs): garbage an out-of-place
+/// step must overwrite, and a value no step of this data produces.
+float garbage(std::size_t i) {
+  const std::uint32_t bits[] = {0x7FC0DEADu, 0xFFBADBADu, 0x7F800001u, 0xFFFFFFFFu};
+  return f32_from_bits(bits[i % 4]);
+}
+
+/// The destinations of an out-of-place call, laid out like Model's buffers (one element
+/// ahead, so no pointer is vector-aligned) and pre-filled with garbage.
+struct Destinations {
+  std::vector<std::vector<float>> p, m, v;
+  explicit Destinations(const Model& shape) {
+    for (std::size_t n : shape.sizes)
+      for (auto* d : {&p, &m, &v}) {
+        d->emplace_back(n + 1);
+        for (std::size_t i = 0; i <= n; ++i) d->back()[i] = garbage(i);
+      }
+  }
+};
+
+/// Points tensor k of `t` at `dst` as `mode` says; its old state stays in `src` (whose
+/// buffers t holds now). Both optimizers: SignSGD has the param fields only.
+template <class Tensor>
+void redirect(Tensor& t, std::size_t k, Source mode, Destinations& dst) {
+  const std::size_t n = t.param.numel;
+  auto out_of_place = [&](TensorView& to, ConstTensorView& from, std::vector<float>& d) {
+    from = to;  // the old values: the model's buffer
+    to = {d.data() + 1, n, DType::f32};
+  };
+  if (mode == Source::self) {
+    t.param_src = t.param;
+    if constexpr (std::is_same_v<Tensor, AdamWTensor>) {
+      t.exp_avg_src = t.exp_avg;
+      t.exp_avg_sq_src = t.exp_avg_sq;
+    }
+    return;
+  }
+  if (mode == Source::in_place) return;
+  out_of_place(t.param, t.param_src, dst.p[k]);
+  if constexpr (std::is_same_v<Tensor, AdamWTensor>) {
+    if (mode == Source::separate) {
+      out_of_place(t.exp_avg, t.exp_avg_src, dst.m[k]);
+      out_of_place(t.exp_avg_sq, t.exp_avg_sq_src, dst.v[k]);
+    }
+  }
+}
+
+/// Runs one out-of-place call (modes[k] for tensor k; `adamw` false: SignSGD) on a copy of
+/// `input` and checks it against `ref`, the reference's in-place step of `input`: every
+/// destination holds the reference's bits (garbage where the call has no destination),
+/// every source is bit for bit the input, and the compute outputs, gradients and step
+/// counters are the reference's.
+void expect_out_of_place(const Model& input, const Model& ref, const std::vector<Source>& modes,
+                         bool adamw, const cpu::Engine& engine, const AdamWConfig& acfg,
+                         const SignSgdConfig& scfg, GradientRead read) {
+  Model eng = input;
+  Destinations dst(input);
+  if (adamw) {
+    auto t = eng.adamw();
+    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
+    engine.adamw_step(t, acfg, read);
+  } else {
+    auto t = eng.sign_sgd();
+    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
+    engine.sign_sgd_step(t, scfg, read);
+  }
+  // What each buffer must hold: the model's buffers keep the input where they were
+  // sources and take the reference's result where they were destinations.
+  Model want = ref;
+  Destinations want_dst(input);
+  for (std::size_t k = 0; k < modes.size(); ++k) {
+    const std::size_t n = input.sizes[k];
+    auto moved = [&](std::vector<float>& model, const std::vector<float>& in,
+                     std::vector<float>& d) {
+      std::copy(model.begin() + 1, model.end(), d.begin() + 1);  // the result, moved out
+      model = in;                                                // the source, intact
+    };
+    if (modes[k] == Source::separate || modes[k] == Source::param_only)
+      moved(want.p[k], input.p[k], want_dst.p[k]);
+    if (adamw && modes[k] == Source::separate) {
+      moved(want.m[k], input.m[k], want_dst.m[k]);
+      moved(want.v[k], input.v[k], want_dst.v[k]);
+    }
+    for (const auto& [got, expected, what] :
+         {std::tuple{&dst.p[k], &want_dst.p[k], "param destination"},
+          std::tuple{&dst.m[k], &want_dst.m[k], "exp_avg destination"},
+          std::tuple{&dst.v[k], &want_dst.v[k], "exp_avg_sq destination"}})
+      ASSERT_TRUE(same_bytes(expected->data(), got->data(), (n + 1) * 4, what))
+          << " tensor " << k << " (n " << n << ", mode " << static_cast<int>(modes[k]) << ")";
+  }
+  for (std::size_t k = 0; k < modes.size(); ++k)
+    for (const auto& [got, expected, what] :
+         {std::tuple{&eng.p[k], &want.p[k], "param"}, std::tuple{&eng.m[k], &want.m[k], "exp_avg"},
+          std::tuple{&eng.v[k], &want.v[k], "exp_avg_sq"}})
+      ASSERT_TRUE(same_bytes(expected->data(), got->data(), got->size() * 4, what))
+          << " tensor " << k << " (mode " << static_cast<int>(modes[k]) << ")";
+  ASSERT_TRUE(same_model(want, eng));  // compute outputs, gradients, step counters too
+}
+
+TEST(CpuEngine, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
+  // Every tensor out of place, then a mix of in-place, out-of-place, param-only and
+  // explicitly in-place (source = destination) tensors in one call; the expectation is
+  // the reference stepping a copy of the sources in place.
+  const auto sizes = boundary_sizes();
+  const std::vector<Source> all(sizes.size(), Source::separate);
+  std::vector<Source> mixed;
+  for (std::size_t k = 0; k < sizes.size(); ++k) mixed.push_back(static_cast<Source>(k % 4));
+  const int outputs[] = {0, 1 + static_cast<int>(DType::bf16), 1 + static_cast<int>(DType::f32)};
+  int idx = 0;
+  for (DType g : {DType::bf16, DType::f16, DType::f32}) {
+    for (int o : outputs) {
+      for (int opt = 0; opt < 3; ++opt) {  // AdamW native, AdamW torch, SignSGD
+        const bool adamw = opt < 2;
+        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) +
+                     (opt == 0   ? " adamw native"
+                      : opt == 1 ? " adamw torch"
+                                 : " sign_sgd"));
+        AdamWConfig acfg;
+        acfg.formula = opt == 0 ? AdamWFormula::native : AdamWFormula::torch;
+        acfg.weight_decay = idx % 2 ? 0.1 : 0.0;
+        acfg.beta1 = idx % 3 == 0 ? 0.3 : 0.9;
+        const SignSgdConfig scfg{1e-3, idx % 2 ? 0.05 : 0.0};
+        const GradientRead read{idx % 2 ? 1.0f / 3000.0f : 1.0f, idx % 4 == 1 ? 0.37f : 1.0f};
+        const Model input(sizes, g, o, 900 + idx++);
+        Model ref = input;
+        if (adamw) {
+          auto rt = ref.adamw();
+          reference::adamw_step(rt, acfg, read);
+        } else {
+          auto rt = ref.sign_sgd();
+          reference::sign_sgd_step(rt, scfg, read);
+        }
+        for (cpu::Isa isa : testing_support::isas_under_test()) {
+          for (int threads : {1, 3}) {
+            SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
+            const cpu::Engine engine(cpu::EngineConfig{isa, threads});
+            for (const std::vector<Source>& modes : {all, mixed})
+              ASSERT_NO_FATAL_FAILURE(
+                  expect_out_of_place(input, ref, modes, adamw, engine, acfg, scfg, read));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, OutOfPlaceFoundInfAndBadSourcesWriteNothing) {
+  Model input({100, 33}, DType::bf16, 2, 5);
+  const std::vector<Source> modes{Source::separate, Source::separate};
+  Model m = input;
+  Destinations dst(m);
+  const Destinations garbage_only(m);
+  auto t = m.adamw();
+  for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
+  auto unchanged = [&] {
+    EXPECT_TRUE(same_model(input, m));
+    for (std::size_t k = 0; k < t.size(); ++k) {
+      EXPECT_TRUE(same_bytes(garbage_only.p[k].data(), dst.p[k].data(), dst.p[k].size() * 4, "p"));
+      EXPECT_TRUE(same_bytes(garbage_only.m[k].data(), dst.m[k].data(), dst.m[k].size() * 4, "m"));
+      EXPECT_TRUE(same_bytes(garbage_only.v[k].data(), dst.v[k].data(), dst.v[k].size() * 4, "v"));
+    }
+  };
+  const std::int32_t found_inf = 1;
+  cpu::Engine().adamw_step(t, AdamWConfig{}, GradientRead{}, &found_inf);
+  unchanged();
+  // The last tensor's exp_avg source overlaps the first tensor's param destination.
+  t[1].exp_avg_src = {static_cast<const float*>(t[0].param.data) + 50, 33, DType::f32};
+  try {
+    cpu::Engine().adamw_step(t, AdamWConfig{});
+    FAIL() << "a source overlapping a destination was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), Errc::overlap);
+    EXPECT_EQ(e.argument(), "tensors[1].exp_avg_src");
+  }
+  unchanged();
 }
 
 // ---- accumulate and scale ---------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "stepcore/convert.hpp"
@@ -206,6 +207,141 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
       for (void* q : owned) cudaFree(q);
       cudaFree(d_scalars);
     }
+  }
+#endif
+}
+
+// Out of place on the device: even tensors read their old state from separate device
+// buffers and write destinations pre-filled with NaN bytes, odd tensors step in place, in
+// one call. The destinations (and in-place buffers) must hold the reference's in-place
+// bits, the sources their input bits.
+TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+#if defined(STEPCORE_WITH_CUDA)
+  const std::size_t c = gpu::kBlockElements;
+  const std::vector<std::size_t> sizes = {1, 33, 1025, c - 1, 0, c + 1, 3 * c + 5};
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<void*> owned;
+  auto alloc = [&](std::size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, bytes + 16), cudaSuccess);
+    EXPECT_EQ(cudaMemset(d, 0xFF, bytes + 16), cudaSuccess);  // NaN garbage
+    owned.push_back(d);
+    return d;
+  };
+  auto up = [&](const void* h, std::size_t bytes) {
+    void* d = alloc(bytes);
+    EXPECT_EQ(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+  };
+  auto down = [](const void* d, std::size_t bytes) {
+    std::vector<std::uint8_t> h(bytes);
+    EXPECT_EQ(cudaMemcpy(h.data(), d, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  };
+  auto bytes_of = [](const std::vector<float>& v) {
+    std::vector<std::uint8_t> b(v.size() * 4);
+    if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+    return b;
+  };
+  for (int opt = 0; opt < 3; ++opt) {  // AdamW native, AdamW torch, SignSGD
+    SCOPED_TRACE(opt == 0 ? "adamw native" : opt == 1 ? "adamw torch" : "sign_sgd");
+    AdamWConfig cfg;
+    cfg.formula = opt == 0 ? AdamWFormula::native : AdamWFormula::torch;
+    cfg.weight_decay = 0.1;
+    const SignSgdConfig scfg{1e-3, 0.05};
+    const float scale = 1.0f / 3001.0f, clip = 0.61f;
+    // Host state: the input (kept) and the reference's copy (stepped in place).
+    std::vector<std::vector<float>> p, m, v;
+    std::vector<std::vector<std::uint16_t>> g, o;
+    std::vector<float> ref_steps;
+    for (std::size_t n : sizes) {
+      p.emplace_back(n);
+      m.emplace_back(n);
+      v.emplace_back(n);
+      g.emplace_back(n);
+      o.emplace_back(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        p.back()[i] = nd(rng) * 0.05f;
+        m.back()[i] = nd(rng) * 1e-3f;
+        v.back()[i] = std::abs(nd(rng)) * 1e-6f;
+        g.back()[i] = f32_to_bf16_bits(nd(rng) * 1e-2f);
+      }
+      ref_steps.push_back(2.0f);
+    }
+    auto rp = p, rm = m, rv = v;
+    auto ro = o;
+    std::vector<AdamWTensor> ht, dt;
+    std::vector<SignSgdTensor> hs, ds;
+    const std::vector<float> dev_steps_init(sizes.size(), 2.0f);
+    auto* d_steps = static_cast<float*>(up(dev_steps_init.data(), sizes.size() * 4));
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t n = sizes[k];
+      ht.push_back({{rp[k].data(), n, DType::f32},
+                    {rm[k].data(), n, DType::f32},
+                    {rv[k].data(), n, DType::f32},
+                    &ref_steps[k],
+                    {g[k].data(), n, DType::bf16},
+                    {ro[k].data(), n, DType::bf16}});
+      hs.push_back({ht.back().param, ht.back().grad, ht.back().compute_param});
+      AdamWTensor d;
+      d.param = {up(p[k].data(), n * 4), n, DType::f32};  // in place: the input
+      d.exp_avg = {up(m[k].data(), n * 4), n, DType::f32};
+      d.exp_avg_sq = {up(v[k].data(), n * 4), n, DType::f32};
+      d.step = d_steps + k;
+      d.grad = {up(g[k].data(), n * 2), n, DType::bf16};
+      d.compute_param = {alloc(n * 2), n, DType::bf16};
+      if (k % 2 == 0) {  // out of place: the input becomes the sources
+        d.param_src = d.param;
+        d.exp_avg_src = d.exp_avg;
+        d.exp_avg_sq_src = d.exp_avg_sq;
+        d.param = {alloc(n * 4), n, DType::f32};
+        d.exp_avg = {alloc(n * 4), n, DType::f32};
+        d.exp_avg_sq = {alloc(n * 4), n, DType::f32};
+      }
+      dt.push_back(d);
+      SignSgdTensor sd{d.param, d.grad, d.compute_param};
+      sd.param_src = d.param_src;
+      ds.push_back(sd);
+    }
+    if (opt < 2) {
+      float* d_scalars = static_cast<float*>(alloc(2 * sizeof(float)));
+      const float hsc[2] = {scale, clip};
+      ASSERT_EQ(cudaMemcpy(d_scalars, hsc, sizeof hsc, cudaMemcpyHostToDevice), cudaSuccess);
+      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      auto* d_bias = static_cast<double*>(up(bias.data(), bias.size() * sizeof(double)));
+      gpu::adamw_step(dt, cfg, AdamWDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
+                      nullptr);
+      reference::adamw_step(ht, cfg, GradientRead{scale, clip});
+    } else {
+      gpu::sign_sgd_step(ds, scfg, SignSgdDeviceArgs{}, nullptr);
+      reference::sign_sgd_step(hs, scfg);
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      SCOPED_TRACE("tensor " + std::to_string(k) + (k % 2 == 0 ? " out of place" : " in place"));
+      const std::size_t n = sizes[k];
+      EXPECT_EQ(down(dt[k].param.data, n * 4), bytes_of(rp[k])) << "param";
+      std::vector<std::uint16_t> ob(n);
+      if (n != 0) std::memcpy(ob.data(), down(dt[k].compute_param.data, n * 2).data(), n * 2);
+      EXPECT_EQ(ob, ro[k]) << "compute copy";
+      if (k % 2 == 0)
+        EXPECT_EQ(down(dt[k].param_src.data, n * 4), bytes_of(p[k])) << "param source";
+      if (opt == 2) continue;  // SignSGD has no moments
+      EXPECT_EQ(down(dt[k].exp_avg.data, n * 4), bytes_of(rm[k])) << "exp_avg";
+      EXPECT_EQ(down(dt[k].exp_avg_sq.data, n * 4), bytes_of(rv[k])) << "exp_avg_sq";
+      if (k % 2 == 0) {
+        EXPECT_EQ(down(dt[k].exp_avg_src.data, n * 4), bytes_of(m[k])) << "exp_avg source";
+        EXPECT_EQ(down(dt[k].exp_avg_sq_src.data, n * 4), bytes_of(v[k])) << "exp_avg_sq source";
+      }
+    }
+    std::vector<float> dev_steps(sizes.size());
+    ASSERT_EQ(cudaMemcpy(dev_steps.data(), d_steps, dev_steps.size() * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    if (opt < 2) EXPECT_EQ(dev_steps, ref_steps);
+    for (void* q : owned) cudaFree(q);
+    owned.clear();
   }
 #endif
 }

@@ -394,6 +394,169 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
   }
 }
 
+// Out-of-place steps through the block bodies: the old state loaded from sources, the
+// new one stored to destinations pre-filled with NaN garbage. Every tensor out of place
+// (all pointers 16-byte aligned: the grouped path), then a mix in one call of in-place,
+// out-of-place, param-only and explicitly in-place (source = destination) tensors whose
+// destinations are misaligned every other time (the one-element path). The expectation:
+// the reference stepping a copy of the sources in place; the sources stay bit for bit.
+TEST(GpuExecutor, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
+  enum class Source { in_place, separate, param_only, self };
+  const auto sizes = sizes_with_empty();
+  const std::uint32_t garbage[] = {0x7FC0DEADu, 0xFFBADBADu, 0x7F800001u, 0xFFFFFFFFu};
+  struct State {
+    std::vector<std::vector<float>> p, m, v;
+    std::vector<std::vector<std::uint8_t>> o;
+    std::vector<float> steps;
+  };
+  struct Layout {
+    std::vector<Source> modes;
+    std::vector<std::size_t> offset;  // of each destination, in floats
+  } all, mixed;
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    all.modes.push_back(Source::separate);
+    all.offset.push_back(0);
+    mixed.modes.push_back(static_cast<Source>(k % 4));
+    mixed.offset.push_back((k / 4) % 2);
+  }
+  std::uint32_t seed = 700;
+  for (DType gd : {DType::bf16, DType::f16, DType::f32}) {
+    for (int out : {0, 1 + static_cast<int>(DType::bf16), 1 + static_cast<int>(DType::f32)}) {
+      for (int opt = 0; opt < 3; ++opt) {  // AdamW native, AdamW torch, SignSGD
+        const bool adamw = opt < 2;
+        SCOPED_TRACE(std::string(dtype_name(gd)) + " out " + std::to_string(out) +
+                     (opt == 0   ? " adamw native"
+                      : opt == 1 ? " adamw torch"
+                                 : " sign_sgd"));
+        AdamWConfig cfg;
+        cfg.formula = opt == 0 ? AdamWFormula::native : AdamWFormula::torch;
+        cfg.weight_decay = seed % 2 ? 0.1 : 0.0;
+        cfg.beta1 = seed % 3 == 0 ? 0.3 : 0.9;
+        const SignSgdConfig scfg{1e-3, seed % 2 ? 0.05 : 0.0};
+        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+        const float scale = 1.0f / 3001.0f, clip = seed % 4 == 1 ? 0.37f : 1.0f;
+        const Data grads = make_data(gd, seed++);
+        std::mt19937 rng(seed++);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        State base;
+        for (std::size_t n : sizes) {
+          base.p.emplace_back(n);
+          base.m.emplace_back(n);
+          base.v.emplace_back(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            base.p.back()[i] = nd(rng) * 0.05f;
+            base.m.back()[i] = nd(rng) * 1e-3f;
+            base.v.back()[i] = std::abs(nd(rng)) * 1e-6f;
+          }
+          base.o.emplace_back(n * 4 + 1, 0xCD);
+          base.steps.push_back(static_cast<float>(rng() % 4));
+        }
+        auto tensors = [&](State& st) {
+          std::vector<AdamWTensor> t;
+          for (std::size_t k = 0; k < sizes.size(); ++k) {
+            AdamWTensor a;
+            a.param = {st.p[k].data(), sizes[k], DType::f32};
+            a.exp_avg = {st.m[k].data(), sizes[k], DType::f32};
+            a.exp_avg_sq = {st.v[k].data(), sizes[k], DType::f32};
+            a.step = &st.steps[k];
+            a.grad = grads.views[k];
+            if (out) a.compute_param = {st.o[k].data(), sizes[k], static_cast<DType>(out - 1)};
+            t.push_back(a);
+          }
+          return t;
+        };
+        auto sgd = [](const std::vector<AdamWTensor>& t) {
+          std::vector<SignSgdTensor> s;
+          for (const AdamWTensor& a : t) s.push_back({a.param, a.grad, a.compute_param});
+          return s;
+        };
+        State ref = base;
+        if (adamw) {
+          auto rt = tensors(ref);
+          reference::adamw_step(rt, cfg, GradientRead{scale, clip});
+        } else {
+          reference::sign_sgd_step(sgd(tensors(ref)), scfg);
+        }
+        struct Shape {
+          int max_blocks, max_tensors, threads;
+        };
+        for (const Layout* layout : {&all, &mixed}) {
+          for (const Shape shape :
+               {Shape{gpu::kMaxOptimizerBlocksPerLaunch, gpu::kMaxOptimizerTensorsPerLaunch, 256},
+                Shape{3, 2, 64}}) {
+            SCOPED_TRACE(std::string(layout == &all ? "all out of place" : "mixed") + " threads " +
+                         std::to_string(shape.threads));
+            // Destinations: garbage, one spare element for the misaligned start.
+            std::vector<std::vector<float>> dst[3];
+            for (auto& d : dst)
+              for (std::size_t n : sizes) {
+                d.emplace_back(n + 1);
+                for (std::size_t i = 0; i <= n; ++i) d.back()[i] = f32_from_bits(garbage[i % 4]);
+              }
+            const auto fresh = dst[0];  // the garbage of every tensor (all three alike)
+            State got = base;
+            auto t = tensors(got);
+            for (std::size_t k = 0; k < t.size(); ++k) {
+              const Source mode = layout->modes[k];
+              auto move = [&](TensorView& to, ConstTensorView& from, std::vector<float>& d) {
+                from = to;
+                to = {d.data() + layout->offset[k], sizes[k], DType::f32};
+              };
+              if (mode == Source::self) {
+                t[k].param_src = t[k].param;
+                t[k].exp_avg_src = t[k].exp_avg;
+                t[k].exp_avg_sq_src = t[k].exp_avg_sq;
+              }
+              if (mode == Source::separate || mode == Source::param_only)
+                move(t[k].param, t[k].param_src, dst[0][k]);
+              if (mode == Source::separate) {
+                move(t[k].exp_avg, t[k].exp_avg_src, dst[1][k]);
+                move(t[k].exp_avg_sq, t[k].exp_avg_sq_src, dst[2][k]);
+              }
+            }
+            if (adamw) {
+              gpu::emulate::adamw_step(
+                  gpu::make_adamw_plan(t, cfg, shape.max_blocks, shape.max_tensors),
+                  AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, shape.threads);
+            } else {
+              std::vector<SignSgdTensor> st = sgd(t);
+              for (std::size_t k = 0; k < t.size(); ++k) st[k].param_src = t[k].param_src;
+              gpu::emulate::sign_sgd_step(
+                  gpu::make_sign_sgd_plan(st, scfg, shape.max_blocks, shape.max_tensors),
+                  SignSgdDeviceArgs{}, shape.threads);
+            }
+            for (std::size_t k = 0; k < sizes.size(); ++k) {
+              const std::size_t n = sizes[k], off = layout->offset[k];
+              const Source mode = layout->modes[k];
+              const bool moved[3] = {mode == Source::separate || mode == Source::param_only,
+                                     adamw && mode == Source::separate,
+                                     adamw && mode == Source::separate};
+              const std::vector<float>* own[3] = {&got.p[k], &got.m[k], &got.v[k]};
+              const std::vector<float>* in[3] = {&base.p[k], &base.m[k], &base.v[k]};
+              const std::vector<float>* want[3] = {&ref.p[k], &ref.m[k], &ref.v[k]};
+              for (int b = 0; b < 3; ++b) {
+                SCOPED_TRACE("tensor " + std::to_string(k) + " buffer " + std::to_string(b) +
+                             " mode " + std::to_string(static_cast<int>(mode)));
+                // A destination: the reference's bits where it was written, garbage around
+                // them (and everywhere when unused).
+                std::vector<float> d_want = fresh[k];
+                if (moved[b]) std::copy(want[b]->begin(), want[b]->end(), d_want.begin() + off);
+                ASSERT_EQ(std::memcmp(dst[b][k].data(), d_want.data(), (n + 1) * 4), 0);
+                // The model's own buffer: the input where it was a source, else the result.
+                if (n != 0)
+                  ASSERT_EQ(
+                      std::memcmp(own[b]->data(), (moved[b] ? in[b] : want[b])->data(), n * 4), 0);
+              }
+              ASSERT_EQ(got.o[k], ref.o[k]) << "compute copy " << k;
+              ASSERT_EQ(got.steps[k], ref.steps[k]);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // A plan is built once and replayed, as a captured CUDA graph is: each replay must take
 // the step its device counter is at and the lr in device memory at replay time, and a
 // replay with found-inf must leave everything, counters included, as it was (no

@@ -334,6 +334,76 @@ TEST_F(AdamWFixture, Overlaps) {
   EXPECT_NO_THROW(ref::adamw_step(with(shared), AdamWConfig{}));
 }
 
+TEST_F(AdamWFixture, OutOfPlaceSources) {
+  const std::string n = "tensors[3].";
+  // A tensor of 6 elements stepping out of place from three separate f32 sources.
+  auto out_of_place = [&](auto mutate) {
+    AdamWTensor t = make(6);
+    t.param_src = {arena.alloc<float>(6), 6, DType::f32};
+    t.exp_avg_src = {arena.alloc<float>(6), 6, DType::f32};
+    t.exp_avg_sq_src = {arena.alloc<float>(6), 6, DType::f32};
+    mutate(t);
+    return t;
+  };
+  // dtype, size, null data, alignment: named as the source.
+  expect_tensor(out_of_place([](AdamWTensor& t) { t.param_src.dtype = DType::bf16; }),
+                Errc::unsupported_dtype, n + "param_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_src.dtype = kBadDType; }),
+                Errc::unsupported_dtype, n + "exp_avg_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_sq_src.numel = 5; }),
+                Errc::size_mismatch, n + "exp_avg_sq_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) { t.param_src.numel = 7; }), Errc::size_mismatch,
+                n + "param_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_src.data = nullptr; }),
+                Errc::null_pointer, n + "exp_avg_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) {
+                  t.param_src.data = static_cast<const std::byte*>(t.param_src.data) + 2;
+                }),
+                Errc::invalid_argument, n + "param_src");
+  // A source must be its destination exactly or overlap no written buffer of the call.
+  expect_tensor(out_of_place([](AdamWTensor& t) {
+                  t.param_src.data = static_cast<const float*>(t.param.data) + 1;  // partial
+                }),
+                Errc::overlap, n + "param_src");
+  expect_tensor(out_of_place([](AdamWTensor& t) {
+                  t.exp_avg_sq_src.data = static_cast<const float*>(t.exp_avg.data) + 1;
+                }),
+                Errc::overlap, n + "exp_avg_sq_src");
+  expect_tensor(out_of_place([&](AdamWTensor& t) {  // another tensor's param
+                  t.exp_avg_src.data = static_cast<const float*>(valid[1].param.data) + 3;
+                }),
+                Errc::overlap, n + "exp_avg_src");
+  expect_tensor(out_of_place([&](AdamWTensor& t) {  // another tensor's compute output (f32)
+                  t.exp_avg_src.data = static_cast<const float*>(valid[0].compute_param.data) + 1;
+                }),
+                Errc::overlap, n + "exp_avg_src");
+  {  // its own compute output, starting at the same address: either may be named
+    AdamWTensor t = out_of_place([](AdamWTensor& a) {
+      a.compute_param.dtype = DType::f32;
+      a.param_src.data = a.compute_param.data;
+    });
+    expect(with(t), AdamWConfig{}, {}, Errc::overlap, {n + "param_src", n + "compute_param"});
+  }
+  {  // a step counter (a one-element tensor's source at tensors[0]'s counter; same address)
+    AdamWTensor t = make(1);
+    t.param_src = {valid[0].step, 1, DType::f32};
+    expect(with(t), AdamWConfig{}, {}, Errc::overlap, {n + "param_src", "tensors[0].step"});
+  }
+  // Accepted: sources that are exactly their destinations (in place), and read-only
+  // sources sharing memory with each other or with a gradient.
+  auto run = [&](const AdamWTensor& t) { ref::adamw_step(with(t), AdamWConfig{}); };
+  EXPECT_NO_THROW(run(out_of_place([](AdamWTensor&) {})));
+  EXPECT_NO_THROW(run(out_of_place([](AdamWTensor& t) {
+    t.param_src = t.param;
+    t.exp_avg_src = t.exp_avg;
+    t.exp_avg_sq_src = t.exp_avg_sq;
+  })));
+  EXPECT_NO_THROW(run(out_of_place([&](AdamWTensor& t) {
+    t.exp_avg_src = t.param_src;
+    t.exp_avg_sq_src = {valid[0].grad.data, 6, DType::f32};  // valid[0]'s f32 gradient
+  })));
+}
+
 // ---- SignSGD ---------------------------------------------------------------------------
 
 struct SignSgdFixture : ::testing::Test {
@@ -428,6 +498,32 @@ TEST_F(SignSgdFixture, TensorsAndOverlaps) {
   SignSgdTensor shared = make(5);
   shared.grad = valid[0].grad;
   EXPECT_NO_THROW(ref::sign_sgd_step(with(shared), c));
+}
+
+TEST_F(SignSgdFixture, OutOfPlaceSource) {
+  const SignSgdConfig c;
+  auto bad = [&](auto mutate) {
+    SignSgdTensor t = make(6);
+    t.param_src = {arena.alloc<float>(6), 6, DType::f32};
+    mutate(t);
+    return with(t);
+  };
+  const std::string name = "tensors[3].param_src";
+  expect(bad([](SignSgdTensor& t) { t.param_src.dtype = DType::f16; }), c, {},
+         Errc::unsupported_dtype, {name});
+  expect(bad([](SignSgdTensor& t) { t.param_src.numel = 5; }), c, {}, Errc::size_mismatch, {name});
+  expect(bad([](SignSgdTensor& t) { t.param_src.data = nullptr; }), c, {}, Errc::null_pointer,
+         {name});
+  expect(bad([](SignSgdTensor& t) {
+           t.param_src.data = static_cast<const float*>(t.param.data) + 2;  // partial
+         }),
+         c, {}, Errc::overlap, {name});
+  expect(bad([&](SignSgdTensor& t) {  // another tensor's param
+           t.param_src.data = static_cast<const float*>(valid[2].param.data) + 1;
+         }),
+         c, {}, Errc::overlap, {name});
+  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor&) {}), c));
+  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor& t) { t.param_src = t.param; }), c));
 }
 
 // ---- accumulate ---------------------------------------------------------------------------
