@@ -12,12 +12,21 @@
 // weight-decay group, the bias table): the kernels read them when they run, and a
 // skipped step leaves the counters as they were, so nothing is rolled back on the host.
 //
+// Speculation (overlapped steps): a chunk admitted by the rollback budget (device memory,
+// given out afresh each step) is saved — its state arrays and step counters copied into
+// the rollback space on the device — and stepped as if the coefficient were 1 and the
+// step finite, its compute weights written to staging in the rollback space. The
+// decision (which needs the norm on the host: clip_grad_norm, or step()'s one wait)
+// commits it (staging copied to the compute weights) or restores the saved bits, which
+// the step then updates with the coefficient (or leaves, when it is skipped).
+//
 // Ordering with the trainer: gradient_ready(i, written) makes the compute queue wait for
 // `written` before reading the gradient; gradient_released(i) is the compute-queue event
 // after that read. Every host wait goes through wait_for(), which with a device-memory
 // communicator (NCCL) first waits on the communicator with its timeout, so a dead peer
 // raises Errc::timeout instead of hanging an event wait.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -42,7 +51,11 @@ namespace {
 using device::Event;
 using device::Queue;
 
-constexpr std::size_t kRingSlots = 3;  // upload k+1, step k, download k-1 at once
+constexpr std::size_t kRingSlots = 3;
+// Returns `bytes` rounded up to the views' alignment (each saved range starts aligned).
+constexpr std::size_t align_up(std::size_t bytes) {
+  return (bytes + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+}  // upload k+1, step k, download k-1 at once
 // max_norm of the finalizations that only need the norm and found-inf flag (no clipping:
 // the update then reads the constant 1, whatever clip this writes).
 constexpr float kNoClipMaxNorm = 1.0f;
@@ -56,23 +69,15 @@ struct Summary {
   std::int32_t found_inf;
 };
 
-// Device scalars of a whole (non-overlapped) step.
+// Device scalars of a step.
 struct StepScalars {
   NormPartial partial;  // counted accumulators (reduced over ranks)
   NormPartial exact;    // the exact fallback (reduced over ranks)
   NormPartial scratch;  // eager scaling of the non-counted accumulators (discarded)
   Summary summary;
-  float scale;  // the step's gradient scale, for lazy reads
-  float one;    // constant 1.0f
-};
-
-// Device scalars of one overlapped chunk (its flag lives in a separate array so that all
-// flags come back in one copy).
-struct ChunkScalars {
-  NormPartial partial;
-  NormPartial exact;
-  NormResult result;
-  float clip;
+  float scale;        // the step's gradient scale, for lazy reads
+  float one;          // constant 1.0f
+  std::int32_t zero;  // constant 0 (allocate() zero-fills; never written): "finite"
 };
 
 // Pinned host words the device copies to and from.
@@ -104,6 +109,7 @@ class GpuGradientManager final : public ManagerImpl {
   }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
+  void do_reserve_speculation() override;
   NormResult do_clip_grad_norm(float max_norm, float& clip) override;
   void do_step() override;
   StepReport do_report() override;
@@ -134,11 +140,28 @@ class GpuGradientManager final : public ManagerImpl {
   void enqueue_finalize(float max_norm);
   void reduce(NormPartial* d_partial);
   void update_params(std::size_t first, std::size_t last, std::byte* slot, const float* d_scale,
-                     const float* d_clip, const std::int32_t* d_found_inf);
+                     const float* d_clip, const std::int32_t* d_found_inf,
+                     bool to_staging = false);
   void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
-                    const std::int32_t* d_found_inf);
+                    const std::int32_t* d_found_inf, bool speculate = false);
+  // The state arrays of chunk k where they live between steps ({home, bytes}: device
+  // memory in mode none, the chunk's host block in mode optimizer), then its counters.
+  struct Range {
+    void* home;
+    std::size_t bytes;
+    bool host = false;  // mode optimizer's chunk block (else device memory)
+  };
+  std::vector<Range> saved_ranges(std::size_t k) const;
+  std::size_t rollback_bytes(std::size_t k) const;
+  // Carves chunk k's rollback space (saved ranges, then compute staging); false when
+  // the budget has no room left in this step.
+  bool admit(std::size_t k);
+  void restore(std::size_t k);
+  void commit(std::size_t k);
+  void decide_overlapped(const float* d_clip);
+  NormResult learn_summary(float& clip);
   void update_all(const float* d_scale, const float* d_clip, const std::int32_t* d_found_inf);
-  void finish_enqueue(bool copy_summary, bool copy_flags);
+  void finish_enqueue(bool copy_summary);
   void settle();
   void wait_for(const Event& e);
   void wait_all();
@@ -152,7 +175,6 @@ class GpuGradientManager final : public ManagerImpl {
   // Views for the kernels.
   std::vector<TensorView> counted_, uncounted_;
   std::vector<ConstTensorView> counted_const_;
-  std::vector<std::vector<ConstTensorView>> chunk_acc_;
 
   // Memory: one device allocation, one workspace, one pinned host allocation.
   std::byte* dmem_ = nullptr;
@@ -165,10 +187,7 @@ class GpuGradientManager final : public ManagerImpl {
   StepHyper* h_hyper_ = nullptr;       // their pinned staging (rewritten only between steps)
   std::uint64_t hyper_uploaded_ = 0;   // hyper_version() of d_hyper_'s values
   std::vector<const double*> d_bias_;  // per group: its betas' bias table
-  ChunkScalars* d_chunks_ = nullptr;
-  std::int32_t* d_flags_ = nullptr;
   HostWords* h_ = nullptr;
-  std::int32_t* h_flags_ = nullptr;
 
   // Mode optimizer: per-chunk host blocks and the ring of device slots.
   std::vector<std::byte*> chunk_host_;
@@ -177,12 +196,19 @@ class GpuGradientManager final : public ManagerImpl {
   std::vector<Event> slot_free_;
   std::size_t ring_next_ = 0;
 
+  // Speculation: the rollback space (device memory, reserved by the first step that
+  // speculates, carved afresh each step), and per chunk this step its save (null: not
+  // speculated) and per parameter its compute staging.
+  std::byte* spare_ = nullptr;
+  std::size_t spare_bytes_ = 0, spare_used_ = 0;
+  std::vector<std::byte*> chunk_save_;
+  std::vector<void*> staging_;
+
   // The step in flight.
   bool scale_uploaded_ = false;
   bool partial_done_ = false;  // the global partial is enqueued (and reduced)
   bool flag_known_ = false;    // clip_grad_norm brought the flag to the host
   bool pending_ = false;       // done_ not yet waited for and its outcome not settled
-  bool overlap_step_ = false;
   Event done_;
   StepReport report_;
   bool closed_ = false;
@@ -245,14 +271,11 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const std::size_t hyper_view = dev_views.add(sizeof(StepHyper) * ngroups);
   std::vector<std::size_t> bias_view;
   for (const auto& table : bias) bias_view.push_back(dev_views.add(sizeof(double) * table.size()));
-  const std::size_t chunks_view = dev_views.add(sizeof(ChunkScalars) * nchunks);
-  const std::size_t flags_view = dev_views.add(sizeof(std::int32_t) * nchunks);
 
   // Host views: the words and flags, then (mode optimizer) each chunk's block: masters,
   // then exp_avg, then exp_avg_sq of its parameters (a slab of its own, moved in one copy).
   SlabViews host_views;
   const std::size_t words_view = host_views.add(sizeof(HostWords));
-  const std::size_t hflags_view = host_views.add(sizeof(std::int32_t) * nchunks);
   const std::size_t hhyper_view = host_views.add(sizeof(StepHyper) * ngroups);
   std::vector<std::size_t> chunk_host_view(nchunks, 0);
   std::size_t slot_bytes = 0;
@@ -298,10 +321,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     h_hyper_ = reinterpret_cast<StepHyper*>(host_at(hhyper_view));
     for (std::size_t g = 0; g < ngroups && adamw; ++g)
       d_bias_.push_back(reinterpret_cast<const double*>(dev_at(bias_view[bias_of[g]])));
-    d_chunks_ = reinterpret_cast<ChunkScalars*>(dev_at(chunks_view));
-    d_flags_ = reinterpret_cast<std::int32_t*>(dev_at(flags_view));
     h_ = reinterpret_cast<HostWords*>(host_at(words_view));
-    h_flags_ = reinterpret_cast<std::int32_t*>(host_at(hflags_view));
     for (std::size_t k = 0; k < nchunks && streamed(); ++k)
       chunk_host_.push_back(host_at(chunk_host_view[k]));
     for (std::size_t j = 0; j < nslots; ++j) slots_.push_back(dev_at(slot_view[j]));
@@ -333,10 +353,8 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
       (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
       if (p.counts_toward_norm) counted_const_.push_back(q.acc);
     }
-    chunk_acc_.resize(nchunks);
-    for (std::size_t k = 0; k < nchunks; ++k)
-      for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
-        chunk_acc_[k].push_back(params_[i].acc);
+    chunk_save_.assign(nchunks, nullptr);
+    staging_.assign(n, nullptr);
 
     // One norm workspace, large enough for every set of accumulators a norm runs over.
     std::vector<TensorView> all;
@@ -377,6 +395,8 @@ GpuGradientManager::~GpuGradientManager() {
 }
 
 void GpuGradientManager::free_memory() noexcept {
+  if (spare_ != nullptr) dev_.deallocate(spare_);
+  spare_ = nullptr;
   if (workspace_ != nullptr) dev_.deallocate(workspace_);
   if (dmem_ != nullptr) dev_.deallocate(dmem_);
   if (hmem_ != nullptr) dev_.deallocate_host(hmem_);
@@ -411,15 +431,16 @@ void GpuGradientManager::settle() {
   pending_ = false;
   const Event done = std::exchange(done_, Event());
   wait_for(done);
-  if (overlap_step_) {
-    for (std::size_t k = 0; k < chunks().size(); ++k)
-      if (h_flags_[k] != 0) ++report_.chunks_skipped;
-    report_.stepped = chunks().empty() || report_.chunks_skipped < chunks().size();
-  } else if (!flag_known_) {
+  report_.exposed_seconds = std::max(
+      0.0,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - last_gradient_time())
+          .count());
+  if (!flag_known_) {
     const Summary s = h_->summary;
     report_.norm = s.result;
     report_.skipped = s.found_inf != 0;
     report_.stepped = !report_.skipped;
+    set_would_commit(!report_.skipped);  // no clipping: the coefficient is 1
     if (config().comm != nullptr) comm::check_reduced(s.check, config().layout_fingerprint);
   }
 }
@@ -492,11 +513,16 @@ void GpuGradientManager::enqueue_finalize(float max_norm) {
 // device compute weights.
 void GpuGradientManager::update_params(std::size_t first, std::size_t last, std::byte* slot,
                                        const float* d_scale, const float* d_clip,
-                                       const std::int32_t* d_found_inf) {
+                                       const std::int32_t* d_found_inf, bool to_staging) {
   const ManagerConfig& cfg = config();
   auto f32 = [](float* p, std::size_t n) { return TensorView{p, n, DType::f32}; };
   auto state = [slot](float* resident, std::size_t slot_off) {
     return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
+  };
+  // The compute weights, or (speculating) their staging.
+  auto compute = [&](std::size_t i) {
+    const TensorView& c = params_[i].compute;
+    return to_staging && c.numel != 0 ? TensorView{staging_[i], c.numel, c.dtype} : c;
   };
   // One call per parameter group; each group's lr and weight decay come from d_hyper_
   // when the kernels run.
@@ -511,7 +537,7 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
             const std::size_t n = q.acc.numel;
             t.push_back(
                 {f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
-                 f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc, q.compute});
+                 f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc, compute(i)});
           }
           dev_.adamw_step(t, adamw_config(group),
                           AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_[group]});
@@ -519,7 +545,7 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
           std::vector<SignSgdTensor> t;
           for (std::size_t i : members) {
             const Param& q = params_[i];
-            t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, q.compute});
+            t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, compute(i)});
           }
           dev_.sign_sgd_step(t, sign_sgd_config(group), SignSgdDeviceArgs{d_found_inf, hyper});
         }
@@ -527,19 +553,33 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
 }
 
 // Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):
-// upload on h2d once the slot is free, step on compute, download on d2h.
+// upload on h2d once the slot is free, step on compute, download on d2h. `speculate`:
+// first save the chunk's state (from the slot in mode optimizer) and counters into its
+// rollback space, and write the compute weights to its staging.
 void GpuGradientManager::update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
-                                      const std::int32_t* d_found_inf) {
+                                      const std::int32_t* d_found_inf, bool speculate) {
   const Chunk& c = chunks()[k];
+  // Saves [the chunk's state as `first` holds it, then the counters] into its space.
+  auto save = [&](const void* first) {
+    std::byte* to = chunk_save_[k];
+    for (const Range& r : saved_ranges(k)) {
+      const void* from = r.home;
+      if (r.host) from = first;  // the block as uploaded to the slot
+      dev_.copy(Queue::compute, to, from, r.bytes);
+      to += align_up(r.bytes);
+    }
+  };
   if (!streamed()) {
-    update_params(c.first, c.last, nullptr, d_scale, d_clip, d_found_inf);
+    if (speculate) save(nullptr);
+    update_params(c.first, c.last, nullptr, d_scale, d_clip, d_found_inf, speculate);
     return;
   }
   const std::size_t j = ring_next_++ % slots_.size();
   dev_.wait(Queue::h2d, slot_free_[j]);
   dev_.copy(Queue::h2d, slots_[j], chunk_host_[k], chunk_bytes_[k]);
   dev_.wait(Queue::compute, dev_.record(Queue::h2d));
-  update_params(c.first, c.last, slots_[j], d_scale, d_clip, d_found_inf);
+  if (speculate) save(slots_[j]);
+  update_params(c.first, c.last, slots_[j], d_scale, d_clip, d_found_inf, speculate);
   dev_.wait(Queue::d2h, dev_.record(Queue::compute));
   dev_.copy(Queue::d2h, chunk_host_[k], slots_[j], chunk_bytes_[k]);
   slot_free_[j] = dev_.record(Queue::d2h);
@@ -556,13 +596,112 @@ void GpuGradientManager::update_all(const float* d_scale, const float* d_clip,
   for (std::size_t k = 0; k < chunks().size(); ++k) update_chunk(k, d_scale, d_clip, d_found_inf);
 }
 
-// Ends the step's enqueueing: the summary and/or chunk flags follow all of the step's
-// work to pinned host words; done_ marks the end of everything.
-void GpuGradientManager::finish_enqueue(bool copy_summary, bool copy_flags) {
+// ---- speculation ------------------------------------------------------------------------
+
+std::vector<GpuGradientManager::Range> GpuGradientManager::saved_ranges(std::size_t k) const {
+  const Chunk& c = chunks()[k];
+  std::vector<Range> out;
+  if (streamed()) {
+    out.push_back({chunk_host_[k], chunk_bytes_[k], true});  // master | m | v of the chunk
+  } else {
+    for (std::size_t i = c.first; i < c.last; ++i) {
+      const Param& q = params_[i];
+      const std::size_t bytes = q.acc.numel * sizeof(float);
+      for (float* a : {q.master, q.exp_avg, q.exp_avg_sq})
+        if (a != nullptr && bytes != 0) out.push_back({a, bytes});
+    }
+  }
+  if (is_adamw() && c.last > c.first)
+    out.push_back({d_steps_ + c.first, sizeof(float) * (c.last - c.first)});
+  return out;
+}
+
+std::size_t GpuGradientManager::rollback_bytes(std::size_t k) const {
+  std::size_t bytes = 0;
+  for (const Range& r : saved_ranges(k)) bytes += align_up(r.bytes);
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+    bytes += align_up(params_[i].compute.bytes());
+  return bytes;
+}
+
+void GpuGradientManager::do_reserve_speculation() {
+  if (spare_ != nullptr) return;
+  std::size_t need = 0;
+  for (std::size_t k = 0; k < chunks().size(); ++k) need += rollback_bytes(k);
+  const std::size_t bytes = std::min(need, speculation_budget());
+  if (bytes == 0) return;
+  try {
+    spare_ = static_cast<std::byte*>(dev_.allocate(bytes));
+  } catch (const Error& e) {
+    throw Error(Errc::out_of_range, "speculation_bytes",
+                "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " +
+                    e.what());
+  }
+  spare_bytes_ = bytes;
+}
+
+bool GpuGradientManager::admit(std::size_t k) {
+  const std::size_t bytes = rollback_bytes(k);
+  if (spare_ == nullptr || bytes > spare_bytes_ - spare_used_) return false;
+  std::byte* at = spare_ + spare_used_;
+  chunk_save_[k] = at;
+  for (const Range& r : saved_ranges(k)) at += align_up(r.bytes);
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+    staging_[i] = at;
+    at += align_up(params_[i].compute.bytes());
+  }
+  spare_used_ += bytes;
+  return true;
+}
+
+// Restores chunk k's saved state and counters (compute queue; mode optimizer: into its
+// host block on d2h, after the step's compute work).
+void GpuGradientManager::restore(std::size_t k) {
+  if (streamed()) dev_.wait(Queue::d2h, dev_.record(Queue::compute));
+  const std::byte* from = chunk_save_[k];
+  for (const Range& r : saved_ranges(k)) {
+    dev_.copy(r.host ? Queue::d2h : Queue::compute, r.home, from, r.bytes);
+    from += align_up(r.bytes);
+  }
+}
+
+// Copies chunk k's staged compute weights to the model's (compute queue).
+void GpuGradientManager::commit(std::size_t k) {
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+    const Param& q = params_[i];
+    if (q.compute.numel != 0) dev_.copy(Queue::compute, q.compute.data, staging_[i], q.compute.bytes());
+  }
+}
+
+// The decision of an overlapped step, the summary on the host (flag_known_): commit the
+// speculated chunks, or restore them and step every chunk with the coefficient; a
+// skipped step restores them and steps nothing.
+void GpuGradientManager::decide_overlapped(const float* d_clip) {
+  const bool finite = !report_.skipped;
+  const bool keep = finite && (report_.clip_coefficient == 1.0f || !is_adamw());
+  set_would_commit(keep);
+  for (std::size_t k = 0; k < chunks().size(); ++k) {
+    if (chunk_save_[k] == nullptr) continue;
+    ++report_.chunks_speculated;
+    ++(keep ? report_.chunks_committed : report_.chunks_rolled_back);
+    if (keep)
+      commit(k);
+    else
+      restore(k);
+  }
+  if (streamed()) dev_.wait(Queue::h2d, dev_.record(Queue::d2h));  // restored blocks first
+  if (!finite) return;
+  const float* d_scale = eager_ ? &d_->one : &d_->scale;
+  for (std::size_t k = 0; k < chunks().size(); ++k)
+    if (chunk_save_[k] == nullptr || !keep)
+      update_chunk(k, d_scale, d_clip, &d_->summary.found_inf);
+}
+
+// Ends the step's enqueueing: the summary follows all of the step's work to pinned host
+// words; done_ marks the end of everything.
+void GpuGradientManager::finish_enqueue(bool copy_summary) {
   dev_.wait(Queue::d2h, dev_.record(Queue::compute));
   if (copy_summary) dev_.copy(Queue::d2h, &h_->summary, &d_->summary, sizeof(Summary));
-  if (copy_flags && !chunks().empty())
-    dev_.copy(Queue::d2h, h_flags_, d_flags_, sizeof(std::int32_t) * chunks().size());
   done_ = dev_.record(Queue::d2h);
   pending_ = true;
 }
@@ -608,8 +747,10 @@ void GpuGradientManager::do_import_parameter(std::size_t i, std::span<const floa
 void GpuGradientManager::do_begin_step() {
   settle();  // the previous step's outcome; raises its errors
   report_ = StepReport{};
-  scale_uploaded_ = partial_done_ = flag_known_ = overlap_step_ = false;
+  scale_uploaded_ = partial_done_ = flag_known_ = false;
   ring_next_ = 0;
+  spare_used_ = 0;
+  std::fill(chunk_save_.begin(), chunk_save_.end(), nullptr);
 }
 
 void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
@@ -633,24 +774,24 @@ void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> n
 
 // Optimizer in backward: chunk k's own norm (read {s}, no reduction: a local decision)
 // decides through its device flag whether its update writes anything.
+// Optimizer in backward: chunk k, admitted by the budget, is saved and stepped as if the
+// coefficient were 1 and the step finite (reading R(acc * s)); otherwise it waits.
 void GpuGradientManager::do_step_chunk(std::size_t k) {
+  if (!speculating() || !admit(k)) return;
   ensure_scale();
   ensure_hyper();
-  ChunkScalars* cs = d_chunks_ + k;
-  std::int32_t* flag = d_flags_ + k;
-  const GradientRead read{gradient_scale(), 1.0f};
-  dev_.norm_partial(chunk_acc_[k], read, &cs->partial, workspace_, workspace_bytes_);
-  dev_.finalize_and_clip(&cs->partial, kNoClipMaxNorm, &cs->result, &cs->clip, flag);
-  dev_.exact_norm_partial_if_needed(chunk_acc_[k], read, flag, &cs->exact, workspace_,
-                                    workspace_bytes_);
-  dev_.finalize_exact_and_clip(&cs->exact, kNoClipMaxNorm, &cs->result, &cs->clip, flag);
-  update_chunk(k, &d_->scale, &d_->one, flag);
+  update_chunk(k, &d_->scale, &d_->one, &d_->zero, /*speculate=*/true);
 }
 
 NormResult GpuGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
   ensure_global_partial();
   enqueue_finalize(max_norm);
-  // The one host synchronisation of a clipped step: the caller wants the norm now.
+  return learn_summary(clip);
+}
+
+// The host synchronisation of the step: the finalized summary to the host (the norm,
+// coefficient and found-inf flag), into the report.
+NormResult GpuGradientManager::learn_summary(float& clip) {
   dev_.wait(Queue::d2h, dev_.record(Queue::compute));
   dev_.copy(Queue::d2h, &h_->summary, &d_->summary, sizeof(Summary));
   wait_for(dev_.record(Queue::d2h));
@@ -666,25 +807,40 @@ NormResult GpuGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
 }
 
 void GpuGradientManager::do_step() {
-  if (overlap()) {  // every chunk was stepped by now (the base triggers the stragglers)
-    overlap_step_ = true;
-    finish_enqueue(false, true);
-    return;
-  }
   ensure_hyper();
   const float* d_scale = eager_ ? &d_->one : &d_->scale;
   if (!eager_) ensure_scale();
+  if (overlap()) {
+    // The decision needs the host (commit or restore): without clip_grad_norm, the
+    // step's one host synchronisation is here; the coefficient stays 1.
+    const float* d_clip = &d_->summary.clip;
+    if (!flag_known_) {
+      ensure_global_partial();
+      enqueue_finalize(kNoClipMaxNorm);
+      float clip = 1.0f;
+      (void)learn_summary(clip);
+      report_.clip_coefficient = 1.0f;
+      d_clip = &d_->one;
+    }
+    decide_overlapped(d_clip);
+    finish_enqueue(false);
+    return;
+  }
   if (flag_known_) {
-    if (!report_.skipped)  // known finite: the device flag is 0, the clip is set
+    if (!report_.skipped) {  // known finite: the device flag is 0, the clip is set
+      set_would_commit(report_.clip_coefficient == 1.0f || !is_adamw());
       update_all(d_scale, &d_->summary.clip, &d_->summary.found_inf);
-    finish_enqueue(false, false);
+    } else {
+      set_would_commit(false);
+    }
+    finish_enqueue(false);
     return;
   }
   // No clip: the norm is still needed for found-inf; c = 1.
   ensure_global_partial();
   enqueue_finalize(kNoClipMaxNorm);
   update_all(d_scale, &d_->one, &d_->summary.found_inf);
-  finish_enqueue(true, false);
+  finish_enqueue(true);
 }
 
 StepReport GpuGradientManager::do_report() {

@@ -40,6 +40,27 @@ std::string_view offload_mode_name(OffloadMode mode) noexcept {
   return "?";
 }
 
+Speculation parse_speculation(std::string_view name) {
+  if (name == "always") return Speculation::always;
+  if (name == "never") return Speculation::never;
+  if (name == "auto") return Speculation::automatic;
+  throw Error(Errc::invalid_argument, "speculation",
+              "unknown speculation policy '" + std::string(name) +
+                  "': expected exactly one of always, never, auto");
+}
+
+std::string_view speculation_name(Speculation policy) noexcept {
+  switch (policy) {
+    case Speculation::always:
+      return "always";
+    case Speculation::never:
+      return "never";
+    case Speculation::automatic:
+      return "auto";
+  }
+  return "?";
+}
+
 namespace {
 // The optimizers' names, indexed by OptimizerKind.
 constexpr std::string_view kOptimizerNames[] = {"adamw", "sign_sgd"};
@@ -119,6 +140,15 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
                 std::to_string(static_cast<int>(kind)) +
                     " is not an OptimizerKind: stepcore implements adamw and sign_sgd");
   if (config_.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
+  if (config_.speculation != Speculation::always && config_.speculation != Speculation::never &&
+      config_.speculation != Speculation::automatic)
+    throw Error(Errc::invalid_argument, "speculation",
+                std::to_string(static_cast<int>(config_.speculation)) +
+                    " is not a Speculation: always, never or automatic (\"auto\")");
+  if (config_.speculation_bytes < 0 && config_.speculation_bytes != ManagerConfig::kAllChunks)
+    throw Error(Errc::out_of_range, "speculation_bytes",
+                std::to_string(config_.speculation_bytes) +
+                    ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
 
   // The groups: names, and each one's configuration as the optimizer will see it.
   groups_ = resolve_groups(config_);
@@ -214,6 +244,12 @@ void ManagerImpl::expect_param(std::size_t i) const {
 }
 
 ManagerImpl::~ManagerImpl() = default;
+
+std::size_t ManagerImpl::speculation_budget() const noexcept {
+  return config_.speculation_bytes == ManagerConfig::kAllChunks
+             ? SIZE_MAX
+             : static_cast<std::size_t>(config_.speculation_bytes);
+}
 
 void ManagerImpl::expect(bool ok, const char* call, const char* what) const {
   if (phase_ == CallPhase::closed)
@@ -356,6 +392,12 @@ void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
            "the previous step has not ended with step()");
   ::stepcore::detail::check_gradient_scale(gradient_scale, "gradient_scale");
   m.guarded([&] { m.do_begin_step(); });  // may raise errors of the previous step's work
+  const Speculation policy = m.config_.speculation;
+  const bool speculate = overlap_optimizer && m.config_.speculation_bytes != 0 &&
+                         (policy == Speculation::always ||
+                          (policy == Speculation::automatic && m.would_commit_));
+  if (speculate) m.guarded([&] { m.do_reserve_speculation(); });
+  m.speculating_ = speculate;
   m.scale_ = gradient_scale;
   m.clip_ = 1.0f;
   m.overlap_ = overlap_optimizer;
@@ -455,6 +497,7 @@ void GradientManager::finish_backward() {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "finish_backward", "needs begin_backward() first");
   if (m.final_) {
+    m.last_gradient_ = std::chrono::steady_clock::now();
     std::vector<std::size_t> missing;
     for (std::size_t i = 0; i < m.got_in_step_.size(); ++i)
       if (!m.got_in_step_[i]) missing.push_back(i);
@@ -479,9 +522,6 @@ float GradientManager::clip_grad_norm(float max_norm) {
   detail::ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::after_final, "clip_grad_norm",
            "only after the step's final finish_backward() and before step()");
-  m.expect(!m.overlap_, "clip_grad_norm",
-           "clipping needs every gradient before any optimizer step, but this step overlaps "
-           "the optimizer with backward (begin_step(..., overlap_optimizer = true))");
   m.expect(!m.clipped_, "clip_grad_norm", "already called in this step");
   ::stepcore::detail::check_max_norm(max_norm);
   float clip = 1.0f;

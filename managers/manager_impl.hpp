@@ -4,6 +4,7 @@
 // (gpu_manager.cpp: none and optimizer; offload_manager.cpp: full).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -60,8 +61,13 @@ class ManagerImpl {
   /// Called by finish_backward of the final micro-batch with the parameters that got no
   /// gradient in the step (they must read as zero).
   virtual void do_finish_final_backward(std::span<const std::size_t> no_gradient) = 0;
-  /// With overlap, called once per chunk when all its parameters' final gradients are in.
+  /// With overlap, called once per chunk when all its parameters' final gradients are in:
+  /// the mode speculates it (speculating() and the budget admits it) or lets it wait.
   virtual void do_step_chunk(std::size_t chunk) = 0;
+  /// Reserves the rollback space of ManagerConfig::speculation_bytes (once; later calls
+  /// return at once), before a step that speculates. Throws Errc::out_of_range naming
+  /// "speculation_bytes" when it cannot, with nothing changed.
+  virtual void do_reserve_speculation() = 0;
   virtual NormResult do_clip_grad_norm(float max_norm, float& clip) = 0;
   virtual void do_step() = 0;
   virtual StepReport do_report() = 0;
@@ -83,6 +89,18 @@ class ManagerImpl {
   std::size_t chunk_of(std::size_t param) const noexcept { return chunk_of_[param]; }
   float gradient_scale() const noexcept { return scale_; }
   bool overlap() const noexcept { return overlap_; }
+  /// This step speculates: overlap, a non-zero budget, and the policy allows it now.
+  bool speculating() const noexcept { return speculating_; }
+  /// The rollback budget in bytes (SIZE_MAX for ManagerConfig::kAllChunks).
+  std::size_t speculation_budget() const noexcept;
+  /// Records whether the step just decided would have kept speculated chunks as they
+  /// were (finite, coefficient 1): Speculation::automatic speculates in the next step
+  /// only then. The modes call it once they know (the host has the decision).
+  void set_would_commit(bool would_commit) noexcept { would_commit_ = would_commit; }
+  /// When the step's final finish_backward was called (its last gradient).
+  std::chrono::steady_clock::time_point last_gradient_time() const noexcept {
+    return last_gradient_;
+  }
   bool is_adamw() const noexcept { return config_.optimizer.kind == OptimizerKind::adamw; }
   /// The groups' current hyper-parameters (set_hyperparameters changes lr and weight decay
   /// between the calls of the caller's thread; the modes read them there).
@@ -116,6 +134,8 @@ class ManagerImpl {
   std::vector<std::size_t> chunk_pending_;    // final-backward parameters still missing
   CallPhase phase_ = CallPhase::idle;
   bool final_ = false, saw_final_ = false, overlap_ = false, clipped_ = false, stepped_ = false;
+  bool speculating_ = false, would_commit_ = true;
+  std::chrono::steady_clock::time_point last_gradient_{};
   float scale_ = 1.0f, clip_ = 1.0f;
   std::exception_ptr failure_;  ///< the runtime error every later call raises again
 };

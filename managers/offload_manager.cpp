@@ -3,6 +3,14 @@
 // the CPU engine by one worker thread, compute weights uploaded host-to-device.
 // docs/managers.md is the contract; every result equals the GPU modes' bits.
 //
+// Speculation (overlapped steps): a chunk whose final gradients are in is stepped out of
+// place, reading its live state and writing the new state into its spare (rollback
+// space from ManagerConfig::speculation_bytes, a chunk's spare kept once given), compute
+// weights into the pinned upload buffers, nothing uploaded. The decision then commits
+// (the spare becomes the live state: a pointer swap, then the uploads) or rolls back (the
+// live state was never written: it is stepped again in place with the coefficient, or
+// left alone when the step is skipped). No formula is ever inverted.
+//
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
 // the norm collectives; the worker runs accumulate / step / upload tasks in FIFO order.
 // All Device calls are serialised by dev_mu_; waits on events happen outside it
@@ -10,6 +18,8 @@
 // joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
 // the manager failed: every later hook raises that same error (sticky), close() returns it.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -71,6 +81,7 @@ class OffloadGradientManager final : public ManagerImpl {
   Event do_gradient_released(std::size_t i) const override { return released_[i]; }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
+  void do_reserve_speculation() override;
   NormResult do_clip_grad_norm(float max_norm, float& clip) override;
   void do_step() override;
   StepReport do_report() override;
@@ -83,14 +94,24 @@ class OffloadGradientManager final : public ManagerImpl {
   std::exception_ptr do_close() noexcept override;
 
  private:
+  // The optimizer state arrays of a parameter, in slot order: master, then (AdamW)
+  // exp_avg and exp_avg_sq. Saving, restoring and committing go over this list, never
+  // over the arrays by name.
+  static constexpr std::size_t kMaxSlots = 3;
+  using Slots = std::array<TensorView, kMaxSlots>;
+
   // Per-parameter views into the slabs.
   struct Param {
     TensorView grad;     // device, grad_dtype
     TensorView compute;  // device, compute_dtype (empty without compute weights)
     TensorView staging;  // pinned host, grad_dtype
     TensorView out;      // pinned host, compute_dtype (empty without compute weights)
-    TensorView acc, master, exp_avg, exp_avg_sq;  // host f32 (moments empty for SignSGD)
+    TensorView acc;      // host f32
+    Slots state;         // host f32, the live state (slots() of them used)
+    Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
+    const TensorView& master() const { return state[0]; }
   };
+  std::size_t slots() const noexcept { return is_adamw() ? 3 : 1; }
 
   // Carves the slabs into the per-parameter views and places the state pages.
   void carve(const SlabLayout& dl, const SlabLayout& pl, const SlabLayout& sl);
@@ -119,7 +140,16 @@ class OffloadGradientManager final : public ManagerImpl {
     std::vector<SignSgdConfig> sign_sgd;
   };
   GroupConfigs group_configs() const;
-  void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs);  // worker
+  // Steps chunk k (worker): in place, or (into_spare) reading the live state and writing
+  // the spares, the step counters into spec_steps_.
+  void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs,
+                  bool into_spare = false);
+  // Gives chunk k a spare from the rollback space when it has none and it fits.
+  bool admit(std::size_t k);
+  // The global norm of an overlapped step from the chunks' partials (worker-made).
+  NormResult overlapped_global_norm(float scale);
+  // Posts the step's last task: waits for its uploads and stamps the end of the step.
+  void post_step_end();
   void upload_chunk(std::size_t k, const Event& after);                            // on the worker
   void wait_uploads();
 
@@ -128,11 +158,21 @@ class OffloadGradientManager final : public ManagerImpl {
   std::vector<Param> params_;
   std::vector<float> steps_;
   std::vector<ConstTensorView> counted_acc_;             // the global norm's tensors
-  std::vector<std::vector<ConstTensorView>> chunk_acc_;  // a chunk's norm tensors
+  std::vector<std::vector<ConstTensorView>> chunk_counted_;  // a chunk's counted tensors
 
   void* dev_slab_ = nullptr;
   void* pinned_slab_ = nullptr;
   numa::HostBuffer state_;
+
+  // Speculation: the rollback space (reserved by the first step that speculates), each
+  // chunk's bytes of spares, how much is given out; per step, what each chunk did.
+  numa::HostBuffer spare_space_;
+  std::size_t spare_used_ = 0;
+  std::vector<std::size_t> chunk_state_bytes_;
+  std::vector<std::uint8_t> has_spare_, speculated_;
+  std::vector<float> spec_steps_;                 // speculated step counters (worker)
+  std::vector<NormPartial> chunk_partial_;        // fast partials of the counted acc (worker)
+  std::chrono::steady_clock::time_point step_end_{};  // written by the step's last task
 
   // Device calls and their events (dev_mu_).
   std::mutex dev_mu_;
@@ -153,12 +193,11 @@ class OffloadGradientManager final : public ManagerImpl {
   mutable std::mutex err_mu_;
   std::exception_ptr error_;
 
-  // The step (caller thread; chunks_skipped_ written by the worker, read after drain()).
+  // The step (caller thread).
   bool norm_known_ = false;
   NormResult norm_;
   float clip_ = 1.0f;
   StepReport report_;
-  std::size_t chunks_skipped_ = 0;
   bool closed_ = false;
 };
 
@@ -178,7 +217,7 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     dev_views.add(p.compute_into.data == nullptr && p.compute_into.numel == 0 ? cb : 0);
     pin_views.add(gb);
     pin_views.add(cb);
-    for (std::size_t bytes : {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0})
+    for (std::size_t bytes : {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0})  // acc, state
       state_views.add(bytes);
   }
   const SlabLayout dl = dev_views.layout(), pl = pin_views.layout(), sl = state_views.layout();
@@ -216,28 +255,35 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
     v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
     v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
     v.acc = f32_at(sl.offsets[4 * i], p.numel);
-    v.master = f32_at(sl.offsets[4 * i + 1], p.numel);
-    if (is_adamw()) {
-      v.exp_avg = f32_at(sl.offsets[4 * i + 2], p.numel);
-      v.exp_avg_sq = f32_at(sl.offsets[4 * i + 3], p.numel);
-    }
+    for (std::size_t s = 0; s < slots(); ++s) v.state[s] = f32_at(sl.offsets[4 * i + 1 + s], p.numel);
     if (p.counts_toward_norm) counted_acc_.push_back(v.acc);
   }
   steps_.assign(n, 0.0f);
+  spec_steps_.assign(n, 0.0f);
   staging_task_.assign(n, 0);
   released_.resize(n);
+  const std::size_t nchunks = chunks().size();
+  has_spare_.assign(nchunks, 0);
+  speculated_.assign(nchunks, 0);
+  chunk_partial_.assign(nchunks, NormPartial{});
+  chunk_state_bytes_.assign(nchunks, 0);
   // Place the state pages: each chunk's buffers touched in the partition its step uses.
-  chunk_acc_.resize(chunks().size());
-  for (std::size_t k = 0; k < chunks().size(); ++k) {
-    std::vector<TensorView> acc, master, m, v;
+  chunk_counted_.resize(nchunks);
+  auto aligned = [](std::size_t bytes) {
+    return (bytes + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+  };
+  for (std::size_t k = 0; k < nchunks; ++k) {
+    // One list per array (acc, then each slot), as the step partitions its tensors.
+    std::vector<std::vector<TensorView>> touch(1 + slots());
     for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
-      acc.push_back(params_[i].acc);
-      master.push_back(params_[i].master);
-      m.push_back(params_[i].exp_avg);
-      v.push_back(params_[i].exp_avg_sq);
-      chunk_acc_[k].push_back(params_[i].acc);
+      touch[0].push_back(params_[i].acc);
+      for (std::size_t s = 0; s < slots(); ++s) {
+        touch[1 + s].push_back(params_[i].state[s]);
+        chunk_state_bytes_[k] += aligned(params_[i].state[s].bytes());
+      }
+      if (cfg.params[i].counts_toward_norm) chunk_counted_[k].push_back(params_[i].acc);
     }
-    for (const auto* list : {&acc, &master, &m, &v}) engine_.first_touch(*list);
+    for (const auto& list : touch) engine_.first_touch(list);
   }
 }
 
@@ -372,9 +418,16 @@ OffloadGradientManager::GroupConfigs OffloadGradientManager::group_configs() con
 }
 
 void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
-                                        const GroupConfigs& configs) {
+                                        const GroupConfigs& configs, bool into_spare) {
   const Chunk& c = chunks()[k];
   const std::vector<ParamSpec>& specs = config().params;
+  // Out of place: the live state is the source, the spare the destination.
+  auto src = [into_spare](const Param& p, std::size_t s) {
+    return into_spare ? ConstTensorView(p.state[s]) : ConstTensorView{};
+  };
+  auto dst = [into_spare](const Param& p, std::size_t s) {
+    return into_spare ? p.spare[s] : p.state[s];
+  };
   // One call per parameter group.
   for_each_group(specs, groups().size(), c.first, c.last,
                  [&](std::size_t group, std::span<const std::size_t> members) {
@@ -382,13 +435,22 @@ void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
                      std::vector<AdamWTensor> t;
                      for (std::size_t i : members) {
                        const Param& p = params_[i];
-                       t.push_back({p.master, p.exp_avg, p.exp_avg_sq, &steps_[i], p.acc, p.out});
+                       float* step = &steps_[i];
+                       if (into_spare) step = &(spec_steps_[i] = steps_[i]);
+                       AdamWTensor a{dst(p, 0), dst(p, 1), dst(p, 2), step, p.acc, p.out};
+                       a.param_src = src(p, 0);
+                       a.exp_avg_src = src(p, 1);
+                       a.exp_avg_sq_src = src(p, 2);
+                       t.push_back(a);
                      }
                      engine_.adamw_step(t, configs.adamw[group], read);
                    } else {
                      std::vector<SignSgdTensor> t;
-                     for (std::size_t i : members)
-                       t.push_back({params_[i].master, params_[i].acc, params_[i].out});
+                     for (std::size_t i : members) {
+                       SignSgdTensor a{dst(params_[i], 0), params_[i].acc, params_[i].out};
+                       a.param_src = src(params_[i], 0);
+                       t.push_back(a);
+                     }
                      // SignSGD does not apply the (positive) scale and clip: read them
                      // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
                      engine_.sign_sgd_step(t, configs.sign_sgd[group], GradientRead{});
@@ -433,9 +495,8 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, std::span<const 
     else
       std::memcpy(dst.data, src.data(), dst.bytes());
   };
-  put(p.master, master);
-  put(p.exp_avg, exp_avg);
-  put(p.exp_avg_sq, exp_avg_sq);
+  const std::span<const float> values[kMaxSlots] = {master, exp_avg, exp_avg_sq};
+  for (std::size_t s = 0; s < slots(); ++s) put(p.state[s], values[s]);
   steps_[i] = step;
   if (p.out.numel == 0) return;
   round_into(master, p.out);
@@ -453,7 +514,8 @@ void OffloadGradientManager::do_begin_step() {
   norm_ = NormResult{};
   clip_ = 1.0f;
   report_ = StepReport{};
-  chunks_skipped_ = 0;
+  std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
+  std::fill(chunk_partial_.begin(), chunk_partial_.end(), NormPartial{});
 }
 
 void OffloadGradientManager::do_begin_backward() {
@@ -500,25 +562,78 @@ void OffloadGradientManager::do_finish_final_backward(std::span<const std::size_
   });
 }
 
+bool OffloadGradientManager::admit(std::size_t k) {
+  if (has_spare_[k]) return true;
+  const std::size_t bytes = chunk_state_bytes_[k];
+  if (bytes > spare_space_.bytes() - spare_used_) return false;
+  // The chunk keeps this spare from now on (a commit swaps it with the live state).
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+    for (std::size_t s = 0; s < slots(); ++s) {
+      TensorView& v = params_[i].spare[s];
+      v = f32_view(reinterpret_cast<float*>(static_cast<char*>(spare_space_.data()) + spare_used_),
+                   params_[i].state[s].numel);
+      spare_used_ += (v.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+    }
+  has_spare_[k] = 1;
+  return true;
+}
+
+void OffloadGradientManager::do_reserve_speculation() {
+  if (spare_space_.data() != nullptr) return;
+  std::size_t need = 0;
+  for (std::size_t bytes : chunk_state_bytes_) need += bytes;
+  const std::size_t bytes = std::min(need, speculation_budget());
+  if (bytes == 0) return;
+  try {
+    spare_space_ = numa::HostBuffer(bytes, config().numa_node);
+  } catch (const Error& e) {
+    throw Error(Errc::out_of_range, "speculation_bytes",
+                "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " +
+                    e.what());
+  }
+}
+
 void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
   raise_if_failed();
   const float scale = gradient_scale();
-  const Event backward = on_device([&] { return dev_.record(Queue::compute); });
-  post([this, chunk, scale, backward, configs = group_configs()] {
-    // Found-inf of this chunk alone, on this rank (docs/managers.md, "With overlap").
-    const NormResult r = engine_.norm(chunk_acc_[chunk], GradientRead{scale, 1.0f});
-    if (!r.finite) {
-      ++chunks_skipped_;
-      return;
-    }
-    step_chunk(chunk, GradientRead{scale, 1.0f}, configs);
-    upload_chunk(chunk, backward);
+  const bool speculate = speculating() && admit(chunk);
+  speculated_[chunk] = speculate ? 1 : 0;
+  post([this, chunk, scale, speculate, configs = group_configs()] {
+    // The chunk's part of the global norm (exact integer partials merge in any order),
+    // then, speculating, its step as if the coefficient were 1 and the step finite.
+    chunk_partial_[chunk] = engine_.norm_partial(chunk_counted_[chunk],
+                                                 GradientRead{scale, 1.0f}, NormMode::fast);
+    if (speculate) step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
+  });
+}
+
+NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
+  // The fast partial of the counted accumulators is the merge of the chunks' partials
+  // (their digits are exact integers; the error bounds add like threads' do).
+  auto local = [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
+    drain();
+    if (mode != NormMode::fast) return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
+    NormPartial merged{};
+    for (const NormPartial& p : chunk_partial_) merge(merged, p);
+    return merged;
+  };
+  if (config().comm == nullptr) {
+    const NormResult r = finalize(local(counted_acc_, NormMode::fast));
+    return r.needs_exact ? finalize(local(counted_acc_, NormMode::exact)) : r;
+  }
+  return comm::detail::global_norm(*config().comm, config().layout_fingerprint, counted_acc_, local);
+}
+
+void OffloadGradientManager::post_step_end() {
+  post([this] {
+    wait_uploads();
+    step_end_ = std::chrono::steady_clock::now();
   });
 }
 
 NormResult OffloadGradientManager::do_clip_grad_norm(float max_norm, float& clip) {
   // No early raise: a failed rank still joins the reduction (global_norm reports it).
-  norm_ = global_norm(gradient_scale());
+  norm_ = overlap() ? overlapped_global_norm(gradient_scale()) : global_norm(gradient_scale());
   norm_known_ = true;
   // Not finite: the step is skipped; 0 is what the device modes' finalize_and_clip sets.
   clip_ = norm_.finite ? clip_coefficient(norm_.norm, max_norm) : 0.0f;
@@ -527,41 +642,58 @@ NormResult OffloadGradientManager::do_clip_grad_norm(float max_norm, float& clip
 }
 
 void OffloadGradientManager::do_step() {
-  if (overlap()) {  // every chunk was posted by the final finish_backward
-    raise_if_failed();
-    report_.stepped = true;
-    return;
-  }
   if (!norm_known_) {  // found-inf needs the norm even without clipping
-    norm_ = global_norm(gradient_scale());
+    norm_ = overlap() ? overlapped_global_norm(gradient_scale()) : global_norm(gradient_scale());
     norm_known_ = true;
   }
   raise_if_failed();
   report_.norm = norm_;
   report_.clip_coefficient = clip_;
+  // Speculated chunks stay as they are when the coefficient is 1 (SignSGD: any
+  // coefficient, its update takes the gradient's sign) and the step is finite.
+  const bool keep = norm_.finite && (clip_ == 1.0f || !is_adamw());
+  set_would_commit(keep);
+  for (std::size_t k = 0; k < chunks().size(); ++k)
+    if (speculated_[k]) {
+      ++report_.chunks_speculated;
+      ++(keep ? report_.chunks_committed : report_.chunks_rolled_back);
+    }
   if (!norm_.finite) {  // found-inf: nothing changes, the step counters stay
-    report_.skipped = true;
+    report_.skipped = true;  // speculated chunks wrote only their spares: nothing to undo
+    post_step_end();
     return;
   }
   report_.stepped = true;
   const GradientRead read{gradient_scale(), clip_};
   const Event backward = on_device([&] { return dev_.record(Queue::compute); });
   const auto configs = std::make_shared<const GroupConfigs>(group_configs());
-  for (std::size_t k = 0; k < chunks().size(); ++k)  // chunk k's upload overlaps k+1's step
-    post([this, k, read, backward, configs] {
-      step_chunk(k, read, *configs);
-      upload_chunk(k, backward);
-    });
+  for (std::size_t k = 0; k < chunks().size(); ++k) {  // chunk k's upload overlaps k+1's step
+    if (speculated_[k] && keep) {
+      post([this, k, backward] {
+        // Commit: the spares hold the stepped state; the old live arrays become spares.
+        for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+          std::swap(params_[i].state, params_[i].spare);
+          if (is_adamw()) steps_[i] = spec_steps_[i];
+        }
+        upload_chunk(k, backward);
+      });
+    } else {  // waited, or rolled back: the live state is the step's old state
+      post([this, k, read, backward, configs] {
+        step_chunk(k, read, *configs);
+        upload_chunk(k, backward);
+      });
+    }
+  }
+  post_step_end();
 }
 
 StepReport OffloadGradientManager::do_report() {
   drain();
   wait_uploads();
   StepReport r = report_;
-  if (overlap() && r.stepped) {
-    r.chunks_skipped = chunks_skipped_;
-    r.stepped = chunks_skipped_ < chunks().size();
-  }
+  if (r.stepped || r.skipped)
+    r.exposed_seconds =
+        std::max(0.0, std::chrono::duration<double>(step_end_ - last_gradient_time()).count());
   return r;
 }
 
@@ -577,10 +709,9 @@ void OffloadGradientManager::do_read_parameter(std::size_t i, std::span<float> m
   drain();
   wait_uploads();
   const Param& p = params_[i];
-  if (!master.empty()) std::memcpy(master.data(), p.master.data, master.size_bytes());
-  if (!exp_avg.empty()) std::memcpy(exp_avg.data(), p.exp_avg.data, exp_avg.size_bytes());
-  if (!exp_avg_sq.empty())
-    std::memcpy(exp_avg_sq.data(), p.exp_avg_sq.data, exp_avg_sq.size_bytes());
+  const std::span<float> out[kMaxSlots] = {master, exp_avg, exp_avg_sq};
+  for (std::size_t s = 0; s < slots(); ++s)
+    if (!out[s].empty()) std::memcpy(out[s].data(), p.state[s].data, out[s].size_bytes());
   if (compute.empty()) return;
   // What the device holds, through the (idle) pinned upload buffer.
   const Event e = on_device([&] {
@@ -603,7 +734,7 @@ GradientManager::HostState OffloadGradientManager::do_host_state(std::size_t i) 
   auto view = [](const TensorView& t) {
     return std::span<const float>(static_cast<const float*>(t.data), t.numel);
   };
-  return {view(p.master), view(p.exp_avg), view(p.exp_avg_sq)};
+  return {view(p.state[0]), view(p.state[1]), view(p.state[2])};
 }
 
 void OffloadGradientManager::do_synchronize() {
@@ -630,6 +761,7 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
   if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
   pinned_slab_ = dev_slab_ = nullptr;
   state_ = numa::HostBuffer{};
+  spare_space_ = numa::HostBuffer{};
   const std::lock_guard lock(err_mu_);
   return error_;
 }

@@ -90,6 +90,9 @@ struct Setup {
   std::size_t chunk_elements = 0;
   std::optional<float> max_norm;   ///< clip_grad_norm(*max_norm) in every step
   bool overlap = false;            ///< begin_step(scale, overlap)
+  /// Overlapped steps: the policy (every chunk fits the budget). Only the report's
+  /// speculation counts depend on it, never a bit.
+  Speculation speculation = Speculation::automatic;
   std::vector<ParamGroup> groups;  ///< ManagerConfig::groups (empty: the optimizer's values)
   /// When set: group g's lr and weight decay in step s (set_hyperparameters before it).
   std::function<StepHyper(int step, std::size_t group)> schedule;
@@ -98,11 +101,14 @@ struct Setup {
   /// own, as the ranks do. Only AdamW's torch formula can tell (its tail form falls on
   /// each tensor's last numel mod W elements); the norm stays the whole model's.
   std::vector<std::vector<std::size_t>> segments;
+  /// When set: clip_grad_norm(*max_norm_of(step)) in the steps where it has a value (the
+  /// others do not clip); overrides max_norm.
+  std::function<std::optional<float>(int step)> max_norm_of;
 };
 
 /// What the trainer observes after one step.
 struct Step {
-  StepReport report;  ///< report(); norm (also clip_grad_norm's result) and clip without overlap
+  StepReport report;  ///< report(); norm (also clip_grad_norm's result), clip, counts
   float effective_scale = 1.0f;  ///< effective_gradient_scale()
   std::vector<ParamState> state;
   std::vector<float> steps;  ///< per parameter: the AdamW step counter (0 for SignSGD)
@@ -150,8 +156,10 @@ inline std::vector<std::pair<std::size_t, std::size_t>> chunks_of(
 /// norm of the counted parameters' R(acc * s), clip = clip_coefficient(norm, max_norm)
 /// (0 for a non-finite norm, 1 without clipping), found-inf skips the whole step, and
 /// each parameter's update reads R(R(acc * s) * clip) with its group's hyper-parameters
-/// (the schedule's lr and weight decay in that step); with overlap each chunk's own norm
-/// decides whether it is updated (read R(acc * s)) or skipped.
+/// (the schedule's lr and weight decay in that step). Overlap changes no bit: it changes
+/// only the report's counts (every chunk speculated in a step the policy speculates in,
+/// committed when the step is finite and its coefficient 1 (SignSGD: any coefficient),
+/// else rolled back).
 inline Run run(const Setup& setup, const Stream& stream) {
   const std::vector<ParamSpec>& params = setup.params;
   const std::size_t n = params.size();
@@ -251,6 +259,7 @@ inline Run run(const Setup& setup, const Stream& stream) {
 
   Run out;
   out.loaded = st;
+  bool kept = true;  // the previous step would have kept its speculated chunks
   for (int s = 0; s < stream.steps; ++s) {
     step_now = s;
     const float scale = stream.scale(s);
@@ -268,23 +277,20 @@ inline Run run(const Setup& setup, const Stream& stream) {
     for (std::size_t i = 0; i < n; ++i)
       if (!got[i]) std::fill(acc[i].begin(), acc[i].end(), 0.0f);
     Step step;
-    if (!setup.overlap) {
-      StepReport& r = step.report;
-      r.norm = norm(0, n, scale, true);
-      if (setup.max_norm)
-        r.clip_coefficient = r.norm.finite ? clip_coefficient(r.norm.norm, *setup.max_norm) : 0.0f;
-      r.skipped = !r.norm.finite;
-      r.stepped = !r.skipped;
-      if (r.stepped) update(0, n, GradientRead{scale, r.clip_coefficient});
-    } else {
-      for (const auto& [first, last] : chunks) {
-        if (norm(first, last, scale, false).finite)
-          update(first, last, GradientRead{scale, 1.0f});
-        else
-          ++step.report.chunks_skipped;
-      }
-      step.report.stepped = step.report.chunks_skipped < chunks.size();
+    StepReport& r = step.report;
+    const std::optional<float> max_norm = setup.max_norm_of ? setup.max_norm_of(s) : setup.max_norm;
+    r.norm = norm(0, n, scale, true);
+    if (max_norm) r.clip_coefficient = r.norm.finite ? clip_coefficient(r.norm.norm, *max_norm) : 0.0f;
+    r.skipped = !r.norm.finite;
+    r.stepped = !r.skipped;
+    if (r.stepped) update(0, n, GradientRead{scale, r.clip_coefficient});
+    const bool keep = r.norm.finite && (r.clip_coefficient == 1.0f || !adamw);
+    if (setup.overlap && (setup.speculation == Speculation::always ||
+                          (setup.speculation == Speculation::automatic && kept))) {
+      r.chunks_speculated = chunks.size();
+      (keep ? r.chunks_committed : r.chunks_rolled_back) = chunks.size();
     }
+    kept = keep;
     step.effective_scale = scale * step.report.clip_coefficient;
     step.state = st;
     step.steps = steps;

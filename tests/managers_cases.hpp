@@ -249,7 +249,9 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
     if (c.max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
     r.scale_bits = std::bit_cast<std::uint32_t>(step.effective_scale);
     r.skipped = step.report.skipped;
-    r.chunks_skipped = step.report.chunks_skipped;
+    r.speculated = step.report.chunks_speculated;
+    r.committed = step.report.chunks_committed;
+    r.rolled_back = step.report.chunks_rolled_back;
     for (const manager_model::ParamState& p : step.state) {  // master|m|v|compute bytes
       std::vector<std::uint8_t> bytes;
       auto append = [&](const void* d, std::size_t b) {
@@ -275,7 +277,9 @@ inline void expect_same(const std::vector<StepRecord>& got, const std::vector<St
     EXPECT_EQ(got[s].norm_bits, want[s].norm_bits) << what << " step " << s << " norm";
     EXPECT_EQ(got[s].scale_bits, want[s].scale_bits) << what << " step " << s << " scale*clip";
     EXPECT_EQ(got[s].skipped, want[s].skipped) << what << " step " << s;
-    EXPECT_EQ(got[s].chunks_skipped, want[s].chunks_skipped) << what << " step " << s;
+    EXPECT_EQ(got[s].speculated, want[s].speculated) << what << " step " << s << " speculated";
+    EXPECT_EQ(got[s].committed, want[s].committed) << what << " step " << s << " committed";
+    EXPECT_EQ(got[s].rolled_back, want[s].rolled_back) << what << " step " << s << " rolled back";
     ASSERT_EQ(got[s].state.size(), want[s].state.size()) << what;
     EXPECT_EQ(got[s].steps, want[s].steps) << what << " step " << s << " step counters";
     for (std::size_t i = 0; i < got[s].state.size(); ++i)

@@ -127,7 +127,8 @@ struct StepRecord {
   std::uint32_t norm_bits = 0;   ///< clip_grad_norm's result (0 when not clipped)
   std::uint32_t scale_bits = 0;  ///< effective_gradient_scale()
   bool skipped = false;
-  std::size_t chunks_skipped = 0;
+  /// Overlapped steps: chunks speculated, committed and rolled back (report()).
+  std::size_t speculated = 0, committed = 0, rolled_back = 0;
   std::vector<std::vector<std::uint8_t>> state;  ///< per parameter: master|m|v|compute bytes
   std::vector<float> steps;                      ///< per parameter: step_count(i)
 };
@@ -250,7 +251,9 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     m.step();
     const StepReport rep = m.report();
     r.skipped = rep.skipped;
-    r.chunks_skipped = rep.chunks_skipped;
+    r.speculated = rep.chunks_speculated;
+    r.committed = rep.chunks_committed;
+    r.rolled_back = rep.chunks_rolled_back;
     const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];

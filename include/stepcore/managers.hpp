@@ -80,6 +80,21 @@ struct ParamGroup {
   double eps = 1e-8;     ///< AdamW only
 };
 
+/// Which chunks an overlapped step (begin_step(scale, true)) steps before the step's
+/// decision (the global norm and non-finite flag) instead of waiting for it
+/// (docs/managers.md, "With overlap"). Every policy gives the same bits.
+enum class Speculation : std::uint8_t {
+  always,     ///< every chunk the budget admits, in every overlapped step
+  never,      ///< none: every chunk waits for the decision
+  automatic,  ///< "auto": as always after a step that committed (or none yet), else never
+};
+
+/// Returns the policy named exactly "always", "never" or "auto"; anything else throws
+/// Errc::invalid_argument naming "speculation" with the accepted names.
+Speculation parse_speculation(std::string_view name);
+/// Returns "always", "never" or "auto".
+std::string_view speculation_name(Speculation policy) noexcept;
+
 /// The optimizers stepcore implements.
 enum class OptimizerKind : std::uint8_t { adamw, sign_sgd };
 
@@ -126,16 +141,35 @@ struct ManagerConfig {
   /// GPU manager: leave scale and clip lazy (applied on the optimizer's read) instead of
   /// scaling the accumulators in place. Same bits either way.
   bool lazy_gpu_scale = false;
+  /// Overlapped steps: when a chunk is stepped before the step's decision.
+  Speculation speculation = Speculation::automatic;
+  /// Overlapped steps: the most bytes of rollback space (host memory in full offload,
+  /// device memory in modes none and optimizer), reserved at the first overlapped step
+  /// that speculates; a chunk that does not fit waits for the decision. 0: no chunk
+  /// speculates. kAllChunks: as much as every chunk needs. docs/managers.md gives each
+  /// mode's bytes per chunk. Any other negative value is refused at construction
+  /// (Errc::out_of_range naming "speculation_bytes").
+  std::int64_t speculation_bytes = kAllChunks;
+  static constexpr std::int64_t kAllChunks = -1;
 };
 
 /// What the last step did. Known after step() (full offload) or, for the device
 /// managers, once the step's work has been waited for (report() waits).
 struct StepReport {
-  bool stepped = false;            ///< the optimizer updated the parameters
-  bool skipped = false;            ///< non-finite gradients: no parameter changed (no overlap)
-  std::size_t chunks_skipped = 0;  ///< with overlap: chunks left alone for non-finite values
-  NormResult norm;                 ///< the global norm of the scaled gradients (no overlap)
+  bool stepped = false;  ///< the optimizer updated the parameters
+  bool skipped = false;  ///< non-finite gradients on some rank: no parameter changed
+  NormResult norm;       ///< the global norm of the scaled gradients
   float clip_coefficient = 1.0f;
+  /// Overlapped steps: chunks stepped before the decision (speculated), and of those the
+  /// ones kept as they were (committed: coefficient 1, finite) and the ones restored to
+  /// their saved bits (rolled back: stepped again with the coefficient, or left alone
+  /// when the step was skipped). committed + rolled_back == speculated.
+  std::size_t chunks_speculated = 0, chunks_committed = 0, chunks_rolled_back = 0;
+  /// Seconds from the step's final finish_backward (its last gradient) to the end of the
+  /// step's work: the optimizer time backward did not hide. Full offload: measured when
+  /// the worker finished the step and its uploads; modes none and optimizer: when the
+  /// host learnt the device's work was done (report()), an upper bound.
+  double exposed_seconds = 0.0;
 };
 
 /// The interface the trainer drives; see the file comment for the call sequence.
@@ -186,9 +220,11 @@ class GradientManager final {
   void set_hyperparameters(std::size_t g, const StepHyper& hyper);
 
   /// Starts a step whose gradients are multiplied by `gradient_scale` (finite, > 0;
-  /// e.g. 1 / loss tokens). `overlap_optimizer`: run each chunk's optimizer step during
-  /// the final backward, as soon as its gradients are complete (clipping is then
-  /// impossible: clip_grad_norm throws).
+  /// e.g. 1 / loss tokens). `overlap_optimizer`: step each chunk during the final
+  /// backward, as soon as its gradients are complete, as if the clip coefficient were 1
+  /// and the step finite (ManagerConfig::speculation and speculation_bytes say which
+  /// chunks); the step's decision (clip_grad_norm or step()) commits those chunks or
+  /// restores their saved bits and steps them again: the same bits as without overlap.
   void begin_step(float gradient_scale, bool overlap_optimizer);
   /// Starts a micro-batch's backward; `final_backward` marks the step's last one.
   void begin_backward(bool final_backward);
@@ -221,8 +257,8 @@ class GradientManager final {
   /// Computes the global norm of the scaled gradients over every rank (before
   /// clipping) and sets the clip coefficient min(1, max_norm / (norm + 1e-6)) (torch's
   /// formula, docs/numerics.md) for step(). Between the final finish_backward and
-  /// step(), at most once, not with overlap; max_norm finite and >= 0. Returns the norm
-  /// (NaN/Inf when gradients were not finite: step() then skips the update).
+  /// step(), at most once (with or without overlap); max_norm finite and >= 0. Returns
+  /// the norm (NaN/Inf when gradients were not finite: step() then skips the update).
   float clip_grad_norm(float max_norm);
   /// Runs the optimizer (with overlap: completes the chunks not yet stepped). The
   /// device managers enqueue without waiting; the report is ready after report().

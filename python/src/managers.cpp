@@ -319,7 +319,8 @@ void bind_managers(nb::module_& m) {
              std::optional<nb::dict> adamw, std::optional<nb::dict> sign_sgd,
              std::size_t chunk_elements, const std::string& device, nb::object comm,
              std::uint64_t layout_fingerprint, int threads, std::optional<std::string> isa,
-             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale, nb::handle stream) {
+             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale, nb::handle stream,
+             const std::string& speculation, std::int64_t speculation_bytes) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             c.optimizer.kind = parse_optimizer(optimizer);
@@ -407,6 +408,8 @@ void bind_managers(nb::module_& m) {
             c.engine.cpus = std::move(cpus);
             c.numa_node = numa_node;
             c.lazy_gpu_scale = lazy_gpu_scale;
+            c.speculation = parse_speculation(speculation);
+            c.speculation_bytes = speculation_bytes;
             c.device = pm->dev.get();
             if (!comm.is_none()) {
               c.comm = nb::cast<comm::Communicator*>(comm);
@@ -421,7 +424,9 @@ void bind_managers(nb::module_& m) {
           nb::arg("device") = "host", nb::arg("comm") = nb::none(),
           nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
           nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
-          nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none())
+          nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none(),
+          nb::arg("speculation") = "auto",
+          nb::arg("speculation_bytes") = ManagerConfig::kAllChunks)
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
@@ -528,7 +533,10 @@ void bind_managers(nb::module_& m) {
              nb::dict d;
              d["stepped"] = rep.stepped;
              d["skipped"] = rep.skipped;
-             d["chunks_skipped"] = rep.chunks_skipped;
+             d["chunks_speculated"] = rep.chunks_speculated;
+             d["chunks_committed"] = rep.chunks_committed;
+             d["chunks_rolled_back"] = rep.chunks_rolled_back;
+             d["exposed_seconds"] = rep.exposed_seconds;
              d["norm"] = rep.norm.norm;
              d["finite"] = rep.norm.finite;
              d["clip_coefficient"] = rep.clip_coefficient;

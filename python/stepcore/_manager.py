@@ -91,7 +91,8 @@ class GradientManager(torch.optim.Optimizer):
 
     def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0, formula="torch", chunk_elements=16 << 20,
-                 process_group=None, threads=None, isa=None, numa=True, recorder=None):
+                 process_group=None, threads=None, isa=None, numa=True, recorder=None,
+                 speculation="auto", speculation_bytes=-1):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
@@ -100,6 +101,12 @@ class GradientManager(torch.optim.Optimizer):
             extra = " (full offload accepts only AdamW and SignSGD)"
         _check_choice("optimizer", optimizer, OPTIMIZERS, extra)
         _check_choice("formula", formula, ("torch", "native"))
+        _check_choice("speculation", speculation, ("always", "never", "auto"))
+        if (not isinstance(speculation_bytes, int) or isinstance(speculation_bytes, bool)
+                or speculation_bytes < -1):
+            raise ValueError("stepcore.torch: 'speculation_bytes' must be an int >= 0, or -1 "
+                             f"(as much as every chunk needs); got {speculation_bytes!r}")
+        self._speculation = (speculation, speculation_bytes)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
         names = None
@@ -225,7 +232,8 @@ class GradientManager(torch.optim.Optimizer):
         self._m = _core.GradientManager(
             self.offload, specs, optimizer=self.optimizer_name, groups=groups, adamw=adamw,
             chunk_elements=int(chunk_elements), device=device, comm=comm,
-            threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream)
+            threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
+            speculation=self._speculation[0], speculation_bytes=self._speculation[1])
         self._locals = locals_
         for i, local in enumerate(locals_):  # masters start from the model's values
             self._m.load_parameter(i, local.float().contiguous().cpu())
@@ -317,7 +325,8 @@ class GradientManager(torch.optim.Optimizer):
         self._pending.clear()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """Returns the global norm before clipping (0-dim f32) and clips by it."""
+        """Returns the global norm before clipping (0-dim f32) and clips by it (with or
+        without overlap: speculated chunks are then committed or rolled back exactly)."""
         if float(norm_type) != 2.0:
             raise ValueError(f"stepcore.torch: 'norm_type' must be 2 (got {norm_type!r}); the "
                              "managers compute the L2 norm")
@@ -372,7 +381,9 @@ class GradientManager(torch.optim.Optimizer):
         rec._manager_step_done()
 
     def report(self) -> dict:
-        """The last step's report: stepped, skipped, chunks_skipped, norm, finite, clip."""
+        """The last step's report: stepped, skipped, norm, finite, clip_coefficient, and for
+        overlapped steps chunks_speculated, chunks_committed, chunks_rolled_back; and
+        exposed_seconds (the step's time after its last gradient)."""
         return dict(self._report)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,8 +1,9 @@
 // stepcore-demo's managers phase: each offload mode's manager fed the synthetic
 // gradient stream in backward order under a warm-up + cosine lr schedule over two
 // parameter groups, its state hashed after every step, and the per-mode lines and the
-// "bitwise:" verdicts: across the modes, and of a run saved to a checkpoint half way in
-// one mode and resumed in another against the uninterrupted one.
+// "bitwise:" verdicts: across the modes, of each mode's overlapped run (speculation with
+// exact rollback, clipping on) against the serial one, and of a run saved to a checkpoint
+// half way in one mode and resumed in another against the uninterrupted one.
 #include "managers_phase.hpp"
 
 #include <unistd.h>
@@ -27,6 +28,7 @@ struct ManagersRun {
   std::vector<std::uint64_t> state_hash;  ///< FNV-1a over every parameter's state bytes
   std::vector<std::uint32_t> norm_bits, scale_bits;
   std::vector<bool> skipped;
+  std::size_t speculated = 0, committed = 0, rolled_back = 0;  // overlapped runs' chunks
   double seconds = 0.0;
   std::string device;
 };
@@ -53,6 +55,7 @@ struct RunSpan {
   std::int64_t first = 0, last = 0;  ///< steps [first, last)
   std::string load;                  ///< non-empty: load_checkpoint(load) instead of the init
   std::string save;                  ///< non-empty: save_checkpoint(save) after the last step
+  bool overlap = false;              ///< begin_step(scale, true): speculated chunks
 };
 
 /// Runs the stream's steps `span` through the manager of `mode`; returns its results.
@@ -109,7 +112,7 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
     const float scale = static_cast<float>(1.0 / static_cast<double>(total));
     const std::vector<double> sigma =
         grad_sigmas(o.layout, o.tied, tokens, target_norm(o.seed, step));
-    m->begin_step(scale, false);
+    m->begin_step(scale, span.overlap);
     for (std::int64_t k = 0; k < o.micro_batches; ++k) {
       m->begin_backward(k + 1 == o.micro_batches);
       for (std::size_t t = o.layout.size(); t-- > 0;) {  // backward: last layer first
@@ -138,7 +141,11 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
         o.max_norm > 0.0 ? sc::f32_bits(m->clip_grad_norm(static_cast<float>(o.max_norm))) : 0u);
     run.scale_bits.push_back(sc::f32_bits(m->effective_gradient_scale()));
     m->step();
-    run.skipped.push_back(m->report().skipped);
+    const sc::StepReport rep = m->report();
+    run.skipped.push_back(rep.skipped);
+    run.speculated += rep.chunks_speculated;
+    run.committed += rep.chunks_committed;
+    run.rolled_back += rep.chunks_rolled_back;
     std::uint64_t h = 0xCBF29CE484222325ull;
     std::vector<float> master, ea, eas;
     std::vector<std::uint8_t> compute;
@@ -273,6 +280,27 @@ bool run_managers_phase(const ManagersOptions& o) {
               " steps: norms, clip coefficients, parameters, moments, compute weights; state "
               "hash %016" PRIx64 "\n",
               runs[0].device.c_str(), o.steps, runs[0].state_hash.back());
+  // Each mode again with the optimizer overlapped with backward: chunks speculated
+  // during the final backward, committed or rolled back exactly at the decision.
+  std::size_t speculated = 0, committed = 0, rolled_back = 0;
+  for (std::size_t k = 0; k < std::size(modes); ++k) {
+    const ManagersRun r = run_manager_mode(modes[k], o, RunSpan{0, o.steps, "", "", true});
+    speculated += r.speculated;
+    committed += r.committed;
+    rolled_back += r.rolled_back;
+    for (std::size_t s = 0; s < r.state_hash.size(); ++s)
+      if (r.norm_bits[s] != runs[0].norm_bits[s] || r.scale_bits[s] != runs[0].scale_bits[s] ||
+          r.skipped[s] != runs[0].skipped[s] || r.state_hash[s] != runs[0].state_hash[s]) {
+        std::printf("bitwise: MISMATCH managers %s with overlap != without on step %zu\n",
+                    std::string(sc::offload_mode_name(modes[k])).c_str(), s + 1);
+        return false;
+      }
+  }
+  std::printf("bitwise: managers with overlap (speculation auto, %s) == without, modes none, "
+              "optimizer, full, all %" PRId64 " steps; chunks speculated %zu, committed %zu, "
+              "rolled back %zu\n",
+              o.max_norm > 0.0 ? "clipping on" : "no clipping", o.steps, speculated, committed,
+              rolled_back);
   return run_resume_check(o, runs[0]);
 }
 
