@@ -95,7 +95,9 @@ void GradientManager::save_checkpoint(const std::string& path) {
 
 void GradientManager::load_checkpoint(const std::string& path) {
   detail::ManagerImpl& m = *impl_;
-  m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
+  // A failed manager (not closed) recovers by loading a saved state, in any phase.
+  const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
+  if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
   const ckpt::File file = ckpt::File::open(path);  // the format, sizes and checksums
   const ckpt::Header& h = file.header();
@@ -133,6 +135,15 @@ void GradientManager::load_checkpoint(const std::string& path) {
         detail::validate_sign_sgd({}, c, {});
       }
     });
+  }
+  if (recovering) {
+    try {
+      m.do_recover();
+    } catch (...) {
+      std::rethrow_exception(m.failure_);  // the device cannot continue: still failed
+    }
+    m.failure_ = nullptr;
+    m.phase_ = CallPhase::idle;
   }
   for (std::size_t i = 0; i < h.params.size(); ++i)
     m.guarded([&] {

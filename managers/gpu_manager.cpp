@@ -119,6 +119,7 @@ class GpuGradientManager final : public ManagerImpl {
   void do_step_counts(std::span<float> out) override;
   GradientManager::HostState do_host_state(std::size_t i) override;
   void do_synchronize() override;
+  void do_recover() override;
   std::exception_ptr do_close() noexcept override;
 
  private:
@@ -140,8 +141,7 @@ class GpuGradientManager final : public ManagerImpl {
   void enqueue_finalize(float max_norm);
   void reduce(NormPartial* d_partial);
   void update_params(std::size_t first, std::size_t last, std::byte* slot, const float* d_scale,
-                     const float* d_clip, const std::int32_t* d_found_inf,
-                     bool to_staging = false);
+                     const float* d_clip, const std::int32_t* d_found_inf, bool to_staging = false);
   void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                     const std::int32_t* d_found_inf, bool speculate = false);
   // The state arrays of chunk k where they live between steps ({home, bytes}: device
@@ -432,9 +432,8 @@ void GpuGradientManager::settle() {
   const Event done = std::exchange(done_, Event());
   wait_for(done);
   report_.exposed_seconds = std::max(
-      0.0,
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - last_gradient_time())
-          .count());
+      0.0, std::chrono::duration<double>(std::chrono::steady_clock::now() - last_gradient_time())
+               .count());
   if (!flag_known_) {
     const Summary s = h_->summary;
     report_.norm = s.result;
@@ -633,9 +632,9 @@ void GpuGradientManager::do_reserve_speculation() {
   try {
     spare_ = static_cast<std::byte*>(dev_.allocate(bytes));
   } catch (const Error& e) {
-    throw Error(Errc::out_of_range, "speculation_bytes",
-                "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " +
-                    e.what());
+    throw Error(
+        Errc::out_of_range, "speculation_bytes",
+        "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
   }
   spare_bytes_ = bytes;
 }
@@ -669,7 +668,8 @@ void GpuGradientManager::restore(std::size_t k) {
 void GpuGradientManager::commit(std::size_t k) {
   for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
     const Param& q = params_[i];
-    if (q.compute.numel != 0) dev_.copy(Queue::compute, q.compute.data, staging_[i], q.compute.bytes());
+    if (q.compute.numel != 0)
+      dev_.copy(Queue::compute, q.compute.data, staging_[i], q.compute.bytes());
   }
 }
 
@@ -897,6 +897,20 @@ GradientManager::HostState GpuGradientManager::do_host_state(std::size_t i) {
 }
 
 void GpuGradientManager::do_synchronize() { wait_idle(); }
+
+void GpuGradientManager::do_recover() {
+  pending_ = false;
+  done_ = Event();
+  try {
+    wait_all();  // the failed step's queued work; its errors are the stored one's
+  } catch (const Error&) {
+  }
+  wait_all();  // a device (or communicator) that fails again cannot continue
+  report_ = StepReport{};
+  scale_uploaded_ = partial_done_ = flag_known_ = false;
+  spare_used_ = 0;
+  std::fill(chunk_save_.begin(), chunk_save_.end(), nullptr);
+}
 
 std::exception_ptr GpuGradientManager::do_close() noexcept {
   if (closed_) return nullptr;

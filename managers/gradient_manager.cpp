@@ -393,9 +393,9 @@ void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
   ::stepcore::detail::check_gradient_scale(gradient_scale, "gradient_scale");
   m.guarded([&] { m.do_begin_step(); });  // may raise errors of the previous step's work
   const Speculation policy = m.config_.speculation;
-  const bool speculate = overlap_optimizer && m.config_.speculation_bytes != 0 &&
-                         (policy == Speculation::always ||
-                          (policy == Speculation::automatic && m.would_commit_));
+  const bool speculate =
+      overlap_optimizer && m.config_.speculation_bytes != 0 &&
+      (policy == Speculation::always || (policy == Speculation::automatic && m.would_commit_));
   if (speculate) m.guarded([&] { m.do_reserve_speculation(); });
   m.speculating_ = speculate;
   m.scale_ = gradient_scale;

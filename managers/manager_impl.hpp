@@ -79,6 +79,10 @@ class ManagerImpl {
   /// Views of host-resident state (empty where it is device memory).
   virtual GradientManager::HostState do_host_state(std::size_t i) = 0;
   virtual void do_synchronize() = 0;
+  /// After a failure (load_checkpoint of a failed manager): waits for the work the
+  /// failed step left queued, drops its errors and the step's state, so that state can
+  /// be imported again. Throws when the device cannot continue (the manager stays failed).
+  virtual void do_recover() = 0;
   /// Waits for outstanding work and stops workers; returns the first error of that
   /// work (rethrown by close()), never throws itself.
   virtual std::exception_ptr do_close() noexcept = 0;

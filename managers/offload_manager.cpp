@@ -91,6 +91,7 @@ class OffloadGradientManager final : public ManagerImpl {
   void do_step_counts(std::span<float> out) override;
   GradientManager::HostState do_host_state(std::size_t i) override;
   void do_synchronize() override;
+  void do_recover() override;
   std::exception_ptr do_close() noexcept override;
 
  private:
@@ -150,14 +151,14 @@ class OffloadGradientManager final : public ManagerImpl {
   NormResult overlapped_global_norm(float scale);
   // Posts the step's last task: waits for its uploads and stamps the end of the step.
   void post_step_end();
-  void upload_chunk(std::size_t k, const Event& after);                            // on the worker
+  void upload_chunk(std::size_t k, const Event& after);  // on the worker
   void wait_uploads();
 
   Device& dev_;
   cpu::Engine engine_;
   std::vector<Param> params_;
   std::vector<float> steps_;
-  std::vector<ConstTensorView> counted_acc_;             // the global norm's tensors
+  std::vector<ConstTensorView> counted_acc_;                 // the global norm's tensors
   std::vector<std::vector<ConstTensorView>> chunk_counted_;  // a chunk's counted tensors
 
   void* dev_slab_ = nullptr;
@@ -170,8 +171,8 @@ class OffloadGradientManager final : public ManagerImpl {
   std::size_t spare_used_ = 0;
   std::vector<std::size_t> chunk_state_bytes_;
   std::vector<std::uint8_t> has_spare_, speculated_;
-  std::vector<float> spec_steps_;                 // speculated step counters (worker)
-  std::vector<NormPartial> chunk_partial_;        // fast partials of the counted acc (worker)
+  std::vector<float> spec_steps_;                     // speculated step counters (worker)
+  std::vector<NormPartial> chunk_partial_;            // fast partials of the counted acc (worker)
   std::chrono::steady_clock::time_point step_end_{};  // written by the step's last task
 
   // Device calls and their events (dev_mu_).
@@ -255,7 +256,8 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
     v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
     v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
     v.acc = f32_at(sl.offsets[4 * i], p.numel);
-    for (std::size_t s = 0; s < slots(); ++s) v.state[s] = f32_at(sl.offsets[4 * i + 1 + s], p.numel);
+    for (std::size_t s = 0; s < slots(); ++s)
+      v.state[s] = f32_at(sl.offsets[4 * i + 1 + s], p.numel);
     if (p.counts_toward_norm) counted_acc_.push_back(v.acc);
   }
   steps_.assign(n, 0.0f);
@@ -587,9 +589,9 @@ void OffloadGradientManager::do_reserve_speculation() {
   try {
     spare_space_ = numa::HostBuffer(bytes, config().numa_node);
   } catch (const Error& e) {
-    throw Error(Errc::out_of_range, "speculation_bytes",
-                "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " +
-                    e.what());
+    throw Error(
+        Errc::out_of_range, "speculation_bytes",
+        "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
   }
 }
 
@@ -601,8 +603,8 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
   post([this, chunk, scale, speculate, configs = group_configs()] {
     // The chunk's part of the global norm (exact integer partials merge in any order),
     // then, speculating, its step as if the coefficient were 1 and the step finite.
-    chunk_partial_[chunk] = engine_.norm_partial(chunk_counted_[chunk],
-                                                 GradientRead{scale, 1.0f}, NormMode::fast);
+    chunk_partial_[chunk] =
+        engine_.norm_partial(chunk_counted_[chunk], GradientRead{scale, 1.0f}, NormMode::fast);
     if (speculate) step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
   });
 }
@@ -612,7 +614,8 @@ NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
   // (their digits are exact integers; the error bounds add like threads' do).
   auto local = [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
     drain();
-    if (mode != NormMode::fast) return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
+    if (mode != NormMode::fast)
+      return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
     NormPartial merged{};
     for (const NormPartial& p : chunk_partial_) merge(merged, p);
     return merged;
@@ -621,7 +624,8 @@ NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
     const NormResult r = finalize(local(counted_acc_, NormMode::fast));
     return r.needs_exact ? finalize(local(counted_acc_, NormMode::exact)) : r;
   }
-  return comm::detail::global_norm(*config().comm, config().layout_fingerprint, counted_acc_, local);
+  return comm::detail::global_norm(*config().comm, config().layout_fingerprint, counted_acc_,
+                                   local);
 }
 
 void OffloadGradientManager::post_step_end() {
@@ -658,7 +662,7 @@ void OffloadGradientManager::do_step() {
       ++report_.chunks_speculated;
       ++(keep ? report_.chunks_committed : report_.chunks_rolled_back);
     }
-  if (!norm_.finite) {  // found-inf: nothing changes, the step counters stay
+  if (!norm_.finite) {       // found-inf: nothing changes, the step counters stay
     report_.skipped = true;  // speculated chunks wrote only their spares: nothing to undo
     post_step_end();
     return;
@@ -741,6 +745,32 @@ void OffloadGradientManager::do_synchronize() {
   drain();
   wait_uploads();
   sync_event(last_d2h_);
+}
+
+void OffloadGradientManager::do_recover() {
+  std::uint64_t seq;
+  {
+    const std::lock_guard lock(mu_);
+    seq = posted_;
+  }
+  wait_done(seq);  // the worker skipped the failed step's remaining tasks
+  {
+    const std::lock_guard lock(dev_mu_);
+    try {
+      dev_.synchronize();  // the queued work; its errors are the stored one's
+    } catch (const Error&) {
+    }
+    dev_.synchronize();  // a device that fails again cannot continue
+  }
+  {
+    const std::lock_guard lock(err_mu_);
+    error_ = nullptr;
+  }
+  norm_known_ = false;
+  norm_ = NormResult{};
+  clip_ = 1.0f;
+  report_ = StepReport{};
+  std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
 }
 
 std::exception_ptr OffloadGradientManager::do_close() noexcept {

@@ -88,8 +88,8 @@ struct Setup {
   std::vector<ParamSpec> params;  ///< the whole model
   OptimizerSpec optimizer;
   std::size_t chunk_elements = 0;
-  std::optional<float> max_norm;   ///< clip_grad_norm(*max_norm) in every step
-  bool overlap = false;            ///< begin_step(scale, overlap)
+  std::optional<float> max_norm;  ///< clip_grad_norm(*max_norm) in every step
+  bool overlap = false;           ///< begin_step(scale, overlap)
   /// Overlapped steps: the policy (every chunk fits the budget). Only the report's
   /// speculation counts depend on it, never a bit.
   Speculation speculation = Speculation::automatic;
@@ -108,7 +108,7 @@ struct Setup {
 
 /// What the trainer observes after one step.
 struct Step {
-  StepReport report;  ///< report(); norm (also clip_grad_norm's result), clip, counts
+  StepReport report;             ///< report(); norm (also clip_grad_norm's result), clip, counts
   float effective_scale = 1.0f;  ///< effective_gradient_scale()
   std::vector<ParamState> state;
   std::vector<float> steps;  ///< per parameter: the AdamW step counter (0 for SignSGD)
@@ -280,7 +280,8 @@ inline Run run(const Setup& setup, const Stream& stream) {
     StepReport& r = step.report;
     const std::optional<float> max_norm = setup.max_norm_of ? setup.max_norm_of(s) : setup.max_norm;
     r.norm = norm(0, n, scale, true);
-    if (max_norm) r.clip_coefficient = r.norm.finite ? clip_coefficient(r.norm.norm, *max_norm) : 0.0f;
+    if (max_norm)
+      r.clip_coefficient = r.norm.finite ? clip_coefficient(r.norm.norm, *max_norm) : 0.0f;
     r.skipped = !r.norm.finite;
     r.stepped = !r.skipped;
     if (r.stepped) update(0, n, GradientRead{scale, r.clip_coefficient});

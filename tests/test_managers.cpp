@@ -8,11 +8,13 @@
 // same stream sharded over 2 and 4 in-process ranks, the factory's refusals, and the
 // fault behaviour.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <thread>
 
 #include "device/host_device.hpp"
@@ -118,6 +120,57 @@ TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
       expect_same(r, runs[0], "modes agree");
     }
   }
+}
+
+// A copy that fails in the middle of an overlapped, speculated and clipped step fails the
+// manager; load_checkpoint of the state saved before that step recovers it (in the
+// middle of the step), and the run continues with the bits of a run that never failed.
+TEST(Managers, LoadCheckpointRecoversAFailedManagerInTheMiddleOfASpeculatedStep) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("stepcore-recover-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    const std::string path = (dir / (std::string(offload_mode_name(mode)) + ".ckpt")).string();
+    auto make = [&](device::Device& dev) {
+      ManagerConfig cfg = config_of(mode, dev);
+      cfg.speculation = Speculation::always;
+      auto m = make_gradient_manager(cfg);
+      for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+        std::vector<float> init(cfg.params[i].numel);
+        for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+        m->load_parameter(i, init);
+      }
+      return m;
+    };
+    StreamOptions o;
+    o.max_norm = 0.05f;  // clips: every speculated chunk rolls back
+    o.overlap = true;
+    // The run that never fails: steps 0..2.
+    auto clean_dev = device::make_host_device();
+    auto clean = make(*clean_dev);
+    o.steps = 3;
+    const std::vector<StepRecord> want = run_stream(*clean, *clean_dev, o);
+    clean->close();
+
+    auto dev = device::make_host_device();
+    auto m = make(*dev);
+    o.steps = 1;
+    (void)run_stream(*m, *dev, o);
+    m->save_checkpoint(path);
+    device::detail::inject_copy_failure(*dev, device::Queue::d2h, 0);
+    o.first_step = 1;
+    EXPECT_THROW((void)run_stream(*m, *dev, o), Error);
+    EXPECT_THROW(m->synchronize(), Error) << "the manager is failed";
+    m->load_checkpoint(path);  // recovers, whatever phase the failure left
+    o.steps = 2;
+    const std::vector<StepRecord> got = run_stream(*m, *dev, o);
+    m->close();
+    expect_same(got, std::vector<StepRecord>(want.begin() + 1, want.end()),
+                "recovered run vs one that never failed");
+  }
+  fs::remove_all(dir);
 }
 
 TEST(Managers, FactoryRefusesWhatItCannotDo) {

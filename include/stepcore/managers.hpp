@@ -177,7 +177,8 @@ struct StepReport {
 /// naming the call, e.g. "clip_grad_norm", nothing changed). Errors of the manager's
 /// asynchronous work (a failed copy, a worker exception, a collective that timed out)
 /// are raised by its next call, and by every call after it: the step they interrupted
-/// cannot be trusted, so the manager stays failed (close() still releases everything).
+/// cannot be trusted, so the manager stays failed (close() still releases everything)
+/// until load_checkpoint restores a saved state.
 /// Determinism: bitwise: every mode, with or without overlap, on any device, thread count and
 /// rank count, gives the same bits as the scalar reference applied to the same
 /// gradient stream (docs/numerics.md, "Gradient managers").
@@ -302,7 +303,10 @@ class GradientManager final {
   /// device, and continues from it bit for bit. Everything is checked first (format,
   /// checksums, optimizer, groups, rank, layout, parameter names, sizes and values):
   /// any disagreement is an Error naming it (Errc::corrupt_file for a damaged file),
-  /// with nothing loaded. Restores each group's lr and weight decay. Only between steps.
+  /// with nothing loaded. Restores each group's lr and weight decay. Only between steps,
+  /// or at any point on a failed manager: after the file is verified, the failed step's
+  /// queued work is waited for and its error dropped, and the manager continues from the
+  /// file (it stays failed when its device or communicator fails again).
   void load_checkpoint(const std::string& path);
 
   /// Waits for all outstanding work and re-raises its errors.

@@ -425,8 +425,7 @@ void bind_managers(nb::module_& m) {
           nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
           nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
           nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none(),
-          nb::arg("speculation") = "auto",
-          nb::arg("speculation_bytes") = ManagerConfig::kAllChunks)
+          nb::arg("speculation") = "auto", nb::arg("speculation_bytes") = ManagerConfig::kAllChunks)
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })

@@ -296,11 +296,13 @@ bool run_managers_phase(const ManagersOptions& o) {
         return false;
       }
   }
-  std::printf("bitwise: managers with overlap (speculation auto, %s) == without, modes none, "
-              "optimizer, full, all %" PRId64 " steps; chunks speculated %zu, committed %zu, "
-              "rolled back %zu\n",
-              o.max_norm > 0.0 ? "clipping on" : "no clipping", o.steps, speculated, committed,
-              rolled_back);
+  std::printf(
+      "bitwise: managers with overlap (speculation auto, %s) == without, modes none, "
+      "optimizer, full, all %" PRId64
+      " steps; chunks speculated %zu, committed %zu, "
+      "rolled back %zu\n",
+      o.max_norm > 0.0 ? "clipping on" : "no clipping", o.steps, speculated, committed,
+      rolled_back);
   return run_resume_check(o, runs[0]);
 }
 
