@@ -86,6 +86,11 @@ class ManagerImpl {
   /// Waits for outstanding work and stops workers; returns the first error of that
   /// work (rethrown by close()), never throws itself.
   virtual std::exception_ptr do_close() noexcept = 0;
+  /// The error the mode stored from its own asynchronous work (e.g. full offload's
+  /// worker), whatever its code, or null: guarded() makes it the manager's failure, so
+  /// that every later call raises it even when its code is not a runtime one (an engine
+  /// refusal inside a worker task).
+  virtual std::exception_ptr do_async_failure() const noexcept { return nullptr; }
 
   OffloadMode mode() const noexcept { return config_.mode; }
   const ManagerConfig& config() const noexcept { return config_; }
@@ -157,7 +162,10 @@ decltype(auto) ManagerImpl::guarded(F&& f) {
   } catch (const Error& e) {
     // A failure of asynchronous work leaves the step half done: every later call
     // raises it again (close() still cleans up). Argument errors change nothing.
-    if (is_runtime(e.code())) failure_ = std::current_exception();
+    if (is_runtime(e.code()))
+      failure_ = std::current_exception();
+    else if (std::exception_ptr async = do_async_failure())
+      failure_ = async;
     throw;
   } catch (...) {
     failure_ = std::current_exception();

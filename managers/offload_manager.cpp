@@ -93,6 +93,10 @@ class OffloadGradientManager final : public ManagerImpl {
   void do_synchronize() override;
   void do_recover() override;
   std::exception_ptr do_close() noexcept override;
+  std::exception_ptr do_async_failure() const noexcept override {
+    const std::lock_guard lock(err_mu_);
+    return error_;
+  }
 
  private:
   // The optimizer state arrays of a parameter, in slot order: master, then (AdamW)
@@ -567,7 +571,9 @@ void OffloadGradientManager::do_finish_final_backward(std::span<const std::size_
 bool OffloadGradientManager::admit(std::size_t k) {
   if (has_spare_[k]) return true;
   const std::size_t bytes = chunk_state_bytes_[k];
-  if (bytes > spare_space_.bytes() - spare_used_) return false;
+  // The budget, not the mapping: HostBuffer rounds it up to a (huge) page.
+  const std::size_t limit = std::min(spare_space_.bytes(), speculation_budget());
+  if (bytes > limit - spare_used_) return false;
   // The chunk keeps this spare from now on (a commit swaps it with the live state).
   for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
     for (std::size_t s = 0; s < slots(); ++s) {

@@ -10,6 +10,9 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -34,6 +37,16 @@ inline std::unique_ptr<device::Device> (*make_device)() = [] { return device::ma
 
 inline constexpr std::size_t kChunk = 5000;  // several chunks in the test model
 
+/// A NaN written over the first element of parameter i's gradient (this rank's shard of
+/// it) in micro-batch `micro` of step `step`; on every rank, or (rank >= 0) on that one
+/// rank only (the reference, which sees the whole model, always has it: one NaN anywhere
+/// skips the whole step).
+struct Poison {
+  int step = 0, micro = 0;
+  std::size_t param = 0;
+  int rank = -1;
+};
+
 struct Case {
   DType grad_dtype = DType::bf16;
   OptimizerKind optimizer = OptimizerKind::adamw;
@@ -44,14 +57,40 @@ struct Case {
   bool schedule = false;  ///< warm-up + cosine lr per group (schedule_of) before every step
   int steps = 3;
   bool caller_gradients = false;  ///< the trainer's own gradient buffers (poisoned on release)
+  /// The model's parameter sizes (each of grad_dtype); empty: stream_model's.
+  std::vector<std::size_t> sizes;
+  std::size_t chunk = kChunk;  ///< ManagerConfig::chunk_elements
+  /// When set: the max_norm of each step (no value: no clip_grad_norm); overrides max_norm.
+  std::function<std::optional<float>(int step)> max_norm_of;
+  std::vector<Poison> poisons;
+  Speculation speculation = Speculation::automatic;            ///< ManagerConfig::speculation
+  std::int64_t speculation_bytes = ManagerConfig::kAllChunks;  ///< ManagerConfig's budget
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
            (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
            (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
            (overlap ? " overlap" : "") + (schedule ? " schedule" : "") +
-           (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps";
+           (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps" +
+           (max_norm_of ? " max_norm per step" : "") +
+           (poisons.empty() ? "" : " " + std::to_string(poisons.size()) + " poisons") +
+           (overlap ? " speculation " + std::string(speculation_name(speculation)) + " budget " +
+                          std::to_string(speculation_bytes)
+                    : "");
   }
 };
+
+/// Returns the case's model: its sizes of grad_dtype, or stream_model's.
+inline std::vector<StreamParam> case_model(const Case& c) {
+  if (c.sizes.empty()) return stream_model(c.grad_dtype);
+  std::vector<StreamParam> out;
+  for (std::size_t n : c.sizes) out.push_back({n, c.grad_dtype});
+  return out;
+}
+
+/// Returns the case's max_norm in step s (no value: the step does not clip).
+inline std::optional<float> max_norm_in(const Case& c, int s) {
+  return c.max_norm_of ? c.max_norm_of(s) : c.max_norm;
+}
 
 inline OptimizerSpec optimizer_of(OptimizerKind kind,
                                   AdamWFormula formula = AdamWConfig{}.formula) {
@@ -146,8 +185,11 @@ inline ManagerConfig config_of(OffloadMode mode, device::Device& dev,
 /// initial masters.
 inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case& c,
                                                      device::Device& dev) {
-  const std::vector<StreamParam> model = b.shard ? *b.shard : stream_model(c.grad_dtype);
+  const std::vector<StreamParam> model = b.shard ? *b.shard : case_model(c);
   ManagerConfig cfg = config_of(b.mode, dev, c.optimizer, model, c.formula);
+  cfg.chunk_elements = c.chunk;
+  cfg.speculation = c.speculation;
+  cfg.speculation_bytes = c.speculation_bytes;
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
   cfg.comm = b.comm;
   cfg.engine.threads = b.threads;
@@ -163,12 +205,16 @@ inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case&
   return m;
 }
 
-/// Returns the stream options of the case (steps [first_step, first_step + steps)).
+/// Returns the stream options of the case (steps [first_step, first_step + steps)) for
+/// rank `rank` (its poisons).
 inline StreamOptions stream_options(const Case& c, const std::vector<std::size_t>* offsets,
-                                    int first_step = 0, int steps = -1) {
+                                    int first_step = 0, int steps = -1, int rank = 0) {
   StreamOptions o;
   o.flow = c.flow;
   o.max_norm = c.max_norm;
+  o.max_norm_of = c.max_norm_of;
+  for (const Poison& p : c.poisons)
+    if (p.rank < 0 || p.rank == rank) o.poisons.push_back({p.step, p.micro, p.param});
   o.overlap = c.overlap;
   o.first_step = first_step;
   o.steps = steps < 0 ? c.steps : steps;
@@ -192,7 +238,7 @@ inline std::vector<StepRecord> run_mode(OffloadMode mode, const Case& c, bool la
   b.shard = shard;
   b.offsets = offsets;
   auto m = make_manager(b, c, *dev);
-  auto rec = run_stream(*m, *dev, stream_options(c, offsets));
+  auto rec = run_stream(*m, *dev, stream_options(c, offsets, 0, -1, comm ? comm->rank() : 0));
   m->close();
   return rec;
 }
@@ -216,16 +262,18 @@ inline std::vector<std::vector<std::size_t>> segments_of(const Sharding& sh, std
 /// The independent expectation: the same stream through manager_model (the reference);
 /// with `sharding`, each shard of every parameter is updated as a tensor of its own.
 inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* sharding = nullptr) {
-  const std::vector<StreamParam> model = stream_model(c.grad_dtype);
+  const std::vector<StreamParam> model = case_model(c);
   manager_model::Setup setup;
   setup.params = param_specs(model);
   setup.optimizer = optimizer_of(c.optimizer, c.formula);
   setup.groups = groups_of();
   if (c.schedule)
     setup.schedule = [steps = c.steps](int s, std::size_t g) { return schedule_of(s, g, steps); };
-  setup.chunk_elements = kChunk;
+  setup.chunk_elements = c.chunk;
   setup.max_norm = c.max_norm;
+  setup.max_norm_of = c.max_norm_of;
   setup.overlap = c.overlap;
+  setup.speculation = c.speculation;
   if (sharding != nullptr) setup.segments = segments_of(*sharding, model.size());
   // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
   auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
@@ -239,14 +287,27 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
       [&](int s, int mb, std::size_t i) {
         std::vector<std::uint8_t> g(model[i].numel * dtype_size(c.grad_dtype) + 1);
         make_gradient(1, s, mb, i, 0, model[i].numel, c.grad_dtype, g.data());
+        for (const Poison& p : c.poisons)  // as run_stream writes it (any rank: the same skip)
+          if (p.step == s && p.micro == mb && p.param == i && model[i].numel > 0) {
+            const float nan = std::numeric_limits<float>::quiet_NaN();
+            const std::uint16_t h = 0x7FC0;
+            if (c.grad_dtype == DType::f32)
+              std::memcpy(g.data(), &nan, 4);
+            else
+              std::memcpy(g.data(), &h, 2);
+          }
         return g;
       },
       initial_master};
   std::vector<StepRecord> records;
+  int s = 0;
   for (const manager_model::Step& step : manager_model::run(setup, stream).steps) {
     StepRecord r;
     // clip_grad_norm's result when the stream clips (else 0), effective_gradient_scale().
-    if (c.max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
+    if (max_norm_in(c, s++)) r.norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
+    r.report_norm_bits = std::bit_cast<std::uint32_t>(step.report.norm.norm);
+    r.clip_bits = std::bit_cast<std::uint32_t>(step.report.clip_coefficient);
+    r.stepped = step.report.stepped;
     r.scale_bits = std::bit_cast<std::uint32_t>(step.effective_scale);
     r.skipped = step.report.skipped;
     r.speculated = step.report.chunks_speculated;

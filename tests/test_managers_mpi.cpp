@@ -3,15 +3,18 @@
 // (rank 0's shard of parameter 0 empty) and drives a manager of each mode with the MPI
 // communicator; its norms, clip coefficients and state must be the slices of the
 // unsharded single-process run, which every rank also computes alone — also under a
-// schedule over two groups (against the reference with each shard its own tensor) and
-// across a checkpoint saved per rank in one mode and loaded in another.
+// schedule over two groups (against the reference with each shard its own tensor),
+// across a checkpoint saved per rank in one mode and loaded in another, and with
+// speculated overlapped steps (a NaN on one rank only skips the step on every rank).
 #include <gtest/gtest.h>
 #include <mpi.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "managers_cases.hpp"
 #include "stepcore/comm_mpi.hpp"
@@ -81,6 +84,72 @@ TEST(ManagersMpi, AScheduleOverTwoGroupsAndAResumeAcrossModesGiveTheReferenceBit
   std::remove(path.c_str());
   expect_shard_of(first, {want.begin(), want.begin() + 5}, model, sh, rank, true);
   expect_shard_of(resumed, {want.begin() + 5, want.end()}, model, sh, rank, true);
+}
+
+// Speculated overlapped steps (docs/managers.md, "With overlap"): 20 steps mixing
+// unclipped, clipped (rolled back) and non-finite steps, a NaN in step 4 on the last rank
+// only and one in step 9 on every rank, speculating always and auto in every mode: every
+// rank holds its slice of the unsharded serial (non-overlapped) run, a NaN on one rank
+// leaves every parameter on every rank unchanged and every rank skipped, and the ranks
+// speculate, commit and roll back together.
+TEST(ManagersMpi, SpeculatedStepsGiveTheSlicesOfTheSerialRunAndANanOnOneRankSkipsAll) {
+  const int ranks = g_world->size(), rank = g_world->rank();
+  const auto r = static_cast<std::size_t>(rank);
+  const std::vector<std::size_t> sizes(8, 1531);
+  constexpr int kSpecSteps = 20;
+  Case c{DType::bf16, OptimizerKind::adamw, {}, Flow::sft, false, AdamWFormula::native};
+  c.steps = kSpecSteps;
+  c.sizes = sizes;
+  c.chunk = 700;
+  c.max_norm_of = [](int s) -> std::optional<float> {
+    switch (s % 4) {
+      case 1:
+        return 1e6f;  // does not clip: speculated chunks commit
+      case 2:
+        return 1e-5f;  // clips: they roll back
+      default:
+        return std::nullopt;
+    }
+  };
+  c.poisons = {{4, 2, 3, ranks - 1}, {9, 0, 2, -1}, {14, 2, 6, ranks - 1}};
+  const std::vector<StreamParam> model = case_model(c);
+  const Sharding sh = shard_model(model, ranks);
+  ASSERT_GT(sh.shards[static_cast<std::size_t>(ranks - 1)][3].numel, 0u);
+  // The unsharded serial run every rank computes alone, every NaN in it.
+  Case whole_case = c;
+  for (Poison& p : whole_case.poisons) p.rank = -1;
+  const auto whole = run_mode(OffloadMode::none, whole_case);
+  for (int s : {4, 9, 14}) {
+    ASSERT_TRUE(whole[static_cast<std::size_t>(s)].skipped) << "step " << s;
+    ASSERT_TRUE(whole[static_cast<std::size_t>(s)].state ==
+                whole[static_cast<std::size_t>(s - 1)].state);
+  }
+  for (Speculation policy : {Speculation::always, Speculation::automatic})
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+      SCOPED_TRACE(std::string(offload_mode_name(mode)) + " " +
+                   std::string(speculation_name(policy)));
+      Case o = c;
+      o.overlap = true;
+      o.speculation = policy;
+      const auto counts = run_reference(o);  // where the policy speculates and commits
+      const auto got = run_mode(mode, o, false, g_world.get(), &sh.shards[r], &sh.offsets[r]);
+      expect_shard_of(got, whole, model, sh, rank, true);
+      ASSERT_EQ(got.size(), whole.size());
+      std::size_t speculated = 0;
+      for (std::size_t s = 0; s < got.size(); ++s) {
+        EXPECT_EQ(got[s].report_norm_bits, whole[s].report_norm_bits) << "step " << s;
+        EXPECT_EQ(got[s].clip_bits, whole[s].clip_bits) << "step " << s;
+        if (s == 4 || s == 9 || s == 14) {
+          EXPECT_TRUE(got[s].skipped) << "step " << s;
+          EXPECT_TRUE(got[s].state == got[s - 1].state) << "step " << s << " changed a parameter";
+        }
+        EXPECT_EQ(got[s].speculated > 0, counts[s].speculated > 0) << "step " << s;
+        EXPECT_EQ(got[s].committed, counts[s].committed > 0 ? got[s].speculated : 0u);
+        EXPECT_EQ(got[s].rolled_back, counts[s].rolled_back > 0 ? got[s].speculated : 0u);
+        speculated += got[s].speculated;
+      }
+      EXPECT_GT(speculated, 0u);
+    }
 }
 
 /// Prints failures of a non-zero rank with its rank number.

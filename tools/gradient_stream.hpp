@@ -131,6 +131,10 @@ struct StepRecord {
   std::size_t speculated = 0, committed = 0, rolled_back = 0;
   std::vector<std::vector<std::uint8_t>> state;  ///< per parameter: master|m|v|compute bytes
   std::vector<float> steps;                      ///< per parameter: step_count(i)
+  /// report(): the norm, the clip coefficient and stepped (what the records above do not
+  /// already hold; compared by the tests that ask for them).
+  std::uint32_t report_norm_bits = 0, clip_bits = 0;
+  bool stepped = false;
 };
 
 /// How to run the stream.
@@ -138,11 +142,17 @@ struct StreamOptions {
   Flow flow = Flow::sft;
   int steps = 3;
   std::optional<float> max_norm;
+  /// When set: clip_grad_norm(*max_norm_of(step)) in the steps where it has a value (the
+  /// others do not clip); overrides max_norm.
+  std::function<std::optional<float>(int step)> max_norm_of;
   bool overlap = false;
   std::uint32_t seed = 1;
   float magnitude = 1.0f;
   /// (step, micro, param) that gets a NaN, if any.
   std::optional<std::tuple<int, int, std::size_t>> poison;
+  /// More (step, micro, param) that get a NaN, like `poison` (its first element of this
+  /// rank's shard, when the shard is not empty).
+  std::vector<std::tuple<int, int, std::size_t>> poisons;
   /// Shard of each parameter this rank holds: [first, first + numel) of the full one.
   std::vector<std::size_t> shard_offset;
   /// The stream's step numbers run from first_step (a resumed run continues the stream).
@@ -208,8 +218,11 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
         host.assign(g.bytes() + 1, 0);
         const std::size_t off = opts.shard_offset.empty() ? 0 : opts.shard_offset[i];
         make_gradient(opts.seed, s, mb, i, off, g.numel, g.dtype, host.data(), opts.magnitude);
-        if (opts.poison && std::get<0>(*opts.poison) == s && std::get<1>(*opts.poison) == mb &&
-            std::get<2>(*opts.poison) == i && g.numel > 0) {
+        const std::tuple<int, int, std::size_t> here{s, mb, i};
+        const bool poisoned =
+            (opts.poison && *opts.poison == here) ||
+            std::find(opts.poisons.begin(), opts.poisons.end(), here) != opts.poisons.end();
+        if (poisoned && g.numel > 0) {
           const float nan = std::numeric_limits<float>::quiet_NaN();
           if (g.dtype == DType::f32)
             std::memcpy(host.data(), &nan, 4);
@@ -246,7 +259,8 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
       m.finish_backward();
     }
     StepRecord r;
-    if (opts.max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(m.clip_grad_norm(*opts.max_norm));
+    const std::optional<float> max_norm = opts.max_norm_of ? opts.max_norm_of(s) : opts.max_norm;
+    if (max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(m.clip_grad_norm(*max_norm));
     r.scale_bits = std::bit_cast<std::uint32_t>(m.effective_gradient_scale());
     m.step();
     const StepReport rep = m.report();
@@ -254,6 +268,9 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     r.speculated = rep.chunks_speculated;
     r.committed = rep.chunks_committed;
     r.rolled_back = rep.chunks_rolled_back;
+    r.report_norm_bits = std::bit_cast<std::uint32_t>(rep.norm.norm);
+    r.clip_bits = std::bit_cast<std::uint32_t>(rep.clip_coefficient);
+    r.stepped = rep.stepped;
     const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
