@@ -13,12 +13,14 @@
 // skipped step leaves the counters as they were, so nothing is rolled back on the host.
 //
 // Speculation (overlapped steps): a chunk admitted by the rollback budget (device memory,
-// given out afresh each step) is saved — its state arrays and step counters copied into
-// the rollback space on the device — and stepped as if the coefficient were 1 and the
-// step finite, its compute weights written to staging in the rollback space. The
+// carved afresh each step) is stepped out of place as if the coefficient were 1 and the
+// step finite: it reads its state where it lives (device memory, or the ring slot its
+// host block was uploaded to) and writes the new state, its step counters and compute
+// weights into the rollback space; nothing the step started from is written. The
 // decision (which needs the norm on the host: clip_grad_norm, or step()'s one wait)
-// commits it (staging copied to the compute weights) or restores the saved bits, which
-// the step then updates with the coefficient (or leaves, when it is skipped).
+// commits it (the rollback space copied over the state — downloaded to the host block in
+// mode optimizer — and the compute weights) or drops it: the state is still the step's
+// old one, which the step then updates with the coefficient (or leaves, when skipped).
 //
 // Ordering with the trainer: gradient_ready(i, written) makes the compute queue wait for
 // `written` before reading the gradient; gradient_released(i) is the compute-queue event
@@ -26,6 +28,7 @@
 // communicator (NCCL) first waits on the communicator with its timeout, so a dead peer
 // raises Errc::timeout instead of hanging an event wait.
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -144,19 +147,16 @@ class GpuGradientManager final : public ManagerImpl {
                      const float* d_clip, const std::int32_t* d_found_inf, bool to_staging = false);
   void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                     const std::int32_t* d_found_inf, bool speculate = false);
-  // The state arrays of chunk k where they live between steps ({home, bytes}: device
-  // memory in mode none, the chunk's host block in mode optimizer), then its counters.
-  struct Range {
-    void* home;
-    std::size_t bytes;
-    bool host = false;  // mode optimizer's chunk block (else device memory)
-  };
-  std::vector<Range> saved_ranges(std::size_t k) const;
+  // The number of state arrays per parameter (master, and AdamW's two moments): the
+  // speculation's outputs and commit copies go over this list, not over names.
+  std::size_t slots() const noexcept { return is_adamw() ? 3 : 1; }
+  // Returns parameter i's state array s where it lives between steps (device memory in
+  // mode none, its place in the chunk's host block in mode optimizer), or in `slot`.
+  float* state_at(std::size_t i, std::size_t s, std::byte* slot) const;
   std::size_t rollback_bytes(std::size_t k) const;
-  // Carves chunk k's rollback space (saved ranges, then compute staging); false when
-  // the budget has no room left in this step.
+  // Carves chunk k's rollback space (each parameter's state arrays, the counters, the
+  // compute staging); false when the budget has no room left in this step.
   bool admit(std::size_t k);
-  void restore(std::size_t k);
   void commit(std::size_t k);
   void decide_overlapped(const float* d_clip);
   NormResult learn_summary(float& clip);
@@ -197,12 +197,17 @@ class GpuGradientManager final : public ManagerImpl {
   std::size_t ring_next_ = 0;
 
   // Speculation: the rollback space (device memory, reserved by the first step that
-  // speculates, carved afresh each step), and per chunk this step its save (null: not
-  // speculated) and per parameter its compute staging.
+  // speculates, carved afresh each step); per chunk whether it was speculated this step,
+  // and per parameter where its speculated state, counter and compute weights go.
+  struct Spec {
+    std::array<float*, 3> state{};
+    float* step = nullptr;
+    void* compute = nullptr;
+  };
   std::byte* spare_ = nullptr;
   std::size_t spare_bytes_ = 0, spare_used_ = 0;
-  std::vector<std::byte*> chunk_save_;
-  std::vector<void*> staging_;
+  std::vector<std::uint8_t> speculated_;
+  std::vector<Spec> spec_;
 
   // The step in flight.
   bool scale_uploaded_ = false;
@@ -353,8 +358,8 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
       (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
       if (p.counts_toward_norm) counted_const_.push_back(q.acc);
     }
-    chunk_save_.assign(nchunks, nullptr);
-    staging_.assign(n, nullptr);
+    speculated_.assign(nchunks, 0);
+    spec_.resize(n);
 
     // One norm workspace, large enough for every set of accumulators a norm runs over.
     std::vector<TensorView> all;
@@ -515,13 +520,18 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
                                        const std::int32_t* d_found_inf, bool to_staging) {
   const ManagerConfig& cfg = config();
   auto f32 = [](float* p, std::size_t n) { return TensorView{p, n, DType::f32}; };
-  auto state = [slot](float* resident, std::size_t slot_off) {
-    return slot != nullptr ? reinterpret_cast<float*>(slot + slot_off) : resident;
+  // Speculating, the state is read where it is and written to the rollback space.
+  auto dst = [&](std::size_t i, std::size_t s) {
+    return f32(to_staging ? spec_[i].state[s] : state_at(i, s, slot), params_[i].acc.numel);
+  };
+  auto src = [&](std::size_t i, std::size_t s) {
+    return to_staging ? ConstTensorView(f32(state_at(i, s, slot), params_[i].acc.numel))
+                      : ConstTensorView{};
   };
   // The compute weights, or (speculating) their staging.
   auto compute = [&](std::size_t i) {
     const TensorView& c = params_[i].compute;
-    return to_staging && c.numel != 0 ? TensorView{staging_[i], c.numel, c.dtype} : c;
+    return to_staging && c.numel != 0 ? TensorView{spec_[i].compute, c.numel, c.dtype} : c;
   };
   // One call per parameter group; each group's lr and weight decay come from d_hyper_
   // when the kernels run.
@@ -532,19 +542,22 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
         if (is_adamw()) {
           std::vector<AdamWTensor> t;
           for (std::size_t i : members) {
-            const Param& q = params_[i];
-            const std::size_t n = q.acc.numel;
-            t.push_back(
-                {f32(state(q.master, q.master_off), n), f32(state(q.exp_avg, q.exp_avg_off), n),
-                 f32(state(q.exp_avg_sq, q.exp_avg_sq_off), n), d_steps_ + i, q.acc, compute(i)});
+            AdamWTensor a{dst(i, 0),      dst(i, 1),
+                          dst(i, 2),      to_staging ? spec_[i].step : d_steps_ + i,
+                          params_[i].acc, compute(i)};
+            a.param_src = src(i, 0);
+            a.exp_avg_src = src(i, 1);
+            a.exp_avg_sq_src = src(i, 2);
+            t.push_back(a);
           }
           dev_.adamw_step(t, adamw_config(group),
                           AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_[group]});
         } else {
           std::vector<SignSgdTensor> t;
           for (std::size_t i : members) {
-            const Param& q = params_[i];
-            t.push_back({f32(state(q.master, q.master_off), q.acc.numel), q.acc, compute(i)});
+            SignSgdTensor a{dst(i, 0), params_[i].acc, compute(i)};
+            a.param_src = src(i, 0);
+            t.push_back(a);
           }
           dev_.sign_sgd_step(t, sign_sgd_config(group), SignSgdDeviceArgs{d_found_inf, hyper});
         }
@@ -553,23 +566,15 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
 
 // Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):
 // upload on h2d once the slot is free, step on compute, download on d2h. `speculate`:
-// first save the chunk's state (from the slot in mode optimizer) and counters into its
-// rollback space, and write the compute weights to its staging.
+// out of place into the chunk's rollback space (its counters copied there first), and
+// in mode optimizer nothing is downloaded (the host block keeps the old state).
 void GpuGradientManager::update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                                       const std::int32_t* d_found_inf, bool speculate) {
   const Chunk& c = chunks()[k];
-  // Saves [the chunk's state as `first` holds it, then the counters] into its space.
-  auto save = [&](const void* first) {
-    std::byte* to = chunk_save_[k];
-    for (const Range& r : saved_ranges(k)) {
-      const void* from = r.home;
-      if (r.host) from = first;  // the block as uploaded to the slot
-      dev_.copy(Queue::compute, to, from, r.bytes);
-      to += align_up(r.bytes);
-    }
-  };
+  if (speculate && is_adamw() && c.last > c.first)
+    dev_.copy(Queue::compute, spec_[c.first].step, d_steps_ + c.first,
+              sizeof(float) * (c.last - c.first));
   if (!streamed()) {
-    if (speculate) save(nullptr);
     update_params(c.first, c.last, nullptr, d_scale, d_clip, d_found_inf, speculate);
     return;
   }
@@ -577,8 +582,11 @@ void GpuGradientManager::update_chunk(std::size_t k, const float* d_scale, const
   dev_.wait(Queue::h2d, slot_free_[j]);
   dev_.copy(Queue::h2d, slots_[j], chunk_host_[k], chunk_bytes_[k]);
   dev_.wait(Queue::compute, dev_.record(Queue::h2d));
-  if (speculate) save(slots_[j]);
   update_params(c.first, c.last, slots_[j], d_scale, d_clip, d_found_inf, speculate);
+  if (speculate) {
+    slot_free_[j] = dev_.record(Queue::compute);
+    return;
+  }
   dev_.wait(Queue::d2h, dev_.record(Queue::compute));
   dev_.copy(Queue::d2h, chunk_host_[k], slots_[j], chunk_bytes_[k]);
   slot_free_[j] = dev_.record(Queue::d2h);
@@ -597,29 +605,19 @@ void GpuGradientManager::update_all(const float* d_scale, const float* d_clip,
 
 // ---- speculation ------------------------------------------------------------------------
 
-std::vector<GpuGradientManager::Range> GpuGradientManager::saved_ranges(std::size_t k) const {
-  const Chunk& c = chunks()[k];
-  std::vector<Range> out;
-  if (streamed()) {
-    out.push_back({chunk_host_[k], chunk_bytes_[k], true});  // master | m | v of the chunk
-  } else {
-    for (std::size_t i = c.first; i < c.last; ++i) {
-      const Param& q = params_[i];
-      const std::size_t bytes = q.acc.numel * sizeof(float);
-      for (float* a : {q.master, q.exp_avg, q.exp_avg_sq})
-        if (a != nullptr && bytes != 0) out.push_back({a, bytes});
-    }
-  }
-  if (is_adamw() && c.last > c.first)
-    out.push_back({d_steps_ + c.first, sizeof(float) * (c.last - c.first)});
-  return out;
+float* GpuGradientManager::state_at(std::size_t i, std::size_t s, std::byte* slot) const {
+  const Param& q = params_[i];
+  float* const resident[] = {q.master, q.exp_avg, q.exp_avg_sq};
+  const std::size_t offset[] = {q.master_off, q.exp_avg_off, q.exp_avg_sq_off};
+  return slot != nullptr ? reinterpret_cast<float*>(slot + offset[s]) : resident[s];
 }
 
 std::size_t GpuGradientManager::rollback_bytes(std::size_t k) const {
-  std::size_t bytes = 0;
-  for (const Range& r : saved_ranges(k)) bytes += align_up(r.bytes);
-  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
-    bytes += align_up(params_[i].compute.bytes());
+  const Chunk& c = chunks()[k];
+  std::size_t bytes = is_adamw() ? align_up(sizeof(float) * (c.last - c.first)) : 0;
+  for (std::size_t i = c.first; i < c.last; ++i)
+    bytes += slots() * align_up(sizeof(float) * params_[i].acc.numel) +
+             align_up(params_[i].compute.bytes());
   return bytes;
 }
 
@@ -642,59 +640,66 @@ void GpuGradientManager::do_reserve_speculation() {
 bool GpuGradientManager::admit(std::size_t k) {
   const std::size_t bytes = rollback_bytes(k);
   if (spare_ == nullptr || bytes > spare_bytes_ - spare_used_) return false;
+  const Chunk& c = chunks()[k];
   std::byte* at = spare_ + spare_used_;
-  chunk_save_[k] = at;
-  for (const Range& r : saved_ranges(k)) at += align_up(r.bytes);
-  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
-    staging_[i] = at;
-    at += align_up(params_[i].compute.bytes());
+  auto take = [&at](std::size_t n) {
+    std::byte* p = at;
+    at += align_up(n);
+    return p;
+  };
+  for (std::size_t i = c.first; i < c.last; ++i) {
+    for (std::size_t s = 0; s < slots(); ++s)
+      spec_[i].state[s] = reinterpret_cast<float*>(take(sizeof(float) * params_[i].acc.numel));
+    spec_[i].compute = take(params_[i].compute.bytes());
   }
+  if (is_adamw() && c.last > c.first) {  // the chunk's counters, consecutive
+    float* steps = reinterpret_cast<float*>(take(sizeof(float) * (c.last - c.first)));
+    for (std::size_t i = c.first; i < c.last; ++i) spec_[i].step = steps + (i - c.first);
+  }
+  speculated_[k] = 1;
   spare_used_ += bytes;
   return true;
 }
 
-// Restores chunk k's saved state and counters (compute queue; mode optimizer: into its
-// host block on d2h, after the step's compute work).
-void GpuGradientManager::restore(std::size_t k) {
-  if (streamed()) dev_.wait(Queue::d2h, dev_.record(Queue::compute));
-  const std::byte* from = chunk_save_[k];
-  for (const Range& r : saved_ranges(k)) {
-    dev_.copy(r.host ? Queue::d2h : Queue::compute, r.home, from, r.bytes);
-    from += align_up(r.bytes);
-  }
-}
-
-// Copies chunk k's staged compute weights to the model's (compute queue).
+// Commits chunk k: its speculated state, counters and compute weights copied from the
+// rollback space to where they live (mode optimizer: the state downloaded to its host
+// block on d2h, after the step's compute work).
 void GpuGradientManager::commit(std::size_t k) {
-  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+  const Chunk& c = chunks()[k];
+  if (streamed()) dev_.wait(Queue::d2h, dev_.record(Queue::compute));
+  const Queue state_queue = streamed() ? Queue::d2h : Queue::compute;
+  for (std::size_t i = c.first; i < c.last; ++i) {
     const Param& q = params_[i];
+    const std::size_t bytes = sizeof(float) * q.acc.numel;
+    for (std::size_t s = 0; s < slots() && bytes != 0; ++s)
+      dev_.copy(state_queue, state_at(i, s, streamed() ? chunk_host_[k] : nullptr),
+                spec_[i].state[s], bytes);
     if (q.compute.numel != 0)
-      dev_.copy(Queue::compute, q.compute.data, staging_[i], q.compute.bytes());
+      dev_.copy(Queue::compute, q.compute.data, spec_[i].compute, q.compute.bytes());
   }
+  if (is_adamw() && c.last > c.first)
+    dev_.copy(Queue::compute, d_steps_ + c.first, spec_[c.first].step,
+              sizeof(float) * (c.last - c.first));
 }
 
 // The decision of an overlapped step, the summary on the host (flag_known_): commit the
-// speculated chunks, or restore them and step every chunk with the coefficient; a
-// skipped step restores them and steps nothing.
+// speculated chunks, or drop them and step every chunk with the coefficient; a skipped
+// step drops them and steps nothing.
 void GpuGradientManager::decide_overlapped(const float* d_clip) {
   const bool finite = !report_.skipped;
   const bool keep = finite && (report_.clip_coefficient == 1.0f || !is_adamw());
   set_would_commit(keep);
   for (std::size_t k = 0; k < chunks().size(); ++k) {
-    if (chunk_save_[k] == nullptr) continue;
+    if (!speculated_[k]) continue;
     ++report_.chunks_speculated;
     ++(keep ? report_.chunks_committed : report_.chunks_rolled_back);
-    if (keep)
-      commit(k);
-    else
-      restore(k);
+    if (keep) commit(k);  // rolled back: its state was never written, nothing to restore
   }
-  if (streamed()) dev_.wait(Queue::h2d, dev_.record(Queue::d2h));  // restored blocks first
+  if (streamed()) dev_.wait(Queue::h2d, dev_.record(Queue::d2h));  // committed blocks first
   if (!finite) return;
   const float* d_scale = eager_ ? &d_->one : &d_->scale;
   for (std::size_t k = 0; k < chunks().size(); ++k)
-    if (chunk_save_[k] == nullptr || !keep)
-      update_chunk(k, d_scale, d_clip, &d_->summary.found_inf);
+    if (!speculated_[k] || !keep) update_chunk(k, d_scale, d_clip, &d_->summary.found_inf);
 }
 
 // Ends the step's enqueueing: the summary follows all of the step's work to pinned host
@@ -750,7 +755,7 @@ void GpuGradientManager::do_begin_step() {
   scale_uploaded_ = partial_done_ = flag_known_ = false;
   ring_next_ = 0;
   spare_used_ = 0;
-  std::fill(chunk_save_.begin(), chunk_save_.end(), nullptr);
+  std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
 }
 
 void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
@@ -772,10 +777,9 @@ void GpuGradientManager::do_finish_final_backward(std::span<const std::size_t> n
   if (eager_) ensure_global_partial();  // lazy: at clip_grad_norm or step
 }
 
-// Optimizer in backward: chunk k's own norm (read {s}, no reduction: a local decision)
-// decides through its device flag whether its update writes anything.
-// Optimizer in backward: chunk k, admitted by the budget, is saved and stepped as if the
-// coefficient were 1 and the step finite (reading R(acc * s)); otherwise it waits.
+// Optimizer in backward: chunk k, admitted by the budget, is stepped into its rollback
+// space as if the coefficient were 1 and the step finite (reading R(acc * s)); otherwise
+// it waits for the decision.
 void GpuGradientManager::do_step_chunk(std::size_t k) {
   if (!speculating() || !admit(k)) return;
   ensure_scale();
@@ -811,7 +815,7 @@ void GpuGradientManager::do_step() {
   const float* d_scale = eager_ ? &d_->one : &d_->scale;
   if (!eager_) ensure_scale();
   if (overlap()) {
-    // The decision needs the host (commit or restore): without clip_grad_norm, the
+    // The decision needs the host (commit or drop): without clip_grad_norm, the
     // step's one host synchronisation is here; the coefficient stays 1.
     const float* d_clip = &d_->summary.clip;
     if (!flag_known_) {
@@ -909,7 +913,7 @@ void GpuGradientManager::do_recover() {
   report_ = StepReport{};
   scale_uploaded_ = partial_done_ = flag_known_ = false;
   spare_used_ = 0;
-  std::fill(chunk_save_.begin(), chunk_save_.end(), nullptr);
+  std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
 }
 
 std::exception_ptr GpuGradientManager::do_close() noexcept {

@@ -317,8 +317,8 @@ void differential(MakeDevice make_device) {
   }
 }
 
-/// Non-finite gradients (a NaN in parameter 4, step 1, micro-batch 1): the step (or with
-/// overlap, only chunk 1) is skipped and reported; counters do not advance (step 2 still
+/// Non-finite gradients (a NaN in parameter 4, step 1, micro-batch 1): the whole step, with
+/// or without overlap, is skipped and reported; counters do not advance (step 2 still
 /// matches the reference, which skips without advancing).
 template <class MakeDevice>
 void non_finite(MakeDevice make_device) {

@@ -844,8 +844,9 @@ TEST(Speculation, ClipTwiceOrAfterStepWithOverlapIsRefusedAndChangesNothing) {
 
 // The host device with a copy failure: once armed, the first device-to-device copy on the
 // compute queue after an optimizer step was enqueued throws (as an enqueueing call of a
-// real device fails) — in modes none and optimizer, the save of the second chunk
-// speculated in the step, after the first was saved and stepped.
+// real device fails) — in modes none and optimizer (AdamW), the copy of the second
+// speculated chunk's step counters into its rollback space, after the first chunk was
+// stepped into its own.
 class FailingCopyDevice final : public test_support::ForwardingDevice {
  public:
   void arm() {
@@ -944,8 +945,9 @@ void expect_stays_failed(GradientManager& m, Errc code) {
 // Runs a failing overlapped step: `arm` sets the failure up; the step (a NaN-free step
 // that would commit) must raise an Error. Checks what docs/managers.md ("Failures")
 // promises: the manager stays failed; the model's compute weights (the trainer's
-// storage) are as the previous step left them; in full offload the live state too (read
-// through host_state's views taken before the step: a failed step never swaps arrays);
+// storage) are as the previous step left them; where the state is host memory (modes
+// full and optimizer) the live state too (read through host_state's views taken before
+// the step: speculation writes only the rollback space, a failed step commits nothing);
 // and a new manager that loads the checkpoint saved before the step holds exactly its
 // state and continues from it as a manager that never failed.
 void failing_step(OffloadMode mode, device::Device& dev,
@@ -961,9 +963,9 @@ void failing_step(OffloadMode mode, device::Device& dev,
   (void)m->report();
   const State before = read_state(*m);
   m->save_checkpoint(path);
-  std::vector<std::vector<float>> live_before;  // full: the live arrays, where they are
+  std::vector<std::vector<float>> live_before;  // the live host arrays, where they are
   std::vector<GradientManager::HostState> live;
-  if (mode == OffloadMode::full)
+  if (mode != OffloadMode::none)
     for (std::size_t i = 0; i < sizes.size(); ++i) {
       live.push_back(m->host_state(i));
       for (auto s : {live.back().master, live.back().exp_avg, live.back().exp_avg_sq})
@@ -983,7 +985,7 @@ void failing_step(OffloadMode mode, device::Device& dev,
   ASSERT_TRUE(raised) << "the failure was not raised";
   dev.synchronize();  // (the host device raised its error once: the queues are idle)
   EXPECT_TRUE(weights.read(cfg) == weights_before) << "the model's compute weights changed";
-  if (mode == OffloadMode::full) {
+  if (mode != OffloadMode::none) {
     std::size_t k = 0;
     for (std::size_t i = 0; i < sizes.size(); ++i)
       for (auto s : {live[i].master, live[i].exp_avg, live[i].exp_avg_sq}) {
@@ -1019,8 +1021,8 @@ std::string temp_path(const std::string& what) {
 // (a) A copy fails while chunks are speculated. Full offload: the device-to-host copy of
 // parameter 0's final gradient, after chunks {4,5} and {2,3} were posted for speculation
 // (the host device's injected failure, raised when its queue runs it). Modes none and
-// optimizer: the save of the second chunk speculated ({2,3}), after {4,5} was saved and
-// stepped (its compute weights to staging).
+// optimizer: the counters' copy into the rollback space of the second chunk speculated
+// ({2,3}), after {4,5} was stepped into its own (its compute weights to staging).
 TEST(Speculation, ACopyFailureWhileChunksAreSpeculatedLeavesTheManagerFailedAndRestorable) {
   {
     SCOPED_TRACE("full");
