@@ -8,7 +8,9 @@ several ways:
   tokens, counted before the first forward), `clip_grad_norm_`, fused AdamW and a
   warm-up + cosine LambdaLR schedule. Runs with nothing but torch.
 * `run_stepcore`: the same loop driven by `stepcore.torch.GradientManager` in each offload
-  mode ("none", "optimizer", "full"), with and without optimizer-in-backward (overlap).
+  mode ("none", "optimizer", "full"), with and without optimizer-in-backward (overlap:
+  each chunk is stepped speculatively during the final backward, then `clip_grad_norm_`
+  commits it or rolls it back and steps it again with the clip coefficient).
 
 With `--record DIR` every run records its tensors after each step with stepcore.diff
 (docs/python.md, "Differential testing") into DIR/<run tag>/ (`torch`, `stepcore-none`,
@@ -18,9 +20,12 @@ coefficient at point "clip"; exp_avg, exp_avg_sq, step, master and param of ever
 parameter at point "after_step"), so `python -m stepcore.diff DIR/torch DIR/stepcore-none`
 says where they first diverge.
 
-`main()` prints loss, gradient norm and lr per step for every run, then one `bitwise:`
-line saying whether the stepcore modes gave the same bits (params, exp_avg, exp_avg_sq,
-step and norm after every step), and a line comparing stepcore with the baseline. With
+`main()` prints loss, gradient norm and lr per step for every run, then `bitwise:` lines
+saying whether the stepcore modes gave the same bits (params, exp_avg, exp_avg_sq, step
+and norm after every step), without and with overlap, and whether each mode's overlapped
+run gave its non-overlapped run's bits at every step (with the run's speculation counts:
+chunks speculated, committed, rolled back), and a line comparing stepcore with the
+baseline. With
 `--processes 2` the model is sharded with FSDP2 over two gloo processes that each run every
 batch, and rank 0 compares every mode with the 1-process run (rank 0 prints). When
 stepcore.torch.GradientManager cannot be imported only the baseline runs (exit 0).
@@ -201,9 +206,8 @@ def print_step(tag: str, s: int, rec: dict, show: bool) -> None:
     """Prints one step's line: step, loss per token, grad norm (before clipping), lr."""
     if not show:
         return
-    norm = "n/a (overlap)" if rec["norm"] is None else f"{rec['norm']:.6f}"
-    print(f"[{tag}] step {s + 1:3d}  loss {rec['loss']:.5f}  norm {norm}  lr {rec['lr']:.3e}",
-          flush=True)
+    print(f"[{tag}] step {s + 1:3d}  loss {rec['loss']:.5f}  norm {rec['norm']:.6f}  "
+          f"lr {rec['lr']:.3e}", flush=True)
 
 
 # ---- the two trainers ----------------------------------------------------------------
@@ -301,9 +305,11 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
                  world: int = 1, show: bool = True, fsdp: bool = False, record_tag=None):
     """Trains with stepcore.torch.GradientManager in mode `offload`, optimizer-in-backward if `overlap`.
 
-    Returns (records, final params) like run_torch. With overlap the optimizer runs during
-    the final backward, so clip_grad_norm_ is not called (the manager refuses it): the
-    record's norm is report()["norm"] when the report has one, else None. With `fsdp` the
+    Returns (records, final params) like run_torch (each record also holds the step's
+    report()). With overlap each chunk is stepped during the final backward as if
+    unclipped (args.speculation says which), and clip_grad_norm_ then commits those
+    chunks or rolls them back and steps them again with the coefficient: the same bits as
+    without overlap. With `fsdp` the
     model is sharded over the ranks (FSDP2) and every rank runs every micro-batch: each
     rank's shard of the gradient is the 1-process gradient's, and the manager's norm is
     global over the shards. With --record the run records into args.record/<record_tag>
@@ -323,7 +329,8 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
     recorder = make_recorder(args, run_tag, rank=None if fsdp else rank)
     gm = GradientManager(model, offload=offload, optimizer="adamw", lr=args.lr, betas=BETAS,
                          eps=EPS, weight_decay=WEIGHT_DECAY, threads=args.threads or None,
-                         formula=args.formula, recorder=recorder)
+                         formula=args.formula, recorder=recorder,
+                         speculation=args.speculation)
     try:
         sched = torch.optim.lr_scheduler.LambdaLR(gm, make_schedule(args.warmup, args.steps))
         records = []
@@ -340,16 +347,13 @@ def run_stepcore(args, offload: str, overlap: bool, data=None, *, rank: int = 0,
                 loss.backward()
                 gm.finish_backward()
                 loss_sum += float(loss.detach())
-            norm = None if overlap else gm.clip_grad_norm_(args.max_norm)
+            norm = gm.clip_grad_norm_(args.max_norm)  # with or without overlap
             gm.step()
             sched.step()
             rep = gm.report()
-            if norm is None and rep.get("norm") is not None:
-                norm = torch.as_tensor(rep["norm"], dtype=torch.float32)
             rec = {"loss": (loss_sum if fsdp else all_reduce_sum(loss_sum, world)) / tokens,
-                   "norm": None if norm is None else float(norm),
-                   "norm_bits": None if norm is None else int(bits(torch.as_tensor(norm))[0]),
-                   "lr": lr, "clipped": (not overlap) and float(norm) > args.max_norm,
+                   "norm": float(norm), "norm_bits": int(bits(norm)[0]),
+                   "lr": lr, "clipped": float(norm) > args.max_norm,
                    "digests": state_digests(params, gm.state_dict()), "report": rep}
             records.append(rec)
             print_step(tag, s, rec, show)
@@ -376,6 +380,32 @@ def same_bits(runs: dict[str, tuple]) -> tuple[bool, str]:
             if a["norm_bits"] != b["norm_bits"]:
                 return False, f"{name} differs from {names[0]} in the norm of step {s + 1}"
     return True, ""
+
+
+def speculation_counts(run: tuple) -> tuple[int, int, int]:
+    """Returns a run's chunks speculated, committed and rolled back, summed over its steps."""
+    keys = ("chunks_speculated", "chunks_committed", "chunks_rolled_back")
+    return tuple(sum(r["report"][k] for r in run[0]) for k in keys)
+
+
+def overlap_line(runs: dict[str, tuple], overlap_runs: dict[str, tuple]) -> tuple[bool, str]:
+    """Returns whether every mode's overlapped run has its non-overlapped run's bits at
+    every step, and the `bitwise:` line saying so with each run's speculation counts."""
+    whys = []
+    for mode in overlap_runs:
+        ok, why = same_bits({f"{mode}": runs[mode], f"{mode} overlap": overlap_runs[mode]})
+        if not ok:
+            whys.append(why)
+    steps = len(next(iter(overlap_runs.values()))[0])
+    counts = "; ".join(f"{mode} {s} speculated, {c} committed, {b} rolled back"
+                       for mode, (s, c, b) in ((m, speculation_counts(r))
+                                               for m, r in overlap_runs.items()))
+    line = (f"bitwise: overlapped runs (modes {', '.join(overlap_runs)}) "
+            f"{'identical' if not whys else 'NOT identical'} to their non-overlapped runs in "
+            "params, exp_avg, exp_avg_sq, step and norm after every step"
+            + (f" ({'; '.join(whys)})" if whys else "")
+            + f"; chunks over {steps} steps: {counts}")
+    return not whys, line
 
 
 def compare_with_torch(base: tuple, run: tuple, max_norm: float) -> str:
@@ -429,6 +459,9 @@ def parse_args(argv=None):
                    help="gloo processes sharding the model (FSDP2), each running every batch")
     p.add_argument("--formula", choices=("torch", "native"), default="torch",
                    help="stepcore's AdamW formula (torch: torch's fused kernel bit for bit)")
+    p.add_argument("--speculation", choices=("auto", "always", "never"), default="auto",
+                   help="which chunks an overlapped step steps before clip_grad_norm_ decides "
+                        "(docs/managers.md, \"With overlap\"); every choice gives the same bits")
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
@@ -479,11 +512,11 @@ def run_all(args, rank: int = 0, world: int = 1) -> int:
         f"exp_avg, exp_avg_sq, step and norm after every step" + ("" if ok else f" ({why})"))
     ok2, why2 = same_bits(overlap_runs)
     say(f"bitwise (overlap): modes {', '.join(overlap_runs)} "
-        f"{'identical' if ok2 else 'NOT identical'} after every step" + ("" if ok2 else f" ({why2})")
-        + "; overlap steps during the final backward, so there is no clipping "
-          "(clip_grad_norm_ is refused) and these runs differ from the clipped ones")
+        f"{'identical' if ok2 else 'NOT identical'} after every step" + ("" if ok2 else f" ({why2})"))
+    ok3, line = overlap_line(runs, overlap_runs)
+    say(line)
     say(compare_with_torch(base, runs[MODES[0]], args.max_norm))
-    return 0 if ok and ok2 else 1
+    return 0 if ok and ok2 and ok3 else 1
 
 
 def run_sharded(args, rank: int, world: int) -> int:

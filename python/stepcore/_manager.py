@@ -305,7 +305,9 @@ class GradientManager(torch.optim.Optimizer):
                 self._pushed[gi] = now
 
     def begin_step(self, gradient_scale, overlap_optimizer=False) -> None:
-        """Starts a step whose gradients are multiplied by `gradient_scale` (e.g. 1/tokens)."""
+        """Starts a step whose gradients are multiplied by `gradient_scale` (e.g. 1/tokens);
+        `overlap_optimizer`: step each chunk speculatively during the final backward (the
+        step's decision commits or rolls it back: the same bits; docs/python.md)."""
         self._push_hyperparameters()
         self._m.begin_step(float(gradient_scale), bool(overlap_optimizer))
         self._overlap = bool(overlap_optimizer)
@@ -336,7 +338,8 @@ class GradientManager(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Runs the optimizer (with overlap: the chunks not yet stepped) and waits for it."""
+        """Runs the optimizer and waits for it (with overlap: commits the speculated chunks
+        or rolls them back and steps them again, and steps the chunks that waited)."""
         if closure is not None:
             raise NotImplementedError("stepcore.torch: GradientManager.step takes no closure "
                                       "(backward runs between begin_backward and finish_backward)")

@@ -70,10 +70,13 @@ def test_the_example_records_every_run(recordings):
 
 
 def test_modes_none_and_full_compare_identical(recordings):
-    """Mode none against mode full (clipped, and with overlap): exit 0, every tensor identical."""
+    """Mode none against mode full (clipped, and with overlap), and each overlapped run
+    against its non-overlapped run: exit 0, every tensor identical."""
     d = recordings["torch"]
     for a, b in (("stepcore-none", "stepcore-full"),
-                 ("stepcore-none-overlap", "stepcore-full-overlap")):
+                 ("stepcore-none-overlap", "stepcore-full-overlap"),
+                 ("stepcore-none", "stepcore-none-overlap"),
+                 ("stepcore-full", "stepcore-full-overlap")):
         rc, r = diff_json(d / a, d / b)
         assert rc == 0 and r["identical"] is True, (a, b, r["first_divergence"])
         assert r["summary"]["identical"] == r["summary"]["tensors"] > 0
@@ -101,19 +104,16 @@ def test_native_against_torch_diverges_at_step_1_in_exp_avg(recordings):
 def test_the_hook_records_in_the_documented_order(recordings):
     """Step 1: clip/norm, clip/clip_coefficient, then each kind for every parameter."""
     # kinds exp_avg, exp_avg_sq, step, master, param; the model's names; overlap runs
-    # have no clip point
+    # call clip_grad_norm_ too, so they have the clip point
     args = lm.parse_args(SMALL)
     names = [n for n, _ in lm.build_model(args).named_parameters()]
     want = [("clip", "norm"), ("clip", "clip_coefficient")] + [
         ("after_step", f"{k}/{n}") for k in ("exp_avg", "exp_avg_sq", "step", "master", "param")
         for n in names]
-    for tag in ("stepcore-optimizer", "torch"):
+    for tag in ("stepcore-optimizer", "torch", "stepcore-none-overlap"):
         r = sd.read_recording(recordings["torch"] / tag)
         got = [(e["point"], e["name"]) for e in r.entries if e["step"] == 1]
         assert got == want, tag
-    r = sd.read_recording(recordings["torch"] / "stepcore-none-overlap")
-    got = [(e["point"], e["name"]) for e in r.entries if e["step"] == 1]
-    assert got == want[2:]
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """The gradient managers from Python (stepcore._core.GradientManager on the host device):
 the three offload modes give the same bits, equal to torch's fused AdamW fed the
-manager's gradient read (an independent expectation), also on two in-process ranks; the
-trainer's own gradient buffers, groups and schedules, checkpoints across modes; bad
-input named."""
+manager's gradient read (an independent expectation), also on two in-process ranks and
+with overlap (speculated chunks committed or rolled back); the trainer's own gradient
+buffers, groups and schedules, checkpoints across modes; bad input named."""
 
 import threading
 from fractions import Fraction
@@ -39,12 +39,13 @@ def lr_at(step, g):
 
 
 def run(mode, steps=4, max_norm=0.5, caller=False, comm=None, shard=None, save=None, load=None,
-        first=0):
+        first=0, overlap=False, reports=None, **kw):
     """Drives a manager through `steps` steps of 2 micro-batches; returns per step the norm
-    and every parameter's (master, exp_avg, exp_avg_sq, compute bytes, step)."""
+    and every parameter's (master, exp_avg, exp_avg_sq, compute bytes, step). max_norm may
+    be a list (one per step); `reports` collects each step's report()."""
     m = core.GradientManager(mode, specs(gradient_buffer=not caller) if shard is None else shard[0],
                              groups=GROUPS, threads=2, chunk_elements=1000, comm=comm,
-                             layout_fingerprint=7)
+                             layout_fingerprint=7, **kw)
     sizes = SIZES if shard is None else [p["numel"] for p in shard[0]]
     offs = [0] * len(SIZES) if shard is None else shard[1]
     for i, n in enumerate(sizes):
@@ -55,7 +56,7 @@ def run(mode, steps=4, max_norm=0.5, caller=False, comm=None, shard=None, save=N
     for s in range(first, first + steps):
         for g in range(2):
             m.set_hyperparameters(g, lr_at(s, g), GROUPS[g]["weight_decay"])
-        m.begin_step(1.0 / (100 + s))
+        m.begin_step(1.0 / (100 + s), overlap)
         for mb in range(2):
             m.begin_backward(mb == 1)
             for i in reversed(range(len(sizes))):
@@ -69,9 +70,11 @@ def run(mode, steps=4, max_norm=0.5, caller=False, comm=None, shard=None, save=N
                     np.from_dlpack(m.gradient(i))[:] = gi
                     m.gradient_ready(i)
             m.finish_backward()
-        norm = m.clip_grad_norm(max_norm)
+        norm = m.clip_grad_norm(max_norm[s - first] if isinstance(max_norm, list) else max_norm)
         m.step()
-        m.report()
+        rep = m.report()
+        if reports is not None:
+            reports.append(rep)
         state = [m.read_parameter(i) + (m.step_count(i),) for i in range(len(sizes))]
         out.append((norm, state))
     if save:
@@ -95,6 +98,30 @@ def test_the_three_modes_give_the_same_bits_and_the_trainers_buffers_too():
     for mode in MODES:
         same(run(mode), want)
         same(run(mode, caller=True), want)
+
+
+@pytest.mark.parametrize("speculation", ["always", "never", "auto"])
+@pytest.mark.parametrize("mode", MODES)
+def test_overlapped_steps_with_clipping_give_the_same_bits(mode, speculation):
+    """begin_step(s, True) then clip_grad_norm: clipped steps roll the speculated chunks
+    back and step them again, unclipped ones commit them; the bits are those of the same
+    steps without overlap."""
+    norms = [n for n, _ in run("none", max_norm=1e9)]
+    max_norms = [norms[0] / 2, 1e9, 1e9, norms[3] / 2]  # clipped, not, not, clipped
+    want = run("none", max_norm=max_norms)
+    reports = []
+    same(run(mode, max_norm=max_norms, overlap=True, reports=reports,
+             speculation=speculation), want)
+    for s, rep in enumerate(reports):
+        spec = rep["chunks_speculated"]
+        assert rep["chunks_committed"] + rep["chunks_rolled_back"] == spec, (s, rep)
+        assert (rep["clip_coefficient"] < 1) == (s in (0, 3)), (s, rep)
+        # auto: speculates at the first step and after a committed one: waits at step 1
+        if speculation == "never" or (speculation == "auto" and s == 1):
+            assert spec == 0, (s, rep)
+            continue
+        assert spec > 0, (s, rep)
+        assert rep["chunks_rolled_back" if s in (0, 3) else "chunks_committed"] == spec, (s, rep)
 
 
 def test_the_manager_equals_torch_fused_adamw_fed_its_gradient_read():
@@ -189,6 +216,10 @@ def test_bad_input_is_named():
         core.GradientManager("full", specs(), groups=[GROUPS[0], {**GROUPS[1], "lr": -1.0}])
     with pytest.raises(ValueError, match="device"):
         core.GradientManager("full", specs(), device="tpu")
+    with pytest.raises(ValueError, match="speculation"):
+        core.GradientManager("full", specs(), speculation="sometimes")
+    with pytest.raises(ValueError, match="speculation_bytes"):
+        core.GradientManager("none", specs(), speculation_bytes=-2)
     m = core.GradientManager("full", specs(gradient_buffer=False), groups=GROUPS, threads=1)
     m.begin_step(1.0)
     m.begin_backward(True)

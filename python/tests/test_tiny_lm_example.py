@@ -4,8 +4,9 @@ The baseline is the reference the example compares stepcore's GradientManager ag
 it must learn (the loss falls by a clear margin in a few steps), be deterministic (two
 runs give the same bits) and be quick; its batches must have what the example claims:
 uneven micro-batches whose padding does not count as loss tokens. The example itself must
-report the three offload modes bitwise identical (with and without overlap), and on 2
-FSDP2 processes identical to the 1-process run.
+report the three offload modes bitwise identical (with and without overlap), each mode's
+overlapped run (clipped, its speculated chunks committed or rolled back) identical to its
+non-overlapped run, and on 2 FSDP2 processes identical to the 1-process run.
 """
 
 import math
@@ -94,13 +95,30 @@ def run_example(argv, timeout=600):
 
 
 def test_the_example_reports_the_three_modes_bitwise_identical():
-    """The README's `bitwise:` lines, from the example itself (6 steps)."""
+    """The README's `bitwise:` lines, from the example itself (6 steps). With --speculation
+    always every overlapped step speculates its one chunk (the default chunk holds the
+    whole model) and every clipped step rolls it back; the bits are still the
+    non-overlapped runs'."""
     pytest.importorskip("stepcore.torch")
-    rc, out = run_example(["--steps", "6", "--warmup", "2", "--quiet"])
+    rc, out = run_example(["--steps", "6", "--warmup", "2", "--quiet", "--speculation", "always"])
     assert rc == 0, out[-3000:]
     assert "bitwise: modes none, optimizer, full identical in params, exp_avg, exp_avg_sq, " \
         "step and norm after every step" in out, out
     assert "bitwise (overlap): modes none, optimizer, full identical after every step" in out, out
+    assert "refused" not in out, out
+    prefix = ("bitwise: overlapped runs (modes none, optimizer, full) identical to their "
+              "non-overlapped runs in params, exp_avg, exp_avg_sq, step and norm after every "
+              "step; chunks over 6 steps: ")
+    line = next((x for x in out.splitlines() if x.startswith(prefix)), None)
+    assert line is not None, out
+    counts = line[len(prefix):].split("; ")
+    assert len(counts) == len(lm.MODES), line
+    for mode, c in zip(lm.MODES, counts):
+        words = c.split()  # "<mode> N speculated, N committed, N rolled back"
+        assert words[0] == mode, line
+        speculated, committed, rolled_back = int(words[1]), int(words[3]), int(words[5])
+        assert speculated == 6 and committed + rolled_back == speculated, line
+        assert rolled_back > 0, line  # the first steps clip at max_norm 1.0
     assert "vs torch: max |loss diff|" in out, out
 
 

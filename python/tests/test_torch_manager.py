@@ -3,10 +3,13 @@
 The independent reference is plain torch: the same model trained with autograd's own
 gradient accumulation, the step's scale as an f32 multiply, the exact norm (Python
 integers, exact.py), torch's clip coefficient formula, torch's multiply for the clip and
-torch.optim.AdamW(fused=True) under the same LambdaLR schedule. Every mode (none,
-optimizer, full), with and without optimizer overlap, must give its bits after every step:
-parameters, moments, step counters, norms and clip coefficients; on 1 and 2 gloo processes
-(FSDP2 fully_shard); and through a state_dict saved in one mode and loaded in another.
+torch.optim.AdamW(fused=True) under the same LambdaLR schedule, with a max_norm that
+varies by step so that clipped and unclipped steps alternate. Every mode (none, optimizer,
+full), with and without optimizer overlap (speculated chunks committed or rolled back, under
+every speculation policy and budget), must give its bits after every step: parameters,
+moments, step counters, norms and clip coefficients; on 1 and 2 gloo processes (FSDP2
+fully_shard); and through a state_dict saved in one mode and loaded in another. A
+non-finite gradient (on one rank) skips the whole step, overlapped or not.
 """
 
 import hashlib
@@ -27,6 +30,9 @@ from exact import exact_norm  # noqa: E402
 MODES = ("none", "optimizer", "full")
 VOCAB, HIDDEN = 61, 12
 MAX_NORM = 0.05
+# The step norms are about 0.3-0.4: max_norm 0.05 clips (coefficient about 0.15), 1.0 does
+# not (coefficient 1), so steps 0 and 3 are clipped and steps 1, 2 and 4 are not.
+MAX_NORMS = (MAX_NORM, 1.0, 1.0, MAX_NORM, 1.0)
 BETAS, WD = (0.9, 0.95), 0.1
 
 
@@ -107,11 +113,17 @@ def make_groups(model):
 # ---- the reference: plain torch ------------------------------------------------------
 
 
+def max_norm_at(step):
+    """The step's max_norm (MAX_NORMS, then MAX_NORM)."""
+    return MAX_NORMS[step] if step < len(MAX_NORMS) else MAX_NORM
+
+
 def train_with_torch(model, steps, norm_of):
     """Trains `model` with plain torch and returns per-step records (params bits, state
     bits, norm, clip): autograd's accumulation, g = R(g * s) and then R(g * c) in place on
     each (local) gradient, torch.optim.AdamW(fused=True) under the schedule.
-    norm_of(step, scaled local grads) gives the step's norm, or None for no clipping."""
+    norm_of(step, scaled local grads) gives the step's norm, or None for no clipping; the
+    coefficient is torch's min(1, max_norm_at(step) / (norm + 1e-6))."""
     groups = make_groups(model)
     for g in groups:
         g.pop("name")
@@ -131,7 +143,8 @@ def train_with_torch(model, steps, norm_of):
             norm = norm_of(step, local)
             clip = 1.0
             if norm is not None:
-                clip = float(torch.clamp(MAX_NORM / (torch.tensor(norm) + 1e-6), max=1.0))
+                clip = float(torch.clamp(max_norm_at(step) / (torch.tensor(norm) + 1e-6),
+                                         max=1.0))
                 for g in local:
                     g.copy_(g * torch.tensor(clip, dtype=torch.float32))  # R(R(g*s)*c)
         opt.step()
@@ -149,40 +162,46 @@ def _local_value(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def run_reference(steps, overlap):
-    """The reference records: plain torch with the exact norm (none with overlap)."""
+def run_reference(steps, clip):
+    """The reference records: plain torch with the exact norm (clip), or without clipping."""
     return train_with_torch(TinyLM(), steps,
-                            lambda step, grads: None if overlap else f32(exact_norm(grads)))
+                            lambda step, grads: f32(exact_norm(grads)) if clip else None)
 
 
 # ---- the manager ------------------------------------------------------------------------
 
 
-def drive(gm, model, sched, step, overlap, rank=None):
-    """One training step through the manager; returns (norm or None, report)."""
+def backward_steps(gm, model, step, overlap):
+    """begin_step and the step's micro-batches' backwards (the final one last)."""
     mbs = micro_batches(step)
     gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=overlap)
     for k, mb in enumerate(mbs):
         gm.begin_backward(final_backward=k == len(mbs) - 1)
         loss_sum(model, mb).backward()
         gm.finish_backward()
-    norm = None if overlap else gm.clip_grad_norm_(MAX_NORM)
+
+
+def drive(gm, model, sched, step, overlap, clip=True):
+    """One training step through the manager (clip_grad_norm_ with the step's max_norm
+    unless not `clip`, with or without overlap); returns (norm or None, report)."""
+    backward_steps(gm, model, step, overlap)
+    norm = gm.clip_grad_norm_(max_norm_at(step)) if clip else None
     gm.step()
     sched.step()
     return norm, gm.report()
 
 
 def record(gm, model, norm, rep):
-    """The step's record in the reference's form."""
+    """The step's record in the reference's form, and the step's report last."""
     sd = gm.state_dict()["state"]
     params = [p for g in gm.param_groups for p in g["params"]]
     return ([bits(p) for p in params],
             [(bits(sd[i]["exp_avg"]), bits(sd[i]["exp_avg_sq"]), float(sd[i]["step"]))
              for i in range(len(params))],
-            None if norm is None else norm.item(), rep["clip_coefficient"])
+            None if norm is None else norm.item(), rep["clip_coefficient"], rep)
 
 
-def run_manager(mode, steps, overlap, *, start=None, until=None, **kw):
+def run_manager(mode, steps, overlap, *, clip=True, **kw):
     """Trains TinyLM through a GradientManager in `mode`; returns the per-step records."""
     model = TinyLM()
     gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
@@ -191,7 +210,7 @@ def run_manager(mode, steps, overlap, *, start=None, until=None, **kw):
     records = []
     try:
         for step in range(steps):
-            norm, rep = drive(gm, model, sched, step, overlap)
+            norm, rep = drive(gm, model, sched, step, overlap, clip)
             records.append(record(gm, model, norm, rep))
     finally:
         gm.close()
@@ -214,22 +233,106 @@ def assert_records_equal(got, want, what):
 
 
 STEPS = 5
+CLIPPED = [s for s in range(STEPS) if max_norm_at(s) == MAX_NORM]  # steps 0 and 3
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """The reference records, without and with overlap (no clipping)."""
-    return {overlap: run_reference(STEPS, overlap) for overlap in (False, True)}
+    """The reference records: "clipped" (clip_grad_norm_ with the step's max_norm; steps
+    0 and 3 clip, the others do not) and "unclipped" (no clip_grad_norm_ at all)."""
+    return {"clipped": run_reference(STEPS, True), "unclipped": run_reference(STEPS, False)}
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
+@pytest.fixture(scope="module")
+def serial():
+    """Each mode's records without overlap, clip_grad_norm_ every step (300-element chunks)."""
+    return {mode: run_manager(mode, STEPS, False, chunk_elements=300) for mode in MODES}
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_every_mode_gives_the_reference_bits_after_every_step(mode, overlap, reference):
+def test_every_mode_gives_the_reference_bits_after_every_step(mode, reference, serial):
     """Params, moments, counters, norms and clip coefficients equal plain torch's, every
     step, under a LambdaLR schedule (the manager reads each group's lr at every step)."""
-    got = run_manager(mode, STEPS, overlap, chunk_elements=300)
-    assert_records_equal(got, reference[overlap], f"{mode} overlap={overlap}")
-    assert overlap or got[0][3] < 1.0, "the test should clip"
+    got = serial[mode]
+    assert_records_equal(got, reference["clipped"], mode)
+    coefficients = [r[3] for r in got]
+    assert [s for s, c in enumerate(coefficients) if c < 1.0] == CLIPPED, coefficients
+    for r in got:  # no overlap: nothing speculated
+        assert (r[4]["chunks_speculated"], r[4]["chunks_committed"],
+                r[4]["chunks_rolled_back"]) == (0, 0, 0), r[4]
+
+
+def check_speculation_counts(records, speculation, speculation_bytes, what):
+    """The report's chunk counts of an overlapped AdamW run whose steps all clip_grad_norm_:
+    committed + rolled_back == speculated; none with "never" or budget 0; with "always"
+    every step speculates, a clipped step rolls back everything speculated and an
+    unclipped one commits it; "auto" speculates at the first step and after a step that
+    kept its speculation (coefficient 1), and waits after a clipped one."""
+    for s, r in enumerate(records):
+        rep, clipped = r[4], r[3] < 1.0
+        spec, kept, back = (rep["chunks_speculated"], rep["chunks_committed"],
+                            rep["chunks_rolled_back"])
+        where = f"{what}: step {s} report {rep}"
+        assert kept + back == spec, where
+        assert rep["stepped"] and not rep["skipped"], where
+        assert rep["exposed_seconds"] >= 0.0, where
+        if speculation == "never" or speculation_bytes == 0:
+            assert spec == 0, where
+            continue
+        if speculation == "always":
+            assert spec > 0, where
+        else:  # auto
+            assert (spec > 0) == (s == 0 or records[s - 1][3] == 1.0), where
+        if clipped:  # AdamW with a coefficient < 1: every speculated chunk is rolled back
+            assert (kept, back) == (0, spec), where
+        else:
+            assert (kept, back) == (spec, 0), where
+
+
+@pytest.mark.parametrize("speculation_bytes", [-1, 0], ids=["all_chunks", "no_budget"])
+@pytest.mark.parametrize("speculation", ["always", "never", "auto"])
+@pytest.mark.parametrize("mode", MODES)
+def test_overlapped_steps_with_clipping_give_the_serial_bits(mode, speculation,
+                                                            speculation_bytes, reference,
+                                                            serial):
+    """clip_grad_norm_ after begin_step(s, overlap_optimizer=True): the speculated chunks
+    are committed (unclipped steps) or rolled back and stepped again with the coefficient
+    (clipped steps); after every step the bits are the non-overlapped run's and plain
+    torch's, under every policy and budget."""
+    what = f"{mode} overlap speculation={speculation} speculation_bytes={speculation_bytes}"
+    got = run_manager(mode, STEPS, True, chunk_elements=300, speculation=speculation,
+                      speculation_bytes=speculation_bytes)
+    assert_records_equal(got, serial[mode], what + " vs no overlap")
+    assert_records_equal(got, reference["clipped"], what + " vs torch")
+    check_speculation_counts(got, speculation, speculation_bytes, what)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_partial_speculation_budget_speculates_some_chunks_and_changes_no_bit(mode, serial):
+    """speculation_bytes that hold a few chunks' rollback space (a 300-element chunk needs
+    about 3.6 to 5 kB): fewer chunks speculate than with the whole budget, some do, and the
+    bits are the serial run's."""
+    whole = run_manager(mode, STEPS, True, chunk_elements=300, speculation="always")
+    part = run_manager(mode, STEPS, True, chunk_elements=300, speculation="always",
+                       speculation_bytes=10000)
+    for runs, what in ((whole, "all chunks"), (part, "10000 bytes")):
+        assert_records_equal(runs, serial[mode], f"{mode} overlap, budget {what}")
+        check_speculation_counts(runs, "always", -1, f"{mode} budget {what}")
+    for s, (a, b) in enumerate(zip(part, whole)):
+        assert 0 < a[4]["chunks_speculated"] < b[4]["chunks_speculated"], (s, a[4], b[4])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_overlapped_steps_without_clipping_commit_and_give_torchs_bits(mode, reference):
+    """No clip_grad_norm_: step() decides (coefficient 1, finite), so every speculated
+    chunk is committed; the bits are plain torch's without clipping."""
+    got = run_manager(mode, STEPS, True, clip=False, chunk_elements=300, speculation="always")
+    assert_records_equal(got, reference["unclipped"], f"{mode} overlap without clipping")
+    for s, r in enumerate(got):
+        rep = r[4]
+        assert r[3] == 1.0 and rep["chunks_speculated"] > 0, (s, rep)
+        assert rep["chunks_committed"] == rep["chunks_speculated"], (s, rep)
+        assert rep["chunks_rolled_back"] == 0, (s, rep)
 
 
 def test_state_dict_saved_in_one_mode_resumes_in_another(reference):
@@ -263,7 +366,7 @@ def test_state_dict_saved_in_one_mode_resumes_in_another(reference):
             records.append(record(gm2, model2, norm, rep))
     finally:
         gm2.close()
-    assert_records_equal(records, reference[False][2:], "full -> none resume")
+    assert_records_equal(records, reference["clipped"][2:], "full -> none resume")
 
 
 def test_state_dict_is_a_view_of_the_host_state_in_modes_optimizer_and_full():
@@ -296,7 +399,7 @@ def test_state_dict_interoperates_with_torch_adamw(reference):
     opt.load_state_dict(sd)
     params = [p for g in opt.param_groups for p in g["params"]]
     for i, p in enumerate(params):
-        assert torch.equal(bits(opt.state[p]["exp_avg"]), reference[False][1][1][i][0])
+        assert torch.equal(bits(opt.state[p]["exp_avg"]), reference["clipped"][1][1][i][0])
     gm.close()
 
 
@@ -340,18 +443,96 @@ def prepared(mode="full", threads=1):
     return model, gm, sched
 
 
+@pytest.mark.parametrize("name, value", [
+    ("speculation", "sometimes"), ("speculation", "Auto"), ("speculation", None),
+    ("speculation_bytes", -2), ("speculation_bytes", 1.5), ("speculation_bytes", True)])
+def test_bad_speculation_arguments_are_refused_before_anything_is_built(name, value,
+                                                                        monkeypatch):
+    """ValueError naming the argument, raised before the C++ manager or any hook exists."""
+    import stepcore
+
+    def built(*args, **kwargs):
+        raise AssertionError("the C++ manager was built")
+
+    monkeypatch.setattr(stepcore._core, "GradientManager", built)
+    model = TinyLM()
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        st.GradientManager(model, offload="full", **{name: value})
+    for p in model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None), "a hook was registered"
+
+
+def overlapped_manager(mode, **kw):
+    """A model and its manager (300-element chunks, speculation "always" unless given)
+    after one serial step."""
+    kw.setdefault("speculation", "always")
+    model = TinyLM()
+    gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=1, chunk_elements=300, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    drive(gm, model, sched, 0, False)
+    return model, gm, sched
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no_overlap", "overlap"])
 @pytest.mark.parametrize("mode", MODES)
-def test_clipping_after_the_overlapped_optimizer_started_is_refused(mode):
-    model, gm, _ = prepared(mode)
-    mbs = micro_batches(1)
-    gm.begin_step(1.0 / tokens_of(mbs), overlap_optimizer=True)
-    for k, mb in enumerate(mbs):
-        gm.begin_backward(final_backward=k == len(mbs) - 1)
-        loss_sum(model, mb).backward()
-        gm.finish_backward()
+def test_clip_grad_norm_twice_in_a_step_is_refused_and_changes_nothing(mode, overlap,
+                                                                      reference):
+    """The second clip_grad_norm_ of a step raises naming clip_grad_norm; the params are
+    unchanged (the state cannot be read inside a step), and step() then gives the bits of
+    a step clipped once: params, moments, counters, norm and coefficient."""
+    model, gm, sched = overlapped_manager(mode)
+    backward_steps(gm, model, 1, overlap)
+    norm = gm.clip_grad_norm_(max_norm_at(1))
+    before = fingerprint(model)
     with pytest.raises(ValueError, match="clip_grad_norm"):
-        gm.clip_grad_norm_(MAX_NORM)
-    gm.step()  # the manager still completes the step
+        gm.clip_grad_norm_(MAX_NORM)  # another max_norm: must not change the coefficient
+    assert fingerprint(model) == before
+    gm.step()
+    sched.step()
+    got = record(gm, model, norm, gm.report())
+    gm.close()
+    assert_records_equal([got], reference["clipped"][1:2], f"{mode} overlap={overlap}")
+
+
+def poison_first_element(param, when):
+    """A tensor hook that makes the first element of `param`'s gradient NaN while when()."""
+    def hook(g):
+        if not when():
+            return g
+        g = g.clone()
+        g.view(-1)[0] = float("nan")
+        return g
+    return param.register_hook(hook)
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "no_clip"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_non_finite_gradient_with_overlap_skips_the_whole_step(mode, clip):
+    """NaN in one element of embed.weight's gradient (the last gradient of the backward,
+    so the other chunks have been speculated): every speculated chunk is rolled back and
+    the whole step is skipped: params, moments and counters unchanged, report skipped.
+    The next step trains on."""
+    model, gm, sched = overlapped_manager(mode)
+    poisoned = [True]
+    handle = poison_first_element(model.embed.weight, lambda: poisoned[0])
+    before = fingerprint(model, gm)
+    backward_steps(gm, model, 1, True)
+    if clip:
+        norm = gm.clip_grad_norm_(MAX_NORM)
+        assert not math.isfinite(norm.item()), norm
+    gm.step()
+    rep = gm.report()
+    assert rep["skipped"] and not rep["stepped"] and not rep["finite"], rep
+    assert rep["chunks_speculated"] > 0, rep
+    assert (rep["chunks_committed"], rep["chunks_rolled_back"]) == \
+        (0, rep["chunks_speculated"]), rep
+    assert fingerprint(model, gm) == before
+    poisoned[0] = False
+    handle.remove()
+    norm, rep = drive(gm, model, sched, 1, True)
+    assert math.isfinite(norm.item()) and rep["stepped"] and not rep["skipped"], rep
+    assert fingerprint(model, gm) != before
     gm.close()
 
 
@@ -505,30 +686,86 @@ def dcp_resume(path):
     return recs
 
 
+def local_fingerprint(model, gm):
+    """A hash of this rank's shards of the params and of the manager's state."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(_local_value(p.detach()).contiguous().numpy().tobytes())
+    for i, st_i in sorted(gm.state_dict()["state"].items()):
+        for k in sorted(st_i):
+            h.update(k.encode())
+            h.update(_local_value(st_i[k]).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def poison_before_the_manager(gm, p, when):
+    """Makes the first element of p's local gradient NaN, while when(), in a
+    post-accumulate-grad hook that runs before the manager's (FSDP2 sets the sharded
+    param's grad after the reduce-scatter, so a tensor hook would not see it)."""
+    i = next(k for k, q in enumerate(gm._params) if q is p)
+
+    def hook(param):
+        if when():
+            _local_value(param.grad).view(-1)[0] = float("nan")
+
+    handle = p.register_post_accumulate_grad_hook(hook)
+    gm._hooks[i].remove()
+    gm._hooks[i] = p.register_post_accumulate_grad_hook(gm._hook(i))
+    return handle
+
+
+def nan_on_one_rank(rank, mode):
+    """A step with overlap and clipping whose gradient has a NaN on rank 1 only (the first
+    element of its embed.weight shard, the backward's last gradient): returns this rank's
+    (report, whether its params and state are unchanged)."""
+    model = sharded_model()
+    gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                            weight_decay=WD, threads=1, chunk_elements=300, formula="native",
+                            speculation="always")
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    drive(gm, model, sched, 0, False)
+    handle = poison_before_the_manager(gm, model.embed.weight, lambda: rank == 1)
+    before = local_fingerprint(model, gm)
+    _, rep = drive(gm, model, sched, 1, True)
+    unchanged = local_fingerprint(model, gm) == before
+    handle.remove()
+    gm.close()
+    return rep, unchanged
+
+
 def fsdp_worker(rank, world, init_file, out_file):
-    """One gloo process: every mode and formula under FSDP2; saves rank 0's records."""
+    """One gloo process: every mode and formula under FSDP2 (overlapped runs clip too);
+    saves rank 0's records and every rank's NaN-on-rank-1 outcome."""
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=120))
     results = {}
+    runs = [(m, False, "auto") for m in MODES] + [("full", True, "always"),
+                                                   ("none", True, "auto")]
     for formula in ("native", "torch"):
-        for mode, overlap in [(m, False) for m in MODES] + [("full", True), ("none", True)]:
+        for mode, overlap, speculation in runs:
             model = sharded_model()
             gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
                                     weight_decay=WD, threads=1, chunk_elements=300,
-                                    formula=formula)
+                                    formula=formula, speculation=speculation)
             sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
             recs = []
             for step in range(STEPS):
                 norm, rep = drive(gm, model, sched, step, overlap)
                 recs.append(record(gm, model, norm, rep))
             gm.close()
-            results[(formula, mode, overlap)] = recs
-    norms = [r[2] for r in results[("torch", "none", False)]]
+            results[(formula, mode, overlap, speculation)] = recs
+    norms = [r[2] for r in results[("torch", "none", False, "auto")]]
     results["peer"] = torch_fsdp_peer(norms)
     results["dcp"] = dcp_resume(os.path.join(os.path.dirname(out_file), "dcp"))
+    nan = {}
+    for mode in MODES:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, nan_on_one_rank(rank, mode))
+        nan[mode] = everyone
+    results["nan"] = nan
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -538,9 +775,10 @@ def fsdp_worker(rank, world, init_file, out_file):
 def test_two_fsdp2_processes_give_the_single_process_bits(reference):
     """FSDP2 (fully_shard) on 2 gloo processes: the norm global over the ranks equals the
     1-process norm every step; native-formula runs equal the 1-process runs bit for bit in
-    every mode; torch-formula runs equal torch's fused AdamW on the same shards."""
-    native = {overlap: run_manager("none", STEPS, overlap, formula="native")
-              for overlap in (False, True)}
+    every mode, with or without overlap (clipping every step); torch-formula runs equal
+    torch's fused AdamW on the same shards. A NaN in rank 1's gradient alone skips the
+    overlapped step on both ranks: every rank's params and state unchanged."""
+    native = run_manager("none", STEPS, False, formula="native")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([tests_dir] + [p for p in sys.path if p])
@@ -561,18 +799,25 @@ def test_two_fsdp2_processes_give_the_single_process_bits(reference):
             assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
         results = torch.load(out, weights_only=False)
     peer = results.pop("peer")
-    assert_records_equal(results.pop("dcp"), native[False][2:],
+    assert_records_equal(results.pop("dcp"), native[2:],
                          "2 processes: a distributed checkpoint of mode full resumed in mode none")
-    for (formula, mode, overlap), recs in results.items():
-        what = f"2 processes {formula} {mode} overlap={overlap}"
-        for s, (got, want) in enumerate(zip(recs, reference[overlap])):
+    for mode, ranks in results.pop("nan").items():
+        for r, (rep, unchanged) in enumerate(ranks):
+            what = f"2 processes {mode}, NaN on rank 1 only: rank {r} report {rep}"
+            assert unchanged, what + ": params or state changed"
+            assert rep["skipped"] and not rep["stepped"], what
+            assert rep["chunks_committed"] == 0, what
+            assert rep["chunks_rolled_back"] == rep["chunks_speculated"] > 0, what
+    for (formula, mode, overlap, speculation), recs in results.items():
+        what = f"2 processes {formula} {mode} overlap={overlap} speculation={speculation}"
+        for s, (got, want) in enumerate(zip(recs, reference["clipped"])):
             assert got[2] == want[2], f"{what}: step {s} norm"  # the 1-process exact norm
         if formula == "native":
-            assert_records_equal(recs, native[overlap], what)
-        elif not overlap:
+            assert_records_equal(recs, native, what)
+        else:
             assert_records_equal(recs, peer, what + " (against FSDP2 + torch fused AdamW)")
-        else:  # no clip to give the peer: the modes agree with each other
-            assert_records_equal(recs, results[("torch", "none", True)], what)
+        if overlap:
+            check_speculation_counts(recs, speculation, -1, what)
 
 
 # ---- CUDA (label gpu: skips without a GPU) ---------------------------------------------
