@@ -814,7 +814,9 @@ void GpuGradientManager::do_step() {
   ensure_hyper();
   const float* d_scale = eager_ ? &d_->one : &d_->scale;
   if (!eager_) ensure_scale();
-  if (overlap()) {
+  const bool any_speculated =
+      std::find(speculated_.begin(), speculated_.end(), std::uint8_t{1}) != speculated_.end();
+  if (overlap() && any_speculated) {
     // The decision needs the host (commit or drop): without clip_grad_norm, the
     // step's one host synchronisation is here; the coefficient stays 1.
     const float* d_clip = &d_->summary.clip;
