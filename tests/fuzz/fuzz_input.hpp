@@ -31,6 +31,8 @@ class Input {
     return f;
   }
   bool empty() const { return at_ >= size_; }
+  /// How many bytes have been read (the next byte's offset).
+  std::size_t position() const { return at_; }
 
  private:
   const std::uint8_t* data_;

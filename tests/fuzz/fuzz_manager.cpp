@@ -1,11 +1,29 @@
-// libFuzzer harness: a gradient manager as a state machine. Each input builds a manager
-// on the host device (mode none, optimizer or full; AdamW or SignSGD; 1-3 parameters of
-// fuzzed sizes, gradient dtypes and buffers; 1-2 groups; AdamW's betas) and drives it
-// through up to 32 calls with fuzzed arguments in any order. Every call succeeds or throws
-// stepcore::Error; it never crashes, hangs or corrupts memory (ASan, UBSan); and after an
-// Error from validation (a bad argument or call sequence) the parameters' state is what
-// it was.
-#include <array>
+// libFuzzer harness: a gradient manager as a state machine, checked against a serial
+// twin. Each input builds a manager on the host device (mode none, optimizer or full;
+// AdamW or SignSGD; 1-3 parameters of fuzzed sizes, gradient dtypes and buffers; 1-2
+// groups; AdamW's betas; the speculation policy; a rollback budget of 0, a few chunks'
+// bytes or kAllChunks; eager or lazy GPU scaling) and drives it through up to 32 calls
+// with fuzzed arguments in any order, overlapped steps among them (clipped, unclipped,
+// non-finite: speculated chunks committed, rolled back or skipped). Every call succeeds or
+// throws stepcore::Error; it never crashes, hangs or corrupts memory (ASan, UBSan); and
+// after an Error from validation (a bad argument or call sequence) the parameters' state
+// is what it was.
+//
+// The serial twin: a second manager of the same configuration gets the same calls with
+// the same arguments (the same input bytes, replayed), except that its begin_step always
+// passes overlap_optimizer = false. Overlap changes no bit, so whenever the primary can be
+// read (between steps) after calls that changed the state, the two must agree bit for bit
+// on every parameter's master, moments, compute weights and step counter and on the
+// report's norm, clip coefficient, skipped and stepped (not its chunk counts or timing).
+// Which calls the twin gets:
+//  * one the primary refuses by validation: none. An overlapped step refuses calls the
+//    serial step accepts (set_hyperparameters between begin_backward(true) and step();
+//    a failed reservation of rollback space in begin_step), and a refused call changes
+//    nothing (checked above), so skipping it keeps the twin where the primary is;
+//  * one the primary accepts: the same, which the twin must accept too (overlap may
+//    refuse more than the serial step, never less); any Error from the twin traps;
+//  * after the primary fails otherwise (a runtime error: it is failed for good), the
+//    twin gets nothing more and the rest of the input is not compared.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -40,23 +58,34 @@ bool validation(Errc c) {
   }
 }
 
-using Snapshot = std::vector<std::vector<float>>;
+// Every parameter's master, moments, compute weights and step counter as bytes.
+using Snapshot = std::vector<std::vector<std::uint8_t>>;
 
-// Every parameter's master and moments and step counter, or nullopt when the manager
-// cannot be read now (mid-step, or failed).
+template <class T>
+std::vector<std::uint8_t> bytes_of(const std::vector<T>& v) {
+  std::vector<std::uint8_t> b(v.size() * sizeof(T));
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+// The manager's state, or nullopt when it cannot be read now (mid-step, or failed).
 std::optional<Snapshot> snapshot(GradientManager& m) {
   Snapshot s;
   try {
     const auto& params = m.config().params;
     const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
     for (std::size_t i = 0; i < params.size(); ++i) {
-      const std::size_t n = params[i].numel;
+      const ParamSpec& p = params[i];
+      const std::size_t n = p.numel;
       std::vector<float> master(n), m1(adamw ? n : 0), m2(adamw ? n : 0);
-      m.read_parameter(i, master, m1, m2, {});
-      s.push_back(std::move(master));
-      s.push_back(std::move(m1));
-      s.push_back(std::move(m2));
-      s.push_back({m.step_count(i)});
+      std::vector<std::uint8_t> compute(p.has_compute_weights ? n * dtype_size(p.compute_dtype)
+                                                              : 0);
+      m.read_parameter(i, master, m1, m2, compute);
+      s.push_back(bytes_of(master));
+      s.push_back(bytes_of(m1));
+      s.push_back(bytes_of(m2));
+      s.push_back(std::move(compute));
+      s.push_back(bytes_of(std::vector<float>{m.step_count(i)}));
     }
   } catch (const Error&) {
     return std::nullopt;
@@ -64,13 +93,117 @@ std::optional<Snapshot> snapshot(GradientManager& m) {
   return s;
 }
 
-bool same(const Snapshot& a, const Snapshot& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t k = 0; k < a.size(); ++k)
-    if (a[k].size() != b[k].size() ||
-        (!a[k].empty() && std::memcmp(a[k].data(), b[k].data(), a[k].size() * sizeof(float)) != 0))
-      return false;
-  return true;
+// What overlap must not change in report(): stepped, skipped, the norm's result and the
+// clip coefficient (bits), or nullopt when report() throws.
+std::optional<std::vector<std::uint8_t>> report_bits(GradientManager& m) {
+  try {
+    const StepReport r = m.report();
+    const NormResult& n = r.norm;
+    std::vector<std::uint8_t> b(2 * sizeof(float) + 2 * sizeof(std::uint64_t) + sizeof(float));
+    std::uint8_t* at = b.data();
+    for (const void* field :
+         {static_cast<const void*>(&n.norm), static_cast<const void*>(&n.max_abs)}) {
+      std::memcpy(at, field, sizeof(float));
+      at += sizeof(float);
+    }
+    std::memcpy(at, &n.nan_count, sizeof n.nan_count);
+    std::memcpy(at + 8, &n.inf_count, sizeof n.inf_count);
+    std::memcpy(at + 16, &r.clip_coefficient, sizeof(float));
+    b.push_back(r.stepped);
+    b.push_back(r.skipped);
+    b.push_back(n.finite);
+    b.push_back(n.needs_exact);
+    return b;
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+}
+
+// One manager and the caller's gradient buffers handed to it (declared first: freed last).
+struct Side {
+  std::vector<std::vector<std::byte>> caller;
+  std::unique_ptr<GradientManager> m;
+};
+
+// Makes call `op` (parameter index i) on s, its other arguments read from `in`. `serial`
+// (the twin): begin_step's overlap flag is read but false is passed.
+void call(Side& s, int op, std::size_t i, fuzz::Input& in, bool serial) {
+  GradientManager& m = *s.m;
+  const std::vector<ParamSpec>& params = m.config().params;
+  switch (op) {
+    case 0: {
+      const auto scale = static_cast<float>(fuzz::special(in));
+      const bool overlap = in.flag();
+      m.begin_step(scale, overlap && !serial);
+      break;
+    }
+    case 1:
+      m.begin_backward(in.flag());
+      break;
+    case 2: {
+      const TensorView g = m.gradient(i);
+      // Backward rewrites the buffer only once the manager's reads of it are done.
+      m.gradient_released(i).wait();
+      for (std::size_t k = 0; k < g.numel * dtype_size(g.dtype); ++k)
+        static_cast<std::byte*>(g.data)[k] = static_cast<std::byte>(in.byte());
+      m.gradient_ready(i);
+      break;
+    }
+    case 3: {
+      // A buffer is freed (and replaced) only once gradient_released of its parameter is
+      // complete, as the contract allows: ASan then reports any later read by the manager.
+      const std::size_t k = i < params.size() ? i : 0;
+      const std::size_t numel = params[k].numel + (in.byte() % 8 == 0 ? 1 : 0);
+      const DType dt = in.byte() % 8 == 0 ? DType::f16 : params[k].grad_dtype;
+      m.gradient_released(k).wait();
+      s.caller[k] = std::vector<std::byte>(numel * dtype_size(dt) + 2);
+      for (auto& b : s.caller[k]) b = static_cast<std::byte>(in.byte());
+      const std::size_t shift = in.byte() % 8 == 0 ? 1 : 0;  // sometimes misaligned
+      m.gradient_ready(i, ConstTensorView{s.caller[k].data() + shift, numel, dt});
+      break;
+    }
+    case 4:
+      m.finish_backward();
+      break;
+    case 5:
+      m.clip_grad_norm(static_cast<float>(fuzz::special(in)));
+      break;
+    case 6:
+      m.step();
+      break;
+    case 7:
+      (void)m.report();
+      break;
+    case 8:
+      m.set_hyperparameters(i % 3, {fuzz::special(in), fuzz::special(in)});
+      break;
+    case 9: {
+      const std::size_t k = i < params.size() ? i : 0;
+      std::vector<float> v(params[k].numel + (in.byte() % 8 == 0 ? 1 : 0));
+      for (float& x : v) x = static_cast<float>(fuzz::special(in));
+      if (in.flag()) {
+        m.load_parameter(i, v);
+      } else {
+        std::vector<float> m1(v.size()), m2(v.size());
+        for (float& x : m2) x = static_cast<float>(fuzz::special(in));
+        m.import_parameter(i, v, m1, m2, static_cast<float>(fuzz::special(in)));
+      }
+      break;
+    }
+    case 10:
+      m.synchronize();
+      break;
+    default:
+      (void)m.step_count(i);
+      break;
+  }
+}
+
+// Traps unless the twin's state and report equal the primary's (whose state is `state`).
+void expect_twin(const Snapshot& state, Side& primary, Side& twin) {
+  const std::optional<Snapshot> t = snapshot(*twin.m);
+  if (!t || *t != state) __builtin_trap();  // overlap changed a bit of the state
+  if (report_bits(*primary.m) != report_bits(*twin.m)) __builtin_trap();  // or of the report
 }
 
 }  // namespace
@@ -91,7 +224,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static const std::size_t sizes[] = {0, 1, 7, 33, 100, 257};
 
   ManagerConfig c;
-  c.mode = static_cast<OffloadMode>(in.byte() % 3);
+  // The first byte's base-3 digits: the mode, the speculation policy, the budget (all
+  // chunks, none, or a few small chunks' bytes), then its bits: the small budget's size
+  // and lazy GPU scaling. (The twin never speculates: only the primary's overlap differs.)
+  const std::uint8_t mode = in.byte();
+  c.mode = static_cast<OffloadMode>(mode % 3);
+  static const Speculation policies[] = {Speculation::automatic, Speculation::always,
+                                         Speculation::never};
+  c.speculation = policies[mode / 3 % 3];
+  const std::int64_t budgets[] = {ManagerConfig::kAllChunks, 0, mode / 27 % 2 ? 2048 : 512};
+  c.speculation_bytes = budgets[mode / 9 % 3];
+  c.lazy_gpu_scale = mode / 54 % 2 != 0;
   c.optimizer.kind = in.flag() ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
   // One byte picks the groups and AdamW's betas. The betas vary because a GPU-mode
   // AdamW manager's bias table has an entry per step until 1 - beta^t rounds to 1:
@@ -125,102 +268,69 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   c.chunk_elements = 1 + in.byte() % 300;
   c.device = dev.get();
   c.engine.threads = 1 + in.byte() % 2;
-  std::unique_ptr<GradientManager> m;
+  Side primary, twin;
   try {
-    m = make_gradient_manager(c);
+    primary.m = make_gradient_manager(c);
   } catch (const Error&) {
     return 0;  // a refused configuration
   }
-  // The caller's gradient buffers, one per parameter. A buffer is freed (and replaced)
-  // only once gradient_released of its parameter is complete, as the contract allows:
-  // ASan then reports any read by the manager after that event.
-  std::vector<std::vector<std::byte>> caller(c.params.size());
-  // The state before each call. Reading it synchronises the device, so it is read again
-  // only when a call may have changed it: after a call that succeeded and is not a pure
-  // read (report, synchronize, step_count), or one that failed other than by validation.
+  twin.m = make_gradient_manager(c);  // accepted once: accepted again
+  primary.caller.resize(c.params.size());
+  twin.caller.resize(c.params.size());
+  // The primary's state before each call. Reading it synchronises the device, so it is
+  // read again only when a call may have changed it: after a call that succeeded and is
+  // not a pure read (report, synchronize, step_count), or one that failed other than by
+  // validation. The twin is read (and compared) then too, when a call both accepted since
+  // the last comparison may have changed it.
   std::optional<Snapshot> before;
-  bool before_is_now = false;
-  for (int call = 0; call < 32 && !in.empty(); ++call) {
-    if (!before_is_now) before = snapshot(*m);
-    before_is_now = before.has_value();
+  bool before_is_now = false, comparing = true, twin_changed = false;
+  for (int step = 0; step < 32 && !in.empty(); ++step) {
+    if (!before_is_now) {
+      before = snapshot(*primary.m);
+      before_is_now = before.has_value();
+      if (before && comparing && twin_changed) {
+        expect_twin(*before, primary, twin);
+        twin_changed = false;
+      }
+    }
     const std::size_t i = in.byte() % (c.params.size() + 1);  // sometimes out of range
     const int op = in.byte() % 12;
     const bool pure_read = op == 7 || op == 10 || op == 11;
+    const std::size_t args = in.position();
+    bool accepted = false;
     try {
-      switch (op) {
-        case 0:
-          m->begin_step(static_cast<float>(fuzz::special(in)), in.flag());
-          break;
-        case 1:
-          m->begin_backward(in.flag());
-          break;
-        case 2: {
-          const TensorView g = m->gradient(i);
-          for (std::size_t k = 0; k < g.numel * dtype_size(g.dtype); ++k)
-            static_cast<std::byte*>(g.data)[k] = static_cast<std::byte>(in.byte());
-          m->gradient_ready(i);
-          break;
-        }
-        case 3: {
-          const std::size_t k = i < c.params.size() ? i : 0;
-          const std::size_t numel = c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0);
-          const DType dt = in.byte() % 8 == 0 ? DType::f16 : c.params[k].grad_dtype;
-          m->gradient_released(k).wait();
-          caller[k] = std::vector<std::byte>(numel * dtype_size(dt) + 2);
-          for (auto& b : caller[k]) b = static_cast<std::byte>(in.byte());
-          const std::size_t shift = in.byte() % 8 == 0 ? 1 : 0;  // sometimes misaligned
-          m->gradient_ready(i, ConstTensorView{caller[k].data() + shift, numel, dt});
-          break;
-        }
-        case 4:
-          m->finish_backward();
-          break;
-        case 5:
-          m->clip_grad_norm(static_cast<float>(fuzz::special(in)));
-          break;
-        case 6:
-          m->step();
-          break;
-        case 7:
-          (void)m->report();
-          break;
-        case 8:
-          m->set_hyperparameters(i % 3, {fuzz::special(in), fuzz::special(in)});
-          break;
-        case 9: {
-          const std::size_t k = i < c.params.size() ? i : 0;
-          std::vector<float> v(c.params[k].numel + (in.byte() % 8 == 0 ? 1 : 0));
-          for (float& x : v) x = static_cast<float>(fuzz::special(in));
-          if (in.flag()) {
-            m->load_parameter(i, v);
-          } else {
-            std::vector<float> m1(v.size()), m2(v.size());
-            for (float& x : m2) x = static_cast<float>(fuzz::special(in));
-            m->import_parameter(i, v, m1, m2, static_cast<float>(fuzz::special(in)));
-          }
-          break;
-        }
-        case 10:
-          m->synchronize();
-          break;
-        default:
-          (void)m->step_count(i);
-          break;
-      }
+      call(primary, op, i, in, /*serial=*/false);
+      accepted = true;
       if (!pure_read) before_is_now = false;
     } catch (const Error& e) {
       if (validation(e.code()) && before) {
-        const std::optional<Snapshot> after = snapshot(*m);
-        if (after && !same(*before, *after)) __builtin_trap();  // refused but changed
+        const std::optional<Snapshot> after = snapshot(*primary.m);
+        if (after && *before != *after) __builtin_trap();  // refused but changed
       } else {
         before_is_now = false;
       }
+      if (!validation(e.code())) comparing = false;  // the primary is failed
+    }
+    if (accepted && comparing) {
+      fuzz::Input replay(data + args, in.position() - args);  // the same arguments
+      try {
+        call(twin, op, i, replay, /*serial=*/true);
+      } catch (const Error&) {
+        __builtin_trap();  // the serial twin refused what the overlapped primary accepted
+      }
+      if (!pure_read) twin_changed = true;
     }
   }
-  try {
-    m->close();
-  } catch (const Error&) {
+  if (comparing && twin_changed) {
+    if (const std::optional<Snapshot> last = snapshot(*primary.m))
+      expect_twin(*last, primary, twin);
   }
-  m.reset();  // before the caller's buffers: a failed close may have left reads queued
+  for (Side* s : {&primary, &twin}) {
+    try {
+      s->m->close();
+    } catch (const Error&) {
+    }
+    s->m.reset();  // before the caller's buffers: a failed close may have left reads queued
+  }
   return 0;
 }
