@@ -54,11 +54,11 @@ namespace {
 using device::Event;
 using device::Queue;
 
-constexpr std::size_t kRingSlots = 3;
-// Returns `bytes` rounded up to the views' alignment (each saved range starts aligned).
+constexpr std::size_t kRingSlots = 3;  // upload k+1, step k, download k-1 at once
+// Returns `bytes` rounded up to the views' alignment (each rollback array starts aligned).
 constexpr std::size_t align_up(std::size_t bytes) {
   return (bytes + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
-}  // upload k+1, step k, download k-1 at once
+}
 // max_norm of the finalizations that only need the norm and found-inf flag (no clipping:
 // the update then reads the constant 1, whatever clip this writes).
 constexpr float kNoClipMaxNorm = 1.0f;

@@ -391,13 +391,15 @@ void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
   m.expect(m.phase_ == CallPhase::idle, "begin_step",
            "the previous step has not ended with step()");
   ::stepcore::detail::check_gradient_scale(gradient_scale, "gradient_scale");
-  m.guarded([&] { m.do_begin_step(); });  // may raise errors of the previous step's work
+  // The rollback space first, for any overlapped step that may speculate: a failed
+  // reservation changes nothing (not even the last report).
   const Speculation policy = m.config_.speculation;
-  const bool speculate =
-      overlap_optimizer && m.config_.speculation_bytes != 0 &&
-      (policy == Speculation::always || (policy == Speculation::automatic && m.would_commit_));
-  if (speculate) m.guarded([&] { m.do_reserve_speculation(); });
-  m.speculating_ = speculate;
+  const bool may_speculate =
+      overlap_optimizer && m.config_.speculation_bytes != 0 && policy != Speculation::never;
+  if (may_speculate) m.guarded([&] { m.do_reserve_speculation(); });
+  m.guarded([&] { m.do_begin_step(); });  // may raise errors of the previous step's work
+  // auto: the previous step's outcome is known now (do_begin_step settled it).
+  m.speculating_ = may_speculate && (policy == Speculation::always || m.would_commit_);
   m.scale_ = gradient_scale;
   m.clip_ = 1.0f;
   m.overlap_ = overlap_optimizer;

@@ -12,13 +12,18 @@
 // left alone when the step is skipped). No formula is ever inverted.
 //
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
-// the norm collectives; the worker runs accumulate / step / upload tasks in FIFO order.
+// the norm collectives; the worker runs tasks from two FIFO lanes: `main` (accumulate,
+// the chunks' norm partials) first, `late` (speculative steps, the step's updates and
+// uploads) when main is empty — so a late task runs after every main task posted before
+// it, and the decision waits only for what the norm needs, not for speculative steps
+// it may cancel (a rollback or skip cancels the step's speculative tasks not yet run).
 // All Device calls are serialised by dev_mu_; waits on events happen outside it
 // (Event::wait), then synchronize(event) collects errors under it. The worker never
 // joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
 // the manager failed: every later hook raises that same error (sticky), close() returns it.
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -131,9 +136,11 @@ class OffloadGradientManager final : public ManagerImpl {
   void sync_event(const Event& e);
 
   // ---- the worker ------------------------------------------------------------------------
-  std::uint64_t post(std::function<void()> task);
-  void wait_done(std::uint64_t seq);
-  void drain();  // waits for every posted task, then raises a stored error
+  enum Lane : std::size_t { main = 0, late = 1 };
+  std::uint64_t post(std::function<void()> task, Lane lane = late);
+  void wait_done(Lane lane, std::uint64_t seq);
+  void drain(Lane lane);  // waits for the lane's posted tasks, then raises a stored error
+  void drain();           // both lanes
   void worker_loop();
 
   // ---- numerics --------------------------------------------------------------------------
@@ -155,6 +162,10 @@ class OffloadGradientManager final : public ManagerImpl {
   NormResult overlapped_global_norm(float scale);
   // Posts the step's last task: waits for its uploads and stamps the end of the step.
   void post_step_end();
+  // The decision keeps the speculated chunks (finite, coefficient 1 or SignSGD).
+  bool keeps_speculation() const;
+  // Makes this step's speculative tasks not yet run skip (a rollback or skip).
+  void cancel_speculation();
   void upload_chunk(std::size_t k, const Event& after);  // on the worker
   void wait_uploads();
 
@@ -187,8 +198,10 @@ class OffloadGradientManager final : public ManagerImpl {
   // The worker.
   std::mutex mu_;
   std::condition_variable task_cv_, done_cv_;
-  std::deque<std::function<void()>> tasks_;
-  std::uint64_t posted_ = 0, done_ = 0;
+  std::deque<std::function<void()>> tasks_[2];  // per Lane
+  std::uint64_t posted_[2] = {0, 0}, done_[2] = {0, 0};
+  std::uint64_t generation_ = 0;             // steps begun (caller thread; tasks capture it)
+  std::atomic<std::uint64_t> cancelled_{0};  // speculative tasks of this generation skip
   bool stop_ = false;
   std::vector<std::uint64_t> staging_task_;  // last task reading staging i
   std::vector<Event> released_;              // per parameter: its device buffer is staged
@@ -337,41 +350,48 @@ void OffloadGradientManager::sync_event(const Event& e) {
 
 // ---- the worker ---------------------------------------------------------------------------
 
-std::uint64_t OffloadGradientManager::post(std::function<void()> task) {
+std::uint64_t OffloadGradientManager::post(std::function<void()> task, Lane lane) {
   std::uint64_t seq;
   {
     const std::lock_guard lock(mu_);
-    tasks_.push_back(std::move(task));
-    seq = ++posted_;
+    tasks_[lane].push_back(std::move(task));
+    seq = ++posted_[lane];
   }
   task_cv_.notify_one();
   return seq;
 }
 
-void OffloadGradientManager::wait_done(std::uint64_t seq) {
+void OffloadGradientManager::wait_done(Lane lane, std::uint64_t seq) {
   std::unique_lock lock(mu_);
-  done_cv_.wait(lock, [&] { return done_ >= seq; });
+  done_cv_.wait(lock, [&] { return done_[lane] >= seq; });
 }
 
-void OffloadGradientManager::drain() {
+void OffloadGradientManager::drain(Lane lane) {
   std::uint64_t seq;
   {
     const std::lock_guard lock(mu_);
-    seq = posted_;
+    seq = posted_[lane];
   }
-  wait_done(seq);
+  wait_done(lane, seq);
   raise_if_failed();
+}
+
+void OffloadGradientManager::drain() {
+  drain(main);
+  drain(late);
 }
 
 void OffloadGradientManager::worker_loop() {
   for (;;) {
     std::function<void()> task;
+    Lane lane;
     {
       std::unique_lock lock(mu_);
-      task_cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
-      if (tasks_.empty()) return;  // stop_ and drained
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
+      task_cv_.wait(lock, [&] { return stop_ || !tasks_[main].empty() || !tasks_[late].empty(); });
+      lane = !tasks_[main].empty() ? main : late;
+      if (tasks_[lane].empty()) return;  // stop_ and drained
+      task = std::move(tasks_[lane].front());
+      tasks_[lane].pop_front();
     }
     bool failed;
     {
@@ -387,7 +407,7 @@ void OffloadGradientManager::worker_loop() {
     }
     {
       const std::lock_guard lock(mu_);
-      ++done_;
+      ++done_[lane];
     }
     done_cv_.notify_all();
   }
@@ -515,6 +535,7 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, std::span<const 
 
 void OffloadGradientManager::do_begin_step() {
   drain();  // the previous step's tasks, and their errors
+  ++generation_;
   wait_uploads();
   norm_known_ = false;
   norm_ = NormResult{};
@@ -540,7 +561,7 @@ void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step
   raise_if_failed();
   Param& p = params_[i];
   // Staging i is free once the worker has accumulated its previous contents.
-  wait_done(staging_task_[i]);
+  wait_done(main, staging_task_[i]);
   raise_if_failed();
   Event copied;
   if (grad.numel != 0) {
@@ -552,20 +573,25 @@ void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step
     });
   }
   released_[i] = copied;  // the device buffer (the manager's or the caller's) is free once staged
-  staging_task_[i] = post([this, &p, copied, first_in_step] {
-    sync_event(copied);
-    const AccumulatePair pair{p.acc, p.staging, first_in_step};
-    engine_.accumulate({&pair, 1});
-  });
+  staging_task_[i] = post(
+      [this, &p, copied, first_in_step] {
+        sync_event(copied);
+        const AccumulatePair pair{p.acc, p.staging, first_in_step};
+        engine_.accumulate({&pair, 1});
+      },
+      main);
 }
 
 void OffloadGradientManager::do_finish_final_backward(std::span<const std::size_t> no_gradient) {
   raise_if_failed();
   if (no_gradient.empty()) return;
-  post([this, missing = std::vector<std::size_t>(no_gradient.begin(), no_gradient.end())] {
-    for (std::size_t i : missing)
-      if (params_[i].acc.numel != 0) std::memset(params_[i].acc.data, 0, params_[i].acc.bytes());
-  });
+  post(
+      [this, missing = std::vector<std::size_t>(no_gradient.begin(), no_gradient.end())] {
+        for (std::size_t i : missing)
+          if (params_[i].acc.numel != 0)
+            std::memset(params_[i].acc.data, 0, params_[i].acc.bytes());
+      },
+      main);
 }
 
 bool OffloadGradientManager::admit(std::size_t k) {
@@ -606,22 +632,31 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
   const float scale = gradient_scale();
   const bool speculate = speculating() && admit(chunk);
   speculated_[chunk] = speculate ? 1 : 0;
-  post([this, chunk, scale, speculate, configs = group_configs()] {
-    // The chunk's part of the global norm (exact integer partials merge in any order),
-    // then, speculating, its step as if the coefficient were 1 and the step finite.
-    chunk_partial_[chunk] =
-        engine_.norm_partial(chunk_counted_[chunk], GradientRead{scale, 1.0f}, NormMode::fast);
-    if (speculate) step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
-  });
+  // The chunk's part of the global norm (exact integer partials merge in any order).
+  post(
+      [this, chunk, scale] {
+        chunk_partial_[chunk] =
+            engine_.norm_partial(chunk_counted_[chunk], GradientRead{scale, 1.0f}, NormMode::fast);
+      },
+      main);
+  // Speculating: its step as if the coefficient were 1 and the step finite, unless the
+  // decision (a rollback or skip) came first.
+  if (speculate)
+    post([this, chunk, scale, gen = generation_, configs = group_configs()] {
+      if (cancelled_.load(std::memory_order_acquire) == gen) return;
+      step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
+    });
 }
 
 NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
   // The fast partial of the counted accumulators is the merge of the chunks' partials
   // (their digits are exact integers; the error bounds add like threads' do).
   auto local = [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
-    drain();
-    if (mode != NormMode::fast)
+    if (mode != NormMode::fast) {  // rare: the engine here, so nothing else may use it
+      drain();
       return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
+    }
+    drain(main);  // the partials (the speculative steps may still run)
     NormPartial merged{};
     for (const NormPartial& p : chunk_partial_) merge(merged, p);
     return merged;
@@ -648,7 +683,18 @@ NormResult OffloadGradientManager::do_clip_grad_norm(float max_norm, float& clip
   // Not finite: the step is skipped; 0 is what the device modes' finalize_and_clip sets.
   clip_ = norm_.finite ? clip_coefficient(norm_.norm, max_norm) : 0.0f;
   clip = clip_;
+  if (overlap() && !keeps_speculation()) cancel_speculation();
   return norm_;
+}
+
+bool OffloadGradientManager::keeps_speculation() const {
+  // Speculated chunks stay as they are when the coefficient is 1 (SignSGD: any
+  // coefficient, its update takes the gradient's sign) and the step is finite.
+  return norm_.finite && (clip_ == 1.0f || !is_adamw());
+}
+
+void OffloadGradientManager::cancel_speculation() {
+  cancelled_.store(generation_, std::memory_order_release);
 }
 
 void OffloadGradientManager::do_step() {
@@ -659,9 +705,8 @@ void OffloadGradientManager::do_step() {
   raise_if_failed();
   report_.norm = norm_;
   report_.clip_coefficient = clip_;
-  // Speculated chunks stay as they are when the coefficient is 1 (SignSGD: any
-  // coefficient, its update takes the gradient's sign) and the step is finite.
-  const bool keep = norm_.finite && (clip_ == 1.0f || !is_adamw());
+  const bool keep = keeps_speculation();
+  if (overlap() && !keep) cancel_speculation();  // speculative steps not yet run: skipped
   set_would_commit(keep);
   for (std::size_t k = 0; k < chunks().size(); ++k)
     if (speculated_[k]) {
@@ -757,9 +802,14 @@ void OffloadGradientManager::do_recover() {
   std::uint64_t seq;
   {
     const std::lock_guard lock(mu_);
-    seq = posted_;
+    seq = posted_[main];
   }
-  wait_done(seq);  // the worker skipped the failed step's remaining tasks
+  wait_done(main, seq);  // the worker skipped the failed step's remaining tasks
+  {
+    const std::lock_guard lock(mu_);
+    seq = posted_[late];
+  }
+  wait_done(late, seq);
   {
     const std::lock_guard lock(dev_mu_);
     try {
