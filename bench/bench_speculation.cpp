@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "model_sizes.hpp"
+#include "offload_stream.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/device.hpp"
@@ -33,30 +34,12 @@
 namespace {
 
 using namespace stepcore;
-using Clock = std::chrono::steady_clock;
 
 constexpr float kHugeNorm = 1e30f;  // never clips: speculated chunks commit
 constexpr float kTinyNorm = 1e-6f;  // always clips (AdamW): speculated chunks roll back
 constexpr int kTargetChunks = 24;
 
-std::uint64_t mix(std::uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-// A deterministic value in [-1, 1).
-float unit(std::uint64_t key) { return static_cast<float>(mix(key) >> 40) * 0x1p-23f - 1.0f; }
-
-float scale_of(int step) { return 1.0f / static_cast<float>(4096 + step); }
-
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using namespace bench_offload;
 
 double mean(const std::vector<double>& v) {
   double s = 0.0;
