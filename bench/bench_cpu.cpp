@@ -9,6 +9,7 @@
 // benchmark first validates its output against stepcore::reference, bit for bit,
 // on a sample of tensors, and refuses to time a wrong kernel.
 #include <benchmark/benchmark.h>
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -20,6 +21,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/testing.hpp"
@@ -188,6 +190,71 @@ STEPCORE_CLONES T probe_read(const T* x, std::size_t n, int threads) {
   for (std::size_t i = 0; i < n; ++i) r |= x[i];
   return r;
 }
+// AdamW out of place: read the sources and the gradient, write the destinations with
+// streaming stores, each thread fencing its own: what the machine gives a step whose
+// destination lines are written without being read. The widest streaming store the
+// processor has, a whole 64-byte line of each array at a time (narrower stores
+// interleaved across three arrays run several times slower on some processors); one
+// function per width, each compiled for its ISA. The arrays are 64-byte aligned.
+[[gnu::target("avx512f")]] void probe_lines_64(const float* ps, const float* ms, const float* vs,
+                                               float* pd, float* md, float* vd, const float* g,
+                                               std::size_t n, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (std::size_t i = 0; i < n / 16 * 16; i += 16)
+      for (auto [src, dst] : {std::pair{ps, pd}, std::pair{ms, md}, std::pair{vs, vd}})
+        _mm512_stream_ps(dst + i, _mm512_add_ps(_mm512_load_ps(src + i), _mm512_load_ps(g + i)));
+    _mm_sfence();
+  }
+}
+[[gnu::target("avx")]] void probe_lines_32(const float* ps, const float* ms, const float* vs,
+                                           float* pd, float* md, float* vd, const float* g,
+                                           std::size_t n, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (std::size_t i = 0; i < n / 16 * 16; i += 16) {
+      for (auto [src, dst] : {std::pair{ps, pd}, std::pair{ms, md}, std::pair{vs, vd}}) {
+        const __m256 a = _mm256_add_ps(_mm256_load_ps(src + i), _mm256_load_ps(g + i));
+        const __m256 b = _mm256_add_ps(_mm256_load_ps(src + i + 8), _mm256_load_ps(g + i + 8));
+        _mm256_stream_ps(dst + i, a);
+        _mm256_stream_ps(dst + i + 8, b);
+      }
+    }
+    _mm_sfence();
+  }
+}
+void probe_lines_16(const float* ps, const float* ms, const float* vs, float* pd, float* md,
+                    float* vd, const float* g, std::size_t n, int threads) {
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (std::size_t i = 0; i < n / 16 * 16; i += 16) {
+      for (auto [src, dst] : {std::pair{ps, pd}, std::pair{ms, md}, std::pair{vs, vd}}) {
+        __m128 x[4];
+        for (int l = 0; l < 4; ++l)
+          x[l] = _mm_add_ps(_mm_load_ps(src + i + 4 * l), _mm_load_ps(g + i + 4 * l));
+        for (int l = 0; l < 4; ++l) _mm_stream_ps(dst + i + 4 * l, x[l]);
+      }
+    }
+    _mm_sfence();
+  }
+}
+void probe_adamw_streamed(const float* ps, const float* ms, const float* vs, float* pd, float* md,
+                          float* vd, const float* g, std::size_t n, int threads) {
+  if (__builtin_cpu_supports("avx512f"))
+    probe_lines_64(ps, ms, vs, pd, md, vd, g, n, threads);
+  else if (__builtin_cpu_supports("avx"))
+    probe_lines_32(ps, ms, vs, pd, md, vd, g, n, threads);
+  else
+    probe_lines_16(ps, ms, vs, pd, md, vd, g, n, threads);
+  for (std::size_t i = n / 16 * 16; i < n; ++i) {
+    pd[i] = ps[i] + g[i];
+    md[i] = ms[i] + g[i];
+    vd[i] = vs[i] + g[i];
+  }
+}
 STEPCORE_CLONES void triad(float* a, const float* b, const float* c, std::size_t n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (std::size_t i = 0; i < n; ++i) a[i] = b[i] + 1.5f * c[i];
@@ -349,6 +416,176 @@ void BM_AdamW(benchmark::State& st) {
   };
   run_timed(st, kernel, bytes);
   set_roofline(st, bytes, kernel, probe);
+}
+
+/// The buffers of the out-of-place comparison over the benchmark model's tensor list
+/// (every tensor 64-byte aligned, as a manager's slabs are): the old state (sources), the
+/// destinations, an f32 gradient and a bf16 compute copy. One size is held at a time.
+struct OutOfPlaceState {
+  std::size_t target;
+  std::vector<std::size_t> sizes, offsets;
+  std::size_t total;
+  Slab<float> ps, ms, vs, pd, md, vd, g;
+  Slab<std::uint16_t> out;
+  std::vector<float> steps;
+
+  explicit OutOfPlaceState(std::size_t elements)
+      : target(elements),
+        sizes(bench::model_sizes(elements)),
+        total(State::count(sizes)),
+        ps(total),
+        ms(total),
+        vs(total),
+        pd(total),
+        md(total),
+        vd(total),
+        g(total),
+        out(total),
+        steps(sizes.size(), 0.0f) {
+    std::size_t off = 0;
+    for (std::size_t s : sizes) {
+      offsets.push_back(off);
+      off += s;
+    }
+#pragma omp parallel
+    {
+      std::mt19937 rng(77 + omp_get_thread_num());
+      std::normal_distribution<float> nd(0.0f, 1.0f);
+#pragma omp for schedule(static)
+      for (std::size_t i = 0; i < total; ++i) {
+        ps.get()[i] = pd.get()[i] = nd(rng) * 0.02f;
+        ms.get()[i] = md.get()[i] = nd(rng) * 1e-4f;
+        vs.get()[i] = vd.get()[i] = std::abs(nd(rng)) * 1e-8f;
+        g.get()[i] = nd(rng) * 1e-3f;
+      }
+    }
+  }
+  /// The tensors of a step into the destinations: read from the sources when
+  /// `out_of_place`, else from the destinations themselves (in place).
+  std::vector<AdamWTensor> tensors(bool out_of_place, bool output) {
+    std::vector<AdamWTensor> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t o = offsets[k], n = sizes[k];
+      AdamWTensor a;
+      a.param = {pd.get() + o, n, DType::f32};
+      a.exp_avg = {md.get() + o, n, DType::f32};
+      a.exp_avg_sq = {vd.get() + o, n, DType::f32};
+      a.step = &steps[k];
+      a.grad = {g.get() + o, n, DType::f32};
+      if (output) a.compute_param = {out.get() + o, n, DType::bf16};
+      if (out_of_place) {
+        a.param_src = {ps.get() + o, n, DType::f32};
+        a.exp_avg_src = {ms.get() + o, n, DType::f32};
+        a.exp_avg_sq_src = {vs.get() + o, n, DType::f32};
+      }
+      t.push_back(a);
+    }
+    return t;
+  }
+};
+
+OutOfPlaceState& out_of_place_state(std::size_t target) {
+  static std::unique_ptr<OutOfPlaceState> s;
+  if (!s || s->target != target) {
+    s.reset();  // free the previous size first
+    s = std::make_unique<OutOfPlaceState>(target);
+  }
+  return *s;
+}
+
+/// Steps a small model out of place (destinations and sources at odd offsets) and
+/// compares with the reference's in-place step of a copy, bit for bit, sources intact.
+bool validate_adamw_out_of_place(const cpu::Engine& eng, bool output) {
+  const std::size_t sizes[] = {1, 33, 4097, 70001};
+  std::size_t total = 0;
+  for (auto s : sizes) total += s;
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd;
+  std::vector<float> src(3 * total + 1), g(total);
+  for (auto& x : src) x = std::abs(nd(rng)) * 1e-3f;
+  for (auto& x : g) x = nd(rng) * 1e-2f;
+  const std::vector<float> src_before = src;
+  std::vector<float> ref(src.begin() + 1, src.end()), dst(3 * total + 2, -1.0f);
+  std::vector<std::uint16_t> o1(total), o2(total);
+  std::vector<float> s1(4, 2.0f), s2(4, 2.0f);
+  std::vector<AdamWTensor> a, b;
+  std::size_t off = 0;
+  for (int k = 0; k < 4; ++k) {
+    const std::size_t n = sizes[k];
+    const ConstTensorView gv{g.data() + off, n, DType::f32};
+    a.push_back({{ref.data() + off, n, DType::f32},
+                 {ref.data() + total + off, n, DType::f32},
+                 {ref.data() + 2 * total + off, n, DType::f32},
+                 &s1[k],
+                 gv,
+                 output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
+    AdamWTensor t{{dst.data() + 2 + off, n, DType::f32},
+                  {dst.data() + 2 + total + off, n, DType::f32},
+                  {dst.data() + 2 + 2 * total + off, n, DType::f32},
+                  &s2[k],
+                  gv,
+                  output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}};
+    t.param_src = {src.data() + 1 + off, n, DType::f32};
+    t.exp_avg_src = {src.data() + 1 + total + off, n, DType::f32};
+    t.exp_avg_sq_src = {src.data() + 1 + 2 * total + off, n, DType::f32};
+    b.push_back(t);
+    off += n;
+  }
+  const GradientRead read{1.0f / 4096.0f, 0.5f};
+  reference::adamw_step(a, AdamWConfig{}, read);
+  eng.adamw_step(b, AdamWConfig{}, read);
+  return std::memcmp(ref.data(), dst.data() + 2, 3 * total * 4) == 0 &&
+         std::memcmp(o1.data(), o2.data(), total * 2) == 0 && src == src_before;
+}
+
+/// AdamW out of place (sources to destinations) against in place on the same buffers, at
+/// args (isa, threads, millions of elements): f32 gradient, optional bf16 copy. The timed
+/// loop is the out-of-place step; `oop/inplace` is the ratio of the two steps' best times
+/// over rounds that alternate them (one speculative step's cost over the plain step's), and
+/// `probe_oop/inplace` the same ratio of two trivial loops over the state arrays and the
+/// gradient (in place; out of place with streaming stores): what this machine allows. The
+/// timed loop's GB/s counts the in-place step's bytes.
+template <bool Output>
+void BM_AdamWOutOfPlace(benchmark::State& st) {
+  const auto isa = static_cast<cpu::Isa>(st.range(0));
+  const int threads = static_cast<int>(st.range(1));
+  const cpu::Engine eng(cpu::EngineConfig{isa, threads});
+  if (!validate_adamw_out_of_place(eng, Output)) validation_failed("adamw_step out of place");
+  if (!validate_adamw(eng, DType::f32, Output)) validation_failed("adamw_step");
+  OutOfPlaceState& s = out_of_place_state(static_cast<std::size_t>(st.range(2)) << 20);
+  auto oop = s.tensors(true, Output);
+  auto in_place = s.tensors(false, Output);
+  const AdamWConfig cfg;
+  const GradientRead read{1.0f / 4096.0f, 1.0f};
+  auto step = [&](std::vector<AdamWTensor>& t) {
+    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
+    eng.adamw_step(t, cfg, read);
+  };
+  const double bytes = static_cast<double>(s.total) * (12.0 + 4.0 + 12.0 + (Output ? 2.0 : 0.0));
+  run_timed(
+      st, [&] { step(oop); }, bytes);
+  const int th = eng.threads();
+  auto probe_in_place = [&] {
+    probe_adamw(s.pd.get(), s.md.get(), s.vd.get(), s.g.get(), nullptr, s.total, th);
+  };
+  auto probe_streamed = [&] {
+    probe_adamw_streamed(s.ps.get(), s.ms.get(), s.vs.get(), s.pd.get(), s.md.get(), s.vd.get(),
+                         s.g.get(), s.total, th);
+  };
+  auto seconds = [&](auto fn) { return bytes / best_bandwidth(fn, bytes, 1); };
+  double best_oop = 1e30, best_in_place = 1e30, probe_oop = 1e30, probe_in = 1e30;
+  for (int r = 0; r < 7; ++r) {
+    best_in_place = std::min(best_in_place, seconds([&] { step(in_place); }));
+    best_oop = std::min(best_oop, seconds([&] { step(oop); }));
+    probe_in = std::min(probe_in, seconds(probe_in_place));
+    probe_oop = std::min(probe_oop, seconds(probe_streamed));
+  }
+  st.counters["oop_ms"] = best_oop * 1e3;
+  st.counters["inplace_ms"] = best_in_place * 1e3;
+  st.counters["oop/inplace"] = best_oop / best_in_place;
+  st.counters["probe_oop/inplace"] = probe_oop / probe_in;
+  st.SetLabel(std::string(eng.isa_name()) + "/t" + std::to_string(threads) + "/" +
+              std::to_string(s.total) + " elements");
 }
 
 void BM_SignSgd(benchmark::State& st) {
@@ -528,6 +765,22 @@ void isa_thread_args(benchmark::internal::Benchmark* b) {
   if (!placement_cpus().empty()) b->Args({static_cast<int>(cpu::best_isa()), max_threads, 1});
 }
 
+/// (isa, threads, millions of elements) for the out-of-place comparison: avx2 and
+/// avx512 where the processor runs them (else its best ISA), 1 and all threads, 16 M
+/// and 64 M elements.
+void out_of_place_args(benchmark::internal::Benchmark* b) {
+  const int max_threads = cpu::Engine().threads();
+  std::vector<cpu::Isa> isas;
+  for (cpu::Isa isa : cpu::supported_isas())
+    if (isa != cpu::Isa::sse2) isas.push_back(isa);
+  if (isas.empty()) isas.push_back(cpu::best_isa());
+  std::vector<int> thread_counts{1};
+  if (max_threads > 1) thread_counts.push_back(max_threads);
+  for (int m : {16, 64})  // size outermost: the buffers are built once per size
+    for (cpu::Isa isa : isas)
+      for (int t : thread_counts) b->Args({static_cast<int>(isa), t, m});
+}
+
 }  // namespace
 
 BENCHMARK(BM_StreamTriad)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -549,6 +802,16 @@ BENCHMARK(BM_AdamW<DType::f32, true>)
 BENCHMARK(BM_AdamW<DType::f32, false>)
     ->Name("AdamW/f32grad")
     ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamWOutOfPlace<false>)
+    ->Name("AdamW/outofplace/f32grad")
+    ->Apply(out_of_place_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamWOutOfPlace<true>)
+    ->Name("AdamW/outofplace/f32grad/bf16out")
+    ->Apply(out_of_place_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_SignSgd)

@@ -2,6 +2,7 @@
 // partition, one OpenMP parallel region per call, and dispatch to the ISA's table.
 #include <omp.h>
 #include <sched.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -74,9 +75,12 @@ void bind_worker(int pu) {
   if (bound != pu && numa::bind_this_thread(pu)) bound = pu;
 }
 
+/// `fence`: the chunks may write with streaming stores, which are weakly ordered; each
+/// thread drains its own (sfence) after its last chunk, so all are visible once the
+/// region's barrier is passed and the call returns.
 template <class Body>
 void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector<int>& cpus,
-                Body body) {
+                Body body, bool fence = false) {
   if (chunks.empty()) return;
   std::vector<std::size_t> start(chunks.size() + 1, 0);
   for (std::size_t c = 0; c < chunks.size(); ++c)
@@ -97,6 +101,7 @@ void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector
     const ::stepcore::detail::FpEnvGuard env;
     if (!cpus.empty()) numa::bind_this_thread(cpus.front());
     for (const Chunk& c : chunks) body(c);
+    if (fence) _mm_sfence();
     restore();
     return;
   }
@@ -117,6 +122,7 @@ void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector
     const auto first = static_cast<std::size_t>(
         std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin());
     for (std::size_t c = first; c < chunks.size() && start[c] < hi; ++c) body(chunks[c]);
+    if (fence) _mm_sfence();
   }
   restore();
 }
@@ -244,18 +250,26 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
     const AdamWTensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !table.adamw[g][o]) unreachable_dtype("adamw");
-    fns[i] = table.adamw[g][o];
+    if (g < 0 || g >= detail::kDTypes || !table.adamw[g][o] || !table.adamw_streamed[g][o])
+      unreachable_dtype("adamw");
   }
   // All checks passed: from here on the call writes.
+  bool streamed = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    *tensors[i].step = *tensors[i].step + 1.0f;
-    ranges[i] = detail::adamw_range(tensors[i], config, read, *tensors[i].step);
+    const AdamWTensor& t = tensors[i];
+    *t.step = *t.step + 1.0f;
+    ranges[i] = detail::adamw_range(t, config, read, *t.step);
+    // A range with out-of-place destinations streams them; in place, the plain kernel.
+    const int g = static_cast<int>(t.grad.dtype);
+    const int o = detail::output_kind(t.compute_param);
+    fns[i] = ranges[i].stream != 0 ? table.adamw_streamed[g][o] : table.adamw[g][o];
+    streamed = streamed || ranges[i].stream != 0;
   }
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, cpus_,
-             [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  run_static(
+      chunks, threads_, cpus_,
+      [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
 }
 
 void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
@@ -266,20 +280,22 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
   const SignSgdScalars s = prepare_sign_sgd_scalars(config);
   std::vector<detail::SignSgdRange> ranges(tensors.size());
   std::vector<detail::SignSgdFn> fns(tensors.size());
+  bool streamed = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const SignSgdTensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !table.sign_sgd[g][o]) unreachable_dtype("sign_sgd");
-    fns[i] = table.sign_sgd[g][o];
-    ranges[i] = {static_cast<float*>(t.param.data),
-                 ::stepcore::detail::source_or(t.param_src, t.param), t.grad.data,
-                 t.compute_param.data, s};
+    if (g < 0 || g >= detail::kDTypes || !table.sign_sgd[g][o] || !table.sign_sgd_streamed[g][o])
+      unreachable_dtype("sign_sgd");
+    ranges[i] = detail::sign_sgd_range(t, s);
+    fns[i] = ranges[i].stream ? table.sign_sgd_streamed[g][o] : table.sign_sgd[g][o];
+    streamed = streamed || ranges[i].stream;
   }
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(chunks, threads_, cpus_,
-             [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); });
+  run_static(
+      chunks, threads_, cpus_,
+      [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
 }
 
 void Engine::accumulate(std::span<const AccumulatePair> pairs) const {

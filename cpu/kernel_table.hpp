@@ -1,7 +1,7 @@
-// The per-ISA kernel table: plain function pointers filled by each ISA's
-// translation unit (isa_sse2.cpp, isa_avx2.cpp, isa_avx512.cpp) from the one
-// generic body in simd_body.hpp. The engine picks a table at run time and
-// resolves dtype combinations to entries before it opens a parallel region.
+// The per-ISA kernel table: plain function pointers filled by each ISA's translation
+// units (isa_sse2.cpp, isa_avx2.cpp, isa_avx512.cpp and their *_streamed.cpp) from the
+// one generic body in simd_body.hpp. The engine picks a table at run time and resolves
+// dtype combinations to entries before it opens a parallel region.
 #pragma once
 
 #include <cstddef>
@@ -24,9 +24,46 @@ inline int output_kind(const TensorView& v) {
   return 1 + static_cast<int>(v.dtype);
 }
 
+/// Streaming stores begin at this destination alignment: a cache line, a multiple of
+/// every ISA's vector size, so each aligned vector store lies within one line.
+inline constexpr std::size_t kStreamAlignment = 64;
+
+/// Bits of AdamWRange::stream: the destinations written with streaming stores.
+inline constexpr unsigned kStreamParam = 1, kStreamExpAvg = 2, kStreamExpAvgSq = 4;
+
+/// Returns the destinations (bit k: pair k of `count`) that take streaming stores: those
+/// out of place (dst[k] != src[k]; validation makes an out-of-place source disjoint from
+/// every destination, so nothing reads the line again within the call) whose addresses
+/// agree modulo kStreamAlignment with the most out-of-place destinations (the first of
+/// them on a tie), so that one peeled head aligns every streamed destination at once.
+inline unsigned stream_mask(const float* const* dst, const float* const* src, int count) {
+  auto offset = [](const float* p) {
+    return reinterpret_cast<std::uintptr_t>(p) % kStreamAlignment;
+  };
+  unsigned best = 0;
+  int best_count = 0;
+  for (int a = 0; a < count; ++a) {
+    if (dst[a] == src[a]) continue;  // in place: the line is read anyway
+    unsigned mask = 0;
+    int n = 0;
+    for (int k = 0; k < count; ++k) {
+      if (dst[k] != src[k] && offset(dst[k]) == offset(dst[a])) {
+        mask |= 1u << k;
+        ++n;
+      }
+    }
+    if (n > best_count) {
+      best = mask;
+      best_count = n;
+    }
+  }
+  return best;
+}
+
 /// Arguments of one AdamW range: elements [begin, end) of one tensor. The old state is
 /// read from the *_src arrays (the destinations themselves for an in-place step), the
-/// new state written to param/exp_avg/exp_avg_sq.
+/// new state written to param/exp_avg/exp_avg_sq; `stream` (kStream* bits, stream_mask)
+/// names the destinations written with streaming stores, 0 for an in-place step.
 struct AdamWRange {
   float* param;
   float* exp_avg;
@@ -40,15 +77,18 @@ struct AdamWRange {
   GradientRead read;
   std::size_t tail_begin;  ///< torch formula: elements >= tail_begin use the tail form
   bool torch;
+  unsigned stream;
 };
 
-/// Arguments of one SignSGD range (param_src: the old parameter; param itself in place).
+/// Arguments of one SignSGD range (param_src: the old parameter; param itself in place);
+/// `stream`: param is written with streaming stores (out of place, stream_mask).
 struct SignSgdRange {
   float* param;
   const float* param_src;
   const void* grad;
   void* out;
   SignSgdScalars scalars;
+  bool stream;
 };
 
 using AdamWFn = void (*)(const AdamWRange&, std::size_t begin, std::size_t end);
@@ -93,6 +133,11 @@ struct KernelTable {
   Primitive64Fn primitive64;
   AdamWFn adamw[kDTypes][kOutputKinds];
   SignSgdFn sign_sgd[kDTypes][kOutputKinds];
+  /// The same steps for ranges with streamed destinations (AdamWRange::stream != 0,
+  /// SignSgdRange::stream): out of place, streaming stores, which the caller must fence
+  /// (sfence) before another thread reads them; the engine picks per range.
+  AdamWFn adamw_streamed[kDTypes][kOutputKinds];
+  SignSgdFn sign_sgd_streamed[kDTypes][kOutputKinds];
   AccumulateFn accumulate[kDTypes];
   ScaleFn scale[kDTypes];
   NormFn norm[kDTypes];
@@ -104,6 +149,11 @@ struct KernelTable {
 const KernelTable& kernel_table_sse2();
 const KernelTable& kernel_table_avx2();
 const KernelTable& kernel_table_avx512();
+/// Each fills its ISA's adamw_streamed and sign_sgd_streamed entries; defined in
+/// isa_<name>_streamed.cpp, called by kernel_table_<name>().
+void fill_streamed_sse2(KernelTable& t);
+void fill_streamed_avx2(KernelTable& t);
+void fill_streamed_avx512(KernelTable& t);
 
 /// Returns the range record of one AdamW tensor whose counter already holds `step`
 /// (after its increment): the engine's calls and the self-test build it the same way.
@@ -112,18 +162,34 @@ inline AdamWRange adamw_range(const AdamWTensor& t, const AdamWConfig& config, G
   const bool torch = config.formula == AdamWFormula::torch;
   const std::size_t w = config.torch_tail_width > 1 ? config.torch_tail_width : 1;
   const std::size_t n = t.param.numel;
+  const float* dst[] = {static_cast<const float*>(t.param.data),
+                        static_cast<const float*>(t.exp_avg.data),
+                        static_cast<const float*>(t.exp_avg_sq.data)};
+  const float* src[] = {::stepcore::detail::source_or(t.param_src, t.param),
+                        ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg),
+                        ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq)};
   return AdamWRange{static_cast<float*>(t.param.data),
                     static_cast<float*>(t.exp_avg.data),
                     static_cast<float*>(t.exp_avg_sq.data),
-                    ::stepcore::detail::source_or(t.param_src, t.param),
-                    ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg),
-                    ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq),
+                    src[0],
+                    src[1],
+                    src[2],
                     t.grad.data,
                     t.compute_param.data,
                     prepare_adamw_scalars(config, step),
                     read,
                     torch ? n - n % w : n,
-                    torch};
+                    torch,
+                    stream_mask(dst, src, 3)};
+}
+
+/// Returns the range record of one SignSGD tensor (the engine's and the self-test's).
+inline SignSgdRange sign_sgd_range(const SignSgdTensor& t, const SignSgdScalars& scalars) {
+  const float* dst = static_cast<const float*>(t.param.data);
+  const float* src = ::stepcore::detail::source_or(t.param_src, t.param);
+  return SignSgdRange{
+      static_cast<float*>(t.param.data), src, t.grad.data, t.compute_param.data, scalars,
+      stream_mask(&dst, &src, 1) != 0};
 }
 
 /// Elements per norm block: squares are summed in binary64 within a block and the

@@ -12,11 +12,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/fp_env.hpp"
@@ -145,6 +147,18 @@ GradientRead read_of(int mode) {
 
 constexpr DType kDTypes[] = {DType::f32, DType::bf16, DType::f16};
 
+/// An out-of-place destination: kLength floats of NaN garbage starting `lead` elements past
+/// a 64-byte boundary (lead 1: the streamed kernels' scalar head runs before their lanes).
+struct Destination {
+  std::vector<float> storage;
+  float* data;
+  explicit Destination(std::size_t lead)
+      : storage(kLength + 16 + lead, f32_from_bits(0x7FC0DEADu)) {
+    const auto a = reinterpret_cast<std::uintptr_t>(storage.data());
+    data = storage.data() + (64 - a % 64) % 64 / sizeof(float) + lead;
+  }
+};
+
 /// The first failure of one ISA's table, or nothing.
 struct Failure {
   std::string kernel;
@@ -194,20 +208,45 @@ bool check_adamw(const KernelTable& t, Failure& fail) {
               reference::adamw_step({&ref, 1}, config, read);
               const AdamWTensor ker = tensor(pk, mk, vk, outk, &step_k);
               step_k = step_k + 1.0f;
+              // The same step out of place through the streamed kernel: sources p0/m0/v0,
+              // destinations of garbage aligned alike (so all three stream).
+              const std::size_t lead = wd == 0.0 ? 1 : 0;
+              Destination ps(lead), ms(lead), vs(lead);
+              std::vector<std::uint32_t> outs(kLength + 1, 0);
+              float step_s = step_k;
+              AdamWTensor oop = tensor(pk, mk, vk, outs, &step_s);
+              oop.param = f32_view(ps.data, kLength);
+              oop.exp_avg = f32_view(ms.data, kLength);
+              oop.exp_avg_sq = f32_view(vs.data, kLength);
+              oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
+              oop.exp_avg_src = ConstTensorView(m0.data(), kLength, DType::f32);
+              oop.exp_avg_sq_src = ConstTensorView(v0.data(), kLength, DType::f32);
               const detail::AdamWRange range = detail::adamw_range(ker, config, read, step_k);
+              const detail::AdamWRange streamed = detail::adamw_range(oop, config, read, step_s);
               const detail::AdamWFn fn = t.adamw[static_cast<int>(gd)][out];
+              const detail::AdamWFn fn_s = t.adamw_streamed[static_cast<int>(gd)][out];
               fn(range, 0, kSplit);
               fn(range, kSplit, kLength);
-              std::string d = compare(DType::f32, pr.data(), pk.data(), kLength);
-              const char* what = "param";
-              if (d.empty())
-                d = compare(DType::f32, mr.data(), mk.data(), kLength), what = "exp_avg";
-              if (d.empty())
-                d = compare(DType::f32, vr.data(), vk.data(), kLength), what = "exp_avg_sq";
-              if (d.empty() && out != 0)
-                d = compare(od, outr.data(), outk.data(), kLength), what = "compute_param";
+              fn_s(streamed, 0, kSplit);
+              fn_s(streamed, kSplit, kLength);
+              std::string d;
+              const char* what = "";
+              const char* path = "";
+              for (const auto& [p, m, v, o, name] :
+                   {std::tuple{pk.data(), mk.data(), vk.data(), outk.data(), ""},
+                    std::tuple{ps.data, ms.data, vs.data, outs.data(), "streamed "}}) {
+                if (d.empty()) d = compare(DType::f32, pr.data(), p, kLength), what = "param";
+                if (d.empty()) d = compare(DType::f32, mr.data(), m, kLength), what = "exp_avg";
+                if (d.empty()) d = compare(DType::f32, vr.data(), v, kLength), what = "exp_avg_sq";
+                if (d.empty() && out != 0)
+                  d = compare(od, outr.data(), o, kLength), what = "compute_param";
+                if (!d.empty()) {
+                  path = name;
+                  break;
+                }
+              }
               if (!d.empty()) {
-                fail.kernel = std::string("adamw (") +
+                fail.kernel = std::string("adamw ") + path + "(" +
                               (formula == AdamWFormula::torch ? "torch" : "native") + ", grad " +
                               dtype_label(gd) + ", output " +
                               (out == 0 ? "none" : dtype_label(od)) + ")";
@@ -243,16 +282,34 @@ bool check_sign_sgd(const KernelTable& t, Failure& fail) {
         SignSgdTensor ref{f32_view(pr.data(), kLength), ConstTensorView(g.data(), kLength, gd), {}};
         if (out != 0) ref.compute_param = TensorView{outr.data(), kLength, od};
         reference::sign_sgd_step({&ref, 1}, config);
-        const detail::SignSgdRange range{pk.data(), pk.data(), g.data(),
-                                         out != 0 ? outk.data() : nullptr,
-                                         prepare_sign_sgd_scalars(config)};
+        SignSgdTensor ker{f32_view(pk.data(), kLength), ConstTensorView(g.data(), kLength, gd), {}};
+        if (out != 0) ker.compute_param = TensorView{outk.data(), kLength, od};
+        // The streamed kernel, out of place: source p0, a garbage destination.
+        Destination ps(wd == 0.0 ? 1 : 0);
+        std::vector<std::uint32_t> outs(kLength + 1, 0);
+        SignSgdTensor oop = ker;
+        oop.param = f32_view(ps.data, kLength);
+        oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
+        if (out != 0) oop.compute_param = TensorView{outs.data(), kLength, od};
+        const SignSgdScalars scalars = prepare_sign_sgd_scalars(config);
+        const detail::SignSgdRange range = detail::sign_sgd_range(ker, scalars);
+        const detail::SignSgdRange streamed = detail::sign_sgd_range(oop, scalars);
         const detail::SignSgdFn fn = t.sign_sgd[static_cast<int>(gd)][out];
+        const detail::SignSgdFn fn_s = t.sign_sgd_streamed[static_cast<int>(gd)][out];
         fn(range, 0, kSplit);
         fn(range, kSplit, kLength);
+        fn_s(streamed, 0, kSplit);
+        fn_s(streamed, kSplit, kLength);
+        const char* path = "";
         std::string d = compare(DType::f32, pr.data(), pk.data(), kLength);
         if (d.empty() && out != 0) d = compare(od, outr.data(), outk.data(), kLength);
+        if (d.empty()) {
+          path = "streamed ";
+          d = compare(DType::f32, pr.data(), ps.data, kLength);
+          if (d.empty() && out != 0) d = compare(od, outr.data(), outs.data(), kLength);
+        }
         if (!d.empty()) {
-          fail.kernel = std::string("sign_sgd (grad ") + dtype_label(gd) + ", output " +
+          fail.kernel = std::string("sign_sgd ") + path + "(grad " + dtype_label(gd) + ", output " +
                         (out == 0 ? "none" : dtype_label(od)) + ")";
           fail.detail = (wd == 0.0 ? "no decay: " : "decay: ") + d;
           return false;

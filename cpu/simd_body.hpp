@@ -1,5 +1,6 @@
 // The one generic body of every CPU kernel, written once and compiled per ISA (each
-// isa_<name>.cpp includes it with its own -m flags and supplies ArchOps<Arch>).
+// arch_<name>.hpp includes it and supplies ArchOps<Arch>; isa_<name>.cpp and
+// isa_<name>_streamed.cpp compile it with that ISA's -m flags).
 //
 // Every floating-point operation whose rounding docs/numerics.md fixes — add, sub,
 // mul, div, sqrt, the fused multiply-add, the ordered compares, the NaN test, the
@@ -13,7 +14,7 @@
 //
 // Every element follows docs/numerics.md with the same operation order as the
 // reference; vector lanes and the scalar remainder loop compute identical bits.
-// Do not include this header outside an isa_*.cpp file.
+// Do not include this header outside an arch_*.hpp file.
 #pragma once
 
 #include <cmath>
@@ -54,6 +55,12 @@ struct Body {
   static_assert(N == U::size, "ArchOps and xsimd disagree on the vector width");
   /// Software prefetch distance of the streaming loops (bytes ahead of the read).
   static constexpr std::size_t kPrefetchBytes = 1024;
+  /// Vectors per kStreamAlignment line. Streaming stores write each destination a whole
+  /// line at a time: interleaved vector by vector across destinations they leave partial
+  /// lines in the write-combining buffers, which a processor may write out piecemeal
+  /// (AMD Zen 4: three interleaved 16-byte streams run 6x slower, 32-byte 1.4x).
+  static constexpr std::size_t kStreamLineVectors = kStreamAlignment / (N * sizeof(float));
+  static_assert(kStreamLineVectors * N * sizeof(float) == kStreamAlignment);
 
   // ---- bit casts ----------------------------------------------------------------
   static U as_u(F x) { return Ops::as_u(x); }
@@ -130,6 +137,24 @@ struct Body {
     Ops::store_u16(reinterpret_cast<std::uint16_t*>(p), f16_bits(x));
   }
 
+  /// Stores one line (kStreamLineVectors vectors from p, p kStreamAlignment-aligned) of a
+  /// destination: with consecutive streaming stores when `nt`, else plain stores.
+  static void put_line(float* p, const F* line, bool nt) {
+    for (std::size_t l = 0; l < kStreamLineVectors; ++l) {
+      if (nt)
+        Ops::stream(p + l * N, line[l]);
+      else
+        Ops::store(p + l * N, line[l]);
+    }
+  }
+  /// The first index in [i, end] at which p + index is kStreamAlignment-aligned, or end
+  /// (p is element-aligned: validation).
+  static std::size_t aligned_from(const float* p, std::size_t i, std::size_t end) {
+    const std::size_t misalign = reinterpret_cast<std::uintptr_t>(p + i) % kStreamAlignment;
+    const std::size_t skip = misalign == 0 ? 0 : (kStreamAlignment - misalign) / sizeof(float);
+    return end - i < skip ? end : i + skip;
+  }
+
   /// R_T of a gradient read (see round_bf16_read): round to T and widen back.
   template <class T>
   static F round_to(F x) {
@@ -198,41 +223,95 @@ struct Body {
   /// from Ps/Ms/Vs and the new one stored to P/M/V: the same arrays for an in-place step,
   /// so that pair carries no __restrict (each vector is loaded before it is stored, and
   /// a source never overlaps another destination: validation); grad and out never alias.
-  template <class G, class O, bool Torch, int Mode>
+  /// Stream: the destinations named by `stream` (kStream* bits) take streaming stores, so
+  /// [i, end) must start where they are kStreamAlignment-aligned; !Stream ignores it. The
+  /// streamed branch runs adamw_vector, the in-place loop's operations; the in-place loop
+  /// keeps its own text so that the in-place kernels compile exactly as before that branch
+  /// (both are checked against the reference, bit for bit, by the tests and the self-test).
+  template <class G, class O, bool Torch, int Mode, bool Stream = false>
   static void adamw_lanes(const float* Ps, const float* Ms, const float* Vs, float* P, float* M,
                           float* V, const G* __restrict grad, O* __restrict out,
                           const AdamWScalars s, const GradientRead read, std::size_t i,
-                          std::size_t end) {
+                          std::size_t end, unsigned stream = 0) {
     const F scale = splat(read.scale), clip = splat(read.clip);
     const F decay = splat(s.decay), b1 = splat(s.beta1), b2 = splat(s.beta2),
             omb1 = splat(s.one_minus_beta1), omb2 = splat(s.one_minus_beta2),
             coeff = splat(s.lerp_coeff), step_size = splat(s.step_size), bc2 = splat(s.bc2_sqrt),
             eps = splat(s.eps);
     const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
-    for (; i + N <= end; i += N) {
-      const F g = read_mode<Mode>(grad + i, scale, clip);
-      F p = Ops::load(Ps + i);
-      F m = Ops::load(Ms + i);
-      F v = Ops::load(Vs + i);
-      if constexpr (!Torch) {
-        // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
-        p = Ops::mul(p, decay);
-        m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
-        v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
-        const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-        p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
-      } else {
-        if (apply_decay) p = Ops::mul(p, decay);
-        const F diff = Ops::sub(g, m);
-        m = Ops::fma(coeff, diff, lerp_small ? m : g);
-        v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
-        const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-        p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
+    if constexpr (!Stream) {
+      for (; i + N <= end; i += N) {
+        const F g = read_mode<Mode>(grad + i, scale, clip);
+        F p = Ops::load(Ps + i);
+        F m = Ops::load(Ms + i);
+        F v = Ops::load(Vs + i);
+        if constexpr (!Torch) {
+          // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
+          p = Ops::mul(p, decay);
+          m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
+          v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
+          const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+          p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
+        } else {
+          if (apply_decay) p = Ops::mul(p, decay);
+          const F diff = Ops::sub(g, m);
+          m = Ops::fma(coeff, diff, lerp_small ? m : g);
+          v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
+          const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+          p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
+        }
+        Ops::store(P + i, p);
+        Ops::store(M + i, m);
+        Ops::store(V + i, v);
+        if constexpr (!std::is_void_v<O>) store(out + i, p);
       }
-      Ops::store(P + i, p);
-      Ops::store(M + i, m);
-      Ops::store(V + i, v);
-      if constexpr (!std::is_void_v<O>) store(out + i, p);
+    } else {
+      // A line (L vectors) of every destination per iteration, each streamed destination's
+      // line stored at once (kStreamLineVectors); less than a line left: plain stores.
+      constexpr std::size_t L = kStreamLineVectors;
+      const bool nt_p = stream & kStreamParam, nt_m = stream & kStreamExpAvg,
+                 nt_v = stream & kStreamExpAvgSq;
+      for (; i + L * N <= end; i += L * N) {
+        F pl[L], ml[L], vl[L];
+        for (std::size_t l = 0; l < L; ++l) {
+          const std::size_t j = i + l * N;
+          const F g = read_mode<Mode>(grad + j, scale, clip);
+          pl[l] = Ops::load(Ps + j);
+          ml[l] = Ops::load(Ms + j);
+          vl[l] = Ops::load(Vs + j);
+          adamw_vector<Torch>(g, pl[l], ml[l], vl[l], decay, b1, b2, omb1, omb2, coeff, step_size,
+                              bc2, eps, apply_decay, lerp_small);
+          if constexpr (!std::is_void_v<O>) store(out + j, pl[l]);
+        }
+        put_line(P + i, pl, nt_p);
+        put_line(M + i, ml, nt_m);
+        put_line(V + i, vl, nt_v);
+      }
+      adamw_lanes<G, O, Torch, Mode>(Ps, Ms, Vs, P, M, V, grad, out, s, read, i, end);
+    }
+  }
+
+  /// One vector of either formula, as adamw_lanes' in-place loop computes it: the new p,
+  /// m, v from the gradient read g and the old state in p, m, v.
+  template <bool Torch>
+  static void adamw_vector(const F g, F& p, F& m, F& v, const F decay, const F b1, const F b2,
+                           const F omb1, const F omb2, const F coeff, const F step_size,
+                           const F bc2, const F eps, const bool apply_decay,
+                           const bool lerp_small) {
+    if constexpr (!Torch) {
+      // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
+      p = Ops::mul(p, decay);
+      m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
+      v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
+      const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+      p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
+    } else {
+      if (apply_decay) p = Ops::mul(p, decay);
+      const F diff = Ops::sub(g, m);
+      m = Ops::fma(coeff, diff, lerp_small ? m : g);
+      v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
+      const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
+      p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
     }
   }
 
@@ -258,9 +337,44 @@ struct Body {
     for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
 
+  /// adamw for a range with streamed destinations (r.stream != 0: out of place): element
+  /// by element up to the line where every streamed destination is aligned (they agree
+  /// modulo kStreamAlignment: stream_mask), then the lanes, whose streaming stores skip
+  /// the read of the destinations' lines (write-allocate), then the remainder.
+  template <class G, class O>
+  static void adamw_streamed(const AdamWRange& r, std::size_t begin, std::size_t end) {
+    std::size_t vec_end = end;
+    if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
+    const float* anchor = (r.stream & kStreamParam)    ? r.param
+                          : (r.stream & kStreamExpAvg) ? r.exp_avg
+                                                       : r.exp_avg_sq;
+    const std::size_t head_end = aligned_from(anchor, begin, vec_end);
+    for (std::size_t i = begin; i < head_end; ++i) adamw_one<G, O>(r, i);
+    const std::size_t lanes_end = head_end + (vec_end - head_end) / N * N;
+    const G* grad = static_cast<const G*>(r.grad);
+    O* out = static_cast<O*>(r.out);
+    with_read_mode(r.read, [&](auto mode) {
+      constexpr int M = decltype(mode)::value;
+      if (r.torch)
+        adamw_lanes<G, O, true, M, true>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
+                                         r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
+                                         head_end, lanes_end, r.stream);
+      else
+        adamw_lanes<G, O, false, M, true>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
+                                          r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
+                                          head_end, lanes_end, r.stream);
+    });
+    for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
+    // Unfenced: the caller drains the streaming stores (the engine, per thread, after its
+    // last range), not each range.
+  }
+
   // ---- SignSGD --------------------------------------------------------------------
 
-  template <class G, class O>
+  /// One range of the step. Stream (the table's sign_sgd_streamed, for r.stream: out of
+  /// place) first runs element by element up to the aligned line, as adamw_streamed
+  /// (unfenced, as there).
+  template <class G, class O, bool Stream = false>
   static void sign_sgd(const SignSgdRange& r, std::size_t begin, std::size_t end) {
     const SignSgdScalars& s = r.scalars;
     const float* Ps = r.param_src;  // == P in place: loaded before stored, as for AdamW
@@ -269,19 +383,50 @@ struct Body {
     const F neg_lr = splat(s.neg_lr), neg_lr_wd = splat(s.neg_lr_wd), one = splat(1.0f),
             minus_one = splat(-1.0f), zero = splat(0.0f);
     std::size_t i = begin;
-    for (; i + N <= end; i += N) {
-      const F g = load(grad + i);
-      // +1, -1, +0 for zeros, and the NaN itself for NaN (ordered compares are false
-      // on a NaN, so the selects keep g there).
-      F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
-      sg = Ops::select(Ops::eq(g, zero), zero, sg);
-      F p = Ops::load(Ps + i);
-      if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
-      // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
-      // separate multiply and add round once, like the FMA (cheap without FMA too).
-      p = Ops::add(p, Ops::mul(sg, neg_lr));
-      Ops::store(P + i, p);
-      if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
+    if constexpr (Stream) {
+      const std::size_t head_end = aligned_from(P, begin, end);
+      for (; i < head_end; ++i)
+        ::stepcore::detail::sign_sgd_element<G, O>(Ps, P, grad, static_cast<O*>(r.out), s, i);
+      // The new parameter vector at j: the in-place loop's operations (that loop keeps its
+      // own text, so that the in-place kernels compile exactly as before this path).
+      auto vector_at = [&](std::size_t j) {
+        const F g = load(grad + j);
+        F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
+        sg = Ops::select(Ops::eq(g, zero), zero, sg);
+        F p = Ops::load(Ps + j);
+        if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
+        return Ops::add(p, Ops::mul(sg, neg_lr));
+      };
+      // Whole lines, as in adamw_lanes; less than a line left: plain stores.
+      constexpr std::size_t L = kStreamLineVectors;
+      for (; i + L * N <= end; i += L * N) {
+        F pl[L];
+        for (std::size_t l = 0; l < L; ++l) {
+          pl[l] = vector_at(i + l * N);
+          if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i + l * N, pl[l]);
+        }
+        put_line(P + i, pl, true);
+      }
+      for (; i + N <= end; i += N) {
+        const F p = vector_at(i);
+        Ops::store(P + i, p);
+        if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
+      }
+    } else {
+      for (; i + N <= end; i += N) {
+        const F g = load(grad + i);
+        // +1, -1, +0 for zeros, and the NaN itself for NaN (ordered compares are false
+        // on a NaN, so the selects keep g there).
+        F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
+        sg = Ops::select(Ops::eq(g, zero), zero, sg);
+        F p = Ops::load(Ps + i);
+        if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
+        // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
+        // separate multiply and add round once, like the FMA (cheap without FMA too).
+        p = Ops::add(p, Ops::mul(sg, neg_lr));
+        Ops::store(P + i, p);
+        if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
+      }
     }
     for (; i < end; ++i)
       ::stepcore::detail::sign_sgd_element<G, O>(Ps, P, grad, static_cast<O*>(r.out), s, i);
@@ -452,6 +597,25 @@ struct Body {
     t.scale[g] = &scale<G>;
     t.norm[g] = &norm<G>;
     t.norm_exact[g] = &norm_exact_range<G>;
+  }
+
+  /// The out-of-place (streamed) kernels: filled apart from make_table, by
+  /// isa_<name>_streamed.cpp.
+  static void fill_streamed(KernelTable& t) {
+    fill_streamed_grad<float>(t, static_cast<int>(DType::f32));
+    fill_streamed_grad<bfloat16_t>(t, static_cast<int>(DType::bf16));
+    fill_streamed_grad<float16_t>(t, static_cast<int>(DType::f16));
+  }
+  template <class G>
+  static void fill_streamed_grad(KernelTable& t, int g) {
+    t.adamw_streamed[g][0] = &adamw_streamed<G, void>;
+    t.adamw_streamed[g][1] = &adamw_streamed<G, float>;
+    t.adamw_streamed[g][2] = &adamw_streamed<G, bfloat16_t>;
+    t.adamw_streamed[g][3] = &adamw_streamed<G, float16_t>;
+    t.sign_sgd_streamed[g][0] = &sign_sgd<G, void, true>;
+    t.sign_sgd_streamed[g][1] = &sign_sgd<G, float, true>;
+    t.sign_sgd_streamed[g][2] = &sign_sgd<G, bfloat16_t, true>;
+    t.sign_sgd_streamed[g][3] = &sign_sgd<G, float16_t, true>;
   }
 
   // ---- the primitives, over arrays (for the primitive tests) -------------------------

@@ -17,6 +17,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "isa_list.hpp"
@@ -424,6 +425,115 @@ TEST(CpuEngine, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
             for (const std::vector<Source>& modes : {all, mixed})
               ASSERT_NO_FATAL_FAILURE(
                   expect_out_of_place(input, ref, modes, adamw, engine, acfg, scfg, read));
+          }
+        }
+      }
+    }
+  }
+}
+
+/// Out-of-place destinations placed `offset` bytes past a 64-byte boundary, with garbage
+/// around them: the streamed kernels' scalar head, aligned lanes and tail at every phase.
+struct PlacedDestination {
+  std::vector<float> storage;
+  std::size_t lead;  ///< index of the destination's first element in storage
+  std::size_t n;
+  PlacedDestination(std::size_t count, std::size_t offset) : storage(count + 48), n(count) {
+    for (std::size_t i = 0; i < storage.size(); ++i) storage[i] = garbage(i);
+    const auto a = reinterpret_cast<std::uintptr_t>(storage.data());
+    lead = ((64 - a % 64) % 64 + offset) / sizeof(float);
+  }
+  float* data() { return storage.data() + lead; }
+  /// Checks that the destination holds `want` (n elements) and the garbage around it is
+  /// untouched.
+  ::testing::AssertionResult holds(const float* want, const char* what) const {
+    if (auto r = same_bytes(want, storage.data() + lead, n * 4, what); !r) return r;
+    for (std::size_t i = 0; i < storage.size(); ++i)
+      if ((i < lead || i >= lead + n) && f32_bits(storage[i]) != f32_bits(garbage(i)))
+        return ::testing::AssertionFailure() << what << ": wrote outside, storage[" << i << "]";
+    return ::testing::AssertionSuccess();
+  }
+};
+
+TEST(CpuEngine, StreamedDestinationsGiveTheInPlaceBitsAtEveryAlignment) {
+  // Out-of-place destinations take streaming stores from the first 64-byte line where
+  // every streamed one is aligned (a scalar head before it). Destinations 0, 4, 8, 32 and
+  // 60 bytes into a line, all alike or each its own (then only those agreeing with the
+  // most stream, the rest store plainly), over sizes around every vector and line width,
+  // one chunk and several: the reference's in-place bits, nothing written around them.
+  const std::size_t c = cpu::Engine::kWorkChunkElements;
+  const std::vector<std::size_t> sizes{0,  1,    15,   16,   17,    31,    32,
+                                       33, 1023, 1024, 1025, c - 1, c + 1, 2 * c + 5};
+  const std::size_t placements[][3] = {{0, 0, 0},    {4, 4, 4},  {8, 8, 8},  {32, 32, 32},
+                                       {60, 60, 60}, {4, 8, 32}, {4, 4, 32}, {60, 0, 0}};
+  int idx = 0;
+  for (const auto& [g, o] : {std::pair{DType::bf16, 1 + static_cast<int>(DType::bf16)},
+                             std::pair{DType::f32, 0}, std::pair{DType::f16, 1}}) {
+    for (int opt = 0; opt < 3; ++opt) {  // AdamW native, AdamW torch, SignSGD
+      const bool adamw = opt < 2;
+      AdamWConfig acfg;
+      acfg.formula = opt == 0 ? AdamWFormula::native : AdamWFormula::torch;
+      acfg.weight_decay = 0.1;
+      const SignSgdConfig scfg{1e-3, 0.05};
+      const GradientRead read{1.0f / 3000.0f, idx % 2 ? 0.37f : 1.0f};
+      const Model input(sizes, g, o, 4000 + idx++);
+      Model ref = input;
+      if (adamw) {
+        auto rt = ref.adamw();
+        reference::adamw_step(rt, acfg, read);
+      } else {
+        auto rt = ref.sign_sgd();
+        reference::sign_sgd_step(rt, scfg, read);
+      }
+      Model want = ref;  // the sources keep the input
+      want.p = input.p;
+      if (adamw) {
+        want.m = input.m;
+        want.v = input.v;
+      }
+      for (cpu::Isa isa : testing_support::isas_under_test()) {
+        for (int threads : {1, 3}) {
+          const cpu::Engine engine(cpu::EngineConfig{isa, threads});
+          for (const auto& place : placements) {
+            SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads) +
+                         " grad " + std::string(dtype_name(g)) + " optimizer " +
+                         std::to_string(opt) + " offsets " + std::to_string(place[0]) + "/" +
+                         std::to_string(place[1]) + "/" + std::to_string(place[2]));
+            Model eng = input;
+            std::vector<PlacedDestination> dp, dm, dv;
+            for (std::size_t n : sizes) {
+              dp.emplace_back(n, place[0]);
+              dm.emplace_back(n, place[1]);
+              dv.emplace_back(n, place[2]);
+            }
+            if (adamw) {
+              auto t = eng.adamw();
+              for (std::size_t k = 0; k < t.size(); ++k) {
+                t[k].param_src = t[k].param;
+                t[k].exp_avg_src = t[k].exp_avg;
+                t[k].exp_avg_sq_src = t[k].exp_avg_sq;
+                t[k].param = {dp[k].data(), sizes[k], DType::f32};
+                t[k].exp_avg = {dm[k].data(), sizes[k], DType::f32};
+                t[k].exp_avg_sq = {dv[k].data(), sizes[k], DType::f32};
+              }
+              engine.adamw_step(t, acfg, read);
+            } else {
+              auto t = eng.sign_sgd();
+              for (std::size_t k = 0; k < t.size(); ++k) {
+                t[k].param_src = t[k].param;
+                t[k].param = {dp[k].data(), sizes[k], DType::f32};
+              }
+              engine.sign_sgd_step(t, scfg, read);
+            }
+            for (std::size_t k = 0; k < sizes.size(); ++k) {
+              SCOPED_TRACE("size " + std::to_string(sizes[k]));
+              ASSERT_TRUE(dp[k].holds(ref.p[k].data() + 1, "param destination"));
+              if (adamw) {
+                ASSERT_TRUE(dm[k].holds(ref.m[k].data() + 1, "exp_avg destination"));
+                ASSERT_TRUE(dv[k].holds(ref.v[k].data() + 1, "exp_avg_sq destination"));
+              }
+            }
+            ASSERT_TRUE(same_model(want, eng));  // sources, outputs, grads, counters
           }
         }
       }

@@ -58,6 +58,14 @@ void bad_sign_sgd(const cpu::detail::SignSgdRange& r, std::size_t b, std::size_t
   g_real->sign_sgd[2][0](r, b, e);  // grad f16, no output
   for (std::size_t i = b; i < e; ++i) flip_f32(r.param + i);
 }
+void bad_adamw_streamed(const cpu::detail::AdamWRange& r, std::size_t b, std::size_t e) {
+  g_real->adamw_streamed[2][0](r, b, e);  // grad f16, no output, out of place
+  for (std::size_t i = b; i < e; ++i) flip_f32(r.exp_avg_sq + i);
+}
+void bad_sign_sgd_streamed(const cpu::detail::SignSgdRange& r, std::size_t b, std::size_t e) {
+  g_real->sign_sgd_streamed[0][2](r, b, e);  // grad f32, output bf16, out of place
+  for (std::size_t i = b; i < e; ++i) flip_f32(r.param + i);
+}
 void bad_accumulate(float* acc, const void* src, bool copy, std::size_t b, std::size_t e) {
   g_real->accumulate[0](acc, src, copy, b, e);
   for (std::size_t i = b; i < e; ++i) flip_f32(acc + i);
@@ -88,6 +96,9 @@ const Fault kFaults[] = {
     {"scale_", [](KernelTable& t) { t.scale[1] = &bad_scale; }},
     {"norm_partial fast", [](KernelTable& t) { t.norm[2] = &bad_norm; }},
     {"norm_partial exact", [](KernelTable& t) { t.norm_exact[0] = &bad_norm_exact; }},
+    {"adamw streamed", [](KernelTable& t) { t.adamw_streamed[2][0] = &bad_adamw_streamed; }},
+    {"sign_sgd streamed",
+     [](KernelTable& t) { t.sign_sgd_streamed[0][2] = &bad_sign_sgd_streamed; }},
 };
 
 /// Installs a table with one faulty kernel for `isa` for the scope's lifetime.

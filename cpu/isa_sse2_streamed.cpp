@@ -1,0 +1,10 @@
+// The SSE2 out-of-place kernels (KernelTable::adamw_streamed, sign_sgd_streamed):
+// the generic body's streamed entry points over ArchOps<xsimd::sse2>, compiled with the
+// ISA's -m flags apart from isa_sse2.cpp (see there).
+#include "cpu/arch_sse2.hpp"
+
+namespace stepcore::cpu::detail {
+
+void fill_streamed_sse2(KernelTable& t) { Body<xsimd::sse2>::fill_streamed(t); }
+
+}  // namespace stepcore::cpu::detail
