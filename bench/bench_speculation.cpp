@@ -10,8 +10,16 @@
 // the same span for unclipped, clipped (rollback) and non-finite (skip) steps at
 // T_b = 1.0 S and 2.0 S, and alternating clipped / unclipped steps under each policy.
 // The overlapped steps are first validated bit for bit against a serial manager's.
+// On the host device every copy is a CPU memcpy (its "DMA" competes with the engine for
+// the cores); `cuda` runs the same on CUDA device 0, where the copies are DMA and the CPU
+// is idle during backward, as the targets assume. `staging on` gives the
+// speculating manager device staging for every chunk's compute weights
+// (ManagerConfig::speculation_device_bytes): a commit then copies device-to-device
+// instead of uploading (default: on with cuda, off on the host device, where the staging
+// uploads would be one more CPU memcpy during backward).
 //
 // Usage: stepcore-bench-speculation [million elements = 100] [steps per case = 3]
+//                                   [host | cuda = host] [staging: on | off]
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -47,12 +55,15 @@ double mean(const std::vector<double>& v) {
   return s / static_cast<double>(v.size());
 }
 
-// The model: tensor sizes and offsets and the gradients (bf16, the same every step).
+// The model: tensor sizes and offsets and the gradients (bf16, the same every step), in
+// pinned host memory of the device, from which each step copies them into the manager's
+// gradient buffers (device memory) before backward's timed part.
 struct Model {
   std::vector<std::size_t> sizes, offsets;
   std::size_t total = 0;
-  std::vector<std::uint16_t> grads;
-  std::size_t nan_param = 0;  // the parameter whose gradient gets a NaN in a skipped step
+  std::uint16_t* grads = nullptr;  // total elements, pinned (Device::allocate_host)
+  std::uint16_t* nan = nullptr;    // one pinned bf16 NaN
+  std::size_t nan_param = 0;       // the parameter whose gradient gets a NaN in a skipped step
 };
 
 // One step's figures: from the final finish_backward to clip_grad_norm's return (the
@@ -67,18 +78,19 @@ enum class Kind { unclipped, clipped, skipped };
 
 // One step of m: begin_step(scale, overlap), the final backward's gradients handed over
 // over tb seconds, clip_grad_norm, step, report.
-StepTimes run_step(GradientManager& m, const Model& model, int step, bool overlap, double tb,
-                   Kind kind) {
+StepTimes run_step(GradientManager& m, device::Device& dev, const Model& model, int step,
+                   bool overlap, double tb, Kind kind) {
   m.begin_step(scale_of(step), overlap);
   m.begin_backward(true);
   for (std::size_t k = 0; k < model.sizes.size(); ++k)
-    std::memcpy(m.gradient(k).data, model.grads.data() + model.offsets[k], model.sizes[k] * 2);
-  if (kind == Kind::skipped) {
-    const std::uint16_t nan = 0x7FC0;
-    std::memcpy(static_cast<std::uint16_t*>(m.gradient(model.nan_param).data) +
-                    model.sizes[model.nan_param] / 2,
-                &nan, 2);
-  }
+    dev.copy(device::Queue::h2d, m.gradient(k).data, model.grads + model.offsets[k],
+             model.sizes[k] * 2);
+  if (kind == Kind::skipped)
+    dev.copy(device::Queue::h2d,
+             static_cast<std::uint16_t*>(m.gradient(model.nan_param).data) +
+                 model.sizes[model.nan_param] / 2,
+             model.nan, 2);
+  dev.synchronize(dev.record(device::Queue::h2d));
   const Clock::time_point t0 = Clock::now();
   std::size_t handed = 0;
   for (std::size_t k = model.sizes.size(); k-- > 0;) {
@@ -101,7 +113,8 @@ StepTimes run_step(GradientManager& m, const Model& model, int step, bool overla
 }
 
 std::unique_ptr<GradientManager> make_manager(const Model& model, device::Device& dev,
-                                              Speculation policy, std::size_t chunk_elements) {
+                                              Speculation policy, std::size_t chunk_elements,
+                                              bool staging) {
   ManagerConfig cfg;
   cfg.mode = OffloadMode::full;
   cfg.optimizer.kind = OptimizerKind::adamw;
@@ -112,6 +125,7 @@ std::unique_ptr<GradientManager> make_manager(const Model& model, device::Device
         {"t" + std::to_string(k), model.sizes[k], DType::bf16, DType::bf16, true, true});
   cfg.chunk_elements = chunk_elements;
   cfg.speculation = policy;
+  cfg.speculation_device_bytes = staging ? ManagerConfig::kAllChunks : 0;
   cfg.device = &dev;
   auto m = make_gradient_manager(cfg);
   std::vector<float> init;
@@ -168,9 +182,27 @@ void print_row(const char* name, double tb_over_s, double e, double reported, do
 int main(int argc, char** argv) {
   const std::size_t millions = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 100;
   const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
-  if (millions == 0 || reps < 1) {
-    std::fprintf(stderr, "usage: %s [million elements] [steps per case]\n", argv[0]);
+  const std::string where = argc > 3 ? argv[3] : "host";
+  const std::string staged = argc > 4 ? argv[4] : (where == "cuda" ? "on" : "off");
+  if (millions == 0 || reps < 1 || (where != "host" && where != "cuda") ||
+      (staged != "on" && staged != "off")) {
+    std::fprintf(stderr,
+                 "usage: %s [million elements] [steps per case] [host | cuda] [staging: on | "
+                 "off]\n",
+                 argv[0]);
     return 2;
+  }
+  const bool staging = staged == "on";
+  std::unique_ptr<device::Device> dev;
+  if (where == "host") {
+    dev = device::make_host_device();
+  } else {
+    try {
+      dev = device::make_cuda_device(0);
+    } catch (const Error& e) {
+      std::printf("stepcore-bench-speculation: skipped, no CUDA device: %s\n", e.what());
+      return 0;
+    }
   }
   Model model;
   model.sizes = bench::model_sizes(millions * 1000000);
@@ -179,7 +211,9 @@ int main(int argc, char** argv) {
     model.total += n;
   }
   model.nan_param = model.sizes.size() / 2;
-  model.grads.resize(model.total);
+  model.grads = static_cast<std::uint16_t*>(dev->allocate_host(2 * model.total));
+  model.nan = static_cast<std::uint16_t*>(dev->allocate_host(2));
+  *model.nan = 0x7FC0;
   for (std::size_t j = 0; j < model.total; ++j)
     model.grads[j] = f32_to_bf16_bits(0.01f * unit(std::uint64_t{7} << 40 ^ j));
   // Chunks as the manager forms them (consecutive parameters up to chunk_elements).
@@ -195,21 +229,20 @@ int main(int argc, char** argv) {
       "stepcore-bench-speculation: %zu tensors, %.1f M elements, %zu chunks (chunk_elements "
       "%zu; the last to complete in backward: chunk 0, %.2f M elements), full offload, AdamW, "
       "bf16 gradients and compute weights, f32 state; engine %s, %d threads; %d step(s) per "
-      "case\n",
+      "case; device %s, device staging %s\n",
       model.sizes.size(), model.total / 1e6, chunks.size(), chunk_elements, chunks[0] / 1e6,
-      std::string(engine.isa_name()).c_str(), engine.threads(), reps);
-
-  auto dev = device::make_host_device();
-  auto spec = make_manager(model, *dev, Speculation::always, chunk_elements);
+      std::string(engine.isa_name()).c_str(), engine.threads(), reps,
+      std::string(dev->name()).c_str(), staged.c_str());
+  auto spec = make_manager(model, *dev, Speculation::always, chunk_elements, staging);
   int step = 0;
 
   // Validate: the overlapped steps (commit, rollback, skip) against a serial manager fed
   // the same gradients, every parameter's full state bit for bit after each.
   {
-    auto serial = make_manager(model, *dev, Speculation::never, chunk_elements);
+    auto serial = make_manager(model, *dev, Speculation::never, chunk_elements, false);
     for (Kind kind : {Kind::unclipped, Kind::clipped, Kind::skipped}) {
-      const StepTimes o = run_step(*spec, model, step, true, 0.0, kind);
-      const StepTimes s = run_step(*serial, model, step, false, 0.0, kind);
+      const StepTimes o = run_step(*spec, *dev, model, step, true, 0.0, kind);
+      const StepTimes s = run_step(*serial, *dev, model, step, false, 0.0, kind);
       ++step;
       const bool counts = o.report.chunks_speculated == chunks.size() &&
                           (kind == Kind::unclipped ? o.report.chunks_committed
@@ -232,10 +265,10 @@ int main(int argc, char** argv) {
       "the serial manager's (full state)\n");
 
   // S: the serial step, its gradients paced over the first estimate of S.
-  const double s0 = run_step(*spec, model, step++, false, 0.0, Kind::unclipped).exposed;
+  const double s0 = run_step(*spec, *dev, model, step++, false, 0.0, Kind::unclipped).exposed;
   std::vector<double> ts, tr, td;
   for (int r = 0; r < reps; ++r) {
-    const StepTimes t = run_step(*spec, model, step++, false, s0, Kind::unclipped);
+    const StepTimes t = run_step(*spec, *dev, model, step++, false, s0, Kind::unclipped);
     ts.push_back(t.exposed);
     tr.push_back(t.reported);
     td.push_back(t.drain);
@@ -257,7 +290,7 @@ int main(int argc, char** argv) {
       std::vector<double> e, rep, drain;
       StepReport last;
       for (int r = 0; r < reps; ++r) {
-        const StepTimes t = run_step(*spec, model, step++, true, f * s, kind);
+        const StepTimes t = run_step(*spec, *dev, model, step++, true, f * s, kind);
         e.push_back(t.exposed);
         rep.push_back(t.reported);
         drain.push_back(t.drain);
@@ -281,13 +314,13 @@ int main(int argc, char** argv) {
     // One manager at a time (each holds ~36 bytes per element).
     std::unique_ptr<GradientManager> owned =
         policy == Speculation::always ? std::move(spec)
-                                      : make_manager(model, *dev, policy, chunk_elements);
+                                      : make_manager(model, *dev, policy, chunk_elements, staging);
     GradientManager& m = *owned;
-    (void)run_step(m, model, step++, true, 0.0, Kind::unclipped);
+    (void)run_step(m, *dev, model, step++, true, 0.0, Kind::unclipped);
     std::vector<double> e, rep, drain;
     std::size_t sp = 0, co = 0, rb = 0;
     for (int r = 0; r < kAlternating; ++r) {
-      const StepTimes t = run_step(m, model, step++, true, kAlternatingTb * s,
+      const StepTimes t = run_step(m, *dev, model, step++, true, kAlternatingTb * s,
                                    r % 2 == 0 ? Kind::clipped : Kind::unclipped);
       e.push_back(t.exposed);
       rep.push_back(t.reported);
@@ -322,10 +355,11 @@ int main(int argc, char** argv) {
   AdamWConfig adamw;
   adamw.lr = 1e-4;
   adamw.weight_decay = 0.1;
-  std::vector<double> t_out, t_in, t_up;
+  std::vector<double> t_out, t_in, t_up, t_d2d;
   auto* pinned = static_cast<std::uint16_t*>(dev->allocate_host(2 * model.total));
   auto* device_weights = static_cast<std::uint16_t*>(dev->allocate(2 * model.total));
-  std::memcpy(pinned, model.grads.data(), 2 * model.total);
+  auto* device_staging = static_cast<std::uint16_t*>(dev->allocate(2 * model.total));
+  std::memcpy(pinned, model.grads, 2 * model.total);
   for (int r = 0; r < 5; ++r) {
     float steps = 0.0f;
     AdamWTensor t{f32(dst, 0, n0), f32(dst, n0, n0), f32(dst, 2 * n0, n0),
@@ -347,16 +381,27 @@ int main(int argc, char** argv) {
                 2 * model.sizes[k]);
     dev->record(device::Queue::h2d).wait();
     t_up.push_back(seconds_since(tc));
+    tc = Clock::now();  // the commit from device staging: device-to-device, per parameter
+    for (std::size_t k = 0; k < model.sizes.size(); ++k)
+      dev->copy(device::Queue::h2d, device_staging + model.offsets[k],
+                device_weights + model.offsets[k], 2 * model.sizes[k]);
+    dev->record(device::Queue::h2d).wait();
+    t_d2d.push_back(seconds_since(tc));
   }
+  dev->deallocate(device_staging);
   dev->deallocate(device_weights);
   dev->deallocate_host(pinned);
-  const double last_out = median(t_out), last_in = median(t_in), up = median(t_up);
+  dev->deallocate_host(model.nan);
+  dev->deallocate_host(model.grads);
+  const double last_out = median(t_out), last_in = median(t_in), up = median(t_up),
+               d2d = median(t_d2d), commit = staging ? d2d : up;
   std::printf(
       "parts (bare): the last chunk's step %.1f ms out of place (speculative), %.1f ms in "
-      "place (x%.2f); the commit's uploads (%.0f MB, h2d queue) %.1f ms; together "
-      "%.1f ms = %.3f S\n",
+      "place (x%.2f); the commit's copies (%.0f MB): uploads %.1f ms, from device staging "
+      "%.1f ms; the last step and the commit's copies%s together %.1f ms = %.3f S\n",
       1e3 * last_out, 1e3 * last_in, last_out / last_in, 2.0 * model.total / 1e6, 1e3 * up,
-      1e3 * (last_out + up), (last_out + up) / s);
+      1e3 * d2d, staging ? " (staged)" : " (uploads)", 1e3 * (last_out + commit),
+      (last_out + commit) / s);
   std::printf("targets: %d missed (a benchmark reports; it does not fail)\n", misses);
   return 0;
 }

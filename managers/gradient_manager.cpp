@@ -149,6 +149,15 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
     throw Error(Errc::out_of_range, "speculation_bytes",
                 std::to_string(config_.speculation_bytes) +
                     ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
+  if (config_.speculation_device_bytes < 0 &&
+      config_.speculation_device_bytes != ManagerConfig::kAllChunks)
+    throw Error(Errc::out_of_range, "speculation_device_bytes",
+                std::to_string(config_.speculation_device_bytes) +
+                    ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
+  if (config_.speculation_device_bytes != 0 && config_.mode != OffloadMode::full)
+    throw Error(Errc::invalid_argument, "speculation_device_bytes",
+                "stages compute weights only in mode full (modes none and optimizer keep "
+                "their rollback space on the device: speculation_bytes)");
 
   // The groups: names, and each one's configuration as the optimizer will see it.
   groups_ = resolve_groups(config_);

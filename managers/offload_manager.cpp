@@ -6,7 +6,9 @@
 // Speculation (overlapped steps): a chunk whose final gradients are in is stepped out of
 // place, reading its live state and writing the new state into its spare (rollback
 // space from ManagerConfig::speculation_bytes, a chunk's spare kept once given), compute
-// weights into the pinned upload buffers, nothing uploaded. The decision then commits
+// weights into the pinned upload buffers, nothing uploaded to the model's weights (with
+// ManagerConfig::speculation_device_bytes, they are uploaded into device staging at once,
+// and a commit copies them device-to-device). The decision then commits
 // (the spare becomes the live state: a pointer swap, then the uploads) or rolls back (the
 // live state was never written: it is stepped again in place with the coefficient, or
 // left alone when the step is skipped). No formula is ever inverted.
@@ -116,6 +118,7 @@ class OffloadGradientManager final : public ManagerImpl {
     TensorView compute;  // device, compute_dtype (empty without compute weights)
     TensorView staging;  // pinned host, grad_dtype
     TensorView out;      // pinned host, compute_dtype (empty without compute weights)
+    TensorView staged;   // device staging of speculated compute weights (empty: none)
     TensorView acc;      // host f32
     Slots state;         // host f32, the live state (slots() of them used)
     Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
@@ -166,7 +169,10 @@ class OffloadGradientManager final : public ManagerImpl {
   bool keeps_speculation() const;
   // Makes this step's speculative tasks not yet run skip (a rollback or skip).
   void cancel_speculation();
-  void upload_chunk(std::size_t k, const Event& after);  // on the worker
+  // Uploads chunk k's compute weights (from device staging when `staged`) after `after`.
+  void upload_chunk(std::size_t k, const Event& after, bool staged = false);  // on the worker
+  // Uploads speculated chunk k's compute weights into its device staging.
+  void stage_chunk(std::size_t k);  // on the worker
   void wait_uploads();
 
   Device& dev_;
@@ -186,6 +192,12 @@ class OffloadGradientManager final : public ManagerImpl {
   std::size_t spare_used_ = 0;
   std::vector<std::size_t> chunk_state_bytes_;
   std::vector<std::uint8_t> has_spare_, speculated_;
+  // Device staging of speculated compute weights (speculation_device_bytes), given to
+  // chunks as they are first admitted, like the spares.
+  void* stage_space_ = nullptr;
+  std::size_t stage_bytes_ = 0, stage_used_ = 0;
+  std::vector<std::size_t> chunk_compute_bytes_;
+  std::vector<std::uint8_t> has_stage_;
   std::vector<float> spec_steps_;                     // speculated step counters (worker)
   std::vector<NormPartial> chunk_partial_;            // fast partials of the counted acc (worker)
   std::chrono::steady_clock::time_point step_end_{};  // written by the step's last task
@@ -283,6 +295,8 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
   released_.resize(n);
   const std::size_t nchunks = chunks().size();
   has_spare_.assign(nchunks, 0);
+  has_stage_.assign(nchunks, 0);
+  chunk_compute_bytes_.assign(nchunks, 0);
   speculated_.assign(nchunks, 0);
   chunk_partial_.assign(nchunks, NormPartial{});
   chunk_state_bytes_.assign(nchunks, 0);
@@ -300,6 +314,7 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
         touch[1 + s].push_back(params_[i].state[s]);
         chunk_state_bytes_[k] += aligned(params_[i].state[s].bytes());
       }
+      chunk_compute_bytes_[k] += aligned(params_[i].out.bytes());
       if (cfg.params[i].counts_toward_norm) chunk_counted_[k].push_back(params_[i].acc);
     }
     for (const auto& list : touch) engine_.first_touch(list);
@@ -484,13 +499,28 @@ void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
                  });
 }
 
-void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after) {
+void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after, bool staged) {
   const Chunk& c = chunks()[k];
   on_device([&] {
     dev_.wait(Queue::h2d, after);  // backward's use of the old weights comes first
     for (std::size_t i = c.first; i < c.last; ++i) {
       const Param& p = params_[i];
-      if (p.out.numel != 0) dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
+      if (p.out.numel != 0)
+        dev_.copy(Queue::h2d, p.compute.data, staged ? p.staged.data : p.out.data, p.out.bytes());
+    }
+    last_upload_ = dev_.record(Queue::h2d);
+  });
+}
+
+void OffloadGradientManager::stage_chunk(std::size_t k) {
+  // The h2d queue is FIFO: this follows the previous commit's reads of the staging, and
+  // the commit's copy out of it follows this. A re-step that rewrites the upload buffers
+  // waits for it (wait_uploads).
+  const Chunk& c = chunks()[k];
+  on_device([&] {
+    for (std::size_t i = c.first; i < c.last; ++i) {
+      const Param& p = params_[i];
+      if (p.out.numel != 0) dev_.copy(Queue::h2d, p.staged.data, p.out.data, p.out.bytes());
     }
     last_upload_ = dev_.record(Queue::h2d);
   });
@@ -609,10 +639,40 @@ bool OffloadGradientManager::admit(std::size_t k) {
       spare_used_ += (v.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
     }
   has_spare_[k] = 1;
+  // Device staging, when the chunk's compute weights fit what is left of it.
+  if (chunk_compute_bytes_[k] != 0 && chunk_compute_bytes_[k] <= stage_bytes_ - stage_used_) {
+    for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+      Param& p = params_[i];
+      if (p.out.numel == 0) continue;
+      p.staged = {static_cast<char*>(stage_space_) + stage_used_, p.out.numel, p.out.dtype};
+      stage_used_ +=
+          (p.out.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+    }
+    has_stage_[k] = 1;
+  }
   return true;
 }
 
 void OffloadGradientManager::do_reserve_speculation() {
+  const std::int64_t device_budget = config().speculation_device_bytes;
+  if (stage_space_ == nullptr && device_budget != 0) {
+    std::size_t need = 0;
+    for (std::size_t bytes : chunk_compute_bytes_) need += bytes;
+    const std::size_t bytes = device_budget == ManagerConfig::kAllChunks
+                                  ? need
+                                  : std::min(need, static_cast<std::size_t>(device_budget));
+    if (bytes != 0) {
+      try {
+        const std::lock_guard lock(dev_mu_);  // not on_device: a refusal fails nothing
+        stage_space_ = dev_.allocate(bytes);
+      } catch (const Error& e) {
+        throw Error(
+            Errc::out_of_range, "speculation_device_bytes",
+            "cannot reserve " + std::to_string(bytes) + " bytes of device staging: " + e.what());
+      }
+      stage_bytes_ = bytes;
+    }
+  }
   if (spare_space_.data() != nullptr) return;
   std::size_t need = 0;
   for (std::size_t bytes : chunk_state_bytes_) need += bytes;
@@ -645,6 +705,7 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
     post([this, chunk, scale, gen = generation_, configs = group_configs()] {
       if (cancelled_.load(std::memory_order_acquire) == gen) return;
       step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
+      if (has_stage_[chunk]) stage_chunk(chunk);
     });
 }
 
@@ -730,10 +791,11 @@ void OffloadGradientManager::do_step() {
           std::swap(params_[i].state, params_[i].spare);
           if (is_adamw()) steps_[i] = spec_steps_[i];
         }
-        upload_chunk(k, backward);
+        upload_chunk(k, backward, has_stage_[k] != 0);
       });
     } else {  // waited, or rolled back: the live state is the step's old state
-      post([this, k, read, backward, configs] {
+      post([this, k, read, backward, configs, staged = speculated_[k] && has_stage_[k]] {
+        if (staged) wait_uploads();  // its staging upload still reads the upload buffers
         step_chunk(k, read, *configs);
         upload_chunk(k, backward);
       });
@@ -845,7 +907,8 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
   }
   if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
   if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
-  pinned_slab_ = dev_slab_ = nullptr;
+  if (stage_space_ != nullptr) dev_.deallocate(stage_space_);
+  pinned_slab_ = dev_slab_ = stage_space_ = nullptr;
   state_ = numa::HostBuffer{};
   spare_space_ = numa::HostBuffer{};
   const std::lock_guard lock(err_mu_);

@@ -65,6 +65,7 @@ struct Case {
   std::vector<Poison> poisons;
   Speculation speculation = Speculation::automatic;            ///< ManagerConfig::speculation
   std::int64_t speculation_bytes = ManagerConfig::kAllChunks;  ///< ManagerConfig's budget
+  std::int64_t speculation_device_bytes = 0;  ///< ManagerConfig's (full offload) staging
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
            (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
@@ -74,7 +75,10 @@ struct Case {
            (max_norm_of ? " max_norm per step" : "") +
            (poisons.empty() ? "" : " " + std::to_string(poisons.size()) + " poisons") +
            (overlap ? " speculation " + std::string(speculation_name(speculation)) + " budget " +
-                          std::to_string(speculation_bytes)
+                          std::to_string(speculation_bytes) +
+                          (speculation_device_bytes != 0
+                               ? " device staging " + std::to_string(speculation_device_bytes)
+                               : "")
                     : "");
   }
 };
@@ -190,6 +194,7 @@ inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case&
   cfg.chunk_elements = c.chunk;
   cfg.speculation = c.speculation;
   cfg.speculation_bytes = c.speculation_bytes;
+  cfg.speculation_device_bytes = b.mode == OffloadMode::full ? c.speculation_device_bytes : 0;
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
   cfg.comm = b.comm;
   cfg.engine.threads = b.threads;

@@ -203,6 +203,17 @@ std::size_t rollback_bytes_of(OffloadMode mode, OptimizerKind opt,
   return bytes;
 }
 
+// The device staging full offload gives speculated chunk [first, last)'s compute weights
+// (ManagerConfig::speculation_device_bytes): each parameter's from a 256-byte boundary.
+std::size_t staging_bytes_of(const std::vector<ParamSpec>& specs, std::size_t first,
+                             std::size_t last) {
+  std::size_t bytes = 0;
+  for (std::size_t i = first; i < last; ++i)
+    if (specs[i].has_compute_weights)
+      bytes += align256(specs[i].numel * dtype_size(specs[i].compute_dtype));
+  return bytes;
+}
+
 // The budget of exactly one chunk of the case in `mode`: every chunk of the mixed model
 // takes the same bytes (asserted), so this admits one chunk and never two.
 std::int64_t one_chunk_budget(OffloadMode mode, const Case& c) {
@@ -316,24 +327,42 @@ TEST(Speculation, TwentyMixedStepsGiveTheSerialAndReferenceBitsInEveryModePolicy
           std::vector<std::pair<Budget, std::int64_t>> budgets = {
               {Budget::none, 0}, {Budget::one, one}, {Budget::all, ManagerConfig::kAllChunks}};
           if (policy == Speculation::always) budgets.push_back({Budget::under_one, one - 1});
-          for (const auto& [budget, bytes] : budgets) {
-            Case c = serial;
-            c.overlap = true;
-            c.speculation = policy;
-            c.speculation_bytes = bytes;
-            const std::string what =
-                v.label + ", " + std::string(speculation_name(policy)) + ", " + budget_name(budget);
-            const auto got = run_variant(v, c);
-            expect_bits(got, serial_run, what + " vs serial");
-            expect_bits(got, want, what + " vs the reference");
-            expect_counts(got, model, budget, what);
-            if (HasFatalFailure() || HasFailure()) return;
+          // Full offload, speculating always: device staging of every chunk, of one chunk
+          // (the others upload after the commit), and of every chunk the one-chunk budget
+          // admits.
+          std::vector<std::int64_t> stagings = {0};
+          if (v.mode == OffloadMode::full && policy == Speculation::always) {
+            const std::vector<ParamSpec> specs = param_specs(case_model(serial));
+            const auto first = manager_model::chunks_of(specs, serial.chunk).front();
+            stagings.push_back(ManagerConfig::kAllChunks);
+            stagings.push_back(
+                static_cast<std::int64_t>(staging_bytes_of(specs, first.first, first.second)));
           }
+          for (const auto& [budget, bytes] : budgets)
+            for (std::int64_t staging : stagings) {
+              if (staging != 0 && budget != Budget::all && budget != Budget::one) continue;
+              Case c = serial;
+              c.overlap = true;
+              c.speculation = policy;
+              c.speculation_bytes = bytes;
+              c.speculation_device_bytes = staging;
+              const std::string what =
+                  v.label + ", " + std::string(speculation_name(policy)) + ", " +
+                  budget_name(budget) +
+                  (staging != 0 ? ", device staging " + std::to_string(staging) : "");
+              const auto got = run_variant(v, c);
+              expect_bits(got, serial_run, what + " vs serial");
+              expect_bits(got, want, what + " vs the reference");
+              expect_counts(got, model, budget, what);
+              if (HasFatalFailure() || HasFailure()) return;
+            }
         }
       }
     }
-  std::printf("[ speculation ] 4 streams x 5 variants x 10 budgets/policies of 20 steps: %.1f s\n",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf(
+      "[ speculation ] 4 streams x 5 variants x 10 budgets/policies (full: + 4 device stagings) of "
+      "20 steps: %.1f s\n",
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 // ---- Ranks -----------------------------------------------------------------------------
@@ -767,6 +796,19 @@ TEST(Speculation, BadPoliciesAndBudgetsAreRefusedNamingTheField) {
       expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::out_of_range,
                    "speculation_bytes");
     }
+    for (std::int64_t bytes : {std::int64_t{-2}, std::int64_t{INT64_MIN}}) {
+      ManagerConfig cfg = config_of(mode, *dev);
+      cfg.speculation_device_bytes = bytes;
+      expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::out_of_range,
+                   "speculation_device_bytes");
+    }
+    if (mode != OffloadMode::full)  // their rollback space is on the device already
+      for (std::int64_t bytes : {std::int64_t{1}, ManagerConfig::kAllChunks}) {
+        ManagerConfig cfg = config_of(mode, *dev);
+        cfg.speculation_device_bytes = bytes;
+        expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::invalid_argument,
+                     "speculation_device_bytes");
+      }
     for (int bad : {3, 7, 255}) {
       ManagerConfig cfg = config_of(mode, *dev);
       cfg.speculation = static_cast<Speculation>(bad);

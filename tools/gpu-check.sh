@@ -7,7 +7,7 @@
 # with NCCL on one rank against the host device, plus the gpu tests naming NCCL and a
 # manager), python (stepcore._core built against the machine's CUDA torch, then
 # python/tests/test_cuda.py -m gpu; n/a without such a torch or nanobind), bench-gpu,
-# bench-comm (when built), sanitizer (compute-sanitizer memcheck and racecheck over the
+# bench-spec (stepcore-bench-speculation on the CUDA device), bench-comm (when built), sanitizer (compute-sanitizer memcheck and racecheck over the
 # kernel tests).
 # CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
 # gpu-tests.log, bench.log, sanitizer.log, summary.txt; the summary table is printed last.
@@ -294,7 +294,7 @@ phase_build() {
     has_target "$t" && gpu_tests+=("$t")
   done
   targets=("${gpu_tests[@]}")
-  for t in stepcore-bench-gpu stepcore-bench-comm stepcore-gpu-nccl-step; do
+  for t in stepcore-bench-gpu stepcore-bench-speculation stepcore-bench-comm stepcore-gpu-nccl-step; do
     has_target "$t" && targets+=("$t")
   done
   echo "targets: ${targets[*]}"
@@ -517,6 +517,18 @@ program_phase() {
   [ $rc -eq 0 ]
 }
 phase_bench_gpu() { program_phase "$build/bench/stepcore-bench-gpu" 200 1 "stepcore-bench-gpu not built"; }
+# The overlapped full-offload step on the CUDA device (copies are DMA; device staging on):
+# issue 25's exposed-time targets.
+phase_bench_speculation() {
+  local exe=$build/bench/stepcore-bench-speculation
+  [ -x "$exe" ] || { note="stepcore-bench-speculation not built"; return 1; }
+  echoed 150 "$exe" 100 3 cuda on
+  local rc=$?
+  note="rc $rc; $(grep -o 'targets: [0-9]* missed' "$echoed_out" | head -1)"
+  [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
+  if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
+  [ $rc -eq 0 ]
+}
 phase_bench_comm() {
   program_phase "$build/bench/stepcore-bench-comm" 120 4 "not built (it needs MPI: STEPCORE_GPU_MPI=ON)"
 }
@@ -532,6 +544,7 @@ phase nccl gpu-tests.log phase_nccl
 phase manager-nccl gpu-tests.log phase_manager_nccl
 phase python python.log phase_python
 phase bench-gpu bench.log phase_bench_gpu
+phase bench-spec bench.log phase_bench_speculation
 phase bench-comm bench.log phase_bench_comm
 phase sanitizer sanitizer.log phase_sanitizer  # last: the slowest, cut to what the budget leaves
 

@@ -151,6 +151,15 @@ struct ManagerConfig {
   /// (Errc::out_of_range naming "speculation_bytes").
   std::int64_t speculation_bytes = kAllChunks;
   static constexpr std::int64_t kAllChunks = -1;
+  /// Full offload: the most bytes of device memory in which speculated compute weights
+  /// are staged, uploaded as each chunk is speculated, so that a commit is a
+  /// device-to-device copy instead of an upload (off the critical path where copies are
+  /// DMA: a GPU). Reserved with the rollback space; a speculated chunk that does not fit
+  /// uploads after the commit. 0 (default): none. kAllChunks: every chunk's compute
+  /// weights. Other negatives: Errc::out_of_range; nonzero in another mode (whose
+  /// rollback space is already on the device): Errc::invalid_argument; both name
+  /// "speculation_device_bytes". Same bits either way.
+  std::int64_t speculation_device_bytes = 0;
 };
 
 /// What the last step did. Known after step() (full offload) or, for the device

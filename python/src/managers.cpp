@@ -320,7 +320,8 @@ void bind_managers(nb::module_& m) {
              std::size_t chunk_elements, const std::string& device, nb::object comm,
              std::uint64_t layout_fingerprint, int threads, std::optional<std::string> isa,
              std::vector<int> cpus, int numa_node, bool lazy_gpu_scale, nb::handle stream,
-             const std::string& speculation, std::int64_t speculation_bytes) {
+             const std::string& speculation, std::int64_t speculation_bytes,
+             std::int64_t speculation_device_bytes) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             c.optimizer.kind = parse_optimizer(optimizer);
@@ -410,6 +411,7 @@ void bind_managers(nb::module_& m) {
             c.lazy_gpu_scale = lazy_gpu_scale;
             c.speculation = parse_speculation(speculation);
             c.speculation_bytes = speculation_bytes;
+            c.speculation_device_bytes = speculation_device_bytes;
             c.device = pm->dev.get();
             if (!comm.is_none()) {
               c.comm = nb::cast<comm::Communicator*>(comm);
@@ -425,7 +427,8 @@ void bind_managers(nb::module_& m) {
           nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
           nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
           nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none(),
-          nb::arg("speculation") = "auto", nb::arg("speculation_bytes") = ManagerConfig::kAllChunks)
+          nb::arg("speculation") = "auto", nb::arg("speculation_bytes") = ManagerConfig::kAllChunks,
+          nb::arg("speculation_device_bytes") = 0)
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })

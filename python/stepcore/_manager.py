@@ -92,7 +92,7 @@ class GradientManager(torch.optim.Optimizer):
     def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
                  eps=1e-8, weight_decay=0.0, formula="torch", chunk_elements=16 << 20,
                  process_group=None, threads=None, isa=None, numa=True, recorder=None,
-                 speculation="auto", speculation_bytes=-1):
+                 speculation="auto", speculation_bytes=-1, speculation_device_bytes=0):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
@@ -102,11 +102,16 @@ class GradientManager(torch.optim.Optimizer):
         _check_choice("optimizer", optimizer, OPTIMIZERS, extra)
         _check_choice("formula", formula, ("torch", "native"))
         _check_choice("speculation", speculation, ("always", "never", "auto"))
-        if (not isinstance(speculation_bytes, int) or isinstance(speculation_bytes, bool)
-                or speculation_bytes < -1):
-            raise ValueError("stepcore.torch: 'speculation_bytes' must be an int >= 0, or -1 "
-                             f"(as much as every chunk needs); got {speculation_bytes!r}")
-        self._speculation = (speculation, speculation_bytes)
+        for name, value in (("speculation_bytes", speculation_bytes),
+                            ("speculation_device_bytes", speculation_device_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+                raise ValueError(f"stepcore.torch: '{name}' must be an int >= 0, or -1 "
+                                 f"(as much as every chunk needs); got {value!r}")
+        if speculation_device_bytes != 0 and offload != "full":
+            raise ValueError("stepcore.torch: 'speculation_device_bytes' stages compute "
+                             "weights only with offload='full'; got "
+                             f"{speculation_device_bytes!r} with offload={offload!r}")
+        self._speculation = (speculation, speculation_bytes, speculation_device_bytes)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
         names = None
@@ -233,7 +238,8 @@ class GradientManager(torch.optim.Optimizer):
             self.offload, specs, optimizer=self.optimizer_name, groups=groups, adamw=adamw,
             chunk_elements=int(chunk_elements), device=device, comm=comm,
             threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
-            speculation=self._speculation[0], speculation_bytes=self._speculation[1])
+            speculation=self._speculation[0], speculation_bytes=self._speculation[1],
+            speculation_device_bytes=self._speculation[2])
         self._locals = locals_
         for i, local in enumerate(locals_):  # masters start from the model's values
             self._m.load_parameter(i, local.float().contiguous().cpu())

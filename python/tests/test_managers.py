@@ -220,6 +220,10 @@ def test_bad_input_is_named():
         core.GradientManager("full", specs(), speculation="sometimes")
     with pytest.raises(ValueError, match="speculation_bytes"):
         core.GradientManager("none", specs(), speculation_bytes=-2)
+    with pytest.raises(ValueError, match="speculation_device_bytes"):
+        core.GradientManager("full", specs(), speculation_device_bytes=-2)
+    with pytest.raises(ValueError, match="speculation_device_bytes"):
+        core.GradientManager("optimizer", specs(), speculation_device_bytes=-1)
     m = core.GradientManager("full", specs(gradient_buffer=False), groups=GROUPS, threads=1)
     m.begin_step(1.0)
     m.begin_backward(True)

@@ -322,6 +322,20 @@ def test_a_partial_speculation_budget_speculates_some_chunks_and_changes_no_bit(
         assert 0 < a[4]["chunks_speculated"] < b[4]["chunks_speculated"], (s, a[4], b[4])
 
 
+@pytest.mark.parametrize("staging", [-1, 4096], ids=["every_chunk", "a_few_chunks"])
+def test_device_staging_of_speculated_weights_changes_no_bit(staging, serial, reference):
+    """offload='full' with speculation_device_bytes: speculated compute weights are
+    staged on the device during backward and a commit copies them from there (every
+    chunk, or the first few that fit 4096 bytes, the others uploading after the commit);
+    the bits are the serial run's and torch's."""
+    got = run_manager("full", STEPS, True, chunk_elements=300, speculation="always",
+                      speculation_device_bytes=staging)
+    what = f"full overlap, device staging {staging}"
+    assert_records_equal(got, serial["full"], what + " vs no overlap")
+    assert_records_equal(got, reference["clipped"], what + " vs torch")
+    check_speculation_counts(got, "always", -1, what)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_overlapped_steps_without_clipping_commit_and_give_torchs_bits(mode, reference):
     """No clip_grad_norm_: step() decides (coefficient 1, finite), so every speculated

@@ -225,8 +225,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 
   ManagerConfig c;
   // The first byte's base-3 digits: the mode, the speculation policy, the budget (all
-  // chunks, none, or a few small chunks' bytes), then its bits: the small budget's size
-  // and lazy GPU scaling. (The twin never speculates: only the primary's overlap differs.)
+  // chunks, none, or a few small chunks' bytes), then its bits: the small budget's size,
+  // lazy GPU scaling and (full offload) device staging. (The twin never speculates: only the
+  // primary's overlap differs.)
   const std::uint8_t mode = in.byte();
   c.mode = static_cast<OffloadMode>(mode % 3);
   static const Speculation policies[] = {Speculation::automatic, Speculation::always,
@@ -235,6 +236,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t budgets[] = {ManagerConfig::kAllChunks, 0, mode / 27 % 2 ? 2048 : 512};
   c.speculation_bytes = budgets[mode / 9 % 3];
   c.lazy_gpu_scale = mode / 54 % 2 != 0;
+  // Full offload: device staging of speculated compute weights, all or a few chunks'.
+  if (c.mode == OffloadMode::full && mode / 108 % 2 != 0)
+    c.speculation_device_bytes = mode / 27 % 2 ? ManagerConfig::kAllChunks : 256;
   c.optimizer.kind = in.flag() ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
   // One byte picks the groups and AdamW's betas. The betas vary because a GPU-mode
   // AdamW manager's bias table has an entry per step until 1 - beta^t rounds to 1:
