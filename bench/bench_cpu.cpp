@@ -25,7 +25,9 @@
 #include <vector>
 
 #include "cpu/testing.hpp"
+#include "kernels/checked_plans.hpp"
 #include "kernels/plans.hpp"
+#include "kernels/testing.hpp"
 #include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
@@ -691,10 +693,15 @@ void BM_AdamWScalarReference(benchmark::State& st) {
   for (auto& t : tensors) *t.step = 0.0f;
 }
 
-// Host cost per call of the GPU launch plans for 2,000 tensors (a large model's list):
-// what the host spends before any launch; no device needed.
+// Host cost per call of the GPU launchers' checks and plans for 2,000 tensors (a large
+// model's list): what the host spends before the first launch; no device needed. Arg 0:
+// scale+norm (0) or AdamW (1); arg 1: a first call (the cache of validated calls off:
+// validation, one memory check per buffer, the plan) or a repeated call (the cache on:
+// the arguments compared with the validated call's, no checks). The memory check is a
+// counting no-op here (on a GPU each is a runtime query).
 void BM_GpuPlanHostOverhead(benchmark::State& st) {
   const bool adamw = st.range(0) != 0;
+  const bool repeated = st.range(1) != 0;
   const std::size_t n_tensors = 2000;
   std::vector<std::size_t> sizes;
   std::mt19937 rng(3);
@@ -715,15 +722,29 @@ void BM_GpuPlanHostOverhead(benchmark::State& st) {
     t.step = &steps[i];
     tensors.push_back(t);
   }
-  for (auto _ : st) {
-    if (adamw) {
-      benchmark::DoNotOptimize(gpu::make_adamw_plan(tensors, AdamWConfig{}));
-    } else {
-      benchmark::DoNotOptimize(gpu::make_plan(views));
-    }
-  }
-  st.SetLabel(adamw ? "AdamW plan (validation; scalars are derived on the device), 2000 tensors"
-                    : "scale+norm plan, 2000 tensors");
+  float scalars[2] = {1.0f, 1.0f};
+  double bias[2] = {1.0, 1.0};
+  NormPartial partial{};
+  std::vector<std::uint8_t> workspace(gpu::scale_and_norm_workspace_bytes(views));
+  const AdamWDeviceArgs d{&scalars[0], &scalars[1], nullptr, nullptr, bias};
+  std::size_t checks = 0;
+  const gpu::detail::MemoryCheck check = [&checks](const void*, std::size_t,
+                                                   const ::stepcore::detail::Arg&) { ++checks; };
+  const gpu::testing::ScopedPlanCache cache(repeated);
+  auto call = [&] {
+    if (adamw)
+      benchmark::DoNotOptimize(gpu::detail::checked_adamw_plan(tensors, AdamWConfig{}, d, check));
+    else
+      benchmark::DoNotOptimize(gpu::detail::checked_norm_plan(
+          views, &partial, "d_partial", workspace.data(), workspace.size(), check));
+  };
+  call();  // a repeated call's first: validated and cached here
+  checks = 0;
+  for (auto _ : st) call();
+  st.counters["checks/call"] =
+      static_cast<double>(checks) / static_cast<double>(std::max<std::int64_t>(st.iterations(), 1));
+  st.SetLabel(std::string(adamw ? "AdamW" : "scale+norm") + " checks and plan, 2000 tensors, " +
+              (repeated ? "repeated call (cached)" : "first call"));
 }
 
 /// The known-answer self-test of one ISA (arg 0), run afresh each iteration: what the
@@ -839,7 +860,11 @@ BENCHMARK(BM_SelfTest)
     ->Apply(isa_args)
     ->Unit(benchmark::kMillisecond)
     ->UseManualTime();
-BENCHMARK(BM_GpuPlanHostOverhead)->Arg(0)->Arg(1)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_GpuPlanHostOverhead)
+    ->Name("GpuPlanHostOverhead")
+    ->ArgNames({"adamw", "repeated"})
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_AdamWScalarReference)
     ->Name("AdamW/scalar-reference")
     ->Unit(benchmark::kMillisecond)

@@ -15,6 +15,7 @@
 
 #include "device/device_internal.hpp"
 #include "kernels/check.cuh"
+#include "kernels/plan_cache.hpp"
 #include "stepcore/cuda.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -121,6 +122,7 @@ class CudaDevice final : public Device {
   }
 
   ~CudaDevice() override {
+    gpu::detail::note_memory_released();  // its memory goes
     const DeviceGuard guard(ordinal_, std::nothrow);
     synchronize_quietly();
     while (!device_mem_.empty()) {
@@ -152,6 +154,7 @@ class CudaDevice final : public Device {
 
   void deallocate(void* p) noexcept override {
     if (p == nullptr || !device_mem_.owns(p)) return;
+    gpu::detail::note_memory_released();  // cached calls naming it are checked again
     const DeviceGuard guard(ordinal_, std::nothrow);
     synchronize_quietly();
     device_mem_.remove(p);
@@ -167,6 +170,7 @@ class CudaDevice final : public Device {
 
   void deallocate_host(void* p) noexcept override {
     if (!host_buffers_.owns(p)) return;
+    gpu::detail::note_memory_released();
     const DeviceGuard guard(ordinal_, std::nothrow);
     synchronize_quietly();
     cuda::host_unregister(p);

@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "core/validate.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
@@ -26,6 +27,11 @@ struct Event::State {
 };
 
 namespace detail {
+
+// An argument's name for an error: as given, or built from its parts.
+inline const std::string& name_string(const std::string& name) { return name; }
+inline std::string name_string(const char* name) { return name; }
+inline std::string name_string(const ::stepcore::detail::Arg& name) { return name.str(); }
 
 // The byte ranges of one kind of allocation (device or host) of a device, by start.
 class Allocations {
@@ -47,11 +53,13 @@ class Allocations {
   }
   // Returns true when p lies in an allocation; throws Errc::out_of_range when
   // [p, p + bytes) starts inside one and runs past its end.
-  bool check_inside(const void* p, std::size_t bytes, const std::string& name) const {
+  /// `name`: a string, or a ::stepcore::detail::Arg (built only for the error).
+  template <class Name>
+  bool check_inside(const void* p, std::size_t bytes, const Name& name) const {
     const auto [begin, size] = find(p);
     if (size == 0) return false;
     if (bytes > size - (addr(p) - begin))
-      throw Error(Errc::out_of_range, name,
+      throw Error(Errc::out_of_range, name_string(name),
                   std::to_string(bytes) + " bytes run past the end of a " + std::to_string(size) +
                       "-byte allocation");
     return true;

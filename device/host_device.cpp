@@ -28,6 +28,7 @@
 #include "core/validate.hpp"
 #include "device/device_internal.hpp"
 #include "kernels/checked_plans.hpp"
+#include "kernels/plan_cache.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -182,6 +183,7 @@ class HostDevice final : public Device {
   HostDevice(int threads, HostDeviceMemory memory) : threads_(threads), memory_kind_(memory) {}
 
   ~HostDevice() override {
+    gpu::detail::note_memory_released();  // its memory, and its memory check, go
     d2h_.reset();  // each worker runs what is queued (skipping after a failure), then joins
     h2d_.reset();
     while (!device_mem_.empty()) {
@@ -207,6 +209,7 @@ class HostDevice final : public Device {
 
   void deallocate(void* p) noexcept override {
     if (p == nullptr || !device_mem_.owns(p)) return;
+    gpu::detail::note_memory_released();  // cached calls naming it are checked again
     drain();
     device_mem_.remove(p);
     std::free(p);
@@ -218,6 +221,7 @@ class HostDevice final : public Device {
 
   void deallocate_host(void* p) noexcept override {
     if (!host_buffers_.owns(p)) return;
+    gpu::detail::note_memory_released();
     drain();
     host_buffers_.remove(p);
   }
@@ -338,7 +342,7 @@ class HostDevice final : public Device {
     const gpu::LaunchPlan plan =
         gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_exact_partial,
                                        "d_exact_partial", d_workspace, workspace_bytes, memory_);
-    require_device(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    require_device(d_found_inf, sizeof(std::int32_t), ::stepcore::detail::Arg{"d_found_inf"});
     *d_exact_partial =
         gpu::emulate::exact_norm_partial_if_needed(plan, read, *d_found_inf, threads_);
   }
@@ -417,16 +421,16 @@ class HostDevice final : public Device {
   }
 
   // Throws unless [p, p + bytes) is device memory of this device.
-  void require_device(const void* p, std::size_t bytes, const std::string& name) const {
+  void require_device(const void* p, std::size_t bytes, const ::stepcore::detail::Arg& name) const {
     if (memory_kind_ == HostDeviceMemory::any_host_memory) return;  // a CPU trainer's tensors
     if (!device_mem_.check_inside(p, bytes, name))
-      throw Error(Errc::invalid_argument, name,
+      throw Error(Errc::invalid_argument, name.str(),
                   "not device memory of this device (from allocate()) where device memory is "
                   "needed");
   }
   // The shared checks' view of this device's memory (kernels/checked_plans.hpp).
   const gpu::detail::MemoryCheck memory_ = [this](const void* p, std::size_t bytes,
-                                                  const std::string& name) {
+                                                  const ::stepcore::detail::Arg& name) {
     require_device(p, bytes, name);
   };
 

@@ -13,14 +13,17 @@
 #include <utility>
 #include <vector>
 
+#include "core/validate.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/gpu.hpp"
 
 namespace stepcore::gpu::detail {
 
 /// Throws unless [p, p + bytes) is memory the device's kernels may use; `name` names the
-/// argument. The CUDA launchers ask the runtime; the host device checks its allocations.
-using MemoryCheck = std::function<void(const void* p, std::size_t bytes, const std::string& name)>;
+/// argument (a string only for the error). The CUDA launchers ask the runtime; the host
+/// device checks its allocations.
+using MemoryCheck =
+    std::function<void(const void* p, std::size_t bytes, const ::stepcore::detail::Arg& name)>;
 
 /// Returns writable views of read-only tensors (the norm kernels write only when asked).
 std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors);

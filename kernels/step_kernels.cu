@@ -181,19 +181,20 @@ __global__ void finalize_exact_and_clip_kernel(const NormPartial* d_exact_partia
   *d_found_inf = flag;
 }
 
-void require_device_pointer(const void* p, const std::string& name) {
+void require_device_pointer(const void* p, const ::stepcore::detail::Arg& name) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     cudaGetLastError();
-    throw Error(Errc::invalid_argument, name, "not a CUDA pointer");
+    throw Error(Errc::invalid_argument, name.str(), "not a CUDA pointer");
   }
   if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
-    throw Error(Errc::invalid_argument, name, "a host pointer where device memory is needed");
+    throw Error(Errc::invalid_argument, name.str(), "a host pointer where device memory is needed");
 }
 
 // The launchers' memory check: the runtime must know the start as device memory.
 const detail::MemoryCheck& device_memory() {
-  static const detail::MemoryCheck check = [](const void* p, std::size_t, const std::string& name) {
+  static const detail::MemoryCheck check = [](const void* p, std::size_t,
+                                              const ::stepcore::detail::Arg& name) {
     require_device_pointer(p, name);
   };
   return check;

@@ -25,6 +25,19 @@ class ScopedLaunchLimits {
   int saved_blocks_, saved_tensors_;
 };
 
+/// Turns the cache of validated calls (kernels/plan_cache.hpp) on or off while alive, so
+/// that tests see both paths in every build type.
+class ScopedPlanCache {
+ public:
+  explicit ScopedPlanCache(bool enabled);
+  ~ScopedPlanCache();
+  ScopedPlanCache(const ScopedPlanCache&) = delete;
+  ScopedPlanCache& operator=(const ScopedPlanCache&) = delete;
+
+ private:
+  bool saved_;
+};
+
 }  // namespace stepcore::gpu::testing
 
 namespace stepcore::cuda::testing {
