@@ -291,6 +291,30 @@ class CudaDevice final : public Device {
                                  compute());
   }
 
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::scale_and_norm_partial(d_tensors, d_scale, d_partial, d_workspace, workspace_bytes,
+                                compute());
+  }
+
+  void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::norm_partial(d_tensors, d_read, d_partial, d_workspace, workspace_bytes, compute());
+  }
+
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                    const DeviceGradientRead& d_read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::exact_norm_partial_if_needed(d_tensors, d_read, d_found_inf, d_exact_partial, d_workspace,
+                                      workspace_bytes, compute());
+  }
+
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                   const AdamWDeviceArgs& d) override {
     const DeviceGuard guard(ordinal_);

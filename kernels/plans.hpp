@@ -204,6 +204,16 @@ NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale,
 /// Returns the norm partial of the read values R_T(R_T(g*scale)*clip) without writing.
 NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads = kBlockThreads);
 
+/// The device-memory forms (the kernels' own arguments): the scale (and clip) read from
+/// host memory standing for device memory when the plan runs, not checked, as the device
+/// reads them. A plan and these arguments built once and run again replay a captured graph.
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, const float* d_scale,
+                                   int threads = kBlockThreads);
+NormPartial norm_partial(const LaunchPlan& plan, const DeviceGradientRead& d_read,
+                         int threads = kBlockThreads);
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, const DeviceGradientRead& d_read,
+                                         std::int32_t found_inf, int threads = kBlockThreads);
+
 /// g = R_T(f32(g) * factor) in place (the clip applied eagerly).
 void scale_(const LaunchPlan& plan, float factor, int threads = kBlockThreads);
 

@@ -7,6 +7,7 @@
 
 #include <cub/block/block_reduce.cuh>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/validate.hpp"
@@ -23,15 +24,18 @@ namespace {
 // shared memory in the same tree order as the CPU executor; thread 0 writes the block's
 // partial. Lane = NormLane: the fast pass (binary64 sums, deposited exactly);
 // ExactNormLane: the exact fallback (every square deposited; 45 KiB of shared memory,
-// under the 48 KiB static limit), run only when *d_found_inf asks for it.
+// under the 48 KiB static limit), run only when *d_found_inf asks for it. The factors
+// come from d_scale / d_clip (device memory, read now) where given, else from `pass`.
 template <class Lane>
 __global__ void __launch_bounds__(kBlockThreads)
     scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
+                                 const float* d_scale, const float* d_clip,
                                  const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
   __shared__ Lane lanes[kBlockThreads];
   Lane lane;
-  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
+  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads,
+                            detail::norm_pass_at_run(pass, d_scale, d_clip), lane);
   lanes[threadIdx.x] = lane;
   __syncthreads();
   for (int half = kBlockThreads / 2; half > 0; half /= 2) {
@@ -136,7 +140,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0)
     scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
   __syncthreads();
-  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, *d.scale, *d.clip);
+  const GradientRead read = detail::read_at_run(d.scale, d.clip);
+  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, read.scale,
+                       read.clip);
 }
 
 // After every AdamW launch of the step: each counter advances, unless found-inf.
@@ -199,18 +205,27 @@ const detail::MemoryCheck& device_memory() {
   return check;
 }
 
-void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass,
-                       NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
-                       cudaStream_t stream) {
-  const LaunchPlan plan = detail::checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace,
-                                                    workspace_bytes, device_memory());
+// Enqueues a norm pass (Lane: fast or exact) over a checked plan: `pass` with its factors
+// from d_scale / d_clip where given (read when the kernels run), then the reduction.
+template <class Lane>
+void enqueue_norm(const LaunchPlan& plan, const detail::NormPass& pass, const float* d_scale,
+                  const float* d_clip, const std::int32_t* d_found_inf, NormPartial* d_partial,
+                  void* d_workspace, cudaStream_t stream) {
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<detail::NormLane>
-        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, nullptr, d_blocks);
-    cuda::detail::check_launch("scale_and_sum_squares_kernel");
+    scale_and_sum_squares_kernel<Lane><<<a.num_blocks, kBlockThreads, 0, stream>>>(
+        a, pass, d_scale, d_clip, d_found_inf, d_blocks);
+    cuda::detail::check_launch(std::is_same_v<Lane, detail::ExactNormLane>
+                                   ? "scale_and_sum_squares_kernel (exact)"
+                                   : "scale_and_sum_squares_kernel");
   }
-  reduce_partials(d_blocks, plan.total_blocks, nullptr, d_partial, stream);
+  reduce_partials(d_blocks, plan.total_blocks, d_found_inf, d_partial, stream);
+}
+
+LaunchPlan checked_plan(std::span<const TensorView> d_tensors, NormPartial* d_partial,
+                        const char* partial_name, void* d_workspace, std::size_t workspace_bytes) {
+  return detail::checked_norm_plan(d_tensors, d_partial, partial_name, d_workspace, workspace_bytes,
+                                   device_memory());
 }
 
 }  // namespace
@@ -219,16 +234,43 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                             cudaStream_t stream) {
   ::stepcore::detail::validate_scale(d_tensors, scale);
-  run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace,
-                    workspace_bytes, stream);
+  const LaunchPlan plan =
+      checked_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{scale, 1.0f, true}, nullptr, nullptr,
+                                 nullptr, d_partial, d_workspace, stream);
+}
+
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                            NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream) {
+  detail::check_device_scalar(d_scale, sizeof(float), "d_scale", nullptr);
+  ::stepcore::detail::validate_scale_tensors(d_tensors);
+  const LaunchPlan plan =
+      checked_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+  detail::check_device_scalar(d_scale, sizeof(float), "d_scale", &device_memory());
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{1.0f, 1.0f, true}, d_scale, nullptr,
+                                 nullptr, d_partial, d_workspace, stream);
 }
 
 void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
-  run_norm_launches(detail::as_views(d_tensors), detail::NormPass{read.scale, read.clip, false},
-                    d_partial, d_workspace, workspace_bytes, stream);
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes);
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
+                                 nullptr, nullptr, d_partial, d_workspace, stream);
+}
+
+void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                  NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                  cudaStream_t stream) {
+  detail::check_device_read(d_read, nullptr);
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes);
+  detail::check_device_read(d_read, &device_memory());
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{}, d_read.scale, d_read.clip, nullptr,
+                                 d_partial, d_workspace, stream);
 }
 
 void scale_(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream) {
@@ -283,18 +325,25 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
                                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
-  const LaunchPlan plan =
-      detail::checked_norm_plan(detail::as_views(d_tensors), d_exact_partial, "d_exact_partial",
-                                d_workspace, workspace_bytes, device_memory());
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes);
   require_device_pointer(d_found_inf, "d_found_inf");
-  const detail::NormPass pass{read.scale, read.clip, false};
-  auto* d_blocks = static_cast<NormPartial*>(d_workspace);
-  for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<detail::ExactNormLane>
-        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_found_inf, d_blocks);
-    cuda::detail::check_launch("scale_and_sum_squares_kernel (exact)");
-  }
-  reduce_partials(d_blocks, plan.total_blocks, d_found_inf, d_exact_partial, stream);
+  enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
+                                      nullptr, d_found_inf, d_exact_partial, d_workspace, stream);
+}
+
+void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                  const DeviceGradientRead& d_read, const std::int32_t* d_found_inf,
+                                  NormPartial* d_exact_partial, void* d_workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream) {
+  detail::check_device_read(d_read, nullptr);
+  if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes);
+  require_device_pointer(d_found_inf, "d_found_inf");
+  detail::check_device_read(d_read, &device_memory());
+  enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{}, d_read.scale, d_read.clip,
+                                      d_found_inf, d_exact_partial, d_workspace, stream);
 }
 
 void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,

@@ -118,6 +118,19 @@ class Device {
   virtual void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                                        NormResult* d_result, float* d_clip,
                                        std::int32_t* d_found_inf) = 0;
+  /// The norm passes with the scale (and clip) in device memory, read when the kernels run
+  /// (gpu.hpp): what a manager's step enqueues, so no per-step value is a kernel argument.
+  virtual void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                                      NormPartial* d_partial, void* d_workspace,
+                                      std::size_t workspace_bytes) = 0;
+  virtual void norm_partial(std::span<const ConstTensorView> d_tensors,
+                            const DeviceGradientRead& d_read, NormPartial* d_partial,
+                            void* d_workspace, std::size_t workspace_bytes) = 0;
+  virtual void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                            const DeviceGradientRead& d_read,
+                                            const std::int32_t* d_found_inf,
+                                            NormPartial* d_exact_partial, void* d_workspace,
+                                            std::size_t workspace_bytes) = 0;
   /// AdamW: step counters, lr, weight decay and the bias table in device memory, read
   /// when the kernels run (gpu.hpp); found-inf leaves everything, counters too, unchanged.
   virtual void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
