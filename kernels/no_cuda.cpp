@@ -92,7 +92,7 @@ void finalize_exact_and_clip(const NormPartial*, float, NormResult*, float*, std
 
 namespace stepcore::device {
 
-std::unique_ptr<Device> make_cuda_device(int, cudaStream_t) {
+std::unique_ptr<Device> make_cuda_device(int, cudaStream_t, std::chrono::milliseconds) {
   throw Error(Errc::not_supported, "ordinal", "stepcore was built without CUDA");
 }
 
