@@ -186,7 +186,8 @@ std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor>
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
   for (const TensorView& t : tensors) blocks += (t.numel + kBlockElements - 1) / kBlockElements;
-  return blocks * sizeof(NormPartial);
+  const std::uint32_t slices = reduce_slices(blocks);  // the slices' partials follow
+  return (blocks + (slices > 1 ? slices : 0)) * sizeof(NormPartial);
 }
 
 namespace detail {

@@ -19,6 +19,19 @@ namespace stepcore::gpu {
 
 /// Threads per block of every multi-tensor kernel.
 inline constexpr int kBlockThreads = 256;
+
+/// The exact reduction of a norm's block partials runs one block per partial field and
+/// slice: a norm of more than kPartialsPerSlice blocks is reduced in slices of that many
+/// (up to kMaxReduceSlices slices, so 24 x slices blocks fill the GPU), then the slices'
+/// partials in one more pass. Integer sums, max and or: the same bits for any slicing.
+inline constexpr std::uint64_t kPartialsPerSlice = 2048;
+inline constexpr std::uint64_t kMaxReduceSlices = 128;
+
+/// Returns the slices of the first reduction pass over `blocks` partials (1: one pass).
+inline std::uint32_t reduce_slices(std::uint64_t blocks) {
+  const std::uint64_t s = (blocks + kPartialsPerSlice - 1) / kPartialsPerSlice;
+  return static_cast<std::uint32_t>(s <= 1 ? 1 : s < kMaxReduceSlices ? s : kMaxReduceSlices);
+}
 /// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
 /// blocks are described per tensor (a BlockMap), so the block count costs no argument
 /// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch).

@@ -221,6 +221,48 @@ TEST(GpuSteps, ExactFallbackOnTheDeviceResolvesATie) {
   EXPECT_EQ(f32_bits(clip), f32_bits((1.0f / (33554432.0f + 1e-6f)) * 1.0f));
 }
 
+// More block partials than one reduction slice takes (kPartialsPerSlice): 5,000 small
+// tensors, one block each, reduced in three slices and then the slices: the finalised
+// norm and the counts equal the reference's, with NaN, Inf and the largest value in
+// different slices.
+TEST(GpuSteps, ASlicedPartialReductionGivesTheReferenceNorm) {
+  SKIP_WITHOUT_DEVICE();
+  const std::size_t n = 5000, each = 3;
+  std::vector<float> host(n * each);
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : host) x = nd(rng);
+  host[7] = 1e30f;                    // the max, slice 0
+  host[2100 * each] = std::nanf("");  // slice 1
+  host[4500 * each + 1] = -INFINITY;  // slice 2
+  DeviceBytes d_data(host.data(), host.size() * 4);
+  std::vector<ConstTensorView> dv, hv;
+  for (std::size_t k = 0; k < n; ++k) {
+    dv.push_back({d_data.as<float>() + k * each, each, DType::f32});
+    hv.push_back({host.data() + k * each, each, DType::f32});
+  }
+  std::vector<TensorView> views;
+  for (const auto& v : dv) views.push_back({const_cast<void*>(v.data), v.numel, v.dtype});
+  ASSERT_GT(gpu::reduce_slices(n), 1u);
+  const std::size_t ws = gpu::scale_and_norm_workspace_bytes(views);
+  DeviceBytes d_ws(ws), d_partial(sizeof(NormPartial));
+  gpu::norm_partial(dv, GradientRead{}, d_partial.as<NormPartial>(), d_ws.as<void>(), ws, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  NormPartial got;
+  d_partial.download(&got, sizeof got);
+  const NormPartial ref = reference::norm_partial(hv);
+  EXPECT_EQ(got.nan_count, 1u);
+  EXPECT_EQ(got.inf_count, 1u);
+  EXPECT_EQ(got.max_abs_bits, ref.max_abs_bits);
+  host[2100 * each] = 0.0f;  // finite values only: the norm itself
+  host[4500 * each + 1] = 0.0f;
+  d_data.upload(host.data(), host.size() * 4);
+  gpu::norm_partial(dv, GradientRead{}, d_partial.as<NormPartial>(), d_ws.as<void>(), ws, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d_partial.download(&got, sizeof got);
+  EXPECT_EQ(f32_bits(finalize(got).norm), f32_bits(finalize(reference::norm_partial(hv)).norm));
+}
+
 // A whole step captured once and replayed three times, with a new gradient scale and lr
 // written to device memory before each replay: every replay must be the next step (its
 // counter, its bias corrections, its scale, its clip, its lr), bit for bit the eager
