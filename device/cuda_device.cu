@@ -2,15 +2,21 @@
 // memory, NUMA-placed page-locked host memory, CUDA events, and the kernels of
 // step_kernels.cu enqueued on the compute stream. Every CUDA call is checked
 // (Errc::cuda_error naming the call); every entry point makes the device current for
-// its duration and restores the caller's device.
+// its duration and restores the caller's device. The device's own waits (allocate,
+// deallocate, teardown) poll events recorded at the call, bounded by its wait timeout:
+// never a whole-stream synchronise (the compute stream may be the trainer's), and memory
+// that work may still use after a timeout is abandoned, never freed under it.
 #include <cuda_runtime.h>
 
 #include <array>
+#include <chrono>
 #include <cstring>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <new>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "device/device_internal.hpp"
@@ -81,7 +87,9 @@ class CudaEventState final : public Event::State {
 };
 
 // A host memset enqueued on a stream (cudaLaunchHostFunc): host memory need not be
-// mapped into the device's address space for Queue::d2h/h2d to zero it in order.
+// mapped into the device's address space for Queue::d2h/h2d to zero it in order. The
+// callback frees its argument, so it runs once: never inside a captured graph (zero()
+// refuses that).
 struct HostZero {
   void* dst;
   std::size_t bytes;
@@ -93,8 +101,8 @@ void CUDART_CB run_host_zero(void* arg) {
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int ordinal, cudaStream_t compute)
-      : ordinal_(ordinal), name_("cuda:" + std::to_string(ordinal)) {
+  CudaDevice(int ordinal, cudaStream_t compute, std::chrono::milliseconds wait_timeout)
+      : ordinal_(ordinal), name_("cuda:" + std::to_string(ordinal)), wait_timeout_(wait_timeout) {
     const DeviceGuard guard(ordinal_);
     try {
       if (compute != nullptr) {
@@ -124,7 +132,14 @@ class CudaDevice final : public Device {
   ~CudaDevice() override {
     gpu::detail::note_memory_released();  // its memory goes
     const DeviceGuard guard(ordinal_, std::nothrow);
-    synchronize_quietly();
+    if (!drain_bounded()) {
+      // Work still runs (a hung kernel or collective): freeing or unpinning would block
+      // on it, or pull memory from under it. Abandon everything; the streams go (a
+      // stream's destruction does not wait for its work).
+      host_buffers_.abandon();
+      destroy_streams();
+      return;
+    }
     while (!device_mem_.empty()) {
       void* p = device_mem_.first();
       device_mem_.remove(p);
@@ -141,13 +156,19 @@ class CudaDevice final : public Device {
     const std::size_t n = bytes == 0 ? 1 : bytes;
     void* p = nullptr;
     check(cudaMalloc(&p, n), "cudaMalloc");  // 256-byte aligned (at least)
+    // Zero-filled on the h2d stream (the device's own, never the trainer's), waited for
+    // with a bound; a memset still queued at the bound leaves the memory abandoned.
     try {
-      check(cudaMemsetAsync(p, 0, n, compute()), "cudaMemsetAsync");
-      check(cudaStreamSynchronize(compute()), "cudaStreamSynchronize");
+      check(cudaMemsetAsync(p, 0, n, stream(Queue::h2d)), "cudaMemsetAsync");
     } catch (...) {
       cudaFree(p);
       throw;
     }
+    if (!wait_bounded({stream(Queue::h2d)}))
+      throw Error(Errc::timeout, "wait_timeout",
+                  "zero-filling " + std::to_string(bytes) +
+                      " bytes of new device memory did not finish within " +
+                      std::to_string(wait_timeout_.count()) + " ms (the h2d queue is stuck)");
     device_mem_.add(p, n);
     return p;
   }
@@ -156,8 +177,9 @@ class CudaDevice final : public Device {
     if (p == nullptr || !device_mem_.owns(p)) return;
     gpu::detail::note_memory_released();  // cached calls naming it are checked again
     const DeviceGuard guard(ordinal_, std::nothrow);
-    synchronize_quietly();
+    const bool idle = drain_bounded();
     device_mem_.remove(p);
+    if (!idle) return;  // queued work may still use p: abandoned, not freed under it
     if (cudaFree(p) != cudaSuccess) cudaGetLastError();
   }
 
@@ -172,7 +194,10 @@ class CudaDevice final : public Device {
     if (!host_buffers_.owns(p)) return;
     gpu::detail::note_memory_released();
     const DeviceGuard guard(ordinal_, std::nothrow);
-    synchronize_quietly();
+    if (!drain_bounded()) {
+      host_buffers_.abandon(p);  // queued copies may still use it
+      return;
+    }
     cuda::host_unregister(p);
     host_buffers_.remove(p);
   }
@@ -194,6 +219,15 @@ class CudaDevice final : public Device {
       check(cudaMemsetAsync(dst, 0, bytes, stream(q)), "cudaMemsetAsync");
       return;
     }
+    // The callback frees its argument after one run: a captured graph replaying it would
+    // read freed memory from its second replay on, so capture is refused.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(stream(q), &capture), "cudaStreamIsCapturing");
+    if (capture != cudaStreamCaptureStatusNone)
+      throw Error(Errc::not_supported, "dst",
+                  "zeroing host memory is not capturable in a CUDA graph (a host callback "
+                  "whose argument lives for one run): zero it outside the capture, or zero "
+                  "device memory");
     auto* z = new HostZero{dst, bytes};
     const cudaError_t s = cudaLaunchHostFunc(stream(q), run_host_zero, z);
     if (s != cudaSuccess) delete z;
@@ -295,6 +329,30 @@ class CudaDevice final : public Device {
                                  compute());
   }
 
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::scale_and_norm_partial(d_tensors, d_scale, d_partial, d_workspace, workspace_bytes,
+                                compute());
+  }
+
+  void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::norm_partial(d_tensors, d_read, d_partial, d_workspace, workspace_bytes, compute());
+  }
+
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                    const DeviceGradientRead& d_read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::exact_norm_partial_if_needed(d_tensors, d_read, d_found_inf, d_exact_partial, d_workspace,
+                                      workspace_bytes, compute());
+  }
+
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                   const AdamWDeviceArgs& d) override {
     const DeviceGuard guard(ordinal_);
@@ -323,10 +381,51 @@ class CudaDevice final : public Device {
     return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
   }
 
-  void synchronize_quietly() noexcept {
-    for (cudaStream_t s : streams_)
-      if (s != nullptr && cudaStreamSynchronize(s) != cudaSuccess) cudaGetLastError();
+  // Returns true once the work queued so far on `streams` is done, false when it is not
+  // within wait_timeout_: an event recorded on each now, polled (yielding for the first
+  // 2 ms, then sleeping 50 us between polls). Work queued after the call is not waited
+  // for. A failed record or query counts as done (its error is the next call's).
+  bool wait_bounded(std::initializer_list<cudaStream_t> streams) noexcept {
+    std::array<cudaEvent_t, 3> events{};
+    std::size_t n = 0;
+    for (cudaStream_t s : streams) {
+      if (s == nullptr || n == events.size()) continue;
+      cudaEvent_t e = nullptr;
+      if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      if (cudaEventRecord(e, s) != cudaSuccess) {
+        cudaGetLastError();
+        cudaEventDestroy(e);
+        continue;
+      }
+      events[n++] = e;
+    }
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    bool done = false;
+    for (;;) {
+      done = true;
+      for (std::size_t i = 0; i < n; ++i) {
+        const cudaError_t q = cudaEventQuery(events[i]);
+        if (q == cudaErrorNotReady) done = false;
+        if (q != cudaSuccess) cudaGetLastError();  // not sticky: reported by later work
+      }
+      const auto waited = clock::now() - start;
+      if (done || waited >= wait_timeout_) break;
+      if (waited < std::chrono::milliseconds(2))
+        std::this_thread::yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    for (std::size_t i = 0; i < n; ++i)
+      if (cudaEventDestroy(events[i]) != cudaSuccess) cudaGetLastError();
+    return done;
   }
+
+  // wait_bounded on every queue.
+  bool drain_bounded() noexcept { return wait_bounded({streams_[0], streams_[1], streams_[2]}); }
 
   void destroy_streams() noexcept {
     for (std::size_t i = 0; i < streams_.size(); ++i) {
@@ -339,7 +438,8 @@ class CudaDevice final : public Device {
 
   const int ordinal_;
   const std::string name_;
-  std::array<cudaStream_t, 3> streams_{};  // indexed by Queue: compute, d2h, h2d
+  const std::chrono::milliseconds wait_timeout_;  // bound of the device's own waits
+  std::array<cudaStream_t, 3> streams_{};         // indexed by Queue: compute, d2h, h2d
   bool owns_compute_ = false;
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
@@ -347,7 +447,10 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_cuda_device(int ordinal, cudaStream_t compute) {
+std::unique_ptr<Device> make_cuda_device(int ordinal, cudaStream_t compute,
+                                         std::chrono::milliseconds wait_timeout) {
+  if (wait_timeout.count() <= 0)
+    throw Error(Errc::out_of_range, "wait_timeout", "the device's wait bound must be positive");
   const int n = cuda::device_count();
   if (n == 0)
     throw Error(Errc::not_supported, "ordinal", "no CUDA device: " + cuda::unavailable_reason());
@@ -355,7 +458,7 @@ std::unique_ptr<Device> make_cuda_device(int ordinal, cudaStream_t compute) {
     throw Error(
         Errc::not_supported, "ordinal",
         "no CUDA device " + std::to_string(ordinal) + " (" + std::to_string(n) + " present)");
-  return std::make_unique<CudaDevice>(ordinal, compute);
+  return std::make_unique<CudaDevice>(ordinal, compute, wait_timeout);
 }
 
 }  // namespace stepcore::device

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -121,6 +122,19 @@ class HostBuffers {
   void remove(void* p) {
     if (buffers_.erase(p) != 0) ranges_.remove(p);
   }
+  // Abandons buffer p (never unmapped or unpinned: work that may still use it is running);
+  // a pointer not from add is ignored.
+  void abandon(void* p) noexcept {
+    auto it = buffers_.find(p);
+    if (it == buffers_.end()) return;
+    leak(std::move(it->second));
+    buffers_.erase(it);
+    ranges_.remove(p);
+  }
+  // Abandons every buffer (abandon(p) of each).
+  void abandon() noexcept {
+    while (!buffers_.empty()) abandon(buffers_.begin()->first);
+  }
   // Calls f(start) for every buffer (e.g. to unpin them all before the device goes).
   template <class F>
   void for_each(F&& f) const {
@@ -129,6 +143,11 @@ class HostBuffers {
   const Allocations& ranges() const noexcept { return ranges_; }
 
  private:
+  // Keeps a buffer's mapping for the life of the process (its destructor never runs).
+  static void leak(numa::HostBuffer&& b) noexcept {
+    if (auto* kept = new (std::nothrow) numa::HostBuffer(std::move(b))) (void)kept;
+  }
+
   std::map<void*, numa::HostBuffer> buffers_;
   Allocations ranges_;
 };

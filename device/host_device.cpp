@@ -363,6 +363,48 @@ class HostDevice final : public Device {
     *d_found_inf = flag;
   }
 
+  // The device-memory forms: the scalars are checked as pointers and read when the
+  // executor runs (now: compute work runs inline).
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    raise_pending();
+    gpu::detail::check_device_scalar(d_scale, sizeof(float), "d_scale", nullptr);
+    ::stepcore::detail::validate_scale_tensors(d_tensors);
+    const gpu::LaunchPlan plan = gpu::detail::checked_norm_plan(
+        d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes, memory_);
+    gpu::detail::check_device_scalar(d_scale, sizeof(float), "d_scale", &memory_);
+    *d_partial = gpu::emulate::scale_and_norm_partial(plan, d_scale, threads_);
+  }
+
+  void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    raise_pending();
+    gpu::detail::check_device_read(d_read, nullptr);
+    const gpu::LaunchPlan plan =
+        gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes, memory_);
+    gpu::detail::check_device_read(d_read, &memory_);
+    *d_partial = gpu::emulate::norm_partial(plan, d_read, threads_);
+  }
+
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                    const DeviceGradientRead& d_read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    raise_pending();
+    gpu::detail::check_device_read(d_read, nullptr);
+    if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
+    const gpu::LaunchPlan plan =
+        gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes, memory_);
+    require_device(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    gpu::detail::check_device_read(d_read, &memory_);
+    *d_exact_partial =
+        gpu::emulate::exact_norm_partial_if_needed(plan, d_read, *d_found_inf, threads_);
+  }
+
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                   const AdamWDeviceArgs& d) override {
     raise_pending();

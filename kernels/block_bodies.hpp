@@ -151,6 +151,23 @@ struct NormPass {
   bool write = false;
 };
 
+/// The gradient read a block applies: each factor from device memory where `d` points
+/// (read now, when the kernel runs: a replayed CUDA graph takes the value there at
+/// replay), else `value`'s (a by-value launch argument, fixed when enqueued). The one
+/// place every norm and AdamW block body takes its scale and clip from.
+STEPCORE_HD_INLINE GradientRead read_at_run(const float* d_scale, const float* d_clip,
+                                            GradientRead value = {}) {
+  return GradientRead{d_scale != nullptr ? *d_scale : value.scale,
+                      d_clip != nullptr ? *d_clip : value.clip};
+}
+
+/// The pass a norm block runs: `pass` with its factors read by read_at_run.
+STEPCORE_HD_INLINE NormPass norm_pass_at_run(const NormPass& pass, const float* d_scale,
+                                             const float* d_clip) {
+  const GradientRead r = read_at_run(d_scale, d_clip, GradientRead{pass.scale, pass.clip});
+  return NormPass{r.scale, r.clip, pass.write};
+}
+
 /// Thread `thread`'s elements of [begin, end) of one tensor, in groups of V, read as
 /// x = R_T(R_T(f32(g) * scale) * clip) (a factor is skipped when it is 1); with
 /// pass.write, the scaled value R_T(f32(g) * scale) is stored back (the fused scale +

@@ -249,6 +249,17 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
   return launches;
 }
 
+void check_device_scalar(const void* p, std::size_t bytes, const char* name,
+                         const MemoryCheck* check) {
+  if (p == nullptr) throw Error(Errc::null_pointer, name, "required (device memory)");
+  if (check != nullptr) (*check)(p, bytes, name);
+}
+
+void check_device_read(const DeviceGradientRead& d_read, const MemoryCheck* check) {
+  check_device_scalar(d_read.scale, sizeof(float), "d_read.scale", check);
+  check_device_scalar(d_read.clip, sizeof(float), "d_read.clip", check);
+}
+
 void check_finalize_args(const NormPartial* d_partial, const char* partial_name, float max_norm,
                          const NormResult* d_result, const float* d_clip,
                          const std::int32_t* d_found_inf, const MemoryCheck& check) {

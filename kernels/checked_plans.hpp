@@ -54,6 +54,14 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
                                                      const SignSgdDeviceArgs& d,
                                                      const MemoryCheck& check);
 
+/// Throws Errc::null_pointer naming `name` when the device scalar p is null, then (with
+/// `check`) runs the memory check of its `bytes`: a kernel reads it when it runs.
+void check_device_scalar(const void* p, std::size_t bytes, const char* name,
+                         const MemoryCheck* check);
+
+/// check_device_scalar of a device gradient read: "d_read.scale", then "d_read.clip".
+void check_device_read(const DeviceGradientRead& d_read, const MemoryCheck* check);
+
 /// Validates the scalars of finalize_and_clip / finalize_exact_and_clip.
 void check_finalize_args(const NormPartial* d_partial, const char* partial_name, float max_norm,
                          const NormResult* d_result, const float* d_clip,

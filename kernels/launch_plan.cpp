@@ -7,6 +7,7 @@
 #include "core/fp_env.hpp"
 #include "core/validate.hpp"
 #include "kernels/block_bodies.hpp"
+#include "kernels/checked_plans.hpp"
 #include "kernels/plans.hpp"
 #include "kernels/testing.hpp"
 #include "stepcore/error.hpp"
@@ -185,7 +186,8 @@ std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor>
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
   for (const TensorView& t : tensors) blocks += (t.numel + kBlockElements - 1) / kBlockElements;
-  return blocks * sizeof(NormPartial);
+  const std::uint32_t slices = reduce_slices(blocks);  // the slices' partials follow
+  return (blocks + (slices > 1 ? slices : 0)) * sizeof(NormPartial);
 }
 
 namespace detail {
@@ -261,6 +263,30 @@ NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads)
   return run_norm(plan, detail::NormPass{read.scale, read.clip, false}, threads);
 }
 
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, const float* d_scale, int threads) {
+  detail::check_device_scalar(d_scale, sizeof(float), "d_scale", nullptr);
+  check_threads(threads);
+  return run_norm(plan,
+                  detail::norm_pass_at_run(detail::NormPass{1.0f, 1.0f, true}, d_scale, nullptr),
+                  threads);
+}
+
+NormPartial norm_partial(const LaunchPlan& plan, const DeviceGradientRead& d_read, int threads) {
+  detail::check_device_read(d_read, nullptr);
+  check_threads(threads);
+  return run_norm(plan, detail::norm_pass_at_run(detail::NormPass{}, d_read.scale, d_read.clip),
+                  threads);
+}
+
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, const DeviceGradientRead& d_read,
+                                         std::int32_t found_inf, int threads) {
+  detail::check_device_read(d_read, nullptr);
+  check_threads(threads);
+  if (found_inf != kFoundInfNeedsExact) return NormPartial{};
+  return run_norm<detail::ExactNormLane>(
+      plan, detail::norm_pass_at_run(detail::NormPass{}, d_read.scale, d_read.clip), threads);
+}
+
 void scale_(const LaunchPlan& plan, float factor, int threads) {
   ::stepcore::detail::check_scale_factor(factor, "factor");
   check_threads(threads);
@@ -278,8 +304,9 @@ void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
   for (const AdamWLaunchArgs& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b) {
       const AdamWScalars s = detail::adamw_block_scalars(a, a.task(b).tensor, d);
+      const GradientRead read = detail::read_at_run(d.scale, d.clip);
       for (int t = 0; t < threads; ++t)
-        detail::adamw_thread(a, b, t, threads, s, *d.scale, *d.clip);
+        detail::adamw_thread(a, b, t, threads, s, read.scale, read.clip);
     }
   for (const StepCounterArgs& c : plan.counters)
     for (int k = 0; k < c.count; ++k) detail::advance_counter(c, k);

@@ -42,6 +42,19 @@ void norm_partial(std::span<const ConstTensorView>, GradientRead, NormPartial*, 
                   cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
+void scale_and_norm_partial(std::span<const TensorView>, const float*, NormPartial*, void*,
+                            std::size_t, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+void norm_partial(std::span<const ConstTensorView>, const DeviceGradientRead&, NormPartial*, void*,
+                  std::size_t, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+void exact_norm_partial_if_needed(std::span<const ConstTensorView>, const DeviceGradientRead&,
+                                  const std::int32_t*, NormPartial*, void*, std::size_t,
+                                  cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
 void scale_(std::span<const TensorView>, const float*, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
@@ -79,7 +92,7 @@ void finalize_exact_and_clip(const NormPartial*, float, NormResult*, float*, std
 
 namespace stepcore::device {
 
-std::unique_ptr<Device> make_cuda_device(int, cudaStream_t) {
+std::unique_ptr<Device> make_cuda_device(int, cudaStream_t, std::chrono::milliseconds) {
   throw Error(Errc::not_supported, "ordinal", "stepcore was built without CUDA");
 }
 

@@ -19,6 +19,19 @@ namespace stepcore::gpu {
 
 /// Threads per block of every multi-tensor kernel.
 inline constexpr int kBlockThreads = 256;
+
+/// The exact reduction of a norm's block partials runs one block per partial field and
+/// slice: a norm of more than kPartialsPerSlice blocks is reduced in slices of that many
+/// (up to kMaxReduceSlices slices, so 24 x slices blocks fill the GPU), then the slices'
+/// partials in one more pass. Integer sums, max and or: the same bits for any slicing.
+inline constexpr std::uint64_t kPartialsPerSlice = 2048;
+inline constexpr std::uint64_t kMaxReduceSlices = 128;
+
+/// Returns the slices of the first reduction pass over `blocks` partials (1: one pass).
+inline std::uint32_t reduce_slices(std::uint64_t blocks) {
+  const std::uint64_t s = (blocks + kPartialsPerSlice - 1) / kPartialsPerSlice;
+  return static_cast<std::uint32_t>(s <= 1 ? 1 : s < kMaxReduceSlices ? s : kMaxReduceSlices);
+}
 /// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
 /// blocks are described per tensor (a BlockMap), so the block count costs no argument
 /// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch).
@@ -203,6 +216,16 @@ NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale,
 
 /// Returns the norm partial of the read values R_T(R_T(g*scale)*clip) without writing.
 NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads = kBlockThreads);
+
+/// The device-memory forms (the kernels' own arguments): the scale (and clip) read from
+/// host memory standing for device memory when the plan runs, not checked, as the device
+/// reads them. A plan and these arguments built once and run again replay a captured graph.
+NormPartial scale_and_norm_partial(const LaunchPlan& plan, const float* d_scale,
+                                   int threads = kBlockThreads);
+NormPartial norm_partial(const LaunchPlan& plan, const DeviceGradientRead& d_read,
+                         int threads = kBlockThreads);
+NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, const DeviceGradientRead& d_read,
+                                         std::int32_t found_inf, int threads = kBlockThreads);
 
 /// g = R_T(f32(g) * factor) in place (the clip applied eagerly).
 void scale_(const LaunchPlan& plan, float factor, int threads = kBlockThreads);

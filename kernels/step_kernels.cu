@@ -1,12 +1,13 @@
 // CUDA drivers of the multi-tensor block bodies: one thread block per chunk of a launch
 // (grid = the launch's blocks, up to 65,536, kBlockThreads threads), launch metadata
 // passed by value, results per block into the caller's workspace, then an exact
-// integer reduction of the block partials, one block per partial field. No
-// allocation, no host synchronisation.
+// integer reduction of the block partials, one block per partial field and slice (two
+// passes above kPartialsPerSlice blocks). No allocation, no host synchronisation.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/validate.hpp"
@@ -23,15 +24,18 @@ namespace {
 // shared memory in the same tree order as the CPU executor; thread 0 writes the block's
 // partial. Lane = NormLane: the fast pass (binary64 sums, deposited exactly);
 // ExactNormLane: the exact fallback (every square deposited; 45 KiB of shared memory,
-// under the 48 KiB static limit), run only when *d_found_inf asks for it.
+// under the 48 KiB static limit), run only when *d_found_inf asks for it. The factors
+// come from d_scale / d_clip (device memory, read now) where given, else from `pass`.
 template <class Lane>
 __global__ void __launch_bounds__(kBlockThreads)
     scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
+                                 const float* d_scale, const float* d_clip,
                                  const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
   __shared__ Lane lanes[kBlockThreads];
   Lane lane;
-  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, pass, lane);
+  detail::scale_norm_thread(args, blockIdx.x, threadIdx.x, kBlockThreads,
+                            detail::norm_pass_at_run(pass, d_scale, d_clip), lane);
   lanes[threadIdx.x] = lane;
   __syncthreads();
   for (int half = kBlockThreads / 2; half > 0; half /= 2) {
@@ -42,30 +46,34 @@ __global__ void __launch_bounds__(kBlockThreads)
     d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
 }
 
-// The fields of a NormPartial the reduction combines, one block each: the digits and
-// the two counts are summed, max_abs_bits is a max, approximate an or.
+// The fields of a NormPartial the reduction combines, one block each per slice: the
+// digits and the two counts are summed, max_abs_bits is a max, approximate an or.
 constexpr int kReduceFields = kNormDigits + 4;
 constexpr int kReduceThreads = 256;
 
-// Block f reduces field f of every block partial: each thread combines a strided share,
-// then a CUB block reduction combines the threads. Integer sums, max and or are
-// associative and exact, so the result does not depend on the number of blocks, their
-// order or the tree (determinism: bitwise). The digits stay unnormalised here;
-// normalize_partial_kernel follows. With d_found_inf, it runs only for the exact
-// fallback and writes a zero partial otherwise.
+// Block (f, s) reduces field f of partials [s * per_slice, min(count, (s + 1) * per_slice))
+// of d_in into d_out[s]: each thread combines a strided share, then a CUB block reduction
+// combines the threads. Integer sums, max and or are associative and exact, so the result
+// does not depend on the number of blocks, slices, their order or the tree (determinism:
+// bitwise); the digits stay unnormalised (normalize_partial_kernel follows). With
+// d_found_inf, it runs only for the exact fallback and writes zero partials otherwise.
 __global__ void __launch_bounds__(kReduceThreads)
-    reduce_partial_fields_kernel(const NormPartial* d_block_partials, std::uint32_t blocks,
-                                 const std::int32_t* d_found_inf, NormPartial* d_out) {
+    reduce_partial_fields_kernel(const NormPartial* d_in, std::uint32_t count,
+                                 std::uint32_t per_slice, const std::int32_t* d_found_inf,
+                                 NormPartial* d_out) {
   const int f = blockIdx.x;
+  NormPartial* out = d_out + blockIdx.y;
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) {
-    if (f == 0 && threadIdx.x == 0) *d_out = NormPartial{};
+    if (f == 0 && threadIdx.x == 0) *out = NormPartial{};
     return;
   }
+  const std::uint32_t begin = blockIdx.y * per_slice;
+  const std::uint32_t end = count - begin < per_slice ? count : begin + per_slice;
   using Reduce = cub::BlockReduce<std::uint64_t, kReduceThreads>;
   __shared__ typename Reduce::TempStorage temp;
   std::uint64_t acc = 0;
-  for (std::uint32_t b = threadIdx.x; b < blocks; b += kReduceThreads) {
-    const NormPartial& p = d_block_partials[b];
+  for (std::uint32_t b = begin + threadIdx.x; b < end; b += kReduceThreads) {
+    const NormPartial& p = d_in[b];
     if (f < kNormDigits) {
       acc += p.digits[f];
     } else if (f == kNormDigits) {
@@ -87,15 +95,15 @@ __global__ void __launch_bounds__(kReduceThreads)
     r = Reduce(temp).Reduce(acc, [](std::uint64_t x, std::uint64_t y) { return x | y; });
   if (threadIdx.x != 0) return;
   if (f < kNormDigits)
-    d_out->digits[f] = r;
+    out->digits[f] = r;
   else if (f == kNormDigits)
-    d_out->nan_count = r;
+    out->nan_count = r;
   else if (f == kNormDigits + 1)
-    d_out->inf_count = r;
+    out->inf_count = r;
   else if (f == kNormDigits + 2)
-    d_out->max_abs_bits = static_cast<std::uint32_t>(r);
+    out->max_abs_bits = static_cast<std::uint32_t>(r);
   else
-    d_out->approximate = static_cast<std::uint32_t>(r);
+    out->approximate = static_cast<std::uint32_t>(r);
 }
 
 // Normalises the reduced digits (one thread), as the CPU executor's merge does.
@@ -104,11 +112,23 @@ __global__ void normalize_partial_kernel(const std::int32_t* d_found_inf, NormPa
   if (threadIdx.x == 0) ::stepcore::detail::normalize_digits(d_out->digits);
 }
 
-// Enqueues the reduction of `blocks` block partials into *d_out.
+// Enqueues the reduction of `blocks` block partials into *d_out: with more than one
+// slice (reduce_slices), first the slices' partials, which the workspace holds after the
+// block partials (scale_and_norm_workspace_bytes), then those.
 void reduce_partials(const NormPartial* d_blocks, std::uint32_t blocks,
                      const std::int32_t* d_found_inf, NormPartial* d_out, cudaStream_t stream) {
-  reduce_partial_fields_kernel<<<kReduceFields, kReduceThreads, 0, stream>>>(d_blocks, blocks,
-                                                                             d_found_inf, d_out);
+  const std::uint32_t slices = reduce_slices(blocks);
+  if (slices > 1) {
+    NormPartial* d_slices = const_cast<NormPartial*>(d_blocks) + blocks;
+    const auto per_slice = static_cast<std::uint32_t>(kPartialsPerSlice);
+    reduce_partial_fields_kernel<<<dim3(kReduceFields, slices), kReduceThreads, 0, stream>>>(
+        d_blocks, blocks, per_slice, d_found_inf, d_slices);
+    cuda::detail::check_launch("reduce_partial_fields_kernel (slices)");
+    d_blocks = d_slices;
+    blocks = slices;
+  }
+  reduce_partial_fields_kernel<<<kReduceFields, kReduceThreads, 0, stream>>>(
+      d_blocks, blocks, blocks, d_found_inf, d_out);
   cuda::detail::check_launch("reduce_partial_fields_kernel");
   normalize_partial_kernel<<<1, 1, 0, stream>>>(d_found_inf, d_out);
   cuda::detail::check_launch("normalize_partial_kernel");
@@ -136,7 +156,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   if (threadIdx.x == 0)
     scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
   __syncthreads();
-  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, *d.scale, *d.clip);
+  const GradientRead read = detail::read_at_run(d.scale, d.clip);
+  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, read.scale,
+                       read.clip);
 }
 
 // After every AdamW launch of the step: each counter advances, unless found-inf.
@@ -200,18 +222,27 @@ const detail::MemoryCheck& device_memory() {
   return check;
 }
 
-void run_norm_launches(std::span<const TensorView> d_tensors, const detail::NormPass& pass,
-                       NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
-                       cudaStream_t stream) {
-  const LaunchPlan plan = detail::checked_norm_plan(d_tensors, d_partial, "d_partial", d_workspace,
-                                                    workspace_bytes, device_memory());
+// Enqueues a norm pass (Lane: fast or exact) over a checked plan: `pass` with its factors
+// from d_scale / d_clip where given (read when the kernels run), then the reduction.
+template <class Lane>
+void enqueue_norm(const LaunchPlan& plan, const detail::NormPass& pass, const float* d_scale,
+                  const float* d_clip, const std::int32_t* d_found_inf, NormPartial* d_partial,
+                  void* d_workspace, cudaStream_t stream) {
   auto* d_blocks = static_cast<NormPartial*>(d_workspace);
   for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<detail::NormLane>
-        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, nullptr, d_blocks);
-    cuda::detail::check_launch("scale_and_sum_squares_kernel");
+    scale_and_sum_squares_kernel<Lane><<<a.num_blocks, kBlockThreads, 0, stream>>>(
+        a, pass, d_scale, d_clip, d_found_inf, d_blocks);
+    cuda::detail::check_launch(std::is_same_v<Lane, detail::ExactNormLane>
+                                   ? "scale_and_sum_squares_kernel (exact)"
+                                   : "scale_and_sum_squares_kernel");
   }
-  reduce_partials(d_blocks, plan.total_blocks, nullptr, d_partial, stream);
+  reduce_partials(d_blocks, plan.total_blocks, d_found_inf, d_partial, stream);
+}
+
+LaunchPlan checked_plan(std::span<const TensorView> d_tensors, NormPartial* d_partial,
+                        const char* partial_name, void* d_workspace, std::size_t workspace_bytes) {
+  return detail::checked_norm_plan(d_tensors, d_partial, partial_name, d_workspace, workspace_bytes,
+                                   device_memory());
 }
 
 }  // namespace
@@ -220,16 +251,43 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                             cudaStream_t stream) {
   ::stepcore::detail::validate_scale(d_tensors, scale);
-  run_norm_launches(d_tensors, detail::NormPass{scale, 1.0f, true}, d_partial, d_workspace,
-                    workspace_bytes, stream);
+  const LaunchPlan plan =
+      checked_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{scale, 1.0f, true}, nullptr, nullptr,
+                                 nullptr, d_partial, d_workspace, stream);
+}
+
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                            NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream) {
+  detail::check_device_scalar(d_scale, sizeof(float), "d_scale", nullptr);
+  ::stepcore::detail::validate_scale_tensors(d_tensors);
+  const LaunchPlan plan =
+      checked_plan(d_tensors, d_partial, "d_partial", d_workspace, workspace_bytes);
+  detail::check_device_scalar(d_scale, sizeof(float), "d_scale", &device_memory());
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{1.0f, 1.0f, true}, d_scale, nullptr,
+                                 nullptr, d_partial, d_workspace, stream);
 }
 
 void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
-  run_norm_launches(detail::as_views(d_tensors), detail::NormPass{read.scale, read.clip, false},
-                    d_partial, d_workspace, workspace_bytes, stream);
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes);
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
+                                 nullptr, nullptr, d_partial, d_workspace, stream);
+}
+
+void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                  NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                  cudaStream_t stream) {
+  detail::check_device_read(d_read, nullptr);
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_partial, "d_partial",
+                                       d_workspace, workspace_bytes);
+  detail::check_device_read(d_read, &device_memory());
+  enqueue_norm<detail::NormLane>(plan, detail::NormPass{}, d_read.scale, d_read.clip, nullptr,
+                                 d_partial, d_workspace, stream);
 }
 
 void scale_(std::span<const TensorView> d_tensors, const float* d_factor, cudaStream_t stream) {
@@ -284,18 +342,25 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
                                   cudaStream_t stream) {
   ::stepcore::detail::validate_read(read);
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
-  const LaunchPlan plan =
-      detail::checked_norm_plan(detail::as_views(d_tensors), d_exact_partial, "d_exact_partial",
-                                d_workspace, workspace_bytes, device_memory());
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes);
   require_device_pointer(d_found_inf, "d_found_inf");
-  const detail::NormPass pass{read.scale, read.clip, false};
-  auto* d_blocks = static_cast<NormPartial*>(d_workspace);
-  for (const LaunchArgs& a : plan.launches) {
-    scale_and_sum_squares_kernel<detail::ExactNormLane>
-        <<<a.num_blocks, kBlockThreads, 0, stream>>>(a, pass, d_found_inf, d_blocks);
-    cuda::detail::check_launch("scale_and_sum_squares_kernel (exact)");
-  }
-  reduce_partials(d_blocks, plan.total_blocks, d_found_inf, d_exact_partial, stream);
+  enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
+                                      nullptr, d_found_inf, d_exact_partial, d_workspace, stream);
+}
+
+void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                  const DeviceGradientRead& d_read, const std::int32_t* d_found_inf,
+                                  NormPartial* d_exact_partial, void* d_workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream) {
+  detail::check_device_read(d_read, nullptr);
+  if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
+  const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
+                                       "d_exact_partial", d_workspace, workspace_bytes);
+  require_device_pointer(d_found_inf, "d_found_inf");
+  detail::check_device_read(d_read, &device_memory());
+  enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{}, d_read.scale, d_read.clip,
+                                      d_found_inf, d_exact_partial, d_workspace, stream);
 }
 
 void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,

@@ -78,7 +78,7 @@ struct StepScalars {
   NormPartial exact;    // the exact fallback (reduced over ranks)
   NormPartial scratch;  // eager scaling of the non-counted accumulators (discarded)
   Summary summary;
-  float scale;        // the step's gradient scale, for lazy reads
+  float scale;        // the step's gradient scale, read by the step's kernels
   float one;          // constant 1.0f
   std::int32_t zero;  // constant 0 (allocate() zero-fills; never written): "finite"
 };
@@ -484,17 +484,19 @@ void GpuGradientManager::reduce(NormPartial* d_partial) {
 }
 
 // The global norm partial of the counted accumulators, reduced over the ranks; eager:
-// the accumulators are scaled in place in the same pass.
+// the accumulators are scaled in place in the same pass. The scale is read from device
+// memory (d_->scale) when the kernels run, as every other per-step scalar.
 void GpuGradientManager::ensure_global_partial() {
   if (partial_done_) return;
-  const float s = gradient_scale();
+  ensure_scale();
   if (eager_) {
-    dev_.scale_and_norm_partial(counted_, s, &d_->partial, workspace_, workspace_bytes_);
+    dev_.scale_and_norm_partial(counted_, &d_->scale, &d_->partial, workspace_, workspace_bytes_);
     if (!uncounted_.empty())
-      dev_.scale_and_norm_partial(uncounted_, s, &d_->scratch, workspace_, workspace_bytes_);
+      dev_.scale_and_norm_partial(uncounted_, &d_->scale, &d_->scratch, workspace_,
+                                  workspace_bytes_);
   } else {
-    dev_.norm_partial(counted_const_, GradientRead{s, 1.0f}, &d_->partial, workspace_,
-                      workspace_bytes_);
+    dev_.norm_partial(counted_const_, DeviceGradientRead{&d_->scale, &d_->one}, &d_->partial,
+                      workspace_, workspace_bytes_);
   }
   reduce(&d_->partial);
   partial_done_ = true;
@@ -504,7 +506,8 @@ void GpuGradientManager::ensure_global_partial() {
 // fallback and its reduction (always enqueued: every rank takes part).
 void GpuGradientManager::enqueue_finalize(float max_norm) {
   Summary* s = &d_->summary;
-  const GradientRead read{eager_ ? 1.0f : gradient_scale(), 1.0f};
+  // Eager: the accumulators hold the scaled values already.
+  const DeviceGradientRead read{eager_ ? &d_->one : &d_->scale, &d_->one};
   dev_.finalize_and_clip(&d_->partial, max_norm, &s->result, &s->clip, &s->found_inf);
   dev_.exact_norm_partial_if_needed(counted_const_, read, &s->found_inf, &d_->exact, workspace_,
                                     workspace_bytes_);

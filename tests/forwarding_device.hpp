@@ -78,6 +78,23 @@ class ForwardingDevice : public device::Device {
                                std::int32_t* d_found_inf) override {
     host_->finalize_exact_and_clip(d_exact_partial, max_norm, d_result, d_clip, d_found_inf);
   }
+  void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                              NormPartial* d_partial, void* d_workspace,
+                              std::size_t workspace_bytes) override {
+    host_->scale_and_norm_partial(d_tensors, d_scale, d_partial, d_workspace, workspace_bytes);
+  }
+  void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
+                    NormPartial* d_partial, void* d_workspace,
+                    std::size_t workspace_bytes) override {
+    host_->norm_partial(d_tensors, d_read, d_partial, d_workspace, workspace_bytes);
+  }
+  void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                    const DeviceGradientRead& d_read,
+                                    const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
+                                    void* d_workspace, std::size_t workspace_bytes) override {
+    host_->exact_norm_partial_if_needed(d_tensors, d_read, d_found_inf, d_exact_partial,
+                                        d_workspace, workspace_bytes);
+  }
   void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                   const AdamWDeviceArgs& d) override {
     host_->adamw_step(d_tensors, config, d);

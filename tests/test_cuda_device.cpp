@@ -1,9 +1,12 @@
 // GPU: the CUDA device (stepcore::device::make_cuda_device) through the Device interface:
 // every kernel entry point against the reference and the CPU executor bit for bit,
-// copies on the d2h/h2d streams ordered by events, zero(), the compute stream waiting on
-// a copy, page-locked host memory, and validation. Skips without a device.
+// copies on the d2h/h2d streams ordered by events, zero() (refused on host memory under
+// capture), the compute stream waiting on a copy, page-locked host memory, waits bounded
+// by the wait timeout, and validation. Skips without a device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -14,6 +17,8 @@
 
 #if defined(STEPCORE_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "cuda_gate.hpp"
 #endif
 
 namespace {
@@ -117,6 +122,82 @@ TEST(CudaDevice, Validation) {
   SKIP_WITHOUT_DEVICE();
   auto dev = device::make_cuda_device(0);
   device_cases::validation(*dev);
+}
+
+// The device's own waits are bounded: with the compute stream held by a gate (a hung
+// collective), allocate still returns zero-filled memory (it waits on its own h2d stream,
+// not the trainer's), deallocate and the destructor return at the bound instead of
+// hanging (the memory is abandoned, not freed under the held work), and a bound that is
+// not positive is refused, naming it.
+TEST(CudaDevice, WaitsAreBoundedByTheWaitTimeout) {
+  SKIP_WITHOUT_DEVICE();
+  EXPECT_EQ(device_cases::error_code(
+                [] { device::make_cuda_device(0, nullptr, std::chrono::milliseconds(0)); }),
+            Errc::out_of_range);
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda_gate::Gate gate;
+    auto dev = device::make_cuda_device(0, s, std::chrono::milliseconds(300));
+    void* before = dev->allocate(4096);
+    gate.close(s, std::chrono::seconds(20));
+    const auto t0 = std::chrono::steady_clock::now();
+    void* p = dev->allocate(1 << 20);
+    std::vector<unsigned char> host(1 << 20, 0xFF);
+    ASSERT_EQ(cudaMemcpy(host.data(), p, host.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    EXPECT_EQ(std::count(host.begin(), host.end(), 0), static_cast<long>(host.size()));
+    dev->deallocate(before);  // the gate holds the compute stream: bounded, abandoned
+    dev.reset();              // the same for the teardown
+    const double s_waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_LT(s_waited, 5.0) << "a wait was not bounded by 300 ms";
+    EXPECT_FALSE(gate.opened_by_watchdog());
+    gate.open();
+  }
+  cudaStreamDestroy(s);
+}
+
+// zero() of host memory (a host callback that frees its argument after one run) is
+// refused under stream capture, naming dst, instead of capturing a node whose second
+// replay would read freed memory; zero() of device memory captures and replays.
+TEST(CudaDevice, ZeroOfHostMemoryIsRefusedUnderCapture) {
+  SKIP_WITHOUT_DEVICE();
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    auto dev = device::make_cuda_device(0, s);
+    auto* h = static_cast<unsigned char*>(dev->allocate_host(256));
+    auto* d = static_cast<unsigned char*>(dev->allocate(256));
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    Errc code{};
+    std::string arg;
+    try {
+      dev->zero(Queue::compute, h, 256);
+    } catch (const Error& e) {
+      code = e.code();
+      arg = e.argument();
+    }
+    dev->zero(Queue::compute, d, 256);
+    ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+    EXPECT_EQ(code, Errc::not_supported);
+    EXPECT_EQ(arg, "dst");
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(cudaMemsetAsync(d, 0x5A, 256, s), cudaSuccess);
+      ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+      unsigned char back[256];
+      ASSERT_EQ(cudaMemcpyAsync(back, d, 256, cudaMemcpyDeviceToHost, s), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+      EXPECT_EQ(std::count(back, back + 256, 0), 256) << "replay " << r;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    dev->zero(Queue::compute, h, 256);  // outside a capture: allowed
+    dev->synchronize();
+  }
+  cudaStreamDestroy(s);
 }
 
 #else

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -632,6 +633,139 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       }
       EXPECT_EQ(got.steps[0], 3.0f) << "three steps taken, one skipped";
     }
+  }
+}
+
+// One step "captured" once and replayed, as a CUDA graph is: the plans and every
+// launch's arguments are built once and kept by value (what a graph's kernel nodes hold),
+// then each replay runs them after new gradients, a new gradient scale and a new lr were
+// written to "device memory" (the norm then gives a new clip coefficient). Eager (scale in
+// place, then AdamW with scale 1) and lazy (the read applies scale and clip) sequences,
+// against eager reference steps with each replay's values, bit for bit: a scale captured
+// as a kernel argument would give the first replay's norm, clip and update every time.
+TEST(GpuExecutor, AReplayedStepReadsEachReplaysScaleLearningRateAndClip) {
+  const std::vector<std::size_t> sizes{1, 33, 1025, gpu::kBlockElements + 7};
+  const float scales[] = {1.0f / 4099.0f, 1.0f / 37.0f, 1.0f / 1000.0f, 0.75f};
+  const double lrs[] = {1e-3, 3e-4, 2e-3, 5e-4};
+  const float max_norm = 1.0f;
+  for (bool eager : {true, false}) {
+    SCOPED_TRACE(eager ? "eager" : "lazy");
+    AdamWConfig cfg;
+    cfg.weight_decay = 0.1;
+    const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+    struct State {
+      std::vector<std::vector<float>> p, m, v;
+      std::vector<std::vector<std::uint16_t>> g;
+      std::vector<float> steps;
+    } ref, got;
+    std::mt19937 rng(23);
+    std::normal_distribution<float> nd(0.0f, 4.0f);
+    for (std::size_t n : sizes) {
+      ref.p.emplace_back(n);
+      ref.m.emplace_back(n);
+      ref.v.emplace_back(n);
+      ref.g.emplace_back(n);
+      for (float& x : ref.p.back()) x = nd(rng) * 0.01f;
+      ref.steps.push_back(0.0f);
+    }
+    got = ref;
+    auto grads = [&](State& st) {
+      std::vector<TensorView> t;
+      for (std::size_t k = 0; k < sizes.size(); ++k)
+        t.push_back({st.g[k].data(), sizes[k], DType::bf16});
+      return t;
+    };
+    auto tensors = [&](State& st) {
+      std::vector<AdamWTensor> t;
+      for (std::size_t k = 0; k < sizes.size(); ++k)
+        t.push_back({f32_view(st.p[k].data(), sizes[k]),
+                     f32_view(st.m[k].data(), sizes[k]),
+                     f32_view(st.v[k].data(), sizes[k]),
+                     &st.steps[k],
+                     {st.g[k].data(), sizes[k], DType::bf16},
+                     {}});
+      return t;
+    };
+
+    // "Device memory" the replays read and write.
+    float scale = 0.0f, clip = 0.0f;
+    const float one = 1.0f;
+    std::int32_t flag = 0;
+    StepHyper hyper{};
+    NormPartial partial, exact;
+    NormResult result;
+
+    // The capture: plans (several launches each) and by-value arguments, built once.
+    const std::vector<TensorView> gv = grads(got);
+    const gpu::LaunchPlan norm_plan = gpu::make_plan(gv, {}, 3, 2);
+    const gpu::AdamWPlan adamw_plan = gpu::make_adamw_plan(tensors(got), cfg, 3, 2);
+    const DeviceGradientRead read{eager ? &one : &scale, &one};
+    const AdamWDeviceArgs d{eager ? &one : &scale, &clip, &flag, &hyper, bias.data()};
+    std::vector<std::function<void()>> graph;
+    if (eager)
+      graph.emplace_back([&partial, norm_plan, d_scale = &scale] {
+        partial = gpu::emulate::scale_and_norm_partial(norm_plan, d_scale);
+      });
+    else
+      graph.emplace_back(
+          [&partial, norm_plan, read] { partial = gpu::emulate::norm_partial(norm_plan, read); });
+    graph.emplace_back(
+        [&, max_norm] { gpu::emulate::finalize_and_clip(partial, max_norm, result, clip, flag); });
+    graph.emplace_back([&exact, &flag, norm_plan, read] {
+      exact = gpu::emulate::exact_norm_partial_if_needed(norm_plan, read, flag);
+    });
+    graph.emplace_back([&, max_norm] {
+      gpu::emulate::finalize_exact_and_clip(exact, max_norm, result, clip, flag);
+    });
+    graph.emplace_back([adamw_plan, d] { gpu::emulate::adamw_step(adamw_plan, d); });
+
+    std::vector<float> clips;
+    for (int r = 0; r < 4; ++r) {
+      // Backward writes new gradients; the trainer writes the step's scale and lr.
+      for (std::size_t k = 0; k < sizes.size(); ++k)
+        for (std::uint16_t& x : ref.g[k]) x = f32_to_bf16_bits(nd(rng));
+      got.g = ref.g;
+      scale = scales[r];
+      hyper = StepHyper{lrs[r], cfg.weight_decay};
+      for (const auto& node : graph) node();
+
+      // The eager reference step with this replay's values.
+      std::vector<TensorView> rg = grads(ref);
+      std::vector<ConstTensorView> rc(rg.begin(), rg.end());
+      GradientRead norm_read{scales[r], 1.0f};
+      if (eager) {
+        reference::scale_(rg, scales[r]);
+        norm_read = GradientRead{};
+      }
+      const NormResult n = finalize(reference::norm_partial(rc, norm_read));
+      ASSERT_TRUE(n.finite);
+      const float coef = (1.0f / (n.norm + 1e-6f)) * max_norm;
+      const float want_clip = coef < 1.0f ? coef : 1.0f;
+      AdamWConfig step_cfg = cfg;
+      step_cfg.lr = lrs[r];
+      reference::adamw_step(tensors(ref), step_cfg,
+                            GradientRead{eager ? 1.0f : scales[r], want_clip});
+
+      ASSERT_EQ(flag, gpu::kFoundInfNone) << "replay " << r;
+      ASSERT_EQ(f32_bits(result.norm), f32_bits(n.norm)) << "replay " << r;
+      ASSERT_EQ(f32_bits(clip), f32_bits(want_clip)) << "replay " << r;
+      clips.push_back(clip);
+      for (std::size_t k = 0; k < sizes.size(); ++k) {
+        ASSERT_EQ(got.g[k], ref.g[k]) << "replay " << r << " gradient " << k;
+        ASSERT_EQ(got.steps[k], ref.steps[k]) << "replay " << r << " tensor " << k;
+        ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
+            << "replay " << r << " param " << k;
+        ASSERT_EQ(std::memcmp(got.m[k].data(), ref.m[k].data(), sizes[k] * 4), 0);
+        ASSERT_EQ(std::memcmp(got.v[k].data(), ref.v[k].data(), sizes[k] * 4), 0);
+      }
+    }
+    // The replays really differ: an unclipped step and three different clipped ones.
+    EXPECT_EQ(clips[0], 1.0f);
+    EXPECT_LT(clips[1], 1.0f);
+    EXPECT_LT(clips[2], 1.0f);
+    EXPECT_NE(clips[1], clips[2]);
+    EXPECT_NE(clips[2], clips[3]);
+    EXPECT_EQ(got.steps[0], 4.0f);
   }
 }
 

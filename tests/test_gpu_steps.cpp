@@ -221,12 +221,56 @@ TEST(GpuSteps, ExactFallbackOnTheDeviceResolvesATie) {
   EXPECT_EQ(f32_bits(clip), f32_bits((1.0f / (33554432.0f + 1e-6f)) * 1.0f));
 }
 
-// A whole step captured once and replayed three times, with a new lr written to device
-// memory before each replay: every replay must be the next step (its counter, its bias
-// corrections, its lr), bit for bit the eager reference's three steps.
-TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearningRate) {
+// More block partials than one reduction slice takes (kPartialsPerSlice): 5,000 small
+// tensors, one block each, reduced in three slices and then the slices: the finalised
+// norm and the counts equal the reference's, with NaN, Inf and the largest value in
+// different slices.
+TEST(GpuSteps, ASlicedPartialReductionGivesTheReferenceNorm) {
   SKIP_WITHOUT_DEVICE();
-  const float scale = 1.0f / 4099.0f, max_norm = 0.05f;
+  const std::size_t n = 5000, each = 3;
+  std::vector<float> host(n * each);
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : host) x = nd(rng);
+  host[7] = 1e30f;                    // the max, slice 0
+  host[2100 * each] = std::nanf("");  // slice 1
+  host[4500 * each + 1] = -INFINITY;  // slice 2
+  DeviceBytes d_data(host.data(), host.size() * 4);
+  std::vector<ConstTensorView> dv, hv;
+  for (std::size_t k = 0; k < n; ++k) {
+    dv.push_back({d_data.as<float>() + k * each, each, DType::f32});
+    hv.push_back({host.data() + k * each, each, DType::f32});
+  }
+  std::vector<TensorView> views;
+  for (const auto& v : dv) views.push_back({const_cast<void*>(v.data), v.numel, v.dtype});
+  ASSERT_GT(gpu::reduce_slices(n), 1u);
+  const std::size_t ws = gpu::scale_and_norm_workspace_bytes(views);
+  DeviceBytes d_ws(ws), d_partial(sizeof(NormPartial));
+  gpu::norm_partial(dv, GradientRead{}, d_partial.as<NormPartial>(), d_ws.as<void>(), ws, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  NormPartial got;
+  d_partial.download(&got, sizeof got);
+  const NormPartial ref = reference::norm_partial(hv);
+  EXPECT_EQ(got.nan_count, 1u);
+  EXPECT_EQ(got.inf_count, 1u);
+  EXPECT_EQ(got.max_abs_bits, ref.max_abs_bits);
+  host[2100 * each] = 0.0f;  // finite values only: the norm itself
+  host[4500 * each + 1] = 0.0f;
+  d_data.upload(host.data(), host.size() * 4);
+  gpu::norm_partial(dv, GradientRead{}, d_partial.as<NormPartial>(), d_ws.as<void>(), ws, nullptr);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d_partial.download(&got, sizeof got);
+  EXPECT_EQ(f32_bits(finalize(got).norm), f32_bits(finalize(reference::norm_partial(hv)).norm));
+}
+
+// A whole step captured once and replayed three times, with a new gradient scale and lr
+// written to device memory before each replay: every replay must be the next step (its
+// counter, its bias corrections, its scale, its clip, its lr), bit for bit the eager
+// reference's three steps.
+TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentScaleAndLearningRate) {
+  SKIP_WITHOUT_DEVICE();
+  const float scales[] = {1.0f / 4099.0f, 4.0f, 0.25f};
+  const float max_norm = 0.05f;
   Tensors g(DType::bf16, 99, 4.0f), param(DType::f32, 100, 0.05f), out(DType::bf16, 101);
   Tensors m(DType::f32, 102, 1e-3f), v(DType::f32, 103, 1e-3f);
   for (auto* t : {&v}) {  // second moments are non-negative
@@ -248,7 +292,7 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearning
   DeviceBytes d_ws(ws), d_partial(sizeof(NormPartial)), d_exact(sizeof(NormPartial));
   DeviceBytes d_result(sizeof(NormResult)), d_clip(4), d_flag(4);
   const float one = 1.0f;
-  DeviceBytes d_one(&one, 4);
+  DeviceBytes d_one(&one, 4), d_scale(&scales[0], 4);
   AdamWConfig cfg;
   cfg.weight_decay = 0.1;
   const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
@@ -260,11 +304,12 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearning
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  gpu::scale_and_norm_partial(g.dv, scale, d_partial.as<NormPartial>(), d_ws.as<void>(), ws,
-                              stream);
+  gpu::scale_and_norm_partial(g.dv, d_scale.as<float>(), d_partial.as<NormPartial>(),
+                              d_ws.as<void>(), ws, stream);
   gpu::finalize_and_clip(d_partial.as<NormPartial>(), max_norm, d_result.as<NormResult>(),
                          d_clip.as<float>(), d_flag.as<std::int32_t>(), stream);
-  gpu::exact_norm_partial_if_needed(gc, {}, d_flag.as<std::int32_t>(), d_exact.as<NormPartial>(),
+  gpu::exact_norm_partial_if_needed(gc, DeviceGradientRead{d_one.as<float>(), d_one.as<float>()},
+                                    d_flag.as<std::int32_t>(), d_exact.as<NormPartial>(),
                                     d_ws.as<void>(), ws, stream);
   gpu::finalize_exact_and_clip(d_exact.as<NormPartial>(), max_norm, d_result.as<NormResult>(),
                                d_clip.as<float>(), d_flag.as<std::int32_t>(), stream);
@@ -283,11 +328,14 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentLearning
     ASSERT_EQ(
         cudaMemcpyAsync(d_hyper.as<void>(), &hyper, sizeof hyper, cudaMemcpyHostToDevice, stream),
         cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(d_scale.as<void>(), &scales[r], sizeof(float), cudaMemcpyHostToDevice,
+                              stream),
+              cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 
     // The eager reference: scale in place, exact norm, torch's coefficient, AdamW.
-    reference::scale_(g.hv, scale);
+    reference::scale_(g.hv, scales[r]);
     const NormResult ref = finalize(reference::norm_partial(g.host_const()));
     ASSERT_TRUE(ref.finite);
     const float coef = (1.0f / (ref.norm + 1e-6f)) * max_norm;

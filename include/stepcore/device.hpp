@@ -8,6 +8,7 @@
 // are the bits the GPU gives.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -15,6 +16,7 @@
 #include <string>
 #include <string_view>
 
+#include "stepcore/comm.hpp"  // comm::kDefaultTimeout
 #include "stepcore/cuda.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
@@ -69,18 +71,21 @@ class Device {
 
   /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
   virtual void* allocate(std::size_t bytes) = 0;
-  /// Frees device memory from allocate(); waits for queued work first. Never throws.
+  /// Frees device memory from allocate(); waits for queued work first (CUDA: bounded by
+  /// the device's wait timeout; past it the memory is abandoned, not freed). Never throws.
   virtual void deallocate(void* p) noexcept = 0;
   /// Returns `bytes` of host memory the copy queues transfer asynchronously from/to:
   /// page-locked on CUDA, placed on `numa_node` (>= 0) (256-byte aligned, zero-filled).
   virtual void* allocate_host(std::size_t bytes, int numa_node = -1) = 0;
-  /// Frees memory from allocate_host(); waits for queued work first. Never throws.
+  /// Frees memory from allocate_host(); waits for queued work first (bounded as
+  /// deallocate()). Never throws.
   virtual void deallocate_host(void* p) noexcept = 0;
 
   /// Enqueues a copy of `bytes` from `src` to `dst` (device or host memory, either
   /// direction) on queue `q`.
   virtual void copy(Queue q, void* dst, const void* src, std::size_t bytes) = 0;
-  /// Enqueues dst[0, bytes) = 0 on queue `q`.
+  /// Enqueues dst[0, bytes) = 0 on queue `q`. CUDA: host memory (a host callback) is not
+  /// capturable: under stream capture it throws Errc::not_supported naming "dst".
   virtual void zero(Queue q, void* dst, std::size_t bytes) = 0;
   /// Returns an event recorded on queue `q` now.
   virtual Event record(Queue q) = 0;
@@ -118,6 +123,19 @@ class Device {
   virtual void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                                        NormResult* d_result, float* d_clip,
                                        std::int32_t* d_found_inf) = 0;
+  /// The norm passes with the scale (and clip) in device memory, read when the kernels run
+  /// (gpu.hpp): what a manager's step enqueues, so no per-step value is a kernel argument.
+  virtual void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                                      NormPartial* d_partial, void* d_workspace,
+                                      std::size_t workspace_bytes) = 0;
+  virtual void norm_partial(std::span<const ConstTensorView> d_tensors,
+                            const DeviceGradientRead& d_read, NormPartial* d_partial,
+                            void* d_workspace, std::size_t workspace_bytes) = 0;
+  virtual void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                            const DeviceGradientRead& d_read,
+                                            const std::int32_t* d_found_inf,
+                                            NormPartial* d_exact_partial, void* d_workspace,
+                                            std::size_t workspace_bytes) = 0;
   /// AdamW: step counters, lr, weight decay and the bias table in device memory, read
   /// when the kernels run (gpu.hpp); found-inf leaves everything, counters too, unchanged.
   virtual void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
@@ -153,7 +171,14 @@ std::unique_ptr<Device> make_host_device(
 /// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
 /// given, as the compute stream: the trainer's stream, so gradients written on it are
 /// ordered before the manager's reads; cudaStreamLegacy or cudaStreamPerThread name the
-/// default streams). Throws Errc::not_supported without CUDA or a device.
-std::unique_ptr<Device> make_cuda_device(int ordinal = 0, cudaStream_t compute = nullptr);
+/// default streams). `wait_timeout` bounds the device's own waits for queued work
+/// (allocate's zero fill, deallocate, deallocate_host, destruction): pass the
+/// communicator's timeout() with NCCL. Past it, allocate throws Errc::timeout naming
+/// "wait_timeout", and memory the work may still use is abandoned instead of freed.
+/// Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
+/// "wait_timeout" unless it is positive.
+std::unique_ptr<Device> make_cuda_device(
+    int ordinal = 0, cudaStream_t compute = nullptr,
+    std::chrono::milliseconds wait_timeout = comm::kDefaultTimeout);
 
 }  // namespace stepcore::device

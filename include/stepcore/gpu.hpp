@@ -7,6 +7,10 @@
 //   scale_and_norm_partial -> [all-reduce the partial] -> finalize_and_clip ->
 //   exact_norm_partial_if_needed -> [all-reduce] -> finalize_exact_and_clip ->
 //   adamw_step / sign_sgd_step (lazy clip on read, skipped on found-inf).
+// The norm launchers come in two forms: with the scale (and clip) in device memory, read
+// when the kernels run (the form of a captured CUDA graph: each replay reads the values
+// there), and with host values, which are kernel arguments fixed when enqueued (a graph
+// replays them as captured; for eager use).
 #pragma once
 
 #include <cstddef>
@@ -56,9 +60,21 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                             cudaStream_t stream);
 
+/// As above with the scale an f32 in device memory (d_scale, not null), read when the
+/// kernels run (unchecked: it is not on the host), so a replayed graph scales by the value
+/// there at replay. Same bits as the host-value form with that value.
+void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* d_scale,
+                            NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                            cudaStream_t stream);
+
 /// Norm partial of device tensors read as R_T(R_T(g*scale)*clip), nothing written;
 /// same workspace as scale_and_norm_partial. Determinism: as scale_and_norm_partial.
 void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
+                  NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
+                  cudaStream_t stream);
+
+/// As above with scale and clip in device memory (d_read), read when the kernels run.
+void norm_partial(std::span<const ConstTensorView> d_tensors, const DeviceGradientRead& d_read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream);
 
@@ -92,6 +108,12 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
                                   const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
                                   void* d_workspace, std::size_t workspace_bytes,
                                   cudaStream_t stream);
+
+/// As above with scale and clip in device memory (d_read), read when the kernels run.
+void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
+                                  const DeviceGradientRead& d_read, const std::int32_t* d_found_inf,
+                                  NormPartial* d_exact_partial, void* d_workspace,
+                                  std::size_t workspace_bytes, cudaStream_t stream);
 
 /// The exact fallback, pass 2: when *d_found_inf == kFoundInfNeedsExact, finalises the
 /// (reduced) exact partial into *d_result, *d_clip and *d_found_inf as finalize_and_clip

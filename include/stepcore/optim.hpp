@@ -100,6 +100,17 @@ struct StepHyper {
   double weight_decay = 0.0;
 };
 
+/// A GradientRead in device memory: the f32 scale and clip a device kernel reads when it
+/// runs (not when it is enqueued), so a replayed CUDA graph reads the values there at
+/// replay. Neither value is checked (they are not on the host). Constructed explicitly
+/// (DeviceGradientRead{d_scale, d_clip}), so `{}` still means a host GradientRead.
+struct DeviceGradientRead {
+  explicit DeviceGradientRead(const float* d_scale, const float* d_clip) noexcept
+      : scale(d_scale), clip(d_clip) {}
+  const float* scale;  ///< the step's gradient scale (required)
+  const float* clip;   ///< the clip coefficient (required; a 1.0f in device memory for none)
+};
+
 /// The device-memory inputs of a device AdamW step, all read when the kernels run (not
 /// when they are enqueued), so a captured graph replays with the values there at replay.
 /// Step counters (AdamWTensor::step) are device memory too: each tensor's counter is read
@@ -110,6 +121,8 @@ struct AdamWDeviceArgs {
   const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing, counters kept
   const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
   const double* bias_table = nullptr;       ///< required: gpu::make_adamw_bias_table(config)
+  /// Returns the gradient read (scale, clip) as a DeviceGradientRead.
+  DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
 };
 
 /// The device-memory inputs of a device SignSGD step (read when the kernels run).
