@@ -399,7 +399,7 @@ class HostDevice final : public Device {
     const gpu::LaunchPlan plan =
         gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_exact_partial,
                                        "d_exact_partial", d_workspace, workspace_bytes, memory_);
-    require_device(d_found_inf, sizeof(std::int32_t), "d_found_inf");
+    require_device(d_found_inf, sizeof(std::int32_t), ::stepcore::detail::Arg{"d_found_inf"});
     gpu::detail::check_device_read(d_read, &memory_);
     *d_exact_partial =
         gpu::emulate::exact_norm_partial_if_needed(plan, d_read, *d_found_inf, threads_);

@@ -252,7 +252,7 @@ std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTens
 void check_device_scalar(const void* p, std::size_t bytes, const char* name,
                          const MemoryCheck* check) {
   if (p == nullptr) throw Error(Errc::null_pointer, name, "required (device memory)");
-  if (check != nullptr) (*check)(p, bytes, name);
+  if (check != nullptr) (*check)(p, bytes, Arg{name});
 }
 
 void check_device_read(const DeviceGradientRead& d_read, const MemoryCheck* check) {
