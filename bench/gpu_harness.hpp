@@ -25,18 +25,22 @@
 namespace stepcore::bench {
 
 /// What to run: the bf16 gradient elements of the model list, the tensors of the
-/// small-tensor list (host time per call), and repetitions per timing.
+/// small-tensor list (host time per call), repetitions per timing and the calls each
+/// repetition issues back to back.
 struct GpuBenchOptions {
   std::size_t total_elements = std::size_t{1} << 29;  // 1 GiB of bf16
   std::size_t small_tensors = 2000;
   int reps = 10;
+  int batch = 10;
 };
 
-/// One timed kernel: best time and the bytes it moves.
+/// One timed kernel: best device time per call, the bytes it moves, and the host's time
+/// to issue one call (its checks, plan and launches: the host cost, timed apart).
 struct GpuBenchRow {
   std::string name;
   double ms = 0.0;
   double bytes = 0.0;
+  double host_us = 0.0;
 };
 
 /// The run: the probe, the kernels, the host enqueue time per call, and the first
@@ -50,8 +54,10 @@ struct GpuBenchResult {
   std::string failure;
 };
 
-/// Times fn (enqueue + completion) on the device: returns the best of `reps` in ms.
-using BestMs = std::function<double(const std::function<void()>& fn, int reps)>;
+/// Times fn on the device: the best of `reps` repetitions, each `batch` calls issued back
+/// to back (so the device runs while the host issues the next: device work, not the
+/// host's), in ms per call.
+using BestMs = std::function<double(const std::function<void()>& fn, int reps, int batch)>;
 
 namespace harness_detail {
 
@@ -284,40 +290,52 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
 
   // ---- timing --------------------------------------------------------------------------
   const double g_bytes = static_cast<double>(total) * 2.0;
-  // The probe: a device-to-device copy of the gradients (read + write of 2 bytes each).
-  res.probe_ms =
-      best_ms([&] { dev.copy(Queue::compute, d_copy.as<void>(), g16, total * 2); }, o.reps);
-  res.probe_bytes = 2.0 * g_bytes;
-  auto row = [&](const char* name, double ms, double bytes) {
-    res.rows.push_back({name, ms, bytes});
+  // The host's time to issue one call: `batch` calls, no wait between them (the first
+  // fills the cache of validated calls; a trainer repeats its calls every step).
+  auto host_us = [&](const std::function<void()>& fn) {
+    fn();
+    dev.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < o.batch; ++k) fn();
+    const double us =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    dev.synchronize();
+    return us / o.batch;
   };
-  row("norm only (bf16, read)",
-      best_ms(
-          [&] {
-            dev.norm_partial(cviews, GradientRead{1.0f / 3000.0f, 1.0f},
-                             d_partial.as<NormPartial>(), d_ws.as<void>(), ws);
-          },
-          o.reps),
+  // The probe: a device-to-device copy of the gradients (read + write of 2 bytes each).
+  res.probe_ms = best_ms([&] { dev.copy(Queue::compute, d_copy.as<void>(), g16, total * 2); },
+                         o.reps, o.batch);
+  res.probe_bytes = 2.0 * g_bytes;
+  // A row: `calls` kernel calls per fn (the time and host cost are per call).
+  auto row = [&](const char* name, const std::function<void()>& fn, double bytes, int calls = 1) {
+    const double ms = best_ms(fn, o.reps, o.batch) / calls;
+    res.rows.push_back({name, ms, bytes, host_us(fn) / calls});
+  };
+  row(
+      "norm only (bf16, read)",
+      [&] {
+        dev.norm_partial(cviews, GradientRead{1.0f / 3000.0f, 1.0f}, d_partial.as<NormPartial>(),
+                         d_ws.as<void>(), ws);
+      },
       g_bytes);
   // With scale 1 the fused pass writes nothing; time a power-of-two scale and its inverse
   // so the data stays as it was.
-  row("scale+norm (bf16, scale 2^-12)",
-      best_ms(
-          [&] {
-            dev.scale_and_norm_partial(views, 0x1p-12f, d_partial.as<NormPartial>(),
-                                       d_ws.as<void>(), ws);
-            dev.scale_and_norm_partial(views, 0x1p12f, d_partial.as<NormPartial>(), d_ws.as<void>(),
-                                       ws);
-          },
-          o.reps) /
-          2.0,
-      2.0 * g_bytes);
-  row("accumulate bf16 -> f32", best_ms([&] { dev.accumulate(pairs); }, o.reps),
-      static_cast<double>(total) * 10.0);
-  row("adamw (f32 state, bf16 g/out)", best_ms([&] { dev.adamw_step(adamw, acfg, dargs); }, o.reps),
+  row(
+      "scale+norm (bf16, scale 2^-12)",
+      [&] {
+        dev.scale_and_norm_partial(views, 0x1p-12f, d_partial.as<NormPartial>(), d_ws.as<void>(),
+                                   ws);
+        dev.scale_and_norm_partial(views, 0x1p12f, d_partial.as<NormPartial>(), d_ws.as<void>(),
+                                   ws);
+      },
+      2.0 * g_bytes, 2);
+  row(
+      "accumulate bf16 -> f32", [&] { dev.accumulate(pairs); }, static_cast<double>(total) * 10.0);
+  row(
+      "adamw (f32 state, bf16 g/out)", [&] { dev.adamw_step(adamw, acfg, dargs); },
       static_cast<double>(total) * 28.0);
-  row("sign_sgd (f32, bf16 g/out)",
-      best_ms([&] { dev.sign_sgd_step(sign, scfg, SignSgdDeviceArgs{}); }, o.reps),
+  row(
+      "sign_sgd (f32, bf16 g/out)", [&] { dev.sign_sgd_step(sign, scfg, SignSgdDeviceArgs{}); },
       static_cast<double>(total) * 12.0);
 
   // Host time per call for the small-tensor list (enqueue only; the device runs meanwhile).

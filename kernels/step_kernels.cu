@@ -213,6 +213,10 @@ void require_device_pointer(const void* p, const ::stepcore::detail::Arg& name) 
     throw Error(Errc::invalid_argument, name.str(), "a host pointer where device memory is needed");
 }
 
+void require_device_pointer(const void* p, const char* name) {
+  require_device_pointer(p, ::stepcore::detail::Arg{name});
+}
+
 // The launchers' memory check: the runtime must know the start as device memory.
 const detail::MemoryCheck& device_memory() {
   static const detail::MemoryCheck check = [](const void* p, std::size_t,

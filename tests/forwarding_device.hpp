@@ -1,5 +1,6 @@
-// A device for tests that need to watch or disguise one: the host device behind a
-// forwarding layer that counts allocations and host synchronisations.
+// A device for tests and tools that need to watch or disguise one: the host device (or
+// any device) behind a forwarding layer that counts allocations and host
+// synchronisations.
 #pragma once
 
 #include <cstddef>
@@ -7,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string_view>
+#include <utility>
 
 #include "stepcore/device.hpp"
 
@@ -14,11 +16,17 @@ namespace test_support {
 
 using namespace stepcore;
 
-/// The host device, forwarding every call and counting allocations and host
+/// The host device (or `inner`), forwarding every call and counting allocations and host
 /// synchronisations; tests derive from it to change what it claims to be.
 class ForwardingDevice : public device::Device {
  public:
-  ForwardingDevice() : host_(device::make_host_device(32)) {}
+  ForwardingDevice() : host_(device::make_host_device(32)), streams_(false) {}
+  /// Forwards to `inner`, streams included (a CUDA device's stream calls reach it).
+  explicit ForwardingDevice(std::unique_ptr<device::Device> inner)
+      : host_(std::move(inner)), streams_(true) {}
+
+  /// The device it forwards to (its calls are not counted).
+  device::Device& inner() noexcept { return *host_; }
 
   int allocations() const noexcept { return allocations_; }
   /// The synchronize() and synchronize(event) calls so far: the host waits of its user.
@@ -103,12 +111,17 @@ class ForwardingDevice : public device::Device {
                      const SignSgdDeviceArgs& d) override {
     host_->sign_sgd_step(d_tensors, config, d);
   }
-  device::Event record_on(cudaStream_t) override { return host_->record_on(nullptr); }
-  void wait_on(cudaStream_t, const device::Event& e) override { host_->wait_on(nullptr, e); }
+  device::Event record_on(cudaStream_t s) override {
+    return host_->record_on(streams_ ? s : nullptr);
+  }
+  void wait_on(cudaStream_t s, const device::Event& e) override {
+    host_->wait_on(streams_ ? s : nullptr, e);
+  }
   cudaStream_t compute_stream() const noexcept override { return host_->compute_stream(); }
 
  private:
   std::unique_ptr<device::Device> host_;
+  bool streams_;  // false: the host device behind a disguise, given no stream
   int allocations_ = 0;
   int synchronizations_ = 0;
 };

@@ -17,15 +17,18 @@ using namespace stepcore;
 
 TEST(GpuBenchHarness, ValidatesAndTimesEveryKernelOnTheHostDevice) {
   const auto dev = device::make_host_device(32);
-  const bench::BestMs wall = [&](const std::function<void()>& fn, int reps) {
+  int batches = 0;
+  const bench::BestMs wall = [&](const std::function<void()>& fn, int reps, int batch) {
     double best = 1e30;
+    ++batches;
     for (int r = 0; r < reps; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
-      fn();
+      for (int k = 0; k < batch; ++k) fn();
       dev->synchronize();
       best = std::min(
           best,
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+              batch);
     }
     return best;
   };
@@ -33,6 +36,7 @@ TEST(GpuBenchHarness, ValidatesAndTimesEveryKernelOnTheHostDevice) {
   o.total_elements = 1;  // the model list's minimum: its embedding and one layer
   o.small_tensors = 2000;
   o.reps = 1;
+  o.batch = 2;
   const bench::GpuBenchResult r = bench::run_gpu_bench(*dev, wall, o);
   ASSERT_EQ(r.failure, "");
   // The small-tensor list needs more blocks than the model list: one workspace must cover
@@ -40,9 +44,11 @@ TEST(GpuBenchHarness, ValidatesAndTimesEveryKernelOnTheHostDevice) {
   EXPECT_GT(o.small_tensors, r.blocks);
   ASSERT_EQ(r.rows.size(), 5u);
   EXPECT_GT(r.probe_ms, 0.0);
+  EXPECT_EQ(batches, 6) << "the probe and every row, timed through best_ms";
   for (const bench::GpuBenchRow& row : r.rows) {
     EXPECT_GT(row.ms, 0.0) << row.name;
     EXPECT_GT(row.bytes, 0.0) << row.name;
+    EXPECT_GT(row.host_us, 0.0) << row.name;
   }
 }
 

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # The device check, for an offline, bare GPU machine: unpacks .gpu-bundle/ (made by
-# tools/gpu-prepare.sh) into a private prefix, builds only the CUDA tests and programs
-# (sm_90, Release, no MPI) and runs every phase even past a failing one: env, unpack,
-# configure, build, gpu-tests (every `gpu` test not naming NCCL, per-test timeout), nccl
-# (those naming NCCL but no manager), manager-nccl (stepcore-gpu-nccl-step: manager steps
-# with NCCL on one rank against the host device, plus the gpu tests naming NCCL and a
-# manager), python (stepcore._core built against the machine's CUDA torch, then
-# python/tests/test_cuda.py -m gpu; n/a without such a torch or nanobind), bench-gpu,
-# bench-spec (stepcore-bench-speculation on the CUDA device), bench-comm (when built), sanitizer (compute-sanitizer memcheck and racecheck over the
-# kernel tests).
+# tools/gpu-prepare.sh) into a private prefix, builds once (sm_90, Release, no MPI; the
+# Python extension too when the machine has a CUDA build of torch) only the CUDA tests,
+# benchmarks and programs, and runs the phases in order of value, each within its own
+# cap and all within the budget, going on past a failing one: env, unpack, configure,
+# build, bench-gpu (the kernels' ratios to a device copy and their host cost per call:
+# the figures first), bench-spec (the overlapped full-offload step), gpu-tests (every
+# `gpu` test not naming NCCL, per-test timeout), nccl (those naming NCCL but no manager),
+# manager-nccl (stepcore-gpu-nccl-step: manager steps with NCCL on one rank against the
+# host device, counting the host synchronisations per step, the NCCL norm against a float
+# all-reduce; plus the gpu tests naming NCCL and a manager), python
+# (python/tests/test_cuda.py -m gpu), bench-comm (when built), sanitizer
+# (compute-sanitizer memcheck and racecheck over the kernel tests, with what is left).
 # CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
-# gpu-tests.log, bench.log, sanitizer.log, summary.txt; the summary table is printed last.
+# gpu-tests.log, bench.log, python.log, sanitizer.log, the figures as JSON
+# (bench-gpu.json, nccl-step.json), summary.txt and summary.json (tools/gpu_summary.py:
+# the phases and one table of figures, "n/a (no device)" where the device gave none);
+# the summary is printed last.
 # Exit status: 0 when no phase failed, else 1. Without a GPU the CUDA tests skip and every
 # phase still runs (tools/gpu-rehearse.sh rehearses it so); with one, a skip is a failure.
 #
@@ -28,7 +34,6 @@
 #   STEPCORE_SANITIZER_BUDGET seconds for all the sanitizer runs (default 240; 150 at most each)
 #   STEPCORE_UNPACK           dpkg (default when dpkg-deb exists) or ar
 #   STEPCORE_GPU_PYTHON       the Python (with a CUDA build of torch) of the python phase
-#   STEPCORE_GPU_PY_BUILD     its build folder (default build/gpu-check-python)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$PWD
@@ -36,11 +41,12 @@ logdir=${OUT:-$root/build/gpu-check-logs}
 bundle=$root/.gpu-bundle
 prefix=${STEPCORE_GPU_PREFIX:-/tmp/stepcore-prefix}
 build=${STEPCORE_GPU_BUILD:-$root/build/gpu-check}
-budget=${STEPCORE_GPU_BUDGET:-480}
+budget=${STEPCORE_GPU_BUDGET:-420}  # 7 of the lent window's minutes; the rest: start, files
 test_timeout=${STEPCORE_TEST_TIMEOUT:-120}
 jobs=$(nproc 2>/dev/null || echo 4)
 mkdir -p "$logdir" "$build" || { echo "gpu-check: cannot create $logdir or $build" >&2; exit 2; }
-for f in build.log gpu-tests.log python.log sanitizer.log bench.log summary.txt; do : >"$logdir/$f"; done
+for f in build.log gpu-tests.log python.log sanitizer.log bench.log summary.txt ctest-results.txt; do : >"$logdir/$f"; done
+rm -f "$logdir"/bench-gpu.json "$logdir"/nccl-step.json "$logdir"/nccl-step-host.json "$logdir"/summary.json
 exec 3>&1  # the console, while a phase's output goes to its log
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own warnings into the logs
 
@@ -110,7 +116,26 @@ phase() {
 
 # ---- env: what the machine has ----------------------------------------------------------
 nvcc=""
+# find_pip_tool NAME MODULE: puts on PATH the folder of NAME from PyPI's wheel (module
+# MODULE's BIN_DIR / CMAKE_BIN_DIR) or a venv's bin, when NAME is not on PATH.
+find_pip_tool() {
+  local name=$1 module=$2 py d
+  command -v "$name" >/dev/null && return 0
+  for py in "${STEPCORE_GPU_PYTHON:-}" python3 /opt/*/.venv/bin/python /opt/*/bin/python; do
+    [ -n "$py" ] || continue
+    command -v "$py" >/dev/null || [ -x "$py" ] || continue
+    d=$("$py" -c "import $module as m; print(getattr(m, 'CMAKE_BIN_DIR', None) or getattr(m, 'BIN_DIR'))" 2>/dev/null)
+    if [ -n "$d" ] && [ -x "$d/$name" ]; then PATH=$d:$PATH; echo "$name: PyPI's wheel at $d"; return 0; fi
+  done
+  for d in "$HOME"/.local/bin /opt/*/.venv/bin /opt/*/bin; do
+    [ -x "$d/$name" ] && { PATH=$PATH:$d; echo "$name: $d"; return 0; }
+  done
+  return 1
+}
 phase_env() {
+  find_pip_tool cmake cmake || echo "cmake: not found (not on PATH, not from pip)"
+  find_pip_tool ninja ninja || echo "ninja: not found (not on PATH, not from pip)"
+  export PATH
   echo "date:    $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host:    $(uname -srm), $(. /etc/os-release 2>/dev/null && echo "${PRETTY_NAME:-?}"), $jobs cores"
   echo "glibc:   $(ldd --version 2>/dev/null | head -1)"
@@ -215,7 +240,6 @@ phase_unpack() {
 
 # ---- configure: NCCL from what the machine has, then cmake ---------------------------
 nccl_inc="" nccl_lib=""
-prefix_args=()  # the bundle's prefix and pkg-config, for the python phase's own configure
 nccl_try() {  # nccl_try ROOT: sets nccl_inc/nccl_lib when ROOT has both
   local r=$1 l
   [ -f "$r/include/nccl.h" ] || return 1
@@ -264,8 +288,14 @@ phase_configure() {
     [ -d "$cm/benchmark" ] && args+=(-Dbenchmark_DIR="$cm/benchmark")
   fi
   [ -n "$pkgconfig_exe" ] && args+=(-DPKG_CONFIG_EXECUTABLE="$pkgconfig_exe")
-  [ "$unpacked" = 1 ] && prefix_args+=(-DCMAKE_PREFIX_PATH="$prefix/usr")
-  [ -n "$pkgconfig_exe" ] && prefix_args+=(-DPKG_CONFIG_EXECUTABLE="$pkgconfig_exe")
+  # One build: the Python extension in it when the machine's torch is a CUDA build.
+  if python_ready; then
+    args+=(-DSTEPCORE_PYTHON=ON -DPython_EXECUTABLE="$py_exe")
+    echo "python: $py_note"
+  else
+    args+=(-DSTEPCORE_PYTHON=OFF)
+    echo "python: off ($py_note)"
+  fi
   if find_nccl; then
     local v
     v=$(awk '/^#define NCCL_(MAJOR|MINOR|PATCH) /{printf "%s%s", sep, $3; sep="."}' "$nccl_inc/nccl.h")
@@ -294,14 +324,16 @@ phase_build() {
     has_target "$t" && gpu_tests+=("$t")
   done
   targets=("${gpu_tests[@]}")
-  for t in stepcore-bench-gpu stepcore-bench-speculation stepcore-bench-comm stepcore-gpu-nccl-step; do
+  for t in stepcore-bench-gpu stepcore-bench-speculation stepcore-bench-comm stepcore-gpu-nccl-step \
+    _core stepcore_python_files; do
     has_target "$t" && targets+=("$t")
   done
   echo "targets: ${targets[*]}"
   # -k 0: build every target that can be built, so one broken file costs only its phase.
-  bounded $((budget - 150)) cmake --build "$build" --parallel "$jobs" --target "${targets[@]}" -- -k 0
+  bounded 200 cmake --build "$build" --parallel "$jobs" --target "${targets[@]}" -- -k 0
   local rc=$? missing=()
   for t in "${targets[@]}"; do
+    case $t in _core | stepcore_python_files) continue ;; esac  # checked by the python phase
     [ -x "$(find "$build" -name "$t" -type f -perm -u+x -print -quit)" ] || missing+=("$t")
   done
   if [ $rc -ne 0 ] || [ ${#missing[@]} -gt 0 ]; then
@@ -324,6 +356,9 @@ run_ctest() {
   failed=$(sed -nE 's/.*% tests passed.* ([0-9]+) tests? failed out of.*/\1/p' "$out" | tail -1)
   [ -n "$total" ] && [ -z "$failed" ] && failed=0
   skipped=$(grep -cE '\(Skipped\)$' "$out")
+  # Each test's verdict, for the summary's bitwise rows: "NAME passed|failed|skipped".
+  sed -nE 's/.*Test +#[0-9]+: ([^ ]+) \.+ *\*{0,3}(Passed|Failed|Skipped|Not Run|Timeout|Exception).*/\1 \2/p' "$out" |
+    tr '[:upper:]' '[:lower:]' >>"$logdir/ctest-results.txt"
   local skipped_names
   skipped_names=$(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) \(Skipped\)$/\1/p' "$out" | head -3 | tr '\n' ' ')
   grep -E 'tests passed|\(Failed\)|\(Timeout\)|\(Subprocess|\*\*\*Exception|No tests were found' "$out" >&3
@@ -346,7 +381,7 @@ phase_nccl() {
 phase_manager_nccl() {
   local exe=$build/tools/stepcore-gpu-nccl-step rc
   [ -x "$exe" ] || { note="stepcore-gpu-nccl-step not built (NCCL missing or build failed)"; return 1; }
-  echoed 180 "$exe"
+  echoed 60 "$exe" --json "$logdir/nccl-step.json"
   rc=$?
   note="stepcore-gpu-nccl-step rc $rc"
   [ $rc -eq 0 ] || return 1
@@ -354,7 +389,7 @@ phase_manager_nccl() {
   if [ "$have_gpu" = 0 ]; then
     # No GPU: check the program's manager steps with the host device and an in-process
     # communicator instead, so that the rehearsal runs them.
-    echoed 300 "$exe" --host
+    echoed 120 "$exe" --host --json "$logdir/nccl-step-host.json"
     rc=$?
     note="$note (no GPU: skipped); --host self-check rc $rc"
     [ $rc -eq 0 ] || return 1
@@ -370,8 +405,8 @@ phase_manager_nccl() {
 
 # ---- python: stepcore.cuda on torch CUDA tensors (python/tests/test_cuda.py -m gpu) ------
 # The machine's Python whose torch is a CUDA build; nanobind and pytest from it, else from
-# .gpu-bundle/python (tools/gpu-prepare.sh). Its own build folder: the extension, CUDA on.
-py_exe=""
+# .gpu-bundle/python (tools/gpu-prepare.sh). The extension is built in the one build.
+py_exe="" py_note=""
 find_torch_python() {
   local c
   for c in "${STEPCORE_GPU_PYTHON:-}" "$(command -v python3)" "$(command -v python)" \
@@ -384,12 +419,11 @@ find_torch_python() {
   done
   return 1
 }
-phase_python() {
-  [ -n "$nvcc" ] || { note="no nvcc"; return 1; }
-  find_torch_python || { note="no Python with a CUDA build of torch (STEPCORE_GPU_PYTHON): not run"; echo "$note"; return 4; }
+# python_ready: sets py_exe and py_note; true when the extension can be built and tested.
+python_ready() {
+  find_torch_python || { py_note="no Python with a CUDA build of torch (STEPCORE_GPU_PYTHON)"; return 1; }
   local bundled=$bundle/python pypath="" m missing=() torch_v
   torch_v=$("$py_exe" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>&1)
-  echo "python: $py_exe ($("$py_exe" --version 2>&1)), torch $torch_v"
   for m in nanobind pytest numpy; do
     if ! "$py_exe" -c "import $m" >/dev/null 2>&1; then
       if [ -d "$bundled" ] && PYTHONPATH=$bundled "$py_exe" -c "import $m" >/dev/null 2>&1; then
@@ -400,32 +434,26 @@ phase_python() {
     fi
   done
   if [ ${#missing[@]} -gt 0 ]; then
-    note="$py_exe lacks ${missing[*]} (tools/gpu-prepare.sh carries nanobind and pytest in .gpu-bundle/python): not run"
-    echo "$note"
-    return 4
+    py_note="$py_exe lacks ${missing[*]} (tools/gpu-prepare.sh carries nanobind and pytest in .gpu-bundle/python)"
+    return 1
   fi
   if ! "$py_exe" -c 'import os, sysconfig, sys; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else 1)'; then
-    note="$py_exe has no Python.h (no development headers): not run"
-    echo "$note"
-    return 4
+    py_note="$py_exe has no Python.h (no development headers)"
+    return 1
   fi
-  # The bundle's packages after the machine's own.
+  # The bundle's packages after the machine's own (cmake finds nanobind through it too).
   export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$pypath
-  [ -n "$pypath" ] && echo "PYTHONPATH=$PYTHONPATH (the bundle's nanobind/pytest)"
-  local pybuild=${STEPCORE_GPU_PY_BUILD:-$root/build/gpu-check-python} out rc passed skipped failed
-  local args=(
-    -S "$root" -B "$pybuild" -G Ninja -DCMAKE_BUILD_TYPE=Release
-    -DSTEPCORE_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc" -DCMAKE_CUDA_ARCHITECTURES=90
-    -DSTEPCORE_PYTHON=ON -DPython_EXECUTABLE="$py_exe"
-    -DSTEPCORE_TESTS=OFF -DSTEPCORE_TOOLS=OFF -DSTEPCORE_BENCH=OFF -DSTEPCORE_INSTALL=OFF
-    -DSTEPCORE_MPI=OFF -DSTEPCORE_NCCL=OFF ${prefix_args[@]+"${prefix_args[@]}"}
-  )
-  echo "cmake ${args[*]}"
-  bounded 120 cmake "${args[@]}" || { note="cmake failed (see python.log)"; return 1; }
-  bounded $((budget - 200)) cmake --build "$pybuild" --parallel "$jobs" --target _core stepcore_python_files ||
-    { note="build of stepcore._core failed (see python.log)"; return 1; }
+  py_note="$py_exe ($("$py_exe" --version 2>&1)), torch $torch_v${pypath:+, nanobind/pytest from the bundle}"
+  return 0
+}
+phase_python() {
+  [ -n "$py_exe" ] && [ -f "$build/python/stepcore/__init__.py" ] ||
+    { note="not built: ${py_note:-the extension is not in this build}"; echo "$note"; return 4; }
+  ls "$build"/python/stepcore/_core*.so >/dev/null 2>&1 || { note="stepcore._core was not built (see build.log)"; return 1; }
+  local out rc passed skipped failed
+  echo "python: $py_note"
   out=$(mktemp)
-  (cd /tmp && bounded 240 env PYTHONPATH="$pybuild/python${PYTHONPATH:+:$PYTHONPATH}" \
+  (cd /tmp && bounded 90 env PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
     "$py_exe" -m pytest -q -p no:cacheprovider -m gpu -rs "$root/python/tests/test_cuda.py") 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
   passed=$(grep -oE '[0-9]+ passed' "$out" | tail -1 | cut -d' ' -f1)
@@ -433,7 +461,7 @@ phase_python() {
   failed=$(grep -oE '[0-9]+ (failed|error)' "$out" | awk '{s += $1} END {print s + 0}')
   grep -E 'passed|failed|error|SKIPPED' "$out" | tail -n 5 >&3
   rm -f "$out"
-  note="${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped (torch $torch_v)"
+  note="${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
   [ "$rc" -eq 124 ] && note="$note; TIMED OUT"
   [ "$rc" -eq 0 ] || return 1
   if [ "${skipped:-0}" -gt 0 ]; then
@@ -509,20 +537,25 @@ phase_sanitizer() {
 program_phase() {
   local exe=$1 limit=$2 rc
   [ -x "$exe" ] || { note=$4; return "$3"; }
-  echoed "$limit" "$exe"
+  shift 4
+  echoed "$limit" "$exe" "$@"
   rc=$?
   note="rc $rc"
   [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
   if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
   [ $rc -eq 0 ]
 }
-phase_bench_gpu() { program_phase "$build/bench/stepcore-bench-gpu" 200 1 "stepcore-bench-gpu not built"; }
+phase_bench_gpu() {
+  local exe=$build/bench/stepcore-bench-gpu
+  [ -x "$exe" ] || { note="stepcore-bench-gpu not built"; return 1; }
+  program_phase "$exe" 60 1 "" --json "$logdir/bench-gpu.json"
+}
 # The overlapped full-offload step on the CUDA device (copies are DMA; device staging on):
 # issue 25's exposed-time targets.
 phase_bench_speculation() {
   local exe=$build/bench/stepcore-bench-speculation
   [ -x "$exe" ] || { note="stepcore-bench-speculation not built"; return 1; }
-  echoed 150 "$exe" 100 3 cuda on
+  echoed 75 "$exe" 50 3 cuda on
   local rc=$?
   note="rc $rc; $(grep -o 'targets: [0-9]* missed' "$echoed_out" | head -1)"
   [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
@@ -533,29 +566,39 @@ phase_bench_comm() {
   program_phase "$build/bench/stepcore-bench-comm" 120 4 "not built (it needs MPI: STEPCORE_GPU_MPI=ON)"
 }
 
-# ---- run ----------------------------------------------------------------------------------
+# ---- run: the figures first, the sanitizers with what is left ---------------------------
 echo "gpu-check: $root -> logs in $logdir, build in $build, budget ${budget}s, $jobs jobs"
 phase env build.log phase_env
 phase unpack build.log phase_unpack
 phase configure build.log phase_configure
 phase build build.log phase_build
+phase bench-gpu bench.log phase_bench_gpu
+phase bench-spec bench.log phase_bench_speculation
 phase gpu-tests gpu-tests.log phase_gpu_tests
 phase nccl gpu-tests.log phase_nccl
 phase manager-nccl gpu-tests.log phase_manager_nccl
 phase python python.log phase_python
-phase bench-gpu bench.log phase_bench_gpu
-phase bench-spec bench.log phase_bench_speculation
 phase bench-comm bench.log phase_bench_comm
 phase sanitizer sanitizer.log phase_sanitizer  # last: the slowest, cut to what the budget leaves
 
 worst=0
 for s in "${statuses[@]}"; do [ "$s" = FAIL ] && worst=1; done
+for i in "${!names[@]}"; do
+  printf '%s\t%s\t%s\t%s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
+done >"$logdir/phases.tsv"
 {
-  echo "gpu-check summary, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname 2>/dev/null || echo ?), total $((SECONDS - t_start)) s"
+  echo "gpu-check summary, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname 2>/dev/null || echo ?), total $((SECONDS - t_start)) s of ${budget} s"
   printf '%-13s %-6s %5s  %s\n' phase status secs note
   for i in "${!names[@]}"; do
     printf '%-13s %-6s %5s  %s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
   done
+  # The figures, one table (and summary.json): needs a python3 (any: the standard library).
+  py=$(command -v python3 || echo "$py_exe")
+  if [ -n "$py" ] && "$py" "$root/tools/gpu_summary.py" "$logdir" "$have_gpu"; then
+    :
+  else
+    echo "figures: no python3 to read the JSON files (they are in $logdir)"
+  fi
   echo "result: $([ $worst -eq 0 ] && echo PASS || echo FAIL) (logs: $(cd "$logdir" && ls | tr '\n' ' '))"
 } | tee "$logdir/summary.txt"
 exit $worst

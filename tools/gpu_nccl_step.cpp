@@ -1,11 +1,17 @@
 // stepcore-gpu-nccl-step: gradient-manager steps on CUDA device 0 with an NCCL
 // communicator of one rank (issuing on the device's compute stream), compared bit for bit
 // with the same gradient stream through the same mode on the host device (the CPU
-// executor, no communicator). Modes none and optimizer, AdamW and SignSGD, clipped.
-// Run by tools/gpu-check.sh. Exit 0: every run agrees; 1: a mismatch; 2: an error.
+// executor, no communicator). Modes none and optimizer, AdamW and SignSGD, clipped; and
+// mode full (no communicator). Each run counts the host synchronisations the manager
+// makes per step (Device::synchronize calls from begin_step to report(), through a
+// counting forwarder: counted, not assumed). `--json PATH` writes the counts and the
+// verdicts. Run by tools/gpu-check.sh. Exit 0: every run agrees; 1: a mismatch; 2: an
+// error.
 // Without a CUDA device it prints a SKIP line and exits 0. `--host` runs the same
 // comparison with the host device and an in-process communicator of one rank in place of
 // CUDA and NCCL: a check of this program itself on a machine without a GPU.
+//
+// Usage: stepcore-gpu-nccl-step [--host] [--json PATH]
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -23,6 +29,7 @@
 #include "stepcore/cuda.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/managers.hpp"
+#include "tests/forwarding_device.hpp"
 
 namespace {
 
@@ -80,14 +87,18 @@ std::vector<std::uint8_t> gradient_bytes(const ParamSpec& p, int step, int micro
 
 /// Everything observable after one step, as bytes to compare.
 struct StepOut {
+  int host_syncs = 0;  // the manager's Device::synchronize calls in the step
   std::uint32_t norm_bits = 0, clip_bits = 0;
   bool stepped = false, skipped = false;
   std::vector<std::vector<float>> master, exp_avg, exp_avg_sq;
   std::vector<std::vector<std::uint8_t>> compute;
 };
 
-std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadMode mode,
-                         const std::string& optimizer) {
+// The manager runs on `counted` (which forwards to the device); the program's own
+// uploads go to the device directly, so only the manager's waits are counted.
+std::vector<StepOut> run(test_support::ForwardingDevice& counted, comm::Communicator* comm,
+                         OffloadMode mode, const std::string& optimizer) {
+  device::Device& dev = counted.inner();
   ManagerConfig cfg;
   cfg.mode = mode;
   cfg.optimizer.kind = parse_optimizer(optimizer);
@@ -107,7 +118,7 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
   cfg.groups = {decay, no_decay};
   cfg.params = model();
   cfg.chunk_elements = 300000;  // chunks {0, 1}, {2}, {3}
-  cfg.device = &dev;
+  cfg.device = &counted;
   cfg.comm = comm;
   cfg.layout_fingerprint = kFingerprint;
   auto m = make_gradient_manager(cfg);
@@ -120,6 +131,7 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
   const bool adamw = optimizer == "adamw";
   std::vector<StepOut> out;
   for (int s = 0; s < kSteps; ++s) {
+    const int syncs_before = counted.synchronizations();
     m->begin_step(1.0f / static_cast<float>(1000 + 37 * s), /*overlap_optimizer=*/false);
     for (int mb = 0; mb < kMicroBatches; ++mb) {
       m->begin_backward(mb + 1 == kMicroBatches);
@@ -136,6 +148,7 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
     m->step();
     const StepReport rep = m->report();
     StepOut o;
+    o.host_syncs = counted.synchronizations() - syncs_before;
     o.norm_bits = std::bit_cast<std::uint32_t>(rep.norm.norm);
     o.clip_bits = std::bit_cast<std::uint32_t>(rep.clip_coefficient);
     o.stepped = rep.stepped;
@@ -153,6 +166,54 @@ std::vector<StepOut> run(device::Device& dev, comm::Communicator* comm, OffloadM
   }
   m->close();
   return out;
+}
+
+/// Sums v in f32 pairwise (halves, recursively): the tree a GPU reduction makes.
+float pairwise_sum(const float* v, std::size_t n) {
+  if (n <= 8) {
+    float s = 0.0f;
+    for (std::size_t k = 0; k < n; ++k) s += v[k];
+    return s;
+  }
+  return pairwise_sum(v, n / 2) + pairwise_sum(v + n / 2, n - n / 2);
+}
+
+/// The global norm of step `s`'s gradient (summed over the micro-batches in f32, times
+/// the step's scale) two other ways: as a float all-reduce of norms computes it (each
+/// tensor's sum of squares in f32 as a GPU's tree reduction, the tensors' norms combined
+/// in f32; one rank's all-reduce is the identity), and in double (the squares of f32
+/// values are exact in double; a reference that rounds like the exact norm but for
+/// ties).
+struct OtherNorms {
+  float f32_allreduce = 0.0f;
+  double f64 = 0.0;
+};
+OtherNorms other_norms(int s) {
+  const std::vector<ParamSpec> params = model();
+  const float scale = 1.0f / static_cast<float>(1000 + 37 * s);
+  std::vector<float> norms, squares;
+  double sum = 0.0;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    squares.assign(params[i].numel, 0.0f);
+    for (std::size_t k = 0; k < params[i].numel; ++k) {
+      float acc = 0.0f;
+      for (int mb = 0; mb < kMicroBatches; ++mb) {
+        const float g = gradient_value(s, mb, i, k);
+        acc += params[i].grad_dtype == DType::f32 ? g : bf16_bits_to_f32(f32_to_bf16_bits(g));
+      }
+      const float x = acc * scale;
+      squares[k] = x * x;
+      sum += static_cast<double>(x) * static_cast<double>(x);
+    }
+    const float n = std::sqrt(pairwise_sum(squares.data(), squares.size()));
+    norms.push_back(n * n);
+  }
+  return {std::sqrt(pairwise_sum(norms.data(), norms.size())), std::sqrt(sum)};
+}
+
+/// The distance in units in the last place between two positive floats.
+long long ulps(float a, float b) {
+  return static_cast<long long>(std::bit_cast<std::int32_t>(a)) - std::bit_cast<std::int32_t>(b);
 }
 
 template <class T>
@@ -179,8 +240,9 @@ int compare(const std::string& label, const std::vector<StepOut>& got,
     if (!same(g.master, w.master)) diff += " master";
     if (!same(g.exp_avg, w.exp_avg) || !same(g.exp_avg_sq, w.exp_avg_sq)) diff += " moments";
     if (!same(g.compute, w.compute)) diff += " compute-weights";
-    std::printf("%-28s step %zu: norm %a (0x%08x) clip %a  %s\n", label.c_str(), s + 1,
-                std::bit_cast<float>(g.norm_bits), g.norm_bits, std::bit_cast<float>(g.clip_bits),
+    std::printf("%-28s step %zu: norm %a (0x%08x) clip %a, %d host syncs  %s\n", label.c_str(),
+                s + 1, std::bit_cast<float>(g.norm_bits), g.norm_bits,
+                std::bit_cast<float>(g.clip_bits), g.host_syncs,
                 diff.empty() ? "same bits as the host device" : ("DIFFERS:" + diff).c_str());
     if (!diff.empty()) ++bad;
   }
@@ -192,10 +254,18 @@ int compare(const std::string& label, const std::vector<StepOut>& got,
 int main(int argc, char** argv) {
   using namespace std::chrono_literals;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
-  const bool host_only = argc > 1 && std::string(argv[1]) == "--host";
-  if (argc > 2 || (argc == 2 && !host_only)) {
-    std::fprintf(stderr, "usage: stepcore-gpu-nccl-step [--host]\n");
-    return 2;
+  bool host_only = false;
+  const char* json_path = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--host") {
+      host_only = true;
+    } else if (a == "--json" && i + 1 < argc) {
+      json_path = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: stepcore-gpu-nccl-step [--host] [--json PATH]\n");
+      return 2;
+    }
   }
   if (!host_only && cuda::device_count() == 0) {
     std::printf("stepcore-gpu-nccl-step: SKIP: no CUDA device: %s\n",
@@ -207,31 +277,68 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    auto host = device::make_host_device();
-    std::unique_ptr<device::Device> dev;
+    test_support::ForwardingDevice host(device::make_host_device());
+    std::unique_ptr<test_support::ForwardingDevice> dev;
     std::unique_ptr<comm::Communicator> comm;
     if (host_only) {
-      dev = device::make_host_device();
+      dev = std::make_unique<test_support::ForwardingDevice>(device::make_host_device());
       comm = std::move(comm::make_in_process_group(1, 60s).front());
     } else {
-      dev = device::make_cuda_device(0);
+      dev = std::make_unique<test_support::ForwardingDevice>(device::make_cuda_device(0));
       comm = comm::make_nccl_communicator(comm::nccl_unique_id(), /*rank=*/0, /*nranks=*/1,
                                           /*device=*/0, dev->compute_stream(), 60s);
     }
     const char* what = host_only ? "host+in-process" : "cuda+nccl";
     int bad = 0;
-    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer})
+    std::string json = std::string("{\"device\": \"") + what + "\", \"runs\": [";
+    bool first = true;
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full})
       for (const char* opt : {"adamw", "sign_sgd"}) {
-        const std::string label = std::string(offload_mode_name(mode)) + " " + opt + " x1";
+        // Full offload reduces its norm on the host: no NCCL communicator.
+        comm::Communicator* c = mode == OffloadMode::full ? nullptr : comm.get();
+        const std::string label =
+            std::string(offload_mode_name(mode)) + " " + opt + (c != nullptr ? " x1" : "");
         const auto t0 = std::chrono::steady_clock::now();
-        const auto got = run(*dev, comm.get(), mode, opt);
+        const auto got = run(*dev, c, mode, opt);
         const auto t1 = std::chrono::steady_clock::now();
-        const auto want = run(*host, nullptr, mode, opt);
+        const auto want = run(host, nullptr, mode, opt);
         std::printf("%-28s %s %.1f ms\n", label.c_str(), what,
                     std::chrono::duration<double, std::milli>(t1 - t0).count());
-        bad += compare(label, got, want);
+        const int differ = compare(label, got, want);
+        bad += differ;
+        json += std::string(first ? "" : ", ") + "{\"mode\": \"" +
+                std::string(offload_mode_name(mode)) + "\", \"optimizer\": \"" + opt +
+                "\", \"nccl\": " + (c != nullptr && !host_only ? "true" : "false") +
+                ", \"bitwise\": " + (differ == 0 ? "true" : "false") + ", \"host_syncs\": [";
+        for (std::size_t s = 0; s < got.size(); ++s)
+          json += (s ? ", " : "") + std::to_string(got[s].host_syncs);
+        json += "]}";
+        first = false;
       }
+    json += "]";
+    // The NCCL norm (the exact one) against a float all-reduce's, step 1.
+    {
+      const auto runs = run(*dev, comm.get(), OffloadMode::none, "adamw");
+      const float exact = std::bit_cast<float>(runs[0].norm_bits);
+      const OtherNorms o = other_norms(0);
+      const float f64 = static_cast<float>(o.f64);
+      std::printf(
+          "global norm, step 1 (%s): stepcore %a, float all-reduce %a (%+lld ulp), double "
+          "reference %a (%+lld ulp)\n",
+          what, exact, o.f32_allreduce, ulps(o.f32_allreduce, exact), f64, ulps(f64, exact));
+      json += ", \"norm\": {\"stepcore\": \"" + std::to_string(exact) +
+              "\", \"float_allreduce_ulps\": " + std::to_string(ulps(o.f32_allreduce, exact)) +
+              ", \"double_reference_ulps\": " + std::to_string(ulps(f64, exact)) + "}";
+    }
+    json += "}\n";
     comm.reset();
+    if (json_path != nullptr) {
+      std::FILE* f = std::fopen(json_path, "w");
+      if (f == nullptr || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0) {
+        std::printf("stepcore-gpu-nccl-step: FAIL: cannot write %s\n", json_path);
+        return 2;
+      }
+    }
     std::printf("stepcore-gpu-nccl-step: %s (%s, one rank)\n",
                 bad == 0 ? "PASS: every step gave the host device's bits"
                          : (std::to_string(bad) + " step(s) DIFFER").c_str(),
