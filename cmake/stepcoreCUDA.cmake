@@ -30,6 +30,19 @@ if(NOT STEPCORE_CUDA STREQUAL "OFF")
     set(STEPCORE_CUDA_ARCHITECTURES "${_stepcore_archs}" CACHE STRING "CUDA architectures of stepcore's kernels")
     unset(_stepcore_archs)
     enable_language(CUDA)
+    # The launch arguments take up to ~13 KB of kernel parameters (kernels/plans.hpp):
+    # CUDA 12.1's large parameter space, on sm_70 and later.
+    if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.1)
+      message(FATAL_ERROR "stepcore's kernels need CUDA 12.1 or later (large kernel "
+        "parameters); found ${CMAKE_CUDA_COMPILER_VERSION}")
+    endif()
+    foreach(_arch IN LISTS STEPCORE_CUDA_ARCHITECTURES)
+      string(REGEX MATCH "^[0-9]+" _num "${_arch}")
+      if(_num AND _num LESS 70)
+        message(FATAL_ERROR "stepcore's kernels need sm_70 or later (large kernel "
+          "parameters); STEPCORE_CUDA_ARCHITECTURES has ${_arch}")
+      endif()
+    endforeach()
     # CMake 3.25 predates nvcc's C++20 support (12.0+): teach it the flag (a variable of
     # this directory scope: stepcore's targets only).
     if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION AND CMAKE_CUDA_COMPILER_VERSION VERSION_GREATER_EQUAL 12.0)

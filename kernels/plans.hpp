@@ -34,8 +34,12 @@ inline std::uint32_t reduce_slices(std::uint64_t blocks) {
 }
 /// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
 /// blocks are described per tensor (a BlockMap), so the block count costs no argument
-/// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch).
-inline constexpr int kMaxTensorsPerLaunch = 64;
+/// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch). 256
+/// tensors (~10 KB of argument: CUDA 12.1's large kernel parameters, up to 32,764 bytes
+/// on sm_70 and later) let a list of small tensors, one block each, fill 132 SMs.
+inline constexpr int kMaxTensorsPerLaunch = 256;
+/// The most bytes of a kernel argument (CUDA 12.1+, sm_70+).
+inline constexpr std::size_t kMaxKernelArgumentBytes = 32764;
 inline constexpr int kMaxBlocksPerLaunch = 1 << 16;
 /// Bytes one thread loads at once where the tensors are aligned to it (the executor
 /// runs the same grouping, so the bits it tests are the device's).
@@ -93,8 +97,8 @@ struct LaunchArgs {
 };
 
 /// Tensors of one optimizer (AdamW or SignSGD) launch: fewer than kMaxTensorsPerLaunch,
-/// since each carries up to nine pointers.
-inline constexpr int kMaxOptimizerTensorsPerLaunch = 32;
+/// since each carries up to nine pointers (~13 KB of argument for AdamW).
+inline constexpr int kMaxOptimizerTensorsPerLaunch = 128;
 inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 
 /// The kernel argument of one AdamW launch: per-tensor pointers, the configuration's
@@ -168,10 +172,12 @@ struct SignSgdLaunchArgs {
   }
 };
 
-/// A step kernel's parameters (its launch argument and its device arguments, by value)
-/// fit the 4,096 bytes every CUDA version and architecture accepts.
-static_assert(sizeof(AdamWLaunchArgs) + sizeof(AdamWDeviceArgs) <= 4096);
-static_assert(sizeof(SignSgdLaunchArgs) + sizeof(SignSgdDeviceArgs) <= 4096);
+/// Every kernel's parameters (its launch argument, its device arguments and a few
+/// scalars, by value) fit CUDA 12.1's parameter space (the build requires 12.1).
+static_assert(sizeof(LaunchArgs) + 512 <= kMaxKernelArgumentBytes);
+static_assert(sizeof(AdamWLaunchArgs) + sizeof(AdamWDeviceArgs) + 512 <= kMaxKernelArgumentBytes);
+static_assert(sizeof(SignSgdLaunchArgs) + sizeof(SignSgdDeviceArgs) + 512 <=
+              kMaxKernelArgumentBytes);
 
 /// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
 /// positive read; the read does not change a sign and is not applied).

@@ -60,10 +60,12 @@ deadline=$((t_start + budget))
 # say MESSAGE: to the console and to the current phase's log.
 say() { echo "$*" >&3; echo "$*"; }
 
-# bounded CAP CMD...: runs CMD with a timeout of CAP seconds, cut to what the budget
-# leaves (keeping 20 s for the summary); 124 when it timed out or no time was left.
+# bounded CAP CMD...: runs CMD with a timeout of CAP seconds (caps are written for the
+# default 420 s budget and scale with STEPCORE_GPU_BUDGET: a slow rehearsal gets more),
+# cut to what the budget leaves (keeping 20 s for the summary); 124 when it timed out or
+# no time was left.
 bounded() {
-  local cap=$1 left t
+  local cap=$(($1 * budget / 420)) left t
   shift
   left=$((deadline - SECONDS - 20))
   t=$((cap < left ? cap : left))
@@ -320,7 +322,7 @@ phase_build() {
   # The gpu-labelled suites, as tests/CMakeLists.txt declares them.
   local t targets=()
   gpu_tests=()
-  for t in $(sed -nE 's/^[[:space:]]*stepcore_add_test\(([A-Za-z0-9_]+)[[:space:]]+LABEL[[:space:]]+gpu\b.*/\1/p' "$root/tests/CMakeLists.txt"); do
+  for t in $(sed -nE 's/^[[:space:]]*stepcore_add_test\(([A-Za-z0-9_]+)[[:space:]]+LABEL[[:space:]]+gpu\b.*/\1/p' "$root/tests/CMakeLists.txt" | sort -u); do
     has_target "$t" && gpu_tests+=("$t")
   done
   targets=("${gpu_tests[@]}")
@@ -358,7 +360,7 @@ run_ctest() {
   skipped=$(grep -cE '\(Skipped\)$' "$out")
   # Each test's verdict, for the summary's bitwise rows: "NAME passed|failed|skipped".
   sed -nE 's/.*Test +#[0-9]+: ([^ ]+) \.+ *\*{0,3}(Passed|Failed|Skipped|Not Run|Timeout|Exception).*/\1 \2/p' "$out" |
-    tr '[:upper:]' '[:lower:]' >>"$logdir/ctest-results.txt"
+    awk '{ $NF = tolower($NF); print }' >>"$logdir/ctest-results.txt"
   local skipped_names
   skipped_names=$(sed -nE 's/^[[:space:]]*[0-9]+ - ([^ ]+) \(Skipped\)$/\1/p' "$out" | head -3 | tr '\n' ' ')
   grep -E 'tests passed|\(Failed\)|\(Timeout\)|\(Subprocess|\*\*\*Exception|No tests were found' "$out" >&3
@@ -492,8 +494,8 @@ phase_sanitizer() {
     [ $tool = racecheck ] && list="test_gpu_kernels test_gpu_steps"
     for t in $list; do
       exe=$build/tests/$t
-      [ -x "$exe" ] || { say "sanitizer: $t not built"; bad=$((bad + 1)); what+=("$t:not-built"); continue; }
       runs=$((runs + 1))
+      [ -x "$exe" ] || { say "sanitizer: $t not built"; bad=$((bad + 1)); what+=("$t:not-built"); continue; }
       cap=$((stop - SECONDS))
       [ $cap -gt 150 ] && cap=150
       echo "---- $tool $t (at most ${cap} s)"
