@@ -550,6 +550,77 @@ def test_a_non_finite_gradient_with_overlap_skips_the_whole_step(mode, clip):
     gm.close()
 
 
+def handoff_run(gated):
+    """One step of offload "full" on the host device in which each gradient handed over is
+    doubled by its producer. gated: the doubling lands after the hooks ran, before the
+    write's event (a HostEvent standing for the event the hook records on torch's current
+    stream); else before the hooks. Returns (param bits, norm)."""
+    import threading
+    import weakref
+
+    import stepcore
+
+    model = TinyLM()
+    seen = []
+
+    def producer(p):
+        if gated:
+            seen.append(p.grad)
+        else:
+            p.grad.mul_(2)
+
+    for p in model.parameters():  # registered first: runs before the manager's hook
+        p.register_post_accumulate_grad_hook(producer)
+    gm = st.GradientManager(model, offload="full", lr=1e-2, betas=BETAS, threads=1)
+    gate = stepcore._core.Event.host()
+    if gated:
+        gm._written_event = lambda stream: gate  # the host device: no stream to record on
+    opener = threading.Timer(30, gate.set)  # a host wait for the gate would hang otherwise
+    try:
+        mbs = micro_batches(0)
+        gm.begin_step(1.0 / tokens_of(mbs[:1]), overlap_optimizer=False)
+        gm.begin_backward(final_backward=True)
+        loss_sum(model, mbs[0]).backward()
+        if gated:
+            with torch.no_grad():
+                torch._foreach_mul_(seen, 2.0)  # the producer's write, queued at the hooks
+            kept = [weakref.ref(g) for g in seen]
+            seen.clear()
+            opener.start()
+            gm.finish_backward()
+            # It returned with the manager's reads still waiting for the write's event
+            # (no host wait), and the adapter keeps every gradient until they are done.
+            assert not gate.complete(), "finish_backward waited on the host"
+            assert all(r() is not None for r in kept), "a gradient was given back unread"
+            gate.set()
+        else:
+            gm.finish_backward()
+        gm.clip_grad_norm_(MAX_NORM)
+        gm.step()
+        if gated:
+            import gc
+
+            gc.collect()
+            assert all(r() is None for r in kept), "the step kept a read gradient alive"
+        return [bits(p) for p in model.parameters()], gm.report()["norm"]
+    finally:
+        gate.set()
+        opener.cancel()
+        gm.close()
+
+
+def test_a_handoff_is_ordered_by_the_write_event_not_by_a_host_wait():
+    """The hook hands each gradient over with the event of its write: the manager's reads
+    wait for it on the device (the host device's copy queue), so a write that lands after
+    the hook but before the event is the one stepped, bit for bit as if it had landed
+    before the hook; finish_backward releases the gradients without waiting on the host."""
+    got_params, got_norm = handoff_run(gated=True)
+    want_params, want_norm = handoff_run(gated=False)
+    assert got_norm == want_norm
+    for k, (got, want) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(got, want), f"param {k}"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_hook_firing_twice_in_one_micro_batch_is_refused(mode):
     """Two backwards in one micro-batch: the second hook of a parameter raises naming it,
