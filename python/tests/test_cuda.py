@@ -135,7 +135,9 @@ def snapshot(kwargs):
 
 
 def launch(name, kwargs):
-    return getattr(sc, name)(**kwargs)
+    # A FakeCuda reports no current stream (no DLPack C exchange API): stream=None with it
+    # is refused (test_stream_none_needs_a_current_stream), so the launches name one.
+    return getattr(sc, name)(**{"stream": 0, **kwargs})
 
 
 def refused_on_the_host():
@@ -235,6 +237,48 @@ def test_stream_none_with_a_torch_cpu_tensor_reaches_the_array_checks():
     with pytest.raises(ValueError, match=r"'accs\[0\]'"):
         sc.accumulate([acc], [torch.ones(3)])
     assert not acc.any()
+
+
+@pytest.mark.parametrize("name", sorted(valid_calls()))
+def test_stream_none_needs_a_current_stream(name):
+    # A producer in CUDA memory whose framework cannot report its current stream: the
+    # launch is refused naming 'stream' before anything runs, instead of going to the
+    # legacy default stream (unordered with the framework's current stream).
+    kwargs = valid_calls()[name]
+    before = snapshot(kwargs)
+    with pytest.raises(ValueError, match="reports no current stream") as info:
+        getattr(sc, name)(**kwargs)  # stream=None
+    assert "'stream'" in str(info.value)
+    assert snapshot(kwargs) == before
+    producer = arrays_of(kwargs)[0][1]
+    with pytest.raises(ValueError, match="'stream'"):
+        core._launch_stream(None, producer)
+    assert core._launch_stream(0x1234, producer) == 0x1234
+    # Nothing to order with: no producer, or one in host memory (refused by its own check).
+    assert core._launch_stream(None, None) == 0
+    assert core._launch_stream(None, np.zeros(3, np.float32)) == 0
+
+
+def test_stream_none_with_a_torch_tensor_without_the_exchange_api_is_torchs_current(monkeypatch):
+    torch = pytest.importorskip("torch")
+
+    class OldTorchTensor(torch.Tensor):
+        """A torch CUDA tensor of a torch without the DLPack C exchange API (< 2.9)."""
+        __dlpack_c_exchange_api__ = None
+
+        def __dlpack_device__(self):
+            return (_DL_CUDA, 0)
+
+    class Current:
+        cuda_stream = 0x5EED
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: asked.append(device) or Current())
+    t = torch.zeros(3).as_subclass(OldTorchTensor)
+    assert core._launch_stream(None, t) == 0x5EED
+    assert asked == [0]
+    assert core._launch_stream(7, t) == 7  # a given stream is used as it is
 
 
 # ---- every argument checked, named, nothing written -----------------------------------
