@@ -945,3 +945,49 @@ def test_cuda_parameters_give_the_same_bits_in_every_mode():
         runs[mode] = recs
     for mode in MODES[1:]:
         assert_records_equal(runs[mode], runs[MODES[0]], f"cuda {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_backward_on_another_stream_is_ordered_by_the_write_event(mode):
+    """The manager is built on the current stream; backward runs on a side stream whose
+    gradient writes are held back by a sleep kernel. The hook's event (recorded on the side
+    stream) orders the manager's reads after them, and the release events order the side
+    stream's reuse after the reads: the bits of the run with backward on the manager's
+    stream."""
+    import stepcore
+
+    if not torch.cuda.is_available() or not stepcore.cuda.built_with_cuda():
+        pytest.skip("needs a CUDA GPU and stepcore built with CUDA "
+                    f"({stepcore.cuda.unavailable_reason() or 'no GPU visible to torch'})")
+    runs = {}
+    for where in ("same", "side"):
+        model = TinyLM().cuda()
+        gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                                weight_decay=WD, chunk_elements=300)
+        side = torch.cuda.Stream()
+        recs = []
+        for step in range(2):
+            mbs = [(t.cuda(), y.cuda()) for t, y in micro_batches(step)]
+            gm.begin_step(1.0 / tokens_of(mbs))
+            for k, mb in enumerate(mbs):
+                gm.begin_backward(final_backward=k == len(mbs) - 1)
+                if where == "side":
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(20_000_000)  # the writes land late
+                        loss_sum(model, mb).backward()
+                else:
+                    loss_sum(model, mb).backward()
+                gm.finish_backward()
+            norm = gm.clip_grad_norm_(MAX_NORM)
+            gm.step()
+            sd = gm.state_dict()["state"]
+            recs.append(([bits(p.cpu()) for p in model.parameters()],
+                         [(bits(sd[i]["exp_avg"].cpu()), bits(sd[i]["exp_avg_sq"].cpu()),
+                           float(sd[i]["step"])) for i in range(len(sd))],
+                         norm.item(), gm.report()["clip_coefficient"]))
+        torch.cuda.synchronize()
+        gm.close()
+        runs[where] = recs
+    assert_records_equal(runs["side"], runs["same"], f"cuda {mode}: backward on a side stream")
