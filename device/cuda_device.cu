@@ -9,15 +9,19 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <initializer_list>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "device/device_internal.hpp"
 #include "kernels/check.cuh"
@@ -66,13 +70,61 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-// A CUDA event (timing disabled), destroyed with its last handle.
+// The CUDA events of one device, reused: record() and record_on() take a free one (made
+// only when none is free), and an event goes back once its last handle is gone. Sharing
+// the pool keeps it alive for events that outlive their device. Re-recording a returned
+// event is safe: no handle is left to query or wait on it, and a stream wait enqueued
+// earlier waited on the record of its own time (cudaStreamWaitEvent's rule).
+class EventPool {
+ public:
+  EventPool() = default;
+  ~EventPool() {
+    for (cudaEvent_t e : free_)
+      if (cudaEventDestroy(e) != cudaSuccess) cudaGetLastError();
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  // Returns a free event of the device (the caller made the device current).
+  cudaEvent_t take() {
+    {
+      const std::lock_guard<std::mutex> lock(mu_);
+      if (!free_.empty()) {
+        const cudaEvent_t e = free_.back();
+        free_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    created_.fetch_add(1, std::memory_order_relaxed);
+    return e;
+  }
+  // Takes `e` back (any thread); destroys it when the free list cannot grow.
+  void give(cudaEvent_t e) noexcept {
+    try {
+      const std::lock_guard<std::mutex> lock(mu_);
+      free_.push_back(e);
+      return;
+    } catch (...) {
+    }
+    if (cudaEventDestroy(e) != cudaSuccess) cudaGetLastError();
+  }
+  // Returns how many events the pool has made (for the device's tests).
+  std::uint64_t created() const noexcept { return created_.load(std::memory_order_relaxed); }
+
+ private:
+  std::mutex mu_;
+  std::vector<cudaEvent_t> free_;
+  std::atomic<std::uint64_t> created_{0};
+};
+
+// A CUDA event (timing disabled) of a pool, back in the pool with its last handle.
 class CudaEventState final : public Event::State {
  public:
-  explicit CudaEventState(cudaEvent_t e) : event_(e) {}
-  ~CudaEventState() override {
-    if (cudaEventDestroy(event_) != cudaSuccess) cudaGetLastError();
-  }
+  CudaEventState(std::shared_ptr<EventPool> pool, cudaEvent_t e)
+      : pool_(std::move(pool)), event_(e) {}
+  ~CudaEventState() override { pool_->give(event_); }
   // An event whose query fails counts as complete: wait() raises the failure.
   bool complete() override {
     if (cudaEventQuery(event_) != cudaErrorNotReady) return true;
@@ -83,6 +135,7 @@ class CudaEventState final : public Event::State {
   cudaEvent_t event() const noexcept { return event_; }
 
  private:
+  std::shared_ptr<EventPool> pool_;
   cudaEvent_t event_;
 };
 
@@ -236,22 +289,10 @@ class CudaDevice final : public Device {
 
   Event record(Queue q) override {
     detail::check_queue(q);
-    const DeviceGuard guard(ordinal_);
-    cudaEvent_t e = nullptr;
-    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    auto s = std::make_shared<CudaEventState>(e);  // owns e from here on
-    check(cudaEventRecord(e, stream(q)), "cudaEventRecord");
-    return Event(std::move(s));
+    return record_event(stream(q));
   }
 
-  Event record_on(cudaStream_t stream) override {
-    const DeviceGuard guard(ordinal_);
-    cudaEvent_t e = nullptr;
-    check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-    auto s = std::make_shared<CudaEventState>(e);
-    check(cudaEventRecord(e, stream), "cudaEventRecord");
-    return Event(std::move(s));
-  }
+  Event record_on(cudaStream_t stream) override { return record_event(stream); }
 
   void wait_on(cudaStream_t stream, const Event& e) override {
     if (e.empty()) return;
@@ -367,9 +408,27 @@ class CudaDevice final : public Device {
 
   cudaStream_t compute_stream() const noexcept override { return streams_[0]; }
 
+  // The events the pool has made so far (detail::cuda_events_made).
+  std::uint64_t events_made() const noexcept { return events_->created(); }
+
  private:
   cudaStream_t compute() const noexcept { return streams_[0]; }
   cudaStream_t stream(Queue q) const noexcept { return streams_[static_cast<std::size_t>(q)]; }
+
+  // Returns an event of the pool recorded on `s` now.
+  Event record_event(cudaStream_t s) {
+    const DeviceGuard guard(ordinal_);
+    const cudaEvent_t e = events_->take();
+    std::shared_ptr<CudaEventState> state;
+    try {
+      state = std::make_shared<CudaEventState>(events_, e);
+    } catch (...) {
+      events_->give(e);
+      throw;
+    }
+    check(cudaEventRecord(e, s), "cudaEventRecord");  // on failure e goes back with state
+    return Event(std::move(state));
+  }
 
   bool is_device_memory(const void* p) const {
     if (device_mem_.find(p).second != 0) return true;
@@ -443,9 +502,15 @@ class CudaDevice final : public Device {
   bool owns_compute_ = false;
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();  // record(), record_on()
 };
 
 }  // namespace
+
+std::uint64_t detail::cuda_events_made(const Device& d) noexcept {
+  const auto* c = dynamic_cast<const CudaDevice*>(&d);
+  return c != nullptr ? c->events_made() : 0;
+}
 
 std::unique_ptr<Device> make_cuda_device(int ordinal, cudaStream_t compute,
                                          std::chrono::milliseconds wait_timeout) {

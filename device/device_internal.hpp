@@ -29,6 +29,10 @@ struct Event::State {
 
 namespace detail {
 
+/// Returns how many CUDA events the CUDA device `d` has made for record() and record_on()
+/// (they come from a pool and are reused; 0 for other devices). Defined with CUDA only.
+std::uint64_t cuda_events_made(const Device& d) noexcept;
+
 // An argument's name for an error: as given, or built from its parts.
 inline const std::string& name_string(const std::string& name) { return name; }
 inline std::string name_string(const char* name) { return name; }

@@ -518,4 +518,11 @@ void complete_manual_event(const Event& e) {
 }
 
 }  // namespace detail
+
+HostEvent::HostEvent() : event_(detail::make_manual_event()) {}
+
+void HostEvent::set() const noexcept {
+  static_cast<HostEventState*>(event_.state().get())->set();  // made by make_manual_event
+}
+
 }  // namespace stepcore::device

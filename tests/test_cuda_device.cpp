@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "device/device_internal.hpp"  // detail::cuda_events_made
 #include "device_cases.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/cuda.hpp"
@@ -85,6 +86,40 @@ TEST(CudaDevice, TheLegacyDefaultStreamAndForeignStreamEvents) {
   ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
   EXPECT_EQ(back, host);
   dev->deallocate(d);
+  cudaStreamDestroy(trainer);
+}
+
+// record() and record_on() reuse the CUDA events of handles that are gone (a manager
+// records one per gradient, many thousands a step): a thousand handoffs make at most two
+// events; events alive at once are distinct; a reused event still orders a copy after a
+// write on a foreign stream.
+TEST(CudaDevice, EventsComeFromAPool) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  cudaStream_t trainer = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&trainer, cudaStreamNonBlocking), cudaSuccess);
+  for (int k = 0; k < 1000; ++k) {
+    dev->wait(device::Queue::compute, dev->record_on(trainer));
+    dev->wait_on(trainer, dev->record(device::Queue::compute));
+  }
+  EXPECT_LE(device::detail::cuda_events_made(*dev), 2u);
+  {
+    std::vector<device::Event> held;
+    for (int k = 0; k < 8; ++k) held.push_back(dev->record(device::Queue::d2h));
+    EXPECT_GE(device::detail::cuda_events_made(*dev), 8u) << "live events are distinct";
+  }
+  const std::uint64_t made = device::detail::cuda_events_made(*dev);
+  std::vector<float> host(1 << 20, 5.0f), back(1 << 20, 0.0f);
+  void* d = dev->allocate(host.size() * 4);
+  ASSERT_EQ(cudaMemcpyAsync(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice, trainer),
+            cudaSuccess);
+  dev->wait(device::Queue::d2h, dev->record_on(trainer));  // a reused event
+  dev->copy(device::Queue::d2h, back.data(), d, back.size() * 4);
+  dev->synchronize(dev->record(device::Queue::d2h));
+  EXPECT_EQ(device::detail::cuda_events_made(*dev), made) << "no new event";
+  EXPECT_EQ(back, host);
+  dev->deallocate(d);
+  ASSERT_EQ(cudaStreamSynchronize(trainer), cudaSuccess);
   cudaStreamDestroy(trainer);
 }
 

@@ -281,6 +281,32 @@ TEST(HostDevice, QueuesWaitForEvents) {
   opener.join();
 }
 
+// The public HostEvent: incomplete until set() (from any thread, more than once), and a
+// copy queue told to wait for it holds the work queued behind it until then.
+TEST(HostDevice, AHostEventOrdersQueuedWork) {
+  auto dev = device::make_host_device();
+  const device::HostEvent written;
+  const Event e = written.event();
+  ASSERT_FALSE(e.empty());
+  EXPECT_FALSE(e.complete());
+  std::vector<std::uint8_t> host(4096, 7), back(4096, 0);
+  Buffer d(*dev, host.size());
+  dev->copy(Queue::h2d, d.as(), host.data(), host.size());
+  dev->synchronize(dev->record(Queue::h2d));
+  dev->wait(Queue::d2h, e);
+  dev->copy(Queue::d2h, back.data(), d.as(), back.size());
+  const Event read = dev->record(Queue::d2h);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(read.complete()) << "the read waits for the host event";
+  std::thread setter([&written] { written.set(); });
+  setter.join();
+  dev->synchronize(read);
+  EXPECT_EQ(back, host);
+  EXPECT_TRUE(e.complete());
+  written.set();  // again: no effect
+  EXPECT_TRUE(e.complete());
+}
+
 TEST(HostDevice, EventsOfOneQueueCompleteInOrder) {
   auto dev = device::make_host_device();
   constexpr std::size_t kBytes = std::size_t{1} << 22;

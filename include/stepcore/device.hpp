@@ -54,6 +54,24 @@ class Event {
   std::shared_ptr<State> state_;
 };
 
+/// An event completed from the host: event() is complete once set() has been called (by
+/// any thread, once or more). Every device takes it where an Event is waited for: the host
+/// device's copy queues wait for it in their worker; the CUDA device, the host device's
+/// compute queue and Device::wait_on block the calling thread until it is set. For work
+/// ordered behind host work (a producer thread's write handed over before it is done),
+/// and for tests of that ordering.
+class HostEvent {
+ public:
+  HostEvent();
+  /// The event (a copyable handle; complete once set()).
+  const Event& event() const noexcept { return event_; }
+  /// Completes the event and wakes its waiters. Never throws.
+  void set() const noexcept;
+
+ private:
+  Event event_;
+};
+
 /// What the managers need from a GPU. Every enqueueing call returns at once; errors of
 /// queued work (a failed copy, a kernel error) are raised by the next synchronize() or
 /// the next call on the device, as stepcore::Error (Errc::cuda_error on CUDA,

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <atomic>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -304,20 +305,64 @@ std::uintptr_t stream_address(nb::handle stream) {
   return static_cast<std::uintptr_t>(v);
 }
 
-cudaStream_t stream_arg(nb::handle stream, nb::handle producer) {
-  if (stream.is_none() && producer.is_valid() && !producer.is_none()) {
-    if (const DlExchangeApi* api = exchange_api_of(Py_TYPE(producer.ptr()))) {
-      DlTensor t;
-      if (api->dltensor_from_py_object_no_sync(producer.ptr(), &t) == 0 &&
-          t.device.type == kDlCuda && api->current_work_stream != nullptr) {
-        void* current = nullptr;
-        if (api->current_work_stream(t.device.type, t.device.id, &current) == 0)
-          return static_cast<cudaStream_t>(current);
-      }
-      PyErr_Clear();
-    }
+namespace {
+
+// Returns the DLPack device (type, id) `h` reports through __dlpack_device__(), or
+// {kDlCpu, 0} for an object that reports none (not an array: its check refuses it later).
+DlDevice dlpack_device(nb::handle h) {
+  if (!nb::hasattr(h, "__dlpack_device__")) return DlDevice{kDlCpu, 0};
+  const nb::object d = h.attr("__dlpack_device__")();
+  nb::tuple t;
+  std::int32_t type = 0, id = 0;
+  if (!nb::try_cast(d, t) || t.size() != 2 || !nb::try_cast(t[0], type) || !nb::try_cast(t[1], id))
+    return DlDevice{kDlCpu, 0};
+  return DlDevice{type, id};
+}
+
+// Returns torch's current CUDA stream of device `id` when `h` is a torch tensor (torch is
+// then imported), else nothing.
+std::optional<cudaStream_t> torch_current_stream(nb::handle h, std::int32_t id) {
+  PyObject* torch = PyImport_GetModule(nb::str("torch").ptr());
+  if (torch == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
   }
-  return reinterpret_cast<cudaStream_t>(stream_address(stream));
+  const nb::object t = nb::steal(torch);
+  if (!nb::isinstance(h, t.attr("Tensor"))) return std::nullopt;
+  const nb::object s = t.attr("cuda").attr("current_stream")(id).attr("cuda_stream");
+  return reinterpret_cast<cudaStream_t>(stream_address(s));
+}
+
+}  // namespace
+
+cudaStream_t stream_arg(nb::handle stream, nb::handle producer) {
+  if (!stream.is_none() || !producer.is_valid() || producer.is_none())
+    return reinterpret_cast<cudaStream_t>(stream_address(stream));  // None: nothing to launch
+  // None: the current stream of the producer's framework on its device.
+  if (const DlExchangeApi* api = exchange_api_of(Py_TYPE(producer.ptr()))) {
+    DlTensor t;
+    if (api->dltensor_from_py_object_no_sync(producer.ptr(), &t) == 0) {
+      if (t.device.type != kDlCuda && t.device.type != kDlCudaManaged)
+        return nullptr;  // not device memory: the array checks refuse it, naming it
+      void* current = nullptr;
+      if (api->current_work_stream != nullptr &&
+          api->current_work_stream(t.device.type, t.device.id, &current) == 0)
+        return static_cast<cudaStream_t>(current);
+    }
+    PyErr_Clear();
+  }
+  // No C exchange API to ask: torch's current stream for a torch tensor; never the legacy
+  // default stream in place of a framework's current one.
+  const DlDevice d = dlpack_device(producer);
+  if (d.type != kDlCuda && d.type != kDlCudaManaged) return nullptr;  // refused later
+  if (const std::optional<cudaStream_t> s = torch_current_stream(producer, d.id)) return *s;
+  throw nb::value_error(("stepcore: invalid_argument in 'stream': None, but the first array "
+                         "(a " +
+                         std::string(nb::type_name(producer.type()).c_str()) +
+                         " in CUDA memory) reports no current stream (its type has no DLPack "
+                         "C exchange API): pass 'stream' (an int cudaStream_t address or an "
+                         "object with __cuda_stream__)")
+                            .c_str());
 }
 
 std::uint64_t exchange_imports() noexcept {

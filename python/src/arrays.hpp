@@ -73,10 +73,14 @@ struct BufferArg {
 /// throws TypeError (dtype) or ValueError naming `name`. Sizes are the caller's to check.
 BufferArg buffer_arg(nb::handle h, ArgName name, Memory memory, Access access, unsigned dtypes);
 
-/// Returns a CUDA stream argument: None (the legacy default stream, or `producer`'s current
-/// stream when it is an array whose framework reports one), an int (the cudaStream_t's
-/// address; 0 is the legacy default stream), or an object with __cuda_stream__ (the CUDA
-/// stream protocol: a (version, address) tuple, version 0); else TypeError naming 'stream'.
+/// Returns a CUDA stream argument: an int (the cudaStream_t's address; 0 is the legacy
+/// default stream), an object with __cuda_stream__ (the CUDA stream protocol: a (version,
+/// address) tuple, version 0), or None: the current stream of `producer`'s framework on its
+/// device (through its type's DLPack C exchange API; torch's torch.cuda.current_stream for
+/// a torch tensor without one). None with a producer in CUDA memory that reports no current
+/// stream raises ValueError naming 'stream' (never the legacy stream in its place); None
+/// without a producer (nothing to launch) or with one in host memory (its check refuses it
+/// next) is the legacy default stream. Anything else: TypeError naming 'stream'.
 cudaStream_t stream_arg(nb::handle stream, nb::handle producer = nb::handle());
 
 /// Returns stream_arg's address as an int (for the tests of the stream protocol).

@@ -174,6 +174,43 @@ class Launch {
   ArgName first_{""};
 };
 
+// A per-step scalar argument (a gradient scale or clip): a number, the host-value form,
+// fixed when the launch is enqueued (a captured CUDA graph replays the captured value), or
+// a float32 device array of one value (0-dim or shape (1,)), read when the kernels run.
+// An object with __dlpack__ is an array; anything else is converted to float.
+struct Scalar {
+  float value = 1.0f;
+  const float* device = nullptr;  // the device form when not null
+};
+Scalar scalar_arg(Launch& l, nb::handle h, ArgName name) {
+  if (nb::hasattr(h, "__dlpack__")) return Scalar{0.0f, l.f32_scalar(h, name, Access::read)};
+  Scalar out;
+  if (!nb::try_cast(h, out.value))
+    throw nb::type_error(("stepcore: invalid_argument in '" + name.str() + "': a " +
+                          std::string(nb::type_name(h.type()).c_str()) +
+                          " is neither a number nor a float32 device array")
+                             .c_str());
+  return out;
+}
+
+// The gradient read (grad_scale, clip) of the norm passes: both numbers (GradientRead) or
+// both float32 device arrays (DeviceGradientRead); a mix raises naming the number.
+struct Read {
+  GradientRead host;
+  const float* scale = nullptr;  // device form when not null (clip too)
+  const float* clip = nullptr;
+};
+Read read_arg(Launch& l, nb::handle grad_scale, nb::handle clip) {
+  const Scalar s = scalar_arg(l, grad_scale, ArgName{"grad_scale"});
+  const Scalar c = scalar_arg(l, clip, ArgName{"clip"});
+  if ((s.device == nullptr) != (c.device == nullptr))
+    bad("invalid_argument", ArgName{s.device == nullptr ? "grad_scale" : "clip"},
+        std::string("is a number while '") + (s.device == nullptr ? "clip" : "grad_scale") +
+            "' is a device array: pass both as float32 device arrays (a 1.0 for no clip) or "
+            "both as numbers");
+  return Read{GradientRead{s.value, c.value}, s.device, c.device};
+}
+
 // The stream of a launch: parsed before any array (an invalid stream raises naming
 // 'stream' whatever the arrays), None meaning `producer`'s current stream.
 cudaStream_t launch_stream(nb::handle stream, nb::handle producer) {
@@ -301,40 +338,51 @@ void bind_cuda(nb::module_& parent) {
 
   m.def(
       "scale_and_norm_partial",
-      [](const Objects& tensors, float scale, nb::handle partial, nb::handle workspace,
+      [](const Objects& tensors, nb::handle scale, nb::handle partial, nb::handle workspace,
          nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(tensors, partial));
         Launch l;
         const std::vector<TensorView> v = l.tensors(tensors, "tensors", Access::write);
+        const Scalar sc = scalar_arg(l, scale, ArgName{"scale"});
         auto* p = l.record<NormPartial>(partial, ArgName{"partial"}, Access::write,
                                         "a NormPartial (NORM_PARTIAL_BYTES)");
         const auto [w, w_bytes] = l.workspace(workspace);
         nb::gil_scoped_release release;
-        gpu::scale_and_norm_partial(v, scale, p, w, w_bytes, s);
+        if (sc.device != nullptr)
+          gpu::scale_and_norm_partial(v, sc.device, p, w, w_bytes, s);
+        else
+          gpu::scale_and_norm_partial(v, sc.value, p, w, w_bytes, s);
       },
       nb::arg("tensors"), nb::arg("scale"), nb::arg("partial"), nb::arg("workspace").none(),
       nb::kw_only(), nb::arg("stream").none() = nb::none(),
-      "In place g = R(f32(g) * scale) (skipped when scale == 1) and the norm partial of the "
-      "stored values into `partial` (NORM_PARTIAL_BYTES of device memory), in one pass.");
+      "In place g = R(f32(g) * scale) and the norm partial of the stored values into "
+      "`partial` (NORM_PARTIAL_BYTES of device memory), in one pass. `scale`: a float32 "
+      "device array (read when the kernels run: what a captured graph needs) or a number "
+      "(fixed at enqueue time, so a graph replays the captured value; skipped when 1).");
 
   m.def(
       "norm_partial",
-      [](const Objects& tensors, nb::handle partial, nb::handle workspace, float grad_scale,
-         float clip, nb::handle stream) {
+      [](const Objects& tensors, nb::handle partial, nb::handle workspace, nb::handle grad_scale,
+         nb::handle clip, nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(tensors, partial));
         Launch l;
         const std::vector<TensorView> v = l.tensors(tensors, "tensors", Access::read);
         auto* p = l.record<NormPartial>(partial, ArgName{"partial"}, Access::write,
                                         "a NormPartial (NORM_PARTIAL_BYTES)");
         const auto [w, w_bytes] = l.workspace(workspace);
+        const Read r = read_arg(l, grad_scale, clip);
         const std::vector<ConstTensorView> cv(v.begin(), v.end());
         nb::gil_scoped_release release;
-        gpu::norm_partial(cv, GradientRead{grad_scale, clip}, p, w, w_bytes, s);
+        if (r.scale != nullptr)
+          gpu::norm_partial(cv, DeviceGradientRead{r.scale, r.clip}, p, w, w_bytes, s);
+        else
+          gpu::norm_partial(cv, r.host, p, w, w_bytes, s);
       },
       nb::arg("tensors"), nb::arg("partial"), nb::arg("workspace").none(), nb::kw_only(),
       nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f, nb::arg("stream").none() = nb::none(),
       "The norm partial of the values read as R(R(g*grad_scale)*clip) into `partial`; "
-      "nothing else is written.");
+      "nothing else is written. grad_scale and clip: both float32 device arrays (read when "
+      "the kernels run) or both numbers (fixed at enqueue time).");
 
   m.def(
       "scale_",
@@ -380,7 +428,7 @@ void bind_cuda(nb::module_& parent) {
   m.def(
       "exact_norm_partial_if_needed",
       [](const Objects& tensors, nb::handle found_inf, nb::handle exact_partial,
-         nb::handle workspace, float grad_scale, float clip, nb::handle stream) {
+         nb::handle workspace, nb::handle grad_scale, nb::handle clip, nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(tensors, exact_partial));
         Launch l;
         const std::vector<TensorView> v = l.tensors(tensors, "tensors", Access::read);
@@ -388,15 +436,21 @@ void bind_cuda(nb::module_& parent) {
         auto* p = l.record<NormPartial>(exact_partial, ArgName{"exact_partial"}, Access::write,
                                         "a NormPartial (NORM_PARTIAL_BYTES)");
         const auto [w, w_bytes] = l.workspace(workspace);
+        const Read r = read_arg(l, grad_scale, clip);
         const std::vector<ConstTensorView> cv(v.begin(), v.end());
         nb::gil_scoped_release release;
-        gpu::exact_norm_partial_if_needed(cv, GradientRead{grad_scale, clip}, f, p, w, w_bytes, s);
+        if (r.scale != nullptr)
+          gpu::exact_norm_partial_if_needed(cv, DeviceGradientRead{r.scale, r.clip}, f, p, w,
+                                            w_bytes, s);
+        else
+          gpu::exact_norm_partial_if_needed(cv, r.host, f, p, w, w_bytes, s);
       },
       nb::arg("tensors"), nb::arg("found_inf"), nb::arg("exact_partial"),
       nb::arg("workspace").none(), nb::kw_only(), nb::arg("grad_scale") = 1.0f,
       nb::arg("clip") = 1.0f, nb::arg("stream").none() = nb::none(),
       "When found_inf == FOUND_INF_NEEDS_EXACT: the exact partial of the values read as "
-      "R(R(g*grad_scale)*clip) into exact_partial; otherwise a zero partial there.");
+      "R(R(g*grad_scale)*clip) into exact_partial; otherwise a zero partial there. "
+      "grad_scale and clip as norm_partial's.");
 
   m.def("finalize_exact_and_clip", finalize_binding(&gpu::finalize_exact_and_clip, "exact_partial"),
         nb::arg("exact_partial"), nb::arg("max_norm"), nb::arg("result"), nb::arg("clip"),

@@ -90,6 +90,34 @@ struct PyManager {
   int ordinal = 0;
 };
 
+// A device event for Python (stepcore._core.Event): a manager's (record_on,
+// gradient_released) or a HostEvent the caller sets (Event.host()).
+struct PyEvent {
+  device::Event event;
+  std::optional<device::HostEvent> host;  // set by set(); empty for the devices' events
+};
+
+// The caller's stream of a manager's record_on/wait_on: on CUDA an int address or an object
+// with __cuda_stream__ (0: the legacy default stream), None the device's compute stream; on
+// the host device only None (its callers have no stream: the library refuses others).
+cudaStream_t caller_stream(const PyManager& p, nb::handle stream) {
+  if (stream.is_none()) return p.cuda ? p.dev->compute_stream() : nullptr;
+  const std::uintptr_t a = python::stream_address(stream);
+  return reinterpret_cast<cudaStream_t>(a == 0 && p.cuda ? std::uintptr_t{1} : a);
+}
+
+// The event argument `name` (an Event, or None: an empty event, complete).
+device::Event event_arg(nb::handle h, const char* name) {
+  if (h.is_none()) return {};
+  PyEvent* e = nullptr;
+  if (!nb::try_cast(h, e) || e == nullptr)
+    throw nb::type_error(("stepcore: invalid_argument in '" + std::string(name) + "': a " +
+                          std::string(nb::type_name(h.type()).c_str()) +
+                          " is not a stepcore._core.Event (or None)")
+                             .c_str());
+  return e->event;
+}
+
 // The checked view of an array argument in the manager's device memory (CPU memory for
 // the host device, CUDA memory for a CUDA device), named `name`.
 TensorView device_view(const PyManager& p, nb::handle h, const char* name, python::Access access) {
@@ -310,6 +338,40 @@ void bind_managers(nb::module_& m) {
   m.def("local_world_size_from_env", &numa::local_world_size_from_env, nb::arg("fallback") = 1,
         "LOCAL_WORLD_SIZE, else OMPI_COMM_WORLD_LOCAL_SIZE, else fallback.");
 
+  nb::class_<PyEvent>(m, "Event",
+                      "A point in a device's work (device.hpp's Event): a manager's "
+                      "record_on(stream) or gradient_released(i), or Event.host().")
+      .def_static(
+          "host",
+          [] {
+            PyEvent e;
+            e.host.emplace();
+            e.event = e.host->event();
+            return e;
+          },
+          "A HostEvent: complete once set() is called (any thread). Queues told to wait "
+          "for it (gradient_ready's `written`) hold the work behind it until then.")
+      .def(
+          "complete", [](const PyEvent& e) { return e.event.complete(); },
+          "True once the work before the event is done (never blocks).")
+      .def(
+          "wait",
+          [](const PyEvent& e) {
+            nb::gil_scoped_release r;
+            e.event.wait();
+          },
+          "Blocks the calling thread until the event is complete.")
+      .def(
+          "set",
+          [](const PyEvent& e) {
+            if (!e.host)
+              throw nb::value_error(
+                  "stepcore: invalid_argument in 'event': only an Event.host() is set by the "
+                  "caller; a device's events complete with its work");
+            e.host->set();
+          },
+          "Completes an Event.host() and wakes its waiters.");
+
   nb::class_<PyManager>(m, "GradientManager",
                         "A gradient manager (managers.hpp) on its own device: 'host' or 'cuda:N'.")
       .def(
@@ -486,20 +548,58 @@ void bind_managers(nb::module_& m) {
           },
           nb::arg("i"), "The manager's gradient buffer of parameter i (no copy; device memory).")
       .def(
+          "record_on",
+          [](PyManager& p, nb::handle stream) {
+            const cudaStream_t s = caller_stream(p, stream);
+            PyEvent e;
+            e.event = p.dev->record_on(s);
+            return e;
+          },
+          nb::arg("stream").none() = nb::none(),
+          "An event recorded now on the caller's stream (CUDA: an int address or an object "
+          "with __cuda_stream__, e.g. torch's current stream; None: the manager's compute "
+          "stream), from the device's pool of events: gradient_ready's `written`. On the host "
+          "device (stream None) a complete event: its callers' writes are done.")
+      .def(
           "gradient_ready",
-          [](PyManager& p, std::size_t i, nb::handle grad) {
+          [](PyManager& p, std::size_t i, nb::handle grad, nb::handle written) {
+            const device::Event w = event_arg(written, "written");
             if (grad.is_none()) {
               nb::gil_scoped_release r;
-              p.m->gradient_ready(i);
+              p.m->gradient_ready(i, w);
               return;
             }
             const TensorView v = device_view(p, grad, "grad", python::Access::read);
             nb::gil_scoped_release r;
-            p.m->gradient_ready(i, ConstTensorView(v));
+            p.m->gradient_ready(i, ConstTensorView(v), w);
           },
-          nb::arg("i"), nb::arg("grad").none() = nb::none(),
-          "Parameter i's gradient of this micro-batch is complete: in the manager's buffer, "
-          "or in `grad` (the caller's, never written; reusable once released).")
+          nb::arg("i"), nb::arg("grad").none() = nb::none(), nb::arg("written").none() = nb::none(),
+          "Parameter i's gradient of this micro-batch is complete once `written` (an Event: "
+          "record_on(the stream that wrote it); None: written in order on the compute stream) "
+          "is: in the manager's buffer, or in `grad` (the caller's, never written; reusable "
+          "once released). The manager's reads wait for `written` on the device.")
+      .def(
+          "gradient_released",
+          [](PyManager& p, std::size_t i) {
+            PyEvent e;
+            e.event = p.m->gradient_released(i);
+            return e;
+          },
+          nb::arg("i"),
+          "The event after which parameter i's last gradient buffer may be reused (complete "
+          "before its first gradient_ready): wait_on(stream, it) orders the stream's later "
+          "writes (or its allocator's reuse of the buffer) after the manager's reads.")
+      .def(
+          "wait_on",
+          [](PyManager& p, nb::handle stream, nb::handle event) {
+            const cudaStream_t s = caller_stream(p, stream);
+            const device::Event e = event_arg(event, "event");
+            nb::gil_scoped_release r;
+            p.dev->wait_on(s, e);
+          },
+          nb::arg("stream").none(), nb::arg("event"),
+          "Makes the caller's stream wait for `event` before its later work (CUDA: no host "
+          "synchronisation); on the host device (stream None) blocks until it is complete.")
       .def(
           "gradient_released_wait",
           [](PyManager& p, std::size_t i) {

@@ -537,6 +537,14 @@ NB_MODULE(_core, m) {
       "_stream_address", [](nb::handle stream) { return python::stream_address(stream); },
       nb::arg("stream").none(),
       "Private (tests): the cudaStream_t address a stream argument names (None: 0).");
+  m.def(
+      "_launch_stream",
+      [](nb::handle stream, nb::handle producer) {
+        return reinterpret_cast<std::uintptr_t>(python::stream_arg(stream, producer));
+      },
+      nb::arg("stream").none(), nb::arg("producer").none(),
+      "Private (tests): the cudaStream_t address a launcher uses for `stream` when its first "
+      "array is `producer` (stream None: the producer's framework's current stream).");
   bind_managers(m);
   bind_cuda(m);
 }

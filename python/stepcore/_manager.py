@@ -244,7 +244,9 @@ class GradientManager(torch.optim.Optimizer):
         for i, local in enumerate(locals_):  # masters start from the model's values
             self._m.load_parameter(i, local.float().contiguous().cpu())
         self._pushed = [(g["lr"], g["weight_decay"]) for g in groups]
-        self._pending = {}  # i -> the grad handed over, kept alive until released
+        self._cuda = dev.type == "cuda"
+        self._pending = {}  # i -> (the grad handed over, the stream it was written on)
+        self._held = []  # (release event, grad): host-device grads whose release is pending
         self._overlap = False
         self._in_backward = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
@@ -286,6 +288,16 @@ class GradientManager(torch.optim.Optimizer):
 
     # ---- the step ------------------------------------------------------------------
 
+    def _current_stream(self):
+        """The stream backward writes on now (torch's current CUDA stream, as an address),
+        or None on the host device (its writers have no stream)."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self._cuda else None
+
+    def _written_event(self, stream):
+        """The event of the gradient's write: recorded on `stream` (from the device's pool
+        of events), or None on the host device, whose writer (this thread) is done."""
+        return self._m.record_on(stream) if stream is not None else None
+
     def _hook(self, i):
         """Returns parameter i's post-accumulate-grad hook."""
         def hook(p):
@@ -293,14 +305,31 @@ class GradientManager(torch.optim.Optimizer):
             if g is None:
                 return
             local = _local(g)
+            stream = self._current_stream()
             try:
-                self._m.gradient_ready(i, local)
+                # The manager's reads wait for the write on the device (not on the host),
+                # whichever stream backward runs on.
+                self._m.gradient_ready(i, local, self._written_event(stream))
             except (ValueError, TypeError, RuntimeError, NotImplementedError) as e:
                 raise type(e)(f"stepcore.torch: the gradient of params[{i}] "
                               f"({self._names[i]}): {e}") from e
-            self._pending[i] = g  # the manager reads it until gradient_released
+            self._pending[i] = (g, stream)  # the manager reads it until gradient_released
             p.grad = None
         return hook
+
+    def _release_gradients(self) -> None:
+        """Gives back the grads handed over, ordered by their release events, without a
+        host wait: a CUDA grad's stream waits for the manager's reads (its allocator reuses
+        the memory only after them); a host-device grad whose reads are still queued is
+        kept until its event is complete (checked here and after every step)."""
+        for i, (g, stream) in self._pending.items():
+            released = self._m.gradient_released(i)
+            if stream is not None:
+                self._m.wait_on(stream, released)
+            elif not released.complete():
+                self._held.append((released, g))
+        self._pending.clear()
+        self._held = [(e, g) for e, g in self._held if not e.complete()]
 
     def _push_hyperparameters(self) -> None:
         """Hands each group's lr and weight decay (a scheduler's values) to the manager."""
@@ -328,9 +357,7 @@ class GradientManager(torch.optim.Optimizer):
         """Ends the micro-batch's backward; the grads handed over are released."""
         self._m.finish_backward()
         self._in_backward = False
-        for i in list(self._pending):
-            self._m.gradient_released_wait(i)
-        self._pending.clear()
+        self._release_gradients()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Returns the global norm before clipping (0-dim f32) and clips by it (with or
@@ -353,6 +380,7 @@ class GradientManager(torch.optim.Optimizer):
             self._push_hyperparameters()
         self._m.step()
         self._report = self._m.report()
+        self._held = [(e, g) for e, g in self._held if not e.complete()]
         torch.autograd.graph.increment_version(self._locals)
         if self._recorder is not None:
             self._record_step()
@@ -407,6 +435,8 @@ class GradientManager(torch.optim.Optimizer):
         self._hooks = []
         if hasattr(self, "_m"):
             self._m.close()
+        self._pending = {}
+        self._held = []  # close() waited for the manager's reads
 
     # ---- state -----------------------------------------------------------------------
 

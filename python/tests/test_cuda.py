@@ -135,7 +135,9 @@ def snapshot(kwargs):
 
 
 def launch(name, kwargs):
-    return getattr(sc, name)(**kwargs)
+    # A FakeCuda reports no current stream (no DLPack C exchange API): stream=None with it
+    # is refused (test_stream_none_needs_a_current_stream), so the launches name one.
+    return getattr(sc, name)(**{"stream": 0, **kwargs})
 
 
 def refused_on_the_host():
@@ -235,6 +237,48 @@ def test_stream_none_with_a_torch_cpu_tensor_reaches_the_array_checks():
     with pytest.raises(ValueError, match=r"'accs\[0\]'"):
         sc.accumulate([acc], [torch.ones(3)])
     assert not acc.any()
+
+
+@pytest.mark.parametrize("name", sorted(valid_calls()))
+def test_stream_none_needs_a_current_stream(name):
+    # A producer in CUDA memory whose framework cannot report its current stream: the
+    # launch is refused naming 'stream' before anything runs, instead of going to the
+    # legacy default stream (unordered with the framework's current stream).
+    kwargs = valid_calls()[name]
+    before = snapshot(kwargs)
+    with pytest.raises(ValueError, match="reports no current stream") as info:
+        getattr(sc, name)(**kwargs)  # stream=None
+    assert "'stream'" in str(info.value)
+    assert snapshot(kwargs) == before
+    producer = arrays_of(kwargs)[0][1]
+    with pytest.raises(ValueError, match="'stream'"):
+        core._launch_stream(None, producer)
+    assert core._launch_stream(0x1234, producer) == 0x1234
+    # Nothing to order with: no producer, or one in host memory (refused by its own check).
+    assert core._launch_stream(None, None) == 0
+    assert core._launch_stream(None, np.zeros(3, np.float32)) == 0
+
+
+def test_stream_none_with_a_torch_tensor_without_the_exchange_api_is_torchs_current(monkeypatch):
+    torch = pytest.importorskip("torch")
+
+    class OldTorchTensor(torch.Tensor):
+        """A torch CUDA tensor of a torch without the DLPack C exchange API (< 2.9)."""
+        __dlpack_c_exchange_api__ = None
+
+        def __dlpack_device__(self):
+            return (_DL_CUDA, 0)
+
+    class Current:
+        cuda_stream = 0x5EED
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: asked.append(device) or Current())
+    t = torch.zeros(3).as_subclass(OldTorchTensor)
+    assert core._launch_stream(None, t) == 0x5EED
+    assert asked == [0]
+    assert core._launch_stream(7, t) == 7  # a given stream is used as it is
 
 
 # ---- every argument checked, named, nothing written -----------------------------------
@@ -376,6 +420,56 @@ def test_bad_hyper_parameters_are_refused_with_python_names(name, key, value, ma
         launch(name, kwargs)
     if checked:
         assert match in str(info.value)
+    assert snapshot(kwargs) == before
+
+
+def device_reads():
+    """The norm passes' per-step scalars as float32 device arrays (read when the kernels
+    run, so a captured graph replays with the values there at replay)."""
+    return {
+        "scale_and_norm_partial": dict(scale=fake(f32(0.5))),
+        "norm_partial": dict(grad_scale=fake(f32(0.5)), clip=fake(f32(0.75))),
+        "exact_norm_partial_if_needed": dict(grad_scale=fake(f32(0.5)), clip=fake(f32(0.75))),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(device_reads()))
+def test_the_norm_passes_take_their_scalars_in_device_memory(name):
+    kwargs = dict(valid_calls()[name], **device_reads()[name])
+    before = snapshot(kwargs)
+    with pytest.raises(refused_on_the_host()):
+        launch(name, kwargs)
+    assert snapshot(kwargs) == before
+
+
+@pytest.mark.parametrize("name", sorted(device_reads()))
+@pytest.mark.parametrize("how, exc, match", [
+    ("cpu", ValueError, "must be CUDA device memory"),
+    ("float64", TypeError, "is not float32"),
+    ("two values", ValueError, "has 2 elements, not 1"),
+    ("str", TypeError, "a str is neither a number nor a float32 device array"),
+])
+def test_device_scalars_of_the_norm_passes_are_checked_and_named(name, how, exc, match):
+    kwargs = dict(valid_calls()[name], **device_reads()[name])
+    key = "scale" if name == "scale_and_norm_partial" else "grad_scale"
+    kwargs[key] = {"cpu": f32(0.5), "float64": fake(np.array([0.5])),
+                   "two values": fake(f32(0.5, 0.5)), "str": "0.5"}[how]
+    before = snapshot(kwargs)
+    with pytest.raises(exc, match=match) as info:
+        launch(name, kwargs)
+    assert f"'{key}'" in str(info.value)
+    assert snapshot(kwargs) == before
+
+
+@pytest.mark.parametrize("name", ["norm_partial", "exact_norm_partial_if_needed"])
+@pytest.mark.parametrize("number", ["grad_scale", "clip"])
+def test_a_gradient_read_is_all_in_device_memory_or_all_numbers(name, number):
+    kwargs = dict(valid_calls()[name], **device_reads()[name])
+    kwargs[number] = 1.0
+    before = snapshot(kwargs)
+    with pytest.raises(ValueError, match="is a number while") as info:
+        launch(name, kwargs)
+    assert f"'{number}'" in str(info.value)
     assert snapshot(kwargs) == before
 
 
@@ -649,6 +743,52 @@ def test_scale_and_norm_partial_and_finalize_equal_the_cpu_engine(cuda_torch, gr
     assert np.array_equal(sc.read_partial(b.exact), exact_words)
     got = sc.read_result(b.result)
     assert f32_bits(got[0]) == f32_bits(want[0]) and b.found.item() == sc.FOUND_INF_NONE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_a_captured_norm_pass_reads_scale_and_clip_at_each_replay(cuda_torch, grad_dtype):
+    """The three norm passes captured once in a CUDA graph with the scale and clip in
+    device memory, replayed with a different scale and clip each time: the bits of eager
+    launches with those values as numbers (tensors, partials, exact partials)."""
+    torch = cuda_torch
+    gd = getattr(torch, grad_dtype)
+    gen = torch.Generator().manual_seed(14)
+    src = [randn(torch, gen, n, gd, scale=3.0).cuda() for n in SIZES]
+    dev = [t.clone() for t in src]
+    b = NormBuffers(torch, dev)
+    read_partial = torch.empty(PARTIAL, dtype=torch.uint8, device="cuda")
+    b.found.fill_(sc.FOUND_INF_NEEDS_EXACT)  # read only: the exact pass always runs
+    d_scale = torch.ones(1, device="cuda")
+    d_clip = torch.ones(1, device="cuda")
+
+    def passes(tensors, buffers, scale, clip, read):
+        sc.scale_and_norm_partial(tensors, scale, buffers.partial, buffers.workspace)
+        sc.norm_partial(tensors, read, buffers.workspace, grad_scale=scale, clip=clip)
+        sc.exact_norm_partial_if_needed(tensors, buffers.found, buffers.exact, buffers.workspace,
+                                        grad_scale=scale, clip=clip)
+
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # stream None: the capture stream, torch's current one
+        passes(dev, b, d_scale, d_clip, read_partial)
+    for scale, clip in ((0.5, 1.0), (0.25, 0.75), (3.0, 0.5)):
+        for t, s in zip(dev, src):
+            t.copy_(s)
+        d_scale.fill_(scale)
+        d_clip.fill_(clip)
+        graph.replay()
+        eager = [s.clone() for s in src]
+        e = NormBuffers(torch, eager)
+        e.found.fill_(sc.FOUND_INF_NEEDS_EXACT)
+        e_read = torch.empty(PARTIAL, dtype=torch.uint8, device="cuda")
+        passes(eager, e, scale, clip, e_read)
+        torch.cuda.synchronize()
+        what = f"scale {scale}, clip {clip}"
+        assert_same_bits(eager, dev, f"{what}: scaled tensors")
+        for name, got, want in (("partial", b.partial, e.partial), ("read", read_partial, e_read),
+                                ("exact", b.exact, e.exact)):
+            assert np.array_equal(sc.read_partial(got), sc.read_partial(want)), f"{what}: {name}"
 
 
 @pytest.mark.gpu

@@ -550,6 +550,77 @@ def test_a_non_finite_gradient_with_overlap_skips_the_whole_step(mode, clip):
     gm.close()
 
 
+def handoff_run(gated):
+    """One step of offload "full" on the host device in which each gradient handed over is
+    doubled by its producer. gated: the doubling lands after the hooks ran, before the
+    write's event (a HostEvent standing for the event the hook records on torch's current
+    stream); else before the hooks. Returns (param bits, norm)."""
+    import threading
+    import weakref
+
+    import stepcore
+
+    model = TinyLM()
+    seen = []
+
+    def producer(p):
+        if gated:
+            seen.append(p.grad)
+        else:
+            p.grad.mul_(2)
+
+    for p in model.parameters():  # registered first: runs before the manager's hook
+        p.register_post_accumulate_grad_hook(producer)
+    gm = st.GradientManager(model, offload="full", lr=1e-2, betas=BETAS, threads=1)
+    gate = stepcore._core.Event.host()
+    if gated:
+        gm._written_event = lambda stream: gate  # the host device: no stream to record on
+    opener = threading.Timer(30, gate.set)  # a host wait for the gate would hang otherwise
+    try:
+        mbs = micro_batches(0)
+        gm.begin_step(1.0 / tokens_of(mbs[:1]), overlap_optimizer=False)
+        gm.begin_backward(final_backward=True)
+        loss_sum(model, mbs[0]).backward()
+        if gated:
+            with torch.no_grad():
+                torch._foreach_mul_(seen, 2.0)  # the producer's write, queued at the hooks
+            kept = [weakref.ref(g) for g in seen]
+            seen.clear()
+            opener.start()
+            gm.finish_backward()
+            # It returned with the manager's reads still waiting for the write's event
+            # (no host wait), and the adapter keeps every gradient until they are done.
+            assert not gate.complete(), "finish_backward waited on the host"
+            assert all(r() is not None for r in kept), "a gradient was given back unread"
+            gate.set()
+        else:
+            gm.finish_backward()
+        gm.clip_grad_norm_(MAX_NORM)
+        gm.step()
+        if gated:
+            import gc
+
+            gc.collect()
+            assert all(r() is None for r in kept), "the step kept a read gradient alive"
+        return [bits(p) for p in model.parameters()], gm.report()["norm"]
+    finally:
+        gate.set()
+        opener.cancel()
+        gm.close()
+
+
+def test_a_handoff_is_ordered_by_the_write_event_not_by_a_host_wait():
+    """The hook hands each gradient over with the event of its write: the manager's reads
+    wait for it on the device (the host device's copy queue), so a write that lands after
+    the hook but before the event is the one stepped, bit for bit as if it had landed
+    before the hook; finish_backward releases the gradients without waiting on the host."""
+    got_params, got_norm = handoff_run(gated=True)
+    want_params, want_norm = handoff_run(gated=False)
+    assert got_norm == want_norm
+    for k, (got, want) in enumerate(zip(got_params, want_params)):
+        assert torch.equal(got, want), f"param {k}"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_hook_firing_twice_in_one_micro_batch_is_refused(mode):
     """Two backwards in one micro-batch: the second hook of a parameter raises naming it,
@@ -874,3 +945,49 @@ def test_cuda_parameters_give_the_same_bits_in_every_mode():
         runs[mode] = recs
     for mode in MODES[1:]:
         assert_records_equal(runs[mode], runs[MODES[0]], f"cuda {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_backward_on_another_stream_is_ordered_by_the_write_event(mode):
+    """The manager is built on the current stream; backward runs on a side stream whose
+    gradient writes are held back by a sleep kernel. The hook's event (recorded on the side
+    stream) orders the manager's reads after them, and the release events order the side
+    stream's reuse after the reads: the bits of the run with backward on the manager's
+    stream."""
+    import stepcore
+
+    if not torch.cuda.is_available() or not stepcore.cuda.built_with_cuda():
+        pytest.skip("needs a CUDA GPU and stepcore built with CUDA "
+                    f"({stepcore.cuda.unavailable_reason() or 'no GPU visible to torch'})")
+    runs = {}
+    for where in ("same", "side"):
+        model = TinyLM().cuda()
+        gm = st.GradientManager(make_groups(model), offload=mode, lr=1e-2, betas=BETAS,
+                                weight_decay=WD, chunk_elements=300)
+        side = torch.cuda.Stream()
+        recs = []
+        for step in range(2):
+            mbs = [(t.cuda(), y.cuda()) for t, y in micro_batches(step)]
+            gm.begin_step(1.0 / tokens_of(mbs))
+            for k, mb in enumerate(mbs):
+                gm.begin_backward(final_backward=k == len(mbs) - 1)
+                if where == "side":
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(20_000_000)  # the writes land late
+                        loss_sum(model, mb).backward()
+                else:
+                    loss_sum(model, mb).backward()
+                gm.finish_backward()
+            norm = gm.clip_grad_norm_(MAX_NORM)
+            gm.step()
+            sd = gm.state_dict()["state"]
+            recs.append(([bits(p.cpu()) for p in model.parameters()],
+                         [(bits(sd[i]["exp_avg"].cpu()), bits(sd[i]["exp_avg_sq"].cpu()),
+                           float(sd[i]["step"])) for i in range(len(sd))],
+                         norm.item(), gm.report()["clip_coefficient"]))
+        torch.cuda.synchronize()
+        gm.close()
+        runs[where] = recs
+    assert_records_equal(runs["side"], runs["same"], f"cuda {mode}: backward on a side stream")
