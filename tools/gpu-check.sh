@@ -559,7 +559,8 @@ phase_bench_speculation() {
   [ -x "$exe" ] || { note="stepcore-bench-speculation not built"; return 1; }
   echoed 75 "$exe" 50 3 cuda on
   local rc=$?
-  note="rc $rc; $(grep -o 'targets: [0-9]* missed' "$echoed_out" | head -1)"
+  note="rc $rc"
+  grep -q 'targets: [0-9]* missed' "$echoed_out" && note="$note; $(grep -o 'targets: [0-9]* missed' "$echoed_out" | head -1)"
   [ "$have_gpu" = 1 ] || note="$note (no GPU: skipped)"
   if [ "$have_gpu" = 1 ] && device_skipped; then note="$note, but it found no CUDA device"; return 1; fi
   [ $rc -eq 0 ]

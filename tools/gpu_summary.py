@@ -72,8 +72,8 @@ def figures(logdir, have_gpu):
                      f"{row['ratio']:.3f} ({row['gbps']:.0f} GB/s)" if row else NO_DEVICE))
     for prefix, label in (("adamw", "AdamW"), ("scale+norm", "scale+norm")):
         row = next((r for r in (bench or {}).get("rows", []) if r["name"].startswith(prefix)), None)
-        tensors = (bench or {}).get("tensors", "?")
-        rows.append((f"host cost per call: {label} ({tensors} tensors, repeated)",
+        tensors = f"{bench['tensors']} tensors" if bench and "tensors" in bench else "model list"
+        rows.append((f"host cost per call: {label} ({tensors}, repeated)",
                      f"{row['host_us']:.1f} us" if row else NO_DEVICE))
     rows.append(("host cost per call: scale+norm (2,000 small tensors)",
                  f"{bench['host_us_small_call']:.1f} us" if bench else NO_DEVICE))

@@ -39,6 +39,7 @@ def test_without_a_gpu_every_device_cell_says_so(tmp_path):
     rows, summary = run(tmp_path, False)
     assert rows["AdamW: ratio to a device copy"] == "n/a (no device)"
     assert rows["host cost per call: scale+norm (2,000 small tensors)"] == "n/a (no device)"
+    assert rows["host cost per call: AdamW (model list, repeated)"] == "n/a (no device)"
     assert rows["host syncs per manager step, mode full (counted)"] == (
         "n/a (no device); host device: adamw 3/3, sign_sgd 3/3")
     assert rows["CPU == GPU, suite GpuSteps"] == "n/a (no device) (2 tests)"
