@@ -140,17 +140,10 @@ class CudaEventState final : public Event::State {
 };
 
 // A host memset enqueued on a stream (cudaLaunchHostFunc): host memory need not be
-// mapped into the device's address space for Queue::d2h/h2d to zero it in order. The
-// callback frees its argument, so it runs once: never inside a captured graph (zero()
-// refuses that).
-struct HostZero {
-  void* dst;
-  std::size_t bytes;
-};
-void CUDART_CB run_host_zero(void* arg) {
-  std::unique_ptr<HostZero> z(static_cast<HostZero*>(arg));
-  std::memset(z->dst, 0, z->bytes);
-}
+// mapped into the device's address space for Queue::d2h/h2d to zero it in order. Its
+// argument is a record the device owns (detail::HostZeroRecords), so the callback may
+// run any number of times: a captured graph replays it safely.
+void CUDART_CB run_host_zero(void* record) { detail::HostZeroRecords::run(record); }
 
 class CudaDevice final : public Device {
  public:
@@ -190,6 +183,7 @@ class CudaDevice final : public Device {
       // on it, or pull memory from under it. Abandon everything; the streams go (a
       // stream's destruction does not wait for its work).
       host_buffers_.abandon();
+      host_zeros_.abandon();  // a queued callback may still read its record
       destroy_streams();
       return;
     }
@@ -252,6 +246,7 @@ class CudaDevice final : public Device {
       return;
     }
     cuda::host_unregister(p);
+    host_zeros_.release(p, host_buffers_.ranges().find(p).second);
     host_buffers_.remove(p);
   }
 
@@ -272,19 +267,9 @@ class CudaDevice final : public Device {
       check(cudaMemsetAsync(dst, 0, bytes, stream(q)), "cudaMemsetAsync");
       return;
     }
-    // The callback frees its argument after one run: a captured graph replaying it would
-    // read freed memory from its second replay on, so capture is refused.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(stream(q), &capture), "cudaStreamIsCapturing");
-    if (capture != cudaStreamCaptureStatusNone)
-      throw Error(Errc::not_supported, "dst",
-                  "zeroing host memory is not capturable in a CUDA graph (a host callback "
-                  "whose argument lives for one run): zero it outside the capture, or zero "
-                  "device memory");
-    auto* z = new HostZero{dst, bytes};
-    const cudaError_t s = cudaLaunchHostFunc(stream(q), run_host_zero, z);
-    if (s != cudaSuccess) delete z;
-    check(s, "cudaLaunchHostFunc");
+    // Capturable: the record outlives every replay (until its buffer is released).
+    check(cudaLaunchHostFunc(stream(q), run_host_zero, host_zeros_.get(dst, bytes)),
+          "cudaLaunchHostFunc");
   }
 
   Event record(Queue q) override {
@@ -502,6 +487,7 @@ class CudaDevice final : public Device {
   bool owns_compute_ = false;
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
+  detail::HostZeroRecords host_zeros_;  // the arguments of host-memory zeroes (capturable)
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>();  // record(), record_on()
 };
 

@@ -5,8 +5,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <new>
 #include <string>
 #include <utility>
@@ -154,6 +157,55 @@ class HostBuffers {
 
   std::map<void*, numa::HostBuffer> buffers_;
   Allocations ranges_;
+};
+
+// The arguments of host-memory zeroes enqueued as host callbacks (the CUDA device's
+// cudaLaunchHostFunc), owned by the device for its lifetime: a callback captured into a
+// CUDA graph runs at every replay, so its argument must outlive any one run (a
+// callback that freed its argument would read freed memory from the second replay on).
+// One record per (dst, bytes), reused; records inside a released range go with it.
+class HostZeroRecords {
+ public:
+  struct Record {
+    void* dst;
+    std::size_t bytes;
+  };
+  /// The callback: zeroes the record's range; runs any number of times.
+  static void run(void* record) noexcept {
+    const auto* r = static_cast<const Record*>(record);
+    std::memset(r->dst, 0, r->bytes);
+  }
+  /// Returns the stable record of (dst, bytes).
+  Record* get(void* dst, std::size_t bytes) {
+    const std::lock_guard lock(mu_);
+    auto& slot = records_[{addr(dst), bytes}];
+    if (!slot) slot = std::make_unique<Record>(Record{dst, bytes});
+    return slot.get();
+  }
+  /// Drops the records inside [begin, begin + bytes) (the range was released, after the
+  /// device finished with it).
+  void release(const void* begin, std::size_t bytes) {
+    const std::lock_guard lock(mu_);
+    const std::uintptr_t b = addr(begin);
+    for (auto it = records_.lower_bound({b, 0});
+         it != records_.end() && it->first.first < b + bytes;)
+      it = records_.erase(it);
+  }
+  std::size_t size() const {
+    const std::lock_guard lock(mu_);
+    return records_.size();
+  }
+  /// Leaks every record (work that may still run them was abandoned).
+  void abandon() noexcept {
+    const std::lock_guard lock(mu_);
+    for (auto& [key, record] : records_) (void)record.release();
+    records_.clear();
+  }
+
+ private:
+  static std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+  mutable std::mutex mu_;
+  std::map<std::pair<std::uintptr_t, std::size_t>, std::unique_ptr<Record>> records_;
 };
 
 }  // namespace detail

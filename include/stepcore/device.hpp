@@ -102,8 +102,9 @@ class Device {
   /// Enqueues a copy of `bytes` from `src` to `dst` (device or host memory, either
   /// direction) on queue `q`.
   virtual void copy(Queue q, void* dst, const void* src, std::size_t bytes) = 0;
-  /// Enqueues dst[0, bytes) = 0 on queue `q`. CUDA: host memory (a host callback) is not
-  /// capturable: under stream capture it throws Errc::not_supported naming "dst".
+  /// Enqueues dst[0, bytes) = 0 on queue `q`. Capturable into a CUDA graph, host memory
+  /// too (a host callback whose argument the device keeps until the buffer is released,
+  /// so every replay zeroes it again).
   virtual void zero(Queue q, void* dst, std::size_t bytes) = 0;
   /// Returns an event recorded on queue `q` now.
   virtual Event record(Queue q) = 0;
