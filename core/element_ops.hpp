@@ -1,5 +1,5 @@
 // Per-element formulas shared by the fast paths (the CPU engine's scalar tails and the
-// GPU block bodies), __host__ __device__. The scalar reference (src/reference) keeps
+// GPU block bodies), __host__ __device__. The scalar reference (reference/) keeps
 // its own literal copy on purpose: it is the independent oracle these are tested
 // against.
 #pragma once

@@ -1,4 +1,4 @@
-// Build-wide macros: host/device annotations and version numbers.
+// Build-wide macros: __host__ __device__ annotations and version numbers.
 #pragma once
 
 #include "stepcore/version.hpp"  // STEPCORE_VERSION_* (generated from project(VERSION))

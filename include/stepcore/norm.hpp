@@ -61,7 +61,8 @@ struct NormResult {
   std::uint64_t inf_count = 0;
   /// True when the partial was approximate and S lies so close to a rounding
   /// boundary that the result could not be certified: `norm` is then unset (NaN)
-  /// and the caller must recompute with exact partials (finalize_or_exact does).
+  /// and the caller must recompute with exact partials (the global norm across ranks,
+  /// comm.hpp, and the managers do).
   bool needs_exact = false;
 };
 

@@ -1,6 +1,6 @@
 // The final rounding of the exact norm as __host__ __device__ code, so the device can
 // finalise a reduced partial (and compute the clip coefficient) without a host round
-// trip. stepcore::finalize (src/core/norm.cpp) is the host entry point.
+// trip. stepcore::finalize (core/norm.cpp) is the host entry point.
 #pragma once
 
 #include <cmath>
