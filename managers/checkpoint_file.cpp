@@ -6,7 +6,6 @@
 #include "managers/checkpoint_file.hpp"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -16,8 +15,11 @@
 #include <cerrno>
 #include <cinttypes>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
@@ -47,6 +49,10 @@ thread_local ActiveFault tl_fault;
 bool fault_is(testing::SaveFaultKind kind) noexcept {
   return tl_fault.active && tl_fault.kind == kind;
 }
+
+/// ScopedReadHook's read size (0: none set) and call, on this thread.
+thread_local std::size_t tl_read_chunk = 0;
+thread_local std::function<void(std::size_t)> tl_read_hook;
 
 // ---- small helpers -------------------------------------------------------------------
 
@@ -643,14 +649,42 @@ ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
 
 // ---- File ------------------------------------------------------------------------------
 
+// The file is read into memory, never mapped: a mapping whose file another process
+// truncates raises SIGBUS at the next access, which would kill the host process; a read
+// that finds the file shorter than it was is an Errc::io_error instead.
 struct File::Impl {
-  void* map = nullptr;  ///< the read-only private mapping (null for an empty file)
+  struct Free {
+    void operator()(void* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<std::byte, Free> bytes;  ///< the whole file (null for an empty file)
   std::size_t length = 0;
   ParsedFile parsed;
-  ~Impl() {
-    if (map) ::munmap(map, length);
-  }
 };
+
+namespace {
+
+// Reads `length` bytes of fd from offset 0 into `out`; throws Errc::io_error naming the
+// path when the file ends early (it was truncated meanwhile) or a read fails.
+void read_all(int fd, std::byte* out, std::size_t length, const std::string& path) {
+  std::size_t done = 0;
+  const std::size_t chunk = tl_read_chunk != 0 ? tl_read_chunk : std::size_t{1} << 30;
+  while (done < length) {
+    if (tl_read_hook) tl_read_hook(done);
+    const std::size_t want = std::min<std::size_t>(length - done, chunk);
+    const ssize_t got = ::pread(fd, out + done, want, static_cast<off_t>(done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      io_failure(path, "cannot read", errno);
+    }
+    if (got == 0)
+      throw Error(Errc::io_error, "path",
+                  path + ": the file ended at byte " + std::to_string(done) + " of " +
+                      std::to_string(length) + " while being read (changed meanwhile?)");
+    done += static_cast<std::size_t>(got);
+  }
+}
+
+}  // namespace
 
 File::File(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 File::~File() = default;
@@ -677,24 +711,31 @@ File File::open(const std::string& path) {
   }
   auto impl = std::make_unique<Impl>();
   if (st.st_size > 0) {
-    if (static_cast<std::uint64_t>(st.st_size) > std::numeric_limits<std::size_t>::max()) {
+    if (static_cast<std::uint64_t>(st.st_size) > std::numeric_limits<std::size_t>::max() / 2) {
       ::close(fd);
-      throw Error(Errc::io_error, "path", path + ": too large to map");
+      throw Error(Errc::io_error, "path", path + ": too large to read");
     }
     const std::size_t length = static_cast<std::size_t>(st.st_size);
-    // MAP_POPULATE: the whole file is read (checksums, values, import) at once anyway.
-    void* map = ::mmap(nullptr, length, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
-    const int err = errno;
+    // 64-byte aligned (the arrays are read as floats), rounded up as aligned_alloc asks.
+    impl->bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (length + 63) / 64 * 64)));
+    if (!impl->bytes) {
+      ::close(fd);
+      throw Error(Errc::io_error, "path",
+                  path + ": cannot allocate " + std::to_string(length) + " bytes to read it");
+    }
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint: read front to back
+    try {
+      read_all(fd, impl->bytes.get(), length, path);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
     ::close(fd);
-    if (map == MAP_FAILED) io_failure(path, "cannot map", err);
-    impl->map = map;
     impl->length = length;
-    ::madvise(map, length, MADV_SEQUENTIAL);  // a hint: the checksums read it front to back
   } else {
     ::close(fd);
   }
-  impl->parsed = parse(
-      std::span<const std::byte>(static_cast<const std::byte*>(impl->map), impl->length), path);
+  impl->parsed = parse(std::span<const std::byte>(impl->bytes.get(), impl->length), path);
   return File(std::move(impl));
 }
 
@@ -710,7 +751,7 @@ std::span<const float> File::array(std::size_t i, std::size_t a) const {
     throw Error(
         Errc::out_of_range, "a",
         "checkpoint::File::array: array " + std::to_string(a) + " of " + std::to_string(h.arrays));
-  const std::byte* base = static_cast<const std::byte*>(impl_->map) + impl_->parsed.payload_start +
+  const std::byte* base = impl_->bytes.get() + impl_->parsed.payload_start +
                           impl_->parsed.array_offsets[i * h.arrays + a];
   return {reinterpret_cast<const float*>(base), static_cast<std::size_t>(h.params[i].numel)};
 }
@@ -789,6 +830,18 @@ ScopedSaveFault::ScopedSaveFault(SaveFaultKind kind, std::uint64_t bytes)
 }
 
 ScopedSaveFault::~ScopedSaveFault() { tl_fault = {saved_active_, saved_kind_, saved_bytes_}; }
+
+ScopedReadHook::ScopedReadHook(std::size_t chunk_bytes,
+                               std::function<void(std::size_t offset)> before_read)
+    : saved_chunk_(tl_read_chunk), saved_hook_(std::move(tl_read_hook)) {
+  tl_read_chunk = chunk_bytes;
+  tl_read_hook = std::move(before_read);
+}
+
+ScopedReadHook::~ScopedReadHook() {
+  tl_read_chunk = saved_chunk_;
+  tl_read_hook = std::move(saved_hook_);
+}
 
 }  // namespace testing
 

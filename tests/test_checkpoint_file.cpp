@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -19,7 +20,9 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -423,6 +426,106 @@ TEST(CheckpointRoundTrip, AdamWAllFieldsBitExact) {
   ckpt::save(path, h, source_of(arrays));
   expect_loads(path, h, arrays);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"rank-00002.stepcore"});
+}
+
+// Another process truncating the file around a load, 1,000 times at random offsets and
+// moments: before the open, between two reads of it (ScopedReadHook), after the open
+// while every value is read, and from another thread at a random moment. The loader never
+// maps the file (a mapped page cut away raises SIGBUS and kills the process: the third
+// kind always did), so each load either gives the whole file's values or its typed error.
+TEST(Checkpoint, ALoadRacingATruncationIsAnErrorNeverASignal) {
+  TempDir dir;
+  const ckpt::Header h = adamw_header({100000, 30000, 7, 64, 1000});  // ~1.6 MB
+  const Arrays arrays = make_arrays(h);
+  const std::string master = dir.file("master.stepcore");
+  ckpt::save(master, h, source_of(arrays));
+  const Bytes bytes = read_bytes(master);
+  const std::string path = dir.file("racing.stepcore");
+  auto write_copy = [&] {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
+  };
+  auto cut_to = [&](off_t cut) {
+    ASSERT_EQ(::truncate(path.c_str(), cut), 0) << std::strerror(errno);
+  };
+  // A load that succeeded holds the saved values, whatever happens to the file after.
+  auto expect_whole = [&](const ckpt::File& f, int run) {
+    for (std::size_t i = 0; i < f.header().params.size(); ++i)
+      for (std::size_t a = 0; a < f.header().arrays; ++a) {
+        const std::span<const float> got = f.array(i, a);
+        ASSERT_EQ(got.size(), arrays[i][a].size());
+        ASSERT_EQ(std::memcmp(got.data(), arrays[i][a].data(), 4 * got.size()), 0)
+            << "run " << run << ", parameter " << i << ", array " << a;
+      }
+  };
+  write_copy();
+  const auto t0 = std::chrono::steady_clock::now();
+  expect_whole(ckpt::File::open(path), -1);
+  const std::int64_t load_ns = std::max<std::int64_t>(
+      1000,
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+          .count());
+  std::mt19937_64 rng(27);
+  int loaded = 0, io_errors = 0, corrupt = 0;
+  for (int run = 0; run < 1000; ++run) {
+    write_copy();
+    const auto cut = static_cast<off_t>(rng() % bytes.size());
+    const int kind = run % 4;
+    std::atomic<bool> go{false};
+    std::thread racer;
+    try {
+      if (kind == 0) {  // before the open
+        cut_to(cut);
+        (void)ckpt::File::open(path);
+        ADD_FAILURE() << "run " << run << ": a file cut to " << cut << " bytes loaded";
+      } else if (kind == 1) {  // between two reads
+        const std::size_t chunk = 4096 + rng() % 65536;
+        const std::size_t at = rng() % bytes.size();
+        bool done = false;
+        const ckpt::testing::ScopedReadHook hook(chunk, [&](std::size_t offset) {
+          if (!done && offset + chunk > at) {
+            cut_to(cut);
+            done = true;
+          }
+        });
+        (void)ckpt::File::open(path);
+        ADD_FAILURE() << "run " << run << ": a file cut while read loaded";
+      } else if (kind == 2) {  // after the open, while every value is read
+        const ckpt::File f = ckpt::File::open(path);
+        cut_to(cut);
+        expect_whole(f, run);
+        ++loaded;
+      } else {  // from another thread, at a random moment of the load
+        const auto delay =
+            std::chrono::nanoseconds(static_cast<std::int64_t>(rng() % (2 * load_ns)));
+        racer = std::thread([&] {
+          while (!go.load(std::memory_order_acquire)) {
+          }
+          const auto until = std::chrono::steady_clock::now() + delay;
+          while (std::chrono::steady_clock::now() < until) {
+          }
+          cut_to(cut);
+        });
+        go.store(true, std::memory_order_release);
+        expect_whole(ckpt::File::open(path), run);
+        ++loaded;
+      }
+    } catch (const Error& e) {
+      EXPECT_NE(kind, 2) << e.what();
+      EXPECT_TRUE(e.code() == Errc::io_error || e.code() == Errc::corrupt_file) << e.what();
+      if (kind == 1) EXPECT_EQ(e.code(), Errc::io_error) << e.what();
+      EXPECT_EQ(e.argument(), "path") << e.what();
+      ++(e.code() == Errc::io_error ? io_errors : corrupt);
+    }
+    if (racer.joinable()) racer.join();
+    if (HasFailure()) return;
+  }
+  std::printf(
+      "[ checkpoint ] 1,000 loads around a truncation: %d loaded whole, %d io_error, %d "
+      "corrupt_file\n",
+      loaded, io_errors, corrupt);
+  EXPECT_GE(io_errors, 250) << "every truncation between two reads is an io_error";
 }
 
 TEST(CheckpointRoundTrip, SignSgdOneArray) {
