@@ -499,7 +499,7 @@ TEST(Checkpoint, ALoadRacingATruncationIsAnErrorNeverASignal) {
       } else {  // from another thread, at a random moment of the load
         const auto delay =
             std::chrono::nanoseconds(static_cast<std::int64_t>(rng() % (2 * load_ns)));
-        racer = std::thread([&] {
+        racer = std::thread([&, delay] {  // delay by value: it leaves scope before the join
           while (!go.load(std::memory_order_acquire)) {
           }
           const auto until = std::chrono::steady_clock::now() + delay;
