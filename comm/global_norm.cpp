@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "comm/comm_internal.hpp"
+#include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
 #include "stepcore/cpu.hpp"
 

@@ -216,17 +216,15 @@ class MpiCommunicator final : public Communicator {
 
 }  // namespace
 
-namespace detail {
-
-std::unique_ptr<Communicator> make_mpi_communicator(const void* mpi_comm,
-                                                    std::chrono::milliseconds timeout) {
+std::unique_ptr<Communicator> make_mpi_communicator_from_handle(const void* mpi_comm,
+                                                                std::chrono::milliseconds timeout) {
   if (mpi_comm == nullptr) throw Error(Errc::null_pointer, "comm", "null");
   if (timeout.count() <= 0)
     throw Error(Errc::out_of_range, "timeout", "the collective timeout must be positive");
   return std::make_unique<MpiCommunicator>(*static_cast<const MPI_Comm*>(mpi_comm), timeout);
 }
 
-NcclUniqueId share_nccl_unique_id(const void* mpi_comm, int root) {
+NcclUniqueId share_nccl_unique_id_from_handle(const void* mpi_comm, int root) {
   if (mpi_comm == nullptr) throw Error(Errc::null_pointer, "comm", "null");
   const MPI_Comm comm = *static_cast<const MPI_Comm*>(mpi_comm);
   int size = 0;
@@ -256,5 +254,4 @@ NcclUniqueId share_nccl_unique_id(const void* mpi_comm, int root) {
   return id;
 }
 
-}  // namespace detail
 }  // namespace stepcore::comm

@@ -6,19 +6,18 @@ namespace stepcore::comm {
 
 bool built_with_mpi() noexcept { return false; }
 
-namespace detail {
-
 // Declared in comm_mpi.hpp, which needs <mpi.h>; repeated here.
-std::unique_ptr<Communicator> make_mpi_communicator(const void*, std::chrono::milliseconds);
-NcclUniqueId share_nccl_unique_id(const void*, int);
+std::unique_ptr<Communicator> make_mpi_communicator_from_handle(const void*,
+                                                                std::chrono::milliseconds);
+NcclUniqueId share_nccl_unique_id_from_handle(const void*, int);
 
-std::unique_ptr<Communicator> make_mpi_communicator(const void*, std::chrono::milliseconds) {
+std::unique_ptr<Communicator> make_mpi_communicator_from_handle(const void*,
+                                                                std::chrono::milliseconds) {
   throw Error(Errc::not_supported, "comm", "stepcore was built without MPI (STEPCORE_MPI)");
 }
 
-NcclUniqueId share_nccl_unique_id(const void*, int) {
+NcclUniqueId share_nccl_unique_id_from_handle(const void*, int) {
   throw Error(Errc::not_supported, "comm", "stepcore was built without MPI (STEPCORE_MPI)");
 }
 
-}  // namespace detail
 }  // namespace stepcore::comm

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/step_scalars.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/optim.hpp"

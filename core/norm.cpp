@@ -1,13 +1,20 @@
-// Final rounding of the exact norm on the host: the shared __host__ __device__ body in
-// stepcore/detail/norm_finalize.hpp under the spec's floating-point environment.
+// The host entry points of norm.hpp: merging and normalising partials (the digit arithmetic
+// of core/superaccumulator.hpp) and the final rounding of the exact norm (the shared
+// __host__ __device__ body in core/norm_finalize.hpp) under the spec's floating-point
+// environment.
 #include "stepcore/norm.hpp"
 
 #include <cstring>
 
 #include "core/fp_env.hpp"
-#include "stepcore/detail/norm_finalize.hpp"
+#include "core/norm_finalize.hpp"
+#include "core/superaccumulator.hpp"
 
 namespace stepcore {
+
+void merge(NormPartial& a, const NormPartial& b) noexcept { detail::merge_partials(a, b); }
+
+bool normalize(NormPartial& partial) noexcept { return detail::normalize_digits(partial.digits); }
 
 NormResult finalize(const NormPartial& partial) {
   const detail::FpEnvGuard env;

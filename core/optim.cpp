@@ -1,11 +1,11 @@
-// Host-side preparation of the per-step optimizer scalars (docs/numerics.md).
+// Host-side preparation of the per-step optimizer scalars (core/step_scalars.hpp,
+// docs/numerics.md).
 // Compiled with -ffp-contract=off: every line is the spec's operation order.
-#include "stepcore/optim.hpp"
-
 #include <cmath>
 
 #include "core/element_ops.hpp"
 #include "core/fp_env.hpp"
+#include "core/step_scalars.hpp"
 
 namespace stepcore {
 

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/step_scalars.hpp"
 #include "core/validate.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

@@ -25,6 +25,7 @@
 #include <xsimd/xsimd.hpp>
 
 #include "core/element_ops.hpp"
+#include "core/superaccumulator.hpp"
 #include "cpu/kernel_table.hpp"
 #include "stepcore/convert.hpp"
 

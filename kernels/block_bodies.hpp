@@ -17,10 +17,11 @@
 #include <type_traits>
 
 #include "core/element_ops.hpp"
+#include "core/norm_finalize.hpp"
+#include "core/superaccumulator.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/detail/norm_finalize.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

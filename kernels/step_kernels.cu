@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
 #include "kernels/block_bodies.hpp"
 #include "kernels/check.cuh"

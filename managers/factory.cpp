@@ -64,9 +64,9 @@ std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
                       "(device::make_cuda_device(ordinal, comm.stream())) or the communicator "
                       "on device.compute_stream()");
   }
-  std::unique_ptr<detail::ManagerImpl> impl =
-      config.mode == OffloadMode::full ? detail::make_offload_gradient_manager(std::move(config))
-                                       : detail::make_gpu_gradient_manager(std::move(config));
+  std::unique_ptr<ManagerImpl> impl = config.mode == OffloadMode::full
+                                          ? detail::make_offload_gradient_manager(std::move(config))
+                                          : detail::make_gpu_gradient_manager(std::move(config));
   return std::unique_ptr<GradientManager>(new GradientManager(std::move(impl)));
 }
 

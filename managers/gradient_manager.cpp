@@ -1,4 +1,4 @@
-// The mode-independent part of every gradient manager (detail::ManagerImpl): argument
+// The mode-independent part of every gradient manager (ManagerImpl): argument
 // and call-sequence validation (all before anything changes), chunking, per-step gradient
 // bookkeeping and the optimizer-in-backward trigger; the modes implement its hooks. The
 // public GradientManager forwards every call to it. Also the mode and optimizer parsers.
@@ -132,7 +132,13 @@ std::string indexed(const char* base, std::size_t i, const char* field) {
 
 }  // namespace
 
+}  // namespace detail
+
+// ManagerImpl (manager_impl.hpp) is declared in stepcore, where its members are defined.
+using detail::CallPhase;
+
 ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
+  using namespace detail;  // the validators (core/validate.hpp) and the helpers above
   const std::size_t n = config_.params.size();
   const OptimizerKind kind = config_.optimizer.kind;
   if (kind != OptimizerKind::adamw && kind != OptimizerKind::sign_sgd)
@@ -267,13 +273,9 @@ void ManagerImpl::expect(bool ok, const char* call, const char* what) const {
   if (!ok) throw Error(Errc::invalid_argument, call, what);
 }
 
-}  // namespace detail
-
 // ---- the call sequence: validated here, then the mode's hook ---------------------------
 
-using detail::CallPhase;
-
-GradientManager::GradientManager(std::unique_ptr<detail::ManagerImpl> impl) noexcept
+GradientManager::GradientManager(std::unique_ptr<ManagerImpl> impl) noexcept
     : impl_(std::move(impl)) {}
 GradientManager::~GradientManager() = default;
 
@@ -318,7 +320,7 @@ bool valid_step_count(float step, bool adamw) noexcept {
 }  // namespace detail
 
 void GradientManager::load_parameter(std::size_t i, std::span<const float> master) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "load_parameter", "only between steps");
   m.expect_param(i);
   detail::check_state_values(master, m.config_.params[i].numel, "master", false);
@@ -328,7 +330,7 @@ void GradientManager::load_parameter(std::size_t i, std::span<const float> maste
 void GradientManager::import_parameter(std::size_t i, std::span<const float> master,
                                        std::span<const float> exp_avg,
                                        std::span<const float> exp_avg_sq, float step) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "import_parameter", "only between steps");
   m.expect_param(i);
   const std::size_t numel = m.config_.params[i].numel;
@@ -367,7 +369,7 @@ const ParamGroup& GradientManager::group(std::size_t g) const {
 }
 
 void GradientManager::set_hyperparameters(std::size_t g, const StepHyper& hyper) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(true, "set_hyperparameters", "");
   (void)group(g);
   m.expect(!(m.overlap_ && m.final_ &&
@@ -396,7 +398,7 @@ void GradientManager::set_hyperparameters(std::size_t g, const StepHyper& hyper)
 }
 
 void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "begin_step",
            "the previous step has not ended with step()");
   ::stepcore::detail::check_gradient_scale(gradient_scale, "gradient_scale");
@@ -418,7 +420,7 @@ void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
 }
 
 void GradientManager::begin_backward(bool final_backward) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::step, "begin_backward",
            "needs begin_step() first, and finish_backward() after each backward");
   m.expect(!m.saw_final_, "begin_backward", "the step's final backward has already run");
@@ -446,7 +448,7 @@ void expect_owned_buffer(const ManagerConfig& config, std::size_t i, const char*
 }  // namespace
 
 TensorView GradientManager::gradient(std::size_t i) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient",
            "only between begin_backward and finish_backward");
   m.expect_param(i);
@@ -455,7 +457,7 @@ TensorView GradientManager::gradient(std::size_t i) {
 }
 
 void GradientManager::gradient_ready(std::size_t i, const device::Event& written) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient_ready",
            "only between begin_backward and finish_backward");
   m.expect_param(i);
@@ -465,7 +467,7 @@ void GradientManager::gradient_ready(std::size_t i, const device::Event& written
 
 void GradientManager::gradient_ready(std::size_t i, ConstTensorView grad,
                                      const device::Event& written) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "gradient_ready",
            "only between begin_backward and finish_backward");
   m.expect_param(i);
@@ -485,7 +487,7 @@ void GradientManager::gradient_ready(std::size_t i, ConstTensorView grad,
 }
 
 void GradientManager::ready(std::size_t i, ConstTensorView grad, const device::Event& written) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   if (m.ready_in_micro_[i])
     throw Error(Errc::invalid_argument, "gradient_ready",
                 "parameter " + std::to_string(i) + " is already ready in this micro-batch");
@@ -499,13 +501,13 @@ void GradientManager::ready(std::size_t i, ConstTensorView grad, const device::E
 }
 
 device::Event GradientManager::gradient_released(std::size_t i) const {
-  const detail::ManagerImpl& m = *impl_;
+  const ManagerImpl& m = *impl_;
   m.expect_param(i);
   return m.do_gradient_released(i);
 }
 
 void GradientManager::finish_backward() {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::backward, "finish_backward", "needs begin_backward() first");
   if (m.final_) {
     m.last_gradient_ = std::chrono::steady_clock::now();
@@ -530,7 +532,7 @@ void GradientManager::finish_backward() {
 }
 
 float GradientManager::clip_grad_norm(float max_norm) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::after_final, "clip_grad_norm",
            "only after the step's final finish_backward() and before step()");
   m.expect(!m.clipped_, "clip_grad_norm", "already called in this step");
@@ -543,7 +545,7 @@ float GradientManager::clip_grad_norm(float max_norm) {
 }
 
 void GradientManager::step() {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::after_final, "step",
            "only after the step's final finish_backward()");
   m.guarded([&] { m.do_step(); });
@@ -552,13 +554,13 @@ void GradientManager::step() {
 }
 
 StepReport GradientManager::report() {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ != CallPhase::closed, "report", "");
   return m.guarded([&] { return m.do_report(); });
 }
 
 ConstTensorView GradientManager::compute_weights(std::size_t i) const {
-  const detail::ManagerImpl& m = *impl_;
+  const ManagerImpl& m = *impl_;
   m.expect(m.phase_ != CallPhase::closed, "compute_weights", "");
   m.expect_param(i);
   return m.do_compute_weights(i);
@@ -567,7 +569,7 @@ ConstTensorView GradientManager::compute_weights(std::size_t i) const {
 void GradientManager::read_parameter(std::size_t i, std::span<float> master,
                                      std::span<float> exp_avg, std::span<float> exp_avg_sq,
                                      std::span<std::uint8_t> compute) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "read_parameter", "only between steps");
   m.expect_param(i);
   const ParamSpec& p = m.config_.params[i];
@@ -585,7 +587,7 @@ void GradientManager::read_parameter(std::size_t i, std::span<float> master,
 }
 
 float GradientManager::step_count(std::size_t i) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "step_count", "only between steps");
   m.expect_param(i);
   std::vector<float> steps(m.config_.params.size());
@@ -594,20 +596,20 @@ float GradientManager::step_count(std::size_t i) {
 }
 
 GradientManager::HostState GradientManager::host_state(std::size_t i) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "host_state", "only between steps");
   m.expect_param(i);
   return m.guarded([&] { return m.do_host_state(i); });
 }
 
 void GradientManager::synchronize() {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ != CallPhase::closed, "synchronize", "");
   m.guarded([&] { m.do_synchronize(); });
 }
 
 void GradientManager::close() {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   if (m.phase_ == CallPhase::closed) return;
   m.phase_ = CallPhase::closed;
   if (std::exception_ptr error = m.do_close()) std::rethrow_exception(error);

@@ -19,10 +19,12 @@
 #include "stepcore/norm.hpp"
 #include "stepcore/tensor.hpp"
 
-namespace stepcore::detail {
+namespace stepcore {
 
+namespace detail {
 /// Where the trainer's call sequence stands (GradientManager checks every call against it).
 enum class CallPhase : std::uint8_t { idle, step, backward, after_final, closed };
+}  // namespace detail
 
 /// What every mode shares: the configuration, the chunks, and the state of the call
 /// sequence, which the public GradientManager (a friend) validates each call against
@@ -141,7 +143,7 @@ class ManagerImpl {
   std::vector<std::uint8_t> ready_in_micro_;  // gradient_ready seen in this micro-batch
   std::vector<std::uint8_t> got_in_step_;     // any gradient this step
   std::vector<std::size_t> chunk_pending_;    // final-backward parameters still missing
-  CallPhase phase_ = CallPhase::idle;
+  detail::CallPhase phase_ = detail::CallPhase::idle;
   bool final_ = false, saw_final_ = false, overlap_ = false, clipped_ = false, stepped_ = false;
   bool speculating_ = false, would_commit_ = true;
   std::chrono::steady_clock::time_point last_gradient_{};
@@ -149,11 +151,18 @@ class ManagerImpl {
   std::exception_ptr failure_;  ///< the runtime error every later call raises again
 };
 
+namespace detail {
+
+/// The base's name in the managers' code (managers.hpp declares it opaque in stepcore).
+using ::stepcore::ManagerImpl;
+
 /// Returns true for the codes of work that already started (error.hpp: "runtime").
 inline bool is_runtime(Errc c) {
   return c == Errc::cuda_error || c == Errc::nccl_error || c == Errc::mpi_error ||
          c == Errc::timeout || c == Errc::internal;
 }
+
+}  // namespace detail
 
 template <class F>
 decltype(auto) ManagerImpl::guarded(F&& f) {
@@ -162,7 +171,7 @@ decltype(auto) ManagerImpl::guarded(F&& f) {
   } catch (const Error& e) {
     // A failure of asynchronous work leaves the step half done: every later call
     // raises it again (close() still cleans up). Argument errors change nothing.
-    if (is_runtime(e.code()))
+    if (detail::is_runtime(e.code()))
       failure_ = std::current_exception();
     else if (std::exception_ptr async = do_async_failure())
       failure_ = async;
@@ -172,6 +181,8 @@ decltype(auto) ManagerImpl::guarded(F&& f) {
     throw;
   }
 }
+
+namespace detail {
 
 /// Throws unless `values` has `want` elements, all finite (and >= 0 when `non_negative`):
 /// Errc::size_mismatch / non_finite / invalid_argument naming `name`, the message prefixed
@@ -188,4 +199,5 @@ bool valid_step_count(float step, bool adamw) noexcept;
 void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
                       const std::function<void()>& check);
 
-}  // namespace stepcore::detail
+}  // namespace detail
+}  // namespace stepcore

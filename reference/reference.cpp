@@ -8,6 +8,8 @@
 #include <cstring>
 
 #include "core/fp_env.hpp"
+#include "core/step_scalars.hpp"
+#include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
 #include "reference/testing.hpp"
 #include "stepcore/convert.hpp"

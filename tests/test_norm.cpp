@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "big_int.hpp"
+#include "core/superaccumulator.hpp"
 #include "reference/testing.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/norm.hpp"

@@ -13,6 +13,7 @@
 #include <random>
 #include <vector>
 
+#include "core/step_scalars.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"

@@ -12,13 +12,13 @@
 
 namespace stepcore::comm {
 
-namespace detail {
-/// The opaque-handle entry points behind the inline wrappers below (`mpi_comm` points
-/// to an MPI_Comm); they exist in every build and throw Errc::not_supported without MPI.
-std::unique_ptr<Communicator> make_mpi_communicator(const void* mpi_comm,
-                                                    std::chrono::milliseconds timeout);
-NcclUniqueId share_nccl_unique_id(const void* mpi_comm, int root);
-}  // namespace detail
+/// The opaque-handle forms of the two functions below, which they call: `mpi_comm`
+/// points to an MPI_Comm (null: Errc::null_pointer naming "comm"), so the library
+/// itself is built without a consumer's <mpi.h>. They exist in every build and throw
+/// Errc::not_supported without MPI.
+std::unique_ptr<Communicator> make_mpi_communicator_from_handle(const void* mpi_comm,
+                                                                std::chrono::milliseconds timeout);
+NcclUniqueId share_nccl_unique_id_from_handle(const void* mpi_comm, int root);
 
 /// Returns a communicator over a duplicate of `comm` (collective over `comm`: every
 /// rank calls it; MPI must be initialised). Host memory. Collectives are nonblocking
@@ -29,14 +29,14 @@ NcclUniqueId share_nccl_unique_id(const void* mpi_comm, int root);
 /// bitwise (integer reductions are exact, so the norm is independent of MPI's algorithm).
 inline std::unique_ptr<Communicator> make_mpi_communicator(
     MPI_Comm comm, std::chrono::milliseconds timeout = kDefaultTimeout) {
-  return detail::make_mpi_communicator(&comm, timeout);
+  return make_mpi_communicator_from_handle(&comm, timeout);
 }
 
 /// Collective over `comm`: rank `root` creates an NCCL unique id (ncclGetUniqueId) and
 /// broadcasts it; every rank returns the same bytes, ready for make_nccl_communicator.
 /// Throws Errc::not_supported without MPI or NCCL, Errc::mpi_error / nccl_error.
 inline NcclUniqueId share_nccl_unique_id(MPI_Comm comm, int root = 0) {
-  return detail::share_nccl_unique_id(&comm, root);
+  return share_nccl_unique_id_from_handle(&comm, root);
 }
 
 }  // namespace stepcore::comm

@@ -40,7 +40,7 @@ inline constexpr std::uint32_t kMaxBiasTableSteps = std::uint32_t{1} << 22;
 
 /// Returns the bias table of `config`'s betas, for device memory (AdamWDeviceArgs):
 /// {len1, len2, 1 - beta1^1 .. 1 - beta1^len1, 1 - beta2^1 .. 1 - beta2^len2} in binary64,
-/// each exactly prepare_adamw_scalars' value (the host's pow), where len is the first t
+/// each exactly the host step's value (the C library's pow in binary64), where len is the first t
 /// at which 1 - beta^t rounds to 1 (so every later step's correction is exactly 1).
 /// Throws Errc::not_supported naming "config.beta1"/"config.beta2" when a beta is so
 /// close to 1 that this takes more than kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).

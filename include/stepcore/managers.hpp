@@ -33,9 +33,7 @@
 
 namespace stepcore {
 
-namespace detail {
-class ManagerImpl;  // the mode's implementation: its state and hooks (internal)
-}  // namespace detail
+class ManagerImpl;  // the mode's implementation: its state and hooks (opaque, internal)
 
 /// Where gradients and optimizer state live.
 enum class OffloadMode : std::uint8_t { none, optimizer, full };
@@ -328,12 +326,12 @@ class GradientManager final {
  private:
   /// make_gradient_manager builds the mode's implementation and hands it over; every
   /// call validates the sequence and arguments, then runs the implementation's hook.
-  explicit GradientManager(std::unique_ptr<detail::ManagerImpl> impl) noexcept;
+  explicit GradientManager(std::unique_ptr<ManagerImpl> impl) noexcept;
   /// Both gradient_ready overloads, once the buffer is known and validated.
   void ready(std::size_t i, ConstTensorView grad, const device::Event& written);
   friend std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 
-  std::unique_ptr<detail::ManagerImpl> impl_;  ///< the mode's manager (managers/manager_impl.hpp)
+  std::unique_ptr<ManagerImpl> impl_;  ///< the mode's manager (managers/manager_impl.hpp)
 };
 
 /// Returns the manager for config.mode — the trainer's one entry point: GpuGradientManager

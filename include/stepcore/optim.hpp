@@ -1,6 +1,6 @@
 // Optimizer and gradient-step descriptions shared by every implementation
 // (reference, CPU engine, CUDA kernels): hyper-parameters, per-tensor argument
-// records, and the host-side preparation of per-step scalars.
+// records, the device-memory step inputs, and torch's clip coefficient.
 #pragma once
 
 #include <cstdint>
@@ -130,38 +130,6 @@ struct SignSgdDeviceArgs {
   const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing
   const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
 };
-
-/// The per-tensor f32 scalars of one AdamW update, prepared on the host in
-/// double where the formula says so, then used unchanged by every element,
-/// thread, ISA and device.
-struct AdamWScalars {
-  float decay = 1.0f;            ///< parameter multiplier f32(1 - lr*wd)
-  bool apply_decay = true;       ///< torch skips the multiply when wd == 0
-  float beta1 = 0.0f;            ///< native: f32(beta1)
-  float beta2 = 0.0f;            ///< f32(beta2)
-  float one_minus_beta1 = 0.0f;  ///< native: 1.0f - beta1 in f32
-  float one_minus_beta2 = 0.0f;  ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
-  float lerp_coeff = 0.0f;       ///< torch: w or w - 1, w = f32(1 - beta1)
-  bool lerp_small = true;        ///< torch: |w| < 0.5 selects m + w*(g-m)
-  float step_size = 0.0f;        ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
-  float bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
-  float eps = 0.0f;              ///< f32(eps)
-};
-
-/// Returns the scalars of one AdamW update at `step` (the counter value after
-/// its increment). Deterministic: depends only on its arguments and the C
-/// library's pow/sqrt in double (see docs/numerics.md).
-AdamWScalars prepare_adamw_scalars(const AdamWConfig& config, float step);
-
-/// The f32 scalars of one SignSGD update.
-struct SignSgdScalars {
-  float neg_lr = 0.0f;     ///< f32(-lr)
-  float neg_lr_wd = 0.0f;  ///< f32(-(lr * wd)), product in double
-  bool apply_decay = false;
-};
-
-/// Returns the scalars of one SignSGD update.
-SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& config);
 
 /// Returns min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_
 /// computes it on an f32 norm: (1 / (norm + 1e-6f)) * max_norm, each operation one

@@ -97,7 +97,7 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
     return static_cast<std::uint64_t>(v);
   };
   for (int k = 0; k < kNormDigits; ++k) p.digits[k] = word(static_cast<std::size_t>(k), "a digit");
-  if (!detail::normalize_digits(p.digits))
+  if (!stepcore::normalize(p))
     throw nb::value_error("stepcore: out_of_range in 'partial': the digits overflow");
   p.nan_count = word(kNormDigits, "nan_count");
   p.inf_count = word(kNormDigits + 1, "inf_count");

@@ -81,6 +81,25 @@ int main() {
          "Engine::norm equals finalize(reference::norm_partial) bit for bit");
   expect(fast.finite && fast.norm > 0.0f, "the norm is finite and positive");
 
+  // Partials combine through the public entry points (the digit arithmetic is internal):
+  // the reference's partial merged with a copy is S doubled, so the norm grows by sqrt(2)
+  // up to one rounding; a digit holding 2^32 more normalises into the next one, same S.
+  const NormPartial once =
+      reference::norm_partial(std::span<const ConstTensorView>(&reference_const, 1));
+  NormPartial doubled = once;
+  merge(doubled, once);
+  const float twice = finalize(doubled).norm;
+  expect(twice > exact.norm * 1.4142f && twice < exact.norm * 1.4143f,
+         "merge adds partials: the norm of S + S is sqrt(2) times the norm of S");
+  NormPartial carried = doubled;  // normalised by merge: every digit below 2^32
+  int top = kNormDigits - 1;
+  while (top > 1 && carried.digits[top] == 0) --top;
+  carried.digits[top] -= 1;  // 2^(32 top) moved down a digit: S unchanged, not normalised
+  carried.digits[top - 1] += std::uint64_t{1} << 32;
+  expect(doubled.digits[top] != 0 && normalize(carried) && same_value(carried, doubled) &&
+             carried.digits[top - 1] == doubled.digits[top - 1],
+         "normalize propagates carries, keeping S");
+
   // Errors cross the library boundary as stepcore::Error.
   bool threw = false;
   try {

@@ -1,5 +1,6 @@
 # ctest Package.ConsumerAgainstInstallTree (cmake -P): installs the stepcore build at
-# STEPCORE_BUILD_DIR into WORK_DIR/prefix, checks the installed header set, then
+# STEPCORE_BUILD_DIR into WORK_DIR/prefix, checks the installed header set and that no
+# installed header names an internal (check_headers.cmake), then
 # configures tests/consumer against that prefix in three ways:
 #   plain       find_package(stepcore CONFIG REQUIRED); built, run; and every component
 #               that was not built (plus an unknown one) probed: find_package fails
@@ -61,6 +62,10 @@ endforeach()
 if(EXISTS "${prefix}/include/stepcore/detail")
   message(FATAL_ERROR "consumer test: stepcore/detail/ (internal) is installed")
 endif()
+# What the installed headers say: no internal named, only installed headers included
+# (check_headers.cmake; its own ctest proves it refuses each kind of leak).
+set(INCLUDE_DIR "${prefix}/include")
+include("${CMAKE_CURRENT_LIST_DIR}/check_headers.cmake")
 
 # configure_consumer(<case> <expect: ok|fail> [REQUIRED c,..] [OPTIONAL c,..] [PROBE c,..])
 function(configure_consumer name expect)

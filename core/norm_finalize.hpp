@@ -1,11 +1,12 @@
 // The final rounding of the exact norm as __host__ __device__ code, so the device can
 // finalise a reduced partial (and compute the clip coefficient) without a host round
-// trip. stepcore::finalize (core/norm.cpp) is the host entry point.
+// trip. stepcore::finalize (core/norm.cpp) is the host entry point. Internal.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "core/superaccumulator.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/norm.hpp"
