@@ -19,7 +19,7 @@
 #include "stepcore/comm.hpp"
 #include "stepcore/comm_mpi.hpp"
 #include "stepcore/cpu.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 #if defined(STEPCORE_BENCH_NCCL)
 #include <cuda_runtime.h>

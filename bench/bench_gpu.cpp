@@ -19,7 +19,7 @@
 #include <string>
 
 #include "bench/gpu_harness.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 

@@ -26,7 +26,7 @@
 #include "device/device_internal.hpp"
 #include "kernels/check.cuh"
 #include "kernels/plan_cache.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/numa.hpp"

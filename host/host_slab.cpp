@@ -4,7 +4,7 @@
 #include <cstring>
 #include <string>
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 
 namespace stepcore {

@@ -5,7 +5,7 @@
 #include "kernels/check.cuh"
 #include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace stepcore::cuda {
 namespace {

@@ -2,7 +2,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/check.cuh"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace stepcore::cuda {
 

@@ -1,6 +1,6 @@
 // The CUDA entry points of a build without CUDA: report that, never pretend.
 #include "kernels/testing.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"

@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "kernels/plans.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace stepcore::gpu::testing {
 

@@ -9,7 +9,7 @@
 #include <mutex>
 #include <thread>
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace cuda_gate {
 

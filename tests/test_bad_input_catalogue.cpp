@@ -25,7 +25,7 @@
 #include "kernels/plans.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/cpu.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"

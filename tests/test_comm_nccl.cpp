@@ -17,7 +17,7 @@
 
 #include "comm_cases.hpp"
 #include "stepcore/comm_nccl.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"

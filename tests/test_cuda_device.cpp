@@ -14,7 +14,7 @@
 #include "device/device_internal.hpp"  // detail::cuda_events_made
 #include "device_cases.hpp"
 #include "kernels/plans.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 
 #if defined(STEPCORE_WITH_CUDA)

@@ -20,7 +20,7 @@
 #include "device/host_device.hpp"
 #include "device_cases.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {

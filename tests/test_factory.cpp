@@ -19,7 +19,7 @@
 
 #include "forwarding_device.hpp"
 #include "stepcore/comm.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"

@@ -9,7 +9,7 @@
 
 #include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/host_slab.hpp"
 
 #if defined(STEPCORE_WITH_CUDA)

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/reference.hpp"

@@ -4,7 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "gpu_manager_cases.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace {
 

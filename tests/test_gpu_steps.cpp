@@ -13,7 +13,7 @@
 #include "kernels/plans.hpp"
 #include "kernels/testing.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/reference.hpp"

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "managers_cases.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 
 namespace {
 

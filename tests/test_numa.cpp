@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "stepcore/cpu.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/host_slab.hpp"
 #include "stepcore/numa.hpp"

@@ -10,7 +10,7 @@
 # manager-nccl (stepcore-gpu-nccl-step: manager steps with NCCL on one rank against the
 # host device, counting the host synchronisations per step, the NCCL norm against a float
 # all-reduce; plus the gpu tests naming NCCL and a manager), python
-# (python/tests/test_cuda.py -m gpu), bench-comm (when built), sanitizer
+# (python/tests/test_gpu.py -m gpu), bench-comm (when built), sanitizer
 # (compute-sanitizer memcheck and racecheck over the kernel tests, with what is left).
 # CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
 # gpu-tests.log, bench.log, python.log, sanitizer.log, the figures as JSON
@@ -405,7 +405,7 @@ phase_manager_nccl() {
   return 0
 }
 
-# ---- python: stepcore.cuda on torch CUDA tensors (python/tests/test_cuda.py -m gpu) ------
+# ---- python: stepcore.gpu on torch CUDA tensors (python/tests/test_gpu.py -m gpu) ------
 # The machine's Python whose torch is a CUDA build; nanobind and pytest from it, else from
 # .gpu-bundle/python (tools/gpu-prepare.sh). The extension is built in the one build.
 py_exe="" py_note=""
@@ -456,7 +456,7 @@ phase_python() {
   echo "python: $py_note"
   out=$(mktemp)
   (cd /tmp && bounded 90 env PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
-    "$py_exe" -m pytest -q -p no:cacheprovider -m gpu -rs "$root/python/tests/test_cuda.py") 2>&1 | tee "$out"
+    "$py_exe" -m pytest -q -p no:cacheprovider -m gpu -rs "$root/python/tests/test_gpu.py") 2>&1 | tee "$out"
   rc=${PIPESTATUS[0]}
   passed=$(grep -oE '[0-9]+ passed' "$out" | tail -1 | cut -d' ' -f1)
   skipped=$(grep -oE '[0-9]+ skipped' "$out" | tail -1 | cut -d' ' -f1)

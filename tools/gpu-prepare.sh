@@ -15,7 +15,7 @@
 # Also carried (python/, pure Python, copied from this machine's Python; optional): nanobind
 # (stepcore's Python extension is built with it) and pytest with its dependencies, so the
 # check's python phase can build stepcore._core against the GPU machine's torch and run
-# python/tests/test_cuda.py -m gpu offline. From STEPCORE_BUNDLE_PYTHON (a site-packages
+# python/tests/test_gpu.py -m gpu offline. From STEPCORE_BUNDLE_PYTHON (a site-packages
 # folder), else the first python3 / /opt/*/bin/python that imports nanobind.
 # Not fetched: Open MPI (the device build runs with STEPCORE_MPI=OFF), libnuma (nothing
 # links it: stepcore calls the NUMA system calls itself), NCCL (libnccl.so.2 is

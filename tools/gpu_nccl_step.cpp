@@ -26,7 +26,7 @@
 #include "stepcore/comm.hpp"
 #include "stepcore/comm_nccl.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/managers.hpp"
 #include "tests/forwarding_device.hpp"

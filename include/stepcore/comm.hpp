@@ -2,7 +2,7 @@
 // MPI, NCCL), the description of how gradient groups are laid out over ranks, and the
 // exact reduction of norm partials. docs/numerics.md, "Global norm across ranks".
 //
-// Free of CUDA and MPI headers (streams are stepcore/cuda.hpp's opaque cudaStream_t):
+// Free of CUDA and MPI headers (streams are stepcore/cuda_host.hpp's opaque cudaStream_t):
 // the MPI and NCCL factories live in comm_mpi.hpp and comm_nccl.hpp, and every factory
 // exists in every build (throwing Errc::not_supported when the library was built
 // without that transport).
@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "stepcore/comm.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 
 struct ncclComm;

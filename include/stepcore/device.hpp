@@ -17,7 +17,7 @@
 #include <string_view>
 
 #include "stepcore/comm.hpp"  // comm::kDefaultTimeout
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"

@@ -18,7 +18,7 @@
 #include <span>
 #include <vector>
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/determinism.hpp"  // the levels named in "Determinism:" lines
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/dtype.hpp"
 #include "stepcore/tensor.hpp"
 

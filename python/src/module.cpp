@@ -284,7 +284,7 @@ std::string python_name(const std::string& arg) {
   if (arg.rfind("config.", 0) == 0) return arg.substr(7);
   if (arg == "read.scale") return "grad_scale";
   if (arg == "read.clip") return "clip";
-  // The GPU launchers' device arguments (stepcore.cuda): "d.scale" -> "scale",
+  // The GPU launchers' device arguments (stepcore.gpu): "d.scale" -> "scale",
   // "d_partial" -> "partial", "workspace_bytes" -> "workspace".
   if (arg.rfind("d.", 0) == 0 || arg.rfind("d_", 0) == 0) return arg.substr(2);
   if (arg == "workspace_bytes") return "workspace";
@@ -304,7 +304,7 @@ std::string python_message(const Error& e) {
 }  // namespace
 
 void bind_managers(nb::module_& m);  // python/src/managers.cpp
-void bind_cuda(nb::module_& m);      // python/src/cuda.cpp: the submodule _core.cuda
+void bind_gpu(nb::module_& m);       // python/src/gpu_launchers.cpp: the submodule _core.gpu
 
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
@@ -546,5 +546,5 @@ NB_MODULE(_core, m) {
       "Private (tests): the cudaStream_t address a launcher uses for `stream` when its first "
       "array is `producer` (stream None: the producer's framework's current stream).");
   bind_managers(m);
-  bind_cuda(m);
+  bind_gpu(m);
 }

@@ -1,5 +1,5 @@
 // A norm partial as Python sees it: PARTIAL_WORDS int64 words (Engine.norm_partial's
-// result, finalize's argument, stepcore.cuda.partial_words' result), one layout for the
+// result, finalize's argument, stepcore.gpu.partial_words' result), one layout for the
 // CPU engine and the GPU launchers.
 #pragma once
 

@@ -2,12 +2,12 @@
 
 The CPU engine (AdamW, SignSGD, accumulate, scale, the exact norm partial) over arrays
 passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
-in-process communicators and NUMA placement; ``stepcore.cuda`` holds the GPU launchers on
+in-process communicators and NUMA placement; ``stepcore.gpu`` holds the GPU launchers on
 device arrays. Importing stepcore never imports torch; ``stepcore.torch`` is the PyTorch
 layer.
 """
 
-from . import cuda
+from . import gpu
 from ._core import (
     PARTIAL_MAX_ABS_WORD,
     PARTIAL_WORDS,
@@ -27,9 +27,9 @@ from ._core import (
 
 __all__ = [
     "Communicator",
-    "cuda",
     "Engine",
     "GradientManager",
+    "gpu",
     "local_rank_from_env",
     "local_world_size_from_env",
     "make_in_process_group",

@@ -914,9 +914,9 @@ def test_cuda_parameters_give_the_same_bits_in_every_mode():
     optimizer run the GPU kernels, full the CPU engine; all three agree after every step."""
     import stepcore
 
-    if not torch.cuda.is_available() or not stepcore.cuda.built_with_cuda():
+    if not torch.cuda.is_available() or not stepcore.gpu.built_with_cuda():
         pytest.skip("needs a CUDA GPU and stepcore built with CUDA "
-                    f"({stepcore.cuda.unavailable_reason() or 'no GPU visible to torch'})")
+                    f"({stepcore.gpu.unavailable_reason() or 'no GPU visible to torch'})")
     runs = {}
     for mode in MODES:
         model = TinyLM().cuda()
@@ -957,9 +957,9 @@ def test_cuda_backward_on_another_stream_is_ordered_by_the_write_event(mode):
     stream."""
     import stepcore
 
-    if not torch.cuda.is_available() or not stepcore.cuda.built_with_cuda():
+    if not torch.cuda.is_available() or not stepcore.gpu.built_with_cuda():
         pytest.skip("needs a CUDA GPU and stepcore built with CUDA "
-                    f"({stepcore.cuda.unavailable_reason() or 'no GPU visible to torch'})")
+                    f"({stepcore.gpu.unavailable_reason() or 'no GPU visible to torch'})")
     runs = {}
     for where in ("same", "side"):
         model = TinyLM().cuda()

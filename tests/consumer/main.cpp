@@ -12,7 +12,7 @@
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/determinism.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/dtype.hpp"

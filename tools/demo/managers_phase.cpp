@@ -15,7 +15,7 @@
 #include <string>
 
 #include "report.hpp"
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
 #include "synthetic.hpp"
 

@@ -12,7 +12,7 @@
 #include <sched.h>
 #endif
 
-#include "stepcore/cuda.hpp"
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
 

@@ -1,14 +1,12 @@
-// stepcore._core.cuda: the GPU launchers of stepcore/gpu.hpp on device arrays (torch CUDA
-// tensors, or any DLPack array in CUDA memory), thin: every array and device scalar is
-// checked (arrays.hpp: CUDA memory, C-contiguous, dtype, size, one device) and named
+// stepcore._core.gpu: the binding of the GPU launchers of stepcore/gpu.hpp on device arrays (torch
+// CUDA tensors, or any DLPack array in CUDA memory), thin: every array and device scalar is checked
+// (arrays.hpp: CUDA memory, C-contiguous, dtype, size, one device) and named
 // ("params[3]", "found_inf") before the library is called, the stream argument is an int,
 // an object with __cuda_stream__ or None (the first tensor's framework's current stream),
 // the GIL is released around each launch, and nothing is allocated on the device or
 // synchronised: workspaces, partials, results and scalars are the caller's buffers. The
 // dtype dispatch and the arithmetic stay in the library. Built without CUDA, the launchers
 // raise NotImplementedError (after the same argument checks).
-#include "stepcore/cuda.hpp"
-
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -27,6 +25,7 @@
 #include "arrays.hpp"      // this extension's one checker of array and stream arguments
 #include "optim_args.hpp"  // the formula and AdamW keyword arguments
 #include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
+#include "stepcore/cuda_host.hpp"
 #include "stepcore/dtype.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
@@ -280,9 +279,9 @@ auto finalize_binding(Launcher launch, const char* partial_name) {
 
 }  // namespace
 
-void bind_cuda(nb::module_& parent) {
+void bind_gpu(nb::module_& parent) {
   nb::module_ m = parent.def_submodule(
-      "cuda",
+      "gpu",
       "stepcore's GPU launchers on device arrays (thin binding of stepcore/gpu.hpp): no "
       "allocation, no synchronisation, streams as int, __cuda_stream__ or None.");
   m.attr("NORM_PARTIAL_BYTES") = sizeof(NormPartial);

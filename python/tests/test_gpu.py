@@ -1,4 +1,4 @@
-"""stepcore.cuda, the GPU launchers from Python. Without a GPU: the stream argument (int,
+"""stepcore.gpu, the GPU launchers from Python. Without a GPU: the stream argument (int,
 __cuda_stream__, None) and every argument check (CPU memory, sizes, dtypes, alignment,
 devices) named and changing nothing, through arrays that describe host memory to DLPack as
 CUDA memory; the bias table, the read-back helpers and the device partial's all-reduce
@@ -6,6 +6,7 @@ layout on the host. With a GPU (marked gpu): every launcher against the CPU engi
 bit, on torch CUDA tensors and streams."""
 
 import ctypes
+import importlib
 import math
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 import stepcore
 import stepcore._core as core
-import stepcore.cuda as sc
+import stepcore.gpu as sc
 
 # ---- arrays in "CUDA memory" without a GPU --------------------------------------------
 
@@ -151,7 +152,7 @@ def refused_on_the_host():
 
 def test_built_with_cuda_is_reported_and_the_launchers_follow_it():
     assert isinstance(sc.built_with_cuda(), bool)
-    assert sc.built_with_cuda() == core.cuda.built_with_cuda()
+    assert sc.built_with_cuda() == core.gpu.built_with_cuda()
     assert sc.device_count() >= 0
     assert (sc.device_count() == 0) == (sc.unavailable_reason() != "")
     if sc.built_with_cuda():
@@ -164,10 +165,18 @@ def test_built_with_cuda_is_reported_and_the_launchers_follow_it():
           f"{sc.unavailable_reason()}")
 
 
-def test_import_stepcore_cuda_does_not_import_torch():
-    code = "import sys, stepcore, stepcore.cuda; print('torch' in sys.modules, stepcore.cuda is not None)"
+def test_import_stepcore_gpu_does_not_import_torch():
+    code = "import sys, stepcore, stepcore.gpu; print('torch' in sys.modules, stepcore.gpu is not None)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "True"]
+
+
+def test_the_old_module_name_is_gone_without_an_alias():
+    # Renamed stepcore.gpu (docs/python.md, "GPU launchers"): no second name for it.
+    assert not hasattr(stepcore, "cuda") and not hasattr(core, "cuda")
+    assert stepcore.gpu is sc and "gpu" in stepcore.__all__ and "cuda" not in stepcore.__all__
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("stepcore.cuda")
 
 
 # ---- streams ----------------------------------------------------------------------------

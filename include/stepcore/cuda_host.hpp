@@ -1,6 +1,7 @@
-// Public CUDA-side API, free of CUDA headers: streams are passed as the
-// runtime's opaque handle type. Every function is available in every build;
-// without CUDA support they throw Errc::not_supported (device_count returns 0).
+// The host side of CUDA in the public API (what the build and the machine offer, PCI
+// placement, page-locking), free of CUDA headers: streams are passed as the runtime's
+// opaque handle type. The kernels' launchers are gpu.hpp. Every function is available in
+// every build; without CUDA support they throw Errc::not_supported (device_count returns 0).
 #pragma once
 
 #include <cstddef>

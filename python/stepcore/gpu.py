@@ -1,15 +1,15 @@
-"""stepcore.cuda: the GPU launchers (stepcore/gpu.hpp) on device arrays, from Python.
+"""stepcore.gpu: the GPU launchers (stepcore/gpu.hpp) on device arrays, from Python.
 
-Thin re-export of the extension's submodule ``stepcore._core.cuda`` (docs/python.md,
-"CUDA launchers") plus two read-back helpers. Arrays are torch CUDA tensors or any DLPack
+Thin re-export of the extension's submodule ``stepcore._core.gpu`` (docs/python.md,
+"GPU launchers") plus two read-back helpers. Arrays are torch CUDA tensors or any DLPack
 array in CUDA memory; device scalars, partials, results and workspaces are the caller's
 buffers; ``stream`` is an int (a cudaStream_t address), an object with ``__cuda_stream__``
 or None (the first tensor's framework's current stream). The launchers never allocate and
 never synchronise. Importing this module does not import torch.
 """
 
-from ._core import cuda as _cuda
-from ._core.cuda import (
+from ._core import gpu as _gpu
+from ._core.gpu import (
     BLOCK_ELEMENTS,
     FOUND_INF_NEEDS_EXACT,
     FOUND_INF_NON_FINITE,
