@@ -136,7 +136,40 @@ class GpuGradientManager final : public ManagerImpl {
     std::size_t master_off = 0, exp_avg_off = 0, exp_avg_sq_off = 0;
   };
 
+  // The bias tables of the groups' betas: one per distinct pair (tables), and each
+  // group's index into them (of).
+  struct BiasTables {
+    std::vector<std::vector<double>> tables;
+    std::vector<std::size_t> of;
+  };
+  // Where everything the manager holds lives: view indices into the device slab (device)
+  // and the pinned host slab (host), and the two layouts. Sizes only, no memory.
+  struct MemoryPlan {
+    struct Views {  // one parameter's device views (master, m, v only in mode none)
+      std::size_t grad = 0, acc = 0, compute = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
+    };
+    std::vector<Views> param;
+    std::size_t scalars = 0, steps = 0, hyper = 0;  // device: StepScalars, counters, hyper
+    std::vector<std::size_t> bias;                  // device: one per distinct bias table
+    std::vector<std::size_t> bias_of;               // per group: its index into bias
+    std::vector<std::size_t> slots;                 // device: mode optimizer's ring
+    std::size_t words = 0, host_hyper = 0;          // host: HostWords, the hyper staging
+    std::vector<std::size_t> chunk_host;            // host: mode optimizer's chunk blocks
+    SlabLayout device, host;
+  };
+
   bool streamed() const noexcept { return mode() == OffloadMode::optimizer; }
+  // The constructor's parts, in order. make_bias_tables refuses a beta too close to 1
+  // (before any memory); plan_memory lays out both slabs and (mode optimizer) each
+  // chunk's host block, recording the parameters' offsets in them and chunk_bytes_;
+  // allocate_memory allocates the slabs and the norm workspace and points every view
+  // (and the kernels' lists of accumulators) into them; set_up_step starts the step
+  // bookkeeping (ring, speculation) and uploads the device constants (layout record,
+  // bias tables, hyper-parameters), then waits for the uploads.
+  BiasTables make_bias_tables() const;
+  MemoryPlan plan_memory(const BiasTables& bias);
+  void allocate_memory(const MemoryPlan& plan);
+  void set_up_step(const MemoryPlan& plan, const BiasTables& bias);
   void free_memory() noexcept;
   void ensure_scale();
   void ensure_hyper();
@@ -227,36 +260,53 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   // SignSGD takes the sign of the raw accumulator (the read is not applied); scaling it in
   // place could flush a tiny value to zero, so SignSGD always reads lazily.
   eager_ = !cfg.lazy_gpu_scale && is_adamw();
-  const std::size_t n = cfg.params.size();
-  const std::size_t nchunks = chunks().size();
-  const bool adamw = is_adamw();
-  params_.resize(n);
-  accumulated_.assign(n, 0);
+  params_.resize(cfg.params.size());
+  accumulated_.assign(cfg.params.size(), 0);
+  // The bias tables first: they may refuse a beta too close to 1, before any memory.
+  const BiasTables bias = make_bias_tables();
+  const MemoryPlan plan = plan_memory(bias);
+  try {
+    allocate_memory(plan);
+    set_up_step(plan, bias);
+  } catch (...) {
+    free_memory();
+    throw;
+  }
+}
+
+GpuGradientManager::BiasTables GpuGradientManager::make_bias_tables() const {
+  BiasTables bias;
   const std::size_t ngroups = groups().size();
-  // The bias tables first (they may refuse a beta too close to 1, before any memory): one
-  // per distinct pair of betas; bias_of[g] is group g's.
-  std::vector<std::vector<double>> bias;
-  std::vector<std::size_t> bias_of(ngroups, 0);
-  for (std::size_t g = 0; g < ngroups && adamw; ++g) {
+  bias.of.assign(ngroups, 0);
+  for (std::size_t g = 0; g < ngroups && is_adamw(); ++g) {
     const ParamGroup& pg = groups()[g];
     std::size_t t = 0;
     while (t < g && !(groups()[t].beta1 == pg.beta1 && groups()[t].beta2 == pg.beta2)) ++t;
     if (t < g) {
-      bias_of[g] = bias_of[t];
+      bias.of[g] = bias.of[t];
       continue;
     }
-    bias_of[g] = bias.size();
-    with_group_names(cfg.groups.empty() ? "optimizer.adamw." : "groups[" + std::to_string(g) + "].",
-                     "optimizer.adamw.",
-                     [&] { bias.push_back(gpu::make_adamw_bias_table(adamw_config(g))); });
+    bias.of[g] = bias.tables.size();
+    with_group_names(
+        config().groups.empty() ? "optimizer.adamw." : "groups[" + std::to_string(g) + "].",
+        "optimizer.adamw.",
+        [&] { bias.tables.push_back(gpu::make_adamw_bias_table(adamw_config(g))); });
   }
+  return bias;
+}
+
+GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables& bias) {
+  const ManagerConfig& cfg = config();
+  const std::size_t n = cfg.params.size();
+  const std::size_t nchunks = chunks().size();
+  const std::size_t ngroups = groups().size();
+  const bool adamw = is_adamw();
+  MemoryPlan plan;
+  plan.param.resize(n);
+  std::vector<MemoryPlan::Views>& view = plan.param;
 
   // Device views: per parameter grad, acc, compute (and master, m, v in mode none); the
   // scalars; mode optimizer: the ring of slots, each as large as the largest chunk block.
-  struct Views {
-    std::size_t grad = 0, acc = 0, compute = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
-  };
-  std::vector<Views> view(n);
   SlabViews dev_views;
   for (std::size_t i = 0; i < n; ++i) {
     const ParamSpec& p = cfg.params[i];
@@ -271,18 +321,19 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
       view[i].exp_avg_sq = dev_views.add(adamw ? p.numel * 4 : 0);
     }
   }
-  const std::size_t scalars_view = dev_views.add(sizeof(StepScalars));
-  const std::size_t steps_view = dev_views.add(sizeof(float) * n);
-  const std::size_t hyper_view = dev_views.add(sizeof(StepHyper) * ngroups);
-  std::vector<std::size_t> bias_view;
-  for (const auto& table : bias) bias_view.push_back(dev_views.add(sizeof(double) * table.size()));
+  plan.scalars = dev_views.add(sizeof(StepScalars));
+  plan.steps = dev_views.add(sizeof(float) * n);
+  plan.hyper = dev_views.add(sizeof(StepHyper) * ngroups);
+  for (const auto& table : bias.tables)
+    plan.bias.push_back(dev_views.add(sizeof(double) * table.size()));
+  plan.bias_of = bias.of;
 
   // Host views: the words and flags, then (mode optimizer) each chunk's block: masters,
   // then exp_avg, then exp_avg_sq of its parameters (a slab of its own, moved in one copy).
   SlabViews host_views;
-  const std::size_t words_view = host_views.add(sizeof(HostWords));
-  const std::size_t hhyper_view = host_views.add(sizeof(StepHyper) * ngroups);
-  std::vector<std::size_t> chunk_host_view(nchunks, 0);
+  plan.words = host_views.add(sizeof(HostWords));
+  plan.host_hyper = host_views.add(sizeof(StepHyper) * ngroups);
+  plan.chunk_host.assign(nchunks, 0);
   std::size_t slot_bytes = 0;
   if (streamed()) {
     chunk_bytes_.assign(nchunks, 0);
@@ -306,93 +357,102 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
         }
       }
       chunk_bytes_[k] = bl.total_bytes;
-      chunk_host_view[k] = host_views.add(bl.total_bytes);
+      plan.chunk_host[k] = host_views.add(bl.total_bytes);
       slot_bytes = std::max(slot_bytes, bl.total_bytes);
     }
   }
   const std::size_t nslots = streamed() ? std::min(kRingSlots, nchunks) : 0;
-  std::vector<std::size_t> slot_view(nslots);
-  for (std::size_t j = 0; j < nslots; ++j) slot_view[j] = dev_views.add(slot_bytes);
-  const SlabLayout dl = dev_views.layout(), hl = host_views.layout();
+  plan.slots.resize(nslots);
+  for (std::size_t j = 0; j < nslots; ++j) plan.slots[j] = dev_views.add(slot_bytes);
+  plan.device = dev_views.layout();
+  plan.host = host_views.layout();
+  return plan;
+}
 
-  try {
-    dmem_ = static_cast<std::byte*>(dev_.allocate(slab_allocation_bytes(dl)));
-    hmem_ = static_cast<std::byte*>(dev_.allocate_host(slab_allocation_bytes(hl), cfg.numa_node));
-    auto dev_at = [&](std::size_t v) { return dmem_ + dl.offsets[v]; };
-    auto host_at = [&](std::size_t v) { return hmem_ + hl.offsets[v]; };
-    d_ = reinterpret_cast<StepScalars*>(dev_at(scalars_view));
-    d_steps_ = reinterpret_cast<float*>(dev_at(steps_view));
-    d_hyper_ = reinterpret_cast<StepHyper*>(dev_at(hyper_view));
-    h_hyper_ = reinterpret_cast<StepHyper*>(host_at(hhyper_view));
-    for (std::size_t g = 0; g < ngroups && adamw; ++g)
-      d_bias_.push_back(reinterpret_cast<const double*>(dev_at(bias_view[bias_of[g]])));
-    h_ = reinterpret_cast<HostWords*>(host_at(words_view));
-    for (std::size_t k = 0; k < nchunks && streamed(); ++k)
-      chunk_host_.push_back(host_at(chunk_host_view[k]));
-    for (std::size_t j = 0; j < nslots; ++j) slots_.push_back(dev_at(slot_view[j]));
-    slot_free_.resize(nslots);
+void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
+  const ManagerConfig& cfg = config();
+  const std::size_t n = cfg.params.size();
+  const std::size_t nchunks = chunks().size();
+  const bool adamw = is_adamw();
+  dmem_ = static_cast<std::byte*>(dev_.allocate(slab_allocation_bytes(plan.device)));
+  hmem_ =
+      static_cast<std::byte*>(dev_.allocate_host(slab_allocation_bytes(plan.host), cfg.numa_node));
+  auto dev_at = [&](std::size_t v) { return dmem_ + plan.device.offsets[v]; };
+  auto host_at = [&](std::size_t v) { return hmem_ + plan.host.offsets[v]; };
+  d_ = reinterpret_cast<StepScalars*>(dev_at(plan.scalars));
+  d_steps_ = reinterpret_cast<float*>(dev_at(plan.steps));
+  d_hyper_ = reinterpret_cast<StepHyper*>(dev_at(plan.hyper));
+  h_hyper_ = reinterpret_cast<StepHyper*>(host_at(plan.host_hyper));
+  for (std::size_t g = 0; g < groups().size() && adamw; ++g)
+    d_bias_.push_back(reinterpret_cast<const double*>(dev_at(plan.bias[plan.bias_of[g]])));
+  h_ = reinterpret_cast<HostWords*>(host_at(plan.words));
+  for (std::size_t k = 0; k < nchunks && streamed(); ++k)
+    chunk_host_.push_back(host_at(plan.chunk_host[k]));
+  for (std::size_t v : plan.slots) slots_.push_back(dev_at(v));
 
-    for (std::size_t i = 0; i < n; ++i) {
-      const ParamSpec& p = cfg.params[i];
-      Param& q = params_[i];
-      if (p.gradient_buffer) q.grad = {dev_at(view[i].grad), p.numel, p.grad_dtype};
-      q.acc = {dev_at(view[i].acc), p.numel, DType::f32};
-      if (p.compute_into.data != nullptr || p.compute_into.numel != 0)
-        q.compute = p.compute_into;  // the caller's storage (validated by the base)
-      else if (p.has_compute_weights)
-        q.compute = {dev_at(view[i].compute), p.numel, p.compute_dtype};
-      if (streamed()) {
-        std::byte* block = chunk_host_[chunk_of(i)];
-        q.master = reinterpret_cast<float*>(block + q.master_off);
-        if (adamw) {
-          q.exp_avg = reinterpret_cast<float*>(block + q.exp_avg_off);
-          q.exp_avg_sq = reinterpret_cast<float*>(block + q.exp_avg_sq_off);
-        }
-      } else {
-        q.master = reinterpret_cast<float*>(dev_at(view[i].master));
-        if (adamw) {
-          q.exp_avg = reinterpret_cast<float*>(dev_at(view[i].exp_avg));
-          q.exp_avg_sq = reinterpret_cast<float*>(dev_at(view[i].exp_avg_sq));
-        }
+  for (std::size_t i = 0; i < n; ++i) {
+    const ParamSpec& p = cfg.params[i];
+    const MemoryPlan::Views& view = plan.param[i];
+    Param& q = params_[i];
+    if (p.gradient_buffer) q.grad = {dev_at(view.grad), p.numel, p.grad_dtype};
+    q.acc = {dev_at(view.acc), p.numel, DType::f32};
+    if (p.compute_into.data != nullptr || p.compute_into.numel != 0)
+      q.compute = p.compute_into;  // the caller's storage (validated by the base)
+    else if (p.has_compute_weights)
+      q.compute = {dev_at(view.compute), p.numel, p.compute_dtype};
+    if (streamed()) {
+      std::byte* block = chunk_host_[chunk_of(i)];
+      q.master = reinterpret_cast<float*>(block + q.master_off);
+      if (adamw) {
+        q.exp_avg = reinterpret_cast<float*>(block + q.exp_avg_off);
+        q.exp_avg_sq = reinterpret_cast<float*>(block + q.exp_avg_sq_off);
       }
-      (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
-      if (p.counts_toward_norm) counted_const_.push_back(q.acc);
+    } else {
+      q.master = reinterpret_cast<float*>(dev_at(view.master));
+      if (adamw) {
+        q.exp_avg = reinterpret_cast<float*>(dev_at(view.exp_avg));
+        q.exp_avg_sq = reinterpret_cast<float*>(dev_at(view.exp_avg_sq));
+      }
     }
-    speculated_.assign(nchunks, 0);
-    spec_.resize(n);
-
-    // One norm workspace, large enough for every set of accumulators a norm runs over.
-    std::vector<TensorView> all;
-    for (const Param& q : params_) all.push_back(q.acc);
-    workspace_bytes_ =
-        std::max({dev_.norm_workspace_bytes(all), dev_.norm_workspace_bytes(counted_),
-                  dev_.norm_workspace_bytes(uncounted_)});
-    for (std::size_t k = 0; k < nchunks; ++k) {
-      std::vector<TensorView> views;
-      for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
-        views.push_back(params_[i].acc);
-      workspace_bytes_ = std::max(workspace_bytes_, dev_.norm_workspace_bytes(views));
-    }
-    if (workspace_bytes_ != 0) workspace_ = dev_.allocate(workspace_bytes_);
-
-    // Constants: 1.0f and this rank's layout record (reduced in place with max, so a
-    // consistent layout leaves it unchanged and it is written once).
-    h_->one = 1.0f;
-    h_->check = comm::make_layout_check(cfg.layout_fingerprint);
-    dev_.copy(Queue::compute, &d_->one, &h_->one, sizeof(float));
-    dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
-    // The groups' hyper-parameters (ensure_hyper keeps them current) and the bias
-    // tables, read by every step's kernels.
-    for (std::size_t t = 0; t < bias.size(); ++t)
-      dev_.copy(Queue::compute, dev_at(bias_view[t]), bias[t].data(),
-                sizeof(double) * bias[t].size());
-    hyper_uploaded_ = hyper_version() + 1;  // differs: the first ensure_hyper uploads
-    ensure_hyper();
-    dev_.synchronize();  // the sources are this frame's memory
-  } catch (...) {
-    free_memory();
-    throw;
+    (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
+    if (p.counts_toward_norm) counted_const_.push_back(q.acc);
   }
+
+  // One norm workspace, large enough for every set of accumulators a norm runs over.
+  std::vector<TensorView> all;
+  for (const Param& q : params_) all.push_back(q.acc);
+  workspace_bytes_ = std::max({dev_.norm_workspace_bytes(all), dev_.norm_workspace_bytes(counted_),
+                               dev_.norm_workspace_bytes(uncounted_)});
+  for (std::size_t k = 0; k < nchunks; ++k) {
+    std::vector<TensorView> views;
+    for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+      views.push_back(params_[i].acc);
+    workspace_bytes_ = std::max(workspace_bytes_, dev_.norm_workspace_bytes(views));
+  }
+  if (workspace_bytes_ != 0) workspace_ = dev_.allocate(workspace_bytes_);
+}
+
+void GpuGradientManager::set_up_step(const MemoryPlan& plan, const BiasTables& bias) {
+  const ManagerConfig& cfg = config();
+  // The ring's slots start free; no chunk is speculated yet.
+  slot_free_.resize(plan.slots.size());
+  speculated_.assign(chunks().size(), 0);
+  spec_.resize(cfg.params.size());
+
+  // Constants: 1.0f and this rank's layout record (reduced in place with max, so a
+  // consistent layout leaves it unchanged and it is written once).
+  h_->one = 1.0f;
+  h_->check = comm::make_layout_check(cfg.layout_fingerprint);
+  dev_.copy(Queue::compute, &d_->one, &h_->one, sizeof(float));
+  dev_.copy(Queue::compute, &d_->summary.check, &h_->check, sizeof(comm::LayoutCheck));
+  // The groups' hyper-parameters (ensure_hyper keeps them current) and the bias
+  // tables, read by every step's kernels.
+  for (std::size_t t = 0; t < bias.tables.size(); ++t)
+    dev_.copy(Queue::compute, dmem_ + plan.device.offsets[plan.bias[t]], bias.tables[t].data(),
+              sizeof(double) * bias.tables[t].size());
+  hyper_uploaded_ = hyper_version() + 1;  // differs: the first ensure_hyper uploads
+  ensure_hyper();
+  dev_.synchronize();  // the sources are this frame's memory
 }
 
 GpuGradientManager::~GpuGradientManager() {
