@@ -45,7 +45,7 @@ using python::BufferArg;
 using python::Memory;
 using python::parse_formula;
 
-// The device layouts Python code indexes (docs/python.md, "CUDA launchers").
+// The device layouts Python code indexes (docs/python.md, "GPU launchers").
 constexpr std::size_t kSumWords = kNormDigits + 2;  // digits, nan_count, inf_count: SUM
 constexpr std::size_t kMaxInt32 = 2 * kSumWords;    // max_abs_bits, approximate: MAX (int32)
 static_assert(sizeof(NormPartial) == 8 * kSumWords + 8);
