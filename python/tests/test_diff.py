@@ -198,8 +198,8 @@ def test_signed_zero(cases):
     assert (t["a_hex"], t["b_hex"], t["a_value"], t["b_value"]) == \
         ("0x80000000", "0x00000000", 0.0, 0.0)
     assert math.copysign(1.0, t["a_value"]) == -1.0 and math.copysign(1.0, t["b_value"]) == 1.0
-    # 0 ulps apart: within any positive tolerance
-    assert one(sd.compare(*cases["signed_zero"][:2], max_ulps=1))["status"] == "within_tolerance"
+    # 0 ulps apart, but a class difference: never within tolerance (docs/diff.md)
+    assert one(sd.compare(*cases["signed_zero"][:2], max_ulps=1))["status"] == "different"
 
 
 def test_inf_vs_flt_max(cases):
@@ -388,38 +388,39 @@ CORRUPT_FILES = {
     "header not JSON": (lambda t: _raw_file(t, struct.pack("<Q", 5) + b"{nope"),
                         "not valid JSON"),
     "header not UTF-8": (lambda t: _raw_file(t, struct.pack("<Q", 2) + b"\xff\xfe"),
-                         "not valid JSON"),
+                         "the header is not valid JSON"),
     "header a list": (lambda t: craft(t / "bad.safetensors", [], header=[1, 2], data=b""),
-                      "not an object"),
+                      "the header is an array, not a JSON object"),
     "entry without dtype": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"shape": [2], "data_offsets": [0, 8]}}, data=b"\0" * 8), "has no 'dtype'"),
+        "x": {"shape": [2], "data_offsets": [0, 8]}}, data=b"\0" * 8), "tensor 'x': no \"dtype\""),
     "entry without shape": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"dtype": "F32", "data_offsets": [0, 8]}}, data=b"\0" * 8), "has no 'shape'"),
+        "x": {"dtype": "F32", "data_offsets": [0, 8]}}, data=b"\0" * 8), "tensor 'x': no \"shape\""),
     "entry without offsets": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"dtype": "F32", "shape": [2]}}, data=b"\0" * 8), "has no 'data_offsets'"),
+        "x": {"dtype": "F32", "shape": [2]}}, data=b"\0" * 8), "tensor 'x': no \"data_offsets\""),
     "entry not an object": (lambda t: craft(t / "bad.safetensors", [], header={"x": 3},
-                                            data=b""), "the entry is not an object"),
+                                            data=b""), "its entry is an integer, not an object"),
     "offsets out of range": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(0, 8))}, data=b"\0" * 4), "out of range"),
+        "x": entry(offs=(0, 8))}, data=b"\0" * 4), "run past the end of the data"),
     "begin > end": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(8, 0))}, data=b"\0" * 8), "begin 8 > end 0"),
+        "x": entry(offs=(8, 0))}, data=b"\0" * 8), "data_offsets [8, 0]: begin > end"),
     "overlapping": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(0, 8)), "y": entry(offs=(4, 12))}, data=b"\0" * 12), "overlaps"),
+        "x": entry(offs=(0, 8)), "y": entry(offs=(4, 12))}, data=b"\0" * 12),
+        "tensors 'x' [0, 8) and 'y' [4, 12) overlap"),
     "size not numel*itemsize": (lambda t: craft(t / "bad.safetensors", [], header={
         "x": entry(shape=(3,), offs=(0, 8))}, data=b"\0" * 8), "needs 12"),
     "negative shape": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(shape=(-2,))}, data=b"\0" * 8), "bad shape"),
+        "x": entry(shape=(-2,))}, data=b"\0" * 8), "shape[0] is -2, negative"),
     "shape not a list": (lambda t: craft(t / "bad.safetensors", [], header={
         "x": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, data=b"\0" * 8),
-        "bad shape"),
+        "\"shape\" is a string, not an array"),
     "unknown dtype": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(dtype="F8_E4M3", offs=(0, 2))}, data=b"\0" * 2), "unknown dtype 'F8_E4M3'"),
+        "x": entry(dtype="F8_E4M3", offs=(0, 2))}, data=b"\0" * 2), "unknown dtype \"F8_E4M3\""),
     "duplicate tensor": (lambda t: _raw_file(t, (lambda h: struct.pack("<Q", len(h)) + h)(
         b'{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
         b'"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}') + b"\0" * 4),
-        "duplicate key 'x'"),
+        "the header has the key \"x\" twice in one object"),
     "bad metadata": (lambda t: craft(t / "bad.safetensors", [], header={
-        "__metadata__": {"step": 1}}, data=b""), "'__metadata__' must be an object of strings"),
+        "__metadata__": {"step": 1}}, data=b""), "\"__metadata__\" entry 'step' is an integer, not a string"),
 }
 
 
@@ -455,46 +456,62 @@ def edit_manifest(d, change):
         json.dump(m, f)
 
 
+def edit_journal(d, change):
+    """Rewrites d/entries.jsonl with change(list of entries) applied."""
+    p = os.path.join(d, "entries.jsonl")
+    with open(p) as f:
+        lines = [json.loads(line) for line in f]
+    change(lines)
+    with open(p, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in lines)
+
+
 def _set(key, value):
     """Returns a manifest change setting m[key] = value."""
     return lambda m: m.__setitem__(key, value)
 
 
 def _entry(field, value):
-    """Returns a manifest change setting entries[0][field] = value."""
-    return lambda m: m["entries"][0].__setitem__(field, value)
+    """Returns a journal change setting the first entry's field to value."""
+    return lambda lines: lines[0].__setitem__(field, value)
 
 
+# (change, the file named, the problem): the messages are the C++ comparer's.
 CORRUPT_RECORDINGS = {
     "no manifest": (lambda d: os.remove(os.path.join(d, "manifest.json")),
-                    "manifest.json", "missing"),
+                    "", "not a recording: no manifest.json"),
     "manifest not JSON": (lambda d: open(os.path.join(d, "manifest.json"), "w").write("{x"),
-                          "manifest.json", "invalid JSON"),
+                          "manifest.json", "the manifest is not valid JSON"),
     "wrong format": (lambda d: edit_manifest(d, _set("format", "other")), "manifest.json",
-                     "format is 'other'"),
-    "wrong version": (lambda d: edit_manifest(d, _set("version", 2)), "manifest.json",
-                      "version 2 is not supported"),
-    "entries missing": (lambda d: edit_manifest(d, lambda m: m.pop("entries")),
-                        "manifest.json", "'entries' is missing"),
-    "entry without key": (lambda d: edit_manifest(d, lambda m: m["entries"][0].pop("key")),
-                          "manifest.json", "entries[0] has no 'key'"),
-    "bad step": (lambda d: edit_manifest(d, _entry("step", 0)), "manifest.json",
-                 "bad 'step' 0"),
+                     '"format" is "other", not "stepcore-recording"'),
+    "wrong version": (lambda d: edit_manifest(d, _set("version", 3)), "manifest.json",
+                      '"version" is 3; this stepcore-diff reads versions 1 to 2'),
+    "journal missing": (lambda d: edit_manifest(d, lambda m: m.pop("journal")),
+                        "manifest.json", 'no "journal"'),
+    "journal file missing": (lambda d: os.remove(os.path.join(d, "entries.jsonl")),
+                             "manifest.json", "entries.jsonl does not exist"),
+    "journal line not JSON": (lambda d: open(os.path.join(d, "entries.jsonl"), "a").write(
+        "{x\n"), "entries.jsonl", "line 3 of the journal is not valid JSON"),
+    "entry without key": (lambda d: edit_journal(d, lambda lines: lines[0].pop("key")),
+                          "entries.jsonl", 'line 1 (step 1, rank 0, point p, name w): no "key"'),
+    "bad step": (lambda d: edit_journal(d, _entry("step", -1)), "entries.jsonl",
+                 'line 1: "step" is -1, not a non-negative integer'),
     "missing file": (lambda d: os.remove(os.path.join(d, "step000002-rank0.safetensors")),
-                     "step000002-rank0.safetensors", "missing (named by"),
-    "missing key": (lambda d: edit_manifest(d, _entry("key", "p/nothing")),
-                    "step000001-rank0.safetensors", "has no tensor 'p/nothing'"),
-    "duplicate entries": (lambda d: edit_manifest(
-        d, lambda m: m["entries"].append(dict(m["entries"][0]))), "manifest.json",
-        "duplicate entry (step 1, rank 0, point 'p', name 'w')"),
-    "manifest disagrees with file": (lambda d: edit_manifest(d, _entry("shape", [1, 2])),
-                                     "step000001-rank0.safetensors",
-                                     "the manifest says F32 [1, 2]"),
+                     "entries.jsonl", "step000002-rank0.safetensors does not exist"),
+    "missing key": (lambda d: edit_journal(d, _entry("key", "p/nothing")),
+                    "entries.jsonl", "key 'p/nothing' is not in"),
+    "duplicate entries": (lambda d: edit_journal(
+        d, lambda lines: lines.append(dict(lines[0]))), "entries.jsonl",
+        "line 3 (step 1, rank 0, point p, name w): repeats the (step, rank, point, name) of "
+        "line 1"),
+    "manifest disagrees with file": (lambda d: edit_journal(d, _entry("shape", [1, 2])),
+                                     "entries.jsonl",
+                                     "the manifest says dtype F32, shape [1, 2], but"),
     "corrupt step file": (lambda d: open(os.path.join(d, "step000001-rank0.safetensors"),
                                          "wb").write(b"xx"),
                           "step000001-rank0.safetensors", "shorter than the 8-byte"),
-    "file outside": (lambda d: edit_manifest(d, _entry("file", "../x.safetensors")),
-                     "manifest.json", "is not a file name in the recording"),
+    "file outside": (lambda d: edit_journal(d, _entry("file", "../x.safetensors")),
+                     "entries.jsonl", "is not a relative path inside the recording"),
 }
 
 
@@ -506,16 +523,19 @@ def test_corrupt_recording_exits_2_naming_file_and_problem(tmp_path, case):
     change(bad)
     rc, out, err = run_cli(good, bad)
     assert rc == 2, (case, out, err)
-    assert os.path.join(bad, file_part) in err and problem in err, (case, err)
+    named = os.path.join(bad, file_part) if file_part else bad
+    assert named in err and problem in err, (case, err)
+    with pytest.raises(sd.FormatError, match="bad"):
+        sd.compare(good, bad)
 
 
 def test_bad_arguments_exit_2(tmp_path):
     """A directory against a file, a path that does not exist, a bad --max-ulps, one input."""
     good, rec = good_file(tmp_path), make_recording(tmp_path)
     rc, _, err = run_cli(good, rec)
-    assert rc == 2 and "compare two recordings (directories) or two safetensors files" in err
+    assert rc == 2 and "A and B must both be recordings or both safetensors files" in err
     rc, _, err = run_cli(good, tmp_path / "nothing.safetensors")
-    assert rc == 2 and f"{tmp_path / 'nothing.safetensors'}: does not exist" in err
+    assert rc == 2 and f"{tmp_path / 'nothing.safetensors'}: cannot read: No such file" in err
     rc, _, err = run_cli(good, good, "--max-ulps", "-1")
     assert rc == 2 and "--max-ulps" in err
     rc, _, err = run_cli(good)
@@ -575,7 +595,10 @@ def test_recorder_round_trip_is_bit_identical(tmp_path):
         offset += len(raw)
     with open(tmp_path / "r" / "manifest.json") as f:
         m = json.load(f)
-    assert (m["format"], m["version"]) == ("stepcore-recording", 1)
+    assert (m["format"], m["version"], m["journal"]) == ("stepcore-recording", 2,
+                                                         "entries.jsonl")
+    with open(tmp_path / "r" / "entries.jsonl") as f:
+        m["entries"] = [json.loads(line) for line in f]
     assert m["entries"][0] == {"step": 1, "point": "pt", "name": "np_f32", "rank": 0,
                                "file": "step000001-rank0.safetensors", "key": "pt/np_f32",
                                "dtype": "F32", "shape": [2, 2]}
@@ -652,7 +675,7 @@ def test_recorder_refuses_a_non_empty_directory(tmp_path):
         sd.Recorder(d)
     assert sorted(os.listdir(d)) == before
     rec = sd.Recorder(d, overwrite=True)
-    assert os.listdir(d) == ["manifest.json"]
+    assert sorted(os.listdir(d)) == ["entries.jsonl", "manifest.json"]
     rec.close()
     (tmp_path / "r" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a recording's"):

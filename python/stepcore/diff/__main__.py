@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         result, extras, kind, runs = compare_detailed(args.a, args.b, args.max_ulps)
-    except (FormatError, ValueError, OSError) as e:
+    except (FormatError, ValueError, OSError, ImportError) as e:
         print(f"stepcore.diff: error: {e}", file=sys.stderr)
         return 2
     if args.report:
