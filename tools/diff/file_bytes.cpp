@@ -1,5 +1,6 @@
-// FileBytes: open, fstat, pread in chunks into one buffer, close. A short read (end of
-// file before fstat's size) is the file shrinking under us: an InputError.
+// FileBytes: open, fstat, pread in chunks into one buffer, fstat again, close. A short
+// read (end of file before fstat's size) or a smaller size afterwards is the file
+// shrinking under us: an InputError.
 #include "file_bytes.hpp"
 
 #include <fcntl.h>
@@ -63,6 +64,16 @@ FileBytes::FileBytes(const std::string& path) : path_(path) {
                                  " (truncated by another process?)");
     done += static_cast<std::uint64_t>(got);
   }
+  // A truncation racing the last read can hand it zeros for the bytes it cut (the kernel
+  // lowers the size before it clears the page tail): a size that changed meanwhile is
+  // the same error, and a size still whole means every byte read was the file's.
+  struct stat after {};
+  if (::fstat(f.fd, &after) != 0)
+    throw InputError(path, std::string("cannot stat: ") + std::strerror(errno));
+  if (static_cast<std::uint64_t>(after.st_size) < size_)
+    throw InputError(path, "shrank from " + std::to_string(size_) + " to " +
+                               std::to_string(after.st_size) + " bytes while being read " +
+                               "(truncated by another process?)");
 }
 
 namespace testing {

@@ -12,7 +12,8 @@ namespace stepcore_diff {
 
 /// The bytes of a regular file, read whole when constructed. Throws InputError naming
 /// the path when it cannot be opened, is not a regular file, cannot be read, or ends
-/// before the size fstat gave (it shrank while being read). An empty file has no bytes
+/// before the size fstat gave or has a smaller size after the read (it shrank while
+/// being read). An empty file has no bytes
 /// (data() is null, size() 0). What is read stays valid whatever happens to the file.
 class FileBytes {
  public:
