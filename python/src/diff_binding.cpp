@@ -44,13 +44,15 @@ void bind_diff(nb::module_& m) {
   m.def(
       "diff_compare",
       [](const std::string& a, const std::string& b, std::optional<std::uint64_t> max_ulps,
-         int threads) {
+         int threads, bool all) {
         nb::gil_scoped_release released;
-        return stepcore_diff::compare_json(a, b, max_ulps, threads);
+        return stepcore_diff::compare_json(a, b, max_ulps, threads, all);
       },
       nb::arg("a"), nb::arg("b"), nb::arg("max_ulps").none() = nb::none(), nb::arg("threads") = 0,
+      nb::arg("all") = false,
       "Private (stepcore.diff): compares the recordings or safetensors files `a` and `b` with "
-      "stepcore-diff's comparer; returns JSON text {kind, runs, result, details}.");
+      "stepcore-diff's comparer; returns JSON text {kind, runs, result, details, human} "
+      "(human: stepcore-diff's table and summary, every tensor listed with `all`).");
 #else
   (void)m;
 #endif

@@ -2,6 +2,7 @@
 #include "cli.hpp"
 
 #include <charconv>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -97,7 +98,7 @@ void check_same_kind(const Input& a, const Input& b) {
 }  // namespace
 
 std::string compare_json(const std::string& a_path, const std::string& b_path,
-                         std::optional<std::uint64_t> max_ulps, int threads) {
+                         std::optional<std::uint64_t> max_ulps, int threads, bool all) {
   const Input a = load_input(a_path);
   const Input b = load_input(b_path);
   check_same_kind(a, b);
@@ -113,7 +114,11 @@ std::string compare_json(const std::string& a_path, const std::string& b_path,
   write_json(out, r);
   out << ", \"details\": ";
   write_details_json(out, r);
-  out << "}";
+  std::ostringstream human;
+  write_human(human, r, all, max_ulps);
+  out << ", \"human\": "
+      << nlohmann::json(human.str()).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+      << "}";
   return out.str();
 }
 

@@ -20,9 +20,10 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
 /// The comparison of the paths `a` and `b` (what `run` loads and compares) for the Python
 /// package, as one JSON text: {"kind": "recording" or "file", "runs": [A's run metadata,
 /// B's] (nulls for files), "result": write_json's object, "details": write_details_json's
-/// array}. `threads` 0: default_threads(). Throws InputError (a bad input) or UsageError
-/// (A and B of different kinds), like `run` before it prints anything.
+/// array, "human": write_human's text (every tensor listed with `all`)}. `threads` 0:
+/// default_threads(). Throws InputError (a bad input) or UsageError (A and B of
+/// different kinds), like `run` before it prints anything.
 std::string compare_json(const std::string& a, const std::string& b,
-                         std::optional<std::uint64_t> max_ulps, int threads);
+                         std::optional<std::uint64_t> max_ulps, int threads, bool all = false);
 
 }  // namespace stepcore_diff

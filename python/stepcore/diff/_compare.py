@@ -33,14 +33,9 @@ def _binding():
     return f, _core
 
 
-def compare_detailed(a, b, max_ulps=0):
-    """Returns (compare()'s dict, per-tensor extras, the inputs' kind, (A's run, B's run)).
-
-    extras: one dict per tensor with "hist" (the ulp distances' log2 buckets: [0] distance
-    0, [1] 1, [2] 2-3, ...; None unless a differing tensor of an ulp-aware dtype), "a" and
-    "b" (each side's (dtype, shape), None when missing) and "shards" (shards gathered).
-    kind: "recording" or "file".
-    """
+def _compare(a, b, max_ulps=0, show_all=False) -> dict:
+    """Runs the C++ comparer; returns its JSON object: kind, runs, result, details, human
+    (stepcore-diff's table and summary; every tensor listed with show_all)."""
     if not isinstance(max_ulps, int) or isinstance(max_ulps, bool) or max_ulps < 0:
         raise ValueError(f"stepcore.diff: 'max_ulps' must be a non-negative integer, got "
                          f"{max_ulps!r}")
@@ -51,17 +46,32 @@ def compare_detailed(a, b, max_ulps=0):
         paths.append(os.fspath(p))
     f, core = _binding()
     try:
-        text = f(paths[0], paths[1], max_ulps if max_ulps > 0 else None)
+        text = f(paths[0], paths[1], max_ulps if max_ulps > 0 else None, 0, bool(show_all))
     except core.DiffInputError as e:
         raise FormatError(str(e)) from None
     except ValueError as e:  # A and B of different kinds
         raise FormatError(f"stepcore.diff: {e}") from None
-    out = json.loads(text)
-    extras = [{"hist": d["hist"], "a": None if d["a"] is None else tuple(d["a"]),
-               "b": None if d["b"] is None else tuple(d["b"]), "shards": d["shards"]}
-              for d in out["details"]]
-    runs = tuple(out["runs"])
-    return out["result"], extras, out["kind"], (runs[0], runs[1])
+    return json.loads(text)
+
+
+def _extras(out):
+    """Returns compare_detailed's extras of a _compare object."""
+    return [{"hist": d["hist"], "a": None if d["a"] is None else tuple(d["a"]),
+             "b": None if d["b"] is None else tuple(d["b"]), "shards": d["shards"]}
+            for d in out["details"]]
+
+
+def compare_detailed(a, b, max_ulps=0):
+    """Returns (compare()'s dict, per-tensor extras, the inputs' kind, (A's run, B's run)).
+
+    extras: one dict per tensor with "hist" (the ulp distances' 34 log2 buckets: [0]
+    distance 0, [1] 1, [2] 2-3, ...; None unless a differing tensor of an ulp-aware
+    dtype), "a" and "b" (each side's (dtype, shape), None when missing) and "shards"
+    (shards gathered). kind: "recording" or "file".
+    """
+    out = _compare(a, b, max_ulps)
+    runs = out["runs"]
+    return out["result"], _extras(out), out["kind"], (runs[0], runs[1])
 
 
 def compare(a, b, max_ulps=0) -> dict:
