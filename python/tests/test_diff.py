@@ -798,8 +798,10 @@ dist.init_process_group("gloo", rank=rank, world_size=world)
 mesh = init_device_mesh("cpu", (world,))
 full = torch.arange(10, dtype=torch.float32).reshape(5, 2)
 dt = distribute_tensor(full, mesh, [Shard(0)])
+cols = distribute_tensor(torch.arange(12, dtype=torch.float32).reshape(2, 6), mesh, [Shard(1)])
 rec = sd.Recorder(sys.argv[1], {"world": world}, overwrite=True)
 rec.record("after_step", "w", dt)
+rec.record("after_step", "c", cols)
 rec.next_step()
 if rank == 1:
     rec.record("after_step", "only_rank1", torch.tensor([rank], dtype=torch.int64))
@@ -825,11 +827,178 @@ def test_dtensor_local_shards_on_two_gloo_processes(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     r = sd.read_recording(d)
     assert [(e["step"], e["rank"], e["name"], e["shape"]) for e in r.entries] == \
-        [(1, 0, "w", [3, 2]), (1, 1, "w", [2, 2]), (2, 1, "only_rank1", [1])]
+        [(1, 0, "w", [3, 2]), (1, 0, "c", [2, 3]), (1, 1, "w", [2, 2]), (1, 1, "c", [2, 3]),
+         (2, 1, "only_rank1", [1])]
+    # each shard's placement: the whole's shape and the shard's offset in it
+    assert [(e.get("global_shape"), e.get("global_offset")) for e in r.entries] == \
+        [([5, 2], [0, 0]), ([2, 6], [0, 0]), ([5, 2], [3, 0]), ([2, 6], [0, 3]), (None, None)]
     full = np.arange(10, dtype=np.float32).reshape(5, 2)
     assert r.get(1, "after_step", "w", rank=0).tobytes() == full[:3].tobytes()
     assert r.get(1, "after_step", "w", rank=1).tobytes() == full[3:].tobytes()
     assert r.run["world"] == 2
+    # Against one process holding the whole tensors: the shards are gathered by placement.
+    one = tmp_path / "one"
+    cols = np.arange(12, dtype=np.float32).reshape(2, 6)
+    with sd.Recorder(one) as rec:
+        rec.record("after_step", "w", full)
+        rec.record("after_step", "c", cols)
+    res = sd.compare(d, one)
+    assert [(t["name"], t["rank"], t["status"], t["shape"]) for t in res["tensors"]] == \
+        [("w", 0, "identical", [5, 2]), ("c", 0, "identical", [2, 6]),
+         ("only_rank1", 1, "missing_in_b", [1])]
+    # One element differs: global (4, 1) of w, in rank 1's shard at (1, 1); (1, 4) of c.
+    other = tmp_path / "other"
+    w2, c2 = full.copy(), cols.copy()
+    w2[4, 1] = np.nextafter(w2[4, 1], np.float32(100))
+    c2[1, 4] = -c2[1, 4]
+    with sd.Recorder(other) as rec:
+        rec.record("after_step", "w", w2)
+        rec.record("after_step", "c", c2)
+    res = sd.compare(d, other)
+    w_t, c_t = res["tensors"][0], res["tensors"][1]
+    assert (w_t["status"], w_t["differing"], w_t["first_index"], w_t["max_ulps"]) == \
+        ("different", 1, 9, 1)
+    assert (c_t["status"], c_t["differing"], c_t["first_index"]) == ("different", 1, 10)
+    assert res["first_divergence"] == {"step": 1, "point": "after_step", "name": "w", "rank": 0}
+    rc, out, _ = run_cli(d, other)
+    assert rc == 1 and "9 (4,1)" in out and "10 (1,4)" in out, out
+
+
+def test_shard_placement_arguments_are_checked(tmp_path):
+    """record(global_shape=, global_offset=): lists of the shard's rank holding it inside."""
+    rec = sd.Recorder(tmp_path / "r")
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="'global_shape' must be a list of 2"):
+        rec.record("p", "x", x, global_shape=[4], global_offset=[0, 0])
+    with pytest.raises(ValueError, match="'global_offset' must be a list of 2"):
+        rec.record("p", "x", x, global_shape=[4, 3], global_offset=[0, -1])
+    with pytest.raises(ValueError, match="outside 'global_shape'"):
+        rec.record("p", "x", x, global_shape=[4, 3], global_offset=[3, 0])
+    rec.record("p", "x", x, global_shape=[2, 3], global_offset=[0, 0])
+    rec.close()
+    e = sd.read_recording(tmp_path / "r").entries[0]
+    assert (e["global_shape"], e["global_offset"]) == ([2, 3], [0, 0])
+
+
+def journal_sizes(d, steps, per_step):
+    """Records `steps` steps of `per_step` tensors; returns the journal's size after each."""
+    sizes = []
+    with sd.Recorder(d) as rec:
+        for step in range(1, steps + 1):
+            for i in range(per_step):
+                rec.record("p", f"t{i}", np.full(3, step, np.float32))
+            rec.next_step()
+            sizes.append(os.path.getsize(os.path.join(d, "entries.jsonl")))
+    return sizes
+
+
+def test_the_recorder_appends_each_step_to_its_journal(tmp_path, monkeypatch):
+    """200 steps: each appends its own entries (a constant number of bytes, one write and
+    one fsync), and manifest.json is written once, not per step."""
+    replaced, fsyncs = [], []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(os.path.basename(b)),
+                                                     real_replace(a, b))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    d = str(tmp_path / "r")
+    sizes = journal_sizes(d, 200, 3)
+    growth = [b - a for a, b in zip([0] + sizes, sizes)]
+    # 3 lines a step; they differ only in the step's digits ("step": 7 vs 123): 3 x 2 bytes
+    assert min(growth) > 0 and max(growth) - min(growth) <= 6, (min(growth), max(growth))
+    assert replaced.count("manifest.json") == 1
+    # per step: the step's file and one journal append
+    assert replaced.count("step000200-rank0.safetensors") == 1 and len(fsyncs) <= 2 * 200 + 3
+    r = sd.read_recording(d)
+    assert len(r.entries) == 600 and r.get(200, "p", "t2").tolist() == [200.0] * 3
+
+
+def test_a_torn_journal_tail_is_not_yet_written(tmp_path):
+    """A last line without its newline (an append cut short) is ignored by both readers;
+    a complete bad line is a FormatError naming the journal and the line."""
+    d = tmp_path / "r"
+    with sd.Recorder(d) as rec:
+        for step in (1, 2):
+            rec.record("p", "w", np.full(2, step, np.float32))
+            rec.next_step()
+    journal = d / "entries.jsonl"
+    text = journal.read_text()
+    lines = text.splitlines(keepends=True)
+    for cut in range(len(lines[1])):
+        journal.write_text(lines[0] + lines[1][:cut])
+        assert [e["step"] for e in sd.read_recording(d).entries] == [1]
+        assert sd.compare(d, d)["summary"]["tensors"] == 1
+    journal.write_text(lines[0] + "{oops\n" + lines[1])
+    with pytest.raises(sd.FormatError, match="line 2"):
+        sd.read_recording(d)
+    with pytest.raises(sd.FormatError, match="entries.jsonl: line 2 of the journal is not"):
+        sd.compare(d, d)
+    journal.write_text(text)
+    assert sd.compare(d, d)["summary"]["identical"] == 2
+
+
+def test_a_version_1_recording_is_still_read(tmp_path):
+    """A recording whose manifest.json lists the entries (version 1) compares as before."""
+    d = tmp_path / "v1"
+    with sd.Recorder(d) as rec:
+        rec.record("p", "w", np.arange(3, dtype=np.float32))
+    entries = [json.loads(line) for line in (d / "entries.jsonl").read_text().splitlines()]
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "entries.jsonl").unlink()
+    (d / "manifest.json").write_text(json.dumps({"format": m["format"], "version": 1,
+                                                  "run": m["run"], "entries": entries}))
+    assert sd.read_recording(d).entries[0]["name"] == "w"
+    r = sd.compare(d, d)
+    assert (r["identical"], r["summary"]["tensors"]) == (True, 1)
+
+
+TRUNCATE = r"""
+import os, random, sys, threading, time
+import stepcore.diff as sd
+a, b, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+data = open(b, "rb").read()
+rng = random.Random(27)
+counts = {"compared": 0, "error": 0}
+for run in range(runs):
+    with open(a, "wb") as f:
+        f.write(data)
+    cut = rng.randrange(len(data))
+    delay = rng.random() * 0.004
+    t = threading.Thread(target=lambda: (time.sleep(delay), os.truncate(a, cut)))
+    t.start()
+    try:
+        r = sd.compare(a, b)
+        assert r["identical"], r["summary"]  # a comparison that ran read the whole file
+        counts["compared"] += 1
+    except sd.FormatError as e:
+        assert a in str(e), e
+        counts["error"] += 1
+    t.join()
+print(counts["compared"], counts["error"])
+"""
+
+
+def test_a_file_truncated_while_compared_raises_never_crashes(tmp_path):
+    """A truncated file is a FormatError naming it; 300 truncations racing the comparer (the
+    GIL released) in a child process: each an error or a whole comparison, never a signal."""
+    tensors = [(f"t{i}", "F32", [65536], np.arange(65536, dtype=np.uint32).tobytes())
+               for i in range(4)]
+    b = craft(tmp_path / "b.safetensors", tensors)
+    a = str(tmp_path / "a.safetensors")
+    with open(b, "rb") as f:
+        data = f.read()
+    with open(a, "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(sd.FormatError, match="a.safetensors"):
+        sd.compare(a, b)
+    rc, out, err = run_cli(a, b)
+    assert rc == 2 and a in err
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    p = subprocess.run([sys.executable, "-c", TRUNCATE, a, b, "300"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    compared, errors = map(int, p.stdout.split())
+    assert compared + errors == 300 and errors > 0, p.stdout
 
 
 # ---- the C++ comparer, when it is built -------------------------------------------------
