@@ -4,9 +4,12 @@ The crafted safetensors files are built here byte by byte (struct + json, not th
 package's writer), with bit patterns whose ulp distances, class differences and medians
 are worked out by hand in the comments; every comparison reads bits, never tolerances.
 Every corrupt input runs `python -m stepcore.diff` in a subprocess and must exit 2 with a
-message naming the file and the problem. If a C++ `stepcore-diff` is found (STEPCORE_DIFF,
-PATH, or build/*/tools/stepcore-diff) its --json is checked against the Python
-comparer's on the same crafted cases.
+message naming the file and the problem. The comparison is the C++ comparer's, through
+stepcore._core: these tests check it independently (hand-computed ulps, signed zero, NaN
+classes). If a C++ `stepcore-diff` is found (STEPCORE_DIFF, PATH, or
+build/*/tools/stepcore-diff) its --json is checked against the binding's on the same
+crafted cases. Then the Recorder (its journal, shards with their placement), and files
+truncated while compared.
 """
 
 import builtins
@@ -22,7 +25,13 @@ import sys
 import numpy as np
 import pytest
 
+import stepcore
 import stepcore.diff as sd
+
+# An extension built without nlohmann-json has no comparer (stepcore.diff.compare raises
+# ImportError saying so): nothing here can run there.
+pytestmark = pytest.mark.skipif(not hasattr(stepcore._core, "diff_compare"),
+                                reason="stepcore._core was built without the comparer")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -771,7 +780,7 @@ def test_a_crashed_run_leaves_a_valid_recording(tmp_path):
 
 
 def test_import_and_compare_never_import_torch(tmp_path):
-    """stepcore.diff records numpy arrays and compares with numpy only."""
+    """stepcore.diff records numpy arrays and compares (through _core) without torch."""
     code = ("import sys, numpy as np, stepcore.diff as sd\n"
             f"rec = sd.Recorder({str(tmp_path / 'r')!r})\n"
             "rec.record('p', 'w', np.ones(2, np.float32)); rec.close()\n"
