@@ -24,8 +24,11 @@ class FileBytes {
   const std::string& path() const { return path_; }
 
  private:
+  struct Free {
+    void operator()(std::byte* p) const noexcept;
+  };
   std::string path_;
-  std::unique_ptr<std::byte[]> data_;
+  std::unique_ptr<std::byte, Free> data_;  ///< aligned_alloc'd (large: 2 MiB, huge pages)
   std::uint64_t size_ = 0;
 };
 
