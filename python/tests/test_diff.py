@@ -873,6 +873,16 @@ def test_dtensor_local_shards_on_two_gloo_processes(tmp_path):
     assert rc == 1 and "9 (4,1)" in out and "10 (1,4)" in out, out
 
 
+def test_an_extension_without_the_comparer_says_so(tmp_path, monkeypatch):
+    """Built without nlohmann-json (STEPCORE_DIFF=AUTO on a bare machine) _core has no
+    diff_compare: compare raises ImportError naming what is missing; recording works."""
+    monkeypatch.delattr(stepcore._core, "diff_compare")
+    with sd.Recorder(tmp_path / "r") as rec:
+        rec.record("p", "w", np.ones(2, np.float32))
+    with pytest.raises(ImportError, match="built without the comparer.*nlohmann-json"):
+        sd.compare(tmp_path / "r", tmp_path / "r")
+
+
 def test_shard_placement_arguments_are_checked(tmp_path):
     """record(global_shape=, global_offset=): lists of the shard's rank holding it inside."""
     rec = sd.Recorder(tmp_path / "r")

@@ -84,7 +84,10 @@ def _numpy_bytes(a: np.ndarray, what: str):
 def _dtensor_placement(t):
     """Returns (global shape, global offset) of a DTensor's local shard, or None when the
     local shard is the whole tensor (replicated)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch before 2.5 kept DTensor in torch.distributed._tensor
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
 
     global_shape = tuple(int(d) for d in t.shape)
     local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
