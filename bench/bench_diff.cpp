@@ -1,9 +1,10 @@
 // stepcore-bench-diff: stepcore-diff's comparison against a same-traffic probe. Writes two
 // safetensors files of f32 tensors (B differs from A in a known sparse set of elements)
 // into a fresh directory, validates the comparison against the known differences, then
-// times in alternating rounds (a) the probe: both files' bytes read through fresh mmaps
-// on the same threads and chunks (a sum of 64-bit words), and (b) the comparison
-// (load_input + diff_inputs, the files mapped afresh), and deletes the files.
+// times in alternating rounds (a) the probe: both files read whole into memory as the
+// comparer reads them (FileBytes: pread), then summed as 64-bit words on the same threads
+// and chunks, and (b) the comparison (load_input + diff_inputs, the files read afresh),
+// and deletes the files.
 //
 // Usage: stepcore-bench-diff [GB per file = 4] [directory = /tmp] [rounds = 3]
 #include <omp.h>
@@ -23,8 +24,8 @@
 #include <vector>
 
 #include "diff/diff.hpp"
+#include "diff/file_bytes.hpp"
 #include "diff/inputs.hpp"
-#include "diff/mapped_file.hpp"
 
 namespace {
 
@@ -148,12 +149,12 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) std::uint64_t sum_w
   return s;
 }
 
-// The probe: both files mapped afresh, every 64-bit word of their data summed, in the
-// comparer's chunks and schedule.
+// The probe: both files read afresh into memory (the comparer's FileBytes), every 64-bit
+// word of their data summed, in the comparer's chunks and schedule.
 double probe(const std::string& pa, const std::string& pb, std::uint64_t data_start, int threads,
              std::uint64_t& checksum) {
   const auto t0 = Clock::now();
-  const MappedFile a(pa), b(pb);
+  const FileBytes a(pa), b(pb);
   const std::uint64_t bytes = a.size() - data_start;
   const auto chunks = static_cast<std::int64_t>((bytes + kChunkBytes - 1) / kChunkBytes);
   std::uint64_t sum = 0;
@@ -207,8 +208,8 @@ int main(int argc, char** argv) {
   auto t0 = Clock::now();
   write_files(pa, pb, n, cpus);
   std::printf(
-      "  written and fsynced in %.1f s; both stay in the page cache, so every round reads memory "
-      "through mmap\n",
+      "  written and fsynced in %.1f s; both stay in the page cache, so every round copies them "
+      "from it (pread) and reads the copies\n",
       seconds_since(t0));
   const std::uint64_t data_start = std::filesystem::file_size(pa) - 4 * n * kTensors;
   const double total_gb = 2.0 * 4.0 * static_cast<double>(n) * kTensors * 1e-9;

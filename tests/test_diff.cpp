@@ -10,18 +10,29 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "diff/cli.hpp"
 #include "diff/compare.hpp"
+#include "diff/diff.hpp"
+#include "diff/error.hpp"
+#include "diff/file_bytes.hpp"
+#include "diff/inputs.hpp"
 #include "safetensors_writer.hpp"
 
 namespace {
@@ -438,7 +449,11 @@ TEST(DiffTolerance, MaxUlpsAcceptsTensorsWithinIt) {
   EXPECT_TRUE(three.j["first_divergence"].is_null());
   const Result h = run_diff({"--max-ulps=3", dir / "a.safetensors", dir / "b.safetensors"});
   EXPECT_EQ(h.status, 0);
-  EXPECT_NE(h.out.find("identical: 1 tensor (1 within 3 ulps)\n"), std::string::npos) << h.out;
+  // Accepted by the tolerance, not identical: the summary says so.
+  EXPECT_EQ(h.out.find("identical: 1 tensor"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("within tolerance: 1 tensor (0 identical, 1 within 3 ulps)\n"),
+            std::string::npos)
+      << h.out;
   const Result two = run_json({"--max-ulps", "2", dir / "a.safetensors", dir / "b.safetensors"});
   EXPECT_EQ(two.status, 1);
   EXPECT_EQ(two.j["tensors"][0]["status"], "different");
@@ -578,6 +593,10 @@ TEST(DiffRecordings, EntriesMissingOnEitherSide) {
 
 // ---- corrupt input: exit status 2, the file and the problem named, nothing on stdout ----
 
+void cut_to_size(const std::string& path, off_t size) {
+  ASSERT_EQ(::truncate(path.c_str(), size), 0) << std::strerror(errno);
+}
+
 void expect_refused(const std::vector<std::string>& args, const std::string& file,
                     const std::string& problem) {
   const Result r = run_diff(args);
@@ -710,8 +729,8 @@ TEST(DiffCorrupt, Recordings) {
   expect_bad("{\"version\": 1, \"entries\": []}", m, "no \"format\"");
   expect_bad(manifest({ok}, "\"format\": \"other\", \"version\": 1"), m,
              "\"format\" is \"other\", not \"stepcore-recording\"");
-  expect_bad(manifest({ok}, "\"format\": \"stepcore-recording\", \"version\": 2"), m,
-             "\"version\" is 2; this stepcore-diff reads version 1");
+  expect_bad(manifest({ok}, "\"format\": \"stepcore-recording\", \"version\": 3"), m,
+             "\"version\" is 3; this stepcore-diff reads versions 1 to 2");
   expect_bad(manifest({ok}, "\"format\": \"stepcore-recording\""), m, "no \"version\"");
   expect_bad("{\"format\": \"stepcore-recording\", \"version\": 1}", m, "no \"entries\"");
   expect_bad("{\"format\": \"stepcore-recording\", \"version\": 1, \"entries\": {}}", m,
@@ -838,6 +857,292 @@ TEST(DiffThreads, TheSameResultsOnOneTwoAndThreeThreads) {
   EXPECT_EQ(j["tensors"][5]["name"], "small.3");
   EXPECT_EQ(j["tensors"][5]["first_index"], 3);
   EXPECT_EQ(j["tensors"][5]["max_ulps"], 4);
+}
+
+// ---- recordings of version 2: a journal, sharded tensors ---------------------------------
+
+// A version-2 recording in `dir`: manifest.json naming entries.jsonl, whose text is `journal`.
+void write_v2(const std::string& dir, const std::string& journal) {
+  fs::create_directories(dir);
+  write_text(fs::path(dir) / "manifest.json",
+             "{\"format\": \"stepcore-recording\", \"version\": 2, \"run\": {}, "
+             "\"journal\": \"entries.jsonl\"}\n");
+  write_text(fs::path(dir) / "entries.jsonl", journal);
+}
+
+// One journal line: entry `e`, with a placement when `global_shape` is not empty.
+std::string line(const Entry& e, const std::vector<std::int64_t>& global_shape = {},
+                 const std::vector<std::int64_t>& offset = {}) {
+  std::string s = entry_json(e);
+  if (!global_shape.empty()) {
+    const auto list = [](const std::vector<std::int64_t>& v) {
+      std::string t = "[";
+      for (std::size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+      return t + "]";
+    };
+    s.pop_back();
+    s += ", \"global_shape\": " + list(global_shape) + ", \"global_offset\": " + list(offset) + "}";
+  }
+  return s + "\n";
+}
+
+TEST(DiffJournal, EntriesAreReadALineEachAndATornLastLineIsNotYetWritten) {
+  TempDir dir;
+  const std::string f = "step000001-rank0.safetensors";
+  const std::string rec = dir / "r";
+  fs::create_directories(rec);
+  write_safetensors(fs::path(rec) / f,
+                    {{"p/w", "F32", {2}, words32({1, 2})}, {"p/v", "F32", {2}, words32({3, 4})}});
+  const std::string w = line({1, "p", "w", 0, f, "p/w"});
+  const std::string v = line({1, "p", "v", 0, f, "p/v"});
+  // The second line torn at every length: only the first entry is read.
+  for (std::size_t cut = 0; cut < v.size(); ++cut) {
+    write_v2(rec, w + v.substr(0, cut));
+    const Result r = run_json({rec, rec});
+    ASSERT_EQ(r.status, 0) << cut << ": " << r.err;
+    EXPECT_EQ(r.j["summary"]["tensors"], 1) << cut;
+  }
+  write_v2(rec, w + v);
+  EXPECT_EQ(run_json({rec, rec}).j["summary"]["tensors"], 2);
+  // A complete line that is not an entry is an error naming the journal and the line.
+  const std::string journal = rec + "/entries.jsonl";
+  write_v2(rec, w + "{\"step\": \n" + v);
+  expect_refused({rec, rec}, journal, "line 2 of the journal is not valid JSON");
+  write_v2(rec, w + "\n" + v);
+  expect_refused({rec, rec}, journal, "line 2 of the journal is empty");
+  write_v2(rec, w + "[1]\n");
+  expect_refused({rec, rec}, journal, "line 2 of the journal is an array, not a JSON object");
+  write_v2(rec, w + w);
+  expect_refused({rec, rec}, journal,
+                 "line 2 (step 1, rank 0, point p, name w): repeats the (step, rank, point, "
+                 "name) of line 1");
+  fs::remove(journal);
+  expect_refused({rec, rec}, rec + "/manifest.json", "entries.jsonl does not exist");
+}
+
+// A 2-rank recording of a [4, 3] tensor "w" split by rows (rank 0: rows 0-1, rank 1: rows
+// 2-3) and a [2, 4] tensor "c" split by columns, against a 1-process recording holding
+// them whole. `value(i)` is the bits of global flat element i of w (c: 100 + i).
+template <class Value>
+void write_sharded(const std::string& two, const std::string& one, Value value) {
+  std::vector<std::uint32_t> w(12), c(8);
+  for (std::uint32_t i = 0; i < 12; ++i) w[i] = value(i);
+  for (std::uint32_t i = 0; i < 8; ++i) c[i] = 0x3F800000u + 100 + i;
+  const std::string f0 = "step000001-rank0.safetensors", f1 = "step000001-rank1.safetensors";
+  fs::create_directories(two);
+  write_safetensors(fs::path(two) / f0,
+                    {{"p/w", "F32", {2, 3}, words32({w.begin(), w.begin() + 6})},
+                     {"p/c", "F32", {2, 2}, words32({c[0], c[1], c[4], c[5]})}});
+  write_safetensors(fs::path(two) / f1,
+                    {{"p/w", "F32", {2, 3}, words32({w.begin() + 6, w.end()})},
+                     {"p/c", "F32", {2, 2}, words32({c[2], c[3], c[6], c[7]})}});
+  write_v2(two, line({1, "p", "w", 0, f0, "p/w", "F32", {2, 3}}, {4, 3}, {0, 0}) +
+                    line({1, "p", "c", 0, f0, "p/c", "F32", {2, 2}}, {2, 4}, {0, 0}) +
+                    line({1, "p", "w", 1, f1, "p/w", "F32", {2, 3}}, {4, 3}, {2, 0}) +
+                    line({1, "p", "c", 1, f1, "p/c", "F32", {2, 2}}, {2, 4}, {0, 2}));
+  fs::create_directories(one);
+  std::vector<std::uint32_t> whole(12);
+  for (std::uint32_t i = 0; i < 12; ++i) whole[i] = 0x3F800000u + i;
+  write_safetensors(fs::path(one) / f0,
+                    {{"p/w", "F32", {4, 3}, words32(whole)}, {"p/c", "F32", {2, 4}, words32(c)}});
+  write_v2(one, line({1, "p", "w", 0, f0, "p/w", "F32", {4, 3}}) +
+                    line({1, "p", "c", 0, f0, "p/c", "F32", {2, 4}}));
+}
+
+TEST(DiffRecordings, ShardsAreGatheredByTheirRecordedPlacement) {
+  TempDir dir;
+  const auto same = [](std::uint32_t i) { return 0x3F800000u + i; };
+  write_sharded(dir / "two", dir / "one", same);
+  for (const auto& [a, b] :
+       {std::pair(dir / "two", dir / "one"), std::pair(dir / "one", dir / "two")}) {
+    const Result r = run_json({a, b});
+    ASSERT_EQ(r.status, 0) << r.err << r.out;
+    ASSERT_EQ(r.j["summary"]["tensors"], 2);
+    EXPECT_EQ(r.j["summary"]["identical"], 2);
+    EXPECT_EQ(r.j["tensors"][0]["shape"], json({4, 3}));
+    EXPECT_EQ(r.j["tensors"][0]["rank"], 0);
+    EXPECT_EQ(r.j["tensors"][1]["shape"], json({2, 4}));
+  }
+  // One element differs: global (3, 1) of w, element (1, 1) of rank 1's shard.
+  write_sharded(dir / "two", dir / "one",
+                [&](std::uint32_t i) { return same(i) + (i == 10 ? 2 : 0); });
+  const Result r = run_json({dir / "two", dir / "one"});
+  ASSERT_EQ(r.status, 1) << r.err;
+  EXPECT_EQ(r.j["tensors"][0]["status"], "different");
+  EXPECT_EQ(r.j["tensors"][0]["differing"], 1);
+  EXPECT_EQ(r.j["tensors"][0]["first_index"], 10);
+  EXPECT_EQ(r.j["tensors"][0]["max_ulps"], 2);
+  EXPECT_EQ(r.j["tensors"][1]["status"], "identical");
+  const Result h = run_diff({dir / "two", dir / "one"});
+  EXPECT_NE(h.out.find("10 (3,1)"), std::string::npos) << h.out;
+  EXPECT_NE(h.out.find("first divergence: step 1, point p, name w, rank 0\n"), std::string::npos)
+      << h.out;
+}
+
+TEST(DiffRecordings, ShardsThatDoNotTileTheWholeAreRefused) {
+  TempDir dir;
+  const std::string rec = dir / "r", journal = rec + "/entries.jsonl";
+  const std::string f0 = "step000001-rank0.safetensors", f1 = "step000001-rank1.safetensors";
+  fs::create_directories(rec);
+  write_safetensors(fs::path(rec) / f0, {{"p/w", "F32", {2}, words32({1, 2})}});
+  write_safetensors(fs::path(rec) / f1, {{"p/w", "F32", {2}, words32({3, 4})}});
+  const Entry r0{1, "p", "w", 0, f0, "p/w"}, r1{1, "p", "w", 1, f1, "p/w"};
+  write_v2(rec, line(r0, {5}, {0}) + line(r1, {5}, {2}));
+  expect_refused({rec, rec}, journal, "global index 4 of [5] is in none of its ranks' shards");
+  write_v2(rec, line(r0, {4}, {0}) + line(r1, {4}, {1}));
+  expect_refused({rec, rec}, journal,
+                 "line 2 (step 1, rank 1, point p, name w): its shard and an earlier rank's "
+                 "differ at global index 1");
+  write_v2(rec, line(r0, {4}, {0}) + line(r1, {4}, {3}));
+  expect_refused({rec, rec}, journal, "does not lie inside the global shape [4]");
+  write_v2(rec, line(r0, {4}, {0}) + line(r1, {5}, {2}));
+  expect_refused({rec, rec}, journal, "its shard is of dtype F32, shape [5], but");
+  write_v2(rec, line(r0, {4, 1}, {0}) + line(r1, {4}, {2}));
+  expect_refused({rec, rec}, journal, "have different lengths");
+  // Equal copies of an element two shards hold (a replicated mesh dimension) are fine.
+  write_safetensors(fs::path(rec) / f1, {{"p/w", "F32", {2}, words32({2, 4})}});
+  write_v2(rec, line(r0, {3}, {0}) + line(r1, {3}, {1}));
+  const Result ok = run_json({rec, rec});
+  EXPECT_EQ(ok.status, 0) << ok.err;
+  EXPECT_EQ(ok.j["tensors"][0]["shape"], json({3}));
+}
+
+// ---- a file truncated while it is read: an error, never a signal --------------------------
+
+TEST(DiffTruncation, ALoadRacingATruncationIsAnErrorNeverASignal) {
+  TempDir dir;
+  // ~1.2 MB over three tensors of A; B is A's copy, left alone.
+  std::vector<RawTensor> tensors;
+  std::mt19937_64 fill(5);
+  for (const std::int64_t n : {200000, 100000, 7}) {
+    std::vector<std::uint32_t> v(static_cast<std::size_t>(n));
+    for (auto& x : v) x = static_cast<std::uint32_t>(fill()) & 0x3FFFFFFFu;
+    tensors.push_back({"t" + std::to_string(n), "F32", {n}, words32(v)});
+  }
+  const std::string master = dir / "master.safetensors", a = dir / "a.safetensors",
+                    b = dir / "b.safetensors";
+  write_safetensors(master, tensors);
+  write_safetensors(b, tensors);
+  const Bytes bytes = [&] {
+    std::ifstream in(master, std::ios::binary);
+    return Bytes(std::istreambuf_iterator<char>(in), {});
+  }();
+  const auto write_copy = [&] { test_support::write_bytes(a, bytes); };
+  const auto cut_to = [&](off_t cut) {
+    ASSERT_EQ(::truncate(a.c_str(), cut), 0) << std::strerror(errno);
+  };
+  // A comparison that ran compared the whole file: identical to B.
+  const auto expect_identical = [&](const Result& r, int run) {
+    ASSERT_EQ(r.status, 0) << "run " << run << ": " << r.err;
+    EXPECT_EQ(r.j["summary"]["identical"], 3) << "run " << run;
+  };
+  write_copy();
+  expect_identical(run_json({a, b}), -1);
+  // The racer cuts within twice the time a warm load of A takes (the fastest of 5).
+  std::int64_t load_ns = INT64_MAX;
+  for (int i = 0; i < 5; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)stepcore_diff::load_input(a);
+    load_ns = std::min<std::int64_t>(load_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                  std::chrono::steady_clock::now() - t0)
+                                                  .count());
+  }
+  load_ns = std::max<std::int64_t>(load_ns, 1000);
+  std::mt19937_64 rng(27);
+  int compared = 0, shrank = 0, short_file = 0, raced_whole = 0;
+  for (int run = 0; run < 1000; ++run) {
+    write_copy();
+    const auto cut = static_cast<off_t>(rng() % bytes.size());
+    const int kind = run % 4;
+    std::atomic<bool> go{false};
+    std::thread racer;
+    Result r;
+    if (kind == 0) {  // before the comparison
+      cut_to(cut);
+      r = run_json({a, b});
+    } else if (kind == 1) {  // between two reads of A
+      const std::size_t chunk = 4096 + rng() % 65536;
+      const std::size_t at = rng() % bytes.size();
+      bool done = false;
+      const stepcore_diff::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
+        if (!done && offset + chunk > at) {
+          cut_to(cut);
+          done = true;
+        }
+      });
+      r = run_json({a, b});
+      EXPECT_EQ(r.status, 2) << "run " << run << ": a file cut while read compared";
+      EXPECT_NE(r.err.find("while being read"), std::string::npos) << r.err;
+    } else if (kind == 2) {  // after the load, before the comparison
+      const stepcore_diff::Input ia = stepcore_diff::load_input(a);
+      const stepcore_diff::Input ib = stepcore_diff::load_input(b);
+      cut_to(cut);
+      const stepcore_diff::DiffResult d = stepcore_diff::diff_inputs(ia, ib, {});
+      EXPECT_EQ(d.counts[0], 3u) << "run " << run << ": the loaded bytes changed";
+      r.status = d.exit_status();
+      r.j["summary"]["identical"] = d.counts[0];
+    } else {  // from another thread, at a random moment of the comparison
+      const auto delay = std::chrono::nanoseconds(static_cast<std::int64_t>(rng() % (2 * load_ns)));
+      std::atomic<bool> ready{false};
+      racer = std::thread([&, delay] {  // delay by value: it leaves scope before the join
+        ready.store(true, std::memory_order_release);
+        while (!go.load(std::memory_order_acquire)) {
+        }
+        const auto until = std::chrono::steady_clock::now() + delay;
+        while (std::chrono::steady_clock::now() < until) {
+        }
+        cut_to(cut);
+      });
+      while (!ready.load(std::memory_order_acquire)) {  // the racer is running
+      }
+      go.store(true, std::memory_order_release);
+      r = run_json({a, b});
+    }
+    if (racer.joinable()) racer.join();
+    if (r.status == 2) {
+      EXPECT_NE(kind, 2);
+      EXPECT_NE(r.err.find(a), std::string::npos) << "run " << run << ": " << r.err;
+      ++(r.err.find("while being read") != std::string::npos ? shrank : short_file);
+    } else {
+      expect_identical(r, run);
+      ++compared;
+      if (kind == 3) ++raced_whole;
+    }
+    if (HasFailure()) return;
+  }
+  std::printf(
+      "[ diff ] 1,000 comparisons around a truncation: %d compared whole (%d of the 250 "
+      "raced), %d shrank while read, %d refused as short\n",
+      compared, raced_whole, shrank, short_file);
+  EXPECT_GE(shrank, 250) << "every truncation between two reads is seen while reading";
+  EXPECT_GE(short_file, 200) << "every truncation before the comparison is a short file";
+}
+
+TEST(DiffTruncation, FileBytesReadsWholeOrThrowsNamingTheFile) {
+  TempDir dir;
+  const std::string p = dir / "f";
+  test_support::write_bytes(p, Bytes(100000, 7));
+  const stepcore_diff::FileBytes whole(p);
+  ASSERT_EQ(whole.size(), 100000u);
+  EXPECT_EQ(whole.data()[99999], std::byte{7});
+  std::uint64_t calls = 0;
+  try {
+    const stepcore_diff::testing::ScopedReadHook hook(4096, [&](std::uint64_t offset) {
+      ++calls;
+      if (offset == 8192) cut_to_size(p, 5000);
+    });
+    (void)stepcore_diff::FileBytes(p);
+    ADD_FAILURE() << "a file that shrank to 5000 bytes while read was read";
+  } catch (const stepcore_diff::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(p + ": ends at byte 8192 while being read"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(calls, 3u);
+  test_support::write_bytes(p, {});
+  EXPECT_EQ(stepcore_diff::FileBytes(p).size(), 0u);
+  EXPECT_THROW(stepcore_diff::FileBytes(dir / "nothing"), stepcore_diff::InputError);
+  EXPECT_THROW(stepcore_diff::FileBytes(dir / ""), stepcore_diff::InputError);  // a directory
 }
 
 // ---- the executable

@@ -14,7 +14,9 @@
 #   device            host device, CUDA device              may include: core host kernels
 #   managers          the gradient managers                 may include: every layer below
 #   tools bench tests on top: anything
-#   python/src        the Python extension: a thin binding, public headers only
+#   python/src        the Python extension: a thin binding, public headers only (and
+#                     stepcore-diff's entry point, tools/diff/cli.hpp and error.hpp,
+#                     for stepcore.diff's comparer: python/src/diff_binding.cpp)
 #
 #   tools/check-layers.sh [ROOT]   (exit 0: clean; 1: violations, each printed)
 set -uo pipefail
@@ -77,6 +79,8 @@ public_only() {  # <folder> <who, for the message> <own headers: yes|no> <find -
     while IFS=: read -r line inc; do
       case $inc in
         stepcore/*) ;;
+        diff/cli.hpp | diff/error.hpp) [ "$dir" = python/src ] ||
+          report "$f:$line: $who includes \"$inc\" (public headers only)" ;;
         */*) report "$f:$line: $who includes \"$inc\" (public headers only)" ;;
         *) if [ "$own" = yes ] && [ -f "$dir/$inc" ]; then :; else
              report "$f:$line: $who includes \"$inc\" (public headers only)"; fi ;;

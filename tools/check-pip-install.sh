@@ -21,8 +21,13 @@ PYTHONPATH="$scratch/site" "$RUN" - <<'PYEOF'
 import sys
 import stepcore
 assert "torch" not in sys.modules, "import stepcore imported torch"
-import stepcore.diff
+import stepcore.diff, tempfile, numpy as np
 assert "torch" not in sys.modules, "import stepcore.diff imported torch"
+with tempfile.TemporaryDirectory() as d:  # the comparer is in the wheel (tools/diff)
+    with stepcore.diff.Recorder(d + "/r") as rec:
+        rec.record("p", "w", np.ones(3, np.float32))
+    assert stepcore.diff.compare(d + "/r", d + "/r")["identical"]
+assert "torch" not in sys.modules, "stepcore.diff.compare imported torch"
 assert "/site/stepcore/" in stepcore.__file__, stepcore.__file__  # the installed copy
 e = stepcore.Engine(threads=1)
 print("pip install: stepcore", stepcore.__version__, "from", stepcore.__file__, "ISA", e.isa)

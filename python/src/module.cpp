@@ -305,6 +305,7 @@ std::string python_message(const Error& e) {
 
 void bind_managers(nb::module_& m);  // python/src/managers.cpp
 void bind_gpu(nb::module_& m);       // python/src/gpu_launchers.cpp: the submodule _core.gpu
+void bind_diff(nb::module_& m);      // python/src/diff_binding.cpp: _core.diff_compare
 
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
@@ -547,4 +548,5 @@ NB_MODULE(_core, m) {
       "array is `producer` (stream None: the producer's framework's current stream).");
   bind_managers(m);
   bind_gpu(m);
+  bind_diff(m);
 }

@@ -4,9 +4,12 @@ The crafted safetensors files are built here byte by byte (struct + json, not th
 package's writer), with bit patterns whose ulp distances, class differences and medians
 are worked out by hand in the comments; every comparison reads bits, never tolerances.
 Every corrupt input runs `python -m stepcore.diff` in a subprocess and must exit 2 with a
-message naming the file and the problem. If a C++ `stepcore-diff` is found (STEPCORE_DIFF,
-PATH, or build/*/tools/stepcore-diff) its --json is checked against the Python
-comparer's on the same crafted cases.
+message naming the file and the problem. The comparison is the C++ comparer's, through
+stepcore._core: these tests check it independently (hand-computed ulps, signed zero, NaN
+classes). If a C++ `stepcore-diff` is found (STEPCORE_DIFF, PATH, or
+build/*/tools/stepcore-diff) its --json is checked against the binding's on the same
+crafted cases. Then the Recorder (its journal, shards with their placement), and files
+truncated while compared.
 """
 
 import builtins
@@ -22,7 +25,13 @@ import sys
 import numpy as np
 import pytest
 
+import stepcore
 import stepcore.diff as sd
+
+# An extension built without nlohmann-json has no comparer (stepcore.diff.compare raises
+# ImportError saying so): nothing here can run there.
+pytestmark = pytest.mark.skipif(not hasattr(stepcore._core, "diff_compare"),
+                                reason="stepcore._core was built without the comparer")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -198,8 +207,8 @@ def test_signed_zero(cases):
     assert (t["a_hex"], t["b_hex"], t["a_value"], t["b_value"]) == \
         ("0x80000000", "0x00000000", 0.0, 0.0)
     assert math.copysign(1.0, t["a_value"]) == -1.0 and math.copysign(1.0, t["b_value"]) == 1.0
-    # 0 ulps apart: within any positive tolerance
-    assert one(sd.compare(*cases["signed_zero"][:2], max_ulps=1))["status"] == "within_tolerance"
+    # 0 ulps apart, but a class difference: never within tolerance (docs/diff.md)
+    assert one(sd.compare(*cases["signed_zero"][:2], max_ulps=1))["status"] == "different"
 
 
 def test_inf_vs_flt_max(cases):
@@ -235,8 +244,10 @@ def test_shape_and_dtype_mismatch(cases):
     assert one(r, "s")["differing"] is None
     rc, out, _ = run_cli(*cases["mismatch"][:2])
     assert rc == 1
-    assert "shape_mismatch: s: A F32 [2, 3], B F32 [6]" in out, out
-    assert "dtype_mismatch: d: A F32 [2], B I32 [2]" in out, out
+    # stepcore-diff's table: A's dtype and shape / B's
+    assert [line.split()[:4] for line in out.splitlines()[1:3]] == \
+        [["s", "shape_mismatch", "F32", "[2,3]/[6]"], ["d", "dtype_mismatch", "F32/I32", "[2]/[2]"]], out
+    assert out.splitlines()[-1] == "2 tensors: 1 shape mismatch, 1 dtype mismatch", out
 
 
 def test_bf16_distances(cases):
@@ -269,8 +280,10 @@ def test_max_ulps_acceptance(cases):
         ("within_tolerance", 0, False, None)
     assert r["summary"]["within_tolerance"] == 1
     rc, out, _ = run_cli(*cases["one_ulp"][:2], "--max-ulps", "1")
-    assert rc == 0 and out.strip().endswith(
-        "within tolerance: 1 tensors (0 identical, 1 within 1 ulps)"), out
+    # accepted by the tolerance, never called identical
+    assert rc == 0 and out.splitlines()[-1] == \
+        "within tolerance: 1 tensor (0 identical, 1 within 1 ulps)", out
+    assert "identical:" not in out and "within_tolerance" in out.splitlines()[1], out
     rc, _, _ = run_cli(*cases["one_ulp"][:2], "--max-ulps", "0")
     assert rc == 1
     r = sd.compare(*cases["two_ulps_over"][:2], max_ulps=1)
@@ -300,8 +313,9 @@ def test_first_divergence_in_a_three_step_recording(cases):
     assert (z["key"], z["max_ulps"], z["first_index"]) == ("after_step/zeta", 1, 0)
     rc, out, _ = run_cli(a, b)
     assert rc == 1
-    assert out.strip().splitlines()[-1] == \
-        "first divergence: step 2, point after_step, name zeta, rank 0", out
+    assert out.strip().splitlines()[-2:] == \
+        ["first divergence: step 2, point after_step, name zeta, rank 0",
+         "6 tensors: 3 identical, 3 different"], out
     assert "run metadata side: A 'a', B 'b'" in out
     rc, out, _ = run_cli(a, a)
     assert rc == 0 and out.strip().splitlines()[-1] == "identical: 6 tensors", out
@@ -388,38 +402,39 @@ CORRUPT_FILES = {
     "header not JSON": (lambda t: _raw_file(t, struct.pack("<Q", 5) + b"{nope"),
                         "not valid JSON"),
     "header not UTF-8": (lambda t: _raw_file(t, struct.pack("<Q", 2) + b"\xff\xfe"),
-                         "not valid JSON"),
+                         "the header is not valid JSON"),
     "header a list": (lambda t: craft(t / "bad.safetensors", [], header=[1, 2], data=b""),
-                      "not an object"),
+                      "the header is an array, not a JSON object"),
     "entry without dtype": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"shape": [2], "data_offsets": [0, 8]}}, data=b"\0" * 8), "has no 'dtype'"),
+        "x": {"shape": [2], "data_offsets": [0, 8]}}, data=b"\0" * 8), "tensor 'x': no \"dtype\""),
     "entry without shape": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"dtype": "F32", "data_offsets": [0, 8]}}, data=b"\0" * 8), "has no 'shape'"),
+        "x": {"dtype": "F32", "data_offsets": [0, 8]}}, data=b"\0" * 8), "tensor 'x': no \"shape\""),
     "entry without offsets": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": {"dtype": "F32", "shape": [2]}}, data=b"\0" * 8), "has no 'data_offsets'"),
+        "x": {"dtype": "F32", "shape": [2]}}, data=b"\0" * 8), "tensor 'x': no \"data_offsets\""),
     "entry not an object": (lambda t: craft(t / "bad.safetensors", [], header={"x": 3},
-                                            data=b""), "the entry is not an object"),
+                                            data=b""), "its entry is an integer, not an object"),
     "offsets out of range": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(0, 8))}, data=b"\0" * 4), "out of range"),
+        "x": entry(offs=(0, 8))}, data=b"\0" * 4), "run past the end of the data"),
     "begin > end": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(8, 0))}, data=b"\0" * 8), "begin 8 > end 0"),
+        "x": entry(offs=(8, 0))}, data=b"\0" * 8), "data_offsets [8, 0]: begin > end"),
     "overlapping": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(offs=(0, 8)), "y": entry(offs=(4, 12))}, data=b"\0" * 12), "overlaps"),
+        "x": entry(offs=(0, 8)), "y": entry(offs=(4, 12))}, data=b"\0" * 12),
+        "tensors 'x' [0, 8) and 'y' [4, 12) overlap"),
     "size not numel*itemsize": (lambda t: craft(t / "bad.safetensors", [], header={
         "x": entry(shape=(3,), offs=(0, 8))}, data=b"\0" * 8), "needs 12"),
     "negative shape": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(shape=(-2,))}, data=b"\0" * 8), "bad shape"),
+        "x": entry(shape=(-2,))}, data=b"\0" * 8), "shape[0] is -2, negative"),
     "shape not a list": (lambda t: craft(t / "bad.safetensors", [], header={
         "x": {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]}}, data=b"\0" * 8),
-        "bad shape"),
+        "\"shape\" is a string, not an array"),
     "unknown dtype": (lambda t: craft(t / "bad.safetensors", [], header={
-        "x": entry(dtype="F8_E4M3", offs=(0, 2))}, data=b"\0" * 2), "unknown dtype 'F8_E4M3'"),
+        "x": entry(dtype="F8_E4M3", offs=(0, 2))}, data=b"\0" * 2), "unknown dtype \"F8_E4M3\""),
     "duplicate tensor": (lambda t: _raw_file(t, (lambda h: struct.pack("<Q", len(h)) + h)(
         b'{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
         b'"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}') + b"\0" * 4),
-        "duplicate key 'x'"),
+        "the header has the key \"x\" twice in one object"),
     "bad metadata": (lambda t: craft(t / "bad.safetensors", [], header={
-        "__metadata__": {"step": 1}}, data=b""), "'__metadata__' must be an object of strings"),
+        "__metadata__": {"step": 1}}, data=b""), "\"__metadata__\" entry 'step' is an integer, not a string"),
 }
 
 
@@ -455,46 +470,62 @@ def edit_manifest(d, change):
         json.dump(m, f)
 
 
+def edit_journal(d, change):
+    """Rewrites d/entries.jsonl with change(list of entries) applied."""
+    p = os.path.join(d, "entries.jsonl")
+    with open(p) as f:
+        lines = [json.loads(line) for line in f]
+    change(lines)
+    with open(p, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in lines)
+
+
 def _set(key, value):
     """Returns a manifest change setting m[key] = value."""
     return lambda m: m.__setitem__(key, value)
 
 
 def _entry(field, value):
-    """Returns a manifest change setting entries[0][field] = value."""
-    return lambda m: m["entries"][0].__setitem__(field, value)
+    """Returns a journal change setting the first entry's field to value."""
+    return lambda lines: lines[0].__setitem__(field, value)
 
 
+# (change, the file named, the problem): the messages are the C++ comparer's.
 CORRUPT_RECORDINGS = {
     "no manifest": (lambda d: os.remove(os.path.join(d, "manifest.json")),
-                    "manifest.json", "missing"),
+                    "", "not a recording: no manifest.json"),
     "manifest not JSON": (lambda d: open(os.path.join(d, "manifest.json"), "w").write("{x"),
-                          "manifest.json", "invalid JSON"),
+                          "manifest.json", "the manifest is not valid JSON"),
     "wrong format": (lambda d: edit_manifest(d, _set("format", "other")), "manifest.json",
-                     "format is 'other'"),
-    "wrong version": (lambda d: edit_manifest(d, _set("version", 2)), "manifest.json",
-                      "version 2 is not supported"),
-    "entries missing": (lambda d: edit_manifest(d, lambda m: m.pop("entries")),
-                        "manifest.json", "'entries' is missing"),
-    "entry without key": (lambda d: edit_manifest(d, lambda m: m["entries"][0].pop("key")),
-                          "manifest.json", "entries[0] has no 'key'"),
-    "bad step": (lambda d: edit_manifest(d, _entry("step", 0)), "manifest.json",
-                 "bad 'step' 0"),
+                     '"format" is "other", not "stepcore-recording"'),
+    "wrong version": (lambda d: edit_manifest(d, _set("version", 3)), "manifest.json",
+                      '"version" is 3; this stepcore-diff reads versions 1 to 2'),
+    "journal missing": (lambda d: edit_manifest(d, lambda m: m.pop("journal")),
+                        "manifest.json", 'no "journal"'),
+    "journal file missing": (lambda d: os.remove(os.path.join(d, "entries.jsonl")),
+                             "manifest.json", "entries.jsonl does not exist"),
+    "journal line not JSON": (lambda d: open(os.path.join(d, "entries.jsonl"), "a").write(
+        "{x\n"), "entries.jsonl", "line 3 of the journal is not valid JSON"),
+    "entry without key": (lambda d: edit_journal(d, lambda lines: lines[0].pop("key")),
+                          "entries.jsonl", 'line 1 (step 1, rank 0, point p, name w): no "key"'),
+    "bad step": (lambda d: edit_journal(d, _entry("step", -1)), "entries.jsonl",
+                 'line 1: "step" is -1, not a non-negative integer'),
     "missing file": (lambda d: os.remove(os.path.join(d, "step000002-rank0.safetensors")),
-                     "step000002-rank0.safetensors", "missing (named by"),
-    "missing key": (lambda d: edit_manifest(d, _entry("key", "p/nothing")),
-                    "step000001-rank0.safetensors", "has no tensor 'p/nothing'"),
-    "duplicate entries": (lambda d: edit_manifest(
-        d, lambda m: m["entries"].append(dict(m["entries"][0]))), "manifest.json",
-        "duplicate entry (step 1, rank 0, point 'p', name 'w')"),
-    "manifest disagrees with file": (lambda d: edit_manifest(d, _entry("shape", [1, 2])),
-                                     "step000001-rank0.safetensors",
-                                     "the manifest says F32 [1, 2]"),
+                     "entries.jsonl", "step000002-rank0.safetensors does not exist"),
+    "missing key": (lambda d: edit_journal(d, _entry("key", "p/nothing")),
+                    "entries.jsonl", "key 'p/nothing' is not in"),
+    "duplicate entries": (lambda d: edit_journal(
+        d, lambda lines: lines.append(dict(lines[0]))), "entries.jsonl",
+        "line 3 (step 1, rank 0, point p, name w): repeats the (step, rank, point, name) of "
+        "line 1"),
+    "manifest disagrees with file": (lambda d: edit_journal(d, _entry("shape", [1, 2])),
+                                     "entries.jsonl",
+                                     "the manifest says dtype F32, shape [1, 2], but"),
     "corrupt step file": (lambda d: open(os.path.join(d, "step000001-rank0.safetensors"),
                                          "wb").write(b"xx"),
                           "step000001-rank0.safetensors", "shorter than the 8-byte"),
-    "file outside": (lambda d: edit_manifest(d, _entry("file", "../x.safetensors")),
-                     "manifest.json", "is not a file name in the recording"),
+    "file outside": (lambda d: edit_journal(d, _entry("file", "../x.safetensors")),
+                     "entries.jsonl", "is not a relative path inside the recording"),
 }
 
 
@@ -506,16 +537,19 @@ def test_corrupt_recording_exits_2_naming_file_and_problem(tmp_path, case):
     change(bad)
     rc, out, err = run_cli(good, bad)
     assert rc == 2, (case, out, err)
-    assert os.path.join(bad, file_part) in err and problem in err, (case, err)
+    named = os.path.join(bad, file_part) if file_part else bad
+    assert named in err and problem in err, (case, err)
+    with pytest.raises(sd.FormatError, match="bad"):
+        sd.compare(good, bad)
 
 
 def test_bad_arguments_exit_2(tmp_path):
     """A directory against a file, a path that does not exist, a bad --max-ulps, one input."""
     good, rec = good_file(tmp_path), make_recording(tmp_path)
     rc, _, err = run_cli(good, rec)
-    assert rc == 2 and "compare two recordings (directories) or two safetensors files" in err
+    assert rc == 2 and "A and B must both be recordings or both safetensors files" in err
     rc, _, err = run_cli(good, tmp_path / "nothing.safetensors")
-    assert rc == 2 and f"{tmp_path / 'nothing.safetensors'}: does not exist" in err
+    assert rc == 2 and f"{tmp_path / 'nothing.safetensors'}: cannot read: No such file" in err
     rc, _, err = run_cli(good, good, "--max-ulps", "-1")
     assert rc == 2 and "--max-ulps" in err
     rc, _, err = run_cli(good)
@@ -575,7 +609,10 @@ def test_recorder_round_trip_is_bit_identical(tmp_path):
         offset += len(raw)
     with open(tmp_path / "r" / "manifest.json") as f:
         m = json.load(f)
-    assert (m["format"], m["version"]) == ("stepcore-recording", 1)
+    assert (m["format"], m["version"], m["journal"]) == ("stepcore-recording", 2,
+                                                         "entries.jsonl")
+    with open(tmp_path / "r" / "entries.jsonl") as f:
+        m["entries"] = [json.loads(line) for line in f]
     assert m["entries"][0] == {"step": 1, "point": "pt", "name": "np_f32", "rank": 0,
                                "file": "step000001-rank0.safetensors", "key": "pt/np_f32",
                                "dtype": "F32", "shape": [2, 2]}
@@ -652,7 +689,7 @@ def test_recorder_refuses_a_non_empty_directory(tmp_path):
         sd.Recorder(d)
     assert sorted(os.listdir(d)) == before
     rec = sd.Recorder(d, overwrite=True)
-    assert os.listdir(d) == ["manifest.json"]
+    assert sorted(os.listdir(d)) == ["entries.jsonl", "manifest.json"]
     rec.close()
     (tmp_path / "r" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a recording's"):
@@ -743,7 +780,7 @@ def test_a_crashed_run_leaves_a_valid_recording(tmp_path):
 
 
 def test_import_and_compare_never_import_torch(tmp_path):
-    """stepcore.diff records numpy arrays and compares with numpy only."""
+    """stepcore.diff records numpy arrays and compares (through _core) without torch."""
     code = ("import sys, numpy as np, stepcore.diff as sd\n"
             f"rec = sd.Recorder({str(tmp_path / 'r')!r})\n"
             "rec.record('p', 'w', np.ones(2, np.float32)); rec.close()\n"
@@ -770,8 +807,10 @@ dist.init_process_group("gloo", rank=rank, world_size=world)
 mesh = init_device_mesh("cpu", (world,))
 full = torch.arange(10, dtype=torch.float32).reshape(5, 2)
 dt = distribute_tensor(full, mesh, [Shard(0)])
+cols = distribute_tensor(torch.arange(12, dtype=torch.float32).reshape(2, 6), mesh, [Shard(1)])
 rec = sd.Recorder(sys.argv[1], {"world": world}, overwrite=True)
 rec.record("after_step", "w", dt)
+rec.record("after_step", "c", cols)
 rec.next_step()
 if rank == 1:
     rec.record("after_step", "only_rank1", torch.tensor([rank], dtype=torch.int64))
@@ -797,11 +836,188 @@ def test_dtensor_local_shards_on_two_gloo_processes(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     r = sd.read_recording(d)
     assert [(e["step"], e["rank"], e["name"], e["shape"]) for e in r.entries] == \
-        [(1, 0, "w", [3, 2]), (1, 1, "w", [2, 2]), (2, 1, "only_rank1", [1])]
+        [(1, 0, "w", [3, 2]), (1, 0, "c", [2, 3]), (1, 1, "w", [2, 2]), (1, 1, "c", [2, 3]),
+         (2, 1, "only_rank1", [1])]
+    # each shard's placement: the whole's shape and the shard's offset in it
+    assert [(e.get("global_shape"), e.get("global_offset")) for e in r.entries] == \
+        [([5, 2], [0, 0]), ([2, 6], [0, 0]), ([5, 2], [3, 0]), ([2, 6], [0, 3]), (None, None)]
     full = np.arange(10, dtype=np.float32).reshape(5, 2)
     assert r.get(1, "after_step", "w", rank=0).tobytes() == full[:3].tobytes()
     assert r.get(1, "after_step", "w", rank=1).tobytes() == full[3:].tobytes()
     assert r.run["world"] == 2
+    # Against one process holding the whole tensors: the shards are gathered by placement.
+    one = tmp_path / "one"
+    cols = np.arange(12, dtype=np.float32).reshape(2, 6)
+    with sd.Recorder(one) as rec:
+        rec.record("after_step", "w", full)
+        rec.record("after_step", "c", cols)
+    res = sd.compare(d, one)
+    assert [(t["name"], t["rank"], t["status"], t["shape"]) for t in res["tensors"]] == \
+        [("w", 0, "identical", [5, 2]), ("c", 0, "identical", [2, 6]),
+         ("only_rank1", 1, "missing_in_b", [1])]
+    # One element differs: global (4, 1) of w, in rank 1's shard at (1, 1); (1, 4) of c.
+    other = tmp_path / "other"
+    w2, c2 = full.copy(), cols.copy()
+    w2[4, 1] = np.nextafter(w2[4, 1], np.float32(100))
+    c2[1, 4] = -c2[1, 4]
+    with sd.Recorder(other) as rec:
+        rec.record("after_step", "w", w2)
+        rec.record("after_step", "c", c2)
+    res = sd.compare(d, other)
+    w_t, c_t = res["tensors"][0], res["tensors"][1]
+    assert (w_t["status"], w_t["differing"], w_t["first_index"], w_t["max_ulps"]) == \
+        ("different", 1, 9, 1)
+    assert (c_t["status"], c_t["differing"], c_t["first_index"]) == ("different", 1, 10)
+    assert res["first_divergence"] == {"step": 1, "point": "after_step", "name": "w", "rank": 0}
+    rc, out, _ = run_cli(d, other)
+    assert rc == 1 and "9 (4,1)" in out and "10 (1,4)" in out, out
+
+
+def test_an_extension_without_the_comparer_says_so(tmp_path, monkeypatch):
+    """Built without nlohmann-json (STEPCORE_DIFF=AUTO on a bare machine) _core has no
+    diff_compare: compare raises ImportError naming what is missing; recording works."""
+    monkeypatch.delattr(stepcore._core, "diff_compare")
+    with sd.Recorder(tmp_path / "r") as rec:
+        rec.record("p", "w", np.ones(2, np.float32))
+    with pytest.raises(ImportError, match="built without the comparer.*nlohmann-json"):
+        sd.compare(tmp_path / "r", tmp_path / "r")
+
+
+def test_shard_placement_arguments_are_checked(tmp_path):
+    """record(global_shape=, global_offset=): lists of the shard's rank holding it inside."""
+    rec = sd.Recorder(tmp_path / "r")
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="'global_shape' must be a list of 2"):
+        rec.record("p", "x", x, global_shape=[4], global_offset=[0, 0])
+    with pytest.raises(ValueError, match="'global_offset' must be a list of 2"):
+        rec.record("p", "x", x, global_shape=[4, 3], global_offset=[0, -1])
+    with pytest.raises(ValueError, match="outside 'global_shape'"):
+        rec.record("p", "x", x, global_shape=[4, 3], global_offset=[3, 0])
+    rec.record("p", "x", x, global_shape=[2, 3], global_offset=[0, 0])
+    rec.close()
+    e = sd.read_recording(tmp_path / "r").entries[0]
+    assert (e["global_shape"], e["global_offset"]) == ([2, 3], [0, 0])
+
+
+def journal_sizes(d, steps, per_step):
+    """Records `steps` steps of `per_step` tensors; returns the journal's size after each."""
+    sizes = []
+    with sd.Recorder(d) as rec:
+        for step in range(1, steps + 1):
+            for i in range(per_step):
+                rec.record("p", f"t{i}", np.full(3, step, np.float32))
+            rec.next_step()
+            sizes.append(os.path.getsize(os.path.join(d, "entries.jsonl")))
+    return sizes
+
+
+def test_the_recorder_appends_each_step_to_its_journal(tmp_path, monkeypatch):
+    """200 steps: each appends its own entries (a constant number of bytes, one write and
+    one fsync), and manifest.json is written once, not per step."""
+    replaced, fsyncs = [], []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(os, "replace", lambda a, b: (replaced.append(os.path.basename(b)),
+                                                     real_replace(a, b))[1])
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd))[1])
+    d = str(tmp_path / "r")
+    sizes = journal_sizes(d, 200, 3)
+    growth = [b - a for a, b in zip([0] + sizes, sizes)]
+    # 3 lines a step; they differ only in the step's digits ("step": 7 vs 123): 3 x 2 bytes
+    assert min(growth) > 0 and max(growth) - min(growth) <= 6, (min(growth), max(growth))
+    assert replaced.count("manifest.json") == 1
+    # per step: the step's file and one journal append
+    assert replaced.count("step000200-rank0.safetensors") == 1 and len(fsyncs) <= 2 * 200 + 3
+    r = sd.read_recording(d)
+    assert len(r.entries) == 600 and r.get(200, "p", "t2").tolist() == [200.0] * 3
+
+
+def test_a_torn_journal_tail_is_not_yet_written(tmp_path):
+    """A last line without its newline (an append cut short) is ignored by both readers;
+    a complete bad line is a FormatError naming the journal and the line."""
+    d = tmp_path / "r"
+    with sd.Recorder(d) as rec:
+        for step in (1, 2):
+            rec.record("p", "w", np.full(2, step, np.float32))
+            rec.next_step()
+    journal = d / "entries.jsonl"
+    text = journal.read_text()
+    lines = text.splitlines(keepends=True)
+    for cut in range(len(lines[1])):
+        journal.write_text(lines[0] + lines[1][:cut])
+        assert [e["step"] for e in sd.read_recording(d).entries] == [1]
+        assert sd.compare(d, d)["summary"]["tensors"] == 1
+    journal.write_text(lines[0] + "{oops\n" + lines[1])
+    with pytest.raises(sd.FormatError, match="line 2"):
+        sd.read_recording(d)
+    with pytest.raises(sd.FormatError, match="entries.jsonl: line 2 of the journal is not"):
+        sd.compare(d, d)
+    journal.write_text(text)
+    assert sd.compare(d, d)["summary"]["identical"] == 2
+
+
+def test_a_version_1_recording_is_still_read(tmp_path):
+    """A recording whose manifest.json lists the entries (version 1) compares as before."""
+    d = tmp_path / "v1"
+    with sd.Recorder(d) as rec:
+        rec.record("p", "w", np.arange(3, dtype=np.float32))
+    entries = [json.loads(line) for line in (d / "entries.jsonl").read_text().splitlines()]
+    m = json.loads((d / "manifest.json").read_text())
+    (d / "entries.jsonl").unlink()
+    (d / "manifest.json").write_text(json.dumps({"format": m["format"], "version": 1,
+                                                  "run": m["run"], "entries": entries}))
+    assert sd.read_recording(d).entries[0]["name"] == "w"
+    r = sd.compare(d, d)
+    assert (r["identical"], r["summary"]["tensors"]) == (True, 1)
+
+
+TRUNCATE = r"""
+import os, random, sys, threading, time
+import stepcore.diff as sd
+a, b, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+data = open(b, "rb").read()
+rng = random.Random(27)
+counts = {"compared": 0, "error": 0}
+for run in range(runs):
+    with open(a, "wb") as f:
+        f.write(data)
+    cut = rng.randrange(len(data))
+    delay = rng.random() * 0.004
+    t = threading.Thread(target=lambda: (time.sleep(delay), os.truncate(a, cut)))
+    t.start()
+    try:
+        r = sd.compare(a, b)
+        assert r["identical"], r["summary"]  # a comparison that ran read the whole file
+        counts["compared"] += 1
+    except sd.FormatError as e:
+        assert a in str(e), e
+        counts["error"] += 1
+    t.join()
+print(counts["compared"], counts["error"])
+"""
+
+
+def test_a_file_truncated_while_compared_raises_never_crashes(tmp_path):
+    """A truncated file is a FormatError naming it; 300 truncations racing the comparer (the
+    GIL released) in a child process: each an error or a whole comparison, never a signal."""
+    tensors = [(f"t{i}", "F32", [65536], np.arange(65536, dtype=np.uint32).tobytes())
+               for i in range(4)]
+    b = craft(tmp_path / "b.safetensors", tensors)
+    a = str(tmp_path / "a.safetensors")
+    with open(b, "rb") as f:
+        data = f.read()
+    with open(a, "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(sd.FormatError, match="a.safetensors"):
+        sd.compare(a, b)
+    rc, out, err = run_cli(a, b)
+    assert rc == 2 and a in err
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    p = subprocess.run([sys.executable, "-c", TRUNCATE, a, b, "300"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    compared, errors = map(int, p.stdout.split())
+    assert compared + errors == 300 and errors > 0, p.stdout
 
 
 # ---- the C++ comparer, when it is built -------------------------------------------------

@@ -18,7 +18,11 @@ import pytest
 torch = pytest.importorskip("torch", reason="the tiny LM example needs PyTorch")
 pytest.importorskip("stepcore.torch")
 
+import stepcore  # noqa: E402
 import stepcore.diff as sd  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(stepcore._core, "diff_compare"),
+                                reason="stepcore._core was built without the comparer")
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
 sys.path.insert(0, os.path.abspath(EXAMPLES))

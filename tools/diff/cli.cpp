@@ -1,10 +1,10 @@
 // run(): the command line of stepcore-diff and its exit statuses.
 #include "cli.hpp"
 
-#include <sched.h>
-
 #include <charconv>
+#include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -87,14 +87,40 @@ std::optional<Options> parse(int argc, const char* const* argv) {
   return o;
 }
 
-int affinity_cpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
-  return 1;
+void check_same_kind(const Input& a, const Input& b) {
+  if (a.kind != b.kind)
+    throw UsageError(
+        "A and B must both be recordings or both safetensors files: '" + a.path + "' is a " +
+        (a.kind == InputKind::recording ? "recording" : "safetensors file") + ", '" + b.path +
+        "' a " + (b.kind == InputKind::recording ? "recording" : "safetensors file"));
 }
 
 }  // namespace
+
+std::string compare_json(const std::string& a_path, const std::string& b_path,
+                         std::optional<std::uint64_t> max_ulps, int threads, bool all) {
+  const Input a = load_input(a_path);
+  const Input b = load_input(b_path);
+  check_same_kind(a, b);
+  DiffOptions d;
+  d.max_ulps = max_ulps;
+  d.threads = threads > 0 ? threads : default_threads();
+  const DiffResult r = diff_inputs(a, b, d);
+  std::ostringstream out;
+  const bool recording = a.kind == InputKind::recording;
+  out << "{\"kind\": \"" << (recording ? "recording" : "file") << "\", \"runs\": ["
+      << (recording ? a.run_json : "null") << ", " << (recording ? b.run_json : "null")
+      << "], \"result\": ";
+  write_json(out, r);
+  out << ", \"details\": ";
+  write_details_json(out, r);
+  std::ostringstream human;
+  write_human(human, r, all, max_ulps);
+  out << ", \"human\": "
+      << nlohmann::json(human.str()).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+      << "}";
+  return out.str();
+}
 
 int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
   try {
@@ -105,14 +131,10 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     }
     const Input a = load_input(o->paths[0]);
     const Input b = load_input(o->paths[1]);
-    if (a.kind != b.kind)
-      throw UsageError(
-          "A and B must both be recordings or both safetensors files: '" + a.path + "' is a " +
-          (a.kind == InputKind::recording ? "recording" : "safetensors file") + ", '" + b.path +
-          "' a " + (b.kind == InputKind::recording ? "recording" : "safetensors file"));
+    check_same_kind(a, b);
     DiffOptions d;
     d.max_ulps = o->max_ulps;
-    d.threads = o->threads > 0 ? o->threads : affinity_cpus();
+    d.threads = o->threads > 0 ? o->threads : default_threads();
     const DiffResult r = diff_inputs(a, b, d);
     if (o->json)
       write_json(out, r);

@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -93,11 +94,13 @@ class UlpHistogram {
 struct Accum {
   std::uint64_t differing = 0, first = kNone;
   std::uint64_t nan_vs_number = 0, nan_payload = 0, inf = 0, signed_zero = 0, max_ulps = 0;
+  std::array<std::uint64_t, 34> log2{};
   UlpHistogram hist;
 
   void reset() {
     differing = nan_vs_number = nan_payload = inf = signed_zero = max_ulps = 0;
     first = kNone;
+    log2.fill(0);
     hist.clear();
   }
   // Adds `o` into this one and resets `o`.
@@ -109,6 +112,7 @@ struct Accum {
     inf += o.inf;
     signed_zero += o.signed_zero;
     max_ulps = std::max(max_ulps, o.max_ulps);
+    for (std::size_t k = 0; k < log2.size(); ++k) log2[k] += o.log2[k];
     o.hist.drain_into(hist);
     o.reset();
   }
@@ -174,6 +178,7 @@ void scan_float(const ArrayPair& p, std::uint64_t begin, std::uint64_t end, Accu
     const std::int64_t d = T::ordered(ua) - T::ordered(ub);
     const std::uint64_t ad = d < 0 ? static_cast<std::uint64_t>(-d) : static_cast<std::uint64_t>(d);
     acc.max_ulps = std::max(acc.max_ulps, ad);
+    ++acc.log2[static_cast<std::size_t>(std::bit_width(ad))];
     acc.hist.add(ad);
   });
 }
@@ -242,6 +247,7 @@ ElementStats finish(const ArrayPair& p, Accum& acc, SecondPass&& second_pass) {
   s.inf = acc.inf;
   s.signed_zero = acc.signed_zero;
   s.max_ulps = acc.max_ulps;
+  s.ulp_log2 = acc.log2;
   s.ulp_counted = acc.hist.count();
   if (s.ulp_counted == 0) return s;
   std::uint64_t refined = kNone;  // the wide bucket whose second pass is at hand

@@ -4,6 +4,7 @@
 // every result is the same for any thread count.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -47,6 +48,8 @@ struct ElementStats {
   std::uint64_t ulp_counted = 0;
   std::uint64_t max_ulps = 0;
   std::uint64_t median_ulps = 0;  ///< the lower median: the ((k - 1) / 2)-th smallest of k
+  /// The ulp_counted distances by bit length: [0] distance 0, [1] 1, [2] 2-3, [3] 4-7, ...
+  std::array<std::uint64_t, 34> ulp_log2{};
 
   std::uint64_t class_differences() const {
     return nan_vs_number + nan_payload + inf + signed_zero;

@@ -2,6 +2,8 @@
 // pair, and the first divergence.
 #include "diff.hpp"
 
+#include <sched.h>
+
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -23,13 +25,14 @@ TensorResult result_of(const Item& item) {
   r.point = item.point;
   r.name = item.name;
   r.key = item.key;
+  r.shards = item.shards;
   return r;
 }
 
 std::uint64_t element_bits(const Item& item, std::uint64_t index) {
   const std::size_t size = dtype_size(item.tensor->dtype);
   std::uint64_t bits = 0;  // little-endian storage, little-endian host
-  std::memcpy(&bits, item.file->data(*item.tensor) + index * size, size);
+  std::memcpy(&bits, item.data + index * size, size);
   return bits;
 }
 
@@ -40,6 +43,13 @@ std::string_view status_name(Status s) {
       "identical",    "within_tolerance", "different",     "missing_in_a",
       "missing_in_b", "shape_mismatch",   "dtype_mismatch"};
   return names[static_cast<std::size_t>(s)];
+}
+
+int default_threads() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+  return 1;
 }
 
 DiffResult diff_inputs(const Input& a, const Input& b, const DiffOptions& options) {
@@ -72,8 +82,7 @@ DiffResult diff_inputs(const Input& a, const Input& b, const DiffOptions& option
         r.status = Status::shape_mismatch;
       } else {
         compared.push_back({out.tensors.size(), &ia, &ib});
-        arrays.push_back({ia.tensor->dtype, ia.file->data(*ia.tensor), ib.file->data(*ib.tensor),
-                          ia.tensor->elements});
+        arrays.push_back({ia.tensor->dtype, ia.data, ib.data, ia.tensor->elements});
       }
     }
     out.tensors.push_back(std::move(r));

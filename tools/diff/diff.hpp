@@ -43,6 +43,7 @@ struct TensorResult {
   std::optional<ElementStats> stats;  ///< when both sides have the same dtype and shape
   std::uint64_t a_bits = 0;  ///< the first differing element's bits in A (with stats->first_index)
   std::uint64_t b_bits = 0;  ///< and in B
+  std::uint32_t shards = 0;  ///< A's (or B's, when missing in A) gathered shards; 0: none
 
   /// The tensor's dtype and shape as reported: A's, or B's when it is missing in A.
   const TensorInfo& info() const { return a ? *a : *b; }
@@ -65,6 +66,9 @@ struct DiffResult {
   /// 0 when nothing diverges, else 1.
   int exit_status() const { return first_divergence ? 1 : 0; }
 };
+
+/// The threads to compare with by default: the CPUs of the affinity mask (at least 1).
+int default_threads();
 
 /// Compares `a` and `b`, which must be of the same kind (the caller checks).
 DiffResult diff_inputs(const Input& a, const Input& b, const DiffOptions& options);

@@ -212,10 +212,14 @@ void write_human(std::ostream& out, const DiffResult& r, bool all,
   const std::uint64_t n = r.tensors.size();
   const auto count = [&](Status s) { return r.counts[static_cast<std::size_t>(s)]; };
   if (!r.first_divergence) {
-    out << "identical: " << n << " tensor" << (n == 1 ? "" : "s");
-    if (count(Status::within_tolerance) > 0)
-      out << " (" << count(Status::within_tolerance) << " within " << *max_ulps << " ulps)";
-    out << '\n';
+    // "identical" only when every tensor is bitwise identical.
+    if (count(Status::within_tolerance) == 0) {
+      out << "identical: " << n << " tensor" << (n == 1 ? "" : "s") << '\n';
+    } else {
+      out << "within tolerance: " << n << " tensor" << (n == 1 ? "" : "s") << " ("
+          << count(Status::identical) << " identical, " << count(Status::within_tolerance)
+          << " within " << max_ulps.value_or(0) << " ulps)\n";
+    }
     return;
   }
   const TensorResult& f = r.tensors[*r.first_divergence];
@@ -291,6 +295,27 @@ void write_json(std::ostream& out, const DiffResult& r) {
     summary[std::string(status_name(static_cast<Status>(s)))] = r.counts[s];
   j["summary"] = std::move(summary);
   out << j.dump(-1, ' ', false, Json::error_handler_t::replace) << '\n';
+}
+
+void write_details_json(std::ostream& out, const DiffResult& r) {
+  Json all = Json::array();
+  for (const TensorResult& t : r.tensors) {
+    Json e;
+    const ElementStats* s = t.stats ? &*t.stats : nullptr;
+    if (s && s->differing > 0 && dtype_has_ulps(t.info().dtype)) {
+      e["hist"] = s->ulp_log2;
+    } else {
+      e["hist"] = nullptr;
+    }
+    const auto side = [](const std::optional<TensorInfo>& i) {
+      return i ? Json::array({dtype_name(i->dtype), i->shape}) : Json(nullptr);
+    };
+    e["a"] = side(t.a);
+    e["b"] = side(t.b);
+    e["shards"] = t.shards;
+    all.push_back(std::move(e));
+  }
+  out << all.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 }  // namespace stepcore_diff

@@ -1,5 +1,5 @@
 // SafetensorsFile: the header's length, JSON and every tensor entry checked against the
-// mapped file before anything reads a tensor's bytes.
+// file's bytes (read whole into memory) before anything reads a tensor's bytes.
 #include "safetensors.hpp"
 
 #include <algorithm>
@@ -96,19 +96,19 @@ std::string shape_string(const std::vector<std::int64_t>& shape) {
   return s + "]";
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path) : map_(path) {
-  const std::uint64_t size = map_.size();
+SafetensorsFile::SafetensorsFile(const std::string& path) : bytes_(path) {
+  const std::uint64_t size = bytes_.size();
   if (size < 8)
     throw InputError(path, "the file is " + std::to_string(size) +
                                " bytes, shorter than the 8-byte header length");
   std::uint64_t n = 0;
-  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(map_.data()[i]);
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<std::uint8_t>(bytes_.data()[i]);
   if (n > size - 8)
     throw InputError(path, "the header length " + std::to_string(n) +
                                " runs past the end of the file (8 + " + std::to_string(n) + " > " +
                                std::to_string(size) + " bytes)");
   data_start_ = 8 + n;
-  const std::string_view text(reinterpret_cast<const char*>(map_.data()) + 8, n);
+  const std::string_view text(reinterpret_cast<const char*>(bytes_.data()) + 8, n);
   const json header = parse_json(text, path, "the header");
   if (!header.is_object())
     throw InputError(path, "the header is " + json_kind(header) + ", not a JSON object");

@@ -1,4 +1,4 @@
-// A safetensors file, memory-mapped and validated: 8-byte little-endian header length N,
+// A safetensors file, read into memory and validated: 8-byte little-endian header length N,
 // N bytes of JSON header (tensor name -> dtype, shape, data_offsets; an optional
 // "__metadata__" of strings), then the raw little-endian data.
 #pragma once
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "dtype.hpp"
-#include "mapped_file.hpp"
+#include "file_bytes.hpp"
 
 namespace stepcore_diff {
 
@@ -26,28 +26,28 @@ struct TensorInfo {
   std::uint64_t end = 0;       ///< data_offsets[1]
 };
 
-/// A safetensors file, mapped read-only. The constructor validates everything before
-/// returning (and throws InputError naming the path and the problem otherwise): the
-/// header length fits in the file; the header is a JSON object without repeated keys;
-/// every tensor has a known dtype, a shape of non-negative integers whose element
-/// count (and byte count) fits in 64 bits, and data_offsets [begin, end] with begin <=
-/// end <= the data's size and end - begin = elements * element size; no two non-empty
-/// ranges overlap; "__metadata__", if present, maps strings to strings.
+/// A safetensors file, read whole into memory (FileBytes). The constructor validates everything
+/// before returning (and throws InputError naming the path and the problem otherwise): the header
+/// length fits in the file; the header is a JSON object without repeated keys; every tensor has a
+/// known dtype, a shape of non-negative integers whose element count (and byte count) fits in 64
+/// bits, and data_offsets [begin, end] with begin <= end <= the data's size and end - begin =
+/// elements * element size; no two non-empty ranges overlap; "__metadata__", if present, maps
+/// strings to strings.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);
 
-  const std::string& path() const { return map_.path(); }
+  const std::string& path() const { return bytes_.path(); }
   /// The tensors in ascending data offset (begin, then end, then name).
   const std::vector<TensorInfo>& tensors() const { return tensors_; }
   /// The tensor named `name`, or nullptr.
   const TensorInfo* find(std::string_view name) const;
   /// The first byte of `t`'s data (t must be one of tensors()).
-  const std::byte* data(const TensorInfo& t) const { return map_.data() + data_start_ + t.begin; }
+  const std::byte* data(const TensorInfo& t) const { return bytes_.data() + data_start_ + t.begin; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:
-  MappedFile map_;
+  FileBytes bytes_;
   std::uint64_t data_start_ = 0;  ///< 8 + N
   std::vector<TensorInfo> tensors_;
   std::unordered_map<std::string, std::size_t> index_;

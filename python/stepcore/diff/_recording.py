@@ -1,11 +1,14 @@
 """Recordings: a directory of one safetensors file per (step, rank) and a manifest.json.
 
-`Recorder` copies tensors (torch tensors, DTensors' local shards, numpy arrays) to CPU
-bytes when they are recorded and writes each step's file when the step ends; the manifest
-is rewritten atomically (temp file, fsync, rename) after every file, so a run that crashes
-leaves a valid recording of the steps it completed. `read_recording` checks a recording
-(manifest, files, keys) and raises FormatError naming the file and the problem.
-Importing this module never imports torch.
+`Recorder` copies tensors (torch tensors, DTensors' local shards with their placement,
+numpy arrays) to CPU bytes when they are recorded and writes each step's file when the
+step ends (temp file, fsync, rename). manifest.json (format, version 2, run metadata, the
+journal's name) is replaced atomically the same way, only when the run metadata changes;
+the entries go to the journal entries.jsonl, a line each, appended and fsync'd after each
+step's files: a step costs what it records, not the whole run so far. A crash leaves the
+steps completed; an append it tore (a last line without its newline) is ignored by the
+readers. `read_recording` checks a recording (version 1's inline entries too) and raises
+FormatError naming the file and the problem. Importing this module never imports torch.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from ._safetensors import DTYPES, FormatError, _no_duplicate_keys, read_file, wr
 __all__ = ["FORMAT", "VERSION", "Recorder", "Recording", "read_recording"]
 
 FORMAT = "stepcore-recording"
-VERSION = 1
+VERSION = 2  # 1: the entries inline in manifest.json (still read)
 MANIFEST = "manifest.json"
+JOURNAL = "entries.jsonl"
 _FILE_RE = re.compile(r"^step\d{6,}-rank\d+\.safetensors(\.tmp)?$")
 _FACTS = ("stepcore_version", "isa", "torch_version")  # run metadata the user cannot set
 _ENTRY_FIELDS = ("step", "point", "name", "rank", "file", "key", "dtype", "shape")
+_PLACEMENT_FIELDS = ("global_shape", "global_offset")  # a shard's place in the whole
 
 _TORCH_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
                  "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
@@ -76,14 +81,32 @@ def _numpy_bytes(a: np.ndarray, what: str):
     return name, tuple(int(d) for d in a.shape), le.tobytes()
 
 
+def _dtensor_placement(t):
+    """Returns (global shape, global offset) of a DTensor's local shard, or None when the
+    local shard is the whole tensor (replicated)."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch before 2.5 kept DTensor in torch.distributed._tensor
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+
+    global_shape = tuple(int(d) for d in t.shape)
+    local, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(int(d) for d in local) == global_shape:
+        return None
+    return list(global_shape), [int(o) for o in offset]
+
+
 def _tensor_bytes(tensor, what: str):
-    """Returns (dtype name, local shape, bytes) of a torch tensor, DTensor or numpy array."""
+    """Returns (dtype name, local shape, bytes, placement or None) of a torch tensor,
+    DTensor or numpy array; placement: a DTensor shard's (global shape, global offset)."""
     if isinstance(tensor, (np.ndarray, np.generic)):
-        return _numpy_bytes(np.asarray(tensor), what)
+        return _numpy_bytes(np.asarray(tensor), what) + (None,)
     torch = _torch_module()
     if torch is not None and isinstance(tensor, torch.Tensor):
         t = tensor.detach()
+        placement = None
         if hasattr(t, "to_local") and type(t).__name__ == "DTensor":
+            placement = _dtensor_placement(t)
             t = t.to_local().detach()  # this rank's shard
         name = _TORCH_DTYPES.get(str(t.dtype).replace("torch.", ""))
         if name is None:
@@ -99,16 +122,48 @@ def _tensor_bytes(tensor, what: str):
             size = DTYPES[name][0]
             raw = np.frombuffer(raw, f">u{size}" if size > 1 else "u1").astype(
                 f"<u{size}" if size > 1 else "u1").tobytes()
-        return name, shape, raw
+        return name, shape, raw, placement
     raise TypeError(f"stepcore.diff: {what} must be a torch tensor or a numpy array, got "
                     f"{type(tensor).__name__}")
 
 
-def _manifest_text(run: dict, entries) -> str:
-    """Returns the manifest's JSON text: one line per entry."""
-    lines = ",\n  ".join(json.dumps(e) for e in entries)
-    return (f'{{"format": {json.dumps(FORMAT)}, "version": {VERSION},\n "run": '
-            f'{json.dumps(run)},\n "entries": [' + (f"\n  {lines}\n ]}}\n" if lines else "]}\n"))
+def _check_placement(shape, global_shape, global_offset):
+    """Returns ([global shape], [global offset]) given to record(); raises ValueError naming
+    the argument when they are not lists of non-negative integers of the shard's rank that
+    hold the shard inside the whole."""
+    out = []
+    for arg, v in (("global_shape", global_shape), ("global_offset", global_offset)):
+        if not isinstance(v, (list, tuple)) or len(v) != len(shape) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+            raise ValueError(f"stepcore.diff: '{arg}' must be a list of {len(shape)} "
+                             f"non-negative integers (the shard's shape is {list(shape)}), "
+                             f"got {v!r}")
+        out.append([int(x) for x in v])
+    if any(o + n > g for n, g, o in zip(shape, out[0], out[1])):
+        raise ValueError(f"stepcore.diff: 'global_offset' {out[1]} puts the shard of shape "
+                         f"{list(shape)} outside 'global_shape' {out[0]}")
+    return out[0], out[1]
+
+
+def _manifest_text(run: dict) -> str:
+    """Returns manifest.json's text (version 2: the entries are in the journal)."""
+    return json.dumps({"format": FORMAT, "version": VERSION, "run": run,
+                       "journal": JOURNAL}) + "\n"
+
+
+def _append_lines(path: str, lines) -> int:
+    """Appends the lines (each ended by a newline) to `path` in one write, fsync'd; returns
+    the bytes written."""
+    data = "".join(line + "\n" for line in lines).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
 
 
 def _write_text_atomically(path: str, text: str) -> None:
@@ -184,7 +239,6 @@ class Recorder:
             run[k] = v
         self._run = run
         self._prepare_directory(bool(overwrite))
-        self._entries = []      # the manifest's entries (rank 0: every rank's)
         self._step = 1
         self._last_begun = 0    # begin_step must go past this
         self._pending = []      # (entry, bytes) of the current step
@@ -192,7 +246,8 @@ class Recorder:
         self._dirty = False     # the current step has tensors not yet in its file
         self._scoped = False
         self._closed = False
-        self._manifest_written = False
+        if self.rank == 0:  # an empty journal, then the manifest that names it
+            _append_lines(os.path.join(self.directory, JOURNAL), [])
         self._write_manifest()
 
     # ---- the directory ---------------------------------------------------------------
@@ -222,7 +277,7 @@ class Recorder:
                 return (f"stepcore.diff: 'directory' {d} exists and is not empty (pass "
                         "overwrite=True to replace a recording there)")
             if names:
-                others = [n for n in names if n not in (MANIFEST, MANIFEST + ".tmp")
+                others = [n for n in names if n not in (MANIFEST, MANIFEST + ".tmp", JOURNAL)
                           and not _FILE_RE.match(n)]
                 if others:
                     return (f"stepcore.diff: 'directory' {d} holds files that are not a "
@@ -253,8 +308,14 @@ class Recorder:
         if self._closed:
             raise RuntimeError(f"stepcore.diff: the recorder of {self.directory} is closed")
 
-    def record(self, point, name, tensor) -> None:
-        """Copies `tensor` (its local shard for a DTensor) into the current step as point/name."""
+    def record(self, point, name, tensor, *, global_shape=None, global_offset=None) -> None:
+        """Copies `tensor` (its local shard for a DTensor) into the current step as point/name.
+
+        A DTensor's shard is recorded with its placement (global shape and offset) when it
+        is not the whole tensor; for another tensor that is a shard of a larger one, give
+        `global_shape` and `global_offset` (its first element's coordinates in the whole).
+        The comparer gathers the shards of a (step, point, name) into the whole tensor.
+        """
         self._check_open()
         if not isinstance(point, str) or not point or "/" in point:
             raise ValueError(f"stepcore.diff: 'point' must be a non-empty string without '/', "
@@ -264,10 +325,14 @@ class Recorder:
         if (point, name) in self._keys:
             raise ValueError(f"stepcore.diff: duplicate entry (step {self._step}, rank "
                              f"{self.rank}, point {point!r}, name {name!r})")
-        dtype, shape, raw = _tensor_bytes(tensor, f"'tensor' ({point}/{name})")
+        dtype, shape, raw, placement = _tensor_bytes(tensor, f"'tensor' ({point}/{name})")
+        if global_shape is not None or global_offset is not None:
+            placement = _check_placement(shape, global_shape, global_offset)
         entry = {"step": self._step, "point": point, "name": name, "rank": self.rank,
                  "file": file_name(self._step, self.rank), "key": f"{point}/{name}",
                  "dtype": dtype, "shape": list(shape)}
+        if placement is not None:
+            entry["global_shape"], entry["global_offset"] = placement
         self._keys.add((point, name))
         self._pending.append((entry, raw))
         self._dirty = True
@@ -297,19 +362,18 @@ class Recorder:
             dist.gather_object(mine, gathered, dst=0)
             if self.rank == 0:
                 mine = [e for part in gathered for e in part]
-        if mine or not self._manifest_written:
-            self._entries.extend({k: e[k] for k in _ENTRY_FIELDS} for e in mine)
-            self._write_manifest()
+        if mine and self.rank == 0:
+            if self._world > 1:
+                mine = sorted(mine, key=lambda e: (e["step"], e["rank"]))
+            _append_lines(os.path.join(self.directory, JOURNAL),
+                          [json.dumps({k: e[k] for k in _ENTRY_FIELDS + _PLACEMENT_FIELDS
+                                       if k in e}) for e in mine])
 
     def _write_manifest(self) -> None:
-        """Rewrites manifest.json atomically (rank 0 only)."""
+        """Replaces manifest.json atomically (rank 0 only): format, version, run, journal."""
         if self.rank != 0:
             return
-        entries = sorted(self._entries, key=lambda e: (e["step"], e["rank"])) \
-            if self._world > 1 else self._entries
-        _write_text_atomically(os.path.join(self.directory, MANIFEST),
-                               _manifest_text(self._run, entries))
-        self._manifest_written = True
+        _write_text_atomically(os.path.join(self.directory, MANIFEST), _manifest_text(self._run))
 
     def next_step(self) -> None:
         """Ends the current step (writes its file and the manifest) and moves to the next."""
@@ -432,24 +496,59 @@ def read_recording(directory) -> Recording:
         raise FormatError(f"{path}: the manifest is a JSON {type(m).__name__}, not an object")
     if m.get("format") != FORMAT:
         raise FormatError(f"{path}: format is {m.get('format')!r}, not {FORMAT!r}")
-    if m.get("version") != VERSION or isinstance(m.get("version"), bool):
+    if m.get("version") not in (1, VERSION) or isinstance(m.get("version"), bool):
         raise FormatError(f"{path}: version {m.get('version')!r} is not supported "
-                          f"(this reader knows version {VERSION})")
+                          f"(this reader knows versions 1 and {VERSION})")
     run = m.get("run", {})
     if not isinstance(run, dict):
         raise FormatError(f"{path}: 'run' is not an object")
-    entries = m.get("entries")
-    if not isinstance(entries, list):
-        raise FormatError(f"{path}: 'entries' is missing or not a list")
+    if m["version"] == 1:
+        entries = m.get("entries")
+        if not isinstance(entries, list):
+            raise FormatError(f"{path}: 'entries' is missing or not a list")
+        where = lambda i: f"{path}: entries[{i}]"  # noqa: E731
+    else:
+        journal = m.get("journal")
+        if not isinstance(journal, str) or os.path.basename(journal) != journal or \
+                journal in ("", ".", ".."):
+            raise FormatError(f"{path}: 'journal' {journal!r} is not a file name in the "
+                              "recording")
+        path = os.path.join(d, journal)
+        entries = read_journal(path)
+        where = lambda i: f"{path}: line {i + 1}"  # noqa: E731
     files, seen, out = {}, {}, []
     for i, e in enumerate(entries):
-        out.append(_check_entry(path, i, e, d, files, seen))
+        out.append(_check_entry(where(i), e, d, files, seen))
     return Recording(d, run, out, files)
 
 
-def _check_entry(path, i, e, d, files, seen) -> dict:
-    """Checks manifest entry i against its file; returns it (FormatError naming the problem)."""
-    what = f"{path}: entries[{i}]"
+def read_journal(path) -> list:
+    """Returns the entries of a journal, a JSON object per line; a last line without its
+    newline is an append in progress and is ignored. FormatError names a bad line."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as e:
+        raise FormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+    lines = text.split(b"\n")[:-1]  # the part after the last newline is not yet written
+    out = []
+    for i, line in enumerate(lines):
+        what = f"{path}: line {i + 1}"
+        try:
+            e = json.loads(line.decode("utf-8"), object_pairs_hook=_no_duplicate_keys(what))
+        except FormatError:
+            raise
+        except (UnicodeDecodeError, ValueError) as err:
+            raise FormatError(f"{what}: invalid JSON ({err})") from None
+        if not isinstance(e, dict):
+            raise FormatError(f"{what}: a JSON {type(e).__name__}, not an object")
+        out.append(e)
+    return out
+
+
+def _check_entry(what, e, d, files, seen) -> dict:
+    """Checks the manifest entry `what` against its file; returns it (FormatError naming
+    the problem)."""
     if not isinstance(e, dict):
         raise FormatError(f"{what} is not an object")
     for field in _ENTRY_FIELDS:
@@ -471,8 +570,8 @@ def _check_entry(path, i, e, d, files, seen) -> dict:
     ident = (e["step"], e["rank"], e["point"], e["name"])
     if ident in seen:
         raise FormatError(f"{what}: duplicate entry (step {ident[0]}, rank {ident[1]}, point "
-                          f"{ident[2]!r}, name {ident[3]!r}), also entries[{seen[ident]}]")
-    seen[ident] = i
+                          f"{ident[2]!r}, name {ident[3]!r}), also {seen[ident]}")
+    seen[ident] = what
     fname = e["file"]
     if os.path.basename(fname) != fname or fname in (".", ".."):
         raise FormatError(f"{what}: 'file' {fname!r} is not a file name in the recording")
@@ -488,4 +587,9 @@ def _check_entry(path, i, e, d, files, seen) -> dict:
     if t.dtype != e["dtype"] or list(t.shape) != shape:
         raise FormatError(f"{f.path}: tensor {e['key']!r} is {t.dtype} {list(t.shape)}, the "
                           f"manifest says {e['dtype']} {shape} ({what})")
-    return {k: e[k] for k in _ENTRY_FIELDS}
+    for field in _PLACEMENT_FIELDS:
+        v = e.get(field)
+        if v is not None and (not isinstance(v, list) or len(v) != len(shape) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)):
+            raise FormatError(f"{what}: bad '{field}' {v!r}")
+    return {k: e[k] for k in _ENTRY_FIELDS + _PLACEMENT_FIELDS if k in e}

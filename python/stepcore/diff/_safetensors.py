@@ -4,8 +4,9 @@ A file is an 8-byte little-endian u64 header length N, N bytes of a JSON object 
 each tensor name to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative to
 the byte after the header) plus an optional "__metadata__" of strings, then the raw
 little-endian data. `read_file` checks every rule before any tensor is used and raises
-`FormatError` naming the file and the problem; tensors are read through one read-only
-numpy.memmap per file, so large files are not loaded whole.
+`FormatError` naming the file and the problem; each tensor is read from the file when it
+is asked for (never mapped), so large files are not loaded whole. Comparing is the C++
+comparer's (stepcore._core), not this module's.
 """
 
 from __future__ import annotations
@@ -84,30 +85,40 @@ class SafetensorsFile:
     """A checked safetensors file: its tensors (in header order), metadata and data."""
 
     def __init__(self, path, tensors, metadata, data_start, size):
-        """Stores what read_file checked; the data is mapped on first use."""
+        """Stores what read_file checked; tensors are read when asked for."""
         self.path = os.fspath(path)
         self.tensors = tensors  # name -> TensorInfo, in the header's order
         self.metadata = metadata
         self._data_start = data_start
         self._size = size
-        self._map = None
 
     def names_by_offset(self):
         """Returns the tensor names in ascending order of their data offset."""
         return [t.name for t in sorted(self.tensors.values(), key=lambda t: (t.begin, t.end))]
 
     def raw(self, name) -> np.ndarray:
-        """Returns tensor `name` as a flat read-only array of its unsigned bit patterns."""
+        """Returns tensor `name` as a flat array of its unsigned bit patterns, read from the
+        file (never mapped: a file truncated meanwhile is a FormatError, not a SIGBUS)."""
         t = self.tensors[name]
         bits = np.dtype(DTYPES[t.dtype][1])
         if t.numel == 0:
             return np.zeros(0, bits)
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-            if self._map.size != self._size:
-                raise FormatError(f"{self.path}: the file changed size while being read")
-        start = self._data_start + t.begin
-        return self._map[start:start + (t.end - t.begin)].view(bits)
+        n = t.end - t.begin
+        buf = bytearray(n)
+        view = memoryview(buf)
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                done = 0
+                while done < n:
+                    f.seek(self._data_start + t.begin + done)
+                    got = f.readinto(view[done:])
+                    if not got:
+                        raise FormatError(f"{self.path}: ends before tensor {name!r} is read "
+                                          "whole (truncated while being read?)")
+                    done += got
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot be read ({e.strerror or e})") from None
+        return np.frombuffer(buf, bits)
 
     def array(self, name) -> np.ndarray:
         """Returns tensor `name` shaped, as values (BF16: its uint16 bit patterns)."""
