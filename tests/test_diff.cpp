@@ -1,4 +1,4 @@
-// stepcore-diff (tools/diff, docs/diff.md) on files crafted byte by byte with a test-only
+// stepcore-diff (apps/diff, docs/diff.md) on files crafted byte by byte with a test-only
 // writer: identical inputs, ulp distances of f32/bf16/f16 against hand-computed values
 // (across zero, next to Inf), the class differences, missing tensors, shape and dtype
 // mismatches, the exact median, --max-ulps, the first divergence of a recording, every

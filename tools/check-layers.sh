@@ -13,9 +13,10 @@
 #   comm              communicators, global norm            may include: core host cpu
 #   device            host device, CUDA device              may include: core host kernels
 #   managers          the gradient managers                 may include: every layer below
-#   tools bench tests on top: anything
+#   apps tools bench tests on top: anything (apps: the shipped programs; tools: the
+#                     build and check scripts)
 #   python/src        the Python extension: a thin binding, public headers only (and
-#                     stepcore-diff's entry point, tools/diff/cli.hpp and error.hpp,
+#                     stepcore-diff's entry point, apps/diff/cli.hpp and error.hpp,
 #                     for stepcore.diff's comparer: python/src/diff_binding.cpp)
 #
 #   tools/check-layers.sh [ROOT]   (exit 0: clean; 1: violations, each printed)
@@ -96,7 +97,7 @@ public_only python/src "the Python extension" yes -name '*.cpp' -o -name '*.hpp'
 for d in */; do
   d=${d%/}
   case " $d " in
-    " include " | " tools " | " bench " | " tests " | " docs " | " cmake " | " build " | " python " | " shared ") ;;
+    " include " | " apps " | " tools " | " bench " | " tests " | " docs " | " cmake " | " build " | " python " | " shared ") ;;
     *) [[ $internal == *" $d "* ]] ||
          { find "$d" -type f \( -name '*.cpp' -o -name '*.cu' \) | grep -q . &&
              report "folder '$d' holds sources but is not a layer"; } ;;

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 
-FOLDERS = ["bench", "cmake", "comm", "core", "cpu", "device", "docs", "examples", "host",
+FOLDERS = ["apps", "bench", "cmake", "comm", "core", "cpu", "device", "docs", "examples", "host",
            "include", "kernels", "managers", "python", "reference", "tests", "tools", ".ci"]
 TOP_FILES = {"README.md", "CMakeLists.txt", "CMakePresets.json", "pyproject.toml",
              ".gitignore", ".clang-format"}

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 tools/install-deps.sh
 cmake --preset default >/dev/null
 cmake --build --preset default --target stepcore-demo
-exec build/default/tools/stepcore-demo "$@"
+exec build/default/apps/stepcore-demo "$@"

@@ -1,4 +1,4 @@
-// stepcore._core.diff_compare: stepcore-diff's comparer (tools/diff) for stepcore.diff,
+// stepcore._core.diff_compare: stepcore-diff's comparer (apps/diff) for stepcore.diff,
 // thin: the paths and options go to compare_json, which returns the comparison as JSON
 // text (the schema of stepcore-diff --json plus what the report draws); the GIL is
 // released while the files are read and compared. A bad input raises

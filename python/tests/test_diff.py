@@ -7,7 +7,7 @@ Every corrupt input runs `python -m stepcore.diff` in a subprocess and must exit
 message naming the file and the problem. The comparison is the C++ comparer's, through
 stepcore._core: these tests check it independently (hand-computed ulps, signed zero, NaN
 classes). If a C++ `stepcore-diff` is found (STEPCORE_DIFF, PATH, or
-build/*/tools/stepcore-diff) its --json is checked against the binding's on the same
+build/*/apps/stepcore-diff) its --json is checked against the binding's on the same
 crafted cases. Then the Recorder (its journal, shards with their placement), and files
 truncated while compared.
 """
@@ -1024,15 +1024,14 @@ def test_a_file_truncated_while_compared_raises_never_crashes(tmp_path):
 
 
 def cpp_diff():
-    """Path of a stepcore-diff binary (STEPCORE_DIFF, PATH, build/*/tools/diff), or None."""
+    """Path of a stepcore-diff binary (STEPCORE_DIFF, PATH, build/*/apps), or None."""
     env = os.environ.get("STEPCORE_DIFF")
     if env:
         return env
     found = shutil.which("stepcore-diff")
     if found:
         return found
-    built = sorted(glob.glob(os.path.join(ROOT, "build", "*", "tools", "stepcore-diff"))
-                   + glob.glob(os.path.join(ROOT, "build", "*", "tools", "diff", "stepcore-diff")))
+    built = sorted(glob.glob(os.path.join(ROOT, "build", "*", "apps", "stepcore-diff")))
     return built[0] if built else None
 
 
@@ -1046,7 +1045,7 @@ def test_cpp_stepcore_diff_agrees_on_the_crafted_cases(tmp_path):
     exe = cpp_diff()
     if exe is None:
         pytest.skip("no C++ stepcore-diff binary (STEPCORE_DIFF, PATH or "
-                    "build/*/tools/stepcore-diff)")
+                    "build/*/apps/stepcore-diff)")
     for name, (a, b, max_ulps) in crafted_cases(tmp_path).items():
         p = subprocess.run([exe, a, b, "--json", "--max-ulps", str(max_ulps)],
                            capture_output=True, text=True, timeout=120)

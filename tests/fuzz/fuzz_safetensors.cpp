@@ -1,4 +1,4 @@
-// libFuzzer harness: stepcore-diff's readers (tools/diff) on any bytes. (1) The bytes as
+// libFuzzer harness: stepcore-diff's readers (apps/diff) on any bytes. (1) The bytes as
 // a safetensors file in /dev/shm (read through FileBytes): either InputError (naming the
 // file) or a file whose every tensor lies inside the data with the size its dtype and
 // shape give and no two non-empty tensors overlapping; such a file compared with itself

@@ -7,7 +7,7 @@
 //
 // This file wires the run: options -> backend -> model and state -> steps (each
 // optionally cross-checked) -> checksums -> the managers phase; the concerns live in
-// tools/demo/ (options, placement, backends, memory, model, synthetic, state, step,
+// apps/demo/ (options, placement, backends, memory, model, synthetic, state, step,
 // cross_check, report, managers_phase).
 #include <cinttypes>
 #include <cstdint>
