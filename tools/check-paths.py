@@ -10,7 +10,8 @@ top-level folders (or the retired `src/`) and a slash, such as `kernels/plans.hp
 name a tracked file or folder; `host/crc32c.{hpp,cpp}` names each, and `tests/test_device` (a
 program built from `tests/test_device.cpp`) counts as its source. Globs (`*`), placeholders
 (`<...>`) and build outputs (`build/...`) are not paths of the tree and are skipped. Layout: every tracked file lies
-in a known top-level folder or is one of the known top-level files.
+in a known top-level folder or is one of the known top-level files, and tools/ (build, test
+and CI scripts) installs nothing: the shipped programs live in apps/.
 """
 import pathlib
 import re
@@ -58,6 +59,9 @@ def main(argv):
             problems.append(f"{f}: a tracked file outside the layout (top level)")
         elif "/" in f and top not in FOLDERS:
             problems.append(f"{f}: a tracked file outside the layout (folder {top}/)")
+        elif top == "tools" and f.endswith("CMakeLists.txt") and "install(" in (root / f).read_text(
+                encoding="utf-8", errors="replace"):
+            problems.append(f"{f}: tools/ installs a program; shipped programs live in apps/")
     for f in files:
         p = root / f
         is_doc = f.endswith(".md")

@@ -1,6 +1,6 @@
 """tools/check-paths.py, the tree check of the test command: a doc or comment naming a
-path that does not exist, and a tracked file outside the layout, each fail it; a clean
-tree passes."""
+path that does not exist, a tracked file outside the layout, and a program installed from
+tools/ each fail it; a clean tree passes."""
 import pathlib
 import subprocess
 import sys
@@ -35,3 +35,12 @@ def test_a_missing_path_and_a_stray_file_fail(tmp_path):
     assert "README.md: names 'src/reference'" in r.stdout
     assert "core/a.hpp (a comment): names 'core/norm.cpp'" in r.stdout
     assert "crash-0123: a tracked file outside the layout" in r.stdout
+
+
+def test_a_shipped_program_in_tools_fails(tmp_path):
+    r = repo(tmp_path, {"tools/CMakeLists.txt":
+                        "add_executable(x x.cpp)\ninstall(TARGETS x RUNTIME DESTINATION bin)\n",
+                        "tools/x.cpp": "", "apps/CMakeLists.txt": "install(TARGETS y)\n"})
+    assert r.returncode == 1
+    assert "tools/CMakeLists.txt: tools/ installs a program" in r.stdout
+    assert "apps/" not in r.stdout.replace("shipped programs live in apps/", "")
