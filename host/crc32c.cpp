@@ -85,6 +85,14 @@ std::uint32_t crc32c_shift(std::uint32_t reg, std::uint64_t n) noexcept {
   return multiply_mod(reg, x_pow_8n(n));
 }
 
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b,
+                             std::uint64_t b_length) noexcept {
+  // The CRC is ~register; the register is linear in its start: the start's part of b's
+  // register is shift(~crc_a) and b's own part is ~crc_b ^ shift(~0), so the whole is
+  // shift(~crc_a) ^ ~crc_b ^ shift(~0) inverted = shift(crc_a) ^ crc_b.
+  return crc32c_shift(crc_a, b_length) ^ crc_b;
+}
+
 namespace {
 
 #if defined(__x86_64__)

@@ -23,6 +23,12 @@ std::uint32_t crc32c_portable(std::span<const std::byte> bytes, std::uint32_t pr
 /// crc32c_shift(reg_a, size_b) ^ reg_b_from_zero.
 std::uint32_t crc32c_shift(std::uint32_t reg, std::uint64_t n) noexcept;
 
+/// Returns the CRC-32C of a followed by b from crc_a (of a), crc_b (of b alone) and
+/// b_length: crc32c_shift(crc_a, b_length) ^ crc_b. Pieces checksummed apart (on several
+/// threads) combine in order.
+std::uint32_t crc32c_combine(std::uint32_t crc_a, std::uint32_t crc_b,
+                             std::uint64_t b_length) noexcept;
+
 /// Returns true when this build and CPU can run crc32c_sse42 (x86-64 with SSE4.2).
 bool crc32c_sse42_supported() noexcept;
 

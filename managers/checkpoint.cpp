@@ -1,7 +1,8 @@
 // GradientManager::save_checkpoint / load_checkpoint: a manager's optimizer state as one
 // rank's checkpoint file (managers/checkpoint_file.hpp, docs/checkpoint.md), in any mode.
 // Saving reads host-resident state in place and copies device state one parameter at a
-// time; loading verifies the whole file and every value before it imports anything.
+// time; loading reads and verifies the whole file (checksums and every value, in one
+// pass) before it imports anything.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -99,20 +100,27 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
-  const ckpt::File file = ckpt::File::open(path);  // the format, sizes and checksums
+  // The format, sizes and checksums, and every array's values scanned in the same pass.
+  const ckpt::File file = ckpt::File::open(path, /*scan_values=*/true);
   const ckpt::Header& h = file.header();
   ckpt::check_compatible(h, header_of(*this, {}), path);
   // Every value before anything changes: states a manager can continue from, and the
-  // groups' hyper-parameters as set_hyperparameters would accept them.
+  // groups' hyper-parameters as set_hyperparameters would accept them. An array the scan
+  // found fault in is checked again here for the error naming the first bad element.
   const bool adamw = m.is_adamw();
+  auto check = [&](std::size_t i, std::size_t a, const char* field, bool non_negative,
+                   const std::string& where) {
+    if (!file.values_clean(i, a))
+      detail::check_state_values(file.array(i, a), h.params[i].numel, param_arg(i, field),
+                                 non_negative, where);
+  };
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const std::string& name = h.params[i].name;
     const std::string where = path + ", parameter '" + name + "': ";
-    const std::size_t numel = h.params[i].numel;
-    detail::check_state_values(file.array(i, 0), numel, param_arg(i, "master"), false, where);
+    check(i, 0, "master", false, where);
     if (adamw) {
-      detail::check_state_values(file.array(i, 1), numel, param_arg(i, "exp_avg"), false, where);
-      detail::check_state_values(file.array(i, 2), numel, param_arg(i, "exp_avg_sq"), true, where);
+      check(i, 1, "exp_avg", false, where);
+      check(i, 2, "exp_avg_sq", true, where);
     }
     const float step = h.params[i].step;
     if (!detail::valid_step_count(step, adamw))

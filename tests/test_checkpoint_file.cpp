@@ -438,6 +438,18 @@ TEST(Crc32c, ShiftIsFoldingZeroBytes) {
   }
 }
 
+TEST(Crc32c, CombinedPiecesEqualTheWhole) {
+  std::mt19937 gen(5);
+  Bytes buf(50000);
+  for (auto& b : buf) b = std::byte(static_cast<std::uint8_t>(gen()));
+  const std::span<const std::byte> all(buf);
+  const std::uint32_t whole = crc32c_bitwise(all);
+  for (std::size_t cut : {0, 1, 8, 4096, 24576, 30001, 50000}) {
+    const std::uint32_t a = crc32c_bitwise(all.first(cut)), b = crc32c_bitwise(all.subspan(cut));
+    EXPECT_EQ(stepcore::detail::crc32c_combine(a, b, buf.size() - cut), whole) << cut;
+  }
+}
+
 // ---- round trips -----------------------------------------------------------------------------
 
 TEST(CheckpointRoundTrip, AdamWAllFieldsBitExact) {
