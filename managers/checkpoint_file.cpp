@@ -1,8 +1,9 @@
 // The checkpoint file of one rank (docs/checkpoint.md): the encoder and the atomic
-// writer (temporary file, fsync, rename, directory fsync), the verifying parser (a pure
-// function over the file's bytes: every length, offset and checksum checked before
-// anything is returned), the read-only mapping File hands out, the compatibility check,
-// and the writer's fault hooks (managers/testing.hpp).
+// writer (temporary file, fsync, rename, directory fsync; the CRC on a helper thread),
+// the verifying parser (a pure function over the file's bytes: every length, offset and
+// checksum checked before anything is returned), File's one-pass reader (pieces read,
+// checksummed and value-scanned on several threads), the compatibility check, and the
+// fault hooks (managers/testing.hpp).
 #include "managers/checkpoint_file.hpp"
 
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <bit>
 #include <cerrno>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -412,6 +414,84 @@ std::string directory_of(const std::string& path) {
 
 std::span<const std::byte> bytes_of(std::span<const float> floats) { return std::as_bytes(floats); }
 
+/// The payload's CRC-32C folded on a helper thread while the calling thread writes: add()
+/// hands over a span (large ones to the helper, small ones folded at once, in order),
+/// wait() returns once every span handed over is folded (the caller may then reuse them).
+/// Without a thread (none could be started) every span is folded at once.
+class BackgroundCrc {
+ public:
+  BackgroundCrc() {
+    try {
+      thread_ = std::thread([this] { run(); });
+    } catch (const std::system_error&) {
+      // Folded on the caller's thread.
+    }
+  }
+  ~BackgroundCrc() {
+    if (!thread_.joinable()) return;
+    {
+      const std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  BackgroundCrc(const BackgroundCrc&) = delete;
+  BackgroundCrc& operator=(const BackgroundCrc&) = delete;
+
+  void add(std::span<const std::byte> bytes) {
+    if (!thread_.joinable() || bytes.size() < kSmall) {
+      wait();
+      crc_ = crc32c(bytes, crc_);
+      return;
+    }
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return !busy_; });
+      pending_ = bytes;
+      busy_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    if (!thread_.joinable()) return;
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+  std::uint32_t value() {
+    wait();
+    return crc_;
+  }
+
+ private:
+  static constexpr std::size_t kSmall = std::size_t{1} << 20;
+
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return busy_ || stop_; });
+      if (busy_) {
+        const std::span<const std::byte> bytes = pending_;
+        lock.unlock();
+        const std::uint32_t crc = crc32c(bytes, crc_);
+        lock.lock();
+        crc_ = crc;
+        busy_ = false;
+        cv_.notify_all();
+      } else if (stop_) {
+        return;
+      }
+    }
+  }
+
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::span<const std::byte> pending_;
+  bool busy_ = false, stop_ = false;
+  std::uint32_t crc_ = 0;  ///< the helper's while busy_, else the caller's
+};
+
 }  // namespace
 
 // ---- save ----------------------------------------------------------------------------
@@ -434,16 +514,20 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
   file.append_zeros(payload_start - kPreambleBytes - e.header.size());
   pre.header_crc = crc32c(e.header);
 
+  // The arrays are written where they are (large ones in one write each) while the
+  // helper folds each into the checksum; before the source is asked again (its spans
+  // are valid until then) the fold of the last one is waited for.
   static constexpr std::byte kZeros[kPayloadAlignment] = {};
-  std::uint32_t payload_crc = 0;
+  BackgroundCrc payload_crc;
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < header.params.size(); ++i) {
     const std::uint64_t numel = header.params[i].numel;
     for (std::uint32_t a = 0; a < header.arrays; ++a) {
       const std::uint64_t offset = e.offsets[i * header.arrays + a];
       const std::size_t pad = static_cast<std::size_t>(offset - cursor);
-      payload_crc = crc32c(std::span<const std::byte>(kZeros, pad), payload_crc);
+      payload_crc.add(std::span<const std::byte>(kZeros, pad));
       file.append_zeros(pad);
+      payload_crc.wait();
       const std::span<const float> values = source(i, a);
       if (values.size() != numel || (numel > 0 && values.data() == nullptr))
         throw Error(Errc::invalid_argument, "source",
@@ -451,12 +535,12 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
                         ") gave " + std::to_string(values.size()) + " floats" +
                         (values.data() == nullptr ? " at a null pointer" : "") + "; parameter " +
                         quoted(header.params[i].name) + " has " + std::to_string(numel));
-      payload_crc = crc32c(bytes_of(values), payload_crc);
+      payload_crc.add(bytes_of(values));
       file.append(bytes_of(values));
       cursor = offset + numel * 4;
     }
   }
-  pre.payload_crc = payload_crc;
+  pre.payload_crc = payload_crc.value();
   file.flush();
   file.write_at(encode_preamble(pre), 0);
   file.sync();

@@ -57,7 +57,8 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 
 /// Writes `header` and the arrays `source` supplies (params in order, arrays in order) to
 /// `path`, atomically: a temporary file in the same directory, written in full (short
-/// writes and EINTR retried), fsync'ed, renamed over `path`, then the directory fsync'ed.
+/// writes and EINTR retried; on the calling thread, the payload CRC on a helper thread),
+/// fsync'ed, renamed over `path`, then the directory fsync'ed.
 /// On any failure the temporary file is removed and `path` is what it was before
 /// (Errc::io_error naming "path" with the system's reason). Throws Errc::invalid_argument
 /// for a header that cannot be written (arrays not 1 or 3, a group index out of range,
