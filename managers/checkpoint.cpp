@@ -1,13 +1,16 @@
 // GradientManager::save_checkpoint / load_checkpoint: a manager's optimizer state as one
 // rank's checkpoint file (managers/checkpoint_file.hpp, docs/checkpoint.md), in any mode.
 // Saving reads host-resident state in place and copies device state one parameter at a
-// time; loading verifies the whole file and every value before it imports anything.
+// time; loading reads and verifies the whole file (checksums and every value, in one
+// pass) before it imports anything.
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <future>
 #include <span>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "core/validate.hpp"
@@ -65,30 +68,54 @@ void GradientManager::save_checkpoint(const std::string& path) {
   std::vector<float> steps(n);
   m.guarded([&] { m.do_step_counts(steps); });
   const ckpt::Header header = header_of(*this, steps);
-  // Host-resident state is written in place; device state through one parameter's copy.
-  // The source is asked for each parameter's arrays in order: one lookup per parameter.
-  std::vector<float> copy[3];
-  std::span<const float> arrays[3];
-  std::size_t current = n;  // the parameter `arrays` describe
+  // Host-resident state is written in place; device state through a copy, the next
+  // parameter's copied out on a helper thread while this one's arrays are written (two
+  // sets of buffers, used in turn). The source is asked for each parameter's arrays in
+  // order, and its spans are valid until it is asked again.
   const bool adamw = m.is_adamw();
+  struct Arrays {
+    std::span<const float> a[3];
+  };
+  std::vector<float> copies[2][3];
+  // Returns parameter i's arrays: in place, or copied into copies[i % 2].
+  auto prepare = [&](std::size_t i, const HostState& h) {
+    const std::size_t numel = m.config_.params[i].numel;
+    if (numel == 0 || !h.master.empty()) return Arrays{{h.master, h.exp_avg, h.exp_avg_sq}};
+    std::vector<float>* copy = copies[i % 2];
+    // Every element is overwritten: resize, not assign (no pass of zeros).
+    copy[0].resize(numel);
+    copy[1].resize(adamw ? numel : 0);
+    copy[2].resize(adamw ? numel : 0);
+    m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
+    return Arrays{{copy[0], copy[1], copy[2]}};
+  };
+  // A copy this large is worth a thread of its own.
+  constexpr std::size_t kPrefetchElements = std::size_t{1} << 18;
+  Arrays arrays;
+  std::size_t current = n;   // the parameter `arrays` describe
+  std::future<Arrays> next;  // parameter current + 1, when being copied out
   const ckpt::ArraySource source = [&](std::size_t i, std::size_t a) -> std::span<const float> {
     if (current != i) {
+      if (next.valid() && i == current + 1) {
+        arrays = next.get();
+      } else {
+        if (next.valid()) next.wait();  // (not reached: the writer asks in order)
+        next = {};
+        arrays = prepare(i, m.guarded([&] { return m.do_host_state(i); }));
+      }
       current = i;
-      const HostState h = m.guarded([&] { return m.do_host_state(i); });
-      const std::size_t numel = m.config_.params[i].numel;
-      if (numel == 0 || !h.master.empty()) {
-        arrays[0] = h.master;
-        arrays[1] = h.exp_avg;
-        arrays[2] = h.exp_avg_sq;
-      } else {  // device memory (mode none)
-        copy[0].assign(numel, 0.0f);
-        copy[1].assign(adamw ? numel : 0, 0.0f);
-        copy[2].assign(adamw ? numel : 0, 0.0f);
-        m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
-        for (int k = 0; k < 3; ++k) arrays[k] = copy[k];
+      if (i + 1 < n && m.config_.params[i + 1].numel >= kPrefetchElements) {
+        const HostState h = m.guarded([&] { return m.do_host_state(i + 1); });
+        if (h.master.empty()) {
+          try {
+            next = std::async(std::launch::async, prepare, i + 1, h);
+          } catch (const std::system_error&) {
+            // No thread: copied when asked for.
+          }
+        }
       }
     }
-    return arrays[a];
+    return arrays.a[a];
   };
   ckpt::save(path, header, source);
 }
@@ -99,20 +126,27 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
-  const ckpt::File file = ckpt::File::open(path);  // the format, sizes and checksums
+  // The format, sizes and checksums, and every array's values scanned in the same pass.
+  const ckpt::File file = ckpt::File::open(path, /*scan_values=*/true);
   const ckpt::Header& h = file.header();
   ckpt::check_compatible(h, header_of(*this, {}), path);
   // Every value before anything changes: states a manager can continue from, and the
-  // groups' hyper-parameters as set_hyperparameters would accept them.
+  // groups' hyper-parameters as set_hyperparameters would accept them. An array the scan
+  // found fault in is checked again here for the error naming the first bad element.
   const bool adamw = m.is_adamw();
+  auto check = [&](std::size_t i, std::size_t a, const char* field, bool non_negative,
+                   const std::string& where) {
+    if (!file.values_clean(i, a))
+      detail::check_state_values(file.array(i, a), h.params[i].numel, param_arg(i, field),
+                                 non_negative, where);
+  };
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const std::string& name = h.params[i].name;
     const std::string where = path + ", parameter '" + name + "': ";
-    const std::size_t numel = h.params[i].numel;
-    detail::check_state_values(file.array(i, 0), numel, param_arg(i, "master"), false, where);
+    check(i, 0, "master", false, where);
     if (adamw) {
-      detail::check_state_values(file.array(i, 1), numel, param_arg(i, "exp_avg"), false, where);
-      detail::check_state_values(file.array(i, 2), numel, param_arg(i, "exp_avg_sq"), true, where);
+      check(i, 1, "exp_avg", false, where);
+      check(i, 2, "exp_avg_sq", true, where);
     }
     const float step = h.params[i].step;
     if (!detail::valid_step_count(step, adamw))

@@ -1,11 +1,13 @@
 // The checkpoint file of one rank (docs/checkpoint.md): the encoder and the atomic
-// writer (temporary file, fsync, rename, directory fsync), the verifying parser (a pure
-// function over the file's bytes: every length, offset and checksum checked before
-// anything is returned), the read-only mapping File hands out, the compatibility check,
-// and the writer's fault hooks (managers/testing.hpp).
+// writer (temporary file, fsync, rename, directory fsync; the CRC on a helper thread),
+// the verifying parser (a pure function over the file's bytes: every length, offset and
+// checksum checked before anything is returned), File's one-pass reader (pieces read,
+// checksummed and value-scanned on several threads), the compatibility check, and the
+// fault hooks (managers/testing.hpp).
 #include "managers/checkpoint_file.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,13 +16,18 @@
 #include <bit>
 #include <cerrno>
 #include <cinttypes>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <string_view>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -407,6 +414,84 @@ std::string directory_of(const std::string& path) {
 
 std::span<const std::byte> bytes_of(std::span<const float> floats) { return std::as_bytes(floats); }
 
+/// The payload's CRC-32C folded on a helper thread while the calling thread writes: add()
+/// hands over a span (large ones to the helper, small ones folded at once, in order),
+/// wait() returns once every span handed over is folded (the caller may then reuse them).
+/// Without a thread (none could be started) every span is folded at once.
+class BackgroundCrc {
+ public:
+  BackgroundCrc() {
+    try {
+      thread_ = std::thread([this] { run(); });
+    } catch (const std::system_error&) {
+      // Folded on the caller's thread.
+    }
+  }
+  ~BackgroundCrc() {
+    if (!thread_.joinable()) return;
+    {
+      const std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  BackgroundCrc(const BackgroundCrc&) = delete;
+  BackgroundCrc& operator=(const BackgroundCrc&) = delete;
+
+  void add(std::span<const std::byte> bytes) {
+    if (!thread_.joinable() || bytes.size() < kSmall) {
+      wait();
+      crc_ = crc32c(bytes, crc_);
+      return;
+    }
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return !busy_; });
+      pending_ = bytes;
+      busy_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    if (!thread_.joinable()) return;
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return !busy_; });
+  }
+  std::uint32_t value() {
+    wait();
+    return crc_;
+  }
+
+ private:
+  static constexpr std::size_t kSmall = std::size_t{1} << 20;
+
+  void run() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return busy_ || stop_; });
+      if (busy_) {
+        const std::span<const std::byte> bytes = pending_;
+        lock.unlock();
+        const std::uint32_t crc = crc32c(bytes, crc_);
+        lock.lock();
+        crc_ = crc;
+        busy_ = false;
+        cv_.notify_all();
+      } else if (stop_) {
+        return;
+      }
+    }
+  }
+
+  std::thread thread_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::span<const std::byte> pending_;
+  bool busy_ = false, stop_ = false;
+  std::uint32_t crc_ = 0;  ///< the helper's while busy_, else the caller's
+};
+
 }  // namespace
 
 // ---- save ----------------------------------------------------------------------------
@@ -429,16 +514,20 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
   file.append_zeros(payload_start - kPreambleBytes - e.header.size());
   pre.header_crc = crc32c(e.header);
 
+  // The arrays are written where they are (large ones in one write each) while the
+  // helper folds each into the checksum; before the source is asked again (its spans
+  // are valid until then) the fold of the last one is waited for.
   static constexpr std::byte kZeros[kPayloadAlignment] = {};
-  std::uint32_t payload_crc = 0;
+  BackgroundCrc payload_crc;
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < header.params.size(); ++i) {
     const std::uint64_t numel = header.params[i].numel;
     for (std::uint32_t a = 0; a < header.arrays; ++a) {
       const std::uint64_t offset = e.offsets[i * header.arrays + a];
       const std::size_t pad = static_cast<std::size_t>(offset - cursor);
-      payload_crc = crc32c(std::span<const std::byte>(kZeros, pad), payload_crc);
+      payload_crc.add(std::span<const std::byte>(kZeros, pad));
       file.append_zeros(pad);
+      payload_crc.wait();
       const std::span<const float> values = source(i, a);
       if (values.size() != numel || (numel > 0 && values.data() == nullptr))
         throw Error(Errc::invalid_argument, "source",
@@ -446,12 +535,12 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
                         ") gave " + std::to_string(values.size()) + " floats" +
                         (values.data() == nullptr ? " at a null pointer" : "") + "; parameter " +
                         quoted(header.params[i].name) + " has " + std::to_string(numel));
-      payload_crc = crc32c(bytes_of(values), payload_crc);
+      payload_crc.add(bytes_of(values));
       file.append(bytes_of(values));
       cursor = offset + numel * 4;
     }
   }
-  pre.payload_crc = payload_crc;
+  pre.payload_crc = payload_crc.value();
   file.flush();
   file.write_at(encode_preamble(pre), 0);
   file.sync();
@@ -595,7 +684,13 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   return out;
 }
 
-ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
+namespace {
+
+/// Everything parse verifies but the payload's checksum, reading only the bytes before
+/// the payload (`bytes` is the whole file's extent; the payload need not be read yet).
+/// Returns the parsed header and sets `payload_crc` to the checksum the preamble records.
+ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& name,
+                        std::uint32_t* payload_crc_wanted) {
   if (bytes.size() < kPreambleBytes)
     corrupt(name, bytes.empty() ? std::string("the file is empty")
                                 : "the file is " + std::to_string(bytes.size()) +
@@ -631,7 +726,6 @@ ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
   const std::span<const std::byte> header = bytes.subspan(kPreambleBytes, pre.header_length);
   const std::span<const std::byte> padding = bytes.subspan(
       kPreambleBytes + pre.header_length, payload_start - kPreambleBytes - pre.header_length);
-  const std::span<const std::byte> payload = bytes.subspan(payload_start);
   if (std::any_of(padding.begin(), padding.end(), [](std::byte b) { return b != std::byte{0}; }))
     corrupt(name, "the padding between the header and the payload is not zero");
   const std::uint32_t header_crc = crc32c(header);
@@ -639,11 +733,24 @@ ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
     corrupt(name, "header checksum mismatch (CRC-32C " + hex32(header_crc) +
                       ", the preamble says " + hex32(pre.header_crc) + ")");
   ParsedFile out = parse_header(header, pre.payload_length, name);
-  const std::uint32_t payload_crc = crc32c(payload);
-  if (payload_crc != pre.payload_crc)
-    corrupt(name, "payload checksum mismatch (CRC-32C " + hex32(payload_crc) +
-                      ", the preamble says " + hex32(pre.payload_crc) + ")");
   out.payload_start = payload_start;
+  *payload_crc_wanted = pre.payload_crc;
+  return out;
+}
+
+/// Throws Errc::corrupt_file unless the payload's checksum `got` is the one recorded.
+void check_payload_crc(std::uint32_t got, std::uint32_t wanted, const std::string& name) {
+  if (got != wanted)
+    corrupt(name, "payload checksum mismatch (CRC-32C " + hex32(got) + ", the preamble says " +
+                      hex32(wanted) + ")");
+}
+
+}  // namespace
+
+ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
+  std::uint32_t wanted = 0;
+  ParsedFile out = parse_prefix(bytes, name, &wanted);
+  check_payload_crc(crc32c(bytes.subspan(out.payload_start)), wanted, name);
   return out;
 }
 
@@ -652,25 +759,51 @@ ParsedFile parse(std::span<const std::byte> bytes, const std::string& name) {
 // The file is read into memory, never mapped: a mapping whose file another process
 // truncates raises SIGBUS at the next access, which would kill the host process; a read
 // that finds the file shorter than it was is an Errc::io_error instead.
+//
+// One pass over the bytes: the calling thread reads the preamble and header and verifies
+// them; then several threads read the payload in pieces, each folding its piece's CRC
+// and scanning its values (when asked) right after reading it, while it is in cache.
+// Nothing is handed out before every piece is read and the combined checksum compared.
 struct File::Impl {
-  struct Free {
-    void operator()(void* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> bytes;  ///< the whole file (null for an empty file)
+  std::byte* bytes = nullptr;  ///< the whole file (null for an empty file)
   std::size_t length = 0;
+  std::size_t mapped = 0;  ///< bytes of the anonymous mapping holding `bytes`
   ParsedFile parsed;
+  /// Per array ([i * arrays + a]): 1 when the value scan found nothing wrong.
+  std::vector<unsigned char> clean;
+  ~Impl() {
+    if (bytes != nullptr) ::munmap(bytes, mapped);
+  }
 };
 
 namespace {
 
-// Reads `length` bytes of fd from offset 0 into `out`; throws Errc::io_error naming the
-// path when the file ends early (it was truncated meanwhile) or a read fails.
-void read_all(int fd, std::byte* out, std::size_t length, const std::string& path) {
-  std::size_t done = 0;
-  const std::size_t chunk = tl_read_chunk != 0 ? tl_read_chunk : std::size_t{1} << 30;
-  while (done < length) {
-    if (tl_read_hook) tl_read_hook(done);
-    const std::size_t want = std::min<std::size_t>(length - done, chunk);
+/// Bytes per piece of the payload a reader thread reads and then checks, and per step of
+/// those checks (the CRC and the value scan both read a step while it is in cache).
+constexpr std::size_t kReadPiece = std::size_t{4} << 20;
+constexpr std::size_t kCheckStep = std::size_t{256} << 10;
+/// The most threads that read one file.
+constexpr unsigned kMaxReaders = 4;
+
+/// ScopedReadHook's settings, taken from the opening thread and shared by its readers
+/// (the hook is called under `mu`, one call at a time).
+struct ReadControl {
+  std::size_t chunk = std::size_t{1} << 30;
+  const std::function<void(std::size_t)>* hook = nullptr;
+  std::mutex mu;
+};
+
+/// Reads bytes [from, to) of fd into out + from; throws Errc::io_error naming the path when
+/// the file ends early (it was truncated meanwhile) or a read fails.
+void read_range(int fd, std::byte* out, std::size_t from, std::size_t to, std::size_t length,
+                const std::string& path, ReadControl& control) {
+  std::size_t done = from;
+  while (done < to) {
+    if (control.hook != nullptr) {
+      const std::lock_guard lock(control.mu);
+      (*control.hook)(done);
+    }
+    const std::size_t want = std::min<std::size_t>(to - done, control.chunk);
     const ssize_t got = ::pread(fd, out + done, want, static_cast<off_t>(done));
     if (got < 0) {
       if (errno == EINTR) continue;
@@ -684,6 +817,136 @@ void read_all(int fd, std::byte* out, std::size_t length, const std::string& pat
   }
 }
 
+/// Returns true when no word of `words` is NaN or Inf (nor, with non_negative, below
+/// -0): one branch-free pass the compiler vectorises.
+bool values_clean(const std::uint32_t* words, std::size_t n, bool non_negative) noexcept {
+  std::uint32_t bad = 0;
+  if (non_negative)
+    for (std::size_t j = 0; j < n; ++j)
+      bad |= static_cast<std::uint32_t>((words[j] & 0x7F800000u) == 0x7F800000u) |
+             static_cast<std::uint32_t>(words[j] > 0x80000000u);
+  else
+    for (std::size_t j = 0; j < n; ++j)
+      bad |= static_cast<std::uint32_t>((words[j] & 0x7F800000u) == 0x7F800000u);
+  return bad == 0;
+}
+
+/// The payload's one pass: pieces read by several threads at once (each takes the next
+/// piece), each piece's CRC folded and its values scanned right after its read; the
+/// pieces' CRCs combine in file order at the end (crc32c_combine).
+class PayloadReader {
+ public:
+  PayloadReader(int fd, std::byte* bytes, const ParsedFile& parsed, std::size_t length,
+                const std::string& path, bool scan, std::vector<unsigned char>* clean)
+      : fd_(fd),
+        bytes_(bytes),
+        start_(static_cast<std::size_t>(parsed.payload_start)),
+        length_(length),
+        path_(path),
+        clean_(clean) {
+    control_.chunk = tl_read_chunk != 0 ? tl_read_chunk : control_.chunk;
+    control_.hook = tl_read_hook ? &tl_read_hook : nullptr;
+    pieces_ = (length_ - start_ + kReadPiece - 1) / kReadPiece;
+    crcs_.assign(pieces_, 0);
+    if (!scan) return;
+    const Header& h = parsed.header;
+    clean->assign(parsed.array_offsets.size(), 1);
+    for (std::size_t k = 0; k < parsed.array_offsets.size(); ++k) {
+      const std::uint64_t bytes = h.params[k / h.arrays].numel * 4;
+      if (bytes > 0)
+        extents_.push_back({parsed.array_offsets[k], parsed.array_offsets[k] + bytes, k,
+                            h.arrays == 3 && k % 3 == 2});
+    }
+    // parse checked that no two overlap: sorted by start, they are disjoint.
+    std::sort(extents_.begin(), extents_.end(),
+              [](const Extent& x, const Extent& y) { return x.begin < y.begin; });
+  }
+
+  /// Reads and checks the whole payload (this thread and up to kMaxReaders - 1 more) and
+  /// returns its CRC-32C; rethrows the first reader's error.
+  std::uint32_t run() {
+    const unsigned hardware = std::max(1u, std::thread::hardware_concurrency());
+    const std::size_t helpers = std::min<std::size_t>(std::min(hardware, kMaxReaders), pieces_);
+    std::vector<std::thread> threads;
+    for (std::size_t t = 1; t < helpers; ++t) {
+      try {
+        threads.emplace_back([this] { work(); });
+      } catch (const std::system_error&) {
+        break;  // fewer threads: the others take more pieces
+      }
+    }
+    work();
+    for (std::thread& t : threads) t.join();
+    if (error_) std::rethrow_exception(error_);
+    std::uint32_t crc = 0;
+    for (std::size_t k = 0; k < pieces_; ++k) {
+      const std::size_t from = start_ + k * kReadPiece;
+      crc = crc32c_combine(crc, crcs_[k], std::min(length_, from + kReadPiece) - from);
+    }
+    return crc;
+  }
+
+ private:
+  struct Extent {
+    std::uint64_t begin, end;  // payload offsets
+    std::size_t index;         // i * arrays + a
+    bool non_negative;         // exp_avg_sq
+  };
+
+  void work() noexcept {
+    for (;;) {
+      if (failed_.load(std::memory_order_relaxed)) return;
+      const std::size_t k = next_.fetch_add(1, std::memory_order_relaxed);
+      if (k >= pieces_) return;
+      const std::size_t from = start_ + k * kReadPiece;
+      const std::size_t to = std::min(length_, from + kReadPiece);
+      try {
+        read_range(fd_, bytes_, from, to, length_, path_, control_);
+      } catch (...) {
+        const std::lock_guard lock(error_mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_.store(true, std::memory_order_relaxed);
+        return;
+      }
+      std::uint32_t crc = 0;
+      for (std::size_t at = from; at < to; at += kCheckStep) {
+        const std::size_t end = std::min(to, at + kCheckStep);
+        crc = crc32c(std::span<const std::byte>(bytes_ + at, end - at), crc);
+        scan(at - start_, end - start_);
+      }
+      crcs_[k] = crc;
+    }
+  }
+
+  /// Scans the values of the arrays in payload bytes [from, to).
+  void scan(std::uint64_t from, std::uint64_t to) noexcept {
+    // The first array ending after `from`: arrays are disjoint, so ends are sorted too.
+    auto it = std::upper_bound(extents_.begin(), extents_.end(), from,
+                               [](std::uint64_t x, const Extent& e) { return x < e.end; });
+    for (; it != extents_.end() && it->begin < to; ++it) {
+      const std::uint64_t b = std::max(from, it->begin), e = std::min(to, it->end);
+      // Arrays start at multiples of 64 and steps at multiples of kCheckStep from the
+      // 64-aligned payload start: b and e bound whole floats in the page-aligned buffer.
+      const std::byte* p = bytes_ + start_ + b;
+      if (!values_clean(reinterpret_cast<const std::uint32_t*>(p), (e - b) / 4, it->non_negative))
+        std::atomic_ref<unsigned char>((*clean_)[it->index]).store(0, std::memory_order_relaxed);
+    }
+  }
+
+  int fd_;
+  std::byte* bytes_;
+  std::size_t start_, length_, pieces_ = 0;
+  const std::string& path_;
+  std::vector<unsigned char>* clean_;
+  std::vector<Extent> extents_;
+  std::vector<std::uint32_t> crcs_;  ///< each piece's CRC-32C, written by its reader
+  ReadControl control_;
+  std::atomic<std::size_t> next_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex error_mu_;
+  std::exception_ptr error_;
+};
+
 }  // namespace
 
 File::File(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -691,52 +954,80 @@ File::~File() = default;
 File::File(File&&) noexcept = default;
 File& File::operator=(File&&) noexcept = default;
 
-File File::open(const std::string& path) {
+File File::open(const std::string& path, bool scan_values) {
   // O_NONBLOCK: a FIFO at `path` is refused below instead of blocking the open.
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) io_failure(path, "cannot open", errno);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    io_failure(path, "cannot stat", err);
-  }
-  if (S_ISDIR(st.st_mode)) {
-    ::close(fd);
-    io_failure(path, "cannot read", EISDIR);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw Error(Errc::io_error, "path", path + ": not a regular file");
-  }
+  if (::fstat(fd, &st) != 0) io_failure(path, "cannot stat", errno);
+  if (S_ISDIR(st.st_mode)) io_failure(path, "cannot read", EISDIR);
+  if (!S_ISREG(st.st_mode)) throw Error(Errc::io_error, "path", path + ": not a regular file");
   auto impl = std::make_unique<Impl>();
-  if (st.st_size > 0) {
-    if (static_cast<std::uint64_t>(st.st_size) > std::numeric_limits<std::size_t>::max() / 2) {
-      ::close(fd);
-      throw Error(Errc::io_error, "path", path + ": too large to read");
-    }
-    const std::size_t length = static_cast<std::size_t>(st.st_size);
-    // 64-byte aligned (the arrays are read as floats), rounded up as aligned_alloc asks.
-    impl->bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (length + 63) / 64 * 64)));
-    if (!impl->bytes) {
-      ::close(fd);
-      throw Error(Errc::io_error, "path",
-                  path + ": cannot allocate " + std::to_string(length) + " bytes to read it");
-    }
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint: read front to back
-    try {
-      read_all(fd, impl->bytes.get(), length, path);
-    } catch (...) {
-      ::close(fd);
-      throw;
-    }
-    ::close(fd);
-    impl->length = length;
-  } else {
-    ::close(fd);
+  if (st.st_size == 0) {
+    impl->parsed = parse({}, path);  // throws: an empty file
+    return File(std::move(impl));
   }
-  impl->parsed = parse(std::span<const std::byte>(impl->bytes.get(), impl->length), path);
+  if (static_cast<std::uint64_t>(st.st_size) > std::numeric_limits<std::size_t>::max() / 2)
+    throw Error(Errc::io_error, "path", path + ": too large to read");
+  const std::size_t length = static_cast<std::size_t>(st.st_size);
+  // Anonymous memory in whole 2 MiB pages where the kernel has them (fewer faults than
+  // 4 KiB pages); page-aligned, so every array is 64-byte aligned as floats need.
+  constexpr std::size_t kHuge = std::size_t{2} << 20;
+  const std::size_t mapped = (length + kHuge - 1) / kHuge * kHuge;
+  void* mem = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mem == MAP_FAILED)
+    throw Error(Errc::io_error, "path",
+                path + ": cannot allocate " + std::to_string(length) + " bytes to read it");
+#ifdef MADV_HUGEPAGE
+  ::madvise(mem, mapped, MADV_HUGEPAGE);  // a hint
+#endif
+  impl->bytes = static_cast<std::byte*>(mem);
+  impl->mapped = mapped;
+  impl->length = length;
+  std::byte* const bytes = impl->bytes;
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);  // a hint: read front to back
+
+  // The preamble and header first (their lengths come from the preamble), verified
+  // before the payload is read.
+  ReadControl control;
+  control.chunk = tl_read_chunk != 0 ? tl_read_chunk : control.chunk;
+  control.hook = tl_read_hook ? &tl_read_hook : nullptr;
+  const std::span<const std::byte> whole(bytes, length);
+  std::size_t prefix = std::min<std::size_t>(length, kPreambleBytes);
+  read_range(fd, bytes, 0, prefix, length, path, control);
+  if (prefix == kPreambleBytes) {
+    const std::uint64_t header_length = get_u64(bytes + 16);
+    std::uint64_t start;
+    if (header_length <= length - kPreambleBytes &&
+        align_up(kPreambleBytes + header_length, &start) && start <= length)
+      prefix = static_cast<std::size_t>(start);
+    else
+      prefix = length;  // parse_prefix refuses it; read it all to say so as parse would
+    read_range(fd, bytes, kPreambleBytes, prefix, length, path, control);
+  }
+  std::uint32_t payload_crc_wanted = 0;
+  impl->parsed = parse_prefix(whole, path, &payload_crc_wanted);
+
+  PayloadReader reader(fd, bytes, impl->parsed, length, path, scan_values, &impl->clean);
+  const std::uint32_t payload_crc = reader.run();
+  // Pieces are read in any order: a file cut (or grown) meanwhile is refused even when
+  // every piece was read before the cut.
+  if (::fstat(fd, &st) != 0) io_failure(path, "cannot stat", errno);
+  if (static_cast<std::uint64_t>(st.st_size) != length)
+    throw Error(Errc::io_error, "path",
+                path + ": the file changed size from " + std::to_string(length) + " to " +
+                    std::to_string(st.st_size) + " bytes while being read");
+  check_payload_crc(payload_crc, payload_crc_wanted, path);
   return File(std::move(impl));
+}
+
+bool File::values_clean(std::size_t i, std::size_t a) const noexcept {
+  const std::size_t k = i * impl_->parsed.header.arrays + a;
+  return k < impl_->clean.size() && impl_->clean[k] != 0;
 }
 
 const Header& File::header() const noexcept { return impl_->parsed.header; }
@@ -751,8 +1042,8 @@ std::span<const float> File::array(std::size_t i, std::size_t a) const {
     throw Error(
         Errc::out_of_range, "a",
         "checkpoint::File::array: array " + std::to_string(a) + " of " + std::to_string(h.arrays));
-  const std::byte* base = impl_->bytes.get() + impl_->parsed.payload_start +
-                          impl_->parsed.array_offsets[i * h.arrays + a];
+  const std::byte* base =
+      impl_->bytes + impl_->parsed.payload_start + impl_->parsed.array_offsets[i * h.arrays + a];
   return {reinterpret_cast<const float*>(base), static_cast<std::size_t>(h.params[i].numel)};
 }
 

@@ -57,7 +57,8 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 
 /// Writes `header` and the arrays `source` supplies (params in order, arrays in order) to
 /// `path`, atomically: a temporary file in the same directory, written in full (short
-/// writes and EINTR retried), fsync'ed, renamed over `path`, then the directory fsync'ed.
+/// writes and EINTR retried; on the calling thread, the payload CRC on a helper thread),
+/// fsync'ed, renamed over `path`, then the directory fsync'ed.
 /// On any failure the temporary file is removed and `path` is what it was before
 /// (Errc::io_error naming "path" with the system's reason). Throws Errc::invalid_argument
 /// for a header that cannot be written (arrays not 1 or 3, a group index out of range,
@@ -69,11 +70,14 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
 /// A checkpoint file, opened and verified: magic, format version, every length and offset
 /// inside the file, no two arrays overlapping, the header's and the payload's CRC-32C.
 /// Any disagreement is Errc::corrupt_file naming "path" and what is wrong (a file that
-/// cannot be opened or read: Errc::io_error). The arrays are read-only views of the
-/// file's contents, valid while the File lives.
+/// cannot be opened or read, or that shrinks while read: Errc::io_error). The arrays are
+/// read-only views of the file's contents, valid while the File lives.
 class File {
  public:
-  static File open(const std::string& path);
+  /// Reads and verifies the file in one pass (the payload's CRC folded on a helper thread
+  /// while the next piece is read). With `scan_values`, the same pass scans every array's
+  /// values for values_clean.
+  static File open(const std::string& path, bool scan_values = false);
   ~File();
   File(File&&) noexcept;
   File& operator=(File&&) noexcept;
@@ -81,6 +85,10 @@ class File {
   const Header& header() const noexcept;
   /// Returns array `a` of parameter `i` (numel floats; a < header().arrays).
   std::span<const float> array(std::size_t i, std::size_t a) const;
+  /// Returns true when open's value scan found array `a` of parameter `i` free of NaN and
+  /// Inf (and, for exp_avg_sq — array 2 of a three-array file — of values below -0);
+  /// false when it found one, or when open was not asked to scan.
+  bool values_clean(std::size_t i, std::size_t a) const noexcept;
 
  private:
   struct Impl;

@@ -11,6 +11,7 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -410,6 +411,46 @@ TEST(Crc32c, IncrementalEqualsWhole) {
     }
 }
 
+TEST(Crc32c, LongBuffersThroughTheInterleavedLoopAgreeWithTheDefinition) {
+  // The SSE4.2 path folds 3 x 8192-byte lanes side by side: sizes around one and two
+  // blocks, at every 8-byte misalignment, and a long one with a continued register.
+  std::mt19937 gen(7);
+  Bytes storage((1u << 18) + 64);
+  for (auto& b : storage) b = std::byte(static_cast<std::uint8_t>(gen()));
+  const std::size_t block = 3 * 8192;
+  for (std::size_t size : {block - 1, block, block + 1, block + 8, 2 * block - 3, 2 * block + 17,
+                           std::size_t{100000}, std::size_t{1} << 18})
+    for (std::size_t start = 0; start < 8; start += (size > block + 8 ? 3 : 1)) {
+      const std::span<const std::byte> buf(storage.data() + start, size);
+      const std::uint32_t prev = static_cast<std::uint32_t>(gen());
+      const std::uint32_t want = crc32c_bitwise(buf, prev);
+      for (const NamedCrc& c : crc_paths())
+        ASSERT_EQ(c.f(buf, prev), want) << c.name << " size " << size << " start " << start;
+    }
+}
+
+TEST(Crc32c, ShiftIsFoldingZeroBytes) {
+  std::mt19937 gen(11);
+  for (std::size_t n : {0, 1, 7, 8, 63, 1000, 8192, 16384, 70001}) {
+    const std::uint32_t prev = static_cast<std::uint32_t>(gen());
+    const Bytes zeros(n, std::byte{0});
+    // The register is the inverted CRC; folding n zero bytes from it is the shift.
+    EXPECT_EQ(~stepcore::detail::crc32c_shift(~prev, n), crc32c_bitwise(zeros, prev)) << n;
+  }
+}
+
+TEST(Crc32c, CombinedPiecesEqualTheWhole) {
+  std::mt19937 gen(5);
+  Bytes buf(50000);
+  for (auto& b : buf) b = std::byte(static_cast<std::uint8_t>(gen()));
+  const std::span<const std::byte> all(buf);
+  const std::uint32_t whole = crc32c_bitwise(all);
+  for (std::size_t cut : {0, 1, 8, 4096, 24576, 30001, 50000}) {
+    const std::uint32_t a = crc32c_bitwise(all.first(cut)), b = crc32c_bitwise(all.subspan(cut));
+    EXPECT_EQ(stepcore::detail::crc32c_combine(a, b, buf.size() - cut), whole) << cut;
+  }
+}
+
 // ---- round trips -----------------------------------------------------------------------------
 
 TEST(CheckpointRoundTrip, AdamWAllFieldsBitExact) {
@@ -426,6 +467,61 @@ TEST(CheckpointRoundTrip, AdamWAllFieldsBitExact) {
   ckpt::save(path, h, source_of(arrays));
   expect_loads(path, h, arrays);
   EXPECT_EQ(dir.entries(), std::vector<std::string>{"rank-00002.stepcore"});
+}
+
+// A file of several 4 MiB pieces (arrays straddling the pieces' bounds) is read by several
+// threads: the same bits, the CRC of the combined pieces, and the value scan's verdict per
+// array — exactly the arrays spoiled, wherever in the file — and a flipped byte in a middle
+// piece refused.
+TEST(CheckpointRoundTrip, AFileOfManyPiecesReadOnSeveralThreads) {
+  TempDir dir;
+  const ckpt::Header h = adamw_header({1000003, 5, 1100001, 0, 333});  // ~25 MB
+  const std::string path = dir.file("many.stepcore");
+  const Arrays special = make_arrays(h);
+  ckpt::save(path, h, source_of(special));
+  expect_loads(path, h, special);
+
+  // Finite values, exp_avg_sq >= 0 (including -0): every array clean.
+  Arrays clean(h.params.size());
+  std::mt19937 gen(9);
+  for (std::size_t i = 0; i < h.params.size(); ++i)
+    for (std::uint32_t a = 0; a < 3; ++a) {
+      std::vector<float> v(h.params[i].numel);
+      for (float& x : v) x = static_cast<float>(static_cast<std::int32_t>(gen())) * 1e-9f;
+      if (a == 2)
+        for (float& x : v) x = std::fabs(x);
+      if (a == 2 && !v.empty()) v[0] = -0.0f;
+      clean[i].push_back(std::move(v));
+    }
+  struct Spoil {
+    std::size_t i, a, k;
+    std::uint32_t bits;
+  };
+  const std::vector<std::vector<Spoil>> cases = {
+      {},
+      {{2, 2, 1100000, 0xBF800000u}},                              // the file's last value
+      {{0, 1, 700000, 0x7F800000u}, {2, 0, 123456, 0x7FC00000u}},  // two, in later pieces
+      {{0, 2, 0, 0x80000001u}, {4, 2, 332, 0xFF800000u}},          // -denormal, -inf
+  };
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE("case " + std::to_string(c));
+    Arrays arrays = clean;
+    for (const Spoil& sp : cases[c]) arrays[sp.i][sp.a][sp.k] = from_bits(sp.bits);
+    ckpt::save(path, h, source_of(arrays));
+    expect_loads(path, h, arrays);
+    const ckpt::File f = ckpt::File::open(path, /*scan_values=*/true);
+    const ckpt::File unscanned = ckpt::File::open(path);
+    for (std::size_t i = 0; i < h.params.size(); ++i)
+      for (std::size_t a = 0; a < 3; ++a) {
+        bool spoiled = false;
+        for (const Spoil& sp : cases[c]) spoiled = spoiled || (sp.i == i && sp.a == a);
+        EXPECT_EQ(f.values_clean(i, a), !spoiled) << "param " << i << " array " << a;
+        EXPECT_FALSE(unscanned.values_clean(i, a)) << "no scan, no verdict";
+      }
+  }
+  Bytes bytes = read_bytes(path);
+  bytes[bytes.size() / 2] ^= std::byte{0x40};
+  expect_corrupt(dir, bytes, "payload checksum mismatch");
 }
 
 // Another process truncating the file around a load, 1,000 times at random offsets and

@@ -15,10 +15,14 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "device/host_device.hpp"
 #include "expect_error.hpp"
+#include "host/crc32c.hpp"
+#include "managers/checkpoint_file.hpp"
 #include "managers_cases.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
@@ -175,6 +179,158 @@ TEST(Managers, LoadCheckpointRecoversAFailedManagerInTheMiddleOfASpeculatedStep)
     m->close();
     expect_same(got, std::vector<StepRecord>(want.begin() + 1, want.end()),
                 "recovered run vs one that never failed");
+  }
+  fs::remove_all(dir);
+}
+
+// Everything is verified before anything is imported: a file spoiled in its very last
+// payload bytes (the last element of the last parameter's exp_avg_sq, read last) is
+// refused with its typed error and the manager's state keeps every bit — a flipped bit
+// (the checksum disagrees), and, with the checksum made right again, a NaN and a
+// negative second moment (the value checks, in the same pass as the checksum).
+TEST(Managers, ACheckpointSpoiledInItsLastByteLeavesTheStateUntouched) {
+  namespace fs = std::filesystem;
+  namespace ckpt = stepcore::detail::checkpoint;
+  const fs::path dir =
+      fs::temp_directory_path() / ("stepcore-lastbyte-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string good = (dir / "good.stepcore").string();
+  const std::string bad = (dir / "bad.stepcore").string();
+  auto read_bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  auto write_bytes = [](const std::string& path, const std::vector<char>& b) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(b.data(), static_cast<std::streamsize>(b.size()));
+  };
+  // Every parameter's master, moments and step counter, as bits.
+  auto state_of = [](GradientManager& m) {
+    std::vector<std::uint32_t> bits;
+    for (std::size_t i = 0; i < m.config().params.size(); ++i) {
+      const std::size_t n = m.config().params[i].numel;
+      std::vector<float> a(n), b(n), c(n);
+      m.read_parameter(i, a, b, c, {});
+      for (const auto* v : {&a, &b, &c})
+        for (float x : *v) bits.push_back(std::bit_cast<std::uint32_t>(x));
+      bits.push_back(std::bit_cast<std::uint32_t>(m.step_count(i)));
+    }
+    return bits;
+  };
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto dev = device::make_host_device();
+    auto make = [&] {
+      ManagerConfig cfg = config_of(mode, *dev);
+      auto m = make_gradient_manager(cfg);
+      for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+        std::vector<float> init(cfg.params[i].numel);
+        for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+        m->load_parameter(i, init);
+      }
+      return m;
+    };
+    StreamOptions o;
+    o.steps = 1;
+    auto saver = make();
+    (void)run_stream(*saver, *dev, o);
+    saver->save_checkpoint(good);
+    saver->close();
+    auto m = make();  // fresh from its initial masters: anything imported would show
+    const std::vector<std::uint32_t> before = state_of(*m);
+
+    const std::vector<char> bytes = read_bytes(good);
+    const ckpt::ParsedFile parsed = ckpt::parse(std::as_bytes(std::span<const char>(bytes)), good);
+    const std::size_t last = parsed.header.params.size() - 1;
+    ASSERT_EQ(parsed.header.arrays, 3u);
+    ASSERT_GT(parsed.header.params[last].numel, 0u);
+    const std::size_t last_float = parsed.payload_start + parsed.array_offsets[last * 3 + 2] +
+                                   4 * (parsed.header.params[last].numel - 1);
+    ASSERT_EQ(last_float + 4, bytes.size()) << "the writer puts that array last";
+    const std::string arg = "checkpoint.params[" + std::to_string(last) + "].exp_avg_sq";
+    struct Spoil {
+      const char* what;
+      std::uint32_t bits;  // the last float's new bits; 0: flip a bit of the last byte
+      Errc code;
+      std::string arg;
+    };
+    for (const Spoil& sp : {Spoil{"a flipped bit", 0, Errc::corrupt_file, "path"},
+                            Spoil{"a NaN", 0x7FC00000u, Errc::non_finite, arg},
+                            Spoil{"a negative value", 0xBF800000u, Errc::invalid_argument, arg}}) {
+      SCOPED_TRACE(sp.what);
+      std::vector<char> b = bytes;
+      if (sp.bits == 0) {
+        b.back() = static_cast<char>(b.back() ^ 0x01);
+      } else {
+        std::memcpy(b.data() + last_float, &sp.bits, 4);
+        const std::uint32_t crc = stepcore::detail::crc32c(
+            std::as_bytes(std::span<const char>(b).subspan(parsed.payload_start)));
+        std::memcpy(b.data() + 36, &crc, 4);  // the preamble's payload CRC-32C
+      }
+      write_bytes(bad, b);
+      test_support::expect_error([&] { m->load_checkpoint(bad); }, sp.code, sp.arg);
+      EXPECT_EQ(state_of(*m), before) << "a refused checkpoint changed the manager";
+    }
+    m->load_checkpoint(good);  // the unspoiled file loads
+    EXPECT_NE(state_of(*m), before);
+    m->close();
+  }
+  fs::remove_all(dir);
+}
+
+// save_checkpoint from device state copies the next large parameter out on a helper
+// thread while this one is written (two buffer sets in turn): parameters of 2^18
+// elements and more, between small ones, round-trip bit for bit into modes none and full.
+TEST(Managers, ASaveOfLargeDeviceParametersCopiedOutAheadRoundTrips) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("stepcore-ahead-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "ahead.stepcore").string();
+  const std::vector<std::size_t> sizes = {300000, 5, 262144, 400001, 262144, 7};
+  auto make = [&](OffloadMode mode, device::Device& dev) {
+    ManagerConfig cfg = config_of(mode, dev);
+    cfg.params.clear();
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      ParamSpec p;
+      p.name = "w" + std::to_string(i);
+      p.numel = sizes[i];
+      p.group = i % 2;
+      cfg.params.push_back(p);
+    }
+    return make_gradient_manager(cfg);
+  };
+  // Distinct values per parameter and array: master, exp_avg, exp_avg_sq >= 0, step.
+  std::vector<std::vector<float>> want;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    for (int a = 0; a < 3; ++a) {
+      std::vector<float> v(sizes[i]);
+      for (std::size_t j = 0; j < v.size(); ++j)
+        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
+               (a == 1 ? -1e-4f : 1e-4f);
+      want.push_back(std::move(v));
+    }
+  auto dev = device::make_host_device();
+  auto saver = make(OffloadMode::none, *dev);
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    saver->import_parameter(i, want[3 * i], want[3 * i + 1], want[3 * i + 2],
+                            static_cast<float>(i + 3));
+  saver->save_checkpoint(path);
+  saver->close();
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto m = make(mode, *dev);
+    m->load_checkpoint(path);
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      std::vector<float> a(sizes[i]), b(sizes[i]), c(sizes[i]);
+      m->read_parameter(i, a, b, c, {});
+      for (int k = 0; k < 3; ++k) {
+        const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
+        EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
+            << "parameter " << i << " array " << k;
+      }
+      EXPECT_EQ(m->step_count(i), static_cast<float>(i + 3)) << i;
+    }
+    m->close();
   }
   fs::remove_all(dir);
 }
