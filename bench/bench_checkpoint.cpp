@@ -2,7 +2,10 @@
 // A full-offload manager (host state, saved in place) and a mode-none manager (device
 // state, copied out parameter by parameter) of N million parameters save and load one
 // rank's file; the probes write the same bytes with write() + fsync() into the same
-// directory, and read them back with read() into memory. The import alone (the verified
+// directory, and read them back with read() into memory. Loads and read probes are timed
+// twice: from the page cache (the file just written: the read is a kernel memcpy), and
+// from storage (the file's pages evicted first with posix_fadvise(DONTNEED), as a load of
+// a checkpoint from its disk reads it; each probe read is evicted the same way). The import alone (the verified
 // state handed to import_parameter, the part of a load after its verification) is timed
 // too, to show what the verification and the read cost beyond it. CRC-32C (the file's
 // checksum) is timed against a plain read of the same buffer. Every load is validated
@@ -128,6 +131,15 @@ double probe_read(const std::string& path, std::vector<char>& dst) {
   return seconds_since(t0);
 }
 
+// Drops `path`'s clean pages from the page cache (written and fsync'ed: all are clean), so
+// the next read comes from storage.
+void evict(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) std::exit(1);
+  if (::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) != 0) std::exit(1);
+  ::close(fd);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -174,7 +186,7 @@ int main(int argc, char** argv) {
       saver->read_parameter(i, arrays[3 * i], arrays[3 * i + 1], arrays[3 * i + 2], {});
       steps.push_back(saver->step_count(i));
     }
-    std::vector<double> save_s, load_s, pw_s, pr_s, import_s;
+    std::vector<double> save_s, load_s, pw_s, pr_s, import_s, cold_load_s, cold_pr_s;
     for (int r = 0; r < repeats; ++r) {
       auto t0 = Clock::now();
       saver->save_checkpoint(path);
@@ -184,6 +196,12 @@ int main(int argc, char** argv) {
       loader->load_checkpoint(path);
       load_s.push_back(seconds_since(t0));
       pr_s.push_back(probe_read(probe, whole));
+      evict(path);
+      t0 = Clock::now();
+      loader->load_checkpoint(path);
+      cold_load_s.push_back(seconds_since(t0));
+      evict(probe);
+      cold_pr_s.push_back(probe_read(probe, whole));
       // The import alone: the same state handed to import_parameter, the part of a load
       // that follows the verification (what the manager does with verified bytes).
       t0 = Clock::now();
@@ -206,6 +224,12 @@ int main(int argc, char** argv) {
         "%5.2f GB/s; ratio %.2f\n",
         std::string(offload_mode_name(loader->mode())).c_str(), gb * 1e3, median(load_s),
         gb / median(load_s), median(pr_s), gb / median(pr_s), median(pr_s) / median(load_s));
+    std::printf(
+        "  load into mode %-4s from storage: %.3f s = %5.2f GB/s; probe read from storage "
+        "%.3f s = %5.2f GB/s; ratio %.2f\n",
+        std::string(offload_mode_name(loader->mode())).c_str(), median(cold_load_s),
+        gb / median(cold_load_s), median(cold_pr_s), gb / median(cold_pr_s),
+        median(cold_pr_s) / median(cold_load_s));
     std::printf(
         "    the import alone (import_parameter of the same state) %.3f s; "
         "read probe + import %.3f s = %.2f of the load\n",
