@@ -5,11 +5,11 @@
 // directory, and read them back with read() into memory. Loads and read probes are timed
 // twice: from the page cache (the file just written: the read is a kernel memcpy), and
 // from storage (the file's pages evicted first with posix_fadvise(DONTNEED), as a load of
-// a checkpoint from its disk reads it; each probe read is evicted the same way). The import alone (the verified
-// state handed to import_parameter, the part of a load after its verification) is timed
-// too, to show what the verification and the read cost beyond it. CRC-32C (the file's
-// checksum) is timed against a plain read of the same buffer. Every load is validated
-// first: the loaded state equals the saved one bit for bit.
+// a checkpoint from its disk reads it; each probe read is evicted the same way). The
+// import alone (the verified state handed to import_parameter, the part of a load after
+// its verification) is timed too, to show what the verification and the read cost beyond
+// it. CRC-32C (the file's checksum) is timed against a plain read of the same buffer.
+// Every load is validated first: the loaded state equals the saved one bit for bit.
 //
 // Usage: stepcore-bench-checkpoint [million parameters = 64] [directory = /tmp] [repeats = 3]
 #include <fcntl.h>
