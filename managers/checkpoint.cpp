@@ -61,7 +61,7 @@ std::string param_arg(std::size_t i, const char* field) {
 }  // namespace
 
 void GradientManager::save_checkpoint(const std::string& path) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "save_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
   const std::size_t n = m.config_.params.size();
@@ -121,7 +121,7 @@ void GradientManager::save_checkpoint(const std::string& path) {
 }
 
 void GradientManager::load_checkpoint(const std::string& path) {
-  detail::ManagerImpl& m = *impl_;
+  ManagerImpl& m = *impl_;
   // A failed manager (not closed) recovers by loading a saved state, in any phase.
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");

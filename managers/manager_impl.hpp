@@ -153,7 +153,7 @@ class ManagerImpl {
 
 namespace detail {
 
-/// The base's name in the managers' code (managers.hpp declares it opaque in stepcore).
+/// The base, for the managers' code in detail (managers.hpp declares it opaque in stepcore).
 using ::stepcore::ManagerImpl;
 
 /// Returns true for the codes of work that already started (error.hpp: "runtime").
