@@ -113,6 +113,22 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
 
 // ---- stepcore.torch.AdamW's cached rows (private) --------------------------------------
 
+// A stamp of dict `d` that every mutation changes, or 0 where CPython keeps none. CPython
+// 3.11 to 3.13 keep one (PEP 509's ma_version_tag: a value from an interpreter-wide counter
+// on each insertion, replacement, deletion or clear; 3.12 also keeps watcher bits in its
+// low bits, which only makes two stamps differ more often). 3.14 dropped it.
+std::uint64_t dict_stamp(PyObject* d) {
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_LIMITED_API)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  return reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
+#pragma GCC diagnostic pop
+#else
+  (void)d;
+  return 0;
+#endif
+}
+
 // One param group's rows, built from objects stepcore.torch checked in full, and re-read on
 // every step at C speed: each param's grad (via the `grad` attribute) and the param and
 // grad arrays themselves (so replaced grads and swapped param storage are seen), the state
@@ -138,6 +154,7 @@ class AdamWRows {
       row_of_[rows[r]] = r;
     }
     tensors_.resize(rows.size());
+    state_stamps_.assign(rows.size(), 0);
     grad_objects_.resize(rows.size());
     state_objects_.resize(3 * rows.size());
     computes_.resize(rows.size());
@@ -187,12 +204,18 @@ class AdamWRows {
         continue;
       }
       if (grad.is_none() || !known_grad_type(grad)) return false;
+      // The state dict's entries by identity, looked up only when the dict changed since
+      // they last matched (its stamp; every step where CPython keeps none).
       const nb::handle st = states_[r];
-      for (int k = 0; k < 3; ++k)
-        if (PyDict_GetItemWithError(st.ptr(), key(k)) != state_objects_[3 * r + k].ptr()) {
-          if (PyErr_Occurred()) throw nb::python_error();
-          return false;
-        }
+      const std::uint64_t stamp = dict_stamp(st.ptr());
+      if (stamp == 0 || stamp != state_stamps_[r]) {
+        for (int k = 0; k < 3; ++k)
+          if (PyDict_GetItemWithError(st.ptr(), key(k)) != state_objects_[3 * r + k].ptr()) {
+            if (PyErr_Occurred()) throw nb::python_error();
+            return false;
+          }
+        state_stamps_[r] = stamp;
+      }
       AdamWTensor& t = tensors_[r];
       try {
         t.param = cpu_view(p, "params", r, Access::write);
@@ -253,15 +276,16 @@ class AdamWRows {
     return false;
   }
 
-  Objects params_;                    // the group's params, in order (identity)
-  std::vector<std::size_t> row_of_;   // param index -> row, kNoRow without state
-  Objects states_;                    // per row: the state dict
-  Objects state_objects_;             // per row: exp_avg, exp_avg_sq, step (identity)
-  Objects computes_;                  // per row: the compute copy or an invalid handle
-  Objects grad_types_;                // exact types a grad may have
-  Objects grad_objects_;              // per row: the grad prepare() read, until run()
-  std::vector<AdamWTensor> tensors_;  // per row: the views prepare() read
-  bool prepared_ = false;             // prepare() succeeded and run() has not run since
+  Objects params_;                           // the group's params, in order (identity)
+  std::vector<std::size_t> row_of_;          // param index -> row, kNoRow without state
+  Objects states_;                           // per row: the state dict
+  Objects state_objects_;                    // per row: exp_avg, exp_avg_sq, step (identity)
+  std::vector<std::uint64_t> state_stamps_;  // per row: dict_stamp when they last matched
+  Objects computes_;                         // per row: the compute copy or an invalid handle
+  Objects grad_types_;                       // exact types a grad may have
+  Objects grad_objects_;                     // per row: the grad prepare() read, until run()
+  std::vector<AdamWTensor> tensors_;         // per row: the views prepare() read
+  bool prepared_ = false;                    // prepare() succeeded and run() has not run since
 };
 
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
@@ -532,6 +556,16 @@ NB_MODULE(_core, m) {
       },
       nb::arg("a"), nb::arg("b"),
       "Private (stepcore.torch): whether two lists hold the same objects in order (`is`).");
+  m.def(
+      "_dict_stamp",
+      [](nb::handle d) -> std::uint64_t {
+        if (!PyDict_Check(d.ptr()))
+          throw nb::type_error("stepcore: invalid_argument in 'd': a dict expected");
+        return dict_stamp(d.ptr());
+      },
+      nb::arg("d"),
+      "Private (stepcore.torch): a stamp every mutation of dict `d` changes, or 0 where "
+      "this Python keeps none.");
   m.def("_exchange_imports", &python::exchange_imports,
         "Private (tests): array imports through the DLPack C exchange API so far.");
   m.def(

@@ -367,11 +367,19 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         self._state_seen = None
 
     def _state_unchanged(self) -> bool:
-        """Returns whether self.state maps the same params to the same dicts as last step."""
+        """Returns whether self.state maps the same params to the same dicts as last step
+        (compared in full only when its stamp changed, or where Python keeps none)."""
         seen, s = self._state_seen, self.state
-        return (seen is not None and seen[0] is s and len(s) == len(seen[1])
-                and _core._same_objects(list(s.keys()), seen[1])
+        if seen is None or seen[0] is not s:
+            return False
+        stamp = _core._dict_stamp(s)
+        if stamp != 0 and stamp == seen[3]:
+            return True
+        same = (len(s) == len(seen[1]) and _core._same_objects(list(s.keys()), seen[1])
                 and _core._same_objects(list(s.values()), seen[2]))
+        if same:
+            self._state_seen = (s, seen[1], seen[2], stamp)
+        return same
 
     def _cached_table(self, gi, group):
         """Returns the group's cached rows when their computes are current, else None."""
@@ -442,7 +450,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             del self._tables[gi]  # groups that no longer exist
         s = self.state
         if created or not unchanged:
-            self._state_seen = (s, list(s.keys()), list(s.values()))
+            self._state_seen = (s, list(s.keys()), list(s.values()), _core._dict_stamp(s))
 
         # torch's fused CPU kernel returns at once when found_inf == 1, and the Python side
         # adds 1 to every step before and subtracts found_inf after: nothing changes.

@@ -728,6 +728,65 @@ def test_cached_rows_refuse_what_no_longer_matches():
     assert not rows.prepare(ps)
 
 
+def test_dict_stamp_changes_with_every_mutation():
+    """The rows skip re-looking-up a state dict whose stamp is unchanged: every mutation
+    that changes what a key holds must change it (storing the object a key already holds
+    may keep it: the identities the rows compare are unchanged). 0: this Python keeps none."""
+    one, two = object(), object()
+    d = {"a": one}
+    if stepcore._core._dict_stamp(d) == 0:
+        assert sys.version_info >= (3, 14), "CPython 3.11-3.13 keep a stamp"
+        pytest.skip("this Python keeps no dict stamp: the entries are looked up every step")
+    seen = {stepcore._core._dict_stamp(d)}
+    for mutate in (lambda: d.__setitem__("a", two), lambda: d.__setitem__("b", 2),
+                   lambda: d.pop("b"), lambda: d.update(a=one), lambda: d.setdefault("c", 4),
+                   lambda: d.clear(), lambda: d.__setitem__("a", one)):
+        mutate()
+        stamp = stepcore._core._dict_stamp(d)
+        assert stamp not in seen
+        seen.add(stamp)
+    e = {}
+    assert stepcore._core._dict_stamp(e) not in seen  # another dict: another stamp
+    with pytest.raises(TypeError, match="'d'"):
+        stepcore._core._dict_stamp([1])
+
+
+@pytest.mark.parametrize("what", ["state tensor", "state dict", "state dict, same tensors"])
+def test_state_replaced_between_steps_is_what_the_next_step_writes(what):
+    """A state tensor or a param's whole state dict replaced between two cached steps: the
+    next step reads and writes the new objects (the old ones keep their values), and its
+    bits equal torch's fused AdamW given the same replacement."""
+    gen = torch.Generator().manual_seed(7)
+    init = [torch.randn(n, generator=gen) for n in (33, 5)]
+    grads = [[make_grad(t.numel(), gen) for t in init] for _ in range(3)]
+    results = []
+    for cls, kw in ((st.AdamW, dict(threads=1)), (torch.optim.AdamW, dict(fused=True))):
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = cls(ps, lr=1e-2, weight_decay=0.1, **kw)
+        old = None
+        for k, g in enumerate(grads):
+            for p, gk in zip(ps, g):
+                p.grad = gk.clone()
+            if k == 2:
+                s0 = opt.state[ps[0]]
+                old = s0["exp_avg"]
+                if what == "state tensor":
+                    s0["exp_avg"] = old.clone()
+                elif what == "state dict":
+                    opt.state[ps[0]] = {key: v.clone() for key, v in s0.items()}
+                else:
+                    opt.state[ps[0]] = dict(s0)
+            before = old.clone() if old is not None else None
+            opt.step()
+        new = opt.state[ps[0]]["exp_avg"]
+        if what != "state dict, same tensors":
+            assert new is not old
+            assert_bits(old, before, "the replaced exp_avg kept its values")
+        results.append([ps[0].detach(), ps[1].detach(), new])
+    for a, b, name in zip(*results, ("param 0", "param 1", "exp_avg 0")):
+        assert_bits(a, b, name)
+
+
 def test_fast_import_takes_torch_tensors_through_the_c_exchange_api():
     """torch tensors reach the engine through the DLPack C exchange API (no __dlpack__)."""
     if not hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
