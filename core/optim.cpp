@@ -3,8 +3,9 @@
 // Compiled with -ffp-contract=off: every line is the spec's operation order.
 #include <cmath>
 
-#include "core/element_ops.hpp"
 #include "core/fp_env.hpp"
+#include "core/optimizers/adamw.hpp"
+#include "core/optimizers/sign_sgd.hpp"
 #include "core/step_scalars.hpp"
 
 namespace stepcore {

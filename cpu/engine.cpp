@@ -243,14 +243,15 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
                         GradientRead read, const std::int32_t* found_inf) const {
   ::stepcore::detail::validate_adamw(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
-  const detail::KernelTable& table = detail::kernel_table(isa_);
-  std::vector<detail::AdamWRange> ranges(tensors.size());
-  std::vector<detail::AdamWFn> fns(tensors.size());
+  using Unit = ::stepcore::detail::AdamW;
+  const detail::UnitKernels<Unit>& kernels = detail::kernel_table(isa_).units.of<Unit>();
+  std::vector<detail::UnitRange<Unit>> ranges(tensors.size());
+  std::vector<detail::UnitFn<Unit>> fns(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const AdamWTensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !table.adamw[g][o] || !table.adamw_streamed[g][o])
+    if (g < 0 || g >= detail::kDTypes || !kernels.step[g][o] || !kernels.streamed[g][o])
       unreachable_dtype("adamw");
   }
   // All checks passed: from here on the call writes.
@@ -262,7 +263,7 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
     // A range with out-of-place destinations streams them; in place, the plain kernel.
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
-    fns[i] = ranges[i].stream != 0 ? table.adamw_streamed[g][o] : table.adamw[g][o];
+    fns[i] = ranges[i].stream != 0 ? kernels.streamed[g][o] : kernels.step[g][o];
     streamed = streamed || ranges[i].stream != 0;
   }
   const auto chunks =
@@ -276,20 +277,20 @@ void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgd
                            GradientRead read, const std::int32_t* found_inf) const {
   ::stepcore::detail::validate_sign_sgd(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
-  const detail::KernelTable& table = detail::kernel_table(isa_);
-  const SignSgdScalars s = prepare_sign_sgd_scalars(config);
-  std::vector<detail::SignSgdRange> ranges(tensors.size());
-  std::vector<detail::SignSgdFn> fns(tensors.size());
+  using Unit = ::stepcore::detail::SignSgd;
+  const detail::UnitKernels<Unit>& kernels = detail::kernel_table(isa_).units.of<Unit>();
+  std::vector<detail::UnitRange<Unit>> ranges(tensors.size());
+  std::vector<detail::UnitFn<Unit>> fns(tensors.size());
   bool streamed = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const SignSgdTensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !table.sign_sgd[g][o] || !table.sign_sgd_streamed[g][o])
+    if (g < 0 || g >= detail::kDTypes || !kernels.step[g][o] || !kernels.streamed[g][o])
       unreachable_dtype("sign_sgd");
-    ranges[i] = detail::sign_sgd_range(t, s);
-    fns[i] = ranges[i].stream ? table.sign_sgd_streamed[g][o] : table.sign_sgd[g][o];
-    streamed = streamed || ranges[i].stream;
+    ranges[i] = detail::sign_sgd_range(t, config);
+    fns[i] = ranges[i].stream != 0 ? kernels.streamed[g][o] : kernels.step[g][o];
+    streamed = streamed || ranges[i].stream != 0;
   }
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });

@@ -1,4 +1,4 @@
-// The AVX-512 out-of-place kernels (KernelTable::adamw_streamed, sign_sgd_streamed):
+// The AVX-512 out-of-place kernels (UnitKernels::streamed of every unit):
 // the generic body's streamed entry points over ArchOps<Avx512>, compiled with the
 // ISA's -m flags apart from isa_avx512.cpp (see there).
 #include "cpu/arch_avx512.hpp"

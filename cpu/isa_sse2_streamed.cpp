@@ -1,4 +1,4 @@
-// The SSE2 out-of-place kernels (KernelTable::adamw_streamed, sign_sgd_streamed):
+// The SSE2 out-of-place kernels (UnitKernels::streamed of every unit):
 // the generic body's streamed entry points over ArchOps<xsimd::sse2>, compiled with the
 // ISA's -m flags apart from isa_sse2.cpp (see there).
 #include "cpu/arch_sse2.hpp"

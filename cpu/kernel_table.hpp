@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/optimizers/all.hpp"
 #include "core/step_scalars.hpp"
 #include "core/validate.hpp"
 #include "stepcore/norm.hpp"
@@ -28,9 +29,6 @@ inline int output_kind(const TensorView& v) {
 /// Streaming stores begin at this destination alignment: a cache line, a multiple of
 /// every ISA's vector size, so each aligned vector store lies within one line.
 inline constexpr std::size_t kStreamAlignment = 64;
-
-/// Bits of AdamWRange::stream: the destinations written with streaming stores.
-inline constexpr unsigned kStreamParam = 1, kStreamExpAvg = 2, kStreamExpAvgSq = 4;
 
 /// Returns the destinations (bit k: pair k of `count`) that take streaming stores: those
 /// out of place (dst[k] != src[k]; validation makes an out-of-place source disjoint from
@@ -61,39 +59,53 @@ inline unsigned stream_mask(const float* const* dst, const float* const* src, in
   return best;
 }
 
-/// Arguments of one AdamW range: elements [begin, end) of one tensor. The old state is
-/// read from the *_src arrays (the destinations themselves for an in-place step), the
-/// new state written to param/exp_avg/exp_avg_sq; `stream` (kStream* bits, stream_mask)
-/// names the destinations written with streaming stores, 0 for an in-place step.
-struct AdamWRange {
-  float* param;
-  float* exp_avg;
-  float* exp_avg_sq;
-  const float* param_src;
-  const float* exp_avg_src;
-  const float* exp_avg_sq_src;
+/// Arguments of one range of unit Opt's step: elements [begin, end) of one tensor. The
+/// old parameter and state are read from src (the destinations themselves for an
+/// in-place step), the new ones written to dst (index 0 the parameter, 1 + s slot s);
+/// `stream` (bit k: dst[k]; stream_mask) names the destinations written with streaming
+/// stores, 0 for an in-place step.
+template <class Opt>
+struct UnitRange {
+  static constexpr int kArrays = 1 + Opt::kSlots;
+  float* dst[kArrays];
+  const float* src[kArrays];
   const void* grad;
   void* out;
-  AdamWScalars scalars;
+  typename Opt::Scalars scalars;
   GradientRead read;
-  std::size_t tail_begin;  ///< torch formula: elements >= tail_begin use the tail form
-  bool torch;
+  std::size_t tail_begin;  ///< elements >= tail_begin use the unit's tail form
+  int variant;             ///< Opt::variant(config)
   unsigned stream;
 };
 
-/// Arguments of one SignSGD range (param_src: the old parameter; param itself in place);
-/// `stream`: param is written with streaming stores (out of place, stream_mask).
-struct SignSgdRange {
-  float* param;
-  const float* param_src;
-  const void* grad;
-  void* out;
-  SignSgdScalars scalars;
-  bool stream;
+template <class Opt>
+using UnitFn = void (*)(const UnitRange<Opt>&, std::size_t begin, std::size_t end);
+
+/// One unit's kernels, indexed [gradient dtype][output kind]: in place (or out of place
+/// with plain stores), and for ranges with streamed destinations (UnitRange::stream != 0:
+/// out of place, streaming stores, which the caller must fence (sfence) before another
+/// thread reads them; the engine picks per range).
+template <class Opt>
+struct UnitKernels {
+  UnitFn<Opt> step[kDTypes][kOutputKinds];
+  UnitFn<Opt> streamed[kDTypes][kOutputKinds];
 };
 
-using AdamWFn = void (*)(const AdamWRange&, std::size_t begin, std::size_t end);
-using SignSgdFn = void (*)(const SignSgdRange&, std::size_t begin, std::size_t end);
+/// The kernels of every unit of a UnitList, found by unit: tables.of<AdamW>().
+template <class List>
+struct UnitTables;
+template <class... Units>
+struct UnitTables<::stepcore::detail::UnitList<Units...>> : UnitKernels<Units>... {
+  template <class Opt>
+  UnitKernels<Opt>& of() {
+    return *this;
+  }
+  template <class Opt>
+  const UnitKernels<Opt>& of() const {
+    return *this;
+  }
+};
+
 using AccumulateFn = void (*)(float* acc, const void* src, bool copy, std::size_t begin,
                               std::size_t end);
 using ScaleFn = void (*)(void* data, float scale, std::size_t begin, std::size_t end);
@@ -132,13 +144,7 @@ struct KernelTable {
   std::size_t width;  ///< f32 lanes per vector
   PrimitiveFn primitive;
   Primitive64Fn primitive64;
-  AdamWFn adamw[kDTypes][kOutputKinds];
-  SignSgdFn sign_sgd[kDTypes][kOutputKinds];
-  /// The same steps for ranges with streamed destinations (AdamWRange::stream != 0,
-  /// SignSgdRange::stream): out of place, streaming stores, which the caller must fence
-  /// (sfence) before another thread reads them; the engine picks per range.
-  AdamWFn adamw_streamed[kDTypes][kOutputKinds];
-  SignSgdFn sign_sgd_streamed[kDTypes][kOutputKinds];
+  UnitTables<::stepcore::detail::AllUnits> units;  ///< every optimizer unit's step
   AccumulateFn accumulate[kDTypes];
   ScaleFn scale[kDTypes];
   NormFn norm[kDTypes];
@@ -150,47 +156,49 @@ struct KernelTable {
 const KernelTable& kernel_table_sse2();
 const KernelTable& kernel_table_avx2();
 const KernelTable& kernel_table_avx512();
-/// Each fills its ISA's adamw_streamed and sign_sgd_streamed entries; defined in
+/// Each fills its ISA's streamed unit entries (UnitKernels::streamed); defined in
 /// isa_<name>_streamed.cpp, called by kernel_table_<name>().
 void fill_streamed_sse2(KernelTable& t);
 void fill_streamed_avx2(KernelTable& t);
 void fill_streamed_avx512(KernelTable& t);
 
-/// Returns the range record of one AdamW tensor whose counter already holds `step`
-/// (after its increment): the engine's calls and the self-test build it the same way.
-inline AdamWRange adamw_range(const AdamWTensor& t, const AdamWConfig& config, GradientRead read,
-                              float step) {
-  const bool torch = config.formula == AdamWFormula::torch;
-  const std::size_t w = config.torch_tail_width > 1 ? config.torch_tail_width : 1;
-  const std::size_t n = t.param.numel;
-  const float* dst[] = {static_cast<const float*>(t.param.data),
-                        static_cast<const float*>(t.exp_avg.data),
-                        static_cast<const float*>(t.exp_avg_sq.data)};
-  const float* src[] = {::stepcore::detail::source_or(t.param_src, t.param),
-                        ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg),
-                        ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq)};
-  return AdamWRange{static_cast<float*>(t.param.data),
-                    static_cast<float*>(t.exp_avg.data),
-                    static_cast<float*>(t.exp_avg_sq.data),
-                    src[0],
-                    src[1],
-                    src[2],
-                    t.grad.data,
-                    t.compute_param.data,
-                    prepare_adamw_scalars(config, step),
-                    read,
-                    torch ? n - n % w : n,
-                    torch,
-                    stream_mask(dst, src, 3)};
+/// Returns the range record of one tensor of unit Opt over `arrays` (the parameter, then
+/// each slot: destination and its optional source), its counter holding `step` (after
+/// its increment): the engine's calls and the self-test build it the same way.
+template <class Opt>
+UnitRange<Opt> unit_range(const typename Opt::Config& config, float step, GradientRead read,
+                          const TensorView* dst, const ConstTensorView* src, const void* grad,
+                          const TensorView& out) {
+  UnitRange<Opt> r{};
+  for (int k = 0; k < UnitRange<Opt>::kArrays; ++k) {
+    r.dst[k] = static_cast<float*>(dst[k].data);
+    r.src[k] = ::stepcore::detail::source_or(src[k], dst[k]);
+  }
+  r.grad = grad;
+  r.out = out.data;
+  r.scalars = Opt::scalars(config, step);
+  r.read = read;
+  r.tail_begin = Opt::tail_begin(config, dst[0].numel);
+  r.variant = Opt::variant(config);
+  r.stream = stream_mask(r.dst, r.src, UnitRange<Opt>::kArrays);
+  return r;
 }
 
-/// Returns the range record of one SignSGD tensor (the engine's and the self-test's).
-inline SignSgdRange sign_sgd_range(const SignSgdTensor& t, const SignSgdScalars& scalars) {
-  const float* dst = static_cast<const float*>(t.param.data);
-  const float* src = ::stepcore::detail::source_or(t.param_src, t.param);
-  return SignSgdRange{
-      static_cast<float*>(t.param.data), src, t.grad.data, t.compute_param.data, scalars,
-      stream_mask(&dst, &src, 1) != 0};
+/// The range record of one AdamW tensor whose counter already holds `step`.
+inline UnitRange<::stepcore::detail::AdamW> adamw_range(const AdamWTensor& t,
+                                                        const AdamWConfig& config,
+                                                        GradientRead read, float step) {
+  const TensorView dst[] = {t.param, t.exp_avg, t.exp_avg_sq};
+  const ConstTensorView src[] = {t.param_src, t.exp_avg_src, t.exp_avg_sq_src};
+  return unit_range<::stepcore::detail::AdamW>(config, step, read, dst, src, t.grad.data,
+                                               t.compute_param);
+}
+
+/// The range record of one SignSGD tensor.
+inline UnitRange<::stepcore::detail::SignSgd> sign_sgd_range(const SignSgdTensor& t,
+                                                             const SignSgdConfig& config) {
+  return unit_range<::stepcore::detail::SignSgd>(config, 0.0f, {}, &t.param, &t.param_src,
+                                                 t.grad.data, t.compute_param);
 }
 
 /// Elements per norm block: squares are summed in binary64 within a block and the

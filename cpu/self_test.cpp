@@ -221,10 +221,12 @@ bool check_adamw(const KernelTable& t, Failure& fail) {
               oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
               oop.exp_avg_src = ConstTensorView(m0.data(), kLength, DType::f32);
               oop.exp_avg_sq_src = ConstTensorView(v0.data(), kLength, DType::f32);
-              const detail::AdamWRange range = detail::adamw_range(ker, config, read, step_k);
-              const detail::AdamWRange streamed = detail::adamw_range(oop, config, read, step_s);
-              const detail::AdamWFn fn = t.adamw[static_cast<int>(gd)][out];
-              const detail::AdamWFn fn_s = t.adamw_streamed[static_cast<int>(gd)][out];
+              using Unit = ::stepcore::detail::AdamW;
+              const auto range = detail::adamw_range(ker, config, read, step_k);
+              const auto streamed = detail::adamw_range(oop, config, read, step_s);
+              const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[static_cast<int>(gd)][out];
+              const detail::UnitFn<Unit> fn_s =
+                  t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
               fn(range, 0, kSplit);
               fn(range, kSplit, kLength);
               fn_s(streamed, 0, kSplit);
@@ -291,11 +293,11 @@ bool check_sign_sgd(const KernelTable& t, Failure& fail) {
         oop.param = f32_view(ps.data, kLength);
         oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
         if (out != 0) oop.compute_param = TensorView{outs.data(), kLength, od};
-        const SignSgdScalars scalars = prepare_sign_sgd_scalars(config);
-        const detail::SignSgdRange range = detail::sign_sgd_range(ker, scalars);
-        const detail::SignSgdRange streamed = detail::sign_sgd_range(oop, scalars);
-        const detail::SignSgdFn fn = t.sign_sgd[static_cast<int>(gd)][out];
-        const detail::SignSgdFn fn_s = t.sign_sgd_streamed[static_cast<int>(gd)][out];
+        using Unit = ::stepcore::detail::SignSgd;
+        const auto range = detail::sign_sgd_range(ker, config);
+        const auto streamed = detail::sign_sgd_range(oop, config);
+        const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[static_cast<int>(gd)][out];
+        const detail::UnitFn<Unit> fn_s = t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
         fn(range, 0, kSplit);
         fn(range, kSplit, kLength);
         fn_s(streamed, 0, kSplit);

@@ -24,7 +24,7 @@
 #include <type_traits>
 #include <xsimd/xsimd.hpp>
 
-#include "core/element_ops.hpp"
+#include "core/optimizers/all.hpp"
 #include "core/superaccumulator.hpp"
 #include "cpu/kernel_table.hpp"
 #include "stepcore/convert.hpp"
@@ -207,230 +207,136 @@ struct Body {
     return x;
   }
 
-  // ---- AdamW ----------------------------------------------------------------------
-  /// One element of either formula (the chunk remainder and torch's tail): the
-  /// formulas shared with the GPU block bodies.
-  template <class G, class O>
-  static void adamw_one(const AdamWRange& r, std::size_t i) {
-    ::stepcore::detail::adamw_element<G, O>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
-                                            r.exp_avg, r.exp_avg_sq, static_cast<const G*>(r.grad),
-                                            static_cast<O*>(r.out), r.scalars, r.torch,
-                                            r.tail_begin, r.read.scale, r.read.clip, i);
+  // ---- optimizer units (core/optimizers) -------------------------------------------
+  // One driver for every unit: the unit's update is written once over an operations
+  // type, instantiated here with ArchOps for the vector lanes and with ScalarOps for the
+  // elements computed one at a time (the chunk's remainder, the unit's tail, the head
+  // before a streamed destination's aligned line).
+
+  /// Elements [i, end) one at a time, variant V.
+  template <class Opt, int V, class G, class O>
+  static void unit_scalar(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
+    if (i >= end) return;
+    const typename Opt::template Consts<::stepcore::detail::ScalarOps> k(r.scalars);
+    const G* grad = static_cast<const G*>(r.grad);
+    O* out = static_cast<O*>(r.out);
+    for (; i < end; ++i)
+      ::stepcore::detail::unit_element<Opt, V, G, O>(r.src[0], r.src + 1, r.dst[0], r.dst + 1, grad,
+                                                     out, k, r.tail_begin, r.read.scale,
+                                                     r.read.clip, i);
   }
 
-  /// Vector lanes of one formula over [i, end): every element uses the body form.
-  /// Pointers and scalars are locals so nothing is reloaded per iteration; the
-  /// loop-invariant read flags are unswitched by the compiler. The old state is loaded
-  /// from Ps/Ms/Vs and the new one stored to P/M/V: the same arrays for an in-place step,
-  /// so that pair carries no __restrict (each vector is loaded before it is stored, and
-  /// a source never overlaps another destination: validation); grad and out never alias.
-  /// Stream: the destinations named by `stream` (kStream* bits) take streaming stores, so
-  /// [i, end) must start where they are kStreamAlignment-aligned; !Stream ignores it. The
-  /// streamed branch runs adamw_vector, the in-place loop's operations; the in-place loop
-  /// keeps its own text so that the in-place kernels compile exactly as before that branch
-  /// (both are checked against the reference, bit for bit, by the tests and the self-test).
-  template <class G, class O, bool Torch, int Mode, bool Stream = false>
-  static void adamw_lanes(const float* Ps, const float* Ms, const float* Vs, float* P, float* M,
-                          float* V, const G* __restrict grad, O* __restrict out,
-                          const AdamWScalars s, const GradientRead read, std::size_t i,
-                          std::size_t end, unsigned stream = 0) {
-    const F scale = splat(read.scale), clip = splat(read.clip);
-    const F decay = splat(s.decay), b1 = splat(s.beta1), b2 = splat(s.beta2),
-            omb1 = splat(s.one_minus_beta1), omb2 = splat(s.one_minus_beta2),
-            coeff = splat(s.lerp_coeff), step_size = splat(s.step_size), bc2 = splat(s.bc2_sqrt),
-            eps = splat(s.eps);
-    const bool apply_decay = s.apply_decay, lerp_small = s.lerp_small;
-    if constexpr (!Stream) {
-      for (; i + N <= end; i += N) {
-        const F g = read_mode<Mode>(grad + i, scale, clip);
-        F p = Ops::load(Ps + i);
-        F m = Ops::load(Ms + i);
-        F v = Ops::load(Vs + i);
-        if constexpr (!Torch) {
-          // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
-          p = Ops::mul(p, decay);
-          m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
-          v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
-          const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-          p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
-        } else {
-          if (apply_decay) p = Ops::mul(p, decay);
-          const F diff = Ops::sub(g, m);
-          m = Ops::fma(coeff, diff, lerp_small ? m : g);
-          v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
-          const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-          p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
-        }
-        Ops::store(P + i, p);
-        Ops::store(M + i, m);
-        Ops::store(V + i, v);
-        if constexpr (!std::is_void_v<O>) store(out + i, p);
-      }
-    } else {
+  /// Calls fn(std::integral_constant<int, Mode>{}) for the read mode of unit Opt's range:
+  /// the read's mode, or 0 for a unit that reads the stored gradient.
+  template <class Opt, class Fn>
+  static void with_unit_read(const GradientRead& read, Fn fn) {
+    if constexpr (Opt::kReadsScaled)
+      with_read_mode(read, fn);
+    else
+      fn(std::integral_constant<int, 0>{});
+  }
+
+  /// Vector lanes of variant V over [i, end): every element uses the unit's body form.
+  /// Pointers and constants are locals so nothing is reloaded per iteration; the
+  /// loop-invariant flags in the unit's constants are unswitched by the compiler. The old
+  /// values are loaded from src and the new ones stored to dst: the same arrays for an
+  /// in-place step, so those pairs carry no __restrict (each vector is loaded before it
+  /// is stored, and a source never overlaps another destination: validation); grad and
+  /// out never alias. Stream: the destinations named by r.stream take streaming stores a
+  /// line at a time, so [i, end) must start where they are kStreamAlignment-aligned; the
+  /// rest after the last whole line takes plain stores.
+  template <class Opt, class G, class O, int V, int Mode, bool Stream = false>
+  static void unit_lanes(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
+    constexpr int K = Opt::kSlots;
+    constexpr int KA = K > 0 ? K : 1;
+    const F scale = splat(r.read.scale), clip = splat(r.read.clip);
+    const typename Opt::template Consts<Ops> k(r.scalars);
+    const float* const Ps = r.src[0];
+    float* const P = r.dst[0];
+    const float* Ss[KA] = {};
+    float* S[KA] = {};
+    for (int s = 0; s < K; ++s) {
+      Ss[s] = r.src[1 + s];
+      S[s] = r.dst[1 + s];
+    }
+    const G* __restrict grad = static_cast<const G*>(r.grad);
+    O* __restrict out = static_cast<O*>(r.out);
+    if constexpr (Stream) {
       // A line (L vectors) of every destination per iteration, each streamed destination's
-      // line stored at once (kStreamLineVectors); less than a line left: plain stores.
+      // line stored at once: interleaved vector by vector across destinations, streaming
+      // stores leave partial lines in the write-combining buffers (kStreamLineVectors).
       constexpr std::size_t L = kStreamLineVectors;
-      const bool nt_p = stream & kStreamParam, nt_m = stream & kStreamExpAvg,
-                 nt_v = stream & kStreamExpAvgSq;
       for (; i + L * N <= end; i += L * N) {
-        F pl[L], ml[L], vl[L];
+        F pl[L], sl[KA][L];
         for (std::size_t l = 0; l < L; ++l) {
           const std::size_t j = i + l * N;
           const F g = read_mode<Mode>(grad + j, scale, clip);
-          pl[l] = Ops::load(Ps + j);
-          ml[l] = Ops::load(Ms + j);
-          vl[l] = Ops::load(Vs + j);
-          adamw_vector<Torch>(g, pl[l], ml[l], vl[l], decay, b1, b2, omb1, omb2, coeff, step_size,
-                              bc2, eps, apply_decay, lerp_small);
-          if constexpr (!std::is_void_v<O>) store(out + j, pl[l]);
+          F p = Ops::load(Ps + j);
+          F st[KA];
+          for (int s = 0; s < K; ++s) st[s] = Ops::load(Ss[s] + j);
+          Opt::template update<Ops, V, false>(k, g, p, st);
+          pl[l] = p;
+          for (int s = 0; s < K; ++s) sl[s][l] = st[s];
+          if constexpr (!std::is_void_v<O>) store(out + j, p);
         }
-        put_line(P + i, pl, nt_p);
-        put_line(M + i, ml, nt_m);
-        put_line(V + i, vl, nt_v);
+        put_line(P + i, pl, (r.stream & 1u) != 0);
+        for (int s = 0; s < K; ++s) put_line(S[s] + i, sl[s], (r.stream & (2u << s)) != 0);
       }
-      adamw_lanes<G, O, Torch, Mode>(Ps, Ms, Vs, P, M, V, grad, out, s, read, i, end);
+    }
+    for (; i + N <= end; i += N) {
+      const F g = read_mode<Mode>(grad + i, scale, clip);
+      F p = Ops::load(Ps + i);
+      F st[KA];
+      for (int s = 0; s < K; ++s) st[s] = Ops::load(Ss[s] + i);
+      Opt::template update<Ops, V, false>(k, g, p, st);
+      Ops::store(P + i, p);
+      for (int s = 0; s < K; ++s) Ops::store(S[s] + i, st[s]);
+      if constexpr (!std::is_void_v<O>) store(out + i, p);
     }
   }
 
-  /// One vector of either formula, as adamw_lanes' in-place loop computes it: the new p,
-  /// m, v from the gradient read g and the old state in p, m, v.
-  template <bool Torch>
-  static void adamw_vector(const F g, F& p, F& m, F& v, const F decay, const F b1, const F b2,
-                           const F omb1, const F omb2, const F coeff, const F step_size,
-                           const F bc2, const F eps, const bool apply_decay,
-                           const bool lerp_small) {
-    if constexpr (!Torch) {
-      // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
-      p = Ops::mul(p, decay);
-      m = Ops::add(Ops::mul(m, b1), Ops::mul(g, omb1));
-      v = Ops::add(Ops::mul(v, b2), Ops::mul(Ops::mul(g, g), omb2));
-      const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-      p = Ops::sub(p, Ops::div(Ops::mul(step_size, m), d));
-    } else {
-      if (apply_decay) p = Ops::mul(p, decay);
-      const F diff = Ops::sub(g, m);
-      m = Ops::fma(coeff, diff, lerp_small ? m : g);
-      v = Ops::fma(Ops::mul(omb2, g), g, Ops::mul(v, b2));
-      const F d = Ops::add(Ops::div(Ops::sqrt(v), bc2), eps);
-      p = Ops::add(p, Ops::div(Ops::mul(step_size, m), d));
-    }
+  /// Where the vector lanes of [begin, end) stop: they run only where every lane uses the
+  /// body form, so not into the unit's tail.
+  template <class Opt>
+  static std::size_t vector_end(const UnitRange<Opt>& r, std::size_t begin, std::size_t end) {
+    return r.tail_begin < end ? (r.tail_begin > begin ? r.tail_begin : begin) : end;
   }
 
-  template <class G, class O>
-  static void adamw(const AdamWRange& r, std::size_t begin, std::size_t end) {
-    // Vector lanes only where every lane uses the body form; the rest (the chunk's
-    // remainder and torch's tail) element by element.
-    std::size_t vec_end = end;
-    if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
-    const std::size_t lanes_end = begin + (vec_end - begin) / N * N;
-    const G* grad = static_cast<const G*>(r.grad);
-    O* out = static_cast<O*>(r.out);
-    with_read_mode(r.read, [&](auto mode) {
-      constexpr int M = decltype(mode)::value;
-      if (r.torch)
-        adamw_lanes<G, O, true, M>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param, r.exp_avg,
-                                   r.exp_avg_sq, grad, out, r.scalars, r.read, begin, lanes_end);
-      else
-        adamw_lanes<G, O, false, M>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
-                                    r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read, begin,
-                                    lanes_end);
+  /// One range of unit Opt's step, in place or out of place with plain stores: vector
+  /// lanes, then the remainder and the tail element by element.
+  template <class Opt, class G, class O>
+  static void unit_step(const UnitRange<Opt>& r, std::size_t begin, std::size_t end) {
+    const std::size_t lanes_end = begin + (vector_end(r, begin, end) - begin) / N * N;
+    ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
+      constexpr int V = decltype(form)::value;
+      with_unit_read<Opt>(r.read, [&](auto mode) {
+        unit_lanes<Opt, G, O, V, decltype(mode)::value>(r, begin, lanes_end);
+      });
+      unit_scalar<Opt, V, G, O>(r, lanes_end, end);
     });
-    for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
   }
 
-  /// adamw for a range with streamed destinations (r.stream != 0: out of place): element
-  /// by element up to the line where every streamed destination is aligned (they agree
+  /// One range with streamed destinations (r.stream != 0: out of place): element by
+  /// element up to the line where every streamed destination is aligned (they agree
   /// modulo kStreamAlignment: stream_mask), then the lanes, whose streaming stores skip
-  /// the read of the destinations' lines (write-allocate), then the remainder.
-  template <class G, class O>
-  static void adamw_streamed(const AdamWRange& r, std::size_t begin, std::size_t end) {
-    std::size_t vec_end = end;
-    if (r.torch && r.tail_begin < vec_end) vec_end = r.tail_begin > begin ? r.tail_begin : begin;
-    const float* anchor = (r.stream & kStreamParam)    ? r.param
-                          : (r.stream & kStreamExpAvg) ? r.exp_avg
-                                                       : r.exp_avg_sq;
-    const std::size_t head_end = aligned_from(anchor, begin, vec_end);
-    for (std::size_t i = begin; i < head_end; ++i) adamw_one<G, O>(r, i);
+  /// the read of the destinations' lines (write-allocate), then the remainder. Unfenced:
+  /// the caller drains the streaming stores (the engine, per thread, after its last
+  /// range), not each range.
+  template <class Opt, class G, class O>
+  static void unit_streamed(const UnitRange<Opt>& r, std::size_t begin, std::size_t end) {
+    const std::size_t vec_end = vector_end(r, begin, end);
+    int first = 0;
+    while (first + 1 < UnitRange<Opt>::kArrays && (r.stream & (1u << first)) == 0) ++first;
+    const std::size_t head_end = aligned_from(r.dst[first], begin, vec_end);
     const std::size_t lanes_end = head_end + (vec_end - head_end) / N * N;
-    const G* grad = static_cast<const G*>(r.grad);
-    O* out = static_cast<O*>(r.out);
-    with_read_mode(r.read, [&](auto mode) {
-      constexpr int M = decltype(mode)::value;
-      if (r.torch)
-        adamw_lanes<G, O, true, M, true>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
-                                         r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
-                                         head_end, lanes_end, r.stream);
-      else
-        adamw_lanes<G, O, false, M, true>(r.param_src, r.exp_avg_src, r.exp_avg_sq_src, r.param,
-                                          r.exp_avg, r.exp_avg_sq, grad, out, r.scalars, r.read,
-                                          head_end, lanes_end, r.stream);
+    ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
+      constexpr int V = decltype(form)::value;
+      unit_scalar<Opt, V, G, O>(r, begin, head_end);
+      with_unit_read<Opt>(r.read, [&](auto mode) {
+        unit_lanes<Opt, G, O, V, decltype(mode)::value, true>(r, head_end, lanes_end);
+      });
+      unit_scalar<Opt, V, G, O>(r, lanes_end, end);
     });
-    for (std::size_t i = lanes_end; i < end; ++i) adamw_one<G, O>(r, i);
-    // Unfenced: the caller drains the streaming stores (the engine, per thread, after its
-    // last range), not each range.
-  }
-
-  // ---- SignSGD --------------------------------------------------------------------
-
-  /// One range of the step. Stream (the table's sign_sgd_streamed, for r.stream: out of
-  /// place) first runs element by element up to the aligned line, as adamw_streamed
-  /// (unfenced, as there).
-  template <class G, class O, bool Stream = false>
-  static void sign_sgd(const SignSgdRange& r, std::size_t begin, std::size_t end) {
-    const SignSgdScalars& s = r.scalars;
-    const float* Ps = r.param_src;  // == P in place: loaded before stored, as for AdamW
-    float* P = r.param;
-    const G* grad = static_cast<const G*>(r.grad);
-    const F neg_lr = splat(s.neg_lr), neg_lr_wd = splat(s.neg_lr_wd), one = splat(1.0f),
-            minus_one = splat(-1.0f), zero = splat(0.0f);
-    std::size_t i = begin;
-    if constexpr (Stream) {
-      const std::size_t head_end = aligned_from(P, begin, end);
-      for (; i < head_end; ++i)
-        ::stepcore::detail::sign_sgd_element<G, O>(Ps, P, grad, static_cast<O*>(r.out), s, i);
-      // The new parameter vector at j: the in-place loop's operations (that loop keeps its
-      // own text, so that the in-place kernels compile exactly as before this path).
-      auto vector_at = [&](std::size_t j) {
-        const F g = load(grad + j);
-        F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
-        sg = Ops::select(Ops::eq(g, zero), zero, sg);
-        F p = Ops::load(Ps + j);
-        if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
-        return Ops::add(p, Ops::mul(sg, neg_lr));
-      };
-      // Whole lines, as in adamw_lanes; less than a line left: plain stores.
-      constexpr std::size_t L = kStreamLineVectors;
-      for (; i + L * N <= end; i += L * N) {
-        F pl[L];
-        for (std::size_t l = 0; l < L; ++l) {
-          pl[l] = vector_at(i + l * N);
-          if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i + l * N, pl[l]);
-        }
-        put_line(P + i, pl, true);
-      }
-      for (; i + N <= end; i += N) {
-        const F p = vector_at(i);
-        Ops::store(P + i, p);
-        if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
-      }
-    } else {
-      for (; i + N <= end; i += N) {
-        const F g = load(grad + i);
-        // +1, -1, +0 for zeros, and the NaN itself for NaN (ordered compares are false
-        // on a NaN, so the selects keep g there).
-        F sg = Ops::select(Ops::gt(g, zero), one, Ops::select(Ops::lt(g, zero), minus_one, g));
-        sg = Ops::select(Ops::eq(g, zero), zero, sg);
-        F p = Ops::load(Ps + i);
-        if (s.apply_decay) p = Ops::fma(p, neg_lr_wd, p);
-        // fma(sg, neg_lr, p) with sg in {+-1, +0, NaN}: the product is exact, so a
-        // separate multiply and add round once, like the FMA (cheap without FMA too).
-        p = Ops::add(p, Ops::mul(sg, neg_lr));
-        Ops::store(P + i, p);
-        if constexpr (!std::is_void_v<O>) store(static_cast<O*>(r.out) + i, p);
-      }
-    }
-    for (; i < end; ++i)
-      ::stepcore::detail::sign_sgd_element<G, O>(Ps, P, grad, static_cast<O*>(r.out), s, i);
   }
 
   // ---- accumulate and scale ---------------------------------------------------------
@@ -586,14 +492,14 @@ struct Body {
   // ---- the table ---------------------------------------------------------------------
   template <class G>
   static void fill_grad(KernelTable& t, int g) {
-    t.adamw[g][0] = &adamw<G, void>;
-    t.adamw[g][1] = &adamw<G, float>;
-    t.adamw[g][2] = &adamw<G, bfloat16_t>;
-    t.adamw[g][3] = &adamw<G, float16_t>;
-    t.sign_sgd[g][0] = &sign_sgd<G, void>;
-    t.sign_sgd[g][1] = &sign_sgd<G, float>;
-    t.sign_sgd[g][2] = &sign_sgd<G, bfloat16_t>;
-    t.sign_sgd[g][3] = &sign_sgd<G, float16_t>;
+    ::stepcore::detail::AllUnits::for_each([&](auto unit) {
+      using Opt = decltype(unit);
+      UnitKernels<Opt>& k = t.units.template of<Opt>();
+      k.step[g][0] = &unit_step<Opt, G, void>;
+      k.step[g][1] = &unit_step<Opt, G, float>;
+      k.step[g][2] = &unit_step<Opt, G, bfloat16_t>;
+      k.step[g][3] = &unit_step<Opt, G, float16_t>;
+    });
     t.accumulate[g] = &accumulate<G>;
     t.scale[g] = &scale<G>;
     t.norm[g] = &norm<G>;
@@ -609,14 +515,14 @@ struct Body {
   }
   template <class G>
   static void fill_streamed_grad(KernelTable& t, int g) {
-    t.adamw_streamed[g][0] = &adamw_streamed<G, void>;
-    t.adamw_streamed[g][1] = &adamw_streamed<G, float>;
-    t.adamw_streamed[g][2] = &adamw_streamed<G, bfloat16_t>;
-    t.adamw_streamed[g][3] = &adamw_streamed<G, float16_t>;
-    t.sign_sgd_streamed[g][0] = &sign_sgd<G, void, true>;
-    t.sign_sgd_streamed[g][1] = &sign_sgd<G, float, true>;
-    t.sign_sgd_streamed[g][2] = &sign_sgd<G, bfloat16_t, true>;
-    t.sign_sgd_streamed[g][3] = &sign_sgd<G, float16_t, true>;
+    ::stepcore::detail::AllUnits::for_each([&](auto unit) {
+      using Opt = decltype(unit);
+      UnitKernels<Opt>& k = t.units.template of<Opt>();
+      k.streamed[g][0] = &unit_streamed<Opt, G, void>;
+      k.streamed[g][1] = &unit_streamed<Opt, G, float>;
+      k.streamed[g][2] = &unit_streamed<Opt, G, bfloat16_t>;
+      k.streamed[g][3] = &unit_streamed<Opt, G, float16_t>;
+    });
   }
 
   // ---- the primitives, over arrays (for the primitive tests) -------------------------

@@ -16,8 +16,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "core/element_ops.hpp"
 #include "core/norm_finalize.hpp"
+#include "core/optimizers/all.hpp"
 #include "core/superaccumulator.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/config.hpp"
@@ -27,6 +27,12 @@
 #include "stepcore/optim.hpp"
 
 namespace stepcore::gpu::detail {
+
+using ::stepcore::detail::AdamW;
+using ::stepcore::detail::ScalarOps;
+using ::stepcore::detail::SignSgd;
+using ::stepcore::detail::unit_element;
+using ::stepcore::detail::with_variant;
 
 /// Returns true when p is aligned to `bytes` (a power of two).
 STEPCORE_HD_INLINE bool aligned_to(const void* p, std::uint64_t bytes) {
@@ -383,6 +389,8 @@ STEPCORE_HD_INLINE void adamw_range(const AdamWLaunchArgs& a, int t, const Block
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
   const std::uint64_t tail = a.tail_begin[t];
+  const AdamW::Consts<ScalarOps> k_s(s);
+  const int variant = AdamW::variant(a.config);
   for_thread_groups<V>(task.begin, task.end, thread, threads, [&]<int W>(std::uint64_t i) {
     float p[W], m[W], v[W];
     G g[W];
@@ -396,11 +404,14 @@ STEPCORE_HD_INLINE void adamw_range(const AdamWLaunchArgs& a, int t, const Block
     // The torch formula's tail test on the group's own indices: element i + k is in the
     // tail exactly when k >= tail - i.
     const std::uint64_t local_tail = tail > i ? tail - i : 0;
-    for (int k = 0; k < W; ++k)
-      ::stepcore::detail::adamw_element<G, O>(p, m, v, p, m, v, g, std::is_void_v<O> ? nullptr : o,
-                                              s, a.config.formula == AdamWFormula::torch,
-                                              local_tail, scale, clip,
-                                              static_cast<std::uint64_t>(k));
+    const float* old_state[AdamW::kSlots] = {m, v};
+    float* new_state[AdamW::kSlots] = {m, v};
+    with_variant<AdamW::kVariants>(variant, [&](auto form) {
+      for (int k = 0; k < W; ++k)
+        unit_element<AdamW, decltype(form)::value, G, O>(
+            p, old_state, p, new_state, g, std::is_void_v<O> ? nullptr : o, k_s, local_tail, scale,
+            clip, static_cast<std::uint64_t>(k));
+    });
     store_group<float, W>(a.param[t] + i, p);
     store_group<float, W>(a.exp_avg[t] + i, m);
     store_group<float, W>(a.exp_avg_sq[t] + i, v);
@@ -476,6 +487,7 @@ STEPCORE_HD_INLINE void sign_sgd_range(const SignSgdLaunchArgs& a, int t, const 
                                        int thread, int threads, const SignSgdScalars& s) {
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
+  const SignSgd::Consts<ScalarOps> k_s(s);
   for_thread_groups<V>(task.begin, task.end, thread, threads, [&]<int W>(std::uint64_t i) {
     float p[W];
     G g[W];
@@ -483,8 +495,9 @@ STEPCORE_HD_INLINE void sign_sgd_range(const SignSgdLaunchArgs& a, int t, const 
     load_group<float, W>(a.param_src[t] + i, p);  // the old parameter (param when in place)
     load_group<G, W>(grad + i, g);
     for (int k = 0; k < W; ++k)
-      ::stepcore::detail::sign_sgd_element<G, O>(p, p, g, std::is_void_v<O> ? nullptr : o, s,
-                                                 static_cast<std::uint64_t>(k));
+      unit_element<SignSgd, 0, G, O>(p, nullptr, p, nullptr, g, std::is_void_v<O> ? nullptr : o,
+                                     k_s, ~std::uint64_t{0}, 1.0f, 1.0f,
+                                     static_cast<std::uint64_t>(k));
     store_group<float, W>(a.param[t] + i, p);
     if constexpr (!std::is_void_v<O>) store_group<O, W>(out + i, o);
   });

@@ -1,0 +1,138 @@
+// The AdamW unit (core/optimizers/unit.hpp): two formulas, `native` and `torch`
+// (docs/numerics.md section 7), state exp_avg and exp_avg_sq, a per-tensor step counter.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+
+#include "core/optimizers/unit.hpp"
+#include "core/step_scalars.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// The bias corrections of one AdamW step: bc1 = 1 - beta1^t, bc2 = 1 - beta2^t.
+struct BiasCorrections {
+  double bc1;
+  double bc2;
+};
+
+/// Host only: the bias corrections at step t of the formula's betas (the native formula
+/// raises its f32-rounded betas), with the C library's pow in binary64.
+BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step);
+
+/// The per-tensor scalars of one AdamW update from the hyper-parameters and the step's
+/// bias corrections bc1 = 1 - beta1^t, bc2 = 1 - beta2^t (binary64, computed on the
+/// host: prepare_adamw_scalars, or the device bias table). lr and weight decay are
+/// arguments, not read from `c`, so a device step can take them from device memory.
+/// The same operations on host and device (no contraction: -ffp-contract=off and
+/// -fmad=false), so both give the same bits.
+STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in,
+                                              double weight_decay, double bc1, double bc2) {
+  AdamWScalars s;
+  if (c.formula == AdamWFormula::native) {
+    // The native kernel holds its hyper-parameters in f32.
+    const float lr = static_cast<float>(lr_in);
+    const float b1 = static_cast<float>(c.beta1);
+    const float b2 = static_cast<float>(c.beta2);
+    const float wd = static_cast<float>(weight_decay);
+    s.decay = static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(wd));
+    s.apply_decay = true;
+    s.beta1 = b1;
+    s.beta2 = b2;
+    s.one_minus_beta1 = 1.0f - b1;
+    s.one_minus_beta2 = 1.0f - b2;
+    s.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
+    s.bc2_sqrt = static_cast<float>(sqrt(bc2));
+    s.eps = static_cast<float>(c.eps);
+  } else {
+    // torch's fused CPU AdamW: Python doubles, rounded to f32 at the last moment.
+    s.apply_decay = weight_decay != 0.0;
+    s.decay = static_cast<float>(1.0 - lr_in * weight_decay);
+    const float w = static_cast<float>(1.0 - c.beta1);
+    s.lerp_small = fabsf(w) < 0.5f;
+    s.lerp_coeff = s.lerp_small ? w : w - 1.0f;
+    s.beta1 = static_cast<float>(c.beta1);
+    s.beta2 = static_cast<float>(c.beta2);
+    s.one_minus_beta1 = w;
+    s.one_minus_beta2 = static_cast<float>(1.0 - c.beta2);
+    s.step_size = static_cast<float>(-(lr_in / bc1));
+    s.bc2_sqrt = static_cast<float>(sqrt(bc2));
+    s.eps = static_cast<float>(c.eps);
+  }
+  return s;
+}
+
+struct AdamW {
+  using Config = AdamWConfig;
+  using Scalars = AdamWScalars;
+  static constexpr const char* kName = "adamw";
+  static constexpr int kSlots = 2;
+  static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq"};
+  /// 0: native (no contraction), 1: torch (lerp and v with FMAs).
+  static constexpr int kNative = 0, kTorch = 1, kVariants = 2;
+  static constexpr bool kReadsScaled = true;
+
+  STEPCORE_HD_INLINE static int variant(const Config& c) {
+    return c.formula == AdamWFormula::torch ? kTorch : kNative;
+  }
+  static Scalars scalars(const Config& c, float step) { return prepare_adamw_scalars(c, step); }
+  /// torch's kernel runs its last (n mod W) elements through a scalar loop its compiler
+  /// contracted differently (docs/numerics.md 7.2); the native formula has no tail.
+  static std::size_t tail_begin(const Config& c, std::size_t n) {
+    if (c.formula != AdamWFormula::torch) return n;
+    const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
+    return n - n % w;
+  }
+
+  template <class Ops>
+  struct Consts {
+    using F = typename Ops::F;
+    F decay, beta1, beta2, one_minus_beta1, one_minus_beta2, lerp_coeff, step_size, bc2_sqrt, eps;
+    bool apply_decay, lerp_small;
+    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
+        : decay(Ops::set1(s.decay)),
+          beta1(Ops::set1(s.beta1)),
+          beta2(Ops::set1(s.beta2)),
+          one_minus_beta1(Ops::set1(s.one_minus_beta1)),
+          one_minus_beta2(Ops::set1(s.one_minus_beta2)),
+          lerp_coeff(Ops::set1(s.lerp_coeff)),
+          step_size(Ops::set1(s.step_size)),
+          bc2_sqrt(Ops::set1(s.bc2_sqrt)),
+          eps(Ops::set1(s.eps)),
+          apply_decay(s.apply_decay),
+          lerp_small(s.lerp_small) {}
+  };
+
+  /// docs/numerics.md 7.1 (native) and 7.2 (torch; Tail: torch's scalar-loop form of v).
+  template <class Ops, int V, bool Tail>
+  STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
+                                        typename Ops::F* st) {
+    using F = typename Ops::F;
+    F m = st[0], v = st[1];
+    if constexpr (V == kNative) {
+      // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
+      p = Ops::mul(p, k.decay);
+      m = Ops::add(Ops::mul(m, k.beta1), Ops::mul(g, k.one_minus_beta1));
+      v = Ops::add(Ops::mul(v, k.beta2), Ops::mul(Ops::mul(g, g), k.one_minus_beta2));
+      const F d = Ops::add(Ops::div(Ops::sqrt(v), k.bc2_sqrt), k.eps);
+      p = Ops::sub(p, Ops::div(Ops::mul(k.step_size, m), d));
+    } else {
+      if (k.apply_decay) p = Ops::mul(p, k.decay);
+      const F diff = Ops::sub(g, m);
+      m = Ops::fma(k.lerp_coeff, diff, k.lerp_small ? m : g);
+      const F cg = Ops::mul(k.one_minus_beta2, g);
+      if constexpr (!Tail)
+        v = Ops::fma(cg, g, Ops::mul(v, k.beta2));  // the vector body: fma(c*g, g, v*b2)
+      else
+        v = Ops::fma(v, k.beta2, Ops::mul(cg, g));  // the scalar tail: fma(v, b2, c*g*g)
+      const F d = Ops::add(Ops::div(Ops::sqrt(v), k.bc2_sqrt), k.eps);
+      p = Ops::add(p, Ops::div(Ops::mul(k.step_size, m), d));
+    }
+    st[0] = m;
+    st[1] = v;
+  }
+};
+
+}  // namespace stepcore::detail

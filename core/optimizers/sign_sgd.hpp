@@ -1,0 +1,64 @@
+// The SignSGD unit (core/optimizers/unit.hpp): p = p*(1 - lr*wd) - lr*sign(g), no state
+// (docs/numerics.md section 8).
+#pragma once
+
+#include <cstddef>
+
+#include "core/optimizers/unit.hpp"
+#include "core/step_scalars.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// The f32 scalars of one SignSGD update (host and device alike).
+STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_decay) {
+  SignSgdScalars s;
+  s.neg_lr = static_cast<float>(-lr);
+  s.neg_lr_wd = static_cast<float>(-(lr * weight_decay));
+  s.apply_decay = weight_decay > 0.0;
+  return s;
+}
+
+struct SignSgd {
+  using Config = SignSgdConfig;
+  using Scalars = SignSgdScalars;
+  static constexpr const char* kName = "sign_sgd";
+  static constexpr int kSlots = 0;
+  static constexpr int kVariants = 1;
+  /// sign(g) is read from the stored gradient (the read's positive factors are not applied).
+  static constexpr bool kReadsScaled = false;
+
+  STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
+  static Scalars scalars(const Config& c, float /*step*/) { return prepare_sign_sgd_scalars(c); }
+  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+
+  template <class Ops>
+  struct Consts {
+    using F = typename Ops::F;
+    F neg_lr, neg_lr_wd, zero, one, minus_one;
+    bool apply_decay;
+    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
+        : neg_lr(Ops::set1(s.neg_lr)),
+          neg_lr_wd(Ops::set1(s.neg_lr_wd)),
+          zero(Ops::set1(0.0f)),
+          one(Ops::set1(1.0f)),
+          minus_one(Ops::set1(-1.0f)),
+          apply_decay(s.apply_decay) {}
+  };
+
+  /// sign(+-0) = +0, sign(NaN) = the NaN (ordered compares are false on a NaN, so the
+  /// selects keep g there). fma(sg, -lr, p) with sg in {+-1, +0, NaN}: the product is
+  /// exact, so the separate multiply and add round once, like the FMA.
+  template <class Ops, int V, bool Tail>
+  STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
+                                        typename Ops::F* /*st*/) {
+    using F = typename Ops::F;
+    F sg = Ops::select(Ops::gt(g, k.zero), k.one, Ops::select(Ops::lt(g, k.zero), k.minus_one, g));
+    sg = Ops::select(Ops::eq(g, k.zero), k.zero, sg);
+    if (k.apply_decay) p = Ops::fma(p, k.neg_lr_wd, p);
+    p = Ops::add(p, Ops::mul(sg, k.neg_lr));
+  }
+};
+
+}  // namespace stepcore::detail

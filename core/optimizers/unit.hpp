@@ -1,0 +1,109 @@
+// What an optimizer unit is, and the scalar operations every unit's element formula is
+// instantiated with where one element is computed at a time (the CPU engine's remainder
+// and tail loops, the CUDA block bodies). docs/adding-an-optimizer.md explains the parts.
+//
+// A unit is a struct (core/optimizers/<name>.hpp) holding, once:
+//   Config                     its public hyper-parameter record (stepcore/optim.hpp)
+//   Scalars                    the per-tensor f32 scalars of one step, prepared on the host
+//   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch)
+//   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
+//   kReadsScaled               whether the gradient read applies the scale and clip
+//   scalars(c, step)           host: the Scalars of one tensor whose counter holds `step`
+//   tail_begin(c, n)           where, in a tensor of n elements, the tail form begins
+//   Consts<Ops>                the Scalars as Ops values (splatted once per range)
+//   update<Ops, V, Tail>(k, g, p, st)
+//                              the element formula: the new parameter p and state st[0..kSlots)
+//                              from the gradient read g and the old ones, written in Ops'
+//                              operations only, so the same text runs on every SIMD ISA
+//                              (ArchOps), on one element (ScalarOps) and on the GPU
+// The reference (reference/) keeps its own literal transliteration: it is the oracle.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "stepcore/config.hpp"
+#include "stepcore/convert.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// The most state arrays a unit may have.
+inline constexpr int kMaxSlots = 3;
+
+/// One element at a time: each operation one correctly rounded binary32 operation
+/// (the library compiles with -ffp-contract=off and device code with -fmad=false), the
+/// same contract as the SIMD ArchOps.
+struct ScalarOps {
+  using F = float;
+  using M = bool;
+  static STEPCORE_HD_INLINE float set1(float x) { return x; }
+  static STEPCORE_HD_INLINE float add(float a, float b) { return a + b; }
+  static STEPCORE_HD_INLINE float sub(float a, float b) { return a - b; }
+  static STEPCORE_HD_INLINE float mul(float a, float b) { return a * b; }
+  static STEPCORE_HD_INLINE float div(float a, float b) { return a / b; }
+  static STEPCORE_HD_INLINE float sqrt(float a) { return sqrtf(a); }
+  static STEPCORE_HD_INLINE float fma(float a, float b, float c) { return fmaf(a, b, c); }
+  static STEPCORE_HD_INLINE bool gt(float a, float b) { return a > b; }
+  static STEPCORE_HD_INLINE bool lt(float a, float b) { return a < b; }
+  static STEPCORE_HD_INLINE bool eq(float a, float b) { return a == b; }
+  static STEPCORE_HD_INLINE float select(bool m, float a, float b) { return m ? a : b; }
+};
+
+/// The gradient read of docs/numerics.md section 3 on one element of storage type G:
+/// R_G(R_G(f32(g) * scale) * clip) (a factor of exactly 1 changes nothing).
+template <class G>
+STEPCORE_HD_INLINE float read_gradient(const G* grad, std::uint64_t i, float scale, float clip) {
+  float g = to_f32(grad[i]);
+  g = round_to<G>(g * scale);
+  g = round_to<G>(g * clip);
+  return g;
+}
+
+/// One element of unit Opt's step, variant V, as every fast path computes it one at a
+/// time: the old parameter and state read from Ps/Ss, the new ones written to P/S (the
+/// same arrays, in place, or separate ones: element i is read before it is written), the
+/// parameter rounded to O into out (O void: none). Elements at or after tail_begin use
+/// the unit's tail form.
+template <class Opt, int V, class G, class O>
+STEPCORE_HD_INLINE void unit_element(const float* Ps, const float* const* Ss, float* P,
+                                     float* const* S, const G* grad, O* out,
+                                     const typename Opt::template Consts<ScalarOps>& k,
+                                     std::uint64_t tail_begin, float scale, float clip,
+                                     std::uint64_t i) {
+  const float g = Opt::kReadsScaled ? read_gradient(grad, i, scale, clip) : to_f32(grad[i]);
+  float p = Ps[i];
+  float st[Opt::kSlots > 0 ? Opt::kSlots : 1];
+  for (int s = 0; s < Opt::kSlots; ++s) st[s] = Ss[s][i];
+  if (i < tail_begin)
+    Opt::template update<ScalarOps, V, false>(k, g, p, st);
+  else
+    Opt::template update<ScalarOps, V, true>(k, g, p, st);
+  P[i] = p;
+  for (int s = 0; s < Opt::kSlots; ++s) S[s][i] = st[s];
+  if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
+}
+
+/// Calls fn(std::integral_constant<int, V>{}) for the run-time variant v of a unit with
+/// `Count` variants (v in [0, Count)).
+template <int Count, int V = 0, class Fn>
+STEPCORE_HD_INLINE void with_variant(int v, Fn&& fn) {
+  if constexpr (V + 1 < Count) {
+    if (v != V) return with_variant<Count, V + 1>(v, static_cast<Fn&&>(fn));
+  }
+  fn(std::integral_constant<int, V>{});
+}
+
+/// A list of units: core/optimizers/all.hpp names every unit the library builds.
+template <class... Units>
+struct UnitList {
+  /// Calls fn(Unit{}) for each unit, in order.
+  template <class Fn>
+  static void for_each(Fn&& fn) {
+    (fn(Units{}), ...);
+  }
+};
+
+}  // namespace stepcore::detail
