@@ -85,6 +85,27 @@ struct SignSgdTensor {
   ConstTensorView param_src = {};
 };
 
+/// The most state arrays an optimizer keeps beside each parameter.
+inline constexpr int kMaxOptimizerSlots = 3;
+
+/// One tensor of an optimizer step, for any optimizer: the f32 parameter, the
+/// optimizer's f32 state arrays in its slot order (docs/numerics.md names each
+/// optimizer's slots, e.g. AdamW: exp_avg, exp_avg_sq, then max_exp_avg_sq with
+/// amsgrad; slots the optimizer does not use are empty), its step counter (optimizers
+/// that count steps), the read-only grad, and the optional compute-parameter output.
+/// In place, or out of place from the optional sources (read only, left intact).
+struct OptimizerTensor {
+  TensorView param;
+  TensorView state[kMaxOptimizerSlots] = {};
+  float* step = nullptr;  ///< per-tensor f32 step counter, incremented before use
+  ConstTensorView grad = {};
+  TensorView compute_param = {};
+  /// The old param is read from here (f32, numel elements); empty: in place.
+  ConstTensorView param_src = {};
+  /// The old state arrays are read from here (f32); an empty entry: in place.
+  ConstTensorView state_src[kMaxOptimizerSlots] = {};
+};
+
 /// One pair of an accumulate call: acc (f32) = copy ? f32(src) : acc + f32(src).
 struct AccumulatePair {
   TensorView acc;
