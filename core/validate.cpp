@@ -146,6 +146,26 @@ void check_source(std::size_t i, const ConstTensorView& src, const TensorView& d
   if (src.data != dst.data) add_range(ranges, src.data, src.bytes(), false, name);
 }
 
+// Checks tensor i's step counter (its pointer; its value when the counters are host
+// memory the call reads) and adds its range: it is written.
+void check_step_counter(std::size_t i, float* step, StepCounters counters,
+                        std::vector<Range>& ranges) {
+  const Arg s{"tensors", i, "step"};
+  if (step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
+  if (reinterpret_cast<std::uintptr_t>(step) % alignof(float) != 0)
+    fail(Errc::invalid_argument, s, "step counter is not aligned to 4 bytes");
+  if (counters == StepCounters::read) {
+    const float v = *step;
+    if (!std::isfinite(v)) fail(Errc::non_finite, s, "step counter is not finite");
+    if (v < 0.0f || v != std::floor(v) || v >= 16777216.0f)
+      fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
+  }
+  add_range(ranges, step, sizeof(float), true, s);
+}
+
+// The names of OptimizerTensor::state[s] in errors about a slot the optimizer lacks.
+constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
+
 }  // namespace
 
 std::string Arg::str() const {
@@ -212,8 +232,7 @@ void validate_read(const GradientRead& read, const char* name) {
   check_clip(read.clip, base + ".clip");
 }
 
-void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
-                    StepCounters counters) {
+void validate_adamw_config(const AdamWConfig& c) {
   require_finite(c.lr, "config.lr");
   require_finite(c.beta1, "config.beta1");
   require_finite(c.beta2, "config.beta2");
@@ -247,6 +266,11 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     fail(Errc::out_of_range, "config.eps", "must be finite in f32");
   if (static_cast<float>(c.eps) == 0.0f)
     fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+}
+
+void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
+                    StepCounters counters) {
+  validate_adamw_config(c);
   validate_read(read);
 
   std::vector<Range> ranges;
@@ -259,23 +283,41 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
     check_source(i, t.exp_avg_src, t.exp_avg, "exp_avg_src", "exp_avg", ranges);
     check_source(i, t.exp_avg_sq_src, t.exp_avg_sq, "exp_avg_sq_src", "exp_avg_sq", ranges);
-    const Arg s{"tensors", i, "step"};
-    if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
-    if (reinterpret_cast<std::uintptr_t>(t.step) % alignof(float) != 0)
-      fail(Errc::invalid_argument, s, "step counter is not aligned to 4 bytes");
-    if (counters == StepCounters::read) {
-      const float step = *t.step;
-      if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
-      if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
-        fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
-    }
-    add_range(ranges, t.step, sizeof(float), true, s);
+    check_step_counter(i, t.step, counters, ranges);
   }
   check_overlaps(ranges);
 }
 
-void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
-                       GradientRead read) {
+void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
+                                int used_slots, bool counts_steps, StepCounters counters) {
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * (4 + 2 * static_cast<std::size_t>(used_slots)));
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const OptimizerTensor& t = tensors[i];
+    // The order of validate_adamw's checks: the arrays, then their sources, then the counter.
+    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    for (int s = 0; s < used_slots; ++s) check_moment(i, t.state[s], n, names.slot[s], ranges);
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+    for (int s = 0; s < kMaxOptimizerSlots; ++s) {
+      if (s < used_slots) {
+        check_source(i, t.state_src[s], t.state[s], names.source[s], names.slot[s], ranges);
+      } else if (has_view(t.state[s]) || has_view(t.state_src[s])) {
+        fail(Errc::invalid_argument, Arg{"tensors", i, kStateFields[s]},
+             "this optimizer keeps " + std::to_string(used_slots) + " state arrays: state slot " +
+                 std::to_string(s) + " must be empty");
+      }
+    }
+    if (counts_steps) {
+      check_step_counter(i, t.step, counters, ranges);
+    } else if (t.step != nullptr) {
+      fail(Errc::invalid_argument, Arg{"tensors", i, "step"},
+           "this optimizer keeps no step counter: must be null");
+    }
+  }
+  check_overlaps(ranges);
+}
+
+void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
   require_finite(c.lr, "config.lr");
   require_finite(c.weight_decay, "config.weight_decay");
   if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
@@ -287,6 +329,11 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
   validate_read(read);
   if (!(read.clip > 0.0f))
     fail(Errc::invalid_argument, "read.clip", "SignSGD needs a positive clip coefficient");
+}
+
+void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
+                       GradientRead read) {
+  validate_sign_sgd_config(c, read);
   std::vector<Range> ranges;
   ranges.reserve(tensors.size() * 4);
   for (std::size_t i = 0; i < tensors.size(); ++i) {

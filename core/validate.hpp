@@ -27,6 +27,25 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& con
 /// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);
+/// The hyper-parameter checks of validate_adamw alone (errors name "config.<field>").
+void validate_adamw_config(const AdamWConfig& config);
+/// The hyper-parameter and read checks of validate_sign_sgd alone.
+void validate_sign_sgd_config(const SignSgdConfig& config, GradientRead read);
+
+/// The names of an optimizer's state slots in errors ("exp_avg") and of their sources
+/// ("exp_avg_src"): static strings, one per slot the optimizer has.
+struct SlotNames {
+  const char* const* slot;
+  const char* const* source;
+};
+/// Throws unless every tensor of a generic optimizer call is valid, as validate_adamw
+/// checks its tensors: param, grad and compute output; the first `used_slots` state
+/// arrays (f32, param's size; named by `names`) and their optional sources; the other
+/// slots empty; the step counter when the optimizer counts steps (else null); no
+/// written range overlapping another range.
+void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
+                                int used_slots, bool counts_steps,
+                                StepCounters counters = StepCounters::read);
 /// The array a validated f32 state buffer's old values are read from: its out-of-place
 /// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
 inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {

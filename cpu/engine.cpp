@@ -9,9 +9,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <xsimd/config/xsimd_cpuid.hpp>
 
 #include "core/fp_env.hpp"
+#include "core/optimizers/all.hpp"
 #include "core/validate.hpp"
 #include "cpu/dispatch.hpp"
 #include "stepcore/cpu.hpp"
@@ -239,30 +241,65 @@ Engine::Engine(EngineConfig config) {
   }
 }
 
-void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                        GradientRead read, const std::int32_t* found_inf) const {
-  ::stepcore::detail::validate_adamw(tensors, config, read);
-  if (found_inf != nullptr && *found_inf != 0) return;
-  using Unit = ::stepcore::detail::AdamW;
-  const detail::UnitKernels<Unit>& kernels = detail::kernel_table(isa_).units.of<Unit>();
-  std::vector<detail::UnitRange<Unit>> ranges(tensors.size());
-  std::vector<detail::UnitFn<Unit>> fns(tensors.size());
+namespace {
+
+/// One tensor of a unit's step as the engine reads it, whatever record the caller used:
+/// destinations (the parameter, then each slot) and their optional sources.
+struct TensorViews {
+  TensorView dst[1 + kMaxOptimizerSlots];
+  ConstTensorView src[1 + kMaxOptimizerSlots];
+  ConstTensorView grad;
+  TensorView out;
+  float* step;
+};
+
+TensorViews views_of(const AdamWTensor& t) {
+  return {{t.param, t.exp_avg, t.exp_avg_sq, {}},
+          {t.param_src, t.exp_avg_src, t.exp_avg_sq_src, {}},
+          t.grad,
+          t.compute_param,
+          t.step};
+}
+TensorViews views_of(const SignSgdTensor& t) {
+  return {{t.param, {}, {}, {}}, {t.param_src, {}, {}, {}}, t.grad, t.compute_param, nullptr};
+}
+TensorViews views_of(const OptimizerTensor& t) {
+  TensorViews v{{t.param}, {t.param_src}, t.grad, t.compute_param, t.step};
+  for (int s = 0; s < kMaxOptimizerSlots; ++s) {
+    v.dst[1 + s] = t.state[s];
+    v.src[1 + s] = t.state_src[s];
+  }
+  return v;
+}
+
+}  // namespace
+
+// One step of unit Opt over validated tensors (any record views_of reads): every dtype
+// combination is resolved to a kernel before anything is written; then each counter is
+// advanced (units that count steps), the ranges built and the chunks run.
+template <class Opt, class Tensor>
+void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Config& config,
+                      GradientRead read) const {
+  const detail::UnitKernels<Opt>& kernels = detail::kernel_table(isa_).units.template of<Opt>();
+  std::vector<detail::UnitRange<Opt>> ranges(tensors.size());
+  std::vector<detail::UnitFn<Opt>> fns(tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamWTensor& t = tensors[i];
+    const Tensor& t = tensors[i];
     const int g = static_cast<int>(t.grad.dtype);
     const int o = detail::output_kind(t.compute_param);
     if (g < 0 || g >= detail::kDTypes || !kernels.step[g][o] || !kernels.streamed[g][o])
-      unreachable_dtype("adamw");
+      unreachable_dtype(Opt::kName);
   }
   // All checks passed: from here on the call writes.
   bool streamed = false;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamWTensor& t = tensors[i];
-    *t.step = *t.step + 1.0f;
-    ranges[i] = detail::adamw_range(t, config, read, *t.step);
+    const TensorViews v = views_of(tensors[i]);
+    float step = 0.0f;
+    if constexpr (Opt::kCountsSteps) step = *v.step = *v.step + 1.0f;
+    ranges[i] = detail::unit_range<Opt>(config, step, read, v.dst, v.src, v.grad.data, v.out);
     // A range with out-of-place destinations streams them; in place, the plain kernel.
-    const int g = static_cast<int>(t.grad.dtype);
-    const int o = detail::output_kind(t.compute_param);
+    const int g = static_cast<int>(v.grad.dtype);
+    const int o = detail::output_kind(v.out);
     fns[i] = ranges[i].stream != 0 ? kernels.streamed[g][o] : kernels.step[g][o];
     streamed = streamed || ranges[i].stream != 0;
   }
@@ -273,31 +310,42 @@ void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig&
       [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
 }
 
+void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                        GradientRead read, const std::int32_t* found_inf) const {
+  ::stepcore::detail::validate_adamw(tensors, config, read);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  run_unit<::stepcore::detail::AdamW>(tensors, config, read);
+}
+
 void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                            GradientRead read, const std::int32_t* found_inf) const {
   ::stepcore::detail::validate_sign_sgd(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
-  using Unit = ::stepcore::detail::SignSgd;
-  const detail::UnitKernels<Unit>& kernels = detail::kernel_table(isa_).units.of<Unit>();
-  std::vector<detail::UnitRange<Unit>> ranges(tensors.size());
-  std::vector<detail::UnitFn<Unit>> fns(tensors.size());
-  bool streamed = false;
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const SignSgdTensor& t = tensors[i];
-    const int g = static_cast<int>(t.grad.dtype);
-    const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !kernels.step[g][o] || !kernels.streamed[g][o])
-      unreachable_dtype("sign_sgd");
-    ranges[i] = detail::sign_sgd_range(t, config);
-    fns[i] = ranges[i].stream != 0 ? kernels.streamed[g][o] : kernels.step[g][o];
-    streamed = streamed || ranges[i].stream != 0;
-  }
-  const auto chunks =
-      make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
-  run_static(
-      chunks, threads_, cpus_,
-      [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
+  run_unit<::stepcore::detail::SignSgd>(tensors, config, read);
 }
+
+template <class Config>
+void Engine::step(std::span<const OptimizerTensor> tensors, const Config& config, GradientRead read,
+                  const std::int32_t* found_inf) const {
+  using Opt =
+      typename ::stepcore::detail::UnitForConfig<Config, ::stepcore::detail::AllUnits>::type;
+  Opt::validate(config, read);
+  ::stepcore::detail::validate_optimizer_tensors(tensors, {Opt::kSlotNames, Opt::kSlotSourceNames},
+                                                 Opt::slots(Opt::variant(config)),
+                                                 Opt::kCountsSteps);
+  if (found_inf != nullptr && *found_inf != 0) return;
+  run_unit<Opt>(tensors, config, read);
+}
+
+namespace detail {
+// Every unit's Engine::step (AllUnits), by address: an object with external linkage that
+// names them instantiates each here, for the callers in other translation units.
+template <class... Units>
+constexpr auto step_instances(::stepcore::detail::UnitList<Units...>) {
+  return std::make_tuple(&Engine::step<typename Units::Config>...);
+}
+extern const auto kStepInstances = step_instances(::stepcore::detail::AllUnits{});
+}  // namespace detail
 
 void Engine::accumulate(std::span<const AccumulatePair> pairs) const {
   ::stepcore::detail::validate_accumulate(pairs);

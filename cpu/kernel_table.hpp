@@ -66,6 +66,7 @@ inline unsigned stream_mask(const float* const* dst, const float* const* src, in
 /// stores, 0 for an in-place step.
 template <class Opt>
 struct UnitRange {
+  static_assert(Opt::kSlots <= kMaxOptimizerSlots, "a unit has at most kMaxOptimizerSlots");
   static constexpr int kArrays = 1 + Opt::kSlots;
   float* dst[kArrays];
   const float* src[kArrays];

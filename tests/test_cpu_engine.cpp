@@ -236,6 +236,144 @@ TEST(CpuEngine, SignSgdMatchesReference) {
   }
 }
 
+/// The Model's AdamW tensors as generic records (slots exp_avg, exp_avg_sq).
+std::vector<OptimizerTensor> generic_adamw(Model& m) {
+  std::vector<OptimizerTensor> out;
+  for (const AdamWTensor& a : m.adamw()) {
+    OptimizerTensor t;
+    t.param = a.param;
+    t.state[0] = a.exp_avg;
+    t.state[1] = a.exp_avg_sq;
+    t.step = a.step;
+    t.grad = a.grad;
+    t.compute_param = a.compute_param;
+    out.push_back(t);
+  }
+  return out;
+}
+
+/// The Model's SignSGD tensors as generic records (no slots, no counter).
+std::vector<OptimizerTensor> generic_sign_sgd(Model& m) {
+  std::vector<OptimizerTensor> out;
+  for (const SignSgdTensor& a : m.sign_sgd()) {
+    OptimizerTensor t;
+    t.param = a.param;
+    t.grad = a.grad;
+    t.compute_param = a.compute_param;
+    out.push_back(t);
+  }
+  return out;
+}
+
+TEST(CpuEngine, GenericStepOfEachOptimizerMatchesTheReferenceOnEveryIsaAndThreadCount) {
+  // Engine::step over OptimizerTensor records: the same unit kernels reached through the
+  // generic entry, against the reference's own records, bit for bit.
+  const auto sizes = boundary_sizes();
+  int idx = 0;
+  for (DType g : {DType::f32, DType::bf16, DType::f16}) {
+    for (int o : {0, 2}) {
+      for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
+        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) +
+                     (f == AdamWFormula::torch ? " torch" : " native"));
+        AdamWConfig cfg;
+        cfg.formula = f;
+        cfg.weight_decay = 0.1;
+        const GradientRead read{1.0f / 3000.0f, 0.37f};
+        Model ref(sizes, g, o, 900 + idx++);
+        Model input = ref;
+        auto rt = ref.adamw();
+        reference::adamw_step(rt, cfg, read);
+        for (cpu::Isa isa : testing_support::isas_under_test()) {
+          for (int threads : {1, 3}) {
+            SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
+            Model eng = input;
+            const auto et = generic_adamw(eng);
+            cpu::Engine(cpu::EngineConfig{isa, threads}).step(std::span(et), cfg, read);
+            ASSERT_TRUE(same_model(ref, eng));
+          }
+        }
+      }
+      SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) + " sign_sgd");
+      Model ref(sizes, g, o, 900 + idx++);
+      Model input = ref;
+      auto rt = ref.sign_sgd();
+      const SignSgdConfig cfg{1e-3, 0.05};
+      reference::sign_sgd_step(rt, cfg);
+      for (cpu::Isa isa : testing_support::isas_under_test()) {
+        for (int threads : {1, 3}) {
+          Model eng = input;
+          const auto et = generic_sign_sgd(eng);
+          cpu::Engine(cpu::EngineConfig{isa, threads}).step(std::span(et), cfg);
+          ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting) {
+  Model m({5, 9}, DType::f32, 0, 3);
+  const Model before = m;
+  const cpu::Engine e(cpu::EngineConfig{cpu::Isa::sse2, 1});
+  auto expect_refused = [&](std::vector<OptimizerTensor> t, auto config, Errc code,
+                            const std::string& arg) {
+    try {
+      e.step(std::span<const OptimizerTensor>(t), config);
+      ADD_FAILURE() << "accepted; expected an error naming " << arg;
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), code) << err.what();
+      EXPECT_EQ(err.argument(), arg) << err.what();
+    }
+    EXPECT_TRUE(same_model(before, m)) << "a refused call wrote";
+  };
+  {
+    auto t = generic_adamw(m);
+    t[1].state[2] = t[0].state[0];  // AdamW keeps two slots
+    expect_refused(t, AdamWConfig{}, Errc::invalid_argument, "tensors[1].state[2]");
+  }
+  {
+    auto t = generic_adamw(m);
+    t[0].state[1] = {};  // exp_avg_sq missing: named by its slot name
+    expect_refused(t, AdamWConfig{}, Errc::size_mismatch, "tensors[0].exp_avg_sq");
+  }
+  {
+    auto t = generic_adamw(m);
+    t[1].step = nullptr;
+    expect_refused(t, AdamWConfig{}, Errc::null_pointer, "tensors[1].step");
+  }
+  {
+    auto t = generic_adamw(m);
+    // A source reading a range the call writes: the error names the written buffer and
+    // the source (by its slot's source name).
+    t[0].state_src[1] = ConstTensorView(t[1].param.data, 5, DType::f32);
+    try {
+      e.step(std::span<const OptimizerTensor>(t), AdamWConfig{});
+      ADD_FAILURE() << "an overlapping source was accepted";
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), Errc::overlap);
+      EXPECT_EQ(err.argument(), "tensors[1].param");
+      EXPECT_NE(std::string(err.what()).find("tensors[0].exp_avg_sq_src"), std::string::npos)
+          << err.what();
+    }
+    EXPECT_TRUE(same_model(before, m));
+  }
+  {
+    AdamWConfig bad;
+    bad.beta2 = 1.0;
+    expect_refused(generic_adamw(m), bad, Errc::invalid_argument, "config.beta2");
+  }
+  {
+    auto t = generic_sign_sgd(m);
+    t[0].step = &m.steps[0];  // SignSGD keeps no counter
+    expect_refused(t, SignSgdConfig{}, Errc::invalid_argument, "tensors[0].step");
+  }
+  {
+    auto t = generic_sign_sgd(m);
+    t[1].state[0] = t[1].param;
+    expect_refused(t, SignSgdConfig{}, Errc::invalid_argument, "tensors[1].state[0]");
+  }
+}
+
 TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
   std::mt19937 rng(77);
   std::vector<std::size_t> sizes;

@@ -7,6 +7,7 @@
 
 #include "core/optimizers/unit.hpp"
 #include "core/step_scalars.hpp"
+#include "core/validate.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/optim.hpp"
 
@@ -70,10 +71,19 @@ struct AdamW {
   static constexpr const char* kName = "adamw";
   static constexpr int kSlots = 2;
   static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq"};
+  static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src"};
+  static constexpr bool kCountsSteps = true;
   /// 0: native (no contraction), 1: torch (lerp and v with FMAs).
   static constexpr int kNative = 0, kTorch = 1, kVariants = 2;
   static constexpr bool kReadsScaled = true;
 
+  /// The state arrays variant V reads and writes (the first slots(V) of kSlots).
+  static constexpr int slots(int /*V*/) { return kSlots; }
+  /// Host: throws naming the first bad hyper-parameter or read factor.
+  static void validate(const Config& c, GradientRead read) {
+    validate_adamw_config(c);
+    validate_read(read);
+  }
   STEPCORE_HD_INLINE static int variant(const Config& c) {
     return c.formula == AdamWFormula::torch ? kTorch : kNative;
   }

@@ -6,6 +6,7 @@
 
 #include "core/optimizers/unit.hpp"
 #include "core/step_scalars.hpp"
+#include "core/validate.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/optim.hpp"
 
@@ -25,10 +26,16 @@ struct SignSgd {
   using Scalars = SignSgdScalars;
   static constexpr const char* kName = "sign_sgd";
   static constexpr int kSlots = 0;
+  static constexpr const char* const* kSlotNames = nullptr;
+  static constexpr const char* const* kSlotSourceNames = nullptr;
+  static constexpr bool kCountsSteps = false;
   static constexpr int kVariants = 1;
   /// sign(g) is read from the stored gradient (the read's positive factors are not applied).
   static constexpr bool kReadsScaled = false;
 
+  static constexpr int slots(int /*V*/) { return 0; }
+  /// Host: throws naming the first bad hyper-parameter or read factor.
+  static void validate(const Config& c, GradientRead read) { validate_sign_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
   static Scalars scalars(const Config& c, float /*step*/) { return prepare_sign_sgd_scalars(c); }
   static std::size_t tail_begin(const Config&, std::size_t n) { return n; }

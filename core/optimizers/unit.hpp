@@ -5,7 +5,11 @@
 // A unit is a struct (core/optimizers/<name>.hpp) holding, once:
 //   Config                     its public hyper-parameter record (stepcore/optim.hpp)
 //   Scalars                    the per-tensor f32 scalars of one step, prepared on the host
-//   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch)
+//   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch),
+//   kSlotSourceNames           and the names of their out-of-place sources
+//   slots(V)                   how many of them variant V uses (the first slots(V))
+//   kCountsSteps               whether each tensor has a step counter, incremented first
+//   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
 //   kReadsScaled               whether the gradient read applies the scale and clip
 //   scalars(c, step)           host: the Scalars of one tensor whose counter holds `step`
@@ -29,9 +33,6 @@
 #include "stepcore/optim.hpp"
 
 namespace stepcore::detail {
-
-/// The most state arrays a unit may have.
-inline constexpr int kMaxSlots = 3;
 
 /// One element at a time: each operation one correctly rounded binary32 operation
 /// (the library compiles with -ffp-contract=off and device code with -fmad=false), the
@@ -104,6 +105,19 @@ struct UnitList {
   static void for_each(Fn&& fn) {
     (fn(Units{}), ...);
   }
+};
+
+/// The unit of a UnitList whose Config is `Config`.
+template <class Config, class List>
+struct UnitForConfig;
+template <class Config, class First, class... Rest>
+struct UnitForConfig<Config, UnitList<First, Rest...>> {
+  using type = std::conditional_t<std::is_same_v<typename First::Config, Config>, First,
+                                  typename UnitForConfig<Config, UnitList<Rest...>>::type>;
+};
+template <class Config>
+struct UnitForConfig<Config, UnitList<>> {
+  using type = void;  // no unit has this configuration
 };
 
 }  // namespace stepcore::detail

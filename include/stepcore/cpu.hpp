@@ -116,6 +116,14 @@ class Engine {
   /// SignSGD over all tensors (see reference::sign_sgd_step).
   void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                      GradientRead read = {}, const std::int32_t* found_inf = nullptr) const;
+  /// One step of the optimizer `config` configures (AdamWConfig, SignSgdConfig, ...: the
+  /// library defines it for each optimizer it has; docs/numerics.md defines each) over
+  /// tensors holding its state in its slot order. Everything is validated before
+  /// anything is written; found_inf (host, != 0) skips the step, counters kept.
+  /// Determinism: bitwise; equals the reference's step for the same optimizer.
+  template <class Config>
+  void step(std::span<const OptimizerTensor> tensors, const Config& config, GradientRead read = {},
+            const std::int32_t* found_inf = nullptr) const;
   /// acc = acc + f32(src) (or copy) for every pair.
   void accumulate(std::span<const AccumulatePair> pairs) const;
   /// g = R_T(f32(g) * scale) in place.
@@ -134,6 +142,10 @@ class Engine {
   NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
 
  private:
+  template <class Opt, class Tensor>
+  void run_unit(std::span<const Tensor> tensors, const typename Opt::Config& config,
+                GradientRead read) const;
+
   Isa isa_ = Isa::sse2;
   int threads_ = 0;
   std::vector<int> cpus_;

@@ -1,8 +1,8 @@
-// libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step,
-// accumulate, scale_, norm_partial) on random tensor lists carved from one arena: random
-// sizes and dtypes, overlapping, adjacent and misaligned ranges, null pointers,
-// hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every ISA the
-// machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
+// libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
+// the generic step over OptimizerTensor records, accumulate, scale_, norm_partial) on random tensor
+// lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
+// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
+// ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
 // both succeed with identical bits, or both throw the same Errc and the engine's arena
 // is unchanged (all-or-nothing).
 #include <array>
@@ -86,7 +86,31 @@ struct Case {
   bool found_inf_given = false;
   std::int32_t found_inf = 0;
   bool exact = false;
+  bool generic = false;  // the engine runs AdamW / SignSGD through Engine::step
 };
+
+// The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
+std::vector<OptimizerTensor> generic(const std::vector<AdamWTensor>& t) {
+  std::vector<OptimizerTensor> out(t.size());
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    out[i].param = t[i].param;
+    out[i].state[0] = t[i].exp_avg;
+    out[i].state[1] = t[i].exp_avg_sq;
+    out[i].step = t[i].step;
+    out[i].grad = t[i].grad;
+    out[i].compute_param = t[i].compute_param;
+  }
+  return out;
+}
+std::vector<OptimizerTensor> generic(const std::vector<SignSgdTensor>& t) {
+  std::vector<OptimizerTensor> out(t.size());
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    out[i].param = t[i].param;
+    out[i].grad = t[i].grad;
+    out[i].compute_param = t[i].compute_param;
+  }
+  return out;
+}
 
 Case decode(fuzz::Input& in) {
   Case c;
@@ -146,6 +170,7 @@ Case decode(fuzz::Input& in) {
   c.found_inf_given = in.flag();
   c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
   c.exact = in.flag();
+  c.generic = in.flag();
   return c;
 }
 
@@ -166,7 +191,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
-        if (e)
+        if (e && c.generic)
+          e->step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
+        else if (e)
           e->adamw_step(t, c.adamw, c.read, fi);
         else
           reference::adamw_step(t, c.adamw, c.read, fi);
@@ -179,7 +206,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, c.slots[i][4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
         }
-        if (e)
+        if (e && c.generic)
+          e->step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read, fi);
+        else if (e)
           e->sign_sgd_step(t, c.sign, c.read, fi);
         else
           reference::sign_sgd_step(t, c.sign, c.read, fi);
