@@ -27,6 +27,11 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& con
 /// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);
+/// Same for SGD (docs/numerics.md 8b): state[0] is the momentum buffer, required when
+/// momentum != 0 and empty otherwise; state[1], state[2] and their sources empty;
+/// param_src and state_src[0] as AdamW's sources; step counters as AdamW's.
+void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
+                  GradientRead read, StepCounters counters = StepCounters::read);
 /// The array a validated f32 state buffer's old values are read from: its out-of-place
 /// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
 inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {
