@@ -611,6 +611,36 @@ def write_sgd(path, header):
     write(path, lines)
 
 
+def check_sgd_scale_and_found_inf():
+    """torch's grad_scale / found_inf arguments of the fused SGD (printed as evidence):
+    found_inf = 1 writes nothing (param, buffer, gradient), on a first and a later step;
+    grad_scale divides the gradient and writes it back; for a power of two that equals
+    stepcore's read with scale 1 / grad_scale, for 3.0 it does not here."""
+    gen = torch.Generator().manual_seed(409)
+    kw = dict(weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False, maximize=False)
+    for first in (True, False):
+        p, g = torch.randn(37, generator=gen), torch.randn(37, generator=gen)
+        b = torch.randn(37, generator=gen)
+        p0, g0, b0 = p.clone(), g.clone(), b.clone()
+        torch._fused_sgd_([p], [g], [b], is_first_step=first, grad_scale=torch.tensor(4.0),
+                          found_inf=torch.tensor(1.0), **kw)
+        assert same_bits(p, p0) and same_bits(g, g0) and same_bits(b, b0), "found_inf wrote"
+    equal = {}
+    for scale in (8.0, 3.0):
+        p, g = torch.randn(37, generator=gen), torch.randn(37, generator=gen)
+        a, ga = p.clone(), g.clone()
+        torch._fused_sgd_([a], [ga], [torch.empty_like(a)], is_first_step=True,
+                          grad_scale=torch.tensor(scale), found_inf=torch.tensor(0.0), **kw)
+        assert same_bits(ga, g / scale), "grad_scale: gradient not divided in place"
+        b, gb = p.clone(), g * (1.0 / scale)
+        torch._fused_sgd_([b], [gb], [torch.empty_like(b)], is_first_step=True, grad_scale=None,
+                          found_inf=None, **kw)
+        equal[scale] = same_bits(a, b)
+    assert equal[8.0] and not equal[3.0], equal
+    print("checked: fused SGD with found_inf = 1 writes nothing; grad_scale 8 equals the read "
+          "scale 1/8, grad_scale 3 differs from the read scale 1/3")
+
+
 def fma32_array(a, b, c):
     """Elementwise fma of f32 numpy arrays, rounded once: the double sum where it is exact
     (checked with TwoSum), fma32's exact arithmetic elsewhere."""
@@ -857,6 +887,7 @@ def main():
     if "sign_sgd" in only:
         write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
     if "sgd" in only:
+        check_sgd_scale_and_found_inf()
         write_sgd(os.path.join(args.out, "sgd_torch.txt"), header)
     if "clip" in only:
         write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
