@@ -146,9 +146,9 @@ void check_source(std::size_t i, const ConstTensorView& src, const TensorView& d
   if (src.data != dst.data) add_range(ranges, src.data, src.bytes(), false, name);
 }
 
-// Checks tensor i's step counter (its pointer; its value when the counters are host
-// memory the call reads) and adds its range: it is written.
-void check_step_counter(std::size_t i, float* step, StepCounters counters,
+// Checks tensor i's f32 step counter (pointer, alignment and, when read, its value: an
+// integer in [0, 2^24)) and adds its range (written).
+void check_step_counter(std::size_t i, const float* step, StepCounters counters,
                         std::vector<Range>& ranges) {
   const Arg s{"tensors", i, "step"};
   if (step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
@@ -165,6 +165,11 @@ void check_step_counter(std::size_t i, float* step, StepCounters counters,
 
 // The names of OptimizerTensor::state[s] in errors about a slot the optimizer lacks.
 constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
+// Throws unless a state slot the optimizer does not use (or its source) is empty.
+template <class View>
+void require_empty(const View& v, std::size_t i, const char* field, const char* why) {
+  if (has_view(v)) fail(Errc::invalid_argument, Arg{"tensors", i, field}, why);
+}
 
 }  // namespace
 
@@ -340,6 +345,55 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
     const SignSgdTensor& t = tensors[i];
     check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+  }
+  check_overlaps(ranges);
+}
+
+void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& c, GradientRead read,
+                  StepCounters counters) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.momentum, "config.momentum");
+  require_finite(c.dampening, "config.dampening");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.momentum < 0.0) fail(Errc::invalid_argument, "config.momentum", "must be >= 0");
+  if (!(c.dampening >= 0.0 && c.dampening <= 1.0))
+    fail(Errc::invalid_argument, "config.dampening", "must be in [0, 1]");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (c.nesterov && !(c.momentum > 0.0 && c.dampening == 0.0))
+    fail(Errc::invalid_argument, "config.nesterov", "needs momentum > 0 and dampening == 0");
+  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
+    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.momentum)))
+    fail(Errc::out_of_range, "config.momentum", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.weight_decay)))
+    fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
+  validate_read(read);
+
+  const bool momentum = c.momentum != 0.0;
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * 6);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const OptimizerTensor& t = tensors[i];
+    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    if (momentum) {
+      if (n != 0 && !has_view(t.state[0]))
+        fail(Errc::null_pointer, Arg{"tensors", i, "state[0]"},
+             "momentum_buffer is required when momentum != 0");
+      check_moment(i, t.state[0], n, "state[0]", ranges);
+      check_source(i, t.state_src[0], t.state[0], "state_src[0]", "state[0]", ranges);
+    } else {
+      require_empty(t.state[0], i, "state[0]", "must be empty when momentum == 0");
+      require_empty(t.state_src[0], i, "state_src[0]", "must be empty when momentum == 0");
+    }
+    require_empty(t.state[1], i, "state[1]", "SGD has one state slot");
+    require_empty(t.state[2], i, "state[2]", "SGD has one state slot");
+    require_empty(t.state_src[1], i, "state_src[1]", "SGD has one state slot");
+    require_empty(t.state_src[2], i, "state_src[2]", "SGD has one state slot");
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+    check_step_counter(i, t.step, counters, ranges);
   }
   check_overlaps(ranges);
 }

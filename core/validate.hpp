@@ -46,6 +46,11 @@ struct SlotNames {
 void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
                                 int used_slots, bool counts_steps,
                                 StepCounters counters = StepCounters::read);
+/// Same for SGD (docs/numerics.md 8b): state[0] is the momentum buffer, required when
+/// momentum != 0 and empty otherwise; state[1], state[2] and their sources empty;
+/// param_src and state_src[0] as AdamW's sources; step counters as AdamW's.
+void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
+                  GradientRead read, StepCounters counters = StepCounters::read);
 /// The array a validated f32 state buffer's old values are read from: its out-of-place
 /// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
 inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {

@@ -168,6 +168,60 @@ void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& 
   }
 }
 
+void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config, GradientRead read,
+              const std::int32_t* found_inf) {
+  detail::validate_sgd(tensors, config, read);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  // The scalars of docs/numerics.md 8b, each rounded once from its double expression.
+  const float wd = static_cast<float>(config.weight_decay);
+  const float mom = static_cast<float>(config.momentum);
+  const float c = static_cast<float>(1.0 - config.dampening);
+  const float neg_lr = static_cast<float>(-config.lr);
+  const bool use_decay = config.weight_decay != 0.0;
+  const bool use_momentum = config.momentum != 0.0;
+  for (const OptimizerTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    if (use_momentum) copy_source(t.state_src[0], t.state[0]);
+    *t.step = *t.step + 1.0f;
+    const bool first_step = *t.step == 1.0f;
+    auto* P = static_cast<float*>(t.param.data);
+    auto* B = static_cast<float*>(t.state[0].data);
+    const bool out = has_output(t.compute_param);
+    const std::size_t n = t.param.numel;
+    const std::size_t w =
+        config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
+    const std::size_t tail_begin = n - n % w;  // first element of torch's scalar loop
+    for (std::size_t i = 0; i < n; ++i) {
+      float g = read_gradient(t.grad, i, read);
+      float p = P[i];
+      if (config.maximize) g = -g;
+      if (use_decay) g = std::fma(p, wd, g);
+      if (use_momentum) {
+        float b = B[i];
+        if (first_step) {
+          b = g;
+        } else if (i < tail_begin) {
+          const float b_keep = b * mom;
+          b = std::fma(g, c, b_keep);
+        } else {
+          const float g_new = g * c;
+          b = std::fma(b, mom, g_new);
+        }
+        B[i] = b;
+        if (config.nesterov) {
+          g = std::fma(b, mom, g);
+        } else {
+          g = b;
+        }
+      }
+      p = std::fma(g, neg_lr, p);
+      P[i] = p;
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
 void accumulate(std::span<const AccumulatePair> pairs) {
   detail::validate_accumulate(pairs);
   const detail::FpEnvGuard env;

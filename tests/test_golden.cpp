@@ -2,6 +2,7 @@
 // through the scalar reference, compared bit for bit:
 //  * AdamW, torch formula  vs torch.optim.AdamW(fused=True) on CPU;
 //  * SignSGD               vs the plain PyTorch SignSGD (add_ with alpha, torch.sign);
+//  * SGD                   vs torch.optim.SGD(fused=True) on CPU;
 //  * exact norm            vs an exact Fraction/integer computation in Python;
 //  * clip                  vs torch.nn.utils.clip_grad_norm_ (norm within a bound, bits of
 //                            the clipped gradients).
@@ -568,6 +569,203 @@ TEST(GoldenSignSgd, NanGradientsPropagateElsewhereTorchBits) {
     }
   }
   EXPECT_GE(replayed, 1);
+}
+
+// ---------------------------------------------------------------- SGD
+
+struct SgdCase {
+  std::string name;
+  stepcore::SgdConfig config;
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<float>> init;
+  struct Step {
+    std::vector<std::vector<float>> grad, param, buf;  // buf: empty when momentum == 0
+  };
+  std::vector<Step> steps;
+};
+
+bool parse_flag(const GoldenFile& f, const std::string& s) {
+  if (s == "0") return false;
+  if (s == "1") return true;
+  f.fail("bad flag '" + s + "'");
+}
+
+std::vector<SgdCase> load_sgd() {
+  GoldenFile f("sgd_torch.txt");
+  std::vector<SgdCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 3) f.fail("bad case line " + std::to_string(c.line));
+    SgdCase k;
+    k.name = c.tok[0];
+    const std::size_t K = parse_size(c.tok[1]), S = parse_size(c.tok[2]);
+    const Record& h = f.expect("hparams");
+    if (h.tok.size() != 6) f.fail("bad hparams line " + std::to_string(h.line));
+    k.config.lr = parse_double(h.tok[0]);
+    k.config.momentum = parse_double(h.tok[1]);
+    k.config.dampening = parse_double(h.tok[2]);
+    k.config.weight_decay = parse_double(h.tok[3]);
+    k.config.nesterov = parse_flag(f, h.tok[4]);
+    k.config.maximize = parse_flag(f, h.tok[5]);
+    k.config.torch_tail_width = 8;
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
+    for (std::size_t s = 1; s <= S; ++s) {
+      const Record& st = f.expect("step");
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s)
+        f.fail("bad step line " + std::to_string(st.line));
+      SgdCase::Step step;
+      for (std::size_t t = 0; t < K; ++t) step.grad.push_back(read_f32(f, "grad", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.param.push_back(read_f32(f, "param", t, k.sizes[t]));
+      if (k.config.momentum != 0.0)
+        for (std::size_t t = 0; t < K; ++t)
+          step.buf.push_back(read_f32(f, "momentum_buffer", t, k.sizes[t]));
+      k.steps.push_back(std::move(step));
+    }
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<SgdCase>& sgd_cases() {
+  static const std::vector<SgdCase> cases = load_sgd();
+  return cases;
+}
+
+using SgdStepFn =
+    std::function<void(std::span<const stepcore::OptimizerTensor>, const stepcore::SgdConfig&)>;
+void reference_sgd(std::span<const stepcore::OptimizerTensor> ts, const stepcore::SgdConfig& c) {
+  stepcore::reference::sgd_step(ts, c);
+}
+
+// Replays every step of a case, each from torch's state after the previous step (the
+// first from the initial parameters, with a NaN-filled buffer and counter 0: torch has no
+// buffer yet, so nothing of it may be read). With `chain`, each step starts from the
+// replay's own previous state instead. Returns the differing element-steps.
+std::size_t replay_sgd(const SgdCase& k, const stepcore::SgdConfig& config, bool report,
+                       const SgdStepFn& step = reference_sgd, bool chain = false) {
+  const std::size_t K = k.sizes.size();
+  const bool momentum = config.momentum != 0.0;
+  Tally tp, tb;
+  std::size_t count_mismatches = 0;
+  std::vector<std::vector<float>> p(K), b(K);
+  for (std::size_t s = 0; s < k.steps.size(); ++s) {
+    const SgdCase::Step& st = k.steps[s];
+    std::vector<float> count(K, static_cast<float>(s));
+    for (std::size_t t = 0; t < K; ++t) {
+      if (s == 0 || !chain) {
+        p[t] = s == 0 ? k.init[t] : k.steps[s - 1].param[t];
+        b[t] = s == 0 ? std::vector<float>(k.sizes[t], std::nanf(""))
+                      : (momentum ? k.steps[s - 1].buf[t] : std::vector<float>{});
+      }
+    }
+    std::vector<stepcore::OptimizerTensor> ts(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      ts[t].param = {p[t].data(), p[t].size(), DType::f32};
+      if (momentum) ts[t].state[0] = {b[t].data(), b[t].size(), DType::f32};
+      ts[t].step = &count[t];
+      ts[t].grad = {st.grad[t].data(), st.grad[t].size(), DType::f32};
+    }
+    step(ts, config);
+    for (std::size_t t = 0; t < K; ++t) {
+      const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
+                                " (numel " + std::to_string(k.sizes[t]) + ")";
+      tp.add(st.param[t], p[t], 8, where);
+      if (momentum) tb.add(st.buf[t], b[t], 8, where);
+      count_mismatches += count[t] != static_cast<float>(s + 1);
+    }
+  }
+  if (report) {
+    EXPECT_EQ(count_mismatches, 0u) << "step counters";
+    EXPECT_TRUE(tb.result()) << "momentum_buffer";
+    EXPECT_TRUE(tp.result()) << "param";
+  }
+  return tp.elements + tb.elements + count_mismatches;
+}
+
+TEST(GoldenSgd, FileHasTheExpectedCases) {
+  const auto& cases = sgd_cases();
+  ASSERT_GE(cases.size(), 8u);
+  bool mom0 = false, mom = false, damp = false, nesterov = false, wd0 = false, wd = false,
+       maximize = false, neg_zero_grad = false;
+  std::vector<bool> size_seen(1026, false);
+  for (const auto& k : cases) {
+    (k.config.momentum == 0.0 ? mom0 : mom) = true;
+    damp |= k.config.dampening != 0.0;
+    nesterov |= k.config.nesterov;
+    (k.config.weight_decay == 0.0 ? wd0 : wd) = true;
+    maximize |= k.config.maximize;
+    for (std::size_t n : k.sizes)
+      if (n < size_seen.size()) size_seen[n] = true;
+    for (const auto& g : k.steps[0].grad)
+      for (float x : g) neg_zero_grad |= stepcore::f32_bits(x) == 0x80000000u;
+    EXPECT_GE(k.steps.size(), 3u) << k.name;
+  }
+  EXPECT_TRUE(mom0 && mom && damp && nesterov && wd0 && wd && maximize && neg_zero_grad);
+  for (std::size_t n : {0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025})
+    EXPECT_TRUE(size_seen[n]) << "size " << n;
+}
+
+TEST(GoldenSgd, ReferenceMatchesTorchFusedBitForBit) {
+  for (const auto& k : sgd_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    replay_sgd(k, k.config, /*report=*/true);
+  }
+}
+
+// From the initial parameters only: every step from the reference's own state.
+TEST(GoldenSgd, ReferenceChainedFromTheFirstStepMatchesTorch) {
+  for (const auto& k : sgd_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    replay_sgd(k, k.config, /*report=*/true, reference_sgd, /*chain=*/true);
+  }
+}
+
+std::size_t sgd_mismatches_with_tail_width(int w) {
+  std::size_t mismatches = 0;
+  for (const auto& k : sgd_cases()) {
+    auto config = k.config;
+    config.torch_tail_width = w;
+    mismatches += replay_sgd(k, config, /*report=*/false);
+  }
+  return mismatches;
+}
+
+// The body's momentum rounding everywhere (tail width 1) must disagree with torch.
+TEST(GoldenSgd, DataDistinguishesTheScalarTail) {
+  EXPECT_GT(sgd_mismatches_with_tail_width(1), 0u);
+}
+
+// torch 2.15 runs its AVX2 fused SGD on AVX-512 too (docs/numerics.md 8b): W = 16 is wrong.
+TEST(GoldenSgd, DataRejectsASixteenWideTail) { EXPECT_GT(sgd_mismatches_with_tail_width(16), 0u); }
+
+// torch's source as written, every product and sum rounded separately (no FMA; this test
+// is compiled with -ffp-contract=off): the compiled kernel's contractions must be visible.
+void uncontracted_sgd(std::span<const stepcore::OptimizerTensor> ts, const stepcore::SgdConfig& c) {
+  const float wd = static_cast<float>(c.weight_decay), mom = static_cast<float>(c.momentum);
+  const float damp = static_cast<float>(1.0 - c.dampening), neg_lr = static_cast<float>(-c.lr);
+  for (const auto& t : ts) {
+    *t.step = *t.step + 1.0f;
+    auto* P = static_cast<float*>(t.param.data);
+    auto* B = static_cast<float*>(t.state[0].data);
+    const auto* G = static_cast<const float*>(t.grad.data);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      float g = c.maximize ? -G[i] : G[i];
+      if (c.weight_decay != 0.0) g = g + P[i] * wd;
+      if (c.momentum != 0.0) {
+        B[i] = *t.step == 1.0f ? g : B[i] * mom + g * damp;
+        g = c.nesterov ? g + B[i] * mom : B[i];
+      }
+      P[i] = P[i] + g * neg_lr;
+    }
+  }
+}
+
+TEST(GoldenSgd, DataRejectsTheUncontractedSourceFormula) {
+  std::size_t mismatches = 0;
+  for (const auto& k : sgd_cases()) mismatches += replay_sgd(k, k.config, false, uncontracted_sgd);
+  EXPECT_GT(mismatches, 0u);
 }
 
 // ---------------------------------------------------------------- norm and clip

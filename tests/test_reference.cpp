@@ -1,4 +1,4 @@
-// Unit: every formula of stepcore::reference (AdamW native and torch, SignSGD,
+// Unit: every formula of stepcore::reference (AdamW native and torch, SignSGD, SGD,
 // accumulate, scale_, the gradient read) against expectations computed here from
 // docs/numerics.md, independently of the library: hand-worked cases, a real-number
 // AdamW in long double, and per-element re-implementations over dtypes x sizes.
@@ -1028,6 +1028,146 @@ TEST(SignSgdHandWorked, DecayIsOneFusedOperation) {
 }
 
 // ---- found_inf and gradients never written ---------------------------------------------
+
+// ---- SGD (docs/numerics.md 8b) -------------------------------------------------------------
+
+// One SGD tensor over caller-owned vectors; the buffer is used when non-empty.
+stepcore::OptimizerTensor sgd_tensor(std::vector<float>& p, std::vector<float>& b,
+                                     const std::vector<float>& g, float& step) {
+  stepcore::OptimizerTensor t;
+  t.param = {p.data(), p.size(), DType::f32};
+  if (!b.empty()) t.state[0] = {b.data(), b.size(), DType::f32};
+  t.step = &step;
+  t.grad = {g.data(), g.size(), DType::f32};
+  return t;
+}
+
+// The first step (counter 1 after its increment) sets b = g (after maximize and weight
+// decay, no dampening) whatever the buffer held; later steps read it.
+TEST(SgdHandWorked, FirstStepSetsTheBufferFromTheGradient) {
+  stepcore::SgdConfig c;
+  c.lr = 0.5;
+  c.momentum = 0.5;
+  c.dampening = 0.25;
+  c.maximize = true;
+  const std::vector<float> g = {1.0f, -2.0f, 0.0f, -0.0f, 3.0f};
+  for (float garbage : {kNaN, 7.0f}) {
+    std::vector<float> p = {4.0f, 4.0f, 1.0f, -0.0f, 0.0f}, b(5, garbage);
+    float step = 0.0f;
+    const stepcore::OptimizerTensor t = sgd_tensor(p, b, g, step);
+    ref::sgd_step({&t, 1}, c);
+    EXPECT_EQ(step, 1.0f);
+    // b = -g; p = fma(b, -0.5, p), all exact here; -(+0) = -0, -(-0) = +0.
+    expect_same_bits(b, {-1.0f, 2.0f, -0.0f, 0.0f, -3.0f}, "first-step buffer");
+    expect_same_bits(p, {4.5f, 3.0f, 1.0f, -0.0f, 1.5f}, "first-step param");
+    // Second step: b = fma(g', 0.75, b * 0.5) with g' = -g (all exact again).
+    ref::sgd_step({&t, 1}, c);
+    // (5 < 8 elements: all in the tail form b = fma(b, mom, g' * c); zeros keep their sign.)
+    expect_same_bits(b, {-1.25f, 2.5f, -0.0f, 0.0f, -3.75f}, "second-step buffer");
+    expect_same_bits(p, {5.125f, 1.75f, 1.0f, -0.0f, 3.375f}, "second-step param");
+  }
+}
+
+// Each product-plus-sum of 8b is one fused operation: chosen operands where the separately
+// rounded form differs (products with 48 significant bits).
+TEST(SgdHandWorked, EachSumIsOneFusedOperation) {
+  const float a = 1.0f + 3 * 0x1p-23f;  // a^2 = 1 + 6u + 9u^2: 9u^2 is lost when rounded
+  {
+    // weight decay: g = fma(p, wd, g) with p = wd = a, g = -1; momentum 0, lr 1.
+    stepcore::SgdConfig c;
+    c.lr = 1.0;
+    c.weight_decay = static_cast<double>(a);
+    std::vector<float> p = {a}, b;
+    const std::vector<float> g = {-1.0f};
+    float step = 0.0f;
+    const stepcore::OptimizerTensor t = sgd_tensor(p, b, g, step);
+    ref::sgd_step({&t, 1}, c);
+    const float g1 = F(D(a) * D(a) - 1.0);  // one rounding of 6u + 9u^2
+    EXPECT_NE(bits(g1), bits(a * a - 1.0f));
+    EXPECT_EQ(bits(p[0]), bits(F(D(a) - D(g1))));
+  }
+  {
+    // update: p = fma(g, -lr, p) with g = lr = a, p = 1 (momentum 0, no decay).
+    stepcore::SgdConfig c;
+    c.lr = static_cast<double>(a);
+    std::vector<float> p = {1.0f}, b;
+    const std::vector<float> g = {a};
+    float step = 0.0f;
+    const stepcore::OptimizerTensor t = sgd_tensor(p, b, g, step);
+    ref::sgd_step({&t, 1}, c);
+    EXPECT_EQ(bits(p[0]), bits(F(1.0 - D(a) * D(a))));
+    EXPECT_NE(bits(p[0]), bits(1.0f - a * a));
+  }
+}
+
+// The momentum update's two forms: the body rounds b * mom, the last numel mod W elements
+// round g * c (W = torch_tail_width; 0 and 1: body form everywhere).
+TEST(SgdHandWorked, TailWidthSelectsTheMomentumForm) {
+  // b = mom = a, g = -RN(a^2), dampening 0 (c = 1): the body gives g + RN(b * mom) = +0,
+  // the tail fma(b, mom, g) = a^2 - RN(a^2) = 9u^2.
+  const float a = 1.0f + 3 * 0x1p-23f;
+  stepcore::SgdConfig c;
+  c.lr = 0.0;  // the parameter stays; only the buffer is under test
+  c.momentum = static_cast<double>(a);
+  const float b0 = a, g0 = -F(D(a) * D(a));
+  const float body = 0.0f, tail = F(D(a) * D(a) + D(g0));
+  ASSERT_EQ(bits(tail), bits(9 * 0x1p-46f));
+  for (int w : {0, 1, 8, 16}) {
+    c.torch_tail_width = w;
+    std::vector<float> p(11, 1.0f), b(11, b0);
+    const std::vector<float> g(11, g0);
+    float step = 1.0f;  // not the first step
+    const stepcore::OptimizerTensor t = sgd_tensor(p, b, g, step);
+    ref::sgd_step({&t, 1}, c);
+    const std::size_t tail_begin = w > 1 ? 11 - 11 % static_cast<std::size_t>(w) : 11;
+    for (std::size_t i = 0; i < 11; ++i)
+      EXPECT_EQ(bits(b[i]), bits(i < tail_begin ? body : tail)) << "W " << w << " [" << i << "]";
+  }
+}
+
+// found_inf skips the call entirely: the counter stays, so the next call is the first step.
+TEST(SgdHandWorked, FoundInfKeepsTheFirstStepFirst) {
+  stepcore::SgdConfig c;
+  c.lr = 1.0;
+  c.momentum = 0.9;
+  std::vector<float> p = {1.0f, 2.0f}, b = {kNaN, kNaN};
+  const std::vector<float> g = {0.5f, -0.25f};
+  float step = 0.0f;
+  const stepcore::OptimizerTensor t = sgd_tensor(p, b, g, step);
+  const std::int32_t flag = 1;
+  ref::sgd_step({&t, 1}, c, {}, &flag);
+  EXPECT_EQ(step, 0.0f);
+  EXPECT_TRUE(std::isnan(b[0]) && p[0] == 1.0f);
+  ref::sgd_step({&t, 1}, c);
+  expect_same_bits(b, {0.5f, -0.25f}, "buffer");
+  expect_same_bits(p, {0.5f, 2.25f}, "param");
+}
+
+// Out of place from param_src and state_src[0]: the bits of the in-place step, sources intact.
+TEST(SgdHandWorked, OutOfPlaceEqualsInPlace) {
+  stepcore::SgdConfig c;
+  c.lr = 0.1;
+  c.momentum = 0.9;
+  c.dampening = 0.1;
+  c.weight_decay = 0.01;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<float> p0(37), b0(37), g(37);
+  for (std::size_t i = 0; i < 37; ++i) p0[i] = nd(rng), b0[i] = nd(rng), g[i] = nd(rng);
+  std::vector<float> p = p0, b = b0, q(37, kNaN), m(37, kNaN);
+  float s1 = 3.0f, s2 = 3.0f;
+  const stepcore::OptimizerTensor in_place = sgd_tensor(p, b, g, s1);
+  stepcore::OptimizerTensor out = sgd_tensor(q, m, g, s2);
+  out.param_src = {p0.data(), p0.size(), DType::f32};
+  out.state_src[0] = {b0.data(), b0.size(), DType::f32};
+  const std::vector<float> p0_copy = p0, b0_copy = b0;
+  ref::sgd_step({&in_place, 1}, c);
+  ref::sgd_step({&out, 1}, c);
+  expect_same_bits(q, p, "param");
+  expect_same_bits(m, b, "momentum_buffer");
+  expect_same_bits(p0, p0_copy, "param_src");
+  expect_same_bits(b0, b0_copy, "state_src[0]");
+}
 
 TEST(FoundInf, NonZeroWritesNothing) {
   std::mt19937_64 rng(9);

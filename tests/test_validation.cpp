@@ -29,6 +29,8 @@ using stepcore::ConstTensorView;
 using stepcore::DType;
 using stepcore::Errc;
 using stepcore::GradientRead;
+using stepcore::OptimizerTensor;
+using stepcore::SgdConfig;
 using stepcore::SignSgdConfig;
 using stepcore::SignSgdTensor;
 using stepcore::TensorView;
@@ -524,6 +526,207 @@ TEST_F(SignSgdFixture, OutOfPlaceSource) {
          c, {}, Errc::overlap, {name});
   EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor&) {}), c));
   EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor& t) { t.param_src = t.param; }), c));
+}
+
+// ---- SGD -----------------------------------------------------------------------------------
+
+struct SgdFixture : ::testing::Test {
+  Arena arena;
+  std::vector<OptimizerTensor> valid;
+  SgdConfig config;  // momentum 0.9: every tensor needs its momentum buffer
+
+  OptimizerTensor make(std::size_t n, DType gdt = DType::f32, bool out = true, bool buffer = true) {
+    OptimizerTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    if (buffer) t.state[0] = {arena.alloc<float>(n), n, DType::f32};
+    t.step = arena.alloc<float>(1);
+    *t.step = 2.0f;
+    t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};
+    if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, DType::bf16};
+    return t;
+  }
+  void SetUp() override {
+    config.lr = 0.1;
+    config.momentum = 0.9;
+    valid.push_back(make(5));
+    valid.push_back(make(17, DType::bf16, false));
+    valid.push_back(make(8, DType::f16));
+  }
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad) {
+    std::vector<OptimizerTensor> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<OptimizerTensor>& ts, const SgdConfig& c, GradientRead r, Errc code,
+              std::vector<std::string> args, const std::int32_t* found_inf = nullptr) {
+    expect_error(
+        arena, [&] { ref::sgd_step(ts, c, r, found_inf); }, code, std::move(args));
+  }
+  void expect_config(const SgdConfig& c, Errc code, const std::string& arg) {
+    expect(with(make(9)), c, {}, code, {arg});
+  }
+  void expect_tensor(const OptimizerTensor& bad, Errc code, const std::string& arg) {
+    expect(with(bad), config, {}, code, {arg});
+  }
+};
+
+TEST_F(SgdFixture, ValidCallWritesTheArena) {
+  const auto before = arena.snapshot();
+  ref::sgd_step(with(make(3)), config);
+  EXPECT_FALSE(arena.same(before));
+  EXPECT_EQ(*valid[0].step, 3.0f);
+}
+
+TEST_F(SgdFixture, HyperParameters) {
+  auto cfg = [&](auto set) {
+    SgdConfig c = config;
+    set(c);
+    return c;
+  };
+  expect_config(cfg([](SgdConfig& c) { c.lr = kNaN; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](SgdConfig& c) { c.lr = kInf; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](SgdConfig& c) { c.lr = -1e-3; }), Errc::invalid_argument, "config.lr");
+  expect_config(cfg([](SgdConfig& c) { c.lr = 1e300; }), Errc::out_of_range, "config.lr");
+  expect_config(cfg([](SgdConfig& c) { c.momentum = kNaN; }), Errc::non_finite, "config.momentum");
+  expect_config(cfg([](SgdConfig& c) { c.momentum = -kInf; }), Errc::non_finite, "config.momentum");
+  expect_config(cfg([](SgdConfig& c) { c.momentum = -0.1; }), Errc::invalid_argument,
+                "config.momentum");
+  expect_config(cfg([](SgdConfig& c) { c.momentum = 1e300; }), Errc::out_of_range,
+                "config.momentum");
+  expect_config(cfg([](SgdConfig& c) { c.dampening = kNaN; }), Errc::non_finite,
+                "config.dampening");
+  expect_config(cfg([](SgdConfig& c) { c.dampening = -0.1; }), Errc::invalid_argument,
+                "config.dampening");
+  expect_config(cfg([](SgdConfig& c) { c.dampening = 1.5; }), Errc::invalid_argument,
+                "config.dampening");
+  expect_config(cfg([](SgdConfig& c) { c.weight_decay = kInf; }), Errc::non_finite,
+                "config.weight_decay");
+  expect_config(cfg([](SgdConfig& c) { c.weight_decay = -0.01; }), Errc::invalid_argument,
+                "config.weight_decay");
+  expect_config(cfg([](SgdConfig& c) { c.weight_decay = 1e300; }), Errc::out_of_range,
+                "config.weight_decay");
+  // torch: nesterov needs momentum > 0 and zero dampening.
+  expect_config(cfg([](SgdConfig& c) { c.nesterov = true, c.dampening = 0.1; }),
+                Errc::invalid_argument, "config.nesterov");
+  expect_config(cfg([](SgdConfig& c) { c.nesterov = true, c.momentum = 0.0; }),
+                Errc::invalid_argument, "config.nesterov");
+  expect_config(cfg([](SgdConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range,
+                "config.torch_tail_width");
+  expect_config(cfg([](SgdConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range,
+                "config.torch_tail_width");
+  // Boundary values that are valid.
+  for (auto c :
+       {cfg([](SgdConfig& c) { c.lr = 0.0; }), cfg([](SgdConfig& c) { c.dampening = 1.0; }),
+        cfg([](SgdConfig& c) { c.nesterov = true, c.maximize = true; }),
+        cfg([](SgdConfig& c) { c.momentum = 1.0, c.weight_decay = 5.0; }),
+        cfg([](SgdConfig& c) { c.torch_tail_width = 64; })})
+    EXPECT_NO_THROW(ref::sgd_step(with(make(3)), c));
+}
+
+TEST_F(SgdFixture, GradientReadAndFoundInf) {
+  const auto t = with(make(4));
+  expect(t, config, {0.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, config, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, config, {1.0f, 1.5f}, Errc::invalid_argument, {"read.clip"});
+  expect(t, config, {1.0f, kInff}, Errc::non_finite, {"read.clip"});
+  // Validation comes before found_inf; a set flag then writes nothing.
+  const std::int32_t flag = 1;
+  expect(t, config, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"}, &flag);
+  const auto before = arena.snapshot();
+  ref::sgd_step(t, config, {}, &flag);
+  EXPECT_TRUE(arena.same(before));
+}
+
+TEST_F(SgdFixture, MomentumBufferSlot) {
+  const std::string n = "tensors[3].";
+  auto bad = [&](auto mutate) {
+    OptimizerTensor t = make(6);
+    mutate(t);
+    return t;
+  };
+  // momentum != 0: the buffer is required, f32, the param's size.
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0] = {}; }), Errc::null_pointer,
+                n + "state[0]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].data = nullptr; }), Errc::null_pointer,
+                n + "state[0]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::bf16; }),
+                Errc::unsupported_dtype, n + "state[0]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].numel = 5; }), Errc::size_mismatch,
+                n + "state[0]");
+  expect_tensor(
+      bad([](OptimizerTensor& t) { t.state[0].data = static_cast<float*>(t.param.data) + 1; }),
+      Errc::overlap, n + "state[0]");
+  // SGD has one slot: the others and their sources stay empty.
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state[1] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, n + "state[1]");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state[2] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, n + "state[2]");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state_src[1] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, n + "state_src[1]");
+  // The buffer's out-of-place source: as AdamW's sources.
+  expect_tensor(
+      bad([&](OptimizerTensor& t) {
+        t.state_src[0] = {static_cast<const float*>(valid[0].param.data) + 1, 6, DType::f32};
+      }),
+      Errc::overlap, n + "state_src[0]");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state_src[0] = {arena.alloc<float>(6), 6, DType::f16};
+                }),
+                Errc::unsupported_dtype, n + "state_src[0]");
+  EXPECT_NO_THROW(ref::sgd_step(with(bad([&](OptimizerTensor& t) {
+                                  t.state_src[0] = {arena.alloc<float>(6), 6, DType::f32};
+                                })),
+                                config));
+  // momentum == 0: no buffer may be given.
+  SgdConfig plain = config;
+  plain.momentum = 0.0;
+  std::vector<OptimizerTensor> none = {make(5, DType::f32, true, false), make(6)};
+  expect(none, plain, {}, Errc::invalid_argument, {"tensors[1].state[0]"});
+  none[1] = make(6, DType::f32, true, false);
+  none[1].state_src[0] = {arena.alloc<float>(6), 6, DType::f32};
+  expect(none, plain, {}, Errc::invalid_argument, {"tensors[1].state_src[0]"});
+  none[1].state_src[0] = {};
+  EXPECT_NO_THROW(ref::sgd_step(none, plain));
+}
+
+TEST_F(SgdFixture, TensorsAndStepCounters) {
+  const std::string n = "tensors[3].";
+  auto bad = [&](auto mutate) {
+    OptimizerTensor t = make(6);
+    mutate(t);
+    return t;
+  };
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }),
+                Errc::unsupported_dtype, n + "param");
+  expect_tensor(bad([](OptimizerTensor& t) { t.grad.numel = 7; }), Errc::size_mismatch, n + "grad");
+  expect_tensor(bad([](OptimizerTensor& t) { t.compute_param.dtype = kBadDType; }),
+                Errc::unsupported_dtype, n + "compute_param");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.param_src = {static_cast<const float*>(t.param.data) + 2, 6, DType::f32};
+                }),
+                Errc::overlap, n + "param_src");
+  expect_tensor(bad([](OptimizerTensor& t) { t.step = nullptr; }), Errc::null_pointer, n + "step");
+  expect_tensor(bad([](OptimizerTensor& t) { *t.step = kNaNf; }), Errc::non_finite, n + "step");
+  expect_tensor(bad([](OptimizerTensor& t) { *t.step = 1.5f; }), Errc::out_of_range, n + "step");
+  expect_tensor(bad([](OptimizerTensor& t) { *t.step = 16777216.0f; }), Errc::out_of_range,
+                n + "step");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.step = static_cast<float*>(t.param.data) + 1;
+                  *t.step = 2.0f;  // a valid count, inside the written param
+                }),
+                Errc::overlap, n + "step");
+  // An empty tensor needs no buffer, only its counter.
+  OptimizerTensor empty;
+  float step = 0.0f;
+  empty.step = &step;
+  EXPECT_NO_THROW(ref::sgd_step(with(empty), config));
+  EXPECT_EQ(step, 1.0f);
 }
 
 // ---- accumulate ---------------------------------------------------------------------------

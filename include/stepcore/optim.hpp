@@ -42,6 +42,23 @@ struct SignSgdConfig {
   double weight_decay = 0.0;
 };
 
+/// SGD hyper-parameters: torch.optim.SGD(fused=True) on CPU with f32 parameters
+/// (docs/numerics.md 8b). One state slot, momentum_buffer (OptimizerTensor::state[0]),
+/// used only when momentum != 0. Values are given in double, as a Python trainer holds them.
+struct SgdConfig {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;  ///< needs momentum > 0 and dampening == 0, as torch requires
+  bool maximize = false;
+  /// torch's last (numel mod W) elements of each tensor take its scalar loop's momentum
+  /// update b = fma(b, mom, g*c) instead of the body's fma(g, c, b*mom). W = 8 on AVX2
+  /// and AVX-512 (torch 2.15 runs its AVX2 build; docs/numerics.md 8b). 0 or 1: body form
+  /// everywhere.
+  int torch_tail_width = 8;
+};
+
 /// How a gradient element g of storage type T is read by every operation that
 /// accepts it (docs/numerics.md, "Gradient read"):
 ///   x = R_T( R_T( f32(g) * scale ) * clip )

@@ -29,6 +29,15 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                    GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
+/// One SGD update of every tensor (torch's fused CPU SGD, docs/numerics.md 8b): state[0]
+/// is the momentum buffer (empty when momentum == 0; not read on the first step, the
+/// call where the step counter becomes 1). In place, or out of place from param_src and
+/// state_src[0]. Gradients are read with `read`; when `found_inf` is non-null and
+/// *found_inf != 0 nothing is written and no step counter advances.
+/// Determinism: bitwise (the definition itself).
+void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
+              GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
 /// acc = acc + f32(src), or acc = f32(src) for pairs marked copy.
 void accumulate(std::span<const AccumulatePair> pairs);
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
-# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, clip).
+# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, SGD, clip).
 """Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
 
 Run from the repository root:
@@ -8,13 +8,14 @@ Run from the repository root:
     /opt/torchenv/py tools/golden/make_golden.py            # write tests/data/*.txt
     /opt/torchenv/py tools/golden/make_golden.py --analyze  # also print the per-element
                                                            # formula analysis (evidence)
+    /opt/torchenv/py tools/golden/make_golden.py --only sgd # write only sgd_torch.txt
 
 tools/golden/setup_torch.sh recreates the interpreter. The files depend on torch's
 version and on its CPU capability (the AVX2 build here: `torch.backends.cpu.
 get_cpu_capability()`); both are written into every file's header and the script
 refuses to run on another capability unless --any-capability is given.
 
-File format (all three files)
+File format (all four files)
 -----------------------------
 Plain ASCII, one record per line: a keyword followed by space-separated tokens.
 Lines that are empty or start with '#' are comments. Numbers are:
@@ -56,6 +57,20 @@ sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
     sizes ...
     init_param <t> <f32>...
     then S times: step <s>, grad <t> ... (K lines), param <t> ... (K lines)
+    end
+
+sgd_torch.txt -- torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov,
+maximize, fused=True), f32 params and gradients:
+
+    case <name> <K> <S>
+    hparams <lr> <momentum> <dampening> <weight_decay> <nesterov: 0|1> <maximize: 0|1>
+    sizes <n_0> ... <n_{K-1}>
+    init_param <t> <f32>...            K lines
+    then S times:
+      step <s>                         s = 1..S (s = 1: torch's first step, no buffer yet)
+      grad <t> <f32>...                K lines, the gradient of this step
+      param <t> <f32>...               K lines: the parameter after torch's step
+      momentum_buffer <t> <f32>...     K lines, only when momentum != 0
     end
 
 clip_grad_norm.txt -- torch.nn.utils.clip_grad_norm_(params, max_norm) on f32 gradients:
@@ -496,6 +511,241 @@ def check_sign_and_add():
           "p.add_(p, alpha=a) = fma(p, f32(a), p) on values where the FMA changes the result")
 
 
+# ---------------------------------------------------------------- SGD (fused)
+
+SGD_SIZES_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
+SGD_SIZES_SMALL = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33]
+
+
+def sgd_cases():
+    F, S = SGD_SIZES_FULL, SGD_SIZES_SMALL
+    return [
+        dict(name="mom0_wd0", sizes=F, lr=1e-2, mom=0.0, damp=0.0, wd=0.0, nest=False, maxi=False,
+             seed=401, scales=[1.0, 1e-3, 10.0]),
+        dict(name="mom0.9_damp0.1_wd", sizes=F, lr=0.1, mom=0.9, damp=0.1, wd=0.05, nest=False,
+             maxi=False, seed=402, scales=[1.0, 0.1, 3.0]),
+        dict(name="nesterov_wd_maximize", sizes=F, lr=3e-2, mom=0.9, damp=0.0, wd=0.1, nest=True,
+             maxi=True, seed=403, scales=[0.1, 1.0, 0.01]),
+        dict(name="mom0.9_plain", sizes=S, lr=1e-3, mom=0.9, damp=0.0, wd=0.0, nest=False,
+             maxi=False, seed=404, scales=[1.0, 0.5, 2.0, 1e-4]),
+        dict(name="mom0.9_damp0.1_maximize", sizes=S, lr=0.1, mom=0.9, damp=0.1, wd=0.0,
+             nest=False, maxi=True, seed=405, scales=[1.0, 10.0, 0.1, 1.0]),
+        dict(name="mom0_wd_maximize", sizes=S, lr=0.1, mom=0.0, damp=0.0, wd=0.1, nest=False,
+             maxi=True, seed=406, scales=[0.05, 1.0, 0.1, 1.0]),
+        dict(name="nesterov_0.5_wd", sizes=S, lr=5e-2, mom=0.5, damp=0.0, wd=0.01, nest=True,
+             maxi=False, seed=407, scales=[1.0, 0.01, 1.0, 0.1]),
+        dict(name="mom0.99_damp0.5_wd", sizes=S, lr=1e-2, mom=0.99, damp=0.5, wd=1e-4, nest=False,
+             maxi=False, seed=408, scales=[1.0, 1.0, 1e-2, 5.0]),
+    ]
+
+
+def sgd_grad(gen, n, scale):
+    """Gradients of magnitude ~scale (each element times 0.1, 1 or 10), with exact +0 and
+    -0 (10 % each) and tiny values (10 %, times 1e-30)."""
+    g = torch.randn(n, generator=gen) * scale
+    g *= 10.0 ** torch.randint(-1, 2, (n,), generator=gen).float()
+    kind = torch.randint(0, 10, (n,), generator=gen)
+    g[kind == 0] = 0.0
+    g[kind == 1] = -0.0
+    g[kind == 2] *= 1e-30
+    return g
+
+
+def run_sgd(case, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(case["seed"])
+    params = []
+    for n in case["sizes"]:
+        p = torch.randn(n, generator=gen) * 0.5
+        if n >= 3:
+            p[0], p[1] = 0.0, -0.0
+        params.append(torch.nn.Parameter(p))
+    out = {"init": [p.detach().clone() for p in params], "steps": []}
+    opt = torch.optim.SGD(params, lr=case["lr"], momentum=case["mom"], dampening=case["damp"],
+                          weight_decay=case["wd"], nesterov=case["nest"], maximize=case["maxi"],
+                          fused=True)
+    for scale in case["scales"]:
+        grads = [sgd_grad(gen, n, scale) for n in case["sizes"]]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for p, g in zip(params, grads):
+            assert same_bits(p.grad, g), "the fused step wrote the gradient"
+        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "buf": []}
+        if case["mom"] != 0:
+            rec["buf"] = [opt.state[p]["momentum_buffer"].clone() for p in params]
+        else:
+            assert all(opt.state[p].get("momentum_buffer") is None for p in params)
+        out["steps"].append(rec)
+    return out
+
+
+def write_sgd(path, header):
+    lines = list(header)
+    lines += ["# torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov, "
+              "maximize, fused=True), f32 params."]
+    for case in sgd_cases():
+        a = run_sgd(case, 1)
+        b = run_sgd(case, 2)
+        for ra, rb in zip(a["steps"], b["steps"]):
+            for key in ("param", "buf"):
+                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
+                    f"{case['name']}: thread count changed {key}"
+        K, S = len(case["sizes"]), len(case["scales"])
+        lines.append(f"# lr={case['lr']!r} momentum={case['mom']!r} dampening={case['damp']!r} "
+                     f"weight_decay={case['wd']!r} nesterov={case['nest']} "
+                     f"maximize={case['maxi']} seed={case['seed']}")
+        lines.append(line("case", case["name"], K, S))
+        lines.append(line("hparams", case["lr"].hex(), case["mom"].hex(), case["damp"].hex(),
+                          case["wd"].hex(), int(case["nest"]), int(case["maxi"])))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, p in enumerate(a["init"]):
+            lines.append(tensor_line("init_param", t, p))
+        for s, rec in enumerate(a["steps"], start=1):
+            lines.append(line("step", s))
+            for key, recs in (("grad", rec["grads"]), ("param", rec["param"]),
+                              ("momentum_buffer", rec["buf"])):
+                for t, x in enumerate(recs):
+                    lines.append(tensor_line(key, t, x))
+        lines.append("end")
+    write(path, lines)
+
+
+def check_sgd_scale_and_found_inf():
+    """torch's grad_scale / found_inf arguments of the fused SGD (printed as evidence):
+    found_inf = 1 writes nothing (param, buffer, gradient), on a first and a later step;
+    grad_scale divides the gradient and writes it back; for a power of two that equals
+    stepcore's read with scale 1 / grad_scale, for 3.0 it does not here."""
+    gen = torch.Generator().manual_seed(409)
+    kw = dict(weight_decay=0.01, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False, maximize=False)
+    for first in (True, False):
+        p, g = torch.randn(37, generator=gen), torch.randn(37, generator=gen)
+        b = torch.randn(37, generator=gen)
+        p0, g0, b0 = p.clone(), g.clone(), b.clone()
+        torch._fused_sgd_([p], [g], [b], is_first_step=first, grad_scale=torch.tensor(4.0),
+                          found_inf=torch.tensor(1.0), **kw)
+        assert same_bits(p, p0) and same_bits(g, g0) and same_bits(b, b0), "found_inf wrote"
+    equal = {}
+    for scale in (8.0, 3.0):
+        p, g = torch.randn(37, generator=gen), torch.randn(37, generator=gen)
+        a, ga = p.clone(), g.clone()
+        torch._fused_sgd_([a], [ga], [torch.empty_like(a)], is_first_step=True,
+                          grad_scale=torch.tensor(scale), found_inf=torch.tensor(0.0), **kw)
+        assert same_bits(ga, g / scale), "grad_scale: gradient not divided in place"
+        b, gb = p.clone(), g * (1.0 / scale)
+        torch._fused_sgd_([b], [gb], [torch.empty_like(b)], is_first_step=True, grad_scale=None,
+                          found_inf=None, **kw)
+        equal[scale] = same_bits(a, b)
+    assert equal[8.0] and not equal[3.0], equal
+    print("checked: fused SGD with found_inf = 1 writes nothing; grad_scale 8 equals the read "
+          "scale 1/8, grad_scale 3 differs from the read scale 1/3")
+
+
+def fma32_array(a, b, c):
+    """Elementwise fma of f32 numpy arrays, rounded once: the double sum where it is exact
+    (checked with TwoSum), fma32's exact arithmetic elsewhere."""
+    import numpy as np
+    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  np.asarray(c, np.float32))
+    prod = a.astype(np.float64) * b.astype(np.float64)      # exact: 24 + 24 bits
+    cd = c.astype(np.float64)
+    s = prod + cd
+    bb = s - prod
+    err = (prod - (s - bb)) + (cd - bb)
+    r = s.astype(np.float32)
+    for i in np.nonzero(err != 0)[0]:
+        r[i] = fma32(float(a[i]), float(b[i]), float(c[i]))
+    return r
+
+
+SGD_FORMULA = {"decay": "fma(p,wd,g)", "buf_body": "fma(g,c,b*mom)", "buf_tail": "fma(b,mom,g*c)",
+               "nesterov": "fma(b,mom,g)", "param": "fma(g,-lr,p)"}
+
+
+def analyze_sgd():
+    """Per element, which roundings of torch's four sums reproduce its buffer and parameter:
+    every combination of candidates (each sum separately rounded or fused; for the buffer
+    also the other product fused) is emulated from torch's own previous state, for the body
+    (first numel - numel % W elements) and the tail, W = 8 and W = 16. Asserts that exactly
+    SGD_FORMULA (docs/numerics.md 8b) with W = 8 matches every element."""
+    import numpy as np
+    F = np.float32
+
+    def bits(x):
+        return np.asarray(x, np.float32).view(np.uint32)
+
+    def spec_terms(region):
+        return {"none", "first:b=g", SGD_FORMULA["decay"], SGD_FORMULA["nesterov"],
+                SGD_FORMULA["param"], SGD_FORMULA["buf_" + region]}
+
+    w16_misses = 0
+    for case in sgd_cases():
+        a = run_sgd(case, 1)
+        wd, mom, c, neg_lr = F(case["wd"]), F(case["mom"]), F(1 - case["damp"]), F(-case["lr"])
+        tally = {}
+        prev_p = [x.numpy() for x in a["init"]]
+        prev_b = None
+        for s, rec in enumerate(a["steps"]):
+            for t, n in enumerate(case["sizes"]):
+                g = rec["grads"][t].numpy()
+                if case["maxi"]:
+                    g = -g
+                p0, p1 = prev_p[t], rec["param"][t].numpy()
+                decays = {"none": g}
+                if case["wd"] != 0:
+                    decays = {"fma(p,wd,g)": fma32_array(p0, wd, g), "g+RN(p*wd)": g + p0 * wd}
+                for dk, g1 in decays.items():
+                    bufs = {"none": None}
+                    if case["mom"] != 0 and s == 0:
+                        bufs = {"first:b=g": g1}
+                    elif case["mom"] != 0:
+                        b0 = prev_b[t]
+                        bufs = {"fma(g,c,b*mom)": fma32_array(g1, c, b0 * mom),
+                                "fma(b,mom,g*c)": fma32_array(b0, mom, g1 * c),
+                                "RN(b*mom)+RN(g*c)": b0 * mom + g1 * c}
+                    for bk, b1 in bufs.items():
+                        if b1 is None:
+                            nests = {"none": g1}
+                        elif case["nest"]:
+                            nests = {"fma(b,mom,g)": fma32_array(b1, mom, g1), "g+RN(b*mom)": g1 + b1 * mom}
+                        else:
+                            nests = {"none": b1}
+                        for nk, g2 in nests.items():
+                            for pk, pn in (("fma(g,-lr,p)", fma32_array(g2, neg_lr, p0)),
+                                           ("p+RN(g*-lr)", p0 + g2 * neg_lr)):
+                                ok = bits(pn) == bits(p1)
+                                if b1 is not None:
+                                    ok &= bits(b1) == bits(rec["buf"][t].numpy())
+                                for width in (8, 16):
+                                    tail = np.arange(n) >= n - n % width
+                                    for region, mask in (("body", ~tail), ("tail", tail)):
+                                        key = (width, region, dk, bk, nk, pk)
+                                        tot, hit = tally.get(key, (0, 0))
+                                        tally[key] = (tot + int(mask.sum()), hit + int(ok[mask].sum()))
+            prev_p = [x.numpy() for x in rec["param"]]
+            prev_b = [x.numpy() for x in rec["buf"]]
+        print(f"SGD {case['name']}: combinations that match every element (W=8 | W=16), "
+              "and the best of the rest")
+        for width in (8, 16):
+            for region in ("body", "tail"):
+                rows = sorted(((hit / tot if tot else 1.0, k, tot, hit)
+                               for k, (tot, hit) in tally.items() if k[:2] == (width, region)),
+                              key=lambda r: -r[0])
+                full = [r for r in rows if r[3] == r[2]]
+                rest = [r for r in rows if r[3] != r[2]]
+                for _, k, tot, hit in full + rest[:1]:
+                    print(f"  W={width:2d} {region:4s} {' '.join(k[2:]):60s} {hit:6d} / {tot}")
+                spec = [r for r in rows if all(x in spec_terms(region) for x in r[1][2:])]
+                if width == 8:
+                    assert spec and spec[0][3] == spec[0][2], \
+                        f"{case['name']} {region}: the spec formula does not match torch"
+                else:
+                    w16_misses += sum(tot - hit for _, _, tot, hit in spec)
+    assert w16_misses > 0, "W = 16 is not rejected by the data"
+    print(f"SGD: the spec formula with W = 8 matches every element of every case; with W = 16 "
+          f"it misses {w16_misses} element-steps")
+
+
 # ---------------------------------------------------------------- clip_grad_norm_
 
 def clip_cases():
@@ -616,7 +866,13 @@ def main():
     ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
     ap.add_argument("--any-capability", action="store_true",
                     help="allow a CPU capability other than AVX2 (files will differ)")
+    ap.add_argument("--only", default="adamw,sign_sgd,sgd,clip",
+                    help="comma-separated files to write: adamw, sign_sgd, sgd, clip (default all)")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    unknown = only - {"adamw", "sign_sgd", "sgd", "clip"}
+    if unknown:
+        sys.exit(f"unknown --only entries: {sorted(unknown)}")
     cap = torch.backends.cpu.get_cpu_capability()
     if cap != "AVX2" and not args.any_capability:
         sys.exit(f"torch reports CPU capability {cap}; the checked-in files are from AVX2")
@@ -626,11 +882,20 @@ def main():
               f"CPU capability {cap}, python {sys.version.split()[0]}. Do not edit.",
               "# Format: see the docstring of tools/golden/make_golden.py and tests/data/README.md."]
     os.makedirs(args.out, exist_ok=True)
-    write_adamw(os.path.join(args.out, "adamw_torch.txt"), header)
-    write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
-    write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
+    if "adamw" in only:
+        write_adamw(os.path.join(args.out, "adamw_torch.txt"), header)
+    if "sign_sgd" in only:
+        write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
+    if "sgd" in only:
+        check_sgd_scale_and_found_inf()
+        write_sgd(os.path.join(args.out, "sgd_torch.txt"), header)
+    if "clip" in only:
+        write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
     if args.analyze:
-        analyze_adamw()
+        if "adamw" in only:
+            analyze_adamw()
+        if "sgd" in only:
+            analyze_sgd()
 
 
 if __name__ == "__main__":
