@@ -322,6 +322,47 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
   check_overlaps(ranges);
 }
 
+void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& c,
+                      GradientRead read, StepCounters counters) {
+  // torch.optim.Adagrad's own bounds: every value >= 0 (eps = 0 included).
+  check_scalar(c.lr, Bound::non_negative, "config.lr");
+  check_scalar(c.lr_decay, Bound::non_negative, "config.lr_decay");
+  check_scalar(c.weight_decay, Bound::non_negative, "config.weight_decay");
+  check_scalar(c.initial_accumulator_value, Bound::non_negative,
+               "config.initial_accumulator_value");
+  check_scalar(c.eps, Bound::non_negative, "config.eps");
+  // The values the kernel rounds to f32 (clr <= lr) and the sum's starting value.
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.weight_decay)))
+    fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.initial_accumulator_value)))
+    fail(Errc::out_of_range, "config.initial_accumulator_value", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
+  validate_read(read);
+
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * 6);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const OptimizerTensor& t = tensors[i];
+    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    check_moment(i, t.state[0], n, "sum", ranges);
+    for (int k = 1; k < kMaxOptimizerSlots; ++k) {
+      if (has_view(t.state[k]))
+        fail(Errc::invalid_argument, Arg{"tensors", i, k == 1 ? "state[1]" : "state[2]"},
+             "Adagrad has one state slot (sum); this one must be empty");
+      if (has_view(t.state_src[k]))
+        fail(Errc::invalid_argument, Arg{"tensors", i, k == 1 ? "state_src[1]" : "state_src[2]"},
+             "Adagrad has one state slot (sum); this source must be empty");
+    }
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+    check_source(i, t.state_src[0], t.state[0], "sum_src", "sum", ranges);
+    check_step_counter(i, t.step, counters, ranges);
+  }
+  check_overlaps(ranges);
+}
+
 void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
   require_finite(c.lr, "config.lr");
   require_finite(c.weight_decay, "config.weight_decay");

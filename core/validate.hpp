@@ -51,6 +51,13 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
 /// param_src and state_src[0] as AdamW's sources; step counters as AdamW's.
 void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
                   GradientRead read, StepCounters counters = StepCounters::read);
+/// Throws unless every Adagrad argument is valid: hyper-parameters in torch's ranges (all
+/// finite and >= 0; lr, weight_decay, eps and initial_accumulator_value finite in f32),
+/// the read scalars, and per OptimizerTensor the param/grad/output as AdamW's, the f32
+/// `sum` in state[0], state[1..] and their sources empty, sources and the step counter
+/// as AdamW's, no written buffer overlapping another.
+void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
+                      GradientRead read, StepCounters counters = StepCounters::read);
 /// The array a validated f32 state buffer's old values are read from: its out-of-place
 /// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
 inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {

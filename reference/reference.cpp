@@ -222,6 +222,46 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
   }
 }
 
+void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
+                  GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_adagrad(tensors, config, read);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  // Scalars shared by every tensor (binary64 to f32, section 8c).
+  const float wd = static_cast<float>(config.weight_decay);
+  const float eps = static_cast<float>(config.eps);
+  const bool apply_decay = config.weight_decay != 0.0;
+  for (const OptimizerTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    copy_source(t.state_src[0], t.state[0]);
+    *t.step = *t.step + 1.0f;
+    // clr = lr / (1 + (step - 1) * lr_decay), the denominator one binary64 FMA.
+    const double step = static_cast<double>(*t.step);
+    const double denom = std::fma(step - 1.0, config.lr_decay, 1.0);
+    const double clr_double = config.lr / denom;
+    const float clr = static_cast<float>(clr_double);
+    auto* P = static_cast<float*>(t.param.data);
+    auto* S = static_cast<float*>(t.state[0].data);
+    const bool out = has_output(t.compute_param);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      float g = read_gradient(t.grad, i, read);
+      float p = P[i];
+      float sum = S[i];
+      if (config.maximize) g = -g;
+      if (apply_decay) g = std::fma(p, wd, g);
+      sum = std::fma(g, g, sum);
+      const float root = std::sqrt(sum);
+      const float denom_e = root + eps;
+      const float num = clr * g;
+      const float update = num / denom_e;
+      p = p - update;
+      P[i] = p;
+      S[i] = sum;
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
 void accumulate(std::span<const AccumulatePair> pairs) {
   detail::validate_accumulate(pairs);
   const detail::FpEnvGuard env;

@@ -1,6 +1,7 @@
 // Golden files from PyTorch (tests/data/, made by tools/golden/make_golden.py) replayed
 // through the scalar reference, compared bit for bit:
 //  * AdamW, torch formula  vs torch.optim.AdamW(fused=True) on CPU;
+//  * Adagrad               vs torch.optim.Adagrad(fused=True) on CPU;
 //  * SignSGD               vs the plain PyTorch SignSGD (add_ with alpha, torch.sign);
 //  * SGD                   vs torch.optim.SGD(fused=True) on CPU;
 //  * exact norm            vs an exact Fraction/integer computation in Python;
@@ -9,6 +10,7 @@
 // The file format is described in tests/data/README.md.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -408,6 +410,225 @@ TEST(GoldenAdamW, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
       }
     }
   }
+}
+
+// ---------------------------------------------------------------- Adagrad
+
+struct AdagradCase {
+  std::string name;
+  stepcore::AdagradConfig config;
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<float>> init, init_sum;
+  struct Step {
+    std::vector<std::vector<float>> grad, param, sum;
+    std::vector<float> count;
+  };
+  std::vector<Step> steps;
+};
+
+std::vector<AdagradCase> load_adagrad() {
+  GoldenFile f("adagrad_torch.txt");
+  std::vector<AdagradCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 3) f.fail("bad case line " + std::to_string(c.line));
+    AdagradCase k;
+    k.name = c.tok[0];
+    const std::size_t K = parse_size(c.tok[1]), S = parse_size(c.tok[2]);
+    const Record& h = f.expect("hparams");
+    if (h.tok.size() != 6 || (h.tok[5] != "0" && h.tok[5] != "1"))
+      f.fail("bad hparams line " + std::to_string(h.line));
+    k.config.lr = parse_double(h.tok[0]);
+    k.config.lr_decay = parse_double(h.tok[1]);
+    k.config.weight_decay = parse_double(h.tok[2]);
+    k.config.initial_accumulator_value = parse_double(h.tok[3]);
+    k.config.eps = parse_double(h.tok[4]);
+    k.config.maximize = h.tok[5] == "1";
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
+    for (std::size_t t = 0; t < K; ++t)
+      k.init_sum.push_back(read_f32(f, "init_sum", t, k.sizes[t]));
+    for (std::size_t s = 1; s <= S; ++s) {
+      const Record& st = f.expect("step");
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s)
+        f.fail("bad step line " + std::to_string(st.line));
+      AdagradCase::Step step;
+      for (std::size_t t = 0; t < K; ++t) step.grad.push_back(read_f32(f, "grad", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.param.push_back(read_f32(f, "param", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.sum.push_back(read_f32(f, "sum", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t) step.count.push_back(read_f32(f, "step_count", t, 1)[0]);
+      k.steps.push_back(std::move(step));
+    }
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<AdagradCase>& adagrad_cases() {
+  static const std::vector<AdagradCase> cases = load_adagrad();
+  return cases;
+}
+
+using AdagradStepFn =
+    std::function<void(std::span<const stepcore::OptimizerTensor>, const stepcore::AdagradConfig&)>;
+void reference_adagrad(std::span<const stepcore::OptimizerTensor> ts,
+                       const stepcore::AdagradConfig& c) {
+  stepcore::reference::adagrad_step(ts, c);
+}
+
+// Replays a case with `step`: each step from torch's state after the previous one
+// (chained = false: a disagreement shows where it arises), or every step from the
+// replay's own previous result (chained = true: the whole trajectory). Returns the
+// differing element-steps (param, sum and counters); reports them when `report`.
+std::size_t replay_adagrad(const AdagradCase& k, bool chained, bool report,
+                           const AdagradStepFn& step = reference_adagrad) {
+  const std::size_t K = k.sizes.size();
+  const std::size_t w = 8;  // torch's AVX2 vector width, only for the report
+  Tally tp, ts_;
+  std::size_t count_mismatches = 0;
+  std::vector<std::vector<float>> p = k.init, sum = k.init_sum;
+  std::vector<float> count(K, 0.0f);
+  for (std::size_t s = 0; s < k.steps.size(); ++s) {
+    const AdagradCase::Step& st = k.steps[s];
+    if (!chained && s > 0) {
+      p = k.steps[s - 1].param;
+      sum = k.steps[s - 1].sum;
+      count = k.steps[s - 1].count;
+    }
+    std::vector<stepcore::OptimizerTensor> ts(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      ts[t].param = {p[t].data(), p[t].size(), DType::f32};
+      ts[t].state[0] = {sum[t].data(), sum[t].size(), DType::f32};
+      ts[t].step = &count[t];
+      ts[t].grad = {st.grad[t].data(), st.grad[t].size(), DType::f32};
+    }
+    step(ts, k.config);
+    for (std::size_t t = 0; t < K; ++t) {
+      const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
+                                " (numel " + std::to_string(k.sizes[t]) + ")";
+      tp.add(st.param[t], p[t], w, where);
+      ts_.add(st.sum[t], sum[t], w, where);
+      const bool same_count = stepcore::f32_bits(st.count[t]) == stepcore::f32_bits(count[t]);
+      count_mismatches += !same_count;
+      if (report) {
+        EXPECT_TRUE(same_count) << where << ": step counter " << count[t] << ", torch "
+                                << st.count[t];
+      }
+    }
+  }
+  if (report) {
+    EXPECT_TRUE(ts_.result()) << "sum";
+    EXPECT_TRUE(tp.result()) << "param";
+  }
+  return tp.elements + ts_.elements + count_mismatches;
+}
+
+TEST(GoldenAdagrad, FileHasTheExpectedCases) {
+  const auto& cases = adagrad_cases();
+  ASSERT_GE(cases.size(), 6u);
+  bool decay0 = false, decay = false, wd0 = false, wd = false, iav0 = false, iav = false;
+  bool maximize = false, minimize = false, empty = false, all_tail = false, body_and_tail = false;
+  std::vector<double> eps;
+  for (const auto& k : cases) {
+    const auto& c = k.config;
+    (c.lr_decay == 0.0 ? decay0 : decay) = true;
+    (c.weight_decay == 0.0 ? wd0 : wd) = true;
+    (c.initial_accumulator_value == 0.0 ? iav0 : iav) = true;
+    (c.maximize ? maximize : minimize) = true;
+    if (std::find(eps.begin(), eps.end(), c.eps) == eps.end()) eps.push_back(c.eps);
+    for (std::size_t n : k.sizes) {
+      empty = empty || n == 0;
+      all_tail = all_tail || (n > 0 && n < 8);
+      body_and_tail = body_and_tail || (n > 8 && n % 8 != 0);
+    }
+    EXPECT_GE(k.steps.size(), 3u) << k.name;
+  }
+  EXPECT_TRUE(decay0 && decay && wd0 && wd && iav0 && iav && maximize && minimize);
+  EXPECT_TRUE(empty && all_tail && body_and_tail);
+  EXPECT_GE(eps.size(), 4u);
+}
+
+// torch fills state['sum'] with initial_accumulator_value at construction: f32(value), the
+// value the caller of stepcore::reference::adagrad_step puts in the `sum` slot.
+TEST(GoldenAdagrad, InitialSumIsTheF32OfInitialAccumulatorValue) {
+  for (const auto& k : adagrad_cases()) {
+    const float want = static_cast<float>(k.config.initial_accumulator_value);
+    for (const auto& s : k.init_sum)
+      EXPECT_TRUE(same_bits(std::vector<float>(s.size(), want), s)) << k.name;
+  }
+}
+
+TEST(GoldenAdagrad, ReferenceMatchesTorchFusedBitForBit) {
+  for (const auto& k : adagrad_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    replay_adagrad(k, /*chained=*/false, /*report=*/true);
+  }
+}
+
+// The whole trajectory from torch's initial state, each step from the reference's own
+// previous result.
+TEST(GoldenAdagrad, ReferenceChainedOverAllStepsMatchesTorchFused) {
+  for (const auto& k : adagrad_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    EXPECT_EQ(replay_adagrad(k, /*chained=*/true, /*report=*/true), 0u);
+  }
+}
+
+// The candidate roundings the spec chose between (docs/numerics.md 8c), as one scalar
+// emulation with a switch per choice; torch's choice is the first of each pair.
+struct AdagradCandidate {
+  bool decay_fma = true;      // g = fma(p, wd, g)           vs  g + RN(p * wd)
+  bool sum_fma = true;        // sum = fma(g, g, sum)        vs  sum + RN(g * g)
+  bool clr_fma = true;        // 1 + (step - 1) * lr_decay   as one binary64 FMA vs two roundings
+  bool product_first = true;  // (clr * g) / std            vs  clr * (g / std)
+};
+
+void candidate_adagrad(std::span<const stepcore::OptimizerTensor> ts,
+                       const stepcore::AdagradConfig& c, const AdagradCandidate& how) {
+  const float wd = static_cast<float>(c.weight_decay), eps = static_cast<float>(c.eps);
+  for (const auto& t : ts) {
+    *t.step = *t.step + 1.0f;
+    const double s1 = static_cast<double>(*t.step) - 1.0;
+    const double prod = s1 * c.lr_decay;  // rounded on its own (-ffp-contract=off)
+    const double den = how.clr_fma ? std::fma(s1, c.lr_decay, 1.0) : 1.0 + prod;
+    const float clr = static_cast<float>(c.lr / den);
+    auto* P = static_cast<float*>(t.param.data);
+    auto* S = static_cast<float*>(t.state[0].data);
+    const auto* G = static_cast<const float*>(t.grad.data);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      float g = c.maximize ? -G[i] : G[i];
+      if (c.weight_decay != 0.0) {
+        const float pw = P[i] * wd;
+        g = how.decay_fma ? std::fma(P[i], wd, g) : g + pw;
+      }
+      const float gg = g * g;
+      S[i] = how.sum_fma ? std::fma(g, g, S[i]) : S[i] + gg;
+      const float std_ = std::sqrt(S[i]) + eps;
+      const float upd = how.product_first ? (clr * g) / std_ : clr * (g / std_);
+      P[i] = P[i] - upd;
+    }
+  }
+}
+
+std::size_t candidate_mismatches(const AdagradCandidate& how) {
+  std::size_t n = 0;
+  for (const auto& k : adagrad_cases())
+    n += replay_adagrad(k, /*chained=*/false, /*report=*/false,
+                        [&](std::span<const stepcore::OptimizerTensor> ts,
+                            const stepcore::AdagradConfig& c) { candidate_adagrad(ts, c, how); });
+  return n;
+}
+
+// The data tells every rejected rounding apart from torch's: each alternative, alone,
+// disagrees with torch somewhere, while the emulation with torch's choices agrees
+// everywhere (so the disagreements come from the alternative, not from the emulation).
+TEST(GoldenAdagrad, DataDistinguishesTheRejectedContractions) {
+  EXPECT_EQ(candidate_mismatches({}), 0u);
+  EXPECT_GT(candidate_mismatches({.decay_fma = false}), 0u) << "g + RN(p * wd)";
+  EXPECT_GT(candidate_mismatches({.sum_fma = false}), 0u) << "sum + RN(g * g)";
+  EXPECT_GT(candidate_mismatches({.clr_fma = false}), 0u) << "1 + RN((step - 1) * lr_decay)";
+  EXPECT_GT(candidate_mismatches({.product_first = false}), 0u) << "clr * (g / std)";
 }
 
 // ---------------------------------------------------------------- SignSGD

@@ -1,4 +1,4 @@
-// Unit: every formula of stepcore::reference (AdamW native and torch, SignSGD, SGD,
+// Unit: every formula of stepcore::reference (AdamW native and torch, SignSGD, SGD, Adagrad,
 // accumulate, scale_, the gradient read) against expectations computed here from
 // docs/numerics.md, independently of the library: hand-worked cases, a real-number
 // AdamW in long double, and per-element re-implementations over dtypes x sizes.
@@ -1042,6 +1042,19 @@ stepcore::OptimizerTensor sgd_tensor(std::vector<float>& p, std::vector<float>& 
   return t;
 }
 
+// ---- Adagrad (docs/numerics.md 8c) ------------------------------------------------------
+
+// One Adagrad tensor over caller-owned vectors (param, sum, grad, counter).
+stepcore::OptimizerTensor adagrad_tensor(std::vector<float>& p, std::vector<float>& sum,
+                                         const std::vector<float>& g, float& step) {
+  stepcore::OptimizerTensor t;
+  t.param = {p.data(), p.size(), DType::f32};
+  t.state[0] = {sum.data(), sum.size(), DType::f32};
+  t.step = &step;
+  t.grad = {g.data(), g.size(), DType::f32};
+  return t;
+}
+
 // The first step (counter 1 after its increment) sets b = g (after maximize and weight
 // decay, no dampening) whatever the buffer held; later steps read it.
 TEST(SgdHandWorked, FirstStepSetsTheBufferFromTheGradient) {
@@ -1167,6 +1180,82 @@ TEST(SgdHandWorked, OutOfPlaceEqualsInPlace) {
   expect_same_bits(m, b, "momentum_buffer");
   expect_same_bits(p0, p0_copy, "param_src");
   expect_same_bits(b0, b0_copy, "state_src[0]");
+}
+
+// Worked by hand on exact values: g*g, sqrt and the quotients below are exact in f32, and
+// f32(1e-10) is below half an ulp of 1.5 and 2, so d = sqrt(sum) there.
+TEST(AdagradHandWorked, DecayMaximizeAndLrDecay) {
+  stepcore::AdagradConfig c;
+  c.lr = 0.5;
+  c.lr_decay = 1.0;
+  std::vector<float> p{1.0f, -0.0f}, sum{0.0f, 0.0f}, g{2.0f, -0.0f};
+  float step = 0.0f;
+  const auto t = adagrad_tensor(p, sum, g, step);
+  ref::adagrad_step({&t, 1}, c);  // clr = 0.5 / (1 + 0 * 1): p = 1 - (0.5 * 2) / 2
+  EXPECT_EQ(step, 1.0f);
+  EXPECT_EQ(bits(p[0]), bits(0.5f));
+  EXPECT_EQ(bits(sum[0]), bits(4.0f));
+  EXPECT_EQ(bits(p[1]), bits(0.0f));  // -0 - ((0.5 * -0) / (0 + eps)) = -0 - (-0) = +0
+  EXPECT_EQ(bits(sum[1]), bits(0.0f));
+  g = {0.0f, 0.0f};
+  ref::adagrad_step({&t, 1}, c);  // clr = 0.5 / 2; g = 0: p unchanged, sum unchanged
+  EXPECT_EQ(step, 2.0f);
+  EXPECT_EQ(bits(p[0]), bits(0.5f));
+  EXPECT_EQ(bits(sum[0]), bits(4.0f));
+
+  // weight decay 0.5 and maximize: g = fma(p, 0.5, -2) = -1.5, sum = 2.25, d = 1.5,
+  // p = 1 - (0.5 * -1.5) / 1.5 = 1.5
+  stepcore::AdagradConfig m;
+  m.lr = 0.5;
+  m.weight_decay = 0.5;
+  m.maximize = true;
+  p = {1.0f};
+  sum = {0.0f};
+  std::vector<float> g2{2.0f};
+  float step2 = 0.0f;
+  const auto t2 = adagrad_tensor(p, sum, g2, step2);
+  ref::adagrad_step({&t2, 1}, m);
+  EXPECT_EQ(bits(p[0]), bits(1.5f));
+  EXPECT_EQ(bits(sum[0]), bits(2.25f));
+}
+
+// Out of place (param_src, state_src[0]) gives the in-place bits and leaves the sources
+// intact; the compute output is R_bf16(p); a gradient 2^10 times larger read with scale
+// 2^-10 gives the same bits (torch's power-of-two grad_scale, 8c).
+TEST(AdagradReference, OutOfPlaceOutputAndPowerOfTwoScale) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const std::size_t n = 37;
+  std::vector<float> p0(n), s0(n), g(n), g_big(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    p0[i] = nd(rng);
+    s0[i] = std::fabs(nd(rng));
+    g[i] = nd(rng);
+    g_big[i] = g[i] * 1024.0f;  // exact
+  }
+  stepcore::AdagradConfig c;
+  c.lr_decay = 0.01;
+  c.weight_decay = 0.1;
+  std::vector<float> p_in = p0, s_in = s0;
+  float step_in = 4.0f;
+  const auto in = adagrad_tensor(p_in, s_in, g, step_in);
+  ref::adagrad_step({&in, 1}, c);
+
+  std::vector<float> p_out(n, 7.0f), s_out(n, 7.0f), p_src = p0, s_src = s0;
+  std::vector<std::uint16_t> out_bf16(n);
+  float step_out = 4.0f;
+  auto t = adagrad_tensor(p_out, s_out, g_big, step_out);
+  t.param_src = {p_src.data(), n, DType::f32};
+  t.state_src[0] = {s_src.data(), n, DType::f32};
+  t.compute_param = {out_bf16.data(), n, DType::bf16};
+  ref::adagrad_step({&t, 1}, c, GradientRead{1.0f / 1024.0f, 1.0f});
+  EXPECT_EQ(step_out, step_in);
+  EXPECT_EQ(std::memcmp(p_out.data(), p_in.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(s_out.data(), s_in.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(p_src.data(), p0.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(s_src.data(), s0.data(), n * sizeof(float)), 0);
+  for (std::size_t i = 0; i < n; ++i)
+    EXPECT_EQ(out_bf16[i], stepcore::f32_to_bf16_bits(p_in[i])) << i;
 }
 
 TEST(FoundInf, NonZeroWritesNothing) {

@@ -22,6 +22,7 @@
 namespace {
 
 using stepcore::AccumulatePair;
+using stepcore::AdagradConfig;
 using stepcore::AdamWConfig;
 using stepcore::AdamWFormula;
 using stepcore::AdamWTensor;
@@ -404,6 +405,165 @@ TEST_F(AdamWFixture, OutOfPlaceSources) {
     t.exp_avg_src = t.param_src;
     t.exp_avg_sq_src = {valid[0].grad.data, 6, DType::f32};  // valid[0]'s f32 gradient
   })));
+}
+
+// ---- Adagrad ---------------------------------------------------------------------------
+
+struct AdagradFixture : ::testing::Test {
+  Arena arena;
+  std::vector<OptimizerTensor> valid;  // tensors[0..2]
+
+  OptimizerTensor make(std::size_t n, bool out = true) {
+    OptimizerTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    t.state[0] = {arena.alloc<float>(n), n, DType::f32};
+    t.step = arena.alloc<float>(1);
+    *t.step = 3.0f;
+    t.grad = {arena.alloc<std::uint32_t>(n), n, DType::f32};
+    if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, DType::bf16};
+    return t;
+  }
+  void SetUp() override {
+    valid.push_back(make(5));
+    valid.push_back(make(17, false));
+    valid.push_back(make(8));
+  }
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad) {
+    std::vector<OptimizerTensor> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<OptimizerTensor>& ts, const AdagradConfig& c, GradientRead r,
+              Errc code, std::vector<std::string> args) {
+    expect_error(
+        arena, [&] { ref::adagrad_step(ts, c, r); }, code, std::move(args));
+  }
+  void expect_tensor(const OptimizerTensor& bad, Errc code, const std::string& arg) {
+    expect(with(bad), AdagradConfig{}, {}, code, {arg});
+  }
+};
+
+TEST_F(AdagradFixture, ValidCallWritesTheArena) {
+  const auto before = arena.snapshot();
+  ref::adagrad_step(with(make(9)), AdagradConfig{});
+  EXPECT_FALSE(arena.same(before));
+  EXPECT_EQ(*valid[0].step, 4.0f);
+}
+
+TEST_F(AdagradFixture, FoundInfWritesNothing) {
+  const auto ts = with(make(9));
+  const auto before = arena.snapshot();
+  const std::int32_t found_inf = 1;
+  ref::adagrad_step(ts, AdagradConfig{}, {}, &found_inf);
+  EXPECT_TRUE(arena.same(before));
+}
+
+// torch.optim.Adagrad's bounds: every hyper-parameter finite and >= 0 (eps = 0 and
+// lr_decay = 0 included), and the values rounded to f32 finite there.
+TEST_F(AdagradFixture, HyperParameters) {
+  auto cfg = [](auto set) {
+    AdagradConfig c;
+    set(c);
+    return c;
+  };
+  const auto t = with(make(9));
+  struct Field {
+    const char* name;
+    double AdagradConfig::*member;
+  };
+  for (const Field f :
+       {Field{"config.lr", &AdagradConfig::lr}, Field{"config.lr_decay", &AdagradConfig::lr_decay},
+        Field{"config.weight_decay", &AdagradConfig::weight_decay},
+        Field{"config.initial_accumulator_value", &AdagradConfig::initial_accumulator_value},
+        Field{"config.eps", &AdagradConfig::eps}}) {
+    SCOPED_TRACE(f.name);
+    expect(t, cfg([&](AdagradConfig& c) { c.*f.member = kNaN; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](AdagradConfig& c) { c.*f.member = kInf; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](AdagradConfig& c) { c.*f.member = -kInf; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](AdagradConfig& c) { c.*f.member = -1e-3; }), {}, Errc::invalid_argument,
+           {f.name});
+    expect(t, cfg([&](AdagradConfig& c) { c.*f.member = -std::numeric_limits<double>::min(); }), {},
+           Errc::invalid_argument, {f.name});
+    // 0 is in range for every one of them (torch: `0.0 <= value`).
+    EXPECT_NO_THROW(ref::adagrad_step(with(make(4)), cfg([&](AdagradConfig& c) {
+                                        c.*f.member = 0.0;
+                                        c.initial_accumulator_value = 0.5;  // no 0 / 0
+                                      })));
+  }
+  // Values that overflow when the kernel rounds them to f32 (lr_decay is never rounded).
+  expect(t, cfg([](AdagradConfig& c) { c.lr = 1e300; }), {}, Errc::out_of_range, {"config.lr"});
+  expect(t, cfg([](AdagradConfig& c) { c.weight_decay = 1e39; }), {}, Errc::out_of_range,
+         {"config.weight_decay"});
+  expect(t, cfg([](AdagradConfig& c) { c.initial_accumulator_value = 1e39; }), {},
+         Errc::out_of_range, {"config.initial_accumulator_value"});
+  expect(t, cfg([](AdagradConfig& c) { c.eps = 1e39; }), {}, Errc::out_of_range, {"config.eps"});
+  EXPECT_NO_THROW(ref::adagrad_step(with(make(4)), cfg([](AdagradConfig& c) {
+                                      c.lr_decay = 1e300;
+                                      c.eps = 1e-300;  // rounds to +0 in f32: allowed, as 0 is
+                                    })));
+  // The read scalars, as every optimizer's.
+  const AdagradConfig c;
+  expect(t, c, {0.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, c, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, c, {1.0f, 1.5f}, Errc::invalid_argument, {"read.clip"});
+  expect(t, c, {1.0f, kInff}, Errc::non_finite, {"read.clip"});
+}
+
+TEST_F(AdagradFixture, TensorsSlotsAndStepCounters) {
+  auto bad = [&](auto mutate) {
+    OptimizerTensor t = make(6);
+    mutate(t);
+    return t;
+  };
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::bf16; }),
+                Errc::unsupported_dtype, "tensors[3].param");
+  expect_tensor(bad([](OptimizerTensor& t) { t.grad.numel = 7; }), Errc::size_mismatch,
+                "tensors[3].grad");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0] = {}; }), Errc::size_mismatch,
+                "tensors[3].sum");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::f16; }),
+                Errc::unsupported_dtype, "tensors[3].sum");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].data = nullptr; }), Errc::null_pointer,
+                "tensors[3].sum");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state[1] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, "tensors[3].state[1]");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state[2] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, "tensors[3].state[2]");
+  expect_tensor(bad([&](OptimizerTensor& t) {
+                  t.state_src[1] = {arena.alloc<float>(6), 6, DType::f32};
+                }),
+                Errc::invalid_argument, "tensors[3].state_src[1]");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.state_src[0] = {t.state[0].data, 5, DType::f32};
+                }),
+                Errc::size_mismatch, "tensors[3].sum_src");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.state_src[0] = {static_cast<float*>(t.param.data) + 1, 6, DType::f32};
+                }),
+                Errc::overlap, "tensors[3].sum_src");
+  expect(with(bad(
+             [](OptimizerTensor& t) { t.state[0].data = static_cast<float*>(t.param.data) + 2; })),
+         AdagradConfig{}, {}, Errc::overlap, {"tensors[3].sum", "tensors[3].param"});
+  expect_tensor(bad([](OptimizerTensor& t) { t.step = nullptr; }), Errc::null_pointer,
+                "tensors[3].step");
+  for (const float v : {-1.0f, 0.5f, 16777216.0f}) {
+    SCOPED_TRACE(v);
+    expect_tensor(bad([&](OptimizerTensor& t) { *t.step = v; }), Errc::out_of_range,
+                  "tensors[3].step");
+  }
+  expect_tensor(bad([](OptimizerTensor& t) { *t.step = kNaNf; }), Errc::non_finite,
+                "tensors[3].step");
+  expect(with(bad([&](OptimizerTensor& t) { t.step = valid[0].step; })), AdagradConfig{}, {},
+         Errc::overlap, {"tensors[3].step", "tensors[0].step"});
+  // An in-place source (the slot itself) and an out-of-place one are both accepted.
+  OptimizerTensor ok = make(6);
+  ok.state_src[0] = ok.state[0];
+  ok.param_src = {arena.alloc<float>(6), 6, DType::f32};
+  EXPECT_NO_THROW(ref::adagrad_step(with(ok), AdagradConfig{}));
 }
 
 // ---- SignSGD ---------------------------------------------------------------------------

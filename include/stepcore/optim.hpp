@@ -59,6 +59,20 @@ struct SgdConfig {
   int torch_tail_width = 8;
 };
 
+/// Adagrad hyper-parameters (torch.optim.Adagrad's, in double as a Python trainer holds
+/// them; docs/numerics.md 8c). The state slot `sum` starts at initial_accumulator_value:
+/// the caller fills it, as torch does when it constructs the optimizer. There is no tail
+/// width: torch's fused CPU kernel computes the same function in its vector body and its
+/// scalar tail (both contracted alike), so no element depends on where the tail starts.
+struct AdagradConfig {
+  double lr = 1e-2;
+  double lr_decay = 0.0;
+  double weight_decay = 0.0;
+  double initial_accumulator_value = 0.0;
+  double eps = 1e-10;
+  bool maximize = false;
+};
+
 /// How a gradient element g of storage type T is read by every operation that
 /// accepts it (docs/numerics.md, "Gradient read"):
 ///   x = R_T( R_T( f32(g) * scale ) * clip )

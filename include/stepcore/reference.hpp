@@ -37,6 +37,13 @@ void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& 
 /// Determinism: bitwise (the definition itself).
 void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
               GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+/// One Adagrad update (docs/numerics.md 8c: torch.optim.Adagrad(fused=True) on CPU) of
+/// every tensor: param and its `sum` (state[0]; state[1], state[2] empty), in place or out
+/// of place from param_src / state_src[0]. Gradients are read with `read`; when
+/// `found_inf` is non-null and *found_inf != 0 nothing is written and no step counter
+/// advances. Determinism: bitwise (the definition itself).
+void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
+                  GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
 /// acc = acc + f32(src), or acc = f32(src) for pairs marked copy.
 void accumulate(std::span<const AccumulatePair> pairs);

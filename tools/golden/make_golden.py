@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
-# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, SGD, clip).
+# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, SGD, clip,
+# Adagrad).
 """Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
 
 Run from the repository root:
@@ -46,6 +47,25 @@ adamw_torch.txt -- torch.optim.AdamW(params, lr, betas, eps, weight_decay, fused
 
   bf16 gradients are stored as their bf16 bits; torch was given the exactly widened f32
   values (its fused kernel needs grad dtype == param dtype).
+
+adagrad_torch.txt -- torch.optim.Adagrad(params, lr, lr_decay, weight_decay,
+                     initial_accumulator_value, eps, maximize=..., fused=True), f32 params
+
+    case <name> <tensor count K> <step count S>
+    hparams <lr> <lr_decay> <weight_decay> <initial_accumulator_value> <eps> <maximize: 0|1>
+    sizes <n_0> ... <n_{K-1}>
+    init_param <t> <f32>...            K lines
+    init_sum <t> <f32>...              K lines: torch's state['sum'] after construction
+    then S times:
+      step <s>                         s = 1..S
+      grad <t> <f32>...                K lines, the gradient of this step
+      param <t> <f32>...               K lines each: the state after torch's step
+      sum <t> <f32>...
+      step_count <t> <f32>             torch's f32 state['step']
+    end
+
+  Case clr_fma has an lr chosen so that f32(clr) differs between the binary64 denominator
+  1 + (step - 1) * lr_decay rounded twice and rounded once (an FMA) at some of its steps.
 
 sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
 
@@ -370,6 +390,249 @@ def analyze_adamw():
         print(f"AdamW {case['name']}: matches / elements compared (v: only where the candidates differ)")
         for (region, k), (tot, ok) in sorted(tally.items()):
             print(f"  {region:4s} {k:26s} {ok:6d} / {tot}")
+
+
+# ---------------------------------------------------------------- Adagrad
+
+SIZES_ADAGRAD = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
+SIZES_ADAGRAD_SMALL = [0, 1, 7, 8, 9, 31, 32, 33, 100]
+
+
+def double_fma(a, b, c):
+    """RN_double(a*b + c) for doubles, exactly (Fractions)."""
+    return float(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+def clr_candidates(lr, lr_decay, step):
+    """f32(clr) with the denominator 1 + (step-1)*lr_decay rounded twice and once (FMA)."""
+    two = lr / (1.0 + (step - 1.0) * lr_decay)
+    one = float(Fraction(lr) / Fraction(double_fma(step - 1.0, lr_decay, 1.0)))
+    return f32_value(two), f32_value(one)
+
+
+def clr_fma_lr(lr_decay, steps, near):
+    """A deterministic lr near `near` for which f32(clr) tells the two denominators apart
+    at some step <= steps (searched on f32 rounding midpoints)."""
+    import numpy as np
+    f = np.float32(near)
+    for _ in range(100000):
+        f = np.nextafter(f, np.float32(1))
+        mid = (Fraction(float(f)) + Fraction(float(np.nextafter(f, np.float32(1))))) / 2
+        for s in range(2, steps + 1):
+            d_two = 1.0 + (s - 1.0) * lr_decay
+            d_one = double_fma(s - 1.0, lr_decay, 1.0)
+            if d_two == d_one:
+                continue
+            lr = float(mid * Fraction((d_two + d_one) / 2))
+            a, b = clr_candidates(lr, lr_decay, s)
+            if a != b:
+                return lr
+    raise RuntimeError("no lr found")
+
+
+def adagrad_cases():
+    cases = [
+        dict(name="default", sizes=SIZES_ADAGRAD, lr=1e-2, lr_decay=0.0, wd=0.0, iav=0.0,
+             eps=1e-10, maximize=False, seed=401, grad_scales=[1.0, 1e-2, 10.0]),
+        dict(name="iav0.1_wd_lr_decay", sizes=SIZES_ADAGRAD, lr=1e-2, lr_decay=1e-3, wd=0.1,
+             iav=0.1, eps=1e-10, maximize=False, seed=402, grad_scales=[1.0, 3.0, 1e-3]),
+        dict(name="maximize_wd_eps1e-6", sizes=SIZES_ADAGRAD_SMALL, lr=5e-2, lr_decay=1e-2,
+             wd=1e-2, iav=0.0, eps=1e-6, maximize=True, seed=403,
+             grad_scales=[1.0, 0.1, 10.0, 1.0, 1e-4]),
+        dict(name="iav0.1_eps1e-3_lr_decay0.5", sizes=SIZES_ADAGRAD_SMALL, lr=1e-1,
+             lr_decay=0.5, wd=0.0, iav=0.1, eps=1e-3, maximize=False, seed=404,
+             grad_scales=[1.0, 1e-2, 1.0, 5.0, 1.0]),
+        dict(name="maximize_iav0.1_wd0.5_eps0", sizes=SIZES_ADAGRAD_SMALL, lr=1e-2,
+             lr_decay=0.0, wd=0.5, iav=0.1, eps=0.0, maximize=True, seed=405,
+             grad_scales=[1.0, 1.0, 1e-3, 10.0, 1.0, 0.5]),
+        dict(name="wd_iav0_eps1e-8", sizes=SIZES_ADAGRAD_SMALL, lr=3e-3, lr_decay=0.0,
+             wd=0.3, iav=0.0, eps=1e-8, maximize=False, seed=406,
+             grad_scales=[1.0, 10.0, 0.1, 1.0, 1.0]),
+    ]
+    lr_decay = 0.047  # its two denominators differ at step 6
+    cases.append(dict(name="clr_fma", sizes=SIZES_ADAGRAD_SMALL,
+                      lr=clr_fma_lr(lr_decay, 6, 1e-2), lr_decay=lr_decay, wd=0.0, iav=0.0,
+                      eps=1e-10, maximize=False, seed=407, grad_scales=[1.0] * 6))
+    return cases
+
+
+def adagrad_init(gen, sizes):
+    """Random parameters with a +0 and a -0 in each tensor of 3+ elements (their indices
+    are returned, so the first step can give them zero gradients)."""
+    params, zeros = [], []
+    for n in sizes:
+        p = torch.randn(n, generator=gen) * 0.5
+        z = None
+        if n >= 3:
+            idx = torch.randperm(n, generator=gen)[:2].tolist()
+            p[idx[0]] = 0.0
+            p[idx[1]] = -0.0
+            z = idx
+        params.append(p)
+        zeros.append(z)
+    return params, zeros
+
+
+def run_adagrad(case, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(case["seed"])
+    init, zeros = adagrad_init(gen, case["sizes"])
+    params = [torch.nn.Parameter(p.clone()) for p in init]
+    opt = torch.optim.Adagrad(params, lr=case["lr"], lr_decay=case["lr_decay"],
+                              weight_decay=case["wd"],
+                              initial_accumulator_value=case["iav"], eps=case["eps"],
+                              maximize=case["maximize"], fused=True)
+    out = {"init": init, "init_sum": [opt.state[p]["sum"].clone() for p in params],
+           "steps": []}
+    for s, scale in enumerate(case["grad_scales"], start=1):
+        grads = [make_grad(gen, n, scale, torch.float32, True) for n in case["sizes"]]
+        if s == 1:  # zero gradients of both signs on the zero parameters
+            for t, z in enumerate(zeros):
+                if z is not None:
+                    grads[t][z[0]] = -0.0
+                    grads[t][z[1]] = 0.0 if t % 2 == 0 else -0.0
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        rec = {"grads": grads, "param": [], "sum": [], "step": []}
+        for p in params:
+            st = opt.state[p]
+            rec["param"].append(p.detach().clone())
+            rec["sum"].append(st["sum"].clone())
+            assert st["step"].dtype == torch.float32
+            rec["step"].append(st["step"].clone().reshape(1))
+        out["steps"].append(rec)
+    return out
+
+
+def write_adagrad(path, header):
+    lines = list(header)
+    lines += ["# torch.optim.Adagrad(params, lr, lr_decay, weight_decay, "
+              "initial_accumulator_value, eps, maximize, fused=True), f32 params."]
+    for case in adagrad_cases():
+        a = run_adagrad(case, 1)
+        b = run_adagrad(case, 2)
+        for ra, rb in zip(a["steps"], b["steps"]):
+            for key in ("param", "sum"):
+                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
+                    f"{case['name']}: thread count changed {key}"
+        torch.set_num_threads(1)
+        K, S = len(case["sizes"]), len(case["grad_scales"])
+        lines.append(f"# lr={case['lr']!r} lr_decay={case['lr_decay']!r} "
+                     f"weight_decay={case['wd']!r} initial_accumulator_value={case['iav']!r} "
+                     f"eps={case['eps']!r} maximize={case['maximize']} seed={case['seed']}")
+        lines.append(line("case", case["name"], K, S))
+        lines.append(line("hparams", case["lr"].hex(), case["lr_decay"].hex(), case["wd"].hex(),
+                          case["iav"].hex(), case["eps"].hex(), int(case["maximize"])))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, p in enumerate(a["init"]):
+            lines.append(tensor_line("init_param", t, p))
+        for t, x in enumerate(a["init_sum"]):
+            lines.append(tensor_line("init_sum", t, x))
+        for s, rec in enumerate(a["steps"], start=1):
+            lines.append(line("step", s))
+            for t, g in enumerate(rec["grads"]):
+                lines.append(tensor_line("grad", t, g))
+            for key in ("param", "sum"):
+                for t, x in enumerate(rec[key]):
+                    lines.append(tensor_line(key, t, x))
+            for t, x in enumerate(rec["step"]):
+                lines.append(tensor_line("step_count", t, x))
+        lines.append("end")
+    write(path, lines)
+
+
+def check_adagrad_amp():
+    """torch's grad_scale / found_inf on fused Adagrad (asserted, printed as evidence): a
+    power-of-two grad_scale 2^k gives the bits of the gradient times 2^-k (and torch writes
+    the unscaled gradient back into p.grad); found_inf = 1 leaves param, sum and step."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(499)
+    for n in (7, 8, 33, 1025):
+        for k in (-3, 0, 10):
+            p0 = torch.randn(n, generator=gen)
+            g = torch.randn(n, generator=gen)
+            runs = []
+            for amp in (True, False):
+                p = torch.nn.Parameter(p0.clone())
+                opt = torch.optim.Adagrad([p], lr=1e-2, lr_decay=1e-2, weight_decay=0.1,
+                                          initial_accumulator_value=0.1, fused=True)
+                if amp:
+                    opt.grad_scale = torch.tensor(2.0 ** k)
+                    opt.found_inf = torch.tensor(0.0)
+                for _ in range(2):
+                    p.grad = g.clone() * (2.0 ** k) if amp else g.clone()
+                    opt.step()
+                    assert same_bits(p.grad, g), "grad_scale: unscaled gradient not stored"
+                runs.append((p.detach().clone(), opt.state[p]["sum"].clone()))
+            assert same_bits(runs[0][0], runs[1][0]) and same_bits(runs[0][1], runs[1][1]), \
+                "grad_scale 2^k is not a read with scale 2^-k"
+            p = torch.nn.Parameter(p0.clone())
+            opt = torch.optim.Adagrad([p], lr=1e-2, fused=True)
+            p.grad = g.clone()
+            opt.grad_scale = torch.tensor(1.0)
+            opt.found_inf = torch.tensor(1.0)
+            opt.step()
+            assert same_bits(p.detach(), p0) and opt.state[p]["step"].item() == 0.0
+            assert bits_list(opt.state[p]["sum"]) == [0] * n
+    print("checked: fused Adagrad grad_scale 2^k = gradient times 2^-k (unscaled gradient "
+          "written back); found_inf = 1 writes nothing and leaves step")
+
+
+def analyze_adagrad():
+    """Per element, which rounding of the decayed gradient, of sum and of p reproduces
+    torch, in the vector body (first numel - numel % 8 elements) and the scalar tail;
+    and which binary64 denominator of clr (evidence for docs/numerics.md 8c)."""
+    import numpy as np
+    F = np.float32
+    # plus one case not written to the file: 60 tensors that are all or mostly tail
+    tail_heavy = dict(name="analysis_only_tail_heavy", sizes=[7] * 40 + [15] * 20, lr=1e-2,
+                      lr_decay=0.01, wd=0.3, iav=0.1, eps=1e-10, maximize=True, seed=408,
+                      grad_scales=[1.0, 10.0, 0.1, 1.0, 1.0, 1.0])
+    for case in adagrad_cases() + [tail_heavy]:
+        a = run_adagrad(case, 1)
+        wd, ef, mx = F(case["wd"]), F(case["eps"]), case["maximize"]
+        tally = {}
+
+        def score(region, cands, want_bits, always=False):
+            got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
+            if always or len(set(got.values())) > 1:
+                for k, b in got.items():
+                    tot, ok = tally.get((region, k), (0, 0))
+                    tally[(region, k)] = (tot + 1, ok + (b == want_bits))
+
+        prev_p, prev_s = a["init"], a["init_sum"]
+        for s, rec in enumerate(a["steps"], start=1):
+            two, one = clr_candidates(case["lr"], case["lr_decay"], float(s))
+            for t, n in enumerate(case["sizes"]):
+                g0 = rec["grads"][t].numpy()
+                p0, s0 = prev_p[t].numpy(), prev_s[t].numpy()
+                p1, s1 = rec["param"][t].numpy(), rec["sum"][t].numpy()
+                for i in range(n):
+                    region = "body" if i < n - n % 8 else "tail"
+                    g = F(-g0[i]) if mx else F(g0[i])
+                    if case["wd"] != 0:
+                        gs = {"g=g+p*wd": F(g + F(p0[i] * wd)),
+                              "g=fma(p,wd,g)": F(fma32(float(p0[i]), float(wd), float(g)))}
+                    else:
+                        gs = {"g": g}
+                    cands = {}
+                    for gk, gv in gs.items():
+                        cands[gk + " s=s+g*g"] = F(s0[i] + F(gv * gv))
+                        cands[gk + " s=fma(g,g,s)"] = fma32(float(gv), float(gv), float(s0[i]))
+                    score(region, cands, f32_bits_of(float(s1[i])))
+                    # p from torch's own sum, so only the update's rounding is under test
+                    std = F(F(np.sqrt(s1[i])) + ef)
+                    pc = {}
+                    for gk, gv in gs.items():
+                        for ck, c in (("clr twice", two), ("clr fma", one)):
+                            pc[f"{gk} {ck} p=p-(clr*g)/std"] = F(p0[i] - F(F(F(c) * gv) / std))
+                            pc[f"{gk} {ck} p=p-clr*(g/std)"] = F(p0[i] - F(F(c) * F(gv / std)))
+                    score(region, pc, f32_bits_of(float(p1[i])))
+            prev_p, prev_s = rec["param"], rec["sum"]
+        print(f"Adagrad {case['name']}: matches / elements compared (where the candidates differ)")
+        for (region, k), (tot, ok) in sorted(tally.items()):
+            print(f"  {region:4s} {k:42s} {ok:6d} / {tot}")
 
 
 # ---------------------------------------------------------------- SignSGD
@@ -866,11 +1129,12 @@ def main():
     ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
     ap.add_argument("--any-capability", action="store_true",
                     help="allow a CPU capability other than AVX2 (files will differ)")
-    ap.add_argument("--only", default="adamw,sign_sgd,sgd,clip",
-                    help="comma-separated files to write: adamw, sign_sgd, sgd, clip (default all)")
+    ap.add_argument("--only", default="adamw,sign_sgd,sgd,clip,adagrad",
+                    help="comma-separated files to write: adamw, sign_sgd, sgd, clip, adagrad "
+                         "(default all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    unknown = only - {"adamw", "sign_sgd", "sgd", "clip"}
+    unknown = only - {"adamw", "sign_sgd", "sgd", "clip", "adagrad"}
     if unknown:
         sys.exit(f"unknown --only entries: {sorted(unknown)}")
     cap = torch.backends.cpu.get_cpu_capability()
@@ -896,6 +1160,11 @@ def main():
             analyze_adamw()
         if "sgd" in only:
             analyze_sgd()
+    if "adagrad" in only:
+        check_adagrad_amp()
+        write_adagrad(os.path.join(args.out, "adagrad_torch.txt"), header)
+        if args.analyze:
+            analyze_adagrad()
 
 
 if __name__ == "__main__":
