@@ -146,6 +146,96 @@ void check_source(std::size_t i, const ConstTensorView& src, const TensorView& d
   if (src.data != dst.data) add_range(ranges, src.data, src.bytes(), false, name);
 }
 
+// The AdamW hyper-parameters (docs/numerics.md section 9); amsgrad and maximize need the
+// torch formula.
+void check_adamw_config(const AdamWConfig& c) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.beta1, "config.beta1");
+  require_finite(c.beta2, "config.beta2");
+  require_finite(c.eps, "config.eps");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
+    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
+  if (c.formula == AdamWFormula::native && c.amsgrad)
+    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula");
+  if (c.formula == AdamWFormula::native && c.maximize)
+    fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
+    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
+  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
+    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
+  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
+    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
+  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (c.lr * c.weight_decay > 1.0)
+    fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
+  if (c.formula == AdamWFormula::native) {
+    // The native formula rounds the hyper-parameters to f32 first: re-check there.
+    if (static_cast<float>(c.beta1) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
+    if (static_cast<float>(c.beta2) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
+    if (static_cast<double>(static_cast<float>(c.lr)) * static_cast<float>(c.weight_decay) > 1.0)
+      fail(Errc::out_of_range, "config.weight_decay", "f32(lr) * f32(weight_decay) must be <= 1");
+  }
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
+  if (static_cast<float>(c.eps) == 0.0f)
+    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+}
+
+// Checks tensor i's f32 step counter (its pointer; its value when host memory is read) and
+// adds its range.
+void check_step_counter(std::size_t i, float* step, StepCounters counters,
+                        std::vector<Range>& ranges) {
+  const Arg s{"tensors", i, "step"};
+  if (step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
+  if (reinterpret_cast<std::uintptr_t>(step) % alignof(float) != 0)
+    fail(Errc::invalid_argument, s, "step counter is not aligned to 4 bytes");
+  if (counters == StepCounters::read) {
+    const float v = *step;
+    if (!std::isfinite(v)) fail(Errc::non_finite, s, "step counter is not finite");
+    if (v < 0.0f || v != std::floor(v) || v >= 16777216.0f)
+      fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
+  }
+  add_range(ranges, step, sizeof(float), true, s);
+}
+
+// Checks OptimizerTensors with `used` state slots (f32, the param's size, optional
+// sources); the unused slots and their sources must be empty. Then the overlaps.
+void check_optimizer_tensors(std::span<const OptimizerTensor> tensors, int used,
+                             StepCounters counters) {
+  static const char* const kState[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
+  static const char* const kSource[kMaxOptimizerSlots] = {"state_src[0]", "state_src[1]",
+                                                          "state_src[2]"};
+  std::vector<Range> ranges;
+  ranges.reserve(tensors.size() * 11);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const OptimizerTensor& t = tensors[i];
+    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
+    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
+    for (int k = 0; k < kMaxOptimizerSlots; ++k) {
+      if (k < used) {
+        check_moment(i, t.state[k], n, kState[k], ranges);
+        check_source(i, t.state_src[k], t.state[k], kSource[k], kState[k], ranges);
+        continue;
+      }
+      if (has_view(t.state[k]))
+        fail(Errc::invalid_argument, Arg{"tensors", i, kState[k]},
+             "unused state slot must be empty (data null, 0 elements)");
+      if (has_view(t.state_src[k]))
+        fail(Errc::invalid_argument, Arg{"tensors", i, kSource[k]},
+             "source of an unused state slot must be empty");
+    }
+    check_step_counter(i, t.step, counters, ranges);
+  }
+  check_overlaps(ranges);
+}
+
 }  // namespace
 
 std::string Arg::str() const {
@@ -213,40 +303,13 @@ void validate_read(const GradientRead& read, const char* name) {
 }
 
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
-                    StepCounters counters) {
-  require_finite(c.lr, "config.lr");
-  require_finite(c.beta1, "config.beta1");
-  require_finite(c.beta2, "config.beta2");
-  require_finite(c.eps, "config.eps");
-  require_finite(c.weight_decay, "config.weight_decay");
-  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
-    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
-  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
-  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
-    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
-  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
-    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
-  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
-    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
-  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
-  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
-  if (c.lr * c.weight_decay > 1.0)
-    fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
-  if (c.formula == AdamWFormula::native) {
-    // The native formula rounds the hyper-parameters to f32 first: re-check there.
-    if (static_cast<float>(c.beta1) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
-    if (static_cast<float>(c.beta2) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
-    if (static_cast<double>(static_cast<float>(c.lr)) * static_cast<float>(c.weight_decay) > 1.0)
-      fail(Errc::out_of_range, "config.weight_decay", "f32(lr) * f32(weight_decay) must be <= 1");
-  }
-  if (!std::isfinite(static_cast<float>(c.lr)))
-    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
-  if (!std::isfinite(static_cast<float>(c.eps)))
-    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
-  if (static_cast<float>(c.eps) == 0.0f)
-    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+                    StepCounters counters, Maximize maximize) {
+  check_adamw_config(c);
+  if (c.amsgrad)
+    fail(Errc::invalid_argument, "config.amsgrad",
+         "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
+  if (c.maximize && maximize == Maximize::refused)
+    fail(Errc::not_supported, "config.maximize", "this entry point does not implement maximize");
   validate_read(read);
 
   std::vector<Range> ranges;
@@ -259,19 +322,44 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
     check_source(i, t.exp_avg_src, t.exp_avg, "exp_avg_src", "exp_avg", ranges);
     check_source(i, t.exp_avg_sq_src, t.exp_avg_sq, "exp_avg_sq_src", "exp_avg_sq", ranges);
-    const Arg s{"tensors", i, "step"};
-    if (t.step == nullptr) fail(Errc::null_pointer, s, "step counter is null");
-    if (reinterpret_cast<std::uintptr_t>(t.step) % alignof(float) != 0)
-      fail(Errc::invalid_argument, s, "step counter is not aligned to 4 bytes");
-    if (counters == StepCounters::read) {
-      const float step = *t.step;
-      if (!std::isfinite(step)) fail(Errc::non_finite, s, "step counter is not finite");
-      if (step < 0.0f || step != std::floor(step) || step >= 16777216.0f)
-        fail(Errc::out_of_range, s, "step counter must be an integer in [0, 2^24)");
-    }
-    add_range(ranges, t.step, sizeof(float), true, s);
+    check_step_counter(i, t.step, counters, ranges);
   }
   check_overlaps(ranges);
+}
+
+void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& c,
+                          GradientRead read, StepCounters counters) {
+  check_adamw_config(c);
+  validate_read(read);
+  check_optimizer_tensors(tensors, c.amsgrad ? 3 : 2, counters);
+}
+
+void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c, GradientRead read,
+                   StepCounters counters) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.beta1, "config.beta1");
+  require_finite(c.beta2, "config.beta2");
+  require_finite(c.eps, "config.eps");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
+    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
+  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
+    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
+  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
+    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
+  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
+  if (static_cast<float>(c.eps) == 0.0f)
+    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+  if (!std::isfinite(static_cast<float>(c.weight_decay)))
+    fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
+  validate_read(read);
+  check_optimizer_tensors(tensors, c.amsgrad ? 3 : 2, counters);
 }
 
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
