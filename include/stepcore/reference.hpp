@@ -19,7 +19,8 @@ namespace stepcore::reference {
 /// One AdamW update of every tensor, in place or out of place from its *_src views.
 /// Gradients are read with `read`; when `found_inf` is non-null and *found_inf != 0
 /// nothing is written (out-of-place destinations included) and no step counter
-/// advances. Determinism: bitwise (the definition itself).
+/// advances. config.maximize is computed (torch formula); config.amsgrad is refused (an
+/// AdamWTensor has no max_exp_avg_sq slot). Determinism: bitwise (the definition itself).
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                 GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
