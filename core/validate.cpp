@@ -165,6 +165,10 @@ void check_step_counter(std::size_t i, const float* step, StepCounters counters,
 
 // The names of OptimizerTensor::state[s] in errors about a slot the optimizer lacks.
 constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
+constexpr const char* kStateSourceFields[kMaxOptimizerSlots] = {"state_src[0]", "state_src[1]",
+                                                                "state_src[2]"};
+// Slot names of the reference's Adam/AdamW records: by index, as OptimizerTensor holds them.
+constexpr SlotNames kIndexedSlots{kStateFields, kStateSourceFields};
 // Throws unless a state slot the optimizer does not use (or its source) is empty.
 template <class View>
 void require_empty(const View& v, std::size_t i, const char* field, const char* why) {
@@ -245,6 +249,10 @@ void validate_adamw_config(const AdamWConfig& c) {
   require_finite(c.weight_decay, "config.weight_decay");
   if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
     fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
+  if (c.formula == AdamWFormula::native && c.amsgrad)
+    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula");
+  if (c.formula == AdamWFormula::native && c.maximize)
+    fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
   if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
   if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
     fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
@@ -274,8 +282,13 @@ void validate_adamw_config(const AdamWConfig& c) {
 }
 
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
-                    StepCounters counters) {
+                    StepCounters counters, Maximize maximize) {
   validate_adamw_config(c);
+  if (c.amsgrad)
+    fail(Errc::invalid_argument, "config.amsgrad",
+         "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
+  if (c.maximize && maximize == Maximize::refused)
+    fail(Errc::not_supported, "config.maximize", "this entry point does not implement maximize");
   validate_read(read);
 
   std::vector<Range> ranges;
@@ -306,10 +319,14 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
     for (int s = 0; s < kMaxOptimizerSlots; ++s) {
       if (s < used_slots) {
         check_source(i, t.state_src[s], t.state[s], names.source[s], names.slot[s], ranges);
-      } else if (has_view(t.state[s]) || has_view(t.state_src[s])) {
+      } else if (has_view(t.state[s])) {
         fail(Errc::invalid_argument, Arg{"tensors", i, kStateFields[s]},
              "this optimizer keeps " + std::to_string(used_slots) + " state arrays: state slot " +
                  std::to_string(s) + " must be empty");
+      } else if (has_view(t.state_src[s])) {
+        fail(Errc::invalid_argument, Arg{"tensors", i, kStateSourceFields[s]},
+             "this optimizer keeps " + std::to_string(used_slots) +
+                 " state arrays: the source of state slot " + std::to_string(s) + " must be empty");
       }
     }
     if (counts_steps) {
@@ -361,6 +378,41 @@ void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradCon
     check_step_counter(i, t.step, counters, ranges);
   }
   check_overlaps(ranges);
+}
+
+void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& c,
+                          GradientRead read, StepCounters counters) {
+  validate_adamw_config(c);
+  validate_read(read);
+  validate_optimizer_tensors(tensors, kIndexedSlots, c.amsgrad ? 3 : 2, true, counters);
+}
+
+void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c, GradientRead read,
+                   StepCounters counters) {
+  require_finite(c.lr, "config.lr");
+  require_finite(c.beta1, "config.beta1");
+  require_finite(c.beta2, "config.beta2");
+  require_finite(c.eps, "config.eps");
+  require_finite(c.weight_decay, "config.weight_decay");
+  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
+  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
+    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
+  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
+    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
+  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
+    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
+  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
+  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
+  if (static_cast<float>(c.eps) == 0.0f)
+    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+  if (!std::isfinite(static_cast<float>(c.weight_decay)))
+    fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
+  validate_read(read);
+  validate_optimizer_tensors(tensors, kIndexedSlots, c.amsgrad ? 3 : 2, true, counters);
 }
 
 void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {

@@ -18,12 +18,28 @@ namespace stepcore::detail {
 /// pointers (device memory, which the kernels read).
 enum class StepCounters : std::uint8_t { read, unread };
 
+/// Whether an AdamWTensor entry point implements AdamWConfig::maximize (the reference does;
+/// the engines that do not yet refuse it with Errc::not_supported naming "config.maximize").
+enum class Maximize : std::uint8_t { refused, supported };
+
 /// Throws unless every AdamW argument is valid (dtypes, sizes, pointers,
 /// overlaps, hyper-parameter ranges, step counters, read scalars). An out-of-place
 /// source (AdamWTensor::param_src, ...) is f32 with its destination's size and either is
-/// the destination or overlaps no written buffer of the call.
+/// the destination or overlaps no written buffer of the call. config.amsgrad is refused
+/// (an AdamWTensor has no max_exp_avg_sq slot), config.maximize unless `maximize` says so.
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                    GradientRead read, StepCounters counters = StepCounters::read);
+                    GradientRead read, StepCounters counters = StepCounters::read,
+                    Maximize maximize = Maximize::refused);
+/// Same for OptimizerTensors: state[0] exp_avg, state[1] exp_avg_sq, state[2]
+/// max_exp_avg_sq with amsgrad (else empty, its source too); amsgrad and maximize need the
+/// torch formula.
+void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
+                          GradientRead read, StepCounters counters = StepCounters::read);
+/// Adam (L2 decay): every hyper-parameter finite, lr >= 0 (f32(lr) finite), betas in [0, 1),
+/// eps > 0 (f32(eps) non-zero and finite), weight_decay >= 0 (f32 finite), tail width in
+/// [0, 64]; slots as validate_adamw_slots.
+void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
+                   GradientRead read, StepCounters counters = StepCounters::read);
 /// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);

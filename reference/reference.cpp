@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "core/fp_env.hpp"
 #include "core/step_scalars.hpp"
@@ -77,11 +79,95 @@ void copy_source(const ConstTensorView& src, const TensorView& dst) {
   std::memcpy(dst.data, src.data, src.bytes());
 }
 
+// The hyper-parameters of torch's fused Adam and AdamW, as the trainer holds them (double).
+struct TorchAdamHyper {
+  bool adamw = false;  // AdamW: decoupled decay p*(1 - lr*wd); Adam: L2, g + p*wd
+  double lr = 0.0, beta1 = 0.0, beta2 = 0.0, eps = 0.0, weight_decay = 0.0;
+  bool amsgrad = false, maximize = false;
+  int tail_width = 8;
+};
+
+// docs/numerics.md 8a, literally: torch.optim.Adam/AdamW(fused=True), f32 parameters. The
+// tensors are validated; state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq.
+void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const TorchAdamHyper& h,
+                            const GradientRead& read) {
+  for (const OptimizerTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    for (int k = 0; k < (h.amsgrad ? 3 : 2); ++k) copy_source(t.state_src[k], t.state[k]);
+    *t.step = *t.step + 1.0f;
+    // Scalars: binary64 on the host, each rounded to f32 once, as the spec lists them.
+    const double step = static_cast<double>(*t.step);
+    const bool decay_on = h.weight_decay != 0.0;
+    const float wd = static_cast<float>(h.weight_decay);                  // Adam
+    const float decay = static_cast<float>(1.0 - h.lr * h.weight_decay);  // AdamW
+    const float w = static_cast<float>(1.0 - h.beta1);
+    const bool small = std::fabs(w) < 0.5f;
+    const float coeff = small ? w : w - 1.0f;
+    const float b2 = static_cast<float>(h.beta2);
+    const float c2 = static_cast<float>(1.0 - h.beta2);
+    const double bc1 = 1.0 - std::pow(h.beta1, step);
+    const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(h.beta2, step)));
+    const float neg_step = static_cast<float>(-(h.lr / bc1));
+    const float eps = static_cast<float>(h.eps);
+
+    auto* P = static_cast<float*>(t.param.data);
+    auto* M = static_cast<float*>(t.state[0].data);
+    auto* V = static_cast<float*>(t.state[1].data);
+    auto* X = h.amsgrad ? static_cast<float*>(t.state[2].data) : nullptr;
+    const bool out = has_output(t.compute_param);
+    const std::size_t n = t.param.numel;
+    const std::size_t width = h.tail_width > 1 ? static_cast<std::size_t>(h.tail_width) : 1;
+    const std::size_t tail_begin = n - n % width;
+    for (std::size_t i = 0; i < n; ++i) {
+      const bool body = i < tail_begin;
+      float g = read_gradient(t.grad, i, read);
+      float p = P[i];
+      float m = M[i];
+      float v = V[i];
+      if (h.maximize) g = -g;
+      if (decay_on && !h.adamw) g = std::fma(p, wd, g);
+      if (decay_on && h.adamw) p = p * decay;
+      const float diff = g - m;
+      m = small ? std::fma(coeff, diff, m) : std::fma(coeff, diff, g);
+      const float cg = c2 * g;
+      if (body) {
+        const float v_keep = v * b2;
+        v = std::fma(cg, g, v_keep);
+      } else {
+        const float cgg = cg * g;
+        v = std::fma(v, b2, cgg);
+      }
+      float r = v;
+      if (h.amsgrad) {
+        float x = X[i];
+        if (body)
+          x = (std::isnan(x) || std::isnan(v)) ? std::numeric_limits<float>::quiet_NaN()
+                                               : (x > v ? x : v);
+        else
+          x = x < v ? v : x;
+        X[i] = x;
+        r = x;
+      }
+      const float root = std::sqrt(r);
+      const float scaled_root = root / bc2_sqrt;
+      const float denom = scaled_root + eps;
+      const float num = neg_step * m;
+      const float update = num / denom;
+      p = p + update;
+      P[i] = p;
+      M[i] = m;
+      V[i] = v;
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
 }  // namespace
 
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
                 const std::int32_t* found_inf) {
-  detail::validate_adamw(tensors, config, read);
+  detail::validate_adamw(tensors, config, read, detail::StepCounters::read,
+                         detail::Maximize::supported);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   for (const AdamWTensor& t : tensors) {
@@ -119,15 +205,16 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
         const float update = num / denom;
         p = p - update;
       } else {
+        const float ge = config.maximize ? -g : g;
         if (s.apply_decay) p = p * s.decay;
-        const float diff = g - m;
-        m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, g);
-        const float cg = s.one_minus_beta2 * g;
+        const float diff = ge - m;
+        m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, ge);
+        const float cg = s.one_minus_beta2 * ge;
         if (i < tail_begin) {
           const float v_keep = v * s.beta2;
-          v = std::fma(cg, g, v_keep);
+          v = std::fma(cg, ge, v_keep);
         } else {
-          const float cgg = cg * g;
+          const float cgg = cg * ge;
           v = std::fma(v, s.beta2, cgg);
         }
         const float root = std::sqrt(v);
@@ -143,6 +230,53 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
       if (out) store(t.compute_param, i, p);
     }
   }
+}
+
+void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
+                GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_adamw_slots(tensors, config, read);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  if (config.formula == AdamWFormula::native) {
+    // Without amsgrad and maximize (validated), the native formula is the AdamWTensor one.
+    std::vector<AdamWTensor> ts(tensors.size());
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      const OptimizerTensor& t = tensors[i];
+      ts[i] = AdamWTensor{t.param,         t.state[0],  t.state[1],     t.step,        t.grad,
+                          t.compute_param, t.param_src, t.state_src[0], t.state_src[1]};
+    }
+    adamw_step(std::span<const AdamWTensor>(ts), config, read, nullptr);
+    return;
+  }
+  TorchAdamHyper h;
+  h.adamw = true;
+  h.lr = config.lr;
+  h.beta1 = config.beta1;
+  h.beta2 = config.beta2;
+  h.eps = config.eps;
+  h.weight_decay = config.weight_decay;
+  h.amsgrad = config.amsgrad;
+  h.maximize = config.maximize;
+  h.tail_width = config.torch_tail_width;
+  torch_adam_family_step(tensors, h, read);
+}
+
+void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
+               GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_adam(tensors, config, read);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  TorchAdamHyper h;
+  h.adamw = false;
+  h.lr = config.lr;
+  h.beta1 = config.beta1;
+  h.beta2 = config.beta2;
+  h.eps = config.eps;
+  h.weight_decay = config.weight_decay;
+  h.amsgrad = config.amsgrad;
+  h.maximize = config.maximize;
+  h.tail_width = config.torch_tail_width;
+  torch_adam_family_step(tensors, h, read);
 }
 
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,

@@ -583,6 +583,7 @@ void beta2(Args& a, double v) { a.adamw.beta2 = v; }
 void eps(Args& a, double v) { a.adamw.eps = v; }
 void formula(Args& a, double v) { a.adamw.formula = static_cast<AdamWFormula>(v); }
 void tail_width(Args& a, double v) { a.adamw.torch_tail_width = static_cast<int>(v); }
+void amsgrad(Args& a, double v) { a.adamw.amsgrad = v != 0.0; }
 
 // Spoils the same field of tensors[0] of both optimizers.
 template <class F>
@@ -763,6 +764,8 @@ std::vector<Row> make_catalogue() {
                {fmax, ok}});
   rows.push_back({"config.formula", kAdamWConfig, formula, 7, invalid});
   rows.push_back({"config.torch_tail_width", kAdamWConfig, tail_width, 65, range});
+  // AdamWTensor lists have no max_exp_avg_sq slot (docs/numerics.md 8a).
+  rows.push_back({"config.amsgrad", kAdamWConfig, amsgrad, 1, invalid});
   scalar_rows(rows, "tensors[0].step", kStepValues, step_value,
               {{1.5, range}, {-1.0, range}, {16777216.0, range}, {0.0, ok}});
   // Tensors, grouped by the argument at fault.

@@ -1,4 +1,5 @@
-// Unit: every formula of stepcore::reference (AdamW native and torch, SignSGD, SGD, Adagrad,
+// Unit: every formula of stepcore::reference (AdamW native and torch, Adam, SignSGD, SGD,
+// Adagrad,
 // accumulate, scale_, the gradient read) against expectations computed here from
 // docs/numerics.md, independently of the library: hand-worked cases, a real-number
 // AdamW in long double, and per-element re-implementations over dtypes x sizes.
@@ -11,6 +12,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "core/step_scalars.hpp"
@@ -873,6 +876,182 @@ TYPED_TEST(GradType, ScaleInPlace) {
     for (std::size_t k = 0; k < bs.size(); ++k)
       EXPECT_EQ(bs[k].bytes(), want[k].bytes()) << "scale " << s;
   }
+}
+
+// ---- Adam, and AdamW's amsgrad and maximize (docs/numerics.md 8a) ----------------------
+
+struct AdamBufs {
+  std::vector<float> p, m, v, x;  // x: max_exp_avg_sq, empty without amsgrad
+  float step = 0.0f;
+  Buf g;
+  Buf out;
+  bool has_out = false;
+  bool ams = false;  // slot 2 in use
+
+  stepcore::OptimizerTensor tensor() {
+    stepcore::OptimizerTensor t;
+    t.param = stepcore::f32_view(p.data(), p.size());
+    t.state[0] = stepcore::f32_view(m.data(), m.size());
+    t.state[1] = stepcore::f32_view(v.data(), v.size());
+    if (ams) t.state[2] = stepcore::f32_view(x.data(), x.size());
+    t.step = &step;
+    t.grad = g.cview();
+    if (has_out) t.compute_param = out.view();
+    return t;
+  }
+};
+
+AdamBufs random_adam(std::mt19937_64& rng, std::size_t n, DType gdt, bool ams, bool out,
+                     DType odt) {
+  const AdamWBufs a = random_adamw(rng, n, gdt, out, odt);
+  AdamBufs b;
+  b.p = a.p;
+  b.m = a.m;
+  b.v = a.v;
+  b.step = a.step;
+  b.g = a.g;
+  b.out = a.out;
+  b.has_out = a.has_out;
+  b.ams = ams;
+  if (ams) {
+    b.x.resize(n);
+    // Old maxima below, equal to and above v, so both branches of the maximum are taken.
+    for (std::size_t i = 0; i < n; ++i)
+      b.x[i] = i % 3 == 0 ? b.v[i] : (i % 3 == 1 ? F(D(b.v[i]) * 0.5) : F(D(b.v[i]) * 3.0));
+  }
+  return b;
+}
+
+// One element of section 8a, from torch_scalars' pieces.
+struct AdamElementArgs {
+  TorchS s;
+  bool adamw = false, decay_on = false, ams = false, maxi = false;
+  float wd32 = 0.0f;
+};
+void adam_element(float& p, float& m, float& v, float* x, float g, const AdamElementArgs& a,
+                  bool tail) {
+  if (a.maxi) g = -g;
+  if (a.decay_on && !a.adamw) g = std::fma(p, a.wd32, g);
+  if (a.decay_on && a.adamw) p = F(D(p) * D(a.s.decay));
+  const float diff = F(D(g) - D(m));
+  m = a.s.small ? std::fma(a.s.coeff, diff, m) : std::fma(a.s.coeff, diff, g);
+  v = tail ? torch_v_tail(v, g, a.s) : torch_v_body(v, g, a.s);
+  float r = v;
+  if (a.ams) {
+    if (tail)
+      *x = *x < v ? v : *x;
+    else
+      *x = *x > v ? *x : v;  // no NaN here (the random state and gradients are finite)
+    r = *x;
+  }
+  const float d = F(D(F(D(F(std::sqrt(D(r)))) / D(a.s.bc2_sqrt))) + D(a.s.eps));
+  p = F(D(p) + D(F(D(F(D(a.s.neg_step) * D(m))) / D(d))));
+}
+
+TEST(ReferenceAdam, MatchesPerElementSpecOverDtypesSizesAndOptions) {
+  std::mt19937_64 rng(8080);
+  const DType dts[] = {DType::f32, DType::bf16, DType::f16};
+  int combo = 0;
+  for (const bool adamw : {false, true})
+    for (const bool ams : {false, true})
+      for (const bool maxi : {false, true})
+        for (const double wd : {0.0, 0.1, 0.37}) {
+          ++combo;
+          AdamWConfig wc;  // the scalars of 7.2 (lr, betas, eps; decay for AdamW)
+          wc.lr = 1e-2;
+          wc.beta1 = combo % 2 ? 0.9 : 0.3;
+          wc.beta2 = 0.99;
+          wc.eps = 1e-8;
+          wc.weight_decay = wd;
+          wc.amsgrad = ams;
+          wc.maximize = maxi;
+          stepcore::AdamConfig ac;
+          ac.lr = wc.lr;
+          ac.beta1 = wc.beta1;
+          ac.beta2 = wc.beta2;
+          ac.eps = wc.eps;
+          ac.weight_decay = wd;
+          ac.amsgrad = ams;
+          ac.maximize = maxi;
+          const GradientRead read{0.5f, combo % 3 ? 1.0f : 0.75f};
+          std::vector<AdamBufs> bufs;
+          std::size_t k = 0;
+          for (std::size_t n : boundary_sizes()) {
+            const DType gdt = dts[k % 3], odt = dts[(k + 1) % 3];
+            bufs.push_back(random_adam(rng, n, gdt, ams, k % 2 == 0, odt));
+            ++k;
+          }
+          std::vector<AdamBufs> want = bufs;
+          for (AdamBufs& e : want) {
+            e.step = e.step + 1.0f;
+            AdamElementArgs a;
+            a.s = torch_scalars(wc, e.step);
+            a.adamw = adamw;
+            a.decay_on = wd != 0.0;
+            a.ams = ams;
+            a.maxi = maxi;
+            a.wd32 = F(wd);
+            const std::size_t n = e.p.size();
+            for (std::size_t i = 0; i < n; ++i) {
+              const float g = read_grad(e.g, i, read);
+              adam_element(e.p[i], e.m[i], e.v[i], ams ? &e.x[i] : nullptr, g, a, i >= n - n % 8);
+              if (e.has_out) e.out.set(i, e.p[i]);
+            }
+          }
+          std::vector<stepcore::OptimizerTensor> ts;
+          for (AdamBufs& b : bufs) ts.push_back(b.tensor());
+          if (adamw)
+            ref::adamw_step(ts, wc, read);
+          else
+            ref::adam_step(ts, ac, read);
+          for (std::size_t i = 0; i < bufs.size(); ++i) {
+            SCOPED_TRACE("combo " + std::to_string(combo) + ", numel " +
+                         std::to_string(bufs[i].p.size()));
+            expect_same_bits(bufs[i].p, want[i].p, "param");
+            expect_same_bits(bufs[i].m, want[i].m, "exp_avg");
+            expect_same_bits(bufs[i].v, want[i].v, "exp_avg_sq");
+            expect_same_bits(bufs[i].x, want[i].x, "max_exp_avg_sq");
+            EXPECT_EQ(bits(bufs[i].step), bits(want[i].step));
+            EXPECT_EQ(bufs[i].g.bytes(), want[i].g.bytes()) << "grad was written";
+            EXPECT_EQ(bufs[i].out.bytes(), want[i].out.bytes()) << "compute_param";
+          }
+        }
+}
+
+TEST(ReferenceAdam, OutOfPlaceEqualsInPlaceAndFoundInfWritesNothing) {
+  std::mt19937_64 rng(99);
+  stepcore::AdamConfig c;
+  c.amsgrad = true;
+  c.weight_decay = 0.05;
+  AdamBufs in_place = random_adam(rng, 37, DType::bf16, true, true, DType::f16);
+  AdamBufs dst = in_place;  // destinations with other contents, sources = the old state
+  const AdamBufs src = in_place;
+  for (float& e : dst.p) e = 7.0f;
+  for (float& e : dst.m) e = 7.0f;
+  for (float& e : dst.v) e = 7.0f;
+  for (float& e : dst.x) e = 7.0f;
+  std::vector<stepcore::OptimizerTensor> a{in_place.tensor()};
+  ref::adam_step(a, c);
+  stepcore::OptimizerTensor t = dst.tensor();
+  t.param_src = {src.p.data(), src.p.size(), DType::f32};
+  t.state_src[0] = {src.m.data(), src.m.size(), DType::f32};
+  t.state_src[1] = {src.v.data(), src.v.size(), DType::f32};
+  t.state_src[2] = {src.x.data(), src.x.size(), DType::f32};
+  ref::adam_step(std::span<const stepcore::OptimizerTensor>(&t, 1), c);
+  expect_same_bits(dst.p, in_place.p, "param");
+  expect_same_bits(dst.m, in_place.m, "exp_avg");
+  expect_same_bits(dst.v, in_place.v, "exp_avg_sq");
+  expect_same_bits(dst.x, in_place.x, "max_exp_avg_sq");
+  EXPECT_EQ(dst.out.bytes(), in_place.out.bytes());
+  // found_inf: every buffer and the counter stay as they were.
+  const AdamBufs before = in_place;
+  const std::int32_t flag = 1;
+  std::vector<stepcore::OptimizerTensor> b{in_place.tensor()};
+  ref::adam_step(b, c, {}, &flag);
+  expect_same_bits(in_place.p, before.p, "param");
+  expect_same_bits(in_place.x, before.x, "max_exp_avg_sq");
+  EXPECT_EQ(bits(in_place.step), bits(before.step));
+  EXPECT_EQ(in_place.out.bytes(), before.out.bytes());
 }
 
 // ---- hand-worked scale_, accumulate, SignSGD --------------------------------------------

@@ -23,6 +23,7 @@ namespace {
 
 using stepcore::AccumulatePair;
 using stepcore::AdagradConfig;
+using stepcore::AdamConfig;
 using stepcore::AdamWConfig;
 using stepcore::AdamWFormula;
 using stepcore::AdamWTensor;
@@ -564,6 +565,206 @@ TEST_F(AdagradFixture, TensorsSlotsAndStepCounters) {
   ok.state_src[0] = ok.state[0];
   ok.param_src = {arena.alloc<float>(6), 6, DType::f32};
   EXPECT_NO_THROW(ref::adagrad_step(with(ok), AdagradConfig{}));
+}
+
+// ---- Adam, and AdamW on OptimizerTensors (amsgrad, maximize) ---------------------------
+
+struct AdamFixture : ::testing::Test {
+  Arena arena;
+  std::vector<OptimizerTensor> valid;  // tensors[0..2], with a max_exp_avg_sq slot
+
+  // A tensor with slots 0 and 1, and slot 2 (max_exp_avg_sq) when `max_slot`.
+  OptimizerTensor make(std::size_t n, bool max_slot = true, DType gdt = DType::f32,
+                       bool out = true) {
+    OptimizerTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    for (int k = 0; k < (max_slot ? 3 : 2); ++k)
+      t.state[k] = {arena.alloc<float>(n), n, DType::f32};
+    t.step = arena.alloc<float>(1);
+    *t.step = 3.0f;
+    t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};
+    if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, DType::bf16};
+    return t;
+  }
+  void SetUp() override {
+    valid.push_back(make(5));
+    valid.push_back(make(17, true, DType::bf16));
+    valid.push_back(make(8, true, DType::f16, false));
+  }
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad, bool max_slots = true) {
+    std::vector<OptimizerTensor> v = valid;
+    if (!max_slots)
+      for (auto& t : v) t.state[2] = {};
+    v.push_back(bad);
+    return v;
+  }
+  static AdamConfig ams() {
+    AdamConfig c;
+    c.amsgrad = true;
+    return c;
+  }
+  void expect_adam(const std::vector<OptimizerTensor>& ts, const AdamConfig& c, Errc code,
+                   const std::string& arg, const std::int32_t* found_inf = nullptr) {
+    expect_error(arena, [&] { ref::adam_step(ts, c, {}, found_inf); }, code, {arg});
+  }
+  void expect_adamw(const std::vector<OptimizerTensor>& ts, const AdamWConfig& c, Errc code,
+                    const std::string& arg) {
+    expect_error(arena, [&] { ref::adamw_step(ts, c); }, code, {arg});
+  }
+  // A bad tensors[3] is refused by Adam and by AdamW (both with amsgrad).
+  void expect_tensor(const OptimizerTensor& bad, Errc code, const std::string& arg) {
+    expect_adam(with(bad), ams(), code, arg);
+    AdamWConfig w;
+    w.amsgrad = true;
+    expect_adamw(with(bad), w, code, arg);
+  }
+};
+
+TEST_F(AdamFixture, ValidCallsWriteTheArena) {
+  auto before = arena.snapshot();
+  ref::adam_step(with(make(9)), ams());
+  EXPECT_FALSE(arena.same(before));
+  EXPECT_EQ(*valid[0].step, 4.0f);
+  before = arena.snapshot();
+  AdamWConfig w;
+  w.amsgrad = true;
+  w.maximize = true;
+  ref::adamw_step(with(make(9)), w);
+  EXPECT_FALSE(arena.same(before));
+  EXPECT_EQ(*valid[0].step, 5.0f);
+  // found_inf set: nothing is written, no counter advances.
+  const auto ts = with(make(9));
+  before = arena.snapshot();
+  const std::int32_t flag = 1;
+  ref::adam_step(ts, ams(), {}, &flag);
+  EXPECT_TRUE(arena.same(before));
+}
+
+TEST_F(AdamFixture, AdamHyperParameters) {
+  auto cfg = [](auto set) {
+    AdamConfig c;
+    set(c);
+    return c;
+  };
+  const auto ts = with(make(9, false), false);
+  const auto expect_config = [&](const AdamConfig& c, Errc code, const std::string& arg) {
+    expect_adam(ts, c, code, arg);
+  };
+  expect_config(cfg([](AdamConfig& c) { c.lr = kNaN; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](AdamConfig& c) { c.lr = kInf; }), Errc::non_finite, "config.lr");
+  expect_config(cfg([](AdamConfig& c) { c.lr = -1e-3; }), Errc::invalid_argument, "config.lr");
+  expect_config(cfg([](AdamConfig& c) { c.lr = 1e300; }), Errc::out_of_range, "config.lr");
+  expect_config(cfg([](AdamConfig& c) { c.beta1 = kNaN; }), Errc::non_finite, "config.beta1");
+  expect_config(cfg([](AdamConfig& c) { c.beta1 = 1.0; }), Errc::invalid_argument, "config.beta1");
+  expect_config(cfg([](AdamConfig& c) { c.beta1 = -0.1; }), Errc::invalid_argument, "config.beta1");
+  expect_config(cfg([](AdamConfig& c) { c.beta2 = kInf; }), Errc::non_finite, "config.beta2");
+  expect_config(cfg([](AdamConfig& c) { c.beta2 = 1.0; }), Errc::invalid_argument, "config.beta2");
+  expect_config(cfg([](AdamConfig& c) { c.beta2 = -0.1; }), Errc::invalid_argument, "config.beta2");
+  expect_config(cfg([](AdamConfig& c) { c.eps = 0.0; }), Errc::invalid_argument, "config.eps");
+  expect_config(cfg([](AdamConfig& c) { c.eps = -1e-8; }), Errc::invalid_argument, "config.eps");
+  expect_config(cfg([](AdamConfig& c) { c.eps = kNaN; }), Errc::non_finite, "config.eps");
+  expect_config(cfg([](AdamConfig& c) { c.eps = 1e-60; }), Errc::out_of_range, "config.eps");
+  expect_config(cfg([](AdamConfig& c) { c.eps = 1e300; }), Errc::out_of_range, "config.eps");
+  expect_config(cfg([](AdamConfig& c) { c.weight_decay = -0.01; }), Errc::invalid_argument,
+                "config.weight_decay");
+  expect_config(cfg([](AdamConfig& c) { c.weight_decay = kNaN; }), Errc::non_finite,
+                "config.weight_decay");
+  expect_config(cfg([](AdamConfig& c) { c.weight_decay = kInf; }), Errc::non_finite,
+                "config.weight_decay");
+  expect_config(cfg([](AdamConfig& c) { c.weight_decay = 1e300; }), Errc::out_of_range,
+                "config.weight_decay");  // Inf in f32
+  expect_config(cfg([](AdamConfig& c) { c.torch_tail_width = -1; }), Errc::out_of_range,
+                "config.torch_tail_width");
+  expect_config(cfg([](AdamConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range,
+                "config.torch_tail_width");
+  // Validation comes before found_inf.
+  const std::int32_t flag = 1;
+  expect_adam(ts, cfg([](AdamConfig& c) { c.beta1 = 1.0; }), Errc::invalid_argument, "config.beta1",
+              &flag);
+  // Boundary values that are valid (L2 decay has no lr * wd <= 1 rule).
+  for (auto c : {cfg([](AdamConfig& c) { c.lr = 0.0; }),
+                 cfg([](AdamConfig& c) { c.beta1 = 0.0, c.beta2 = 0.0; }),
+                 cfg([](AdamConfig& c) { c.lr = 0.5, c.weight_decay = 3.0; }),
+                 cfg([](AdamConfig& c) { c.maximize = true, c.torch_tail_width = 64; })})
+    EXPECT_NO_THROW(ref::adam_step(ts, c));
+}
+
+TEST_F(AdamFixture, AmsgradAndMaximizeNeedTheTorchFormula) {
+  AdamWConfig c;
+  c.formula = AdamWFormula::native;
+  c.amsgrad = true;
+  expect_adamw(with(make(9)), c, Errc::invalid_argument, "config.amsgrad");
+  c.amsgrad = false;
+  c.maximize = true;
+  expect_adamw(with(make(9, false), false), c, Errc::invalid_argument, "config.maximize");
+  // The native formula without them runs on OptimizerTensors too.
+  c.maximize = false;
+  EXPECT_NO_THROW(ref::adamw_step(with(make(9, false), false), c));
+}
+
+TEST_F(AdamFixture, AdamWTensorRefusesAmsgradAndAcceptsMaximize) {
+  std::vector<AdamWTensor> ts(1);
+  ts[0].param = valid[0].param;
+  ts[0].exp_avg = valid[0].state[0];
+  ts[0].exp_avg_sq = valid[0].state[1];
+  ts[0].step = valid[0].step;
+  ts[0].grad = valid[0].grad;
+  AdamWConfig c;
+  c.amsgrad = true;
+  expect_error(arena, [&] { ref::adamw_step(ts, c); }, Errc::invalid_argument, {"config.amsgrad"});
+  c.amsgrad = false;
+  c.maximize = true;
+  EXPECT_NO_THROW(ref::adamw_step(ts, c));
+  c.formula = AdamWFormula::native;
+  expect_error(arena, [&] { ref::adamw_step(ts, c); }, Errc::invalid_argument, {"config.maximize"});
+}
+
+TEST_F(AdamFixture, StateSlots) {
+  const std::string n = "tensors[3].";
+  auto bad = [&](auto mutate) {
+    OptimizerTensor t = make(6);
+    mutate(t);
+    return t;
+  };
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::bf16; }),
+                Errc::unsupported_dtype, n + "state[0]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[1].numel = 5; }), Errc::size_mismatch,
+                n + "state[1]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[2] = {}; }), Errc::size_mismatch,
+                n + "state[2]");  // amsgrad needs max_exp_avg_sq
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[2].data = nullptr; }), Errc::null_pointer,
+                n + "state[2]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[2].data = t.state[1].data; }), Errc::overlap,
+                {n + "state[2]"});
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.state_src[1] = {t.state[0].data, 5, DType::f32};
+                }),
+                Errc::size_mismatch, n + "state_src[1]");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.state_src[2] = {t.grad.data, 6, DType::f16};
+                }),
+                Errc::unsupported_dtype, n + "state_src[2]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.step = nullptr; }), Errc::null_pointer, n + "step");
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }),
+                Errc::unsupported_dtype, n + "param");
+  // Without amsgrad, slot 2 and its source must be empty.
+  const auto no_max = [&](auto mutate) {
+    OptimizerTensor t = make(6, false);
+    mutate(t);
+    return with(t, false);
+  };
+  expect_adam(no_max([&](OptimizerTensor& t) { t.state[2] = valid[0].state[2]; }), AdamConfig{},
+              Errc::invalid_argument, n + "state[2]");
+  expect_adam(no_max([&](OptimizerTensor& t) { t.state_src[2] = valid[0].state[2]; }), AdamConfig{},
+              Errc::invalid_argument, n + "state_src[2]");
+  expect_adamw(no_max([&](OptimizerTensor& t) { t.state[2] = valid[0].state[2]; }), AdamWConfig{},
+               Errc::invalid_argument, n + "state[2]");
+  // An out-of-place source of a valid slot is accepted (the destination itself, or disjoint).
+  OptimizerTensor oop = make(6);
+  float* src = arena.alloc<float>(6);
+  oop.state_src[2] = {src, 6, DType::f32};
+  oop.state_src[0] = {oop.state[0].data, 6, DType::f32};
+  EXPECT_NO_THROW(ref::adam_step(with(oop), ams()));
 }
 
 // ---- SignSGD ---------------------------------------------------------------------------

@@ -27,12 +27,34 @@ struct AdamWConfig {
   double eps = 1e-8;
   double weight_decay = 0.01;
   AdamWFormula formula = AdamWFormula::torch;
+  // amsgrad and maximize sit in the padding after `formula`, so sizeof(AdamWConfig) is
+  // unchanged (kernels/checked_plans.cpp pins it) and no initialisation changes meaning.
+  /// torch formula only: keep max_exp_avg_sq (state slot 2) and divide by its square root
+  /// (docs/numerics.md 8a). Needs an OptimizerTensor with three state slots.
+  bool amsgrad = false;
+  /// torch formula only: step along +gradient (the read gradient is negated first).
+  bool maximize = false;
   /// torch formula only: torch's kernel runs its last (numel mod W) elements of
   /// each tensor through a scalar loop that its compiler fused as v = fma(v, b2, c*g*g),
   /// while the vector body computes v = fma(c*g, g, v*b2). W is the width in floats of
   /// the torch kernel that runs: 8 on every AVX2 and AVX-512 processor (torch 2.15
   /// dispatches its AVX2 build of fused AdamW on AVX-512; docs/numerics.md 7.2). 0 or 1:
   /// use the vector-body form everywhere.
+  int torch_tail_width = 8;
+};
+
+/// Adam hyper-parameters (L2 weight decay: the gradient becomes g + p*wd), reproducing
+/// torch.optim.Adam(fused=True) on CPU with f32 parameters bit for bit (docs/numerics.md
+/// 8a). State slots: exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad.
+struct AdamConfig {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool amsgrad = false;   ///< keep max_exp_avg_sq and divide by its square root
+  bool maximize = false;  ///< step along +gradient
+  /// Width of torch's vector body (AdamWConfig::torch_tail_width): 8 on AVX2 and AVX-512.
   int torch_tail_width = 8;
 };
 

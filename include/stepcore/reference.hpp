@@ -19,9 +19,23 @@ namespace stepcore::reference {
 /// One AdamW update of every tensor, in place or out of place from its *_src views.
 /// Gradients are read with `read`; when `found_inf` is non-null and *found_inf != 0
 /// nothing is written (out-of-place destinations included) and no step counter
-/// advances. Determinism: bitwise (the definition itself).
+/// advances. config.maximize is computed (torch formula); config.amsgrad is refused (an
+/// AdamWTensor has no max_exp_avg_sq slot). Determinism: bitwise (the definition itself).
 void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                 GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
+/// One AdamW update of OptimizerTensors (slots exp_avg, exp_avg_sq, max_exp_avg_sq with
+/// amsgrad), with amsgrad and maximize. Torch formula only: the native formula refuses
+/// config.amsgrad and config.maximize. Otherwise as the AdamWTensor overload.
+/// Determinism: bitwise (the definition itself).
+void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
+                GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
+/// One Adam (L2 weight decay) update of every tensor, torch.optim.Adam(fused=True)'s
+/// arithmetic (docs/numerics.md 8a); found_inf and read as adamw_step.
+/// Determinism: bitwise (the definition itself).
+void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
+               GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
 /// One SignSGD update of every tensor (in place, or out of place from param_src). The
 /// positive `read` scale and clip do not change a sign and are not applied (they are

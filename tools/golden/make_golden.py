@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
-# bit for bit against stepcore's scalar reference (AdamW torch formula, SignSGD, SGD, clip,
-# Adagrad).
+# bit for bit against stepcore's scalar reference (AdamW torch formula, Adam and AdamW with
+# amsgrad/maximize, SignSGD, SGD, clip, Adagrad).
 """Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
 
 Run from the repository root:
@@ -16,8 +16,8 @@ version and on its CPU capability (the AVX2 build here: `torch.backends.cpu.
 get_cpu_capability()`); both are written into every file's header and the script
 refuses to run on another capability unless --any-capability is given.
 
-File format (all four files)
------------------------------
+File format (every file)
+------------------------
 Plain ASCII, one record per line: a keyword followed by space-separated tokens.
 Lines that are empty or start with '#' are comments. Numbers are:
 
@@ -66,6 +66,28 @@ adagrad_torch.txt -- torch.optim.Adagrad(params, lr, lr_decay, weight_decay,
 
   Case clr_fma has an lr chosen so that f32(clr) differs between the binary64 denominator
   1 + (step - 1) * lr_decay rounded twice and rounded once (an FMA) at some of its steps.
+
+adam_torch.txt -- torch.optim.Adam or torch.optim.AdamW(params, lr, betas, eps, weight_decay,
+                  amsgrad, maximize, fused=True), f32 params and f32 gradients
+
+    case <name> <adam|adamw> <amsgrad: 0|1> <maximize: 0|1> <tensor count K> <step count S>
+    hparams <lr> <beta1> <beta2> <eps> <weight_decay>
+    sizes <n_0> ... <n_{K-1}>
+    init_param <t> <f32>...            K lines; exp_avg, exp_avg_sq (and max_exp_avg_sq) start
+                                       at +0
+    then S times:
+      step <s>                         s = 1..S
+      grad <t> <f32>...                K lines, the gradient of this step
+      param <t> <f32>...               K lines each: the state after torch's step
+      exp_avg <t> <f32>...
+      exp_avg_sq <t> <f32>...
+      max_exp_avg_sq <t> <f32>...      only when amsgrad is 1
+      step_count <t> <f32>             torch's f32 state['step']
+    end
+
+  Case names ending in "_nan" have NaN gradients; torch's NaN results are written with their
+  bits, but docs/numerics.md specifies only that they are NaN (a replay compares NaN-ness
+  there, bits everywhere else).
 
 sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
 
@@ -635,6 +657,196 @@ def analyze_adagrad():
             print(f"  {region:4s} {k:42s} {ok:6d} / {tot}")
 
 
+# ---------------------------------------------------------------- Adam, amsgrad, maximize
+
+SIZES_ADAM_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
+SIZES_ADAM_SMALL = [0, 1, 7, 8, 9, 31, 32, 33, 100]
+
+
+def adam_cases():
+    d = (0.9, 0.999)
+    full, small = SIZES_ADAM_FULL, SIZES_ADAM_SMALL
+    return [
+        dict(name="adam_wd_full", opt="adam", ams=False, maxi=False, sizes=full, lr=1e-3, betas=d,
+             eps=1e-8, wd=0.1, seed=401, grad_scales=[1.0, 1e-2], specials=True),
+        dict(name="adam_ams_max_wd_beta1_0.3_full", opt="adam", ams=True, maxi=True, sizes=full,
+             lr=3e-3, betas=(0.3, 0.95), eps=1e-8, wd=0.37, seed=402, grad_scales=[1.0, 1e-2],
+             specials=True),
+        dict(name="adam_wd0", opt="adam", ams=False, maxi=False, sizes=small, lr=1e-2, betas=d,
+             eps=1e-8, wd=0.0, seed=403, grad_scales=[1.0, 0.1, 10.0, 1e-4], specials=True),
+        dict(name="adam_ams_wd", opt="adam", ams=True, maxi=False, sizes=small, lr=1e-3, betas=d,
+             eps=1e-8, wd=0.01, seed=404, grad_scales=[1.0, 1e-2, 3.0, 1e-3], specials=True),
+        dict(name="adam_max_wd0_beta1_0.5", opt="adam", ams=False, maxi=True, sizes=small, lr=1e-2,
+             betas=(0.5, 0.99), eps=1e-6, wd=0.0, seed=405, grad_scales=[1.0, 2.0, 1e-3, 1.0],
+             specials=True),
+        dict(name="adam_max_wd", opt="adam", ams=False, maxi=True, sizes=small, lr=1e-3,
+             betas=(0.8, 0.9), eps=1e-8, wd=0.3, seed=406, grad_scales=[1.0, 0.5, 1e-2, 1.0],
+             specials=True),
+        dict(name="adamw_ams_wd", opt="adamw", ams=True, maxi=False, sizes=small, lr=1e-3, betas=d,
+             eps=1e-8, wd=0.01, seed=407, grad_scales=[1.0, 1e-2, 3.0, 1e-3], specials=True),
+        dict(name="adamw_max_beta1_0.3", opt="adamw", ams=False, maxi=True, sizes=small, lr=1e-2,
+             betas=(0.3, 0.999), eps=1e-8, wd=0.1, seed=408, grad_scales=[1.0, 0.1, 1.0, 5.0],
+             specials=True),
+        dict(name="adamw_ams_max_wd0", opt="adamw", ams=True, maxi=True, sizes=small, lr=1e-2,
+             betas=(0.9, 0.99), eps=1e-8, wd=0.0, seed=409, grad_scales=[1.0, 1e-3, 1.0, 1e-2],
+             specials=True),
+        dict(name="adamw_ams_max_wd_full", opt="adamw", ams=True, maxi=True, sizes=full, lr=1e-3,
+             betas=d, eps=1e-8, wd=0.05, seed=410, grad_scales=[1.0, 1e-2], specials=True),
+        # NaN gradients in step 2: amsgrad's maximum propagates NaN in torch's vector body
+        # and keeps the old maximum in its scalar tail (std::max with a NaN second operand)
+        dict(name="adam_ams_wd_nan", opt="adam", ams=True, maxi=False, sizes=[7, 9, 16, 17],
+             lr=1e-3, betas=d, eps=1e-8, wd=0.01, seed=411, grad_scales=[1.0, 1.0, 1.0],
+             specials=False, nan_step=2),
+    ]
+
+
+def run_adam(case, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(case["seed"])
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.5) for n in case["sizes"]]
+    out = {"init": [p.detach().clone() for p in params], "steps": []}
+    cls = torch.optim.Adam if case["opt"] == "adam" else torch.optim.AdamW
+    opt = cls(params, lr=case["lr"], betas=case["betas"], eps=case["eps"],
+              weight_decay=case["wd"], amsgrad=case["ams"], maximize=case["maxi"], fused=True)
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if case["ams"] else [])
+    for s, scale in enumerate(case["grad_scales"], start=1):
+        grads = [make_grad(gen, n, scale, torch.float32, case["specials"]) for n in case["sizes"]]
+        if case.get("nan_step") == s:
+            for g in grads:          # NaN in the first and the last element
+                if g.numel():
+                    g[0] = float("nan")
+                    g[-1] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "step": []}
+        for k in keys:
+            rec[k] = [opt.state[p][k].clone() for p in params]
+        for p in params:
+            st = opt.state[p]["step"]
+            assert st.dtype == torch.float32
+            rec["step"].append(st.clone().reshape(1))
+        out["steps"].append(rec)
+    return out, keys
+
+
+def write_adam(path, header):
+    lines = list(header)
+    lines += ["# torch.optim.Adam / AdamW(params, lr, betas, eps, weight_decay, amsgrad, maximize,",
+              "# fused=True), f32 params and gradients."]
+    for case in adam_cases():
+        a, keys = run_adam(case, 1)
+        b, _ = run_adam(case, 2)
+        for ra, rb in zip(a["steps"], b["steps"]):
+            for key in ["param"] + keys:
+                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
+                    f"{case['name']}: thread count changed {key}"
+        torch.set_num_threads(1)
+        K, S = len(case["sizes"]), len(case["grad_scales"])
+        lines.append(f"# {case['opt']} lr={case['lr']!r} betas={case['betas']!r} eps={case['eps']!r} "
+                     f"weight_decay={case['wd']!r} amsgrad={case['ams']} maximize={case['maxi']} "
+                     f"seed={case['seed']}")
+        lines.append(line("case", case["name"], case["opt"], int(case["ams"]), int(case["maxi"]),
+                          K, S))
+        lines.append(line("hparams", case["lr"].hex(), case["betas"][0].hex(),
+                          case["betas"][1].hex(), case["eps"].hex(), case["wd"].hex()))
+        lines.append(line("sizes", *case["sizes"]))
+        for t, p in enumerate(a["init"]):
+            lines.append(tensor_line("init_param", t, p))
+        for s, rec in enumerate(a["steps"], start=1):
+            lines.append(line("step", s))
+            for t, g in enumerate(rec["grads"]):
+                lines.append(tensor_line("grad", t, g))
+            for key in ["param"] + keys:
+                for t, x in enumerate(rec[key]):
+                    lines.append(tensor_line(key, t, x))
+            for t, x in enumerate(rec["step"]):
+                lines.append(tensor_line("step_count", t, x))
+        lines.append("end")
+    write(path, lines)
+
+
+def analyze_adam():
+    """Per element, which candidate rounding reproduces torch's Adam/AdamW with L2 decay,
+    amsgrad and maximize (the evidence behind docs/numerics.md 8a). The gradient candidates
+    (L2 decay fused or not, in f32 or double, negation before or after it) are scored through
+    the m and v they produce with the established lerp and v forms; p is checked from torch's
+    own m, v and max, with the denominator from the new max or from v. Counted only where
+    the candidates disagree, except p and max (always)."""
+    import numpy as np
+    F = np.float32
+    for case in adam_cases():
+        if case.get("nan_step"):
+            continue
+        a, keys = run_adam(case, 1)
+        adam = case["opt"] == "adam"
+        lr, (b1, b2), eps, wd = case["lr"], case["betas"], case["eps"], case["wd"]
+        ams, maxi = case["ams"], case["maxi"]
+        tally = {}
+
+        def score(region, cands, want_bits, always=False):
+            got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
+            if always or len(set(got.values())) > 1:
+                for k, b in got.items():
+                    tot, ok = tally.get((region, k), (0, 0))
+                    tally[(region, k)] = (tot + 1, ok + (b == want_bits))
+
+        zeros = [torch.zeros(n) for n in case["sizes"]]
+        prev = {"param": a["init"], "exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": zeros}
+        for s, rec in enumerate(a["steps"], start=1):
+            w = F(1 - b1)
+            small = abs(w) < F(0.5)
+            coeff = w if small else F(w - F(1))
+            b2f, c2, wd32, dec = F(b2), F(1 - b2), F(wd), F(1 - lr * wd)
+            ss, bc2s, ef = F(-(lr / (1 - b1 ** s))), F(math.sqrt(1 - b2 ** s)), F(eps)
+            for t, n in enumerate(case["sizes"]):
+                g = rec["grads"][t].numpy()
+                p0, m0, v0 = (prev[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
+                x0 = prev["max_exp_avg_sq"][t].numpy() if ams else None
+                p1, m1, v1 = (rec[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
+                x1 = rec["max_exp_avg_sq"][t].numpy() if ams else None
+                for i in range(n):
+                    region = "body" if i < n - n % 8 else "tail"
+                    gi = F(-g[i]) if maxi else g[i]
+                    if adam and wd != 0:
+                        gc = {"g=fma(p,f32(wd),g)": fma32(float(p0[i]), float(wd32), float(gi)),
+                              "g=g+RN(p*f32(wd))": F(gi + F(p0[i] * wd32)),
+                              "g=f32(g+p*wd) double": F(float(gi) + float(p0[i]) * wd)}
+                        if maxi:
+                            gc["g=-fma(p,f32(wd),g)"] = -fma32(float(p0[i]), float(wd32), float(g[i]))
+                    elif maxi:
+                        gc = {"g=-g": gi, "g=g (not negated)": g[i]}
+                    else:
+                        gc = {"g": gi}
+                    mc, vc = {}, {}
+                    for k, ge in gc.items():
+                        ge = F(ge)
+                        diff = F(ge - m0[i])
+                        mc["m: " + k] = fma32(float(coeff), float(diff), float(m0[i] if small else ge))
+                        cg, vb = F(c2 * ge), F(v0[i] * b2f)
+                        vc["v: " + k] = (fma32(float(cg), float(ge), float(vb)) if region == "body"
+                                         else fma32(float(v0[i]), float(b2f), float(F(cg * ge))))
+                    score(region, mc, f32_bits_of(float(m1[i])))
+                    score(region, vc, f32_bits_of(float(v1[i])))
+                    dens = {"p: denominator from v": v1[i]}
+                    if ams:
+                        score(region, {"max=max(old max, new v)": max(x0[i], v1[i])},
+                              f32_bits_of(float(x1[i])), always=True)
+                        dens = {"p: denominator from new max": x1[i], **dens}
+                    pc = {}
+                    for k, r in dens.items():
+                        den = F(F(np.sqrt(r) / bc2s) + ef)
+                        upd = F(F(ss * m1[i]) / den)
+                        base = F(p0[i] * dec) if (not adam and wd != 0) else p0[i]
+                        pc[k] = F(base + upd)
+                    score(region, pc, f32_bits_of(float(p1[i])), always=True)
+            prev = rec
+        print(f"{case['opt']} {case['name']}: matches / elements compared "
+              "(m, v: only where the candidates differ)")
+        for (region, k), (tot, ok) in sorted(tally.items()):
+            print(f"  {region:4s} {k:32s} {ok:6d} / {tot}")
+
+
 # ---------------------------------------------------------------- SignSGD
 
 def fma_discriminating_params(gen, count, c):
@@ -1129,12 +1341,12 @@ def main():
     ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
     ap.add_argument("--any-capability", action="store_true",
                     help="allow a CPU capability other than AVX2 (files will differ)")
-    ap.add_argument("--only", default="adamw,sign_sgd,sgd,clip,adagrad",
-                    help="comma-separated files to write: adamw, sign_sgd, sgd, clip, adagrad "
+    ap.add_argument("--only", default="adamw,adam,sign_sgd,sgd,clip,adagrad",
+                    help="comma-separated files to write: adamw, adam, sign_sgd, sgd, clip, adagrad "
                          "(default all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    unknown = only - {"adamw", "sign_sgd", "sgd", "clip", "adagrad"}
+    unknown = only - {"adamw", "adam", "sign_sgd", "sgd", "clip", "adagrad"}
     if unknown:
         sys.exit(f"unknown --only entries: {sorted(unknown)}")
     cap = torch.backends.cpu.get_cpu_capability()
@@ -1148,6 +1360,10 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     if "adamw" in only:
         write_adamw(os.path.join(args.out, "adamw_torch.txt"), header)
+    if "adam" in only:
+        write_adam(os.path.join(args.out, "adam_torch.txt"), header)
+        if args.analyze:
+            analyze_adam()
     if "sign_sgd" in only:
         write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
     if "sgd" in only:
