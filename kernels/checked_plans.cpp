@@ -171,6 +171,10 @@ AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamW
     key.add(v);
   key.add(static_cast<std::uint64_t>(config.formula));
   key.add(static_cast<std::uint64_t>(static_cast<std::uint32_t>(config.torch_tail_width)));
+  // Every field of the configuration is in the key: a flag the plan refuses (amsgrad,
+  // maximize) must reach validation, never a plan cached without it.
+  key.add(static_cast<std::uint64_t>(config.amsgrad) | static_cast<std::uint64_t>(config.maximize)
+                                                           << 1);
   for (const void* p : {static_cast<const void*>(d.scale), static_cast<const void*>(d.clip),
                         static_cast<const void*>(d.found_inf), static_cast<const void*>(d.hyper),
                         static_cast<const void*>(d.bias_table)})

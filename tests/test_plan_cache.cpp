@@ -141,6 +141,16 @@ TEST(PlanCache, AnyChangedArgumentIsValidatedAgain) {
   bad.lr = -1.0;
   expect_error([&] { (void)gpu::detail::checked_adamw_plan(c.tensors, bad, c.d, check); },
                Errc::invalid_argument, "config.lr");
+  // The same call with a flag the device step does not implement: refused, not served
+  // from the plan cached without it.
+  AdamWConfig flagged;
+  flagged.maximize = true;
+  expect_error([&] { (void)gpu::detail::checked_adamw_plan(c.tensors, flagged, c.d, check); },
+               Errc::not_supported, "config.maximize");
+  flagged.maximize = false;
+  flagged.amsgrad = true;
+  expect_error([&] { (void)gpu::detail::checked_adamw_plan(c.tensors, flagged, c.d, check); },
+               Errc::invalid_argument, "config.amsgrad");
   // A scalar pointer that became null.
   AdamWDeviceArgs no_clip = c.d;
   no_clip.clip = nullptr;
