@@ -23,6 +23,7 @@ struct AdamWScalars {
   float step_size = 0.0f;        ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
   float bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
   float eps = 0.0f;              ///< f32(eps)
+  bool maximize = false;         ///< torch: the gradient read is negated first (8a)
 };
 
 /// Returns the scalars of one AdamW update at `step` (the counter value after

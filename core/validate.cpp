@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
+
 namespace stepcore::detail {
 namespace {
 
@@ -167,13 +169,6 @@ void check_step_counter(std::size_t i, const float* step, StepCounters counters,
 constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
 constexpr const char* kStateSourceFields[kMaxOptimizerSlots] = {"state_src[0]", "state_src[1]",
                                                                 "state_src[2]"};
-// Slot names of the reference's Adam/AdamW records: by index, as OptimizerTensor holds them.
-constexpr SlotNames kIndexedSlots{kStateFields, kStateSourceFields};
-// Throws unless a state slot the optimizer does not use (or its source) is empty.
-template <class View>
-void require_empty(const View& v, std::size_t i, const char* field, const char* why) {
-  if (has_view(v)) fail(Errc::invalid_argument, Arg{"tensors", i, field}, why);
-}
 
 }  // namespace
 
@@ -339,8 +334,7 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
   check_overlaps(ranges);
 }
 
-void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& c,
-                      GradientRead read, StepCounters counters) {
+void validate_adagrad_config(const AdagradConfig& c, GradientRead read) {
   // torch.optim.Adagrad's own bounds: every value >= 0 (eps = 0 included).
   check_scalar(c.lr, Bound::non_negative, "config.lr");
   check_scalar(c.lr_decay, Bound::non_negative, "config.lr_decay");
@@ -358,37 +352,19 @@ void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradCon
   if (!std::isfinite(static_cast<float>(c.eps)))
     fail(Errc::out_of_range, "config.eps", "must be finite in f32");
   validate_read(read);
+}
 
-  std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 6);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const OptimizerTensor& t = tensors[i];
-    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
-    check_moment(i, t.state[0], n, "sum", ranges);
-    for (int k = 1; k < kMaxOptimizerSlots; ++k) {
-      if (has_view(t.state[k]))
-        fail(Errc::invalid_argument, Arg{"tensors", i, k == 1 ? "state[1]" : "state[2]"},
-             "Adagrad has one state slot (sum); this one must be empty");
-      if (has_view(t.state_src[k]))
-        fail(Errc::invalid_argument, Arg{"tensors", i, k == 1 ? "state_src[1]" : "state_src[2]"},
-             "Adagrad has one state slot (sum); this source must be empty");
-    }
-    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
-    check_source(i, t.state_src[0], t.state[0], "sum_src", "sum", ranges);
-    check_step_counter(i, t.step, counters, ranges);
-  }
-  check_overlaps(ranges);
+void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& c,
+                      GradientRead read, StepCounters counters) {
+  validate_unit<Adagrad>(tensors, c, read, counters);
 }
 
 void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& c,
                           GradientRead read, StepCounters counters) {
-  validate_adamw_config(c);
-  validate_read(read);
-  validate_optimizer_tensors(tensors, kIndexedSlots, c.amsgrad ? 3 : 2, true, counters);
+  validate_unit<AdamW>(tensors, c, read, counters);
 }
 
-void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c, GradientRead read,
-                   StepCounters counters) {
+void validate_adam_config(const AdamConfig& c, GradientRead read) {
   require_finite(c.lr, "config.lr");
   require_finite(c.beta1, "config.beta1");
   require_finite(c.beta2, "config.beta2");
@@ -412,7 +388,11 @@ void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c
   if (!std::isfinite(static_cast<float>(c.weight_decay)))
     fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
   validate_read(read);
-  validate_optimizer_tensors(tensors, kIndexedSlots, c.amsgrad ? 3 : 2, true, counters);
+}
+
+void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c, GradientRead read,
+                   StepCounters counters) {
+  validate_unit<Adam>(tensors, c, read, counters);
 }
 
 void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
@@ -442,8 +422,7 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
   check_overlaps(ranges);
 }
 
-void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& c, GradientRead read,
-                  StepCounters counters) {
+void validate_sgd_config(const SgdConfig& c, GradientRead read) {
   require_finite(c.lr, "config.lr");
   require_finite(c.momentum, "config.momentum");
   require_finite(c.dampening, "config.dampening");
@@ -464,31 +443,11 @@ void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& c, 
   if (!std::isfinite(static_cast<float>(c.weight_decay)))
     fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
   validate_read(read);
+}
 
-  const bool momentum = c.momentum != 0.0;
-  std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 6);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const OptimizerTensor& t = tensors[i];
-    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
-    if (momentum) {
-      if (n != 0 && !has_view(t.state[0]))
-        fail(Errc::null_pointer, Arg{"tensors", i, "state[0]"},
-             "momentum_buffer is required when momentum != 0");
-      check_moment(i, t.state[0], n, "state[0]", ranges);
-      check_source(i, t.state_src[0], t.state[0], "state_src[0]", "state[0]", ranges);
-    } else {
-      require_empty(t.state[0], i, "state[0]", "must be empty when momentum == 0");
-      require_empty(t.state_src[0], i, "state_src[0]", "must be empty when momentum == 0");
-    }
-    require_empty(t.state[1], i, "state[1]", "SGD has one state slot");
-    require_empty(t.state[2], i, "state[2]", "SGD has one state slot");
-    require_empty(t.state_src[1], i, "state_src[1]", "SGD has one state slot");
-    require_empty(t.state_src[2], i, "state_src[2]", "SGD has one state slot");
-    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
-    check_step_counter(i, t.step, counters, ranges);
-  }
-  check_overlaps(ranges);
+void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& c, GradientRead read,
+                  StepCounters counters) {
+  validate_unit<Sgd>(tensors, c, read, counters);
 }
 
 void validate_accumulate(std::span<const AccumulatePair> pairs) {

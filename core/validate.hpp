@@ -47,6 +47,11 @@ void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConf
 void validate_adamw_config(const AdamWConfig& config);
 /// The hyper-parameter and read checks of validate_sign_sgd alone.
 void validate_sign_sgd_config(const SignSgdConfig& config, GradientRead read);
+/// The hyper-parameter and read checks of validate_sgd, validate_adagrad and validate_adam
+/// alone (errors name "config.<field>" and "read.<field>").
+void validate_sgd_config(const SgdConfig& config, GradientRead read);
+void validate_adagrad_config(const AdagradConfig& config, GradientRead read);
+void validate_adam_config(const AdamConfig& config, GradientRead read);
 
 /// The names of an optimizer's state slots in errors ("exp_avg") and of their sources
 /// ("exp_avg_src"): static strings, one per slot the optimizer has.

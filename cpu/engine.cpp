@@ -312,7 +312,8 @@ void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Confi
 
 void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                         GradientRead read, const std::int32_t* found_inf) const {
-  ::stepcore::detail::validate_adamw(tensors, config, read);
+  ::stepcore::detail::validate_adamw(tensors, config, read, ::stepcore::detail::StepCounters::read,
+                                     ::stepcore::detail::Maximize::supported);
   if (found_inf != nullptr && *found_inf != 0) return;
   run_unit<::stepcore::detail::AdamW>(tensors, config, read);
 }
@@ -329,10 +330,7 @@ void Engine::step(std::span<const OptimizerTensor> tensors, const Config& config
                   const std::int32_t* found_inf) const {
   using Opt =
       typename ::stepcore::detail::UnitForConfig<Config, ::stepcore::detail::AllUnits>::type;
-  Opt::validate(config, read);
-  ::stepcore::detail::validate_optimizer_tensors(tensors, {Opt::kSlotNames, Opt::kSlotSourceNames},
-                                                 Opt::slots(Opt::variant(config)),
-                                                 Opt::kCountsSteps);
+  ::stepcore::detail::validate_unit<Opt>(tensors, config, read);
   if (found_inf != nullptr && *found_inf != 0) return;
   run_unit<Opt>(tensors, config, read);
 }

@@ -189,8 +189,9 @@ UnitRange<Opt> unit_range(const typename Opt::Config& config, float step, Gradie
 inline UnitRange<::stepcore::detail::AdamW> adamw_range(const AdamWTensor& t,
                                                         const AdamWConfig& config,
                                                         GradientRead read, float step) {
-  const TensorView dst[] = {t.param, t.exp_avg, t.exp_avg_sq};
-  const ConstTensorView src[] = {t.param_src, t.exp_avg_src, t.exp_avg_sq_src};
+  // No max_exp_avg_sq: an AdamWTensor step is never amsgrad (validation).
+  const TensorView dst[] = {t.param, t.exp_avg, t.exp_avg_sq, {}};
+  const ConstTensorView src[] = {t.param_src, t.exp_avg_src, t.exp_avg_sq_src, {}};
   return unit_range<::stepcore::detail::AdamW>(config, step, read, dst, src, t.grad.data,
                                                t.compute_param);
 }

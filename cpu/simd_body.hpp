@@ -247,7 +247,7 @@ struct Body {
   /// rest after the last whole line takes plain stores.
   template <class Opt, class G, class O, int V, int Mode, bool Stream = false>
   static void unit_lanes(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
-    constexpr int K = Opt::kSlots;
+    constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
     constexpr int KA = K > 0 ? K : 1;
     const F scale = splat(r.read.scale), clip = splat(r.read.clip);
     const typename Opt::template Consts<Ops> k(r.scalars);

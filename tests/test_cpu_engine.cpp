@@ -374,6 +374,213 @@ TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting
   }
 }
 
+/// Tensors of a generic optimizer with `slots` f32 state arrays, in two copies' worth of
+/// plain vectors (each buffer one element past a 64-byte boundary), as OptimizerTensor.
+struct SlotModel {
+  std::vector<std::size_t> sizes;
+  DType grad_dtype;
+  int out_kind;
+  int slots;
+  std::vector<std::vector<float>> p, s[3];
+  std::vector<std::vector<std::uint8_t>> g, out;
+  std::vector<float> steps;
+
+  SlotModel(std::vector<std::size_t> sz, DType gd, int ok, int ns, std::uint32_t seed)
+      : sizes(std::move(sz)), grad_dtype(gd), out_kind(ok), slots(ns) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (std::size_t n : sizes) {
+      p.emplace_back(n + 1);
+      for (auto& v : s) v.emplace_back(n + 1);
+      for (std::size_t i = 0; i <= n; ++i) {
+        p.back()[i] = nd(rng) * 0.05f;
+        s[0].back()[i] = nd(rng) * 1e-3f;
+        s[1].back()[i] = std::abs(nd(rng)) * 1e-6f;
+        s[2].back()[i] = std::abs(nd(rng)) * 1e-6f;  // a max: above v or not
+      }
+      g.emplace_back((n + 1) * 4);
+      fill(g.back().data() + dtype_size(gd), gd, n, rng, 1e-2f);
+      out.emplace_back((n + 1) * 4, 0xAB);
+      steps.push_back(0.0f);  // the first step first: SGD's buffer starts as the gradient
+    }
+  }
+  // Fresh gradients for the next step (both copies draw the same ones from `seed`).
+  void regrad(std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (std::size_t k = 0; k < sizes.size(); ++k)
+      fill(g[k].data() + dtype_size(grad_dtype), grad_dtype, sizes[k], rng, 1e-2f);
+  }
+  std::vector<OptimizerTensor> tensors() {
+    std::vector<OptimizerTensor> t;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t n = sizes[k];
+      OptimizerTensor a;
+      a.param = {p[k].data() + 1, n, DType::f32};
+      for (int j = 0; j < slots; ++j) a.state[j] = {s[j][k].data() + 1, n, DType::f32};
+      a.step = &steps[k];
+      a.grad = {g[k].data() + dtype_size(grad_dtype), n, grad_dtype};
+      if (out_kind) {
+        const auto od = static_cast<DType>(out_kind - 1);
+        a.compute_param = {out[k].data() + dtype_size(od), n, od};
+      }
+      t.push_back(a);
+    }
+    return t;
+  }
+};
+
+::testing::AssertionResult same_slot_model(const SlotModel& r, const SlotModel& e) {
+  for (std::size_t k = 0; k < r.sizes.size(); ++k) {
+    const std::size_t n = r.sizes[k] + 1;
+    if (auto a = same_f32(r.p[k].data(), e.p[k].data(), n, "param"); !a)
+      return a << " tensor " << k;
+    for (int j = 0; j < 3; ++j)
+      if (auto a = same_f32(r.s[j][k].data(), e.s[j][k].data(), n, "state"); !a)
+        return a << " slot " << j << " tensor " << k;
+    if (auto a = same_bytes(r.out[k].data(), e.out[k].data(), r.out[k].size(), "compute_param"); !a)
+      return a << " tensor " << k;
+    if (f32_bits(r.steps[k]) != f32_bits(e.steps[k]))
+      return ::testing::AssertionFailure() << "step of tensor " << k;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// Three steps of `config` (`slots` state arrays) by the reference and by the engine's
+/// generic entry on every ISA, threads 1 and 3, over the boundary sizes: equal bits after
+/// every step.
+template <class Config, class Reference>
+void expect_engine_equals_reference(const Config& config, int slots, Reference reference,
+                                    std::uint32_t seed) {
+  const GradientRead reads[] = {{1.0f, 1.0f}, {1.0f / 3000.0f, 0.37f}, {2.0f, 1.0f}};
+  for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
+    for (int o : {0, 2}) {
+      SCOPED_TRACE(std::string(dtype_name(gd)) + " out " + std::to_string(o));
+      SlotModel ref(boundary_sizes(), gd, o, slots, seed);
+      const SlotModel input = ref;
+      std::vector<SlotModel> eng;
+      std::vector<std::pair<cpu::Isa, int>> runs;
+      for (cpu::Isa isa : testing_support::isas_under_test())
+        for (int threads : {1, 3}) {
+          eng.push_back(input);
+          runs.emplace_back(isa, threads);
+        }
+      for (int step = 0; step < 3; ++step) {
+        if (step > 0) ref.regrad(seed + 17 * step);
+        const auto rt = ref.tensors();
+        reference(std::span<const OptimizerTensor>(rt), config, reads[step]);
+        for (std::size_t r = 0; r < runs.size(); ++r) {
+          SCOPED_TRACE(std::string(cpu::isa_name(runs[r].first)) + " threads " +
+                       std::to_string(runs[r].second) + " step " + std::to_string(step + 1));
+          if (step > 0) eng[r].regrad(seed + 17 * step);
+          const auto et = eng[r].tensors();
+          cpu::Engine(cpu::EngineConfig{runs[r].first, runs[r].second})
+              .step(std::span<const OptimizerTensor>(et), config, reads[step]);
+          ASSERT_TRUE(same_slot_model(ref, eng[r]));
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuEngine, AdamWAmsgradAndMaximizeMatchTheReferenceOnEveryIsa) {
+  int idx = 0;
+  for (bool amsgrad : {false, true})
+    for (bool maximize : {false, true})
+      for (double beta1 : {0.9, 0.3}) {
+        AdamWConfig c;
+        c.amsgrad = amsgrad;
+        c.maximize = maximize;
+        c.beta1 = beta1;
+        c.weight_decay = 0.1;
+        SCOPED_TRACE("amsgrad " + std::to_string(amsgrad) + " maximize " +
+                     std::to_string(maximize) + " beta1 " + std::to_string(beta1));
+        expect_engine_equals_reference(
+            c, amsgrad ? 3 : 2,
+            [](std::span<const OptimizerTensor> t, const AdamWConfig& cfg, GradientRead read) {
+              reference::adamw_step(t, cfg, read);
+            },
+            1000 + idx++);
+      }
+}
+
+TEST(CpuEngine, AdamMatchesTheReferenceOnEveryIsa) {
+  int idx = 0;
+  for (bool amsgrad : {false, true})
+    for (bool maximize : {false, true})
+      for (double wd : {0.0, 0.05}) {
+        AdamConfig c;
+        c.amsgrad = amsgrad;
+        c.maximize = maximize;
+        c.weight_decay = wd;
+        c.beta1 = idx % 3 == 0 ? 0.3 : 0.9;
+        SCOPED_TRACE("amsgrad " + std::to_string(amsgrad) + " maximize " +
+                     std::to_string(maximize) + " wd " + std::to_string(wd));
+        expect_engine_equals_reference(
+            c, amsgrad ? 3 : 2,
+            [](std::span<const OptimizerTensor> t, const AdamConfig& cfg, GradientRead read) {
+              reference::adam_step(t, cfg, read);
+            },
+            1100 + idx++);
+      }
+}
+
+TEST(CpuEngine, SgdMatchesTheReferenceOnEveryIsa) {
+  struct Case {
+    double momentum, dampening, wd;
+    bool nesterov, maximize;
+  };
+  const Case cases[] = {{0.0, 0.0, 0.0, false, false}, {0.0, 0.0, 0.01, false, true},
+                        {0.9, 0.0, 0.0, false, false}, {0.9, 0.1, 0.01, false, false},
+                        {0.9, 0.0, 0.01, true, false}, {0.5, 0.5, 0.0, false, true}};
+  int idx = 0;
+  for (const Case& k : cases) {
+    SgdConfig c;
+    c.lr = 0.01;
+    c.momentum = k.momentum;
+    c.dampening = k.dampening;
+    c.weight_decay = k.wd;
+    c.nesterov = k.nesterov;
+    c.maximize = k.maximize;
+    SCOPED_TRACE("momentum " + std::to_string(k.momentum) + " dampening " +
+                 std::to_string(k.dampening) + " wd " + std::to_string(k.wd) + " nesterov " +
+                 std::to_string(k.nesterov) + " maximize " + std::to_string(k.maximize));
+    expect_engine_equals_reference(
+        c, k.momentum != 0.0 ? 1 : 0,
+        [](std::span<const OptimizerTensor> t, const SgdConfig& cfg, GradientRead read) {
+          reference::sgd_step(t, cfg, read);
+        },
+        1200 + idx++);
+  }
+}
+
+TEST(CpuEngine, AdagradMatchesTheReferenceOnEveryIsa) {
+  struct Case {
+    double lr_decay, wd, eps;
+    bool maximize;
+  };
+  const Case cases[] = {{0.0, 0.0, 1e-10, false},
+                        {0.047, 0.0, 1e-10, false},
+                        {0.01, 0.02, 1e-6, true},
+                        {0.0, 0.0, 0.0, false}};
+  int idx = 0;
+  for (const Case& k : cases) {
+    AdagradConfig c;
+    c.lr = 0.01;
+    c.lr_decay = k.lr_decay;
+    c.weight_decay = k.wd;
+    c.eps = k.eps;
+    c.maximize = k.maximize;
+    SCOPED_TRACE("lr_decay " + std::to_string(k.lr_decay) + " wd " + std::to_string(k.wd) +
+                 " eps " + std::to_string(k.eps) + " maximize " + std::to_string(k.maximize));
+    expect_engine_equals_reference(
+        c, 1,
+        [](std::span<const OptimizerTensor> t, const AdagradConfig& cfg, GradientRead read) {
+          reference::adagrad_step(t, cfg, read);
+        },
+        1300 + idx++);
+  }
+}
+
 TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
   std::mt19937 rng(77);
   std::vector<std::size_t> sizes;

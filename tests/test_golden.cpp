@@ -1462,3 +1462,59 @@ TEST(GoldenClip, ClipThenScaleReproducesTorchGradients) {
 }
 
 }  // namespace
+
+// ---- the CPU engine's optimizer units against torch (Engine::step) ---------------------
+
+// The engines of every ISA this processor runs, threads 1 and 3.
+std::vector<stepcore::cpu::Engine> golden_engines() {
+  std::vector<stepcore::cpu::Engine> out;
+  for (stepcore::cpu::Isa isa : stepcore::testing_support::isas_under_test())
+    for (int threads : {1, 3}) out.emplace_back(stepcore::cpu::EngineConfig{isa, threads});
+  return out;
+}
+
+std::string engine_name(const stepcore::cpu::Engine& e) {
+  return std::string(stepcore::cpu::isa_name(e.isa())) + " threads " + std::to_string(e.threads());
+}
+
+TEST(GoldenAdam, CpuEngineOnEveryIsaMatchesTorchFusedAdamAndAdamW) {
+  for (const stepcore::cpu::Engine& e : golden_engines()) {
+    SCOPED_TRACE(engine_name(e));
+    for (const auto& k : adam_cases()) {
+      SCOPED_TRACE("case " + k.name);
+      replay_adam(k, /*report=*/true,
+                  [&e](std::span<const stepcore::OptimizerTensor> ts, const AdamCase& c) {
+                    if (c.adamw)
+                      e.step(ts, c.adamw_config());
+                    else
+                      e.step(ts, c.adam_config());
+                  });
+    }
+  }
+}
+
+TEST(GoldenSgd, CpuEngineOnEveryIsaMatchesTorchFused) {
+  for (const stepcore::cpu::Engine& e : golden_engines()) {
+    SCOPED_TRACE(engine_name(e));
+    for (const auto& k : sgd_cases()) {
+      SCOPED_TRACE("case " + k.name);
+      const SgdStepFn step = [&e](std::span<const stepcore::OptimizerTensor> ts,
+                                  const stepcore::SgdConfig& c) { e.step(ts, c); };
+      replay_sgd(k, k.config, /*report=*/true, step);
+      replay_sgd(k, k.config, /*report=*/true, step, /*chain=*/true);
+    }
+  }
+}
+
+TEST(GoldenAdagrad, CpuEngineOnEveryIsaMatchesTorchFused) {
+  for (const stepcore::cpu::Engine& e : golden_engines()) {
+    SCOPED_TRACE(engine_name(e));
+    for (const auto& k : adagrad_cases()) {
+      SCOPED_TRACE("case " + k.name);
+      const AdagradStepFn step = [&e](std::span<const stepcore::OptimizerTensor> ts,
+                                      const stepcore::AdagradConfig& c) { e.step(ts, c); };
+      EXPECT_EQ(replay_adagrad(k, /*chained=*/false, /*report=*/true, step), 0u);
+      EXPECT_EQ(replay_adagrad(k, /*chained=*/true, /*report=*/true, step), 0u);
+    }
+  }
+}

@@ -727,23 +727,23 @@ TEST_F(AdamFixture, StateSlots) {
     return t;
   };
   expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::bf16; }),
-                Errc::unsupported_dtype, n + "state[0]");
+                Errc::unsupported_dtype, n + "exp_avg");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[1].numel = 5; }), Errc::size_mismatch,
-                n + "state[1]");
+                n + "exp_avg_sq");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[2] = {}; }), Errc::size_mismatch,
-                n + "state[2]");  // amsgrad needs max_exp_avg_sq
+                n + "max_exp_avg_sq");  // amsgrad needs max_exp_avg_sq
   expect_tensor(bad([](OptimizerTensor& t) { t.state[2].data = nullptr; }), Errc::null_pointer,
-                n + "state[2]");
+                n + "max_exp_avg_sq");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[2].data = t.state[1].data; }), Errc::overlap,
-                {n + "state[2]"});
+                {n + "max_exp_avg_sq"});
   expect_tensor(bad([](OptimizerTensor& t) {
                   t.state_src[1] = {t.state[0].data, 5, DType::f32};
                 }),
-                Errc::size_mismatch, n + "state_src[1]");
+                Errc::size_mismatch, n + "exp_avg_sq_src");
   expect_tensor(bad([](OptimizerTensor& t) {
                   t.state_src[2] = {t.grad.data, 6, DType::f16};
                 }),
-                Errc::unsupported_dtype, n + "state_src[2]");
+                Errc::unsupported_dtype, n + "max_exp_avg_sq_src");
   expect_tensor(bad([](OptimizerTensor& t) { t.step = nullptr; }), Errc::null_pointer, n + "step");
   expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }),
                 Errc::unsupported_dtype, n + "param");
@@ -1006,17 +1006,17 @@ TEST_F(SgdFixture, MomentumBufferSlot) {
     return t;
   };
   // momentum != 0: the buffer is required, f32, the param's size.
-  expect_tensor(bad([](OptimizerTensor& t) { t.state[0] = {}; }), Errc::null_pointer,
-                n + "state[0]");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0] = {}; }), Errc::size_mismatch,
+                n + "momentum_buffer");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[0].data = nullptr; }), Errc::null_pointer,
-                n + "state[0]");
+                n + "momentum_buffer");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::bf16; }),
-                Errc::unsupported_dtype, n + "state[0]");
+                Errc::unsupported_dtype, n + "momentum_buffer");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[0].numel = 5; }), Errc::size_mismatch,
-                n + "state[0]");
+                n + "momentum_buffer");
   expect_tensor(
       bad([](OptimizerTensor& t) { t.state[0].data = static_cast<float*>(t.param.data) + 1; }),
-      Errc::overlap, n + "state[0]");
+      Errc::overlap, n + "momentum_buffer");
   // SGD has one slot: the others and their sources stay empty.
   expect_tensor(bad([&](OptimizerTensor& t) {
                   t.state[1] = {arena.alloc<float>(6), 6, DType::f32};
@@ -1035,11 +1035,11 @@ TEST_F(SgdFixture, MomentumBufferSlot) {
       bad([&](OptimizerTensor& t) {
         t.state_src[0] = {static_cast<const float*>(valid[0].param.data) + 1, 6, DType::f32};
       }),
-      Errc::overlap, n + "state_src[0]");
+      Errc::overlap, n + "momentum_buffer_src");
   expect_tensor(bad([&](OptimizerTensor& t) {
                   t.state_src[0] = {arena.alloc<float>(6), 6, DType::f16};
                 }),
-                Errc::unsupported_dtype, n + "state_src[0]");
+                Errc::unsupported_dtype, n + "momentum_buffer_src");
   EXPECT_NO_THROW(ref::sgd_step(with(bad([&](OptimizerTensor& t) {
                                   t.state_src[0] = {arena.alloc<float>(6), 6, DType::f32};
                                 })),

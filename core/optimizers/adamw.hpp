@@ -1,5 +1,7 @@
-// The AdamW unit (core/optimizers/unit.hpp): two formulas, `native` and `torch`
-// (docs/numerics.md section 7), state exp_avg and exp_avg_sq, a per-tensor step counter.
+// The AdamW unit (core/optimizers/unit.hpp): two formulas, `native` and `torch` (docs/
+// numerics.md 7; amsgrad and maximize with torch's: 8a), state exp_avg, exp_avg_sq and,
+// with amsgrad, max_exp_avg_sq, a per-tensor step counter; and the torch Adam family's
+// element, which the Adam unit (adam.hpp) shares.
 #pragma once
 
 #include <cmath>
@@ -61,31 +63,74 @@ STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in
     s.step_size = static_cast<float>(-(lr_in / bc1));
     s.bc2_sqrt = static_cast<float>(sqrt(bc2));
     s.eps = static_cast<float>(c.eps);
+    s.maximize = c.maximize;
   }
   return s;
+}
+
+/// The torch Adam family's element (docs/numerics.md 7.2 and 8a), written once for AdamW
+/// (decoupled decay: p * decay) and Adam (L2: g = fma(p, l2_wd, g) when `l2`): maximize
+/// negates the read first; amsgrad keeps max_exp_avg_sq in st[2] and divides by its square
+/// root. Tail: torch's scalar-loop forms (of v, and of amsgrad's max) at each tensor's end.
+template <class Ops, bool Amsgrad, bool Tail, class K>
+STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typename Ops::F& p,
+                                          typename Ops::F* st, bool l2, typename Ops::F l2_wd) {
+  using F = typename Ops::F;
+  F m = st[0], v = st[1];
+  if (k.maximize) g = Ops::mul(g, k.minus_one);  // exact: the sign flips
+  if (l2) {
+    g = Ops::fma(p, l2_wd, g);
+  } else if (k.apply_decay) {
+    p = Ops::mul(p, k.decay);
+  }
+  const F diff = Ops::sub(g, m);
+  m = Ops::fma(k.lerp_coeff, diff, k.lerp_small ? m : g);
+  const F cg = Ops::mul(k.one_minus_beta2, g);
+  if constexpr (!Tail)
+    v = Ops::fma(cg, g, Ops::mul(v, k.beta2));  // the vector body: fma(c*g, g, v*b2)
+  else
+    v = Ops::fma(v, k.beta2, Ops::mul(cg, g));  // the scalar tail: fma(v, b2, c*g*g)
+  F r = v;
+  if constexpr (Amsgrad) {
+    const F x = st[2];
+    if constexpr (!Tail) {
+      // torch's vector maximum: NaN when either is NaN, else the larger (v on a tie).
+      r = Ops::select(Ops::gt(x, v), x, v);
+      r = Ops::select(Ops::is_nan(x), x, r);
+    } else {
+      r = Ops::select(Ops::lt(x, v), v, x);  // its scalar loop: x < v ? v : x
+    }
+    st[2] = r;
+  }
+  const F d = Ops::add(Ops::div(Ops::sqrt(r), k.bc2_sqrt), k.eps);
+  p = Ops::add(p, Ops::div(Ops::mul(k.step_size, m), d));
+  st[0] = m;
+  st[1] = v;
 }
 
 struct AdamW {
   using Config = AdamWConfig;
   using Scalars = AdamWScalars;
   static constexpr const char* kName = "adamw";
-  static constexpr int kSlots = 2;
-  static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq"};
-  static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src"};
+  static constexpr int kSlots = 3;
+  static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",
+                                                           "max_exp_avg_sq_src"};
   static constexpr bool kCountsSteps = true;
-  /// 0: native (no contraction), 1: torch (lerp and v with FMAs).
-  static constexpr int kNative = 0, kTorch = 1, kVariants = 2;
+  /// 0: native (no contraction), 1: torch (lerp and v with FMAs), 2: torch with amsgrad.
+  static constexpr int kNative = 0, kTorch = 1, kTorchAmsgrad = 2, kVariants = 3;
   static constexpr bool kReadsScaled = true;
 
-  /// The state arrays variant V reads and writes (the first slots(V) of kSlots).
-  static constexpr int slots(int /*V*/) { return kSlots; }
+  /// The state arrays variant V reads and writes: max_exp_avg_sq only with amsgrad.
+  static constexpr int slots(int v) { return v == kTorchAmsgrad ? 3 : 2; }
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) {
     validate_adamw_config(c);
     validate_read(read);
   }
   STEPCORE_HD_INLINE static int variant(const Config& c) {
-    return c.formula == AdamWFormula::torch ? kTorch : kNative;
+    if (c.formula != AdamWFormula::torch) return kNative;
+    return c.amsgrad ? kTorchAmsgrad : kTorch;
   }
   static Scalars scalars(const Config& c, float step) { return prepare_adamw_scalars(c, step); }
   /// torch's kernel runs its last (n mod W) elements through a scalar loop its compiler
@@ -99,8 +144,9 @@ struct AdamW {
   template <class Ops>
   struct Consts {
     using F = typename Ops::F;
-    F decay, beta1, beta2, one_minus_beta1, one_minus_beta2, lerp_coeff, step_size, bc2_sqrt, eps;
-    bool apply_decay, lerp_small;
+    F decay, beta1, beta2, one_minus_beta1, one_minus_beta2, lerp_coeff, step_size, bc2_sqrt, eps,
+        minus_one;
+    bool apply_decay, lerp_small, maximize;
     STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
         : decay(Ops::set1(s.decay)),
           beta1(Ops::set1(s.beta1)),
@@ -111,37 +157,30 @@ struct AdamW {
           step_size(Ops::set1(s.step_size)),
           bc2_sqrt(Ops::set1(s.bc2_sqrt)),
           eps(Ops::set1(s.eps)),
+          minus_one(Ops::set1(-1.0f)),
           apply_decay(s.apply_decay),
-          lerp_small(s.lerp_small) {}
+          lerp_small(s.lerp_small),
+          maximize(s.maximize) {}
   };
 
-  /// docs/numerics.md 7.1 (native) and 7.2 (torch; Tail: torch's scalar-loop form of v).
+  /// docs/numerics.md 7.1 (native), 7.2 and 8a (torch; Tail: torch's scalar-loop forms).
   template <class Ops, int V, bool Tail>
   STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
                                         typename Ops::F* st) {
     using F = typename Ops::F;
-    F m = st[0], v = st[1];
     if constexpr (V == kNative) {
+      F m = st[0], v = st[1];
       // p*decay; m*b1 + g*omb1; v*b2 + (g*g)*omb2; each operation rounded.
       p = Ops::mul(p, k.decay);
       m = Ops::add(Ops::mul(m, k.beta1), Ops::mul(g, k.one_minus_beta1));
       v = Ops::add(Ops::mul(v, k.beta2), Ops::mul(Ops::mul(g, g), k.one_minus_beta2));
       const F d = Ops::add(Ops::div(Ops::sqrt(v), k.bc2_sqrt), k.eps);
       p = Ops::sub(p, Ops::div(Ops::mul(k.step_size, m), d));
+      st[0] = m;
+      st[1] = v;
     } else {
-      if (k.apply_decay) p = Ops::mul(p, k.decay);
-      const F diff = Ops::sub(g, m);
-      m = Ops::fma(k.lerp_coeff, diff, k.lerp_small ? m : g);
-      const F cg = Ops::mul(k.one_minus_beta2, g);
-      if constexpr (!Tail)
-        v = Ops::fma(cg, g, Ops::mul(v, k.beta2));  // the vector body: fma(c*g, g, v*b2)
-      else
-        v = Ops::fma(v, k.beta2, Ops::mul(cg, g));  // the scalar tail: fma(v, b2, c*g*g)
-      const F d = Ops::add(Ops::div(Ops::sqrt(v), k.bc2_sqrt), k.eps);
-      p = Ops::add(p, Ops::div(Ops::mul(k.step_size, m), d));
+      torch_adam_update<Ops, V == kTorchAmsgrad, Tail>(k, g, p, st, false, k.decay);
     }
-    st[0] = m;
-    st[1] = v;
   }
 };
 

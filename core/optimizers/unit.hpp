@@ -26,8 +26,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
+#include "core/validate.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/optim.hpp"
@@ -50,6 +52,7 @@ struct ScalarOps {
   static STEPCORE_HD_INLINE bool gt(float a, float b) { return a > b; }
   static STEPCORE_HD_INLINE bool lt(float a, float b) { return a < b; }
   static STEPCORE_HD_INLINE bool eq(float a, float b) { return a == b; }
+  static STEPCORE_HD_INLINE bool is_nan(float a) { return a != a; }
   static STEPCORE_HD_INLINE float select(bool m, float a, float b) { return m ? a : b; }
 };
 
@@ -75,15 +78,16 @@ STEPCORE_HD_INLINE void unit_element(const float* Ps, const float* const* Ss, fl
                                      std::uint64_t tail_begin, float scale, float clip,
                                      std::uint64_t i) {
   const float g = Opt::kReadsScaled ? read_gradient(grad, i, scale, clip) : to_f32(grad[i]);
+  constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
   float p = Ps[i];
-  float st[Opt::kSlots > 0 ? Opt::kSlots : 1];
-  for (int s = 0; s < Opt::kSlots; ++s) st[s] = Ss[s][i];
+  float st[K > 0 ? K : 1];
+  for (int s = 0; s < K; ++s) st[s] = Ss[s][i];
   if (i < tail_begin)
     Opt::template update<ScalarOps, V, false>(k, g, p, st);
   else
     Opt::template update<ScalarOps, V, true>(k, g, p, st);
   P[i] = p;
-  for (int s = 0; s < Opt::kSlots; ++s) S[s][i] = st[s];
+  for (int s = 0; s < K; ++s) S[s][i] = st[s];
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
 }
 
@@ -106,6 +110,18 @@ struct UnitList {
     (fn(Units{}), ...);
   }
 };
+
+/// Host: throws unless a call of unit Opt is valid, before anything is written: the
+/// unit's hyper-parameters and read, then every tensor with the slots its variant uses
+/// (named by the unit). The one checker of every entry point that takes OptimizerTensor
+/// records: the engines and the reference.
+template <class Opt>
+void validate_unit(std::span<const OptimizerTensor> tensors, const typename Opt::Config& config,
+                   GradientRead read, StepCounters counters = StepCounters::read) {
+  Opt::validate(config, read);
+  validate_optimizer_tensors(tensors, {Opt::kSlotNames, Opt::kSlotSourceNames},
+                             Opt::slots(Opt::variant(config)), Opt::kCountsSteps, counters);
+}
 
 /// The unit of a UnitList whose Config is `Config`.
 template <class Config, class List>

@@ -1,5 +1,6 @@
 // libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
-// the generic step over OptimizerTensor records, accumulate, scale_, norm_partial) on random tensor
+// the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
+// Adam, SGD, Adagrad; accumulate, scale_, norm_partial) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
 // ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
 // ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
@@ -76,11 +77,17 @@ TensorView view(Arena& a, const Slot& s) {
 struct Case {
   int op = 0;
   int n = 0;
-  std::array<std::array<Slot, 6>, kMaxTensors> slots;  // per tensor: up to 6 roles
+  // Per tensor, by role: 0 param, 1-2 the first state slots, 3 step, 4 grad, 5 compute, 6
+  // the third state slot.
+  std::array<std::array<Slot, 7>, kMaxTensors> slots;
+  std::array<int, kMaxTensors> state_slots{};  // generic ops: how many slots are given
   std::array<bool, kMaxTensors> has_compute{};
   std::array<bool, kMaxTensors> copy{};
   AdamWConfig adamw;
   SignSgdConfig sign;
+  AdamConfig adam;
+  SgdConfig sgd;
+  AdagradConfig adagrad;
   GradientRead read;
   float factor = 1.0f;
   bool found_inf_given = false;
@@ -114,7 +121,7 @@ std::vector<OptimizerTensor> generic(const std::vector<SignSgdTensor>& t) {
 
 Case decode(fuzz::Input& in) {
   Case c;
-  c.op = in.byte() % 5;
+  c.op = in.byte() % 8;
   c.n = in.byte() % (kMaxTensors + 1);
   for (int i = 0; i < c.n; ++i) {
     auto& t = c.slots[i];
@@ -145,6 +152,23 @@ Case decode(fuzz::Input& in) {
         if (in.byte() % 4 != 0) t[4].numel = t[0].numel;
         c.copy[i] = in.flag();
         break;
+      case 5:  // adam, sgd, adagrad: param, three state slots (f32), step, grad, compute
+      case 6:
+      case 7:
+        t[0] = decode_slot(in, DType::f32);
+        t[1] = decode_slot(in, DType::f32);
+        t[2] = decode_slot(in, DType::f32);
+        t[6] = decode_slot(in, DType::f32);
+        t[3] = decode_slot(in, DType::f32);
+        t[4] = decode_slot(in, std::nullopt);
+        t[5] = decode_slot(in, std::nullopt);
+        if (in.byte() % 4 != 0) {  // mostly consistent sizes
+          t[1].numel = t[2].numel = t[6].numel = t[4].numel = t[5].numel = t[0].numel;
+          t[3].numel = 1;
+        }
+        c.has_compute[i] = in.flag();
+        c.state_slots[i] = in.byte() % 4;
+        break;
       default:  // scale_, norm_partial: one tensor each
         t[0] = decode_slot(in, std::nullopt);
         break;
@@ -162,6 +186,27 @@ Case decode(fuzz::Input& in) {
   c.adamw.weight_decay = fuzz::special(in);
   c.adamw.formula = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
   c.adamw.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.adam.lr = fuzz::special(in);
+  c.adam.beta1 = fuzz::special(in);
+  c.adam.beta2 = fuzz::special(in);
+  c.adam.eps = fuzz::special(in);
+  c.adam.weight_decay = fuzz::special(in);
+  c.adam.amsgrad = in.flag();
+  c.adam.maximize = in.flag();
+  c.adam.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.sgd.lr = fuzz::special(in);
+  c.sgd.momentum = in.flag() ? 0.0 : fuzz::special(in);
+  c.sgd.dampening = fuzz::special(in);
+  c.sgd.weight_decay = fuzz::special(in);
+  c.sgd.nesterov = in.flag();
+  c.sgd.maximize = in.flag();
+  c.sgd.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.adagrad.lr = fuzz::special(in);
+  c.adagrad.lr_decay = fuzz::special(in);
+  c.adagrad.weight_decay = fuzz::special(in);
+  c.adagrad.initial_accumulator_value = fuzz::special(in);
+  c.adagrad.eps = fuzz::special(in);
+  c.adagrad.maximize = in.flag();
   c.sign.lr = fuzz::special(in);
   c.sign.weight_decay = fuzz::special(in);
   c.read.scale = static_cast<float>(fuzz::special(in));
@@ -212,6 +257,38 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           e->sign_sgd_step(t, c.sign, c.read, fi);
         else
           reference::sign_sgd_step(t, c.sign, c.read, fi);
+        break;
+      }
+      case 5:
+      case 6:
+      case 7: {
+        std::vector<OptimizerTensor> t(c.n);
+        for (int i = 0; i < c.n; ++i) {
+          const auto& s = c.slots[i];
+          t[i].param = view(a, s[0]);
+          const Slot* state[3] = {&s[1], &s[2], &s[6]};
+          for (int k = 0; k < c.state_slots[i]; ++k) t[i].state[k] = view(a, *state[k]);
+          t[i].step = s[3].null ? nullptr : reinterpret_cast<float*>(a.bytes.data() + s[3].offset);
+          t[i].grad = view(a, s[4]);
+          if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
+        }
+        const std::span<const OptimizerTensor> ts(t);
+        if (c.op == 5) {
+          if (e)
+            e->step(ts, c.adam, c.read, fi);
+          else
+            reference::adam_step(ts, c.adam, c.read, fi);
+        } else if (c.op == 6) {
+          if (e)
+            e->step(ts, c.sgd, c.read, fi);
+          else
+            reference::sgd_step(ts, c.sgd, c.read, fi);
+        } else {
+          if (e)
+            e->step(ts, c.adagrad, c.read, fi);
+          else
+            reference::adagrad_step(ts, c.adagrad, c.read, fi);
+        }
         break;
       }
       case 2: {
@@ -269,6 +346,12 @@ std::vector<std::size_t> f32_outputs(const Case& c) {
         break;
       case 1:
         add(t[0]);
+        if (c.has_compute[i]) add(t[5]);
+        break;
+      case 5:
+      case 6:
+      case 7:
+        add(t[0]), add(t[1]), add(t[2]), add(t[6]), add(t[3]);
         if (c.has_compute[i]) add(t[5]);
         break;
       case 2:

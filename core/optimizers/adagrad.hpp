@@ -1,0 +1,80 @@
+// The Adagrad unit (core/optimizers/unit.hpp): torch.optim.Adagrad(fused=True)'s formula
+// (docs/numerics.md 8c): state sum, lr_decay through the step counter, weight decay,
+// maximize; the same contractions in torch's vector body and tail (no tail form).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+
+#include "core/fp_env.hpp"
+#include "core/optimizers/unit.hpp"
+#include "core/validate.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// Adagrad's per-tensor scalars.
+struct AdagradScalars {
+  float clr = 0.0f;  ///< f32(lr / fma(step - 1, lr_decay, 1)), binary64 before the rounding
+  float wd = 0.0f;   ///< f32(weight_decay)
+  float eps = 0.0f;  ///< f32(eps)
+  bool apply_decay = false;
+  bool maximize = false;
+};
+
+struct Adagrad {
+  using Config = AdagradConfig;
+  using Scalars = AdagradScalars;
+  static constexpr const char* kName = "adagrad";
+  static constexpr int kSlots = 1;
+  static constexpr const char* kSlotNames[kSlots] = {"sum"};
+  static constexpr const char* kSlotSourceNames[kSlots] = {"sum_src"};
+  static constexpr bool kCountsSteps = true;
+  static constexpr int kVariants = 1;
+  static constexpr bool kReadsScaled = true;
+
+  static constexpr int slots(int /*v*/) { return 1; }
+  /// Host: throws naming the first bad hyper-parameter or read factor.
+  static void validate(const Config& c, GradientRead read) { validate_adagrad_config(c, read); }
+  STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
+  static Scalars scalars(const Config& c, float step) {
+    const FpEnvGuard env;
+    Scalars s;
+    const double denom = std::fma(static_cast<double>(step) - 1.0, c.lr_decay, 1.0);
+    s.clr = static_cast<float>(c.lr / denom);
+    s.wd = static_cast<float>(c.weight_decay);
+    s.eps = static_cast<float>(c.eps);
+    s.apply_decay = c.weight_decay != 0.0;
+    s.maximize = c.maximize;
+    return s;
+  }
+  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+
+  template <class Ops>
+  struct Consts {
+    using F = typename Ops::F;
+    F clr, wd, eps, minus_one;
+    bool apply_decay, maximize;
+    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
+        : clr(Ops::set1(s.clr)),
+          wd(Ops::set1(s.wd)),
+          eps(Ops::set1(s.eps)),
+          minus_one(Ops::set1(-1.0f)),
+          apply_decay(s.apply_decay),
+          maximize(s.maximize) {}
+  };
+
+  /// docs/numerics.md 8c: sum = fma(g, g, sum); p = p - (clr*g) / (sqrt(sum) + eps).
+  template <class Ops, int V, bool Tail>
+  STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
+                                        typename Ops::F* st) {
+    if (k.maximize) g = Ops::mul(g, k.minus_one);  // exact: the sign flips
+    if (k.apply_decay) g = Ops::fma(p, k.wd, g);
+    const typename Ops::F sum = Ops::fma(g, g, st[0]);
+    st[0] = sum;
+    p = Ops::sub(p, Ops::div(Ops::mul(k.clr, g), Ops::add(Ops::sqrt(sum), k.eps)));
+  }
+};
+
+}  // namespace stepcore::detail

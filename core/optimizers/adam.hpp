@@ -1,0 +1,84 @@
+// The Adam unit (core/optimizers/unit.hpp): torch.optim.Adam(fused=True)'s formula
+// (docs/numerics.md 8a): L2 weight decay added to the gradient read, amsgrad and maximize,
+// state exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq, a per-tensor step counter. The
+// element is the torch Adam family's, shared with AdamW (adamw.hpp).
+#pragma once
+
+#include <cstddef>
+
+#include "core/optimizers/adamw.hpp"
+#include "core/optimizers/unit.hpp"
+#include "core/step_scalars.hpp"
+#include "core/validate.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// Adam's per-tensor scalars: the torch AdamW scalars without decoupled decay, and the
+/// L2 factor f32(weight_decay).
+struct AdamScalars {
+  AdamWScalars base;
+  float l2_wd = 0.0f;  ///< f32(weight_decay)
+  bool l2 = false;     ///< weight_decay != 0
+};
+
+struct Adam {
+  using Config = AdamConfig;
+  using Scalars = AdamScalars;
+  static constexpr const char* kName = "adam";
+  static constexpr int kSlots = 3;
+  static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",
+                                                           "max_exp_avg_sq_src"};
+  static constexpr bool kCountsSteps = true;
+  /// 0: plain, 1: amsgrad.
+  static constexpr int kVariants = 2;
+  static constexpr bool kReadsScaled = true;
+
+  static constexpr int slots(int v) { return v == 1 ? 3 : 2; }
+  /// Host: throws naming the first bad hyper-parameter or read factor.
+  static void validate(const Config& c, GradientRead read) { validate_adam_config(c, read); }
+  STEPCORE_HD_INLINE static int variant(const Config& c) { return c.amsgrad ? 1 : 0; }
+
+  /// The same kernel's AdamW configuration with no decoupled decay: its scalars are Adam's.
+  static AdamWConfig as_adamw(const Config& c) {
+    AdamWConfig w;
+    w.lr = c.lr;
+    w.beta1 = c.beta1;
+    w.beta2 = c.beta2;
+    w.eps = c.eps;
+    w.weight_decay = 0.0;
+    w.formula = AdamWFormula::torch;
+    w.maximize = c.maximize;
+    w.torch_tail_width = c.torch_tail_width;
+    return w;
+  }
+  static Scalars scalars(const Config& c, float step) {
+    Scalars s;
+    s.base = prepare_adamw_scalars(as_adamw(c), step);
+    s.l2_wd = static_cast<float>(c.weight_decay);
+    s.l2 = c.weight_decay != 0.0;
+    return s;
+  }
+  static std::size_t tail_begin(const Config& c, std::size_t n) {
+    return AdamW::tail_begin(as_adamw(c), n);
+  }
+
+  template <class Ops>
+  struct Consts : AdamW::Consts<Ops> {
+    typename Ops::F l2_wd;
+    bool l2;
+    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
+        : AdamW::Consts<Ops>(s.base), l2_wd(Ops::set1(s.l2_wd)), l2(s.l2) {}
+  };
+
+  /// docs/numerics.md 8a.
+  template <class Ops, int V, bool Tail>
+  STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
+                                        typename Ops::F* st) {
+    torch_adam_update<Ops, V == 1, Tail>(k, g, p, st, k.l2, k.l2_wd);
+  }
+};
+
+}  // namespace stepcore::detail

@@ -1,0 +1,102 @@
+// The SGD unit (core/optimizers/unit.hpp): torch.optim.SGD(fused=True)'s formula
+// (docs/numerics.md 8b): momentum (slot momentum_buffer, only when momentum != 0),
+// dampening, nesterov, weight decay and maximize; the step counter tells the first step.
+#pragma once
+
+#include <cstddef>
+
+#include "core/fp_env.hpp"
+#include "core/optimizers/unit.hpp"
+#include "core/validate.hpp"
+#include "stepcore/config.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// SGD's per-tensor scalars, each rounded once from its double expression.
+struct SgdScalars {
+  float wd = 0.0f;        ///< f32(weight_decay)
+  float momentum = 0.0f;  ///< f32(momentum)
+  float keep = 1.0f;      ///< f32(1 - dampening)
+  float neg_lr = 0.0f;    ///< f32(-lr)
+  bool apply_decay = false;
+  bool nesterov = false;
+  bool maximize = false;
+  bool first = false;  ///< the counter became 1: the buffer starts as the gradient
+};
+
+struct Sgd {
+  using Config = SgdConfig;
+  using Scalars = SgdScalars;
+  static constexpr const char* kName = "sgd";
+  static constexpr int kSlots = 1;
+  static constexpr const char* kSlotNames[kSlots] = {"momentum_buffer"};
+  static constexpr const char* kSlotSourceNames[kSlots] = {"momentum_buffer_src"};
+  static constexpr bool kCountsSteps = true;
+  /// 0: no momentum (no buffer), 1: momentum.
+  static constexpr int kVariants = 2;
+  static constexpr bool kReadsScaled = true;
+
+  static constexpr int slots(int v) { return v; }
+  /// Host: throws naming the first bad hyper-parameter or read factor.
+  static void validate(const Config& c, GradientRead read) { validate_sgd_config(c, read); }
+  STEPCORE_HD_INLINE static int variant(const Config& c) { return c.momentum != 0.0 ? 1 : 0; }
+  static Scalars scalars(const Config& c, float step) {
+    const FpEnvGuard env;
+    Scalars s;
+    s.wd = static_cast<float>(c.weight_decay);
+    s.momentum = static_cast<float>(c.momentum);
+    s.keep = static_cast<float>(1.0 - c.dampening);
+    s.neg_lr = static_cast<float>(-c.lr);
+    s.apply_decay = c.weight_decay != 0.0;
+    s.nesterov = c.nesterov;
+    s.maximize = c.maximize;
+    s.first = step == 1.0f;
+    return s;
+  }
+  /// torch's scalar loop updates the buffer as fma(b, momentum, g*keep) over the last
+  /// (n mod W) elements (8b).
+  static std::size_t tail_begin(const Config& c, std::size_t n) {
+    const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
+    return n - n % w;
+  }
+
+  template <class Ops>
+  struct Consts {
+    using F = typename Ops::F;
+    F wd, momentum, keep, neg_lr, minus_one;
+    bool apply_decay, nesterov, maximize, first;
+    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
+        : wd(Ops::set1(s.wd)),
+          momentum(Ops::set1(s.momentum)),
+          keep(Ops::set1(s.keep)),
+          neg_lr(Ops::set1(s.neg_lr)),
+          minus_one(Ops::set1(-1.0f)),
+          apply_decay(s.apply_decay),
+          nesterov(s.nesterov),
+          maximize(s.maximize),
+          first(s.first) {}
+  };
+
+  /// docs/numerics.md 8b.
+  template <class Ops, int V, bool Tail>
+  STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
+                                        typename Ops::F* st) {
+    if (k.maximize) g = Ops::mul(g, k.minus_one);  // exact: the sign flips
+    if (k.apply_decay) g = Ops::fma(p, k.wd, g);
+    if constexpr (V == 1) {
+      typename Ops::F b = st[0];
+      if (k.first)
+        b = g;
+      else if constexpr (!Tail)
+        b = Ops::fma(g, k.keep, Ops::mul(b, k.momentum));  // the vector body
+      else
+        b = Ops::fma(b, k.momentum, Ops::mul(g, k.keep));  // torch's scalar tail
+      st[0] = b;
+      g = k.nesterov ? Ops::fma(b, k.momentum, g) : b;
+    }
+    p = Ops::fma(g, k.neg_lr, p);
+  }
+};
+
+}  // namespace stepcore::detail
