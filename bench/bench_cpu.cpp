@@ -170,6 +170,20 @@ STEPCORE_CLONES void probe_adamw(float* p, float* m, float* v, const G* g, std::
     if (out) out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
   }
 }
+// An optimizer unit with K f32 state slots: read p, the slots and an f32 g; write p, the
+// slots and the bf16 copy.
+template <int K>
+STEPCORE_CLONES void probe_slots(float* p, float* const* slots, const float* g, std::uint16_t* out,
+                                 std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float pi = p[i] + gi;
+    p[i] = pi;
+    for (int k = 0; k < K; ++k) slots[k][i] = slots[k][i] + gi;
+    out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
+  }
+}
 STEPCORE_CLONES void probe_sign_sgd(float* p, const std::uint16_t* g, std::uint16_t* out,
                                     std::size_t n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -590,6 +604,126 @@ void BM_AdamWOutOfPlace(benchmark::State& st) {
               std::to_string(s.total) + " elements");
 }
 
+/// The generic records of the benchmark model for a unit with `k` slots (m, v, then x),
+/// f32 gradients, bf16 copies.
+std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k) {
+  std::vector<OptimizerTensor> t;
+  float* slots[3] = {s.m.get(), s.v.get(), x.get()};
+  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
+    const std::size_t o = s.offsets[j], n = s.sizes[j];
+    OptimizerTensor a;
+    a.param = {s.p.get() + o, n, DType::f32};
+    for (int q = 0; q < k; ++q) a.state[q] = {slots[q] + o, n, DType::f32};
+    a.step = &s.steps[j];
+    a.grad = {s.gf32.get() + o, n, DType::f32};
+    a.compute_param = {s.out.get() + o, n, DType::bf16};
+    t.push_back(a);
+  }
+  return t;
+}
+
+/// One optimizer unit's step through Engine::step against the same-traffic probe: K
+/// slots, f32 gradients, a bf16 copy. Validated first: two steps on a prefix of the model
+/// equal the reference's (`reference_step`) bit for bit.
+template <class Config, int K, class Reference>
+void unit_benchmark(benchmark::State& st, const Config& cfg, Reference reference_step,
+                    const char* what) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  static Slab<float> x(s.total);  // the third slot (amsgrad's max)
+#pragma omp parallel for schedule(static)
+  for (std::size_t i = 0; i < s.total; ++i) x.get()[i] = s.v.get()[i] * 2.0f;
+  {
+    const std::size_t n = 70001;
+    // Fresh state (the timed runs and the probes leave the model's arrays anywhere).
+    std::vector<float> a[4], b[4];
+    std::mt19937 rng(99);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (std::size_t i = 0; i < n; ++i) {
+      a[0].push_back(nd(rng) * 0.02f);
+      a[1].push_back(nd(rng) * 1e-4f);
+      a[2].push_back(std::abs(nd(rng)) * 1e-8f);
+      a[3].push_back(a[2].back() * (i % 2 == 0 ? 2.0f : 0.5f));  // a max above v or not
+    }
+    for (int q = 0; q < 4; ++q) b[q] = a[q];
+    std::vector<std::uint16_t> oa(n), ob(n);
+    float ca = 0.0f, cb = 0.0f;
+    auto record = [&](std::vector<float>* v, std::vector<std::uint16_t>& o, float& c) {
+      OptimizerTensor t;
+      t.param = {v[0].data(), n, DType::f32};
+      for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::f32};
+      t.step = &c;
+      t.grad = {s.gf32.get(), n, DType::f32};
+      t.compute_param = {o.data(), n, DType::bf16};
+      return t;
+    };
+    const OptimizerTensor ta = record(a, oa, ca), tb = record(b, ob, cb);
+    for (int step = 0; step < 2; ++step) {
+      reference_step(std::span<const OptimizerTensor>(&ta, 1), cfg);
+      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
+    }
+    for (int q = 0; q < 4; ++q)
+      for (std::size_t i = 0; i < n; ++i)
+        if (f32_bits(a[q][i]) != f32_bits(b[q][i])) {
+          std::fprintf(stderr, "array %d element %zu: reference %a, engine %a\n", q, i,
+                       static_cast<double>(a[q][i]), static_cast<double>(b[q][i]));
+          validation_failed(what);
+        }
+    if (std::memcmp(oa.data(), ob.data(), n * 2) != 0) validation_failed(what);
+  }
+  Slab<float>& xs = x;
+  auto tensors = generic_tensors(s, xs, K);
+  const double bytes = static_cast<double>(s.total) * (8.0 * (1 + K) + 4.0 + 2.0);
+  const int th = eng.threads();
+  auto kernel = [&] {
+    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
+    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
+  };
+  float* slots[3] = {s.m.get(), s.v.get(), x.get()};
+  auto probe = [&] { probe_slots<K>(s.p.get(), slots, s.gf32.get(), s.out.get(), s.total, th); };
+  run_timed(st, kernel, bytes);
+  set_roofline(st, bytes, kernel, probe);
+}
+
+void BM_Adam(benchmark::State& st) {
+  AdamConfig c;
+  c.weight_decay = 0.01;
+  unit_benchmark<AdamConfig, 2>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
+      "adam");
+}
+void BM_AdamAmsgrad(benchmark::State& st) {
+  AdamConfig c;
+  c.weight_decay = 0.01;
+  c.amsgrad = true;
+  unit_benchmark<AdamConfig, 3>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
+      "adam amsgrad");
+}
+void BM_Sgd(benchmark::State& st) {
+  SgdConfig c;
+  c.lr = 1e-3;
+  c.momentum = 0.9;
+  c.weight_decay = 0.01;
+  unit_benchmark<SgdConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const SgdConfig& k) { reference::sgd_step(t, k); },
+      "sgd");
+}
+void BM_Adagrad(benchmark::State& st) {
+  AdagradConfig c;
+  c.lr_decay = 0.01;
+  c.weight_decay = 0.01;
+  unit_benchmark<AdagradConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdagradConfig& k) {
+        reference::adagrad_step(t, k);
+      },
+      "adagrad");
+}
+
 void BM_SignSgd(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
@@ -833,6 +967,26 @@ BENCHMARK(BM_AdamWOutOfPlace<false>)
 BENCHMARK(BM_AdamWOutOfPlace<true>)
     ->Name("AdamW/outofplace/f32grad/bf16out")
     ->Apply(out_of_place_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Adam)
+    ->Name("Adam/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamAmsgrad)
+    ->Name("Adam/amsgrad/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Sgd)
+    ->Name("SGD/momentum/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Adagrad)
+    ->Name("Adagrad/f32grad/bf16out")
+    ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_SignSgd)
