@@ -236,18 +236,19 @@ void validate_read(const GradientRead& read, const char* name) {
   check_clip(read.clip, base + ".clip");
 }
 
-void validate_adamw_config(const AdamWConfig& c) {
+// The Adam family's hyper-parameters (AdamConfig, AdamWConfig): every one finite.
+template <class C>
+void check_adam_finite(const C& c) {
   require_finite(c.lr, "config.lr");
   require_finite(c.beta1, "config.beta1");
   require_finite(c.beta2, "config.beta2");
   require_finite(c.eps, "config.eps");
   require_finite(c.weight_decay, "config.weight_decay");
-  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
-    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
-  if (c.formula == AdamWFormula::native && c.amsgrad)
-    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula");
-  if (c.formula == AdamWFormula::native && c.maximize)
-    fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
+}
+
+// Their ranges: lr >= 0, the tail width, betas in [0, 1), eps > 0, weight decay >= 0.
+template <class C>
+void check_adam_ranges(const C& c) {
   if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
   if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
     fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
@@ -257,6 +258,28 @@ void validate_adamw_config(const AdamWConfig& c) {
     fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
   if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
   if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
+}
+
+// The values the kernels round to f32: lr and eps finite there, eps not rounding to zero.
+template <class C>
+void check_adam_f32(const C& c) {
+  if (!std::isfinite(static_cast<float>(c.lr)))
+    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
+  if (!std::isfinite(static_cast<float>(c.eps)))
+    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
+  if (static_cast<float>(c.eps) == 0.0f)
+    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+}
+
+void validate_adamw_config(const AdamWConfig& c) {
+  check_adam_finite(c);
+  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
+    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
+  if (c.formula == AdamWFormula::native && c.amsgrad)
+    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula");
+  if (c.formula == AdamWFormula::native && c.maximize)
+    fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
+  check_adam_ranges(c);
   if (c.lr * c.weight_decay > 1.0)
     fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
   if (c.formula == AdamWFormula::native) {
@@ -268,12 +291,7 @@ void validate_adamw_config(const AdamWConfig& c) {
     if (static_cast<double>(static_cast<float>(c.lr)) * static_cast<float>(c.weight_decay) > 1.0)
       fail(Errc::out_of_range, "config.weight_decay", "f32(lr) * f32(weight_decay) must be <= 1");
   }
-  if (!std::isfinite(static_cast<float>(c.lr)))
-    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
-  if (!std::isfinite(static_cast<float>(c.eps)))
-    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
-  if (static_cast<float>(c.eps) == 0.0f)
-    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+  check_adam_f32(c);
 }
 
 void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
@@ -365,26 +383,9 @@ void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWC
 }
 
 void validate_adam_config(const AdamConfig& c, GradientRead read) {
-  require_finite(c.lr, "config.lr");
-  require_finite(c.beta1, "config.beta1");
-  require_finite(c.beta2, "config.beta2");
-  require_finite(c.eps, "config.eps");
-  require_finite(c.weight_decay, "config.weight_decay");
-  if (c.lr < 0.0) fail(Errc::invalid_argument, "config.lr", "must be >= 0");
-  if (c.torch_tail_width < 0 || c.torch_tail_width > 64)
-    fail(Errc::out_of_range, "config.torch_tail_width", "must be in [0, 64]");
-  if (!(c.beta1 >= 0.0 && c.beta1 < 1.0))
-    fail(Errc::invalid_argument, "config.beta1", "must be in [0, 1)");
-  if (!(c.beta2 >= 0.0 && c.beta2 < 1.0))
-    fail(Errc::invalid_argument, "config.beta2", "must be in [0, 1)");
-  if (!(c.eps > 0.0)) fail(Errc::invalid_argument, "config.eps", "must be > 0");
-  if (c.weight_decay < 0.0) fail(Errc::invalid_argument, "config.weight_decay", "must be >= 0");
-  if (!std::isfinite(static_cast<float>(c.lr)))
-    fail(Errc::out_of_range, "config.lr", "must be finite in f32");
-  if (!std::isfinite(static_cast<float>(c.eps)))
-    fail(Errc::out_of_range, "config.eps", "must be finite in f32");
-  if (static_cast<float>(c.eps) == 0.0f)
-    fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
+  check_adam_finite(c);
+  check_adam_ranges(c);
+  check_adam_f32(c);
   if (!std::isfinite(static_cast<float>(c.weight_decay)))
     fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");
   validate_read(read);

@@ -87,6 +87,22 @@ struct TorchAdamHyper {
   int tail_width = 8;
 };
 
+// The hyper-parameters of an AdamConfig or AdamWConfig for torch_adam_family_step.
+template <class C>
+TorchAdamHyper torch_adam_hyper(const C& config, bool adamw) {
+  TorchAdamHyper h;
+  h.adamw = adamw;
+  h.lr = config.lr;
+  h.beta1 = config.beta1;
+  h.beta2 = config.beta2;
+  h.eps = config.eps;
+  h.weight_decay = config.weight_decay;
+  h.amsgrad = config.amsgrad;
+  h.maximize = config.maximize;
+  h.tail_width = config.torch_tail_width;
+  return h;
+}
+
 // docs/numerics.md 8a, literally: torch.optim.Adam/AdamW(fused=True), f32 parameters. The
 // tensors are validated; state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq.
 void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const TorchAdamHyper& h,
@@ -248,17 +264,7 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
     adamw_step(std::span<const AdamWTensor>(ts), config, read, nullptr);
     return;
   }
-  TorchAdamHyper h;
-  h.adamw = true;
-  h.lr = config.lr;
-  h.beta1 = config.beta1;
-  h.beta2 = config.beta2;
-  h.eps = config.eps;
-  h.weight_decay = config.weight_decay;
-  h.amsgrad = config.amsgrad;
-  h.maximize = config.maximize;
-  h.tail_width = config.torch_tail_width;
-  torch_adam_family_step(tensors, h, read);
+  torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/true), read);
 }
 
 void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
@@ -266,17 +272,7 @@ void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& confi
   detail::validate_adam(tensors, config, read);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
-  TorchAdamHyper h;
-  h.adamw = false;
-  h.lr = config.lr;
-  h.beta1 = config.beta1;
-  h.beta2 = config.beta2;
-  h.eps = config.eps;
-  h.weight_decay = config.weight_decay;
-  h.amsgrad = config.amsgrad;
-  h.maximize = config.maximize;
-  h.tail_width = config.torch_tail_width;
-  torch_adam_family_step(tensors, h, read);
+  torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/false), read);
 }
 
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
