@@ -27,10 +27,10 @@ struct Adam {
   using Config = AdamConfig;
   using Scalars = AdamScalars;
   static constexpr const char* kName = "adam";
-  static constexpr int kSlots = 3;
-  static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-  static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",
-                                                           "max_exp_avg_sq_src"};
+  // AdamW's slots, in its order (the same kernel's state).
+  static constexpr int kSlots = AdamW::kSlots;
+  static constexpr const char* const* kSlotNames = AdamW::kSlotNames;
+  static constexpr const char* const* kSlotSourceNames = AdamW::kSlotSourceNames;
   static constexpr bool kCountsSteps = true;
   /// 0: plain, 1: amsgrad.
   static constexpr int kVariants = 2;
