@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <variant>
 
 #include "stepcore/config.hpp"
 #include "stepcore/tensor.hpp"
@@ -94,6 +95,13 @@ struct AdagradConfig {
   double eps = 1e-10;
   bool maximize = false;
 };
+
+/// Any optimizer's hyper-parameters: one alternative per optimizer unit, in the order of
+/// core/optimizers/all.hpp (a static_assert there keeps the two lists equal). The
+/// generic entry points (devices, managers, the Python binding) take this; the
+/// alternative held selects the optimizer.
+using OptimizerConfig =
+    std::variant<AdamWConfig, SignSgdConfig, AdamConfig, SgdConfig, AdagradConfig>;
 
 /// How a gradient element g of storage type T is read by every operation that
 /// accepts it (docs/numerics.md, "Gradient read"):
