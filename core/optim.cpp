@@ -3,7 +3,6 @@
 // Compiled with -ffp-contract=off: every line is the spec's operation order.
 #include <cmath>
 
-#include "core/fp_env.hpp"
 #include "core/optimizers/adamw.hpp"
 #include "core/optimizers/sign_sgd.hpp"
 #include "core/step_scalars.hpp"
@@ -23,15 +22,13 @@ BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step) {
 
 }  // namespace detail
 
+// The units' own derivation (core/optimizers/unit.hpp), as every engine takes it.
 AdamWScalars prepare_adamw_scalars(const AdamWConfig& c, float step) {
-  const detail::FpEnvGuard env;
-  const detail::BiasCorrections bc = detail::adamw_bias_corrections(c, step);
-  return detail::adamw_scalars(c, c.lr, c.weight_decay, bc.bc1, bc.bc2);
+  return detail::unit_scalars<detail::AdamW>(c, step);
 }
 
 SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& c) {
-  const detail::FpEnvGuard env;
-  return detail::sign_sgd_scalars(c.lr, c.weight_decay);
+  return detail::unit_scalars<detail::SignSgd>(c, 0.0f);
 }
 
 }  // namespace stepcore

@@ -177,7 +177,7 @@ UnitRange<Opt> unit_range(const typename Opt::Config& config, float step, Gradie
   }
   r.grad = grad;
   r.out = out.data;
-  r.scalars = Opt::scalars(config, step);
+  r.scalars = ::stepcore::detail::unit_scalars<Opt>(config, step);
   r.read = read;
   r.tail_begin = Opt::tail_begin(config, dst[0].numel);
   r.variant = Opt::variant(config);

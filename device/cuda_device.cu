@@ -391,6 +391,12 @@ class CudaDevice final : public Device {
     gpu::sign_sgd_step(d_tensors, config, d, compute());
   }
 
+  void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
+                      const OptimizerDeviceArgs& d) override {
+    const DeviceGuard guard(ordinal_);
+    gpu::optimizer_step(d_tensors, config, d, compute());
+  }
+
   cudaStream_t compute_stream() const noexcept override { return streams_[0]; }
 
   // The events the pool has made so far (detail::cuda_events_made).

@@ -419,6 +419,14 @@ class HostDevice final : public Device {
                                 d, threads_);
   }
 
+  void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
+                      const OptimizerDeviceArgs& d) override {
+    raise_pending();
+    gpu::detail::with_checked_optimizer_plan(d_tensors, config, d, memory_, [&](const auto& plan) {
+      gpu::emulate::optimizer_step(plan, d, threads_);
+    });
+  }
+
   cudaStream_t compute_stream() const noexcept override { return nullptr; }
 
   // The fault-injection hook (see host_device.hpp).

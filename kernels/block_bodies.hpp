@@ -28,9 +28,7 @@
 
 namespace stepcore::gpu::detail {
 
-using ::stepcore::detail::AdamW;
 using ::stepcore::detail::ScalarOps;
-using ::stepcore::detail::SignSgd;
 using ::stepcore::detail::unit_element;
 using ::stepcore::detail::with_variant;
 
@@ -93,6 +91,33 @@ STEPCORE_HD_INLINE void store_group(T* p, const T (&in)[V]) {
 /// Elements per group of a 16-byte access of T.
 template <class T>
 inline constexpr int kGroup = kVectorBytes / static_cast<int>(sizeof(T));
+
+/// Calls fn(std::type_identity<T>{}) for the storage type T of `dtype`: the one dtype
+/// dispatch of every block body.
+template <class Fn>
+STEPCORE_HD_INLINE void with_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::f32:
+      fn(std::type_identity<float>{});
+      break;
+    case DType::bf16:
+      fn(std::type_identity<bfloat16_t>{});
+      break;
+    case DType::f16:
+      fn(std::type_identity<float16_t>{});
+      break;
+  }
+}
+
+/// Calls fn(std::type_identity<O>{}) for an optional output's kind (0: none, O = void;
+/// else 1 + its DType).
+template <class Fn>
+STEPCORE_HD_INLINE void with_output(std::int8_t kind, Fn&& fn) {
+  if (kind == 0)
+    fn(std::type_identity<void>{});
+  else
+    with_dtype(static_cast<DType>(kind - 1), static_cast<Fn&&>(fn));
+}
 
 /// Calls f(i, V_tag) for thread `thread`'s groups of V elements of [begin, end), then
 /// f(i, 1) for its remainder elements (see the file comment).
@@ -217,17 +242,9 @@ STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int th
                                           const NormPass& pass, Lane& lane) {
   const BlockTask t = a.task(block);
   void* p = a.data[t.tensor];
-  switch (a.dtype[t.tensor]) {
-    case DType::f32:
-      scale_norm_typed<float>(p, t, thread, threads, pass, lane);
-      break;
-    case DType::bf16:
-      scale_norm_typed<bfloat16_t>(p, t, thread, threads, pass, lane);
-      break;
-    case DType::f16:
-      scale_norm_typed<float16_t>(p, t, thread, threads, pass, lane);
-      break;
-  }
+  with_dtype(a.dtype[t.tensor], [&](auto type) {
+    scale_norm_typed<typename decltype(type)::type>(p, t, thread, threads, pass, lane);
+  });
 }
 
 /// In place g = R_T(f32(g) * factor) (the clip applied eagerly).
@@ -256,17 +273,9 @@ STEPCORE_HD_INLINE void scale_thread(const LaunchArgs& a, int block, int thread,
                                      float factor) {
   const BlockTask t = a.task(block);
   void* p = a.data[t.tensor];
-  switch (a.dtype[t.tensor]) {
-    case DType::f32:
-      scale_typed<float>(p, t, thread, threads, factor);
-      break;
-    case DType::bf16:
-      scale_typed<bfloat16_t>(p, t, thread, threads, factor);
-      break;
-    case DType::f16:
-      scale_typed<float16_t>(p, t, thread, threads, factor);
-      break;
-  }
+  with_dtype(a.dtype[t.tensor], [&](auto type) {
+    scale_typed<typename decltype(type)::type>(p, t, thread, threads, factor);
+  });
 }
 
 /// a += b (the block's tree combination).
@@ -342,35 +351,51 @@ STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int th
   const BlockTask t = a.task(block);
   float* acc = static_cast<float*>(a.data[t.tensor]);
   const void* s = a.src[t.tensor];
-  switch (a.src_dtype[t.tensor]) {
-    case DType::f32:
-      accumulate_typed<float>(acc, s, t, thread, threads, copy);
-      break;
-    case DType::bf16:
-      accumulate_typed<bfloat16_t>(acc, s, t, thread, threads, copy);
-      break;
-    case DType::f16:
-      accumulate_typed<float16_t>(acc, s, t, thread, threads, copy);
-      break;
+  with_dtype(a.src_dtype[t.tensor], [&](auto type) {
+    accumulate_typed<typename decltype(type)::type>(acc, s, t, thread, threads, copy);
+  });
+}
+
+/// Unit Opt's table row of step t from `table` (gpu::make_optimizer_table's layout:
+/// {len_0 .. len_{K-1}, column 0, column 1, ...}): entry t of each column, or the unit's
+/// kTableLimit past its end. A counter that is not a positive integer (device memory,
+/// unchecked) reads an entry of the table, never outside it.
+template <class Opt>
+STEPCORE_HD_INLINE void table_row(const double* table, float t, double* row) {
+  constexpr int K = Opt::kTableColumns;
+  // t >= 1 and below 2^32 converts exactly (a counter holds integers below 2^24).
+  const std::uint64_t ti = t >= 1.0f && t < 4294967296.0f ? static_cast<std::uint64_t>(t) : 1;
+  std::uint64_t offset = K;
+  for (int k = 0; k < K; ++k) {
+    const auto len = static_cast<std::uint64_t>(table[k]);
+    row[k] = ti <= len ? table[offset + ti - 1] : Opt::kTableLimit;
+    offset += len;
   }
 }
 
-/// The scalars of slot `slot`'s AdamW update, from device memory: its step counter
-/// (t = counter + 1), lr and weight decay (d.hyper, else the configuration's) and the
-/// bias corrections of step t from d.bias_table (1 past its end: exactly what the host
-/// computes there). Each block computes them once; host and device give the same bits.
-STEPCORE_HD_INLINE AdamWScalars adamw_block_scalars(const AdamWLaunchArgs& a, int slot,
-                                                    const AdamWDeviceArgs& d) {
-  const float t = *a.step[slot] + 1.0f;
-  const auto ti = static_cast<std::uint64_t>(t);
-  const double* table = d.bias_table;
-  const auto len1 = static_cast<std::uint64_t>(table[0]);
-  const auto len2 = static_cast<std::uint64_t>(table[1]);
-  const double bc1 = ti <= len1 ? table[2 + ti - 1] : 1.0;
-  const double bc2 = ti <= len2 ? table[2 + len1 + ti - 1] : 1.0;
-  const double lr = d.hyper != nullptr ? d.hyper->lr : a.config.lr;
-  const double wd = d.hyper != nullptr ? d.hyper->weight_decay : a.config.weight_decay;
-  return ::stepcore::detail::adamw_scalars(a.config, lr, wd, bc1, bc2);
+/// The scalars of slot `slot`'s update of unit Opt, from device memory when the block
+/// runs: its step counter (t = counter + 1), lr and weight decay (d.hyper, else the
+/// configuration's) and the table row of step t; then the unit's step_scalars, the
+/// operations the host engine runs (unit_scalars), so host and device give the same bits.
+template <class Opt>
+STEPCORE_HD_INLINE typename Opt::Scalars block_scalars(const OptimizerLaunchArgs<Opt>& a, int slot,
+                                                       const OptimizerDeviceArgs& d) {
+  ::stepcore::detail::StepInputs in;
+  if constexpr (Opt::kCountsSteps) in.t = *a.step[slot] + 1.0f;
+  in.lr = d.hyper != nullptr ? d.hyper->lr : a.config.lr;
+  in.weight_decay = d.hyper != nullptr ? d.hyper->weight_decay : a.config.weight_decay;
+  double row[Opt::kTableColumns > 0 ? Opt::kTableColumns : 1] = {};
+  if constexpr (Opt::kTableColumns > 0) table_row<Opt>(d.table, in.t, row);
+  in.row = row;
+  return Opt::step_scalars(a.config, in);
+}
+
+/// The read factors of a block of unit Opt: from device memory when the unit applies the
+/// read, else 1 (its d.scale and d.clip may be null).
+template <class Opt>
+STEPCORE_HD_INLINE GradientRead block_read(const OptimizerDeviceArgs& d) {
+  if constexpr (Opt::kReadsScaled) return read_at_run(d.scale, d.clip);
+  return GradientRead{};
 }
 
 /// Counter k of a counter launch: advanced by one (the step was not skipped).
@@ -382,175 +407,73 @@ STEPCORE_HD_INLINE void advance_counter(const StepCounterArgs& c, int k) {
 template <class O>
 using OutStorage = std::conditional_t<std::is_void_v<O>, float, O>;
 
-template <class G, class O, int V>
-STEPCORE_HD_INLINE void adamw_range(const AdamWLaunchArgs& a, int t, const BlockTask& task,
-                                    int thread, int threads, const AdamWScalars& s, float scale,
-                                    float clip) {
+/// Thread `thread`'s groups of W elements of [task.begin, task.end) of slot t, variant V
+/// of unit Opt: the old parameter and the variant's state slots loaded from their
+/// sources, the unit's element applied to each, the new values stored (and the
+/// parameter rounded to O into the compute copy).
+template <class Opt, int V, class G, class O, int W>
+STEPCORE_HD_INLINE void optimizer_range(const OptimizerLaunchArgs<Opt>& a, int t,
+                                        const BlockTask& task, int thread, int threads,
+                                        const typename Opt::template Consts<ScalarOps>& k_s,
+                                        std::uint64_t tail, float scale, float clip) {
+  constexpr int K = Opt::slots(V);  // the state slots this variant reads and writes
   const G* grad = static_cast<const G*>(a.grad[t]);
   O* out = static_cast<O*>(a.out[t]);
-  const std::uint64_t tail = a.tail_begin[t];
-  const AdamW::Consts<ScalarOps> k_s(s);
-  const int variant = AdamW::variant(a.config);
-  for_thread_groups<V>(task.begin, task.end, thread, threads, [&]<int W>(std::uint64_t i) {
-    float p[W], m[W], v[W];
-    G g[W];
-    OutStorage<O> o[W];
-    // The old state from the sources (the destinations when in place), updated in the
+  for_thread_groups<W>(task.begin, task.end, thread, threads, [&]<int X>(std::uint64_t i) {
+    float p[X];
+    float st[K > 0 ? K : 1][X];
+    G g[X];
+    OutStorage<O> o[X];
+    // The old values from the sources (the destinations when in place), updated in the
     // thread's registers, then stored to the destinations.
-    load_group<float, W>(a.param_src[t] + i, p);
-    load_group<float, W>(a.exp_avg_src[t] + i, m);
-    load_group<float, W>(a.exp_avg_sq_src[t] + i, v);
-    load_group<G, W>(grad + i, g);
-    // The torch formula's tail test on the group's own indices: element i + k is in the
-    // tail exactly when k >= tail - i.
+    load_group<float, X>(a.src[0][t] + i, p);
+    for (int s = 0; s < K; ++s) load_group<float, X>(a.src[1 + s][t] + i, st[s]);
+    load_group<G, X>(grad + i, g);
+    // The tail test on the group's own indices: element i + k is in the tail exactly
+    // when k >= tail - i.
     const std::uint64_t local_tail = tail > i ? tail - i : 0;
-    const float* old_state[AdamW::kSlots] = {m, v};
-    float* new_state[AdamW::kSlots] = {m, v};
-    with_variant<AdamW::kVariants>(variant, [&](auto form) {
-      for (int k = 0; k < W; ++k)
-        unit_element<AdamW, decltype(form)::value, G, O>(
-            p, old_state, p, new_state, g, std::is_void_v<O> ? nullptr : o, k_s, local_tail, scale,
-            clip, static_cast<std::uint64_t>(k));
+    float* state[K > 0 ? K : 1];
+    for (int s = 0; s < K; ++s) state[s] = st[s];
+    for (int k = 0; k < X; ++k)
+      unit_element<Opt, V, G, O>(p, state, p, state, g, std::is_void_v<O> ? nullptr : o, k_s,
+                                 local_tail, scale, clip, static_cast<std::uint64_t>(k));
+    store_group<float, X>(a.dst[0][t] + i, p);
+    for (int s = 0; s < K; ++s) store_group<float, X>(a.dst[1 + s][t] + i, st[s]);
+    if constexpr (!std::is_void_v<O>) store_group<O, X>(out + i, o);
+  });
+}
+
+/// Thread `thread` of `threads` on block `block` of a launch of unit Opt, with the
+/// block's scalars `s` (block_scalars of its tensor slot) and read factors: the variant,
+/// gradient dtype and output dtype resolved once, then whole 16-byte groups where every
+/// array of the tensor is aligned to them, single elements otherwise.
+template <class Opt>
+STEPCORE_HD_INLINE void optimizer_thread(const OptimizerLaunchArgs<Opt>& a, int block, int thread,
+                                         int threads, const typename Opt::Scalars& s, float scale,
+                                         float clip) {
+  const BlockTask task = a.task(block);
+  const int t = task.tensor;
+  const typename Opt::template Consts<ScalarOps> k_s(s);
+  const std::uint64_t tail = Opt::tail_begin(a.config, a.map.numel[t]);
+  with_variant<Opt::kVariants>(Opt::variant(a.config), [&](auto form) {
+    constexpr int V = decltype(form)::value;
+    with_dtype(a.grad_dtype[t], [&](auto gt) {
+      using G = typename decltype(gt)::type;
+      with_output(a.out_kind[t], [&](auto ot) {
+        using O = typename decltype(ot)::type;
+        constexpr int W = kGroup<float>;
+        bool vec = aligned_to(a.grad[t], W * sizeof(G));
+        for (int k = 0; k <= Opt::slots(V); ++k)
+          vec =
+              vec && aligned_to(a.dst[k][t], kVectorBytes) && aligned_to(a.src[k][t], kVectorBytes);
+        if constexpr (!std::is_void_v<O>) vec = vec && aligned_to(a.out[t], W * sizeof(O));
+        if (vec)
+          optimizer_range<Opt, V, G, O, W>(a, t, task, thread, threads, k_s, tail, scale, clip);
+        else
+          optimizer_range<Opt, V, G, O, 1>(a, t, task, thread, threads, k_s, tail, scale, clip);
+      });
     });
-    store_group<float, W>(a.param[t] + i, p);
-    store_group<float, W>(a.exp_avg[t] + i, m);
-    store_group<float, W>(a.exp_avg_sq[t] + i, v);
-    if constexpr (!std::is_void_v<O>) store_group<O, W>(out + i, o);
   });
-}
-
-template <class G, class O>
-STEPCORE_HD_INLINE void adamw_typed(const AdamWLaunchArgs& a, int t, const BlockTask& task,
-                                    int thread, int threads, const AdamWScalars& s, float scale,
-                                    float clip) {
-  constexpr int V = kGroup<float>;
-  bool vec = aligned_to(a.param[t], kVectorBytes) && aligned_to(a.exp_avg[t], kVectorBytes) &&
-             aligned_to(a.exp_avg_sq[t], kVectorBytes) &&
-             aligned_to(a.param_src[t], kVectorBytes) &&
-             aligned_to(a.exp_avg_src[t], kVectorBytes) &&
-             aligned_to(a.exp_avg_sq_src[t], kVectorBytes) && aligned_to(a.grad[t], V * sizeof(G));
-  if constexpr (!std::is_void_v<O>) vec = vec && aligned_to(a.out[t], V * sizeof(O));
-  if (vec)
-    adamw_range<G, O, V>(a, t, task, thread, threads, s, scale, clip);
-  else
-    adamw_range<G, O, 1>(a, t, task, thread, threads, s, scale, clip);
-}
-
-template <class G>
-STEPCORE_HD_INLINE void adamw_by_output(const AdamWLaunchArgs& a, int t, const BlockTask& task,
-                                        int thread, int threads, const AdamWScalars& s, float scale,
-                                        float clip) {
-  switch (a.out_kind[t]) {
-    case 0:
-      adamw_typed<G, void>(a, t, task, thread, threads, s, scale, clip);
-      break;
-    case 1:
-      adamw_typed<G, float>(a, t, task, thread, threads, s, scale, clip);
-      break;
-    case 2:
-      adamw_typed<G, bfloat16_t>(a, t, task, thread, threads, s, scale, clip);
-      break;
-    default:
-      adamw_typed<G, float16_t>(a, t, task, thread, threads, s, scale, clip);
-      break;
-  }
-}
-
-/// Thread `thread` of `threads` on block `block` of an AdamW launch, with the block's
-/// scalars `s` (adamw_block_scalars of its tensor slot).
-STEPCORE_HD_INLINE void adamw_thread(const AdamWLaunchArgs& a, int block, int thread, int threads,
-                                     const AdamWScalars& s, float scale, float clip) {
-  const BlockTask task = a.task(block);
-  const int t = task.tensor;
-  switch (a.grad_dtype[t]) {
-    case DType::f32:
-      adamw_by_output<float>(a, t, task, thread, threads, s, scale, clip);
-      break;
-    case DType::bf16:
-      adamw_by_output<bfloat16_t>(a, t, task, thread, threads, s, scale, clip);
-      break;
-    case DType::f16:
-      adamw_by_output<float16_t>(a, t, task, thread, threads, s, scale, clip);
-      break;
-  }
-}
-
-/// The scalars of a SignSGD launch: lr and weight decay from device memory when given.
-STEPCORE_HD_INLINE SignSgdScalars sign_sgd_block_scalars(const SignSgdLaunchArgs& a,
-                                                         const StepHyper* hyper) {
-  return hyper != nullptr ? ::stepcore::detail::sign_sgd_scalars(hyper->lr, hyper->weight_decay)
-                          : ::stepcore::detail::sign_sgd_scalars(a.lr, a.weight_decay);
-}
-
-template <class G, class O, int V>
-STEPCORE_HD_INLINE void sign_sgd_range(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
-                                       int thread, int threads, const SignSgdScalars& s) {
-  const G* grad = static_cast<const G*>(a.grad[t]);
-  O* out = static_cast<O*>(a.out[t]);
-  const SignSgd::Consts<ScalarOps> k_s(s);
-  for_thread_groups<V>(task.begin, task.end, thread, threads, [&]<int W>(std::uint64_t i) {
-    float p[W];
-    G g[W];
-    OutStorage<O> o[W];
-    load_group<float, W>(a.param_src[t] + i, p);  // the old parameter (param when in place)
-    load_group<G, W>(grad + i, g);
-    for (int k = 0; k < W; ++k)
-      unit_element<SignSgd, 0, G, O>(p, nullptr, p, nullptr, g, std::is_void_v<O> ? nullptr : o,
-                                     k_s, ~std::uint64_t{0}, 1.0f, 1.0f,
-                                     static_cast<std::uint64_t>(k));
-    store_group<float, W>(a.param[t] + i, p);
-    if constexpr (!std::is_void_v<O>) store_group<O, W>(out + i, o);
-  });
-}
-
-template <class G, class O>
-STEPCORE_HD_INLINE void sign_sgd_typed(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
-                                       int thread, int threads, const SignSgdScalars& s) {
-  constexpr int V = kGroup<float>;
-  bool vec = aligned_to(a.param[t], kVectorBytes) && aligned_to(a.param_src[t], kVectorBytes) &&
-             aligned_to(a.grad[t], V * sizeof(G));
-  if constexpr (!std::is_void_v<O>) vec = vec && aligned_to(a.out[t], V * sizeof(O));
-  if (vec)
-    sign_sgd_range<G, O, V>(a, t, task, thread, threads, s);
-  else
-    sign_sgd_range<G, O, 1>(a, t, task, thread, threads, s);
-}
-
-template <class G>
-STEPCORE_HD_INLINE void sign_sgd_by_output(const SignSgdLaunchArgs& a, int t, const BlockTask& task,
-                                           int thread, int threads, const SignSgdScalars& s) {
-  switch (a.out_kind[t]) {
-    case 0:
-      sign_sgd_typed<G, void>(a, t, task, thread, threads, s);
-      break;
-    case 1:
-      sign_sgd_typed<G, float>(a, t, task, thread, threads, s);
-      break;
-    case 2:
-      sign_sgd_typed<G, bfloat16_t>(a, t, task, thread, threads, s);
-      break;
-    default:
-      sign_sgd_typed<G, float16_t>(a, t, task, thread, threads, s);
-      break;
-  }
-}
-
-/// Thread `thread` of `threads` on block `block` of a SignSGD launch.
-STEPCORE_HD_INLINE void sign_sgd_thread(const SignSgdLaunchArgs& a, int block, int thread,
-                                        int threads, const SignSgdScalars& s) {
-  const BlockTask task = a.task(block);
-  const int t = task.tensor;
-  switch (a.grad_dtype[t]) {
-    case DType::f32:
-      sign_sgd_by_output<float>(a, t, task, thread, threads, s);
-      break;
-    case DType::bf16:
-      sign_sgd_by_output<bfloat16_t>(a, t, task, thread, threads, s);
-      break;
-    case DType::f16:
-      sign_sgd_by_output<float16_t>(a, t, task, thread, threads, s);
-      break;
-  }
 }
 
 /// finalize + clip coefficient + found-inf flag (see gpu::finalize_and_clip).

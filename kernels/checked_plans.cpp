@@ -2,6 +2,8 @@
 // (kernels/checked_plans.hpp).
 #include "kernels/checked_plans.hpp"
 
+#include <tuple>
+
 #include "core/validate.hpp"
 #include "kernels/plan_cache.hpp"
 #include "stepcore/error.hpp"
@@ -13,12 +15,9 @@ using ::stepcore::detail::Arg;  // an argument's name, built only for an error
 namespace {
 
 // The keys list every field of the argument structs: a new field must join its key.
-static_assert(sizeof(AdamWTensor) == 8 * sizeof(TensorView) + sizeof(float*));
-static_assert(sizeof(SignSgdTensor) == 4 * sizeof(TensorView));
-static_assert(sizeof(AdamWConfig) == 5 * sizeof(double) + 2 * sizeof(int));
-static_assert(sizeof(SignSgdConfig) == 2 * sizeof(double));
-static_assert(sizeof(AdamWDeviceArgs) == 5 * sizeof(void*));
-static_assert(sizeof(SignSgdDeviceArgs) == 2 * sizeof(void*));
+static_assert(sizeof(OptimizerTensor) ==
+              (4 + 2 * kMaxOptimizerSlots) * sizeof(TensorView) + sizeof(float*));
+static_assert(sizeof(OptimizerDeviceArgs) == 5 * sizeof(void*));
 
 void add_limits(CallKey& key, const LaunchLimits& lim) {
   key.add(static_cast<std::uint64_t>(static_cast<std::uint32_t>(lim.max_blocks)) << 32 |
@@ -154,103 +153,98 @@ std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
   return plans;
 }
 
-AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                             const AdamWDeviceArgs& d, const MemoryCheck& check) {
-  static PlanCache<AdamWPlan> cache;
+template <class Opt>
+OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_tensors,
+                                          const typename Opt::Config& config,
+                                          const OptimizerDeviceArgs& d, const MemoryCheck& check) {
+  // The device inputs the unit reads, then its configuration: checked on every call (a
+  // cached plan holds no configuration check; the configuration is set below).
+  if constexpr (Opt::kReadsScaled) {
+    if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
+    if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
+  }
+  if (Opt::kTableColumns > 0 && d.table == nullptr)
+    throw Error(Errc::null_pointer, "d.table", "required: gpu::make_optimizer_table(config)");
+  Opt::validate(config, GradientRead{});
+  static PlanCache<OptimizerPlan<Opt>> cache;
   const LaunchLimits lim = launch_limits(true);
-  CallKey key(17 * d_tensors.size() + 16);
+  // The tensors' validity depends on the configuration only through the slots its
+  // variant uses: the variant is in the key, the rest of the configuration is not.
+  const int used = Opt::slots(Opt::variant(config));
+  CallKey key(21 * d_tensors.size() + 12);
   key.add(static_cast<std::uint64_t>(d_tensors.size()));
-  for (const AdamWTensor& t : d_tensors) {
-    for (const TensorView* v : {&t.param, &t.exp_avg, &t.exp_avg_sq, &t.compute_param})
-      key.add(ConstTensorView(*v));
-    for (const ConstTensorView* v : {&t.grad, &t.param_src, &t.exp_avg_src, &t.exp_avg_sq_src})
-      key.add(*v);
+  for (const OptimizerTensor& t : d_tensors) {
+    key.add(ConstTensorView(t.param));
+    for (const TensorView& v : t.state) key.add(ConstTensorView(v));
+    key.add(ConstTensorView(t.compute_param));
+    key.add(t.grad);
+    key.add(t.param_src);
+    for (const ConstTensorView& v : t.state_src) key.add(v);
     key.add(t.step);
   }
-  for (double v : {config.lr, config.beta1, config.beta2, config.eps, config.weight_decay})
-    key.add(v);
-  key.add(static_cast<std::uint64_t>(config.formula));
-  key.add(static_cast<std::uint64_t>(static_cast<std::uint32_t>(config.torch_tail_width)));
-  // Every field of the configuration is in the key: a flag the plan refuses (amsgrad,
-  // maximize) must reach validation, never a plan cached without it.
-  key.add(static_cast<std::uint64_t>(config.amsgrad) | static_cast<std::uint64_t>(config.maximize)
-                                                           << 1);
+  key.add(static_cast<std::uint64_t>(Opt::variant(config)));
   for (const void* p : {static_cast<const void*>(d.scale), static_cast<const void*>(d.clip),
                         static_cast<const void*>(d.found_inf), static_cast<const void*>(d.hyper),
-                        static_cast<const void*>(d.bias_table)})
+                        static_cast<const void*>(d.table)})
     key.add(p);
   add_limits(key, lim);
   key.add(&check);  // the device whose memory was checked
-  if (auto hit = cache.find(key)) return *std::move(hit);
+  auto with_config = [&](OptimizerPlan<Opt> plan) {
+    for (OptimizerLaunchArgs<Opt>& a : plan.launches) a.config = config;
+    return plan;
+  };
+  if (auto hit = cache.find(key)) return with_config(*std::move(hit));
   const std::uint64_t epoch = memory_epoch();
-  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
-  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
-  if (d.bias_table == nullptr)
-    throw Error(Errc::null_pointer, "d.bias_table", "required: gpu::make_adamw_bias_table(config)");
-  // The plan validates every host-side argument (before any memory is looked at) and
-  // touches no buffer: build it first, then check the memory, so validation runs once.
-  AdamWPlan plan = make_adamw_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
-  check(d.scale, sizeof(float), Arg{"d.scale"});
-  check(d.clip, sizeof(float), Arg{"d.clip"});
-  check(d.bias_table, 2 * sizeof(double), Arg{"d.bias_table"});
+  // The plan validates every host-side argument (validate_unit, before any memory is
+  // looked at) and touches no buffer: build it first, then check the memory.
+  OptimizerPlan<Opt> plan =
+      make_optimizer_plan<Opt>(d_tensors, config, lim.max_blocks, lim.max_tensors);
+  if constexpr (Opt::kReadsScaled) {
+    check(d.scale, sizeof(float), Arg{"d.scale"});
+    check(d.clip, sizeof(float), Arg{"d.clip"});
+  }
+  // The table's column lengths (its entries follow; the host built it for this config).
+  if constexpr (Opt::kTableColumns > 0)
+    check(d.table, Opt::kTableColumns * sizeof(double), Arg{"d.table"});
   if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), Arg{"d.found_inf"});
   if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), Arg{"d.hyper"});
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const AdamWTensor& t = d_tensors[i];
-    check(t.step, sizeof(float), Arg{"tensors", i, "step"});
+    const OptimizerTensor& t = d_tensors[i];
+    if constexpr (Opt::kCountsSteps) check(t.step, sizeof(float), Arg{"tensors", i, "step"});
     if (t.param.numel == 0) continue;
     check(t.param.data, t.param.bytes(), Arg{"tensors", i, "param"});
-    check(t.exp_avg.data, t.exp_avg.bytes(), Arg{"tensors", i, "exp_avg"});
-    check(t.exp_avg_sq.data, t.exp_avg_sq.bytes(), Arg{"tensors", i, "exp_avg_sq"});
+    for (int s = 0; s < used; ++s)
+      check(t.state[s].data, t.state[s].bytes(), Arg{"tensors", i, Opt::kSlotNames[s]});
     check(t.grad.data, t.grad.bytes(), Arg{"tensors", i, "grad"});
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), Arg{"tensors", i, "compute_param"});
     check_source(t.param_src, Arg{"tensors", i, "param_src"}, check);
-    check_source(t.exp_avg_src, Arg{"tensors", i, "exp_avg_src"}, check);
-    check_source(t.exp_avg_sq_src, Arg{"tensors", i, "exp_avg_sq_src"}, check);
+    for (int s = 0; s < used; ++s)
+      check_source(t.state_src[s], Arg{"tensors", i, Opt::kSlotSourceNames[s]}, check);
   }
   cache.insert(std::move(key), plan, epoch);
   return plan;
 }
 
-std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
-                                                     const SignSgdConfig& config,
-                                                     const SignSgdDeviceArgs& d,
-                                                     const MemoryCheck& check) {
-  static PlanCache<std::vector<SignSgdLaunchArgs>> cache;
-  const LaunchLimits lim = launch_limits(true);
-  CallKey key(8 * d_tensors.size() + 8);
-  key.add(static_cast<std::uint64_t>(d_tensors.size()));
-  for (const SignSgdTensor& t : d_tensors) {
-    key.add(ConstTensorView(t.param));
-    key.add(t.grad);
-    key.add(ConstTensorView(t.compute_param));
-    key.add(t.param_src);
-  }
-  key.add(config.lr);
-  key.add(config.weight_decay);
-  key.add(d.found_inf);
-  key.add(d.hyper);
-  add_limits(key, lim);
-  key.add(&check);  // the device whose memory was checked
-  if (auto hit = cache.find(key)) return *std::move(hit);
-  const std::uint64_t epoch = memory_epoch();
-  // The plan validates, as for AdamW.
-  std::vector<SignSgdLaunchArgs> launches =
-      make_sign_sgd_plan(d_tensors, config, lim.max_blocks, lim.max_tensors);
-  if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), Arg{"d.found_inf"});
-  if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), Arg{"d.hyper"});
-  for (std::size_t i = 0; i < d_tensors.size(); ++i) {
-    const SignSgdTensor& t = d_tensors[i];
-    if (t.param.numel == 0) continue;
-    check(t.param.data, t.param.bytes(), Arg{"tensors", i, "param"});
-    check(t.grad.data, t.grad.bytes(), Arg{"tensors", i, "grad"});
-    if (t.compute_param.data != nullptr)
-      check(t.compute_param.data, t.compute_param.bytes(), Arg{"tensors", i, "compute_param"});
-    check_source(t.param_src, Arg{"tensors", i, "param_src"}, check);
-  }
-  cache.insert(std::move(key), launches, epoch);
-  return launches;
+AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                             const AdamWDeviceArgs& d, const MemoryCheck& check) {
+  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
+  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
+  if (d.bias_table == nullptr)
+    throw Error(Errc::null_pointer, "d.bias_table", "required: gpu::make_adamw_bias_table(config)");
+  ::stepcore::detail::validate_adamw_config(config);
+  if (config.amsgrad)
+    throw Error(Errc::invalid_argument, "config.amsgrad",
+                "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
+  return checked_optimizer_plan<::stepcore::detail::AdamW>(optimizer_tensors(d_tensors), config,
+                                                           optimizer_device_args(d), check);
+}
+
+SignSgdPlan checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
+                                  const SignSgdConfig& config, const SignSgdDeviceArgs& d,
+                                  const MemoryCheck& check) {
+  return checked_optimizer_plan<::stepcore::detail::SignSgd>(optimizer_tensors(d_tensors), config,
+                                                             optimizer_device_args(d), check);
 }
 
 void check_device_scalar(const void* p, std::size_t bytes, const char* name,
@@ -273,5 +267,12 @@ void check_finalize_args(const NormPartial* d_partial, const char* partial_name,
   check_scalar(d_clip, sizeof(float), "d_clip", check);
   check_scalar(d_found_inf, sizeof(std::int32_t), "d_found_inf", check);
 }
+
+// Every unit's checked plan (AllUnits), by address, as in launch_plan.cpp.
+template <class... Units>
+constexpr auto checked_instances(::stepcore::detail::UnitList<Units...>) {
+  return std::make_tuple(&checked_optimizer_plan<Units>...);
+}
+extern const auto kCheckedInstances = checked_instances(::stepcore::detail::AllUnits{});
 
 }  // namespace stepcore::gpu::detail

@@ -10,9 +10,12 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "core/validate.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/gpu.hpp"
@@ -43,16 +46,41 @@ LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float
 std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
     std::span<const AccumulatePair> d_pairs, const MemoryCheck& check);
 
-/// Validates an AdamW call (device inputs, tensors, then memory: every tensor's
-/// buffers and step counter) and returns its plan. Nothing is read from device memory.
+/// Validates a step of unit Opt (the device inputs it needs: d.scale and d.clip when the
+/// unit applies the read, d.table when it has a table; the configuration and tensors by
+/// validate_unit with the counters unread: they are device memory; then the memory of
+/// every buffer, counter and device scalar) and returns its plan. Nothing is read from
+/// device memory. Instantiated for every unit of AllUnits.
+template <class Opt>
+OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_tensors,
+                                          const typename Opt::Config& config,
+                                          const OptimizerDeviceArgs& d, const MemoryCheck& check);
+
+/// Calls fn(plan) with the checked plan of the unit whose configuration `config` holds
+/// (std::visit over the OptimizerConfig alternatives, each its unit's): the one dispatch
+/// of a device's generic optimizer step.
+template <class Fn>
+void with_checked_optimizer_plan(std::span<const OptimizerTensor> d_tensors,
+                                 const OptimizerConfig& config, const OptimizerDeviceArgs& d,
+                                 const MemoryCheck& check, Fn&& fn) {
+  std::visit(
+      [&](const auto& c) {
+        using Opt = typename ::stepcore::detail::UnitForConfig<std::decay_t<decltype(c)>,
+                                                               ::stepcore::detail::AllUnits>::type;
+        fn(checked_optimizer_plan<Opt>(d_tensors, c, d, check));
+      },
+      config);
+}
+
+/// An AdamW call with its own records (AdamWTensor, AdamWDeviceArgs; d.bias_table is
+/// required, config.amsgrad refused: no slot): the checked plan of the AdamW unit.
 AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
                              const AdamWDeviceArgs& d, const MemoryCheck& check);
 
-/// Validates a SignSGD call and returns its launches.
-std::vector<SignSgdLaunchArgs> checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
-                                                     const SignSgdConfig& config,
-                                                     const SignSgdDeviceArgs& d,
-                                                     const MemoryCheck& check);
+/// A SignSGD call with its own records: the checked plan of the SignSGD unit.
+SignSgdPlan checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
+                                  const SignSgdConfig& config, const SignSgdDeviceArgs& d,
+                                  const MemoryCheck& check);
 
 /// Throws Errc::null_pointer naming `name` when the device scalar p is null, then (with
 /// `check`) runs the memory check of its `bytes`: a kernel reads it when it runs.

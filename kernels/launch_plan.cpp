@@ -2,6 +2,10 @@
 // through the kernels' __host__ __device__ block bodies.
 #include <algorithm>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "core/fp_env.hpp"
@@ -90,97 +94,162 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   return plan;
 }
 
-AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                          int max_blocks, int max_tensors) {
+template <class Opt>
+OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
+                                       const typename Opt::Config& config, int max_blocks,
+                                       int max_tensors) {
   check_limits(max_blocks, max_tensors, kMaxOptimizerBlocksPerLaunch,
                kMaxOptimizerTensorsPerLaunch);
-  ::stepcore::detail::validate_adamw(tensors, config, GradientRead{},
-                                     ::stepcore::detail::StepCounters::unread);
-  const bool torch = config.formula == AdamWFormula::torch;
-  const std::uint64_t w =
-      config.torch_tail_width > 1 ? static_cast<std::uint64_t>(config.torch_tail_width) : 1;
-  AdamWLaunchArgs blank{};
+  ::stepcore::detail::validate_unit<Opt>(tensors, config, GradientRead{},
+                                         ::stepcore::detail::StepCounters::unread);
+  OptimizerLaunchArgs<Opt> blank{};
   blank.config = config;
-  AdamWPlan plan;
+  OptimizerPlan<Opt> plan;
   plan.launches = build_launches(
       tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
-      [&](AdamWLaunchArgs& a, int slot, std::size_t i) {
-        const AdamWTensor& t = tensors[i];
-        a.param[slot] = static_cast<float*>(t.param.data);
-        a.exp_avg[slot] = static_cast<float*>(t.exp_avg.data);
-        a.exp_avg_sq[slot] = static_cast<float*>(t.exp_avg_sq.data);
-        a.param_src[slot] = ::stepcore::detail::source_or(t.param_src, t.param);
-        a.exp_avg_src[slot] = ::stepcore::detail::source_or(t.exp_avg_src, t.exp_avg);
-        a.exp_avg_sq_src[slot] = ::stepcore::detail::source_or(t.exp_avg_sq_src, t.exp_avg_sq);
+      [&](OptimizerLaunchArgs<Opt>& a, int slot, std::size_t i) {
+        const OptimizerTensor& t = tensors[i];
+        a.dst[0][slot] = static_cast<float*>(t.param.data);
+        a.src[0][slot] = ::stepcore::detail::source_or(t.param_src, t.param);
+        for (int s = 0; s < Opt::kSlots; ++s) {  // unused slots: empty (null)
+          a.dst[1 + s][slot] = static_cast<float*>(t.state[s].data);
+          a.src[1 + s][slot] = ::stepcore::detail::source_or(t.state_src[s], t.state[s]);
+        }
         a.grad[slot] = t.grad.data;
         a.grad_dtype[slot] = t.grad.dtype;
         a.out[slot] = t.compute_param.data;
         a.out_kind[slot] = output_kind(t.compute_param);
         a.step[slot] = t.step;
-        a.tail_begin[slot] = torch ? t.param.numel - t.param.numel % w : t.param.numel;
       },
       max_blocks, max_tensors, blank);
   // Every counter advances once per step, empty tensors' too (as on the host).
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    if (plan.counters.empty() || plan.counters.back().count == kMaxCountersPerLaunch)
-      plan.counters.push_back(StepCounterArgs{});
-    StepCounterArgs& c = plan.counters.back();
-    c.step[c.count++] = tensors[i].step;
-  }
+  if constexpr (Opt::kCountsSteps)
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      if (plan.counters.empty() || plan.counters.back().count == kMaxCountersPerLaunch)
+        plan.counters.push_back(StepCounterArgs{});
+      StepCounterArgs& c = plan.counters.back();
+      c.step[c.count++] = tensors[i].step;
+    }
   return plan;
 }
 
-std::vector<double> make_adamw_bias_table(const AdamWConfig& config) {
-  ::stepcore::detail::validate_adamw({}, config, GradientRead{});
-  const ::stepcore::detail::FpEnvGuard env;
-  std::vector<double> bc1, bc2;
-  // Steps until 1 - beta^t rounds to 1: beta^t <= 2^-54 from then on (pow decreases in
-  // t and errs by less than an ulp), so every later correction is exactly 1.
-  auto fill = [&](std::vector<double>& out, bool second, const char* name) {
-    for (std::uint32_t t = 1;; ++t) {
-      const ::stepcore::detail::BiasCorrections bc =
-          ::stepcore::detail::adamw_bias_corrections(config, static_cast<float>(t));
-      const double v = second ? bc.bc2 : bc.bc1;
-      if (v == 1.0) return;
-      if (t == kMaxBiasTableSteps)
-        throw Error(Errc::not_supported, name,
-                    "so close to 1 that its bias correction differs from 1 beyond 2^22 steps; "
-                    "the device bias table does not cover it");
-      out.push_back(v);
-    }
-  };
-  fill(bc1, false, "config.beta1");
-  fill(bc2, true, "config.beta2");
+std::vector<OptimizerTensor> optimizer_tensors(std::span<const AdamWTensor> tensors) {
+  std::vector<OptimizerTensor> out(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const AdamWTensor& t = tensors[i];
+    OptimizerTensor& o = out[i];
+    o.param = t.param;
+    o.state[0] = t.exp_avg;
+    o.state[1] = t.exp_avg_sq;
+    o.step = t.step;
+    o.grad = t.grad;
+    o.compute_param = t.compute_param;
+    o.param_src = t.param_src;
+    o.state_src[0] = t.exp_avg_src;
+    o.state_src[1] = t.exp_avg_sq_src;
+  }
+  return out;
+}
+
+std::vector<OptimizerTensor> optimizer_tensors(std::span<const SignSgdTensor> tensors) {
+  std::vector<OptimizerTensor> out(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    out[i].param = tensors[i].param;
+    out[i].grad = tensors[i].grad;
+    out[i].compute_param = tensors[i].compute_param;
+    out[i].param_src = tensors[i].param_src;
+  }
+  return out;
+}
+
+OptimizerDeviceArgs optimizer_device_args(const AdamWDeviceArgs& d) {
+  OptimizerDeviceArgs o;
+  o.scale = d.scale;
+  o.clip = d.clip;
+  o.found_inf = d.found_inf;
+  o.hyper = d.hyper;
+  o.table = d.bias_table;
+  return o;
+}
+
+OptimizerDeviceArgs optimizer_device_args(const SignSgdDeviceArgs& d) {
+  OptimizerDeviceArgs o;
+  o.found_inf = d.found_inf;
+  o.hyper = d.hyper;
+  return o;
+}
+
+namespace {
+// An AdamWTensor holds no max_exp_avg_sq: amsgrad needs the generic record.
+void refuse_adamw_amsgrad(const AdamWConfig& config) {
+  if (config.amsgrad)
+    throw Error(Errc::invalid_argument, "config.amsgrad",
+                "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
+}
+}  // namespace
+
+AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                          int max_blocks, int max_tensors) {
+  ::stepcore::detail::validate_adamw_config(config);
+  refuse_adamw_amsgrad(config);
+  return make_optimizer_plan<::stepcore::detail::AdamW>(optimizer_tensors(tensors), config,
+                                                        max_blocks, max_tensors);
+}
+
+SignSgdPlan make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                               int max_blocks, int max_tensors) {
+  return make_optimizer_plan<::stepcore::detail::SignSgd>(optimizer_tensors(tensors), config,
+                                                          max_blocks, max_tensors);
+}
+
+namespace {
+
+// The table of unit Opt (make_optimizer_table's layout), its configuration validated.
+template <class Opt>
+std::vector<double> unit_table(const typename Opt::Config& config) {
+  Opt::validate(config, GradientRead{});
   std::vector<double> table;
-  table.reserve(2 + bc1.size() + bc2.size());
-  table.push_back(static_cast<double>(bc1.size()));
-  table.push_back(static_cast<double>(bc2.size()));
-  table.insert(table.end(), bc1.begin(), bc1.end());
-  table.insert(table.end(), bc2.begin(), bc2.end());
+  if constexpr (Opt::kTableColumns > 0) {
+    const ::stepcore::detail::FpEnvGuard env;
+    constexpr int K = Opt::kTableColumns;
+    std::vector<double> columns[K];
+    for (int k = 0; k < K; ++k)
+      for (std::uint32_t t = 1;; ++t) {
+        // Opt::table_entry is what the host engine computes at each step.
+        const double v = Opt::table_entry(config, k, static_cast<float>(t));
+        if (v == Opt::kTableLimit) break;  // and at every later step (the unit's promise)
+        if (t == kMaxBiasTableSteps)
+          throw Error(Errc::not_supported, Opt::kTableNames[k],
+                      "so close to its limit that the table would pass 2^22 steps; "
+                      "the device table does not cover it");
+        columns[k].push_back(v);
+      }
+    std::size_t size = K;
+    for (int k = 0; k < K; ++k) size += columns[k].size();
+    table.reserve(size);
+    for (int k = 0; k < K; ++k) table.push_back(static_cast<double>(columns[k].size()));
+    for (int k = 0; k < K; ++k) table.insert(table.end(), columns[k].begin(), columns[k].end());
+  }
   return table;
 }
 
-std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
-                                                  const SignSgdConfig& config, int max_blocks,
-                                                  int max_tensors) {
-  check_limits(max_blocks, max_tensors, kMaxOptimizerBlocksPerLaunch,
-               kMaxOptimizerTensorsPerLaunch);
-  ::stepcore::detail::validate_sign_sgd(tensors, config, GradientRead{});
-  SignSgdLaunchArgs blank{};
-  blank.lr = config.lr;
-  blank.weight_decay = config.weight_decay;
-  return build_launches(
-      tensors.size(), [&](std::size_t i) { return tensors[i].param.numel; },
-      [&](SignSgdLaunchArgs& a, int slot, std::size_t i) {
-        const SignSgdTensor& t = tensors[i];
-        a.param[slot] = static_cast<float*>(t.param.data);
-        a.param_src[slot] = ::stepcore::detail::source_or(t.param_src, t.param);
-        a.grad[slot] = t.grad.data;
-        a.grad_dtype[slot] = t.grad.dtype;
-        a.out[slot] = t.compute_param.data;
-        a.out_kind[slot] = output_kind(t.compute_param);
+}  // namespace
+
+std::vector<double> make_optimizer_table(const OptimizerConfig& config) {
+  return std::visit(
+      [](const auto& c) {
+        using Opt = typename ::stepcore::detail::UnitForConfig<std::decay_t<decltype(c)>,
+                                                               ::stepcore::detail::AllUnits>::type;
+        return unit_table<Opt>(c);
       },
-      max_blocks, max_tensors, blank);
+      config);
+}
+
+std::vector<double> make_adamw_bias_table(const AdamWConfig& config) {
+  // The table of the AdamWTensor entry points, which refuse amsgrad as they do.
+  ::stepcore::detail::validate_adamw_config(config);
+  refuse_adamw_amsgrad(config);
+  return make_optimizer_table(config);
 }
 
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
@@ -295,32 +364,35 @@ void scale_(const LaunchPlan& plan, float factor, int threads) {
       for (int t = 0; t < threads; ++t) detail::scale_thread(a, b, t, threads, factor);
 }
 
-void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
+template <class Opt>
+void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d, int threads) {
   check_threads(threads);
-  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
-  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
-  if (d.bias_table == nullptr) throw Error(Errc::null_pointer, "d.bias_table", "required");
+  if constexpr (Opt::kReadsScaled) {
+    if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
+    if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
+  }
+  if (Opt::kTableColumns > 0 && d.table == nullptr)
+    throw Error(Errc::null_pointer, "d.table", "required: gpu::make_optimizer_table(config)");
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
-  for (const AdamWLaunchArgs& a : plan.launches)
+  for (const OptimizerLaunchArgs<Opt>& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b) {
-      const AdamWScalars s = detail::adamw_block_scalars(a, a.task(b).tensor, d);
-      const GradientRead read = detail::read_at_run(d.scale, d.clip);
+      // As the kernel: the block's scalars once, then its threads.
+      const typename Opt::Scalars s = detail::block_scalars<Opt>(a, a.task(b).tensor, d);
+      const GradientRead read = detail::block_read<Opt>(d);
       for (int t = 0; t < threads; ++t)
-        detail::adamw_thread(a, b, t, threads, s, read.scale, read.clip);
+        detail::optimizer_thread<Opt>(a, b, t, threads, s, read.scale, read.clip);
     }
   for (const StepCounterArgs& c : plan.counters)
     for (int k = 0; k < c.count; ++k) detail::advance_counter(c, k);
 }
 
-void sign_sgd_step(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
-                   int threads) {
-  check_threads(threads);
-  if (d.found_inf != nullptr && *d.found_inf != 0) return;
-  for (const SignSgdLaunchArgs& a : launches) {
-    const SignSgdScalars s = detail::sign_sgd_block_scalars(a, d.hyper);
-    for (int b = 0; b < a.num_blocks; ++b)
-      for (int t = 0; t < threads; ++t) detail::sign_sgd_thread(a, b, t, threads, s);
-  }
+void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
+  if (d.bias_table == nullptr) throw Error(Errc::null_pointer, "d.bias_table", "required");
+  optimizer_step(plan, optimizer_device_args(d), threads);
+}
+
+void sign_sgd_step(const SignSgdPlan& plan, const SignSgdDeviceArgs& d, int threads) {
+  optimizer_step(plan, optimizer_device_args(d), threads);
 }
 
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,
@@ -352,4 +424,16 @@ void accumulate(const LaunchPlan& plan, bool copy, int threads) {
 }
 
 }  // namespace emulate
+// The generic plan and executor of every unit (AllUnits), by address: an object with
+// external linkage that names them instantiates each here, for the other translation
+// units (a unit added to AllUnits is instantiated with no edit here).
+namespace detail {
+template <class... Units>
+constexpr auto optimizer_instances(::stepcore::detail::UnitList<Units...>) {
+  return std::make_tuple(
+      std::make_pair(&make_optimizer_plan<Units>, &emulate::optimizer_step<Units>)...);
+}
+extern const auto kOptimizerInstances = optimizer_instances(::stepcore::detail::AllUnits{});
+}  // namespace detail
+
 }  // namespace stepcore::gpu

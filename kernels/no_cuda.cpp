@@ -67,6 +67,11 @@ void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const S
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
+void optimizer_step(std::span<const OptimizerTensor>, const OptimizerConfig&,
+                    const OptimizerDeviceArgs&, cudaStream_t) {
+  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
+}
+
 void finalize_and_clip(const NormPartial*, float, NormResult*, float*, std::int32_t*,
                        cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");

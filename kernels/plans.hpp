@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
@@ -96,32 +97,30 @@ struct LaunchArgs {
   }
 };
 
-/// Tensors of one optimizer (AdamW or SignSGD) launch: fewer than kMaxTensorsPerLaunch,
-/// since each carries up to nine pointers (~13 KB of argument for AdamW).
+/// Tensors of one optimizer launch: fewer than kMaxTensorsPerLaunch, since each carries
+/// up to eleven pointers (~15 KB of argument with three state slots).
 inline constexpr int kMaxOptimizerTensorsPerLaunch = 128;
 inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 
-/// The kernel argument of one AdamW launch: per-tensor pointers, the configuration's
-/// constants and the blocks. The per-step scalars are not here: each block derives them
-/// from device memory when it runs (its step counter, the bias table, lr and weight
-/// decay), so a replayed graph takes the step it is at, never the one it was captured at.
-/// The old state is loaded from the *_src arrays (the destinations themselves when the
-/// tensor steps in place) and the new state stored to param/exp_avg/exp_avg_sq.
-struct AdamWLaunchArgs {
-  float* param[kMaxOptimizerTensorsPerLaunch];
-  float* exp_avg[kMaxOptimizerTensorsPerLaunch];
-  float* exp_avg_sq[kMaxOptimizerTensorsPerLaunch];
-  const float* param_src[kMaxOptimizerTensorsPerLaunch];
-  const float* exp_avg_src[kMaxOptimizerTensorsPerLaunch];
-  const float* exp_avg_sq_src[kMaxOptimizerTensorsPerLaunch];
+/// The kernel argument of one launch of optimizer unit Opt (core/optimizers/unit.hpp):
+/// per-tensor pointers, the configuration and the blocks. Array 0 is the parameter,
+/// array 1 + s the state slot s; the old values are loaded from src (the destinations
+/// themselves when the tensor steps in place) and the new ones stored to dst. The
+/// per-step scalars are not here: each block derives them when it runs, with the unit's
+/// step_scalars, from device memory (its step counter, lr and weight decay, the unit's
+/// table), so a replayed graph takes the step it is at, never the one it was captured at.
+template <class Opt>
+struct OptimizerLaunchArgs {
+  static constexpr int kArrays = 1 + Opt::kSlots;
+  float* dst[kArrays][kMaxOptimizerTensorsPerLaunch];
+  const float* src[kArrays][kMaxOptimizerTensorsPerLaunch];
   const void* grad[kMaxOptimizerTensorsPerLaunch];
   void* out[kMaxOptimizerTensorsPerLaunch];
   const float* step[kMaxOptimizerTensorsPerLaunch];  ///< the counter before this step (device)
   DType grad_dtype[kMaxOptimizerTensorsPerLaunch];
   std::int8_t out_kind[kMaxOptimizerTensorsPerLaunch];  ///< 0: no compute copy, else 1 + DType
-  std::uint64_t tail_begin[kMaxOptimizerTensorsPerLaunch];
   BlockMap<kMaxOptimizerTensorsPerLaunch> map;
-  AdamWConfig config;  ///< betas, eps, formula; lr and weight decay unless from device memory
+  typename Opt::Config config;  ///< lr and weight decay used unless from device memory
   int num_tensors;
   int num_blocks;
   STEPCORE_HD_INLINE BlockTask task(int b) const {
@@ -133,58 +132,58 @@ struct AdamWLaunchArgs {
 inline constexpr int kMaxCountersPerLaunch = 128;
 
 /// The kernel argument of one step-counter launch: counter k becomes counter k + 1
-/// unless the step was skipped (found-inf). It runs after every AdamW launch of the step
-/// has read the counters.
+/// unless the step was skipped (found-inf). It runs after every update launch of the
+/// step has read the counters.
 struct StepCounterArgs {
   float* step[kMaxCountersPerLaunch];
   int count;
 };
 
-/// An AdamW step's launches: the updates, then the counter advances.
-struct AdamWPlan {
-  std::vector<AdamWLaunchArgs> launches;
+/// One step of unit Opt: the update launches, then (units that count steps) the counter
+/// advances. Nothing in it depends on the step: the same plan runs every step.
+template <class Opt>
+struct OptimizerPlan {
+  std::vector<OptimizerLaunchArgs<Opt>> launches;
   std::vector<StepCounterArgs> counters;
 };
 
-/// Returns the AdamW plan for `tensors` (validated like reference::adamw_step, except
-/// that step counters are device memory, so their values are not read here). Nothing is
-/// prepared from the step: the plan is the same for every step of these tensors.
+/// Returns the plan of unit Opt for `tensors`, validated by validate_unit with the step
+/// counters unread (device memory: only their pointers are checked). Instantiated for
+/// every unit of AllUnits (launch_plan.cpp).
+template <class Opt>
+OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
+                                       const typename Opt::Config& config,
+                                       int max_blocks = kMaxOptimizerBlocksPerLaunch,
+                                       int max_tensors = kMaxOptimizerTensorsPerLaunch);
+
+/// The AdamW and SignSGD records' plans (AdamWTensor, SignSgdTensor): the generic plans of
+/// their units. AdamWTensor has no max_exp_avg_sq slot, so config.amsgrad is refused.
+using AdamWPlan = OptimizerPlan<::stepcore::detail::AdamW>;
+using SignSgdPlan = OptimizerPlan<::stepcore::detail::SignSgd>;
 AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
                           int max_blocks = kMaxOptimizerBlocksPerLaunch,
                           int max_tensors = kMaxOptimizerTensorsPerLaunch);
+SignSgdPlan make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
+                               int max_blocks = kMaxOptimizerBlocksPerLaunch,
+                               int max_tensors = kMaxOptimizerTensorsPerLaunch);
 
-/// The kernel argument of one SignSGD launch (param_src: the old parameter, param itself
-/// in place).
-struct SignSgdLaunchArgs {
-  float* param[kMaxOptimizerTensorsPerLaunch];
-  const float* param_src[kMaxOptimizerTensorsPerLaunch];
-  const void* grad[kMaxOptimizerTensorsPerLaunch];
-  void* out[kMaxOptimizerTensorsPerLaunch];
-  DType grad_dtype[kMaxOptimizerTensorsPerLaunch];
-  std::int8_t out_kind[kMaxOptimizerTensorsPerLaunch];
-  BlockMap<kMaxOptimizerTensorsPerLaunch> map;
-  double lr;            ///< the config's, unless read from device memory
-  double weight_decay;  ///< the config's, unless read from device memory
-  int num_tensors;
-  int num_blocks;
-  STEPCORE_HD_INLINE BlockTask task(int b) const {
-    return map.task(static_cast<std::uint32_t>(b), num_tensors);
-  }
-};
+/// The generic records of AdamW tensors (state: exp_avg, exp_avg_sq) and SignSGD tensors.
+std::vector<OptimizerTensor> optimizer_tensors(std::span<const AdamWTensor> tensors);
+std::vector<OptimizerTensor> optimizer_tensors(std::span<const SignSgdTensor> tensors);
+/// The generic device arguments of an AdamW or SignSGD step.
+OptimizerDeviceArgs optimizer_device_args(const AdamWDeviceArgs& d);
+OptimizerDeviceArgs optimizer_device_args(const SignSgdDeviceArgs& d);
 
 /// Every kernel's parameters (its launch argument, its device arguments and a few
 /// scalars, by value) fit CUDA 12.1's parameter space (the build requires 12.1).
 static_assert(sizeof(LaunchArgs) + 512 <= kMaxKernelArgumentBytes);
-static_assert(sizeof(AdamWLaunchArgs) + sizeof(AdamWDeviceArgs) + 512 <= kMaxKernelArgumentBytes);
-static_assert(sizeof(SignSgdLaunchArgs) + sizeof(SignSgdDeviceArgs) + 512 <=
-              kMaxKernelArgumentBytes);
-
-/// Returns the SignSGD launches (validated like reference::sign_sgd_step with a
-/// positive read; the read does not change a sign and is not applied).
-std::vector<SignSgdLaunchArgs> make_sign_sgd_plan(std::span<const SignSgdTensor> tensors,
-                                                  const SignSgdConfig& config,
-                                                  int max_blocks = kMaxOptimizerBlocksPerLaunch,
-                                                  int max_tensors = kMaxOptimizerTensorsPerLaunch);
+template <class... Units>
+constexpr bool optimizer_arguments_fit(::stepcore::detail::UnitList<Units...>) {
+  return ((sizeof(OptimizerLaunchArgs<Units>) + sizeof(OptimizerDeviceArgs) + 512 <=
+           kMaxKernelArgumentBytes) &&
+          ...);
+}
+static_assert(optimizer_arguments_fit(::stepcore::detail::AllUnits{}));
 
 /// A multi-tensor launch plan: every element of every tensor covered exactly once, in
 /// tensor order then chunk order; empty tensors get no block.
@@ -249,12 +248,16 @@ NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead re
 void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, NormResult& result,
                              float& clip, std::int32_t& found_inf);
 
-/// Runs an AdamW plan on host memory (every pointer of `d` host memory standing for
-/// device memory): the updates, then the counter advances, as the device runs them.
-void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads = kBlockThreads);
+/// Runs a plan of unit Opt on host memory (every pointer of `d` host memory standing for
+/// device memory, read when it runs): the updates, then the counter advances, as the
+/// device runs them; *d.found_inf != 0 writes nothing. Instantiated for every unit.
+template <class Opt>
+void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d,
+                    int threads = kBlockThreads);
 
-/// Runs SignSGD launches on host memory; *d.found_inf != 0 writes nothing.
-void sign_sgd_step(const std::vector<SignSgdLaunchArgs>& launches, const SignSgdDeviceArgs& d,
+/// The AdamW and SignSGD forms (their device arguments; the generic step).
+void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads = kBlockThreads);
+void sign_sgd_step(const SignSgdPlan& plan, const SignSgdDeviceArgs& d,
                    int threads = kBlockThreads);
 
 /// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host

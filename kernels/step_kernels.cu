@@ -146,34 +146,34 @@ __global__ void __launch_bounds__(kBlockThreads)
   detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
 }
 
-// One block per chunk; everything per step is read from device memory when it runs
-// (scale, clip, found-inf flag, step counter, lr, weight decay, bias table), so a
-// captured graph replays with new values. found-inf set: the kernel writes nothing.
-// Thread 0 derives the block's scalars once; the others read them from shared memory.
+// One block per chunk of a launch of unit Opt; everything per step is read from device
+// memory when it runs (scale, clip, found-inf flag, step counter, lr, weight decay, the
+// unit's table), so a captured graph replays with new values. found-inf set: the kernel
+// writes nothing. Thread 0 derives the block's scalars once; the others read them from
+// shared memory. Instantiated for every unit by the launches of optimizer_step.
+template <class Opt>
 __global__ void __launch_bounds__(kBlockThreads)
-    adamw_kernel(const AdamWLaunchArgs args, const AdamWDeviceArgs d) {
+    optimizer_kernel(const OptimizerLaunchArgs<Opt> args, const OptimizerDeviceArgs d) {
+  using Scalars = typename Opt::Scalars;
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
-  __shared__ AdamWScalars scalars;
-  if (threadIdx.x == 0)
-    scalars = detail::adamw_block_scalars(args, args.task(blockIdx.x).tensor, d);
+  // Raw storage: a __shared__ variable takes no initialiser (the Scalars have defaults).
+  __shared__ alignas(Scalars) unsigned char storage[sizeof(Scalars)];
+  auto* scalars = reinterpret_cast<Scalars*>(storage);
+  if (threadIdx.x == 0) {
+    const Scalars s = detail::block_scalars<Opt>(args, args.task(blockIdx.x).tensor, d);
+    memcpy(storage, &s, sizeof s);
+  }
   __syncthreads();
-  const GradientRead read = detail::read_at_run(d.scale, d.clip);
-  detail::adamw_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, scalars, read.scale,
-                       read.clip);
+  const GradientRead read = detail::block_read<Opt>(d);
+  detail::optimizer_thread<Opt>(args, blockIdx.x, threadIdx.x, kBlockThreads, *scalars, read.scale,
+                                read.clip);
 }
 
-// After every AdamW launch of the step: each counter advances, unless found-inf.
+// After every update launch of the step: each counter advances, unless found-inf.
 __global__ void advance_counters_kernel(const StepCounterArgs args,
                                         const std::int32_t* d_found_inf) {
   if (d_found_inf != nullptr && *d_found_inf != 0) return;
   if (static_cast<int>(threadIdx.x) < args.count) detail::advance_counter(args, threadIdx.x);
-}
-
-__global__ void __launch_bounds__(kBlockThreads)
-    sign_sgd_kernel(const SignSgdLaunchArgs args, const SignSgdDeviceArgs d) {
-  if (d.found_inf != nullptr && *d.found_inf != 0) return;
-  const SignSgdScalars s = detail::sign_sgd_block_scalars(args, d.hyper);
-  detail::sign_sgd_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, s);
 }
 
 // One thread: the finalisation is a few hundred integer operations on 20 digits.
@@ -311,12 +311,15 @@ void accumulate(std::span<const AccumulatePair> d_pairs, cudaStream_t stream) {
     }
 }
 
-void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                const AdamWDeviceArgs& d, cudaStream_t stream) {
-  const AdamWPlan plan = detail::checked_adamw_plan(d_tensors, config, d, device_memory());
-  for (const AdamWLaunchArgs& a : plan.launches) {
-    adamw_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d);
-    cuda::detail::check_launch("adamw_kernel");
+namespace {
+
+// Enqueues a checked plan of unit Opt: its update launches, then its counter advances.
+template <class Opt>
+void enqueue_optimizer(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d,
+                       cudaStream_t stream) {
+  for (const OptimizerLaunchArgs<Opt>& a : plan.launches) {
+    optimizer_kernel<Opt><<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d);
+    cuda::detail::check_launch("optimizer_kernel");
   }
   for (const StepCounterArgs& c : plan.counters) {
     advance_counters_kernel<<<1, kMaxCountersPerLaunch, 0, stream>>>(c, d.found_inf);
@@ -324,13 +327,25 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
   }
 }
 
+}  // namespace
+
+void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
+                    const OptimizerDeviceArgs& d, cudaStream_t stream) {
+  detail::with_checked_optimizer_plan(d_tensors, config, d, device_memory(), [&](const auto& plan) {
+    enqueue_optimizer(plan, d, stream);
+  });
+}
+
+void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
+                const AdamWDeviceArgs& d, cudaStream_t stream) {
+  enqueue_optimizer(detail::checked_adamw_plan(d_tensors, config, d, device_memory()),
+                    optimizer_device_args(d), stream);
+}
+
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                    const SignSgdDeviceArgs& d, cudaStream_t stream) {
-  for (const SignSgdLaunchArgs& a :
-       detail::checked_sign_sgd_plan(d_tensors, config, d, device_memory())) {
-    sign_sgd_kernel<<<a.num_blocks, kBlockThreads, 0, stream>>>(a, d);
-    cuda::detail::check_launch("sign_sgd_kernel");
-  }
+  enqueue_optimizer(detail::checked_sign_sgd_plan(d_tensors, config, d, device_memory()),
+                    optimizer_device_args(d), stream);
 }
 
 void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,

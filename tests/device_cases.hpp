@@ -2,8 +2,9 @@
 // (test_cuda_device.cpp): only stepcore::device calls, checked bit for bit against the
 // reference (never against gpu::emulate, which the host device runs: that would compare
 // the executor with itself) — every kernel entry point under two launch shapes, the
-// exact-norm fallback on a tie, copies ordered by events across queues, zero(), the
-// compute queue waiting on a copy, allocation contracts and argument validation.
+// generic optimizer step of every unit, the exact-norm fallback on a tie, copies ordered by events
+// across queues, zero(), the compute queue waiting on a copy, allocation contracts and argument
+// validation.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -13,7 +14,9 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "kernels/plans.hpp"
@@ -273,6 +276,140 @@ inline void kernels_match_reference(Device& dev, int threads) {
         param.expect_equal("adamw skipped on found-inf");
         m.expect_equal("adamw exp_avg skipped on found-inf");
       }
+    }
+  }
+}
+
+/// Device::optimizer_step of every optimizer unit (one configuration each, its options
+/// on) against the reference, bit for bit after each of four steps: lr and weight decay
+/// changed between steps in device memory, the gradient read lazily through a device
+/// scale and clip, then a found-inf step that writes nothing and keeps the counters.
+inline void every_optimizer_unit_matches_the_reference(Device& dev) {
+  std::vector<std::pair<const char*, OptimizerConfig>> configs;
+  AdamWConfig w;
+  w.amsgrad = w.maximize = true;
+  configs.push_back({"adamw torch amsgrad maximize", w});
+  w = AdamWConfig{};
+  w.formula = AdamWFormula::native;
+  configs.push_back({"adamw native", w});
+  AdamConfig a;
+  a.amsgrad = true;
+  a.weight_decay = 0.05;
+  configs.push_back({"adam amsgrad weight decay", a});
+  SgdConfig s;
+  s.momentum = 0.9;
+  s.nesterov = true;
+  s.weight_decay = 0.01;
+  configs.push_back({"sgd nesterov", s});
+  s = SgdConfig{};
+  s.maximize = true;
+  configs.push_back({"sgd momentum 0 maximize", s});
+  AdagradConfig ad;
+  ad.lr_decay = 0.1;
+  ad.weight_decay = 0.01;
+  ad.initial_accumulator_value = 0.25;
+  configs.push_back({"adagrad", ad});
+  SignSgdConfig sg;
+  sg.weight_decay = 0.1;
+  configs.push_back({"sign_sgd", sg});
+  std::uint32_t seed = 900;
+  for (const auto& [name, config] : configs) {
+    SCOPED_TRACE(name);
+    const bool sign = std::holds_alternative<SignSgdConfig>(config);
+    const int slots = std::visit(
+        [](const auto& c) -> int {
+          using C = std::decay_t<decltype(c)>;
+          if constexpr (std::is_same_v<C, AdamWConfig> || std::is_same_v<C, AdamConfig>)
+            return c.amsgrad ? 3 : 2;
+          else if constexpr (std::is_same_v<C, SgdConfig>)
+            return c.momentum != 0.0 ? 1 : 0;
+          else if constexpr (std::is_same_v<C, AdagradConfig>)
+            return 1;
+          else
+            return 0;
+        },
+        config);
+    Tensors g(dev, DType::bf16, seed++), param(dev, DType::f32, seed++, 0.05f);
+    Tensors out(dev, DType::f16, seed++);
+    std::vector<Tensors> state;
+    state.reserve(3);
+    for (int k = 0; k < slots; ++k) state.emplace_back(dev, DType::f32, seed++, 1e-3f, k > 0);
+    std::vector<float> host_steps(g.hv.size(), 2.0f), dev_steps(g.hv.size());
+    Buffer d_steps(dev, host_steps.data(), 4 * host_steps.size());
+    std::vector<OptimizerTensor> ht(g.hv.size()), dt(g.hv.size());
+    for (std::size_t k = 0; k < g.hv.size(); ++k) {
+      ht[k].param = param.hv[k];
+      dt[k].param = param.dv[k];
+      for (int sl = 0; sl < slots; ++sl) {
+        ht[k].state[sl] = state[static_cast<std::size_t>(sl)].hv[k];
+        dt[k].state[sl] = state[static_cast<std::size_t>(sl)].dv[k];
+      }
+      if (!sign) {
+        ht[k].step = &host_steps[k];
+        dt[k].step = d_steps.as<float>() + k;
+      }
+      ht[k].grad = g.hv[k];
+      dt[k].grad = g.dv[k];
+      ht[k].compute_param = out.hv[k];
+      dt[k].compute_param = out.dv[k];
+    }
+    const std::vector<double> table = gpu::make_optimizer_table(config);
+    Buffer d_table(dev, 8 * table.size() + 8);
+    if (!table.empty()) d_table.upload(table.data(), 8 * table.size());
+    const float scale = 1.0f / 3.0f, clip = 0.7f;
+    const std::int32_t zero = 0, one = gpu::kFoundInfNonFinite;
+    Buffer d_scale(dev, &scale, 4), d_clip(dev, &clip, 4), d_flag(dev, &zero, 4);
+    Buffer d_hyper(dev, sizeof(StepHyper));
+    OptimizerDeviceArgs args;
+    args.scale = d_scale.as<float>();
+    args.clip = d_clip.as<float>();
+    args.found_inf = d_flag.as<std::int32_t>();
+    args.hyper = d_hyper.as<StepHyper>();
+    args.table = table.empty() ? nullptr : d_table.as<double>();
+    for (int step = 0; step < 4; ++step) {
+      OptimizerConfig c = config;
+      StepHyper h{};
+      std::visit(
+          [&](auto& x) {
+            x.lr = x.lr * (1.0 + 0.5 * step);
+            x.weight_decay = x.weight_decay * (step % 2 == 0 ? 1.0 : 0.5);
+            h = StepHyper{x.lr, x.weight_decay};
+          },
+          c);
+      d_hyper.upload(&h, sizeof h);
+      const bool skip = step == 3;
+      d_flag.upload(skip ? &one : &zero, 4);
+      dev.optimizer_step(dt, config, args);  // the lr and weight decay come from d_hyper
+      dev.synchronize();
+      if (!skip) {
+        std::visit(
+            [&](const auto& x) {
+              using C = std::decay_t<decltype(x)>;
+              const GradientRead read{scale, clip};
+              if constexpr (std::is_same_v<C, AdamWConfig>) {
+                reference::adamw_step(ht, x, read);
+              } else if constexpr (std::is_same_v<C, AdamConfig>) {
+                reference::adam_step(ht, x, read);
+              } else if constexpr (std::is_same_v<C, SgdConfig>) {
+                reference::sgd_step(ht, x, read);
+              } else if constexpr (std::is_same_v<C, AdagradConfig>) {
+                reference::adagrad_step(ht, x, read);
+              } else {
+                std::vector<SignSgdTensor> st;
+                for (const OptimizerTensor& t : ht)
+                  st.push_back({t.param, t.grad, t.compute_param});
+                reference::sign_sgd_step(st, x, read);
+              }
+            },
+            c);
+      }
+      const std::string at = " after step " + std::to_string(step);
+      param.expect_equal(("param" + at).c_str());
+      for (const Tensors& t : state) t.expect_equal(("state" + at).c_str());
+      out.expect_equal(("compute copy" + at).c_str());
+      d_steps.download(dev_steps.data(), 4 * dev_steps.size());
+      EXPECT_EQ(std::memcmp(host_steps.data(), dev_steps.data(), 4 * host_steps.size()), 0)
+          << "counters" << at;
     }
   }
 }

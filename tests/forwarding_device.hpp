@@ -111,6 +111,10 @@ class ForwardingDevice : public device::Device {
                      const SignSgdDeviceArgs& d) override {
     host_->sign_sgd_step(d_tensors, config, d);
   }
+  void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
+                      const OptimizerDeviceArgs& d) override {
+    host_->optimizer_step(d_tensors, config, d);
+  }
   device::Event record_on(cudaStream_t s) override {
     return host_->record_on(streams_ ? s : nullptr);
   }

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/cpu.hpp"
@@ -72,6 +73,10 @@ struct Args {
   AdamWDeviceArgs adamw_device() const {
     return AdamWDeviceArgs{d_scale, d_clip, nullptr, nullptr, bias_table};
   }
+  // The generic records of the same calls (OptimizerTensor, OptimizerDeviceArgs).
+  std::vector<OptimizerTensor> adamw_generic() const { return gpu::optimizer_tensors(adamw_t); }
+  std::vector<OptimizerTensor> sgd_generic() const { return gpu::optimizer_tensors(sgd_t); }
+  OptimizerDeviceArgs generic_device() const { return gpu::optimizer_device_args(adamw_device()); }
 };
 
 /// Which parts of Args an entry point takes from the host (and validates there): a row
@@ -101,6 +106,8 @@ enum Op : unsigned {
   kOpReadOnly = 1u << 4,  ///< reads the gradient list (norms)
   kOpFinalize = 1u << 5,  ///< takes max_norm
   kOpBeginStep = 1u << 6,
+  kOpGenericAdamW = 1u << 7,  ///< AdamW through the generic step (OptimizerTensor records)
+  kOpTable = 1u << 8,         ///< builds an optimizer's device table (no tensors)
   kOpAll = ~0u,
 };
 
@@ -310,6 +317,12 @@ class HostDeviceFamily : public Family {
          },
          [d](Args& a) { d->adamw_step(a.adamw_t, a.adamw, a.adamw_device()); },
          [d](Args& a) { d->sign_sgd_step(a.sgd_t, a.sgd, SignSgdDeviceArgs{}); }});
+    entries.push_back(
+        {"Device::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors, kOpGenericAdamW,
+         [d](Args& a) { d->optimizer_step(a.adamw_generic(), a.adamw, a.generic_device()); }});
+    entries.push_back(
+        {"Device::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors, kOpSignSgd,
+         [d](Args& a) { d->optimizer_step(a.sgd_generic(), a.sgd, OptimizerDeviceArgs{}); }});
   }
   ~HostDeviceFamily() override { dev_->deallocate(base_); }
   Args fresh() override {
@@ -360,6 +373,14 @@ std::unique_ptr<Family> launcher_family() {
                 [](Args& a) { gpu::sign_sgd_step(a.sgd_t, a.sgd, SignSgdDeviceArgs{}, nullptr); }});
   f->entries.push_back({"gpu::scale_ (device factor)", kGrads, kOpInPlace,
                         [](Args& a) { gpu::scale_(a.grads, a.d_scale, nullptr); }});
+  f->entries.push_back(
+      {"gpu::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors, kOpGenericAdamW, [](Args& a) {
+         gpu::optimizer_step(a.adamw_generic(), a.adamw, a.generic_device(), nullptr);
+       }});
+  f->entries.push_back(
+      {"gpu::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors, kOpSignSgd, [](Args& a) {
+         gpu::optimizer_step(a.sgd_generic(), a.sgd, OptimizerDeviceArgs{}, nullptr);
+       }});
   return f;
 }
 
@@ -373,6 +394,22 @@ std::unique_ptr<Family> executor_family() {
        [](Args& a) { em::adamw_step(gpu::make_adamw_plan(a.adamw_t, a.adamw), a.adamw_device()); }},
       {"make_adamw_bias_table", kAdamWConfig, kOpAdamW,
        [](Args& a) { (void)gpu::make_adamw_bias_table(a.adamw); }},
+      {"make_optimizer_plan + emulate::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors,
+       kOpGenericAdamW,
+       [](Args& a) {
+         em::optimizer_step(
+             gpu::make_optimizer_plan<::stepcore::detail::AdamW>(a.adamw_generic(), a.adamw),
+             a.generic_device());
+       }},
+      {"make_optimizer_plan + emulate::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors,
+       kOpSignSgd,
+       [](Args& a) {
+         em::optimizer_step(
+             gpu::make_optimizer_plan<::stepcore::detail::SignSgd>(a.sgd_generic(), a.sgd),
+             OptimizerDeviceArgs{});
+       }},
+      {"make_optimizer_table", kAdamWConfig, kOpTable,
+       [](Args& a) { (void)gpu::make_optimizer_table(a.adamw); }},
       {"make_sign_sgd_plan + emulate::sign_sgd_step", kSgdConfig | kSgdTensors, kOpSignSgd,
        [](Args& a) {
          em::sign_sgd_step(gpu::make_sign_sgd_plan(a.sgd_t, a.sgd), SignSgdDeviceArgs{});
@@ -764,8 +801,13 @@ std::vector<Row> make_catalogue() {
                {fmax, ok}});
   rows.push_back({"config.formula", kAdamWConfig, formula, 7, invalid});
   rows.push_back({"config.torch_tail_width", kAdamWConfig, tail_width, 65, range});
-  // AdamWTensor lists have no max_exp_avg_sq slot (docs/numerics.md 8a).
-  rows.push_back({"config.amsgrad", kAdamWConfig, amsgrad, 1, invalid});
+  // AdamWTensor lists have no max_exp_avg_sq slot (docs/numerics.md 8a); the generic step
+  // takes amsgrad and finds that slot missing; a table does not depend on it
+  // (test_gpu_units).
+  rows.push_back({"config.amsgrad", kAdamWConfig, amsgrad, 1, invalid, "",
+                  ~unsigned{kOpGenericAdamW | kOpTable}});
+  rows.push_back({"tensors[0].max_exp_avg_sq", kAdamWConfig, amsgrad, 1, Errc::size_mismatch,
+                  "amsgrad, two slots", kOpGenericAdamW});
   scalar_rows(rows, "tensors[0].step", kStepValues, step_value,
               {{1.5, range}, {-1.0, range}, {16777216.0, range}, {0.0, ok}});
   // Tensors, grouped by the argument at fault.

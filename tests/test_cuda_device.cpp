@@ -130,6 +130,12 @@ TEST(CudaDevice, EveryKernelMatchesTheExecutorAndTheReference) {
   device_cases::kernels_match_reference(*dev, gpu::kBlockThreads);
 }
 
+TEST(CudaDevice, EveryOptimizerUnitMatchesTheReference) {
+  SKIP_WITHOUT_DEVICE();
+  auto dev = device::make_cuda_device(0);
+  device_cases::every_optimizer_unit_matches_the_reference(*dev);
+}
+
 TEST(CudaDevice, ExactFallbackResolvesATie) {
   SKIP_WITHOUT_DEVICE();
   auto dev = device::make_cuda_device(0);

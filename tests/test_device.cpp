@@ -97,6 +97,11 @@ TEST(HostDevice, EveryKernelMatchesTheExecutorAndTheReference) {
   }
 }
 
+TEST(HostDevice, EveryOptimizerUnitMatchesTheReference) {
+  auto dev = device::make_host_device(64);
+  device_cases::every_optimizer_unit_matches_the_reference(*dev);
+}
+
 TEST(HostDevice, ExactFallbackResolvesATie) {
   auto dev = device::make_host_device();
   device_cases::exact_fallback_resolves_a_tie(*dev);

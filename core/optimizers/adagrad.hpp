@@ -5,8 +5,8 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
-#include "core/fp_env.hpp"
 #include "core/optimizers/unit.hpp"
 #include "core/validate.hpp"
 #include "stepcore/config.hpp"
@@ -38,18 +38,20 @@ struct Adagrad {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_adagrad_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
-  static Scalars scalars(const Config& c, float step) {
-    const FpEnvGuard env;
+  static constexpr int kTableColumns = 0;
+  /// lr_decay's denominator fma(t - 1, lr_decay, 1) and the quotient in binary64: both
+  /// correctly rounded, so the device computes them itself.
+  STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {
     Scalars s;
-    const double denom = std::fma(static_cast<double>(step) - 1.0, c.lr_decay, 1.0);
-    s.clr = static_cast<float>(c.lr / denom);
-    s.wd = static_cast<float>(c.weight_decay);
+    const double denom = fma(static_cast<double>(in.t) - 1.0, c.lr_decay, 1.0);
+    s.clr = static_cast<float>(in.lr / denom);
+    s.wd = static_cast<float>(in.weight_decay);
     s.eps = static_cast<float>(c.eps);
-    s.apply_decay = c.weight_decay != 0.0;
+    s.apply_decay = in.weight_decay != 0.0;
     s.maximize = c.maximize;
     return s;
   }
-  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n) { return n; }
 
   template <class Ops>
   struct Consts {

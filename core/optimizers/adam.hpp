@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/optimizers/adamw.hpp"
 #include "core/optimizers/unit.hpp"
@@ -42,7 +43,7 @@ struct Adam {
   STEPCORE_HD_INLINE static int variant(const Config& c) { return c.amsgrad ? 1 : 0; }
 
   /// The same kernel's AdamW configuration with no decoupled decay: its scalars are Adam's.
-  static AdamWConfig as_adamw(const Config& c) {
+  STEPCORE_HD_INLINE static AdamWConfig as_adamw(const Config& c) {
     AdamWConfig w;
     w.lr = c.lr;
     w.beta1 = c.beta1;
@@ -54,14 +55,22 @@ struct Adam {
     w.torch_tail_width = c.torch_tail_width;
     return w;
   }
-  static Scalars scalars(const Config& c, float step) {
+  /// AdamW's bias corrections (the torch formula's).
+  static constexpr int kTableColumns = AdamW::kTableColumns;
+  static constexpr const char* const* kTableNames = AdamW::kTableNames;
+  static constexpr double kTableLimit = AdamW::kTableLimit;
+  static double table_entry(const Config& c, int k, float step) {
+    return AdamW::table_entry(as_adamw(c), k, step);
+  }
+  /// AdamW's torch scalars without decoupled decay; the weight decay is the L2 factor.
+  STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {
     Scalars s;
-    s.base = prepare_adamw_scalars(as_adamw(c), step);
-    s.l2_wd = static_cast<float>(c.weight_decay);
-    s.l2 = c.weight_decay != 0.0;
+    s.base = adamw_scalars(as_adamw(c), in.lr, 0.0, in.row[0], in.row[1]);
+    s.l2_wd = static_cast<float>(in.weight_decay);
+    s.l2 = in.weight_decay != 0.0;
     return s;
   }
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
     return AdamW::tail_begin(as_adamw(c), n);
   }
 

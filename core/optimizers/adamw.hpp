@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 
 #include "core/optimizers/unit.hpp"
 #include "core/step_scalars.hpp"
@@ -132,12 +133,25 @@ struct AdamW {
     if (c.formula != AdamWFormula::torch) return kNative;
     return c.amsgrad ? kTorchAmsgrad : kTorch;
   }
-  static Scalars scalars(const Config& c, float step) { return prepare_adamw_scalars(c, step); }
+  /// The bias corrections bc1 = 1 - beta1^t and bc2 = 1 - beta2^t: pow, which the device
+  /// does not round as the host's C library does, so the device reads them from a table.
+  static constexpr int kTableColumns = 2;
+  static constexpr const char* kTableNames[kTableColumns] = {"config.beta1", "config.beta2"};
+  /// 1 - beta^t rounds to 1 once beta^t < 2^-54 and stays there (pow decreases in t).
+  static constexpr double kTableLimit = 1.0;
+  static double table_entry(const Config& c, int k, float step) {
+    const BiasCorrections bc = adamw_bias_corrections(c, step);
+    return k == 0 ? bc.bc1 : bc.bc2;
+  }
+  STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {
+    return adamw_scalars(c, in.lr, in.weight_decay, in.row[0], in.row[1]);
+  }
   /// torch's kernel runs its last (n mod W) elements through a scalar loop its compiler
   /// contracted differently (docs/numerics.md 7.2); the native formula has no tail.
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
     if (c.formula != AdamWFormula::torch) return n;
-    const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
+    const std::uint64_t w =
+        c.torch_tail_width > 1 ? static_cast<std::uint64_t>(c.torch_tail_width) : 1;
     return n - n % w;
   }
 

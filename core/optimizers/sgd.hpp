@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
-#include "core/fp_env.hpp"
 #include "core/optimizers/unit.hpp"
 #include "core/validate.hpp"
 #include "stepcore/config.hpp"
@@ -41,23 +41,25 @@ struct Sgd {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config& c) { return c.momentum != 0.0 ? 1 : 0; }
-  static Scalars scalars(const Config& c, float step) {
-    const FpEnvGuard env;
+  static constexpr int kTableColumns = 0;
+  /// The first step (t == 1) starts the buffer as the gradient.
+  STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {
     Scalars s;
-    s.wd = static_cast<float>(c.weight_decay);
+    s.wd = static_cast<float>(in.weight_decay);
     s.momentum = static_cast<float>(c.momentum);
     s.keep = static_cast<float>(1.0 - c.dampening);
-    s.neg_lr = static_cast<float>(-c.lr);
-    s.apply_decay = c.weight_decay != 0.0;
+    s.neg_lr = static_cast<float>(-in.lr);
+    s.apply_decay = in.weight_decay != 0.0;
     s.nesterov = c.nesterov;
     s.maximize = c.maximize;
-    s.first = step == 1.0f;
+    s.first = in.t == 1.0f;
     return s;
   }
   /// torch's scalar loop updates the buffer as fma(b, momentum, g*keep) over the last
   /// (n mod W) elements (8b).
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
-    const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
+    const std::uint64_t w =
+        c.torch_tail_width > 1 ? static_cast<std::uint64_t>(c.torch_tail_width) : 1;
     return n - n % w;
   }
 

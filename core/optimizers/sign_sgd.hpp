@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "core/optimizers/unit.hpp"
 #include "core/step_scalars.hpp"
@@ -37,8 +38,11 @@ struct SignSgd {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_sign_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
-  static Scalars scalars(const Config& c, float /*step*/) { return prepare_sign_sgd_scalars(c); }
-  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+  static constexpr int kTableColumns = 0;
+  STEPCORE_HD_INLINE static Scalars step_scalars(const Config&, const StepInputs& in) {
+    return sign_sgd_scalars(in.lr, in.weight_decay);
+  }
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n) { return n; }
 
   template <class Ops>
   struct Consts {

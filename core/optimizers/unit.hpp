@@ -3,8 +3,9 @@
 // and tail loops, the CUDA block bodies). docs/adding-an-optimizer.md explains the parts.
 //
 // A unit is a struct (core/optimizers/<name>.hpp) holding, once:
-//   Config                     its public hyper-parameter record (stepcore/optim.hpp)
-//   Scalars                    the per-tensor f32 scalars of one step, prepared on the host
+//   Config                     its public hyper-parameter record (stepcore/optim.hpp),
+//                              with double `lr` and `weight_decay` (a schedule's StepHyper)
+//   Scalars                    the per-tensor f32 scalars of one step
 //   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch),
 //   kSlotSourceNames           and the names of their out-of-place sources
 //   slots(V)                   how many of them variant V uses (the first slots(V))
@@ -12,8 +13,19 @@
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
 //   kReadsScaled               whether the gradient read applies the scale and clip
-//   scalars(c, step)           host: the Scalars of one tensor whose counter holds `step`
-//   tail_begin(c, n)           where, in a tensor of n elements, the tail form begins
+//   kTableColumns              how many binary64 values of each step the device cannot
+//                              compute bit-exactly (pow, exp: not correctly rounded), 0: none;
+//                              with columns also kTableNames (the hyper-parameter of each,
+//                              named when its table would be too long), kTableLimit (the
+//                              value every column reaches and then keeps) and
+//   table_entry(c, k, t)       host: column k's value at step t, in binary64 (the host
+//                              computes it each step; the device reads it from a table the
+//                              host built once: gpu::make_optimizer_table)
+//   step_scalars(c, in)        host and device (STEPCORE_HD): the Scalars of one step from
+//                              the config, the counter t, lr, weight decay and the step's
+//                              table row (StepInputs); only correctly rounded operations
+//                              (IEEE +, -, *, /, sqrt, fma), so host and device agree
+//   tail_begin(c, n)           host and device: where, in n elements, the tail form begins
 //   Consts<Ops>                the Scalars as Ops values (splatted once per range)
 //   update<Ops, V, Tail>(k, g, p, st)
 //                              the element formula: the new parameter p and state st[0..kSlots)
@@ -29,6 +41,7 @@
 #include <span>
 #include <type_traits>
 
+#include "core/fp_env.hpp"
 #include "core/validate.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
@@ -89,6 +102,28 @@ STEPCORE_HD_INLINE void unit_element(const float* Ps, const float* const* Ss, fl
   P[i] = p;
   for (int s = 0; s < K; ++s) S[s][i] = st[s];
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
+}
+
+/// What a unit's step_scalars derives one step's Scalars from, besides its Config: the
+/// same values on the host (unit_scalars) and on the device (read from device memory when
+/// the kernel runs: gpu block bodies), so a replayed CUDA graph takes each step's values.
+struct StepInputs {
+  float t = 0.0f;               ///< the step counter after its increment (0: the unit counts none)
+  double lr = 0.0;              ///< the learning rate of this step
+  double weight_decay = 0.0;    ///< the weight decay of this step
+  const double* row = nullptr;  ///< the unit's kTableColumns table values of step t
+};
+
+/// Host: the Scalars of one tensor of unit Opt whose counter holds `step` (after its
+/// increment), with lr and weight decay from the config: the table row from
+/// Opt::table_entry, then Opt::step_scalars, in the spec's floating-point environment.
+template <class Opt>
+typename Opt::Scalars unit_scalars(const typename Opt::Config& c, float step) {
+  const FpEnvGuard env;
+  double row[Opt::kTableColumns > 0 ? Opt::kTableColumns : 1] = {};
+  if constexpr (Opt::kTableColumns > 0)
+    for (int k = 0; k < Opt::kTableColumns; ++k) row[k] = Opt::table_entry(c, k, step);
+  return Opt::step_scalars(c, StepInputs{step, c.lr, c.weight_decay, row});
 }
 
 /// Calls fn(std::integral_constant<int, V>{}) for the run-time variant v of a unit with

@@ -161,6 +161,12 @@ class Device {
                           const AdamWDeviceArgs& d) = 0;
   virtual void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                              const SignSgdDeviceArgs& d) = 0;
+  /// One step of any optimizer (the alternative `config` holds; gpu::optimizer_step):
+  /// step counters, lr, weight decay and the optimizer's table in device memory, read
+  /// when the kernels run; found-inf leaves everything, counters too, unchanged.
+  /// adamw_step and sign_sgd_step are this step for their records.
+  virtual void optimizer_step(std::span<const OptimizerTensor> d_tensors,
+                              const OptimizerConfig& config, const OptimizerDeviceArgs& d) = 0;
 
   /// Returns the CUDA stream of Queue::compute (null on the host device): an NCCL
   /// communicator used with this device must enqueue on it.

@@ -6,7 +6,7 @@
 // A step on the device, with no host synchronisation (every scalar in device memory):
 //   scale_and_norm_partial -> [all-reduce the partial] -> finalize_and_clip ->
 //   exact_norm_partial_if_needed -> [all-reduce] -> finalize_exact_and_clip ->
-//   adamw_step / sign_sgd_step (lazy clip on read, skipped on found-inf).
+//   optimizer_step (lazy clip on read, skipped on found-inf).
 // The norm launchers come in two forms: with the scale (and clip) in device memory, read
 // when the kernels run (the form of a captured CUDA graph: each replay reads the values
 // there), and with host values, which are kernel arguments fixed when enqueued (a graph
@@ -35,15 +35,24 @@ inline constexpr std::int32_t kFoundInfNone = 0;       ///< finite norm, clip se
 inline constexpr std::int32_t kFoundInfNonFinite = 1;  ///< NaN/Inf seen or norm overflow
 inline constexpr std::int32_t kFoundInfNeedsExact =
     2;  ///< uncertified rounding: run the exact pass
-/// Most steps a bias table covers: beyond its last entry 1 - beta^t rounds to 1 exactly.
+/// Most steps an optimizer table covers (make_optimizer_table): beyond its last entries
+/// every value is the limit (for a bias correction 1 - beta^t, exactly 1).
 inline constexpr std::uint32_t kMaxBiasTableSteps = std::uint32_t{1} << 22;
 
+/// Returns the optimizer's table for device memory (OptimizerDeviceArgs::table): the
+/// binary64 values of each step the device cannot compute bit-exactly (pow), each
+/// exactly the host step's value, one column per value: {len_0 .. len_{K-1}, column 0's
+/// entries for steps 1 .. len_0, column 1's, ...}, where column k stops before the first
+/// step whose value is its limit (every later step has that value too; AdamW and Adam:
+/// the bias corrections 1 - beta1^t and 1 - beta2^t, limit 1). Empty for an optimizer
+/// that needs none (SGD, Adagrad, SignSGD). Validates the configuration (errors name
+/// "config.<field>"); throws Errc::not_supported naming the column's hyper-parameter
+/// ("config.beta2") when a column would pass kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).
+std::vector<double> make_optimizer_table(const OptimizerConfig& config);
+
 /// Returns the bias table of `config`'s betas, for device memory (AdamWDeviceArgs):
-/// {len1, len2, 1 - beta1^1 .. 1 - beta1^len1, 1 - beta2^1 .. 1 - beta2^len2} in binary64,
-/// each exactly the host step's value (the C library's pow in binary64), where len is the first t
-/// at which 1 - beta^t rounds to 1 (so every later step's correction is exactly 1).
-/// Throws Errc::not_supported naming "config.beta1"/"config.beta2" when a beta is so
-/// close to 1 that this takes more than kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).
+/// make_optimizer_table(config), {len1, len2, 1 - beta1^1 .. 1 - beta1^len1, 1 - beta2^1
+/// .. 1 - beta2^len2}, where len is the first t at which 1 - beta^t rounds to 1.
 std::vector<double> make_adamw_bias_table(const AdamWConfig& config);
 
 /// Returns the workspace bytes scale_and_norm_partial needs for these tensors.
@@ -137,5 +146,19 @@ void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& confi
 /// kernels run; *d.found_inf != 0 (optional) writes nothing. Determinism: bitwise.
 void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
                    const SignSgdDeviceArgs& d, cudaStream_t stream);
+
+/// One step of any optimizer on device tensors (the alternative `config` holds selects
+/// it; the tensors' state in its slot order, docs/numerics.md), with the gradient read
+/// lazily as R_T(R_T(g * *d.scale) * *d.clip) where the optimizer applies the read:
+/// bit-identical to the reference and the CPU engine's Engine::step, for any launch shape.
+/// Step counters, lr and weight decay (d.hyper, else the config's), the optimizer's table
+/// (d.table: make_optimizer_table(config)) and the found-inf flag are device memory, read
+/// when the kernels run: a captured graph replays the next step with the current values,
+/// and *d.found_inf != 0 leaves parameters, state and counters untouched. Validation: the
+/// CPU engine's (the unit's checker), except that the counters' values and the device
+/// scalars are not read (they are device memory). Never allocates device memory, never
+/// synchronises. Determinism: bitwise.
+void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
+                    const OptimizerDeviceArgs& d, cudaStream_t stream);
 
 }  // namespace stepcore::gpu

@@ -207,6 +207,25 @@ struct AdamWDeviceArgs {
   DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
 };
 
+/// The device-memory inputs of a device step of any optimizer (Device::optimizer_step,
+/// gpu::optimizer_step), all read when the kernels run (not when they are enqueued), so a
+/// captured graph replays with the values there at replay. Step counters
+/// (OptimizerTensor::step) are device memory too: each is read as t - 1 and set to t by
+/// the step, on the device.
+struct OptimizerDeviceArgs {
+  /// The read's gradient scale and clip coefficient: required by the optimizers whose
+  /// gradient read applies them (all but SignSGD, whose sign does not change), else unused.
+  const float* scale = nullptr;
+  const float* clip = nullptr;
+  const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing, counters kept
+  const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
+  /// gpu::make_optimizer_table(config) in device memory: required when that table is not
+  /// empty (AdamW and Adam: their bias corrections), else unused.
+  const double* table = nullptr;
+  /// Returns the gradient read (scale, clip) as a DeviceGradientRead.
+  DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
+};
+
 /// The device-memory inputs of a device SignSGD step (read when the kernels run).
 struct SignSgdDeviceArgs {
   const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing

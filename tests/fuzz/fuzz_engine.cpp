@@ -1,6 +1,8 @@
 // libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
 // the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
-// Adam, SGD, Adagrad; accumulate, scale_, norm_partial) on random tensor
+// Adam, SGD, Adagrad; accumulate, scale_, norm_partial), and the generic device step
+// (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
+// its inputs in "device memory" it reads when it runs) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
 // ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
 // ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
@@ -15,7 +17,9 @@
 
 #include "fuzz/fuzz_input.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
@@ -94,6 +98,10 @@ struct Case {
   std::int32_t found_inf = 0;
   bool exact = false;
   bool generic = false;  // the engine runs AdamW / SignSGD through Engine::step
+  // The optimizers run on the host device (Device::optimizer_step) instead of the engine,
+  // lr and weight decay from its StepHyper when `hyper`.
+  bool device = false;
+  bool hyper = false;
 };
 
 // The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
@@ -173,11 +181,13 @@ Case decode(fuzz::Input& in) {
         t[0] = decode_slot(in, std::nullopt);
         break;
     }
-    // Keep every slot inside the arena after the size fix-ups.
+    // Keep every slot inside the arena after the size fix-ups; a step counter is one f32
+    // whatever its slot's size (an empty slot may sit at the arena's end).
     for (Slot& s : t) {
       const std::size_t bytes = s.numel * dtype_size(s.dtype);
       if (s.offset + bytes > kArenaBytes) s.offset = kArenaBytes - bytes;
     }
+    if (t[3].offset + 4 > kArenaBytes) t[3].offset = kArenaBytes - 4;
   }
   c.adamw.lr = fuzz::special(in);
   c.adamw.beta1 = fuzz::special(in);
@@ -216,12 +226,40 @@ Case decode(fuzz::Input& in) {
   c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
   c.exact = in.flag();
   c.generic = in.flag();
+  c.device = in.flag();
+  c.hyper = in.flag();
   return c;
+}
+
+// The host device the device cases run on: any host memory is its "device memory".
+device::Device& host_device() {
+  static const auto dev = device::make_host_device(32, device::HostDeviceMemory::any_host_memory);
+  return *dev;
+}
+
+// One generic device step: the scale, clip, found-inf flag, lr and weight decay and the
+// optimizer's table in "device memory", read when it runs.
+void device_step(std::span<const OptimizerTensor> t, const OptimizerConfig& config, const Case& c,
+                 const std::vector<double>& table) {
+  const std::int32_t flag = c.found_inf_given ? c.found_inf : 0;
+  const StepHyper h = std::visit(
+      [](const auto& x) {
+        return StepHyper{x.lr, x.weight_decay};
+      },
+      config);
+  OptimizerDeviceArgs d;
+  d.scale = &c.read.scale;
+  d.clip = &c.read.clip;
+  d.found_inf = c.found_inf_given ? &flag : nullptr;
+  d.hyper = c.hyper ? &h : nullptr;
+  d.table = table.data();
+  host_device().optimizer_step(t, config, d);
 }
 
 // Runs the case on `a` with the engine (nullptr: the reference); returns the Errc thrown
 // or nullopt, and the norm partial for op 4.
-std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial) {
+std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial,
+                        const std::vector<double>* table) {
   try {
     const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
     switch (c.op) {
@@ -236,7 +274,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
-        if (e && c.generic)
+        if (e && c.device)
+          device_step(generic(t), c.adamw, c, *table);
+        else if (e && c.generic)
           e->step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
         else if (e)
           e->adamw_step(t, c.adamw, c.read, fi);
@@ -251,7 +291,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, c.slots[i][4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
         }
-        if (e && c.generic)
+        if (e && c.device)
+          device_step(generic(t), c.sign, c, *table);
+        else if (e && c.generic)
           e->step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read, fi);
         else if (e)
           e->sign_sgd_step(t, c.sign, c.read, fi);
@@ -273,7 +315,12 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
         const std::span<const OptimizerTensor> ts(t);
-        if (c.op == 5) {
+        if (e && c.device) {
+          const OptimizerConfig config = c.op == 5   ? OptimizerConfig(c.adam)
+                                         : c.op == 6 ? OptimizerConfig(c.sgd)
+                                                     : OptimizerConfig(c.adagrad);
+          device_step(ts, config, c, *table);
+        } else if (c.op == 5) {
           if (e)
             e->step(ts, c.adam, c.read, fi);
           else
@@ -371,13 +418,41 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz::Input in(data, size);
   const auto& all = engines();
   const cpu::Engine& engine = *all[in.byte() % all.size()];
-  const Case c = decode(in);
+  Case c = decode(in);
   Arena original;
   for (auto& b : original.bytes) b = static_cast<std::byte>(in.byte());
+  // The device step reads the scale, clip and counters from device memory, unchecked (the
+  // host does not read them): give it what the reference accepts there, so the two still
+  // agree on every refusal, and its table (a configuration the table refuses, a beta
+  // within 2^-22 steps of 1, the device does not run: documented, not a difference).
+  std::vector<double> table;
+  const bool optimizer = c.op == 0 || c.op == 1 || c.op >= 5;
+  if (!optimizer) c.device = false;
+  if (c.device) {
+    c.read = GradientRead{0.5f, 0.75f};
+    for (int i = 0; i < c.n; ++i) {
+      const Slot& st = c.slots[i][3];
+      if (c.op != 1 && !st.null && st.offset % 4 == 0) {
+        const float three = 3.0f;
+        std::memcpy(original.bytes.data() + st.offset, &three, 4);
+      }
+    }
+    const OptimizerConfig config = c.op == 0   ? OptimizerConfig(c.adamw)
+                                   : c.op == 1 ? OptimizerConfig(c.sign)
+                                   : c.op == 5 ? OptimizerConfig(c.adam)
+                                   : c.op == 6 ? OptimizerConfig(c.sgd)
+                                               : OptimizerConfig(c.adagrad);
+    try {
+      table = gpu::make_optimizer_table(config);
+    } catch (const Error& err) {
+      if (err.code() == Errc::not_supported) return 0;
+      table = {0.0, 0.0};  // a placeholder: the step refuses the configuration first
+    }
+  }
   Arena mine = original, ref = original;
   NormPartial p_mine, p_ref;
-  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine);
-  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref);
+  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, &table);
+  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, nullptr);
   if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
   if (e_mine) {                           // refused: nothing written
     if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
