@@ -1,6 +1,7 @@
 // libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
 // the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
-// Adam, SGD, Adagrad; accumulate, scale_, norm_partial) on random tensor
+// Adam, SGD, Adagrad; accumulate, scale_, norm_partial of order 2 or 1, p_norm of the other
+// orders, the order a fuzzed choice) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
 // ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
 // ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
@@ -74,6 +75,10 @@ TensorView view(Arena& a, const Slot& s) {
   return TensorView{s.null ? nullptr : a.bytes.data() + s.offset, s.numel, s.dtype};
 }
 
+/// The norm orders op 4 fuzzes: the exact partials (2 first: a corpus input without the
+/// byte keeps its meaning), then the orders of docs/numerics.md 6.6.
+constexpr double kNormKinds[] = {2.0, 1.0, __builtin_inf(), -__builtin_inf(), 0.0, 3.0, 0.5, -1.5};
+
 struct Case {
   int op = 0;
   int n = 0;
@@ -93,7 +98,8 @@ struct Case {
   bool found_inf_given = false;
   std::int32_t found_inf = 0;
   bool exact = false;
-  bool generic = false;  // the engine runs AdamW / SignSGD through Engine::step
+  bool generic = false;        // the engine runs AdamW / SignSGD through Engine::step
+  std::uint8_t norm_kind = 0;  // op 4: the norm's order, kNormKinds[norm_kind]
 };
 
 // The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
@@ -216,12 +222,14 @@ Case decode(fuzz::Input& in) {
   c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
   c.exact = in.flag();
   c.generic = in.flag();
+  c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
   return c;
 }
 
 // Runs the case on `a` with the engine (nullptr: the reference); returns the Errc thrown
 // or nullopt, and the norm partial for op 4.
-std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial) {
+std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial,
+                        NormResult& p_norm) {
   try {
     const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
     switch (c.op) {
@@ -316,10 +324,14 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
       default: {
         std::vector<ConstTensorView> t(c.n);
         for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
-        if (e)
-          partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast);
+        const double p = kNormKinds[c.norm_kind];
+        const NormOrder order = p == 1.0 ? NormOrder::one : NormOrder::two;
+        if (p != 2.0 && p != 1.0)  // the other orders: their finished norm
+          p_norm = e ? e->p_norm(t, p, c.read) : reference::p_norm(t, p, c.read);
+        else if (e)
+          partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast, order);
         else
-          partial = reference::norm_partial(t, c.read);
+          partial = reference::norm_partial(t, c.read, order);
         break;
       }
     }
@@ -376,8 +388,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (auto& b : original.bytes) b = static_cast<std::byte>(in.byte());
   Arena mine = original, ref = original;
   NormPartial p_mine, p_ref;
-  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine);
-  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref);
+  NormResult n_mine, n_ref;
+  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, n_mine);
+  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, n_ref);
   if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
   if (e_mine) {                           // refused: nothing written
     if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
@@ -393,11 +406,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (x != x && y != y) std::memcpy(mine.bytes.data() + off, ref.bytes.data() + off, 4);
   }
   if (std::memcmp(mine.bytes.data(), ref.bytes.data(), kArenaBytes) != 0) __builtin_trap();
-  if (c.op == 4) {
+  const double p = kNormKinds[c.norm_kind];
+  if (c.op == 4 && p != 2.0 && p != 1.0) {  // other orders: the same bits (NaN: both NaN)
+    const bool both_nan = n_mine.norm != n_mine.norm && n_ref.norm != n_ref.norm;
+    if (!both_nan && std::memcmp(&n_mine.norm, &n_ref.norm, sizeof n_mine.norm) != 0)
+      __builtin_trap();
+    if (n_mine.finite != n_ref.finite || n_mine.nan_count != n_ref.nan_count ||
+        n_mine.inf_count != n_ref.inf_count)
+      __builtin_trap();
+  } else if (c.op == 4) {
+    const NormOrder order = p == 1.0 ? NormOrder::one : NormOrder::two;
     if (c.exact) {
       if (!same_value(p_mine, p_ref)) __builtin_trap();
     } else {  // the fast partial: its finalised norm, when certified, is the exact one
-      const NormResult a = finalize(p_mine), b = finalize(p_ref);
+      const NormResult a = finalize(p_mine, order), b = finalize(p_ref, order);
       if (!a.needs_exact && std::memcmp(&a.norm, &b.norm, sizeof a.norm) != 0) __builtin_trap();
     }
   }
