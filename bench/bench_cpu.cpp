@@ -773,7 +773,8 @@ void BM_Accumulate(benchmark::State& st) {
   set_roofline(st, bytes, kernel, probe);
 }
 
-template <DType D>
+/// The norm partial of order O (2: squares; 1: |x|, clip_grad_norm_(norm_type=1)).
+template <DType D, NormOrder O = NormOrder::two>
 void BM_NormPartials(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
@@ -782,13 +783,13 @@ void BM_NormPartials(benchmark::State& st) {
   const GradientRead read{D == DType::f32 ? 1.0f / 4096.0f : 1.0f, 1.0f};
   {
     std::vector<ConstTensorView> first(grads.begin(), grads.begin() + 8);
-    const NormResult a = finalize(reference::norm_partial(first, read));
-    const NormResult b = eng.norm(first, read);
+    const NormResult a = finalize(reference::norm_partial(first, read, O), O);
+    const NormResult b = eng.norm(first, read, O);
     if (f32_bits(a.norm) != f32_bits(b.norm)) validation_failed("norm_partial");
   }
   const double bytes = static_cast<double>(s.total) * dtype_size(D);
   const int th = eng.threads();
-  auto kernel = [&] { benchmark::DoNotOptimize(eng.norm_partial(grads, read)); };
+  auto kernel = [&] { benchmark::DoNotOptimize(eng.norm_partial(grads, read, NormMode::fast, O)); };
   auto probe = [&] {
     if constexpr (D == DType::f32)
       benchmark::DoNotOptimize(
@@ -1006,6 +1007,16 @@ BENCHMARK(BM_NormPartials<DType::f32>)
     ->UseRealTime();
 BENCHMARK(BM_NormPartials<DType::bf16>)
     ->Name("NormPartials/bf16")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::f32, NormOrder::one>)
+    ->Name("Norm1Partials/f32/scaled")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_NormPartials<DType::bf16, NormOrder::one>)
+    ->Name("Norm1Partials/bf16")
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

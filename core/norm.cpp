@@ -1,7 +1,7 @@
 // The host entry points of norm.hpp: merging and normalising partials (the digit arithmetic
-// of core/superaccumulator.hpp) and the final rounding of the exact norm (the shared
-// __host__ __device__ body in core/norm_finalize.hpp) under the spec's floating-point
-// environment.
+// of core/superaccumulator.hpp) and the final rounding of the exact 2- and 1-norms (the
+// shared __host__ __device__ body in core/norm_finalize.hpp) under the spec's
+// floating-point environment.
 #include "stepcore/norm.hpp"
 
 #include <cstring>
@@ -16,9 +16,11 @@ void merge(NormPartial& a, const NormPartial& b) noexcept { detail::merge_partia
 
 bool normalize(NormPartial& partial) noexcept { return detail::normalize_digits(partial.digits); }
 
-NormResult finalize(const NormPartial& partial) {
+NormResult finalize(const NormPartial& partial) { return finalize(partial, NormOrder::two); }
+
+NormResult finalize(const NormPartial& partial, NormOrder order) {
   const detail::FpEnvGuard env;
-  return detail::finalize_partial(partial);
+  return detail::finalize_partial(partial, order);
 }
 
 bool same_value(const NormPartial& a, const NormPartial& b) {

@@ -53,6 +53,35 @@ STEPCORE_HD_INLINE u128 extract_bits(const std::uint64_t (&d)[kNormDigits], int 
   return v;
 }
 
+/// Returns bit p of the digits (0 outside them).
+template <int N>
+STEPCORE_HD_INLINE std::uint64_t bit_at(const std::uint64_t (&d)[N], int p) {
+  if (p < 0 || p >= N * kNormDigitBits) return 0;
+  return (d[p / kNormDigitBits] >> (p % kNormDigitBits)) & 1ull;
+}
+
+/// Returns S * 2^unit rounded to `prec` (<= 53) significant bits, nearest, ties to even,
+/// for the normalised digits S, as an exact double m * 2^(unit + drop). 2^unit must be the
+/// target format's smallest quantum (its subnormal grid: -149 for f32, -1074 for f64), so
+/// the rounding is that format's RN: for f32 the float conversion of the result is then
+/// exact, or +Inf exactly when RN_f32 overflows (docs/numerics.md 6.6).
+template <int N>
+STEPCORE_HD_INLINE double round_digits(const std::uint64_t (&d)[N], int prec, int unit) {
+  int top = N - 1;
+  while (top >= 0 && d[top] == 0) --top;
+  if (top < 0) return 0.0;
+  const int L = top * kNormDigitBits + bit_length64(d[top]);  // bit length of S
+  const int drop = L > prec ? L - prec : 0;
+  std::uint64_t m = 0;
+  for (int j = L - 1; j >= drop; --j) m = (m << 1) | bit_at(d, j);
+  if (drop > 0 && bit_at(d, drop - 1)) {  // at or above the midpoint
+    bool rest = (m & 1ull) != 0;          // odd: a tie goes up too
+    for (int j = 0; j < drop - 1 && !rest; ++j) rest = bit_at(d, j) != 0;
+    if (rest) ++m;  // m may become 2^prec: still exact
+  }
+  return ldexp(static_cast<double>(m), unit + drop);
+}
+
 /// Returns RN_f32(sqrt(S * 2^-298)) for the normalised digits S (docs/numerics.md 6.4).
 STEPCORE_HD_INLINE float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
   int top = kNormDigits - 1;
@@ -79,6 +108,13 @@ STEPCORE_HD_INLINE float round_sqrt(const std::uint64_t (&d)[kNormDigits]) {
   // m <= 2^24 and the exponent is in double's range: ldexp is exact; the float
   // conversion is exact or overflows to +Inf exactly when RN does.
   return static_cast<float>(ldexp(static_cast<double>(m), k - 149 + drop));
+}
+
+/// Returns the norm of the normalised digits S of a partial of the given order:
+/// RN_f32(sqrt(S * 2^-298)) (two) or RN_f32(S * 2^-149) (one).
+STEPCORE_HD_INLINE float round_norm(const std::uint64_t (&d)[kNormDigits], NormOrder order) {
+  if (order == NormOrder::one) return static_cast<float>(round_digits(d, 24, kNorm1UnitExponent));
+  return round_sqrt(d);
 }
 
 /// out = floor(S / 2^bits) + 1 (>= S * 2^-bits), normalised.
@@ -109,8 +145,9 @@ STEPCORE_HD_INLINE void sub_digits(std::uint64_t (&a)[kNormDigits],
     for (auto& x : a) x = 0;
 }
 
-/// The body of stepcore::finalize (docs/numerics.md 6.3-6.4), host or device.
-STEPCORE_HD_INLINE NormResult finalize_partial(const NormPartial& partial) {
+/// The body of stepcore::finalize (docs/numerics.md 6.3-6.4, 6.6), host or device.
+STEPCORE_HD_INLINE NormResult finalize_partial(const NormPartial& partial,
+                                               NormOrder order = NormOrder::two) {
   NormResult r;
   r.nan_count = partial.nan_count;
   r.inf_count = partial.inf_count;
@@ -133,13 +170,13 @@ STEPCORE_HD_INLINE NormResult finalize_partial(const NormPartial& partial) {
   r.max_abs = f32_from_bits(partial.max_abs_bits);
   std::uint64_t d[kNormDigits];
   for (int k = 0; k < kNormDigits; ++k) d[k] = partial.digits[k];
-  if (!normalize_digits(d)) {  // S >= 2^640: its root is far beyond f32, exactly +Inf
+  if (!normalize_digits(d)) {  // S >= 2^640: the norm is far beyond f32, exactly +Inf
     r.norm = f32_from_bits(0x7F800000u);
     r.finite = false;
     return r;
   }
   if (partial.approximate == 0) {
-    r.norm = round_sqrt(d);
+    r.norm = round_norm(d, order);
   } else {
     // |S - S_exact| <= 2^-40 S: certify that both ends of the interval round alike.
     std::uint64_t delta[kNormDigits], lo[kNormDigits], hi[kNormDigits];
@@ -150,8 +187,8 @@ STEPCORE_HD_INLINE NormResult finalize_partial(const NormPartial& partial) {
     }
     normalize_digits(hi);
     sub_digits(lo, delta);
-    const float a = round_sqrt(lo);
-    const float b = round_sqrt(hi);
+    const float a = round_norm(lo, order);
+    const float b = round_norm(hi, order);
     if (f32_bits(a) != f32_bits(b)) {
       r.needs_exact = true;
       r.norm = f32_from_bits(0x7FC00000u);

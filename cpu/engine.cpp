@@ -13,6 +13,7 @@
 #include <xsimd/config/xsimd_cpuid.hpp>
 
 #include "core/fp_env.hpp"
+#include "core/norm_p.hpp"
 #include "core/optimizers/all.hpp"
 #include "core/validate.hpp"
 #include "cpu/dispatch.hpp"
@@ -391,10 +392,13 @@ NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors,
 }
 
 NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
-                                 NormMode mode) const {
+                                 NormMode mode, NormOrder order) const {
   ::stepcore::detail::validate_norm(tensors, read);
+  const int o = static_cast<int>(order);
+  if (o < 0 || o >= kNormOrders)
+    throw Error(Errc::invalid_argument, "order", "not a NormOrder (" + std::to_string(o) + ")");
   const detail::KernelTable& table = detail::kernel_table(isa_);
-  const detail::NormFn* fns = mode == NormMode::exact ? table.norm_exact : table.norm;
+  const detail::NormFn* fns = mode == NormMode::exact ? table.norm_exact[o] : table.norm[o];
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const int d = static_cast<int>(tensors[i].dtype);
     if (d < 0 || d >= detail::kDTypes) unreachable_dtype("norm_partial");
@@ -412,10 +416,40 @@ NormPartial Engine::norm_partial(std::span<const ConstTensorView> tensors, Gradi
   return total;
 }
 
-NormResult Engine::norm(std::span<const ConstTensorView> tensors, GradientRead read) const {
-  NormResult r = finalize(norm_partial(tensors, read));
-  if (r.needs_exact) r = finalize(norm_partial(tensors, read, NormMode::exact));
+NormResult Engine::norm(std::span<const ConstTensorView> tensors, GradientRead read,
+                        NormOrder order) const {
+  NormResult r = finalize(norm_partial(tensors, read, NormMode::fast, order), order);
+  if (r.needs_exact) r = finalize(norm_partial(tensors, read, NormMode::exact, order), order);
   return r;
+}
+
+NormResult Engine::p_norm(std::span<const ConstTensorView> tensors, double p,
+                          GradientRead read) const {
+  ::stepcore::detail::validate_norm(tensors, read);
+  ::stepcore::detail::validate_p(p);
+  if (p == 2.0) return norm(tensors, read, NormOrder::two);
+  if (p == 1.0) return norm(tensors, read, NormOrder::one);
+  // Two passes over the same static partition; each chunk's pieces are exact and merged
+  // afterwards, so the split cannot change them (core/norm_p.hpp).
+  const auto chunks = make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].numel; });
+  std::vector<::stepcore::detail::PNormFacts> facts(chunks.size());
+  run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
+    const auto slot = static_cast<std::size_t>(&c - chunks.data());
+    ::stepcore::detail::add_facts(tensors[c.tensor], read, c.begin, c.end, facts[slot]);
+  });
+  ::stepcore::detail::PNormFacts all;
+  for (const auto& f : facts) ::stepcore::detail::merge(all, f);
+  ::stepcore::detail::PowerSum sum;
+  const double base = ::stepcore::detail::power_base(all, p);
+  if (base > 0.0) {
+    std::vector<::stepcore::detail::PowerSum> sums(chunks.size());
+    run_static(chunks, threads_, cpus_, [&](const Chunk& c) {
+      const auto slot = static_cast<std::size_t>(&c - chunks.data());
+      ::stepcore::detail::add_powers(tensors[c.tensor], read, c.begin, c.end, base, p, sums[slot]);
+    });
+    for (const auto& s : sums) ::stepcore::detail::merge(sum, s);
+  }
+  return ::stepcore::detail::finish_p_norm(all, sum, p);
 }
 
 }  // namespace stepcore::cpu

@@ -110,7 +110,7 @@ struct UnitTables<::stepcore::detail::UnitList<Units...>> : UnitKernels<Units>..
 using AccumulateFn = void (*)(float* acc, const void* src, bool copy, std::size_t begin,
                               std::size_t end);
 using ScaleFn = void (*)(void* data, float scale, std::size_t begin, std::size_t end);
-/// Adds the approximate (block-summed) norm partial of elements [begin, end).
+/// Adds the norm partial of elements [begin, end) (approximate, block-summed, or exact).
 using NormFn = void (*)(const void* data, const GradientRead& read, std::size_t begin,
                         std::size_t end, NormPartial& partial);
 
@@ -148,8 +148,8 @@ struct KernelTable {
   UnitTables<::stepcore::detail::AllUnits> units;  ///< every optimizer unit's step
   AccumulateFn accumulate[kDTypes];
   ScaleFn scale[kDTypes];
-  NormFn norm[kDTypes];
-  NormFn norm_exact[kDTypes];  ///< exact partial, one deposit per element
+  NormFn norm[kNormOrders][kDTypes];        ///< [NormOrder][dtype]: block-summed partial
+  NormFn norm_exact[kNormOrders][kDTypes];  ///< exact partial, one deposit per element
 };
 
 /// Each returns its ISA's table; defined in isa_<name>.cpp, compiled with that
@@ -203,8 +203,8 @@ inline UnitRange<::stepcore::detail::SignSgd> sign_sgd_range(const SignSgdTensor
                                                  t.grad.data, t.compute_param);
 }
 
-/// Elements per norm block: squares are summed in binary64 within a block and the
-/// block sum is deposited exactly. Must not exceed kNormMaxBlockAdditions.
+/// Elements per norm block: squares (or |x|, the 1-norm) are summed in binary64 within a
+/// block and the block sum is deposited exactly. Must not exceed kNormMaxBlockAdditions.
 inline constexpr std::size_t kNormBlockElements = 2048;
 static_assert(kNormBlockElements <= static_cast<std::size_t>(kNormMaxBlockAdditions));
 

@@ -359,7 +359,8 @@ bool check_accumulate_and_scale(const KernelTable& t, Failure& fail) {
   return true;
 }
 
-std::string partial_difference(const NormPartial& want, const NormPartial& got, bool digits) {
+std::string partial_difference(const NormPartial& want, const NormPartial& got, bool digits,
+                               NormOrder order) {
   char buf[160];
   if (want.nan_count != got.nan_count || want.inf_count != got.inf_count) {
     std::snprintf(buf, sizeof buf, "counts: reference %llu NaN %llu Inf, kernel %llu NaN %llu Inf",
@@ -384,7 +385,7 @@ std::string partial_difference(const NormPartial& want, const NormPartial& got, 
       }
     return "";
   }
-  const NormResult a = finalize(want), b = finalize(got);
+  const NormResult a = finalize(want, order), b = finalize(got, order);
   if (!b.needs_exact && f32_bits(a.norm) != f32_bits(b.norm) &&
       !(std::isnan(a.norm) && std::isnan(b.norm))) {
     std::snprintf(buf, sizeof buf, "norm: reference 0x%08x, kernel 0x%08x", f32_bits(a.norm),
@@ -409,20 +410,22 @@ bool check_norm(const KernelTable& t, Failure& fail) {
           n > detail::kNormBlockElements ? detail::kNormBlockElements : kSplit;
       for (int mode = 0; mode < 3; ++mode) {
         const GradientRead read = read_of(mode);
-        NormPartial want = reference::norm_partial({&view, 1}, read);
-        for (const bool exact : {false, true}) {
-          const detail::NormFn fn =
-              exact ? t.norm_exact[static_cast<int>(dt)] : t.norm[static_cast<int>(dt)];
-          NormPartial a, b;
-          fn(data.data(), read, 0, split, a);
-          fn(data.data(), read, split, n, b);
-          merge(a, b);
-          const std::string d = partial_difference(want, a, exact);
-          if (!d.empty()) {
-            fail.kernel = std::string(exact ? "norm_partial exact (" : "norm_partial fast (") +
-                          dtype_label(dt) + ")";
-            fail.detail = std::to_string(n) + " elements, " + read_label(mode) + " read: " + d;
-            return false;
+        for (const NormOrder order : {NormOrder::two, NormOrder::one}) {
+          NormPartial want = reference::norm_partial({&view, 1}, read, order);
+          for (const bool exact : {false, true}) {
+            const int o = static_cast<int>(order), g = static_cast<int>(dt);
+            const detail::NormFn fn = exact ? t.norm_exact[o][g] : t.norm[o][g];
+            NormPartial a, b;
+            fn(data.data(), read, 0, split, a);
+            fn(data.data(), read, split, n, b);
+            merge(a, b);
+            const std::string d = partial_difference(want, a, exact, order);
+            if (!d.empty()) {
+              fail.kernel = std::string(exact ? "norm_partial exact (" : "norm_partial fast (") +
+                            (order == NormOrder::one ? "1-norm, " : "") + dtype_label(dt) + ")";
+              fail.detail = std::to_string(n) + " elements, " + read_label(mode) + " read: " + d;
+              return false;
+            }
           }
         }
       }

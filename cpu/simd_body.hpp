@@ -367,10 +367,15 @@ struct Body {
     for (; i < end; ++i) data[i] = from_f32<T>(to_f32(data[i]) * s);
   }
 
-  // ---- norm partial (approximate: exact squares, binary64 block sums) ---------------
-  /// Deposits the exact squares of elements [begin, end) one at a time; counts
+  // ---- norm partial (approximate: exact terms, binary64 block sums) -----------------
+  // The term of a value x is x^2 (NormOrder::two, units of 2^-298) or |x| (NormOrder::one,
+  // units of 2^-149): exact in binary64 either way, and every binary64 sum of terms is a
+  // multiple of the unit, so block sums deposit exactly (docs/numerics.md 6.2, 6.6).
+  static constexpr bool is_one(NormOrder o) { return o == NormOrder::one; }
+
+  /// Deposits the exact terms of elements [begin, end) one at a time; counts
   /// non-finite values. Used for blocks that contain a NaN or Inf.
-  template <class T>
+  template <class T, NormOrder O>
   static void norm_exact(const T* data, const GradientRead& read, std::size_t begin,
                          std::size_t end, NormPartial& out) {
     for (std::size_t i = begin; i < end; ++i) {
@@ -386,33 +391,48 @@ struct Body {
       }
       if (a > out.max_abs_bits) out.max_abs_bits = a;
       if (a == 0) continue;
-      const std::uint32_t e = a >> 23;
-      const std::uint64_t m = e == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
-      const int shift = 2 * (e == 0 ? -149 : static_cast<int>(e) - 150) + 298;
-      ::stepcore::detail::deposit(out.digits, m * m, shift);
+      if constexpr (is_one(O)) {
+        ::stepcore::detail::deposit_abs(out.digits, a);
+      } else {
+        const std::uint32_t e = a >> 23;
+        const std::uint64_t m = e == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
+        const int shift = 2 * (e == 0 ? -149 : static_cast<int>(e) - 150) + 298;
+        ::stepcore::detail::deposit(out.digits, m * m, shift);
+      }
     }
     ::stepcore::detail::normalize_digits(out.digits);
   }
 
-  template <class T>
+  template <class T, NormOrder O>
   static void norm_exact_range(const void* data, const GradientRead& read, std::size_t begin,
                                std::size_t end, NormPartial& out) {
-    norm_exact(static_cast<const T*>(data), read, begin, end, out);
+    norm_exact<T, O>(static_cast<const T*>(data), read, begin, end, out);
   }
 
-  template <class T>
+  template <class T, NormOrder O>
   static void norm(const void* data_v, const GradientRead& read, std::size_t begin, std::size_t end,
                    NormPartial& out) {
     with_read_mode(read, [&](auto mode) {
-      norm_mode<T, decltype(mode)::value>(static_cast<const T*>(data_v), read, begin, end, out);
+      norm_mode<T, decltype(mode)::value, O>(static_cast<const T*>(data_v), read, begin, end, out);
     });
   }
 
-  template <class T, int Mode>
+  /// acc + term(x) for lanes x widened from f32 (|x| already taken for the 1-norm).
+  template <NormOrder O>
+  static D add_term(D x, D acc) {
+    if constexpr (is_one(O))
+      return Ops::dadd(acc, x);
+    else
+      return Ops::add_square(x, acc);
+  }
+
+  template <class T, int Mode, NormOrder O>
   static void norm_mode(const T* data, const GradientRead& read, std::size_t begin, std::size_t end,
                         NormPartial& out) {
-    const F scale = splat(read.scale), clip = splat(read.clip);
     const U abs_mask(0x7FFFFFFFu);
+    // The 1-norm sums |x|: the sign is cleared before widening (free for the 2-norm).
+    auto term_input = [&](F x) { return is_one(O) ? as_f(as_u(x) & abs_mask) : x; };
+    const F scale = splat(read.scale), clip = splat(read.clip);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {
       const std::size_t e = b + kNormBlockElements < end ? b + kNormBlockElements : end;
       // Four independent binary64 chains hide the FMA latency.
@@ -428,12 +448,12 @@ struct Body {
           F x, y;
           Ops::load_bf16_pairs(reinterpret_cast<const std::uint16_t*>(data + i), x, y, mx16);
           D xl, xh, yl, yh;
-          Ops::to_double(x, xl, xh);
-          Ops::to_double(y, yl, yh);
-          acc0 = Ops::add_square(xl, acc0);
-          acc1 = Ops::add_square(xh, acc1);
-          acc2 = Ops::add_square(yl, acc2);
-          acc3 = Ops::add_square(yh, acc3);
+          Ops::to_double(term_input(x), xl, xh);
+          Ops::to_double(term_input(y), yl, yh);
+          acc0 = add_term<O>(xl, acc0);
+          acc1 = add_term<O>(xh, acc1);
+          acc2 = add_term<O>(yl, acc2);
+          acc3 = add_term<O>(yh, acc3);
         }
         alignas(64) std::uint16_t m16[2 * N];
         mx16.store_aligned(reinterpret_cast<std::uint32_t*>(m16));
@@ -445,23 +465,25 @@ struct Body {
         __builtin_prefetch(data + i + kPrefetchBytes / sizeof(T));
         const F x = read_mode<Mode>(data + i, scale, clip);
         const F y = read_mode<Mode>(data + i + N, scale, clip);
-        mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
-        mx2 = xsimd::max(mx2, as_i(as_u(y) & abs_mask));
+        const U ax = as_u(x) & abs_mask, ay = as_u(y) & abs_mask;
+        mx = xsimd::max(mx, as_i(ax));
+        mx2 = xsimd::max(mx2, as_i(ay));
         D xl, xh, yl, yh;
-        Ops::to_double(x, xl, xh);
-        Ops::to_double(y, yl, yh);
-        acc0 = Ops::add_square(xl, acc0);
-        acc1 = Ops::add_square(xh, acc1);
-        acc2 = Ops::add_square(yl, acc2);
-        acc3 = Ops::add_square(yh, acc3);
+        Ops::to_double(is_one(O) ? as_f(ax) : x, xl, xh);
+        Ops::to_double(is_one(O) ? as_f(ay) : y, yl, yh);
+        acc0 = add_term<O>(xl, acc0);
+        acc1 = add_term<O>(xh, acc1);
+        acc2 = add_term<O>(yl, acc2);
+        acc3 = add_term<O>(yh, acc3);
       }
       for (; i + N <= e; i += N) {
         const F x = read_mode<Mode>(data + i, scale, clip);
-        mx = xsimd::max(mx, as_i(as_u(x) & abs_mask));
+        const U ax = as_u(x) & abs_mask;
+        mx = xsimd::max(mx, as_i(ax));
         D xl, xh;
-        Ops::to_double(x, xl, xh);
-        acc0 = Ops::add_square(xl, acc0);
-        acc1 = Ops::add_square(xh, acc1);
+        Ops::to_double(is_one(O) ? as_f(ax) : x, xl, xh);
+        acc0 = add_term<O>(xl, acc0);
+        acc1 = add_term<O>(xh, acc1);
       }
       mx = xsimd::max(mx, mx2);
       alignas(64) std::int32_t lanes[N];
@@ -474,15 +496,18 @@ struct Body {
         const float x = read1(data + i, read.scale, read.clip);
         const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
         if (a > block_max) block_max = a;
-        const double xd = x;
-        tail = tail + xd * xd;
+        const double xd = f32_from_bits(a);  // |x|
+        tail = tail + (is_one(O) ? xd : xd * xd);
       }
       if (block_max >= 0x7F800000u) {  // a NaN or Inf: count them, deposit the rest exactly
-        norm_exact(data, read, b, e, out);
+        norm_exact<T, O>(data, read, b, e, out);
         continue;
       }
       const double sum = Ops::dsum(Ops::dadd(Ops::dadd(acc0, acc1), Ops::dadd(acc2, acc3))) + tail;
-      ::stepcore::detail::deposit_double(out.digits, sum);
+      if constexpr (is_one(O))
+        ::stepcore::detail::deposit_double<kNorm1UnitExponent>(out.digits, sum);
+      else
+        ::stepcore::detail::deposit_double(out.digits, sum);
       if (block_max > out.max_abs_bits) out.max_abs_bits = block_max;
       out.approximate = 1;
       ::stepcore::detail::normalize_digits(out.digits);
@@ -502,8 +527,11 @@ struct Body {
     });
     t.accumulate[g] = &accumulate<G>;
     t.scale[g] = &scale<G>;
-    t.norm[g] = &norm<G>;
-    t.norm_exact[g] = &norm_exact_range<G>;
+    constexpr int two = static_cast<int>(NormOrder::two), one = static_cast<int>(NormOrder::one);
+    t.norm[two][g] = &norm<G, NormOrder::two>;
+    t.norm[one][g] = &norm<G, NormOrder::one>;
+    t.norm_exact[two][g] = &norm_exact_range<G, NormOrder::two>;
+    t.norm_exact[one][g] = &norm_exact_range<G, NormOrder::one>;
   }
 
   /// The out-of-place (streamed) kernels: filled apart from make_table, by

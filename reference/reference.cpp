@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/fp_env.hpp"
+#include "core/norm_p.hpp"
 #include "core/step_scalars.hpp"
 #include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
@@ -413,7 +414,8 @@ void scale_(std::span<const TensorView> tensors, float scale) {
   }
 }
 
-NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read) {
+NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
+                         NormOrder order) {
   detail::validate_norm(tensors, read);
   const detail::FpEnvGuard env;
   NormPartial p;
@@ -432,10 +434,13 @@ NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead 
       const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
       if (a > p.max_abs_bits) p.max_abs_bits = a;
       if (a == 0) continue;
-      std::uint64_t m2 = 0;
+      std::uint64_t m = 0;
       int shift = 0;
-      testing::square_units(x, m2, shift);
-      detail::deposit(p.digits, m2, shift);
+      if (order == NormOrder::one)
+        testing::abs_units(x, m, shift);
+      else
+        testing::square_units(x, m, shift);
+      detail::deposit(p.digits, m, shift);
       if (++since_normalize == (1u << 30)) {
         detail::normalize_digits(p.digits);
         since_normalize = 0;
@@ -446,6 +451,21 @@ NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead 
   return p;
 }
 
+NormResult p_norm(std::span<const ConstTensorView> tensors, double p, GradientRead read) {
+  detail::validate_norm(tensors, read);
+  detail::validate_p(p);
+  if (p == 2.0) return finalize(norm_partial(tensors, read, NormOrder::two), NormOrder::two);
+  if (p == 1.0) return finalize(norm_partial(tensors, read, NormOrder::one), NormOrder::one);
+  // docs/numerics.md 6.6: every element's facts, then every term, in storage order.
+  detail::PNormFacts facts;
+  for (const ConstTensorView& t : tensors) detail::add_facts(t, read, 0, t.numel, facts);
+  detail::PowerSum sum;
+  const double base = detail::power_base(facts, p);
+  if (base > 0.0)
+    for (const ConstTensorView& t : tensors) detail::add_powers(t, read, 0, t.numel, base, p, sum);
+  return detail::finish_p_norm(facts, sum, p);
+}
+
 namespace testing {
 void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
   const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
@@ -454,6 +474,14 @@ void square_units(float x, std::uint64_t& mantissa_squared, int& shift) {
   const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
   mantissa_squared = mant * mant;                               // exact, < 2^48
   shift = 2 * e - kNormUnitExponent;                            // x^2 / 2^-298 = mant^2 * 2^shift
+}
+
+void abs_units(float x, std::uint64_t& mantissa, int& shift) {
+  const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
+  const std::uint32_t exp = a >> 23;
+  mantissa = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
+  const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
+  shift = e - kNorm1UnitExponent;                               // |x| / 2^-149 = mant * 2^shift
 }
 }  // namespace testing
 

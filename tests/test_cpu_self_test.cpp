@@ -79,12 +79,12 @@ void bad_scale(void* data, float s, std::size_t b, std::size_t e) {
 }
 void bad_norm(const void* d, const GradientRead& read, std::size_t b, std::size_t e,
               NormPartial& out) {
-  g_real->norm[2](d, read, b, e, out);
+  g_real->norm[0][2](d, read, b, e, out);
   out.max_abs_bits += 1;
 }
 void bad_norm_exact(const void* d, const GradientRead& read, std::size_t b, std::size_t e,
                     NormPartial& out) {
-  g_real->norm_exact[0](d, read, b, e, out);
+  g_real->norm_exact[1][0](d, read, b, e, out);
   out.digits[0] += 1;
 }
 
@@ -97,8 +97,8 @@ const Fault kFaults[] = {
     {"sign_sgd", [](KernelTable& t) { t.units.of<SignSgdUnit>().step[2][0] = &bad_sign_sgd; }},
     {"accumulate", [](KernelTable& t) { t.accumulate[0] = &bad_accumulate; }},
     {"scale_", [](KernelTable& t) { t.scale[1] = &bad_scale; }},
-    {"norm_partial fast", [](KernelTable& t) { t.norm[2] = &bad_norm; }},
-    {"norm_partial exact", [](KernelTable& t) { t.norm_exact[0] = &bad_norm_exact; }},
+    {"norm_partial fast", [](KernelTable& t) { t.norm[0][2] = &bad_norm; }},
+    {"norm_partial exact", [](KernelTable& t) { t.norm_exact[1][0] = &bad_norm_exact; }},
     {"adamw streamed",
      [](KernelTable& t) { t.units.of<AdamWUnit>().streamed[2][0] = &bad_adamw_streamed; }},
     {"sign_sgd streamed",

@@ -132,14 +132,22 @@ class Engine {
   /// 2^-40 relative of exact, combined exactly across chunks (docs/numerics.md 6.2).
   /// Not bitwise comparable across ISAs; its finalized norm is, when certified.
   NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
-  /// Returns the norm partial in the given mode; NormMode::exact equals
-  /// reference::norm_partial digit for digit.
+  /// Returns the norm partial of the given order in the given mode (finalize it with the
+  /// same order); NormMode::exact equals reference::norm_partial digit for digit.
   NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read,
-                           NormMode mode) const;
-  /// Returns the finalized norm of the read values in one process: the fast
-  /// partial, and the exact one only when the fast one cannot be certified.
-  /// Determinism: bitwise: equals finalize(reference::norm_partial(...)).
-  NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {}) const;
+                           NormMode mode, NormOrder order = NormOrder::two) const;
+  /// Returns the finalized norm of the given order of the read values in one process: the
+  /// fast partial, and the exact one only when the fast one cannot be certified.
+  /// Determinism: bitwise: equals finalize(reference::norm_partial(..., order), order).
+  NormResult norm(std::span<const ConstTensorView> tensors, GradientRead read = {},
+                  NormOrder order = NormOrder::two) const;
+  /// Returns the p-norm of the read values for any order p but NaN (docs/numerics.md 6.6:
+  /// 2 and 1 exact and correctly rounded as norm(); +-inf and 0 exact; other p from an
+  /// exact sum of binary64 powers, faithfully rounded). Throws Errc::invalid_argument
+  /// naming 'p' for a NaN p. Determinism: bitwise: equals reference::p_norm for every ISA
+  /// and thread count.
+  NormResult p_norm(std::span<const ConstTensorView> tensors, double p,
+                    GradientRead read = {}) const;
 
  private:
   template <class Opt, class Tensor>

@@ -65,7 +65,13 @@ void accumulate(std::span<const AccumulatePair> pairs);
 /// g = R_T(f32(g) * scale) in place for every tensor.
 void scale_(std::span<const TensorView> tensors, float scale);
 
-/// Returns the exact norm partial of the values x = read(g) over all tensors.
-NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {});
+/// Returns the exact norm partial of the given order of the values x = read(g) over all
+/// tensors (S = sum of x^2 * 2^298, or of |x| * 2^149 for NormOrder::one).
+NormPartial norm_partial(std::span<const ConstTensorView> tensors, GradientRead read = {},
+                         NormOrder order = NormOrder::two);
+
+/// Returns the p-norm of the values x = read(g) over all tensors, docs/numerics.md 6.6 (p = 2
+/// and 1: finalize of the exact partial). Throws Errc::invalid_argument naming 'p' for NaN.
+NormResult p_norm(std::span<const ConstTensorView> tensors, double p, GradientRead read = {});
 
 }  // namespace stepcore::reference

@@ -82,6 +82,15 @@ void same_length(std::size_t got, std::size_t want, const char* name) {
 
 // ---- the engine ---------------------------------------------------------------------
 
+/// The NormOrder of a partial's Python `order` (2 or 1).
+NormOrder norm_order(int order) {
+  if (order == 2) return NormOrder::two;
+  if (order == 1) return NormOrder::one;
+  throw nb::value_error(("stepcore: invalid_argument in 'order': " + std::to_string(order) +
+                         " (a norm partial's order is 2 or 1)")
+                            .c_str());
+}
+
 NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb::device::cpu>& a) {
   if (a.shape(0) != kPartialWords)
     throw nb::value_error(("stepcore: size_mismatch in 'partial': " + std::to_string(a.shape(0)) +
@@ -488,33 +497,54 @@ NB_MODULE(_core, m) {
           nb::arg("tensors"), nb::arg("factor"), "g = R(f32(g) * factor) in place.")
       .def(
           "norm_partial",
-          [](const cpu::Engine& e, const Objects& tensors, float grad_scale, float clip,
-             bool exact) {
+          [](const cpu::Engine& e, const Objects& tensors, float grad_scale, float clip, bool exact,
+             int order) {
+            const NormOrder o = norm_order(order);
             const std::vector<TensorView> v = cpu_views(tensors, "tensors", Access::read);
             const std::vector<ConstTensorView> cv(v.begin(), v.end());
             NormPartial p;
             {
               nb::gil_scoped_release release;
               p = e.norm_partial(cv, GradientRead{grad_scale, clip},
-                                 exact ? NormMode::exact : NormMode::fast);
+                                 exact ? NormMode::exact : NormMode::fast, o);
             }
             return partial_array(p);
           },
           nb::arg("tensors"), nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
-          nb::arg("exact") = false,
+          nb::arg("exact") = false, nb::arg("order") = 2,
           "The norm partial of the values read as R(R(g*grad_scale)*clip), as PARTIAL_WORDS "
           "int64 words: SUM-all-reduce every word except PARTIAL_MAX_ABS_WORD (MAX) to combine "
-          "ranks exactly. exact=True: the exact partial (finalize never asks for more).");
+          "ranks exactly. exact=True: the exact partial (finalize never asks for more). "
+          "order: 2 (sum of squares) or 1 (sum of |x|); finalize with the same order.")
+      .def(
+          "p_norm",
+          [](const cpu::Engine& e, const Objects& tensors, double p, float grad_scale, float clip) {
+            const std::vector<TensorView> v = cpu_views(tensors, "tensors", Access::read);
+            const std::vector<ConstTensorView> cv(v.begin(), v.end());
+            NormResult r;
+            {
+              nb::gil_scoped_release release;
+              r = e.p_norm(cv, p, GradientRead{grad_scale, clip});
+            }
+            return nb::make_tuple(r.norm, r.finite);
+          },
+          nb::arg("tensors"), nb::arg("p"), nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
+          "Returns (norm, finite): the p-norm of the read values for any order p but NaN "
+          "(docs/numerics.md 6.6; 2 and 1 exact, +-inf and 0 exact, other p faithfully "
+          "rounded); finite is False when any value read was NaN or Inf.");
 
   m.def(
       "finalize",
-      [](const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb::device::cpu>& partial) {
-        const NormResult r = finalize(partial_of(partial));
+      [](const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb::device::cpu>& partial,
+         int order) {
+        const NormOrder o = norm_order(order);
+        const NormResult r = finalize(partial_of(partial), o);
         return nb::make_tuple(r.norm, r.finite, r.max_abs, r.needs_exact);
       },
-      nb::arg("partial"),
-      "Returns (norm, finite, max_abs, needs_exact) of a (combined) partial: the correctly "
-      "rounded f32 L2 norm; needs_exact: recompute with exact partials (norm unset).");
+      nb::arg("partial"), nb::arg("order") = 2,
+      "Returns (norm, finite, max_abs, needs_exact) of a (combined) partial of the given "
+      "order: the correctly rounded f32 L2 (order=2) or L1 (order=1) norm; needs_exact: "
+      "recompute with exact partials (norm unset).");
 
   m.def(
       "clip_coefficient",

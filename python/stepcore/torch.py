@@ -639,30 +639,42 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    norm_type = float(norm_type)
-    if norm_type != 2.0 and norm_type != math.inf:
-        raise NotImplementedError(
-            f"stepcore.torch: norm_type={norm_type} is not supported (2.0 or inf)")
+    norm_type = float(norm_type)  # torch's conversion: its TypeError / ValueError
     max_norm = float(max_norm)
     scale, counted, meshes = _local_grads(parameters)
     distributed = process_group is not None or bool(meshes)
     if not scale and not distributed:
         return torch.tensor(0.0)
+    partial_order = {2.0: 2, math.inf: 2, 1.0: 1}.get(norm_type)
+    if distributed and partial_order is None:
+        raise NotImplementedError(
+            f"stepcore.torch: norm_type={norm_type} is not supported with a process group or "
+            "DTensor gradients (2.0, 1.0 or inf)")
 
     engine = _default_engine()
-    group = _reduce_group(process_group, meshes) if distributed else None
+    if partial_order is not None:
+        # 2, 1: the exact partial (summed across ranks); inf: its max |x| word.
+        group = _reduce_group(process_group, meshes) if distributed else None
 
-    def norm_of(exact):
-        partial = engine.norm_partial(counted, exact=exact)
-        if distributed:
-            partial = _combine(partial, group)
-        return _core.finalize(partial)
+        def norm_of(exact):
+            partial = engine.norm_partial(counted, exact=exact, order=partial_order)
+            if distributed:
+                partial = _combine(partial, group)
+            return _core.finalize(partial, partial_order)
 
-    norm, finite, max_abs, needs_exact = norm_of(False)
-    if needs_exact and norm_type == 2.0:
-        # Every rank sees the same combined partial, so every rank takes this branch.
-        norm, finite, max_abs, needs_exact = norm_of(True)
-    total = max_abs if norm_type == math.inf else norm
+        norm, finite, max_abs, needs_exact = norm_of(False)
+        if needs_exact and norm_type != math.inf:
+            # Every rank sees the same combined partial, so every rank takes this branch.
+            norm, finite, max_abs, needs_exact = norm_of(True)
+        total = max_abs if norm_type == math.inf else norm
+    elif math.isnan(norm_type):
+        total = math.nan  # torch: a NaN order gives a NaN norm
+    elif norm_type == 0.0:
+        # torch's total is the 0-"norm" of the per-gradient 0-norms: the number of
+        # gradients holding a non-zero (NaN and Inf included) value (docs/python.md).
+        total = float(sum(1 for g in counted if engine.p_norm([g], 0.0)[0] != 0.0))
+    else:
+        total = engine.p_norm(counted, norm_type)[0]  # -inf and any other p: 6.6
     total_t = torch.tensor(total, dtype=torch.float32)
     if error_if_nonfinite and (math.isnan(total) or math.isinf(total)):
         raise RuntimeError(

@@ -1,6 +1,7 @@
 // libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
 // the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
-// Adam, SGD, Adagrad; accumulate, scale_, norm_partial), and the generic device step
+// Adam, SGD, Adagrad; accumulate, scale_, norm_partial of order 2 or 1, p_norm of the other
+// orders, the order a fuzzed choice), and the generic device step
 // (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
 // its inputs in "device memory" it reads when it runs) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
@@ -78,6 +79,10 @@ TensorView view(Arena& a, const Slot& s) {
   return TensorView{s.null ? nullptr : a.bytes.data() + s.offset, s.numel, s.dtype};
 }
 
+/// The norm orders op 4 fuzzes: the exact partials (2 first: a corpus input without the
+/// byte keeps its meaning), then the orders of docs/numerics.md 6.6.
+constexpr double kNormKinds[] = {2.0, 1.0, __builtin_inf(), -__builtin_inf(), 0.0, 3.0, 0.5, -1.5};
+
 struct Case {
   int op = 0;
   int n = 0;
@@ -102,6 +107,7 @@ struct Case {
   // lr and weight decay from its StepHyper when `hyper`.
   bool device = false;
   bool hyper = false;
+  std::uint8_t norm_kind = 0;  // op 4: the norm's order, kNormKinds[norm_kind]
 };
 
 // The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
@@ -228,6 +234,7 @@ Case decode(fuzz::Input& in) {
   c.generic = in.flag();
   c.device = in.flag();
   c.hyper = in.flag();
+  c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
   return c;
 }
 
@@ -259,7 +266,7 @@ void device_step(std::span<const OptimizerTensor> t, const OptimizerConfig& conf
 // Runs the case on `a` with the engine (nullptr: the reference); returns the Errc thrown
 // or nullopt, and the norm partial for op 4.
 std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormPartial& partial,
-                        const std::vector<double>* table) {
+                        const std::vector<double>* table, NormResult& p_norm) {
   try {
     const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
     switch (c.op) {
@@ -363,10 +370,14 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
       default: {
         std::vector<ConstTensorView> t(c.n);
         for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
-        if (e)
-          partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast);
+        const double p = kNormKinds[c.norm_kind];
+        const NormOrder order = p == 1.0 ? NormOrder::one : NormOrder::two;
+        if (p != 2.0 && p != 1.0)  // the other orders: their finished norm
+          p_norm = e ? e->p_norm(t, p, c.read) : reference::p_norm(t, p, c.read);
+        else if (e)
+          partial = e->norm_partial(t, c.read, c.exact ? NormMode::exact : NormMode::fast, order);
         else
-          partial = reference::norm_partial(t, c.read);
+          partial = reference::norm_partial(t, c.read, order);
         break;
       }
     }
@@ -451,8 +462,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   Arena mine = original, ref = original;
   NormPartial p_mine, p_ref;
-  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, &table);
-  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, nullptr);
+  NormResult n_mine, n_ref;
+  const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, &table, n_mine);
+  const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, nullptr, n_ref);
   if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
   if (e_mine) {                           // refused: nothing written
     if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
@@ -468,11 +480,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (x != x && y != y) std::memcpy(mine.bytes.data() + off, ref.bytes.data() + off, 4);
   }
   if (std::memcmp(mine.bytes.data(), ref.bytes.data(), kArenaBytes) != 0) __builtin_trap();
-  if (c.op == 4) {
+  const double p = kNormKinds[c.norm_kind];
+  if (c.op == 4 && p != 2.0 && p != 1.0) {  // other orders: the same bits (NaN: both NaN)
+    const bool both_nan = n_mine.norm != n_mine.norm && n_ref.norm != n_ref.norm;
+    if (!both_nan && std::memcmp(&n_mine.norm, &n_ref.norm, sizeof n_mine.norm) != 0)
+      __builtin_trap();
+    if (n_mine.finite != n_ref.finite || n_mine.nan_count != n_ref.nan_count ||
+        n_mine.inf_count != n_ref.inf_count)
+      __builtin_trap();
+  } else if (c.op == 4) {
+    const NormOrder order = p == 1.0 ? NormOrder::one : NormOrder::two;
     if (c.exact) {
       if (!same_value(p_mine, p_ref)) __builtin_trap();
     } else {  // the fast partial: its finalised norm, when certified, is the exact one
-      const NormResult a = finalize(p_mine), b = finalize(p_ref);
+      const NormResult a = finalize(p_mine, order), b = finalize(p_ref, order);
       if (!a.needs_exact && std::memcmp(&a.norm, &b.norm, sizeof a.norm) != 0) __builtin_trap();
     }
   }

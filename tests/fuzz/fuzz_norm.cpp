@@ -1,7 +1,8 @@
-// libFuzzer harness: norm partials from random digits and records, finalised and merged.
-// Oracle: the exact value S of the raw digits (tests/big_int.hpp, no stepcore digit code)
-// and a check that the returned f32 is RN(sqrt(S * 2^-298)) by its rounding midpoints;
-// never a finite result that is wrong (docs/numerics.md 6.4: exact, or flagged).
+// libFuzzer harness: norm partials from random digits and records, finalised and merged,
+// the order (2 or 1) a fuzzed choice. Oracle: the exact value S of the raw digits
+// (tests/big_int.hpp, no stepcore digit code) and a check that the returned f32 is
+// RN(sqrt(S * 2^-298)) (order 2) or RN(S * 2^-149) (order 1) by its rounding midpoints;
+// never a finite result that is wrong (docs/numerics.md 6.4, 6.6: exact, or flagged).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -35,6 +36,33 @@ Big value_of(const NormPartial& p) {
   Big s;
   for (int k = 0; k < kNormDigits; ++k) s = s + Big::of(p.digits[k]).shl(32 * k);
   return s;
+}
+
+// Returns whether r == RN_f32(S * 2^-149) (ties to even, overflow to +Inf), checked
+// against the midpoints around r: (2m - 1) 2^(q-1) <= S 2^-149 <= (2m + 1) 2^(q-1).
+bool correctly_rounded_one(const Big& s, float r) {
+  if (std::isnan(r) || r < 0) return false;
+  // Compare S * 2^-149 with c * 2^t as S * 4 with c * 2^(t + 151) (t >= -151).
+  auto compare = [&](std::uint64_t c, int t) { return cmp(s.shl(2), Big::of(c).shl(t + 151)); };
+  if (std::isinf(r)) return compare((std::uint64_t{1} << 25) - 1, 103) >= 0;
+  if (r == 0.0f) return s.is_zero();
+  std::uint64_t m;
+  int q;
+  if (r < std::numeric_limits<float>::min()) {
+    m = static_cast<std::uint64_t>(std::ldexp(static_cast<double>(r), 149));
+    q = -149;
+  } else {
+    int e = 0;
+    const double f = std::frexp(static_cast<double>(r), &e);
+    m = static_cast<std::uint64_t>(std::ldexp(f, 24));
+    q = e - 24;
+  }
+  const bool even = (m & 1) == 0;
+  const int up = compare(2 * m + 1, q - 1);
+  if (up > 0 || (up == 0 && !even)) return false;
+  const bool bottom = m == (std::uint64_t{1} << 23) && r > std::numeric_limits<float>::min();
+  const int down = bottom ? compare(4 * m - 1, q - 2) : compare(2 * m - 1, q - 1);
+  return down > 0 || (down == 0 && even);
 }
 
 // Returns whether r == RN_f32(sqrt(S * 2^-298)) (ties to even, overflow to +Inf), checked
@@ -111,9 +139,9 @@ NormPartial decode(fuzz::Input& in) {
   return p;
 }
 
-// Checks finalize(p) against S (the partial's exact value).
-void check(const NormPartial& p, const Big& s) {
-  const NormResult r = stepcore::finalize(p);
+// Checks finalize(p, order) against S (the partial's exact value).
+void check(const NormPartial& p, const Big& s, stepcore::NormOrder order) {
+  const NormResult r = stepcore::finalize(p, order);
   if (r.nan_count != p.nan_count || r.inf_count != p.inf_count) fail("counts");
   if (p.nan_count != 0) {
     if (!std::isnan(r.norm) || r.finite) fail("NaN partial");
@@ -132,7 +160,9 @@ void check(const NormPartial& p, const Big& s) {
     if (p.approximate == 0 || r.finite) fail("needs_exact");
     return;
   }
-  if (!correctly_rounded(s, r.norm)) fail("wrong norm");
+  const bool right = order == stepcore::NormOrder::one ? correctly_rounded_one(s, r.norm)
+                                                       : correctly_rounded(s, r.norm);
+  if (!right) fail("wrong norm");
   if (r.finite != !std::isinf(r.norm)) fail("finite flag");
 }
 
@@ -142,8 +172,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   fuzz::Input in(data, size);
   NormPartial a = decode(in);
   const NormPartial b = decode(in);
+  // The order: the last byte (an input without it keeps its meaning: order 2).
+  const auto order = in.flag() ? stepcore::NormOrder::one : stepcore::NormOrder::two;
   const Big sa = value_of(a), sb = value_of(b);
-  check(a, sa);
+  check(a, sa, order);
   NormPartial m = a;
   stepcore::merge(m, b);
   // The merged value: S_a + S_b, or saturated at 2^640 - 1 when it needs more digits.
@@ -151,6 +183,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (sm.bit_length() > 32 * kNormDigits) {
     sm = Big::of(1).shl(32 * kNormDigits) - Big::of(1);
   }
-  check(m, sm);
+  check(m, sm, order);
   return 0;
 }
