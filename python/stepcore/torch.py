@@ -623,7 +623,7 @@ class AdamW(Adam):
         self._setup(params, defaults, isa, threads)
 
     def __setstate__(self, state):
-        """As torch's AdamW: a loaded group is always decoupled (an Adam state continues as AdamW)."""
+        """As torch's AdamW: a loaded group is decoupled (Adam's state continues as AdamW)."""
         super().__setstate__(state)
         for group in self.param_groups:
             group["decoupled_weight_decay"] = True
