@@ -191,12 +191,12 @@ def main():
     fresh, _ = fastest(renewed, max(args.micro_repeats // 10, 20))
     rows = opt._tables[0]
     group_params = opt.param_groups[0]["params"]
-    hyper = opt._group_hyper(0, opt.param_groups[0])
+    name, hyper = opt._group_hyper(0, opt.param_groups[0])
 
     def engine_only():
         rows.rows.prepare(group_params)
         t0 = time.perf_counter()
-        rows.rows.run(opt.engine, **hyper)
+        rows.rows.run(opt.engine, name, hyper)
         return time.perf_counter() - t0
 
     engine, engine_med = fastest(engine_only)

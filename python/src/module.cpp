@@ -16,10 +16,11 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "arrays.hpp"      // this extension's one checker of array and stream arguments
-#include "optim_args.hpp"  // the formula and AdamW keyword arguments
+#include "optim_args.hpp"  // the formula, AdamW keyword arguments, optimizers by name
 #include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
@@ -120,7 +121,7 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
   return p;
 }
 
-// ---- stepcore.torch.AdamW's cached rows (private) --------------------------------------
+// ---- stepcore.torch's cached optimizer rows (private) ----------------------------------
 
 // A stamp of dict `d` that every mutation changes, or 0 where CPython keeps none. CPython
 // 3.11 to 3.13 keep one (PEP 509's ma_version_tag: a value from an interpreter-wide counter
@@ -138,56 +139,80 @@ std::uint64_t dict_stamp(PyObject* d) {
 #endif
 }
 
-// One param group's rows, built from objects stepcore.torch checked in full, and re-read on
-// every step at C speed: each param's grad (via the `grad` attribute) and the param and
-// grad arrays themselves (so replaced grads and swapped param storage are seen), the state
-// dicts' entries by identity (a replaced exp_avg, exp_avg_sq or step makes the rows stale;
-// swapping a state tensor's storage in place is not supported), the compute copies'
-// arrays. Anything that no longer matches the full check's result makes step() return
-// False having written nothing; the torch layer then rebuilds the rows through the full
-// check, which names the bad argument.
-class AdamWRows {
+// One param group's rows for any optimizer, built from objects stepcore.torch checked in
+// full, and re-read on every step at C speed: each param's grad (via the `grad`
+// attribute) and the param and grad arrays themselves (so replaced grads and swapped param
+// storage are seen), the state dicts' entries by identity (the slots' keys, in the unit's
+// slot order, and the step counter's key when the counter lives there: a replaced entry
+// makes the rows stale; swapping a state tensor's storage in place is not supported), the
+// compute copies' arrays. Counters that do not live in the state dict (torch's SGD keeps
+// none; stepcore.torch keeps them beside it) are given as tensors. Anything that no longer
+// matches the full check's result makes step() return False having written nothing; the
+// torch layer then rebuilds the rows through the full check, which names the bad argument.
+class OptimizerRows {
  public:
   // `params`: the group's params in order; `rows`: the positions that have state rows;
-  // `states`: their state dicts; `computes`: None or one entry (None or array) per row;
-  // `grad_types`: the exact types a grad may have (torch.Tensor).
-  AdamWRows(Objects params, std::vector<std::size_t> rows, Objects states,
-            std::optional<Objects> computes, Objects grad_types)
+  // `states`: their state dicts; `slot_keys`: the state keys of the optimizer's slots, in
+  // its slot order; `step_key`: the state key of the step counter, or None; `counters`:
+  // None, or the counters (one per row) when step_key is None; `computes`: None or one
+  // entry (None or array) per row; `grad_types`: the exact types a grad may have.
+  OptimizerRows(Objects params, std::vector<std::size_t> rows, Objects states,
+                std::vector<std::string> slot_keys, std::optional<std::string> step_key,
+                std::optional<Objects> counters, std::optional<Objects> computes,
+                Objects grad_types)
       : params_(std::move(params)), states_(std::move(states)), grad_types_(std::move(grad_types)) {
     same_length(states_.size(), rows.size(), "states");
+    if (slot_keys.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
+      throw nb::value_error("stepcore: invalid_argument in 'slot_keys': more than 3 slots");
+    if (step_key && counters)
+      throw nb::value_error(
+          "stepcore: invalid_argument in 'counters': given with a step_key (one place only)");
+    if (counters) same_length(counters->size(), rows.size(), "counters");
     if (computes) same_length(computes->size(), rows.size(), "computes");
+    slots_ = static_cast<int>(slot_keys.size());
+    for (const std::string& k : slot_keys) keys_.push_back(nb::steal(intern(k)));
+    if (step_key) keys_.push_back(nb::steal(intern(*step_key)));
     row_of_.assign(params_.size(), kNoRow);
     for (std::size_t r = 0; r < rows.size(); ++r) {
       if (rows[r] >= params_.size() || row_of_[rows[r]] != kNoRow)
         throw nb::value_error("stepcore: invalid_argument in 'rows': not distinct param indices");
       row_of_[rows[r]] = r;
     }
+    const std::size_t nk = keys_.size();
     tensors_.resize(rows.size());
     state_stamps_.assign(rows.size(), 0);
     grad_objects_.resize(rows.size());
-    state_objects_.resize(3 * rows.size());
+    state_objects_.resize(nk * rows.size());
     computes_.resize(rows.size());
+    if (counters) counters_ = std::move(*counters);
+    static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]",
+                                                               "states[2]"};
     for (std::size_t r = 0; r < rows.size(); ++r) {
       const nb::handle st = states_[r];
       if (!PyDict_Check(st.ptr()))
         throw nb::type_error("stepcore: invalid_argument in 'states': not a dict");
-      for (int k = 0; k < 3; ++k) {
-        PyObject* v = PyDict_GetItemWithError(st.ptr(), key(k));
+      for (std::size_t k = 0; k < nk; ++k) {
+        PyObject* v = PyDict_GetItemWithError(st.ptr(), keys_[k].ptr());
         if (v == nullptr) {
           if (PyErr_Occurred()) throw nb::python_error();
           throw nb::value_error(("stepcore: invalid_argument in 'states': a state lacks '" +
-                                 std::string(kKeys[k]) + "'")
+                                 nb::cast<std::string>(keys_[k]) + "'")
                                     .c_str());
         }
-        state_objects_[3 * r + k] = nb::borrow(v);
+        state_objects_[nk * r + k] = nb::borrow(v);
       }
-      tensors_[r].exp_avg = cpu_view(state_objects_[3 * r], "exp_avgs", r, Access::write);
-      tensors_[r].exp_avg_sq = cpu_view(state_objects_[3 * r + 1], "exp_avg_sqs", r, Access::write);
-      const TensorView step = cpu_view(state_objects_[3 * r + 2], "steps", r, Access::write);
-      if (step.dtype != DType::f32 || step.numel != 1)
-        bad_array(step.dtype != DType::f32, indexed("steps", r),
-                  "must be one float32 value (torch's 0-dim step tensor)");
-      tensors_[r].step = static_cast<float*>(step.data);
+      for (int s = 0; s < slots_; ++s)
+        tensors_[r].state[s] = cpu_view(state_objects_[nk * r + static_cast<std::size_t>(s)],
+                                        kSlotLists[s], r, Access::write);
+      if (step_key || counters) {
+        const nb::handle counter =
+            step_key ? nb::handle(state_objects_[nk * r + nk - 1]) : nb::handle(counters_[r]);
+        const TensorView step = cpu_view(counter, "steps", r, Access::write);
+        if (step.dtype != DType::f32 || step.numel != 1)
+          bad_array(step.dtype != DType::f32, indexed("steps", r),
+                    "must be one float32 value (torch's 0-dim step tensor)");
+        tensors_[r].step = static_cast<float*>(step.data);
+      }
       if (computes && !(*computes)[r].is_none()) computes_[r] = (*computes)[r];
     }
   }
@@ -201,6 +226,7 @@ class AdamWRows {
       return false;
     if (grads && grads->size() != tensors_.size()) return false;
     static PyObject* const grad_name = PyUnicode_InternFromString("grad");
+    const std::size_t nk = keys_.size();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       PyObject* p = PyList_GET_ITEM(group_params.ptr(), static_cast<Py_ssize_t>(i));
       if (p != params_[i].ptr()) return false;
@@ -218,16 +244,18 @@ class AdamWRows {
       const nb::handle st = states_[r];
       const std::uint64_t stamp = dict_stamp(st.ptr());
       if (stamp == 0 || stamp != state_stamps_[r]) {
-        for (int k = 0; k < 3; ++k)
-          if (PyDict_GetItemWithError(st.ptr(), key(k)) != state_objects_[3 * r + k].ptr()) {
+        for (std::size_t k = 0; k < nk; ++k)
+          if (PyDict_GetItemWithError(st.ptr(), keys_[k].ptr()) !=
+              state_objects_[nk * r + k].ptr()) {
             if (PyErr_Occurred()) throw nb::python_error();
             return false;
           }
         state_stamps_[r] = stamp;
       }
-      AdamWTensor& t = tensors_[r];
+      OptimizerTensor& t = tensors_[r];
       try {
         t.param = cpu_view(p, "params", r, Access::write);
+        // The param dtypes the engine steps (stepcore.torch's _PARAM_DTYPES; f32 for now).
         if (t.param.dtype != DType::f32) return false;
         const nb::handle read = grads ? nb::handle((*grads)[r]) : nb::handle(grad);
         const TensorView gv = cpu_view(read, "grads", r, Access::read);
@@ -240,18 +268,21 @@ class AdamWRows {
       } catch (const nb::builtin_exception&) {
         return false;  // the full check names what is wrong
       }
-      if (t.exp_avg.numel != t.param.numel || t.exp_avg_sq.numel != t.param.numel) return false;
-      const float counter = *t.step;  // written in place? the full check names it
-      if (!(counter >= 0.0f && counter < 16777215.0f && counter == std::floor(counter)))
-        return false;
+      for (int s = 0; s < slots_; ++s)
+        if (t.state[s].numel != t.param.numel) return false;
+      if (t.step != nullptr) {
+        const float counter = *t.step;  // written in place? the full check names it
+        if (!(counter >= 0.0f && counter < 16777215.0f && counter == std::floor(counter)))
+          return false;
+      }
     }
     prepared_ = true;
     return true;
   }
 
-  // One AdamW step over the rows prepare() just read (their objects must still be alive:
-  // the caller holds them). Raises what the engine raises, before writing anything.
-  void run(const cpu::Engine& e, const AdamWConfig& config, GradientRead read) {
+  // One step of `config` over the rows prepare() just read (their objects must still be
+  // alive: the caller holds them). Raises what the engine raises, before writing anything.
+  void run(const cpu::Engine& e, const OptimizerConfig& config, GradientRead read) {
     if (!prepared_)
       throw nb::value_error("stepcore: invalid_argument in 'rows': run() without prepare()");
     prepared_ = false;
@@ -260,7 +291,7 @@ class AdamWRows {
     };
     try {
       nb::gil_scoped_release release;
-      e.adamw_step(tensors_, config, read);
+      std::visit([&](const auto& c) { e.step(tensors_, c, read); }, config);
     } catch (...) {
       release_grads();
       throw;
@@ -270,13 +301,12 @@ class AdamWRows {
 
  private:
   static constexpr std::size_t kNoRow = static_cast<std::size_t>(-1);
-  static constexpr const char* kKeys[3] = {"exp_avg", "exp_avg_sq", "step"};
 
-  static PyObject* key(int k) {
-    static PyObject* const keys[3] = {PyUnicode_InternFromString(kKeys[0]),
-                                      PyUnicode_InternFromString(kKeys[1]),
-                                      PyUnicode_InternFromString(kKeys[2])};
-    return keys[k];
+  static PyObject* intern(const std::string& s) {
+    PyObject* o = PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()));
+    if (o == nullptr) throw nb::python_error();
+    PyUnicode_InternInPlace(&o);
+    return o;
   }
 
   bool known_grad_type(nb::handle g) const {
@@ -288,12 +318,15 @@ class AdamWRows {
   Objects params_;                           // the group's params, in order (identity)
   std::vector<std::size_t> row_of_;          // param index -> row, kNoRow without state
   Objects states_;                           // per row: the state dict
-  Objects state_objects_;                    // per row: exp_avg, exp_avg_sq, step (identity)
+  Objects keys_;                             // the slot keys, then the step key (if any)
+  int slots_ = 0;                            // how many of keys_ are slots
+  Objects state_objects_;                    // per row: keys_'s entries (identity)
+  Objects counters_;                         // per row: the counter, when not in the state
   std::vector<std::uint64_t> state_stamps_;  // per row: dict_stamp when they last matched
   Objects computes_;                         // per row: the compute copy or an invalid handle
   Objects grad_types_;                       // exact types a grad may have
   Objects grad_objects_;                     // per row: the grad prepare() read, until run()
-  std::vector<AdamWTensor> tensors_;         // per row: the views prepare() read
+  std::vector<OptimizerTensor> tensors_;     // per row: the views prepare() read
   bool prepared_ = false;                    // prepare() succeeded and run() has not run since
 };
 
@@ -311,8 +344,14 @@ std::string python_name(const std::string& arg) {
   if ((arg.rfind("tensors[", 0) == 0 || arg.rfind("pairs[", 0) == 0) &&
       close != std::string::npos && close + 1 < arg.size()) {
     const std::string field = arg.substr(close + 1);
+    const std::string index = arg.substr(open, close - open + 1);
     for (const auto& [suffix, list] : fields)
-      if (field == suffix) return std::string(list) + arg.substr(open, close - open + 1);
+      if (field == suffix) return std::string(list) + index;
+    // Engine.step's state lists: "tensors[3].state[1]" -> "states[1][3]"; a slot named by
+    // its unit, "tensors[3].momentum_buffer" -> "momentum_buffers[3]".
+    if (field.rfind(".state[", 0) == 0) return "states" + field.substr(6) + index;
+    if (field.size() > 1 && field[0] == '.' && field.find_first_of("[.", 1) == std::string::npos)
+      return field.substr(1) + "s" + index;
   }
   if (arg.rfind("config.", 0) == 0) return arg.substr(7);
   if (arg == "read.scale") return "grad_scale";
@@ -473,6 +512,64 @@ NB_MODULE(_core, m) {
           nb::arg("lr"), nb::arg("weight_decay") = 0.0,
           "SignSGD in place: p = p*(1 - lr*wd) - lr*sign(g) (docs/numerics.md section 8).")
       .def(
+          "step",
+          [](const cpu::Engine& e, const std::string& optimizer, const Objects& params_in,
+             const std::vector<Objects>& states_in, std::optional<Objects> steps_in,
+             const Objects& grads_in, std::optional<Objects> computes_in, nb::handle hyper,
+             float grad_scale, float clip, bool found_inf) {
+            const OptimizerConfig config = python::optimizer_config(optimizer, hyper);
+            const std::size_t n = params_in.size();
+            if (states_in.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
+              throw nb::value_error(
+                  ("stepcore: invalid_argument in 'states': " + std::to_string(states_in.size()) +
+                   " state lists; an optimizer keeps at most " + std::to_string(kMaxOptimizerSlots))
+                      .c_str());
+            static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]",
+                                                                       "states[2]"};
+            for (std::size_t s = 0; s < states_in.size(); ++s)
+              same_length(states_in[s].size(), n, kSlotLists[s]);
+            if (steps_in) same_length(steps_in->size(), n, "steps");
+            same_length(grads_in.size(), n, "grads");
+            if (computes_in) same_length(computes_in->size(), n, "computes");
+            std::vector<OptimizerTensor> t(n);
+            for (std::size_t i = 0; i < n; ++i) {
+              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
+              for (std::size_t s = 0; s < states_in.size(); ++s)
+                t[i].state[s] = cpu_view(states_in[s][i], kSlotLists[s], i, Access::write);
+              if (steps_in) {
+                const TensorView c = cpu_view((*steps_in)[i], "steps", i, Access::write);
+                if (c.dtype != DType::f32 || c.numel != 1)
+                  bad_array(c.dtype != DType::f32, indexed("steps", i),
+                            "must be one float32 value (torch's 0-dim step tensor)");
+                t[i].step = static_cast<float*>(c.data);
+              }
+              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
+              if (computes_in && !(*computes_in)[i].is_none())
+                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
+            }
+            const std::int32_t skip = found_inf ? 1 : 0;
+            nb::gil_scoped_release release;
+            std::visit(
+                [&](const auto& c) {
+                  e.step(t, c, GradientRead{grad_scale, clip}, &skip);
+                },
+                config);
+          },
+          nb::arg("optimizer"), nb::arg("params"), nb::arg("states"), nb::arg("steps").none(),
+          nb::arg("grads"), nb::arg("computes") = nb::none(), nb::kw_only(),
+          nb::arg("hyper").none() = nb::none(), nb::arg("grad_scale") = 1.0f,
+          nb::arg("clip") = 1.0f, nb::arg("found_inf") = false,
+          "One step of the optimizer named `optimizer` (stepcore.optimizers() lists the "
+          "names and each one's hyper-parameters with their defaults; `hyper` sets any of "
+          "them, an unknown key raises ValueError naming it) in place over every tensor: f32 "
+          "params, states[k][i] tensor i's state slot k in the optimizer's slot order "
+          "(docs/numerics.md; as many lists as its configuration uses), steps: 0-dim f32 "
+          "counters incremented first (None for an optimizer that keeps none), grads "
+          "f32/bf16/f16 read as R(R(g*grad_scale)*clip); computes[i] receives params[i] "
+          "rounded to its dtype. Everything is checked before anything is written; "
+          "found_inf=True then writes nothing (counters kept). Bitwise: equals the reference "
+          "for any ISA and thread count.")
+      .def(
           "accumulate",
           [](const cpu::Engine& e, const Objects& accs_in, const Objects& srcs_in, bool copy) {
             same_length(srcs_in.size(), accs_in.size(), "srcs");
@@ -551,28 +648,30 @@ NB_MODULE(_core, m) {
       [](float norm, float max_norm) { return clip_coefficient(norm, max_norm); }, nb::arg("norm"),
       nb::arg("max_norm"),
       "min(1, max_norm / (norm + 1e-6)) in f32 as torch.nn.utils.clip_grad_norm_ computes it.");
-  nb::class_<AdamWRows>(m, "_AdamWRows",
-                        "Private (stepcore.torch only): one param group's cached AdamW rows.")
-      .def(nb::init<Objects, std::vector<std::size_t>, Objects, std::optional<Objects>, Objects>(),
-           nb::arg("params"), nb::arg("rows"), nb::arg("states"), nb::arg("computes").none(),
+  nb::class_<OptimizerRows>(
+      m, "_OptimizerRows",
+      "Private (stepcore.torch only): one param group's cached optimizer rows.")
+      .def(nb::init<Objects, std::vector<std::size_t>, Objects, std::vector<std::string>,
+                    std::optional<std::string>, std::optional<Objects>, std::optional<Objects>,
+                    Objects>(),
+           nb::arg("params"), nb::arg("rows"), nb::arg("states"), nb::arg("slot_keys"),
+           nb::arg("step_key").none(), nb::arg("counters").none(), nb::arg("computes").none(),
            nb::arg("grad_types"))
-      .def("prepare", &AdamWRows::prepare, nb::arg("group_params"),
+      .def("prepare", &OptimizerRows::prepare, nb::arg("group_params"),
            nb::arg("grads").none() = nb::none(),
            "Re-reads the rows with each param's current grad (or `grads`): False when stale.")
       .def(
           "run",
-          [](AdamWRows& rows, const cpu::Engine& e, double lr, double beta1, double beta2,
-             double eps, double weight_decay, const std::string& formula, int torch_tail_width,
-             float grad_scale, float clip) {
-            rows.run(e,
-                     adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width),
-                     GradientRead{grad_scale, clip});
+          [](OptimizerRows& rows, const cpu::Engine& e, const std::string& optimizer,
+             nb::handle hyper, float grad_scale, float clip) {
+            rows.run(e, python::optimizer_config(optimizer, hyper), GradientRead{grad_scale, clip});
           },
-          nb::arg("engine"), nb::kw_only(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
-          nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
-          nb::arg("torch_tail_width") = 8, nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
-          "One AdamW step over the rows prepare() just read (the engine checks everything "
-          "before writing).");
+          nb::arg("engine"), nb::arg("optimizer"), nb::arg("hyper").none(), nb::kw_only(),
+          nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
+          "One step of `optimizer` (Engine.step's names and hyper-parameters) over the rows "
+          "prepare() just read (the engine checks everything before writing).");
+  m.def("optimizers", &python::optimizer_defaults,
+        "Every optimizer Engine.step takes: {name: {hyper-parameter: default}}.");
   m.def(
       "_same_objects",
       [](nb::handle a, nb::handle b) {

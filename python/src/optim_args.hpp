@@ -1,12 +1,18 @@
 // The optimizer keyword arguments of stepcore._core's entry points (the CPU engine, the
-// GPU launchers): one parser of `formula` and one AdamWConfig builder, which the library
-// then validates (its errors name the fields: 'lr', 'beta1', ...).
+// GPU launchers): one parser of `formula`, one AdamWConfig builder, and the one parser of
+// an optimizer chosen by name with a dict of hyper-parameters (-> OptimizerConfig), which
+// the library then validates (its errors name the fields: 'lr', 'beta1', ...).
 #pragma once
 
 #include <nanobind/nanobind.h>
 
+#include <cstddef>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
 
+#include "optimizer_table.hpp"  // every optimizer's name and hyper-parameter keys
 #include "stepcore/optim.hpp"
 
 namespace stepcore::python {
@@ -36,6 +42,130 @@ inline AdamWConfig adamw_config(double lr, double beta1, double beta2, double ep
   config.formula = parse_formula(formula);
   config.torch_tail_width = torch_tail_width;
   return config;
+}
+
+// ---- an optimizer by name, its hyper-parameters from a dict --------------------------
+
+/// Sets one field of `c` from the Python value `v`, or throws TypeError naming `key`.
+template <class C>
+void set_field(C& c, const Field<C>& f, nb::handle v) {
+  PyObject* o = v.ptr();
+  const auto bad = [&](const char* want) {
+    throw nb::type_error(("stepcore: invalid_argument in '" + std::string(f.key) + "': expected " +
+                          want + ", got " + std::string(Py_TYPE(o)->tp_name))
+                             .c_str());
+  };
+  std::visit(
+      [&](auto member) {
+        using T = std::remove_cvref_t<decltype(c.*member)>;
+        if constexpr (std::is_same_v<T, double>) {
+          if (PyBool_Check(o) || !(PyFloat_Check(o) || PyLong_Check(o))) bad("a float");
+          const double x = PyFloat_AsDouble(o);
+          if (x == -1.0 && PyErr_Occurred()) throw nb::python_error();  // an int too large
+          c.*member = x;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          if (!PyBool_Check(o)) bad("a bool");
+          c.*member = o == Py_True;
+        } else if constexpr (std::is_same_v<T, int>) {
+          if (PyBool_Check(o) || !PyLong_Check(o)) bad("an int");
+          int overflow = 0;
+          const long x = PyLong_AsLongAndOverflow(o, &overflow);
+          if (overflow != 0 || x < -2147483647L - 1 || x > 2147483647L)
+            throw nb::value_error(
+                ("stepcore: out_of_range in '" + std::string(f.key) + "': not a 32-bit int")
+                    .c_str());
+          c.*member = static_cast<int>(x);
+        } else {
+          if (!PyUnicode_Check(o)) bad("a str");
+          c.*member = parse_formula(nb::cast<std::string>(v));
+        }
+      },
+      f.member);
+}
+
+/// Returns C's defaults with the dict's entries set (None: the defaults), or throws
+/// ValueError naming an unknown key (and the keys `optimizer` has), TypeError naming a
+/// key whose value has the wrong type. Values are not validated (the step does that).
+template <class C>
+C config_from_dict(nb::handle hyper) {
+  C c;
+  if (hyper.is_none()) return c;
+  if (!PyDict_Check(hyper.ptr()))
+    throw nb::type_error("stepcore: invalid_argument in 'hyper': expected a dict");
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(hyper.ptr(), &pos, &key, &value)) {
+    Py_ssize_t len = 0;
+    const char* k = PyUnicode_Check(key) ? PyUnicode_AsUTF8AndSize(key, &len) : nullptr;
+    if (k == nullptr) {
+      PyErr_Clear();
+      throw nb::type_error("stepcore: invalid_argument in 'hyper': keys must be str");
+    }
+    const std::string_view name(k, static_cast<std::size_t>(len));
+    const Field<C>* field = nullptr;
+    for (const Field<C>& f : OptimizerFields<C>::kFields)
+      if (name == f.key) field = &f;
+    if (field == nullptr) {
+      std::string keys;
+      for (const Field<C>& f : OptimizerFields<C>::kFields)
+        keys += (keys.empty() ? "" : ", ") + std::string(f.key);
+      throw nb::value_error(("stepcore: invalid_argument in '" + std::string(name) +
+                             "': not a hyper-parameter of optimizer '" + OptimizerFields<C>::kName +
+                             "' (its keys: " + keys + ")")
+                                .c_str());
+    }
+    set_field(c, *field, value);
+  }
+  return c;
+}
+
+/// The one parser of an optimizer chosen by name: returns the OptimizerConfig alternative
+/// whose name is `name`, with `hyper`'s entries set (config_from_dict), or throws
+/// ValueError naming 'optimizer' with the names stepcore has.
+inline OptimizerConfig optimizer_config(std::string_view name, nb::handle hyper) {
+  OptimizerConfig out;
+  bool found = false;
+  for_each_optimizer([&](auto i) {
+    using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
+    if (!found && name == OptimizerFields<C>::kName) {
+      out.template emplace<decltype(i)::value>(config_from_dict<C>(hyper));
+      found = true;
+    }
+  });
+  if (!found)
+    throw nb::value_error(("stepcore: invalid_argument in 'optimizer': unknown optimizer '" +
+                           std::string(name) + "': expected one of " + optimizer_names())
+                              .c_str());
+  return out;
+}
+
+/// Returns {name: {key: default}} for every optimizer, in OptimizerConfig's order.
+inline nb::dict optimizer_defaults() {
+  nb::dict out;
+  for_each_optimizer([&](auto i) {
+    using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
+    const C c{};
+    nb::dict d;
+    for (const Field<C>& f : OptimizerFields<C>::kFields)
+      std::visit(
+          [&](auto member) {
+            using T = std::remove_cvref_t<decltype(c.*member)>;
+            nb::object v;
+            if constexpr (std::is_same_v<T, AdamWFormula>)
+              v = nb::str(c.*member == AdamWFormula::torch ? "torch" : "native");
+            else if constexpr (std::is_same_v<T, double>)
+              v = nb::float_(c.*member);
+            else if constexpr (std::is_same_v<T, bool>)
+              v = nb::bool_(c.*member);
+            else
+              v = nb::int_(c.*member);
+            d[f.key] = v;
+          },
+          f.member);
+    out[OptimizerFields<C>::kName] = d;
+  });
+  return out;
 }
 
 }  // namespace stepcore::python

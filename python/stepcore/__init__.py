@@ -1,6 +1,7 @@
 """stepcore: the numerics of a training step after backward, from Python.
 
-The CPU engine (AdamW, SignSGD, accumulate, scale, the exact norm partial) over arrays
+The CPU engine (AdamW, SignSGD, any optimizer by name through ``Engine.step``,
+accumulate, scale, the exact norm partial) over arrays
 passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
 in-process communicators and NUMA placement; ``stepcore.gpu`` holds the GPU launchers on
 device arrays. Importing stepcore never imports torch; ``stepcore.torch`` is the PyTorch
@@ -22,6 +23,7 @@ from ._core import (
     make_in_process_group,
     numa_place_on_node,
     numa_placement,
+    optimizers,
     supported_isas,
 )
 
@@ -35,6 +37,7 @@ __all__ = [
     "make_in_process_group",
     "numa_place_on_node",
     "numa_placement",
+    "optimizers",
     "PARTIAL_MAX_ABS_WORD",
     "PARTIAL_WORDS",
     "__version__",

@@ -1,12 +1,14 @@
 """stepcore.torch: PyTorch optimizers and gradient clipping over the stepcore CPU engine.
 
-``AdamW`` is a ``torch.optim.Optimizer`` whose default formula is bit-identical to
-``torch.optim.AdamW(fused=True)`` on CPU (state layout and ``state_dict`` included),
-``SignSGD`` is stepcore's SignSGD, and ``clip_grad_norm_`` is signature-compatible with
-``torch.nn.utils.clip_grad_norm_`` but computes the correctly rounded, order-independent
-norm (exact across ranks and DTensor shardings). Tensors reach the engine zero-copy
-(AdamW: through a cached table of addresses it validated; the rest through DLPack); the
-engine releases the GIL. See docs/python.md.
+``Adam``, ``AdamW``, ``SGD`` and ``Adagrad`` are ``torch.optim.Optimizer``s bit-identical to
+``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` on CPU with float32 params (constructor
+arguments, state layout and ``state_dict`` included; AdamW's ``formula="native"`` is
+stepcore's own), ``SignSGD`` is stepcore's SignSGD, and ``clip_grad_norm_`` is
+signature-compatible with ``torch.nn.utils.clip_grad_norm_`` but computes the correctly
+rounded, order-independent norm (exact across ranks and DTensor shardings). Every optimizer
+steps through the engine's one generic entry point (``Engine.step`` by name, over a cached
+table of addresses it validated); tensors reach the engine zero-copy, and the engine
+releases the GIL. See docs/python.md.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import torch
 
 from . import _core
 
-__all__ = ["AdamW", "GradientManager", "SignSGD", "clip_grad_norm_"]
+__all__ = ["Adagrad", "Adam", "AdamW", "GradientManager", "SGD", "SignSGD",
+           "clip_grad_norm_"]
 
+# The param dtypes the optimizers step: the one place to lift when the engine steps
+# bf16/f16 params (the cached rows' C check, python/src/module.cpp, mirrors it).
+_PARAM_DTYPES = (torch.float32,)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,12 +74,17 @@ def _check_tensor(t, name: str, dtypes, *, numel=None, role="tensor") -> None:
 
 def _check_param(p, name: str) -> None:
     """Raises NotImplementedError for a param stepcore cannot update, naming it."""
-    if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype != torch.float32 \
+    if isinstance(p, torch.Tensor) and p.is_floating_point() and p.dtype not in _PARAM_DTYPES \
             and p.device.type == "cpu" and not _is_dtensor(p):
+        if p.dtype == torch.float64:
+            why = ("stepcore's optimizers compute in float32 (torch's fused kernels compute "
+                   "float64 params in float64)")
+        else:
+            why = "not yet (keep float32 master params; a compute copy can receive bf16/f16)"
         raise NotImplementedError(
             f"stepcore.torch: '{name}' has dtype {p.dtype}; non-float32 params are not "
-            "supported (keep f32 master params; a compute copy can receive bf16)")
-    _check_tensor(p, name, (torch.float32,), role="param")
+            f"supported: {why}")
+    _check_tensor(p, name, _PARAM_DTYPES, role="param")
 
 
 def _check_grad(p, g, name: str) -> None:
@@ -223,19 +234,19 @@ class _EngineOwner:
         return [None if c is None else c.detach() for c in computes]
 
 
-# ---- AdamW's cached rows ---------------------------------------------------------------
+# ---- the optimizers' cached rows -------------------------------------------------------
 #
 # A group is checked in full (here, naming every bad argument) when it is first stepped or
-# anything about it changed; the result is a _core._AdamWRows, which re-reads at C speed on
-# every step what may change between steps: each param's grad (new grad objects, a grad
+# anything about it changed; the result is a _core._OptimizerRows, which re-reads at C speed
+# on every step what may change between steps: each param's grad (new grad objects, a grad
 # gained or lost), the param's and grad's arrays (so swapped storage is seen; through the
-# DLPack C exchange API) and the compute copies, and compares the state dicts' exp_avg,
-# exp_avg_sq and step entries by identity. When anything no longer matches it writes
-# nothing and the group is checked in full again. Not detected (and not supported):
-# swapping a state tensor's storage in place (state[p]['exp_avg'].data = ...).
-# Version counters: the params and compute copies, which autograd may have saved, advance
-# after every step as torch's in-place update does; the moments and step counters are the
-# optimizer's own and their counters do not advance (see docs/python.md).
+# DLPack C exchange API) and the compute copies, and compares the state dicts' entries the
+# optimizer uses (its slots, e.g. exp_avg and exp_avg_sq, and step) by identity. When
+# anything no longer matches it writes nothing and the group is checked in full again. Not
+# detected (and not supported): swapping a state tensor's storage in place
+# (state[p]['exp_avg'].data = ...). Version counters: the params and compute copies, which
+# autograd may have saved, advance after every step as torch's in-place update does; the
+# state tensors are the optimizer's own and their counters do not advance (docs/python.md).
 
 _grad_of = operator.attrgetter("grad")
 _GRAD_TYPES = [torch.Tensor]  # exact types of grads the rows take (others: the full path)
@@ -244,125 +255,133 @@ _GRAD_TYPES = [torch.Tensor]  # exact types of grads the rows take (others: the 
 class _GroupRows:
     """One group's cached rows and what the step needs beside them."""
 
-    __slots__ = ("rows", "eparams", "states", "steps", "computes", "bump",
-                 "compute_generation", "usable", "reads")
+    __slots__ = ("rows", "eparams", "states", "slots", "steps", "computes", "bump",
+                 "compute_generation", "usable", "reads", "layout")
 
 
-# ---- AdamW ---------------------------------------------------------------------------
+def _torch_defaults(cls, *args, **kwargs) -> dict:
+    """Runs torch.optim.<cls>'s constructor on a placeholder param, so the arguments get
+    torch's own checks (its exception types and messages, for this torch version), and
+    returns its defaults: torch's param_groups keys, in its order."""
+    return dict(cls([torch.zeros(0)], *args, **kwargs).defaults)
 
 
-class AdamW(_EngineOwner, torch.optim.Optimizer):
-    """AdamW on stepcore's CPU engine; formula "torch" equals torch.optim.AdamW(fused=True)."""
+class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose step is one engine optimizer (`Engine.step` by name)
+    over cached rows. A subclass defines:
+
+    * ``_engine_name(group)``: the engine's optimizer (``_core.optimizers()``);
+    * ``_hyper(where, group)``: the engine's hyper-parameters of a group (a dict);
+    * ``_slot_keys(group)``: the state keys of the optimizer's slots in the unit's order;
+    * ``_init_state(p, group, st)``: fills p's missing state in torch's layout;
+    * ``_COUNTER``: where each param's step counter lives: ``"state"`` (``state['step']``,
+      torch's 0-dim float32 tensor), ``"private"`` (torch keeps none: the rows keep one,
+      0 exactly when the step creates the param's state, i.e. its first step) or None.
+    """
 
     _step_supports_amp_scaling = True  # GradScaler sets self.grad_scale / self.found_inf
+    _COUNTER = "state"
+    _SKIP_DROPS_CREATED = False  # found_inf == 1 removes state the step created
+    _REFUSED_GROUP_KEYS = ("capturable", "differentiable")  # True in a group: refused
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 formula="torch", amsgrad=False, maximize=False, foreach=None,
-                 capturable=False, differentiable=False, fused=None, threads=0, isa=None):
-        """Creates the optimizer; see docs/python.md for what differs from torch."""
-        _unsupported("amsgrad", amsgrad, (False,))
-        _unsupported("maximize", maximize, (False,))
-        _unsupported("capturable", capturable, (False,))
-        _unsupported("differentiable", differentiable, (False,))
-        _unsupported("fused", fused, (None, True))
-        _unsupported("foreach", foreach, (None, False, True))
-        _unsupported("formula", formula, ("torch", "native"))
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        amsgrad=False, maximize=False, foreach=None, capturable=False,
-                        differentiable=False, fused=True, decoupled_weight_decay=True,
-                        formula=formula)
+    def _setup(self, params, defaults, isa, threads) -> None:
+        """Creates the engine and adds the groups (add_param_group checks each)."""
         self._init_engine(isa, threads)
         self._reset_tables()
-        super().__init__(params, defaults)  # add_param_group checks every group
+        torch.optim.Optimizer.__init__(self, params, defaults)
 
     def __setstate__(self, state):
-        """Restores pickled/loaded state with torch's group keys and stepcore's defaults."""
+        """Restores pickled/loaded state with this optimizer's group keys (fused=True)."""
         super().__setstate__(state)
         self._restore_engine()
         self._reset_tables()
         for group in self.param_groups:
-            group.setdefault("formula", self.defaults.get("formula", "torch"))
-            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None),
-                               ("capturable", False), ("differentiable", False)):
+            for key, value in self.defaults.items():
                 group.setdefault(key, value)
-            group["fused"] = True
-            group["decoupled_weight_decay"] = True
+            if "fused" in self.defaults:
+                group["fused"] = True  # so torch continues a stepcore state_dict fused
+                group["foreach"] = None
 
     def load_state_dict(self, state_dict):
-        """Loads a torch.optim.AdamW or stepcore AdamW state_dict (torch's layout)."""
+        """Loads torch's (fused or not) or stepcore's state_dict of this optimizer."""
         for gi, g in enumerate(state_dict["param_groups"]):
-            for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            for key in self._REFUSED_GROUP_KEYS:
                 if g.get(key, False):
                     raise NotImplementedError(
                         f"stepcore.torch: the state_dict's param_groups[{gi}] has {key}=True, "
-                        "which stepcore.torch.AdamW does not support")
-            if g.get("decoupled_weight_decay", True) is False:
-                raise NotImplementedError(
-                    f"stepcore.torch: the state_dict's param_groups[{gi}] is torch.optim.Adam's "
-                    "(decoupled_weight_decay=False); only AdamW is supported")
+                        f"which stepcore.torch.{type(self).__name__} does not support")
         super().load_state_dict(state_dict)
         # torch keeps `step` as saved for non-fused groups; the engine needs torch's fused
-        # layout (a 0-dim float32 CPU tensor) and contiguous f32 moments.
+        # layout (a 0-dim float32 CPU tensor) and contiguous f32 state.
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
                 if not st:
                     continue
-                step = st.get("step")
-                if not isinstance(step, torch.Tensor):
-                    step = torch.tensor(float(step))
-                if step.dtype != torch.float32 or step.device.type != "cpu" or step.dim() != 0:
-                    step = step.detach().to(device="cpu", dtype=torch.float32).reshape(())
-                st["step"] = step
-                for key in ("exp_avg", "exp_avg_sq"):
-                    v = st.get(key)
-                    if isinstance(v, torch.Tensor) and not v.is_contiguous():
+                for key, v in list(st.items()):
+                    if key == "step" and self._COUNTER == "state":
+                        if not isinstance(v, torch.Tensor):
+                            v = torch.tensor(float(v))
+                        if v.dtype != torch.float32 or v.device.type != "cpu" or v.dim() != 0:
+                            v = v.detach().to(device="cpu", dtype=torch.float32).reshape(())
+                        st[key] = v
+                    elif isinstance(v, torch.Tensor) and not v.is_contiguous():
                         st[key] = v.contiguous()
 
     def _group_hyper(self, gi, group):
-        """Returns the group's (lr, beta1, beta2, eps, wd, formula), validated by the engine."""
+        """Returns the group's (engine optimizer, hyper-parameters), validated by the engine."""
         where = f"param_groups[{gi}]"
-        betas = group["betas"]
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"stepcore.torch: {where}['betas'] must be a pair, got {betas!r}")
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+        for key in self._REFUSED_GROUP_KEYS:
             _unsupported(f"{where}['{key}']", group.get(key, False), (False,))
-        h = dict(lr=_scalar(group["lr"], f"{where}['lr']"),
-                 beta1=_scalar(betas[0], f"{where}['betas'][0]"),
-                 beta2=_scalar(betas[1], f"{where}['betas'][1]"),
-                 eps=_scalar(group["eps"], f"{where}['eps']"),
-                 weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"),
-                 formula=group.get("formula", "torch"))
+        name = self._engine_name(group)
+        h = self._hyper(where, group)
         # The engine validates every hyper-parameter before touching a tensor: with no
         # tensors it only validates, so a bad group is reported before any group steps.
-        _engine_checked(lambda: self._engine.adamw_step([], [], [], [], [], **h), where)
-        return h
+        _engine_checked(lambda: self._engine.step(name, [], [], None, [], hyper=h), where)
+        return name, h
 
-    def _state_of(self, gi, i, p, created):
-        """Returns p's state, initialising it like torch's fused AdamW (recorded in `created`)."""
+    def _state_of(self, gi, i, p, group, keys, created):
+        """Returns (p's state, whether this step created it): missing entries initialised as
+        torch does (recorded in `created` to be removed if the step fails), then checked."""
+        need = keys + (("step",) if self._COUNTER == "state" else ())
+        existed = p in self.state
         st = self.state[p]
-        if len(st) == 0:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            created.append(p)
+        fresh = False
+        if any(k not in st for k in need):
+            before = set(st)
+            self._init_state(p, group, st)
+            added = [k for k in st if k not in before]
+            created.append((p, added, existed))
+            fresh = bool(added)
         name = f"state of param_groups[{gi}]['params'][{i}]"
-        _check_tensor(st["step"], name + "['step']", (torch.float32,), numel=1, role="step")
-        t = float(st["step"])
-        if not (t.is_integer() and 0 <= t < 2**24 - 1):
-            raise ValueError(f"stepcore.torch: '{name}['step']' is {t}; step counters must be "
-                             "integers in [0, 2^24 - 1) (f32 counts exactly below 2^24)")
-        _check_tensor(st["exp_avg"], name + "['exp_avg']", (torch.float32,), numel=p.numel())
-        _check_tensor(st["exp_avg_sq"], name + "['exp_avg_sq']", (torch.float32,),
-                      numel=p.numel())
-        return st
+        if self._COUNTER == "state":
+            _check_tensor(st["step"], name + "['step']", (torch.float32,), numel=1, role="step")
+            t = float(st["step"])
+            if not (t.is_integer() and 0 <= t < 2**24 - 1):
+                raise ValueError(f"stepcore.torch: '{name}['step']' is {t}; step counters must "
+                                 "be integers in [0, 2^24 - 1) (f32 counts exactly below 2^24)")
+        for k in keys:
+            if k not in st:
+                raise ValueError(f"stepcore.torch: '{name}' has no '{k}' (a state_dict of "
+                                 "another configuration?)")
+            _check_tensor(st[k], f"{name}['{k}']", (torch.float32,), numel=p.numel())
+        return st, fresh
 
-    # ---- the cached table (see "AdamW's cached engine table" above) ----
+    def _drop_created(self, created, keep=frozenset()) -> None:
+        """Removes state entries a failing (or skipped) step created, except for `keep`'s ids."""
+        for p, added, existed in created:
+            st = self.state.get(p)
+            if id(p) in keep or st is None:
+                continue
+            for k in added:
+                st.pop(k, None)
+            if not existed and not st:
+                self.state.pop(p, None)
+
+    # ---- the cached rows (see "the optimizers' cached rows" above) ----
 
     def _reset_tables(self) -> None:
-        """Forgets every group's cached table (state loaded, unpickled or new)."""
+        """Forgets every group's cached rows (state loaded, unpickled or new)."""
         self._tables = {}
         self._state_seen = None
 
@@ -381,28 +400,46 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             self._state_seen = (s, seen[1], seen[2], stamp)
         return same
 
-    def _cached_table(self, gi, group):
-        """Returns the group's cached rows when their computes are current, else None."""
+    def _cached_table(self, gi, keys):
+        """Returns the group's cached rows when their layout and computes are current."""
         c = self._tables.get(gi)
-        if c is None or c.compute_generation != self._compute.generation:
+        if c is None or c.compute_generation != self._compute.generation or c.layout != keys:
             return None
         return c
 
-    def _new_table(self, gi, group, created):
+    def _new_table(self, gi, group, keys, created):
         """Checks the group in full and caches its rows."""
         self._tables.pop(gi, None)
         entries = self._group_params_with_grads(gi, group)
-        states = [self._state_of(gi, i, p, created) for i, p, _ in entries]
+        stateful = bool(keys) or self._COUNTER == "state"
+        states, fresh = [], []
+        for i, p, _ in entries:
+            if stateful:
+                st, f = self._state_of(gi, i, p, group, keys, created)
+            else:
+                st, f = {}, False  # torch keeps no state here: the rows read none
+            states.append(st)
+            fresh.append(f)
         computes = self._computes_of(gi, entries)
         c = _GroupRows()
+        c.layout = keys
         c.eparams = [p for _, p, _ in entries]
         c.states = states
-        c.steps = [st["step"] for st in states]
+        c.slots = [[st[k] for st in states] for k in keys]
+        if self._COUNTER == "state":
+            c.steps = [st["step"] for st in states]
+        elif self._COUNTER == "private":
+            c.steps = [torch.zeros((), dtype=torch.float32) if f else torch.ones(())
+                       for f in fresh]
+        else:
+            c.steps = None
         c.computes = computes
         c.compute_generation = self._compute.generation
         c.bump = c.eparams + [x for x in (computes or []) if x is not None]
-        c.rows = _core._AdamWRows(list(group["params"]), [i for i, _, _ in entries], states,
-                                  computes, _GRAD_TYPES)
+        c.rows = _core._OptimizerRows(
+            list(group["params"]), [i for i, _, _ in entries], states, list(keys),
+            "step" if self._COUNTER == "state" else None,
+            c.steps if self._COUNTER == "private" else None, computes, _GRAD_TYPES)
         c.usable = True
         c.reads = None
         self._tables[gi] = c
@@ -410,7 +447,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
-        """One AdamW step over every group (grad_scale/found_inf: torch's fused AMP semantics)."""
+        """One step over every group (grad_scale/found_inf: torch's fused AMP semantics)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -435,15 +472,15 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
             self._tables.clear()
         try:
             for gi, group in enumerate(self.param_groups):
-                h = self._group_hyper(gi, group)
-                c = self._cached_table(gi, group)
+                name, h = self._group_hyper(gi, group)
+                keys = self._slot_keys(group)
+                c = self._cached_table(gi, keys)
                 if c is None or not self._prepare(c, group, scale_t):
-                    c = self._new_table(gi, group, created)
+                    c = self._new_table(gi, group, keys, created)
                     c.usable = self._prepare(c, group, scale_t)
-                plans.append((h, c))
+                plans.append((name, h, c))
         except BaseException:
-            for p in created:
-                self.state.pop(p, None)
+            self._drop_created(created)
             self._reset_tables()
             raise
         for gi in [k for k in self._tables if k >= len(self.param_groups)]:
@@ -452,32 +489,33 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         if created or not unchanged:
             self._state_seen = (s, list(s.keys()), list(s.values()), _core._dict_stamp(s))
 
-        # torch's fused CPU kernel returns at once when found_inf == 1, and the Python side
+        # torch's fused CPU kernels return at once when found_inf == 1, and the Python side
         # adds 1 to every step before and subtracts found_inf after: nothing changes.
         if inf_t is not None and float(inf_t) == 1.0:
+            if self._SKIP_DROPS_CREATED and created:
+                self._drop_created(created)
+                self._reset_tables()
             return loss
 
         # Pass 2: one engine call per group.
-        for k, (h, c) in enumerate(plans):
+        for k, (name, h, c) in enumerate(plans):
             if not c.eparams:
                 continue
             try:
                 if c.usable:
-                    c.rows.run(self._engine, **h)
+                    c.rows.run(self._engine, name, h)
                 else:  # the rows cannot read these tensors (a torch without the C exchange API)
-                    self._run_lists(c, h)
+                    self._run_lists(c, name, h)
             except BaseException:
-                stepped = {id(p) for _, cj in plans[:k] for p in cj.eparams}
-                for p in created:
-                    if id(p) not in stepped:  # state of earlier groups has advanced: keep it
-                        self.state.pop(p, None)
+                stepped = {id(p) for _, _, cj in plans[:k] for p in cj.eparams}
+                self._drop_created(created, keep=stepped)  # earlier groups' state advanced
                 self._reset_tables()
                 raise
             if c.reads is not None:
                 for p, r in zip(c.eparams, c.reads):
-                    p.grad.copy_(r)  # the fused kernel stores g / grad_scale in p.grad
+                    p.grad.copy_(r)  # the fused kernels store g / grad_scale in p.grad
                 c.reads = None
-            if inf_t is not None and float(inf_t) != 0.0:
+            if inf_t is not None and float(inf_t) != 0.0 and self._COUNTER == "state":
                 torch._foreach_sub_(c.steps, [inf_t] * len(c.steps))  # torch's own bookkeeping
             _bump_versions(c.bump)
         return loss
@@ -486,7 +524,7 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
         """Has the rows re-read the group (with a grad scale: on quotients g / scale)."""
         c.reads = None
         if scale_t is not None:
-            # The fused kernel divides (g / grad_scale, f32) and stores the quotient in
+            # The fused kernels divide (g / grad_scale, f32) and store the quotient in
             # p.grad. Divide out of place so a failing call changes nothing; step() stores.
             grads = list(map(_grad_of, c.eparams))
             if any(g is None for g in grads):
@@ -495,59 +533,219 @@ class AdamW(_EngineOwner, torch.optim.Optimizer):
                        for g in grads]
         return c.rows.prepare(group["params"], c.reads)
 
-    def _run_lists(self, c, h) -> None:
-        """The step through Engine.adamw_step on detached tensors (no cached rows)."""
+    def _run_lists(self, c, name, h) -> None:
+        """The step through Engine.step on detached tensors (no cached rows)."""
         grads = c.reads if c.reads is not None else list(map(_grad_of, c.eparams))
-        self._engine.adamw_step(
-            _detached(c.eparams), _detached([st["exp_avg"] for st in c.states]),
-            _detached([st["exp_avg_sq"] for st in c.states]), _detached(c.steps),
-            _detached(grads), c.computes, **h)
+        self._engine.step(name, _detached(c.eparams), [_detached(s) for s in c.slots],
+                          None if c.steps is None else _detached(c.steps), _detached(grads),
+                          c.computes, hyper=h)
+
+
+def _adam_hyper(where, group) -> dict:
+    """The engine hyper-parameters of an Adam/AdamW group."""
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"stepcore.torch: {where}['betas'] must be a pair, got {betas!r}")
+    h = dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+             beta1=_scalar(betas[0], f"{where}['betas'][0]"),
+             beta2=_scalar(betas[1], f"{where}['betas'][1]"),
+             eps=_scalar(group["eps"], f"{where}['eps']"),
+             weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"),
+             amsgrad=bool(group.get("amsgrad", False)),
+             maximize=bool(group.get("maximize", False)))
+    if group.get("decoupled_weight_decay", False):
+        h["formula"] = group.get("formula", "torch")
+    return h
+
+
+def _refuse_unfused(fused, differentiable, capturable=False) -> None:
+    """Refuses the options stepcore does not compute (after torch's own checks passed)."""
+    _unsupported("fused", fused, (None, True))
+    _unsupported("differentiable", differentiable, (False,))
+    _unsupported("capturable", capturable, (False,))
+
+
+# ---- Adam, AdamW -----------------------------------------------------------------------
+
+
+class Adam(_EngineOptimizer):
+    """Adam on stepcore's CPU engine: equals torch.optim.Adam(fused=True) bit for bit
+    (decoupled_weight_decay=True: torch.optim.AdamW(fused=True))."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, *, foreach=None, maximize=False, capturable=False,
+                 differentiable=False, fused=None, decoupled_weight_decay=False, threads=0,
+                 isa=None):
+        """torch.optim.Adam's arguments (checked by torch), plus the engine's threads, isa."""
+        defaults = _torch_defaults(
+            torch.optim.Adam, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
+            maximize=maximize, capturable=capturable, differentiable=differentiable,
+            fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+        _refuse_unfused(fused, differentiable, capturable)
+        defaults.update(foreach=None, fused=True)
+        self._setup(params, defaults, isa, threads)
+
+    def _engine_name(self, group):
+        return "adamw" if group.get("decoupled_weight_decay", False) else "adam"
+
+    def _hyper(self, where, group):
+        return _adam_hyper(where, group)
+
+    def _slot_keys(self, group):
+        if group.get("amsgrad", False):
+            return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        return ("exp_avg", "exp_avg_sq")
+
+    def _init_state(self, p, group, st):
+        """torch's fused Adam state: step, then the moments (and max_exp_avg_sq), zeros."""
+        if len(st) == 0:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group.get("amsgrad", False):
+                st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+class AdamW(Adam):
+    """AdamW on stepcore's CPU engine; formula "torch" equals torch.optim.AdamW(fused=True)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, formula="torch", threads=0, isa=None):
+        """torch.optim.AdamW's arguments (checked by torch), plus stepcore's formula
+        ("torch" or "native", docs/numerics.md 7), threads and isa."""
+        _unsupported("formula", formula, ("torch", "native"))
+        defaults = _torch_defaults(
+            torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
+        _refuse_unfused(fused, differentiable, capturable)
+        defaults.update(foreach=None, fused=True, formula=formula)
+        self._setup(params, defaults, isa, threads)
+
+    def __setstate__(self, state):
+        """As torch's AdamW: a loaded group is decoupled (Adam's state continues as AdamW)."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = True
+
+
+# ---- SGD -------------------------------------------------------------------------------
+
+
+class SGD(_EngineOptimizer):
+    """SGD on stepcore's CPU engine: equals torch.optim.SGD(fused=True) bit for bit."""
+
+    _COUNTER = "private"  # torch's SGD keeps no step; the first step is the one without a buffer
+    _SKIP_DROPS_CREATED = True  # a skipped first step leaves the next one the first
+    _REFUSED_GROUP_KEYS = ("differentiable",)
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
+                 fused=None, threads=0, isa=None):
+        """torch.optim.SGD's arguments (checked by torch), plus the engine's threads, isa."""
+        defaults = _torch_defaults(
+            torch.optim.SGD, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize,
+            foreach=foreach, differentiable=differentiable, fused=fused)
+        _refuse_unfused(fused, differentiable)
+        defaults.update(foreach=None, fused=True)
+        self._setup(params, defaults, isa, threads)
+
+    def _engine_name(self, group):
+        return "sgd"
+
+    def _hyper(self, where, group):
+        return dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                    momentum=_scalar(group["momentum"], f"{where}['momentum']"),
+                    dampening=_scalar(group["dampening"], f"{where}['dampening']"),
+                    weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"),
+                    nesterov=bool(group.get("nesterov", False)),
+                    maximize=bool(group.get("maximize", False)))
+
+    def _slot_keys(self, group):
+        return ("momentum_buffer",) if _scalar(group["momentum"], "momentum") != 0 else ()
+
+    def _init_state(self, p, group, st):
+        """The momentum buffer (torch creates it on the first step, which overwrites it)."""
+        st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+# ---- Adagrad ---------------------------------------------------------------------------
+
+
+class Adagrad(_EngineOptimizer):
+    """Adagrad on stepcore's CPU engine: equals torch.optim.Adagrad(fused=True) bit for bit."""
+
+    _REFUSED_GROUP_KEYS = ("differentiable",)
+
+    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0,
+                 eps=1e-10, foreach=None, *, maximize=False, differentiable=False, fused=None,
+                 threads=0, isa=None):
+        """torch.optim.Adagrad's arguments (checked by torch), plus the engine's threads, isa.
+        As torch does, every param's state (step, sum) is created here."""
+        defaults = _torch_defaults(
+            torch.optim.Adagrad, lr, lr_decay, weight_decay, initial_accumulator_value, eps,
+            foreach, maximize=maximize, differentiable=differentiable, fused=fused)
+        _refuse_unfused(fused, differentiable)
+        defaults.update(foreach=None, fused=True)
+        self._setup(params, defaults, isa, threads)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._init_state(p, group, self.state[p])
+
+    def _engine_name(self, group):
+        return "adagrad"
+
+    def _hyper(self, where, group):
+        # torch fills `sum` with the constructor's initial_accumulator_value, for every
+        # group (a group's own value is not used): the engine validates that one.
+        return dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                    lr_decay=_scalar(group["lr_decay"], f"{where}['lr_decay']"),
+                    weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"),
+                    initial_accumulator_value=_scalar(
+                        self.defaults["initial_accumulator_value"], "initial_accumulator_value"),
+                    eps=_scalar(group["eps"], f"{where}['eps']"),
+                    maximize=bool(group.get("maximize", False)))
+
+    def _slot_keys(self, group):
+        return ("sum",)
+
+    def _init_state(self, p, group, st):
+        """torch's fused Adagrad state: step, then sum filled with the initial value."""
+        if len(st) == 0:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            st["sum"] = torch.full_like(p, self.defaults["initial_accumulator_value"],
+                                        memory_format=torch.preserve_format)
+
+    def share_memory(self) -> None:
+        """Calls tensor.share_memory_() on the state sum tensors (as torch's Adagrad)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"].share_memory_()
 
 
 # ---- SignSGD -------------------------------------------------------------------------
 
 
-class SignSGD(_EngineOwner, torch.optim.Optimizer):
+class SignSGD(_EngineOptimizer):
     """SignSGD on stepcore's CPU engine: p = p*(1 - lr*wd) - lr*sign(g) (docs/numerics.md 8)."""
+
+    _step_supports_amp_scaling = False  # GradScaler unscales (sign is unchanged) and skips
+    _COUNTER = None
+    _REFUSED_GROUP_KEYS = ()
 
     def __init__(self, params, lr=1e-3, weight_decay=0.0, *, threads=0, isa=None):
         """Creates the optimizer (no state)."""
-        self._init_engine(isa, threads)
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self._setup(params, dict(lr=lr, weight_decay=weight_decay), isa, threads)
 
-    def __setstate__(self, state):
-        """Restores pickled state (the engine is rebuilt with defaults)."""
-        super().__setstate__(state)
-        self._restore_engine()
+    def _engine_name(self, group):
+        return "sign_sgd"
 
-    def _group_hyper(self, gi, group):
-        """Returns the group's (lr, weight_decay), validated by the engine."""
-        where = f"param_groups[{gi}]"
-        h = dict(lr=_scalar(group["lr"], f"{where}['lr']"),
-                 weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"))
-        _engine_checked(lambda: self._engine.sign_sgd_step([], [], **h), where)
-        return h
+    def _hyper(self, where, group):
+        return dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                    weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One SignSGD step over every group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        plans = []
-        for gi, group in enumerate(self.param_groups):
-            h = self._group_hyper(gi, group)
-            entries = self._group_params_with_grads(gi, group)
-            plans.append((h, entries, self._computes_of(gi, entries)))
-        for h, entries, computes in plans:
-            if not entries:
-                continue
-            params = [p for _, p, _ in entries]
-            self._engine.sign_sgd_step(_detached(params), _detached([g for _, _, g in entries]),
-                                       computes, **h)
-            _bump_versions(params + [c for c in (computes or []) if c is not None])
-        return loss
+    def _slot_keys(self, group):
+        return ()
 
 
 # ---- clip_grad_norm_ -----------------------------------------------------------------

@@ -262,14 +262,17 @@ def test_deepcopy_and_pickle_keep_engine_and_state():
         assert clone.state[q]["step"].item() == 2
 
 
-def test_state_dict_rejects_amsgrad():
+@pytest.mark.parametrize("option", ["capturable", "differentiable"])
+def test_state_dict_rejects_unsupported_options(option):
     p = torch.nn.Parameter(torch.randn(4))
-    t = torch.optim.AdamW([p], amsgrad=True)
+    t = torch.optim.AdamW([p])
     p.grad = torch.randn(4)
     t.step()
+    sd = t.state_dict()
+    sd["param_groups"][0][option] = True
     o = st.AdamW([torch.nn.Parameter(torch.randn(4))])
-    with pytest.raises(NotImplementedError, match="amsgrad"):
-        o.load_state_dict(t.state_dict())
+    with pytest.raises(NotImplementedError, match=option):
+        o.load_state_dict(sd)
 
 
 # ---- compute copies ----------------------------------------------------------------
@@ -379,7 +382,7 @@ def test_sign_sgd_vs_formula(grad_dtype, lr, wd, isa):
 # ---- options and hyper-parameters --------------------------------------------------
 
 
-@pytest.mark.parametrize("option", ["amsgrad", "maximize", "capturable", "differentiable"])
+@pytest.mark.parametrize("option", ["capturable", "differentiable"])
 def test_unsupported_options_raise(option):
     with pytest.raises(NotImplementedError, match=option):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], **{option: True})
@@ -402,12 +405,32 @@ def test_unsupported_params_raise():
         o.step()
 
 
+def assert_raises_like_torch(ours, theirs, *args, **kwargs):
+    """Asserts that ours(*args, **kwargs) raises torch's exception for theirs(...): the same
+    type and message (torch's constructor checks, run on the same arguments)."""
+    with pytest.raises(Exception) as want:
+        theirs(*args, **kwargs)
+    with pytest.raises(Exception) as got:
+        ours(*args, **kwargs)
+    assert type(got.value) is type(want.value), (got.value, want.value)
+    assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lr=-1.0), dict(lr=float("nan")), dict(betas=(1.0, 0.9)), dict(betas=(0.9, -0.1)),
+    dict(eps=-1e-8), dict(weight_decay=-0.1), dict(betas=(0.9, torch.tensor(0.99))),
+    dict(fused=True, foreach=True), dict(fused=True, differentiable=True)])
+def test_arguments_torch_refuses_raise_torchs_exception(kwargs):
+    assert_raises_like_torch(st.AdamW, torch.optim.AdamW,
+                             [torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"), (dict(betas=(1.0, 0.9)), "beta1"),
-    (dict(betas=(0.9, -0.1)), "beta2"), (dict(eps=0.0), "eps"),
-    (dict(weight_decay=float("inf")), "weight_decay"), (dict(lr=2.0, weight_decay=1.0),
-                                                        "weight_decay")])
+    (dict(eps=0.0), "eps"), (dict(weight_decay=float("inf")), "weight_decay"),
+    (dict(lr=float("inf")), "lr"), (dict(lr=2.0, weight_decay=1.0), "weight_decay")])
 def test_invalid_hyper_parameters_raise(kwargs, name):
+    """What torch takes but stepcore's bounds refuse (docs/numerics.md 9): ValueError naming it."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=True, **kwargs)  # torch takes it
     with pytest.raises(ValueError, match=name):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
@@ -416,8 +439,8 @@ def test_add_param_group_checks_the_group():
     o = st.AdamW([torch.nn.Parameter(torch.zeros(2))])
     with pytest.raises(ValueError, match=r"param_groups\[1\].*beta1"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (1.5, 0.9)})
-    with pytest.raises(NotImplementedError, match="amsgrad"):
-        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    with pytest.raises(NotImplementedError, match="capturable"):
+        o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "capturable": True})
     with pytest.raises(NotImplementedError, match="non-float32"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
     assert len(o.param_groups) == 1
@@ -707,14 +730,15 @@ def test_cached_rows_refuse_what_no_longer_matches():
     e = stepcore.Engine(threads=1)
     ps = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     states = [dict(step=torch.zeros(()), exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))]
-    rows = stepcore._core._AdamWRows(ps, [0], states, None, [torch.Tensor])
+    rows = stepcore._core._OptimizerRows(ps, [0], states, ["exp_avg", "exp_avg_sq"], "step",
+                                         None, None, [torch.Tensor])
     h = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
     with pytest.raises(ValueError, match="prepare"):
-        rows.run(e, **h)
+        rows.run(e, "adamw", h)
     assert not rows.prepare(ps)  # params[0] has no grad
     ps[0].grad = torch.ones(3)
     assert rows.prepare(ps)
-    rows.run(e, **h)
+    rows.run(e, "adamw", h)
     assert float(states[0]["step"]) == 1.0
     assert not rows.prepare(list(reversed(ps)))  # other params
     ps[1].grad = torch.ones(2)
