@@ -115,8 +115,7 @@ int main(int argc, char** argv) {
   auto dev = device::make_host_device();
   ManagerConfig cfg;
   cfg.mode = OffloadMode::full;
-  cfg.optimizer.kind = OptimizerKind::adamw;
-  cfg.optimizer.adamw = adamw;
+  cfg.optimizer = adamw;
   for (std::size_t k = 0; k < sizes.size(); ++k)
     cfg.params.push_back({"t" + std::to_string(k), sizes[k], DType::bf16, DType::bf16, true, true});
   cfg.device = dev.get();

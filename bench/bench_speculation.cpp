@@ -117,9 +117,10 @@ std::unique_ptr<GradientManager> make_manager(const Model& model, device::Device
                                               bool staging) {
   ManagerConfig cfg;
   cfg.mode = OffloadMode::full;
-  cfg.optimizer.kind = OptimizerKind::adamw;
-  cfg.optimizer.adamw.lr = 1e-4;
-  cfg.optimizer.adamw.weight_decay = 0.1;
+  AdamWConfig adamw;
+  adamw.lr = 1e-4;
+  adamw.weight_decay = 0.1;
+  cfg.optimizer = adamw;
   for (std::size_t k = 0; k < model.sizes.size(); ++k)
     cfg.params.push_back(
         {"t" + std::to_string(k), model.sizes[k], DType::bf16, DType::bf16, true, true});

@@ -16,6 +16,7 @@
 #include "core/validate.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers/manager_impl.hpp"
+#include "managers/optimizer.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -30,20 +31,21 @@ namespace {
 // The header of `m`'s checkpoint (step counters from `steps`, one per parameter).
 ckpt::Header header_of(const GradientManager& m, std::span<const float> steps) {
   const ManagerConfig& c = m.config();
-  const bool adamw = c.optimizer.kind == OptimizerKind::adamw;
+  const bool betas = detail::has_betas(c.optimizer);
   ckpt::Header h;
-  h.optimizer = static_cast<std::uint32_t>(c.optimizer.kind);
-  h.formula = adamw ? static_cast<std::uint32_t>(c.optimizer.adamw.formula) : 0;
+  h.optimizer = std::string(optimizer_name(c.optimizer));
+  for (const detail::FieldValue& f : detail::config_fields(c.optimizer))
+    if (f.role == detail::FieldRole::fixed) h.hyper.push_back({std::string(f.name), f.value});
+  h.slots.assign(m.state_slot_names().begin(), m.state_slot_names().end());
   h.saved_mode = static_cast<std::uint32_t>(c.mode);
-  h.arrays = adamw ? 3 : 1;
   h.rank = c.comm != nullptr ? c.comm->rank() : 0;
   h.world_size = c.comm != nullptr ? c.comm->size() : 1;
   h.layout_fingerprint = c.layout_fingerprint;
   h.library_version = STEPCORE_VERSION_STRING;
   for (std::size_t g = 0; g < m.group_count(); ++g) {
     const ParamGroup& pg = m.group(g);
-    h.groups.push_back({pg.name, pg.lr, pg.weight_decay, adamw ? pg.beta1 : 0.0,
-                        adamw ? pg.beta2 : 0.0, adamw ? pg.eps : 0.0});
+    h.groups.push_back({pg.name, pg.lr, pg.weight_decay, betas ? pg.beta1 : 0.0,
+                        betas ? pg.beta2 : 0.0, betas ? pg.eps : 0.0});
   }
   for (std::size_t i = 0; i < c.params.size(); ++i) {
     const ParamSpec& p = c.params[i];
@@ -72,22 +74,28 @@ void GradientManager::save_checkpoint(const std::string& path) {
   // parameter's copied out on a helper thread while this one's arrays are written (two
   // sets of buffers, used in turn). The source is asked for each parameter's arrays in
   // order, and its spans are valid until it is asked again.
-  const bool adamw = m.is_adamw();
+  const std::size_t array_count = 1 + m.state_slots();
   struct Arrays {
-    std::span<const float> a[3];
+    std::span<const float> a[1 + kMaxOptimizerSlots];
   };
-  std::vector<float> copies[2][3];
+  std::vector<float> copies[2][1 + kMaxOptimizerSlots];
   // Returns parameter i's arrays: in place, or copied into copies[i % 2].
-  auto prepare = [&](std::size_t i, const HostState& h) {
+  auto prepare = [&](std::size_t i, const ManagerImpl::HostArrays& h) {
+    Arrays out;
     const std::size_t numel = m.config_.params[i].numel;
-    if (numel == 0 || !h.master.empty()) return Arrays{{h.master, h.exp_avg, h.exp_avg_sq}};
+    if (numel == 0 || !h.a[0].empty()) {
+      for (std::size_t a = 0; a < array_count; ++a) out.a[a] = h.a[a];
+      return out;
+    }
     std::vector<float>* copy = copies[i % 2];
-    // Every element is overwritten: resize, not assign (no pass of zeros).
-    copy[0].resize(numel);
-    copy[1].resize(adamw ? numel : 0);
-    copy[2].resize(adamw ? numel : 0);
-    m.guarded([&] { m.do_read_parameter(i, copy[0], copy[1], copy[2], {}); });
-    return Arrays{{copy[0], copy[1], copy[2]}};
+    std::span<float> into[1 + kMaxOptimizerSlots];
+    for (std::size_t a = 0; a < array_count; ++a) {
+      copy[a].resize(numel);  // every element is overwritten: resize, not assign
+      into[a] = copy[a];
+      out.a[a] = copy[a];
+    }
+    m.guarded([&] { m.do_read_parameter(i, std::span(into, array_count), {}); });
+    return out;
   };
   // A copy this large is worth a thread of its own.
   constexpr std::size_t kPrefetchElements = std::size_t{1} << 18;
@@ -105,8 +113,8 @@ void GradientManager::save_checkpoint(const std::string& path) {
       }
       current = i;
       if (i + 1 < n && m.config_.params[i + 1].numel >= kPrefetchElements) {
-        const HostState h = m.guarded([&] { return m.do_host_state(i + 1); });
-        if (h.master.empty()) {
+        const ManagerImpl::HostArrays h = m.guarded([&] { return m.do_host_state(i + 1); });
+        if (h.a[0].empty()) {
           try {
             next = std::async(std::launch::async, prepare, i + 1, h);
           } catch (const std::system_error&) {
@@ -133,41 +141,35 @@ void GradientManager::load_checkpoint(const std::string& path) {
   // Every value before anything changes: states a manager can continue from, and the
   // groups' hyper-parameters as set_hyperparameters would accept them. An array the scan
   // found fault in is checked again here for the error naming the first bad element.
-  const bool adamw = m.is_adamw();
-  auto check = [&](std::size_t i, std::size_t a, const char* field, bool non_negative,
+  const std::vector<std::string>& slots = h.slots;  // the manager's (check_compatible)
+  const bool counts = m.shape_.counts_steps;
+  auto check = [&](std::size_t i, std::size_t a, const std::string& field, bool non_negative,
                    const std::string& where) {
     if (!file.values_clean(i, a))
-      detail::check_state_values(file.array(i, a), h.params[i].numel, param_arg(i, field),
+      detail::check_state_values(file.array(i, a), h.params[i].numel, param_arg(i, field.c_str()),
                                  non_negative, where);
   };
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const std::string& name = h.params[i].name;
     const std::string where = path + ", parameter '" + name + "': ";
     check(i, 0, "master", false, where);
-    if (adamw) {
-      check(i, 1, "exp_avg", false, where);
-      check(i, 2, "exp_avg_sq", true, where);
-    }
+    for (std::size_t s = 0; s < slots.size(); ++s)
+      check(i, 1 + s, slots[s], detail::slot_non_negative(slots[s]), where);
     const float step = h.params[i].step;
-    if (!detail::valid_step_count(step, adamw))
+    if (!detail::valid_step_count(step, counts))
       throw Error(Errc::invalid_argument, param_arg(i, "step"),
                   path + ": step counter " + std::to_string(step) + " of '" + name + "' is not " +
-                      (adamw ? "an integer in [0, 2^24]" : "0 (SignSGD)"));
+                      (counts ? "an integer in [0, 2^24]"
+                              : "0 (" + std::string(m.shape_.name) + " counts no steps)"));
   }
+  const bool betas = detail::has_betas(m.config_.optimizer);
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     const std::string prefix = "checkpoint.groups[" + std::to_string(g) + "].";
-    detail::with_group_names(prefix, prefix, [&] {
-      if (adamw) {
-        AdamWConfig c = m.adamw_config(g);
-        c.lr = h.groups[g].lr;
-        c.weight_decay = h.groups[g].weight_decay;
-        detail::validate_adamw({}, c, {});
-      } else {
-        SignSgdConfig c = m.sign_sgd_config(g);
-        c.lr = h.groups[g].lr;
-        c.weight_decay = h.groups[g].weight_decay;
-        detail::validate_sign_sgd({}, c, {});
-      }
+    detail::with_group_names(prefix, prefix, betas, [&] {
+      ParamGroup restored = m.groups_[g];
+      restored.lr = h.groups[g].lr;
+      restored.weight_decay = h.groups[g].weight_decay;
+      detail::validate_config(detail::group_config(m.config_.optimizer, restored));
     });
   }
   if (recovering) {
@@ -179,12 +181,11 @@ void GradientManager::load_checkpoint(const std::string& path) {
     m.failure_ = nullptr;
     m.phase_ = CallPhase::idle;
   }
-  for (std::size_t i = 0; i < h.params.size(); ++i)
-    m.guarded([&] {
-      m.do_import_parameter(i, file.array(i, 0),
-                            adamw ? file.array(i, 1) : std::span<const float>{},
-                            adamw ? file.array(i, 2) : std::span<const float>{}, h.params[i].step);
-    });
+  std::vector<std::span<const float>> arrays(h.arrays());
+  for (std::size_t i = 0; i < h.params.size(); ++i) {
+    for (std::size_t a = 0; a < arrays.size(); ++a) arrays[a] = file.array(i, a);
+    m.guarded([&] { m.do_import_parameter(i, arrays, h.params[i].step); });
+  }
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     m.groups_[g].lr = h.groups[g].lr;
     m.groups_[g].weight_decay = h.groups[g].weight_decay;

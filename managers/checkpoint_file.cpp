@@ -32,6 +32,7 @@
 #include <utility>
 
 #include "host/crc32c.hpp"
+#include "managers/optimizer.hpp"
 #include "managers/testing.hpp"
 #include "stepcore/error.hpp"
 
@@ -220,8 +221,30 @@ struct Encoded {
 /// Refuses (Errc::invalid_argument naming the field) a header the format cannot hold or
 /// a reader would refuse, then encodes it and lays out the payload.
 Encoded validate_and_encode(const Header& h) {
-  if (h.arrays != 1 && h.arrays != 3)
-    refuse("header.arrays", "is " + std::to_string(h.arrays) + "; it must be 1 or 3");
+  if (h.version != kFormatVersion)
+    refuse("header.version", "is " + std::to_string(h.version) + "; this build writes version " +
+                                 std::to_string(kFormatVersion));
+  if (h.optimizer.empty() || h.optimizer.size() > kMaxNameBytes)
+    refuse("header.optimizer",
+           "must be a name of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
+  if (h.slots.size() > kMaxSlots)
+    refuse("header.slots", "has " + std::to_string(h.slots.size()) + " slots, more than " +
+                               std::to_string(kMaxSlots));
+  for (std::size_t s = 0; s < h.slots.size(); ++s) {
+    if (h.slots[s].empty() || h.slots[s].size() > kMaxNameBytes)
+      refuse(indexed("header.slots", s, ""),
+             "must be a name of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
+    for (std::size_t t = 0; t < s; ++t)
+      if (h.slots[t] == h.slots[s])
+        refuse(indexed("header.slots", s, ""), quoted(h.slots[s]) + " names two slots");
+  }
+  if (h.hyper.size() > kMaxHyper)
+    refuse("header.hyper", "has " + std::to_string(h.hyper.size()) +
+                               " hyper-parameters, more than " + std::to_string(kMaxHyper));
+  for (std::size_t k = 0; k < h.hyper.size(); ++k)
+    if (h.hyper[k].name.empty() || h.hyper[k].name.size() > kMaxNameBytes)
+      refuse(indexed("header.hyper", k, "name"),
+             "must be a name of 1 to " + std::to_string(kMaxNameBytes) + " bytes");
   if (h.world_size < 1)
     refuse("header.world_size", "is " + std::to_string(h.world_size) + "; it must be >= 1");
   if (h.rank < 0 || h.rank >= h.world_size)
@@ -258,16 +281,22 @@ Encoded validate_and_encode(const Header& h) {
              quoted(p.name) + " is also the name of params[" + std::to_string(it->second) + "]");
   }
 
+  const std::uint32_t arrays = h.arrays();
   Encoded e;
   std::vector<std::byte>& out = e.header;
-  put_u32(out, h.optimizer);
-  put_u32(out, h.formula);
   put_u32(out, h.saved_mode);
-  put_u32(out, h.arrays);
   put_u32(out, static_cast<std::uint32_t>(h.rank));
   put_u32(out, static_cast<std::uint32_t>(h.world_size));
   put_u64(out, h.layout_fingerprint);
   put_string(out, h.library_version);
+  put_string(out, h.optimizer);
+  put_u32(out, static_cast<std::uint32_t>(h.hyper.size()));
+  for (const HyperRecord& r : h.hyper) {
+    put_string(out, r.name);
+    put_f64(out, r.value);
+  }
+  put_u32(out, static_cast<std::uint32_t>(h.slots.size()));
+  for (const std::string& slot : h.slots) put_string(out, slot);
   put_u32(out, static_cast<std::uint32_t>(h.groups.size()));
   for (const GroupRecord& g : h.groups) {
     put_string(out, g.name);
@@ -278,7 +307,7 @@ Encoded validate_and_encode(const Header& h) {
     put_f64(out, g.eps);
   }
   put_u32(out, static_cast<std::uint32_t>(h.params.size()));
-  e.offsets.reserve(h.params.size() * h.arrays);
+  e.offsets.reserve(h.params.size() * arrays);
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const ParamRecord& p = h.params[i];
@@ -286,7 +315,7 @@ Encoded validate_and_encode(const Header& h) {
     put_u64(out, p.numel);
     put_u32(out, p.group);
     put_u32(out, std::bit_cast<std::uint32_t>(p.step));
-    for (std::uint32_t a = 0; a < h.arrays; ++a) {
+    for (std::uint32_t a = 0; a < arrays; ++a) {
       std::uint64_t offset;
       if (!align_up(cursor, &offset) || __builtin_add_overflow(offset, p.numel * 4, &cursor))
         refuse("header.params", "add up to more bytes than a file can hold");
@@ -522,8 +551,8 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < header.params.size(); ++i) {
     const std::uint64_t numel = header.params[i].numel;
-    for (std::uint32_t a = 0; a < header.arrays; ++a) {
-      const std::uint64_t offset = e.offsets[i * header.arrays + a];
+    for (std::uint32_t a = 0; a < header.arrays(); ++a) {
+      const std::uint64_t offset = e.offsets[i * header.arrays() + a];
       const std::size_t pad = static_cast<std::size_t>(offset - cursor);
       payload_crc.add(std::span<const std::byte>(kZeros, pad));
       file.append_zeros(pad);
@@ -571,22 +600,85 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
 
 // ---- parse -----------------------------------------------------------------------------
 
-ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t payload_length,
-                        const std::string& name) {
-  ParsedFile out;
-  Header& h = out.header;
-  HeaderReader r(header_bytes, name);
-  h.optimizer = r.u32("", 0, "optimizer");
-  h.formula = r.u32("", 0, "formula");
+namespace {
+
+/// Reads version 1's fields before the groups: the optimizer as a number (0 AdamW with a
+/// formula, 3 arrays; 1 SignSGD, 1 array), as the version 2 header that means the same.
+void read_v1_prefix(HeaderReader& r, Header& h, const std::string& name) {
+  const std::uint32_t optimizer = r.u32("", 0, "optimizer");
+  const std::uint32_t formula = r.u32("", 0, "formula");
   h.saved_mode = r.u32("", 0, "saved_mode");
-  h.arrays = r.u32("", 0, "arrays");
+  const std::uint32_t arrays = r.u32("", 0, "arrays");
   h.rank = static_cast<std::int32_t>(r.u32("", 0, "rank"));
   h.world_size = static_cast<std::int32_t>(r.u32("", 0, "world_size"));
   h.layout_fingerprint = r.u64("", 0, "layout_fingerprint");
   h.library_version = r.string("", 0, "library_version");
-  if (h.arrays != 1 && h.arrays != 3)
-    corrupt(name, "the header says " + std::to_string(h.arrays) +
-                      " arrays per parameter; a file holds 1 (SignSGD) or 3 (AdamW)");
+  if (arrays != 1 && arrays != 3)
+    corrupt(name, "the header says " + std::to_string(arrays) +
+                      " arrays per parameter; a version 1 file holds 1 (SignSGD) or 3 (AdamW)");
+  if (optimizer == 0) {
+    // Version 1 wrote AdamW without amsgrad and maximize (it had neither).
+    h.optimizer = "adamw";
+    h.hyper = {{"formula", static_cast<double>(formula)}, {"amsgrad", 0.0}, {"maximize", 0.0}};
+  } else if (optimizer == 1) {
+    h.optimizer = "sign_sgd";
+  } else {
+    corrupt(name, "the header names optimizer " + std::to_string(optimizer) +
+                      "; version 1 has 0 (adamw) and 1 (sign_sgd)");
+  }
+  h.slots.clear();
+  if (arrays == 3) h.slots = {"exp_avg", "exp_avg_sq"};
+}
+
+/// Reads version 2's fields before the groups.
+void read_v2_prefix(HeaderReader& r, Header& h, const std::string& name) {
+  h.saved_mode = r.u32("", 0, "saved_mode");
+  h.rank = static_cast<std::int32_t>(r.u32("", 0, "rank"));
+  h.world_size = static_cast<std::int32_t>(r.u32("", 0, "world_size"));
+  h.layout_fingerprint = r.u64("", 0, "layout_fingerprint");
+  h.library_version = r.string("", 0, "library_version");
+  h.optimizer = r.string("", 0, "optimizer");
+  if (h.optimizer.empty()) corrupt(name, "the header's optimizer name is empty");
+  const std::uint32_t hyper = r.u32("", 0, "hyper-parameter count");
+  if (hyper > kMaxHyper)
+    corrupt(name, "the header says " + std::to_string(hyper) +
+                      " hyper-parameters, more than the limit of " + std::to_string(kMaxHyper));
+  h.hyper.resize(hyper);
+  for (std::uint32_t k = 0; k < hyper; ++k) {
+    h.hyper[k].name = r.string("hyper", k, "name");
+    h.hyper[k].value = r.f64("hyper", k, "value");
+  }
+  const std::uint32_t slots = r.u32("", 0, "slot count");
+  if (slots > kMaxSlots)
+    corrupt(name, "the header says " + std::to_string(slots) + " state slots, more than the " +
+                      "limit of " + std::to_string(kMaxSlots));
+  h.slots.resize(slots);
+  for (std::uint32_t s = 0; s < slots; ++s) {
+    h.slots[s] = r.string("slots", s, "");
+    if (h.slots[s].empty()) corrupt(name, indexed("slots", s, "") + " is an empty name");
+    for (std::uint32_t t = 0; t < s; ++t)
+      if (h.slots[t] == h.slots[s])
+        corrupt(name, indexed("slots", s, "") + " " + quoted(h.slots[s]) + " is also slots[" +
+                          std::to_string(t) + "]");
+  }
+}
+
+}  // namespace
+
+ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t payload_length,
+                        const std::string& name, std::uint32_t version) {
+  ParsedFile out;
+  Header& h = out.header;
+  HeaderReader r(header_bytes, name);
+  h.version = version;
+  if (version == kFormatVersion1)
+    read_v1_prefix(r, h, name);
+  else if (version == kFormatVersion)
+    read_v2_prefix(r, h, name);
+  else
+    corrupt(name, "format version " + std::to_string(version) + ", this build reads " +
+                      std::to_string(kFormatVersion1) + " and " + std::to_string(kFormatVersion));
+  const std::uint32_t arrays = h.arrays();
   if (h.world_size < 1 || h.rank < 0 || h.rank >= h.world_size)
     corrupt(name, "the header says rank " + std::to_string(h.rank) + " of world size " +
                       std::to_string(h.world_size));
@@ -608,12 +700,12 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   }
 
   const std::uint32_t param_count = r.u32("", 0, "parameter count");
-  if (param_count > kMaxRecords || param_count * min_param_record_bytes(h.arrays) > r.left())
+  if (param_count > kMaxRecords || param_count * min_param_record_bytes(arrays) > r.left())
     corrupt(name, "the header says " + std::to_string(param_count) +
                       " parameters, more than its remaining " + std::to_string(r.left()) +
                       " bytes can hold (or than the limit of " + std::to_string(kMaxRecords) + ")");
   h.params.resize(param_count);
-  out.array_offsets.resize(std::size_t{param_count} * h.arrays);
+  out.array_offsets.resize(std::size_t{param_count} * arrays);
   for (std::uint32_t i = 0; i < param_count; ++i) {
     ParamRecord& p = h.params[i];
     p.name = r.string("params", i, "name");
@@ -627,7 +719,7 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
       corrupt(name, indexed("params", i, "numel") + " is " + std::to_string(p.numel) +
                         ": its bytes overflow 64 bits");
     const std::uint64_t bytes = p.numel * 4;
-    for (std::uint32_t a = 0; a < h.arrays; ++a) {
+    for (std::uint32_t a = 0; a < arrays; ++a) {
       const std::uint64_t offset = r.u64("params", i, "array offset");
       const std::string array = indexed("params", i, "") + " array " + std::to_string(a);
       if (offset % kPayloadAlignment != 0)
@@ -638,7 +730,7 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
         corrupt(name, array + " (" + std::to_string(bytes) + " bytes at payload offset " +
                           std::to_string(offset) + ") runs past the end of the " +
                           std::to_string(payload_length) + "-byte payload");
-      out.array_offsets[std::size_t{i} * h.arrays + a] = offset;
+      out.array_offsets[std::size_t{i} * arrays + a] = offset;
     }
   }
   if (r.left() != 0)
@@ -663,7 +755,7 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   std::vector<Extent> extents;
   extents.reserve(out.array_offsets.size());
   for (std::size_t k = 0; k < out.array_offsets.size(); ++k) {
-    const std::uint64_t bytes = h.params[k / h.arrays].numel * 4;
+    const std::uint64_t bytes = h.params[k / arrays].numel * 4;
     if (bytes > 0) extents.push_back({out.array_offsets[k], out.array_offsets[k] + bytes, k});
   }
   std::sort(extents.begin(), extents.end(), [](const Extent& x, const Extent& y) {
@@ -674,8 +766,8 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
     const Extent& next = extents[k];
     if (next.begin < prev.end) {
       auto label = [&](const Extent& x) {
-        return indexed("params", x.index / h.arrays, "") + " array " +
-               std::to_string(x.index % h.arrays) + " (payload bytes [" + std::to_string(x.begin) +
+        return indexed("params", x.index / arrays, "") + " array " +
+               std::to_string(x.index % arrays) + " (payload bytes [" + std::to_string(x.begin) +
                ", " + std::to_string(x.end) + "))";
       };
       corrupt(name, label(next) + " overlaps " + label(prev));
@@ -705,9 +797,9 @@ ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& nam
   pre.payload_length = get_u64(bytes.data() + 24);
   pre.header_crc = get_u32(bytes.data() + 32);
   pre.payload_crc = get_u32(bytes.data() + 36);
-  if (pre.version != kFormatVersion)
+  if (pre.version != kFormatVersion && pre.version != kFormatVersion1)
     corrupt(name, "format version " + std::to_string(pre.version) + ", this build reads " +
-                      std::to_string(kFormatVersion));
+                      std::to_string(kFormatVersion1) + " and " + std::to_string(kFormatVersion));
   if (pre.reserved != 0)
     corrupt(name, "the reserved preamble field is " + hex32(pre.reserved) + ", not 0");
 
@@ -732,7 +824,7 @@ ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& nam
   if (header_crc != pre.header_crc)
     corrupt(name, "header checksum mismatch (CRC-32C " + hex32(header_crc) +
                       ", the preamble says " + hex32(pre.header_crc) + ")");
-  ParsedFile out = parse_header(header, pre.payload_length, name);
+  ParsedFile out = parse_header(header, pre.payload_length, name, pre.version);
   out.payload_start = payload_start;
   *payload_crc_wanted = pre.payload_crc;
   return out;
@@ -851,11 +943,13 @@ class PayloadReader {
     if (!scan) return;
     const Header& h = parsed.header;
     clean->assign(parsed.array_offsets.size(), 1);
+    const std::uint32_t arrays = h.arrays();
     for (std::size_t k = 0; k < parsed.array_offsets.size(); ++k) {
-      const std::uint64_t bytes = h.params[k / h.arrays].numel * 4;
+      const std::uint64_t bytes = h.params[k / arrays].numel * 4;
+      const std::size_t a = k % arrays;
       if (bytes > 0)
         extents_.push_back({parsed.array_offsets[k], parsed.array_offsets[k] + bytes, k,
-                            h.arrays == 3 && k % 3 == 2});
+                            a != 0 && slot_non_negative(h.slots[a - 1])});
     }
     // parse checked that no two overlap: sorted by start, they are disjoint.
     std::sort(extents_.begin(), extents_.end(),
@@ -890,7 +984,7 @@ class PayloadReader {
   struct Extent {
     std::uint64_t begin, end;  // payload offsets
     std::size_t index;         // i * arrays + a
-    bool non_negative;         // exp_avg_sq
+    bool non_negative;         // a slot that is never negative
   };
 
   void work() noexcept {
@@ -1026,7 +1120,7 @@ File File::open(const std::string& path, bool scan_values) {
 }
 
 bool File::values_clean(std::size_t i, std::size_t a) const noexcept {
-  const std::size_t k = i * impl_->parsed.header.arrays + a;
+  const std::size_t k = i * impl_->parsed.header.arrays() + a;
   return k < impl_->clean.size() && impl_->clean[k] != 0;
 }
 
@@ -1038,12 +1132,12 @@ std::span<const float> File::array(std::size_t i, std::size_t a) const {
     throw Error(Errc::out_of_range, "i",
                 "checkpoint::File::array: parameter " + std::to_string(i) + " of " +
                     std::to_string(h.params.size()));
-  if (a >= h.arrays)
-    throw Error(
-        Errc::out_of_range, "a",
-        "checkpoint::File::array: array " + std::to_string(a) + " of " + std::to_string(h.arrays));
+  if (a >= h.arrays())
+    throw Error(Errc::out_of_range, "a",
+                "checkpoint::File::array: array " + std::to_string(a) + " of " +
+                    std::to_string(h.arrays()));
   const std::byte* base =
-      impl_->bytes + impl_->parsed.payload_start + impl_->parsed.array_offsets[i * h.arrays + a];
+      impl_->bytes + impl_->parsed.payload_start + impl_->parsed.array_offsets[i * h.arrays() + a];
   return {reinterpret_cast<const float*>(base), static_cast<std::size_t>(h.params[i].numel)};
 }
 
@@ -1068,11 +1162,31 @@ void check_compatible(const Header& file, const Header& mine, const std::string&
   using std::to_string;
   const Errc bad = Errc::invalid_argument;
   if (file.optimizer != mine.optimizer)
-    differs(bad, "optimizer", to_string(file.optimizer), to_string(mine.optimizer), path);
-  if (file.formula != mine.formula)
-    differs(bad, "formula", to_string(file.formula), to_string(mine.formula), path);
-  if (file.arrays != mine.arrays)
-    differs(bad, "arrays", to_string(file.arrays), to_string(mine.arrays), path);
+    differs(bad, "optimizer", quoted(file.optimizer), quoted(mine.optimizer), path);
+  if (file.slots != mine.slots) {
+    auto list = [](const std::vector<std::string>& names) {
+      std::string out;
+      for (const std::string& n : names) out += (out.empty() ? "" : ", ") + n;
+      return "state slots [" + out + "]";
+    };
+    differs(bad, "slots", list(file.slots), list(mine.slots), path);
+  }
+  // Every hyper-parameter either records must be in the other, with the same bits.
+  auto find = [](const Header& h, const std::string& name) -> const HyperRecord* {
+    for (const HyperRecord& r : h.hyper)
+      if (r.name == name) return &r;
+    return nullptr;
+  };
+  for (const HyperRecord& m : mine.hyper) {
+    const HyperRecord* f = find(file, m.name);
+    if (f == nullptr) differs(bad, "hyper." + m.name, "not recorded", number(m.value), path);
+    if (!same_bits(f->value, m.value))
+      differs(bad, "hyper." + m.name, number(f->value), number(m.value), path);
+  }
+  for (const HyperRecord& f : file.hyper)
+    if (find(mine, f.name) == nullptr)
+      differs(bad, "hyper." + f.name, number(f.value),
+              "no such hyper-parameter of " + mine.optimizer, path);
   if (file.groups.size() != mine.groups.size())
     differs(Errc::size_mismatch, "groups", to_string(file.groups.size()) + " groups",
             to_string(mine.groups.size()), path);

@@ -1,8 +1,10 @@
 // The checkpoint file of one rank (docs/checkpoint.md is the format): what a gradient
 // manager's save_checkpoint writes and load_checkpoint reads — a versioned header (the
-// optimizer, the parameter groups, every parameter's name, size, group and step counter)
-// and the f32 arrays (master, exp_avg, exp_avg_sq) — written atomically and verified
-// completely (sizes, offsets, checksums) before anything is handed to the manager.
+// optimizer by name with its fixed hyper-parameters and state slot names, the parameter
+// groups, every parameter's name, size, group and step counter) and the f32 arrays (the
+// master, then each state slot) — written atomically and verified completely (sizes,
+// offsets, checksums) before anything is handed to the manager. Version 1 files (AdamW or
+// SignSGD, the optimizer as a number) are read as their version 2 equivalent.
 #pragma once
 
 #include <cstddef>
@@ -15,17 +17,19 @@
 
 namespace stepcore::detail::checkpoint {
 
-/// The format version this build writes and the only one it reads.
-inline constexpr std::uint32_t kFormatVersion = 1;
+/// The format version this build writes; it reads this one and kFormatVersion1.
+inline constexpr std::uint32_t kFormatVersion = 2;
+/// The first version: AdamW (optimizer 0, 3 arrays) or SignSGD (1, 1 array) only.
+inline constexpr std::uint32_t kFormatVersion1 = 1;
 
 /// One parameter group as the file records it.
 struct GroupRecord {
   std::string name;
   double lr = 0.0;
   double weight_decay = 0.0;
-  double beta1 = 0.0;  ///< AdamW only (0 for SignSGD)
-  double beta2 = 0.0;  ///< AdamW only
-  double eps = 0.0;    ///< AdamW only
+  double beta1 = 0.0;  ///< optimizers with betas only (else 0)
+  double beta2 = 0.0;  ///< optimizers with betas only
+  double eps = 0.0;    ///< optimizers with betas only
 };
 
 /// One parameter (this rank's shard) as the file records it; its arrays are in the payload.
@@ -33,26 +37,37 @@ struct ParamRecord {
   std::string name;
   std::uint64_t numel = 0;
   std::uint32_t group = 0;  ///< index into Header::groups
-  float step = 0.0f;        ///< AdamW step counter (0 for SignSGD)
+  float step = 0.0f;        ///< step counter (0 for an optimizer without one)
+};
+
+/// One fixed hyper-parameter of the optimizer (a field of its configuration as a double).
+struct HyperRecord {
+  std::string name;
+  double value = 0.0;
 };
 
 /// Everything in the file but the arrays.
 struct Header {
-  std::uint32_t optimizer = 0;   ///< OptimizerKind
-  std::uint32_t formula = 0;     ///< AdamWFormula (0 for SignSGD)
+  /// The file's format version (parse sets it; save writes kFormatVersion).
+  std::uint32_t version = kFormatVersion;
+  std::string optimizer = "adamw";  ///< the optimizer unit's name
+  /// The optimizer's hyper-parameters that are neither a group's nor the schedule's.
+  std::vector<HyperRecord> hyper;
+  /// The names of the state slots, in order: array 1 + s of a parameter is slot s.
+  std::vector<std::string> slots = {"exp_avg", "exp_avg_sq"};
   std::uint32_t saved_mode = 0;  ///< OffloadMode of the manager that saved (informational)
-  /// f32 arrays per parameter: 3 (master, exp_avg, exp_avg_sq: AdamW) or 1 (master: SignSGD).
-  std::uint32_t arrays = 3;
   std::int32_t rank = 0;
   std::int32_t world_size = 1;
   std::uint64_t layout_fingerprint = 0;
   std::string library_version;  ///< informational
   std::vector<GroupRecord> groups;
   std::vector<ParamRecord> params;
+  /// f32 arrays per parameter: the master and each slot.
+  std::uint32_t arrays() const noexcept { return 1 + static_cast<std::uint32_t>(slots.size()); }
 };
 
-/// Supplies array `a` (0 master, 1 exp_avg, 2 exp_avg_sq) of parameter `i`: numel floats,
-/// valid until the next call (a view of host state, or a copy the source owns).
+/// Supplies array `a` (0 master, 1 + s slot s) of parameter `i`: numel floats, valid
+/// until the next call (a view of host state, or a copy the source owns).
 using ArraySource = std::function<std::span<const float>(std::size_t i, std::size_t a)>;
 
 /// Writes `header` and the arrays `source` supplies (params in order, arrays in order) to
@@ -61,8 +76,9 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 /// fsync'ed, renamed over `path`, then the directory fsync'ed.
 /// On any failure the temporary file is removed and `path` is what it was before
 /// (Errc::io_error naming "path" with the system's reason). Throws Errc::invalid_argument
-/// for a header that cannot be written (arrays not 1 or 3, a group index out of range,
-/// duplicate names) before creating anything, and naming "source" for a source span of
+/// for a header that cannot be written (more than kMaxSlots slots or kMaxHyper
+/// hyper-parameters, an empty or repeated slot name, a group index out of range,
+/// duplicate parameter names) before creating anything, and naming "source" for a source span of
 /// the wrong size (found while writing, each array is read once; the temporary file is
 /// removed and `path` is untouched).
 void save(const std::string& path, const Header& header, const ArraySource& source);
@@ -83,11 +99,11 @@ class File {
   File& operator=(File&&) noexcept;
 
   const Header& header() const noexcept;
-  /// Returns array `a` of parameter `i` (numel floats; a < header().arrays).
+  /// Returns array `a` of parameter `i` (numel floats; a < header().arrays()).
   std::span<const float> array(std::size_t i, std::size_t a) const;
   /// Returns true when open's value scan found array `a` of parameter `i` free of NaN and
-  /// Inf (and, for exp_avg_sq — array 2 of a three-array file — of values below -0);
-  /// false when it found one, or when open was not asked to scan.
+  /// Inf (and, for a slot that is never negative — slot_non_negative — of values below
+  /// -0); false when it found one, or when open was not asked to scan.
   bool values_clean(std::size_t i, std::size_t a) const noexcept;
 
  private:
@@ -105,12 +121,15 @@ inline constexpr std::uint64_t kPayloadAlignment = 64;
 inline constexpr std::uint32_t kMaxNameBytes = 4096;
 /// The most parameters, and the most groups, a file may hold.
 inline constexpr std::uint32_t kMaxRecords = std::uint32_t{1} << 24;
+/// The most state slots, and the most hyper-parameters, a file may hold.
+inline constexpr std::uint32_t kMaxSlots = 16;
+inline constexpr std::uint32_t kMaxHyper = 64;
 
 /// A file's bytes, verified: the header and where each array lies.
 struct ParsedFile {
   Header header;
   std::uint64_t payload_start = 0;  ///< file offset of the payload (a multiple of 64)
-  /// Offset of array a of parameter i from the payload start, at [i * header.arrays + a].
+  /// Offset of array a of parameter i from the payload start, at [i * header.arrays() + a].
   std::vector<std::uint64_t> array_offsets;
 };
 
@@ -121,15 +140,18 @@ struct ParsedFile {
 ParsedFile parse(std::span<const std::byte> bytes, const std::string& name);
 
 /// Verifies the binary header alone (its bytes between the preamble and the payload,
-/// `payload_length` the payload's size; no checksum) and returns it, payload_start 0.
+/// `payload_length` the payload's size; no checksum) of format `version` (kFormatVersion1
+/// or kFormatVersion; another is Errc::corrupt_file) and returns it, payload_start 0.
 /// What parse does after the checksums agree: a fuzzer's way past the CRC.
 ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t payload_length,
-                        const std::string& name);
+                        const std::string& name, std::uint32_t version = kFormatVersion);
 
 /// Throws unless the file's header (`file`, read from `path`) can be loaded by the manager
-/// whose header is `mine`: the same optimizer, formula and arrays; the same groups (count,
-/// names, betas and eps; lr and weight decay may differ: they are the schedule's state and
-/// are restored); the same rank, world size and layout fingerprint; the same parameters
+/// whose header is `mine`: the same optimizer ("checkpoint.optimizer"), the same state
+/// slots by name and order ("checkpoint.slots"), the same hyper-parameters, each recorded
+/// in both with the same bits ("checkpoint.hyper.<name>"); the same groups (count, names,
+/// betas and eps; lr and weight decay may differ: they are the schedule's state and are
+/// restored); the same rank, world size and layout fingerprint; the same parameters
 /// (count, and each one's name, numel and group). The error names the first difference,
 /// e.g. Errc::invalid_argument naming "checkpoint.params[3].name" with "'w2' in <path>,
 /// 'w3' in this manager"; differing sizes are Errc::size_mismatch.

@@ -5,6 +5,7 @@
 #include <string>
 #include <utility>
 
+#include "managers/device_step.hpp"
 #include "managers/factories.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -23,15 +24,7 @@ std::string stream_name(cudaStream_t s) {
 }  // namespace
 
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
-  const OptimizerKind opt = config.optimizer.kind;
-  if (opt != OptimizerKind::adamw && opt != OptimizerKind::sign_sgd) {
-    const std::string what = std::to_string(static_cast<int>(opt)) + " is not an OptimizerKind: ";
-    if (config.mode == OffloadMode::full)
-      throw Error(Errc::not_supported, "optimizer.kind",
-                  what + "full offload accepts only AdamW (adamw) and SignSGD (sign_sgd)");
-    throw Error(Errc::not_supported, "optimizer.kind",
-                what + "stepcore implements adamw and sign_sgd");
-  }
+  if (config.mode != OffloadMode::full) detail::check_device_optimizer(config.optimizer);
   if (config.device == nullptr)
     throw Error(Errc::null_pointer, "device", "every mode needs the device gradients come from");
   for (std::size_t i = 0; i < config.params.size(); ++i) {

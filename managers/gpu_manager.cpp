@@ -1,11 +1,13 @@
 // The device-resident gradient managers: mode "none" (gradients, accumulators, masters and
-// moments in device memory) and mode "optimizer" (the same, with the optimizer state in
-// host memory streamed through a ring of device slots chunk by chunk). Everything goes
+// the optimizer's state slots in device memory) and mode "optimizer" (the same, with the optimizer
+// state in host memory streamed through a ring of device slots chunk by chunk). Everything goes
 // through device::Device; docs/managers.md is the contract.
 //
 // Design: memory is allocated once (one device block of 256-byte aligned views,
 // one norm workspace, one pinned host block holding the flag words and, in mode
-// optimizer, each chunk's master|m|v laid out contiguously so a chunk moves in one copy).
+// optimizer, each chunk's masters|slot 0|slot 1.. laid out contiguously so a chunk moves
+// in one copy). The optimizer step goes through managers/device_step.hpp, the one place
+// that meets the device's optimizer calls.
 // A step never waits on the host except in clip_grad_norm, which must return the norm.
 // Without it, the found-inf flag travels to a pinned word behind the step's work. The
 // per-step scalars live in device memory (step counters, lr and weight decay per
@@ -29,6 +31,7 @@
 // raises Errc::timeout instead of hanging an event wait.
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -39,6 +42,7 @@
 #include <vector>
 
 #include "managers/common.hpp"
+#include "managers/device_step.hpp"
 #include "managers/factories.hpp"
 #include "managers/manager_impl.hpp"
 #include "stepcore/comm.hpp"
@@ -97,9 +101,7 @@ class GpuGradientManager final : public ManagerImpl {
   ~GpuGradientManager() override;
 
  protected:
-  void do_import_parameter(std::size_t i, std::span<const float> master,
-                           std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
-                           float step) override;
+  void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
   void do_begin_step() override;
   void do_begin_backward() override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
@@ -117,27 +119,28 @@ class GpuGradientManager final : public ManagerImpl {
   void do_step() override;
   StepReport do_report() override;
   ConstTensorView do_compute_weights(std::size_t i) const override;
-  void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
-                         std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_read_parameter(std::size_t i, Arrays<float> arrays,
+                         std::span<std::uint8_t> compute) override;
   void do_step_counts(std::span<float> out) override;
-  GradientManager::HostState do_host_state(std::size_t i) override;
+  HostArrays do_host_state(std::size_t i) override;
   void do_synchronize() override;
   void do_recover() override;
   std::exception_ptr do_close() noexcept override;
 
  private:
-  // One parameter's buffers. master/exp_avg/exp_avg_sq: device memory (mode none) or
-  // the host block of its chunk (mode optimizer); *_off: their offsets in that block.
+  static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
+  // One parameter's buffers. state: the master, then the optimizer's state slots, in
+  // device memory (mode none) or the host block of its chunk (mode optimizer); off:
+  // their offsets in that block.
   struct Param {
     TensorView grad, acc, compute;
-    float* master = nullptr;
-    float* exp_avg = nullptr;
-    float* exp_avg_sq = nullptr;
-    std::size_t master_off = 0, exp_avg_off = 0, exp_avg_sq_off = 0;
+    float* state[kMaxSlots] = {};
+    std::size_t off[kMaxSlots] = {};
+    float* master() const { return state[0]; }
   };
 
-  // The bias tables of the groups' betas: one per distinct pair (tables), and each
-  // group's index into them (of).
+  // The groups' device step tables (device_step_table: AdamW's bias corrections): one
+  // per distinct table (tables), and each group's index into them (of).
   struct BiasTables {
     std::vector<std::vector<double>> tables;
     std::vector<std::size_t> of;
@@ -145,8 +148,8 @@ class GpuGradientManager final : public ManagerImpl {
   // Where everything the manager holds lives: view indices into the device slab (device)
   // and the pinned host slab (host), and the two layouts. Sizes only, no memory.
   struct MemoryPlan {
-    struct Views {  // one parameter's device views (master, m, v only in mode none)
-      std::size_t grad = 0, acc = 0, compute = 0, master = 0, exp_avg = 0, exp_avg_sq = 0;
+    struct Views {  // one parameter's device views (the state slots only in mode none)
+      std::size_t grad = 0, acc = 0, compute = 0, state[kMaxSlots] = {};
     };
     std::vector<Views> param;
     std::size_t scalars = 0, steps = 0, hyper = 0;  // device: StepScalars, counters, hyper
@@ -180,9 +183,10 @@ class GpuGradientManager final : public ManagerImpl {
                      const float* d_clip, const std::int32_t* d_found_inf, bool to_staging = false);
   void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                     const std::int32_t* d_found_inf, bool speculate = false);
-  // The number of state arrays per parameter (master, and AdamW's two moments): the
+  // The number of state arrays per parameter (the master and the optimizer's slots): the
   // speculation's outputs and commit copies go over this list, not over names.
-  std::size_t slots() const noexcept { return is_adamw() ? 3 : 1; }
+  std::size_t slots() const noexcept { return 1 + state_slots(); }
+  bool counts() const noexcept { return shape().counts_steps; }
   // Returns parameter i's state array s where it lives between steps (device memory in
   // mode none, its place in the chunk's host block in mode optimizer), or in `slot`.
   float* state_at(std::size_t i, std::size_t s, std::byte* slot) const;
@@ -215,11 +219,11 @@ class GpuGradientManager final : public ManagerImpl {
   std::size_t workspace_bytes_ = 0;
   std::byte* hmem_ = nullptr;
   StepScalars* d_ = nullptr;
-  float* d_steps_ = nullptr;           // AdamW step counters, one per parameter
+  float* d_steps_ = nullptr;           // step counters, one per parameter (unused without)
   StepHyper* d_hyper_ = nullptr;       // per group: lr and weight decay as the kernels read them
   StepHyper* h_hyper_ = nullptr;       // their pinned staging (rewritten only between steps)
   std::uint64_t hyper_uploaded_ = 0;   // hyper_version() of d_hyper_'s values
-  std::vector<const double*> d_bias_;  // per group: its betas' bias table
+  std::vector<const double*> d_bias_;  // per group: its device step table (or null)
   HostWords* h_ = nullptr;
 
   // Mode optimizer: per-chunk host blocks and the ring of device slots.
@@ -233,7 +237,7 @@ class GpuGradientManager final : public ManagerImpl {
   // speculates, carved afresh each step); per chunk whether it was speculated this step,
   // and per parameter where its speculated state, counter and compute weights go.
   struct Spec {
-    std::array<float*, 3> state{};
+    std::array<float*, kMaxSlots> state{};
     float* step = nullptr;
     void* compute = nullptr;
   };
@@ -259,7 +263,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
     throw Error(Errc::invalid_argument, "mode", "the device manager implements none and optimizer");
   // SignSGD takes the sign of the raw accumulator (the read is not applied); scaling it in
   // place could flush a tiny value to zero, so SignSGD always reads lazily.
-  eager_ = !cfg.lazy_gpu_scale && is_adamw();
+  eager_ = !cfg.lazy_gpu_scale && shape().reads_scaled;
   params_.resize(cfg.params.size());
   accumulated_.assign(cfg.params.size(), 0);
   // The bias tables first: they may refuse a beta too close to 1, before any memory.
@@ -278,19 +282,17 @@ GpuGradientManager::BiasTables GpuGradientManager::make_bias_tables() const {
   BiasTables bias;
   const std::size_t ngroups = groups().size();
   bias.of.assign(ngroups, 0);
-  for (std::size_t g = 0; g < ngroups && is_adamw(); ++g) {
-    const ParamGroup& pg = groups()[g];
+  const std::string opt_prefix = "optimizer." + std::string(shape().name) + ".";
+  for (std::size_t g = 0; g < ngroups; ++g) {
+    std::vector<double> table;
+    with_group_names(config().groups.empty() ? opt_prefix : "groups[" + std::to_string(g) + "].",
+                     opt_prefix, has_betas(config().optimizer),
+                     [&] { table = device_step_table(group_config(g)); });
+    if (table.empty()) continue;
     std::size_t t = 0;
-    while (t < g && !(groups()[t].beta1 == pg.beta1 && groups()[t].beta2 == pg.beta2)) ++t;
-    if (t < g) {
-      bias.of[g] = bias.of[t];
-      continue;
-    }
-    bias.of[g] = bias.tables.size();
-    with_group_names(
-        config().groups.empty() ? "optimizer.adamw." : "groups[" + std::to_string(g) + "].",
-        "optimizer.adamw.",
-        [&] { bias.tables.push_back(gpu::make_adamw_bias_table(adamw_config(g))); });
+    while (t < bias.tables.size() && bias.tables[t] != table) ++t;
+    if (t == bias.tables.size()) bias.tables.push_back(std::move(table));
+    bias.of[g] = t;
   }
   return bias;
 }
@@ -300,7 +302,6 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
   const std::size_t n = cfg.params.size();
   const std::size_t nchunks = chunks().size();
   const std::size_t ngroups = groups().size();
-  const bool adamw = is_adamw();
   MemoryPlan plan;
   plan.param.resize(n);
   std::vector<MemoryPlan::Views>& view = plan.param;
@@ -315,11 +316,8 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
     const bool own_compute =
         p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0;
     view[i].compute = dev_views.add(own_compute ? p.numel * dtype_size(p.compute_dtype) : 0);
-    if (!streamed()) {
-      view[i].master = dev_views.add(p.numel * 4);
-      view[i].exp_avg = dev_views.add(adamw ? p.numel * 4 : 0);
-      view[i].exp_avg_sq = dev_views.add(adamw ? p.numel * 4 : 0);
-    }
+    if (!streamed())
+      for (std::size_t s = 0; s < slots(); ++s) view[i].state[s] = dev_views.add(p.numel * 4);
   }
   plan.scalars = dev_views.add(sizeof(StepScalars));
   plan.steps = dev_views.add(sizeof(float) * n);
@@ -328,8 +326,9 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
     plan.bias.push_back(dev_views.add(sizeof(double) * table.size()));
   plan.bias_of = bias.of;
 
-  // Host views: the words and flags, then (mode optimizer) each chunk's block: masters,
-  // then exp_avg, then exp_avg_sq of its parameters (a slab of its own, moved in one copy).
+  // Host views: the words and flags, then (mode optimizer) each chunk's block: its
+  // parameters' masters, then their first state slot, and so on (a slab of its own, moved
+  // in one copy).
   SlabViews host_views;
   plan.words = host_views.add(sizeof(HostWords));
   plan.host_hyper = host_views.add(sizeof(StepHyper) * ngroups);
@@ -340,22 +339,12 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
     for (std::size_t k = 0; k < nchunks; ++k) {
       const Chunk& c = chunks()[k];
       SlabViews block;
-      for (std::size_t i = c.first; i < c.last; ++i)
-        view[i].master = block.add(cfg.params[i].numel * 4);
-      if (adamw) {
+      for (std::size_t s = 0; s < slots(); ++s)
         for (std::size_t i = c.first; i < c.last; ++i)
-          view[i].exp_avg = block.add(cfg.params[i].numel * 4);
-        for (std::size_t i = c.first; i < c.last; ++i)
-          view[i].exp_avg_sq = block.add(cfg.params[i].numel * 4);
-      }
+          view[i].state[s] = block.add(cfg.params[i].numel * 4);
       const SlabLayout bl = block.layout();
-      for (std::size_t i = c.first; i < c.last; ++i) {
-        params_[i].master_off = bl.offsets[view[i].master];
-        if (adamw) {
-          params_[i].exp_avg_off = bl.offsets[view[i].exp_avg];
-          params_[i].exp_avg_sq_off = bl.offsets[view[i].exp_avg_sq];
-        }
-      }
+      for (std::size_t i = c.first; i < c.last; ++i)
+        for (std::size_t s = 0; s < slots(); ++s) params_[i].off[s] = bl.offsets[view[i].state[s]];
       chunk_bytes_[k] = bl.total_bytes;
       plan.chunk_host[k] = host_views.add(bl.total_bytes);
       slot_bytes = std::max(slot_bytes, bl.total_bytes);
@@ -373,7 +362,6 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
   const ManagerConfig& cfg = config();
   const std::size_t n = cfg.params.size();
   const std::size_t nchunks = chunks().size();
-  const bool adamw = is_adamw();
   dmem_ = static_cast<std::byte*>(dev_.allocate(slab_allocation_bytes(plan.device)));
   hmem_ =
       static_cast<std::byte*>(dev_.allocate_host(slab_allocation_bytes(plan.host), cfg.numa_node));
@@ -383,8 +371,10 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
   d_steps_ = reinterpret_cast<float*>(dev_at(plan.steps));
   d_hyper_ = reinterpret_cast<StepHyper*>(dev_at(plan.hyper));
   h_hyper_ = reinterpret_cast<StepHyper*>(host_at(plan.host_hyper));
-  for (std::size_t g = 0; g < groups().size() && adamw; ++g)
-    d_bias_.push_back(reinterpret_cast<const double*>(dev_at(plan.bias[plan.bias_of[g]])));
+  for (std::size_t g = 0; g < groups().size(); ++g)
+    d_bias_.push_back(plan.bias.empty()
+                          ? nullptr
+                          : reinterpret_cast<const double*>(dev_at(plan.bias[plan.bias_of[g]])));
   h_ = reinterpret_cast<HostWords*>(host_at(plan.words));
   for (std::size_t k = 0; k < nchunks && streamed(); ++k)
     chunk_host_.push_back(host_at(plan.chunk_host[k]));
@@ -402,17 +392,11 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
       q.compute = {dev_at(view.compute), p.numel, p.compute_dtype};
     if (streamed()) {
       std::byte* block = chunk_host_[chunk_of(i)];
-      q.master = reinterpret_cast<float*>(block + q.master_off);
-      if (adamw) {
-        q.exp_avg = reinterpret_cast<float*>(block + q.exp_avg_off);
-        q.exp_avg_sq = reinterpret_cast<float*>(block + q.exp_avg_sq_off);
-      }
+      for (std::size_t s = 0; s < slots(); ++s)
+        q.state[s] = reinterpret_cast<float*>(block + q.off[s]);
     } else {
-      q.master = reinterpret_cast<float*>(dev_at(view.master));
-      if (adamw) {
-        q.exp_avg = reinterpret_cast<float*>(dev_at(view.exp_avg));
-        q.exp_avg_sq = reinterpret_cast<float*>(dev_at(view.exp_avg_sq));
-      }
+      for (std::size_t s = 0; s < slots(); ++s)
+        q.state[s] = reinterpret_cast<float*>(dev_at(view.state[s]));
     }
     (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
     if (p.counts_toward_norm) counted_const_.push_back(q.acc);
@@ -598,33 +582,25 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
   };
   // One call per parameter group; each group's lr and weight decay come from d_hyper_
   // when the kernels run.
-  for_each_group(
-      cfg.params, groups().size(), first, last,
-      [&](std::size_t group, std::span<const std::size_t> members) {
-        const StepHyper* hyper = d_hyper_ + group;
-        if (is_adamw()) {
-          std::vector<AdamWTensor> t;
-          for (std::size_t i : members) {
-            AdamWTensor a{dst(i, 0),      dst(i, 1),
-                          dst(i, 2),      to_staging ? spec_[i].step : d_steps_ + i,
-                          params_[i].acc, compute(i)};
-            a.param_src = src(i, 0);
-            a.exp_avg_src = src(i, 1);
-            a.exp_avg_sq_src = src(i, 2);
-            t.push_back(a);
-          }
-          dev_.adamw_step(t, adamw_config(group),
-                          AdamWDeviceArgs{d_scale, d_clip, d_found_inf, hyper, d_bias_[group]});
-        } else {
-          std::vector<SignSgdTensor> t;
-          for (std::size_t i : members) {
-            SignSgdTensor a{dst(i, 0), params_[i].acc, compute(i)};
-            a.param_src = src(i, 0);
-            t.push_back(a);
-          }
-          dev_.sign_sgd_step(t, sign_sgd_config(group), SignSgdDeviceArgs{d_found_inf, hyper});
-        }
-      });
+  for_each_group(cfg.params, groups().size(), first, last,
+                 [&](std::size_t group, std::span<const std::size_t> members) {
+                   std::vector<OptimizerTensor> t;
+                   for (std::size_t i : members) {
+                     OptimizerTensor o{dst(i, 0)};
+                     o.param_src = src(i, 0);
+                     for (std::size_t k = 0; k < state_slots() && k < kMaxOptimizerSlots; ++k) {
+                       o.state[k] = dst(i, 1 + k);
+                       o.state_src[k] = src(i, 1 + k);
+                     }
+                     if (counts()) o.step = to_staging ? spec_[i].step : d_steps_ + i;
+                     o.grad = params_[i].acc;
+                     o.compute_param = compute(i);
+                     t.push_back(o);
+                   }
+                   device_optimizer_step(dev_, t, group_config(group),
+                                         DeviceStepArgs{d_scale, d_clip, d_found_inf,
+                                                        d_hyper_ + group, d_bias_[group]});
+                 });
 }
 
 // Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):
@@ -634,7 +610,7 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
 void GpuGradientManager::update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                                       const std::int32_t* d_found_inf, bool speculate) {
   const Chunk& c = chunks()[k];
-  if (speculate && is_adamw() && c.last > c.first)
+  if (speculate && counts() && c.last > c.first)
     dev_.copy(Queue::compute, spec_[c.first].step, d_steps_ + c.first,
               sizeof(float) * (c.last - c.first));
   if (!streamed()) {
@@ -670,14 +646,12 @@ void GpuGradientManager::update_all(const float* d_scale, const float* d_clip,
 
 float* GpuGradientManager::state_at(std::size_t i, std::size_t s, std::byte* slot) const {
   const Param& q = params_[i];
-  float* const resident[] = {q.master, q.exp_avg, q.exp_avg_sq};
-  const std::size_t offset[] = {q.master_off, q.exp_avg_off, q.exp_avg_sq_off};
-  return slot != nullptr ? reinterpret_cast<float*>(slot + offset[s]) : resident[s];
+  return slot != nullptr ? reinterpret_cast<float*>(slot + q.off[s]) : q.state[s];
 }
 
 std::size_t GpuGradientManager::rollback_bytes(std::size_t k) const {
   const Chunk& c = chunks()[k];
-  std::size_t bytes = is_adamw() ? align_up(sizeof(float) * (c.last - c.first)) : 0;
+  std::size_t bytes = counts() ? align_up(sizeof(float) * (c.last - c.first)) : 0;
   for (std::size_t i = c.first; i < c.last; ++i)
     bytes += slots() * align_up(sizeof(float) * params_[i].acc.numel) +
              align_up(params_[i].compute.bytes());
@@ -715,7 +689,7 @@ bool GpuGradientManager::admit(std::size_t k) {
       spec_[i].state[s] = reinterpret_cast<float*>(take(sizeof(float) * params_[i].acc.numel));
     spec_[i].compute = take(params_[i].compute.bytes());
   }
-  if (is_adamw() && c.last > c.first) {  // the chunk's counters, consecutive
+  if (counts() && c.last > c.first) {  // the chunk's counters, consecutive
     float* steps = reinterpret_cast<float*>(take(sizeof(float) * (c.last - c.first)));
     for (std::size_t i = c.first; i < c.last; ++i) spec_[i].step = steps + (i - c.first);
   }
@@ -740,7 +714,7 @@ void GpuGradientManager::commit(std::size_t k) {
     if (q.compute.numel != 0)
       dev_.copy(Queue::compute, q.compute.data, spec_[i].compute, q.compute.bytes());
   }
-  if (is_adamw() && c.last > c.first)
+  if (counts() && c.last > c.first)
     dev_.copy(Queue::compute, d_steps_ + c.first, spec_[c.first].step,
               sizeof(float) * (c.last - c.first));
 }
@@ -750,7 +724,7 @@ void GpuGradientManager::commit(std::size_t k) {
 // step drops them and steps nothing.
 void GpuGradientManager::decide_overlapped(const float* d_clip) {
   const bool finite = !report_.skipped;
-  const bool keep = finite && (report_.clip_coefficient == 1.0f || !is_adamw());
+  const bool keep = finite && (report_.clip_coefficient == 1.0f || !shape().reads_scaled);
   set_would_commit(keep);
   for (std::size_t k = 0; k < chunks().size(); ++k) {
     if (!speculated_[k]) continue;
@@ -776,16 +750,21 @@ void GpuGradientManager::finish_enqueue(bool copy_summary) {
 
 // ---- hooks ----------------------------------------------------------------------------
 
-void GpuGradientManager::do_import_parameter(std::size_t i, std::span<const float> master,
-                                             std::span<const float> exp_avg,
-                                             std::span<const float> exp_avg_sq, float step) {
+void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays,
+                                             float step) {
   wait_idle();
   const ParamSpec& p = config().params[i];
   Param& q = params_[i];
   const std::size_t bytes = p.numel * 4;
-  // One moment: the caller's values, or zero when empty (load_parameter).
-  auto put = [&](float* dst, std::span<const float> src) {
+  // Initial values other than +0, as host arrays (alive until the copies are waited for).
+  std::vector<std::vector<float>> initial;
+  // One array: the caller's values, or (empty: load_parameter) the slot's initial value.
+  auto put = [&](float* dst, std::span<const float> src, float init) {
     if (bytes == 0) return;
+    if (src.empty() && std::bit_cast<std::uint32_t>(init) != 0) {
+      initial.emplace_back(p.numel, init);
+      src = initial.back();
+    }
     if (streamed()) {
       if (src.empty())
         std::memset(dst, 0, bytes);
@@ -797,12 +776,10 @@ void GpuGradientManager::do_import_parameter(std::size_t i, std::span<const floa
       dev_.copy(Queue::compute, dst, src.data(), bytes);
     }
   };
-  put(q.master, master);
-  if (is_adamw()) {
-    put(q.exp_avg, exp_avg);
-    put(q.exp_avg_sq, exp_avg_sq);
-    dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
-  }
+  for (std::size_t s = 0; s < slots(); ++s)
+    put(q.state[s], arrays[s], s == 0 ? 0.0f : initial_slot_value(s - 1));
+  if (counts()) dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
+  const std::span<const float> master = arrays[0];
   std::vector<std::uint8_t> rounded;
   if (p.has_compute_weights) {
     rounded.resize(q.compute.bytes());
@@ -897,7 +874,7 @@ void GpuGradientManager::do_step() {
   }
   if (flag_known_) {
     if (!report_.skipped) {  // known finite: the device flag is 0, the clip is set
-      set_would_commit(report_.clip_coefficient == 1.0f || !is_adamw());
+      set_would_commit(report_.clip_coefficient == 1.0f || !shape().reads_scaled);
       update_all(d_scale, &d_->summary.clip, &d_->summary.found_inf);
     } else {
       set_would_commit(false);
@@ -921,47 +898,39 @@ ConstTensorView GpuGradientManager::do_compute_weights(std::size_t i) const {
   const Param& q = params_[i];
   if (config().params[i].has_compute_weights) return q.compute;
   // No compute copy: the master is used (device memory in mode none only).
-  if (!streamed()) return ConstTensorView(q.master, q.acc.numel, DType::f32);
+  if (!streamed()) return ConstTensorView(q.master(), q.acc.numel, DType::f32);
   return {};
 }
 
-void GpuGradientManager::do_read_parameter(std::size_t i, std::span<float> master,
-                                           std::span<float> exp_avg, std::span<float> exp_avg_sq,
+void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays,
                                            std::span<std::uint8_t> compute) {
   wait_idle();
   const Param& q = params_[i];
-  auto get = [&](void* dst, const void* src, std::size_t bytes) {
-    if (bytes == 0) return;
+  for (std::size_t s = 0; s < slots(); ++s) {
+    if (arrays[s].empty()) continue;
     if (streamed())
-      std::memcpy(dst, src, bytes);
+      std::memcpy(arrays[s].data(), q.state[s], arrays[s].size_bytes());
     else
-      dev_.copy(Queue::compute, dst, src, bytes);
-  };
-  get(master.data(), q.master, master.size_bytes());
-  get(exp_avg.data(), q.exp_avg, exp_avg.size_bytes());
-  get(exp_avg_sq.data(), q.exp_avg_sq, exp_avg_sq.size_bytes());
+      dev_.copy(Queue::compute, arrays[s].data(), q.state[s], arrays[s].size_bytes());
+  }
   if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
   wait_all();
 }
 
 void GpuGradientManager::do_step_counts(std::span<float> out) {
   wait_idle();
-  if (is_adamw() && !out.empty()) dev_.copy(Queue::compute, out.data(), d_steps_, out.size_bytes());
-  if (!is_adamw()) std::fill(out.begin(), out.end(), 0.0f);
+  if (counts() && !out.empty()) dev_.copy(Queue::compute, out.data(), d_steps_, out.size_bytes());
+  if (!counts()) std::fill(out.begin(), out.end(), 0.0f);
   wait_all();
 }
 
-GradientManager::HostState GpuGradientManager::do_host_state(std::size_t i) {
+ManagerImpl::HostArrays GpuGradientManager::do_host_state(std::size_t i) {
   wait_idle();
   if (!streamed()) return {};  // device memory
   const Param& q = params_[i];
   const std::size_t n = config().params[i].numel;
-  GradientManager::HostState h;
-  h.master = {q.master, n};
-  if (is_adamw()) {
-    h.exp_avg = {q.exp_avg, n};
-    h.exp_avg_sq = {q.exp_avg_sq, n};
-  }
+  HostArrays h;
+  for (std::size_t s = 0; s < slots(); ++s) h.a[s] = {q.state[s], n};
   return h;
 }
 

@@ -61,48 +61,9 @@ std::string_view speculation_name(Speculation policy) noexcept {
   return "?";
 }
 
-namespace {
-// The optimizers' names, indexed by OptimizerKind.
-constexpr std::string_view kOptimizerNames[] = {"adamw", "sign_sgd"};
-static_assert(static_cast<std::size_t>(OptimizerKind::adamw) == 0 &&
-              static_cast<std::size_t>(OptimizerKind::sign_sgd) == 1);
-}  // namespace
-
-OptimizerKind parse_optimizer(std::string_view name) {
-  for (std::size_t k = 0; k < std::size(kOptimizerNames); ++k)
-    if (name == kOptimizerNames[k]) return static_cast<OptimizerKind>(k);
-  throw Error(
-      Errc::invalid_argument, "optimizer",
-      "unknown optimizer '" + std::string(name) +
-          "': expected exactly one of adamw, sign_sgd (the optimizers stepcore implements)");
-}
-
-std::string_view optimizer_name(OptimizerKind kind) noexcept {
-  const auto k = static_cast<std::size_t>(kind);
-  return k < std::size(kOptimizerNames) ? kOptimizerNames[k] : "?";
-}
-
 // ---- the state the call sequence keeps, and the modes' chunks -------------------------
 
 namespace detail {
-
-void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
-                      const std::function<void()>& check) {
-  try {
-    check();
-  } catch (const Error& e) {
-    const std::string& arg = e.argument();
-    if (arg.rfind("config.", 0) != 0) throw;
-    const std::string field = arg.substr(7);
-    const bool group_field = field == "lr" || field == "weight_decay" || field == "beta1" ||
-                             field == "beta2" || field == "eps";
-    // The message after "stepcore: <code> in '<arg>': ".
-    const std::string what = e.what();
-    const std::string::size_type at = what.find("': ");
-    throw Error(e.code(), (group_field ? group_prefix : optimizer_prefix) + field,
-                at == std::string::npos ? what : what.substr(at + 3));
-  }
-}
 
 namespace {
 
@@ -110,20 +71,7 @@ namespace {
 // optimizer's hyper-parameters.
 std::vector<ParamGroup> resolve_groups(const ManagerConfig& c) {
   if (!c.groups.empty()) return c.groups;
-  ParamGroup g;
-  g.name = "default";
-  if (c.optimizer.kind == OptimizerKind::adamw) {
-    const AdamWConfig& a = c.optimizer.adamw;
-    g.lr = a.lr;
-    g.weight_decay = a.weight_decay;
-    g.beta1 = a.beta1;
-    g.beta2 = a.beta2;
-    g.eps = a.eps;
-  } else {
-    g.lr = c.optimizer.sign_sgd.lr;
-    g.weight_decay = c.optimizer.sign_sgd.weight_decay;
-  }
-  return {g};
+  return {default_group(c.optimizer)};
 }
 
 std::string indexed(const char* base, std::size_t i, const char* field) {
@@ -140,11 +88,11 @@ using detail::CallPhase;
 ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
   using namespace detail;  // the validators (core/validate.hpp) and the helpers above
   const std::size_t n = config_.params.size();
-  const OptimizerKind kind = config_.optimizer.kind;
-  if (kind != OptimizerKind::adamw && kind != OptimizerKind::sign_sgd)
-    throw Error(Errc::not_supported, "optimizer.kind",
-                std::to_string(static_cast<int>(kind)) +
-                    " is not an OptimizerKind: stepcore implements adamw and sign_sgd");
+  if (config_.optimizer.valueless_by_exception())
+    throw Error(Errc::invalid_argument, "optimizer", "holds no configuration");
+  shape_ = optimizer_shape(config_.optimizer);
+  for (std::string_view slot : shape_.slot_names)
+    initial_.push_back(detail::initial_slot_value(config_.optimizer, slot));
   if (config_.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
   if (config_.speculation != Speculation::always && config_.speculation != Speculation::never &&
       config_.speculation != Speculation::automatic)
@@ -168,7 +116,8 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
   // The groups: names, and each one's configuration as the optimizer will see it.
   groups_ = resolve_groups(config_);
   const bool implicit = config_.groups.empty();
-  const std::string opt_prefix = is_adamw() ? "optimizer.adamw." : "optimizer.sign_sgd.";
+  const std::string opt_prefix = "optimizer." + std::string(shape_.name) + ".";
+  const bool betas = has_betas(config_.optimizer);
   std::unordered_set<std::string_view> group_names;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g].name.empty())
@@ -176,12 +125,8 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
     if (!group_names.insert(groups_[g].name).second)
       throw Error(Errc::invalid_argument, indexed("groups", g, "name"),
                   "'" + groups_[g].name + "' names two groups");
-    with_group_names(implicit ? opt_prefix : indexed("groups", g, ""), opt_prefix, [&] {
-      if (is_adamw())
-        validate_adamw({}, adamw_config(g), {});
-      else
-        validate_sign_sgd({}, sign_sgd_config(g), {});
-    });
+    with_group_names(implicit ? opt_prefix : indexed("groups", g, ""), opt_prefix, betas,
+                     [&] { validate_config(group_config(g)); });
   }
 
   // The parameters: unique names (checkpoints key by them), groups, destinations.
@@ -233,22 +178,8 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
   chunk_pending_.assign(chunks_.size(), 0);
 }
 
-AdamWConfig ManagerImpl::adamw_config(std::size_t g) const {
-  AdamWConfig c = config_.optimizer.adamw;
-  const ParamGroup& p = groups_[g];
-  c.lr = p.lr;
-  c.weight_decay = p.weight_decay;
-  c.beta1 = p.beta1;
-  c.beta2 = p.beta2;
-  c.eps = p.eps;
-  return c;
-}
-
-SignSgdConfig ManagerImpl::sign_sgd_config(std::size_t g) const {
-  SignSgdConfig c = config_.optimizer.sign_sgd;
-  c.lr = groups_[g].lr;
-  c.weight_decay = groups_[g].weight_decay;
-  return c;
+OptimizerConfig ManagerImpl::group_config(std::size_t g) const {
+  return detail::group_config(config_.optimizer, groups_[g]);
 }
 
 void ManagerImpl::expect_param(std::size_t i) const {
@@ -312,39 +243,101 @@ void check_state_values(std::span<const float> values, std::size_t want, const s
   }
 }
 
-bool valid_step_count(float step, bool adamw) noexcept {
-  if (!adamw) return step == 0.0f && !std::signbit(step);
+bool valid_step_count(float step, bool counts_steps) noexcept {
+  if (!counts_steps) return step == 0.0f && !std::signbit(step);
   return step >= 0.0f && step <= 16777216.0f && step == std::floor(step);  // NaN fails
 }
 
 }  // namespace detail
+
+const std::vector<std::string_view>& GradientManager::state_slot_names() const noexcept {
+  return impl_->shape_.slot_names;
+}
 
 void GradientManager::load_parameter(std::size_t i, std::span<const float> master) {
   ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "load_parameter", "only between steps");
   m.expect_param(i);
   detail::check_state_values(master, m.config_.params[i].numel, "master", false);
-  m.guarded([&] { m.do_import_parameter(i, master, {}, {}, 0.0f); });
+  std::vector<std::span<const float>> arrays(1 + m.state_slots());
+  arrays[0] = master;
+  m.guarded([&] { m.do_import_parameter(i, arrays, 0.0f); });
+}
+
+namespace {
+
+// "exp_avg, exp_avg_sq" (or "none") for the messages about slot names.
+std::string slot_list(const std::vector<std::string_view>& names) {
+  std::string out;
+  for (std::string_view n : names) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out.empty() ? "none" : out;
+}
+
+// Returns, per slot name of `names`, the index into `given` of the entry naming it
+// (given.size() when absent); throws Errc::invalid_argument naming "state" for a name
+// that is not a slot or is given twice, and (`all`) for a slot not given.
+template <class Slot>
+std::vector<std::size_t> match_slots(const std::vector<std::string_view>& names,
+                                     std::span<const Slot> given, bool all,
+                                     std::string_view optimizer) {
+  std::vector<std::size_t> at(names.size(), given.size());
+  for (std::size_t k = 0; k < given.size(); ++k) {
+    std::size_t s = 0;
+    while (s < names.size() && names[s] != given[k].name) ++s;
+    if (s == names.size())
+      throw Error(Errc::invalid_argument, "state",
+                  "'" + std::string(given[k].name) + "' is not a state slot of this " +
+                      std::string(optimizer) + " (its slots: " + slot_list(names) + ")");
+    if (at[s] != given.size())
+      throw Error(Errc::invalid_argument, "state",
+                  "slot '" + std::string(names[s]) + "' is given twice");
+    at[s] = k;
+  }
+  for (std::size_t s = 0; s < names.size() && all; ++s)
+    if (at[s] == given.size())
+      throw Error(Errc::invalid_argument, "state",
+                  "slot '" + std::string(names[s]) + "' is missing (this " +
+                      std::string(optimizer) + " keeps " + slot_list(names) + ")");
+  return at;
+}
+
+}  // namespace
+
+void GradientManager::import_parameter(std::size_t i, std::span<const float> master,
+                                       std::span<const SlotIn> state, float step) {
+  ManagerImpl& m = *impl_;
+  m.expect(m.phase_ == CallPhase::idle, "import_parameter", "only between steps");
+  m.expect_param(i);
+  const std::size_t numel = m.config_.params[i].numel;
+  const auto& names = m.shape_.slot_names;
+  const std::vector<std::size_t> at = match_slots(names, state, true, m.shape_.name);
+  detail::check_state_values(master, numel, "master", false);
+  std::vector<std::span<const float>> arrays(1 + names.size());
+  arrays[0] = master;
+  for (std::size_t s = 0; s < names.size(); ++s) {
+    arrays[1 + s] = state[at[s]].values;
+    detail::check_state_values(arrays[1 + s], numel, std::string(names[s]),
+                               detail::slot_non_negative(names[s]));
+  }
+  const bool counts = m.shape_.counts_steps;
+  if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");
+  if (!detail::valid_step_count(step, counts))
+    throw Error(counts ? Errc::out_of_range : Errc::invalid_argument, "step",
+                counts
+                    ? std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)"
+                    : std::string(m.shape_.name) + " has no step counter: pass 0");
+  m.guarded([&] { m.do_import_parameter(i, arrays, step); });
 }
 
 void GradientManager::import_parameter(std::size_t i, std::span<const float> master,
                                        std::span<const float> exp_avg,
                                        std::span<const float> exp_avg_sq, float step) {
-  ManagerImpl& m = *impl_;
-  m.expect(m.phase_ == CallPhase::idle, "import_parameter", "only between steps");
-  m.expect_param(i);
-  const std::size_t numel = m.config_.params[i].numel;
-  const std::size_t moments = m.is_adamw() ? numel : 0;
-  detail::check_state_values(master, numel, "master", false);
-  detail::check_state_values(exp_avg, moments, "exp_avg", false);
-  detail::check_state_values(exp_avg_sq, moments, "exp_avg_sq", /*non_negative=*/true);
-  if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");
-  if (!detail::valid_step_count(step, m.is_adamw()))
-    throw Error(m.is_adamw() ? Errc::out_of_range : Errc::invalid_argument, "step",
-                m.is_adamw()
-                    ? std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)"
-                    : std::string("SignSGD has no step counter: pass 0"));
-  m.guarded([&] { m.do_import_parameter(i, master, exp_avg, exp_avg_sq, step); });
+  std::vector<SlotIn> state;
+  if (!exp_avg.empty() || !exp_avg_sq.empty() || impl_->state_slots() != 0) {
+    state.push_back({"exp_avg", exp_avg});
+    state.push_back({"exp_avg_sq", exp_avg_sq});
+  }
+  import_parameter(i, master, state, step);
 }
 
 std::size_t GradientManager::group_count() const noexcept { return impl_->groups_.size(); }
@@ -378,20 +371,14 @@ void GradientManager::set_hyperparameters(std::size_t g, const StepHyper& hyper)
            "this step overlaps the optimizer with its final backward, whose chunks already "
            "use the current values: set them before begin_backward(true) or after step()");
   // The group's configuration with the new values must pass the configuration's checks.
-  detail::with_group_names("hyper.", m.is_adamw() ? "optimizer.adamw." : "optimizer.sign_sgd.",
-                           [&] {
-                             if (m.is_adamw()) {
-                               AdamWConfig c = m.adamw_config(g);
-                               c.lr = hyper.lr;
-                               c.weight_decay = hyper.weight_decay;
-                               detail::validate_adamw({}, c, {});
-                             } else {
-                               SignSgdConfig c = m.sign_sgd_config(g);
-                               c.lr = hyper.lr;
-                               c.weight_decay = hyper.weight_decay;
-                               detail::validate_sign_sgd({}, c, {});
-                             }
-                           });
+  detail::with_group_names(
+      "hyper.", "optimizer." + std::string(m.shape_.name) + ".",
+      detail::has_betas(m.config_.optimizer), [&] {
+        ParamGroup changed = m.groups_[g];
+        changed.lr = hyper.lr;
+        changed.weight_decay = hyper.weight_decay;
+        detail::validate_config(detail::group_config(m.config_.optimizer, changed));
+      });
   m.groups_[g].lr = hyper.lr;
   m.groups_[g].weight_decay = hyper.weight_decay;
   ++m.hyper_version_;
@@ -567,23 +554,39 @@ ConstTensorView GradientManager::compute_weights(std::size_t i) const {
 }
 
 void GradientManager::read_parameter(std::size_t i, std::span<float> master,
-                                     std::span<float> exp_avg, std::span<float> exp_avg_sq,
+                                     std::span<const SlotOut> state,
                                      std::span<std::uint8_t> compute) {
   ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "read_parameter", "only between steps");
   m.expect_param(i);
   const ParamSpec& p = m.config_.params[i];
-  auto check = [&](std::size_t got, std::size_t want, const char* name) {
+  auto check = [&](std::size_t got, std::size_t want, const std::string& name) {
     if (got != 0 && got != want)
       throw Error(Errc::size_mismatch, name,
                   std::to_string(got) + " for " + std::to_string(want) + " expected");
   };
+  const auto& names = m.shape_.slot_names;
+  const std::vector<std::size_t> at = match_slots(names, state, false, m.shape_.name);
   check(master.size(), p.numel, "master");
-  check(exp_avg.size(), m.is_adamw() ? p.numel : 0, "exp_avg");
-  check(exp_avg_sq.size(), m.is_adamw() ? p.numel : 0, "exp_avg_sq");
+  std::vector<std::span<float>> arrays(1 + names.size());
+  arrays[0] = master;
+  for (std::size_t s = 0; s < names.size(); ++s)
+    if (at[s] != state.size()) {
+      arrays[1 + s] = state[at[s]].values;
+      check(arrays[1 + s].size(), p.numel, std::string(names[s]));
+    }
   check(compute.size(), p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0,
         "compute");
-  m.guarded([&] { m.do_read_parameter(i, master, exp_avg, exp_avg_sq, compute); });
+  m.guarded([&] { m.do_read_parameter(i, arrays, compute); });
+}
+
+void GradientManager::read_parameter(std::size_t i, std::span<float> master,
+                                     std::span<float> exp_avg, std::span<float> exp_avg_sq,
+                                     std::span<std::uint8_t> compute) {
+  std::vector<SlotOut> state;
+  if (!exp_avg.empty()) state.push_back({"exp_avg", exp_avg});
+  if (!exp_avg_sq.empty()) state.push_back({"exp_avg_sq", exp_avg_sq});
+  read_parameter(i, master, state, compute);
 }
 
 float GradientManager::step_count(std::size_t i) {
@@ -599,7 +602,12 @@ GradientManager::HostState GradientManager::host_state(std::size_t i) {
   ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "host_state", "only between steps");
   m.expect_param(i);
-  return m.guarded([&] { return m.do_host_state(i); });
+  const ManagerImpl::HostArrays h = m.guarded([&] { return m.do_host_state(i); });
+  HostState out;
+  out.master = h.a[0];
+  for (std::size_t s = 0; s < m.state_slots(); ++s)
+    out.slots.push_back({m.shape_.slot_names[s], h.a[1 + s]});
+  return out;
 }
 
 void GradientManager::synchronize() {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "managers/optimizer.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -36,9 +37,18 @@ class ManagerImpl {
   ManagerImpl& operator=(const ManagerImpl&) = delete;
 
  protected:
-  /// Validates the optimizer kind, the groups (each one's resolved configuration), the
+  /// Validates the optimizer, the groups (each one's resolved configuration), the
   /// parameters' groups and destinations and chunk_elements, and forms the chunks.
   explicit ManagerImpl(ManagerConfig config);
+
+  /// A parameter's optimizer state arrays in host memory, in slot order: [0] the master,
+  /// [1 + s] state slot s (state_slots() of them).
+  template <class T>
+  using Arrays = std::span<const std::span<T>>;
+  /// Host views of a parameter's resident state (empty where it is device memory).
+  struct HostArrays {
+    std::span<const float> a[1 + kMaxOptimizerSlots];
+  };
 
   /// The chunks: [first, last) parameter index ranges (see ManagerConfig).
   struct Chunk {
@@ -46,10 +56,9 @@ class ManagerImpl {
   };
 
   // ---- the modes' hooks (called after GradientManager validated the call) ----------
-  /// Sets parameter i's state (validated): empty moments mean zero (load_parameter).
-  virtual void do_import_parameter(std::size_t i, std::span<const float> master,
-                                   std::span<const float> exp_avg,
-                                   std::span<const float> exp_avg_sq, float step) = 0;
+  /// Sets parameter i's state (validated; `arrays` has 1 + state_slots() entries): an
+  /// empty slot means its initial value (load_parameter).
+  virtual void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) = 0;
   virtual void do_begin_step() = 0;
   virtual void do_begin_backward() = 0;
   virtual TensorView do_gradient(std::size_t i) = 0;
@@ -74,12 +83,13 @@ class ManagerImpl {
   virtual void do_step() = 0;
   virtual StepReport do_report() = 0;
   virtual ConstTensorView do_compute_weights(std::size_t i) const = 0;
-  virtual void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
-                                 std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) = 0;
+  /// Copies parameter i's arrays (1 + state_slots() entries, each empty to skip it).
+  virtual void do_read_parameter(std::size_t i, Arrays<float> arrays,
+                                 std::span<std::uint8_t> compute) = 0;
   /// Writes every parameter's step counter to out (out.size() == number of parameters).
   virtual void do_step_counts(std::span<float> out) = 0;
   /// Views of host-resident state (empty where it is device memory).
-  virtual GradientManager::HostState do_host_state(std::size_t i) = 0;
+  virtual HostArrays do_host_state(std::size_t i) = 0;
   virtual void do_synchronize() = 0;
   /// After a failure (load_checkpoint of a failed manager): waits for the work the
   /// failed step left queued, drops its errors and the step's state, so that state can
@@ -112,17 +122,21 @@ class ManagerImpl {
   std::chrono::steady_clock::time_point last_gradient_time() const noexcept {
     return last_gradient_;
   }
-  bool is_adamw() const noexcept { return config_.optimizer.kind == OptimizerKind::adamw; }
+  /// The optimizer's state: slot names, step counter, read (fixed by the configuration).
+  const detail::OptimizerShape& shape() const noexcept { return shape_; }
+  /// The number of state slots beside the master.
+  std::size_t state_slots() const noexcept { return shape_.slot_names.size(); }
+  /// The value state slot s starts from (load_parameter).
+  float initial_slot_value(std::size_t s) const noexcept { return initial_[s]; }
   /// The groups' current hyper-parameters (set_hyperparameters changes lr and weight decay
   /// between the calls of the caller's thread; the modes read them there).
   const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
   /// Changes whenever a group's lr or weight decay changes (the device managers upload
   /// the groups' values when it differs from what they uploaded last).
   std::uint64_t hyper_version() const noexcept { return hyper_version_; }
-  /// Group g's AdamW / SignSGD configuration: the optimizer's formula with the group's
-  /// current hyper-parameters.
-  AdamWConfig adamw_config(std::size_t g) const;
-  SignSgdConfig sign_sgd_config(std::size_t g) const;
+  /// Group g's optimizer configuration: the optimizer's with the group's current
+  /// hyper-parameters.
+  OptimizerConfig group_config(std::size_t g) const;
 
  private:
   friend class ::stepcore::GradientManager;  // runs the call sequence over this state
@@ -136,6 +150,8 @@ class ManagerImpl {
   decltype(auto) guarded(F&& f);
 
   ManagerConfig config_;
+  detail::OptimizerShape shape_;
+  std::vector<float> initial_;  // per state slot: its initial value
   std::vector<ParamGroup> groups_;
   std::uint64_t hyper_version_ = 0;
   std::vector<Chunk> chunks_;
@@ -189,15 +205,9 @@ namespace detail {
 /// by `where` (e.g. "<path>: "). One branch-free pass; only a bad array is searched.
 void check_state_values(std::span<const float> values, std::size_t want, const std::string& name,
                         bool non_negative, const std::string& where = "");
-/// Returns true for a step counter a manager can continue from: for AdamW an integer in
-/// [0, 2^24] (what an f32 counter holds exactly), for SignSGD (no counter) +0.
-bool valid_step_count(float step, bool adamw) noexcept;
-
-/// Runs `check` (a validation of a resolved optimizer configuration, whose errors name
-/// "config.<field>") and rethrows its Error naming `group_prefix` + field for a group's
-/// fields (lr, weight_decay, beta1, beta2, eps) and `optimizer_prefix` + field otherwise.
-void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
-                      const std::function<void()>& check);
+/// Returns true for a step counter a manager can continue from: with a counter an integer
+/// in [0, 2^24] (what an f32 counter holds exactly), without one +0.
+bool valid_step_count(float step, bool counts_steps) noexcept;
 
 }  // namespace detail
 }  // namespace stepcore

@@ -77,9 +77,7 @@ class OffloadGradientManager final : public ManagerImpl {
   ~OffloadGradientManager() override { (void)do_close(); }
 
  protected:
-  void do_import_parameter(std::size_t i, std::span<const float> master,
-                           std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
-                           float step) override;
+  void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
   void do_begin_step() override;
   void do_begin_backward() override;
   TensorView do_gradient(std::size_t i) override;
@@ -93,10 +91,10 @@ class OffloadGradientManager final : public ManagerImpl {
   void do_step() override;
   StepReport do_report() override;
   ConstTensorView do_compute_weights(std::size_t i) const override;
-  void do_read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
-                         std::span<float> exp_avg_sq, std::span<std::uint8_t> compute) override;
+  void do_read_parameter(std::size_t i, Arrays<float> arrays,
+                         std::span<std::uint8_t> compute) override;
   void do_step_counts(std::span<float> out) override;
-  GradientManager::HostState do_host_state(std::size_t i) override;
+  HostArrays do_host_state(std::size_t i) override;
   void do_synchronize() override;
   void do_recover() override;
   std::exception_ptr do_close() noexcept override;
@@ -106,10 +104,11 @@ class OffloadGradientManager final : public ManagerImpl {
   }
 
  private:
-  // The optimizer state arrays of a parameter, in slot order: master, then (AdamW)
-  // exp_avg and exp_avg_sq. Saving, restoring and committing go over this list, never
+  // The optimizer state arrays of a parameter, in slot order: master, then the
+  // optimizer's state slots. Saving, restoring and committing go over this list, never
   // over the arrays by name.
-  static constexpr std::size_t kMaxSlots = 3;
+  static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
+  static constexpr std::size_t kStateViews = 1 + kMaxSlots;  // acc and the slots
   using Slots = std::array<TensorView, kMaxSlots>;
 
   // Per-parameter views into the slabs.
@@ -124,7 +123,7 @@ class OffloadGradientManager final : public ManagerImpl {
     Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
     const TensorView& master() const { return state[0]; }
   };
-  std::size_t slots() const noexcept { return is_adamw() ? 3 : 1; }
+  std::size_t slots() const noexcept { return 1 + state_slots(); }
 
   // Carves the slabs into the per-parameter views and places the state pages.
   void carve(const SlabLayout& dl, const SlabLayout& pl, const SlabLayout& sl);
@@ -150,10 +149,7 @@ class OffloadGradientManager final : public ManagerImpl {
   NormResult global_norm(float scale);
   // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
   // change the groups while they wait).
-  struct GroupConfigs {
-    std::vector<AdamWConfig> adamw;
-    std::vector<SignSgdConfig> sign_sgd;
-  };
+  using GroupConfigs = std::vector<OptimizerConfig>;
   GroupConfigs group_configs() const;
   // Steps chunk k (worker): in place, or (into_spare) reading the live state and writing
   // the spares, the step counters into spec_steps_.
@@ -165,7 +161,8 @@ class OffloadGradientManager final : public ManagerImpl {
   NormResult overlapped_global_norm(float scale);
   // Posts the step's last task: waits for its uploads and stamps the end of the step.
   void post_step_end();
-  // The decision keeps the speculated chunks (finite, coefficient 1 or SignSGD).
+  // The decision keeps the speculated chunks (finite, and coefficient 1 or an optimizer
+  // that does not read it).
   bool keeps_speculation() const;
   // Makes this step's speculative tasks not yet run skip (a rollback or skip).
   void cancel_speculation();
@@ -235,8 +232,9 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     : ManagerImpl(std::move(config)), dev_(*this->config().device), engine_(this->config().engine) {
   const ManagerConfig& cfg = this->config();
   // Layouts: device (gradients, compute weights), pinned (staging, upload buffers) and
-  // host state (acc, master, moments), each one slab of 256-byte aligned views: per
-  // parameter i views 2i, 2i + 1 of the device and pinned slabs, 4i .. 4i + 3 of the state.
+  // host state (acc, master, state slots), each one slab of 256-byte aligned views: per
+  // parameter i views 2i, 2i + 1 of the device and pinned slabs, kStateViews * i + v of
+  // the state (v = 0 acc, 1 master, 2 + s slot s).
   SlabViews dev_views, pin_views, state_views;
   for (const ParamSpec& p : cfg.params) {
     const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
@@ -247,8 +245,7 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     dev_views.add(p.compute_into.data == nullptr && p.compute_into.numel == 0 ? cb : 0);
     pin_views.add(gb);
     pin_views.add(cb);
-    for (std::size_t bytes : {fb, fb, is_adamw() ? fb : 0, is_adamw() ? fb : 0})  // acc, state
-      state_views.add(bytes);
+    for (std::size_t v = 0; v < kStateViews; ++v) state_views.add(v < 1 + slots() ? fb : 0);
   }
   const SlabLayout dl = dev_views.layout(), pl = pin_views.layout(), sl = state_views.layout();
   state_ = numa::HostBuffer(std::max<std::size_t>(sl.total_bytes, 1), cfg.numa_node);
@@ -284,9 +281,9 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
       v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
     v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
     v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
-    v.acc = f32_at(sl.offsets[4 * i], p.numel);
+    v.acc = f32_at(sl.offsets[kStateViews * i], p.numel);
     for (std::size_t s = 0; s < slots(); ++s)
-      v.state[s] = f32_at(sl.offsets[4 * i + 1 + s], p.numel);
+      v.state[s] = f32_at(sl.offsets[kStateViews * i + 1 + s], p.numel);
     if (p.counts_toward_norm) counted_acc_.push_back(v.acc);
   }
   steps_.assign(n, 0.0f);
@@ -449,12 +446,7 @@ NormResult OffloadGradientManager::global_norm(float scale) {
 
 OffloadGradientManager::GroupConfigs OffloadGradientManager::group_configs() const {
   GroupConfigs c;
-  for (std::size_t g = 0; g < groups().size(); ++g) {
-    if (is_adamw())
-      c.adamw.push_back(adamw_config(g));
-    else
-      c.sign_sgd.push_back(sign_sgd_config(g));
-  }
+  for (std::size_t g = 0; g < groups().size(); ++g) c.push_back(group_config(g));
   return c;
 }
 
@@ -462,40 +454,31 @@ void OffloadGradientManager::step_chunk(std::size_t k, GradientRead read,
                                         const GroupConfigs& configs, bool into_spare) {
   const Chunk& c = chunks()[k];
   const std::vector<ParamSpec>& specs = config().params;
-  // Out of place: the live state is the source, the spare the destination.
-  auto src = [into_spare](const Param& p, std::size_t s) {
-    return into_spare ? ConstTensorView(p.state[s]) : ConstTensorView{};
-  };
-  auto dst = [into_spare](const Param& p, std::size_t s) {
-    return into_spare ? p.spare[s] : p.state[s];
-  };
-  // One call per parameter group.
+  const bool counts = shape().counts_steps;
+  // An optimizer that does not read the scale and clip (SignSGD) reads them as 1, so
+  // that a zero clip coefficient (max_norm = 0) is not refused.
+  const GradientRead r = shape().reads_scaled ? read : GradientRead{};
+  // One call per parameter group; out of place, the live state is the source and the
+  // spare the destination.
   for_each_group(specs, groups().size(), c.first, c.last,
                  [&](std::size_t group, std::span<const std::size_t> members) {
-                   if (is_adamw()) {
-                     std::vector<AdamWTensor> t;
-                     for (std::size_t i : members) {
-                       const Param& p = params_[i];
-                       float* step = &steps_[i];
-                       if (into_spare) step = &(spec_steps_[i] = steps_[i]);
-                       AdamWTensor a{dst(p, 0), dst(p, 1), dst(p, 2), step, p.acc, p.out};
-                       a.param_src = src(p, 0);
-                       a.exp_avg_src = src(p, 1);
-                       a.exp_avg_sq_src = src(p, 2);
-                       t.push_back(a);
+                   std::vector<OptimizerTensor> t;
+                   for (std::size_t i : members) {
+                     const Param& p = params_[i];
+                     OptimizerTensor o{into_spare ? p.spare[0] : p.state[0]};
+                     for (std::size_t k = 0; k < state_slots() && k < kMaxOptimizerSlots; ++k) {
+                       o.state[k] = into_spare ? p.spare[1 + k] : p.state[1 + k];
+                       if (into_spare) o.state_src[k] = p.state[1 + k];
                      }
-                     engine_.adamw_step(t, configs.adamw[group], read);
-                   } else {
-                     std::vector<SignSgdTensor> t;
-                     for (std::size_t i : members) {
-                       SignSgdTensor a{dst(params_[i], 0), params_[i].acc, params_[i].out};
-                       a.param_src = src(params_[i], 0);
-                       t.push_back(a);
-                     }
-                     // SignSGD does not apply the (positive) scale and clip: read them
-                     // as 1 so that a zero clip coefficient (max_norm = 0) is not refused.
-                     engine_.sign_sgd_step(t, configs.sign_sgd[group], GradientRead{});
+                     if (into_spare) o.param_src = p.state[0];
+                     if (counts) o.step = into_spare ? &(spec_steps_[i] = steps_[i]) : &steps_[i];
+                     o.grad = p.acc;
+                     o.compute_param = p.out;
+                     t.push_back(o);
                    }
+                   with_unit(configs[group], [&](auto, const auto& cfg) {
+                     engine_.step(std::span<const OptimizerTensor>(t), cfg, r);
+                   });
                  });
 }
 
@@ -537,25 +520,24 @@ void OffloadGradientManager::wait_uploads() {
 
 // ---- the hooks ----------------------------------------------------------------------------
 
-void OffloadGradientManager::do_import_parameter(std::size_t i, std::span<const float> master,
-                                                 std::span<const float> exp_avg,
-                                                 std::span<const float> exp_avg_sq, float step) {
+void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays,
+                                                 float step) {
   drain();
   wait_uploads();
   Param& p = params_[i];
-  // One array: the caller's values, or zero when empty (load_parameter).
-  auto put = [](const TensorView& dst, std::span<const float> src) {
-    if (dst.numel == 0) return;
-    if (src.empty())
-      std::memset(dst.data, 0, dst.bytes());
-    else
-      std::memcpy(dst.data, src.data(), dst.bytes());
-  };
-  const std::span<const float> values[kMaxSlots] = {master, exp_avg, exp_avg_sq};
-  for (std::size_t s = 0; s < slots(); ++s) put(p.state[s], values[s]);
+  for (std::size_t s = 0; s < slots(); ++s) {
+    const TensorView& dst = p.state[s];
+    if (dst.numel == 0) continue;
+    if (!arrays[s].empty()) {
+      std::memcpy(dst.data, arrays[s].data(), dst.bytes());
+    } else {  // a slot's initial value (the master is never empty here)
+      float* d = static_cast<float*>(dst.data);
+      std::fill(d, d + dst.numel, initial_slot_value(s - 1));
+    }
+  }
   steps_[i] = step;
   if (p.out.numel == 0) return;
-  round_into(master, p.out);
+  round_into(arrays[0], p.out);
   const Event e = on_device([&] {
     dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
     return last_upload_ = dev_.record(Queue::h2d);
@@ -749,9 +731,9 @@ NormResult OffloadGradientManager::do_clip_grad_norm(float max_norm, float& clip
 }
 
 bool OffloadGradientManager::keeps_speculation() const {
-  // Speculated chunks stay as they are when the coefficient is 1 (SignSGD: any
-  // coefficient, its update takes the gradient's sign) and the step is finite.
-  return norm_.finite && (clip_ == 1.0f || !is_adamw());
+  // Speculated chunks stay as they are when the coefficient is 1 (an optimizer that does
+  // not read it, SignSGD: any coefficient) and the step is finite.
+  return norm_.finite && (clip_ == 1.0f || !shape().reads_scaled);
 }
 
 void OffloadGradientManager::cancel_speculation() {
@@ -789,7 +771,7 @@ void OffloadGradientManager::do_step() {
         // Commit: the spares hold the stepped state; the old live arrays become spares.
         for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
           std::swap(params_[i].state, params_[i].spare);
-          if (is_adamw()) steps_[i] = spec_steps_[i];
+          if (shape().counts_steps) steps_[i] = spec_steps_[i];
         }
         upload_chunk(k, backward, has_stage_[k] != 0);
       });
@@ -819,16 +801,13 @@ ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const 
   return params_[i].compute;
 }
 
-void OffloadGradientManager::do_read_parameter(std::size_t i, std::span<float> master,
-                                               std::span<float> exp_avg,
-                                               std::span<float> exp_avg_sq,
+void OffloadGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays,
                                                std::span<std::uint8_t> compute) {
   drain();
   wait_uploads();
   const Param& p = params_[i];
-  const std::span<float> out[kMaxSlots] = {master, exp_avg, exp_avg_sq};
   for (std::size_t s = 0; s < slots(); ++s)
-    if (!out[s].empty()) std::memcpy(out[s].data(), p.state[s].data, out[s].size_bytes());
+    if (!arrays[s].empty()) std::memcpy(arrays[s].data(), p.state[s].data, arrays[s].size_bytes());
   if (compute.empty()) return;
   // What the device holds, through the (idle) pinned upload buffer.
   const Event e = on_device([&] {
@@ -844,14 +823,14 @@ void OffloadGradientManager::do_step_counts(std::span<float> out) {
   std::copy(steps_.begin(), steps_.end(), out.begin());
 }
 
-GradientManager::HostState OffloadGradientManager::do_host_state(std::size_t i) {
+ManagerImpl::HostArrays OffloadGradientManager::do_host_state(std::size_t i) {
   drain();
   wait_uploads();
   const Param& p = params_[i];
-  auto view = [](const TensorView& t) {
-    return std::span<const float>(static_cast<const float*>(t.data), t.numel);
-  };
-  return {view(p.state[0]), view(p.state[1]), view(p.state[2])};
+  HostArrays h;
+  for (std::size_t s = 0; s < slots(); ++s)
+    h.a[s] = {static_cast<const float*>(p.state[s].data), p.state[s].numel};
+  return h;
 }
 
 void OffloadGradientManager::do_synchronize() {

@@ -60,7 +60,7 @@ struct Poison {
 /// What one run does.
 struct Scenario {
   DType grad_dtype = DType::bf16;
-  OptimizerKind optimizer = OptimizerKind::adamw;
+  OptimizerConfig optimizer = AdamWConfig{};
   std::optional<float> max_norm;
   bool overlap = false;
   std::optional<Poison> poison;
@@ -78,16 +78,22 @@ struct Shard {
   std::vector<std::size_t> offset, numel;
 };
 
-inline OptimizerSpec optimizer_of(OptimizerKind kind,
-                                  AdamWFormula formula = AdamWConfig{}.formula) {
-  OptimizerSpec o;
-  o.kind = kind;
-  o.adamw.formula = formula;
-  o.adamw.lr = 2e-3;
-  o.adamw.weight_decay = 0.1;
-  o.sign_sgd.lr = 1e-3;
-  o.sign_sgd.weight_decay = 0.05;
-  return o;
+/// Returns `kind` with AdamW's lr 2e-3, weight decay 0.1 and `formula`, or SignSGD's lr
+/// 1e-3 and weight decay 0.05 (the others: lr 1e-3, weight decay 0.05).
+inline OptimizerConfig optimizer_of(OptimizerConfig kind,
+                                    AdamWFormula formula = AdamWConfig{}.formula) {
+  std::visit(
+      [](auto& c) {
+        c.lr = 1e-3;
+        c.weight_decay = 0.05;
+      },
+      kind);
+  if (auto* a = std::get_if<AdamWConfig>(&kind)) {
+    a->formula = formula;
+    a->lr = 2e-3;
+    a->weight_decay = 0.1;
+  }
+  return kind;
 }
 
 /// Parameter 1 gets no gradient in micro-batch 0, parameter 6 none in step 1.
@@ -170,7 +176,6 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
     for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, offset(i) + j);
     m->load_parameter(i, init);
   }
-  const bool adamw = sc.optimizer == OptimizerKind::adamw;
   std::vector<StepOut> out;
   for (int s = 0; s < kSteps; ++s) {
     m->begin_step(step_scale(s), sc.overlap);
@@ -215,10 +220,12 @@ inline std::vector<StepOut> run_manager(device::Device& dev, const Scenario& sc,
       const ParamSpec& p = cfg.params[i];
       ParamState st;
       st.master.resize(p.numel);
-      st.exp_avg.resize(adamw ? p.numel : 0);
-      st.exp_avg_sq.resize(adamw ? p.numel : 0);
+      std::vector<SlotOut> named;
+      st.slots.resize(m->state_slot_names().size(), std::vector<float>(p.numel));
+      for (std::size_t k = 0; k < st.slots.size(); ++k)
+        named.push_back({m->state_slot_names()[k], st.slots[k]});
       st.compute.resize(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
-      m->read_parameter(i, st.master, st.exp_avg, st.exp_avg_sq, st.compute);
+      m->read_parameter(i, st.master, named, st.compute);
       o.state.push_back(std::move(st));
     }
     out.push_back(std::move(o));
@@ -281,7 +288,7 @@ inline void expect_same(const std::vector<StepOut>& got, const std::vector<StepO
 inline std::vector<Scenario> all_scenarios() {
   std::vector<Scenario> out;
   for (DType d : {DType::bf16, DType::f32})
-    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
+    for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}}) {
       for (std::optional<float> mn :
            {std::optional<float>{}, std::optional<float>{0.05f}, std::optional<float>{100.0f}})
         out.push_back({d, opt, mn, false, {}});
@@ -324,7 +331,7 @@ template <class MakeDevice>
 void non_finite(MakeDevice make_device) {
   for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.5f}})
     for (bool overlap : {false, true}) {
-      for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
+      for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}}) {
         const Scenario sc{DType::bf16, opt, mn, overlap, Poison{1, 1, 4}};
         SCOPED_TRACE(sc.label());
         const auto want = run_reference(sc);

@@ -129,8 +129,9 @@ struct StepRecord {
   bool skipped = false;
   /// Overlapped steps: chunks speculated, committed and rolled back (report()).
   std::size_t speculated = 0, committed = 0, rolled_back = 0;
-  std::vector<std::vector<std::uint8_t>> state;  ///< per parameter: master|m|v|compute bytes
-  std::vector<float> steps;                      ///< per parameter: step_count(i)
+  /// Per parameter: its master|state slots (in the optimizer's order)|compute bytes.
+  std::vector<std::vector<std::uint8_t>> state;
+  std::vector<float> steps;  ///< per parameter: step_count(i)
   /// report(): the norm, the clip coefficient and stepped (what the records above do not
   /// already hold; compared by the tests that ask for them).
   std::uint32_t report_norm_bits = 0, clip_bits = 0;
@@ -271,19 +272,21 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     r.report_norm_bits = std::bit_cast<std::uint32_t>(rep.norm.norm);
     r.clip_bits = std::bit_cast<std::uint32_t>(rep.clip_coefficient);
     r.stepped = rep.stepped;
-    const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
+    const std::vector<std::string_view>& slots = m.state_slot_names();
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
-      std::vector<float> master(p.numel), ea(adamw ? p.numel : 0), eas(adamw ? p.numel : 0);
+      // master, then each state slot in the optimizer's order, then the compute bytes.
+      std::vector<std::vector<float>> arrays(1 + slots.size(), std::vector<float>(p.numel));
+      std::vector<SlotOut> named;
+      for (std::size_t s = 0; s < slots.size(); ++s) named.push_back({slots[s], arrays[1 + s]});
       std::vector<std::uint8_t> compute(
           p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
-      m.read_parameter(i, master, ea, eas, compute);
-      std::vector<std::uint8_t> bytes((master.size() + ea.size() + eas.size()) * 4 +
-                                      compute.size());
+      m.read_parameter(i, arrays[0], named, compute);
+      std::vector<std::uint8_t> bytes(arrays.size() * p.numel * 4 + compute.size());
       std::size_t at = 0;
-      for (const auto* v : {&master, &ea, &eas}) {
-        if (!v->empty()) std::memcpy(bytes.data() + at, v->data(), v->size() * 4);
-        at += v->size() * 4;
+      for (const std::vector<float>& v : arrays) {
+        if (!v.empty()) std::memcpy(bytes.data() + at, v.data(), v.size() * 4);
+        at += v.size() * 4;
       }
       if (!compute.empty()) std::memcpy(bytes.data() + at, compute.data(), compute.size());
       r.state.push_back(std::move(bytes));

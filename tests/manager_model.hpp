@@ -15,6 +15,7 @@
 #include <optional>
 #include <span>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "stepcore/convert.hpp"
@@ -28,18 +29,21 @@ namespace manager_model {
 
 using namespace stepcore;
 
-/// One parameter's state: master, moments (empty for SignSGD), compute weights (bytes in
-/// compute_dtype; empty without compute weights).
+/// One parameter's state: master, the optimizer's state slots in its order (none for
+/// SignSGD), compute weights (bytes in compute_dtype; empty without compute weights).
 struct ParamState {
-  std::vector<float> master, exp_avg, exp_avg_sq;
+  std::vector<float> master;
+  std::vector<std::vector<float>> slots;
   std::vector<std::uint8_t> compute;
   bool operator==(const ParamState& o) const {
     auto same = [](const auto& a, const auto& b) {
       return a.size() == b.size() &&
              (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
     };
-    return same(master, o.master) && same(exp_avg, o.exp_avg) && same(exp_avg_sq, o.exp_avg_sq) &&
-           same(compute, o.compute);
+    if (slots.size() != o.slots.size()) return false;
+    for (std::size_t s = 0; s < slots.size(); ++s)
+      if (!same(slots[s], o.slots[s])) return false;
+    return same(master, o.master) && same(compute, o.compute);
   }
   /// Returns elements [off, off + n) of every array (compute: `compute_size` bytes each).
   ParamState slice(std::size_t off, std::size_t n, std::size_t compute_size) const {
@@ -48,14 +52,65 @@ struct ParamState {
       return v.empty() ? v : std::vector<float>(v.begin() + off, v.begin() + off + n);
     };
     s.master = cut(master);
-    s.exp_avg = cut(exp_avg);
-    s.exp_avg_sq = cut(exp_avg_sq);
+    for (const auto& v : slots) s.slots.push_back(cut(v));
     if (!compute.empty())
       s.compute.assign(compute.begin() + off * compute_size,
                        compute.begin() + (off + n) * compute_size);
     return s;
   }
 };
+
+/// The optimizer's state slots as docs/numerics.md names them for this configuration, and
+/// the value each starts from (torch's initial state: Adagrad's sum holds
+/// f32(initial_accumulator_value), everything else +0), written out per optimizer.
+inline std::vector<float> initial_slots(const OptimizerConfig& c) {
+  if (const auto* a = std::get_if<AdamWConfig>(&c)) return std::vector<float>(a->amsgrad ? 3 : 2);
+  if (const auto* a = std::get_if<AdamConfig>(&c)) return std::vector<float>(a->amsgrad ? 3 : 2);
+  if (const auto* a = std::get_if<SgdConfig>(&c)) return std::vector<float>(a->momentum != 0.0);
+  if (const auto* a = std::get_if<AdagradConfig>(&c))
+    return {static_cast<float>(a->initial_accumulator_value)};
+  return {};  // SignSGD
+}
+
+/// True for the optimizers whose update reads the gradient's scale and clip (all but
+/// SignSGD, which takes the sign of the raw accumulator).
+inline bool reads_scaled(const OptimizerConfig& c) {
+  return !std::holds_alternative<SignSgdConfig>(c);
+}
+
+/// True for the optimizers with a step counter per tensor (all but SignSGD).
+inline bool counts_steps(const OptimizerConfig& c) {
+  return !std::holds_alternative<SignSgdConfig>(c);
+}
+
+/// One reference step of the optimizer `c` configures over `t`.
+inline void reference_step(std::span<const OptimizerTensor> t, const OptimizerConfig& c,
+                           GradientRead read) {
+  if (const auto* a = std::get_if<AdamWConfig>(&c)) return reference::adamw_step(t, *a, read);
+  if (const auto* a = std::get_if<AdamConfig>(&c)) return reference::adam_step(t, *a, read);
+  if (const auto* a = std::get_if<SgdConfig>(&c)) return reference::sgd_step(t, *a, read);
+  if (const auto* a = std::get_if<AdagradConfig>(&c)) return reference::adagrad_step(t, *a, read);
+  std::vector<SignSgdTensor> s;
+  for (const OptimizerTensor& o : t) s.push_back({o.param, o.grad, o.compute_param});
+  reference::sign_sgd_step(s, std::get<SignSgdConfig>(c), read);
+}
+
+/// Returns `c` with a group's hyper-parameters: lr and weight decay, and for the
+/// optimizers with betas (AdamW, Adam) the betas and eps.
+inline OptimizerConfig with_group(OptimizerConfig c, const ParamGroup& g) {
+  std::visit(
+      [&](auto& x) {
+        x.lr = g.lr;
+        x.weight_decay = g.weight_decay;
+        if constexpr (requires { x.beta1; }) {
+          x.beta1 = g.beta1;
+          x.beta2 = g.beta2;
+          x.eps = g.eps;
+        }
+      },
+      c);
+  return c;
+}
 
 /// The gradient stream a test's trainer runs, over the whole model.
 struct Stream {
@@ -86,7 +141,7 @@ inline Stream fixed_stream(int steps, int micro, std::function<float(int)> scale
 /// The managers' configuration, as far as the results depend on it.
 struct Setup {
   std::vector<ParamSpec> params;  ///< the whole model
-  OptimizerSpec optimizer;
+  OptimizerConfig optimizer;      ///< its lr, weight decay (betas, eps) when there are no groups
   std::size_t chunk_elements = 0;
   std::optional<float> max_norm;  ///< clip_grad_norm(*max_norm) in every step
   bool overlap = false;           ///< begin_step(scale, overlap)
@@ -98,7 +153,7 @@ struct Setup {
   std::function<StepHyper(int step, std::size_t group)> schedule;
   /// When set: per parameter, the first elements of the tensors the optimizer is given
   /// (a sharded run's shard offsets, ascending from 0): each is updated as a tensor of its
-  /// own, as the ranks do. Only AdamW's torch formula can tell (its tail form falls on
+  /// own, as the ranks do. Only the torch formulas with a tail form can tell (it falls on
   /// each tensor's last numel mod W elements); the norm stays the whole model's.
   std::vector<std::vector<std::size_t>> segments;
   /// When set: clip_grad_norm(*max_norm_of(step)) in the steps where it has a value (the
@@ -111,7 +166,7 @@ struct Step {
   StepReport report;             ///< report(); norm (also clip_grad_norm's result), clip, counts
   float effective_scale = 1.0f;  ///< effective_gradient_scale()
   std::vector<ParamState> state;
-  std::vector<float> steps;  ///< per parameter: the AdamW step counter (0 for SignSGD)
+  std::vector<float> steps;  ///< per parameter: the step counter (0 for SignSGD)
 };
 
 struct Run {
@@ -163,7 +218,7 @@ inline std::vector<std::pair<std::size_t, std::size_t>> chunks_of(
 inline Run run(const Setup& setup, const Stream& stream) {
   const std::vector<ParamSpec>& params = setup.params;
   const std::size_t n = params.size();
-  const bool adamw = setup.optimizer.kind == OptimizerKind::adamw;
+  const std::vector<float> initial = initial_slots(setup.optimizer);
   std::vector<ParamState> st(n);
   std::vector<std::vector<float>> acc(n);
   std::vector<float> steps(n, 0.0f);
@@ -171,27 +226,29 @@ inline Run run(const Setup& setup, const Stream& stream) {
     const std::size_t numel = params[i].numel;
     st[i].master.resize(numel);
     for (std::size_t j = 0; j < numel; ++j) st[i].master[j] = stream.initial_master(i, j);
-    if (adamw) {
-      st[i].exp_avg.assign(numel, 0.0f);
-      st[i].exp_avg_sq.assign(numel, 0.0f);
-    }
+    for (float v : initial) st[i].slots.emplace_back(numel, v);
     if (params[i].has_compute_weights)
       st[i].compute = rounded(st[i].master, params[i].compute_dtype);
     acc[i].assign(numel, 0.0f);
   }
   const auto chunks = chunks_of(params, setup.chunk_elements);
   int step_now = 0;
-  // Parameter i's hyper-parameters in the current step: its group's (or the optimizer's),
-  // with the schedule's lr and weight decay.
-  auto group_of = [&](std::size_t i) {
+  // Parameter i's configuration in the current step: its group's hyper-parameters (or the
+  // optimizer's), with the schedule's lr and weight decay.
+  auto config_of = [&](std::size_t i) {
     ParamGroup g;
     if (setup.groups.empty()) {
-      g.lr = adamw ? setup.optimizer.adamw.lr : setup.optimizer.sign_sgd.lr;
-      g.weight_decay =
-          adamw ? setup.optimizer.adamw.weight_decay : setup.optimizer.sign_sgd.weight_decay;
-      g.beta1 = setup.optimizer.adamw.beta1;
-      g.beta2 = setup.optimizer.adamw.beta2;
-      g.eps = setup.optimizer.adamw.eps;
+      std::visit(
+          [&](const auto& x) {
+            g.lr = x.lr;
+            g.weight_decay = x.weight_decay;
+            if constexpr (requires { x.beta1; }) {
+              g.beta1 = x.beta1;
+              g.beta2 = x.beta2;
+              g.eps = x.eps;
+            }
+          },
+          setup.optimizer);
     } else {
       g = setup.groups[params[i].group];
     }
@@ -200,7 +257,7 @@ inline Run run(const Setup& setup, const Stream& stream) {
       g.lr = h.lr;
       g.weight_decay = h.weight_decay;
     }
-    return g;
+    return with_group(setup.optimizer, g);
   };
   auto update = [&](std::size_t first, std::size_t last, GradientRead read) {
     for (std::size_t i = first; i < last; ++i) {
@@ -209,43 +266,25 @@ inline Run run(const Setup& setup, const Stream& stream) {
           params[i].has_compute_weights
               ? TensorView{st[i].compute.data(), numel, params[i].compute_dtype}
               : TensorView{};
-      const ConstTensorView grad = const_view(acc[i].data(), numel);
-      if (adamw) {
-        AdamWConfig c = setup.optimizer.adamw;
-        const ParamGroup g = group_of(i);
-        c.lr = g.lr;
-        c.weight_decay = g.weight_decay;
-        c.beta1 = g.beta1;
-        c.beta2 = g.beta2;
-        c.eps = g.eps;
-        const std::vector<std::size_t> whole{0};
-        const std::vector<std::size_t>& starts = setup.segments.empty() ? whole : setup.segments[i];
-        const float before = steps[i];
-        for (std::size_t k = 0; k < starts.size(); ++k) {
-          const std::size_t off = starts[k];
-          const std::size_t n = (k + 1 < starts.size() ? starts[k + 1] : numel) - off;
-          const std::size_t cs = compute.numel != 0 ? dtype_size(compute.dtype) : 0;
-          float counter = before;  // every shard's counter steps alike
-          const AdamWTensor t{f32_view(st[i].master.data() + off, n),
-                              f32_view(st[i].exp_avg.data() + off, n),
-                              f32_view(st[i].exp_avg_sq.data() + off, n),
-                              &counter,
-                              const_view(acc[i].data() + off, n),
-                              compute.numel != 0
-                                  ? TensorView{static_cast<std::uint8_t*>(compute.data) + off * cs,
-                                               n, compute.dtype}
-                                  : TensorView{}};
-          reference::adamw_step(std::span(&t, 1), c, read);
-          steps[i] = counter;
-        }
-        (void)grad;
-      } else {
-        SignSgdConfig c = setup.optimizer.sign_sgd;
-        const ParamGroup g = group_of(i);
-        c.lr = g.lr;
-        c.weight_decay = g.weight_decay;
-        const SignSgdTensor t{f32_view(st[i].master.data(), numel), grad, compute};
-        reference::sign_sgd_step(std::span(&t, 1), c, read);
+      const OptimizerConfig c = config_of(i);
+      const std::vector<std::size_t> whole{0};
+      const std::vector<std::size_t>& starts = setup.segments.empty() ? whole : setup.segments[i];
+      const float before = steps[i];
+      for (std::size_t k = 0; k < starts.size(); ++k) {
+        const std::size_t off = starts[k];
+        const std::size_t len = (k + 1 < starts.size() ? starts[k + 1] : numel) - off;
+        const std::size_t cs = compute.numel != 0 ? dtype_size(compute.dtype) : 0;
+        float counter = before;  // every shard's counter steps alike
+        OptimizerTensor t{f32_view(st[i].master.data() + off, len)};
+        for (std::size_t s = 0; s < st[i].slots.size(); ++s)
+          t.state[s] = f32_view(st[i].slots[s].data() + off, len);
+        if (counts_steps(c)) t.step = &counter;
+        t.grad = const_view(acc[i].data() + off, len);
+        if (compute.numel != 0)
+          t.compute_param =
+              TensorView{static_cast<std::uint8_t*>(compute.data) + off * cs, len, compute.dtype};
+        reference_step(std::span(&t, 1), c, read);
+        steps[i] = counter;
       }
     }
   };
@@ -285,7 +324,8 @@ inline Run run(const Setup& setup, const Stream& stream) {
     r.skipped = !r.norm.finite;
     r.stepped = !r.skipped;
     if (r.stepped) update(0, n, GradientRead{scale, r.clip_coefficient});
-    const bool keep = r.norm.finite && (r.clip_coefficient == 1.0f || !adamw);
+    const bool keep =
+        r.norm.finite && (r.clip_coefficient == 1.0f || !reads_scaled(setup.optimizer));
     if (setup.overlap && (setup.speculation == Speculation::always ||
                           (setup.speculation == Speculation::automatic && kept))) {
       r.chunks_speculated = chunks.size();

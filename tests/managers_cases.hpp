@@ -49,7 +49,8 @@ struct Poison {
 
 struct Case {
   DType grad_dtype = DType::bf16;
-  OptimizerKind optimizer = OptimizerKind::adamw;
+  /// The optimizer (its other hyper-parameters; lr and weight decay are the groups').
+  OptimizerConfig optimizer = AdamWConfig{};
   std::optional<float> max_norm;
   Flow flow = Flow::sft;
   bool overlap = false;
@@ -66,9 +67,20 @@ struct Case {
   Speculation speculation = Speculation::automatic;            ///< ManagerConfig::speculation
   std::int64_t speculation_bytes = ManagerConfig::kAllChunks;  ///< ManagerConfig's budget
   std::int64_t speculation_device_bytes = 0;  ///< ManagerConfig's (full offload) staging
+  /// The optimizer's fixed hyper-parameters that differ from its defaults, for labels.
+  std::string optimizer_flags() const {
+    std::string out;
+    const auto mine = optimizer_fields(optimizer);
+    const auto defaults = optimizer_fields(parse_optimizer(optimizer_name(optimizer)));
+    for (std::size_t k = 0; k < mine.size(); ++k)
+      if (mine[k].name != "lr" && mine[k].name != "weight_decay" && mine[k].name != "formula" &&
+          mine[k].value != defaults[k].value)
+        out += " " + mine[k].name + "=" + std::to_string(std::get<double>(mine[k].value));
+    return out;
+  }
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
-           (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
+           optimizer_flags() + (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
            (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
            (overlap ? " overlap" : "") + (schedule ? " schedule" : "") +
            (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps" +
@@ -96,17 +108,21 @@ inline std::optional<float> max_norm_in(const Case& c, int s) {
   return c.max_norm_of ? c.max_norm_of(s) : c.max_norm;
 }
 
-inline OptimizerSpec optimizer_of(OptimizerKind kind,
-                                  AdamWFormula formula = AdamWConfig{}.formula) {
-  OptimizerSpec o;
-  o.kind = kind;
-  o.adamw.formula = formula;
-  o.adamw.lr = 1e-3;
-  o.adamw.weight_decay = 0.1;
-  o.sign_sgd.lr = 1e-3;
-  o.sign_sgd.weight_decay = 0.1;
-  return o;
+/// Returns `base` with lr 1e-3 and weight decay 0.1 (and, for AdamW, `formula`).
+inline OptimizerConfig optimizer_of(OptimizerConfig base,
+                                    AdamWFormula formula = AdamWConfig{}.formula) {
+  std::visit(
+      [](auto& c) {
+        c.lr = 1e-3;
+        c.weight_decay = 0.1;
+      },
+      base);
+  if (auto* a = std::get_if<AdamWConfig>(&base)) a->formula = formula;
+  return base;
 }
+
+/// True for AdamW (any formula and flags).
+inline bool is_adamw(const OptimizerConfig& c) { return std::holds_alternative<AdamWConfig>(c); }
 
 /// Returns true for the parameters the test model puts in group 1, "no_decay" (like a
 /// trainer's norms and biases): indexes 1 and 5.
@@ -170,7 +186,7 @@ struct Build {
 /// Returns the test model's configuration in `mode` on `dev`: the groups, the parameters
 /// (`model`, or the whole test model of bf16 gradients), kChunk, fingerprint 42, 2 threads.
 inline ManagerConfig config_of(OffloadMode mode, device::Device& dev,
-                               OptimizerKind optimizer = OptimizerKind::adamw,
+                               const OptimizerConfig& optimizer = AdamWConfig{},
                                const std::vector<StreamParam>& model = stream_model(DType::bf16),
                                AdamWFormula formula = AdamWConfig{}.formula) {
   ManagerConfig cfg;
@@ -318,15 +334,14 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
     r.speculated = step.report.chunks_speculated;
     r.committed = step.report.chunks_committed;
     r.rolled_back = step.report.chunks_rolled_back;
-    for (const manager_model::ParamState& p : step.state) {  // master|m|v|compute bytes
+    for (const manager_model::ParamState& p : step.state) {  // master|slots|compute bytes
       std::vector<std::uint8_t> bytes;
       auto append = [&](const void* d, std::size_t b) {
         const auto* c8 = static_cast<const std::uint8_t*>(d);
         bytes.insert(bytes.end(), c8, c8 + b);
       };
       append(p.master.data(), p.master.size() * 4);
-      append(p.exp_avg.data(), p.exp_avg.size() * 4);
-      append(p.exp_avg_sq.data(), p.exp_avg_sq.size() * 4);
+      for (const std::vector<float>& slot : p.slots) append(slot.data(), slot.size() * 4);
       append(p.compute.data(), p.compute.size());
       r.state.push_back(std::move(bytes));
     }
@@ -381,7 +396,7 @@ inline Sharding shard_model(const std::vector<StreamParam>& model, int ranks) {
 inline void expect_shard_of(const std::vector<StepRecord>& rec,
                             const std::vector<StepRecord>& whole,
                             const std::vector<StreamParam>& model, const Sharding& sh, int r,
-                            bool adamw) {
+                            std::size_t slots) {
   ASSERT_EQ(rec.size(), whole.size());
   const auto ru = static_cast<std::size_t>(r);
   for (std::size_t s = 0; s < rec.size(); ++s) {
@@ -390,11 +405,11 @@ inline void expect_shard_of(const std::vector<StepRecord>& rec,
     EXPECT_EQ(rec[s].skipped, whole[s].skipped) << "rank " << r << " step " << s;
     EXPECT_EQ(rec[s].steps, whole[s].steps) << "rank " << r << " step " << s;
     for (std::size_t i = 0; i < model.size(); ++i) {
-      // Slice the whole parameter's master|m|v|compute bytes to this shard.
+      // Slice the whole parameter's master|slots|compute bytes to this shard.
       const std::size_t n = model[i].numel, off = sh.offsets[ru][i], len = sh.shards[ru][i].numel;
       const auto& w = whole[s].state[i];
       std::vector<std::uint8_t> want;
-      const std::size_t f32_arrays = adamw ? 3 : 1;
+      const std::size_t f32_arrays = 1 + slots;
       for (std::size_t a = 0; a < f32_arrays; ++a)
         want.insert(want.end(), w.begin() + static_cast<std::ptrdiff_t>(4 * (a * n + off)),
                     w.begin() + static_cast<std::ptrdiff_t>(4 * (a * n + off + len)));

@@ -117,8 +117,8 @@ Arrays make_arrays(const ckpt::Header& h, std::uint32_t seed = 7) {
   std::mt19937 gen(seed);
   Arrays out(h.params.size());
   for (std::size_t i = 0; i < h.params.size(); ++i) {
-    out[i].resize(h.arrays);
-    for (std::uint32_t a = 0; a < h.arrays; ++a) {
+    out[i].resize(h.arrays());
+    for (std::uint32_t a = 0; a < h.arrays(); ++a) {
       std::vector<float>& v = out[i][a];
       v.resize(h.params[i].numel);
       for (std::size_t k = 0; k < v.size(); ++k)
@@ -137,10 +137,10 @@ ckpt::GroupRecord group(std::string name, double lr, double wd, double b1, doubl
 /// An AdamW header: two groups, `numels.size()` parameters (names w0, w1, ...).
 ckpt::Header adamw_header(std::vector<std::uint64_t> numels) {
   ckpt::Header h;
-  h.optimizer = 0;
-  h.formula = 1;
+  h.optimizer = "adamw";
+  h.hyper = {{"formula", 1.0}, {"amsgrad", 0.0}, {"maximize", 0.0}};
+  h.slots = {"exp_avg", "exp_avg_sq"};
   h.saved_mode = 2;
-  h.arrays = 3;
   h.rank = 2;
   h.world_size = 4;
   h.layout_fingerprint = 0xF00DFACECAFEBEEFull;
@@ -155,9 +155,9 @@ ckpt::Header adamw_header(std::vector<std::uint64_t> numels) {
 
 ckpt::Header sign_sgd_header(std::vector<std::uint64_t> numels) {
   ckpt::Header h = adamw_header(std::move(numels));
-  h.optimizer = 1;
-  h.formula = 0;
-  h.arrays = 1;
+  h.optimizer = "sign_sgd";
+  h.hyper.clear();
+  h.slots.clear();
   for (auto& g : h.groups) g.beta1 = g.beta2 = g.eps = 0.0;
   for (auto& p : h.params) p.step = 0.0f;
   return h;
@@ -169,10 +169,15 @@ bool same_bits(double x, double y) {
 
 /// Every header field of `got` is `want`'s (doubles and floats by bits).
 void expect_same_header(const ckpt::Header& got, const ckpt::Header& want) {
+  EXPECT_EQ(got.version, want.version);
   EXPECT_EQ(got.optimizer, want.optimizer);
-  EXPECT_EQ(got.formula, want.formula);
+  ASSERT_EQ(got.hyper.size(), want.hyper.size());
+  for (std::size_t k = 0; k < want.hyper.size(); ++k) {
+    EXPECT_EQ(got.hyper[k].name, want.hyper[k].name) << k;
+    EXPECT_TRUE(same_bits(got.hyper[k].value, want.hyper[k].value)) << k;
+  }
+  EXPECT_EQ(got.slots, want.slots);
   EXPECT_EQ(got.saved_mode, want.saved_mode);
-  EXPECT_EQ(got.arrays, want.arrays);
   EXPECT_EQ(got.rank, want.rank);
   EXPECT_EQ(got.world_size, want.world_size);
   EXPECT_EQ(got.layout_fingerprint, want.layout_fingerprint);
@@ -202,7 +207,7 @@ void expect_loads(const std::string& path, const ckpt::Header& h, const Arrays& 
   const ckpt::File f = ckpt::File::open(path);
   expect_same_header(f.header(), h);
   for (std::size_t i = 0; i < h.params.size(); ++i)
-    for (std::uint32_t a = 0; a < h.arrays; ++a) {
+    for (std::uint32_t a = 0; a < h.arrays(); ++a) {
       const std::span<const float> got = f.array(i, a);
       ASSERT_EQ(got.size(), arrays[i][a].size()) << i << "," << a;
       EXPECT_EQ(reinterpret_cast<std::uintptr_t>(got.data()) % 64, 0u) << i << "," << a;
@@ -231,11 +236,15 @@ struct Writer {
   }
 };
 
-/// The header fields before the groups.
+/// The header fields before the groups (version 2).
 void encode_top(Writer& w, const ckpt::Header& h) {
-  w.u32(h.optimizer).u32(h.formula).u32(h.saved_mode).u32(h.arrays);
+  w.u32(h.saved_mode);
   w.u32(static_cast<std::uint32_t>(h.rank)).u32(static_cast<std::uint32_t>(h.world_size));
   w.u64(h.layout_fingerprint).str(h.library_version);
+  w.str(h.optimizer).u32(static_cast<std::uint32_t>(h.hyper.size()));
+  for (const auto& r : h.hyper) w.str(r.name).f64(r.value);
+  w.u32(static_cast<std::uint32_t>(h.slots.size()));
+  for (const auto& slot : h.slots) w.str(slot);
 }
 
 void encode_groups(Writer& w, const ckpt::Header& h) {
@@ -253,7 +262,7 @@ Bytes encode_header(const ckpt::Header& h, const std::vector<std::uint64_t>& off
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const auto& p = h.params[i];
     w.str(p.name).u64(p.numel).u32(p.group).u32(std::bit_cast<std::uint32_t>(p.step));
-    for (std::uint32_t a = 0; a < h.arrays; ++a) w.u64(offsets.at(i * h.arrays + a));
+    for (std::uint32_t a = 0; a < h.arrays(); ++a) w.u64(offsets.at(i * h.arrays() + a));
   }
   return w.bytes;
 }
@@ -263,7 +272,7 @@ std::vector<std::uint64_t> packed_offsets(const ckpt::Header& h, std::uint64_t* 
   std::vector<std::uint64_t> offsets;
   std::uint64_t cursor = 0;
   for (const auto& p : h.params)
-    for (std::uint32_t a = 0; a < h.arrays; ++a) {
+    for (std::uint32_t a = 0; a < h.arrays(); ++a) {
       cursor = (cursor + 63) / 64 * 64;
       offsets.push_back(cursor);
       cursor += p.numel * 4;
@@ -276,7 +285,7 @@ std::vector<std::uint64_t> packed_offsets(const ckpt::Header& h, std::uint64_t* 
 /// header, zero padding to a multiple of 64, payload.
 struct FileParts {
   Bytes header, payload;
-  std::uint32_t version = 1;
+  std::uint32_t version = 2;
   std::uint32_t reserved = 0;
 };
 
@@ -300,9 +309,9 @@ Bytes encode_file(const ckpt::Header& h, const Arrays& arrays) {
   parts.header = encode_header(h, offsets);
   parts.payload.assign(length, std::byte{0});
   for (std::size_t i = 0; i < h.params.size(); ++i)
-    for (std::uint32_t a = 0; a < h.arrays; ++a)
+    for (std::uint32_t a = 0; a < h.arrays(); ++a)
       if (!arrays[i][a].empty())
-        std::memcpy(parts.payload.data() + offsets[i * h.arrays + a], arrays[i][a].data(),
+        std::memcpy(parts.payload.data() + offsets[i * h.arrays() + a], arrays[i][a].data(),
                     arrays[i][a].size() * 4);
   return assemble(parts);
 }
@@ -548,7 +557,7 @@ TEST(Checkpoint, ALoadRacingATruncationIsAnErrorNeverASignal) {
   // A load that succeeded holds the saved values, whatever happens to the file after.
   auto expect_whole = [&](const ckpt::File& f, int run) {
     for (std::size_t i = 0; i < f.header().params.size(); ++i)
-      for (std::size_t a = 0; a < f.header().arrays; ++a) {
+      for (std::size_t a = 0; a < f.header().arrays(); ++a) {
         const std::span<const float> got = f.array(i, a);
         ASSERT_EQ(got.size(), arrays[i][a].size());
         ASSERT_EQ(std::memcmp(got.data(), arrays[i][a].data(), 4 * got.size()), 0)
@@ -766,11 +775,14 @@ TEST(CheckpointCorrupt, MagicVersionReserved) {
   b[7] = std::byte{'t'};
   expect_corrupt(dir, b, "magic");
   b = s.bytes;
-  poke_u32(b, 8, 2);
-  expect_corrupt(dir, b, "format version 2, this build reads 1");
+  poke_u32(b, 8, 3);
+  expect_corrupt(dir, b, "format version 3, this build reads 1 and 2");
   b = s.bytes;
   poke_u32(b, 8, 0);
-  expect_corrupt(dir, b, "format version 0, this build reads 1");
+  expect_corrupt(dir, b, "format version 0, this build reads 1 and 2");
+  b = s.bytes;
+  poke_u32(b, 8, 1);  // a version 2 header read as version 1's fields
+  expect_corrupt(dir, b, "");
   b = s.bytes;
   poke_u32(b, 12, 1);
   expect_corrupt(dir, b, "reserved preamble field");
@@ -860,11 +872,28 @@ TEST(CheckpointCorrupt, RecordsInTheHeader) {
   h = s.h;
   h.rank = -1;
   expect_corrupt(dir, s.with_header(encode_header(h, s.offsets)), "rank -1 of world size 4");
-  // arrays 2: offsets for two arrays each.
+  // Slots: more than the limit, an empty name, a name twice.
   h = s.h;
-  h.arrays = 2;
+  h.slots.assign(17, "s");
+  expect_corrupt(dir, s.with_header(encode_header(h, std::vector<std::uint64_t>(3 * 18))),
+                 "17 state slots");
+  h.slots = {"exp_avg", ""};
+  expect_corrupt(dir, s.with_header(encode_header(h, s.offsets)), "slots[1] is an empty name");
+  h.slots = {"exp_avg", "exp_avg"};
+  expect_corrupt(dir, s.with_header(encode_header(h, s.offsets)),
+                 "slots[1] 'exp_avg' is also slots[0]");
+  // Hyper-parameters past the limit; an empty optimizer name.
+  h = s.h;
+  h.hyper.assign(65, {"x", 1.0});
+  expect_corrupt(dir, s.with_header(encode_header(h, s.offsets)), "65 hyper-parameters");
+  h = s.h;
+  h.optimizer = "";
+  expect_corrupt(dir, s.with_header(encode_header(h, s.offsets)), "optimizer name is empty");
+  // One slot fewer: two arrays per parameter, at offsets that overlap for these sizes.
+  h = s.h;
+  h.slots = {"exp_avg"};
   expect_corrupt(dir, s.with_header(encode_header(h, {0, 64, 128, 192, 256, 320})),
-                 "2 arrays per parameter");
+                 "params[1] array 1 (payload bytes [192, 352)) overlaps params[1] array 0");
   // Bytes after the last parameter.
   Bytes header = encode_header(s.h, s.offsets);
   header.push_back(std::byte{0});
@@ -897,9 +926,9 @@ TEST(CheckpointCorrupt, HugeLengthsAndCounts) {
     h = s.h;
     h.library_version = std::string(100, 'v');
     Bytes header = encode_header(h, s.offsets);
-    poke_u32(header, 32, 0xFFFFFFFFu);  // library_version's length
+    poke_u32(header, 20, 0xFFFFFFFFu);  // library_version's length (after 3 u32s and a u64)
     expect_corrupt(dir, s.with_header(header), "library_version is 4294967295 bytes long");
-    poke_u32(header, 32, 4000);  // within the limit, past the header's end
+    poke_u32(header, 20, 4000);  // within the limit, past the header's end
     expect_corrupt(dir, s.with_header(header), "the header ends inside library_version");
   }
   {  // counts: past the limit, and more than the bytes left can hold
@@ -947,10 +976,10 @@ TEST(CheckpointCorrupt, RandomMutationsAreRefusedOrConsistent) {
       const ckpt::ParsedFile f = ckpt::parse(b, "fuzz");
       ++accepted;
       const ckpt::Header& h = f.header;
-      ASSERT_EQ(f.array_offsets.size(), h.params.size() * h.arrays);
+      ASSERT_EQ(f.array_offsets.size(), h.params.size() * h.arrays());
       for (std::size_t k = 0; k < f.array_offsets.size(); ++k) {
         const std::uint64_t end =
-            f.payload_start + f.array_offsets[k] + h.params[k / h.arrays].numel * 4;
+            f.payload_start + f.array_offsets[k] + h.params[k / h.arrays()].numel * 4;
         ASSERT_LE(end, b.size());
         ASSERT_EQ((f.payload_start + f.array_offsets[k]) % 64, 0u);
       }
@@ -1042,9 +1071,15 @@ TEST(CheckpointCompatible, EachDifferenceIsNamed) {
     std::string argument;
   };
   const std::vector<Case> cases = {
-      {[](auto& h) { h.optimizer = 1; }, Errc::invalid_argument, "checkpoint.optimizer"},
-      {[](auto& h) { h.formula = 0; }, Errc::invalid_argument, "checkpoint.formula"},
-      {[](auto& h) { h.arrays = 1; }, Errc::invalid_argument, "checkpoint.arrays"},
+      {[](auto& h) { h.optimizer = "adam"; }, Errc::invalid_argument, "checkpoint.optimizer"},
+      {[](auto& h) { h.hyper[0].value = 0.0; }, Errc::invalid_argument, "checkpoint.hyper.formula"},
+      {[](auto& h) { h.hyper.pop_back(); }, Errc::invalid_argument, "checkpoint.hyper.maximize"},
+      {[](auto& h) {
+         h.hyper.push_back({"momentum", 0.9});
+       },
+       Errc::invalid_argument, "checkpoint.hyper.momentum"},
+      {[](auto& h) { h.slots.pop_back(); }, Errc::invalid_argument, "checkpoint.slots"},
+      {[](auto& h) { h.slots[1] = "max_exp_avg_sq"; }, Errc::invalid_argument, "checkpoint.slots"},
       {[](auto& h) { h.groups.pop_back(); }, Errc::size_mismatch, "checkpoint.groups"},
       {[](auto& h) { h.groups[1].name = "x"; }, Errc::invalid_argument,
        "checkpoint.groups[1].name"},
@@ -1094,8 +1129,19 @@ TEST(CheckpointSave, InvalidHeaderCreatesNothing) {
     std::string argument;
   };
   const std::vector<Case> cases = {
-      {[](auto& h) { h.arrays = 2; }, "header.arrays"},
-      {[](auto& h) { h.arrays = 0; }, "header.arrays"},
+      {[](auto& h) { h.version = 1; }, "header.version"},
+      {[](auto& h) { h.optimizer = ""; }, "header.optimizer"},
+      {[](auto& h) { h.slots.assign(17, "s"); }, "header.slots"},
+      {[](auto& h) {
+         h.slots = {"a", "a"};
+       },
+       "header.slots[1]"},
+      {[](auto& h) { h.slots = {""}; }, "header.slots[0]"},
+      {[](auto& h) {
+         h.hyper.assign(65, {"x", 0.0});
+       },
+       "header.hyper"},
+      {[](auto& h) { h.hyper[1].name = ""; }, "header.hyper[1].name"},
       {[](auto& h) { h.params[1].group = 2; }, "header.params[1].group"},
       {[](auto& h) { h.params[2].name = "w0"; }, "header.params[2].name"},
       {[](auto& h) { h.params[0].name = std::string(4097, 'x'); }, "header.params[0].name"},

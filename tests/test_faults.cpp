@@ -75,11 +75,11 @@ class LimitedDevice final : public test_support::ForwardingDevice {
   std::map<void*, std::size_t> sizes_;
 };
 
-ManagerConfig config_of(OffloadMode mode, OptimizerKind kind, const std::vector<std::size_t>& sizes,
-                        device::Device& dev) {
+ManagerConfig config_of(OffloadMode mode, OptimizerConfig kind,
+                        const std::vector<std::size_t>& sizes, device::Device& dev) {
   ManagerConfig c;
   c.mode = mode;
-  c.optimizer.kind = kind;
+  c.optimizer = kind;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     ParamSpec p;
     p.name = "p" + std::to_string(i);
@@ -101,7 +101,7 @@ TEST(Faults, ExhaustedDeviceMemoryWhileBuildingIsAnErrorAndLeaksNothing) {
     std::size_t need = 0;
     {
       LimitedDevice dev(~std::size_t{0});
-      auto m = make_gradient_manager(config_of(mode, OptimizerKind::adamw, sizes, dev));
+      auto m = make_gradient_manager(config_of(mode, AdamWConfig{}, sizes, dev));
       need = dev.peak_bytes();
       m->close();
     }
@@ -110,7 +110,7 @@ TEST(Faults, ExhaustedDeviceMemoryWhileBuildingIsAnErrorAndLeaksNothing) {
     for (std::size_t limit = 0; limit < need; limit += std::max<std::size_t>(need / 97, 1)) {
       LimitedDevice dev(limit);
       try {
-        auto m = make_gradient_manager(config_of(mode, OptimizerKind::adamw, sizes, dev));
+        auto m = make_gradient_manager(config_of(mode, AdamWConfig{}, sizes, dev));
         ADD_FAILURE() << "built within " << limit << " of " << need << " bytes";
         m->close();
       } catch (const Error& e) {
@@ -130,8 +130,8 @@ TEST(Faults, AStateTooLargeForTheMachineIsAnError) {
     SCOPED_TRACE(offload_mode_name(mode));
     LimitedDevice dev(~std::size_t{0});
     try {
-      auto m = make_gradient_manager(
-          config_of(mode, OptimizerKind::adamw, {1000, std::size_t{1} << 38}, dev));
+      auto m =
+          make_gradient_manager(config_of(mode, AdamWConfig{}, {1000, std::size_t{1} << 38}, dev));
       ADD_FAILURE() << "a 1 TiB state was built";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), Errc::out_of_range) << e.what();
@@ -197,7 +197,8 @@ TEST(Faults, SoakOfAThousandManagersGrowsNothing) {
     std::mt19937_64 rng(18);
     for (int s = 0; s < kRound; ++s) {
       const OffloadMode mode = kModes[rng() % 3];
-      const OptimizerKind kind = rng() % 2 ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
+      const OptimizerConfig kind =
+          rng() % 2 ? OptimizerConfig{AdamWConfig{}} : OptimizerConfig{SignSgdConfig{}};
       std::vector<std::size_t> sizes(1 + rng() % 4);
       for (auto& n : sizes) n = rng() % 3000;
       auto m = make_gradient_manager(config_of(mode, kind, sizes, *dev));

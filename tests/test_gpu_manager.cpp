@@ -49,7 +49,7 @@ TEST(GpuManager, ShardedOverInProcessRanksGivesTheUnshardedBits) {
     for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.05f}})
       for (const Variant& v : kVariants) {
         // native: its update is element-wise; torch's tail form follows each shard's own end.
-        const Scenario sc{DType::bf16, OptimizerKind::adamw, mn, false, {}, AdamWFormula::native};
+        const Scenario sc{DType::bf16, AdamWConfig{}, mn, false, {}, AdamWFormula::native};
         SCOPED_TRACE(std::to_string(ranks) + " ranks, " + v.label + ", " + sc.label());
         const auto want = run_reference(sc);
         std::vector<std::vector<StepOut>> got(static_cast<std::size_t>(ranks));

@@ -38,12 +38,12 @@ using namespace managers_cases;
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   for (DType d : {DType::bf16, DType::f32})
-    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+    for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}})
       for (std::optional<float> mn :
            {std::optional<float>{}, std::optional<float>{0.05f}, std::optional<float>{100.0f}})
         for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, mn, f, false});
   for (DType d : {DType::bf16, DType::f32})
-    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+    for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}})
       for (Flow f : {Flow::sft, Flow::rl}) cases.push_back({d, opt, {}, f, true});
   return cases;
 }
@@ -63,6 +63,107 @@ TEST(Managers, ThreeModesGiveTheReferenceBitsAfterEveryStep) {
   }
 }
 
+/// Every optimizer unit, with the variants that change its state: AdamW (torch, native,
+/// amsgrad, maximize), Adam (plain, amsgrad with maximize), SGD (momentum 0; momentum with
+/// dampening; nesterov), Adagrad (an initial accumulator, lr decay, maximize), SignSGD.
+std::vector<OptimizerConfig> every_optimizer() {
+  AdamWConfig amsgrad, maximize;
+  amsgrad.amsgrad = true;
+  maximize.maximize = true;
+  AdamConfig adam_ams;
+  adam_ams.amsgrad = true;
+  adam_ams.maximize = true;
+  SgdConfig momentum, nesterov;
+  momentum.momentum = 0.9;
+  momentum.dampening = 0.1;
+  nesterov.momentum = 0.5;
+  nesterov.nesterov = true;
+  AdagradConfig adagrad, adagrad_max;
+  adagrad.initial_accumulator_value = 0.1;
+  adagrad.lr_decay = 0.01;
+  adagrad_max.maximize = true;
+  adagrad_max.eps = 1e-6;
+  return {AdamWConfig{}, amsgrad,  maximize, AdamConfig{}, adam_ams,       SgdConfig{},
+          momentum,      nesterov, adagrad,  adagrad_max,  SignSgdConfig{}};
+}
+
+/// The modes that step `c`: the device modes step AdamW (without amsgrad and maximize)
+/// and SignSGD; mode full steps every optimizer.
+std::vector<OffloadMode> modes_of(const OptimizerConfig& c) {
+  const auto* a = std::get_if<AdamWConfig>(&c);
+  if (std::holds_alternative<SignSgdConfig>(c) || (a != nullptr && !a->amsgrad && !a->maximize))
+    return {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
+  return {OffloadMode::full};
+}
+
+// Every optimizer, through every mode that steps it, equals the reference after each of
+// 10 steps: clipped and not, bf16 and f32 gradients, the RL flow (parameters without
+// gradients in some micro-batches), with overlap (speculated chunks committed or rolled
+// back) and a schedule.
+TEST(Managers, EveryOptimizerInEveryModeThatStepsItGivesTheReferenceBits) {
+  for (const OptimizerConfig& opt : every_optimizer())
+    for (int variant = 0; variant < 3; ++variant) {
+      Case c;
+      c.grad_dtype = variant == 1 ? DType::f32 : DType::bf16;
+      c.optimizer = opt;
+      c.max_norm = variant == 2 ? std::optional<float>{} : std::optional<float>{0.05f};
+      c.flow = Flow::rl;
+      c.overlap = variant == 2;
+      c.schedule = variant != 0;
+      c.steps = 10;
+      SCOPED_TRACE(c.label());
+      const auto want = run_reference(c);
+      ASSERT_NE(want[0].state[0], want[9].state[0]) << "the stream changes the state";
+      for (OffloadMode mode : modes_of(opt)) {
+        expect_same(run_mode(mode, c), want, std::string(offload_mode_name(mode)));
+        if (HasFatalFailure()) return;
+      }
+    }
+}
+
+// A checkpoint saved after 4 steps resumes in every mode that steps the optimizer (mode
+// full with another thread count), and the resumed run's last 4 steps have the bits of
+// the run that never stopped (the reference).
+TEST(Managers, EveryOptimizerResumesAcrossModesBitForBit) {
+  namespace fs = std::filesystem;
+  const fs::path dir =
+      fs::temp_directory_path() / ("stepcore-resume-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "state.stepcore").string();
+  for (const OptimizerConfig& opt : every_optimizer()) {
+    Case c;
+    c.optimizer = opt;
+    c.max_norm = 0.05f;
+    c.flow = Flow::rl;
+    c.schedule = true;
+    c.steps = 8;
+    SCOPED_TRACE(c.label());
+    const auto want = run_reference(c);
+    for (OffloadMode from : modes_of(opt))
+      for (OffloadMode to : modes_of(opt)) {
+        SCOPED_TRACE(std::string(offload_mode_name(from)) + " -> " +
+                     std::string(offload_mode_name(to)));
+        auto dev = make_device();
+        Build b;
+        b.mode = from;
+        b.threads = 1;
+        auto saver = make_manager(b, c, *dev);
+        (void)run_stream(*saver, *dev, stream_options(c, nullptr, 0, 4));
+        saver->save_checkpoint(path);
+        saver->close();
+        b.mode = to;
+        b.threads = 3;  // another partition of every tensor in mode full
+        auto m = make_manager(b, c, *dev);
+        m->load_checkpoint(path);
+        const auto got = run_stream(*m, *dev, stream_options(c, nullptr, 4, 4));
+        m->close();
+        expect_same(got, {want.begin() + 4, want.end()}, "resumed");
+        if (HasFatalFailure()) return;
+      }
+  }
+  fs::remove_all(dir);
+}
+
 /// The model sharded over `ranks` in-process ranks (uneven shards, rank 0's shard of
 /// parameter 0 empty): every rank's norm bits equal the unsharded single-process run's,
 /// and each rank's state is its slice of that run's.
@@ -74,7 +175,7 @@ void sharded_case(int ranks, OffloadMode mode, const Case& c) {
   if (::testing::Test::HasFailure()) return;
   for (int r = 0; r < ranks; ++r)
     expect_shard_of(got[static_cast<std::size_t>(r)], whole, model, sh, r,
-                    c.optimizer == OptimizerKind::adamw);
+                    manager_model::initial_slots(c.optimizer).size());
 }
 
 TEST(Managers, ShardedOverInProcessRanksGivesTheUnshardedBits) {
@@ -82,16 +183,15 @@ TEST(Managers, ShardedOverInProcessRanksGivesTheUnshardedBits) {
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
       SCOPED_TRACE(std::to_string(ranks) + " ranks, mode " + std::string(offload_mode_name(mode)));
       // native: its update is element-wise; torch's tail form follows each shard's own end.
-      sharded_case(
-          ranks, mode,
-          Case{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::rl, false, AdamWFormula::native});
+      sharded_case(ranks, mode,
+                   Case{DType::bf16, AdamWConfig{}, 0.05f, Flow::rl, false, AdamWFormula::native});
       if (HasFatalFailure()) return;
     }
 }
 
 TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
   for (bool overlap : {false, true}) {
-    Case c{DType::bf16, OptimizerKind::adamw,
+    Case c{DType::bf16, AdamWConfig{},
            overlap ? std::optional<float>{} : std::optional<float>{1.0f}, Flow::sft, overlap};
     std::vector<std::vector<StepRecord>> runs;
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
@@ -242,7 +342,7 @@ TEST(Managers, ACheckpointSpoiledInItsLastByteLeavesTheStateUntouched) {
     const std::vector<char> bytes = read_bytes(good);
     const ckpt::ParsedFile parsed = ckpt::parse(std::as_bytes(std::span<const char>(bytes)), good);
     const std::size_t last = parsed.header.params.size() - 1;
-    ASSERT_EQ(parsed.header.arrays, 3u);
+    ASSERT_EQ(parsed.header.arrays(), 3u);
     ASSERT_GT(parsed.header.params[last].numel, 0u);
     const std::size_t last_float = parsed.payload_start + parsed.array_offsets[last * 3 + 2] +
                                    4 * (parsed.header.params[last].numel - 1);
@@ -342,40 +442,59 @@ TEST(Managers, FactoryRefusesWhatItCannotDo) {
   for (const char* bad : {"fsdp", "Full", "", "cpu", "none "})
     test_support::expect_error([&] { parse_offload_mode(bad); }, Errc::invalid_argument,
                                "offload_mode");
-  // The optimizer is named like the mode: exact names, anything else refused with them.
-  EXPECT_EQ(parse_optimizer("adamw"), OptimizerKind::adamw);
-  EXPECT_EQ(parse_optimizer("sign_sgd"), OptimizerKind::sign_sgd);
-  EXPECT_EQ(optimizer_name(OptimizerKind::adamw), "adamw");
-  EXPECT_EQ(optimizer_name(OptimizerKind::sign_sgd), "sign_sgd");
-  for (const char* bad : {"muon", "AdamW", "", "sgd", "adamw "}) {
+  // The optimizer is named like the mode: exact names (each unit's), anything else refused
+  // with them. Each name gives its optimizer's default configuration.
+  EXPECT_TRUE(std::holds_alternative<AdamWConfig>(parse_optimizer("adamw")));
+  EXPECT_TRUE(std::holds_alternative<SignSgdConfig>(parse_optimizer("sign_sgd")));
+  EXPECT_TRUE(std::holds_alternative<AdamConfig>(parse_optimizer("adam")));
+  EXPECT_TRUE(std::holds_alternative<SgdConfig>(parse_optimizer("sgd")));
+  EXPECT_TRUE(std::holds_alternative<AdagradConfig>(parse_optimizer("adagrad")));
+  EXPECT_EQ(std::get<AdagradConfig>(parse_optimizer("adagrad")).lr, AdagradConfig{}.lr);
+  for (const char* name : {"adamw", "sign_sgd", "adam", "sgd", "adagrad"})
+    EXPECT_EQ(optimizer_name(parse_optimizer(name)), name);
+  for (const char* bad : {"muon", "AdamW", "", "SGD", "adamw ", "lion"}) {
     test_support::expect_error([&] { parse_optimizer(bad); }, Errc::invalid_argument, "optimizer");
     try {
       parse_optimizer(bad);
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("adamw, sign_sgd"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("adamw, sign_sgd, adam, sgd, adagrad"),
+                std::string::npos)
+          << e.what();
     }
   }
-  // A kind outside the enum (what a bad cast or a newer caller could pass) is refused by
-  // the factory, in full offload with the message that it accepts only AdamW and SignSGD.
+  // Modes none and optimizer refuse, before anything is allocated, the optimizers the
+  // device cannot step yet, naming the optimizer and the mode that steps it; mode full
+  // builds every one.
   auto dev = device::make_host_device();
   ManagerConfig cfg;
-  cfg.mode = OffloadMode::full;
-  cfg.optimizer.kind = static_cast<OptimizerKind>(7);
   cfg.groups = groups_of();
   cfg.params = param_specs(stream_model(DType::bf16));
   cfg.device = dev.get();
-  try {
-    make_gradient_manager(cfg);
-    ADD_FAILURE() << "an unknown optimizer in full offload";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), Errc::not_supported);
-    EXPECT_NE(std::string(e.what()).find("full offload accepts only AdamW"), std::string::npos)
-        << e.what();
+  cfg.engine.threads = 1;
+  AdamWConfig amsgrad, maximize;
+  amsgrad.amsgrad = true;
+  maximize.maximize = true;
+  SgdConfig momentum;
+  momentum.momentum = 0.9;
+  for (const OptimizerConfig& opt : std::vector<OptimizerConfig>{
+           AdamConfig{}, SgdConfig{}, momentum, AdagradConfig{}, amsgrad, maximize}) {
+    SCOPED_TRACE(std::string(optimizer_name(opt)));
+    cfg.optimizer = opt;
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer}) {
+      cfg.mode = mode;
+      try {
+        make_gradient_manager(cfg);
+        ADD_FAILURE() << "mode " << offload_mode_name(mode) << " built it";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::not_supported);
+        EXPECT_EQ(e.argument(), "optimizer");
+        EXPECT_NE(std::string(e.what()).find("mode full"), std::string::npos) << e.what();
+      }
+    }
+    cfg.mode = OffloadMode::full;
+    make_gradient_manager(cfg)->close();
   }
-  cfg.mode = OffloadMode::none;
-  test_support::expect_error([&] { make_gradient_manager(cfg); }, Errc::not_supported,
-                             "optimizer.kind");
-  cfg.optimizer.kind = OptimizerKind::adamw;
+  cfg.optimizer = AdamWConfig{};
   cfg.device = nullptr;
   EXPECT_THROW(make_gradient_manager(cfg), Error);
 }

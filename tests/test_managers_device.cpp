@@ -15,7 +15,7 @@ TEST(ManagersDevice, ThreeModesGiveTheReferenceBitsOnACudaDevice) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
   make_device = [] { return device::make_cuda_device(0); };
   for (DType d : {DType::bf16, DType::f32})
-    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+    for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}})
       for (std::optional<float> mn : {std::optional<float>{}, std::optional<float>{0.05f}})
         for (bool overlap : {false, true}) {
           if (overlap && mn) continue;
@@ -34,7 +34,7 @@ TEST(ManagersDevice, ScheduledGroupsAndCallerGradientsGiveTheReferenceBitsOnACud
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
   make_device = [] { return device::make_cuda_device(0); };
   for (bool overlap : {false, true}) {
-    Case c{DType::bf16, OptimizerKind::adamw,
+    Case c{DType::bf16, AdamWConfig{},
            overlap ? std::optional<float>{} : std::optional<float>{0.05f}, Flow::rl, overlap};
     c.schedule = true;
     c.steps = 12;

@@ -62,7 +62,7 @@ void expect_every_mode_equals(const Case& c, const std::vector<StepRecord>& want
   // Each rank's optimizer is given its shards as tensors of their own: the reference
   // updates each shard separately (the torch formula's tails fall on each one's end).
   const auto sharded_want = run_reference(c, &sh);
-  if (c.optimizer == OptimizerKind::adamw && c.formula == AdamWFormula::torch) {
+  if (is_adamw(c.optimizer) && c.formula == AdamWFormula::torch) {
     bool differs = false;  // the shards' own tails: not a slice of the unsharded run
     for (std::size_t i = 0; i < want.back().state.size(); ++i)
       differs = differs || want.back().state[i] != sharded_want.back().state[i];
@@ -74,12 +74,12 @@ void expect_every_mode_equals(const Case& c, const std::vector<StepRecord>& want
     if (::testing::Test::HasFailure()) return;
     for (int r = 0; r < 2; ++r)
       expect_shard_of(got[static_cast<std::size_t>(r)], sharded_want, model, sh, r,
-                      c.optimizer == OptimizerKind::adamw);
+                      manager_model::initial_slots(c.optimizer).size());
   }
 }
 
 TEST(TrainerApi, ATwentyStepScheduleOverTwoGroupsEqualsTheReferenceInEveryMode) {
-  for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+  for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}})
     for (bool overlap : {false, true}) {
       Case c{DType::bf16, opt, overlap ? std::optional<float>{} : std::optional<float>{0.05f},
              Flow::sft, overlap};
@@ -109,7 +109,7 @@ TEST(TrainerApi, CallerOwnedGradientsGiveTheOwnedBuffersBitsAndAreNeverWritten) 
   // gradient_released(i) that the manager did not write it, then poisons it with NaN.
   for (bool overlap : {false, true})
     for (Flow flow : {Flow::sft, Flow::rl}) {
-      Case c{DType::bf16, OptimizerKind::adamw,
+      Case c{DType::bf16, AdamWConfig{},
              overlap ? std::optional<float>{} : std::optional<float>{0.05f}, flow, overlap};
       c.schedule = true;
       c.steps = 6;
@@ -154,7 +154,7 @@ struct Destinations {
 };
 
 TEST(TrainerApi, ComputeWeightsGoIntoTheCallersStorageAndNowhereElse) {
-  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::rl, false};
+  Case c{DType::bf16, AdamWConfig{}, 0.05f, Flow::rl, false};
   c.schedule = true;
   c.steps = 5;
   const auto want = run_reference(c);
@@ -207,7 +207,7 @@ TEST(TrainerApi, DeviceManagersTakeANewLearningRateWithoutAHostSynchronisation) 
   // and the step uses the new values.
   for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer}) {
     SCOPED_TRACE(offload_mode_name(mode));
-    Case c{DType::bf16, OptimizerKind::adamw, {}, Flow::sft, false};
+    Case c{DType::bf16, AdamWConfig{}, {}, Flow::sft, false};
     c.steps = 2;
     c.schedule = true;  // the reference: schedule_of's values before each step
     const auto want = run_reference(c);
@@ -272,13 +272,15 @@ std::vector<std::uint8_t> snapshot(GradientManager& m) {
     append(&m.group(g).lr, sizeof(double));
     append(&m.group(g).weight_decay, sizeof(double));
   }
-  const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
+  const std::vector<std::string_view>& names = m.state_slot_names();
   for (std::size_t i = 0; i < m.config().params.size(); ++i) {
     const ParamSpec& p = m.config().params[i];
-    std::vector<float> master(p.numel), ea(adamw ? p.numel : 0), eas(adamw ? p.numel : 0);
+    std::vector<std::vector<float>> arrays(1 + names.size(), std::vector<float>(p.numel));
+    std::vector<SlotOut> named;
+    for (std::size_t s = 0; s < names.size(); ++s) named.push_back({names[s], arrays[1 + s]});
     std::vector<std::uint8_t> compute(p.numel * dtype_size(p.compute_dtype));
-    m.read_parameter(i, master, ea, eas, compute);
-    for (const auto* v : {&master, &ea, &eas}) append(v->data(), v->size() * sizeof(float));
+    m.read_parameter(i, arrays[0], named, compute);
+    for (const auto& v : arrays) append(v.data(), v.size() * sizeof(float));
     append(compute.data(), compute.size());
     const float step = m.step_count(i);
     append(&step, sizeof step);
@@ -290,7 +292,7 @@ std::vector<std::uint8_t> snapshot(GradientManager& m) {
 struct Stepped {
   std::unique_ptr<device::Device> dev = make_device();
   std::unique_ptr<GradientManager> m;
-  Stepped(OffloadMode mode, OptimizerKind opt = OptimizerKind::adamw) {
+  Stepped(OffloadMode mode, OptimizerConfig opt = AdamWConfig{}) {
     Case c{DType::bf16, opt, 0.05f, Flow::sft, false};
     c.steps = 2;
     Build b;
@@ -304,7 +306,7 @@ struct Stepped {
 TEST(TrainerApi, SetHyperparametersRefusesBadValuesAndChangesNothing) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   for (OffloadMode mode : kModes)
-    for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd}) {
+    for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}}) {
       SCOPED_TRACE(std::string(offload_mode_name(mode)) + " " + std::string(optimizer_name(opt)));
       Stepped t(mode, opt);
       GradientManager& m = *t.m;
@@ -391,13 +393,74 @@ TEST(TrainerApi, ImportParameterRefusesBadStateAndChangesNothing) {
     m.finish_backward();
     m.step();
   }
-  Stepped sgd(OffloadMode::full, OptimizerKind::sign_sgd);
+  Stepped sgd(OffloadMode::full, SignSgdConfig{});
   const std::size_t n = sgd.m->config().params[3].numel;
   const std::vector<float> ok(n, 0.25f);
-  expect_error([&] { sgd.m->import_parameter(3, ok, ok, ok, 0.0f); }, Errc::size_mismatch,
-               "exp_avg");
+  expect_error([&] { sgd.m->import_parameter(3, ok, ok, ok, 0.0f); }, Errc::invalid_argument,
+               "state");
   expect_error([&] { sgd.m->import_parameter(3, ok, {}, {}, 1.0f); }, Errc::invalid_argument,
                "step");
+}
+
+// State by slot name, for an optimizer whose slots are not AdamW's (SGD with momentum, in
+// mode full): each slot exactly once, by its name; a missing, repeated or unknown name is
+// refused naming "state" (with the slot names), nothing changed; the slot reads back by
+// name, in host_state too; Adagrad's sum starts at its initial accumulator value.
+TEST(TrainerApi, StateSlotsAreImportedAndReadByName) {
+  auto dev = device::make_host_device();
+  ManagerConfig cfg = config_of(OffloadMode::full, *dev);
+  SgdConfig sgd;
+  sgd.momentum = 0.9;
+  cfg.optimizer = sgd;
+  auto m = make_gradient_manager(cfg);
+  ASSERT_EQ(m->state_slot_names(), (std::vector<std::string_view>{"momentum_buffer"}));
+  const std::size_t n = cfg.params[3].numel;
+  std::vector<float> master(n, 0.5f), buf(n);
+  for (std::size_t j = 0; j < n; ++j) buf[j] = -0.001f * static_cast<float>(j);
+  m->load_parameter(3, master);
+  const auto before = snapshot(*m);
+  const std::vector<float> ok(n, 0.25f);
+  for (const std::vector<SlotIn>& bad :
+       {std::vector<SlotIn>{}, std::vector<SlotIn>{{"exp_avg", ok}},
+        std::vector<SlotIn>{{"momentum_buffer", ok}, {"momentum_buffer", ok}},
+        std::vector<SlotIn>{{"momentum_buffer", ok}, {"sum", ok}}}) {
+    try {
+      m->import_parameter(3, master, bad, 2.0f);
+      ADD_FAILURE() << "accepted " << bad.size() << " slots";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_EQ(e.argument(), "state");
+      EXPECT_NE(std::string(e.what()).find("momentum_buffer"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(snapshot(*m), before) << "a refused import changed the manager";
+  m->import_parameter(3, master, std::vector<SlotIn>{{"momentum_buffer", buf}}, 2.0f);
+  std::vector<float> got(n);
+  m->read_parameter(3, {}, std::vector<SlotOut>{{"momentum_buffer", got}}, {});
+  EXPECT_EQ(0, std::memcmp(got.data(), buf.data(), n * 4));
+  const GradientManager::HostState h = m->host_state(3);
+  ASSERT_EQ(h.slots.size(), 1u);
+  EXPECT_EQ(h.slots[0].name, "momentum_buffer");
+  EXPECT_EQ(0, std::memcmp(h.slot("momentum_buffer").data(), buf.data(), n * 4));
+  EXPECT_TRUE(h.slot("exp_avg").empty());
+  EXPECT_EQ(m->step_count(3), 2.0f);
+  expect_error(
+      [&] {
+        m->read_parameter(3, {}, std::vector<SlotOut>{{"sum", got}}, {});
+      },
+      Errc::invalid_argument, "state");
+  m->close();
+  // Adagrad: load_parameter starts the sum at f32(initial_accumulator_value).
+  AdagradConfig adagrad;
+  adagrad.initial_accumulator_value = 0.3;
+  cfg.optimizer = adagrad;
+  auto a = make_gradient_manager(cfg);
+  ASSERT_EQ(a->state_slot_names(), (std::vector<std::string_view>{"sum"}));
+  a->load_parameter(3, master);
+  a->read_parameter(3, {}, std::vector<SlotOut>{{"sum", got}}, {});
+  for (float x : got)
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(x), std::bit_cast<std::uint32_t>(0.3f));
+  a->close();
 }
 
 TEST(TrainerApi, ImportedStateReadsBackAndHostStateViewsIt) {
@@ -423,11 +486,14 @@ TEST(TrainerApi, ImportedStateReadsBackAndHostStateViewsIt) {
     EXPECT_EQ(m.step_count(3), 17.0f);
     const GradientManager::HostState h = m.host_state(3);
     if (mode == OffloadMode::none) {
-      EXPECT_TRUE(h.master.empty() && h.exp_avg.empty()) << "mode none keeps state on the device";
+      EXPECT_TRUE(h.master.empty() && h.slot("exp_avg").empty())
+          << "mode none keeps state on the device";
     } else {
       ASSERT_EQ(h.master.size(), p.numel);
       EXPECT_EQ(0, std::memcmp(h.master.data(), master.data(), p.numel * 4));
-      EXPECT_EQ(0, std::memcmp(h.exp_avg_sq.data(), eas.data(), p.numel * 4));
+      ASSERT_EQ(h.slots.size(), 2u);
+      EXPECT_EQ(h.slots[1].name, "exp_avg_sq");
+      EXPECT_EQ(0, std::memcmp(h.slot("exp_avg_sq").data(), eas.data(), p.numel * 4));
     }
   }
 }
@@ -491,8 +557,11 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
             "groups[0].beta2");
     refused([](ManagerConfig& c) { c.groups[1].eps = NAN; }, Errc::non_finite, "groups[1].eps");
     refused([](ManagerConfig& c) { c.groups.clear(); }, Errc::out_of_range, "params[1].group");
-    refused([](ManagerConfig& c) { c.optimizer.adamw.formula = static_cast<AdamWFormula>(7); },
-            Errc::invalid_argument, "optimizer.adamw.formula");
+    refused(
+        [](ManagerConfig& c) {
+          std::get<AdamWConfig>(c.optimizer).formula = static_cast<AdamWFormula>(7);
+        },
+        Errc::invalid_argument, "optimizer.adamw.formula");
     refused([](ManagerConfig& c) { c.params[4].name = "p2"; }, Errc::invalid_argument,
             "params[4].name");
     refused(
@@ -577,7 +646,7 @@ std::vector<StepRecord> slice(const std::vector<StepRecord>& r, std::size_t firs
 }
 
 TEST(TrainerApi, AResumedRunEqualsTheUninterruptedOneInAnyModeThreadCountAndIsa) {
-  for (OptimizerKind opt : {OptimizerKind::adamw, OptimizerKind::sign_sgd})
+  for (OptimizerConfig opt : std::vector<OptimizerConfig>{AdamWConfig{}, SignSgdConfig{}})
     for (bool overlap : {false, true}) {
       Case c{DType::bf16, opt, overlap ? std::optional<float>{} : std::optional<float>{0.05f},
              Flow::rl, overlap};
@@ -614,7 +683,7 @@ TEST(TrainerApi, AResumedRunEqualsTheUninterruptedOneInAnyModeThreadCountAndIsa)
 }
 
 TEST(TrainerApi, ShardedRanksResumeFromTheirOwnFiles) {
-  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+  Case c{DType::bf16, AdamWConfig{}, 0.05f, Flow::sft, false};
   c.schedule = true;
   c.steps = 8;
   const std::vector<StreamParam> model = stream_model(c.grad_dtype);
@@ -635,7 +704,7 @@ TEST(TrainerApi, ShardedRanksResumeFromTheirOwnFiles) {
     for (int r = 0; r < 2; ++r) {
       ASSERT_EQ(errors[static_cast<std::size_t>(r)], "") << "rank " << r;
       expect_shard_of(got[static_cast<std::size_t>(r)], slice(want, resume ? 4 : 0, 4), model, sh,
-                      r, true);
+                      r, 2);
     }
   }
   // Rank 1's file is not rank 0's: its rank (and its sizes) differ.
@@ -690,7 +759,7 @@ TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
   for (OffloadMode mode : kModes) {
     SCOPED_TRACE(offload_mode_name(mode));
     // A manager fresh from its initial masters: anything loaded would show.
-    Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+    Case c{DType::bf16, AdamWConfig{}, 0.05f, Flow::sft, false};
     auto dev = make_device();
     auto fresh = make_manager(build_of(mode), c, *dev);
     GradientManager& m = *fresh;
@@ -716,7 +785,7 @@ TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
                "params[3].name");
     refused_by([](ManagerConfig& cfg) { cfg.params[4].numel += 1; }, Errc::size_mismatch,
                "params[4].numel");
-    refused_by([](ManagerConfig& cfg) { cfg.optimizer = optimizer_of(OptimizerKind::sign_sgd); },
+    refused_by([](ManagerConfig& cfg) { cfg.optimizer = optimizer_of(SignSgdConfig{}); },
                Errc::invalid_argument, "optimizer");
     refused_by([](ManagerConfig& cfg) { cfg.groups[1].name = "norms"; }, Errc::invalid_argument,
                "groups[1].name");
@@ -734,7 +803,7 @@ TEST(TrainerApi, ACheckpointThatDisagreesIsRefusedWithNothingLoaded) {
 TEST(TrainerApi, ValuesAManagerCannotContinueFromAreRefusedAtLoad) {
   // A structurally valid file (written by the format's own writer, checksums right) whose
   // values are not a state: a NaN master, a negative second moment, a fractional step.
-  Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+  Case c{DType::bf16, AdamWConfig{}, 0.05f, Flow::sft, false};
   TempDir dir;
   const std::string good = dir.file("good.stepcore");
   {
@@ -805,7 +874,7 @@ TEST(TrainerApi, ASaveKilledBeforeItsRenameLeavesThePreviousCheckpointLoadable) 
     m.save_checkpoint(path);
     const auto saved = snapshot(m);
     // One more step, then saves that fail the ways a disk and a kill do.
-    Case c{DType::bf16, OptimizerKind::adamw, 0.05f, Flow::sft, false};
+    Case c{DType::bf16, AdamWConfig{}, 0.05f, Flow::sft, false};
     (void)run_stream(m, *t.dev, stream_options(c, nullptr, 2, 1));
     ASSERT_NE(snapshot(m), saved);
     for (faults::SaveFaultKind kind :

@@ -101,17 +101,13 @@ std::vector<StepOut> run(test_support::ForwardingDevice& counted, comm::Communic
   device::Device& dev = counted.inner();
   ManagerConfig cfg;
   cfg.mode = mode;
-  cfg.optimizer.kind = parse_optimizer(optimizer);
-  cfg.optimizer.adamw.lr = 2e-3;
-  cfg.optimizer.adamw.weight_decay = 0.1;
-  cfg.optimizer.sign_sgd.lr = 1e-3;
-  cfg.optimizer.sign_sgd.weight_decay = 0.05;
+  cfg.optimizer = parse_optimizer(optimizer);
   // Two groups: "decay" with the optimizer's values, "no_decay" (parameter 0) without.
-  const bool is_adamw = cfg.optimizer.kind == OptimizerKind::adamw;
+  const bool is_adamw = std::holds_alternative<AdamWConfig>(cfg.optimizer);
   ParamGroup decay;
   decay.name = "decay";
-  decay.lr = is_adamw ? cfg.optimizer.adamw.lr : cfg.optimizer.sign_sgd.lr;
-  decay.weight_decay = is_adamw ? cfg.optimizer.adamw.weight_decay : 0.05;
+  decay.lr = is_adamw ? 2e-3 : 1e-3;
+  decay.weight_decay = is_adamw ? 0.1 : 0.05;
   ParamGroup no_decay = decay;
   no_decay.name = "no_decay";
   no_decay.weight_decay = 0.0;

@@ -44,9 +44,8 @@ std::uint64_t fnv1a(std::uint64_t h, const void* data, std::size_t bytes) {
 /// main phase's), with the configured weight decay for group 0 ("decay") and none for
 /// group 1 ("no_decay": norms and biases).
 sc::StepHyper scheduled(const ManagersOptions& o, std::int64_t step, std::size_t group) {
-  const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
-  const double peak = adamw ? o.optimizer.adamw.lr : o.optimizer.sign_sgd.lr;
-  const double wd = adamw ? o.optimizer.adamw.weight_decay : o.optimizer.sign_sgd.weight_decay;
+  const double peak = std::visit([](const auto& c) { return c.lr; }, o.optimizer);
+  const double wd = std::visit([](const auto& c) { return c.weight_decay; }, o.optimizer);
   return {scheduled_lr(peak, step, o.steps), group == 0 ? wd : 0.0};
 }
 
@@ -72,9 +71,11 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
     const sc::StepHyper h = scheduled(o, 0, cfg.groups.size());
     g.lr = h.lr;
     g.weight_decay = h.weight_decay;
-    g.beta1 = o.optimizer.adamw.beta1;
-    g.beta2 = o.optimizer.adamw.beta2;
-    g.eps = o.optimizer.adamw.eps;
+    if (const auto* a = std::get_if<sc::AdamWConfig>(&o.optimizer)) {
+      g.beta1 = a->beta1;
+      g.beta2 = a->beta2;
+      g.eps = a->eps;
+    }
     cfg.groups.push_back(g);
   }
   for (const TensorSpec& t : o.layout) {
@@ -102,7 +103,7 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
   }
   std::vector<sc::bfloat16_t> host_bf16;
   const auto t0 = Clock::now();
-  const bool adamw = o.optimizer.kind == sc::OptimizerKind::adamw;
+  const bool adamw = std::holds_alternative<sc::AdamWConfig>(o.optimizer);
   for (std::int64_t step = span.first; step < span.last; ++step) {
     for (std::size_t g = 0; g < m->group_count(); ++g)
       m->set_hyperparameters(g, scheduled(o, step, g));
@@ -224,13 +225,15 @@ ManagersOptions managers_options(const Options& o, const Backend& backend) {
   mo.micro_batches = o.micro_batches;
   mo.max_norm = o.max_norm;
   mo.grad_dtype = o.grad_dtype;
-  mo.optimizer.kind =
-      o.optimizer == Optimizer::adamw ? sc::OptimizerKind::adamw : sc::OptimizerKind::sign_sgd;
-  mo.optimizer.adamw.lr = o.lr;
-  mo.optimizer.adamw.weight_decay = o.weight_decay;
-  mo.optimizer.adamw.formula = o.formula;
-  mo.optimizer.sign_sgd.lr = o.lr;
-  mo.optimizer.sign_sgd.weight_decay = o.weight_decay;
+  if (o.optimizer == Optimizer::adamw) {
+    sc::AdamWConfig a;
+    a.lr = o.lr;
+    a.weight_decay = o.weight_decay;
+    a.formula = o.formula;
+    mo.optimizer = a;
+  } else {
+    mo.optimizer = sc::SignSgdConfig{o.lr, o.weight_decay};
+  }
   if (backend.engine) {
     mo.engine.isa = backend.engine->isa();
     mo.engine.threads = backend.engine->threads();

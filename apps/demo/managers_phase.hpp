@@ -26,7 +26,7 @@ struct ManagersOptions {
   std::int64_t micro_batches = 4;
   double max_norm = 1.0;  ///< 0: no clipping
   sc::DType grad_dtype = sc::DType::bf16;
-  sc::OptimizerSpec optimizer;
+  sc::OptimizerConfig optimizer;
   sc::cpu::EngineConfig engine;
   std::size_t chunk_elements = std::size_t{16} << 20;
   bool cuda = false;  ///< run on CUDA device 0 instead of the host device

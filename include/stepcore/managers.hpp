@@ -5,12 +5,14 @@
 //   gradient(i) + gradient_ready(i) per parameter, finish_backward() -> optionally
 //   clip_grad_norm(max_norm) -> step() -> ... -> close()
 //
-// Modes: "none" (GpuGradientManager: gradients, masters and moments in device memory),
-// "optimizer" (gradients on the device, AdamW/SignSGD state in host memory streamed
-// through the device in chunks for the step), "full" (OffloadGradientManager: gradients
-// copied to pinned host staging as they finish, accumulated, clipped and stepped on the
-// CPU engine, compute weights uploaded). All three give identical bits: norms, clip
-// coefficients, parameters, moments and compute weights (docs/numerics.md, section
+// Modes: "none" (GpuGradientManager: gradients, masters and optimizer state in device
+// memory), "optimizer" (gradients on the device, the optimizer state in host memory
+// streamed through the device in chunks for the step), "full" (OffloadGradientManager:
+// gradients copied to pinned host staging as they finish, accumulated, clipped and
+// stepped on the CPU engine, compute weights uploaded). The optimizer is any the library
+// has (an OptimizerConfig); its state is the f32 master and the optimizer's named state
+// slots. Every mode that steps an optimizer gives the same bits: norms, clip
+// coefficients, parameters, state and compute weights (docs/numerics.md, section
 // "Gradient managers").
 #pragma once
 
@@ -21,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "stepcore/comm.hpp"
@@ -73,9 +76,9 @@ struct ParamGroup {
   std::string name;  ///< non-empty and unique (checkpoints and errors name it)
   double lr = 1e-3;
   double weight_decay = 0.0;
-  double beta1 = 0.9;    ///< AdamW only
-  double beta2 = 0.999;  ///< AdamW only
-  double eps = 1e-8;     ///< AdamW only
+  double beta1 = 0.9;    ///< optimizers with betas (AdamW, Adam) only
+  double beta2 = 0.999;  ///< optimizers with betas only
+  double eps = 1e-8;     ///< optimizers with betas only (Adagrad's eps is its config's)
 };
 
 /// Which chunks an overlapped step (begin_step(scale, true)) steps before the step's
@@ -93,29 +96,59 @@ Speculation parse_speculation(std::string_view name);
 /// Returns "always", "never" or "auto".
 std::string_view speculation_name(Speculation policy) noexcept;
 
-/// The optimizers stepcore implements.
-enum class OptimizerKind : std::uint8_t { adamw, sign_sgd };
+/// Returns the default configuration of the optimizer named exactly `name`: one of the
+/// optimizer units' names ("adamw", "sign_sgd", "adam", "sgd", "adagrad"). Anything else
+/// ("AdamW", "muon", "") throws Errc::invalid_argument naming "optimizer" with the
+/// accepted names.
+OptimizerConfig parse_optimizer(std::string_view name);
+/// Returns the name of the optimizer `config` configures ("adamw", ...).
+std::string_view optimizer_name(const OptimizerConfig& config) noexcept;
 
-/// Returns the optimizer named exactly "adamw" or "sign_sgd". Anything else ("AdamW",
-/// "muon", "") throws Errc::invalid_argument naming "optimizer" with the accepted names.
-OptimizerKind parse_optimizer(std::string_view name);
-/// Returns "adamw" or "sign_sgd".
-std::string_view optimizer_name(OptimizerKind kind) noexcept;
-
-/// The optimizer and the configuration of each (only the one `kind` names is used). The
-/// AdamW formula (formula, torch_tail_width) applies to every group; lr, weight decay,
-/// betas and eps are the hyper-parameters of the single group "default" that a
-/// configuration without ManagerConfig::groups has.
-struct OptimizerSpec {
-  OptimizerKind kind = OptimizerKind::adamw;
-  AdamWConfig adamw;
-  SignSgdConfig sign_sgd;
+/// One hyper-parameter of an optimizer configuration, by its field name in the
+/// configuration record (stepcore/optim.hpp): numbers, flags (0 or 1) and counts as a
+/// double; AdamW's formula as its name ("torch", "native").
+struct OptimizerField {
+  std::string name;
+  std::variant<double, std::string> value;
 };
+/// Returns the configuration of the optimizer named `name` (parse_optimizer's names):
+/// its defaults with each of `fields` set. A name the optimizer does not have, a value of
+/// the wrong kind (a string for a number, 0.5 for a flag, a fraction for a count, an
+/// unknown formula) throws Errc::invalid_argument naming "<optimizer>.<field>" with the
+/// accepted fields; the values themselves are checked where the configuration is used.
+OptimizerConfig make_optimizer_config(std::string_view name,
+                                      std::span<const OptimizerField> fields);
+/// Returns every hyper-parameter of `config`, in its record's order.
+std::vector<OptimizerField> optimizer_fields(const OptimizerConfig& config);
+
+/// Returns the names of the state slots (the f32 arrays beside the master) the optimizer
+/// `config` keeps for each parameter, in its slot order: AdamW and Adam exp_avg,
+/// exp_avg_sq (and max_exp_avg_sq with amsgrad), SGD momentum_buffer (momentum != 0),
+/// Adagrad sum, SignSGD none (docs/numerics.md).
+std::vector<std::string_view> optimizer_slot_names(const OptimizerConfig& config);
+/// Returns whether the optimizer `config` keeps a step counter per parameter.
+bool optimizer_counts_steps(const OptimizerConfig& config) noexcept;
+
+/// One named state slot of a parameter in host memory: its optimizer's name for it
+/// (optimizer_slot_names) and numel floats.
+template <class T>
+struct NamedSlot {
+  std::string_view name;
+  std::span<T> values;
+};
+using SlotIn = NamedSlot<const float>;  ///< a slot's values to import
+using SlotOut = NamedSlot<float>;       ///< where to copy a slot's values
 
 /// Everything a manager is built from.
 struct ManagerConfig {
   OffloadMode mode = OffloadMode::optimizer;
-  OptimizerSpec optimizer;
+  /// The optimizer: the alternative held selects it. lr and weight decay (and the betas
+  /// and eps of the optimizers with betas: AdamW, Adam) are the groups'; a configuration
+  /// without groups has the single group "default" made of them. Its other fields
+  /// (AdamW's formula, momentum, ...) apply to every group. Modes none and optimizer
+  /// step AdamW (without amsgrad and maximize) and SignSGD; mode full steps every
+  /// optimizer (make_gradient_manager refuses the others, naming "optimizer").
+  OptimizerConfig optimizer = AdamWConfig{};
   /// The parameter groups (ParamSpec::group indexes them). Empty: one group, "default",
   /// with the optimizer's lr, weight decay, betas and eps.
   std::vector<ParamGroup> groups;
@@ -200,15 +233,26 @@ class GradientManager final {
   /// Returns the configuration it was built with.
   const ManagerConfig& config() const noexcept;
 
+  /// Returns the names of the optimizer's state slots (optimizer_slot_names of the
+  /// configuration): what import_parameter, read_parameter and host_state name.
+  const std::vector<std::string_view>& state_slot_names() const noexcept;
+
   /// Sets parameter i's fp32 master weights (host memory, numel floats) and its
-  /// compute weights to their rounding; moments start at zero, the step counter at 0.
+  /// compute weights to their rounding; the state slots start at their initial values
+  /// (zero; Adagrad's sum at f32(initial_accumulator_value)), the step counter at 0.
   /// Only between steps.
   void load_parameter(std::size_t i, std::span<const float> master);
   /// Sets parameter i's whole optimizer state from host memory: master (numel finite
-  /// floats), AdamW moments (numel finite floats each, exp_avg_sq >= 0; empty for
-  /// SignSGD) and step counter (AdamW: an integer in [0, 2^24]; SignSGD: 0), and its
-  /// compute weights to the master's rounding: what a resumed run continues from, the
-  /// same bits as the run that exported it. Only between steps.
+  /// floats), every state slot by name (each of state_slot_names() exactly once, numel
+  /// finite floats; exp_avg_sq, max_exp_avg_sq and sum >= 0) and the step counter (an
+  /// integer in [0, 2^24] for an optimizer that counts steps, else 0), and its compute
+  /// weights to the master's rounding: what a resumed run continues from, the same bits
+  /// as the run that exported it. A missing, repeated or unknown slot name throws
+  /// Errc::invalid_argument naming "state" with the slot names. Only between steps.
+  void import_parameter(std::size_t i, std::span<const float> master, std::span<const SlotIn> state,
+                        float step);
+  /// The same for an optimizer whose slots are exp_avg and exp_avg_sq (AdamW and Adam
+  /// without amsgrad) or none (both spans empty: SignSGD).
   void import_parameter(std::size_t i, std::span<const float> master,
                         std::span<const float> exp_avg, std::span<const float> exp_avg_sq,
                         float step);
@@ -280,18 +324,30 @@ class GradientManager final {
   /// Returns parameter i's compute weights (device memory), valid after the step's work
   /// (report() or synchronize()).
   ConstTensorView compute_weights(std::size_t i) const;
-  /// Copies parameter i's master weights, moments and compute weights to host memory
-  /// (each span may be empty to skip it; exp_avg_sq is empty for SignSGD). Waits for
-  /// outstanding work. Only between steps.
+  /// Copies parameter i's master weights, the named state slots in `state` (any of
+  /// state_slot_names(), each at most once; an unknown name throws Errc::invalid_argument
+  /// naming "state") and compute weights to host memory (each span may be empty to skip
+  /// it). Waits for outstanding work. Only between steps.
+  void read_parameter(std::size_t i, std::span<float> master, std::span<const SlotOut> state,
+                      std::span<std::uint8_t> compute);
+  /// The same with the slots exp_avg and exp_avg_sq by position (each empty to skip it;
+  /// both empty for an optimizer without them).
   void read_parameter(std::size_t i, std::span<float> master, std::span<float> exp_avg,
                       std::span<float> exp_avg_sq, std::span<std::uint8_t> compute);
-  /// Returns parameter i's AdamW step counter (0 for SignSGD). Waits for outstanding
-  /// work. Only between steps.
+  /// Returns parameter i's step counter (0 for an optimizer without one). Waits for
+  /// outstanding work. Only between steps.
   float step_count(std::size_t i);
 
   /// Parameter i's optimizer state where it lives in host memory.
   struct HostState {
-    std::span<const float> master, exp_avg, exp_avg_sq;  ///< moments empty for SignSGD
+    std::span<const float> master;
+    std::vector<NamedSlot<const float>> slots;  ///< in state_slot_names() order
+    /// Returns the slot named `name`, or an empty span when there is none.
+    std::span<const float> slot(std::string_view name) const noexcept {
+      for (const auto& s : slots)
+        if (s.name == name) return s.values;
+      return {};
+    }
   };
   /// Returns views of parameter i's state where it is host memory (modes optimizer and
   /// full: no copy, e.g. for a distributed checkpoint), valid until the next call that
@@ -300,15 +356,17 @@ class GradientManager final {
   /// outstanding work. Only between steps.
   HostState host_state(std::size_t i);
 
-  /// Writes this rank's optimizer state (every parameter's master, moments and step
-  /// counter, keyed by name; the groups' hyper-parameters) to `path`, atomically (a
-  /// temporary file, fsync, rename: a crash leaves the previous file intact), in the
+  /// Writes this rank's optimizer state (every parameter's master, state slots by name and
+  /// step counter, keyed by name; the optimizer and the groups' hyper-parameters) to `path`,
+  /// atomically (a temporary file, fsync, rename: a crash leaves the previous file intact), in the
   /// versioned format of docs/checkpoint.md. Each rank saves its own file. Only between
   /// steps; Errc::io_error naming "path" when the file cannot be written.
   void save_checkpoint(const std::string& path);
   /// Reads a checkpoint written by save_checkpoint in any mode, thread count, ISA or
-  /// device, and continues from it bit for bit. Everything is checked first (format,
-  /// checksums, optimizer, groups, rank, layout, parameter names, sizes and values):
+  /// device (format version 2, or version 1 of the AdamW/SignSGD-only releases), and
+  /// continues from it bit for bit. Everything is checked first (format, checksums,
+  /// optimizer, its hyper-parameters and slot names, groups, rank, layout, parameter
+  /// names, sizes and values):
   /// any disagreement is an Error naming it (Errc::corrupt_file for a damaged file),
   /// with nothing loaded. Restores each group's lr and weight decay. Only between steps,
   /// or at any point on a failed manager: after the file is verified, the failed step's
@@ -336,10 +394,10 @@ class GradientManager final {
 
 /// Returns the manager for config.mode — the trainer's one entry point: GpuGradientManager
 /// for "none", the streamed-state manager for "optimizer", OffloadGradientManager for
-/// "full". Validates everything first: an OptimizerKind outside its values is refused
-/// (Errc::not_supported; in full offload with the message that full offload accepts only
-/// AdamW and SignSGD), a missing device, a communicator in the wrong memory space or (a device
-/// communicator) on another stream than the device's compute stream, bad sizes.
+/// "full". Validates everything first: an optimizer the mode cannot step (Errc::not_supported
+/// naming "optimizer", saying which mode can), its hyper-parameters, a missing device, a
+/// communicator in the wrong memory space or (a device communicator) on another stream than
+/// the device's compute stream, bad sizes.
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config);
 
 }  // namespace stepcore

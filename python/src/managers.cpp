@@ -377,37 +377,31 @@ void bind_managers(nb::module_& m) {
       .def(
           "__init__",
           [](PyManager* self, const std::string& mode, const std::vector<nb::dict>& params,
-             const std::string& optimizer, std::optional<std::vector<nb::dict>> groups,
-             std::optional<nb::dict> adamw, std::optional<nb::dict> sign_sgd,
-             std::size_t chunk_elements, const std::string& device, nb::object comm,
-             std::uint64_t layout_fingerprint, int threads, std::optional<std::string> isa,
-             std::vector<int> cpus, int numa_node, bool lazy_gpu_scale, nb::handle stream,
-             const std::string& speculation, std::int64_t speculation_bytes,
-             std::int64_t speculation_device_bytes) {
+             const std::string& optimizer, std::optional<nb::dict> hyper,
+             std::optional<std::vector<nb::dict>> groups, std::size_t chunk_elements,
+             const std::string& device, nb::object comm, std::uint64_t layout_fingerprint,
+             int threads, std::optional<std::string> isa, std::vector<int> cpus, int numa_node,
+             bool lazy_gpu_scale, nb::handle stream, const std::string& speculation,
+             std::int64_t speculation_bytes, std::int64_t speculation_device_bytes) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
-            c.optimizer.kind = parse_optimizer(optimizer);
-            if (adamw) {
-              std::string formula = "torch";
-              read_dict(*adamw, "adamw", [&](auto&& f) {
-                f("lr", c.optimizer.adamw.lr);
-                f("beta1", c.optimizer.adamw.beta1);
-                f("beta2", c.optimizer.adamw.beta2);
-                f("eps", c.optimizer.adamw.eps);
-                f("weight_decay", c.optimizer.adamw.weight_decay);
-                f("formula", formula);
-                f("torch_tail_width", c.optimizer.adamw.torch_tail_width);
-              });
-              if (formula != "torch" && formula != "native")
-                bad("adamw.formula", "'" + formula + "'");
-              c.optimizer.adamw.formula =
-                  formula == "torch" ? AdamWFormula::torch : AdamWFormula::native;
-            }
-            if (sign_sgd)
-              read_dict(*sign_sgd, "sign_sgd", [&](auto&& f) {
-                f("lr", c.optimizer.sign_sgd.lr);
-                f("weight_decay", c.optimizer.sign_sgd.weight_decay);
-              });
+            // The optimizer by name, its hyper-parameters by field name (numbers, flags as
+            // bools, AdamW's formula as its name); the library names a bad one.
+            std::vector<OptimizerField> fields;
+            if (hyper)
+              for (auto [k, v] : *hyper) {
+                const std::string key = nb::cast<std::string>(k);
+                if (nb::isinstance<nb::str>(v))
+                  fields.push_back({key, nb::cast<std::string>(v)});
+                else if (nb::isinstance<nb::bool_>(v) || nb::isinstance<nb::int_>(v) ||
+                         nb::isinstance<nb::float_>(v))
+                  fields.push_back({key, nb::cast<double>(v)});
+                else
+                  throw nb::type_error(("stepcore: invalid_argument in '" + optimizer + "." + key +
+                                        "': a number, a bool or (formula) a name")
+                                           .c_str());
+              }
+            c.optimizer = make_optimizer_config(optimizer, fields);
             if (groups)
               for (std::size_t g = 0; g < groups->size(); ++g) {
                 ParamGroup pg;
@@ -483,17 +477,30 @@ void bind_managers(nb::module_& m) {
             new (self) PyManager(std::move(*pm));
           },
           nb::arg("mode"), nb::arg("params"), nb::kw_only(), nb::arg("optimizer") = "adamw",
-          nb::arg("groups") = nb::none(), nb::arg("adamw") = nb::none(),
-          nb::arg("sign_sgd") = nb::none(), nb::arg("chunk_elements") = std::size_t{16} << 20,
-          nb::arg("device") = "host", nb::arg("comm") = nb::none(),
-          nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0, nb::arg("isa") = nb::none(),
-          nb::arg("cpus") = std::vector<int>{}, nb::arg("numa_node") = -1,
-          nb::arg("lazy_gpu_scale") = false, nb::arg("stream").none() = nb::none(),
-          nb::arg("speculation") = "auto", nb::arg("speculation_bytes") = ManagerConfig::kAllChunks,
+          nb::arg("hyper") = nb::none(), nb::arg("groups") = nb::none(),
+          nb::arg("chunk_elements") = std::size_t{16} << 20, nb::arg("device") = "host",
+          nb::arg("comm") = nb::none(), nb::arg("layout_fingerprint") = 0, nb::arg("threads") = 0,
+          nb::arg("isa") = nb::none(), nb::arg("cpus") = std::vector<int>{},
+          nb::arg("numa_node") = -1, nb::arg("lazy_gpu_scale") = false,
+          nb::arg("stream").none() = nb::none(), nb::arg("speculation") = "auto",
+          nb::arg("speculation_bytes") = ManagerConfig::kAllChunks,
           nb::arg("speculation_device_bytes") = 0)
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
+      .def_prop_ro(
+          "state_slot_names",
+          [](const PyManager& p) {
+            std::vector<std::string> out;
+            for (std::string_view n : p.m->state_slot_names()) out.emplace_back(n);
+            return out;
+          },
+          "The optimizer's state slots beside each master, in its order (e.g. exp_avg, "
+          "exp_avg_sq; momentum_buffer; sum; none for sign_sgd).")
+      .def_prop_ro(
+          "counts_steps",
+          [](const PyManager& p) { return optimizer_counts_steps(p.m->config().optimizer); },
+          "Whether the optimizer keeps a step counter per parameter.")
       .def("group_index",
            [](const PyManager& p, const std::string& n) { return p.m->group_index(n); })
       .def(
@@ -514,18 +521,31 @@ void bind_managers(nb::module_& m) {
       .def(
           "import_parameter",
           [](PyManager& p, std::size_t i, const nb::ndarray<nb::ro, float, nb::device::cpu>& master,
-             std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> exp_avg,
-             std::optional<nb::ndarray<nb::ro, float, nb::device::cpu>> exp_avg_sq, float step) {
-            auto span_of = [](const auto& a) {
-              return a ? std::span<const float>(a->data(), a->size()) : std::span<const float>{};
-            };
+             std::optional<nb::dict> state, float step) {
             const std::span<const float> m0(master.data(), master.size());
-            const auto m1 = span_of(exp_avg), m2 = span_of(exp_avg_sq);
+            // The slots by name: the names live in `names` while the call runs.
+            std::vector<std::string> names;
+            std::vector<nb::ndarray<nb::ro, float, nb::device::cpu>> arrays;
+            if (state)
+              for (auto [k, v] : *state) {
+                names.push_back(nb::cast<std::string>(k));
+                nb::ndarray<nb::ro, float, nb::device::cpu> a;
+                if (!nb::try_cast(v, a))
+                  throw nb::type_error(("stepcore: unsupported_dtype in 'state." + names.back() +
+                                        "': a contiguous float32 CPU array")
+                                           .c_str());
+                arrays.push_back(a);
+              }
+            std::vector<SlotIn> slots;
+            for (std::size_t k = 0; k < names.size(); ++k)
+              slots.push_back(
+                  {names[k], std::span<const float>(arrays[k].data(), arrays[k].size())});
             nb::gil_scoped_release r;
-            p.m->import_parameter(i, m0, m1, m2, step);
+            p.m->import_parameter(i, m0, slots, step);
           },
-          nb::arg("i"), nb::arg("master"), nb::arg("exp_avg") = nb::none(),
-          nb::arg("exp_avg_sq") = nb::none(), nb::arg("step") = 0.0f)
+          nb::arg("i"), nb::arg("master"), nb::arg("state") = nb::none(), nb::arg("step") = 0.0f,
+          "Sets parameter i's master, its state slots (a dict: every one of state_slot_names "
+          "by name) and step counter.")
       .def(
           "begin_step",
           [](PyManager& p, float scale, bool overlap) {
@@ -657,13 +677,16 @@ void bind_managers(nb::module_& m) {
           "read_parameter",
           [](PyManager& p, std::size_t i) {
             const ParamSpec& s = p.m->config().params[i];
-            const bool adamw = p.m->config().optimizer.kind == OptimizerKind::adamw;
-            std::vector<float> master(s.numel), m1(adamw ? s.numel : 0), m2(adamw ? s.numel : 0);
+            const std::vector<std::string_view>& names = p.m->state_slot_names();
+            std::vector<float> master(s.numel);
+            std::vector<std::vector<float>> slots(names.size(), std::vector<float>(s.numel));
+            std::vector<SlotOut> named;
+            for (std::size_t k = 0; k < names.size(); ++k) named.push_back({names[k], slots[k]});
             std::vector<std::uint8_t> compute(
                 s.has_compute_weights ? s.numel * dtype_size(s.compute_dtype) : 0);
             {
               nb::gil_scoped_release r;
-              p.m->read_parameter(i, master, m1, m2, compute);
+              p.m->read_parameter(i, master, named, compute);
             }
             auto out = [](std::vector<float> v) {
               auto* data = new std::vector<float>(std::move(v));
@@ -672,11 +695,14 @@ void bind_managers(nb::module_& m) {
               const std::size_t shape[1] = {data->size()};
               return nb::ndarray<nb::numpy, float>(data->data(), 1, shape, owner);
             };
+            nb::dict state;
+            for (std::size_t k = 0; k < names.size(); ++k)
+              state[nb::str(names[k].data(), names[k].size())] = out(std::move(slots[k]));
             return nb::make_tuple(
-                out(std::move(master)), out(std::move(m1)), out(std::move(m2)),
+                out(std::move(master)), state,
                 nb::bytes(reinterpret_cast<const char*>(compute.data()), compute.size()));
           },
-          nb::arg("i"), "Copies of parameter i's (master, exp_avg, exp_avg_sq, compute bytes).")
+          nb::arg("i"), "Copies of parameter i's (master, {slot name: state slot}, compute bytes).")
       .def("step_count", [](PyManager& p, std::size_t i) { return p.m->step_count(i); })
       .def(
           "host_state",
@@ -688,11 +714,16 @@ void bind_managers(nb::module_& m) {
               return nb::cast(
                   array_of(ConstTensorView(s.data(), s.size(), DType::f32), false, 0, self));
             };
-            return nb::make_tuple(view(h.master), view(h.exp_avg), view(h.exp_avg_sq));
+            nb::dict slots;
+            if (h.master.data() != nullptr)  // mode none: no views
+              for (const auto& s : h.slots)
+                slots[nb::str(s.name.data(), s.name.size())] = view(s.values);
+            return nb::make_tuple(view(h.master), slots);
           },
           nb::arg("i"),
-          "Views (no copy) of parameter i's host-resident state (modes optimizer, full; None in "
-          "mode none), valid until the next call that starts work or changes state.")
+          "Views (no copy) of parameter i's host-resident state as (master, {slot name: slot}) "
+          "(modes optimizer, full; (None, {}) in mode none), valid until the next call that "
+          "starts work or changes state.")
       .def(
           "save_checkpoint",
           [](PyManager& p, const std::string& path) {

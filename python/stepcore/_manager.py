@@ -20,7 +20,8 @@ from . import _core
 __all__ = ["GradientManager"]
 
 OFFLOAD_MODES = ("none", "optimizer", "full")
-OPTIMIZERS = ("adamw", "sign_sgd")
+OPTIMIZERS = ("adamw", "sign_sgd", "adam", "sgd", "adagrad")
+_WITH_BETAS = ("adamw", "adam")  # their betas and eps are each param group's
 _DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _REDUCE_OPS = None  # name -> torch.distributed.ReduceOp, filled on first use
 
@@ -90,16 +91,23 @@ class GradientManager(torch.optim.Optimizer):
     """The step after backward in one of three places, chosen by ``offload``."""
 
     def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0, formula="torch", chunk_elements=16 << 20,
+                 eps=1e-8, weight_decay=0.0, formula="torch", hyper=None,
+                 chunk_elements=16 << 20,
                  process_group=None, threads=None, isa=None, numa=True, recorder=None,
                  speculation="auto", speculation_bytes=-1, speculation_device_bytes=0):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
-        extra = ""
-        if offload == "full":
-            extra = " (full offload accepts only AdamW and SignSGD)"
-        _check_choice("optimizer", optimizer, OPTIMIZERS, extra)
+        _check_choice("optimizer", optimizer, OPTIMIZERS)
+        if hyper is not None and not isinstance(hyper, dict):
+            raise TypeError(f"stepcore.torch: 'hyper' must be a dict or None, got "
+                            f"{type(hyper).__name__}")
+        self._hyper = dict(hyper or {})
+        for key in ("lr", "weight_decay") + (("beta1", "beta2", "eps")
+                                             if optimizer in _WITH_BETAS else ()):
+            if key in self._hyper:
+                raise ValueError(f"stepcore.torch: 'hyper' sets {key!r}, a param group's "
+                                 f"value: pass it as an argument or in the param groups")
         _check_choice("formula", formula, ("torch", "native"))
         _check_choice("speculation", speculation, ("always", "never", "auto"))
         for name, value in (("speculation_bytes", speculation_bytes),
@@ -119,7 +127,7 @@ class GradientManager(torch.optim.Optimizer):
             named = list(params.named_parameters())
             names = {id(p): n for n, p in named}
             params = [p for _, p in named]
-        if optimizer == "adamw":
+        if optimizer in _WITH_BETAS:
             defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         else:
             defaults = dict(lr=lr, weight_decay=weight_decay)
@@ -201,7 +209,7 @@ class GradientManager(torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):
             entry = dict(name=str(g.get("name", f"group{gi}")), lr=float(g["lr"]),
                          weight_decay=float(g["weight_decay"]))
-            if self.optimizer_name == "adamw":
+            if self.optimizer_name in _WITH_BETAS:
                 if not isinstance(g["betas"], (tuple, list)) or len(g["betas"]) != 2:
                     raise ValueError(f"stepcore.torch: param_groups[{gi}]['betas'] must be a pair")
                 entry.update(beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
@@ -233,9 +241,11 @@ class GradientManager(torch.optim.Optimizer):
                 cpus, numa_node = list(place["cpus"]), int(place["numa_node"])
                 threads = min(int(threads), len(cpus)) if cpus else int(threads)
         self.threads = int(threads)
-        adamw = dict(formula=self._formula) if self.optimizer_name == "adamw" else None
+        hyper = dict(self._hyper)
+        if self.optimizer_name == "adamw":
+            hyper["formula"] = self._formula
         self._m = _core.GradientManager(
-            self.offload, specs, optimizer=self.optimizer_name, groups=groups, adamw=adamw,
+            self.offload, specs, optimizer=self.optimizer_name, groups=groups, hyper=hyper,
             chunk_elements=int(chunk_elements), device=device, comm=comm,
             threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
             speculation=self._speculation[0], speculation_bytes=self._speculation[1],
@@ -395,17 +405,16 @@ class GradientManager(torch.optim.Optimizer):
             rec.record("clip", "norm", torch.tensor(self._report["norm"], dtype=torch.float32))
             rec.record("clip", "clip_coefficient",
                        torch.tensor(self._report["clip_coefficient"], dtype=torch.float32))
-        adamw = self.optimizer_name == "adamw"
+        slots = self._m.state_slot_names
         state = []
         for i in range(len(self._params)):
-            master, m1, m2 = self._m.host_state(i)  # views in modes optimizer and full
-            if master is None:
-                master, m1, m2, _ = self._m.read_parameter(i)  # copies
+            master, named = self._host_state(i)
             shape = self._locals[i].shape
             state.append([torch.from_dlpack(t).view(shape)
-                          for t in ((master, m1, m2) if adamw else (master,))])
-        kinds = (("exp_avg", 1), ("exp_avg_sq", 2), ("step", None), ("master", 0),
-                 ("param", None)) if adamw else (("master", 0), ("param", None))
+                          for t in [master] + [named[n] for n in slots]])
+        kinds = ([(n, 1 + k) for k, n in enumerate(slots)]
+                 + ([("step", None)] if self._m.counts_steps else [])
+                 + [("master", 0), ("param", None)])
         for kind, k in kinds:
             for i, name in enumerate(self._names):
                 if kind == "step":
@@ -449,13 +458,11 @@ class GradientManager(torch.optim.Optimizer):
         """
         state = {}
         for i, p in enumerate(self._params):
-            master, m1, m2 = self._m.host_state(i)
-            if master is None:
-                master, m1, m2, _ = self._m.read_parameter(i)
+            master, named = self._host_state(i)
             entry = {"master": self._shaped(i, torch.from_dlpack(master))}
-            if self.optimizer_name == "adamw":
-                entry["exp_avg"] = self._shaped(i, torch.from_dlpack(m1))
-                entry["exp_avg_sq"] = self._shaped(i, torch.from_dlpack(m2))
+            for name in self._m.state_slot_names:  # torch's names: exp_avg, momentum_buffer, sum
+                entry[name] = self._shaped(i, torch.from_dlpack(named[name]))
+            if self._m.counts_steps:
                 entry["step"] = torch.tensor(self._m.step_count(i), dtype=torch.float32)
             state[i] = entry
         groups = []
@@ -466,6 +473,14 @@ class GradientManager(torch.optim.Optimizer):
             start += len(g["params"])
             groups.append(d)
         return {"state": state, "param_groups": groups}
+
+    def _host_state(self, i):
+        """Parameter i's (master, {slot: array}): views in modes optimizer and full, copies
+        in mode none."""
+        master, named = self._m.host_state(i)
+        if master is None:
+            master, named, _ = self._m.read_parameter(i)
+        return master, named
 
     def _shaped(self, i, flat):
         """Returns parameter i's flat state as its local shape (a DTensor for DTensor params)."""
@@ -490,15 +505,20 @@ class GradientManager(torch.optim.Optimizer):
             def flat(t):
                 t = _local(t) if isinstance(t, torch.Tensor) else torch.as_tensor(t)
                 return t.detach().float().contiguous().cpu().reshape(-1)
-            m1 = flat(st["exp_avg"]) if "exp_avg" in st else None
-            m2 = flat(st["exp_avg_sq"]) if "exp_avg_sq" in st else None
-            step = float(st.get("step", 0.0)) if self.optimizer_name == "adamw" else 0.0
-            rows.append((flat(master), m1, m2, step))
-        for i, (master, m1, m2, step) in enumerate(rows):
-            if self.optimizer_name == "adamw" and m1 is None:
-                m1 = torch.zeros_like(master)
-                m2 = torch.zeros_like(master)
-            self._m.import_parameter(i, master, m1, m2, step)
+            master = flat(master)
+            # A slot the state lacks (a fresh torch optimizer's) starts where the
+            # optimizer starts it: Adagrad's sum at initial_accumulator_value, others at 0.
+            slots = {}
+            for name in self._m.state_slot_names:
+                if name in st:
+                    slots[name] = flat(st[name])
+                else:
+                    start = self._hyper.get("initial_accumulator_value", 0.0) if name == "sum" else 0.0
+                    slots[name] = torch.full_like(master, float(start))
+            step = float(st.get("step", 0.0)) if self._m.counts_steps else 0.0
+            rows.append((master, slots, step))
+        for i, (master, slots, step) in enumerate(rows):
+            self._m.import_parameter(i, master, slots, step)
         for gi, (g, saved) in enumerate(zip(self.param_groups, groups)):
             for key in ("lr", "weight_decay"):
                 if key in saved:

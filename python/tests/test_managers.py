@@ -1,6 +1,7 @@
 """The gradient managers from Python (stepcore._core.GradientManager on the host device):
-the three offload modes give the same bits, equal to torch's fused AdamW fed the
-manager's gradient read (an independent expectation), also on two in-process ranks and
+the three offload modes give the same bits, equal to torch's fused AdamW (and in mode full
+Adam, SGD and Adagrad, their state slots by name) fed the manager's gradient read (an
+independent expectation), also on two in-process ranks and
 with overlap (speculated chunks committed or rolled back); the trainer's own gradient
 buffers, groups and schedules, checkpoints across modes; bad input named."""
 
@@ -41,8 +42,8 @@ def lr_at(step, g):
 def run(mode, steps=4, max_norm=0.5, caller=False, comm=None, shard=None, save=None, load=None,
         first=0, overlap=False, reports=None, **kw):
     """Drives a manager through `steps` steps of 2 micro-batches; returns per step the norm
-    and every parameter's (master, exp_avg, exp_avg_sq, compute bytes, step). max_norm may
-    be a list (one per step); `reports` collects each step's report()."""
+    and every parameter's (master, {slot: state}, compute bytes, step). max_norm may be a
+    list (one per step); `reports` collects each step's report()."""
     m = core.GradientManager(mode, specs(gradient_buffer=not caller) if shard is None else shard[0],
                              groups=GROUPS, threads=2, chunk_elements=1000, comm=comm,
                              layout_fingerprint=7, **kw)
@@ -88,9 +89,11 @@ def same(a, b):
     for (na, sa), (nb, sb) in zip(a, b):
         assert np.float32(na).tobytes() == np.float32(nb).tobytes()
         for pa, pb in zip(sa, sb):
-            for x, y in zip(pa[:3], pb[:3]):
-                assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
-            assert pa[3] == pb[3] and pa[4] == pb[4]
+            assert pa[0].tobytes() == pb[0].tobytes()
+            assert sorted(pa[1]) == sorted(pb[1])
+            for name in pa[1]:
+                assert pa[1][name].tobytes() == pb[1][name].tobytes(), name
+            assert pa[2] == pb[2] and pa[3] == pb[3]
 
 
 def test_the_three_modes_give_the_same_bits_and_the_trainers_buffers_too():
@@ -124,15 +127,39 @@ def test_overlapped_steps_with_clipping_give_the_same_bits(mode, speculation):
         assert rep["chunks_rolled_back" if s in (0, 3) else "chunks_committed"] == spec, (s, rep)
 
 
-def test_the_manager_equals_torch_fused_adamw_fed_its_gradient_read():
+# (optimizer, the manager's hyper-parameters, torch's optimizer class name and arguments)
+TORCH_CASES = [
+    ("adamw", {}, "AdamW", dict(betas=(0.9, 0.999), eps=1e-8)),
+    ("adamw", {"amsgrad": True, "maximize": True}, "AdamW",
+     dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=True, maximize=True)),
+    ("adam", {"amsgrad": True}, "Adam", dict(betas=(0.9, 0.999), eps=1e-8, amsgrad=True)),
+    ("sgd", {}, "SGD", {}),
+    ("sgd", {"momentum": 0.9, "dampening": 0.1}, "SGD", dict(momentum=0.9, dampening=0.1)),
+    ("sgd", {"momentum": 0.5, "nesterov": True}, "SGD", dict(momentum=0.5, nesterov=True)),
+    ("adagrad", {"initial_accumulator_value": 0.1, "lr_decay": 0.01}, "Adagrad",
+     dict(initial_accumulator_value=0.1, lr_decay=0.01)),
+]
+
+
+@pytest.mark.parametrize("optimizer,hyper,cls,args", TORCH_CASES,
+                         ids=[f"{c[0]}{sorted(c[1])}" for c in TORCH_CASES])
+def test_the_manager_equals_torch_fused_fed_its_gradient_read(optimizer, hyper, cls, args):
+    """Mode full (the device modes step AdamW and SignSGD only, below) against torch's
+    fused optimizer: every slot by torch's name for it, the step counter, each step."""
     torch = pytest.importorskip("torch")
-    got = run("full", steps=3)
+    modes = ["full"] + (["none", "optimizer"] if optimizer == "adamw" and not hyper else [])
+    for mode in modes:
+        torch_fused_case(torch, mode, optimizer, hyper, cls, args)
+
+
+def torch_fused_case(torch, mode, optimizer, hyper, cls, args):
+    got = run(mode, steps=3, optimizer=optimizer, hyper=hyper)
     params = [torch.nn.Parameter(torch.from_numpy(master(i, n))) for i, n in enumerate(SIZES)]
     groups = [{"params": [p for i, p in enumerate(params) if i % 2 == g], **GROUPS[g]}
               for g in range(2)]
     for grp in groups:
         grp.pop("name")
-    opt = torch.optim.AdamW(groups, betas=(0.9, 0.999), eps=1e-8, fused=True)
+    opt = getattr(torch.optim, cls)(groups, fused=True, **args)
     for s in range(3):
         accs = []
         for i, n in enumerate(SIZES):
@@ -159,9 +186,46 @@ def test_the_manager_equals_torch_fused_adamw_fed_its_gradient_read():
             st = opt.state[p]
             mine = got[s][1][i]
             assert mine[0].tobytes() == p.detach().numpy().tobytes(), (s, i)
-            assert mine[1].tobytes() == st["exp_avg"].numpy().tobytes(), (s, i)
-            assert mine[2].tobytes() == st["exp_avg_sq"].numpy().tobytes(), (s, i)
-            assert mine[4] == st["step"].item()
+            for name, value in mine[1].items():  # torch's names for the state
+                assert value.tobytes() == st[name].numpy().tobytes(), (s, i, name)
+            assert sorted(mine[1]) == sorted(k for k, v in st.items()
+                                             if k != "step" and v is not None), (s, i)
+            if "step" in st:
+                assert mine[3] == st["step"].item()
+
+
+def test_the_device_modes_refuse_the_optimizers_they_do_not_step():
+    for optimizer, hyper in (("sgd", {}), ("adagrad", {}), ("adam", {}),
+                             ("adamw", {"amsgrad": True})):
+        for mode in ("none", "optimizer"):
+            with pytest.raises(NotImplementedError, match="offload='full'"):
+                core.GradientManager(mode, specs(), optimizer=optimizer, hyper=hyper,
+                                     groups=GROUPS)
+
+
+def test_state_slots_are_named_and_imported_by_name():
+    m = core.GradientManager("full", specs(), optimizer="sgd", hyper={"momentum": 0.9},
+                             groups=GROUPS, threads=1)
+    assert m.state_slot_names == ["momentum_buffer"] and m.counts_steps
+    n = SIZES[0]
+    buf = np.linspace(-1, 1, n, dtype=np.float32)
+    m.import_parameter(0, master(0, n), {"momentum_buffer": buf}, 3.0)
+    got_master, slots, _ = m.read_parameter(0)
+    assert list(slots) == ["momentum_buffer"] and slots["momentum_buffer"].tobytes() == buf.tobytes()
+    view_master, views = m.host_state(0)
+    assert np.from_dlpack(views["momentum_buffer"]).tobytes() == buf.tobytes()
+    assert m.step_count(0) == 3.0
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        m.import_parameter(0, master(0, n), {"exp_avg": buf}, 3.0)
+    with pytest.raises(ValueError, match="momentum_buffer"):
+        m.import_parameter(0, master(0, n), {}, 3.0)
+    with pytest.raises(ValueError, match="sgd.nesterov_"):
+        core.GradientManager("full", specs(), optimizer="sgd", hyper={"nesterov_": True})
+    with pytest.raises(ValueError, match="sgd.nesterov"):
+        core.GradientManager("full", specs(), optimizer="sgd", hyper={"nesterov": 0.5})
+    with pytest.raises(ValueError, match="optimizer"):
+        core.GradientManager("full", specs(), optimizer="lion")
+    m.close()
 
 
 def test_two_in_process_ranks_give_the_whole_models_norms():

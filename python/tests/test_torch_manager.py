@@ -439,13 +439,13 @@ def test_unknown_offload_modes_are_refused(offload):
         st.GradientManager(TinyLM(), offload=offload)
 
 
-def test_fsdp_names_its_replacement_and_full_offload_names_its_optimizers():
+def test_fsdp_names_its_replacement_and_an_unknown_optimizer_is_named():
     with pytest.raises(ValueError, match="fsdp.*removed"):
         st.GradientManager(TinyLM(), offload="fsdp")
-    with pytest.raises(ValueError, match="full offload accepts only AdamW and SignSGD"):
+    with pytest.raises(ValueError,
+                       match="'optimizer' must be one of 'adamw', 'sign_sgd', 'adam', 'sgd', "
+                             "'adagrad'; got 'muon'"):
         st.GradientManager(TinyLM(), offload="full", optimizer="muon")
-    with pytest.raises(ValueError, match="'optimizer' must be one of 'adamw', 'sign_sgd'"):
-        st.GradientManager(TinyLM(), offload="none", optimizer="sgd")
 
 
 def prepared(mode="full", threads=1):
@@ -991,3 +991,90 @@ def test_cuda_backward_on_another_stream_is_ordered_by_the_write_event(mode):
         gm.close()
         runs[where] = recs
     assert_records_equal(runs["side"], runs["same"], f"cuda {mode}: backward on a side stream")
+
+
+# ---- every optimizer in mode full ---------------------------------------------------------
+
+# (optimizer, hyper (the manager's other hyper-parameters), torch's class and arguments)
+FULL_ONLY = [
+    ("adam", {"amsgrad": True}, "Adam", dict(betas=BETAS, eps=1e-8, amsgrad=True)),
+    ("adamw", {"amsgrad": True, "maximize": True}, "AdamW",
+     dict(betas=BETAS, eps=1e-8, amsgrad=True, maximize=True)),
+    ("sgd", {}, "SGD", {}),
+    ("sgd", {"momentum": 0.9, "nesterov": True}, "SGD", dict(momentum=0.9, nesterov=True)),
+    ("adagrad", {"initial_accumulator_value": 0.1, "lr_decay": 0.01}, "Adagrad",
+     dict(initial_accumulator_value=0.1, lr_decay=0.01)),
+]
+
+
+def train_pair(optimizer, hyper, cls, args, steps=4):
+    """TinyLM trained by plain torch (cls(fused=True), the exact norm, torch's clip) and by
+    a GradientManager in mode full: per step each one's (params bits, {slot: bits}, step)."""
+    def state_of(get, params, names):
+        return [{n: bits(get(i, p, n)) for n in names} for i, p in enumerate(params)]
+
+    model = TinyLM()
+    groups = make_groups(model)
+    for g in groups:
+        g.pop("name")
+    betas = {"betas": BETAS} if optimizer in ("adam", "adamw") else {}
+    opt = getattr(torch.optim, cls)(groups, lr=1e-2, fused=True, **args)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    want = []
+    for step in range(steps):
+        mbs = micro_batches(step)
+        scale = torch.tensor(1.0 / tokens_of(mbs), dtype=torch.float32)
+        for mb in mbs:
+            loss_sum(model, mb).backward()
+        with torch.no_grad():
+            for p in params:
+                p.grad.copy_(p.grad * scale)
+            norm = f32(exact_norm([p.grad for p in params]))
+            clip = float(torch.clamp(max_norm_at(step) / (torch.tensor(norm) + 1e-6), max=1.0))
+            for p in params:
+                p.grad.copy_(p.grad * torch.tensor(clip, dtype=torch.float32))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        names = [k for k, v in opt.state[params[0]].items() if k != "step" and v is not None]
+        want.append(([bits(p) for p in params],
+                     state_of(lambda i, p, n: opt.state[p][n], params, names)))
+
+    model = TinyLM()
+    gm = st.GradientManager(make_groups(model), offload="full", optimizer=optimizer, lr=1e-2,
+                            hyper=hyper, threads=2, **betas)
+    sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
+    got = []
+    try:
+        for step in range(steps):
+            drive(gm, model, sched, step, False)
+            sd = gm.state_dict()["state"]
+            mine = [p for g in gm.param_groups for p in g["params"]]
+            names = [k for k in sd[0] if k not in ("step", "master")]
+            got.append(([bits(p) for p in mine],
+                        state_of(lambda i, p, n: sd[i][n], mine, names)))
+    finally:
+        gm.close()
+    return got, want
+
+
+@pytest.mark.parametrize("optimizer,hyper,cls,args", FULL_ONLY,
+                         ids=[f"{c[0]}-{'-'.join(sorted(c[1])) or 'plain'}" for c in FULL_ONLY])
+def test_every_optimizer_in_mode_full_gives_torchs_fused_bits(optimizer, hyper, cls, args):
+    """Mode full steps every optimizer: params and every state slot (named as torch names
+    it) equal torch's fused optimizer's after every step, clipped or not, scheduled."""
+    got, want = train_pair(optimizer, hyper, cls, args)
+    for s, ((gp, gs), (wp, ws)) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(gp, wp)):
+            assert torch.equal(a, b), f"{optimizer} step {s} param {i}"
+        for i, (a, b) in enumerate(zip(gs, ws)):
+            assert sorted(a) == sorted(b), (s, i, sorted(a), sorted(b))
+            for name in a:
+                assert torch.equal(a[name], b[name]), f"{optimizer} step {s} param {i} {name}"
+
+
+def test_the_device_modes_refuse_what_only_mode_full_steps():
+    for optimizer, hyper in (("sgd", {}), ("adagrad", {}), ("adamw", {"amsgrad": True})):
+        with pytest.raises(NotImplementedError, match="offload='full'"):
+            st.GradientManager(TinyLM(), offload="none", optimizer=optimizer, hyper=hyper)

@@ -73,17 +73,19 @@ std::optional<Snapshot> snapshot(GradientManager& m) {
   Snapshot s;
   try {
     const auto& params = m.config().params;
-    const bool adamw = m.config().optimizer.kind == OptimizerKind::adamw;
+    const std::vector<std::string_view>& names = m.state_slot_names();
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
       const std::size_t n = p.numel;
-      std::vector<float> master(n), m1(adamw ? n : 0), m2(adamw ? n : 0);
+      std::vector<float> master(n);
+      std::vector<std::vector<float>> slots(names.size(), std::vector<float>(n));
+      std::vector<SlotOut> named;
+      for (std::size_t k = 0; k < names.size(); ++k) named.push_back({names[k], slots[k]});
       std::vector<std::uint8_t> compute(p.has_compute_weights ? n * dtype_size(p.compute_dtype)
                                                               : 0);
-      m.read_parameter(i, master, m1, m2, compute);
+      m.read_parameter(i, master, named, compute);
       s.push_back(bytes_of(master));
-      s.push_back(bytes_of(m1));
-      s.push_back(bytes_of(m2));
+      for (const auto& slot : slots) s.push_back(bytes_of(slot));
       s.push_back(std::move(compute));
       s.push_back(bytes_of(std::vector<float>{m.step_count(i)}));
     }
@@ -184,9 +186,18 @@ void call(Side& s, int op, std::size_t i, fuzz::Input& in, bool serial) {
       if (in.flag()) {
         m.load_parameter(i, v);
       } else {
-        std::vector<float> m1(v.size()), m2(v.size());
-        for (float& x : m2) x = static_cast<float>(fuzz::special(in));
-        m.import_parameter(i, v, m1, m2, static_cast<float>(fuzz::special(in)));
+        // Every slot by name (sometimes one short, or one unknown name).
+        const auto& names = m.state_slot_names();
+        std::vector<std::vector<float>> values(names.size(), std::vector<float>(v.size()));
+        std::vector<SlotIn> state;
+        for (std::size_t k = 0; k < names.size(); ++k) {
+          for (float& x : values[k]) x = static_cast<float>(fuzz::special(in));
+          state.push_back({names[k], values[k]});
+        }
+        const std::uint8_t how = in.byte();
+        if (how % 16 == 0 && !state.empty()) state.pop_back();
+        if (how % 16 == 1) state.push_back({"unknown", v});
+        m.import_parameter(i, v, state, static_cast<float>(fuzz::special(in)));
       }
       break;
     }
@@ -239,7 +250,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Full offload: device staging of speculated compute weights, all or a few chunks'.
   if (c.mode == OffloadMode::full && mode / 108 % 2 != 0)
     c.speculation_device_bytes = mode / 27 % 2 ? ManagerConfig::kAllChunks : 256;
-  c.optimizer.kind = in.flag() ? OptimizerKind::adamw : OptimizerKind::sign_sgd;
+  const bool adamw = in.flag();
   // One byte picks the groups and AdamW's betas. The betas vary because a GPU-mode
   // AdamW manager's bias table has an entry per step until 1 - beta^t rounds to 1:
   // 37,000 pow calls for beta2 = 0.999 (the default; one input in 32 here), which would
@@ -249,8 +260,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static const double beta2s[] = {0.95, 0.98, 0.9, 0.5, 0.0, 0.7, 0.8, __builtin_nan("")};
   const double beta1 = beta1s[(shape >> 4) % 4];
   const double beta2 = (shape & 0xCE) == 0xC0 ? 0.999 : beta2s[(shape >> 1) % 8];
-  c.optimizer.adamw.beta1 = beta1;
-  c.optimizer.adamw.beta2 = beta2;
+  if (adamw) {
+    AdamWConfig a;
+    a.beta1 = beta1;
+    a.beta2 = beta2;
+    c.optimizer = a;
+  } else {
+    c.optimizer = SignSgdConfig{};
+  }
   const int groups = 1 + shape % 2;
   for (int g = 0; g < groups && groups > 1; ++g) {
     ParamGroup group{"g" + std::to_string(g)};
@@ -270,6 +287,33 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     c.params.push_back(p);
   }
   c.chunk_elements = 1 + in.byte() % 300;
+  // Mode full steps every optimizer: one byte may pick another (its state slots named as
+  // its unit names them; the device modes refuse it, a refused configuration).
+  if (!adamw) {
+    const std::uint8_t o = in.byte();
+    AdamConfig adam;
+    adam.amsgrad = o & 8;
+    adam.beta1 = beta1;
+    adam.beta2 = beta2;
+    SgdConfig sgd;
+    sgd.momentum = o & 8 ? 0.9 : 0.0;
+    sgd.nesterov = o & 16 && sgd.momentum != 0.0;
+    AdagradConfig adagrad;
+    adagrad.initial_accumulator_value = o & 8 ? 0.1 : 0.0;
+    switch (o % 4) {
+      case 1:
+        c.optimizer = adam;
+        break;
+      case 2:
+        c.optimizer = sgd;
+        break;
+      case 3:
+        c.optimizer = adagrad;
+        break;
+      default:
+        break;  // SignSGD
+    }
+  }
   c.device = dev.get();
   c.engine.threads = 1 + in.byte() % 2;
   Side primary, twin;

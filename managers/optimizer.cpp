@@ -1,0 +1,295 @@
+// The managers' view of the optimizer (managers/optimizer.hpp) and the public optimizer
+// functions of stepcore/managers.hpp: names, the field table, slots, groups.
+#include "managers/optimizer.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "stepcore/error.hpp"
+
+namespace stepcore {
+namespace detail {
+namespace {
+
+using R = FieldRole;
+
+// The field table: every field of each configuration record, in its order, with its role.
+// fn(name, role, member) for each; the members are double, bool, int or AdamWFormula.
+template <class Fn>
+void fields_of(AdamWConfig& c, Fn&& f) {
+  f("lr", R::schedule, c.lr);
+  f("beta1", R::betas, c.beta1);
+  f("beta2", R::betas, c.beta2);
+  f("eps", R::betas, c.eps);
+  f("weight_decay", R::schedule, c.weight_decay);
+  f("formula", R::fixed, c.formula);
+  f("amsgrad", R::fixed, c.amsgrad);
+  f("maximize", R::fixed, c.maximize);
+  f("torch_tail_width", R::machine, c.torch_tail_width);
+}
+template <class Fn>
+void fields_of(SignSgdConfig& c, Fn&& f) {
+  f("lr", R::schedule, c.lr);
+  f("weight_decay", R::schedule, c.weight_decay);
+}
+template <class Fn>
+void fields_of(AdamConfig& c, Fn&& f) {
+  f("lr", R::schedule, c.lr);
+  f("beta1", R::betas, c.beta1);
+  f("beta2", R::betas, c.beta2);
+  f("eps", R::betas, c.eps);
+  f("weight_decay", R::schedule, c.weight_decay);
+  f("amsgrad", R::fixed, c.amsgrad);
+  f("maximize", R::fixed, c.maximize);
+  f("torch_tail_width", R::machine, c.torch_tail_width);
+}
+template <class Fn>
+void fields_of(SgdConfig& c, Fn&& f) {
+  f("lr", R::schedule, c.lr);
+  f("momentum", R::fixed, c.momentum);
+  f("dampening", R::fixed, c.dampening);
+  f("weight_decay", R::schedule, c.weight_decay);
+  f("nesterov", R::fixed, c.nesterov);
+  f("maximize", R::fixed, c.maximize);
+  f("torch_tail_width", R::machine, c.torch_tail_width);
+}
+template <class Fn>
+void fields_of(AdagradConfig& c, Fn&& f) {
+  f("lr", R::schedule, c.lr);
+  f("lr_decay", R::fixed, c.lr_decay);
+  f("weight_decay", R::schedule, c.weight_decay);
+  f("initial_accumulator_value", R::fixed, c.initial_accumulator_value);
+  f("eps", R::fixed, c.eps);
+  f("maximize", R::fixed, c.maximize);
+}
+
+// AdamW's formulas by name, indexed by their value.
+constexpr std::string_view kFormulaNames[] = {"native", "torch"};
+static_assert(static_cast<int>(AdamWFormula::native) == 0 &&
+              static_cast<int>(AdamWFormula::torch) == 1);
+
+template <class T>
+double to_double(const T& v) {
+  if constexpr (std::is_same_v<T, AdamWFormula>)
+    return static_cast<double>(static_cast<int>(v));
+  else
+    return static_cast<double>(v);
+}
+
+// Sets `member` from `value`, or throws naming `argument`.
+template <class T>
+void from_double(T& member, double value, const std::string& argument) {
+  auto bad = [&](const std::string& why) {
+    throw Error(Errc::invalid_argument, argument, std::to_string(value) + ": " + why);
+  };
+  if constexpr (std::is_same_v<T, double>) {
+    member = value;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    if (value != 0.0 && value != 1.0) bad("a flag is 0 (false) or 1 (true)");
+    member = value == 1.0;
+  } else if constexpr (std::is_same_v<T, int>) {
+    if (!(std::floor(value) == value && std::fabs(value) < 2147483648.0)) bad("not an integer");
+    member = static_cast<int>(value);
+  } else {
+    if (value != 0.0 && value != 1.0) bad("AdamW's formula is 0 (native) or 1 (torch)");
+    member = static_cast<AdamWFormula>(static_cast<int>(value));
+  }
+}
+
+// Calls fn(name, role, member) for every field of the alternative `config` holds.
+template <class Fn>
+void for_each_field(OptimizerConfig& config, Fn&& fn) {
+  std::visit([&](auto& c) { fields_of(c, fn); }, config);
+}
+
+std::string accepted_names() {
+  std::string names;
+  AllUnits::for_each([&](auto unit) {
+    names += (names.empty() ? "" : ", ") + std::string(decltype(unit)::kName);
+  });
+  return names;
+}
+
+}  // namespace
+
+OptimizerShape optimizer_shape(const OptimizerConfig& config) {
+  return with_unit(config, [](auto unit, const auto& c) {
+    using Unit = decltype(unit);
+    OptimizerShape s;
+    s.name = Unit::kName;
+    const int used = Unit::slots(Unit::variant(c));
+    for (int k = 0; k < used; ++k) s.slot_names.push_back(Unit::kSlotNames[k]);
+    s.counts_steps = Unit::kCountsSteps;
+    s.reads_scaled = Unit::kReadsScaled;
+    return s;
+  });
+}
+
+bool has_betas(const OptimizerConfig& config) noexcept {
+  return std::visit([](const auto& c) { return kHasBetas<std::decay_t<decltype(c)>>; }, config);
+}
+
+OptimizerConfig group_config(const OptimizerConfig& config, const ParamGroup& group) {
+  return std::visit(
+      [&](auto c) -> OptimizerConfig {
+        c.lr = group.lr;
+        c.weight_decay = group.weight_decay;
+        if constexpr (kHasBetas<decltype(c)>) {
+          c.beta1 = group.beta1;
+          c.beta2 = group.beta2;
+          c.eps = group.eps;
+        }
+        return c;
+      },
+      config);
+}
+
+ParamGroup default_group(const OptimizerConfig& config) {
+  ParamGroup g;
+  g.name = "default";
+  std::visit(
+      [&](const auto& c) {
+        g.lr = c.lr;
+        g.weight_decay = c.weight_decay;
+        if constexpr (kHasBetas<std::decay_t<decltype(c)>>) {
+          g.beta1 = c.beta1;
+          g.beta2 = c.beta2;
+          g.eps = c.eps;
+        }
+      },
+      config);
+  return g;
+}
+
+float initial_slot_value(const OptimizerConfig& config, std::string_view slot) {
+  if (const auto* a = std::get_if<AdagradConfig>(&config); a != nullptr && slot == "sum")
+    return static_cast<float>(a->initial_accumulator_value);  // torch's initial state
+  return 0.0f;
+}
+
+bool slot_non_negative(std::string_view slot) noexcept {
+  return slot == "exp_avg_sq" || slot == "max_exp_avg_sq" || slot == "sum";
+}
+
+std::vector<FieldValue> config_fields(const OptimizerConfig& config) {
+  OptimizerConfig c = config;  // the table takes members by reference
+  std::vector<FieldValue> out;
+  for_each_field(c, [&](const char* name, FieldRole role, const auto& member) {
+    out.push_back({name, role, to_double(member)});
+  });
+  return out;
+}
+
+void set_config_field(OptimizerConfig& config, std::string_view name, double value,
+                      const std::string& argument) {
+  bool found = false;
+  std::string names;
+  for_each_field(config, [&](const char* field, FieldRole, auto& member) {
+    names += (names.empty() ? "" : ", ") + std::string(field);
+    if (name != field) return;
+    from_double(member, value, argument);
+    found = true;
+  });
+  if (!found)
+    throw Error(Errc::invalid_argument, argument,
+                "'" + std::string(name) + "' is not a hyper-parameter of " +
+                    std::string(optimizer_name(config)) + " (its fields: " + names + ")");
+}
+
+void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
+                      bool betas, const std::function<void()>& check) {
+  try {
+    check();
+  } catch (const Error& e) {
+    const std::string& arg = e.argument();
+    if (arg.rfind("config.", 0) != 0) throw;
+    const std::string field = arg.substr(7);
+    const bool group_field = field == "lr" || field == "weight_decay" ||
+                             (betas && (field == "beta1" || field == "beta2" || field == "eps"));
+    // The message after "stepcore: <code> in '<arg>': ".
+    const std::string what = e.what();
+    const std::string::size_type at = what.find("': ");
+    throw Error(e.code(), (group_field ? group_prefix : optimizer_prefix) + field,
+                at == std::string::npos ? what : what.substr(at + 3));
+  }
+}
+
+void validate_config(const OptimizerConfig& config) {
+  with_unit(config, [](auto unit, const auto& c) { decltype(unit)::validate(c, GradientRead{}); });
+}
+
+}  // namespace detail
+
+OptimizerConfig parse_optimizer(std::string_view name) {
+  OptimizerConfig out;
+  bool found = false;
+  // The alternative of each unit, in AllUnits' (and OptimizerConfig's) order.
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    ((!found && name == optimizer_name(OptimizerConfig(std::in_place_index<I>))
+          ? (out = OptimizerConfig(std::in_place_index<I>), found = true)
+          : false),
+     ...);
+  }
+  (std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
+  if (!found)
+    throw Error(Errc::invalid_argument, "optimizer",
+                "unknown optimizer '" + std::string(name) + "': expected exactly one of " +
+                    detail::accepted_names() + " (the optimizers stepcore implements)");
+  return out;
+}
+
+std::string_view optimizer_name(const OptimizerConfig& config) noexcept {
+  return detail::with_unit(
+      config, [](auto unit, const auto&) -> std::string_view { return decltype(unit)::kName; });
+}
+
+OptimizerConfig make_optimizer_config(std::string_view name,
+                                      std::span<const OptimizerField> fields) {
+  OptimizerConfig config = parse_optimizer(name);
+  for (const OptimizerField& f : fields) {
+    const std::string argument = std::string(name) + "." + f.name;
+    double value;
+    if (const auto* text = std::get_if<std::string>(&f.value)) {
+      if (!std::holds_alternative<AdamWConfig>(config) || f.name != "formula")
+        throw Error(Errc::invalid_argument, argument,
+                    "'" + *text + "': a number, not a string (only adamw.formula is a name)");
+      std::size_t k = 0;
+      while (k < std::size(detail::kFormulaNames) && detail::kFormulaNames[k] != *text) ++k;
+      if (k == std::size(detail::kFormulaNames))
+        throw Error(Errc::invalid_argument, argument,
+                    "'" + *text + "': AdamW's formula is 'torch' or 'native'");
+      value = static_cast<double>(k);
+    } else {
+      value = std::get<double>(f.value);
+    }
+    detail::set_config_field(config, f.name, value, argument);
+  }
+  return config;
+}
+
+std::vector<OptimizerField> optimizer_fields(const OptimizerConfig& config) {
+  std::vector<OptimizerField> out;
+  for (const detail::FieldValue& f : detail::config_fields(config)) {
+    if (f.name == "formula" && std::holds_alternative<AdamWConfig>(config) &&
+        (f.value == 0.0 || f.value == 1.0))
+      out.push_back({std::string(f.name),
+                     std::string(detail::kFormulaNames[static_cast<std::size_t>(f.value)])});
+    else
+      out.push_back({std::string(f.name), f.value});
+  }
+  return out;
+}
+
+std::vector<std::string_view> optimizer_slot_names(const OptimizerConfig& config) {
+  return detail::optimizer_shape(config).slot_names;
+}
+
+bool optimizer_counts_steps(const OptimizerConfig& config) noexcept {
+  return detail::with_unit(config,
+                           [](auto unit, const auto&) { return decltype(unit)::kCountsSteps; });
+}
+
+}  // namespace stepcore

@@ -1,0 +1,97 @@
+// The managers' one view of the optimizer: an OptimizerConfig dispatched once to its unit
+// (core/optimizers/all.hpp), the state it keeps (named slots, a step counter), a group's
+// configuration, its hyper-parameters by name (the field table: make_optimizer_config,
+// checkpoints), and the initial value of each slot. Nothing here names an optimizer
+// except the field table and the initial values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <variant>
+#include <vector>
+
+#include "core/optimizers/all.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/optim.hpp"
+
+namespace stepcore::detail {
+
+/// Calls fn(Unit{}, config) with the unit whose Config `config` holds, and returns its
+/// result (every alternative's call must return the same type).
+template <class Fn>
+decltype(auto) with_unit(const OptimizerConfig& config, Fn&& fn) {
+  return std::visit(
+      [&](const auto& c) -> decltype(auto) {
+        using Unit = typename UnitForConfig<std::decay_t<decltype(c)>, AllUnits>::type;
+        return fn(Unit{}, c);
+      },
+      config);
+}
+
+/// What a manager keeps for each parameter besides its master, for one configuration.
+struct OptimizerShape {
+  std::string_view name;                     ///< the unit's kName
+  std::vector<std::string_view> slot_names;  ///< the slots the configured variant uses
+  bool counts_steps = false;                 ///< a step counter per parameter
+  bool reads_scaled = true;                  ///< the update reads R(R(g*scale)*clip)
+};
+OptimizerShape optimizer_shape(const OptimizerConfig& config);
+
+/// True for the configurations whose betas and eps are the groups' (the Adam family).
+template <class C>
+inline constexpr bool kHasBetas = requires(C c) {
+  c.beta1;
+  c.beta2;
+  c.eps;
+};
+bool has_betas(const OptimizerConfig& config) noexcept;
+
+/// Returns `config` with group g's lr and weight decay (and betas and eps, kHasBetas).
+OptimizerConfig group_config(const OptimizerConfig& config, const ParamGroup& group);
+/// Returns the single group "default" of a configuration without groups.
+ParamGroup default_group(const OptimizerConfig& config);
+
+/// The value a state slot starts from (load_parameter): Adagrad's sum f32(initial
+/// accumulator value), every other slot +0.
+float initial_slot_value(const OptimizerConfig& config, std::string_view slot);
+/// Whether a slot's values are never negative (a second moment, its maximum, a sum of
+/// squares): import and checkpoints refuse a negative value there.
+bool slot_non_negative(std::string_view slot) noexcept;
+
+/// How a configuration field relates to the groups and to a checkpoint.
+enum class FieldRole : std::uint8_t {
+  schedule,  ///< lr, weight_decay: each group's, changed by set_hyperparameters
+  betas,     ///< beta1, beta2, eps of the Adam family: each group's, fixed
+  fixed,     ///< the rest of the optimizer's function (recorded in checkpoints; must match)
+  machine,   ///< torch_tail_width: which torch build to match, not part of the state
+};
+/// One field of a configuration as a double (flags 0/1, AdamW's formula its value).
+struct FieldValue {
+  std::string_view name;
+  FieldRole role;
+  double value;
+};
+/// Returns every field of `config`, in its record's order.
+std::vector<FieldValue> config_fields(const OptimizerConfig& config);
+/// Sets field `name` of `config` to `value` (a flag must be 0 or 1, a count or formula
+/// an integer); throws Errc::invalid_argument naming `argument` for a bad value or a name
+/// the configuration does not have.
+void set_config_field(OptimizerConfig& config, std::string_view name, double value,
+                      const std::string& argument);
+
+/// Runs `check` (a validation of a resolved optimizer configuration, whose errors name
+/// "config.<field>") and rethrows its Error naming `group_prefix` + field for a group's
+/// fields (lr, weight_decay and, with `betas`, beta1, beta2, eps) and `optimizer_prefix`
+/// + field otherwise.
+void with_group_names(const std::string& group_prefix, const std::string& optimizer_prefix,
+                      bool betas, const std::function<void()>& check);
+
+/// Throws (Errc naming "<prefix>..." as with_group_names) unless `config` is a valid
+/// configuration of its optimizer (the unit's own checks).
+void validate_config(const OptimizerConfig& config);
+
+}  // namespace stepcore::detail
