@@ -49,7 +49,7 @@ struct Adagrad {
     s.maximize = c.maximize;
     return s;
   }
-  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+  static std::size_t tail_begin(const Config&, std::size_t n, std::size_t = 1) { return n; }
 
   template <class Ops>
   struct Consts {

@@ -61,8 +61,8 @@ struct Adam {
     s.l2 = c.weight_decay != 0.0;
     return s;
   }
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
-    return AdamW::tail_begin(as_adamw(c), n);
+  static std::size_t tail_begin(const Config& c, std::size_t n, std::size_t lanes = 1) {
+    return AdamW::tail_begin(as_adamw(c), n, lanes);
   }
 
   template <class Ops>

@@ -133,12 +133,13 @@ struct AdamW {
     return c.amsgrad ? kTorchAmsgrad : kTorch;
   }
   static Scalars scalars(const Config& c, float step) { return prepare_adamw_scalars(c, step); }
-  /// torch's kernel runs its last (n mod W) elements through a scalar loop its compiler
-  /// contracted differently (docs/numerics.md 7.2); the native formula has no tail.
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
+  /// torch's kernel runs its last (n mod lanes*W) elements through a scalar loop its
+  /// compiler contracted differently (docs/numerics.md 7.2, 7.3); the native formula has no
+  /// tail.
+  static std::size_t tail_begin(const Config& c, std::size_t n, std::size_t lanes = 1) {
     if (c.formula != AdamWFormula::torch) return n;
     const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
-    return n - n % w;
+    return n - n % (lanes * w);
   }
 
   template <class Ops>

@@ -55,10 +55,10 @@ struct Sgd {
     return s;
   }
   /// torch's scalar loop updates the buffer as fma(b, momentum, g*keep) over the last
-  /// (n mod W) elements (8b).
-  static std::size_t tail_begin(const Config& c, std::size_t n) {
+  /// (n mod lanes*W) elements (8b, 7.3).
+  static std::size_t tail_begin(const Config& c, std::size_t n, std::size_t lanes = 1) {
     const std::size_t w = c.torch_tail_width > 1 ? static_cast<std::size_t>(c.torch_tail_width) : 1;
-    return n - n % w;
+    return n - n % (lanes * w);
   }
 
   template <class Ops>

@@ -38,7 +38,7 @@ struct SignSgd {
   static void validate(const Config& c, GradientRead read) { validate_sign_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
   static Scalars scalars(const Config& c, float /*step*/) { return prepare_sign_sgd_scalars(c); }
-  static std::size_t tail_begin(const Config&, std::size_t n) { return n; }
+  static std::size_t tail_begin(const Config&, std::size_t n, std::size_t = 1) { return n; }
 
   template <class Ops>
   struct Consts {

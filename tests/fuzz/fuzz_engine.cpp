@@ -2,10 +2,10 @@
 // the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
 // Adam, SGD, Adagrad; accumulate, scale_, norm_partial) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
-// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
-// ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
-// both succeed with identical bits, or both throw the same Errc and the engine's arena
-// is unchanged (all-or-nothing).
+// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, the
+// param and state dtype (f32, bf16, f16; sometimes mixed), every ISA the machine runs. Differential
+// oracle: the scalar reference on a copy of the arena. Either both succeed with identical bits, or
+// both throw the same Errc and the engine's arena is unchanged (all-or-nothing).
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -93,7 +93,8 @@ struct Case {
   bool found_inf_given = false;
   std::int32_t found_inf = 0;
   bool exact = false;
-  bool generic = false;  // the engine runs AdamW / SignSGD through Engine::step
+  bool generic = false;            // the engine runs AdamW / SignSGD through Engine::step
+  DType param_dtype = DType::f32;  // params and state (docs/numerics.md 7.3)
 };
 
 // The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
@@ -123,13 +124,15 @@ Case decode(fuzz::Input& in) {
   Case c;
   c.op = in.byte() % 8;
   c.n = in.byte() % (kMaxTensors + 1);
+  const int pd = in.byte() % 4;  // f32 half the time, else bf16 or f16
+  c.param_dtype = pd == 2 ? DType::bf16 : pd == 3 ? DType::f16 : DType::f32;
   for (int i = 0; i < c.n; ++i) {
     auto& t = c.slots[i];
     switch (c.op) {
-      case 0:  // adamw: param, exp_avg, exp_avg_sq (f32), step (one f32), grad, compute
-        t[0] = decode_slot(in, DType::f32);
-        t[1] = decode_slot(in, DType::f32);
-        t[2] = decode_slot(in, DType::f32);
+      case 0:  // adamw: param, exp_avg, exp_avg_sq (param dtype), step (one f32), grad, compute
+        t[0] = decode_slot(in, c.param_dtype);
+        t[1] = decode_slot(in, c.param_dtype);
+        t[2] = decode_slot(in, c.param_dtype);
         t[3] = decode_slot(in, DType::f32);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
@@ -139,8 +142,8 @@ Case decode(fuzz::Input& in) {
         }
         c.has_compute[i] = in.flag();
         break;
-      case 1:  // sign_sgd: param (f32), grad, compute
-        t[0] = decode_slot(in, DType::f32);
+      case 1:  // sign_sgd: param (param dtype), grad, compute
+        t[0] = decode_slot(in, c.param_dtype);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
         if (in.byte() % 4 != 0) t[4].numel = t[5].numel = t[0].numel;
@@ -152,13 +155,13 @@ Case decode(fuzz::Input& in) {
         if (in.byte() % 4 != 0) t[4].numel = t[0].numel;
         c.copy[i] = in.flag();
         break;
-      case 5:  // adam, sgd, adagrad: param, three state slots (f32), step, grad, compute
+      case 5:  // adam, sgd, adagrad: param, three state slots (param dtype), step, grad, compute
       case 6:
       case 7:
-        t[0] = decode_slot(in, DType::f32);
-        t[1] = decode_slot(in, DType::f32);
-        t[2] = decode_slot(in, DType::f32);
-        t[6] = decode_slot(in, DType::f32);
+        t[0] = decode_slot(in, c.param_dtype);
+        t[1] = decode_slot(in, c.param_dtype);
+        t[2] = decode_slot(in, c.param_dtype);
+        t[6] = decode_slot(in, c.param_dtype);
         t[3] = decode_slot(in, DType::f32);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
@@ -236,10 +239,13 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
+        // Generic: both through OptimizerTensor, which also takes bf16/f16 params.
         if (e && c.generic)
           e->step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
         else if (e)
           e->adamw_step(t, c.adamw, c.read, fi);
+        else if (c.generic)
+          reference::adamw_step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
         else
           reference::adamw_step(t, c.adamw, c.read, fi);
         break;
@@ -255,6 +261,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           e->step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read, fi);
         else if (e)
           e->sign_sgd_step(t, c.sign, c.read, fi);
+        else if (c.generic)
+          reference::sign_sgd_step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read,
+                                   fi);
         else
           reference::sign_sgd_step(t, c.sign, c.read, fi);
         break;
