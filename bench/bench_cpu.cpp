@@ -184,6 +184,21 @@ STEPCORE_CLONES void probe_slots(float* p, float* const* slots, const float* g, 
     out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
   }
 }
+// An optimizer unit with bf16 params (docs/numerics.md 7.3): read p, K slots and g (all
+// bf16); write p and the slots (bf16), each widened and narrowed by shifts.
+template <int K>
+STEPCORE_CLONES void probe_slots_bf16(std::uint16_t* p, std::uint16_t* const* slots,
+                                      const std::uint16_t* g, std::size_t n, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t i = 0; i < n; ++i) {
+    const float gi = f32_from_bits(std::uint32_t{g[i]} << 16);
+    p[i] =
+        static_cast<std::uint16_t>(f32_bits(f32_from_bits(std::uint32_t{p[i]} << 16) + gi) >> 16);
+    for (int k = 0; k < K; ++k)
+      slots[k][i] = static_cast<std::uint16_t>(
+          f32_bits(f32_from_bits(std::uint32_t{slots[k][i]} << 16) + gi) >> 16);
+  }
+}
 STEPCORE_CLONES void probe_sign_sgd(float* p, const std::uint16_t* g, std::uint16_t* out,
                                     std::size_t n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -724,6 +739,111 @@ void BM_Adagrad(benchmark::State& st) {
       "adagrad");
 }
 
+/// One optimizer unit's step with bf16 params, state and gradients (torch's fused bf16
+/// path, docs/numerics.md 7.3) through Engine::step, against the same-traffic bf16 probe.
+/// Validated first: two steps on a prefix of the model equal the reference's bit for bit.
+template <class Config, int K, class Reference>
+void unit_benchmark_bf16(benchmark::State& st, const Config& cfg, Reference reference_step,
+                         const char* what) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  // The bf16 model: param and up to three slots, from the f32 model's values.
+  static Slab<std::uint16_t> p16(s.total),
+      slot16[3] = {Slab<std::uint16_t>(s.total), Slab<std::uint16_t>(s.total),
+                   Slab<std::uint16_t>(s.total)};
+#pragma omp parallel for schedule(static)
+  for (std::size_t i = 0; i < s.total; ++i) {
+    p16.get()[i] = f32_to_bf16_bits(s.p.get()[i]);
+    slot16[0].get()[i] = f32_to_bf16_bits(s.m.get()[i]);
+    slot16[1].get()[i] = f32_to_bf16_bits(s.v.get()[i]);
+    slot16[2].get()[i] = f32_to_bf16_bits(s.v.get()[i] * 2.0f);
+  }
+  {
+    const std::size_t n = 70001;
+    std::vector<std::uint16_t> a[4], b[4];
+    for (std::size_t i = 0; i < n; ++i) {
+      a[0].push_back(p16.get()[i]);
+      for (int q = 0; q < 3; ++q)
+        a[q + 1].push_back(slot16[q].get()[i] ^ static_cast<std::uint16_t>(i % 2));
+    }
+    for (int q = 0; q < 4; ++q) b[q] = a[q];
+    float ca = 0.0f, cb = 0.0f;
+    auto record = [&](std::vector<std::uint16_t>* v, float& c) {
+      OptimizerTensor t;
+      t.param = {v[0].data(), n, DType::bf16};
+      for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::bf16};
+      t.step = &c;
+      t.grad = {s.gbf16.get(), n, DType::bf16};
+      return t;
+    };
+    const OptimizerTensor ta = record(a, ca), tb = record(b, cb);
+    for (int step = 0; step < 2; ++step) {
+      reference_step(std::span<const OptimizerTensor>(&ta, 1), cfg);
+      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
+    }
+    for (int q = 0; q < 4; ++q)
+      if (a[q] != b[q]) validation_failed(what);
+  }
+  std::vector<OptimizerTensor> tensors;
+  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
+    const std::size_t o = s.offsets[j], n = s.sizes[j];
+    OptimizerTensor a;
+    a.param = {p16.get() + o, n, DType::bf16};
+    for (int q = 0; q < K; ++q) a.state[q] = {slot16[q].get() + o, n, DType::bf16};
+    a.step = &s.steps[j];
+    a.grad = {s.gbf16.get() + o, n, DType::bf16};
+    tensors.push_back(a);
+  }
+  const double bytes = static_cast<double>(s.total) * (4.0 * (1 + K) + 2.0);
+  const int th = eng.threads();
+  auto kernel = [&] {
+    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
+    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
+  };
+  std::uint16_t* slots[3] = {slot16[0].get(), slot16[1].get(), slot16[2].get()};
+  auto probe = [&] { probe_slots_bf16<K>(p16.get(), slots, s.gbf16.get(), s.total, th); };
+  run_timed(st, kernel, bytes);
+  set_roofline(st, bytes, kernel, probe);
+}
+
+void BM_AdamWBf16Params(benchmark::State& st) {
+  AdamWConfig c;
+  c.weight_decay = 0.01;
+  unit_benchmark_bf16<AdamWConfig, 2>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdamWConfig& k) { reference::adamw_step(t, k); },
+      "adamw bf16 params");
+}
+void BM_AdamBf16Params(benchmark::State& st) {
+  AdamConfig c;
+  c.weight_decay = 0.01;
+  unit_benchmark_bf16<AdamConfig, 2>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
+      "adam bf16 params");
+}
+void BM_SgdBf16Params(benchmark::State& st) {
+  SgdConfig c;
+  c.lr = 1e-3;
+  c.momentum = 0.9;
+  c.weight_decay = 0.01;
+  unit_benchmark_bf16<SgdConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const SgdConfig& k) { reference::sgd_step(t, k); },
+      "sgd bf16 params");
+}
+void BM_AdagradBf16Params(benchmark::State& st) {
+  AdagradConfig c;
+  c.lr_decay = 0.01;
+  c.weight_decay = 0.01;
+  unit_benchmark_bf16<AdagradConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const AdagradConfig& k) {
+        reference::adagrad_step(t, k);
+      },
+      "adagrad bf16 params");
+}
+
 void BM_SignSgd(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
@@ -987,6 +1107,26 @@ BENCHMARK(BM_Sgd)
     ->UseRealTime();
 BENCHMARK(BM_Adagrad)
     ->Name("Adagrad/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamWBf16Params)
+    ->Name("AdamW/bf16params")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamBf16Params)
+    ->Name("Adam/bf16params")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_SgdBf16Params)
+    ->Name("SGD/momentum/bf16params")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdagradBf16Params)
+    ->Name("Adagrad/bf16params")
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

@@ -104,16 +104,24 @@ void check_list(std::span<const View> tensors, const char* base) {
 // adds their memory ranges, and returns the element count.
 std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
                                     const ConstTensorView& grad, const TensorView& out,
-                                    std::vector<Range>& ranges) {
+                                    std::vector<Range>& ranges,
+                                    ParamDTypes dtypes = ParamDTypes::f32) {
   const Arg p{"tensors", i, "param"};
   check_view(param.data, param.numel, param.dtype, p);
-  require_dtype(param.dtype, DType::f32, p);
+  if (dtypes == ParamDTypes::f32 && param.dtype != DType::f32)
+    fail(Errc::unsupported_dtype, p,
+         "must be f32 on this path, got " + std::string(dtype_name(param.dtype)) +
+             " (bf16/f16 parameters: cpu::Engine::step and the reference only)");
   const std::size_t n = param.numel;
   const Arg g{"tensors", i, "grad"};
   check_view(grad.data, grad.numel, grad.dtype, g);
   require_numel(grad.numel, n, g, p);
   if (has_view(out)) {
     const Arg o{"tensors", i, "compute_param"};
+    if (param.dtype != DType::f32)
+      fail(Errc::invalid_argument, o,
+           "must be empty for a " + std::string(dtype_name(param.dtype)) +
+               " param (the param is the model's weight; compute outputs need f32 params)");
     check_view(out.data, out.numel, out.dtype, o);
     require_numel(out.numel, n, o, p);
     add_range(ranges, out.data, out.bytes(), true, o);
@@ -123,12 +131,24 @@ std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
   return n;
 }
 
-// Checks an f32 companion buffer (a moment) of tensor i and adds its range.
+// Requires a state array or source of tensor i to have the dtype of its param: f32, or
+// the param's bf16/f16 (params and state share one dtype, docs/numerics.md 7.3).
+void require_param_dtype(DType got, DType param, const Arg& name) {
+  if (got == param) return;
+  if (param == DType::f32) require_dtype(got, param, name);
+  fail(Errc::unsupported_dtype, name,
+       "must be " + std::string(dtype_name(param)) +
+           ", the param's dtype (a bf16/f16 param keeps its state in its own dtype), got " +
+           std::string(dtype_name(got)));
+}
+
+// Checks a companion buffer (a moment) of tensor i, in the dtype `want` (its param's), and
+// adds its range.
 void check_moment(std::size_t i, const TensorView& v, std::size_t n, const char* field,
-                  std::vector<Range>& ranges) {
+                  std::vector<Range>& ranges, DType want = DType::f32) {
   const Arg name{"tensors", i, field};
   check_view(v.data, v.numel, v.dtype, name);
-  require_dtype(v.dtype, DType::f32, name);
+  require_param_dtype(v.dtype, want, name);
   require_numel(v.numel, n, name, Arg{"tensors", i, "param"});
   add_range(ranges, v.data, v.bytes(), true, name);
 }
@@ -143,7 +163,7 @@ void check_source(std::size_t i, const ConstTensorView& src, const TensorView& d
   if (!has_view(src)) return;
   const Arg name{"tensors", i, field};
   check_view(src.data, src.numel, src.dtype, name);
-  require_dtype(src.dtype, DType::f32, name);
+  require_param_dtype(src.dtype, dst.dtype, name);
   require_numel(src.numel, dst.numel, name, Arg{"tensors", i, dst_field});
   if (src.data != dst.data) add_range(ranges, src.data, src.bytes(), false, name);
 }
@@ -320,14 +340,17 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, 
 }
 
 void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
-                                int used_slots, bool counts_steps, StepCounters counters) {
+                                int used_slots, bool counts_steps, StepCounters counters,
+                                ParamDTypes dtypes) {
   std::vector<Range> ranges;
   ranges.reserve(tensors.size() * (4 + 2 * static_cast<std::size_t>(used_slots)));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const OptimizerTensor& t = tensors[i];
     // The order of validate_adamw's checks: the arrays, then their sources, then the counter.
-    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
-    for (int s = 0; s < used_slots; ++s) check_moment(i, t.state[s], n, names.slot[s], ranges);
+    const std::size_t n =
+        check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges, dtypes);
+    for (int s = 0; s < used_slots; ++s)
+      check_moment(i, t.state[s], n, names.slot[s], ranges, t.param.dtype);
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
     for (int s = 0; s < kMaxOptimizerSlots; ++s) {
       if (s < used_slots) {
@@ -373,13 +396,13 @@ void validate_adagrad_config(const AdagradConfig& c, GradientRead read) {
 }
 
 void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& c,
-                      GradientRead read, StepCounters counters) {
-  validate_unit<Adagrad>(tensors, c, read, counters);
+                      GradientRead read, StepCounters counters, ParamDTypes dtypes) {
+  validate_unit<Adagrad>(tensors, c, read, counters, dtypes);
 }
 
 void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& c,
-                          GradientRead read, StepCounters counters) {
-  validate_unit<AdamW>(tensors, c, read, counters);
+                          GradientRead read, StepCounters counters, ParamDTypes dtypes) {
+  validate_unit<AdamW>(tensors, c, read, counters, dtypes);
 }
 
 void validate_adam_config(const AdamConfig& c, GradientRead read) {
@@ -392,8 +415,8 @@ void validate_adam_config(const AdamConfig& c, GradientRead read) {
 }
 
 void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& c, GradientRead read,
-                   StepCounters counters) {
-  validate_unit<Adam>(tensors, c, read, counters);
+                   StepCounters counters, ParamDTypes dtypes) {
+  validate_unit<Adam>(tensors, c, read, counters, dtypes);
 }
 
 void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
@@ -408,6 +431,11 @@ void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
   validate_read(read);
   if (!(read.clip > 0.0f))
     fail(Errc::invalid_argument, "read.clip", "SignSGD needs a positive clip coefficient");
+}
+
+void validate_sign_sgd_slots(std::span<const OptimizerTensor> tensors, const SignSgdConfig& c,
+                             GradientRead read, ParamDTypes dtypes) {
+  validate_unit<SignSgd>(tensors, c, read, StepCounters::read, dtypes);
 }
 
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
@@ -447,8 +475,8 @@ void validate_sgd_config(const SgdConfig& c, GradientRead read) {
 }
 
 void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& c, GradientRead read,
-                  StepCounters counters) {
-  validate_unit<Sgd>(tensors, c, read, counters);
+                  StepCounters counters, ParamDTypes dtypes) {
+  validate_unit<Sgd>(tensors, c, read, counters, dtypes);
 }
 
 void validate_accumulate(std::span<const AccumulatePair> pairs) {

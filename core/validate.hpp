@@ -18,6 +18,12 @@ namespace stepcore::detail {
 /// pointers (device memory, which the kernels read).
 enum class StepCounters : std::uint8_t { read, unread };
 
+/// The parameter dtypes an OptimizerTensor entry point computes: f32 only (the CUDA plans,
+/// devices and managers refuse any other), or the model's (the CPU engine and the
+/// reference: f32, bf16 or f16, every used state slot and source in the param's dtype, no
+/// compute output for a bf16/f16 param; docs/numerics.md 7.3).
+enum class ParamDTypes : std::uint8_t { f32, model };
+
 /// Whether an AdamWTensor entry point implements AdamWConfig::maximize (the reference does;
 /// the engines that do not yet refuse it with Errc::not_supported naming "config.maximize").
 enum class Maximize : std::uint8_t { refused, supported };
@@ -34,15 +40,20 @@ void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& con
 /// max_exp_avg_sq with amsgrad (else empty, its source too); amsgrad and maximize need the
 /// torch formula.
 void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
-                          GradientRead read, StepCounters counters = StepCounters::read);
+                          GradientRead read, StepCounters counters = StepCounters::read,
+                          ParamDTypes dtypes = ParamDTypes::f32);
 /// Adam (L2 decay): every hyper-parameter finite, lr >= 0 (f32(lr) finite), betas in [0, 1),
 /// eps > 0 (f32(eps) non-zero and finite), weight_decay >= 0 (f32 finite), tail width in
 /// [0, 64]; slots as validate_adamw_slots.
 void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
-                   GradientRead read, StepCounters counters = StepCounters::read);
+                   GradientRead read, StepCounters counters = StepCounters::read,
+                   ParamDTypes dtypes = ParamDTypes::f32);
 /// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
 void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                        GradientRead read);
+/// Same over OptimizerTensor records (no slots, no counter), as validate_unit<SignSgd>.
+void validate_sign_sgd_slots(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
+                             GradientRead read, ParamDTypes dtypes = ParamDTypes::f32);
 /// The hyper-parameter checks of validate_adamw alone (errors name "config.<field>").
 void validate_adamw_config(const AdamWConfig& config);
 /// The hyper-parameter and read checks of validate_sign_sgd alone.
@@ -66,24 +77,31 @@ struct SlotNames {
 /// written range overlapping another range.
 void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
                                 int used_slots, bool counts_steps,
-                                StepCounters counters = StepCounters::read);
+                                StepCounters counters = StepCounters::read,
+                                ParamDTypes dtypes = ParamDTypes::f32);
 /// Same for SGD (docs/numerics.md 8b): state[0] is the momentum buffer, required when
 /// momentum != 0 and empty otherwise; state[1], state[2] and their sources empty;
 /// param_src and state_src[0] as AdamW's sources; step counters as AdamW's.
 void validate_sgd(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
-                  GradientRead read, StepCounters counters = StepCounters::read);
+                  GradientRead read, StepCounters counters = StepCounters::read,
+                  ParamDTypes dtypes = ParamDTypes::f32);
 /// Throws unless every Adagrad argument is valid: hyper-parameters in torch's ranges (all
 /// finite and >= 0; lr, weight_decay, eps and initial_accumulator_value finite in f32),
 /// the read scalars, and per OptimizerTensor the param/grad/output as AdamW's, the f32
 /// `sum` in state[0], state[1..] and their sources empty, sources and the step counter
 /// as AdamW's, no written buffer overlapping another.
 void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
-                      GradientRead read, StepCounters counters = StepCounters::read);
-/// The array a validated f32 state buffer's old values are read from: its out-of-place
+                      GradientRead read, StepCounters counters = StepCounters::read,
+                      ParamDTypes dtypes = ParamDTypes::f32);
+/// The array a validated state buffer's old values are read from: its out-of-place
 /// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
-inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {
+inline const void* source_data_or(const ConstTensorView& src, const TensorView& dst) {
   const bool given = src.data != nullptr || src.numel != 0;
-  return static_cast<const float*>(given ? src.data : dst.data);
+  return given ? src.data : dst.data;
+}
+/// source_data_or of an f32 buffer.
+inline const float* source_or(const ConstTensorView& src, const TensorView& dst) {
+  return static_cast<const float*>(source_data_or(src, dst));
 }
 
 void validate_accumulate(std::span<const AccumulatePair> pairs);

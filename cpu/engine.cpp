@@ -284,12 +284,21 @@ void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Confi
   const detail::UnitKernels<Opt>& kernels = detail::kernel_table(isa_).units.template of<Opt>();
   std::vector<detail::UnitRange<Opt>> ranges(tensors.size());
   std::vector<detail::UnitFn<Opt>> fns(tensors.size());
+  // The kernel of each tensor, by its dtypes: param and state (one dtype), gradient,
+  // compute output. 16-bit params never stream (unit_range), so only f32 needs both forms.
+  auto kernel_of = [&](const TensorViews& v, bool streamed) {
+    const int p = static_cast<int>(v.dst[0].dtype);
+    const int g = static_cast<int>(v.grad.dtype);
+    const int o = detail::output_kind(v.out);
+    if (p < 0 || p >= detail::kDTypes || g < 0 || g >= detail::kDTypes)
+      return detail::UnitFn<Opt>{nullptr};
+    if (streamed) return p == 0 ? kernels.streamed[g][o] : detail::UnitFn<Opt>{nullptr};
+    return kernels.step[p][g][o];
+  };
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const Tensor& t = tensors[i];
-    const int g = static_cast<int>(t.grad.dtype);
-    const int o = detail::output_kind(t.compute_param);
-    if (g < 0 || g >= detail::kDTypes || !kernels.step[g][o] || !kernels.streamed[g][o])
-      unreachable_dtype(Opt::kName);
+    const TensorViews v = views_of(tensors[i]);
+    const bool f32 = v.dst[0].dtype == DType::f32;
+    if (!kernel_of(v, false) || (f32 && !kernel_of(v, true))) unreachable_dtype(Opt::kName);
   }
   // All checks passed: from here on the call writes.
   bool streamed = false;
@@ -299,9 +308,7 @@ void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Confi
     if constexpr (Opt::kCountsSteps) step = *v.step = *v.step + 1.0f;
     ranges[i] = detail::unit_range<Opt>(config, step, read, v.dst, v.src, v.grad.data, v.out);
     // A range with out-of-place destinations streams them; in place, the plain kernel.
-    const int g = static_cast<int>(v.grad.dtype);
-    const int o = detail::output_kind(v.out);
-    fns[i] = ranges[i].stream != 0 ? kernels.streamed[g][o] : kernels.step[g][o];
+    fns[i] = kernel_of(v, ranges[i].stream != 0);
     streamed = streamed || ranges[i].stream != 0;
   }
   const auto chunks =
@@ -331,7 +338,10 @@ void Engine::step(std::span<const OptimizerTensor> tensors, const Config& config
                   const std::int32_t* found_inf) const {
   using Opt =
       typename ::stepcore::detail::UnitForConfig<Config, ::stepcore::detail::AllUnits>::type;
-  ::stepcore::detail::validate_unit<Opt>(tensors, config, read);
+  // Parameters in the model's dtype: f32, bf16 or f16, the state in the same dtype.
+  ::stepcore::detail::validate_unit<Opt>(tensors, config, read,
+                                         ::stepcore::detail::StepCounters::read,
+                                         ::stepcore::detail::ParamDTypes::model);
   if (found_inf != nullptr && *found_inf != 0) return;
   run_unit<Opt>(tensors, config, read);
 }

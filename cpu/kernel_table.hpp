@@ -35,8 +35,8 @@ inline constexpr std::size_t kStreamAlignment = 64;
 /// every destination, so nothing reads the line again within the call) whose addresses
 /// agree modulo kStreamAlignment with the most out-of-place destinations (the first of
 /// them on a tie), so that one peeled head aligns every streamed destination at once.
-inline unsigned stream_mask(const float* const* dst, const float* const* src, int count) {
-  auto offset = [](const float* p) {
+inline unsigned stream_mask(void* const* dst, const void* const* src, int count) {
+  auto offset = [](const void* p) {
     return reinterpret_cast<std::uintptr_t>(p) % kStreamAlignment;
   };
   unsigned best = 0;
@@ -61,15 +61,16 @@ inline unsigned stream_mask(const float* const* dst, const float* const* src, in
 
 /// Arguments of one range of unit Opt's step: elements [begin, end) of one tensor. The
 /// old parameter and state are read from src (the destinations themselves for an
-/// in-place step), the new ones written to dst (index 0 the parameter, 1 + s slot s);
-/// `stream` (bit k: dst[k]; stream_mask) names the destinations written with streaming
-/// stores, 0 for an in-place step.
+/// in-place step), the new ones written to dst (index 0 the parameter, 1 + s slot s), all
+/// in one storage type (the kernel's: f32, or the model's bf16/f16); `stream` (bit k:
+/// dst[k]; stream_mask) names the destinations written with streaming stores, 0 for an
+/// in-place step and for 16-bit storage.
 template <class Opt>
 struct UnitRange {
   static_assert(Opt::kSlots <= kMaxOptimizerSlots, "a unit has at most kMaxOptimizerSlots");
   static constexpr int kArrays = 1 + Opt::kSlots;
-  float* dst[kArrays];
-  const float* src[kArrays];
+  void* dst[kArrays];
+  const void* src[kArrays];
   const void* grad;
   void* out;
   typename Opt::Scalars scalars;
@@ -82,13 +83,15 @@ struct UnitRange {
 template <class Opt>
 using UnitFn = void (*)(const UnitRange<Opt>&, std::size_t begin, std::size_t end);
 
-/// One unit's kernels, indexed [gradient dtype][output kind]: in place (or out of place
-/// with plain stores), and for ranges with streamed destinations (UnitRange::stream != 0:
+/// One unit's kernels: `step` indexed [param and state dtype][gradient dtype][output kind],
+/// in place (or out of place with plain stores); bf16/f16 params have only output kind 0
+/// (validation refuses a compute output for them). `streamed` ([gradient dtype][output
+/// kind], f32 params only) for ranges with streamed destinations (UnitRange::stream != 0:
 /// out of place, streaming stores, which the caller must fence (sfence) before another
 /// thread reads them; the engine picks per range).
 template <class Opt>
 struct UnitKernels {
-  UnitFn<Opt> step[kDTypes][kOutputKinds];
+  UnitFn<Opt> step[kDTypes][kDTypes][kOutputKinds];
   UnitFn<Opt> streamed[kDTypes][kOutputKinds];
 };
 
@@ -164,24 +167,27 @@ void fill_streamed_avx2(KernelTable& t);
 void fill_streamed_avx512(KernelTable& t);
 
 /// Returns the range record of one tensor of unit Opt over `arrays` (the parameter, then
-/// each slot: destination and its optional source), its counter holding `step` (after
-/// its increment): the engine's calls and the self-test build it the same way.
+/// each slot: destination and its optional source, all in the param's dtype), its counter
+/// holding `step` (after its increment): the engine's calls and the self-test build it
+/// the same way. A bf16/f16 param takes torch's reduced-precision tail (twice the f32
+/// lanes, docs/numerics.md 7.3) and no streaming stores.
 template <class Opt>
 UnitRange<Opt> unit_range(const typename Opt::Config& config, float step, GradientRead read,
                           const TensorView* dst, const ConstTensorView* src, const void* grad,
                           const TensorView& out) {
   UnitRange<Opt> r{};
   for (int k = 0; k < UnitRange<Opt>::kArrays; ++k) {
-    r.dst[k] = static_cast<float*>(dst[k].data);
-    r.src[k] = ::stepcore::detail::source_or(src[k], dst[k]);
+    r.dst[k] = dst[k].data;
+    r.src[k] = ::stepcore::detail::source_data_or(src[k], dst[k]);
   }
+  const bool f32 = dst[0].dtype == DType::f32;
   r.grad = grad;
   r.out = out.data;
   r.scalars = ::stepcore::detail::unit_scalars<Opt>(config, step);
   r.read = read;
-  r.tail_begin = Opt::tail_begin(config, dst[0].numel);
+  r.tail_begin = Opt::tail_begin(config, dst[0].numel, f32 ? 1 : 2);
   r.variant = Opt::variant(config);
-  r.stream = stream_mask(r.dst, r.src, UnitRange<Opt>::kArrays);
+  r.stream = f32 ? stream_mask(r.dst, r.src, UnitRange<Opt>::kArrays) : 0u;
   return r;
 }
 

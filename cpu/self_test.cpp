@@ -224,7 +224,7 @@ bool check_adamw(const KernelTable& t, Failure& fail) {
               using Unit = ::stepcore::detail::AdamW;
               const auto range = detail::adamw_range(ker, config, read, step_k);
               const auto streamed = detail::adamw_range(oop, config, read, step_s);
-              const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[static_cast<int>(gd)][out];
+              const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[0][static_cast<int>(gd)][out];
               const detail::UnitFn<Unit> fn_s =
                   t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
               fn(range, 0, kSplit);
@@ -296,7 +296,7 @@ bool check_sign_sgd(const KernelTable& t, Failure& fail) {
         using Unit = ::stepcore::detail::SignSgd;
         const auto range = detail::sign_sgd_range(ker, config);
         const auto streamed = detail::sign_sgd_range(oop, config);
-        const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[static_cast<int>(gd)][out];
+        const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[0][static_cast<int>(gd)][out];
         const detail::UnitFn<Unit> fn_s = t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
         fn(range, 0, kSplit);
         fn(range, kSplit, kLength);

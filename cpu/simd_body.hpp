@@ -213,17 +213,24 @@ struct Body {
   // elements computed one at a time (the chunk's remainder, the unit's tail, the head
   // before a streamed destination's aligned line).
 
-  /// Elements [i, end) one at a time, variant V.
-  template <class Opt, int V, class G, class O>
+  /// Elements [i, end) one at a time, variant V; parameter and state stored as St.
+  template <class Opt, int V, class G, class O, class St = float>
   static void unit_scalar(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
     if (i >= end) return;
+    constexpr int KA = UnitRange<Opt>::kArrays - 1 > 0 ? UnitRange<Opt>::kArrays - 1 : 1;
     const typename Opt::template Consts<::stepcore::detail::ScalarOps> k(r.scalars);
     const G* grad = static_cast<const G*>(r.grad);
     O* out = static_cast<O*>(r.out);
+    const St* Ss[KA] = {};
+    St* S[KA] = {};
+    for (int s = 0; s + 1 < UnitRange<Opt>::kArrays; ++s) {
+      Ss[s] = static_cast<const St*>(r.src[1 + s]);
+      S[s] = static_cast<St*>(r.dst[1 + s]);
+    }
     for (; i < end; ++i)
-      ::stepcore::detail::unit_element<Opt, V, G, O>(r.src[0], r.src + 1, r.dst[0], r.dst + 1, grad,
-                                                     out, k, r.tail_begin, r.read.scale,
-                                                     r.read.clip, i);
+      ::stepcore::detail::unit_element<Opt, V, G, O, St>(
+          static_cast<const St*>(r.src[0]), Ss, static_cast<St*>(r.dst[0]), S, grad, out, k,
+          r.tail_begin, r.read.scale, r.read.clip, i);
   }
 
   /// Calls fn(std::integral_constant<int, Mode>{}) for the read mode of unit Opt's range:
@@ -244,20 +251,23 @@ struct Body {
   /// is stored, and a source never overlaps another destination: validation); grad and
   /// out never alias. Stream: the destinations named by r.stream take streaming stores a
   /// line at a time, so [i, end) must start where they are kStreamAlignment-aligned; the
-  /// rest after the last whole line takes plain stores.
-  template <class Opt, class G, class O, int V, int Mode, bool Stream = false>
+  /// rest after the last whole line takes plain stores (f32 storage only). St: the storage
+  /// type of the parameter and state (f32, or bf16/f16: widened exactly by load, rounded
+  /// to nearest even by store, docs/numerics.md 7.3).
+  template <class Opt, class G, class O, int V, int Mode, bool Stream = false, class St = float>
   static void unit_lanes(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
+    static_assert(!Stream || std::is_same_v<St, float>, "streaming stores are f32 lines");
     constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
     constexpr int KA = K > 0 ? K : 1;
     const F scale = splat(r.read.scale), clip = splat(r.read.clip);
     const typename Opt::template Consts<Ops> k(r.scalars);
-    const float* const Ps = r.src[0];
-    float* const P = r.dst[0];
-    const float* Ss[KA] = {};
-    float* S[KA] = {};
+    const St* const Ps = static_cast<const St*>(r.src[0]);
+    St* const P = static_cast<St*>(r.dst[0]);
+    const St* Ss[KA] = {};
+    St* S[KA] = {};
     for (int s = 0; s < K; ++s) {
-      Ss[s] = r.src[1 + s];
-      S[s] = r.dst[1 + s];
+      Ss[s] = static_cast<const St*>(r.src[1 + s]);
+      S[s] = static_cast<St*>(r.dst[1 + s]);
     }
     const G* __restrict grad = static_cast<const G*>(r.grad);
     O* __restrict out = static_cast<O*>(r.out);
@@ -271,26 +281,26 @@ struct Body {
         for (std::size_t l = 0; l < L; ++l) {
           const std::size_t j = i + l * N;
           const F g = read_mode<Mode>(grad + j, scale, clip);
-          F p = Ops::load(Ps + j);
+          F p = load(Ps + j);
           F st[KA];
-          for (int s = 0; s < K; ++s) st[s] = Ops::load(Ss[s] + j);
+          for (int s = 0; s < K; ++s) st[s] = load(Ss[s] + j);
           Opt::template update<Ops, V, false>(k, g, p, st);
           pl[l] = p;
           for (int s = 0; s < K; ++s) sl[s][l] = st[s];
           if constexpr (!std::is_void_v<O>) store(out + j, p);
         }
-        put_line(P + i, pl, (r.stream & 1u) != 0);
+        put_line(P + i, pl, (r.stream & 1u) != 0);  // St is float here (static_assert)
         for (int s = 0; s < K; ++s) put_line(S[s] + i, sl[s], (r.stream & (2u << s)) != 0);
       }
     }
     for (; i + N <= end; i += N) {
       const F g = read_mode<Mode>(grad + i, scale, clip);
-      F p = Ops::load(Ps + i);
+      F p = load(Ps + i);
       F st[KA];
-      for (int s = 0; s < K; ++s) st[s] = Ops::load(Ss[s] + i);
+      for (int s = 0; s < K; ++s) st[s] = load(Ss[s] + i);
       Opt::template update<Ops, V, false>(k, g, p, st);
-      Ops::store(P + i, p);
-      for (int s = 0; s < K; ++s) Ops::store(S[s] + i, st[s]);
+      store(P + i, p);
+      for (int s = 0; s < K; ++s) store(S[s] + i, st[s]);
       if constexpr (!std::is_void_v<O>) store(out + i, p);
     }
   }
@@ -302,17 +312,18 @@ struct Body {
     return r.tail_begin < end ? (r.tail_begin > begin ? r.tail_begin : begin) : end;
   }
 
-  /// One range of unit Opt's step, in place or out of place with plain stores: vector
-  /// lanes, then the remainder and the tail element by element.
-  template <class Opt, class G, class O>
+  /// One range of unit Opt's step, in place or out of place with plain stores, parameter
+  /// and state stored as St: vector lanes, then the remainder and the tail element by
+  /// element.
+  template <class Opt, class G, class O, class St = float>
   static void unit_step(const UnitRange<Opt>& r, std::size_t begin, std::size_t end) {
     const std::size_t lanes_end = begin + (vector_end(r, begin, end) - begin) / N * N;
     ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
       constexpr int V = decltype(form)::value;
       with_unit_read<Opt>(r.read, [&](auto mode) {
-        unit_lanes<Opt, G, O, V, decltype(mode)::value>(r, begin, lanes_end);
+        unit_lanes<Opt, G, O, V, decltype(mode)::value, false, St>(r, begin, lanes_end);
       });
-      unit_scalar<Opt, V, G, O>(r, lanes_end, end);
+      unit_scalar<Opt, V, G, O, St>(r, lanes_end, end);
     });
   }
 
@@ -327,7 +338,8 @@ struct Body {
     const std::size_t vec_end = vector_end(r, begin, end);
     int first = 0;
     while (first + 1 < UnitRange<Opt>::kArrays && (r.stream & (1u << first)) == 0) ++first;
-    const std::size_t head_end = aligned_from(r.dst[first], begin, vec_end);
+    const std::size_t head_end =
+        aligned_from(static_cast<const float*>(r.dst[first]), begin, vec_end);
     const std::size_t lanes_end = head_end + (vec_end - head_end) / N * N;
     ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
       constexpr int V = decltype(form)::value;
@@ -515,15 +527,22 @@ struct Body {
   }
 
   // ---- the table ---------------------------------------------------------------------
+  // The one place where a unit's kernel is chosen per dtype: [param and state dtype]
+  // [gradient dtype][output kind]; bf16/f16 params have no compute output (validation).
   template <class G>
   static void fill_grad(KernelTable& t, int g) {
+    constexpr int f32 = static_cast<int>(DType::f32);
+    constexpr int bf16 = static_cast<int>(DType::bf16);
+    constexpr int f16 = static_cast<int>(DType::f16);
     ::stepcore::detail::AllUnits::for_each([&](auto unit) {
       using Opt = decltype(unit);
       UnitKernels<Opt>& k = t.units.template of<Opt>();
-      k.step[g][0] = &unit_step<Opt, G, void>;
-      k.step[g][1] = &unit_step<Opt, G, float>;
-      k.step[g][2] = &unit_step<Opt, G, bfloat16_t>;
-      k.step[g][3] = &unit_step<Opt, G, float16_t>;
+      k.step[f32][g][0] = &unit_step<Opt, G, void>;
+      k.step[f32][g][1] = &unit_step<Opt, G, float>;
+      k.step[f32][g][2] = &unit_step<Opt, G, bfloat16_t>;
+      k.step[f32][g][3] = &unit_step<Opt, G, float16_t>;
+      k.step[bf16][g][0] = &unit_step<Opt, G, void, bfloat16_t>;
+      k.step[f16][g][0] = &unit_step<Opt, G, void, float16_t>;
     });
     t.accumulate[g] = &accumulate<G>;
     t.scale[g] = &scale<G>;

@@ -80,6 +80,15 @@ void copy_source(const ConstTensorView& src, const TensorView& dst) {
   std::memcpy(dst.data, src.data, src.bytes());
 }
 
+// Where torch's scalar tail begins in an n-element tensor whose param (and state) is stored
+// as `param` (docs/numerics.md 7.2, 7.3): the last n mod W' elements, W' the tail width for
+// f32, twice it for bf16/f16 (Vectorized<T> of 16-bit T holds twice the f32 lanes).
+std::size_t torch_tail_begin(std::size_t n, int tail_width, DType param) {
+  std::size_t w = tail_width > 1 ? static_cast<std::size_t>(tail_width) : 1;
+  if (param != DType::f32) w = 2 * w;
+  return n - n % w;
+}
+
 // The hyper-parameters of torch's fused Adam and AdamW, as the trainer holds them (double).
 struct TorchAdamHyper {
   bool adamw = false;  // AdamW: decoupled decay p*(1 - lr*wd); Adam: L2, g + p*wd
@@ -104,8 +113,9 @@ TorchAdamHyper torch_adam_hyper(const C& config, bool adamw) {
   return h;
 }
 
-// docs/numerics.md 8a, literally: torch.optim.Adam/AdamW(fused=True), f32 parameters. The
-// tensors are validated; state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq.
+// docs/numerics.md 8a, literally: torch.optim.Adam/AdamW(fused=True). The tensors are
+// validated; state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq, all in the
+// param's dtype: each value widened when read, rounded to that dtype when stored (7.3).
 void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const TorchAdamHyper& h,
                             const GradientRead& read) {
   for (const OptimizerTensor& t : tensors) {
@@ -127,20 +137,15 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
     const float neg_step = static_cast<float>(-(h.lr / bc1));
     const float eps = static_cast<float>(h.eps);
 
-    auto* P = static_cast<float*>(t.param.data);
-    auto* M = static_cast<float*>(t.state[0].data);
-    auto* V = static_cast<float*>(t.state[1].data);
-    auto* X = h.amsgrad ? static_cast<float*>(t.state[2].data) : nullptr;
     const bool out = has_output(t.compute_param);
     const std::size_t n = t.param.numel;
-    const std::size_t width = h.tail_width > 1 ? static_cast<std::size_t>(h.tail_width) : 1;
-    const std::size_t tail_begin = n - n % width;
+    const std::size_t tail_begin = torch_tail_begin(n, h.tail_width, t.param.dtype);
     for (std::size_t i = 0; i < n; ++i) {
       const bool body = i < tail_begin;
       float g = read_gradient(t.grad, i, read);
-      float p = P[i];
-      float m = M[i];
-      float v = V[i];
+      float p = load(t.param, i);
+      float m = load(t.state[0], i);
+      float v = load(t.state[1], i);
       if (h.maximize) g = -g;
       if (decay_on && !h.adamw) g = std::fma(p, wd, g);
       if (decay_on && h.adamw) p = p * decay;
@@ -156,14 +161,14 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
       }
       float r = v;
       if (h.amsgrad) {
-        float x = X[i];
+        float x = load(t.state[2], i);
         if (body)
           x = (std::isnan(x) || std::isnan(v)) ? std::numeric_limits<float>::quiet_NaN()
                                                : (x > v ? x : v);
         else
           x = x < v ? v : x;
-        X[i] = x;
-        r = x;
+        store(t.state[2], i, x);
+        r = x;  // the unrounded maximum (a 16-bit slot stores it rounded)
       }
       const float root = std::sqrt(r);
       const float scaled_root = root / bc2_sqrt;
@@ -171,9 +176,9 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
       const float num = neg_step * m;
       const float update = num / denom;
       p = p + update;
-      P[i] = p;
-      M[i] = m;
-      V[i] = v;
+      store(t.param, i, p);
+      store(t.state[0], i, m);
+      store(t.state[1], i, v);
       if (out) store(t.compute_param, i, p);
     }
   }
@@ -181,31 +186,28 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
 
 }  // namespace
 
-void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
-                const std::int32_t* found_inf) {
-  detail::validate_adamw(tensors, config, read, detail::StepCounters::read,
-                         detail::Maximize::supported);
-  const detail::FpEnvGuard env;
-  if (found_inf != nullptr && *found_inf != 0) return;
+namespace {
+
+// docs/numerics.md 7.1 and 7.2 over validated AdamWTensor records (f32, or, for the native
+// formula reached through OptimizerTensor, the param's bf16/f16: widened when read,
+// rounded when stored, 7.3).
+void adamw_tensor_steps(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+                        GradientRead read) {
   for (const AdamWTensor& t : tensors) {
     copy_source(t.param_src, t.param);
     copy_source(t.exp_avg_src, t.exp_avg);
     copy_source(t.exp_avg_sq_src, t.exp_avg_sq);
     *t.step = *t.step + 1.0f;
     const AdamWScalars s = prepare_adamw_scalars(config, *t.step);
-    auto* P = static_cast<float*>(t.param.data);
-    auto* M = static_cast<float*>(t.exp_avg.data);
-    auto* V = static_cast<float*>(t.exp_avg_sq.data);
     const bool out = has_output(t.compute_param);
     const std::size_t n = t.param.numel;
-    const std::size_t w =
-        config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
-    const std::size_t tail_begin = n - n % w;  // torch formula: first element of the scalar tail
+    // torch formula: the first element of the scalar tail
+    const std::size_t tail_begin = torch_tail_begin(n, config.torch_tail_width, t.param.dtype);
     for (std::size_t i = 0; i < n; ++i) {
       const float g = read_gradient(t.grad, i, read);
-      float p = P[i];
-      float m = M[i];
-      float v = V[i];
+      float p = load(t.param, i);
+      float m = load(t.exp_avg, i);
+      float v = load(t.exp_avg_sq, i);
       if (config.formula == AdamWFormula::native) {
         p = p * s.decay;
         const float m_keep = m * s.beta1;
@@ -241,17 +243,29 @@ void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
         const float update = num / denom;
         p = p + update;
       }
-      P[i] = p;
-      M[i] = m;
-      V[i] = v;
+      store(t.param, i, p);
+      store(t.exp_avg, i, m);
+      store(t.exp_avg_sq, i, v);
       if (out) store(t.compute_param, i, p);
     }
   }
 }
 
+}  // namespace
+
+void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
+                const std::int32_t* found_inf) {
+  detail::validate_adamw(tensors, config, read, detail::StepCounters::read,
+                         detail::Maximize::supported);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  adamw_tensor_steps(tensors, config, read);
+}
+
 void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                 GradientRead read, const std::int32_t* found_inf) {
-  detail::validate_adamw_slots(tensors, config, read);
+  detail::validate_adamw_slots(tensors, config, read, detail::StepCounters::read,
+                               detail::ParamDTypes::model);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   if (config.formula == AdamWFormula::native) {
@@ -262,7 +276,7 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
       ts[i] = AdamWTensor{t.param,         t.state[0],  t.state[1],     t.step,        t.grad,
                           t.compute_param, t.param_src, t.state_src[0], t.state_src[1]};
     }
-    adamw_step(std::span<const AdamWTensor>(ts), config, read, nullptr);
+    adamw_tensor_steps(std::span<const AdamWTensor>(ts), config, read);
     return;
   }
   torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/true), read);
@@ -270,38 +284,60 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
 
 void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
                GradientRead read, const std::int32_t* found_inf) {
-  detail::validate_adam(tensors, config, read);
+  detail::validate_adam(tensors, config, read, detail::StepCounters::read,
+                        detail::ParamDTypes::model);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/false), read);
 }
+
+namespace {
+
+// docs/numerics.md 8 over validated SignSgdTensor records (the param f32, or bf16/f16 through
+// OptimizerTensor: widened when read, rounded once when stored, 7.3).
+void sign_sgd_tensor_steps(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config) {
+  const SignSgdScalars s = prepare_sign_sgd_scalars(config);
+  for (const SignSgdTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    const bool out = has_output(t.compute_param);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      const float g = load(t.grad, i);
+      // sign(g): +1, -1, +0 for either zero, NaN for NaN.
+      const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
+      float p = load(t.param, i);
+      if (s.apply_decay) p = std::fma(p, s.neg_lr_wd, p);
+      p = std::fma(sg, s.neg_lr, p);
+      store(t.param, i, p);
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
+}  // namespace
 
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                    GradientRead read, const std::int32_t* found_inf) {
   detail::validate_sign_sgd(tensors, config, read);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
-  const SignSgdScalars s = prepare_sign_sgd_scalars(config);
-  for (const SignSgdTensor& t : tensors) {
-    copy_source(t.param_src, t.param);
-    auto* P = static_cast<float*>(t.param.data);
-    const bool out = has_output(t.compute_param);
-    for (std::size_t i = 0; i < t.param.numel; ++i) {
-      const float g = load(t.grad, i);
-      // sign(g): +1, -1, +0 for either zero, NaN for NaN.
-      const float sg = g > 0.0f ? 1.0f : (g < 0.0f ? -1.0f : (g == 0.0f ? 0.0f : g));
-      float p = P[i];
-      if (s.apply_decay) p = std::fma(p, s.neg_lr_wd, p);
-      p = std::fma(sg, s.neg_lr, p);
-      P[i] = p;
-      if (out) store(t.compute_param, i, p);
-    }
-  }
+  sign_sgd_tensor_steps(tensors, config);
+}
+
+void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
+                   GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_sign_sgd_slots(tensors, config, read, detail::ParamDTypes::model);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  std::vector<SignSgdTensor> ts(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    ts[i] = {tensors[i].param, tensors[i].grad, tensors[i].compute_param, tensors[i].param_src};
+  sign_sgd_tensor_steps(std::span<const SignSgdTensor>(ts), config);
 }
 
 void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config, GradientRead read,
               const std::int32_t* found_inf) {
-  detail::validate_sgd(tensors, config, read);
+  detail::validate_sgd(tensors, config, read, detail::StepCounters::read,
+                       detail::ParamDTypes::model);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   // The scalars of docs/numerics.md 8b, each rounded once from its double expression.
@@ -316,20 +352,17 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
     if (use_momentum) copy_source(t.state_src[0], t.state[0]);
     *t.step = *t.step + 1.0f;
     const bool first_step = *t.step == 1.0f;
-    auto* P = static_cast<float*>(t.param.data);
-    auto* B = static_cast<float*>(t.state[0].data);
     const bool out = has_output(t.compute_param);
     const std::size_t n = t.param.numel;
-    const std::size_t w =
-        config.torch_tail_width > 1 ? static_cast<std::size_t>(config.torch_tail_width) : 1;
-    const std::size_t tail_begin = n - n % w;  // first element of torch's scalar loop
+    // the first element of torch's scalar loop
+    const std::size_t tail_begin = torch_tail_begin(n, config.torch_tail_width, t.param.dtype);
     for (std::size_t i = 0; i < n; ++i) {
       float g = read_gradient(t.grad, i, read);
-      float p = P[i];
+      float p = load(t.param, i);
       if (config.maximize) g = -g;
       if (use_decay) g = std::fma(p, wd, g);
       if (use_momentum) {
-        float b = B[i];
+        float b = load(t.state[0], i);
         if (first_step) {
           b = g;
         } else if (i < tail_begin) {
@@ -339,7 +372,7 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
           const float g_new = g * c;
           b = std::fma(b, mom, g_new);
         }
-        B[i] = b;
+        store(t.state[0], i, b);  // the unrounded b goes on (7.3)
         if (config.nesterov) {
           g = std::fma(b, mom, g);
         } else {
@@ -347,7 +380,7 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
         }
       }
       p = std::fma(g, neg_lr, p);
-      P[i] = p;
+      store(t.param, i, p);
       if (out) store(t.compute_param, i, p);
     }
   }
@@ -355,7 +388,8 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
 
 void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
                   GradientRead read, const std::int32_t* found_inf) {
-  detail::validate_adagrad(tensors, config, read);
+  detail::validate_adagrad(tensors, config, read, detail::StepCounters::read,
+                           detail::ParamDTypes::model);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   // Scalars shared by every tensor (binary64 to f32, section 8c).
@@ -371,13 +405,11 @@ void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig&
     const double denom = std::fma(step - 1.0, config.lr_decay, 1.0);
     const double clr_double = config.lr / denom;
     const float clr = static_cast<float>(clr_double);
-    auto* P = static_cast<float*>(t.param.data);
-    auto* S = static_cast<float*>(t.state[0].data);
     const bool out = has_output(t.compute_param);
     for (std::size_t i = 0; i < t.param.numel; ++i) {
       float g = read_gradient(t.grad, i, read);
-      float p = P[i];
-      float sum = S[i];
+      float p = load(t.param, i);
+      float sum = load(t.state[0], i);
       if (config.maximize) g = -g;
       if (apply_decay) g = std::fma(p, wd, g);
       sum = std::fma(g, g, sum);
@@ -386,8 +418,8 @@ void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig&
       const float num = clr * g;
       const float update = num / denom_e;
       p = p - update;
-      P[i] = p;
-      S[i] = sum;
+      store(t.param, i, p);
+      store(t.state[0], i, sum);
       if (out) store(t.compute_param, i, p);
     }
   }

@@ -374,35 +374,85 @@ TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting
   }
 }
 
-/// Tensors of a generic optimizer with `slots` f32 state arrays, in two copies' worth of
-/// plain vectors (each buffer one element past a 64-byte boundary), as OptimizerTensor.
+/// Stores x rounded to `dtype` (nearest even) as element i of raw storage.
+void put(std::uint8_t* data, DType dtype, std::size_t i, float x) {
+  switch (dtype) {
+    case DType::f32:
+      std::memcpy(data + 4 * i, &x, 4);
+      break;
+    case DType::bf16: {
+      const std::uint16_t b = f32_to_bf16_bits(x);
+      std::memcpy(data + 2 * i, &b, 2);
+      break;
+    }
+    case DType::f16: {
+      const std::uint16_t b = f32_to_f16_bits(x);
+      std::memcpy(data + 2 * i, &b, 2);
+      break;
+    }
+  }
+}
+
+/// Tensors of a generic optimizer with `slots` state arrays in the param's dtype (f32,
+/// bf16 or f16), each buffer one element past a 64-byte boundary, as OptimizerTensor. Out
+/// of place (`oop`): the state is read from a second set of buffers and written to the
+/// first, which hold garbage before each step; flip() makes the new state the next source.
 struct SlotModel {
   std::vector<std::size_t> sizes;
   DType grad_dtype;
   int out_kind;
   int slots;
-  std::vector<std::vector<float>> p, s[3];
+  DType param_dtype;
+  bool counters;
+  bool oop;
+  std::vector<std::vector<std::uint8_t>> p, s[3], q, r[3];  // q, r: the sources (oop)
   std::vector<std::vector<std::uint8_t>> g, out;
   std::vector<float> steps;
 
-  SlotModel(std::vector<std::size_t> sz, DType gd, int ok, int ns, std::uint32_t seed)
-      : sizes(std::move(sz)), grad_dtype(gd), out_kind(ok), slots(ns) {
+  SlotModel(std::vector<std::size_t> sz, DType gd, int ok, int ns, std::uint32_t seed,
+            DType pd = DType::f32, bool with_counters = true, bool out_of_place = false)
+      : sizes(std::move(sz)),
+        grad_dtype(gd),
+        out_kind(ok),
+        slots(ns),
+        param_dtype(pd),
+        counters(with_counters),
+        oop(out_of_place) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> nd(0.0f, 1.0f);
+    const std::size_t es = dtype_size(pd);
     for (std::size_t n : sizes) {
-      p.emplace_back(n + 1);
-      for (auto& v : s) v.emplace_back(n + 1);
+      p.emplace_back((n + 1) * es);
+      for (auto& v : s) v.emplace_back((n + 1) * es);
       for (std::size_t i = 0; i <= n; ++i) {
-        p.back()[i] = nd(rng) * 0.05f;
-        s[0].back()[i] = nd(rng) * 1e-3f;
-        s[1].back()[i] = std::abs(nd(rng)) * 1e-6f;
-        s[2].back()[i] = std::abs(nd(rng)) * 1e-6f;  // a max: above v or not
+        put(p.back().data(), pd, i, nd(rng) * 0.05f);
+        put(s[0].back().data(), pd, i, nd(rng) * 1e-3f);
+        put(s[1].back().data(), pd, i, std::abs(nd(rng)) * 1e-6f);
+        put(s[2].back().data(), pd, i, std::abs(nd(rng)) * 1e-6f);  // a max: above v or not
       }
       g.emplace_back((n + 1) * 4);
       fill(g.back().data() + dtype_size(gd), gd, n, rng, 1e-2f);
       out.emplace_back((n + 1) * 4, 0xAB);
       steps.push_back(0.0f);  // the first step first: SGD's buffer starts as the gradient
     }
+    if (oop) {
+      q = p;
+      for (int j = 0; j < 3; ++j) r[j] = s[j];
+      scramble();
+    }
+  }
+  // Garbage in the destinations of an out-of-place step.
+  void scramble() {
+    for (auto& b : p) std::fill(b.begin(), b.end(), std::uint8_t{0xA5});
+    for (auto& v : s)
+      for (auto& b : v) std::fill(b.begin(), b.end(), std::uint8_t{0x5A});
+  }
+  // Out of place: the new state becomes the next step's source.
+  void flip() {
+    if (!oop) return;
+    std::swap(p, q);
+    for (int j = 0; j < 3; ++j) std::swap(s[j], r[j]);
+    scramble();
   }
   // Fresh gradients for the next step (both copies draw the same ones from `seed`).
   void regrad(std::uint32_t seed) {
@@ -412,12 +462,17 @@ struct SlotModel {
   }
   std::vector<OptimizerTensor> tensors() {
     std::vector<OptimizerTensor> t;
+    const std::size_t es = dtype_size(param_dtype);
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t n = sizes[k];
       OptimizerTensor a;
-      a.param = {p[k].data() + 1, n, DType::f32};
-      for (int j = 0; j < slots; ++j) a.state[j] = {s[j][k].data() + 1, n, DType::f32};
-      a.step = &steps[k];
+      a.param = {p[k].data() + es, n, param_dtype};
+      for (int j = 0; j < slots; ++j) a.state[j] = {s[j][k].data() + es, n, param_dtype};
+      if (oop) {
+        a.param_src = {q[k].data() + es, n, param_dtype};
+        for (int j = 0; j < slots; ++j) a.state_src[j] = {r[j][k].data() + es, n, param_dtype};
+      }
+      if (counters) a.step = &steps[k];
       a.grad = {g[k].data() + dtype_size(grad_dtype), n, grad_dtype};
       if (out_kind) {
         const auto od = static_cast<DType>(out_kind - 1);
@@ -429,14 +484,27 @@ struct SlotModel {
   }
 };
 
+/// Equal bits in every buffer of two SlotModels: f32 arrays with any two NaNs equal (the
+/// spec leaves an f32 NaN's payload open), bf16/f16 arrays byte for byte (their
+/// conversion defines a NaN's bits).
 ::testing::AssertionResult same_slot_model(const SlotModel& r, const SlotModel& e) {
+  auto same = [&](const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b,
+                  const char* what) {
+    if (r.param_dtype != DType::f32) return same_bytes(a.data(), b.data(), a.size(), what);
+    return same_f32(reinterpret_cast<const float*>(a.data()),
+                    reinterpret_cast<const float*>(b.data()), a.size() / 4, what);
+  };
   for (std::size_t k = 0; k < r.sizes.size(); ++k) {
-    const std::size_t n = r.sizes[k] + 1;
-    if (auto a = same_f32(r.p[k].data(), e.p[k].data(), n, "param"); !a)
-      return a << " tensor " << k;
+    if (auto a = same(r.p[k], e.p[k], "param"); !a) return a << " tensor " << k;
     for (int j = 0; j < 3; ++j)
-      if (auto a = same_f32(r.s[j][k].data(), e.s[j][k].data(), n, "state"); !a)
+      if (auto a = same(r.s[j][k], e.s[j][k], "state"); !a)
         return a << " slot " << j << " tensor " << k;
+    if (r.oop) {
+      if (auto a = same(r.q[k], e.q[k], "param_src"); !a) return a << " tensor " << k;
+      for (int j = 0; j < 3; ++j)
+        if (auto a = same(r.r[j][k], e.r[j][k], "state_src"); !a)
+          return a << " slot " << j << " tensor " << k;
+    }
     if (auto a = same_bytes(r.out[k].data(), e.out[k].data(), r.out[k].size(), "compute_param"); !a)
       return a << " tensor " << k;
     if (f32_bits(r.steps[k]) != f32_bits(e.steps[k]))
@@ -445,39 +513,143 @@ struct SlotModel {
   return ::testing::AssertionSuccess();
 }
 
-/// Three steps of `config` (`slots` state arrays) by the reference and by the engine's
-/// generic entry on every ISA, threads 1 and 3, over the boundary sizes: equal bits after
-/// every step.
+/// Steps of `config` (`slots` state arrays) by the reference and by the engine's generic
+/// entry on every ISA, threads 1 and 3, over the boundary sizes: equal bits after every
+/// step. f32 params: 3 steps, every gradient dtype, without and with a bf16 compute
+/// output. bf16 and f16 params (docs/numerics.md 7.3): 10 steps, every gradient dtype, in
+/// place and out of place.
 template <class Config, class Reference>
 void expect_engine_equals_reference(const Config& config, int slots, Reference reference,
-                                    std::uint32_t seed) {
+                                    std::uint32_t seed, bool counters = true) {
   const GradientRead reads[] = {{1.0f, 1.0f}, {1.0f / 3000.0f, 0.37f}, {2.0f, 1.0f}};
-  for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
-    for (int o : {0, 2}) {
-      SCOPED_TRACE(std::string(dtype_name(gd)) + " out " + std::to_string(o));
-      SlotModel ref(boundary_sizes(), gd, o, slots, seed);
-      const SlotModel input = ref;
-      std::vector<SlotModel> eng;
-      std::vector<std::pair<cpu::Isa, int>> runs;
-      for (cpu::Isa isa : testing_support::isas_under_test())
-        for (int threads : {1, 3}) {
-          eng.push_back(input);
-          runs.emplace_back(isa, threads);
-        }
-      for (int step = 0; step < 3; ++step) {
-        if (step > 0) ref.regrad(seed + 17 * step);
-        const auto rt = ref.tensors();
-        reference(std::span<const OptimizerTensor>(rt), config, reads[step]);
-        for (std::size_t r = 0; r < runs.size(); ++r) {
-          SCOPED_TRACE(std::string(cpu::isa_name(runs[r].first)) + " threads " +
-                       std::to_string(runs[r].second) + " step " + std::to_string(step + 1));
-          if (step > 0) eng[r].regrad(seed + 17 * step);
-          const auto et = eng[r].tensors();
-          cpu::Engine(cpu::EngineConfig{runs[r].first, runs[r].second})
-              .step(std::span<const OptimizerTensor>(et), config, reads[step]);
-          ASSERT_TRUE(same_slot_model(ref, eng[r]));
+  for (DType pd : {DType::f32, DType::bf16, DType::f16}) {
+    const bool f32 = pd == DType::f32;
+    const int steps = f32 ? 3 : 10;
+    for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
+      for (int variant : {0, 1}) {  // f32: output kind 0 or 2 (bf16); 16-bit: in place or not
+        const int o = f32 && variant == 1 ? 2 : 0;
+        const bool oop = !f32 && variant == 1;
+        SCOPED_TRACE(std::string("param ") + std::string(dtype_name(pd)) + " grad " +
+                     std::string(dtype_name(gd)) + " out " + std::to_string(o) +
+                     (oop ? " out of place" : ""));
+        SlotModel ref(boundary_sizes(), gd, o, slots, seed, pd, counters, oop);
+        const SlotModel input = ref;
+        std::vector<SlotModel> eng;
+        std::vector<std::pair<cpu::Isa, int>> runs;
+        for (cpu::Isa isa : testing_support::isas_under_test())
+          for (int threads : {1, 3}) {
+            eng.push_back(input);
+            runs.emplace_back(isa, threads);
+          }
+        for (int step = 0; step < steps; ++step) {
+          if (step > 0) ref.regrad(seed + 17 * step);
+          const auto rt = ref.tensors();
+          reference(std::span<const OptimizerTensor>(rt), config, reads[step % 3]);
+          for (std::size_t r = 0; r < runs.size(); ++r) {
+            SCOPED_TRACE(std::string(cpu::isa_name(runs[r].first)) + " threads " +
+                         std::to_string(runs[r].second) + " step " + std::to_string(step + 1));
+            if (step > 0) eng[r].regrad(seed + 17 * step);
+            const auto et = eng[r].tensors();
+            cpu::Engine(cpu::EngineConfig{runs[r].first, runs[r].second})
+                .step(std::span<const OptimizerTensor>(et), config, reads[step % 3]);
+            ASSERT_TRUE(same_slot_model(ref, eng[r]));
+            eng[r].flip();
+          }
+          ref.flip();
         }
       }
+    }
+  }
+}
+
+TEST(CpuEngine, SignSgdOverOptimizerTensorsMatchesTheReferenceInEveryParamDtype) {
+  int idx = 0;
+  for (double wd : {0.0, 0.05}) {
+    SCOPED_TRACE("wd " + std::to_string(wd));
+    expect_engine_equals_reference(
+        SignSgdConfig{1e-3, wd}, 0,
+        [](std::span<const OptimizerTensor> t, const SignSgdConfig& cfg, GradientRead read) {
+          reference::sign_sgd_step(t, cfg, read);
+        },
+        1400 + idx++, /*counters=*/false);
+  }
+}
+
+TEST(CpuEngine, AdamWNativeFormulaTakesParamsInTheModelsDtype) {
+  AdamWConfig c;
+  c.formula = AdamWFormula::native;
+  c.weight_decay = 0.1;
+  expect_engine_equals_reference(
+      c, 2,
+      [](std::span<const OptimizerTensor> t, const AdamWConfig& cfg, GradientRead read) {
+        reference::adamw_step(t, cfg, read);
+      },
+      1450);
+}
+
+TEST(CpuEngine, LowPrecisionParamsRefuseMixedDtypesAndComputeOutputsBeforeWriting) {
+  // Params and state share one dtype (docs/numerics.md 7.3): a slot or source in another
+  // dtype, or a compute output beside a bf16/f16 param, is named before anything is written;
+  // the reference refuses the same argument with the same code.
+  for (DType pd : {DType::bf16, DType::f16}) {
+    SCOPED_TRACE(std::string(dtype_name(pd)));
+    SlotModel m({5, 9}, DType::f32, 0, 3, 31, pd);
+    SlotModel other({5, 9}, DType::f32, 0, 3, 32, pd == DType::bf16 ? DType::f16 : DType::bf16);
+    SlotModel wide({5, 9}, DType::f32, 2, 3, 33, DType::f32);
+    const SlotModel before = m;
+    const cpu::Engine e(cpu::EngineConfig{cpu::Isa::sse2, 1});
+    auto expect_refused = [&](std::vector<OptimizerTensor> t, auto config, Errc code,
+                              const std::string& arg, auto reference) {
+      for (int path = 0; path < 2; ++path) {
+        try {
+          if (path == 0)
+            e.step(std::span<const OptimizerTensor>(t), config);
+          else
+            reference(std::span<const OptimizerTensor>(t), config);
+          ADD_FAILURE() << (path ? "reference" : "engine") << " accepted; expected " << arg;
+        } catch (const Error& err) {
+          EXPECT_EQ(err.code(), code) << err.what();
+          EXPECT_EQ(err.argument(), arg) << err.what();
+        }
+        EXPECT_TRUE(same_slot_model(before, m)) << "a refused call wrote";
+      }
+    };
+    auto adamw_ref = [](std::span<const OptimizerTensor> t, const AdamWConfig& c) {
+      reference::adamw_step(t, c);
+    };
+    AdamWConfig ams;
+    ams.amsgrad = true;
+    {
+      auto t = m.tensors();
+      t[1].state[1] = wide.tensors()[1].state[1];  // f32 exp_avg_sq beside a 16-bit param
+      expect_refused(t, ams, Errc::unsupported_dtype, "tensors[1].exp_avg_sq", adamw_ref);
+    }
+    {
+      auto t = m.tensors();
+      t[0].state[2] = other.tensors()[0].state[2];  // the other 16-bit dtype
+      expect_refused(t, ams, Errc::unsupported_dtype, "tensors[0].max_exp_avg_sq", adamw_ref);
+    }
+    {
+      auto t = m.tensors();
+      t[1].state_src[0] = wide.tensors()[1].state[0];
+      expect_refused(t, ams, Errc::unsupported_dtype, "tensors[1].exp_avg_src", adamw_ref);
+    }
+    {
+      auto t = m.tensors();
+      t[0].compute_param = wide.tensors()[0].compute_param;
+      expect_refused(t, ams, Errc::invalid_argument, "tensors[0].compute_param", adamw_ref);
+    }
+    {
+      // A 16-bit param with f32 state: the state is named, not the param.
+      auto t = wide.tensors();
+      t[0].param = m.tensors()[0].param;
+      t[0].compute_param = {};
+      SgdConfig sgd;
+      sgd.momentum = 0.9;
+      expect_refused(t, sgd, Errc::unsupported_dtype, "tensors[0].momentum_buffer",
+                     [](std::span<const OptimizerTensor> x, const SgdConfig& c) {
+                       reference::sgd_step(x, c);
+                     });
     }
   }
 }

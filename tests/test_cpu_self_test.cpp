@@ -53,21 +53,21 @@ void flip_f32(float* p) {
 using AdamWUnit = ::stepcore::detail::AdamW;
 using SignSgdUnit = ::stepcore::detail::SignSgd;
 void bad_adamw(const cpu::detail::UnitRange<AdamWUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<AdamWUnit>().step[1][2](r, b, e);           // grad bf16, output bf16
-  for (std::size_t i = b; i < e; ++i) flip_f32(r.dst[1] + i);  // exp_avg
+  g_real->units.of<AdamWUnit>().step[0][1][2](r, b, e);  // grad bf16, output bf16
+  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[1]) + i);  // exp_avg
 }
 void bad_sign_sgd(const cpu::detail::UnitRange<SignSgdUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<SignSgdUnit>().step[2][0](r, b, e);  // grad f16, no output
-  for (std::size_t i = b; i < e; ++i) flip_f32(r.dst[0] + i);
+  g_real->units.of<SignSgdUnit>().step[0][2][0](r, b, e);  // grad f16, no output
+  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[0]) + i);
 }
 void bad_adamw_streamed(const cpu::detail::UnitRange<AdamWUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<AdamWUnit>().streamed[2][0](r, b, e);       // grad f16, no output, out of place
-  for (std::size_t i = b; i < e; ++i) flip_f32(r.dst[2] + i);  // exp_avg_sq
+  g_real->units.of<AdamWUnit>().streamed[2][0](r, b, e);  // grad f16, no output, out of place
+  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[2]) + i);  // exp_avg_sq
 }
 void bad_sign_sgd_streamed(const cpu::detail::UnitRange<SignSgdUnit>& r, std::size_t b,
                            std::size_t e) {
   g_real->units.of<SignSgdUnit>().streamed[0][2](r, b, e);  // grad f32, output bf16, out of place
-  for (std::size_t i = b; i < e; ++i) flip_f32(r.dst[0] + i);
+  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[0]) + i);
 }
 void bad_accumulate(float* acc, const void* src, bool copy, std::size_t b, std::size_t e) {
   g_real->accumulate[0](acc, src, copy, b, e);
@@ -93,8 +93,8 @@ struct Fault {
   void (*install)(KernelTable&);
 };
 const Fault kFaults[] = {
-    {"adamw", [](KernelTable& t) { t.units.of<AdamWUnit>().step[1][2] = &bad_adamw; }},
-    {"sign_sgd", [](KernelTable& t) { t.units.of<SignSgdUnit>().step[2][0] = &bad_sign_sgd; }},
+    {"adamw", [](KernelTable& t) { t.units.of<AdamWUnit>().step[0][1][2] = &bad_adamw; }},
+    {"sign_sgd", [](KernelTable& t) { t.units.of<SignSgdUnit>().step[0][2][0] = &bad_sign_sgd; }},
     {"accumulate", [](KernelTable& t) { t.accumulate[0] = &bad_accumulate; }},
     {"scale_", [](KernelTable& t) { t.scale[1] = &bad_scale; }},
     {"norm_partial fast", [](KernelTable& t) { t.norm[0][2] = &bad_norm; }},

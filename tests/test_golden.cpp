@@ -22,6 +22,8 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <variant>
 #include <vector>
 
 #include "isa_list.hpp"
@@ -1516,5 +1518,313 @@ TEST(GoldenAdagrad, CpuEngineOnEveryIsaMatchesTorchFused) {
       EXPECT_EQ(replay_adagrad(k, /*chained=*/false, /*report=*/true, step), 0u);
       EXPECT_EQ(replay_adagrad(k, /*chained=*/true, /*report=*/true, step), 0u);
     }
+  }
+}
+
+// ---------------------------------------------------------------- bf16 / f16 params
+
+namespace {
+
+// One case of lowp_torch.txt: torch's fused Adam, AdamW, SGD or Adagrad with params,
+// gradients and state in bf16 or f16 (docs/numerics.md 7.3), as 16-bit words.
+struct LowpCase {
+  std::string name, opt;  // opt: adam, adamw, sgd, adagrad
+  DType dtype = DType::bf16;
+  stepcore::OptimizerConfig config;
+  std::vector<std::string> slots;  // the used state slots, in slot order
+  std::vector<std::size_t> sizes;
+  std::vector<std::vector<std::uint16_t>> init, init_sum;
+  struct Step {
+    std::vector<std::vector<std::uint16_t>> grad, param;
+    std::vector<std::vector<std::vector<std::uint16_t>>> state;  // [slot][tensor]
+    std::vector<float> count;                                    // torch's state['step']
+  };
+  std::vector<Step> steps;
+};
+
+std::vector<LowpCase> load_lowp() {
+  GoldenFile f("lowp_torch.txt");
+  std::vector<LowpCase> cases;
+  while (!f.done()) {
+    const Record& c = f.expect("case");
+    if (c.tok.size() != 5) f.fail("bad case line " + std::to_string(c.line));
+    LowpCase k;
+    k.name = c.tok[0];
+    k.opt = c.tok[1];
+    if (c.tok[2] == "bf16")
+      k.dtype = DType::bf16;
+    else if (c.tok[2] == "f16")
+      k.dtype = DType::f16;
+    else
+      f.fail("unknown dtype '" + c.tok[2] + "'");
+    const std::size_t K = parse_size(c.tok[3]), S = parse_size(c.tok[4]);
+    const Record& h = f.expect("hparams");
+    std::vector<std::pair<std::string, std::string>> hp;
+    for (const std::string& t : h.tok) {
+      const auto eq = t.find('=');
+      if (eq == std::string::npos) f.fail("bad hparam '" + t + "'");
+      hp.emplace_back(t.substr(0, eq), t.substr(eq + 1));
+    }
+    auto num = [&](const char* key) {
+      for (const auto& [a, b] : hp)
+        if (a == key) return parse_double(b);
+      f.fail(std::string("missing hparam ") + key);
+    };
+    auto flag = [&](const char* key) {
+      for (const auto& [a, b] : hp)
+        if (a == key) return parse_flag(f, b);
+      f.fail(std::string("missing hparam ") + key);
+    };
+    bool counts = true;
+    if (k.opt == "adam" || k.opt == "adamw") {
+      auto set = [&](auto& cfg) {
+        cfg.lr = num("lr");
+        cfg.beta1 = num("beta1");
+        cfg.beta2 = num("beta2");
+        cfg.eps = num("eps");
+        cfg.weight_decay = num("weight_decay");
+        cfg.amsgrad = flag("amsgrad");
+        cfg.maximize = flag("maximize");
+        cfg.torch_tail_width = 8;
+        k.slots = {"exp_avg", "exp_avg_sq"};
+        if (cfg.amsgrad) k.slots.push_back("max_exp_avg_sq");
+      };
+      if (k.opt == "adam") {
+        stepcore::AdamConfig cfg;
+        set(cfg);
+        k.config = cfg;
+      } else {
+        stepcore::AdamWConfig cfg;
+        cfg.formula = stepcore::AdamWFormula::torch;
+        set(cfg);
+        k.config = cfg;
+      }
+    } else if (k.opt == "sgd") {
+      stepcore::SgdConfig cfg;
+      cfg.lr = num("lr");
+      cfg.momentum = num("momentum");
+      cfg.dampening = num("dampening");
+      cfg.weight_decay = num("weight_decay");
+      cfg.nesterov = flag("nesterov");
+      cfg.maximize = flag("maximize");
+      cfg.torch_tail_width = 8;
+      if (cfg.momentum != 0.0) k.slots = {"momentum_buffer"};
+      k.config = cfg;
+      counts = false;  // torch's fused SGD keeps no state['step']
+    } else if (k.opt == "adagrad") {
+      stepcore::AdagradConfig cfg;
+      cfg.lr = num("lr");
+      cfg.lr_decay = num("lr_decay");
+      cfg.weight_decay = num("weight_decay");
+      cfg.initial_accumulator_value = num("initial_accumulator_value");
+      cfg.eps = num("eps");
+      cfg.maximize = flag("maximize");
+      k.slots = {"sum"};
+      k.config = cfg;
+    } else {
+      f.fail("unknown optimizer '" + k.opt + "'");
+    }
+    k.sizes = parse_sizes(f.expect("sizes"), K);
+    for (std::size_t t = 0; t < K; ++t)
+      k.init.push_back(read_tensor<std::uint16_t>(f, "init_param", t, k.sizes[t]));
+    if (k.opt == "adagrad")
+      for (std::size_t t = 0; t < K; ++t)
+        k.init_sum.push_back(read_tensor<std::uint16_t>(f, "init_sum", t, k.sizes[t]));
+    for (std::size_t s = 1; s <= S; ++s) {
+      const Record& st = f.expect("step");
+      if (st.tok.size() != 1 || parse_size(st.tok[0]) != s)
+        f.fail("bad step line " + std::to_string(st.line));
+      LowpCase::Step step;
+      for (std::size_t t = 0; t < K; ++t)
+        step.grad.push_back(read_tensor<std::uint16_t>(f, "grad", t, k.sizes[t]));
+      for (std::size_t t = 0; t < K; ++t)
+        step.param.push_back(read_tensor<std::uint16_t>(f, "param", t, k.sizes[t]));
+      step.state.resize(k.slots.size());
+      for (std::size_t j = 0; j < k.slots.size(); ++j)
+        for (std::size_t t = 0; t < K; ++t)
+          step.state[j].push_back(read_tensor<std::uint16_t>(f, k.slots[j], t, k.sizes[t]));
+      if (counts)
+        for (std::size_t t = 0; t < K; ++t)
+          step.count.push_back(read_f32(f, "step_count", t, 1)[0]);
+      k.steps.push_back(std::move(step));
+    }
+    f.expect("end");
+    cases.push_back(std::move(k));
+  }
+  return cases;
+}
+
+const std::vector<LowpCase>& lowp_cases() {
+  static const std::vector<LowpCase> cases = load_lowp();
+  return cases;
+}
+
+// Counts the differing 16-bit words of one quantity; keeps the first for the message.
+struct LowpTally {
+  std::size_t words = 0;
+  std::string first;
+  void add(const std::vector<std::uint16_t>& want, const std::vector<std::uint16_t>& got,
+           const std::string& where) {
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (want[i] == got[i]) continue;
+      if (words++ == 0) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, " [%zu]: torch %04x, stepcore %04x", i, want[i], got[i]);
+        first = where + buf;
+      }
+    }
+  }
+};
+
+using LowpStepFn = std::function<void(std::span<const stepcore::OptimizerTensor>,
+                                      const stepcore::OptimizerConfig&)>;
+
+void reference_lowp(std::span<const stepcore::OptimizerTensor> ts,
+                    const stepcore::OptimizerConfig& config) {
+  std::visit(
+      [&](const auto& c) {
+        using C = std::decay_t<decltype(c)>;
+        if constexpr (std::is_same_v<C, stepcore::AdamConfig>)
+          stepcore::reference::adam_step(ts, c);
+        else if constexpr (std::is_same_v<C, stepcore::AdamWConfig>)
+          stepcore::reference::adamw_step(ts, c);
+        else if constexpr (std::is_same_v<C, stepcore::SgdConfig>)
+          stepcore::reference::sgd_step(ts, c);
+        else if constexpr (std::is_same_v<C, stepcore::AdagradConfig>)
+          stepcore::reference::adagrad_step(ts, c);
+        else
+          throw std::runtime_error("no such golden optimizer");
+      },
+      config);
+}
+
+// Replays a case from its initial parameters, every step from the replay's own state
+// (exact agreement is the claim, so chaining loses nothing), with `config` (the case's,
+// or a variation) and `step`. Compares param, every slot and the counters after every
+// step; returns the differing words (and counters), reporting them when `report`.
+std::size_t replay_lowp(const LowpCase& k, const stepcore::OptimizerConfig& config, bool report,
+                        const LowpStepFn& step = reference_lowp) {
+  const std::size_t K = k.sizes.size(), J = k.slots.size();
+  const std::uint16_t nan = k.dtype == DType::bf16 ? 0x7FC0 : 0x7E00;
+  std::vector<std::vector<std::uint16_t>> p = k.init, st[3];
+  for (std::size_t j = 0; j < J; ++j)
+    for (std::size_t t = 0; t < K; ++t)
+      // Adam's moments start at +0; SGD's buffer is not read on the first step (NaN here);
+      // Adagrad's sum is torch's initial one.
+      st[j].push_back(k.opt == "adagrad"
+                          ? k.init_sum[t]
+                          : std::vector<std::uint16_t>(k.sizes[t], k.opt == "sgd" ? nan : 0));
+  std::vector<float> count(K, 0.0f);
+  LowpTally tp, ts[3];
+  std::size_t counters = 0;
+  for (std::size_t s = 0; s < k.steps.size(); ++s) {
+    const LowpCase::Step& rec = k.steps[s];
+    std::vector<stepcore::OptimizerTensor> tensors(K);
+    for (std::size_t t = 0; t < K; ++t) {
+      tensors[t].param = {p[t].data(), p[t].size(), k.dtype};
+      for (std::size_t j = 0; j < J; ++j)
+        tensors[t].state[j] = {st[j][t].data(), st[j][t].size(), k.dtype};
+      tensors[t].step = &count[t];
+      tensors[t].grad = {rec.grad[t].data(), rec.grad[t].size(), k.dtype};
+    }
+    step(tensors, config);
+    for (std::size_t t = 0; t < K; ++t) {
+      const std::string where = "step " + std::to_string(s + 1) + " tensor " + std::to_string(t) +
+                                " (numel " + std::to_string(k.sizes[t]) + ")";
+      tp.add(rec.param[t], p[t], where);
+      for (std::size_t j = 0; j < J; ++j) ts[j].add(rec.state[j][t], st[j][t], where);
+      if (!rec.count.empty())
+        counters += stepcore::f32_bits(rec.count[t]) != stepcore::f32_bits(count[t]);
+    }
+  }
+  std::size_t total = tp.words + counters;
+  if (report) {
+    EXPECT_EQ(tp.words, 0u) << "param: " << tp.first;
+    EXPECT_EQ(counters, 0u) << "step counters";
+  }
+  for (std::size_t j = 0; j < J; ++j) {
+    total += ts[j].words;
+    if (report) EXPECT_EQ(ts[j].words, 0u) << k.slots[j] << ": " << ts[j].first;
+  }
+  return total;
+}
+
+}  // namespace
+
+TEST(GoldenLowPrecision, FileHasTheExpectedCases) {
+  const auto& cases = lowp_cases();
+  ASSERT_GE(cases.size(), 20u);
+  std::vector<std::string> seen;
+  bool amsgrad = false, maximize = false, nesterov = false, momentum = false, l2 = false;
+  std::vector<bool> size_seen(1026, false);
+  for (const auto& k : cases) {
+    seen.push_back(k.opt + "/" + std::string(stepcore::dtype_name(k.dtype)));
+    std::visit(
+        [&](const auto& c) {
+          using C = std::decay_t<decltype(c)>;
+          if constexpr (std::is_same_v<C, stepcore::AdamConfig> ||
+                        std::is_same_v<C, stepcore::AdamWConfig>) {
+            amsgrad |= c.amsgrad;
+            maximize |= c.maximize;
+            l2 |= std::is_same_v<C, stepcore::AdamConfig> && c.weight_decay != 0.0;
+          } else if constexpr (std::is_same_v<C, stepcore::SgdConfig>) {
+            nesterov |= c.nesterov;
+            momentum |= c.momentum != 0.0;
+          }
+        },
+        k.config);
+    for (std::size_t n : k.sizes)
+      if (n < size_seen.size()) size_seen[n] = true;
+  }
+  for (const char* opt : {"adam", "adamw", "sgd", "adagrad"})
+    for (const char* dt : {"bf16", "f16"})
+      EXPECT_NE(std::find(seen.begin(), seen.end(), std::string(opt) + "/" + dt), seen.end())
+          << opt << " " << dt;
+  EXPECT_TRUE(amsgrad && maximize && nesterov && momentum && l2);
+  for (std::size_t n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 1023, 1024, 1025})
+    EXPECT_TRUE(size_seen[n]) << "size " << n;
+}
+
+TEST(GoldenLowPrecision, ReferenceMatchesTorchFusedBitForBit) {
+  for (const auto& k : lowp_cases()) {
+    SCOPED_TRACE("case " + k.name);
+    replay_lowp(k, k.config, /*report=*/true);
+  }
+}
+
+TEST(GoldenLowPrecision, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
+  for (const stepcore::cpu::Engine& e : golden_engines()) {
+    SCOPED_TRACE(engine_name(e));
+    for (const auto& k : lowp_cases()) {
+      SCOPED_TRACE("case " + k.name);
+      const LowpStepFn step = [&e](std::span<const stepcore::OptimizerTensor> ts,
+                                   const stepcore::OptimizerConfig& config) {
+        std::visit([&](const auto& c) { e.step(ts, c); }, config);
+      };
+      replay_lowp(k, k.config, /*report=*/true, step);
+    }
+  }
+}
+
+// torch's reduced-precision tail is the last numel mod 16 elements (Vectorized<T> of a
+// 16-bit T holds twice the f32 lanes, 7.3): the f32 width (8 elements: tail width 4 here,
+// doubled) and no tail at all must both disagree with the data.
+TEST(GoldenLowPrecision, DataRejectsTheF32TailWidthAndNoTail) {
+  for (int w : {4, 1}) {
+    std::size_t mismatches = 0;
+    for (const auto& k : lowp_cases()) {
+      stepcore::OptimizerConfig c = k.config;
+      bool has_tail = false;
+      std::visit(
+          [&](auto& cfg) {
+            if constexpr (requires { cfg.torch_tail_width; }) {
+              cfg.torch_tail_width = w;
+              has_tail = true;
+            }
+          },
+          c);
+      if (has_tail) mismatches += replay_lowp(k, c, /*report=*/false);
+    }
+    EXPECT_GT(mismatches, 0u) << "tail width " << 2 * w << " elements";
   }
 }

@@ -516,8 +516,15 @@ TEST_F(AdagradFixture, TensorsSlotsAndStepCounters) {
     mutate(t);
     return t;
   };
+  // A bf16/f16 param (docs/numerics.md 7.3) takes no compute output, and its state must
+  // share its dtype: the f32 sum is named.
   expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::bf16; }),
-                Errc::unsupported_dtype, "tensors[3].param");
+                Errc::invalid_argument, "tensors[3].compute_param");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.param.dtype = DType::bf16;
+                  t.compute_param = {};
+                }),
+                Errc::unsupported_dtype, "tensors[3].sum");
   expect_tensor(bad([](OptimizerTensor& t) { t.grad.numel = 7; }), Errc::size_mismatch,
                 "tensors[3].grad");
   expect_tensor(bad([](OptimizerTensor& t) { t.state[0] = {}; }), Errc::size_mismatch,
@@ -745,8 +752,14 @@ TEST_F(AdamFixture, StateSlots) {
                 }),
                 Errc::unsupported_dtype, n + "max_exp_avg_sq_src");
   expect_tensor(bad([](OptimizerTensor& t) { t.step = nullptr; }), Errc::null_pointer, n + "step");
-  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }),
-                Errc::unsupported_dtype, n + "param");
+  // An f16 param (docs/numerics.md 7.3): no compute output; the f32 state is named.
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }), Errc::invalid_argument,
+                n + "compute_param");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.param.dtype = DType::f16;
+                  t.compute_param = {};
+                }),
+                Errc::unsupported_dtype, n + "exp_avg");
   // Without amsgrad, slot 2 and its source must be empty.
   const auto no_max = [&](auto mutate) {
     OptimizerTensor t = make(6, false);
@@ -1063,8 +1076,14 @@ TEST_F(SgdFixture, TensorsAndStepCounters) {
     mutate(t);
     return t;
   };
-  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }),
-                Errc::unsupported_dtype, n + "param");
+  // An f16 param (docs/numerics.md 7.3): no compute output; the f32 buffer is named.
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = DType::f16; }), Errc::invalid_argument,
+                n + "compute_param");
+  expect_tensor(bad([](OptimizerTensor& t) {
+                  t.param.dtype = DType::f16;
+                  t.compute_param = {};
+                }),
+                Errc::unsupported_dtype, n + "momentum_buffer");
   expect_tensor(bad([](OptimizerTensor& t) { t.grad.numel = 7; }), Errc::size_mismatch, n + "grad");
   expect_tensor(bad([](OptimizerTensor& t) { t.compute_param.dtype = kBadDType; }),
                 Errc::unsupported_dtype, n + "compute_param");

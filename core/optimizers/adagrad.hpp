@@ -51,7 +51,10 @@ struct Adagrad {
     s.maximize = c.maximize;
     return s;
   }
-  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n) { return n; }
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n,
+                                                     std::uint64_t = 1) {
+    return n;
+  }
 
   template <class Ops>
   struct Consts {

@@ -70,8 +70,9 @@ struct Adam {
     s.l2 = in.weight_decay != 0.0;
     return s;
   }
-  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
-    return AdamW::tail_begin(as_adamw(c), n);
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n,
+                                                     std::uint64_t lanes = 1) {
+    return AdamW::tail_begin(as_adamw(c), n, lanes);
   }
 
   template <class Ops>

@@ -146,13 +146,15 @@ struct AdamW {
   STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {
     return adamw_scalars(c, in.lr, in.weight_decay, in.row[0], in.row[1]);
   }
-  /// torch's kernel runs its last (n mod W) elements through a scalar loop its compiler
-  /// contracted differently (docs/numerics.md 7.2); the native formula has no tail.
-  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
+  /// torch's kernel runs its last (n mod lanes*W) elements through a scalar loop its
+  /// compiler contracted differently (docs/numerics.md 7.2, 7.3); the native formula has no
+  /// tail.
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n,
+                                                     std::uint64_t lanes = 1) {
     if (c.formula != AdamWFormula::torch) return n;
     const std::uint64_t w =
         c.torch_tail_width > 1 ? static_cast<std::uint64_t>(c.torch_tail_width) : 1;
-    return n - n % w;
+    return n - n % (lanes * w);
   }
 
   template <class Ops>

@@ -56,11 +56,12 @@ struct Sgd {
     return s;
   }
   /// torch's scalar loop updates the buffer as fma(b, momentum, g*keep) over the last
-  /// (n mod W) elements (8b).
-  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n) {
+  /// (n mod lanes*W) elements (8b, 7.3).
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config& c, std::uint64_t n,
+                                                     std::uint64_t lanes = 1) {
     const std::uint64_t w =
         c.torch_tail_width > 1 ? static_cast<std::uint64_t>(c.torch_tail_width) : 1;
-    return n - n % w;
+    return n - n % (lanes * w);
   }
 
   template <class Ops>

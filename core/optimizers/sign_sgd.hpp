@@ -42,7 +42,10 @@ struct SignSgd {
   STEPCORE_HD_INLINE static Scalars step_scalars(const Config&, const StepInputs& in) {
     return sign_sgd_scalars(in.lr, in.weight_decay);
   }
-  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n) { return n; }
+  STEPCORE_HD_INLINE static std::uint64_t tail_begin(const Config&, std::uint64_t n,
+                                                     std::uint64_t = 1) {
+    return n;
+  }
 
   template <class Ops>
   struct Consts {

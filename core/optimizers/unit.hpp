@@ -25,7 +25,11 @@
 //                              the config, the counter t, lr, weight decay and the step's
 //                              table row (StepInputs); only correctly rounded operations
 //                              (IEEE +, -, *, /, sqrt, fma), so host and device agree
-//   tail_begin(c, n)           host and device: where, in n elements, the tail form begins
+//   tail_begin(c, n, lanes)    host and device: where, in a tensor of n elements, the tail
+//                              form begins; torch's vector holds `lanes` times its f32 width of the storage type
+//                              (1: f32; 2: bf16/f16 params, whose Vectorized<T> is twice as
+//                              wide), so a unit with a width-W tail begins it at
+//                              n - n mod (lanes * W)
 //   Consts<Ops>                the Scalars as Ops values (splatted once per range)
 //   update<Ops, V, Tail>(k, g, p, st)
 //                              the element formula: the new parameter p and state st[0..kSlots)
@@ -79,28 +83,38 @@ STEPCORE_HD_INLINE float read_gradient(const G* grad, std::uint64_t i, float sca
   return g;
 }
 
+/// T itself, in a context that deduces nothing (unit_element's storage type).
+template <class T>
+struct NoDeduce {
+  using type = T;
+};
+
 /// One element of unit Opt's step, variant V, as every fast path computes it one at a
 /// time: the old parameter and state read from Ps/Ss, the new ones written to P/S (the
 /// same arrays, in place, or separate ones: element i is read before it is written), the
 /// parameter rounded to O into out (O void: none). Elements at or after tail_begin use
-/// the unit's tail form.
-template <class Opt, int V, class G, class O>
-STEPCORE_HD_INLINE void unit_element(const float* Ps, const float* const* Ss, float* P,
-                                     float* const* S, const G* grad, O* out,
+/// the unit's tail form. St is the storage type of the parameter and state (f32, or the
+/// model's bf16/f16: docs/numerics.md 7.3): each is widened exactly when read, the
+/// formula runs in f32, and each new value is rounded to St (nearest even) when stored.
+template <class Opt, int V, class G, class O, class St = float>
+STEPCORE_HD_INLINE void unit_element(const typename NoDeduce<St>::type* Ps,
+                                     const typename NoDeduce<St>::type* const* Ss,
+                                     typename NoDeduce<St>::type* P,
+                                     typename NoDeduce<St>::type* const* S, const G* grad, O* out,
                                      const typename Opt::template Consts<ScalarOps>& k,
                                      std::uint64_t tail_begin, float scale, float clip,
                                      std::uint64_t i) {
   const float g = Opt::kReadsScaled ? read_gradient(grad, i, scale, clip) : to_f32(grad[i]);
   constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
-  float p = Ps[i];
+  float p = to_f32(Ps[i]);
   float st[K > 0 ? K : 1];
-  for (int s = 0; s < K; ++s) st[s] = Ss[s][i];
+  for (int s = 0; s < K; ++s) st[s] = to_f32(Ss[s][i]);
   if (i < tail_begin)
     Opt::template update<ScalarOps, V, false>(k, g, p, st);
   else
     Opt::template update<ScalarOps, V, true>(k, g, p, st);
-  P[i] = p;
-  for (int s = 0; s < K; ++s) S[s][i] = st[s];
+  P[i] = from_f32<St>(p);
+  for (int s = 0; s < K; ++s) S[s][i] = from_f32<St>(st[s]);
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
 }
 
@@ -152,10 +166,11 @@ struct UnitList {
 /// records: the engines and the reference.
 template <class Opt>
 void validate_unit(std::span<const OptimizerTensor> tensors, const typename Opt::Config& config,
-                   GradientRead read, StepCounters counters = StepCounters::read) {
+                   GradientRead read, StepCounters counters = StepCounters::read,
+                   ParamDTypes dtypes = ParamDTypes::f32) {
   Opt::validate(config, read);
   validate_optimizer_tensors(tensors, {Opt::kSlotNames, Opt::kSlotSourceNames},
-                             Opt::slots(Opt::variant(config)), Opt::kCountsSteps, counters);
+                             Opt::slots(Opt::variant(config)), Opt::kCountsSteps, counters, dtypes);
 }
 
 /// The unit of a UnitList whose Config is `Config`.

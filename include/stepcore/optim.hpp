@@ -149,21 +149,24 @@ struct SignSgdTensor {
 /// The most state arrays an optimizer keeps beside each parameter.
 inline constexpr int kMaxOptimizerSlots = 3;
 
-/// One tensor of an optimizer step, for any optimizer: the f32 parameter, the
-/// optimizer's f32 state arrays in its slot order (docs/numerics.md names each
-/// optimizer's slots, e.g. AdamW: exp_avg, exp_avg_sq, then max_exp_avg_sq with
-/// amsgrad; slots the optimizer does not use are empty), its step counter (optimizers
-/// that count steps), the read-only grad, and the optional compute-parameter output.
-/// In place, or out of place from the optional sources (read only, left intact).
+/// One tensor of an optimizer step, for any optimizer: the parameter, the optimizer's
+/// state arrays in its slot order (docs/numerics.md names each optimizer's slots, e.g.
+/// AdamW: exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad; slots the optimizer does
+/// not use are empty), its step counter (optimizers that count steps), the read-only grad,
+/// and the optional compute-parameter output. In place, or out of place from the optional
+/// sources (read only, left intact). The parameter, its state and their sources are f32;
+/// the CPU engine (cpu::Engine::step) and the reference also take them all in bf16 or all
+/// in f16, the model's dtype, as torch's fused CPU optimizers do (math in f32, each
+/// stored value rounded to nearest even; no compute output; docs/numerics.md 7.3).
 struct OptimizerTensor {
   TensorView param;
   TensorView state[kMaxOptimizerSlots] = {};
   float* step = nullptr;  ///< per-tensor f32 step counter, incremented before use
   ConstTensorView grad = {};
   TensorView compute_param = {};
-  /// The old param is read from here (f32, numel elements); empty: in place.
+  /// The old param is read from here (the param's dtype, numel elements); empty: in place.
   ConstTensorView param_src = {};
-  /// The old state arrays are read from here (f32); an empty entry: in place.
+  /// The old state arrays are read from here (the param's dtype); an empty entry: in place.
   ConstTensorView state_src[kMaxOptimizerSlots] = {};
 };
 

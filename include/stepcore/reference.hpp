@@ -42,6 +42,11 @@ void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& confi
 /// still validated: finite, > 0).
 void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
                    GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+/// The same over OptimizerTensor records (no state slot, no step counter): the param in
+/// f32, bf16 or f16 (docs/numerics.md 7.3: math in f32, the new param rounded once when
+/// stored). Determinism: bitwise (the definition itself).
+void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
+                   GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
 /// One SGD update of every tensor (torch's fused CPU SGD, docs/numerics.md 8b): state[0]
 /// is the momentum buffer (empty when momentum == 0; not read on the first step, the

@@ -5,10 +5,10 @@
 // (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
 // its inputs in "device memory" it reads when it runs) on random tensor
 // lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
-// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, every
-// ISA the machine runs. Differential oracle: the scalar reference on a copy of the arena. Either
-// both succeed with identical bits, or both throw the same Errc and the engine's arena
-// is unchanged (all-or-nothing).
+// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, the
+// param and state dtype (f32, bf16, f16; sometimes mixed), every ISA the machine runs. Differential
+// oracle: the scalar reference on a copy of the arena. Either both succeed with identical bits, or
+// both throw the same Errc and the engine's arena is unchanged (all-or-nothing).
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -108,6 +108,7 @@ struct Case {
   bool device = false;
   bool hyper = false;
   std::uint8_t norm_kind = 0;  // op 4: the norm's order, kNormKinds[norm_kind]
+  DType param_dtype = DType::f32;  // params and state (docs/numerics.md 7.3)
 };
 
 // The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
@@ -137,13 +138,15 @@ Case decode(fuzz::Input& in) {
   Case c;
   c.op = in.byte() % 8;
   c.n = in.byte() % (kMaxTensors + 1);
+  const int pd = in.byte() % 4;  // f32 half the time, else bf16 or f16
+  c.param_dtype = pd == 2 ? DType::bf16 : pd == 3 ? DType::f16 : DType::f32;
   for (int i = 0; i < c.n; ++i) {
     auto& t = c.slots[i];
     switch (c.op) {
-      case 0:  // adamw: param, exp_avg, exp_avg_sq (f32), step (one f32), grad, compute
-        t[0] = decode_slot(in, DType::f32);
-        t[1] = decode_slot(in, DType::f32);
-        t[2] = decode_slot(in, DType::f32);
+      case 0:  // adamw: param, exp_avg, exp_avg_sq (param dtype), step (one f32), grad, compute
+        t[0] = decode_slot(in, c.param_dtype);
+        t[1] = decode_slot(in, c.param_dtype);
+        t[2] = decode_slot(in, c.param_dtype);
         t[3] = decode_slot(in, DType::f32);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
@@ -153,8 +156,8 @@ Case decode(fuzz::Input& in) {
         }
         c.has_compute[i] = in.flag();
         break;
-      case 1:  // sign_sgd: param (f32), grad, compute
-        t[0] = decode_slot(in, DType::f32);
+      case 1:  // sign_sgd: param (param dtype), grad, compute
+        t[0] = decode_slot(in, c.param_dtype);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
         if (in.byte() % 4 != 0) t[4].numel = t[5].numel = t[0].numel;
@@ -166,13 +169,13 @@ Case decode(fuzz::Input& in) {
         if (in.byte() % 4 != 0) t[4].numel = t[0].numel;
         c.copy[i] = in.flag();
         break;
-      case 5:  // adam, sgd, adagrad: param, three state slots (f32), step, grad, compute
+      case 5:  // adam, sgd, adagrad: param, three state slots (param dtype), step, grad, compute
       case 6:
       case 7:
-        t[0] = decode_slot(in, DType::f32);
-        t[1] = decode_slot(in, DType::f32);
-        t[2] = decode_slot(in, DType::f32);
-        t[6] = decode_slot(in, DType::f32);
+        t[0] = decode_slot(in, c.param_dtype);
+        t[1] = decode_slot(in, c.param_dtype);
+        t[2] = decode_slot(in, c.param_dtype);
+        t[6] = decode_slot(in, c.param_dtype);
         t[3] = decode_slot(in, DType::f32);
         t[4] = decode_slot(in, std::nullopt);
         t[5] = decode_slot(in, std::nullopt);
@@ -281,12 +284,15 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
+        // Generic: both through OptimizerTensor, which also takes bf16/f16 params.
         if (e && c.device)
           device_step(generic(t), c.adamw, c, *table);
         else if (e && c.generic)
           e->step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
         else if (e)
           e->adamw_step(t, c.adamw, c.read, fi);
+        else if (c.generic)
+          reference::adamw_step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
         else
           reference::adamw_step(t, c.adamw, c.read, fi);
         break;
@@ -304,6 +310,9 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
           e->step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read, fi);
         else if (e)
           e->sign_sgd_step(t, c.sign, c.read, fi);
+        else if (c.generic)
+          reference::sign_sgd_step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read,
+                                   fi);
         else
           reference::sign_sgd_step(t, c.sign, c.read, fi);
         break;
@@ -438,7 +447,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // within 2^-22 steps of 1, the device does not run: documented, not a difference).
   std::vector<double> table;
   const bool optimizer = c.op == 0 || c.op == 1 || c.op >= 5;
-  if (!optimizer) c.device = false;
+  // The device steps f32 params only (docs/numerics.md 7.3: the CPU engine's bf16/f16).
+  if (!optimizer || c.param_dtype != DType::f32) c.device = false;
   if (c.device) {
     c.read = GradientRead{0.5f, 0.75f};
     for (int i = 0; i < c.n; ++i) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 # Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
 # bit for bit against stepcore's scalar reference (AdamW torch formula, Adam and AdamW with
-# amsgrad/maximize, SignSGD, SGD, clip, Adagrad).
+# amsgrad/maximize, SignSGD, SGD, clip, Adagrad; Adam/AdamW/SGD/Adagrad with bf16/f16 params).
 """Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
 
 Run from the repository root:
@@ -113,6 +113,25 @@ maximize, fused=True), f32 params and gradients:
       grad <t> <f32>...                K lines, the gradient of this step
       param <t> <f32>...               K lines: the parameter after torch's step
       momentum_buffer <t> <f32>...     K lines, only when momentum != 0
+    end
+
+lowp_torch.txt -- torch.optim.Adam / AdamW / SGD / Adagrad(..., fused=True) with bf16 or f16
+params (gradients and state in the param's dtype; docs/numerics.md 7.3):
+
+    case <name> <adam|adamw|sgd|adagrad> <bf16|f16> <K> <S>
+    hparams <key>=<value>...           torch's constructor arguments in a fixed order per
+                                       optimizer (betas as beta1, beta2): doubles as
+                                       float.hex(), flags as 0|1
+    sizes <n_0> ... <n_{K-1}>
+    init_param <t> <16-bit>...         K lines; Adam's moments start at +0
+    init_sum <t> <16-bit>...           Adagrad only: torch's state['sum'] after construction
+    then S times:
+      step <s>
+      grad <t> <16-bit>...             K lines, in the param's dtype
+      param <t> <16-bit>...            K lines each: the param and every state slot the
+      <slot> <t> <16-bit>...           options use (exp_avg, exp_avg_sq, max_exp_avg_sq,
+                                       momentum_buffer, sum), after torch's step
+      step_count <t> <f32>             Adam, AdamW, Adagrad: torch's f32 state['step']
     end
 
 clip_grad_norm.txt -- torch.nn.utils.clip_grad_norm_(params, max_norm) on f32 gradients:
@@ -1317,6 +1336,343 @@ def write_clip(path, header):
           "RN(RN(1/denom) * max_norm)")
 
 
+# ---------------------------------------------------------------- bf16 / f16 params
+
+LOWP_SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 100]
+LOWP_SIZES_FULL = LOWP_SIZES + [1023, 1024, 1025]
+LOWP_TAIL_SIZES = [15] * 40 + [31] * 20 + [9] * 20   # mostly tail: W' = 16 against 8
+
+
+def lowp_cases():
+    """(optimizer, hyper-parameters) for the bf16 and f16 golden file; each runs in both
+    dtypes. Keys as torch's constructor arguments."""
+    return [
+        dict(name="adam_default", opt="adam", sizes=LOWP_SIZES_FULL, seed=601, steps=3,
+             hp=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)),
+        dict(name="adam_l2_amsgrad", opt="adam", sizes=LOWP_SIZES, seed=602, steps=5,
+             hp=dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1, amsgrad=True)),
+        dict(name="adam_maximize_tail", opt="adam", sizes=LOWP_TAIL_SIZES, seed=603, steps=6,
+             hp=dict(lr=1e-2, betas=(0.3, 0.6), eps=1e-8, weight_decay=0.0, maximize=True)),
+        dict(name="adamw_wd", opt="adamw", sizes=LOWP_SIZES_FULL, seed=604, steps=3,
+             hp=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)),
+        dict(name="adamw_amsgrad_maximize", opt="adamw", sizes=LOWP_SIZES, seed=605, steps=5,
+             hp=dict(lr=3e-3, betas=(0.5, 0.99), eps=1e-8, weight_decay=0.1, amsgrad=True,
+                     maximize=True)),
+        dict(name="sgd_plain", opt="sgd", sizes=LOWP_SIZES, seed=606, steps=4,
+             hp=dict(lr=1e-1, momentum=0.0, dampening=0.0, weight_decay=0.0)),
+        dict(name="sgd_momentum_wd", opt="sgd", sizes=LOWP_SIZES_FULL, seed=607, steps=3,
+             hp=dict(lr=1e-1, momentum=0.9, dampening=0.1, weight_decay=0.05)),
+        dict(name="sgd_nesterov_maximize_tail", opt="sgd", sizes=LOWP_TAIL_SIZES, seed=608,
+             steps=6, hp=dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1,
+                              nesterov=True, maximize=True)),
+        dict(name="adagrad_default", opt="adagrad", sizes=LOWP_SIZES_FULL, seed=609, steps=3,
+             hp=dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
+                     eps=1e-10)),
+        dict(name="adagrad_decay_iav_maximize", opt="adagrad", sizes=LOWP_SIZES, seed=610,
+             steps=5, hp=dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2,
+                              initial_accumulator_value=0.1, eps=1e-6, maximize=True)),
+    ]
+
+
+LOWP_SLOTS = {"adam": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+              "adamw": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+              "sgd": ["momentum_buffer"], "adagrad": ["sum"]}
+LOWP_HP_ORDER = {
+    "adam": ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
+    "adamw": ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
+    "sgd": ["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"],
+    "adagrad": ["lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"],
+}
+
+
+def lowp_words(t):
+    assert t.dtype in (torch.bfloat16, torch.float16)
+    u = t.detach().contiguous().view(torch.int16).tolist()
+    return " ".join("%04x" % (x & 0xFFFF) for x in u)
+
+
+def lowp_line(key, idx, t):
+    w = lowp_words(t)
+    return f"{key} {idx} {w}" if w else f"{key} {idx}"
+
+
+def lowp_used_slots(case):
+    hp = case["hp"]
+    if case["opt"] in ("adam", "adamw"):
+        return LOWP_SLOTS[case["opt"]][:3 if hp.get("amsgrad") else 2]
+    if case["opt"] == "sgd":
+        return ["momentum_buffer"] if hp["momentum"] != 0 else []
+    return ["sum"]
+
+
+def run_lowp(case, dtype, threads):
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(case["seed"] + (0 if dtype == torch.bfloat16 else 50))
+    params = []
+    for n in case["sizes"]:
+        p = torch.randn(n, generator=gen) * 0.5
+        if n >= 3:
+            p[0], p[1] = 0.0, -0.0
+        params.append(torch.nn.Parameter(p.to(dtype)))
+    init = [p.detach().clone() for p in params]
+    ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+            "adagrad": torch.optim.Adagrad}[case["opt"]]
+    opt = ctor(params, fused=True, **case["hp"])
+    slots = lowp_used_slots(case)
+    out = {"init": init, "steps": [],
+           "init_sum": [opt.state[p]["sum"].clone() for p in params] if case["opt"] == "adagrad"
+           else None}
+    for _ in range(case["steps"]):
+        grads = [sgd_grad(gen, n, 1.0).to(dtype) for n in case["sizes"]]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "step": []}
+        for k in slots:
+            rec[k] = [opt.state[p][k].clone() for p in params]
+            assert all(x.dtype == dtype for x in rec[k]), f"{k} is not in the param's dtype"
+        if case["opt"] != "sgd":
+            for p in params:
+                st = opt.state[p]["step"]
+                assert st.dtype == torch.float32
+                rec["step"].append(st.clone().reshape(1))
+        out["steps"].append(rec)
+    return out, slots
+
+
+def write_lowp(path, header):
+    lines = list(header)
+    lines += ["# torch.optim.Adam / AdamW / SGD / Adagrad(fused=True) on CPU with bf16 and f16",
+              "# params: gradients and state in the param's dtype (docs/numerics.md 7.3)."]
+    for case in lowp_cases():
+        for dtype, dname in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+            a, slots = run_lowp(case, dtype, 1)
+            b, _ = run_lowp(case, dtype, 2)
+            for ra, rb in zip(a["steps"], b["steps"]):
+                for key in ["param"] + slots:
+                    assert all(same_lowp(x, y) for x, y in zip(ra[key], rb[key])), \
+                        f"{case['name']} {dname}: thread count changed {key}"
+            torch.set_num_threads(1)
+            hp = dict(case["hp"])
+            if "betas" in hp:
+                hp["beta1"], hp["beta2"] = hp.pop("betas")
+            toks = []
+            for k in LOWP_HP_ORDER[case["opt"]]:
+                v = hp.get(k, False)
+                toks.append(f"{k}={int(v)}" if isinstance(v, bool) else f"{k}={float(v).hex()}")
+            K, S = len(case["sizes"]), case["steps"]
+            lines.append(f"# {case['opt']} {dname} {case['hp']!r} seed={case['seed']}")
+            lines.append(line("case", f"{case['name']}_{dname}", case["opt"], dname, K, S))
+            lines.append(line("hparams", *toks))
+            lines.append(line("sizes", *case["sizes"]))
+            for t, p in enumerate(a["init"]):
+                lines.append(lowp_line("init_param", t, p))
+            if a["init_sum"] is not None:
+                for t, x in enumerate(a["init_sum"]):
+                    lines.append(lowp_line("init_sum", t, x))
+            for s, rec in enumerate(a["steps"], start=1):
+                lines.append(line("step", s))
+                for t, g in enumerate(rec["grads"]):
+                    lines.append(lowp_line("grad", t, g))
+                for key in ["param"] + slots:
+                    for t, x in enumerate(rec[key]):
+                        lines.append(lowp_line(key, t, x))
+                for t, x in enumerate(rec["step"]):
+                    lines.append(tensor_line("step_count", t, x))
+            lines.append("end")
+    write(path, lines)
+
+
+def same_lowp(a, b):
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def check_lowp_grad_scale():
+    """torch's grad_scale on bf16/f16 params divides the widened gradient in f32 and uses
+    the quotient unrounded (it stores the rounded one into p.grad): asserted on SGD with
+    nesterov, where the unrounded quotient reaches the parameter through two FMAs. A
+    stepcore read with scale 2^-k rounds the product to the gradient's dtype (section 3),
+    so it differs where quotients fall below that dtype's normal range (f16 with the
+    default GradScaler scale 2^16 and gradients below 4); an f32 gradient (the exact
+    widening) read with scale 2^-k gives torch's bits. Printed as evidence."""
+    torch.set_num_threads(1)
+    for dt, gs, mag in ((torch.float16, 65536.0, 1.0), (torch.bfloat16, 2.0 ** 20, 2.0 ** -110)):
+        n = 1029
+        g = (torch.randn(n, generator=torch.Generator().manual_seed(611)) * mag).to(dt)
+        res = {}
+        for mode in ("scale", "rounded"):
+            p = torch.nn.Parameter(torch.zeros(n, dtype=dt))
+            opt = torch.optim.SGD([p], lr=1.0, momentum=0.9, nesterov=True, fused=True)
+            if mode == "scale":
+                p.grad = g.clone()
+                opt.grad_scale = torch.tensor(gs)
+                opt.found_inf = torch.tensor(0.0)
+            else:
+                p.grad = (g.float() / gs).to(dt)
+            opt.step()
+            res[mode] = p.detach().clone()
+        q = g.float() / gs                         # exact: a power of two
+        want = []
+        for x in q.tolist():
+            b = x                                  # first step: b = g
+            gg = fma32(b, f32_value(0.9), x)       # nesterov: fma(b, mom, g)
+            want.append(fma32(gg, -1.0, 0.0))      # fma(g, -lr, p)
+        want = torch.tensor(want, dtype=torch.float32).to(dt)
+        assert same_lowp(res["scale"], want), f"{dt}: grad_scale is not an unrounded f32 quotient"
+        differ = int((res["scale"].view(torch.int16) != res["rounded"].view(torch.int16)).sum())
+        assert differ > 0
+        print(f"checked: {dt} grad_scale {gs:g} is the unrounded f32 quotient; a gradient "
+              f"rounded to {dt} first differs in {differ} of {n} params")
+
+
+def analyze_lowp():
+    """Per element, which reading of torch's reduced-precision kernels reproduces its bf16 and
+    f16 results (docs/numerics.md 7.3): the f32 formula of each optimizer with its f32
+    scalars, values widened when loaded and rounded when stored, the tail the last
+    numel mod 16 elements ("spec"), against the same with the 8-element f32 tail or no tail,
+    with m/v/b/sum rounded to T before use ("rounded"), and with the body's scalars rounded
+    to T first as older copies of torch's source write them ("T scalars"). Each step starts
+    from torch's own state; counts are mismatching param + state words. Asserts "spec" has
+    none."""
+    import numpy as np
+    F = np.float32
+
+    def f32a(t):
+        return t.detach().float().numpy().copy()
+
+    def rnd(x, dt):
+        return torch.from_numpy(np.asarray(x, np.float32).copy()).to(dt).float().numpy()
+
+    def sc(x, dt, lp):
+        return F(torch.tensor(float(x)).to(dt).float().item()) if lp else F(x)
+
+    def bits(x):
+        return np.asarray(x, np.float32).view(np.uint32)
+
+    def emulate(opt, hp, st, g, step, dt, W, rounded, lp_scalars):
+        n = g.size
+        tail = np.zeros(n, bool)
+        if W > 1:
+            tail[n - n % W:] = True
+        out = {}
+        for region in ("body", "tail"):
+            lp = lp_scalars and region == "body"
+            p = st["param"].copy()
+            gg = -g if hp.get("maximize") else g.copy()
+            res = {}
+            if opt in ("adam", "adamw"):
+                b1, b2 = hp["betas"]
+                lr, wd, eps = hp["lr"], hp["weight_decay"], hp["eps"]
+                w = F(1 - b1)
+                small = abs(w) < F(0.5)
+                coeff = w if small else F(w - F(1))
+                if wd != 0:
+                    if opt == "adam":
+                        gg = fma32_array(p, sc(wd, dt, lp), gg)
+                    else:
+                        p = (p * sc(1 - lr * wd, dt, lp)).astype(F)
+                m0, v0 = st["exp_avg"], st["exp_avg_sq"]
+                m = fma32_array(coeff, (gg - m0).astype(F), m0 if small else gg)
+                cg = (F(1 - b2) * gg).astype(F)
+                if region == "body":
+                    v = fma32_array(cg, gg, (v0 * F(b2)).astype(F))
+                else:
+                    v = fma32_array(v0, F(b2), (cg * gg).astype(F))
+                if rounded:
+                    m, v = rnd(m, dt), rnd(v, dt)
+                r = v
+                if hp.get("amsgrad"):
+                    x0 = st["max_exp_avg_sq"]
+                    if region == "body":
+                        r = np.where(np.isnan(x0) | np.isnan(v), np.nan,
+                                     np.where(x0 > v, x0, v)).astype(F)
+                    else:
+                        r = np.where(x0 < v, v, x0).astype(F)
+                    res["max_exp_avg_sq"] = r
+                bc2s = F(math.sqrt(1 - b2 ** step))
+                d = ((np.sqrt(r) / bc2s).astype(F) + sc(eps, dt, lp)).astype(F)
+                ns = sc(-(lr / (1 - b1 ** step)), dt, lp)
+                p = (p + ((ns * m).astype(F) / d).astype(F)).astype(F)
+                res.update(exp_avg=m, exp_avg_sq=v)
+            elif opt == "sgd":
+                mom, wd = hp["momentum"], hp["weight_decay"]
+                if wd != 0:
+                    gg = fma32_array(p, sc(wd, dt, lp), gg)
+                if mom != 0:
+                    b0 = st["momentum_buffer"]
+                    c = sc(1 - hp["dampening"], dt, lp)
+                    m32 = sc(mom, dt, lp)
+                    if step == 1:
+                        b = gg
+                    elif region == "body":
+                        b = fma32_array(gg, c, (b0 * m32).astype(F))
+                    else:
+                        b = fma32_array(b0, m32, (gg * c).astype(F))
+                    if rounded:
+                        b = rnd(b, dt)
+                    res["momentum_buffer"] = b
+                    gg = fma32_array(b, m32, gg) if hp.get("nesterov") else b
+                p = fma32_array(gg, F(-hp["lr"]), p)
+            else:  # adagrad
+                wd = hp["weight_decay"]
+                if wd != 0:
+                    gg = fma32_array(p, sc(wd, dt, lp), gg)
+                sm = fma32_array(gg, gg, st["sum"])
+                if rounded:
+                    sm = rnd(sm, dt)
+                clr = hp["lr"] / double_fma(step - 1.0, hp["lr_decay"], 1.0)
+                d = (np.sqrt(sm) + sc(hp["eps"], dt, lp)).astype(F)
+                p = (p - ((sc(clr, dt, lp) * gg).astype(F) / d).astype(F)).astype(F)
+                res["sum"] = sm
+            res["param"] = p
+            out[region] = res
+        return {k: rnd(np.where(tail, out["tail"][k], out["body"][k]), dt) for k in out["body"]}
+
+    cands = {"spec": (16, False, False), "8-element tail": (8, False, False),
+             "no tail": (1, False, False), "rounded": (16, True, False),
+             "T scalars": (16, False, True)}
+    cases = [("adam", dict(lr=1e-2, betas=(0.3, 0.6), eps=1e-8, weight_decay=0.1, amsgrad=True)),
+             ("adamw", dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1, maximize=True)),
+             ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05)),
+             ("sgd", dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True,
+                          maximize=True)),
+             ("adagrad", dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2,
+                              initial_accumulator_value=0.1, eps=1e-6, maximize=True))]
+    sizes = [15] * 150 + [31] * 50 + [100, 1025]
+    for opt, hp in cases:
+        for dt in (torch.bfloat16, torch.float16):
+            torch.set_num_threads(1)
+            gen = torch.Generator().manual_seed(620)
+            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.5).to(dt))
+                      for n in sizes]
+            ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
+                    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[opt]
+            o = ctor(params, fused=True, **hp)
+            keys = lowp_used_slots(dict(opt=opt, hp=hp))
+            state = [{"param": f32a(p), **{k: np.zeros(p.numel(), F) for k in keys}}
+                     for p in params]
+            if opt == "adagrad":
+                for t, p in enumerate(params):
+                    state[t]["sum"] = f32a(o.state[p]["sum"])
+            tally = {c: 0 for c in cands}
+            for step in range(1, 6):
+                grads = [(torch.randn(n, generator=gen) *
+                          10.0 ** torch.randint(-3, 2, (n,), generator=gen).float()).to(dt)
+                         for n in sizes]
+                for p, g in zip(params, grads):
+                    p.grad = g
+                o.step()
+                for t, (p, g) in enumerate(zip(params, grads)):
+                    got = {"param": f32a(p), **{k: f32a(o.state[p][k]) for k in keys}}
+                    for c, (W, rounded, lp) in cands.items():
+                        e = emulate(opt, hp, state[t], f32a(g), step, dt, W, rounded, lp)
+                        tally[c] += sum(int((bits(e[k]) != bits(got[k])).sum()) for k in got)
+                    state[t] = got
+            print(f"lowp {opt} {str(dt)[6:]} {hp}: mismatching words " +
+                  ", ".join(f"{c} {v}" for c, v in tally.items()))
+            assert tally["spec"] == 0, f"{opt} {dt}: the 7.3 definition disagrees with torch"
+
+
 # ---------------------------------------------------------------- main
 
 def write(path, lines):
@@ -1341,12 +1697,12 @@ def main():
     ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
     ap.add_argument("--any-capability", action="store_true",
                     help="allow a CPU capability other than AVX2 (files will differ)")
-    ap.add_argument("--only", default="adamw,adam,sign_sgd,sgd,clip,adagrad",
-                    help="comma-separated files to write: adamw, adam, sign_sgd, sgd, clip, adagrad "
-                         "(default all)")
+    ap.add_argument("--only", default="adamw,adam,sign_sgd,sgd,clip,adagrad,lowp",
+                    help="comma-separated files to write: adamw, adam, sign_sgd, sgd, clip, adagrad, "
+                         "lowp (default all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    unknown = only - {"adamw", "adam", "sign_sgd", "sgd", "clip", "adagrad"}
+    unknown = only - {"adamw", "adam", "sign_sgd", "sgd", "clip", "adagrad", "lowp"}
     if unknown:
         sys.exit(f"unknown --only entries: {sorted(unknown)}")
     cap = torch.backends.cpu.get_cpu_capability()
@@ -1381,6 +1737,11 @@ def main():
         write_adagrad(os.path.join(args.out, "adagrad_torch.txt"), header)
         if args.analyze:
             analyze_adagrad()
+    if "lowp" in only:
+        check_lowp_grad_scale()
+        write_lowp(os.path.join(args.out, "lowp_torch.txt"), header)
+        if args.analyze:
+            analyze_lowp()
 
 
 if __name__ == "__main__":
