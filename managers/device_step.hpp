@@ -1,9 +1,6 @@
 // The one place where the device managers (modes none and optimizer) hand an optimizer
-// step to the device: an OptimizerTensor list and an OptimizerConfig in, the device's
-// optimizer call out. Today the device steps AdamW (without amsgrad and maximize) and
-// SignSGD through its per-optimizer calls; the others are refused here, before any
-// memory is allocated. (To be replaced by device::Device::optimizer_step, generic over the
-// units, when the device has it.)
+// step to the device: an OptimizerTensor list and an OptimizerConfig in,
+// device::Device::optimizer_step (generic over the units) out.
 #pragma once
 
 #include <cstdint>
@@ -24,13 +21,13 @@ struct DeviceStepArgs {
   const double* table = nullptr;            ///< the group's device_step_table (if any)
 };
 
-/// Throws Errc::not_supported naming "optimizer" (saying that mode full steps it) unless
-/// the device managers can step `config`.
+/// Throws, before anything is allocated, what the device step would throw for `config`
+/// (its table's refusals: a beta too close to 1, named).
 void check_device_optimizer(const OptimizerConfig& config);
 
 /// Returns the per-group table the device step of `config` reads from device memory
-/// (AdamW: its bias corrections, gpu::make_adamw_bias_table; empty: none). Throws like
-/// the table's maker for a configuration it cannot tabulate (a beta too close to 1).
+/// (gpu::make_optimizer_table: AdamW's and Adam's bias corrections; empty: none). Throws
+/// like the table's maker for a configuration it cannot tabulate (a beta too close to 1).
 std::vector<double> device_step_table(const OptimizerConfig& config);
 
 /// Enqueues one step of `config` over `tensors` (device memory; slots in the unit's

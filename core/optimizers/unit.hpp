@@ -26,10 +26,10 @@
 //                              table row (StepInputs); only correctly rounded operations
 //                              (IEEE +, -, *, /, sqrt, fma), so host and device agree
 //   tail_begin(c, n, lanes)    host and device: where, in a tensor of n elements, the tail
-//                              form begins; torch's vector holds `lanes` times its f32 width of the storage type
-//                              (1: f32; 2: bf16/f16 params, whose Vectorized<T> is twice as
-//                              wide), so a unit with a width-W tail begins it at
-//                              n - n mod (lanes * W)
+//                              form begins; torch's vector holds `lanes` times its f32 width of the
+//                              storage type (1: f32; 2: bf16/f16 params, whose Vectorized<T> is
+//                              twice as wide), so a unit with a width-W tail begins it at n - n mod
+//                              (lanes * W)
 //   Consts<Ops>                the Scalars as Ops values (splatted once per range)
 //   update<Ops, V, Tail>(k, g, p, st)
 //                              the element formula: the new parameter p and state st[0..kSlots)

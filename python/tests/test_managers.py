@@ -194,15 +194,6 @@ def torch_fused_case(torch, mode, optimizer, hyper, cls, args):
                 assert mine[3] == st["step"].item()
 
 
-def test_the_device_modes_refuse_the_optimizers_they_do_not_step():
-    for optimizer, hyper in (("sgd", {}), ("adagrad", {}), ("adam", {}),
-                             ("adamw", {"amsgrad": True})):
-        for mode in ("none", "optimizer"):
-            with pytest.raises(NotImplementedError, match="offload='full'"):
-                core.GradientManager(mode, specs(), optimizer=optimizer, hyper=hyper,
-                                     groups=GROUPS)
-
-
 def test_state_slots_are_named_and_imported_by_name():
     m = core.GradientManager("full", specs(), optimizer="sgd", hyper={"momentum": 0.9},
                              groups=GROUPS, threads=1)

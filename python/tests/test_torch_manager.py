@@ -993,10 +993,10 @@ def test_cuda_backward_on_another_stream_is_ordered_by_the_write_event(mode):
     assert_records_equal(runs["side"], runs["same"], f"cuda {mode}: backward on a side stream")
 
 
-# ---- every optimizer in mode full ---------------------------------------------------------
+# ---- every optimizer in every mode ---------------------------------------------------------
 
 # (optimizer, hyper (the manager's other hyper-parameters), torch's class and arguments)
-FULL_ONLY = [
+EVERY_OPTIMIZER = [
     ("adam", {"amsgrad": True}, "Adam", dict(betas=BETAS, eps=1e-8, amsgrad=True)),
     ("adamw", {"amsgrad": True, "maximize": True}, "AdamW",
      dict(betas=BETAS, eps=1e-8, amsgrad=True, maximize=True)),
@@ -1007,9 +1007,9 @@ FULL_ONLY = [
 ]
 
 
-def train_pair(optimizer, hyper, cls, args, steps=4):
+def train_pair(optimizer, hyper, cls, args, steps=4, offload="full"):
     """TinyLM trained by plain torch (cls(fused=True), the exact norm, torch's clip) and by
-    a GradientManager in mode full: per step each one's (params bits, {slot: bits}, step)."""
+    a GradientManager in mode `offload`: per step each one's (params bits, {slot: bits}, step)."""
     def state_of(get, params, names):
         return [{n: bits(get(i, p, n)) for n in names} for i, p in enumerate(params)]
 
@@ -1042,7 +1042,7 @@ def train_pair(optimizer, hyper, cls, args, steps=4):
                      state_of(lambda i, p, n: opt.state[p][n], params, names)))
 
     model = TinyLM()
-    gm = st.GradientManager(make_groups(model), offload="full", optimizer=optimizer, lr=1e-2,
+    gm = st.GradientManager(make_groups(model), offload=offload, optimizer=optimizer, lr=1e-2,
                             hyper=hyper, threads=2, **betas)
     sched = torch.optim.lr_scheduler.LambdaLR(gm, schedule)
     got = []
@@ -1059,12 +1059,14 @@ def train_pair(optimizer, hyper, cls, args, steps=4):
     return got, want
 
 
-@pytest.mark.parametrize("optimizer,hyper,cls,args", FULL_ONLY,
-                         ids=[f"{c[0]}-{'-'.join(sorted(c[1])) or 'plain'}" for c in FULL_ONLY])
-def test_every_optimizer_in_mode_full_gives_torchs_fused_bits(optimizer, hyper, cls, args):
-    """Mode full steps every optimizer: params and every state slot (named as torch names
+@pytest.mark.parametrize("offload", ["none", "optimizer", "full"])
+@pytest.mark.parametrize("optimizer,hyper,cls,args", EVERY_OPTIMIZER,
+                         ids=[f"{c[0]}-{'-'.join(sorted(c[1])) or 'plain'}" for c in EVERY_OPTIMIZER])
+def test_every_optimizer_in_every_mode_gives_torchs_fused_bits(optimizer, hyper, cls, args,
+                                                                offload):
+    """Every mode steps every optimizer: params and every state slot (named as torch names
     it) equal torch's fused optimizer's after every step, clipped or not, scheduled."""
-    got, want = train_pair(optimizer, hyper, cls, args)
+    got, want = train_pair(optimizer, hyper, cls, args, offload=offload)
     for s, ((gp, gs), (wp, ws)) in enumerate(zip(got, want)):
         for i, (a, b) in enumerate(zip(gp, wp)):
             assert torch.equal(a, b), f"{optimizer} step {s} param {i}"
@@ -1072,9 +1074,3 @@ def test_every_optimizer_in_mode_full_gives_torchs_fused_bits(optimizer, hyper, 
             assert sorted(a) == sorted(b), (s, i, sorted(a), sorted(b))
             for name in a:
                 assert torch.equal(a[name], b[name]), f"{optimizer} step {s} param {i} {name}"
-
-
-def test_the_device_modes_refuse_what_only_mode_full_steps():
-    for optimizer, hyper in (("sgd", {}), ("adagrad", {}), ("adamw", {"amsgrad": True})):
-        with pytest.raises(NotImplementedError, match="offload='full'"):
-            st.GradientManager(TinyLM(), offload="none", optimizer=optimizer, hyper=hyper)

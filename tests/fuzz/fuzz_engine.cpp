@@ -107,7 +107,7 @@ struct Case {
   // lr and weight decay from its StepHyper when `hyper`.
   bool device = false;
   bool hyper = false;
-  std::uint8_t norm_kind = 0;  // op 4: the norm's order, kNormKinds[norm_kind]
+  std::uint8_t norm_kind = 0;      // op 4: the norm's order, kNormKinds[norm_kind]
   DType param_dtype = DType::f32;  // params and state (docs/numerics.md 7.3)
 };
 

@@ -288,7 +288,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   c.chunk_elements = 1 + in.byte() % 300;
   // Mode full steps every optimizer: one byte may pick another (its state slots named as
-  // its unit names them; the device modes refuse it, a refused configuration).
+  // its unit names them; every mode steps it).
   if (!adamw) {
     const std::uint8_t o = in.byte();
     AdamConfig adam;
