@@ -5,12 +5,6 @@
 
 namespace stepcore::detail {
 
-void check_device_optimizer(const OptimizerConfig& config) {
-  // Every unit steps on the device (Device::optimizer_step); what the device refuses of a
-  // configuration (a beta too close to 1 for its table) the table's maker names.
-  (void)gpu::make_optimizer_table(config);
-}
-
 std::vector<double> device_step_table(const OptimizerConfig& config) {
   return gpu::make_optimizer_table(config);
 }

@@ -21,10 +21,6 @@ struct DeviceStepArgs {
   const double* table = nullptr;            ///< the group's device_step_table (if any)
 };
 
-/// Throws, before anything is allocated, what the device step would throw for `config`
-/// (its table's refusals: a beta too close to 1, named).
-void check_device_optimizer(const OptimizerConfig& config);
-
 /// Returns the per-group table the device step of `config` reads from device memory
 /// (gpu::make_optimizer_table: AdamW's and Adam's bias corrections; empty: none). Throws
 /// like the table's maker for a configuration it cannot tabulate (a beta too close to 1).

@@ -5,7 +5,6 @@
 #include <string>
 #include <utility>
 
-#include "managers/device_step.hpp"
 #include "managers/factories.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -24,7 +23,6 @@ std::string stream_name(cudaStream_t s) {
 }  // namespace
 
 std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
-  if (config.mode != OffloadMode::full) detail::check_device_optimizer(config.optimizer);
   if (config.device == nullptr)
     throw Error(Errc::null_pointer, "device", "every mode needs the device gradients come from");
   for (std::size_t i = 0; i < config.params.size(); ++i) {

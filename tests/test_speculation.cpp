@@ -887,7 +887,7 @@ TEST(Speculation, ClipTwiceOrAfterStepWithOverlapIsRefusedAndChangesNothing) {
 
 // The host device with a copy failure: once armed, the first device-to-device copy on the
 // compute queue after an optimizer step was enqueued throws (as an enqueueing call of a
-// real device fails) — in modes none and optimizer (AdamW), the copy of the second
+// real device fails) — in modes none and optimizer, the copy of the second
 // speculated chunk's step counters into its rollback space, after the first chunk was
 // stepped into its own.
 class FailingCopyDevice final : public test_support::ForwardingDevice {
@@ -910,14 +910,9 @@ class FailingCopyDevice final : public test_support::ForwardingDevice {
     }
     ForwardingDevice::copy(q, dst, src, bytes);
   }
-  void adamw_step(std::span<const AdamWTensor> t, const AdamWConfig& c,
-                  const AdamWDeviceArgs& d) override {
-    ForwardingDevice::adamw_step(t, c, d);
-    stepped_ = true;
-  }
-  void sign_sgd_step(std::span<const SignSgdTensor> t, const SignSgdConfig& c,
-                     const SignSgdDeviceArgs& d) override {
-    ForwardingDevice::sign_sgd_step(t, c, d);
+  void optimizer_step(std::span<const OptimizerTensor> t, const OptimizerConfig& c,
+                      const OptimizerDeviceArgs& d) override {
+    ForwardingDevice::optimizer_step(t, c, d);
     stepped_ = true;
   }
 
