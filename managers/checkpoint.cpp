@@ -35,7 +35,7 @@ ckpt::Header header_of(const GradientManager& m, std::span<const float> steps) {
   ckpt::Header h;
   h.optimizer = std::string(optimizer_name(c.optimizer));
   for (const detail::FieldValue& f : detail::config_fields(c.optimizer))
-    if (f.role == detail::FieldRole::fixed) h.hyper.push_back({std::string(f.name), f.value});
+    if (f.role == HyperRole::fixed) h.hyper.push_back({std::string(f.name), f.value});
   h.slots.assign(m.state_slot_names().begin(), m.state_slot_names().end());
   h.saved_mode = static_cast<std::uint32_t>(c.mode);
   h.rank = c.comm != nullptr ? c.comm->rank() : 0;

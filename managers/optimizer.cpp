@@ -14,56 +14,13 @@ namespace stepcore {
 namespace detail {
 namespace {
 
-using R = FieldRole;
-
-// The field table: every field of each configuration record, in its order, with its role.
-// fn(name, role, member) for each; the members are double, bool, int or AdamWFormula.
-template <class Fn>
-void fields_of(AdamWConfig& c, Fn&& f) {
-  f("lr", R::schedule, c.lr);
-  f("beta1", R::betas, c.beta1);
-  f("beta2", R::betas, c.beta2);
-  f("eps", R::betas, c.eps);
-  f("weight_decay", R::schedule, c.weight_decay);
-  f("formula", R::fixed, c.formula);
-  f("amsgrad", R::fixed, c.amsgrad);
-  f("maximize", R::fixed, c.maximize);
-  f("torch_tail_width", R::machine, c.torch_tail_width);
-}
-template <class Fn>
-void fields_of(SignSgdConfig& c, Fn&& f) {
-  f("lr", R::schedule, c.lr);
-  f("weight_decay", R::schedule, c.weight_decay);
-}
-template <class Fn>
-void fields_of(AdamConfig& c, Fn&& f) {
-  f("lr", R::schedule, c.lr);
-  f("beta1", R::betas, c.beta1);
-  f("beta2", R::betas, c.beta2);
-  f("eps", R::betas, c.eps);
-  f("weight_decay", R::schedule, c.weight_decay);
-  f("amsgrad", R::fixed, c.amsgrad);
-  f("maximize", R::fixed, c.maximize);
-  f("torch_tail_width", R::machine, c.torch_tail_width);
-}
-template <class Fn>
-void fields_of(SgdConfig& c, Fn&& f) {
-  f("lr", R::schedule, c.lr);
-  f("momentum", R::fixed, c.momentum);
-  f("dampening", R::fixed, c.dampening);
-  f("weight_decay", R::schedule, c.weight_decay);
-  f("nesterov", R::fixed, c.nesterov);
-  f("maximize", R::fixed, c.maximize);
-  f("torch_tail_width", R::machine, c.torch_tail_width);
-}
-template <class Fn>
-void fields_of(AdagradConfig& c, Fn&& f) {
-  f("lr", R::schedule, c.lr);
-  f("lr_decay", R::fixed, c.lr_decay);
-  f("weight_decay", R::schedule, c.weight_decay);
-  f("initial_accumulator_value", R::fixed, c.initial_accumulator_value);
-  f("eps", R::fixed, c.eps);
-  f("maximize", R::fixed, c.maximize);
+// The field table of configuration C: OptimizerTraits<C>::kFields (stepcore/optim.hpp),
+// declared once beside each Config. fn(name, role, member) for each field in its order;
+// the members are double, bool, int or AdamWFormula.
+template <class C, class Fn>
+void fields_of(C& c, Fn&& f) {
+  for (const HyperField<C>& field : OptimizerTraits<C>::kFields)
+    std::visit([&](auto member) { f(field.name, field.role, c.*member); }, field.member);
 }
 
 // AdamW's formulas by name, indexed by their value.
@@ -165,9 +122,14 @@ ParamGroup default_group(const OptimizerConfig& config) {
 }
 
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot) {
-  if (const auto* a = std::get_if<AdagradConfig>(&config); a != nullptr && slot == "sum")
-    return static_cast<float>(a->initial_accumulator_value);  // torch's initial state
-  return 0.0f;
+  return with_unit(config, [&](auto unit, const auto& c) -> float {
+    using Unit = decltype(unit);
+    if constexpr (requires { Unit::initial_slot_value(c, 0); }) {
+      for (int k = 0; k < Unit::kSlots; ++k)
+        if (slot == Unit::kSlotNames[k]) return Unit::initial_slot_value(c, k);
+    }
+    return 0.0f;
+  });
 }
 
 bool slot_non_negative(std::string_view slot) noexcept {
@@ -177,7 +139,7 @@ bool slot_non_negative(std::string_view slot) noexcept {
 std::vector<FieldValue> config_fields(const OptimizerConfig& config) {
   OptimizerConfig c = config;  // the table takes members by reference
   std::vector<FieldValue> out;
-  for_each_field(c, [&](const char* name, FieldRole role, const auto& member) {
+  for_each_field(c, [&](const char* name, HyperRole role, const auto& member) {
     out.push_back({name, role, to_double(member)});
   });
   return out;
@@ -187,7 +149,7 @@ void set_config_field(OptimizerConfig& config, std::string_view name, double val
                       const std::string& argument) {
   bool found = false;
   std::string names;
-  for_each_field(config, [&](const char* field, FieldRole, auto& member) {
+  for_each_field(config, [&](const char* field, HyperRole, auto& member) {
     names += (names.empty() ? "" : ", ") + std::string(field);
     if (name != field) return;
     from_double(member, value, argument);

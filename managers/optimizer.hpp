@@ -1,8 +1,8 @@
 // The managers' one view of the optimizer: an OptimizerConfig dispatched once to its unit
 // (core/optimizers/all.hpp), the state it keeps (named slots, a step counter), a group's
 // configuration, its hyper-parameters by name (the field table: make_optimizer_config,
-// checkpoints), and the initial value of each slot. Nothing here names an optimizer
-// except the field table and the initial values.
+// checkpoints: OptimizerTraits' fields), and the initial value of each slot. Nothing here
+// names an optimizer.
 #pragma once
 
 #include <cstddef>
@@ -41,13 +41,14 @@ struct OptimizerShape {
 };
 OptimizerShape optimizer_shape(const OptimizerConfig& config);
 
-/// True for the configurations whose betas and eps are the groups' (the Adam family).
+/// True for the configurations whose betas and eps are the groups' (the Adam family):
+/// those whose OptimizerTraits mark fields HyperRole::betas (beta1, beta2, eps).
 template <class C>
-inline constexpr bool kHasBetas = requires(C c) {
-  c.beta1;
-  c.beta2;
-  c.eps;
-};
+inline constexpr bool kHasBetas = [] {
+  for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+    if (f.role == HyperRole::betas) return true;
+  return false;
+}();
 bool has_betas(const OptimizerConfig& config) noexcept;
 
 /// Returns `config` with group g's lr and weight decay (and betas and eps, kHasBetas).
@@ -55,24 +56,17 @@ OptimizerConfig group_config(const OptimizerConfig& config, const ParamGroup& gr
 /// Returns the single group "default" of a configuration without groups.
 ParamGroup default_group(const OptimizerConfig& config);
 
-/// The value a state slot starts from (load_parameter): Adagrad's sum f32(initial
-/// accumulator value), every other slot +0.
+/// The value a state slot starts from (load_parameter): the unit's initial_slot_value
+/// where it has one (Adagrad's sum: f32(initial_accumulator_value)), else +0.
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot);
 /// Whether a slot's values are never negative (a second moment, its maximum, a sum of
 /// squares): import and checkpoints refuse a negative value there.
 bool slot_non_negative(std::string_view slot) noexcept;
 
-/// How a configuration field relates to the groups and to a checkpoint.
-enum class FieldRole : std::uint8_t {
-  schedule,  ///< lr, weight_decay: each group's, changed by set_hyperparameters
-  betas,     ///< beta1, beta2, eps of the Adam family: each group's, fixed
-  fixed,     ///< the rest of the optimizer's function (recorded in checkpoints; must match)
-  machine,   ///< torch_tail_width: which torch build to match, not part of the state
-};
 /// One field of a configuration as a double (flags 0/1, AdamW's formula its value).
 struct FieldValue {
   std::string_view name;
-  FieldRole role;
+  HyperRole role;
   double value;
 };
 /// Returns every field of `config`, in its record's order.

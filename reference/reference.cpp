@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <variant>
 #include <vector>
 
 #include "core/fp_env.hpp"
@@ -423,6 +424,21 @@ void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig&
       if (out) store(t.compute_param, i, p);
     }
   }
+}
+
+void optimizer_step(std::span<const OptimizerTensor> tensors, const OptimizerConfig& config,
+                    GradientRead read, const std::int32_t* found_inf) {
+  struct Step {
+    std::span<const OptimizerTensor> t;
+    GradientRead read;
+    const std::int32_t* found_inf;
+    void operator()(const AdamWConfig& c) const { adamw_step(t, c, read, found_inf); }
+    void operator()(const SignSgdConfig& c) const { sign_sgd_step(t, c, read, found_inf); }
+    void operator()(const AdamConfig& c) const { adam_step(t, c, read, found_inf); }
+    void operator()(const SgdConfig& c) const { sgd_step(t, c, read, found_inf); }
+    void operator()(const AdagradConfig& c) const { adagrad_step(t, c, read, found_inf); }
+  };
+  std::visit(Step{tensors, read, found_inf}, config);
 }
 
 void accumulate(std::span<const AccumulatePair> pairs) {

@@ -26,7 +26,7 @@ struct AdagradScalars {
 struct Adagrad {
   using Config = AdagradConfig;
   using Scalars = AdagradScalars;
-  static constexpr const char* kName = "adagrad";
+  static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"sum"};
   static constexpr const char* kSlotSourceNames[kSlots] = {"sum_src"};
@@ -35,6 +35,10 @@ struct Adagrad {
   static constexpr bool kReadsScaled = true;
 
   static constexpr int slots(int /*v*/) { return 1; }
+  /// The value slot k starts from: torch fills `sum` with initial_accumulator_value.
+  static float initial_slot_value(const Config& c, int /*k*/) {
+    return static_cast<float>(c.initial_accumulator_value);
+  }
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_adagrad_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }

@@ -27,7 +27,7 @@ struct AdamScalars {
 struct Adam {
   using Config = AdamConfig;
   using Scalars = AdamScalars;
-  static constexpr const char* kName = "adam";
+  static constexpr const char* kName = OptimizerTraits<Config>::kName;
   // AdamW's slots, in its order (the same kernel's state).
   static constexpr int kSlots = AdamW::kSlots;
   static constexpr const char* const* kSlotNames = AdamW::kSlotNames;

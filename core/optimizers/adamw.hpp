@@ -112,7 +112,7 @@ STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typenam
 struct AdamW {
   using Config = AdamWConfig;
   using Scalars = AdamWScalars;
-  static constexpr const char* kName = "adamw";
+  static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 3;
   static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",

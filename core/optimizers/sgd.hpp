@@ -28,7 +28,7 @@ struct SgdScalars {
 struct Sgd {
   using Config = SgdConfig;
   using Scalars = SgdScalars;
-  static constexpr const char* kName = "sgd";
+  static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"momentum_buffer"};
   static constexpr const char* kSlotSourceNames[kSlots] = {"momentum_buffer_src"};

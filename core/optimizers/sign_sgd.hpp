@@ -25,7 +25,7 @@ STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_deca
 struct SignSgd {
   using Config = SignSgdConfig;
   using Scalars = SignSgdScalars;
-  static constexpr const char* kName = "sign_sgd";
+  static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 0;
   static constexpr const char* const* kSlotNames = nullptr;
   static constexpr const char* const* kSlotSourceNames = nullptr;

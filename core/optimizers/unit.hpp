@@ -4,11 +4,15 @@
 //
 // A unit is a struct (core/optimizers/<name>.hpp) holding, once:
 //   Config                     its public hyper-parameter record (stepcore/optim.hpp),
-//                              with double `lr` and `weight_decay` (a schedule's StepHyper)
+//                              with double `lr` and `weight_decay` (a schedule's StepHyper);
+//                              OptimizerTraits<Config> beside it names the optimizer and
+//                              lists its hyper-parameters (every layer reads that list)
+//   kName                      OptimizerTraits<Config>::kName
 //   Scalars                    the per-tensor f32 scalars of one step
 //   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch),
 //   kSlotSourceNames           and the names of their out-of-place sources
 //   slots(V)                   how many of them variant V uses (the first slots(V))
+//   initial_slot_value(c, k)   optional, host: the value slot k starts from (default +0)
 //   kCountsSteps               whether each tensor has a step counter, incremented first
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)

@@ -96,6 +96,95 @@ struct AdagradConfig {
   bool maximize = false;
 };
 
+/// How a hyper-parameter relates to parameter groups and to checkpoints.
+enum class HyperRole : std::uint8_t {
+  schedule,  ///< lr, weight_decay: each group's, changed per step by a schedule
+  betas,     ///< beta1, beta2, eps of the Adam family: each group's, fixed over training
+  fixed,     ///< the rest of the optimizer's function (a checkpoint records it; must match)
+  machine,   ///< which torch build to match (torch_tail_width): not part of the state
+};
+
+/// One hyper-parameter of configuration C: its name (the key of make_optimizer_config,
+/// of checkpoints and of the Python `hyper` dict), its role, and the member it sets.
+template <class C>
+struct HyperField {
+  const char* name;
+  HyperRole role;
+  std::variant<double C::*, bool C::*, int C::*, AdamWFormula C::*> member;
+};
+
+/// An optimizer's name and its hyper-parameters, declared once beside its Config: the
+/// optimizer's unit (core/optimizers/), the managers, checkpoints and the Python binding
+/// all read these. A Config without a specialisation is not an optimizer.
+template <class C>
+struct OptimizerTraits;
+
+template <>
+struct OptimizerTraits<AdamWConfig> {
+  using C = AdamWConfig;
+  static constexpr const char* kName = "adamw";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr},
+      {"beta1", HyperRole::betas, &C::beta1},
+      {"beta2", HyperRole::betas, &C::beta2},
+      {"eps", HyperRole::betas, &C::eps},
+      {"weight_decay", HyperRole::schedule, &C::weight_decay},
+      {"formula", HyperRole::fixed, &C::formula},
+      {"amsgrad", HyperRole::fixed, &C::amsgrad},
+      {"maximize", HyperRole::fixed, &C::maximize},
+      {"torch_tail_width", HyperRole::machine, &C::torch_tail_width}};
+};
+
+template <>
+struct OptimizerTraits<SignSgdConfig> {
+  using C = SignSgdConfig;
+  static constexpr const char* kName = "sign_sgd";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr}, {"weight_decay", HyperRole::schedule, &C::weight_decay}};
+};
+
+template <>
+struct OptimizerTraits<AdamConfig> {
+  using C = AdamConfig;
+  static constexpr const char* kName = "adam";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr},
+      {"beta1", HyperRole::betas, &C::beta1},
+      {"beta2", HyperRole::betas, &C::beta2},
+      {"eps", HyperRole::betas, &C::eps},
+      {"weight_decay", HyperRole::schedule, &C::weight_decay},
+      {"amsgrad", HyperRole::fixed, &C::amsgrad},
+      {"maximize", HyperRole::fixed, &C::maximize},
+      {"torch_tail_width", HyperRole::machine, &C::torch_tail_width}};
+};
+
+template <>
+struct OptimizerTraits<SgdConfig> {
+  using C = SgdConfig;
+  static constexpr const char* kName = "sgd";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr},
+      {"momentum", HyperRole::fixed, &C::momentum},
+      {"dampening", HyperRole::fixed, &C::dampening},
+      {"weight_decay", HyperRole::schedule, &C::weight_decay},
+      {"nesterov", HyperRole::fixed, &C::nesterov},
+      {"maximize", HyperRole::fixed, &C::maximize},
+      {"torch_tail_width", HyperRole::machine, &C::torch_tail_width}};
+};
+
+template <>
+struct OptimizerTraits<AdagradConfig> {
+  using C = AdagradConfig;
+  static constexpr const char* kName = "adagrad";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr},
+      {"lr_decay", HyperRole::fixed, &C::lr_decay},
+      {"weight_decay", HyperRole::schedule, &C::weight_decay},
+      {"initial_accumulator_value", HyperRole::fixed, &C::initial_accumulator_value},
+      {"eps", HyperRole::fixed, &C::eps},
+      {"maximize", HyperRole::fixed, &C::maximize}};
+};
+
 /// Any optimizer's hyper-parameters: one alternative per optimizer unit, in the order of
 /// core/optimizers/all.hpp (a static_assert there keeps the two lists equal). The
 /// generic entry points (devices, managers, the Python binding) take this; the

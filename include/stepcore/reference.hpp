@@ -64,6 +64,11 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
 void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
                   GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
+/// One step of the optimizer `config` holds (the function of that optimizer above).
+/// Determinism: bitwise (the definition itself).
+void optimizer_step(std::span<const OptimizerTensor> tensors, const OptimizerConfig& config,
+                    GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
 /// acc = acc + f32(src), or acc = f32(src) for pairs marked copy.
 void accumulate(std::span<const AccumulatePair> pairs);
 

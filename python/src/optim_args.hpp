@@ -9,10 +9,10 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <variant>
 
-#include "optimizer_table.hpp"  // every optimizer's name and hyper-parameter keys
 #include "stepcore/optim.hpp"
 
 namespace stepcore::python {
@@ -45,13 +45,37 @@ inline AdamWConfig adamw_config(double lr, double beta1, double beta2, double ep
 }
 
 // ---- an optimizer by name, its hyper-parameters from a dict --------------------------
+// Every optimizer's name and keys are OptimizerTraits' (stepcore/optim.hpp), declared once
+// beside its Config; nothing here names one.
+
+/// Calls fn(std::integral_constant<std::size_t, I>{}) for each alternative I of
+/// OptimizerConfig, in order.
+template <class Fn, std::size_t... I>
+void for_each_optimizer(Fn&& fn, std::index_sequence<I...>) {
+  (fn(std::integral_constant<std::size_t, I>{}), ...);
+}
+template <class Fn>
+void for_each_optimizer(Fn&& fn) {
+  for_each_optimizer(static_cast<Fn&&>(fn),
+                     std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
+}
+
+/// Returns "adamw, sign_sgd, ...": every optimizer's name, in OptimizerConfig's order.
+inline std::string optimizer_names() {
+  std::string out;
+  for_each_optimizer([&](auto i) {
+    using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
+    out += (out.empty() ? "" : ", ") + std::string(OptimizerTraits<C>::kName);
+  });
+  return out;
+}
 
 /// Sets one field of `c` from the Python value `v`, or throws TypeError naming `key`.
 template <class C>
-void set_field(C& c, const Field<C>& f, nb::handle v) {
+void set_field(C& c, const HyperField<C>& f, nb::handle v) {
   PyObject* o = v.ptr();
   const auto bad = [&](const char* want) {
-    throw nb::type_error(("stepcore: invalid_argument in '" + std::string(f.key) + "': expected " +
+    throw nb::type_error(("stepcore: invalid_argument in '" + std::string(f.name) + "': expected " +
                           want + ", got " + std::string(Py_TYPE(o)->tp_name))
                              .c_str());
   };
@@ -72,7 +96,7 @@ void set_field(C& c, const Field<C>& f, nb::handle v) {
           const long x = PyLong_AsLongAndOverflow(o, &overflow);
           if (overflow != 0 || x < -2147483647L - 1 || x > 2147483647L)
             throw nb::value_error(
-                ("stepcore: out_of_range in '" + std::string(f.key) + "': not a 32-bit int")
+                ("stepcore: out_of_range in '" + std::string(f.name) + "': not a 32-bit int")
                     .c_str());
           c.*member = static_cast<int>(x);
         } else {
@@ -103,15 +127,15 @@ C config_from_dict(nb::handle hyper) {
       throw nb::type_error("stepcore: invalid_argument in 'hyper': keys must be str");
     }
     const std::string_view name(k, static_cast<std::size_t>(len));
-    const Field<C>* field = nullptr;
-    for (const Field<C>& f : OptimizerFields<C>::kFields)
-      if (name == f.key) field = &f;
+    const HyperField<C>* field = nullptr;
+    for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+      if (name == f.name) field = &f;
     if (field == nullptr) {
       std::string keys;
-      for (const Field<C>& f : OptimizerFields<C>::kFields)
-        keys += (keys.empty() ? "" : ", ") + std::string(f.key);
+      for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+        keys += (keys.empty() ? "" : ", ") + std::string(f.name);
       throw nb::value_error(("stepcore: invalid_argument in '" + std::string(name) +
-                             "': not a hyper-parameter of optimizer '" + OptimizerFields<C>::kName +
+                             "': not a hyper-parameter of optimizer '" + OptimizerTraits<C>::kName +
                              "' (its keys: " + keys + ")")
                                 .c_str());
     }
@@ -128,7 +152,7 @@ inline OptimizerConfig optimizer_config(std::string_view name, nb::handle hyper)
   bool found = false;
   for_each_optimizer([&](auto i) {
     using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
-    if (!found && name == OptimizerFields<C>::kName) {
+    if (!found && name == OptimizerTraits<C>::kName) {
       out.template emplace<decltype(i)::value>(config_from_dict<C>(hyper));
       found = true;
     }
@@ -147,7 +171,7 @@ inline nb::dict optimizer_defaults() {
     using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
     const C c{};
     nb::dict d;
-    for (const Field<C>& f : OptimizerFields<C>::kFields)
+    for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
       std::visit(
           [&](auto member) {
             using T = std::remove_cvref_t<decltype(c.*member)>;
@@ -160,10 +184,10 @@ inline nb::dict optimizer_defaults() {
               v = nb::bool_(c.*member);
             else
               v = nb::int_(c.*member);
-            d[f.key] = v;
+            d[f.name] = v;
           },
           f.member);
-    out[OptimizerFields<C>::kName] = d;
+    out[OptimizerTraits<C>::kName] = d;
   });
   return out;
 }
