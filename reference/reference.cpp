@@ -12,6 +12,7 @@
 
 #include "core/fp_env.hpp"
 #include "core/norm_p.hpp"
+#include "core/optimizers/lion.hpp"
 #include "core/step_scalars.hpp"
 #include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
@@ -426,6 +427,45 @@ void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig&
   }
 }
 
+void lion_step(std::span<const OptimizerTensor> tensors, const LionConfig& config,
+               GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_unit<detail::Lion>(tensors, config, read, detail::StepCounters::read,
+                                      detail::ParamDTypes::model);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  // The scalars of docs/numerics.md 8d, each rounded once from binary64.
+  const float b1 = static_cast<float>(config.beta1);
+  const float c1 = static_cast<float>(1.0 - config.beta1);
+  const float b2 = static_cast<float>(config.beta2);
+  const float c2 = static_cast<float>(1.0 - config.beta2);
+  const float neg_lr = static_cast<float>(-config.lr);
+  const float neg_lrwd = static_cast<float>(-(config.lr * config.weight_decay));
+  const bool decay = config.weight_decay > 0.0;
+  for (const OptimizerTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    copy_source(t.state_src[0], t.state[0]);
+    const bool out = has_output(t.compute_param);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      const float g = read_gradient(t.grad, i, read);
+      float p = load(t.param, i);
+      const float m = load(t.state[0], i);
+      const float m_keep = b1 * m;
+      const float g_part = c1 * g;
+      const float u = m_keep + g_part;
+      // sign(u): +1, -1, +0 for either zero, NaN for NaN.
+      const float s = u > 0.0f ? 1.0f : (u < 0.0f ? -1.0f : (u == 0.0f ? 0.0f : u));
+      if (decay) p = std::fma(p, neg_lrwd, p);
+      const float step = s * neg_lr;
+      p = p + step;
+      const float m_old = b2 * m;
+      const float m_new = c2 * g;
+      store(t.param, i, p);
+      store(t.state[0], i, m_old + m_new);
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
 void optimizer_step(std::span<const OptimizerTensor> tensors, const OptimizerConfig& config,
                     GradientRead read, const std::int32_t* found_inf) {
   struct Step {
@@ -437,6 +477,7 @@ void optimizer_step(std::span<const OptimizerTensor> tensors, const OptimizerCon
     void operator()(const AdamConfig& c) const { adam_step(t, c, read, found_inf); }
     void operator()(const SgdConfig& c) const { sgd_step(t, c, read, found_inf); }
     void operator()(const AdagradConfig& c) const { adagrad_step(t, c, read, found_inf); }
+    void operator()(const LionConfig& c) const { lion_step(t, c, read, found_inf); }
   };
   std::visit(Step{tensors, read, found_inf}, config);
 }

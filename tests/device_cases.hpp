@@ -25,6 +25,7 @@
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"  // optimizer_counts_steps
 #include "stepcore/reference.hpp"
 
 namespace device_cases {
@@ -312,10 +313,14 @@ inline void every_optimizer_unit_matches_the_reference(Device& dev) {
   SignSgdConfig sg;
   sg.weight_decay = 0.1;
   configs.push_back({"sign_sgd", sg});
+  LionConfig li;
+  li.lr = 3e-3;
+  li.weight_decay = 0.1;
+  configs.push_back({"lion weight decay", li});
   std::uint32_t seed = 900;
   for (const auto& [name, config] : configs) {
     SCOPED_TRACE(name);
-    const bool sign = std::holds_alternative<SignSgdConfig>(config);
+    const bool counter = optimizer_counts_steps(config);
     const int slots = std::visit(
         [](const auto& c) -> int {
           using C = std::decay_t<decltype(c)>;
@@ -323,7 +328,7 @@ inline void every_optimizer_unit_matches_the_reference(Device& dev) {
             return c.amsgrad ? 3 : 2;
           else if constexpr (std::is_same_v<C, SgdConfig>)
             return c.momentum != 0.0 ? 1 : 0;
-          else if constexpr (std::is_same_v<C, AdagradConfig>)
+          else if constexpr (std::is_same_v<C, AdagradConfig> || std::is_same_v<C, LionConfig>)
             return 1;
           else
             return 0;
@@ -344,7 +349,7 @@ inline void every_optimizer_unit_matches_the_reference(Device& dev) {
         ht[k].state[sl] = state[static_cast<std::size_t>(sl)].hv[k];
         dt[k].state[sl] = state[static_cast<std::size_t>(sl)].dv[k];
       }
-      if (!sign) {
+      if (counter) {
         ht[k].step = &host_steps[k];
         dt[k].step = d_steps.as<float>() + k;
       }
@@ -382,26 +387,7 @@ inline void every_optimizer_unit_matches_the_reference(Device& dev) {
       dev.optimizer_step(dt, config, args);  // the lr and weight decay come from d_hyper
       dev.synchronize();
       if (!skip) {
-        std::visit(
-            [&](const auto& x) {
-              using C = std::decay_t<decltype(x)>;
-              const GradientRead read{scale, clip};
-              if constexpr (std::is_same_v<C, AdamWConfig>) {
-                reference::adamw_step(ht, x, read);
-              } else if constexpr (std::is_same_v<C, AdamConfig>) {
-                reference::adam_step(ht, x, read);
-              } else if constexpr (std::is_same_v<C, SgdConfig>) {
-                reference::sgd_step(ht, x, read);
-              } else if constexpr (std::is_same_v<C, AdagradConfig>) {
-                reference::adagrad_step(ht, x, read);
-              } else {
-                std::vector<SignSgdTensor> st;
-                for (const OptimizerTensor& t : ht)
-                  st.push_back({t.param, t.grad, t.compute_param});
-                reference::sign_sgd_step(st, x, read);
-              }
-            },
-            c);
+        reference::optimizer_step(ht, c, GradientRead{scale, clip});
       }
       const std::string at = " after step " + std::to_string(step);
       param.expect_equal(("param" + at).c_str());

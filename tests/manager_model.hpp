@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -69,7 +70,8 @@ inline std::vector<float> initial_slots(const OptimizerConfig& c) {
   if (const auto* a = std::get_if<SgdConfig>(&c)) return std::vector<float>(a->momentum != 0.0);
   if (const auto* a = std::get_if<AdagradConfig>(&c))
     return {static_cast<float>(a->initial_accumulator_value)};
-  return {};  // SignSGD
+  if (std::holds_alternative<LionConfig>(c)) return {0.0f};  // exp_avg
+  return {};                                                 // SignSGD
 }
 
 /// True for the optimizers whose update reads the gradient's scale and clip (all but
@@ -78,21 +80,15 @@ inline bool reads_scaled(const OptimizerConfig& c) {
   return !std::holds_alternative<SignSgdConfig>(c);
 }
 
-/// True for the optimizers with a step counter per tensor (all but SignSGD).
+/// True for the optimizers with a step counter per tensor (all but SignSGD and Lion).
 inline bool counts_steps(const OptimizerConfig& c) {
-  return !std::holds_alternative<SignSgdConfig>(c);
+  return !std::holds_alternative<SignSgdConfig>(c) && !std::holds_alternative<LionConfig>(c);
 }
 
 /// One reference step of the optimizer `c` configures over `t`.
 inline void reference_step(std::span<const OptimizerTensor> t, const OptimizerConfig& c,
                            GradientRead read) {
-  if (const auto* a = std::get_if<AdamWConfig>(&c)) return reference::adamw_step(t, *a, read);
-  if (const auto* a = std::get_if<AdamConfig>(&c)) return reference::adam_step(t, *a, read);
-  if (const auto* a = std::get_if<SgdConfig>(&c)) return reference::sgd_step(t, *a, read);
-  if (const auto* a = std::get_if<AdagradConfig>(&c)) return reference::adagrad_step(t, *a, read);
-  std::vector<SignSgdTensor> s;
-  for (const OptimizerTensor& o : t) s.push_back({o.param, o.grad, o.compute_param});
-  reference::sign_sgd_step(s, std::get<SignSgdConfig>(c), read);
+  reference::optimizer_step(t, c, read);
 }
 
 /// Returns `c` with a group's hyper-parameters: lr and weight decay, and for the
@@ -102,7 +98,8 @@ inline OptimizerConfig with_group(OptimizerConfig c, const ParamGroup& g) {
       [&](auto& x) {
         x.lr = g.lr;
         x.weight_decay = g.weight_decay;
-        if constexpr (requires { x.beta1; }) {
+        using C = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<C, AdamWConfig> || std::is_same_v<C, AdamConfig>) {
           x.beta1 = g.beta1;
           x.beta2 = g.beta2;
           x.eps = g.eps;
@@ -242,7 +239,8 @@ inline Run run(const Setup& setup, const Stream& stream) {
           [&](const auto& x) {
             g.lr = x.lr;
             g.weight_decay = x.weight_decay;
-            if constexpr (requires { x.beta1; }) {
+            using C = std::decay_t<decltype(x)>;
+            if constexpr (std::is_same_v<C, AdamWConfig> || std::is_same_v<C, AdamConfig>) {
               g.beta1 = x.beta1;
               g.beta2 = x.beta2;
               g.eps = x.eps;

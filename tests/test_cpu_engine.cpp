@@ -6,12 +6,14 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cfenv>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <span>
 #include <string>
@@ -750,6 +752,92 @@ TEST(CpuEngine, AdagradMatchesTheReferenceOnEveryIsa) {
           reference::adagrad_step(t, cfg, read);
         },
         1300 + idx++);
+  }
+}
+
+TEST(CpuEngine, LionMatchesTheReferenceOnEveryIsa) {
+  struct Case {
+    double beta1, beta2, wd;
+  };
+  const Case cases[] = {{0.9, 0.99, 0.0}, {0.9, 0.99, 0.1}, {0.95, 0.98, 0.01}, {0.0, 1.0, 0.0}};
+  int idx = 0;
+  for (const Case& k : cases) {
+    LionConfig c;
+    c.lr = 3e-3;
+    c.beta1 = k.beta1;
+    c.beta2 = k.beta2;
+    c.weight_decay = k.wd;
+    SCOPED_TRACE("beta1 " + std::to_string(k.beta1) + " beta2 " + std::to_string(k.beta2) + " wd " +
+                 std::to_string(k.wd));
+    expect_engine_equals_reference(
+        c, 1,
+        [](std::span<const OptimizerTensor> t, const LionConfig& cfg, GradientRead read) {
+          reference::lion_step(t, cfg, read);
+        },
+        1500 + idx++, /*counters=*/false);
+  }
+}
+
+// Lion's sign on the edges, against what docs/numerics.md 8d says directly (not against the
+// reference): u = +-0 leaves p's bits (signed zeros too), a NaN gradient or momentum makes
+// p NaN, an infinite gradient moves p by exactly lr; every ISA and the reference agree.
+TEST(CpuEngine, LionSignEdgesFollowTheSpec) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // {g, m, p}: the expected new p is computed below from the spec's cases.
+  const std::vector<std::array<float, 3>> rows = {
+      {0.0f, 0.0f, 1.5f},   {-0.0f, 0.0f, -0.0f},   {0.0f, -0.0f, 0.0f},   {-0.0f, -0.0f, 2.0f},
+      {nan, 0.5f, 1.0f},    {1.0f, nan, 1.0f},      {inf, 0.0f, 1.0f},     {-inf, 3.0f, 1.0f},
+      {1e-45f, 0.0f, 1.0f}, {-1e-45f, 0.0f, -1.0f}, {2.0f, -20.0f, 0.25f}, {-2.0f, 20.0f, 0.25f}};
+  LionConfig c;
+  c.lr = 0.125;  // a power of two: p - lr is exact for these p
+  c.beta1 = 0.9;
+  c.beta2 = 0.99;
+  const float b1 = 0.9f, c1 = static_cast<float>(1.0 - 0.9);
+  for (std::size_t n : {rows.size(), std::size_t{37}}) {  // the rows, then repeated past a vector
+    std::vector<float> g(n), m(n), p(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      g[i] = rows[i % rows.size()][0];
+      m[i] = rows[i % rows.size()][1];
+      p[i] = rows[i % rows.size()][2];
+    }
+    std::vector<float> want(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      volatile float keep = b1 * m[i], part = c1 * g[i];  // one rounding each
+      const float u = keep + part;
+      if (std::isnan(u))
+        want[i] = nan;
+      else if (u == 0.0f)
+        want[i] = p[i];  // the bits of p, its sign included
+      else
+        want[i] = u > 0.0f ? p[i] - 0.125f : p[i] + 0.125f;
+    }
+    auto run = [&](auto&& step) {
+      std::vector<float> pp = p, mm = m;
+      OptimizerTensor t;
+      t.param = {pp.data(), n, DType::f32};
+      t.state[0] = {mm.data(), n, DType::f32};
+      t.grad = ConstTensorView{g.data(), n, DType::f32};
+      step(std::span<const OptimizerTensor>(&t, 1));
+      return pp;
+    };
+    auto same = [&](const std::vector<float>& got, const char* who) {
+      for (std::size_t i = 0; i < n; ++i) {
+        if (std::isnan(want[i])) {
+          EXPECT_TRUE(std::isnan(got[i])) << who << " element " << i;
+        } else {
+          EXPECT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want[i]))
+              << who << " element " << i << ": " << got[i] << " want " << want[i];
+        }
+      }
+    };
+    same(run([&](auto t) { reference::lion_step(t, c); }), "reference");
+    for (cpu::Isa isa : testing_support::isas_under_test())
+      for (int threads : {1, 3})
+        same(run([&](auto t) {
+               cpu::Engine(cpu::EngineConfig{isa, threads}).step(t, c);
+             }),
+             cpu::isa_name(isa).data());
   }
 }
 

@@ -122,6 +122,17 @@ std::vector<Case> all_cases() {
   c.push_back({"sign_sgd", s});
   s.weight_decay = 0.1;
   c.push_back({"sign_sgd weight decay", s});
+  auto lion = [](double beta1, double beta2, double wd) {
+    LionConfig l;
+    l.lr = 3e-3;
+    l.beta1 = beta1;
+    l.beta2 = beta2;
+    l.weight_decay = wd;
+    return l;
+  };
+  c.push_back({"lion", lion(0.9, 0.99, 0.0)});
+  c.push_back({"lion weight decay", lion(0.9, 0.99, 0.1)});
+  c.push_back({"lion betas", lion(0.95, 0.98, 0.01)});
   return c;
 }
 
@@ -154,26 +165,7 @@ OptimizerConfig with_hyper(OptimizerConfig config, const StepHyper& h) {
 /// One reference step (the oracle) of `config`'s optimizer on OptimizerTensors.
 void reference_step(std::span<const OptimizerTensor> t, const OptimizerConfig& config,
                     GradientRead read) {
-  std::visit(
-      [&](const auto& c) {
-        using C = std::decay_t<decltype(c)>;
-        if constexpr (std::is_same_v<C, AdamWConfig>) {
-          reference::adamw_step(t, c, read);
-        } else if constexpr (std::is_same_v<C, AdamConfig>) {
-          reference::adam_step(t, c, read);
-        } else if constexpr (std::is_same_v<C, SgdConfig>) {
-          reference::sgd_step(t, c, read);
-        } else if constexpr (std::is_same_v<C, AdagradConfig>) {
-          reference::adagrad_step(t, c, read);
-        } else {
-          static_assert(std::is_same_v<C, SignSgdConfig>);
-          std::vector<SignSgdTensor> s;
-          for (const OptimizerTensor& x : t)
-            s.push_back({x.param, x.grad, x.compute_param, x.param_src});
-          reference::sign_sgd_step(s, c, read);
-        }
-      },
-      config);
+  reference::optimizer_step(t, config, read);
 }
 
 // ---- the model: tensors in host memory standing for device memory ---------------------

@@ -65,7 +65,8 @@ TEST(Managers, ThreeModesGiveTheReferenceBitsAfterEveryStep) {
 
 /// Every optimizer unit, with the variants that change its state: AdamW (torch, native,
 /// amsgrad, maximize), Adam (plain, amsgrad with maximize), SGD (momentum 0; momentum with
-/// dampening; nesterov), Adagrad (an initial accumulator, lr decay, maximize), SignSGD.
+/// dampening; nesterov), Adagrad (an initial accumulator, lr decay, maximize), SignSGD,
+/// Lion (default; other betas with weight decay).
 std::vector<OptimizerConfig> every_optimizer() {
   AdamWConfig amsgrad, maximize;
   amsgrad.amsgrad = true;
@@ -83,8 +84,12 @@ std::vector<OptimizerConfig> every_optimizer() {
   adagrad.lr_decay = 0.01;
   adagrad_max.maximize = true;
   adagrad_max.eps = 1e-6;
-  return {AdamWConfig{}, amsgrad,  maximize, AdamConfig{}, adam_ams,       SgdConfig{},
-          momentum,      nesterov, adagrad,  adagrad_max,  SignSgdConfig{}};
+  LionConfig lion_wd;
+  lion_wd.beta1 = 0.95;
+  lion_wd.beta2 = 0.98;
+  lion_wd.weight_decay = 0.1;
+  return {AdamWConfig{}, amsgrad, maximize,    AdamConfig{},    adam_ams,     SgdConfig{}, momentum,
+          nesterov,      adagrad, adagrad_max, SignSgdConfig{}, LionConfig{}, lion_wd};
 }
 
 /// The modes that step `c`: every mode steps every optimizer (the device modes through
@@ -447,14 +452,15 @@ TEST(Managers, FactoryRefusesWhatItCannotDo) {
   EXPECT_TRUE(std::holds_alternative<SgdConfig>(parse_optimizer("sgd")));
   EXPECT_TRUE(std::holds_alternative<AdagradConfig>(parse_optimizer("adagrad")));
   EXPECT_EQ(std::get<AdagradConfig>(parse_optimizer("adagrad")).lr, AdagradConfig{}.lr);
-  for (const char* name : {"adamw", "sign_sgd", "adam", "sgd", "adagrad"})
+  EXPECT_TRUE(std::holds_alternative<LionConfig>(parse_optimizer("lion")));
+  for (const char* name : {"adamw", "sign_sgd", "adam", "sgd", "adagrad", "lion"})
     EXPECT_EQ(optimizer_name(parse_optimizer(name)), name);
-  for (const char* bad : {"muon", "AdamW", "", "SGD", "adamw ", "lion"}) {
+  for (const char* bad : {"muon", "AdamW", "", "SGD", "adamw ", "Lion"}) {
     test_support::expect_error([&] { parse_optimizer(bad); }, Errc::invalid_argument, "optimizer");
     try {
       parse_optimizer(bad);
     } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("adamw, sign_sgd, adam, sgd, adagrad"),
+      EXPECT_NE(std::string(e.what()).find("adamw, sign_sgd, adam, sgd, adagrad, lion"),
                 std::string::npos)
           << e.what();
     }
@@ -472,7 +478,7 @@ TEST(Managers, FactoryRefusesWhatItCannotDo) {
   SgdConfig momentum;
   momentum.momentum = 0.9;
   for (const OptimizerConfig& opt : std::vector<OptimizerConfig>{
-           AdamConfig{}, SgdConfig{}, momentum, AdagradConfig{}, amsgrad, maximize}) {
+           AdamConfig{}, SgdConfig{}, momentum, AdagradConfig{}, amsgrad, maximize, LionConfig{}}) {
     SCOPED_TRACE(std::string(optimizer_name(opt)));
     cfg.optimizer = opt;
     for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {

@@ -25,6 +25,7 @@ using stepcore::AccumulatePair;
 using stepcore::AdagradConfig;
 using stepcore::AdamConfig;
 using stepcore::AdamWConfig;
+using stepcore::LionConfig;
 using stepcore::AdamWFormula;
 using stepcore::AdamWTensor;
 using stepcore::ConstTensorView;
@@ -572,6 +573,117 @@ TEST_F(AdagradFixture, TensorsSlotsAndStepCounters) {
   ok.state_src[0] = ok.state[0];
   ok.param_src = {arena.alloc<float>(6), 6, DType::f32};
   EXPECT_NO_THROW(ref::adagrad_step(with(ok), AdagradConfig{}));
+}
+
+// ---- Lion ------------------------------------------------------------------------------
+
+struct LionFixture : ::testing::Test {
+  Arena arena;
+  std::vector<OptimizerTensor> valid;  // tensors[0..1]
+
+  OptimizerTensor make(std::size_t n) {
+    OptimizerTensor t;
+    t.param = {arena.alloc<float>(n), n, DType::f32};
+    t.state[0] = {arena.alloc<float>(n), n, DType::f32};
+    t.grad = {arena.alloc<std::uint32_t>(n), n, DType::f32};
+    t.compute_param = {arena.alloc<std::uint32_t>(n), n, DType::bf16};
+    return t;
+  }
+  void SetUp() override {
+    valid.push_back(make(5));
+    valid.push_back(make(17));
+  }
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad) {
+    std::vector<OptimizerTensor> v = valid;
+    v.push_back(bad);
+    return v;
+  }
+  void expect(const std::vector<OptimizerTensor>& ts, const LionConfig& c, GradientRead r,
+              Errc code, std::vector<std::string> args) {
+    expect_error(
+        arena, [&] { ref::lion_step(ts, c, r); }, code, std::move(args));
+  }
+};
+
+TEST_F(LionFixture, ValidCallWritesAndFoundInfDoesNot) {
+  const auto ts = with(make(9));
+  const auto before = arena.snapshot();
+  const std::int32_t found_inf = 1;
+  ref::lion_step(ts, LionConfig{}, {}, &found_inf);
+  EXPECT_TRUE(arena.same(before));
+  ref::lion_step(ts, LionConfig{});
+  EXPECT_FALSE(arena.same(before));
+}
+
+// docs/numerics.md 8d: lr and weight_decay finite and >= 0, f32(lr) finite, lr * wd <= 1,
+// betas finite in [0, 1] (both ends allowed); the read scalars as every optimizer's.
+TEST_F(LionFixture, HyperParameters) {
+  auto cfg = [](auto set) {
+    LionConfig c;
+    set(c);
+    return c;
+  };
+  const auto t = with(make(9));
+  struct Field {
+    const char* name;
+    double LionConfig::*member;
+  };
+  for (const Field f :
+       {Field{"config.lr", &LionConfig::lr}, Field{"config.beta1", &LionConfig::beta1},
+        Field{"config.beta2", &LionConfig::beta2},
+        Field{"config.weight_decay", &LionConfig::weight_decay}}) {
+    SCOPED_TRACE(f.name);
+    expect(t, cfg([&](LionConfig& c) { c.*f.member = kNaN; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](LionConfig& c) { c.*f.member = kInf; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](LionConfig& c) { c.*f.member = -kInf; }), {}, Errc::non_finite, {f.name});
+    expect(t, cfg([&](LionConfig& c) { c.*f.member = -1e-3; }), {}, Errc::invalid_argument,
+           {f.name});
+    expect(t, cfg([&](LionConfig& c) { c.*f.member = -std::numeric_limits<double>::min(); }), {},
+           Errc::invalid_argument, {f.name});
+    EXPECT_NO_THROW(ref::lion_step(with(make(4)), cfg([&](LionConfig& c) { c.*f.member = 0.0; })));
+  }
+  for (const char* beta : {"config.beta1", "config.beta2"}) {
+    SCOPED_TRACE(beta);
+    auto set = [&](LionConfig& c, double v) { (beta[11] == '1' ? c.beta1 : c.beta2) = v; };
+    expect(t, cfg([&](LionConfig& c) { set(c, 1.0000001); }), {}, Errc::invalid_argument, {beta});
+    EXPECT_NO_THROW(ref::lion_step(with(make(4)), cfg([&](LionConfig& c) { set(c, 1.0); })));
+  }
+  expect(t, cfg([](LionConfig& c) { c.lr = 1e39; }), {}, Errc::out_of_range, {"config.lr"});
+  expect(t, cfg([](LionConfig& c) {
+           c.lr = 0.5;
+           c.weight_decay = 2.5;
+         }),
+         {}, Errc::invalid_argument, {"config.weight_decay"});
+  EXPECT_NO_THROW(ref::lion_step(with(make(4)), cfg([](LionConfig& c) {
+                                   c.lr = 0.5;
+                                   c.weight_decay = 2.0;
+                                 })));
+  const LionConfig c;
+  expect(t, c, {0.0f, 1.0f}, Errc::invalid_argument, {"read.scale"});
+  expect(t, c, {kNaNf, 1.0f}, Errc::non_finite, {"read.scale"});
+  expect(t, c, {1.0f, 1.5f}, Errc::invalid_argument, {"read.clip"});
+}
+
+// One exp_avg slot and no step counter: the others, and a counter, are named.
+TEST_F(LionFixture, OneSlotAndNoCounter) {
+  auto bad = [&](auto mutate) {
+    OptimizerTensor t = make(6);
+    mutate(t);
+    return with(t);
+  };
+  const LionConfig c;
+  expect(bad([](OptimizerTensor& t) { t.state[0] = {}; }), c, {}, Errc::size_mismatch,
+         {"tensors[2].exp_avg"});
+  expect(bad([&](OptimizerTensor& t) {
+           t.state[1] = {arena.alloc<float>(6), 6, DType::f32};
+         }),
+         c, {}, Errc::invalid_argument, {"tensors[2].state[1]"});
+  expect(bad([&](OptimizerTensor& t) { t.step = arena.alloc<float>(1); }), c, {},
+         Errc::invalid_argument, {"tensors[2].step"});
+  expect(bad([](OptimizerTensor& t) {
+           t.state_src[0] = {static_cast<float*>(t.param.data) + 1, 6, DType::f32};
+         }),
+         c, {}, Errc::overlap, {"tensors[2].exp_avg_src"});
 }
 
 // ---- Adam, and AdamW on OptimizerTensors (amsgrad, maximize) ---------------------------

@@ -8,13 +8,14 @@
 #include "core/optimizers/adagrad.hpp"
 #include "core/optimizers/adam.hpp"
 #include "core/optimizers/adamw.hpp"
+#include "core/optimizers/lion.hpp"
 #include "core/optimizers/sgd.hpp"
 #include "core/optimizers/sign_sgd.hpp"
 #include "core/optimizers/unit.hpp"
 
 namespace stepcore::detail {
 
-using AllUnits = UnitList<AdamW, SignSgd, Adam, Sgd, Adagrad>;
+using AllUnits = UnitList<AdamW, SignSgd, Adam, Sgd, Adagrad, Lion>;
 
 /// OptimizerConfig (stepcore/optim.hpp) holds the units' configurations in AllUnits'
 /// order: alternative i is unit i's Config.

@@ -96,6 +96,16 @@ struct AdagradConfig {
   bool maximize = false;
 };
 
+/// Lion hyper-parameters (Chen et al. 2023; docs/numerics.md 8d, stepcore's own bit-level
+/// definition: torch has no Lion). Decoupled weight decay; one state slot, exp_avg; no step
+/// counter. Values are given in double, as a Python trainer holds them.
+struct LionConfig {
+  double lr = 1e-4;
+  double beta1 = 0.9;   ///< the update's interpolation: sign(beta1*m + (1-beta1)*g)
+  double beta2 = 0.99;  ///< the momentum's: m = beta2*m + (1-beta2)*g
+  double weight_decay = 0.0;
+};
+
 /// How a hyper-parameter relates to parameter groups and to checkpoints.
 enum class HyperRole : std::uint8_t {
   schedule,  ///< lr, weight_decay: each group's, changed per step by a schedule
@@ -185,12 +195,23 @@ struct OptimizerTraits<AdagradConfig> {
       {"maximize", HyperRole::fixed, &C::maximize}};
 };
 
+template <>
+struct OptimizerTraits<LionConfig> {
+  using C = LionConfig;
+  static constexpr const char* kName = "lion";
+  static constexpr HyperField<C> kFields[] = {
+      {"lr", HyperRole::schedule, &C::lr},
+      {"beta1", HyperRole::fixed, &C::beta1},
+      {"beta2", HyperRole::fixed, &C::beta2},
+      {"weight_decay", HyperRole::schedule, &C::weight_decay}};
+};
+
 /// Any optimizer's hyper-parameters: one alternative per optimizer unit, in the order of
 /// core/optimizers/all.hpp (a static_assert there keeps the two lists equal). The
 /// generic entry points (devices, managers, the Python binding) take this; the
 /// alternative held selects the optimizer.
 using OptimizerConfig =
-    std::variant<AdamWConfig, SignSgdConfig, AdamConfig, SgdConfig, AdagradConfig>;
+    std::variant<AdamWConfig, SignSgdConfig, AdamConfig, SgdConfig, AdagradConfig, LionConfig>;
 
 /// How a gradient element g of storage type T is read by every operation that
 /// accepts it (docs/numerics.md, "Gradient read"):

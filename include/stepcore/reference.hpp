@@ -64,6 +64,14 @@ void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config,
 void adagrad_step(std::span<const OptimizerTensor> tensors, const AdagradConfig& config,
                   GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
+/// One Lion update (docs/numerics.md 8d, stepcore's own definition) of every tensor: param
+/// and its exp_avg (state[0]; no step counter), in place or out of place from param_src /
+/// state_src[0], in f32, bf16 or f16 (7.3). Gradients are read with `read`; when
+/// `found_inf` is non-null and *found_inf != 0 nothing is written.
+/// Determinism: bitwise (the definition itself).
+void lion_step(std::span<const OptimizerTensor> tensors, const LionConfig& config,
+               GradientRead read = {}, const std::int32_t* found_inf = nullptr);
+
 /// One step of the optimizer `config` holds (the function of that optimizer above).
 /// Determinism: bitwise (the definition itself).
 void optimizer_step(std::span<const OptimizerTensor> tensors, const OptimizerConfig& config,

@@ -25,7 +25,7 @@ import torch
 
 from . import _core
 
-__all__ = ["Adagrad", "Adam", "AdamW", "GradientManager", "SGD", "SignSGD",
+__all__ = ["Adagrad", "Adam", "AdamW", "GradientManager", "Lion", "SGD", "SignSGD",
            "clip_grad_norm_"]
 
 # The param dtypes the optimizers step: the one place to lift when the engine steps
@@ -721,6 +721,46 @@ class Adagrad(_EngineOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self.state[p]["sum"].share_memory_()
+
+
+# ---- Lion ----------------------------------------------------------------------------
+
+
+class Lion(_EngineOptimizer):
+    """Lion on stepcore's CPU engine (docs/numerics.md 8d; torch has none):
+    p -= lr*sign(beta1*m + (1-beta1)*g) with decoupled weight decay, then
+    m = beta2*m + (1-beta2)*g. The arguments and state layout of lion-pytorch (one
+    `exp_avg` per param, no step counter); GradScaler as the fused torch optimizers."""
+
+    _COUNTER = None
+    _REFUSED_GROUP_KEYS = ()
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, threads=0,
+                 isa=None):
+        """Creates the optimizer; every group's hyper-parameters are checked by the engine
+        (ValueError naming the group's key)."""
+        self._setup(params, dict(lr=lr, betas=betas, weight_decay=weight_decay), isa, threads)
+        for gi, group in enumerate(self.param_groups):
+            self._group_hyper(gi, group)
+
+    def _engine_name(self, group):
+        return "lion"
+
+    def _hyper(self, where, group):
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"stepcore.torch: {where}['betas'] must be a pair, got {betas!r}")
+        return dict(lr=_scalar(group["lr"], f"{where}['lr']"),
+                    beta1=_scalar(betas[0], f"{where}['betas'][0]"),
+                    beta2=_scalar(betas[1], f"{where}['betas'][1]"),
+                    weight_decay=_scalar(group["weight_decay"], f"{where}['weight_decay']"))
+
+    def _slot_keys(self, group):
+        return ("exp_avg",)
+
+    def _init_state(self, p, group, st):
+        """lion-pytorch's state: exp_avg, zeros (created on the param's first step)."""
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 # ---- SignSGD -------------------------------------------------------------------------

@@ -215,7 +215,7 @@ def test_state_slots_are_named_and_imported_by_name():
     with pytest.raises(ValueError, match="sgd.nesterov"):
         core.GradientManager("full", specs(), optimizer="sgd", hyper={"nesterov": 0.5})
     with pytest.raises(ValueError, match="optimizer"):
-        core.GradientManager("full", specs(), optimizer="lion")
+        core.GradientManager("full", specs(), optimizer="muon")
     m.close()
 
 

@@ -531,7 +531,7 @@ def test_bad_state_names_it_and_changes_nothing(name, opts):
 
 def test_optimizers_lists_every_engine_optimizer_with_its_keys():
     opts = stepcore.optimizers()
-    assert list(opts) == ["adamw", "sign_sgd", "adam", "sgd", "adagrad"]
+    assert list(opts) == ["adamw", "sign_sgd", "adam", "sgd", "adagrad", "lion"]
     assert list(opts["sgd"]) == ["lr", "momentum", "dampening", "weight_decay", "nesterov",
                                  "maximize", "torch_tail_width"]
     assert opts["adagrad"]["eps"] == 1e-10 and opts["adamw"]["formula"] == "torch"

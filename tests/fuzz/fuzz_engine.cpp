@@ -1,6 +1,6 @@
 // libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
 // the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
-// Adam, SGD, Adagrad; accumulate, scale_, norm_partial of order 2 or 1, p_norm of the other
+// Adam, SGD, Adagrad, Lion; accumulate, scale_, norm_partial of order 2 or 1, p_norm of the other
 // orders, the order a fuzzed choice), and the generic device step
 // (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
 // its inputs in "device memory" it reads when it runs) on random tensor
@@ -97,6 +97,8 @@ struct Case {
   AdamConfig adam;
   SgdConfig sgd;
   AdagradConfig adagrad;
+  LionConfig lion;
+  bool lion_for_adagrad = false;  // op 7 runs Lion (decoded last: older inputs keep Adagrad)
   GradientRead read;
   float factor = 1.0f;
   bool found_inf_given = false;
@@ -238,7 +240,28 @@ Case decode(fuzz::Input& in) {
   c.device = in.flag();
   c.hyper = in.flag();
   c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
+  c.lion.lr = fuzz::special(in);
+  c.lion.beta1 = fuzz::special(in);
+  c.lion.beta2 = fuzz::special(in);
+  c.lion.weight_decay = fuzz::special(in);
+  c.lion_for_adagrad = in.flag();
   return c;
+}
+
+// The configuration an optimizer op runs (ops 0, 1, 5, 6, 7).
+OptimizerConfig config_of(const Case& c) {
+  switch (c.op) {
+    case 0:
+      return c.adamw;
+    case 1:
+      return c.sign;
+    case 5:
+      return c.adam;
+    case 6:
+      return c.sgd;
+    default:
+      return c.lion_for_adagrad ? OptimizerConfig(c.lion) : OptimizerConfig(c.adagrad);
+  }
 }
 
 // The host device the device cases run on: any host memory is its "device memory".
@@ -332,10 +355,7 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
         }
         const std::span<const OptimizerTensor> ts(t);
         if (e && c.device) {
-          const OptimizerConfig config = c.op == 5   ? OptimizerConfig(c.adam)
-                                         : c.op == 6 ? OptimizerConfig(c.sgd)
-                                                     : OptimizerConfig(c.adagrad);
-          device_step(ts, config, c, *table);
+          device_step(ts, config_of(c), c, *table);
         } else if (c.op == 5) {
           if (e)
             e->step(ts, c.adam, c.read, fi);
@@ -346,6 +366,11 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
             e->step(ts, c.sgd, c.read, fi);
           else
             reference::sgd_step(ts, c.sgd, c.read, fi);
+        } else if (c.lion_for_adagrad) {
+          if (e)
+            e->step(ts, c.lion, c.read, fi);
+          else
+            reference::lion_step(ts, c.lion, c.read, fi);
         } else {
           if (e)
             e->step(ts, c.adagrad, c.read, fi);
@@ -458,11 +483,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         std::memcpy(original.bytes.data() + st.offset, &three, 4);
       }
     }
-    const OptimizerConfig config = c.op == 0   ? OptimizerConfig(c.adamw)
-                                   : c.op == 1 ? OptimizerConfig(c.sign)
-                                   : c.op == 5 ? OptimizerConfig(c.adam)
-                                   : c.op == 6 ? OptimizerConfig(c.sgd)
-                                               : OptimizerConfig(c.adagrad);
+    const OptimizerConfig config = config_of(c);
     try {
       table = gpu::make_optimizer_table(config);
     } catch (const Error& err) {
