@@ -255,8 +255,13 @@ class OptimizerRows {
       OptimizerTensor& t = tensors_[r];
       try {
         t.param = cpu_view(p, "params", r, Access::write);
-        // The param dtypes the engine steps (stepcore.torch's _PARAM_DTYPES; f32 for now).
-        if (t.param.dtype != DType::f32) return false;
+        // The param dtypes the engine steps (stepcore.torch's _PARAM_DTYPES: f32, bf16, f16),
+        // each state slot in the param's dtype (docs/numerics.md 7.3).
+        if (t.param.dtype != DType::f32 && t.param.dtype != DType::bf16 &&
+            t.param.dtype != DType::f16)
+          return false;
+        for (int s = 0; s < slots_; ++s)
+          if (t.state[s].dtype != t.param.dtype) return false;
         const nb::handle read = grads ? nb::handle((*grads)[r]) : nb::handle(grad);
         const TensorView gv = cpu_view(read, "grads", r, Access::read);
         if (gv.numel != t.param.numel) return false;

@@ -28,9 +28,10 @@ from . import _core
 __all__ = ["Adagrad", "Adam", "AdamW", "GradientManager", "Lion", "SGD", "SignSGD",
            "clip_grad_norm_"]
 
-# The param dtypes the optimizers step: the one place to lift when the engine steps
-# bf16/f16 params (the cached rows' C check, python/src/module.cpp, mirrors it).
-_PARAM_DTYPES = (torch.float32,)
+# The param dtypes the optimizers step (the cached rows' C check, python/src/module.cpp,
+# mirrors it): f32, and bf16/f16 with the state in the param's dtype, as torch's fused
+# kernels keep it (math in f32, each store rounded to nearest even: docs/numerics.md 7.3).
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -80,10 +81,9 @@ def _check_param(p, name: str) -> None:
             why = ("stepcore's optimizers compute in float32 (torch's fused kernels compute "
                    "float64 params in float64)")
         else:
-            why = "not yet (keep float32 master params; a compute copy can receive bf16/f16)"
+            why = "stepcore steps float32, bfloat16 and float16 params"
         raise NotImplementedError(
-            f"stepcore.torch: '{name}' has dtype {p.dtype}; non-float32 params are not "
-            f"supported: {why}")
+            f"stepcore.torch: '{name}' has dtype {p.dtype}; it is not supported: {why}")
     _check_tensor(p, name, _PARAM_DTYPES, role="param")
 
 
@@ -229,8 +229,11 @@ class _EngineOwner:
             return None
         for (i, p, _), c in zip(entries, computes):
             if c is not None:
-                _check_tensor(c, f"compute copy of param_groups[{gi}]['params'][{i}]",
-                              _COMPUTE_DTYPES, numel=p.numel(), role="compute copy")
+                name = f"compute copy of param_groups[{gi}]['params'][{i}]"
+                if p.dtype != torch.float32:
+                    raise ValueError(f"stepcore.torch: '{name}': a {p.dtype} param is its own "
+                                     "compute copy (compute copies are for float32 params)")
+                _check_tensor(c, name, _COMPUTE_DTYPES, numel=p.numel(), role="compute copy")
         return [None if c is None else c.detach() for c in computes]
 
 
@@ -364,7 +367,7 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
             if k not in st:
                 raise ValueError(f"stepcore.torch: '{name}' has no '{k}' (a state_dict of "
                                  "another configuration?)")
-            _check_tensor(st[k], f"{name}['{k}']", (torch.float32,), numel=p.numel())
+            _check_tensor(st[k], f"{name}['{k}']", (p.dtype,), numel=p.numel())  # torch's
         return st, fresh
 
     def _drop_created(self, created, keep=frozenset()) -> None:

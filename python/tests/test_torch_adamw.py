@@ -392,8 +392,8 @@ def test_unsupported_options_raise(option):
 def test_unsupported_params_raise():
     with pytest.raises(NotImplementedError, match="fused"):
         st.AdamW([torch.nn.Parameter(torch.zeros(2))], fused=False)
-    with pytest.raises(NotImplementedError, match="non-float32 params"):
-        st.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+    with pytest.raises(NotImplementedError, match="float64.*compute in float32"):
+        st.AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     with pytest.raises(NotImplementedError, match="non-CPU params"):
         st.AdamW([torch.nn.Parameter(torch.zeros(2, device="meta"))])
     with pytest.raises(NotImplementedError, match="non-CPU params"):
@@ -441,7 +441,7 @@ def test_add_param_group_checks_the_group():
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "betas": (1.5, 0.9)})
     with pytest.raises(NotImplementedError, match="capturable"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "capturable": True})
-    with pytest.raises(NotImplementedError, match="non-float32"):
+    with pytest.raises(NotImplementedError, match="float64"):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2).double())]})
     assert len(o.param_groups) == 1
     o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.5})
@@ -655,8 +655,11 @@ def test_cached_step_with_grad_scale_and_compute_copy_equals_torch():
     ("grad_data_non_contiguous", ValueError,
      r"param_groups\[1\]\['params'\]\[0\]\.grad.*contiguous"),
     ("grad_replaced_float64", TypeError, r"param_groups\[1\]\['params'\]\[0\]\.grad.*float64"),
-    ("param_data_bf16", NotImplementedError,
-     r"param_groups\[1\]\['params'\]\[0\].*non-float32"),
+    ("param_data_float64", NotImplementedError,
+     r"param_groups\[1\]\['params'\]\[0\].*float64"),
+    # a bf16 param takes its state in bf16 (torch's layout): the f32 exp_avg is named
+    ("param_data_bf16", TypeError,
+     r"param_groups\[1\]\['params'\]\[0\]\['exp_avg'\].*float32; expected bfloat16"),
     ("state_replaced_float64", TypeError,
      r"param_groups\[1\]\['params'\]\[0\].*exp_avg.*float64"),
     ("step_written_in_place", ValueError, r"param_groups\[1\]\['params'\]\[0\].*step"),
@@ -672,6 +675,8 @@ def test_bad_input_on_the_cached_path_names_argument_and_changes_nothing(breakag
         p.grad.data = torch.randn(24)[::2]  # the same grad object, new storage
     elif breakage == "grad_replaced_float64":
         p.grad = torch.randn(12, dtype=torch.float64)
+    elif breakage == "param_data_float64":
+        p.data = torch.zeros(12, dtype=torch.float64)
     elif breakage == "param_data_bf16":
         p.data = torch.zeros(12, dtype=torch.bfloat16)
     elif breakage == "state_replaced_float64":

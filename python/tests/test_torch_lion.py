@@ -3,7 +3,7 @@ written here in single torch/numpy f32 operations (torch has no Lion to compare 
 
 Every ISA, tensor sizes 0, 1, 7-9, 31-33, 1023-1025 and one ~10^6 case, 10 steps with two
 param groups and a LambdaLR schedule, AMP grad_scale/found_inf: params and exp_avg equal the
-transliteration bit for bit after every step. Also: the sign's edges (zeros, NaN), the
+transliteration bit for bit after every step, in f32, bf16 and f16. Also: the sign's edges (zeros, NaN), the
 state_dict round trip, bad hyper-parameters named before anything is written, and Lion
 through GradientManager-free Engine.step by name.
 """
@@ -113,6 +113,13 @@ def run_against_transliteration(opts, sizes, isa, steps=10, amp=AMP, seed=0, thr
                          or "defaults")
 def test_lion_equals_its_transliteration(opts, isa):
     run_against_transliteration(opts, SIZES, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("opts", OPTIONS[:3], ids=["defaults", "wd", "betas-wd"])
+def test_lion_16bit_params_keep_their_state_in_their_dtype(opts, dtype, isa):
+    run_against_transliteration(opts, SIZES, isa, dtype=dtype)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -68,12 +68,24 @@ def case_id(case):
     return name + "-" + ",".join(f"{k}={text(v)}" for k, v in opts.items())
 
 
-def run_against_torch(name, opts, sizes, isa, steps=10, amp=AMP, seed=0, threads=0):
+def assert_torch_bits(a, b, what):
+    """assert_bits, except that an f16 NaN is compared as NaN-ness: stepcore stores every
+    f16 NaN as 0x7E00, torch keeps the sign of the f32 NaN (docs/numerics.md 2, 7.3)."""
+    if a.dtype == torch.float16:
+        nan_a, nan_b = torch.isnan(a.detach()), torch.isnan(b.detach())
+        assert torch.equal(nan_a, nan_b), f"{what}: NaN at different elements"
+        a, b = a.detach().masked_fill(nan_a, 0.0), b.detach().masked_fill(nan_b, 0.0)
+    assert_bits(a, b, what)
+
+
+def run_against_torch(name, opts, sizes, isa, steps=10, amp=AMP, seed=0, threads=0,
+                      dtype=torch.float32):
     """Steps the stepcore drop-in and torch's fused optimizer side by side (two groups, a
-    LambdaLR) and checks params, state (keys and bits) and grads after every step."""
+    LambdaLR) and checks params, state (keys and bits) and grads after every step. Params,
+    their grads and (as torch keeps it) their state in `dtype`."""
     ours_cls, torch_cls, _ = PAIRS[name]
     gen = torch.Generator().manual_seed(seed)
-    init = [torch.randn(n, generator=gen) for n in sizes]
+    init = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     ours = [torch.nn.Parameter(x.clone()) for x in init]
     ref = [torch.nn.Parameter(x.clone()) for x in init]
     half = len(sizes) // 2
@@ -87,7 +99,7 @@ def run_against_torch(name, opts, sizes, isa, steps=10, amp=AMP, seed=0, threads
     schedulers = [torch.optim.lr_scheduler.LambdaLR(x, schedule) for x in (o, r)]
     for k in range(steps):
         for p, q in zip(ours, ref):
-            g = make_grad(p.numel(), gen)
+            g = make_grad(p.numel(), gen).to(dtype)
             p.grad, q.grad = g.clone(), g.clone()
         scale, found = amp.get(k, (None, None))
         for x in (o, r):
@@ -99,11 +111,11 @@ def run_against_torch(name, opts, sizes, isa, steps=10, amp=AMP, seed=0, threads
             s.step()
         for i, (p, q) in enumerate(zip(ours, ref)):
             what = f"{name} {opts} isa={isa} step {k} param {i} (n={p.numel()})"
-            assert_bits(p, q, what + " param")
-            assert_bits(p.grad, q.grad, what + " grad (unscaled in place)")
+            assert_torch_bits(p, q, what + " param")
+            assert_torch_bits(p.grad, q.grad, what + " grad (unscaled in place)")
             assert list(o.state.get(p, {})) == list(r.state.get(q, {})), what + " state keys"
             for key, value in r.state.get(q, {}).items():
-                assert_bits(o.state[p][key], value, f"{what} {key}")
+                assert_torch_bits(o.state[p][key], value, f"{what} {key}")
     assert len(o.state) == len(r.state)
     return o, r
 
@@ -112,6 +124,36 @@ def run_against_torch(name, opts, sizes, isa, steps=10, amp=AMP, seed=0, threads
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_bitwise_vs_torch_fused(case, isa):
     run_against_torch(*case, SIZES, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_16bit_params_bitwise_vs_torch_fused(case, dtype, isa):
+    """bf16/f16 params keep their state in their dtype, as torch's fused kernels: math in
+    f32, each store rounded to nearest even (docs/numerics.md 7.3); torch's vector holds 16
+    lanes of a 16-bit type, so its tail is the last numel mod 16 elements."""
+    run_against_torch(*case, SIZES, isa, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", [("AdamW", dict(weight_decay=0.1)),
+                                  ("SGD", dict(momentum=0.9, weight_decay=0.1)),
+                                  ("Adagrad", dict(lr_decay=0.01))], ids=case_id)
+def test_16bit_params_large_and_threads(case, dtype):
+    run_against_torch(*case, [BIG, 17], None, steps=3, amp={1: (3.0, 0.0)}, seed=2,
+                      threads=3, dtype=dtype)
+
+
+def test_16bit_param_refuses_a_compute_copy_before_writing():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    o = st.AdamW([p])
+    o.set_compute_copy(p, torch.empty(4, dtype=torch.float16))
+    p.grad = torch.ones(4, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"compute copy of param_groups\[0\]\['params'\]\[0\]"):
+        o.step()
+    assert_bits(p.detach(), torch.ones(4, dtype=torch.bfloat16), "param after the refused step")
+    assert not o.state.get(p)
 
 
 @pytest.mark.parametrize("case", [("Adam", dict(amsgrad=True, weight_decay=0.1)),
@@ -242,15 +284,21 @@ ROUND_TRIPS = [("Adam", dict(amsgrad=True, weight_decay=0.05)),
 
 @pytest.mark.parametrize("direction", ["torch_fused_to_stepcore", "torch_foreach_to_stepcore",
                                        "stepcore_to_torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("case", ROUND_TRIPS, ids=case_id)
-def test_state_dict_round_trip(case, direction):
+def test_state_dict_round_trip(case, direction, dtype):
     """3 steps by one side, its state_dict (and the scheduler's) loaded by the other, 3 more
-    steps: equal to torch's fused optimizer continuing from the same state_dict."""
+    steps: equal to torch's fused optimizer continuing from the same state_dict. Params (and
+    so their state) in `dtype`."""
     name, opts = case
     ours_cls, torch_cls, _ = PAIRS[name]
     gen = torch.Generator().manual_seed(11)
     sizes = [3, 17, 1025]
-    first = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+    first = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n in sizes]
+
+    def grads(ps):
+        return [g.to(dtype) for g in grads_for(ps, gen)]
 
     def groups(ps):
         return [{"params": ps[:1]}, {"params": ps[1:], "lr": 5e-3}]
@@ -263,7 +311,7 @@ def test_state_dict_round_trip(case, direction):
                         **opts)
     sched = torch.optim.lr_scheduler.LambdaLR(src, schedule)
     for _ in range(3):
-        apply(first, grads_for(first, gen))
+        apply(first, grads(first))
         src.step()
         sched.step()
     sd = copy.deepcopy(src.state_dict())
@@ -283,17 +331,17 @@ def test_state_dict_round_trip(case, direction):
     for group in dst.param_groups:
         assert group["fused"] is True  # torch continues with its fused kernel
     for k in range(3):
-        gs = grads_for(cont, gen)
+        gs = grads(cont)
         apply(cont, gs)
         apply(refp, gs)
         for x in (dst, ref, *scheds):
             x.step()
         for i, (a, b) in enumerate(zip(cont, refp)):
             what = f"{direction} continued step {k} param {i}"
-            assert_bits(a, b, what)
+            assert_torch_bits(a, b, what)
             assert list(dst.state.get(a, {})) == list(ref.state.get(b, {})), what
             for key, value in ref.state.get(b, {}).items():
-                assert_bits(dst.state[a][key], value, f"{what} {key}")
+                assert_torch_bits(dst.state[a][key], value, f"{what} {key}")
                 if key == "step":
                     assert value.dtype == torch.float32 and value.dim() == 0
     # the state_dict stepcore writes has torch's fused layout
@@ -482,16 +530,17 @@ def test_values_torch_takes_but_stepcore_bounds_refuse(name, kwargs, key):
         ours_cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
 
 
-@pytest.mark.parametrize("name", list(PAIRS))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
-def test_param_dtypes_other_than_float32_are_not_supported(name, dtype):
-    ours_cls = PAIRS[name][0]
-    match = "float64 params" if dtype == torch.float64 else "not yet"
-    with pytest.raises(NotImplementedError, match=f"non-float32 params.*{match}"):
+@pytest.mark.parametrize("name", list(PAIRS) + ["Lion", "SignSGD"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_param_dtypes_other_than_f32_bf16_f16_are_not_supported(name, dtype):
+    ours_cls = PAIRS[name][0] if name in PAIRS else getattr(st, name)
+    match = "compute in float32" if dtype == torch.float64 else "float32, bfloat16 and float16"
+    with pytest.raises(NotImplementedError, match=f"'params'\\]\\[0\\]' has dtype {dtype}.*{match}"):
         ours_cls([torch.nn.Parameter(torch.zeros(2, dtype=dtype))])
     o = ours_cls([torch.nn.Parameter(torch.zeros(2))])
-    with pytest.raises(NotImplementedError, match="non-float32"):
+    with pytest.raises(NotImplementedError, match=str(dtype)):
         o.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, dtype=dtype))]})
+    assert len(o.param_groups) == 1
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
