@@ -31,6 +31,7 @@
 #include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
+#include "stepcore/managers.hpp"  // optimizer_counts_steps
 #include "stepcore/gpu.hpp"
 #include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
@@ -621,7 +622,7 @@ void BM_AdamWOutOfPlace(benchmark::State& st) {
 
 /// The generic records of the benchmark model for a unit with `k` slots (m, v, then x),
 /// f32 gradients, bf16 copies.
-std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k) {
+std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k, bool counters) {
   std::vector<OptimizerTensor> t;
   float* slots[3] = {s.m.get(), s.v.get(), x.get()};
   for (std::size_t j = 0; j < s.sizes.size(); ++j) {
@@ -629,7 +630,7 @@ std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k) {
     OptimizerTensor a;
     a.param = {s.p.get() + o, n, DType::f32};
     for (int q = 0; q < k; ++q) a.state[q] = {slots[q] + o, n, DType::f32};
-    a.step = &s.steps[j];
+    a.step = counters ? &s.steps[j] : nullptr;
     a.grad = {s.gf32.get() + o, n, DType::f32};
     a.compute_param = {s.out.get() + o, n, DType::bf16};
     t.push_back(a);
@@ -645,6 +646,7 @@ void unit_benchmark(benchmark::State& st, const Config& cfg, Reference reference
                     const char* what) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
+  const bool counters = optimizer_counts_steps(OptimizerConfig(cfg));
   static Slab<float> x(s.total);  // the third slot (amsgrad's max)
 #pragma omp parallel for schedule(static)
   for (std::size_t i = 0; i < s.total; ++i) x.get()[i] = s.v.get()[i] * 2.0f;
@@ -667,7 +669,7 @@ void unit_benchmark(benchmark::State& st, const Config& cfg, Reference reference
       OptimizerTensor t;
       t.param = {v[0].data(), n, DType::f32};
       for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::f32};
-      t.step = &c;
+      t.step = counters ? &c : nullptr;
       t.grad = {s.gf32.get(), n, DType::f32};
       t.compute_param = {o.data(), n, DType::bf16};
       return t;
@@ -687,7 +689,7 @@ void unit_benchmark(benchmark::State& st, const Config& cfg, Reference reference
     if (std::memcmp(oa.data(), ob.data(), n * 2) != 0) validation_failed(what);
   }
   Slab<float>& xs = x;
-  auto tensors = generic_tensors(s, xs, K);
+  auto tensors = generic_tensors(s, xs, K, counters);
   const double bytes = static_cast<double>(s.total) * (8.0 * (1 + K) + 4.0 + 2.0);
   const int th = eng.threads();
   auto kernel = [&] {
@@ -739,6 +741,16 @@ void BM_Adagrad(benchmark::State& st) {
       "adagrad");
 }
 
+void BM_Lion(benchmark::State& st) {
+  LionConfig c;
+  c.lr = 1e-4;
+  c.weight_decay = 0.01;
+  unit_benchmark<LionConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const LionConfig& k) { reference::lion_step(t, k); },
+      "lion");
+}
+
 /// One optimizer unit's step with bf16 params, state and gradients (torch's fused bf16
 /// path, docs/numerics.md 7.3) through Engine::step, against the same-traffic bf16 probe.
 /// Validated first: two steps on a prefix of the model equal the reference's bit for bit.
@@ -747,6 +759,7 @@ void unit_benchmark_bf16(benchmark::State& st, const Config& cfg, Reference refe
                          const char* what) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
+  const bool counters = optimizer_counts_steps(OptimizerConfig(cfg));
   // The bf16 model: param and up to three slots, from the f32 model's values.
   static Slab<std::uint16_t> p16(s.total),
       slot16[3] = {Slab<std::uint16_t>(s.total), Slab<std::uint16_t>(s.total),
@@ -772,7 +785,7 @@ void unit_benchmark_bf16(benchmark::State& st, const Config& cfg, Reference refe
       OptimizerTensor t;
       t.param = {v[0].data(), n, DType::bf16};
       for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::bf16};
-      t.step = &c;
+      t.step = counters ? &c : nullptr;
       t.grad = {s.gbf16.get(), n, DType::bf16};
       return t;
     };
@@ -790,7 +803,7 @@ void unit_benchmark_bf16(benchmark::State& st, const Config& cfg, Reference refe
     OptimizerTensor a;
     a.param = {p16.get() + o, n, DType::bf16};
     for (int q = 0; q < K; ++q) a.state[q] = {slot16[q].get() + o, n, DType::bf16};
-    a.step = &s.steps[j];
+    a.step = counters ? &s.steps[j] : nullptr;
     a.grad = {s.gbf16.get() + o, n, DType::bf16};
     tensors.push_back(a);
   }
@@ -842,6 +855,15 @@ void BM_AdagradBf16Params(benchmark::State& st) {
         reference::adagrad_step(t, k);
       },
       "adagrad bf16 params");
+}
+void BM_LionBf16Params(benchmark::State& st) {
+  LionConfig c;
+  c.lr = 1e-4;
+  c.weight_decay = 0.01;
+  unit_benchmark_bf16<LionConfig, 1>(
+      st, c,
+      [](std::span<const OptimizerTensor> t, const LionConfig& k) { reference::lion_step(t, k); },
+      "lion bf16 params");
 }
 
 void BM_SignSgd(benchmark::State& st) {
@@ -1110,6 +1132,11 @@ BENCHMARK(BM_Adagrad)
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
+BENCHMARK(BM_Lion)
+    ->Name("Lion/f32grad/bf16out")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 BENCHMARK(BM_AdamWBf16Params)
     ->Name("AdamW/bf16params")
     ->Apply(isa_thread_args)
@@ -1127,6 +1154,11 @@ BENCHMARK(BM_SgdBf16Params)
     ->UseRealTime();
 BENCHMARK(BM_AdagradBf16Params)
     ->Name("Adagrad/bf16params")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_LionBf16Params)
+    ->Name("Lion/bf16params")
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
