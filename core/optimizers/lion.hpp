@@ -101,18 +101,16 @@ struct Lion {
           apply_decay(s.apply_decay) {}
   };
 
-  /// docs/numerics.md 8d. u and the new m are three roundings each (no FMA). sign(u):
-  /// +1, -1, +0 for either zero, the NaN for a NaN (ordered compares are false on a NaN,
-  /// so the selects keep u). s * neg_lr is exact, so the separate multiply and add round
-  /// once; +0 * neg_lr = -0 leaves every p (signed zeros included) as it was.
+  /// docs/numerics.md 8d. u and the new m are three roundings each (no FMA); sign(u) is
+  /// spec_sign's. s * neg_lr is exact, so the separate multiply and add round once;
+  /// +0 * neg_lr = -0 leaves every p (signed zeros included) as it was.
   template <class Ops, int V, bool Tail>
   STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
                                         typename Ops::F* st) {
     using F = typename Ops::F;
     const F m = st[0];
     const F u = Ops::add(Ops::mul(k.b1, m), Ops::mul(k.c1, g));
-    F s = Ops::select(Ops::gt(u, k.zero), k.one, Ops::select(Ops::lt(u, k.zero), k.minus_one, u));
-    s = Ops::select(Ops::eq(u, k.zero), k.zero, s);
+    const F s = spec_sign<Ops>(u, k.zero, k.one, k.minus_one);
     if (k.apply_decay) p = Ops::fma(p, k.neg_lrwd, p);
     p = Ops::add(p, Ops::mul(s, k.neg_lr));
     st[0] = Ops::add(Ops::mul(k.b2, m), Ops::mul(k.c2, g));

@@ -61,15 +61,13 @@ struct SignSgd {
           apply_decay(s.apply_decay) {}
   };
 
-  /// sign(+-0) = +0, sign(NaN) = the NaN (ordered compares are false on a NaN, so the
-  /// selects keep g there). fma(sg, -lr, p) with sg in {+-1, +0, NaN}: the product is
-  /// exact, so the separate multiply and add round once, like the FMA.
+  /// sign(g) is spec_sign's (+0 for either zero, the NaN for a NaN). fma(sg, -lr, p) with
+  /// sg in {+-1, +0, NaN}: the product is exact, so the separate multiply and add round
+  /// once, like the FMA.
   template <class Ops, int V, bool Tail>
   STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
                                         typename Ops::F* /*st*/) {
-    using F = typename Ops::F;
-    F sg = Ops::select(Ops::gt(g, k.zero), k.one, Ops::select(Ops::lt(g, k.zero), k.minus_one, g));
-    sg = Ops::select(Ops::eq(g, k.zero), k.zero, sg);
+    const typename Ops::F sg = spec_sign<Ops>(g, k.zero, k.one, k.minus_one);
     if (k.apply_decay) p = Ops::fma(p, k.neg_lr_wd, p);
     p = Ops::add(p, Ops::mul(sg, k.neg_lr));
   }

@@ -132,6 +132,17 @@ struct StepInputs {
   const double* row = nullptr;  ///< the unit's kTableColumns table values of step t
 };
 
+/// sign(x) as docs/numerics.md 8 (SignSGD) and 8d (Lion) define it, in Ops' selects: +1,
+/// -1, +0 for either zero, and the NaN itself for a NaN (ordered compares are false on a
+/// NaN, so the selects keep x). `zero`, `one`, `minus_one`: the splatted constants.
+template <class Ops>
+STEPCORE_HD_INLINE typename Ops::F spec_sign(typename Ops::F x, typename Ops::F zero,
+                                             typename Ops::F one, typename Ops::F minus_one) {
+  const typename Ops::F s =
+      Ops::select(Ops::gt(x, zero), one, Ops::select(Ops::lt(x, zero), minus_one, x));
+  return Ops::select(Ops::eq(x, zero), zero, s);
+}
+
 /// Host: the Scalars of one tensor of unit Opt whose counter holds `step` (after its
 /// increment), with lr and weight decay from the config: the table row from
 /// Opt::table_entry, then Opt::step_scalars, in the spec's floating-point environment.

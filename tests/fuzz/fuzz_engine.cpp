@@ -11,6 +11,7 @@
 // both throw the same Errc and the engine's arena is unchanged (all-or-nothing).
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -474,6 +475,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool optimizer = c.op == 0 || c.op == 1 || c.op >= 5;
   // The device steps f32 params only (docs/numerics.md 7.3: the CPU engine's bf16/f16).
   if (!optimizer || c.param_dtype != DType::f32) c.device = false;
+  for (int i = 0; i < c.n; ++i)  // a mixed list: one param in another dtype
+    if (c.slots[i][0].dtype != DType::f32) c.device = false;
   if (c.device) {
     c.read = GradientRead{0.5f, 0.75f};
     for (int i = 0; i < c.n; ++i) {
@@ -496,8 +499,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   NormResult n_mine, n_ref;
   const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, &table, n_mine);
   const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, nullptr, n_ref);
-  if (e_mine != e_ref) __builtin_trap();  // the same checker on every path
-  if (e_mine) {                           // refused: nothing written
+  if (e_mine != e_ref) {  // the same checker on every path
+    std::fprintf(stderr, "fuzz_engine: op %d (device %d, lion %d): engine %d, reference %d\n", c.op,
+                 c.device ? 1 : 0, c.lion_for_adagrad ? 1 : 0,
+                 e_mine ? static_cast<int>(*e_mine) : -1, e_ref ? static_cast<int>(*e_ref) : -1);
+    __builtin_trap();
+  }
+  if (e_mine) {  // refused: nothing written
     if (std::memcmp(mine.bytes.data(), original.bytes.data(), kArenaBytes) != 0) __builtin_trap();
     return 0;
   }

@@ -311,7 +311,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         c.optimizer = adagrad;
         break;
       default:
-        break;  // SignSGD
+        if (o & 32) {  // Lion (else SignSGD)
+          LionConfig lion;
+          lion.beta1 = beta1;
+          lion.beta2 = beta2;
+          lion.weight_decay = o & 64 ? 0.1 : 0.0;
+          c.optimizer = lion;
+        }
+        break;
     }
   }
   c.device = dev.get();
