@@ -5,9 +5,12 @@
 #pragma once
 
 #include <cfenv>
+#include <cstdint>
 #if defined(__SSE__) || defined(__x86_64__)
 #include <xmmintrin.h>
 #define STEPCORE_HAVE_MXCSR 1
+#elif defined(__aarch64__)
+#define STEPCORE_HAVE_FPCR 1
 #endif
 
 namespace stepcore::detail {
@@ -21,6 +24,13 @@ class FpEnvGuard {
     // Clear FTZ (bit 15), DAZ (bit 6) and the rounding-control bits (13-14); keep
     // the exception masks and sticky flags as they are.
     _mm_setcsr(saved_csr_ & ~((1u << 15) | (1u << 6) | (3u << 13)));
+#elif defined(STEPCORE_HAVE_FPCR)
+    // Clear AH (bit 1, alternate handling), FZ16 (19), RMode (22-23: to nearest), FZ
+    // (24, flush-to-zero) and DN (25, default NaN); keep the trap enables.
+    saved_fpcr_ = get_fpcr();
+    const std::uint64_t want =
+        saved_fpcr_ & ~((1ull << 1) | (1ull << 19) | (3ull << 22) | (1ull << 24) | (1ull << 25));
+    if (want != saved_fpcr_) set_fpcr(want);
 #endif
     saved_round_ = std::fegetround();
     if (saved_round_ != FE_TONEAREST) std::fesetround(FE_TONEAREST);
@@ -28,6 +38,8 @@ class FpEnvGuard {
   ~FpEnvGuard() {
 #if defined(STEPCORE_HAVE_MXCSR)
     _mm_setcsr(saved_csr_);
+#elif defined(STEPCORE_HAVE_FPCR)
+    if (get_fpcr() != saved_fpcr_) set_fpcr(saved_fpcr_);
 #endif
     if (saved_round_ != FE_TONEAREST) std::fesetround(saved_round_);
   }
@@ -37,6 +49,14 @@ class FpEnvGuard {
  private:
 #if defined(STEPCORE_HAVE_MXCSR)
   unsigned saved_csr_ = 0;
+#elif defined(STEPCORE_HAVE_FPCR)
+  static std::uint64_t get_fpcr() noexcept {
+    std::uint64_t r;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(r));
+    return r;
+  }
+  static void set_fpcr(std::uint64_t r) noexcept { __asm__ volatile("msr fpcr, %0" : : "r"(r)); }
+  std::uint64_t saved_fpcr_ = 0;
 #endif
   int saved_round_ = FE_TONEAREST;
 };

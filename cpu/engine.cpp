@@ -2,7 +2,13 @@
 // partition, one OpenMP parallel region per call, and dispatch to the ISA's table.
 #include <omp.h>
 #include <sched.h>
+#if defined(__x86_64__)
 #include <xmmintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -24,6 +30,7 @@
 namespace stepcore::cpu {
 
 bool detail::isa_supported(Isa isa) {
+#if defined(__x86_64__)
   const auto arch = xsimd::available_architectures();
   switch (isa) {
     case Isa::sse2:
@@ -32,8 +39,24 @@ bool detail::isa_supported(Isa isa) {
       return arch.fma3_avx2;
     case Isa::avx512:
       return arch.avx512bw && arch.avx512dq;
+    case Isa::neon:
+      return false;  // not this build's target
   }
+#elif defined(__aarch64__)
+  // Advanced SIMD with IEEE double lanes is part of every AArch64 Linux processor; the
+  // hardware capability says so (and an emulator reports it).
+  if (isa == Isa::neon) return (getauxval(AT_HWCAP) & HWCAP_ASIMD) != 0;
+#endif
   return false;
+}
+
+/// After a thread's streaming (non-temporal) stores: x86's are weakly ordered and need a
+/// store fence before another thread may read them; other targets stream with ordinary
+/// stores (ArchOps::stream), ordered by the region's closing barrier.
+inline void fence_streamed_stores() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
 }
 
 namespace {
@@ -104,7 +127,7 @@ void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector
     const ::stepcore::detail::FpEnvGuard env;
     if (!cpus.empty()) numa::bind_this_thread(cpus.front());
     for (const Chunk& c : chunks) body(c);
-    if (fence) _mm_sfence();
+    if (fence) fence_streamed_stores();
     restore();
     return;
   }
@@ -125,7 +148,7 @@ void run_static(const std::vector<Chunk>& chunks, int threads, const std::vector
     const auto first = static_cast<std::size_t>(
         std::lower_bound(start.begin(), start.end() - 1, lo) - start.begin());
     for (std::size_t c = first; c < chunks.size() && start[c] < hi; ++c) body(chunks[c]);
-    if (fence) _mm_sfence();
+    if (fence) fence_streamed_stores();
   }
   restore();
 }
@@ -144,6 +167,8 @@ std::string_view isa_name(Isa isa) noexcept {
       return "avx2";
     case Isa::avx512:
       return "avx512";
+    case Isa::neon:
+      return "neon";
   }
   return "invalid";
 }
@@ -152,20 +177,22 @@ Isa parse_isa(std::string_view name, const char* argument) {
   if (name == "sse2") return Isa::sse2;
   if (name == "avx2") return Isa::avx2;
   if (name == "avx512") return Isa::avx512;
+  if (name == "neon") return Isa::neon;
   throw Error(Errc::invalid_argument, argument,
-              "unknown ISA '" + std::string(name) + "' (expected sse2, avx2 or avx512)");
+              "unknown ISA '" + std::string(name) + "' (expected sse2, avx2, avx512 or neon)");
 }
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  for (Isa i : {Isa::sse2, Isa::avx2, Isa::avx512})
+  for (Isa i : {Isa::sse2, Isa::avx2, Isa::avx512, Isa::neon})
     if (detail::isa_supported(i)) out.push_back(i);
   return out;
 }
 
 Isa best_isa() {
   const auto all = supported_isas();
-  if (all.empty()) throw Error(Errc::not_supported, "isa", "this processor lacks SSE2");
+  if (all.empty())
+    throw Error(Errc::not_supported, "isa", "this processor runs none of this build's ISAs");
   return all.back();
 }
 
@@ -181,7 +208,7 @@ Engine::Engine(EngineConfig config) {
     asked_by = "STEPCORE_ISA";
   }
   if (asked_by != nullptr) {
-    if (isa_ != Isa::sse2 && isa_ != Isa::avx2 && isa_ != Isa::avx512)
+    if (static_cast<int>(isa_) >= kIsaCount)
       throw Error(Errc::invalid_argument, asked_by, "not an Isa enumerator");
     if (!detail::isa_supported(isa_))
       throw Error(Errc::not_supported, asked_by,
@@ -193,7 +220,8 @@ Engine::Engine(EngineConfig config) {
                       self_test_.kernel + ": " + self_test_.detail);
   } else {
     const auto all = supported_isas();
-    if (all.empty()) throw Error(Errc::not_supported, "isa", "this processor lacks SSE2");
+    if (all.empty())
+      throw Error(Errc::not_supported, "isa", "this processor runs none of this build's ISAs");
     bool found = false;
     for (auto it = all.rbegin(); it != all.rend() && !found; ++it) {
       SelfTestResult r = cpu::self_test(*it);

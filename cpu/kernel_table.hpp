@@ -157,14 +157,17 @@ struct KernelTable {
 
 /// Each returns its ISA's table; defined in isa_<name>.cpp, compiled with that
 /// ISA's -m flags. Callers must check the processor supports the ISA first.
+/// x86-64 builds define the first three, aarch64 builds the last.
 const KernelTable& kernel_table_sse2();
 const KernelTable& kernel_table_avx2();
 const KernelTable& kernel_table_avx512();
+const KernelTable& kernel_table_neon();
 /// Each fills its ISA's streamed unit entries (UnitKernels::streamed); defined in
 /// isa_<name>_streamed.cpp, called by kernel_table_<name>().
 void fill_streamed_sse2(KernelTable& t);
 void fill_streamed_avx2(KernelTable& t);
 void fill_streamed_avx512(KernelTable& t);
+void fill_streamed_neon(KernelTable& t);
 
 /// Returns the range record of one tensor of unit Opt over `arrays` (the parameter, then
 /// each slot: destination and its optional source, all in the param's dtype), its counter

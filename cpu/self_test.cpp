@@ -438,10 +438,10 @@ bool check_norm(const KernelTable& t, Failure& fail) {
 
 struct Registry {
   std::mutex mutex;  ///< guards results and warned (not the hot-path table lookup)
-  std::optional<SelfTestResult> results[3];
-  bool warned[3] = {};
+  std::optional<SelfTestResult> results[kIsaCount];
+  bool warned[kIsaCount] = {};
   /// A test's replacement tables; read on every engine call, so atomic, not locked.
-  std::atomic<const KernelTable*> overrides[3] = {};
+  std::atomic<const KernelTable*> overrides[kIsaCount] = {};
 };
 
 Registry& registry() {
@@ -451,14 +451,22 @@ Registry& registry() {
 
 const KernelTable& builtin_table(Isa isa) {
   switch (isa) {
+#if defined(__x86_64__)
     case Isa::sse2:
       return detail::kernel_table_sse2();
     case Isa::avx2:
       return detail::kernel_table_avx2();
     case Isa::avx512:
       return detail::kernel_table_avx512();
+#elif defined(__aarch64__)
+    case Isa::neon:
+      return detail::kernel_table_neon();
+#endif
+    default:
+      break;
   }
-  throw Error(Errc::internal, "isa", "no kernel table");
+  throw Error(Errc::not_supported, "isa",
+              std::string(isa_name(isa)) + " has no kernels in this build (another target's ISA)");
 }
 
 /// The table engines of `isa` run: a test's replacement, else the built-in one.
@@ -514,7 +522,7 @@ const detail::KernelTable& builtin_kernel_table(Isa isa) { return builtin_table(
 }  // namespace testing
 
 SelfTestResult self_test(Isa isa) {
-  if (isa != Isa::sse2 && isa != Isa::avx2 && isa != Isa::avx512)
+  if (static_cast<int>(isa) >= kIsaCount)
     throw Error(Errc::invalid_argument, "isa", "not an Isa enumerator");
   if (!detail::isa_supported(isa))
     throw Error(Errc::not_supported, "isa",

@@ -12,8 +12,20 @@
 
 namespace stepcore::testing_support {
 
-/// Every ISA the engine has kernels for, lowest first.
-inline constexpr cpu::Isa kAllIsas[] = {cpu::Isa::sse2, cpu::Isa::avx2, cpu::Isa::avx512};
+/// Every ISA the engine has kernels for, lowest first (a build has its target's: x86-64
+/// sse2, avx2, avx512; aarch64 neon; the others are reported as not run).
+inline constexpr cpu::Isa kAllIsas[] = {cpu::Isa::sse2, cpu::Isa::avx2, cpu::Isa::avx512,
+                                        cpu::Isa::neon};
+
+/// The target's baseline ISA, which every processor of the target runs: sse2 on x86-64,
+/// neon on aarch64.
+inline cpu::Isa baseline_isa() {
+#if defined(__aarch64__)
+  return cpu::Isa::neon;
+#else
+  return cpu::Isa::sse2;
+#endif
+}
 
 /// Returns the ISAs this processor runs. The first call within each test prints a line
 /// per ISA the processor lacks ("[ NOT RUN  ] avx512 ...") so the log shows what this

@@ -3,7 +3,9 @@
 // and odd sizes, hundreds of tensors per call, misaligned pointers — on every ISA this
 // processor supports and with 1, 2, 3 and 7 threads.
 #include <gtest/gtest.h>
+#if defined(__x86_64__)
 #include <xmmintrin.h>
+#endif
 
 #include <algorithm>
 #include <array>
@@ -29,6 +31,22 @@
 #include "stepcore/reference.hpp"
 
 namespace {
+
+// The caller's floating-point control word (x86 MXCSR, aarch64 FPCR) and its flush bits,
+// for the test that sets them before calling the engine.
+#if defined(__x86_64__)
+constexpr std::uint64_t kFlushBits = (1u << 15) | (1u << 6);  // FTZ | DAZ
+std::uint64_t get_fp_control() { return _mm_getcsr(); }
+void set_fp_control(std::uint64_t v) { _mm_setcsr(static_cast<unsigned>(v)); }
+#elif defined(__aarch64__)
+constexpr std::uint64_t kFlushBits = 1ull << 24;  // FZ
+std::uint64_t get_fp_control() {
+  std::uint64_t r;
+  __asm__ volatile("mrs %0, fpcr" : "=r"(r));
+  return r;
+}
+void set_fp_control(std::uint64_t v) { __asm__ volatile("msr fpcr, %0" : : "r"(v)); }
+#endif
 
 using namespace stepcore;
 
@@ -316,7 +334,7 @@ TEST(CpuEngine, GenericStepOfEachOptimizerMatchesTheReferenceOnEveryIsaAndThread
 TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting) {
   Model m({5, 9}, DType::f32, 0, 3);
   const Model before = m;
-  const cpu::Engine e(cpu::EngineConfig{cpu::Isa::sse2, 1});
+  const cpu::Engine e(cpu::EngineConfig{testing_support::baseline_isa(), 1});
   auto expect_refused = [&](std::vector<OptimizerTensor> t, auto config, Errc code,
                             const std::string& arg) {
     try {
@@ -599,7 +617,7 @@ TEST(CpuEngine, LowPrecisionParamsRefuseMixedDtypesAndComputeOutputsBeforeWritin
     SlotModel other({5, 9}, DType::f32, 0, 3, 32, pd == DType::bf16 ? DType::f16 : DType::bf16);
     SlotModel wide({5, 9}, DType::f32, 2, 3, 33, DType::f32);
     const SlotModel before = m;
-    const cpu::Engine e(cpu::EngineConfig{cpu::Isa::sse2, 1});
+    const cpu::Engine e(cpu::EngineConfig{testing_support::baseline_isa(), 1});
     auto expect_refused = [&](std::vector<OptimizerTensor> t, auto config, Errc code,
                               const std::string& arg, auto reference) {
       for (int path = 0; path < 2; ++path) {
@@ -1445,8 +1463,8 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
   const NormPartial expected_norm = reference::norm_partial(gv, read);
   ASSERT_TRUE(finalize(expected_norm).norm > 0.0f);
 
-  const unsigned csr = _mm_getcsr();
-  _mm_setcsr(csr | (1u << 15) | (1u << 6));  // FTZ | DAZ
+  const std::uint64_t csr = get_fp_control();
+  set_fp_control(csr | kFlushBits);  // FTZ | DAZ (x86), FZ (aarch64)
   std::fesetround(FE_UPWARD);
   Model by_engine = base, by_reference = base;
   auto t1 = by_engine.adamw();
@@ -1455,13 +1473,12 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
   reference::adamw_step(t2, AdamWConfig{}, read);
   const NormResult engine_norm = cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).norm(gv, read);
   const NormPartial reference_norm = reference::norm_partial(gv, read);
-  const unsigned csr_after = _mm_getcsr();
+  const std::uint64_t csr_after = get_fp_control();
   const int round_after = std::fegetround();
   std::fesetround(FE_TONEAREST);
-  _mm_setcsr(csr);
+  set_fp_control(csr);
 
-  EXPECT_EQ(csr_after & ((1u << 15) | (1u << 6)), (1u << 15) | (1u << 6))
-      << "caller's MXCSR restored";
+  EXPECT_EQ(csr_after & kFlushBits, kFlushBits) << "caller's MXCSR / FPCR restored";
   EXPECT_EQ(round_after, FE_UPWARD) << "caller's rounding mode restored";
   EXPECT_TRUE(same_model(expected, by_engine));
   EXPECT_TRUE(same_model(expected, by_reference));
@@ -1473,25 +1490,37 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
 TEST(CpuEngine, IsaSelectionAndNames) {
   const auto isas = cpu::supported_isas();
   ASSERT_FALSE(isas.empty());
-  EXPECT_EQ(isas.front(), cpu::Isa::sse2);
+  EXPECT_EQ(isas.front(), testing_support::baseline_isa());
   EXPECT_EQ(cpu::best_isa(), isas.back());
   for (cpu::Isa isa : isas) {
     const cpu::Engine e(cpu::EngineConfig{isa, 1});
     EXPECT_EQ(e.isa(), isa);
     EXPECT_EQ(cpu::parse_isa(e.isa_name()), isa);
   }
-  EXPECT_THROW(cpu::parse_isa("neon"), Error);
+  EXPECT_THROW(cpu::parse_isa("sve"), Error);
+  EXPECT_EQ(cpu::parse_isa("neon"), cpu::Isa::neon);
+  // Another target's ISA is named, not run.
+  const cpu::Isa other =
+      testing_support::baseline_isa() == cpu::Isa::neon ? cpu::Isa::sse2 : cpu::Isa::neon;
+  try {
+    cpu::Engine e(cpu::EngineConfig{other, 1});
+    FAIL() << "another target's ISA accepted";
+  } catch (const Error& err) {
+    EXPECT_EQ(err.code(), Errc::not_supported);
+    EXPECT_EQ(err.argument(), "config.isa");
+  }
   std::printf("[ info     ] ISAs on this processor:");
   for (cpu::Isa isa : isas) std::printf(" %s", std::string(cpu::isa_name(isa)).c_str());
   std::printf("; best %s\n", std::string(cpu::isa_name(cpu::best_isa())).c_str());
 }
 
 TEST(CpuEngine, EnvironmentConfiguresIsaAndThreads) {
-  ::setenv("STEPCORE_ISA", "sse2", 1);
+  const std::string baseline(cpu::isa_name(testing_support::baseline_isa()));
+  ::setenv("STEPCORE_ISA", baseline.c_str(), 1);
   ::setenv("STEPCORE_THREADS", "3", 1);
   {
     const cpu::Engine e;
-    EXPECT_EQ(e.isa(), cpu::Isa::sse2);
+    EXPECT_EQ(e.isa(), testing_support::baseline_isa());
     EXPECT_EQ(e.threads(), 3);
   }
   ::setenv("OMP_NUM_THREADS", "1", 1);  // ignored by design

@@ -668,8 +668,8 @@ TEST(TrainerApi, AResumedRunEqualsTheUninterruptedOneInAnyModeThreadCountAndIsa)
       // Another thread count and every other ISA this processor runs (full offload's engine).
       const std::vector<cpu::Isa> isas = stepcore::testing_support::isas_under_test();
       for (cpu::Isa isa : isas)
-        pairs.push_back({"full sse2 1 thread -> full (2 threads, another ISA)",
-                         build_of(OffloadMode::full, 1, cpu::Isa::sse2),
+        pairs.push_back({"full baseline ISA 1 thread -> full (2 threads, another ISA)",
+                         build_of(OffloadMode::full, 1, stepcore::testing_support::baseline_isa()),
                          build_of(OffloadMode::full, 2, isa)});
       TempDir dir;
       for (const Pair& p : pairs) {

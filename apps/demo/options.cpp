@@ -45,7 +45,7 @@ options (--name value or --name=value):
   --seed N             seed of the synthetic weights and gradients (default 1)
   --backend B          implementation of the phases: cpu (default: stepcore::cpu::Engine,
                        SIMD + OpenMP) or reference (the scalar oracle, one thread)
-  --isa I              cpu engine ISA: sse2, avx2 or avx512 (default: STEPCORE_ISA,
+  --isa I              cpu engine ISA: sse2, avx2, avx512 or neon (default: STEPCORE_ISA,
                        else the best this processor runs)
   --threads N          cpu engine threads, also used to generate the synthetic
                        gradients (default: STEPCORE_THREADS, else one per core of the
@@ -194,7 +194,7 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     try {
       o.isa = sc::cpu::parse_isa(value, "--isa");
     } catch (const sc::Error&) {
-      throw UsageError("--isa: expected sse2, avx2 or avx512, got '" + value + "'");
+      throw UsageError("--isa: expected sse2, avx2, avx512 or neon, got '" + value + "'");
     }
   } else if (name == "--threads") {
     o.threads = static_cast<int>(parse_int(name, value, 1, 4096));

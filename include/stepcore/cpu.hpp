@@ -17,17 +17,22 @@
 
 namespace stepcore::cpu {
 
-/// An instruction set the engine has a compiled kernel body for.
+/// An instruction set the engine has a compiled kernel body for. A build has the kernels
+/// of its target's ISAs: x86-64 builds sse2, avx2 and avx512, aarch64 builds neon.
 enum class Isa : std::uint8_t {
   sse2 = 0,    ///< x86-64 baseline (FMA emulated exactly in double)
   avx2 = 1,    ///< AVX2 + FMA3
   avx512 = 2,  ///< AVX-512 F/BW/DQ
+  neon = 3,    ///< AArch64 Advanced SIMD (NEON, 128-bit), the aarch64 baseline
 };
 
-/// Returns "sse2", "avx2" or "avx512".
+/// How many Isa enumerators there are.
+inline constexpr int kIsaCount = 4;
+
+/// Returns "sse2", "avx2", "avx512" or "neon".
 std::string_view isa_name(Isa isa) noexcept;
 
-/// Returns the ISA named `name` ("sse2", "avx2", "avx512"); throws
+/// Returns the ISA named `name` ("sse2", "avx2", "avx512", "neon"); throws
 /// Errc::invalid_argument naming `argument` for anything else.
 Isa parse_isa(std::string_view name, const char* argument = "isa");
 
