@@ -31,8 +31,8 @@
 #include "model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
-#include "stepcore/managers.hpp"  // optimizer_counts_steps
 #include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"  // optimizer_counts_steps
 #include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
 
