@@ -19,7 +19,19 @@ if [ "${1:-}" = "--sanitizers" ] || [ "${1:-}" = "--tsan" ]; then
   packages+=(clang libomp-dev)
 fi
 
+# --aarch64 adds the cross build of the `aarch64` preset: Debian's cross toolchain, qemu-user
+# to run its programs, gdb-multiarch to inspect them, and the target's libraries from the
+# arm64 multiarch archive (hwloc, GoogleTest; libgomp and libstdc++ come with the compiler).
+arm64=()
+if [ "${1:-}" = "--aarch64" ]; then
+  packages+=(g++-aarch64-linux-gnu qemu-user gdb-multiarch)
+  arm64=(libc6-dev:arm64 libhwloc-dev:arm64 libgtest-dev:arm64)
+fi
+
 missing=()
+for p in "${arm64[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
@@ -34,5 +46,8 @@ if [ "$(id -u)" -ne 0 ]; then
   sudo="sudo"
 fi
 export DEBIAN_FRONTEND=noninteractive
+if [ ${#arm64[@]} -gt 0 ] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $sudo dpkg --add-architecture arm64
+fi
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
