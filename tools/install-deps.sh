@@ -29,10 +29,7 @@ if [ "${1:-}" = "--aarch64" ]; then
 fi
 
 missing=()
-for p in "${arm64[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-for p in "${packages[@]}"; do
+for p in "${packages[@]}" "${arm64[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 if [ ${#missing[@]} -eq 0 ]; then
