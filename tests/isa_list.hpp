@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,31 @@ inline std::vector<cpu::Isa> isas_under_test() {
                   std::string(cpu::isa_name(isa)).c_str());
   }
   return run;
+}
+
+/// True under the quick profile (STEPCORE_TEST_PROFILE=quick: the emulated aarch64 run and
+/// the sanitizer runs, where a step costs 10-100 times more). It keeps every case, ISA,
+/// dtype and boundary size and only repeats less; see by_profile.
+inline bool quick_profile() {
+  static const bool quick = [] {
+    const char* p = std::getenv("STEPCORE_TEST_PROFILE");
+    return p != nullptr && std::string(p) == "quick";
+  }();
+  return quick;
+}
+
+/// Returns `full`, or `quick` under the quick profile; then the first call within each test
+/// prints "[ QUICK    ] <test>: <what>" so a log shows what was shortened.
+template <class T>
+T by_profile(T full, T quick, const char* what) {
+  if (!quick_profile()) return full;
+  static std::string last_test;
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  const std::string name =
+      info ? std::string(info->test_suite_name()) + "." + info->name() : std::string("?");
+  if (name != last_test) std::printf("[ QUICK    ] %s: %s\n", name.c_str(), what);
+  last_test = name;
+  return quick;
 }
 
 /// Skips the current (ISA-parameterised) test when the processor lacks `isa`.

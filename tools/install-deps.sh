@@ -20,11 +20,11 @@ if [ "${1:-}" = "--sanitizers" ] || [ "${1:-}" = "--tsan" ]; then
 fi
 
 # --aarch64 adds the cross build of the `aarch64` preset: Debian's cross toolchain, qemu-user
-# to run its programs, gdb-multiarch to inspect them, and the target's libraries from the
-# arm64 multiarch archive (hwloc, GoogleTest; libgomp and libstdc++ come with the compiler).
+# to run its programs, and the target's libraries from the arm64 multiarch archive (hwloc,
+# GoogleTest; libgomp and libstdc++ come with the compiler).
 arm64=()
 if [ "${1:-}" = "--aarch64" ]; then
-  packages+=(g++-aarch64-linux-gnu qemu-user gdb-multiarch)
+  packages+=(g++-aarch64-linux-gnu qemu-user)
   arm64=(libc6-dev:arm64 libhwloc-dev:arm64 libgtest-dev:arm64)
 fi
 

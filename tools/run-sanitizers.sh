@@ -2,7 +2,8 @@
 # The sanitizer half of CI (.ci/run runs it after the README's test command): the asan
 # preset (AddressSanitizer + UndefinedBehaviorSanitizer) over every unit and mpi test,
 # the tsan preset (ThreadSanitizer with LLVM's libomp and its Archer tool) over the
-# threaded suites (CPU engine, host device, managers, communicators), and the fuzz preset's
+# threaded suites (CPU engine, host device, managers, communicators), both under the quick
+# test profile (tests/isa_list.hpp: every case, fewer repeated steps), and the fuzz preset's
 # libFuzzer harnesses for STEPCORE_FUZZ_SECONDS each (default 60) from the committed
 # corpus. CPU only. Prints each phase's duration; exits non-zero at the first failure.
 #
@@ -29,7 +30,7 @@ timed() {  # timed NAME COMMAND...: runs the command and prints how long it took
 asan() {
   cmake --preset asan -DSTEPCORE_PYTHON=OFF >/dev/null
   cmake --build --preset asan -j "$jobs"
-  ctest --preset asan -L 'unit|mpi' -j "$jobs"
+  STEPCORE_TEST_PROFILE=quick ctest --preset asan -L 'unit|mpi' -j "$jobs"
 }
 
 tsan() {
@@ -41,7 +42,8 @@ tsan() {
     while IFS= read -r s; do suites+=("$s"); done < <(
       build/tsan/tests/"$t" --gtest_list_tests | awk '/^[A-Za-z_][A-Za-z0-9_\/]*\.( |$)/ { sub(/\..*/, ""); print }')
   done
-  ctest --preset tsan -R "^($(IFS='|'; echo "${suites[*]}"))\\." -j 1
+  # The quick profile (tests/isa_list.hpp): every case at fewer repeated steps.
+  STEPCORE_TEST_PROFILE=quick ctest --preset tsan -R "^($(IFS='|'; echo "${suites[*]}"))\\." -j 1
 }
 
 fuzz() {
