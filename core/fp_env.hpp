@@ -25,11 +25,14 @@ class FpEnvGuard {
     // the exception masks and sticky flags as they are.
     _mm_setcsr(saved_csr_ & ~((1u << 15) | (1u << 6) | (3u << 13)));
 #elif defined(STEPCORE_HAVE_FPCR)
-    // Clear AH (bit 1, alternate handling), FZ16 (19), RMode (22-23: to nearest), FZ
-    // (24, flush-to-zero) and DN (25, default NaN); keep the trap enables.
+    // Clear FIZ (bit 0, FEAT_AFP: flush inputs to zero), AH (1, alternate handling), NEP
+    // (2, FEAT_AFP: scalar results' upper lanes), FZ16 (19), RMode (22-23: to nearest), FZ
+    // (24, flush-to-zero) and DN (25, default NaN); keep the trap enables. FIZ and NEP are
+    // RES0 without FEAT_AFP, where writing zero changes nothing.
     saved_fpcr_ = get_fpcr();
     const std::uint64_t want =
-        saved_fpcr_ & ~((1ull << 1) | (1ull << 19) | (3ull << 22) | (1ull << 24) | (1ull << 25));
+        saved_fpcr_ & ~((1ull << 0) | (1ull << 1) | (1ull << 2) | (1ull << 19) | (3ull << 22) |
+                        (1ull << 24) | (1ull << 25));
     if (want != saved_fpcr_) set_fpcr(want);
 #endif
     saved_round_ = std::fegetround();

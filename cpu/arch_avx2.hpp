@@ -23,6 +23,7 @@ struct ArchOps<Avx2> {
     __m256 r;
   };  // all-ones / all-zeros lanes
   using U = xsimd::batch<std::uint32_t, Avx2>;
+  using I = xsimd::batch<std::int32_t, Avx2>;
   static constexpr std::size_t N = 8;
 
   // ---- f32 lanes ----
@@ -33,6 +34,16 @@ struct ArchOps<Avx2> {
   static F set1(float x) { return {_mm256_set1_ps(x)}; }
   static U as_u(F x) { return U(_mm256_castps_si256(x.r)); }
   static F as_f(U x) { return {_mm256_castsi256_ps(x)}; }
+  static U as_u(I x) { return U(__m256i(x)); }
+  static I as_i(U x) { return I(__m256i(x)); }
+  template <int k>
+  static U shr(U x) {
+    return U(_mm256_srli_epi32(x, k));
+  }
+  template <int k>
+  static U shl(U x) {
+    return U(_mm256_slli_epi32(x, k));
+  }
   static F add(F a, F b) { return {_mm256_add_ps(a.r, b.r)}; }
   static F sub(F a, F b) { return {_mm256_sub_ps(a.r, b.r)}; }
   static F mul(F a, F b) { return {_mm256_mul_ps(a.r, b.r)}; }

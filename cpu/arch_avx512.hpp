@@ -24,6 +24,7 @@ struct ArchOps<Avx512> {
     __mmask16 r;
   };
   using U = xsimd::batch<std::uint32_t, Avx512>;
+  using I = xsimd::batch<std::int32_t, Avx512>;
   static constexpr std::size_t N = 16;
 
   // ---- f32 lanes ----
@@ -34,6 +35,16 @@ struct ArchOps<Avx512> {
   static F set1(float x) { return {_mm512_set1_ps(x)}; }
   static U as_u(F x) { return U(_mm512_castps_si512(x.r)); }
   static F as_f(U x) { return {_mm512_castsi512_ps(x)}; }
+  static U as_u(I x) { return U(__m512i(x)); }
+  static I as_i(U x) { return I(__m512i(x)); }
+  template <int k>
+  static U shr(U x) {
+    return U(_mm512_srli_epi32(x, k));
+  }
+  template <int k>
+  static U shl(U x) {
+    return U(_mm512_slli_epi32(x, k));
+  }
   static F add(F a, F b) { return {_mm512_add_ps(a.r, b.r)}; }
   static F sub(F a, F b) { return {_mm512_sub_ps(a.r, b.r)}; }
   static F mul(F a, F b) { return {_mm512_mul_ps(a.r, b.r)}; }

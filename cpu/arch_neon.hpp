@@ -26,6 +26,7 @@ struct ArchOps<xsimd::neon64> {
     uint32x4_t r;
   };  // all-ones / all-zeros lanes
   using U = xsimd::batch<std::uint32_t, A>;
+  using I = xsimd::batch<std::int32_t, A>;
   static constexpr std::size_t N = 4;
 
   // ---- f32 lanes ----
@@ -36,6 +37,16 @@ struct ArchOps<xsimd::neon64> {
   static F set1(float x) { return {vdupq_n_f32(x)}; }
   static U as_u(F x) { return U(vreinterpretq_u32_f32(x.r)); }
   static F as_f(U x) { return {vreinterpretq_f32_u32(x)}; }
+  static U as_u(I x) { return U(vreinterpretq_u32_s32(x)); }
+  static I as_i(U x) { return I(vreinterpretq_s32_u32(x)); }
+  template <int k>
+  static U shr(U x) {
+    return U(vshrq_n_u32(x, k));
+  }
+  template <int k>
+  static U shl(U x) {
+    return U(vshlq_n_u32(x, k));
+  }
   static F add(F a, F b) { return {vaddq_f32(a.r, b.r)}; }
   static F sub(F a, F b) { return {vsubq_f32(a.r, b.r)}; }
   static F mul(F a, F b) { return {vmulq_f32(a.r, b.r)}; }

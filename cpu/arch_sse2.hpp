@@ -24,6 +24,7 @@ struct ArchOps<xsimd::sse2> {
     __m128 r;
   };  // all-ones / all-zeros lanes
   using U = xsimd::batch<std::uint32_t, A>;
+  using I = xsimd::batch<std::int32_t, A>;
   static constexpr std::size_t N = 4;
 
   // ---- f32 lanes ----
@@ -34,6 +35,16 @@ struct ArchOps<xsimd::sse2> {
   static F set1(float x) { return {_mm_set1_ps(x)}; }
   static U as_u(F x) { return U(_mm_castps_si128(x.r)); }
   static F as_f(U x) { return {_mm_castsi128_ps(x)}; }
+  static U as_u(I x) { return U(__m128i(x)); }
+  static I as_i(U x) { return I(__m128i(x)); }
+  template <int k>
+  static U shr(U x) {
+    return U(_mm_srli_epi32(x, k));
+  }
+  template <int k>
+  static U shl(U x) {
+    return U(_mm_slli_epi32(x, k));
+  }
   static F add(F a, F b) { return {_mm_add_ps(a.r, b.r)}; }
   static F sub(F a, F b) { return {_mm_sub_ps(a.r, b.r)}; }
   static F mul(F a, F b) { return {_mm_mul_ps(a.r, b.r)}; }

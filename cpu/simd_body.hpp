@@ -9,8 +9,9 @@
 // binary64 vectors are ArchOps' own register structs, which have no operators at all, so a
 // library fallback (Debian's xsimd 8.1 computes avx512 `fma` as x*y+z, two roundings)
 // cannot be reached by construction. xsimd is used only for 32-bit integer lanes
-// (shifts, adds, masks, compares, integer selects, max), where every implementation,
-// intrinsic or generic fallback, gives the same bits. cpu/README.md has the table.
+// (adds, masks, compares, integer selects, max), where every implementation, intrinsic or
+// generic fallback, gives the same bits; integer bit casts and constant shifts are ArchOps'
+// own (one instruction, or none). cpu/README.md has the table.
 //
 // Every element follows docs/numerics.md with the same operation order as the
 // reference; vector lanes and the scalar remainder loop compute identical bits.
@@ -65,8 +66,18 @@ struct Body {
 
   // ---- bit casts ----------------------------------------------------------------
   static U as_u(F x) { return Ops::as_u(x); }
-  static U as_u(I x) { return xsimd::bitwise_cast<U>(x); }
-  static I as_i(U x) { return xsimd::bitwise_cast<I>(x); }
+  // Integer bit casts and constant shifts come from ArchOps: xsimd 8.1 routes NEON's
+  // through tables of function pointers that GCC 12 leaves as calls in the loops.
+  static U as_u(I x) { return Ops::as_u(x); }
+  static I as_i(U x) { return Ops::as_i(x); }
+  template <int k>
+  static U shr(U x) {
+    return Ops::template shr<k>(x);
+  }
+  template <int k>
+  static U shl(U x) {
+    return Ops::template shl<k>(x);
+  }
   static F as_f(U x) { return Ops::as_f(x); }
   static F splat(float x) { return Ops::set1(x); }
 
@@ -76,7 +87,7 @@ struct Body {
   /// f32 -> bf16 bits in the low half of each lane.
   static U bf16_bits(F x) {
     const U u = as_u(x);
-    const U r = (u + U(0x7FFFu) + ((u >> 16) & U(1u))) >> 16;
+    const U r = shr<16>(u + U(0x7FFFu) + (shr<16>(u) & U(1u)));
     return as_u(xsimd::select(nan_lanes(u), I(0x7FC0), as_i(r)));
   }
   /// R_bf16 of a gradient read, in place: f32 rounded to the bf16 grid, still an f32.
@@ -87,16 +98,16 @@ struct Body {
   /// saves the NaN select of a general conversion on the hot read path.
   static F round_bf16_read(F x) {
     const U u = as_u(x);
-    return as_f((u + U(0x7FFFu) + ((u >> 16) & U(1u))) & U(0xFFFF0000u));
+    return as_f((u + U(0x7FFFu) + (shr<16>(u) & U(1u))) & U(0xFFFF0000u));
   }
   /// f32 -> f16 bits in the low half of each lane.
   static U f16_bits(F x) {
     const U u = as_u(x);
-    const U sign = (u >> 16) & U(0x8000u);
+    const U sign = shr<16>(u) & U(0x8000u);
     const U a = u & U(0x7FFFFFFFu);
     const I ai = as_i(a);
     const U t = a - U(0x38000000u);  // rebias 127 -> 15 (normal results only)
-    const U normal = (t + U(0xFFFu) + ((t >> 13) & U(1u))) >> 13;
+    const U normal = shr<13>(t + U(0xFFFu) + (shr<13>(t) & U(1u)));
     // |x| < 2^-14: adding 0.5 (ulp 2^-24) rounds |x| to the f16 subnormal grid, RNE.
     const U sub = as_u(Ops::add(as_f(a), splat(0.5f))) - U(0x3F000000u);
     I r = xsimd::select(ai >= I(0x38800000), as_i(normal), as_i(sub));
@@ -105,13 +116,13 @@ struct Body {
     return as_u(xsimd::select(ai > I(0x7F800000), I(0x7E00), r));  // a NaN: sign dropped
   }
   /// bf16 bits (low half of each lane) -> f32, exact.
-  static F from_bf16(U h) { return as_f(h << 16); }
+  static F from_bf16(U h) { return as_f(shl<16>(h)); }
   /// f16 bits (low half of each lane) -> f32, exact (subnormals scaled by 2^112, a
   /// power of two: the multiply is exact).
   static F from_f16(U h) {
-    const U sign = (h & U(0x8000u)) << 16;
+    const U sign = shl<16>(h & U(0x8000u));
     const U em = h & U(0x7FFFu);
-    const U shifted = em << 13;
+    const U shifted = shl<13>(em);
     const U finite = as_u(Ops::mul(as_f(shifted), splat(0x1p112f)));
     const U special = shifted | U(0x7F800000u);
     const auto is_special = as_i(em) >= I(0x7C00);
@@ -130,7 +141,7 @@ struct Body {
   static void store(bfloat16_t* p, F x) {
     // Round in place on the f32 pattern, then keep each lane's high half.
     const U u = as_u(x);
-    const U r = u + U(0x7FFFu) + ((u >> 16) & U(1u));
+    const U r = u + U(0x7FFFu) + (shr<16>(u) & U(1u));
     const U bits = as_u(xsimd::select(nan_lanes(u), I(0x7FC00000), as_i(r)));
     Ops::store_hi16(reinterpret_cast<std::uint16_t*>(p), bits);
   }
