@@ -24,6 +24,7 @@ struct AdamWScalars {
   float bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
   float eps = 0.0f;              ///< f32(eps)
   bool maximize = false;         ///< torch: the gradient read is negated first (8a)
+  bool v_first = false;          ///< torch: v = fma(v, b2, c*g*g) in the body too (7.2)
 };
 
 /// Returns the scalars of one AdamW update at `step` (the counter value after

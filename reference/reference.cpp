@@ -96,6 +96,7 @@ struct TorchAdamHyper {
   bool adamw = false;  // AdamW: decoupled decay p*(1 - lr*wd); Adam: L2, g + p*wd
   double lr = 0.0, beta1 = 0.0, beta2 = 0.0, eps = 0.0, weight_decay = 0.0;
   bool amsgrad = false, maximize = false;
+  bool v_first = false;  // v = fma(v, b2, cg*g) in the body too (torch's aarch64 build)
   int tail_width = 8;
 };
 
@@ -111,6 +112,7 @@ TorchAdamHyper torch_adam_hyper(const C& config, bool adamw) {
   h.weight_decay = config.weight_decay;
   h.amsgrad = config.amsgrad;
   h.maximize = config.maximize;
+  h.v_first = config.torch_v_first;
   h.tail_width = config.torch_tail_width;
   return h;
 }
@@ -154,7 +156,7 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
       const float diff = g - m;
       m = small ? std::fma(coeff, diff, m) : std::fma(coeff, diff, g);
       const float cg = c2 * g;
-      if (body) {
+      if (body && !h.v_first) {
         const float v_keep = v * b2;
         v = std::fma(cg, g, v_keep);
       } else {
@@ -231,7 +233,7 @@ void adamw_tensor_steps(std::span<const AdamWTensor> tensors, const AdamWConfig&
         const float diff = ge - m;
         m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, ge);
         const float cg = s.one_minus_beta2 * ge;
-        if (i < tail_begin) {
+        if (i < tail_begin && !config.torch_v_first) {
           const float v_keep = v * s.beta2;
           v = std::fma(cg, ge, v_keep);
         } else {

@@ -8,7 +8,10 @@
 //  * exact norm            vs an exact Fraction/integer computation in Python;
 //  * clip                  vs torch.nn.utils.clip_grad_norm_ (norm within a bound, bits of
 //                            the clipped gradients).
-// The file format is described in tests/data/README.md.
+// The file format is described in tests/data/README.md. Two sets, both run on every
+// target (tests/CMakeLists.txt registers the binary twice): torch's x86 AVX2 build
+// (tests/data) and, with STEPCORE_GOLDEN_SET=aarch64, its aarch64 NEON build
+// (tests/data/aarch64; docs/numerics.md 7.2, "Per platform").
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -33,6 +36,24 @@
 
 namespace {
 
+// The torch build of this run's set: its vector width W and v's form (docs/numerics.md
+// 7.2): x86's AVX2 kernel, 8 wide, v = fma(c*g, g, v*b2) in the body; aarch64's NEON
+// kernel, 4 wide, v = fma(v, b2, c*g*g) everywhere. STEPCORE_GOLDEN_SET=aarch64 (ctest's
+// aarch64-set/ tests) picks the second.
+const bool kAarch64Set = [] {
+  const char* s = std::getenv("STEPCORE_GOLDEN_SET");
+  return s != nullptr && std::string(s) == "aarch64";
+}();
+const int kTorchWidth = kAarch64Set ? 4 : 8;
+
+/// Sets a torch-formula configuration to this set's torch build (not the target's default:
+/// each set is replayed on every target).
+template <class C>
+void set_torch_build(C& c) {
+  c.torch_tail_width = kTorchWidth;
+  if constexpr (requires { c.torch_v_first; }) c.torch_v_first = kAarch64Set;
+}
+
 using stepcore::ConstTensorView;
 using stepcore::DType;
 using stepcore::TensorView;
@@ -48,7 +69,7 @@ struct Record {
 class GoldenFile {
  public:
   explicit GoldenFile(const std::string& name)
-      : path_(std::string(STEPCORE_TEST_DATA_DIR) + "/" + name) {
+      : path_(std::string(STEPCORE_TEST_DATA_DIR) + (kAarch64Set ? "/aarch64/" : "/") + name) {
     std::ifstream in(path_);
     if (!in) throw std::runtime_error("cannot open " + path_);
     std::string text;
@@ -241,7 +262,7 @@ std::vector<AdamWCase> load_adamw() {
     k.config.eps = parse_double(h.tok[3]);
     k.config.weight_decay = parse_double(h.tok[4]);
     k.config.formula = stepcore::AdamWFormula::torch;
-    k.config.torch_tail_width = 8;
+    set_torch_build(k.config);
     k.sizes = parse_sizes(f.expect("sizes"), K);
     for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
     for (std::size_t s = 1; s <= S; ++s) {
@@ -313,7 +334,7 @@ void reference_adamw(std::span<const stepcore::AdamWTensor> ts, const stepcore::
 std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config, bool report,
                          const AdamWStepFn& step = reference_adamw) {
   const std::size_t K = k.sizes.size();
-  const std::size_t w = 8;  // torch's AVX2 vector width, only for the report
+  const std::size_t w = kTorchWidth;  // torch's vector width, only for the report
   Tally tp, tm, tv;
   std::size_t count_mismatches = 0;
   for (std::size_t s = 0; s < k.steps.size(); ++s) {
@@ -392,12 +413,31 @@ std::size_t mismatches_with_tail_width(int w) {
 
 // The data must be able to tell torch's scalar tail from its vector body: with the
 // body's rounding used everywhere (tail width 1) the replay has to disagree somewhere.
-TEST(GoldenAdamW, DataDistinguishesTheScalarTail) { EXPECT_GT(mismatches_with_tail_width(1), 0u); }
+// torch's aarch64 build computes plain AdamW alike in body and tail: nothing to tell.
+TEST(GoldenAdamW, DataDistinguishesTheScalarTail) {
+  if (kAarch64Set) GTEST_SKIP() << "aarch64 set: v has one form, body and tail alike";
+  EXPECT_GT(mismatches_with_tail_width(1), 0u);
+}
 
 // torch's fused AdamW on an AVX-512 processor runs its AVX2 kernel (REGISTER_DISPATCH
 // leaves the AVX-512 slot empty; docs/numerics.md 7.2), so its tail is 8 wide there too:
 // a 16-wide tail must disagree with the data, which has tensors of 8 < numel mod 16.
-TEST(GoldenAdamW, DataRejectsASixteenWideTail) { EXPECT_GT(mismatches_with_tail_width(16), 0u); }
+TEST(GoldenAdamW, DataRejectsASixteenWideTail) {
+  if (kAarch64Set) GTEST_SKIP() << "aarch64 set: v has one form, body and tail alike";
+  EXPECT_GT(mismatches_with_tail_width(16), 0u);
+}
+
+// The other build's v (x86's body form on the aarch64 set, aarch64's everywhere form on the
+// x86 set) must disagree with the data: the two builds are different functions.
+TEST(GoldenAdamW, DataRejectsTheOtherBuildsFormOfV) {
+  std::size_t mismatches = 0;
+  for (const auto& k : adamw_cases()) {
+    auto config = k.config;
+    config.torch_v_first = !kAarch64Set;
+    mismatches += replay_adamw(k, config, /*report=*/false);
+  }
+  EXPECT_GT(mismatches, 0u);
+}
 
 // The CPU engine on every ISA and several thread counts replays torch's steps bit for bit.
 TEST(GoldenAdamW, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
@@ -487,7 +527,7 @@ void reference_adagrad(std::span<const stepcore::OptimizerTensor> ts,
 std::size_t replay_adagrad(const AdagradCase& k, bool chained, bool report,
                            const AdagradStepFn& step = reference_adagrad) {
   const std::size_t K = k.sizes.size();
-  const std::size_t w = 8;  // torch's AVX2 vector width, only for the report
+  const std::size_t w = kTorchWidth;  // torch's vector width, only for the report
   Tally tp, ts_;
   std::size_t count_mismatches = 0;
   std::vector<std::vector<float>> p = k.init, sum = k.init_sum;
@@ -658,7 +698,7 @@ struct AdamCase {
     c.weight_decay = weight_decay;
     c.amsgrad = amsgrad;
     c.maximize = maximize;
-    c.torch_tail_width = 8;
+    set_torch_build(c);
     return c;
   }
   stepcore::AdamWConfig adamw_config() const {
@@ -671,7 +711,7 @@ struct AdamCase {
     c.formula = stepcore::AdamWFormula::torch;
     c.amsgrad = amsgrad;
     c.maximize = maximize;
-    c.torch_tail_width = 8;
+    set_torch_build(c);
     return c;
   }
 };
@@ -962,7 +1002,7 @@ TEST(GoldenAdam, NanDataShowsBothMaximumRules) {
       const std::size_t n = k.sizes[t];
       for (std::size_t i = 0; i < n; ++i) {
         if (!std::isnan(st.grad[t][i])) continue;
-        const bool tail = i >= n - n % 8;
+        const bool tail = i >= n - n % kTorchWidth;
         const float x = st.max_exp_avg_sq[t][i];
         if (!tail && std::isnan(x)) ++body_nan;
         if (tail && !std::isnan(x) && std::isnan(st.exp_avg_sq[t][i])) ++tail_kept;
@@ -1164,7 +1204,7 @@ std::vector<SgdCase> load_sgd() {
     k.config.weight_decay = parse_double(h.tok[3]);
     k.config.nesterov = parse_flag(f, h.tok[4]);
     k.config.maximize = parse_flag(f, h.tok[5]);
-    k.config.torch_tail_width = 8;
+    set_torch_build(k.config);
     k.sizes = parse_sizes(f.expect("sizes"), K);
     for (std::size_t t = 0; t < K; ++t) k.init.push_back(read_f32(f, "init_param", t, k.sizes[t]));
     for (std::size_t s = 1; s <= S; ++s) {
@@ -1295,7 +1335,10 @@ TEST(GoldenSgd, DataDistinguishesTheScalarTail) {
 }
 
 // torch 2.15 runs its AVX2 fused SGD on AVX-512 too (docs/numerics.md 8b): W = 16 is wrong.
-TEST(GoldenSgd, DataRejectsASixteenWideTail) { EXPECT_GT(sgd_mismatches_with_tail_width(16), 0u); }
+// x86: W = 16 (an AVX-512 build) disagrees; aarch64: W = 8 (x86's width) disagrees.
+TEST(GoldenSgd, DataRejectsADoubleWidthTail) {
+  EXPECT_GT(sgd_mismatches_with_tail_width(2 * kTorchWidth), 0u);
+}
 
 // torch's source as written, every product and sum rounded separately (no FMA; this test
 // is compiled with -ffp-contract=off): the compiled kernel's contractions must be visible.
@@ -1585,7 +1628,7 @@ std::vector<LowpCase> load_lowp() {
         cfg.weight_decay = num("weight_decay");
         cfg.amsgrad = flag("amsgrad");
         cfg.maximize = flag("maximize");
-        cfg.torch_tail_width = 8;
+        set_torch_build(cfg);
         k.slots = {"exp_avg", "exp_avg_sq"};
         if (cfg.amsgrad) k.slots.push_back("max_exp_avg_sq");
       };
@@ -1607,7 +1650,7 @@ std::vector<LowpCase> load_lowp() {
       cfg.weight_decay = num("weight_decay");
       cfg.nesterov = flag("nesterov");
       cfg.maximize = flag("maximize");
-      cfg.torch_tail_width = 8;
+      set_torch_build(cfg);
       if (cfg.momentum != 0.0) k.slots = {"momentum_buffer"};
       k.config = cfg;
       counts = false;  // torch's fused SGD keeps no state['step']
@@ -1806,11 +1849,11 @@ TEST(GoldenLowPrecision, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
   }
 }
 
-// torch's reduced-precision tail is the last numel mod 16 elements (Vectorized<T> of a
-// 16-bit T holds twice the f32 lanes, 7.3): the f32 width (8 elements: tail width 4 here,
+// torch's reduced-precision tail is the last numel mod 2W elements (Vectorized<T> of a
+// 16-bit T holds twice the f32 lanes, 7.3): the f32 width (W elements: tail width W/2 here,
 // doubled) and no tail at all must both disagree with the data.
 TEST(GoldenLowPrecision, DataRejectsTheF32TailWidthAndNoTail) {
-  for (int w : {4, 1}) {
+  for (int w : {kTorchWidth / 2, 1}) {
     std::size_t mismatches = 0;
     for (const auto& k : lowp_cases()) {
       stepcore::OptimizerConfig c = k.config;

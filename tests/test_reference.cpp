@@ -285,7 +285,7 @@ AdamWBufs expected_adamw(const AdamWBufs& in, const AdamWConfig& c, GradientRead
     if (c.formula == AdamWFormula::native)
       native_element(e.p[i], e.m[i], e.v[i], g, ns);
     else
-      torch_element(e.p[i], e.m[i], e.v[i], g, ts, i >= tail_begin);
+      torch_element(e.p[i], e.m[i], e.v[i], g, ts, c.torch_v_first || i >= tail_begin);
     if (e.has_out) e.out.set(i, e.p[i]);
   }
   return e;
@@ -305,10 +305,13 @@ AdamWConfig native_config() {
   c.formula = AdamWFormula::native;
   return c;
 }
-AdamWConfig torch_config(int tail = 8) {
+/// The torch formula of torch's x86 build (tail width `tail`; v's body and tail forms), or
+/// with `v_first` its aarch64 build's v on every element; not the target's default.
+AdamWConfig torch_config(int tail = 8, bool v_first = false) {
   AdamWConfig c;
   c.formula = AdamWFormula::torch;
   c.torch_tail_width = tail;
+  c.torch_v_first = v_first;
   return c;
 }
 
@@ -619,7 +622,8 @@ TEST(AdamWTorch, TailWidthSelectsTheTailForm) {
   // For every element choose v, g where the body form fma(c2*g, g, v*b2) and the
   // tail form fma(v, b2, (c2*g)*g) differ (about 1 in 4; both are within an ulp of
   // the exact value, so at most two distinct results exist); then exactly the last
-  // numel % W elements of each tensor carry the tail form.
+  // numel % W elements of each tensor carry the tail form; with torch_v_first (torch's
+  // aarch64 build) every element does, whatever W.
   std::mt19937_64 rng(7);
   const AdamWConfig base = torch_config();
   const TorchS s = torch_scalars(base, 1.0f);
@@ -651,27 +655,31 @@ TEST(AdamWTorch, TailWidthSelectsTheTailForm) {
   };
   const Case cases[] = {{8, 11, 3},  {8, 16, 0}, {8, 7, 7},  {16, 11, 11}, {16, 16, 0},
                         {16, 33, 1}, {0, 11, 0}, {1, 11, 0}, {64, 65, 1},  {3, 10, 1}};
-  for (const Case& k : cases) {
-    SCOPED_TRACE(testing::Message() << "W " << k.width << " n " << k.n);
-    AdamWConfig c = base;
-    c.torch_tail_width = k.width;
-    std::vector<AdamWBufs> bs = {make(k.n), make(k.n + 5)};  // two tensors: the tail is per tensor
-    const std::vector<AdamWBufs> in = bs;
-    adamw(bs, c);
-    for (std::size_t t = 0; t < bs.size(); ++t) {
-      const std::size_t n = bs[t].v.size();
-      const std::size_t w = k.width > 1 ? static_cast<std::size_t>(k.width) : 1;
-      const std::size_t nfused = k.width > 1 ? n % w : 0;
-      if (t == 0) {
-        EXPECT_EQ(nfused, k.fused);
-      }
-      for (std::size_t i = 0; i < n; ++i) {
-        const float v0 = in[t].v[i], g = in[t].g.get(i);
-        const float want = i >= n - nfused ? torch_v_tail(v0, g, s) : torch_v_body(v0, g, s);
-        EXPECT_EQ(bits(bs[t].v[i]), bits(want)) << "tensor " << t << " i " << i;
+  for (const bool v_first : {false, true})
+    for (const Case& k : cases) {
+      SCOPED_TRACE(testing::Message() << "W " << k.width << " n " << k.n << " v_first " << v_first);
+      AdamWConfig c = base;
+      c.torch_tail_width = k.width;
+      c.torch_v_first = v_first;
+      std::vector<AdamWBufs> bs = {make(k.n),
+                                   make(k.n + 5)};  // two tensors: the tail is per tensor
+      const std::vector<AdamWBufs> in = bs;
+      adamw(bs, c);
+      for (std::size_t t = 0; t < bs.size(); ++t) {
+        const std::size_t n = bs[t].v.size();
+        const std::size_t w = k.width > 1 ? static_cast<std::size_t>(k.width) : 1;
+        const std::size_t nfused = k.width > 1 ? n % w : 0;
+        if (t == 0) {
+          EXPECT_EQ(nfused, k.fused);
+        }
+        for (std::size_t i = 0; i < n; ++i) {
+          const float v0 = in[t].v[i], g = in[t].g.get(i);
+          const float want =
+              v_first || i >= n - nfused ? torch_v_tail(v0, g, s) : torch_v_body(v0, g, s);
+          EXPECT_EQ(bits(bs[t].v[i]), bits(want)) << "tensor " << t << " i " << i;
+        }
       }
     }
-  }
 }
 
 TEST(AdamWTorch, HandWorkedWeightDecayAndSign) {
@@ -929,13 +937,13 @@ struct AdamElementArgs {
   float wd32 = 0.0f;
 };
 void adam_element(float& p, float& m, float& v, float* x, float g, const AdamElementArgs& a,
-                  bool tail) {
+                  bool tail, bool v_first) {
   if (a.maxi) g = -g;
   if (a.decay_on && !a.adamw) g = std::fma(p, a.wd32, g);
   if (a.decay_on && a.adamw) p = F(D(p) * D(a.s.decay));
   const float diff = F(D(g) - D(m));
   m = a.s.small ? std::fma(a.s.coeff, diff, m) : std::fma(a.s.coeff, diff, g);
-  v = tail ? torch_v_tail(v, g, a.s) : torch_v_body(v, g, a.s);
+  v = tail || v_first ? torch_v_tail(v, g, a.s) : torch_v_body(v, g, a.s);
   float r = v;
   if (a.ams) {
     if (tail)
@@ -952,70 +960,77 @@ TEST(ReferenceAdam, MatchesPerElementSpecOverDtypesSizesAndOptions) {
   std::mt19937_64 rng(8080);
   const DType dts[] = {DType::f32, DType::bf16, DType::f16};
   int combo = 0;
-  for (const bool adamw : {false, true})
-    for (const bool ams : {false, true})
-      for (const bool maxi : {false, true})
-        for (const double wd : {0.0, 0.1, 0.37}) {
-          ++combo;
-          AdamWConfig wc;  // the scalars of 7.2 (lr, betas, eps; decay for AdamW)
-          wc.lr = 1e-2;
-          wc.beta1 = combo % 2 ? 0.9 : 0.3;
-          wc.beta2 = 0.99;
-          wc.eps = 1e-8;
-          wc.weight_decay = wd;
-          wc.amsgrad = ams;
-          wc.maximize = maxi;
-          stepcore::AdamConfig ac;
-          ac.lr = wc.lr;
-          ac.beta1 = wc.beta1;
-          ac.beta2 = wc.beta2;
-          ac.eps = wc.eps;
-          ac.weight_decay = wd;
-          ac.amsgrad = ams;
-          ac.maximize = maxi;
-          const GradientRead read{0.5f, combo % 3 ? 1.0f : 0.75f};
-          std::vector<AdamBufs> bufs;
-          std::size_t k = 0;
-          for (std::size_t n : boundary_sizes()) {
-            const DType gdt = dts[k % 3], odt = dts[(k + 1) % 3];
-            bufs.push_back(random_adam(rng, n, gdt, ams, k % 2 == 0, odt));
-            ++k;
-          }
-          std::vector<AdamBufs> want = bufs;
-          for (AdamBufs& e : want) {
-            e.step = e.step + 1.0f;
-            AdamElementArgs a;
-            a.s = torch_scalars(wc, e.step);
-            a.adamw = adamw;
-            a.decay_on = wd != 0.0;
-            a.ams = ams;
-            a.maxi = maxi;
-            a.wd32 = F(wd);
-            const std::size_t n = e.p.size();
-            for (std::size_t i = 0; i < n; ++i) {
-              const float g = read_grad(e.g, i, read);
-              adam_element(e.p[i], e.m[i], e.v[i], ams ? &e.x[i] : nullptr, g, a, i >= n - n % 8);
-              if (e.has_out) e.out.set(i, e.p[i]);
+  for (const bool aarch64 : {false, true})  // torch's x86 (W 8) and aarch64 (W 4, v first) builds
+    for (const bool adamw : {false, true})
+      for (const bool ams : {false, true})
+        for (const bool maxi : {false, true})
+          for (const double wd : {0.0, 0.1, 0.37}) {
+            ++combo;
+            const std::size_t width = aarch64 ? 4 : 8;
+            AdamWConfig wc;  // the scalars of 7.2 (lr, betas, eps; decay for AdamW)
+            wc.lr = 1e-2;
+            wc.beta1 = combo % 2 ? 0.9 : 0.3;
+            wc.beta2 = 0.99;
+            wc.eps = 1e-8;
+            wc.weight_decay = wd;
+            wc.amsgrad = ams;
+            wc.maximize = maxi;
+            wc.torch_tail_width = static_cast<int>(width);
+            wc.torch_v_first = aarch64;
+            stepcore::AdamConfig ac;
+            ac.lr = wc.lr;
+            ac.beta1 = wc.beta1;
+            ac.beta2 = wc.beta2;
+            ac.eps = wc.eps;
+            ac.weight_decay = wd;
+            ac.amsgrad = ams;
+            ac.maximize = maxi;
+            ac.torch_tail_width = wc.torch_tail_width;
+            ac.torch_v_first = aarch64;
+            const GradientRead read{0.5f, combo % 3 ? 1.0f : 0.75f};
+            std::vector<AdamBufs> bufs;
+            std::size_t k = 0;
+            for (std::size_t n : boundary_sizes()) {
+              const DType gdt = dts[k % 3], odt = dts[(k + 1) % 3];
+              bufs.push_back(random_adam(rng, n, gdt, ams, k % 2 == 0, odt));
+              ++k;
+            }
+            std::vector<AdamBufs> want = bufs;
+            for (AdamBufs& e : want) {
+              e.step = e.step + 1.0f;
+              AdamElementArgs a;
+              a.s = torch_scalars(wc, e.step);
+              a.adamw = adamw;
+              a.decay_on = wd != 0.0;
+              a.ams = ams;
+              a.maxi = maxi;
+              a.wd32 = F(wd);
+              const std::size_t n = e.p.size();
+              for (std::size_t i = 0; i < n; ++i) {
+                const float g = read_grad(e.g, i, read);
+                adam_element(e.p[i], e.m[i], e.v[i], ams ? &e.x[i] : nullptr, g, a,
+                             i >= n - n % width, aarch64);
+                if (e.has_out) e.out.set(i, e.p[i]);
+              }
+            }
+            std::vector<stepcore::OptimizerTensor> ts;
+            for (AdamBufs& b : bufs) ts.push_back(b.tensor());
+            if (adamw)
+              ref::adamw_step(ts, wc, read);
+            else
+              ref::adam_step(ts, ac, read);
+            for (std::size_t i = 0; i < bufs.size(); ++i) {
+              SCOPED_TRACE("combo " + std::to_string(combo) + ", numel " +
+                           std::to_string(bufs[i].p.size()));
+              expect_same_bits(bufs[i].p, want[i].p, "param");
+              expect_same_bits(bufs[i].m, want[i].m, "exp_avg");
+              expect_same_bits(bufs[i].v, want[i].v, "exp_avg_sq");
+              expect_same_bits(bufs[i].x, want[i].x, "max_exp_avg_sq");
+              EXPECT_EQ(bits(bufs[i].step), bits(want[i].step));
+              EXPECT_EQ(bufs[i].g.bytes(), want[i].g.bytes()) << "grad was written";
+              EXPECT_EQ(bufs[i].out.bytes(), want[i].out.bytes()) << "compute_param";
             }
           }
-          std::vector<stepcore::OptimizerTensor> ts;
-          for (AdamBufs& b : bufs) ts.push_back(b.tensor());
-          if (adamw)
-            ref::adamw_step(ts, wc, read);
-          else
-            ref::adam_step(ts, ac, read);
-          for (std::size_t i = 0; i < bufs.size(); ++i) {
-            SCOPED_TRACE("combo " + std::to_string(combo) + ", numel " +
-                         std::to_string(bufs[i].p.size()));
-            expect_same_bits(bufs[i].p, want[i].p, "param");
-            expect_same_bits(bufs[i].m, want[i].m, "exp_avg");
-            expect_same_bits(bufs[i].v, want[i].v, "exp_avg_sq");
-            expect_same_bits(bufs[i].x, want[i].x, "max_exp_avg_sq");
-            EXPECT_EQ(bits(bufs[i].step), bits(want[i].step));
-            EXPECT_EQ(bufs[i].g.bytes(), want[i].g.bytes()) << "grad was written";
-            EXPECT_EQ(bufs[i].out.bytes(), want[i].out.bytes()) << "compute_param";
-          }
-        }
 }
 
 TEST(ReferenceAdam, OutOfPlaceEqualsInPlaceAndFoundInfWritesNothing) {
@@ -1254,7 +1269,8 @@ TEST(SgdHandWorked, FirstStepSetsTheBufferFromTheGradient) {
     expect_same_bits(p, {4.5f, 3.0f, 1.0f, -0.0f, 1.5f}, "first-step param");
     // Second step: b = fma(g', 0.75, b * 0.5) with g' = -g (all exact again).
     ref::sgd_step({&t, 1}, c);
-    // (5 < 8 elements: all in the tail form b = fma(b, mom, g' * c); zeros keep their sign.)
+    // (Exact in the body and the tail form alike, whatever the tail width; zeros keep
+    // their sign.)
     expect_same_bits(b, {-1.25f, 2.5f, -0.0f, 0.0f, -3.75f}, "second-step buffer");
     expect_same_bits(p, {5.125f, 1.75f, 1.0f, -0.0f, 3.375f}, "second-step param");
   }
@@ -1304,7 +1320,7 @@ TEST(SgdHandWorked, TailWidthSelectsTheMomentumForm) {
   const float b0 = a, g0 = -F(D(a) * D(a));
   const float body = 0.0f, tail = F(D(a) * D(a) + D(g0));
   ASSERT_EQ(bits(tail), bits(9 * 0x1p-46f));
-  for (int w : {0, 1, 8, 16}) {
+  for (int w : {0, 1, 4, 8, 16}) {
     c.torch_tail_width = w;
     std::vector<float> p(11, 1.0f), b(11, b0);
     const std::vector<float> g(11, g0);

@@ -230,6 +230,7 @@ ManagersOptions managers_options(const Options& o, const Backend& backend) {
     a.lr = o.lr;
     a.weight_decay = o.weight_decay;
     a.formula = o.formula;
+    set_torch_build(a, o.torch_aarch64);
     mo.optimizer = a;
   } else {
     mo.optimizer = sc::SignSgdConfig{o.lr, o.weight_decay};

@@ -39,6 +39,8 @@ options (--name value or --name=value):
   --grad-dtype T       dtype of the micro-batch gradients: bf16 (default) or f32
   --optimizer O        adamw (default) or sign_sgd
   --formula F          AdamW arithmetic: torch (default) or native
+  --torch-build B      the torch kernel the torch formula reproduces: x86 (its AVX2
+                       build) or aarch64 (its NEON build); default: this machine's
   --lr X               learning rate (default 3e-4)
   --weight-decay X     decoupled weight decay of matrices and embeddings (default 0.1;
                        norms and biases never decay)
@@ -120,6 +122,7 @@ bool takes_value(std::string_view name) {
                                                  "--grad-dtype",
                                                  "--optimizer",
                                                  "--formula",
+                                                 "--torch-build",
                                                  "--lr",
                                                  "--weight-decay",
                                                  "--seed",
@@ -180,6 +183,13 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
       o.formula = sc::AdamWFormula::torch;
     else
       throw UsageError("--formula: expected native or torch, got '" + value + "'");
+  } else if (name == "--torch-build") {
+    if (value == "x86")
+      o.torch_aarch64 = false;
+    else if (value == "aarch64")
+      o.torch_aarch64 = true;
+    else
+      throw UsageError("--torch-build: expected x86 or aarch64, got '" + value + "'");
   } else if (name == "--lr") {
     o.lr = parse_nonneg(name, value);
   } else if (name == "--weight-decay") {

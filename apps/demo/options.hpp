@@ -34,6 +34,9 @@ struct Options {
   double max_norm = 1.0;  ///< 0: no clipping
   sc::DType grad_dtype = sc::DType::bf16;
   sc::AdamWFormula formula = sc::AdamWFormula::torch;
+  /// The torch build the torch formula follows (--torch-build): aarch64's NEON kernel
+  /// (true) or x86's AVX2 kernel (false); default: this target's torch.
+  bool torch_aarch64 = sc::kTorchVFirst;
   Optimizer optimizer = Optimizer::adamw;
   double lr = 3e-4;
   double weight_decay = 0.1;
@@ -63,6 +66,13 @@ Options parse_options(int argc, char** argv);
 /// Returns `text` as an integer in [lo, hi]; throws UsageError naming `opt`.
 std::int64_t parse_int(std::string_view opt, const std::string& text, std::int64_t lo,
                        std::int64_t hi);
+
+/// Sets the torch build an AdamW configuration's torch formula follows: aarch64's NEON
+/// kernel (4 wide, v's one form) or x86's AVX2 kernel (8 wide, v's body and tail forms).
+inline void set_torch_build(sc::AdamWConfig& c, bool aarch64) {
+  c.torch_v_first = aarch64;
+  c.torch_tail_width = aarch64 ? 4 : 8;
+}
 
 /// The demo's learning-rate schedule: linear warm-up over the first quarter of `steps`
 /// (at least one step), then cosine decay to a tenth of `peak` at the last step.

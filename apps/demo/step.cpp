@@ -31,6 +31,7 @@ void optimizer_step(const Calls& c, const Options& o, const Backend& b, sc::Grad
     sc::AdamWConfig cfg;
     cfg.lr = lr;
     cfg.formula = o.formula;
+    set_torch_build(cfg, o.torch_aarch64);
     for (int g = 0; g < 2; ++g) {
       cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
       b.adamw_step(c.adamw[g], cfg, read);

@@ -52,6 +52,7 @@ struct Adam {
     w.weight_decay = 0.0;
     w.formula = AdamWFormula::torch;
     w.maximize = c.maximize;
+    w.torch_v_first = c.torch_v_first;
     w.torch_tail_width = c.torch_tail_width;
     return w;
   }

@@ -65,6 +65,7 @@ STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in
     s.bc2_sqrt = static_cast<float>(sqrt(bc2));
     s.eps = static_cast<float>(c.eps);
     s.maximize = c.maximize;
+    s.v_first = c.torch_v_first;
   }
   return s;
 }
@@ -72,7 +73,8 @@ STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in
 /// The torch Adam family's element (docs/numerics.md 7.2 and 8a), written once for AdamW
 /// (decoupled decay: p * decay) and Adam (L2: g = fma(p, l2_wd, g) when `l2`): maximize
 /// negates the read first; amsgrad keeps max_exp_avg_sq in st[2] and divides by its square
-/// root. Tail: torch's scalar-loop forms (of v, and of amsgrad's max) at each tensor's end.
+/// root. Tail: torch's scalar-loop forms (of v, and of amsgrad's max) at each tensor's end;
+/// k.v_first: v's tail form in the body too (torch's aarch64 NEON build).
 template <class Ops, bool Amsgrad, bool Tail, class K>
 STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typename Ops::F& p,
                                           typename Ops::F* st, bool l2, typename Ops::F l2_wd) {
@@ -87,10 +89,10 @@ STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typenam
   const F diff = Ops::sub(g, m);
   m = Ops::fma(k.lerp_coeff, diff, k.lerp_small ? m : g);
   const F cg = Ops::mul(k.one_minus_beta2, g);
-  if constexpr (!Tail)
-    v = Ops::fma(cg, g, Ops::mul(v, k.beta2));  // the vector body: fma(c*g, g, v*b2)
+  if (!Tail && !k.v_first)
+    v = Ops::fma(cg, g, Ops::mul(v, k.beta2));  // x86's vector body: fma(c*g, g, v*b2)
   else
-    v = Ops::fma(v, k.beta2, Ops::mul(cg, g));  // the scalar tail: fma(v, b2, c*g*g)
+    v = Ops::fma(v, k.beta2, Ops::mul(cg, g));  // its scalar tail, aarch64's every element
   F r = v;
   if constexpr (Amsgrad) {
     const F x = st[2];
@@ -162,7 +164,7 @@ struct AdamW {
     using F = typename Ops::F;
     F decay, beta1, beta2, one_minus_beta1, one_minus_beta2, lerp_coeff, step_size, bc2_sqrt, eps,
         minus_one;
-    bool apply_decay, lerp_small, maximize;
+    bool apply_decay, lerp_small, maximize, v_first;
     STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
         : decay(Ops::set1(s.decay)),
           beta1(Ops::set1(s.beta1)),
@@ -176,7 +178,8 @@ struct AdamW {
           minus_one(Ops::set1(-1.0f)),
           apply_decay(s.apply_decay),
           lerp_small(s.lerp_small),
-          maximize(s.maximize) {}
+          maximize(s.maximize),
+          v_first(s.v_first) {}
   };
 
   /// docs/numerics.md 7.1 (native), 7.2 and 8a (torch; Tail: torch's scalar-loop forms).

@@ -19,6 +19,20 @@ enum class AdamWFormula : std::uint8_t {
   torch = 1,
 };
 
+/// The build of torch's fused CPU kernels that the torch formulas follow by default: the
+/// one torch runs on this library's target (docs/numerics.md 7.2, "Per platform"). x86-64:
+/// the AVX2 build (also on AVX-512), 8 floats wide, whose vector body computes
+/// v = fma(c*g, g, v*b2). aarch64: the NEON build (capabilities DEFAULT and SVE128, e.g.
+/// Grace), 4 floats wide, which computes v = fma(v, b2, c*g*g) on every element. Both are
+/// available on every target through the fields below; the defaults only pick one.
+#if defined(__aarch64__)
+inline constexpr int kTorchTailWidth = 4;
+inline constexpr bool kTorchVFirst = true;
+#else
+inline constexpr int kTorchTailWidth = 8;
+inline constexpr bool kTorchVFirst = false;
+#endif
+
 /// AdamW hyper-parameters. Values are given in double, as a Python trainer holds
 /// them; each formula states which are rounded to f32 and when.
 struct AdamWConfig {
@@ -28,20 +42,24 @@ struct AdamWConfig {
   double eps = 1e-8;
   double weight_decay = 0.01;
   AdamWFormula formula = AdamWFormula::torch;
-  // amsgrad and maximize sit in the padding after `formula`, so sizeof(AdamWConfig) is
-  // unchanged (kernels/checked_plans.cpp pins it) and no initialisation changes meaning.
+  // amsgrad, maximize and torch_v_first sit in the padding after `formula`, so
+  // sizeof(AdamWConfig) is unchanged and no initialisation changes meaning.
   /// torch formula only: keep max_exp_avg_sq (state slot 2) and divide by its square root
   /// (docs/numerics.md 8a). Needs an OptimizerTensor with three state slots.
   bool amsgrad = false;
   /// torch formula only: step along +gradient (the read gradient is negated first).
   bool maximize = false;
-  /// torch formula only: torch's kernel runs its last (numel mod W) elements of
-  /// each tensor through a scalar loop that its compiler fused as v = fma(v, b2, c*g*g),
-  /// while the vector body computes v = fma(c*g, g, v*b2). W is the width in floats of
-  /// the torch kernel that runs: 8 on every AVX2 and AVX-512 processor (torch 2.15
-  /// dispatches its AVX2 build of fused AdamW on AVX-512; docs/numerics.md 7.2). 0 or 1:
-  /// use the vector-body form everywhere.
-  int torch_tail_width = 8;
+  /// torch formula only: v = fma(v, b2, c*g*g) on every element, as torch's aarch64 NEON
+  /// build computes it (true), or only in the scalar tail, the body computing
+  /// fma(c*g, g, v*b2), as its x86 AVX2 build does (false). Default: this target's torch.
+  bool torch_v_first = kTorchVFirst;
+  /// torch formula only: torch's kernel runs its last (numel mod W) elements of each
+  /// tensor through a scalar loop (v's tail form above; amsgrad's scalar maximum). W is
+  /// the width in floats of the torch kernel that runs: 8 on every AVX2 and AVX-512
+  /// processor (torch 2.15 dispatches its AVX2 build of fused AdamW on AVX-512), 4 on
+  /// aarch64 with NEON (docs/numerics.md 7.2). 0 or 1: the vector-body form everywhere.
+  /// Default: this target's torch.
+  int torch_tail_width = kTorchTailWidth;
 };
 
 /// Adam hyper-parameters (L2 weight decay: the gradient becomes g + p*wd), reproducing
@@ -55,8 +73,10 @@ struct AdamConfig {
   double weight_decay = 0.0;
   bool amsgrad = false;   ///< keep max_exp_avg_sq and divide by its square root
   bool maximize = false;  ///< step along +gradient
-  /// Width of torch's vector body (AdamWConfig::torch_tail_width): 8 on AVX2 and AVX-512.
-  int torch_tail_width = 8;
+  /// v's form on every element or only in the tail (AdamWConfig::torch_v_first).
+  bool torch_v_first = kTorchVFirst;
+  /// Width of torch's vector body (AdamWConfig::torch_tail_width): 8 on x86, 4 on aarch64.
+  int torch_tail_width = kTorchTailWidth;
 };
 
 /// SignSGD hyper-parameters.
@@ -77,9 +97,9 @@ struct SgdConfig {
   bool maximize = false;
   /// torch's last (numel mod W) elements of each tensor take its scalar loop's momentum
   /// update b = fma(b, mom, g*c) instead of the body's fma(g, c, b*mom). W = 8 on AVX2
-  /// and AVX-512 (torch 2.15 runs its AVX2 build; docs/numerics.md 8b). 0 or 1: body form
-  /// everywhere.
-  int torch_tail_width = 8;
+  /// and AVX-512 (torch 2.15 runs its AVX2 build), 4 on aarch64 with NEON (docs/numerics.md
+  /// 8b). 0 or 1: body form everywhere. Default: this target's torch.
+  int torch_tail_width = kTorchTailWidth;
 };
 
 /// Adagrad hyper-parameters (torch.optim.Adagrad's, in double as a Python trainer holds
@@ -111,7 +131,7 @@ enum class HyperRole : std::uint8_t {
   schedule,  ///< lr, weight_decay: each group's, changed per step by a schedule
   betas,     ///< beta1, beta2, eps of the Adam family: each group's, fixed over training
   fixed,     ///< the rest of the optimizer's function (a checkpoint records it; must match)
-  machine,   ///< which torch build to match (torch_tail_width): not part of the state
+  machine,   ///< which torch build to match (torch_tail_width, torch_v_first): not state
 };
 
 /// One hyper-parameter of configuration C: its name (the key of make_optimizer_config,
@@ -142,6 +162,7 @@ struct OptimizerTraits<AdamWConfig> {
       {"formula", HyperRole::fixed, &C::formula},
       {"amsgrad", HyperRole::fixed, &C::amsgrad},
       {"maximize", HyperRole::fixed, &C::maximize},
+      {"torch_v_first", HyperRole::machine, &C::torch_v_first},
       {"torch_tail_width", HyperRole::machine, &C::torch_tail_width}};
 };
 
@@ -165,6 +186,7 @@ struct OptimizerTraits<AdamConfig> {
       {"weight_decay", HyperRole::schedule, &C::weight_decay},
       {"amsgrad", HyperRole::fixed, &C::amsgrad},
       {"maximize", HyperRole::fixed, &C::maximize},
+      {"torch_v_first", HyperRole::machine, &C::torch_v_first},
       {"torch_tail_width", HyperRole::machine, &C::torch_tail_width}};
 };
 

@@ -463,7 +463,7 @@ void bind_gpu(nb::module_& parent) {
          const Objects& steps, const Objects& grads, std::optional<Objects> computes,
          nb::handle scale, nb::handle clip, nb::handle bias_table, nb::handle found_inf,
          nb::handle hyper, double lr, double beta1, double beta2, double eps, double weight_decay,
-         const std::string& formula, int torch_tail_width, nb::handle stream) {
+         const std::string& formula, int torch_tail_width, bool torch_v_first, nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(params, scale));
         const std::size_t n = params.size();
         same_length(exp_avgs.size(), n, "exp_avgs");
@@ -471,8 +471,8 @@ void bind_gpu(nb::module_& parent) {
         same_length(steps.size(), n, "steps");
         same_length(grads.size(), n, "grads");
         if (computes) same_length(computes->size(), n, "computes");
-        const AdamWConfig config =
-            adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
+        const AdamWConfig config = adamw_config(lr, beta1, beta2, eps, weight_decay, formula,
+                                                torch_tail_width, torch_v_first);
         Launch l;
         std::vector<AdamWTensor> t(n);
         for (std::size_t i = 0; i < n; ++i) {
@@ -504,7 +504,8 @@ void bind_gpu(nb::module_& parent) {
       nb::arg("clip"), nb::arg("bias_table"), nb::arg("found_inf").none() = nb::none(),
       nb::arg("hyper").none() = nb::none(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
       nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
-      nb::arg("torch_tail_width") = 8, nb::arg("stream").none() = nb::none(),
+      nb::arg("torch_tail_width") = kTorchTailWidth, nb::arg("torch_v_first") = kTorchVFirst,
+      nb::arg("stream").none() = nb::none(),
       "AdamW on device tensors, bit-identical to Engine.adamw_step: grads read as "
       "R(R(g * scale) * clip) with scale, clip (float32), steps (float32 counters, "
       "incremented on the device), found_inf (int32: != 0 writes nothing), hyper (float64 "

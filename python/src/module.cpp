@@ -458,15 +458,15 @@ NB_MODULE(_core, m) {
              const Objects& exp_avg_sqs_in, const Objects& steps_in, const Objects& grads_in,
              std::optional<Objects> computes_in, double lr, double beta1, double beta2, double eps,
              double weight_decay, const std::string& formula, int torch_tail_width,
-             float grad_scale, float clip) {
+             bool torch_v_first, float grad_scale, float clip) {
             const std::size_t n = params_in.size();
             same_length(exp_avgs_in.size(), n, "exp_avgs");
             same_length(exp_avg_sqs_in.size(), n, "exp_avg_sqs");
             same_length(steps_in.size(), n, "steps");
             same_length(grads_in.size(), n, "grads");
             if (computes_in) same_length(computes_in->size(), n, "computes");
-            const AdamWConfig config =
-                adamw_config(lr, beta1, beta2, eps, weight_decay, formula, torch_tail_width);
+            const AdamWConfig config = adamw_config(lr, beta1, beta2, eps, weight_decay, formula,
+                                                    torch_tail_width, torch_v_first);
             std::vector<AdamWTensor> t(n);
             for (std::size_t i = 0; i < n; ++i) {
               t[i].param = cpu_view(params_in[i], "params", i, Access::write);
@@ -487,8 +487,9 @@ NB_MODULE(_core, m) {
           nb::arg("params"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"), nb::arg("steps"),
           nb::arg("grads"), nb::arg("computes") = nb::none(), nb::kw_only(), nb::arg("lr"),
           nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
-          nb::arg("formula") = "torch", nb::arg("torch_tail_width") = 8,
-          nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
+          nb::arg("formula") = "torch", nb::arg("torch_tail_width") = kTorchTailWidth,
+          nb::arg("torch_v_first") = kTorchVFirst, nb::arg("grad_scale") = 1.0f,
+          nb::arg("clip") = 1.0f,
           "AdamW in place over every tensor (f32 params and moments, 0-dim f32 steps "
           "incremented first, f32/bf16/f16 grads read as R(R(g*grad_scale)*clip)); computes[i] "
           "receives params[i] rounded to its dtype. Bitwise: equals the reference for any ISA "

@@ -32,7 +32,7 @@ inline AdamWFormula parse_formula(const std::string& name) {
 /// takes it validates every field before writing anything).
 inline AdamWConfig adamw_config(double lr, double beta1, double beta2, double eps,
                                 double weight_decay, const std::string& formula,
-                                int torch_tail_width) {
+                                int torch_tail_width, bool torch_v_first) {
   AdamWConfig config;
   config.lr = lr;
   config.beta1 = beta1;
@@ -41,6 +41,7 @@ inline AdamWConfig adamw_config(double lr, double beta1, double beta2, double ep
   config.weight_decay = weight_decay;
   config.formula = parse_formula(formula);
   config.torch_tail_width = torch_tail_width;
+  config.torch_v_first = torch_v_first;
   return config;
 }
 

@@ -208,6 +208,7 @@ Case decode(fuzz::Input& in) {
   c.adamw.weight_decay = fuzz::special(in);
   c.adamw.formula = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
   c.adamw.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.adamw.torch_v_first = in.flag();
   c.adam.lr = fuzz::special(in);
   c.adam.beta1 = fuzz::special(in);
   c.adam.beta2 = fuzz::special(in);
@@ -216,6 +217,7 @@ Case decode(fuzz::Input& in) {
   c.adam.amsgrad = in.flag();
   c.adam.maximize = in.flag();
   c.adam.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+  c.adam.torch_v_first = in.flag();
   c.sgd.lr = fuzz::special(in);
   c.sgd.momentum = in.flag() ? 0.0 : fuzz::special(in);
   c.sgd.dampening = fuzz::special(in);
