@@ -20,6 +20,7 @@
 
 #include "expect_error.hpp"
 #include "forwarding_device.hpp"
+#include "sanitized.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -217,7 +218,7 @@ TEST(Faults, SoakOfAThousandManagersGrowsNothing) {
       end.threads, end.fds);
   EXPECT_EQ(end.threads, warm.threads);
   EXPECT_EQ(end.fds, warm.fds);
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if STEPCORE_TEST_SANITIZED
   // The sanitizers' quarantines and shadow memory make RSS meaningless here.
 #else
   EXPECT_LE(end.rss_kib - warm.rss_kib, 512)

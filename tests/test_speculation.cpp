@@ -43,6 +43,7 @@
 #include "expect_error.hpp"
 #include "forwarding_device.hpp"
 #include "managers_cases.hpp"
+#include "sanitized.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -731,7 +732,7 @@ bool reset_peak() {
 // out-of-place steps: the growth is at least 90% of its 12 MiB, so the measurement sees
 // them.
 TEST(Speculation, FullOffloadRollbackSpaceStaysWithinTheBudget) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if STEPCORE_TEST_SANITIZED
   GTEST_SKIP() << "the sanitizers' shadow memory makes the resident set meaningless";
 #endif
   if (!reset_peak() || status_kib("VmHWM") < 0) GTEST_SKIP() << "no VmHWM reset here";

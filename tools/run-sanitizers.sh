@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The sanitizer half of CI (.ci/run runs it after the README's test command): the asan
-# preset (AddressSanitizer + UndefinedBehaviorSanitizer) over every unit and mpi test,
-# the tsan preset (ThreadSanitizer with LLVM's libomp and its Archer tool) over the
+# preset (clang's AddressSanitizer + UndefinedBehaviorSanitizer) over every unit and mpi
+# test, the tsan preset (ThreadSanitizer with LLVM's libomp and its Archer tool) over the
 # threaded suites (CPU engine, host device, managers, communicators), both under the quick
-# test profile (tests/isa_list.hpp: every case, fewer repeated steps), and the fuzz preset's
-# libFuzzer harnesses for STEPCORE_FUZZ_SECONDS each (default 60) from the committed
-# corpus. CPU only. Prints each phase's duration; exits non-zero at the first failure.
+# test profile (tests/isa_list.hpp: every case, fewer repeated steps), and the libFuzzer
+# harnesses of the same asan build (it carries libFuzzer's coverage instrumentation) for
+# STEPCORE_FUZZ_SECONDS each (default 30 here; tools/run-fuzz.sh does the long runs) from
+# the committed corpus. CPU only. Prints each phase's duration; exits non-zero at the
+# first failure.
 #
 #   tools/run-sanitizers.sh [asan] [tsan] [fuzz]     (default: all three)
 set -euo pipefail
@@ -27,8 +29,11 @@ timed() {  # timed NAME COMMAND...: runs the command and prints how long it took
   echo "== $name: $((SECONDS - start)) s"
 }
 
-asan() {
-  cmake --preset asan -DSTEPCORE_PYTHON=OFF >/dev/null
+fuzz_seconds=${STEPCORE_FUZZ_SECONDS:-30}
+harnesses=(fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager fuzz_safetensors)
+
+asan() {  # builds everything, the fuzz harnesses included; runs the unit and mpi tests
+  cmake --preset asan -DSTEPCORE_PYTHON=OFF -DSTEPCORE_FUZZ_SECONDS="$fuzz_seconds" >/dev/null
   cmake --build --preset asan -j "$jobs"
   STEPCORE_TEST_PROFILE=quick ctest --preset asan -L 'unit|mpi' -j "$jobs"
 }
@@ -43,13 +48,13 @@ tsan() {
       build/tsan/tests/"$t" --gtest_list_tests | awk '/^[A-Za-z_][A-Za-z0-9_\/]*\.( |$)/ { sub(/\..*/, ""); print }')
   done
   # The quick profile (tests/isa_list.hpp): every case at fewer repeated steps.
-  STEPCORE_TEST_PROFILE=quick ctest --preset tsan -R "^($(IFS='|'; echo "${suites[*]}"))\\." -j 1
+  STEPCORE_TEST_PROFILE=quick ctest --preset tsan -R "^($(IFS='|'; echo "${suites[*]}"))\\." -j "$jobs"
 }
 
-fuzz() {
-  cmake --preset fuzz -DSTEPCORE_FUZZ_SECONDS="${STEPCORE_FUZZ_SECONDS:-60}" >/dev/null
-  cmake --build --preset fuzz -j "$jobs" --target fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager fuzz_safetensors
-  ctest --preset fuzz
+fuzz() {  # the asan build's harnesses (built here if the asan phase did not run)
+  cmake --preset asan -DSTEPCORE_PYTHON=OFF -DSTEPCORE_FUZZ_SECONDS="$fuzz_seconds" >/dev/null
+  cmake --build --preset asan -j "$jobs" --target "${harnesses[@]}"
+  ctest --preset asan-fuzz
 }
 
 for p in "${phases[@]}"; do
