@@ -4,8 +4,8 @@
 # show how torch's fused CPU optimizers compute on aarch64 (tests/data/aarch64/); and the
 # `py` wrapper that runs that Python.
 #
-# Sources: Debian (apt-get download, arm64 .debs unpacked with dpkg -x; nothing is installed
-# into the host's dpkg database) and PyPI (pip download for the aarch64 platform, then
+# Sources: Debian (apt-get download, arm64 .debs unpacked with dpkg -x by
+# tools/aarch64-python-root.sh; nothing is installed into the host's dpkg database) and PyPI (pip download for the aarch64 platform, then
 # `pip install --target` of those wheels; the host pip never runs aarch64 code).
 #
 # Needs on the host: qemu-user (qemu-aarch64), apt with the arm64 architecture added
@@ -44,28 +44,11 @@ SITE="$ROOT/site"                     # the guest's site-packages (on PYTHONPATH
 command -v qemu-aarch64 >/dev/null || { echo "qemu-aarch64 not found (apt-get install qemu-user)" >&2; exit 1; }
 mkdir -p "$ROOT" "$DL/debs" "$DL/wheels"
 
-# 1. Debian arm64 packages: Python 3.11 and the shared libraries it and torch load. libc6
-#    brings ld-linux-aarch64.so.1 and libc.so.6 from one build.
-DEBS=(
-  libc6 libgcc-s1 libstdc++6 libgomp1 zlib1g
-  python3.11-minimal libpython3.11-minimal libpython3.11-stdlib
-  libexpat1 libffi8 libssl3 libbz2-1.0 liblzma5 libsqlite3-0 libncursesw6 libtinfo6
-  libreadline8 libuuid1 libdb5.3 libcrypt1 libnsl2 libtirpc3 libgssapi-krb5-2 libkrb5-3
-  libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1
-)
-stamp="$ROOT/.debs-done"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${DEBS[*]}" ]; then
-  (cd "$DL/debs" && apt-get download "${DEBS[@]/%/:arm64}")
-  for p in "${DEBS[@]}"; do
-    deb="$(ls -1t "$DL/debs/${p}"_*_arm64.deb | head -n 1)"
-    dpkg -x "$deb" "$ROOT"
-  done
-  echo "${DEBS[*]}" >"$stamp"
-fi
-test -x "$ROOT/usr/bin/python3.11"
-# The PT_INTERP /lib/ld-linux-aarch64.so.1 must resolve inside the root (qemu -L looks there
-# first); bookworm's libc6 ships it, usrmerge'd roots have it under usr/lib.
-test -e "$ROOT/lib/ld-linux-aarch64.so.1"
+# 1. Debian's arm64 Python 3.11 and the shared libraries it and torch load (libc6 brings
+#    ld-linux-aarch64.so.1 and libc.so.6 from one build): the root of
+#    tools/aarch64-python-root.sh, which also unpacks numpy, pip and pytest into
+#    $ROOT/pysite (not on this wrapper's path).
+STEPCORE_A64_DL="$DL" "$(dirname "$0")/../aarch64-python-root.sh" "$ROOT" >/dev/null
 
 # 2. PyPI wheels for aarch64, CPython 3.11. torch's CUDA build links these libraries even
 #    when only the CPU is used (versions from torch's Requires-Dist and cuda-toolkit 13.2.2's
