@@ -23,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src_dir="$PWD"
+tools/install-deps.sh --aarch64  # cross toolchain, qemu-user, the arm64 architecture in apt
 PY="${1:-$(tools/setup-python.sh | tail -n 1)/bin/python}"
 ROOT="$(tools/aarch64-python-root.sh | tail -n 1)"
 scratch="$(mktemp -d)"
