@@ -76,7 +76,7 @@ struct EngineConfig {
 using NormMode = ::stepcore::NormMode;
 
 /// A configured CPU engine. Cheap to create (the first engine of each ISA in a process
-/// also runs that ISA's self-test, about 1.5 ms); thread-safe for concurrent calls on
+/// also runs that ISA's self-test, a few milliseconds); thread-safe for concurrent calls on
 /// disjoint buffers (each call opens its own OpenMP parallel region).
 ///
 /// Every call validates all arguments first (stepcore::Error, nothing written),
