@@ -326,8 +326,9 @@ struct Tally {
 // disagreement is reported at the step and element where it arises. Returns the number
 // of differing element-steps; reports them per quantity when `report`.
 using AdamWStepFn =
-    std::function<void(std::span<const stepcore::AdamWTensor>, const stepcore::AdamWConfig&)>;
-void reference_adamw(std::span<const stepcore::AdamWTensor> ts, const stepcore::AdamWConfig& c) {
+    std::function<void(std::span<const stepcore::OptimizerTensor>, const stepcore::AdamWConfig&)>;
+void reference_adamw(std::span<const stepcore::OptimizerTensor> ts,
+                     const stepcore::AdamWConfig& c) {
   stepcore::reference::adamw_step(ts, c);
 }
 
@@ -347,11 +348,11 @@ std::size_t replay_adamw(const AdamWCase& k, const stepcore::AdamWConfig& config
       v[t] = s == 0 ? std::vector<float>(k.sizes[t], 0.0f) : k.steps[s - 1].exp_avg_sq[t];
       count[t] = s == 0 ? 0.0f : k.steps[s - 1].count[t];
     }
-    std::vector<stepcore::AdamWTensor> ts(K);
+    std::vector<stepcore::OptimizerTensor> ts(K);
     for (std::size_t t = 0; t < K; ++t) {
       ts[t].param = {p[t].data(), p[t].size(), DType::f32};
-      ts[t].exp_avg = {m[t].data(), m[t].size(), DType::f32};
-      ts[t].exp_avg_sq = {v[t].data(), v[t].size(), DType::f32};
+      ts[t].state[0] = {m[t].data(), m[t].size(), DType::f32};
+      ts[t].state[1] = {v[t].data(), v[t].size(), DType::f32};
       ts[t].step = &count[t];
       ts[t].grad = st.grad[t].view();
     }
@@ -448,8 +449,8 @@ TEST(GoldenAdamW, CpuEngineOnEveryIsaMatchesTorchFusedBitForBit) {
         SCOPED_TRACE("case " + k.name + ", " + std::string(engine.isa_name()) + ", threads " +
                      std::to_string(threads));
         replay_adamw(k, k.config, /*report=*/true,
-                     [&](std::span<const stepcore::AdamWTensor> ts,
-                         const stepcore::AdamWConfig& c) { engine.adamw_step(ts, c); });
+                     [&](std::span<const stepcore::OptimizerTensor> ts,
+                         const stepcore::AdamWConfig& c) { engine.step(ts, c); });
       }
     }
   }
@@ -877,30 +878,6 @@ TEST(GoldenAdam, ReferenceMatchesTorchFusedAdamAndAdamWBitForBit) {
   }
 }
 
-// AdamW without amsgrad through the AdamWTensor overload (maximize included) gives the
-// same bits as torch.
-TEST(GoldenAdam, AdamWTensorOverloadMatchesTorchWithMaximize) {
-  bool any = false;
-  for (const auto& k : adam_cases()) {
-    if (!k.adamw || k.amsgrad) continue;
-    any = true;
-    SCOPED_TRACE("case " + k.name);
-    replay_adam(k, /*report=*/true,
-                [](std::span<const stepcore::OptimizerTensor> ts, const AdamCase& c) {
-                  std::vector<stepcore::AdamWTensor> w(ts.size());
-                  for (std::size_t i = 0; i < ts.size(); ++i) {
-                    w[i].param = ts[i].param;
-                    w[i].exp_avg = ts[i].state[0];
-                    w[i].exp_avg_sq = ts[i].state[1];
-                    w[i].step = ts[i].step;
-                    w[i].grad = ts[i].grad;
-                  }
-                  stepcore::reference::adamw_step(w, c.adamw_config());
-                });
-  }
-  EXPECT_TRUE(any);
-}
-
 // The data tells torch's scalar tail from its vector body for Adam too: the body's
 // rounding of v everywhere (tail width 1) disagrees somewhere.
 TEST(GoldenAdam, DataDistinguishesTheScalarTail) {
@@ -1069,13 +1046,13 @@ void replay_sign_sgd(const SignSgdCase& k, const stepcore::cpu::Engine* engine =
   const std::size_t K = k.sizes.size();
   std::vector<std::vector<float>> p = k.init;
   for (std::size_t s = 0; s < k.grad.size(); ++s) {
-    std::vector<stepcore::SignSgdTensor> ts(K);
+    std::vector<stepcore::OptimizerTensor> ts(K);
     for (std::size_t t = 0; t < K; ++t) {
       ts[t].param = {p[t].data(), p[t].size(), DType::f32};
       ts[t].grad = k.grad[s][t].view();
     }
     if (engine != nullptr)
-      engine->sign_sgd_step(ts, k.config);
+      engine->step(ts, k.config);
     else
       stepcore::reference::sign_sgd_step(ts, k.config);
     for (std::size_t t = 0; t < K; ++t)
@@ -1148,7 +1125,7 @@ TEST(GoldenSignSgd, NanGradientsPropagateElsewhereTorchBits) {
     std::vector<std::vector<bool>> poisoned(K);
     for (std::size_t t = 0; t < K; ++t) poisoned[t].assign(k.sizes[t], false);
     for (std::size_t s = 0; s < k.grad.size(); ++s) {
-      std::vector<stepcore::SignSgdTensor> ts(K);
+      std::vector<stepcore::OptimizerTensor> ts(K);
       for (std::size_t t = 0; t < K; ++t) {
         ts[t].param = {p[t].data(), p[t].size(), DType::f32};
         ts[t].grad = k.grad[s][t].view();
