@@ -256,7 +256,8 @@ inline constexpr int kMaxOptimizerSlots = 3;
 /// sources (read only, left intact). The parameter, its state and their sources are f32;
 /// the CPU engine (cpu::Engine::step) and the reference also take them all in bf16 or all
 /// in f16, the model's dtype, as torch's fused CPU optimizers do (math in f32, each
-/// stored value rounded to nearest even; no compute output; docs/numerics.md 7.3).
+/// stored value rounded to nearest even; no compute output; docs/numerics.md 7.3). A view
+/// is empty when data == nullptr and numel == 0.
 struct OptimizerTensor {
   TensorView param;
   TensorView state[kMaxOptimizerSlots] = {};
