@@ -97,14 +97,14 @@ struct State {
     return t;
   }
 
-  std::vector<AdamWTensor> adamw(DType grad, bool output) {
-    std::vector<AdamWTensor> t;
+  std::vector<OptimizerTensor> adamw(DType grad, bool output) {
+    std::vector<OptimizerTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t o = offsets[k], n = sizes[k];
-      AdamWTensor a;
+      OptimizerTensor a;
       a.param = {p.get() + o, n, DType::f32};
-      a.exp_avg = {m.get() + o, n, DType::f32};
-      a.exp_avg_sq = {v.get() + o, n, DType::f32};
+      a.state[0] = {m.get() + o, n, DType::f32};
+      a.state[1] = {v.get() + o, n, DType::f32};
       a.step = &steps[k];
       a.grad = grad == DType::f32 ? ConstTensorView{gf32.get() + o, n, DType::f32}
                                   : ConstTensorView{gbf16.get() + o, n, DType::bf16};
@@ -113,13 +113,15 @@ struct State {
     }
     return t;
   }
-  std::vector<SignSgdTensor> sign_sgd() {
-    std::vector<SignSgdTensor> t;
+  std::vector<OptimizerTensor> sign_sgd() {
+    std::vector<OptimizerTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t o = offsets[k], n = sizes[k];
-      t.push_back({{p.get() + o, n, DType::f32},
-                   {gbf16.get() + o, n, DType::bf16},
-                   {out.get() + o, n, DType::bf16}});
+      OptimizerTensor s;  // the param alone: no state slot, no step counter
+      s.param = {p.get() + o, n, DType::f32};
+      s.grad = {gbf16.get() + o, n, DType::bf16};
+      s.compute_param = {out.get() + o, n, DType::bf16};
+      t.push_back(s);
     }
     return t;
   }
@@ -356,30 +358,30 @@ bool validate_adamw(const cpu::Engine& eng, DType grad, bool output) {
   }
   auto p2 = p, m2 = m, v2 = v;
   std::vector<float> s1(4, 0.0f), s2(4, 0.0f);
-  std::vector<AdamWTensor> a, b;
+  std::vector<OptimizerTensor> a, b;
   std::size_t off = 0;
   for (int k = 0; k < 4; ++k) {
     const std::size_t n = sizes[k];
     const ConstTensorView gv = grad == DType::f32
                                    ? ConstTensorView{g.data() + off, n, DType::f32}
                                    : ConstTensorView{gb.data() + off, n, DType::bf16};
-    a.push_back({{p.data() + off, n, DType::f32},
-                 {m.data() + off, n, DType::f32},
-                 {v.data() + off, n, DType::f32},
-                 &s1[k],
-                 gv,
-                 output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
-    b.push_back({{p2.data() + off, n, DType::f32},
-                 {m2.data() + off, n, DType::f32},
-                 {v2.data() + off, n, DType::f32},
-                 &s2[k],
-                 gv,
-                 output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}});
+    a.push_back(
+        {{p.data() + off, n, DType::f32},
+         {TensorView{m.data() + off, n, DType::f32}, TensorView{v.data() + off, n, DType::f32}},
+         &s1[k],
+         gv,
+         output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
+    b.push_back(
+        {{p2.data() + off, n, DType::f32},
+         {TensorView{m2.data() + off, n, DType::f32}, TensorView{v2.data() + off, n, DType::f32}},
+         &s2[k],
+         gv,
+         output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}});
     off += n;
   }
   const GradientRead read{1.0f / 4096.0f, 0.5f};
   reference::adamw_step(a, AdamWConfig{}, read);
-  eng.adamw_step(b, AdamWConfig{}, read);
+  eng.step(b, AdamWConfig{}, read);
   return std::memcmp(p.data(), p2.data(), total * 4) == 0 &&
          std::memcmp(m.data(), m2.data(), total * 4) == 0 &&
          std::memcmp(v.data(), v2.data(), total * 4) == 0 &&
@@ -426,7 +428,7 @@ cpu::Engine engine_for(benchmark::State& st) {
 template <DType G, bool Output, bool LazyScale = true>
 void BM_AdamW(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
-  if (!validate_adamw(eng, G, Output)) validation_failed("adamw_step");
+  if (!validate_adamw(eng, G, Output)) validation_failed("the AdamW step");
   State& s = state();
   auto tensors = s.adamw(G, Output);
   const double bytes =
@@ -437,7 +439,7 @@ void BM_AdamW(benchmark::State& st) {
   const GradientRead read{LazyScale ? 1.0f / 4096.0f : 1.0f, 1.0f};
   auto kernel = [&] {
     for (auto& t : tensors) *t.step = 0.0f;  // keep the bias corrections in range
-    eng.adamw_step(tensors, cfg, read);
+    eng.step(tensors, cfg, read);
   };
   auto probe = [&] {
     std::uint16_t* out = Output ? s.out.get() : nullptr;
@@ -494,21 +496,21 @@ struct OutOfPlaceState {
   }
   /// The tensors of a step into the destinations: read from the sources when
   /// `out_of_place`, else from the destinations themselves (in place).
-  std::vector<AdamWTensor> tensors(bool out_of_place, bool output) {
-    std::vector<AdamWTensor> t;
+  std::vector<OptimizerTensor> tensors(bool out_of_place, bool output) {
+    std::vector<OptimizerTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t o = offsets[k], n = sizes[k];
-      AdamWTensor a;
+      OptimizerTensor a;
       a.param = {pd.get() + o, n, DType::f32};
-      a.exp_avg = {md.get() + o, n, DType::f32};
-      a.exp_avg_sq = {vd.get() + o, n, DType::f32};
+      a.state[0] = {md.get() + o, n, DType::f32};
+      a.state[1] = {vd.get() + o, n, DType::f32};
       a.step = &steps[k];
       a.grad = {g.get() + o, n, DType::f32};
       if (output) a.compute_param = {out.get() + o, n, DType::bf16};
       if (out_of_place) {
         a.param_src = {ps.get() + o, n, DType::f32};
-        a.exp_avg_src = {ms.get() + o, n, DType::f32};
-        a.exp_avg_sq_src = {vs.get() + o, n, DType::f32};
+        a.state_src[0] = {ms.get() + o, n, DType::f32};
+        a.state_src[1] = {vs.get() + o, n, DType::f32};
       }
       t.push_back(a);
     }
@@ -540,32 +542,32 @@ bool validate_adamw_out_of_place(const cpu::Engine& eng, bool output) {
   std::vector<float> ref(src.begin() + 1, src.end()), dst(3 * total + 2, -1.0f);
   std::vector<std::uint16_t> o1(total), o2(total);
   std::vector<float> s1(4, 2.0f), s2(4, 2.0f);
-  std::vector<AdamWTensor> a, b;
+  std::vector<OptimizerTensor> a, b;
   std::size_t off = 0;
   for (int k = 0; k < 4; ++k) {
     const std::size_t n = sizes[k];
     const ConstTensorView gv{g.data() + off, n, DType::f32};
     a.push_back({{ref.data() + off, n, DType::f32},
-                 {ref.data() + total + off, n, DType::f32},
-                 {ref.data() + 2 * total + off, n, DType::f32},
+                 {TensorView{ref.data() + total + off, n, DType::f32},
+                  TensorView{ref.data() + 2 * total + off, n, DType::f32}},
                  &s1[k],
                  gv,
                  output ? TensorView{o1.data() + off, n, DType::bf16} : TensorView{}});
-    AdamWTensor t{{dst.data() + 2 + off, n, DType::f32},
-                  {dst.data() + 2 + total + off, n, DType::f32},
-                  {dst.data() + 2 + 2 * total + off, n, DType::f32},
-                  &s2[k],
-                  gv,
-                  output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}};
+    OptimizerTensor t{{dst.data() + 2 + off, n, DType::f32},
+                      {TensorView{dst.data() + 2 + total + off, n, DType::f32},
+                       TensorView{dst.data() + 2 + 2 * total + off, n, DType::f32}},
+                      &s2[k],
+                      gv,
+                      output ? TensorView{o2.data() + off, n, DType::bf16} : TensorView{}};
     t.param_src = {src.data() + 1 + off, n, DType::f32};
-    t.exp_avg_src = {src.data() + 1 + total + off, n, DType::f32};
-    t.exp_avg_sq_src = {src.data() + 1 + 2 * total + off, n, DType::f32};
+    t.state_src[0] = {src.data() + 1 + total + off, n, DType::f32};
+    t.state_src[1] = {src.data() + 1 + 2 * total + off, n, DType::f32};
     b.push_back(t);
     off += n;
   }
   const GradientRead read{1.0f / 4096.0f, 0.5f};
   reference::adamw_step(a, AdamWConfig{}, read);
-  eng.adamw_step(b, AdamWConfig{}, read);
+  eng.step(b, AdamWConfig{}, read);
   return std::memcmp(ref.data(), dst.data() + 2, 3 * total * 4) == 0 &&
          std::memcmp(o1.data(), o2.data(), total * 2) == 0 && src == src_before;
 }
@@ -582,16 +584,16 @@ void BM_AdamWOutOfPlace(benchmark::State& st) {
   const auto isa = static_cast<cpu::Isa>(st.range(0));
   const int threads = static_cast<int>(st.range(1));
   const cpu::Engine eng(cpu::EngineConfig{isa, threads});
-  if (!validate_adamw_out_of_place(eng, Output)) validation_failed("adamw_step out of place");
-  if (!validate_adamw(eng, DType::f32, Output)) validation_failed("adamw_step");
+  if (!validate_adamw_out_of_place(eng, Output)) validation_failed("the AdamW step out of place");
+  if (!validate_adamw(eng, DType::f32, Output)) validation_failed("the AdamW step");
   OutOfPlaceState& s = out_of_place_state(static_cast<std::size_t>(st.range(2)) << 20);
   auto oop = s.tensors(true, Output);
   auto in_place = s.tensors(false, Output);
   const AdamWConfig cfg;
   const GradientRead read{1.0f / 4096.0f, 1.0f};
-  auto step = [&](std::vector<AdamWTensor>& t) {
+  auto step = [&](std::vector<OptimizerTensor>& t) {
     for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
-    eng.adamw_step(t, cfg, read);
+    eng.step(t, cfg, read);
   };
   const double bytes = static_cast<double>(s.total) * (12.0 + 4.0 + 12.0 + (Output ? 2.0 : 0.0));
   run_timed(
@@ -874,19 +876,21 @@ void BM_SignSgd(benchmark::State& st) {
     const std::size_t n = 70001;
     std::vector<float> p1(s.p.get(), s.p.get() + n), p2 = p1;
     std::vector<std::uint16_t> o1(n), o2(n);
-    std::vector<SignSgdTensor> a{
-        {{p1.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o1.data(), n, DType::bf16}}};
-    std::vector<SignSgdTensor> b{
-        {{p2.data(), n, DType::f32}, {s.gbf16.get(), n, DType::bf16}, {o2.data(), n, DType::bf16}}};
+    std::vector<OptimizerTensor> a(1), b(1);  // the param alone: no state slot, no counter
+    a[0].param = {p1.data(), n, DType::f32};
+    b[0].param = {p2.data(), n, DType::f32};
+    a[0].grad = b[0].grad = {s.gbf16.get(), n, DType::bf16};
+    a[0].compute_param = {o1.data(), n, DType::bf16};
+    b[0].compute_param = {o2.data(), n, DType::bf16};
     const SignSgdConfig c{1e-3, 0.1};
     reference::sign_sgd_step(a, c);
-    eng.sign_sgd_step(b, c);
+    eng.step(b, c);
     if (std::memcmp(p1.data(), p2.data(), n * 4) || std::memcmp(o1.data(), o2.data(), n * 2))
-      validation_failed("sign_sgd_step");
+      validation_failed("the SignSGD step");
   }
   const double bytes = static_cast<double>(s.total) * (4.0 + 2.0 + 4.0 + 2.0);
   const int th = eng.threads();
-  auto kernel = [&] { eng.sign_sgd_step(tensors, SignSgdConfig{1e-6, 0.0}); };
+  auto kernel = [&] { eng.step(tensors, SignSgdConfig{1e-6, 0.0}); };
   auto probe = [&] { probe_sign_sgd(s.p.get(), s.gbf16.get(), s.out.get(), s.total, th); };
   run_timed(st, kernel, bytes);
   set_roofline(st, bytes, kernel, probe);
@@ -984,17 +988,17 @@ void BM_GpuPlanHostOverhead(benchmark::State& st) {
   std::mt19937 rng(3);
   for (std::size_t i = 0; i < n_tensors; ++i) sizes.push_back(1 + rng() % 300000);
   std::vector<TensorView> views;
-  std::vector<AdamWTensor> tensors;
+  std::vector<OptimizerTensor> tensors;
   std::vector<float> steps(n_tensors, 0.0f);
   std::uintptr_t fake = 0x100000;  // never dereferenced: plans are plain data
   for (std::size_t i = 0; i < n_tensors; ++i) {
     auto* p = reinterpret_cast<float*>(fake);
     fake += (sizes[i] * 4 + 255) / 256 * 256 * 4;
     views.push_back({p, sizes[i], DType::bf16});
-    AdamWTensor t;
+    OptimizerTensor t;
     t.param = {p, sizes[i], DType::f32};
-    t.exp_avg = {p + sizes[i], sizes[i], DType::f32};
-    t.exp_avg_sq = {p + 2 * sizes[i], sizes[i], DType::f32};
+    t.state[0] = {p + sizes[i], sizes[i], DType::f32};
+    t.state[1] = {p + 2 * sizes[i], sizes[i], DType::f32};
     t.grad = {p + 3 * sizes[i], sizes[i], DType::bf16};
     t.step = &steps[i];
     tensors.push_back(t);
@@ -1003,14 +1007,15 @@ void BM_GpuPlanHostOverhead(benchmark::State& st) {
   double bias[2] = {1.0, 1.0};
   NormPartial partial{};
   std::vector<std::uint8_t> workspace(gpu::scale_and_norm_workspace_bytes(views));
-  const AdamWDeviceArgs d{&scalars[0], &scalars[1], nullptr, nullptr, bias};
+  const OptimizerDeviceArgs d{&scalars[0], &scalars[1], nullptr, nullptr, bias};
   std::size_t checks = 0;
   const gpu::detail::MemoryCheck check = [&checks](const void*, std::size_t,
                                                    const ::stepcore::detail::Arg&) { ++checks; };
   const gpu::testing::ScopedPlanCache cache(repeated);
   auto call = [&] {
     if (adamw)
-      benchmark::DoNotOptimize(gpu::detail::checked_adamw_plan(tensors, AdamWConfig{}, d, check));
+      benchmark::DoNotOptimize(gpu::detail::checked_optimizer_plan<::stepcore::detail::AdamW>(
+          tensors, AdamWConfig{}, d, check));
     else
       benchmark::DoNotOptimize(gpu::detail::checked_norm_plan(
           views, &partial, "d_partial", workspace.data(), workspace.size(), check));

@@ -73,17 +73,16 @@ struct Bare {
       accs.push_back({f(acc) + offsets[k], sizes[k], DType::f32});
     norm = engine.norm(accs, {scale, 1.0f});
     const float clip = clip_coefficient(norm.norm, kMaxNorm);
-    std::vector<AdamWTensor> t;
+    std::vector<OptimizerTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t o = offsets[k], n = sizes[k];
       t.push_back({{f(p) + o, n, DType::f32},
-                   {f(m) + o, n, DType::f32},
-                   {f(v) + o, n, DType::f32},
+                   {TensorView{f(m) + o, n, DType::f32}, TensorView{f(v) + o, n, DType::f32}},
                    &steps[k],
                    {f(acc) + o, n, DType::f32},
                    {static_cast<std::uint16_t*>(out.data()) + o, n, DType::bf16}});
     }
-    engine.adamw_step(t, cfg, {scale, clip});
+    engine.step(t, cfg, {scale, clip});
   }
 };
 

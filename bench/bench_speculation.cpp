@@ -363,18 +363,24 @@ int main(int argc, char** argv) {
   std::memcpy(pinned, model.grads, 2 * model.total);
   for (int r = 0; r < 5; ++r) {
     float steps = 0.0f;
-    AdamWTensor t{f32(dst, 0, n0), f32(dst, n0, n0), f32(dst, 2 * n0, n0),
-                  &steps,          f32(acc, 0, n0),  {out.data(), n0, DType::bf16}};
+    OptimizerTensor t{f32(dst, 0, n0),
+                      {f32(dst, n0, n0), f32(dst, 2 * n0, n0)},
+                      &steps,
+                      f32(acc, 0, n0),
+                      {out.data(), n0, DType::bf16}};
     t.param_src = f32(src, 0, n0);
-    t.exp_avg_src = f32(src, n0, n0);
-    t.exp_avg_sq_src = f32(src, 2 * n0, n0);
+    t.state_src[0] = f32(src, n0, n0);
+    t.state_src[1] = f32(src, 2 * n0, n0);
     auto tc = Clock::now();
-    engine.adamw_step({&t, 1}, adamw, {scale_of(0), 1.0f});
+    engine.step({&t, 1}, adamw, {scale_of(0), 1.0f});
     t_out.push_back(seconds_since(tc));
-    AdamWTensor in{f32(src, 0, n0), f32(src, n0, n0), f32(src, 2 * n0, n0),
-                   &steps,          f32(acc, 0, n0),  {out.data(), n0, DType::bf16}};
+    OptimizerTensor in{f32(src, 0, n0),
+                       {f32(src, n0, n0), f32(src, 2 * n0, n0)},
+                       &steps,
+                       f32(acc, 0, n0),
+                       {out.data(), n0, DType::bf16}};
     tc = Clock::now();
-    engine.adamw_step({&in, 1}, adamw, {scale_of(0), 1.0f});
+    engine.step({&in, 1}, adamw, {scale_of(0), 1.0f});
     t_in.push_back(seconds_since(tc));
     tc = Clock::now();
     for (std::size_t k = 0; k < model.sizes.size(); ++k)

@@ -5,8 +5,8 @@ torch:     4 bf16 micro-batch gradients accumulated into f32 (torch._foreach_cop
            torch._foreach_add_), torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(fused=True),
            a bf16 copy of every parameter.
 stepcore:  Engine.accumulate (copy, then add), the exact norm (norm_partial + finalize),
-           Engine.adamw_step reading the gradients with the clip coefficient and writing the
-           bf16 copy in its own pass.
+           Engine.step("adamw", ...) reading the gradients with the clip coefficient and
+           writing the bf16 copy in its own pass.
 
 Validation first: stepcore's step, given torch's clip coefficient, must give torch's
 parameters, moments and bf16 copies bit for bit. Then both pipelines are timed
@@ -69,8 +69,8 @@ def stepcore_step(engine, params, state, micro, accs, copies, max_norm, lr, clip
         norm, finite, _, _ = stepcore.finalize(engine.norm_partial(accs, exact=True))
     c = stepcore.clip_coefficient(norm, max_norm) if clip is None else clip
     m, v, s = state
-    engine.adamw_step(params, m, v, s, accs, copies, lr=lr, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.01, clip=c)
+    engine.step("adamw", params, [m, v], s, accs, copies,
+                hyper=dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01), clip=c)
     return norm
 
 
@@ -150,9 +150,9 @@ def main():
     ss = [torch.zeros((), dtype=torch.float32) for _ in range(n)]
     gs = [torch.full((1,), 1e-3) for _ in range(n)]
     one = stepcore.Engine(threads=1)
-    call = timed(lambda: one.adamw_step(ps, ms, vs, ss, gs, lr=lr, beta1=0.9, beta2=0.999,
-                                        eps=1e-8, weight_decay=0.0))
-    print(f"  one Engine.adamw_step call on {n} one-element params ({5 * n} tensor arguments): "
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    call = timed(lambda: one.step("adamw", ps, [ms, vs], ss, gs, hyper=hyper))
+    print(f"  one Engine.step call on {n} one-element AdamW params ({5 * n} tensor arguments): "
           f"{call * 1e3:.3f} ms (binding + validation + kernels)")
     scale_call = timed(lambda: one.scale_(gs, 1.0))
     print(f"  one Engine.scale_ call on {n} one-element tensors: {scale_call * 1e3:.3f} ms")

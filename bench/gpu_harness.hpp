@@ -129,8 +129,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   std::vector<TensorView> views;
   std::vector<ConstTensorView> cviews;
   std::vector<AccumulatePair> pairs;
-  std::vector<AdamWTensor> adamw;
-  std::vector<SignSgdTensor> sign;
+  std::vector<OptimizerTensor> adamw;
+  std::vector<OptimizerTensor> sign;
   std::size_t off = 0;
   for (std::size_t k = 0; k < sizes.size(); ++k) {
     const std::size_t s = sizes[k];
@@ -138,12 +138,14 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
     cviews.push_back({g16 + off, s, DType::bf16});
     pairs.push_back({{d_acc.as<float>() + off, s, DType::f32}, {g16 + off, s, DType::bf16}, false});
     adamw.push_back({{d_p.as<float>() + off, s, DType::f32},
-                     {d_m.as<float>() + off, s, DType::f32},
-                     {d_v.as<float>() + off, s, DType::f32},
+                     {TensorView{d_m.as<float>() + off, s, DType::f32},
+                      TensorView{d_v.as<float>() + off, s, DType::f32}},
                      d_steps.as<float>() + k,
                      {g16 + off, s, DType::bf16},
                      {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
-    sign.push_back({{d_p.as<float>() + off, s, DType::f32},
+    sign.push_back({{d_p.as<float>() + off, s, DType::f32},  // no state slot, no counter
+                    {},
+                    nullptr,
                     {g16 + off, s, DType::bf16},
                     {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
     off += s;
@@ -163,13 +165,13 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   AdamWConfig acfg;
   acfg.lr = 1e-4;
   acfg.weight_decay = 0.01;
-  const std::vector<double> bias = gpu::make_adamw_bias_table(acfg);
+  const std::vector<double> bias = gpu::make_optimizer_table(acfg);
   DeviceMemory d_bias(dev, bias.size() * sizeof(double));
   upload(dev, d_bias.as<void>(), bias.data(), bias.size() * sizeof(double));
   const float ones[2] = {1.0f, 1.0f};
   upload(dev, d_words.as<void>(), ones, sizeof ones);
   const float* d_one = d_words.as<float>();
-  const AdamWDeviceArgs dargs{d_one, d_one + 1, nullptr, nullptr, d_bias.as<double>()};
+  const OptimizerDeviceArgs dargs{d_one, d_one + 1, nullptr, nullptr, d_bias.as<double>()};
   const SignSgdConfig scfg{1e-5, 0.0};
 
   auto fail = [&](std::string what) {
@@ -245,21 +247,21 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
         v(head, 0.0f);
     std::vector<std::uint16_t> out(head);
     std::vector<float> steps(nv, 0.0f);
-    std::vector<AdamWTensor> ht;
+    std::vector<OptimizerTensor> ht;
     std::size_t at = 0;
     for (std::size_t k = 0; k < nv; ++k) {
       const std::size_t s = sizes[k];
-      ht.push_back({{p.data() + at, s, DType::f32},
-                    {m.data() + at, s, DType::f32},
-                    {v.data() + at, s, DType::f32},
-                    &steps[k],
-                    {h_grad.data() + at, s, DType::bf16},
-                    {out.data() + at, s, DType::bf16}});
+      ht.push_back(
+          {{p.data() + at, s, DType::f32},
+           {TensorView{m.data() + at, s, DType::f32}, TensorView{v.data() + at, s, DType::f32}},
+           &steps[k],
+           {h_grad.data() + at, s, DType::bf16},
+           {out.data() + at, s, DType::bf16}});
       at += s;
     }
     reference::adamw_step(ht, acfg, GradientRead{});
-    const std::vector<AdamWTensor> dt(adamw.begin(), adamw.begin() + static_cast<long>(nv));
-    dev.adamw_step(dt, acfg, dargs);
+    const std::vector<OptimizerTensor> dt(adamw.begin(), adamw.begin() + static_cast<long>(nv));
+    dev.optimizer_step(dt, acfg, dargs);
     std::vector<float> back(head);
     std::vector<std::uint16_t> oback(head);
     download(dev, back.data(), d_p.as<void>(), head * 4);
@@ -270,18 +272,20 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
     download(dev, dsteps.data(), d_steps.as<void>(), nv * 4);
     if (dsteps != steps) return fail("AdamW step counters differ from the reference");
     // SignSGD on the updated head parameters.
-    std::vector<SignSgdTensor> hs;
+    std::vector<OptimizerTensor> hs;
     at = 0;
     for (std::size_t k = 0; k < nv; ++k) {
       const std::size_t s = sizes[k];
       hs.push_back({{p.data() + at, s, DType::f32},
+                    {},
+                    nullptr,
                     {h_grad.data() + at, s, DType::bf16},
                     {out.data() + at, s, DType::bf16}});
       at += s;
     }
     reference::sign_sgd_step(hs, scfg);
-    const std::vector<SignSgdTensor> ds(sign.begin(), sign.begin() + static_cast<long>(nv));
-    dev.sign_sgd_step(ds, scfg, SignSgdDeviceArgs{});
+    const std::vector<OptimizerTensor> ds(sign.begin(), sign.begin() + static_cast<long>(nv));
+    dev.optimizer_step(ds, scfg, OptimizerDeviceArgs{});
     download(dev, back.data(), d_p.as<void>(), head * 4);
     download(dev, oback.data(), d_out.as<void>(), head * 2);
     if (std::memcmp(back.data(), p.data(), head * 4) != 0 || oback != out)
@@ -332,10 +336,10 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   row(
       "accumulate bf16 -> f32", [&] { dev.accumulate(pairs); }, static_cast<double>(total) * 10.0);
   row(
-      "adamw (f32 state, bf16 g/out)", [&] { dev.adamw_step(adamw, acfg, dargs); },
+      "adamw (f32 state, bf16 g/out)", [&] { dev.optimizer_step(adamw, acfg, dargs); },
       static_cast<double>(total) * 28.0);
   row(
-      "sign_sgd (f32, bf16 g/out)", [&] { dev.sign_sgd_step(sign, scfg, SignSgdDeviceArgs{}); },
+      "sign_sgd (f32, bf16 g/out)", [&] { dev.optimizer_step(sign, scfg, OptimizerDeviceArgs{}); },
       static_cast<double>(total) * 12.0);
 
   // Host time per call for the small-tensor list (enqueue only; the device runs meanwhile).

@@ -314,31 +314,6 @@ void validate_adamw_config(const AdamWConfig& c) {
   check_adam_f32(c);
 }
 
-void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& c, GradientRead read,
-                    StepCounters counters, Maximize maximize) {
-  validate_adamw_config(c);
-  if (c.amsgrad)
-    fail(Errc::invalid_argument, "config.amsgrad",
-         "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
-  if (c.maximize && maximize == Maximize::refused)
-    fail(Errc::not_supported, "config.maximize", "this entry point does not implement maximize");
-  validate_read(read);
-
-  std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 9);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamWTensor& t = tensors[i];
-    const std::size_t n = check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
-    check_moment(i, t.exp_avg, n, "exp_avg", ranges);
-    check_moment(i, t.exp_avg_sq, n, "exp_avg_sq", ranges);
-    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
-    check_source(i, t.exp_avg_src, t.exp_avg, "exp_avg_src", "exp_avg", ranges);
-    check_source(i, t.exp_avg_sq_src, t.exp_avg_sq, "exp_avg_sq_src", "exp_avg_sq", ranges);
-    check_step_counter(i, t.step, counters, ranges);
-  }
-  check_overlaps(ranges);
-}
-
 void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
                                 int used_slots, bool counts_steps, StepCounters counters,
                                 ParamDTypes dtypes) {
@@ -346,7 +321,7 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
   ranges.reserve(tensors.size() * (4 + 2 * static_cast<std::size_t>(used_slots)));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const OptimizerTensor& t = tensors[i];
-    // The order of validate_adamw's checks: the arrays, then their sources, then the counter.
+    // The arrays, then their sources, then the counter.
     const std::size_t n =
         check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges, dtypes);
     for (int s = 0; s < used_slots; ++s)
@@ -436,19 +411,6 @@ void validate_sign_sgd_config(const SignSgdConfig& c, GradientRead read) {
 void validate_sign_sgd_slots(std::span<const OptimizerTensor> tensors, const SignSgdConfig& c,
                              GradientRead read, ParamDTypes dtypes) {
   validate_unit<SignSgd>(tensors, c, read, StepCounters::read, dtypes);
-}
-
-void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& c,
-                       GradientRead read) {
-  validate_sign_sgd_config(c, read);
-  std::vector<Range> ranges;
-  ranges.reserve(tensors.size() * 4);
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const SignSgdTensor& t = tensors[i];
-    check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges);
-    check_source(i, t.param_src, t.param, "param_src", "param", ranges);
-  }
-  check_overlaps(ranges);
 }
 
 void validate_sgd_config(const SgdConfig& c, GradientRead read) {

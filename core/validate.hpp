@@ -14,7 +14,7 @@
 
 namespace stepcore::detail {
 
-/// Whether validate_adamw reads the step counters (host memory) or checks only their
+/// Whether a validation reads the step counters (host memory) or checks only their
 /// pointers (device memory, which the kernels read).
 enum class StepCounters : std::uint8_t { read, unread };
 
@@ -24,21 +24,12 @@ enum class StepCounters : std::uint8_t { read, unread };
 /// compute output for a bf16/f16 param; docs/numerics.md 7.3).
 enum class ParamDTypes : std::uint8_t { f32, model };
 
-/// Whether an AdamWTensor entry point implements AdamWConfig::maximize (the reference does;
-/// the engines that do not yet refuse it with Errc::not_supported naming "config.maximize").
-enum class Maximize : std::uint8_t { refused, supported };
-
-/// Throws unless every AdamW argument is valid (dtypes, sizes, pointers,
-/// overlaps, hyper-parameter ranges, step counters, read scalars). An out-of-place
-/// source (AdamWTensor::param_src, ...) is f32 with its destination's size and either is
-/// the destination or overlaps no written buffer of the call. config.amsgrad is refused
-/// (an AdamWTensor has no max_exp_avg_sq slot), config.maximize unless `maximize` says so.
-void validate_adamw(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                    GradientRead read, StepCounters counters = StepCounters::read,
-                    Maximize maximize = Maximize::refused);
-/// Same for OptimizerTensors: state[0] exp_avg, state[1] exp_avg_sq, state[2]
-/// max_exp_avg_sq with amsgrad (else empty, its source too); amsgrad and maximize need the
-/// torch formula.
+/// Throws unless every argument of an AdamW step is valid (dtypes, sizes, pointers,
+/// overlaps, hyper-parameter ranges, step counters, read scalars): state[0] exp_avg,
+/// state[1] exp_avg_sq, state[2] max_exp_avg_sq with amsgrad (else empty, its source too);
+/// amsgrad and maximize need the torch formula. An out-of-place source (param_src,
+/// state_src) has its destination's dtype and size and either is the destination or
+/// overlaps no written buffer of the call.
 void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                           GradientRead read, StepCounters counters = StepCounters::read,
                           ParamDTypes dtypes = ParamDTypes::f32);
@@ -48,15 +39,13 @@ void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWC
 void validate_adam(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
                    GradientRead read, StepCounters counters = StepCounters::read,
                    ParamDTypes dtypes = ParamDTypes::f32);
-/// Same for SignSGD (scale and clip must be finite and > 0; param_src as AdamW's).
-void validate_sign_sgd(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                       GradientRead read);
-/// Same over OptimizerTensor records (no slots, no counter), as validate_unit<SignSgd>.
+/// Same for SignSGD (no slots, no counter; scale and clip must be finite and > 0), as
+/// validate_unit<SignSgd>.
 void validate_sign_sgd_slots(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
                              GradientRead read, ParamDTypes dtypes = ParamDTypes::f32);
-/// The hyper-parameter checks of validate_adamw alone (errors name "config.<field>").
+/// The hyper-parameter checks of validate_adamw_slots alone (errors name "config.<field>").
 void validate_adamw_config(const AdamWConfig& config);
-/// The hyper-parameter and read checks of validate_sign_sgd alone.
+/// The hyper-parameter and read checks of validate_sign_sgd_slots alone.
 void validate_sign_sgd_config(const SignSgdConfig& config, GradientRead read);
 /// The hyper-parameter and read checks of validate_sgd, validate_adagrad and validate_adam
 /// alone (errors name "config.<field>" and "read.<field>").
@@ -70,11 +59,10 @@ struct SlotNames {
   const char* const* slot;
   const char* const* source;
 };
-/// Throws unless every tensor of a generic optimizer call is valid, as validate_adamw
-/// checks its tensors: param, grad and compute output; the first `used_slots` state
-/// arrays (f32, param's size; named by `names`) and their optional sources; the other
-/// slots empty; the step counter when the optimizer counts steps (else null); no
-/// written range overlapping another range.
+/// Throws unless every tensor of an optimizer call is valid: param, grad and compute
+/// output; the first `used_slots` state arrays (the param's dtype and size; named by
+/// `names`) and their optional sources; the other slots empty; the step counter when the
+/// optimizer counts steps (else null); no written range overlapping another range.
 void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const SlotNames& names,
                                 int used_slots, bool counts_steps,
                                 StepCounters counters = StepCounters::read,
@@ -94,7 +82,7 @@ void validate_adagrad(std::span<const OptimizerTensor> tensors, const AdagradCon
                       GradientRead read, StepCounters counters = StepCounters::read,
                       ParamDTypes dtypes = ParamDTypes::f32);
 /// The array a validated state buffer's old values are read from: its out-of-place
-/// source when one is given (AdamWTensor::param_src, ...), else the buffer itself.
+/// source when one is given (OptimizerTensor::param_src, ...), else the buffer itself.
 inline const void* source_data_or(const ConstTensorView& src, const TensorView& dst) {
   const bool given = src.data != nullptr || src.numel != 0;
   return given ? src.data : dst.data;

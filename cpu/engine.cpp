@@ -272,8 +272,8 @@ Engine::Engine(EngineConfig config) {
 
 namespace {
 
-/// One tensor of a unit's step as the engine reads it, whatever record the caller used:
-/// destinations (the parameter, then each slot) and their optional sources.
+/// One tensor of a unit's step as the engine reads it: destinations (the parameter, then
+/// each slot) and their optional sources.
 struct TensorViews {
   TensorView dst[1 + kMaxOptimizerSlots];
   ConstTensorView src[1 + kMaxOptimizerSlots];
@@ -282,16 +282,6 @@ struct TensorViews {
   float* step;
 };
 
-TensorViews views_of(const AdamWTensor& t) {
-  return {{t.param, t.exp_avg, t.exp_avg_sq, {}},
-          {t.param_src, t.exp_avg_src, t.exp_avg_sq_src, {}},
-          t.grad,
-          t.compute_param,
-          t.step};
-}
-TensorViews views_of(const SignSgdTensor& t) {
-  return {{t.param, {}, {}, {}}, {t.param_src, {}, {}, {}}, t.grad, t.compute_param, nullptr};
-}
 TensorViews views_of(const OptimizerTensor& t) {
   TensorViews v{{t.param}, {t.param_src}, t.grad, t.compute_param, t.step};
   for (int s = 0; s < kMaxOptimizerSlots; ++s) {
@@ -303,11 +293,11 @@ TensorViews views_of(const OptimizerTensor& t) {
 
 }  // namespace
 
-// One step of unit Opt over validated tensors (any record views_of reads): every dtype
-// combination is resolved to a kernel before anything is written; then each counter is
-// advanced (units that count steps), the ranges built and the chunks run.
-template <class Opt, class Tensor>
-void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Config& config,
+// One step of unit Opt over validated tensors: every dtype combination is resolved to a
+// kernel before anything is written; then each counter is advanced (units that count
+// steps), the ranges built and the chunks run.
+template <class Opt>
+void Engine::run_unit(std::span<const OptimizerTensor> tensors, const typename Opt::Config& config,
                       GradientRead read) const {
   const detail::UnitKernels<Opt>& kernels = detail::kernel_table(isa_).units.template of<Opt>();
   std::vector<detail::UnitRange<Opt>> ranges(tensors.size());
@@ -344,21 +334,6 @@ void Engine::run_unit(std::span<const Tensor> tensors, const typename Opt::Confi
   run_static(
       chunks, threads_, cpus_,
       [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
-}
-
-void Engine::adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                        GradientRead read, const std::int32_t* found_inf) const {
-  ::stepcore::detail::validate_adamw(tensors, config, read, ::stepcore::detail::StepCounters::read,
-                                     ::stepcore::detail::Maximize::supported);
-  if (found_inf != nullptr && *found_inf != 0) return;
-  run_unit<::stepcore::detail::AdamW>(tensors, config, read);
-}
-
-void Engine::sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                           GradientRead read, const std::int32_t* found_inf) const {
-  ::stepcore::detail::validate_sign_sgd(tensors, config, read);
-  if (found_inf != nullptr && *found_inf != 0) return;
-  run_unit<::stepcore::detail::SignSgd>(tensors, config, read);
 }
 
 template <class Config>

@@ -194,24 +194,6 @@ UnitRange<Opt> unit_range(const typename Opt::Config& config, float step, Gradie
   return r;
 }
 
-/// The range record of one AdamW tensor whose counter already holds `step`.
-inline UnitRange<::stepcore::detail::AdamW> adamw_range(const AdamWTensor& t,
-                                                        const AdamWConfig& config,
-                                                        GradientRead read, float step) {
-  // No max_exp_avg_sq: an AdamWTensor step is never amsgrad (validation).
-  const TensorView dst[] = {t.param, t.exp_avg, t.exp_avg_sq, {}};
-  const ConstTensorView src[] = {t.param_src, t.exp_avg_src, t.exp_avg_sq_src, {}};
-  return unit_range<::stepcore::detail::AdamW>(config, step, read, dst, src, t.grad.data,
-                                               t.compute_param);
-}
-
-/// The range record of one SignSGD tensor.
-inline UnitRange<::stepcore::detail::SignSgd> sign_sgd_range(const SignSgdTensor& t,
-                                                             const SignSgdConfig& config) {
-  return unit_range<::stepcore::detail::SignSgd>(config, 0.0f, {}, &t.param, &t.param_src,
-                                                 t.grad.data, t.compute_param);
-}
-
 /// Elements per norm block: squares (or |x|, the 1-norm) are summed in binary64 within a
 /// block and the block sum is deposited exactly. Must not exceed kNormMaxBlockAdditions.
 inline constexpr std::size_t kNormBlockElements = 2048;

@@ -1,6 +1,9 @@
 // The known-answer self-test of each ISA's kernels (docs/numerics.md section 13): on
-// first use in a process, every kernel of the ISA's table runs on a small built-in
-// adversarial input and is compared, bit for bit, with stepcore::reference.
+// first use in a process (cpu::self_test, registry.cpp), every kernel of the ISA's table
+// runs on a small built-in adversarial input and is compared, bit for bit, with
+// stepcore::reference: every optimizer unit of core/optimizers/all.hpp with each of its
+// samples (Unit::kSamples: its variants and forms), every param/state, gradient and
+// output dtype, in place and out of place (streamed); accumulate, scale_, the norms.
 //
 // Invariant: the inputs straddle every place the bodies branch — the vector width of
 // every ISA (lengths 53 = 3*16 + 5), a range edge inside a tensor (the engine's chunk
@@ -9,23 +12,18 @@
 // FLT_MAX, ±Inf and NaN payloads, and pairs where a fused and an unfused multiply-add
 // disagree. Comparison follows the spec: exact bits, except that two f32 (or f16) NaNs
 // produced by arithmetic are equal whatever their payload and sign.
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <mutex>
-#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "core/fp_env.hpp"
+#include "core/optimizers/all.hpp"
 #include "cpu/dispatch.hpp"
-#include "cpu/testing.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/error.hpp"
 #include "stepcore/reference.hpp"
 
 namespace stepcore::cpu {
@@ -165,162 +163,185 @@ struct Failure {
   std::string detail;
 };
 
-// ---- the cases --------------------------------------------------------------------------
+// ---- the optimizer units ----------------------------------------------------------------
 
-bool check_adamw(const KernelTable& t, Failure& fail) {
-  Filler f;
-  const auto p0 = values(kLength, f, true, false, -20, 4);
-  const auto m0 = values(kLength, f, true, false, -30, 0);
-  auto v0 = values(kLength, f, true, false, -60, -2);
-  for (float& x : v0) x = std::fabs(x);
-  const auto g_vals = values(kLength, f, true, true, -24, 2);
-  for (const AdamWFormula formula : {AdamWFormula::native, AdamWFormula::torch}) {
-    for (const double wd : {0.0, 0.1}) {
-      for (const double beta1 : {0.9, 0.3}) {  // torch's lerp: both branches
-        if (formula == AdamWFormula::native && beta1 != 0.9) continue;
-        AdamWConfig config;
-        config.formula = formula;
-        config.lr = 1e-3;
-        config.beta1 = beta1;
-        config.weight_decay = wd;
-        for (const DType gd : kDTypes) {
-          const auto g = storage(gd, g_vals);
-          for (int out = 0; out < detail::kOutputKinds; ++out) {
-            for (int mode = 0; mode < 3; ++mode) {
-              if (out != 0 && mode == 1) continue;  // outputs once per read with a clip
-              const GradientRead read = read_of(mode);
-              const DType od = out == 0 ? DType::f32 : kDTypes[out - 1];
-              std::vector<float> pr = p0, mr = m0, vr = v0, pk = p0, mk = m0, vk = v0;
-              std::vector<std::uint32_t> outr(kLength + 1, 0), outk(kLength + 1, 0);
-              float step_r = 2.0f, step_k = 2.0f;
-              auto tensor = [&](std::vector<float>& p, std::vector<float>& m, std::vector<float>& v,
-                                std::vector<std::uint32_t>& o, float* step) {
-                AdamWTensor a;
-                a.param = f32_view(p.data(), kLength);
-                a.exp_avg = f32_view(m.data(), kLength);
-                a.exp_avg_sq = f32_view(v.data(), kLength);
-                a.step = step;
-                a.grad = ConstTensorView(g.data(), kLength, gd);
-                if (out != 0) a.compute_param = TensorView{o.data(), kLength, od};
-                return a;
-              };
-              const AdamWTensor ref = tensor(pr, mr, vr, outr, &step_r);
-              reference::adamw_step({&ref, 1}, config, read);
-              const AdamWTensor ker = tensor(pk, mk, vk, outk, &step_k);
-              step_k = step_k + 1.0f;
-              // The same step out of place through the streamed kernel: sources p0/m0/v0,
-              // destinations of garbage aligned alike (so all three stream).
-              const std::size_t lead = wd == 0.0 ? 1 : 0;
-              Destination ps(lead), ms(lead), vs(lead);
-              std::vector<std::uint32_t> outs(kLength + 1, 0);
-              float step_s = step_k;
-              AdamWTensor oop = tensor(pk, mk, vk, outs, &step_s);
-              oop.param = f32_view(ps.data, kLength);
-              oop.exp_avg = f32_view(ms.data, kLength);
-              oop.exp_avg_sq = f32_view(vs.data, kLength);
-              oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
-              oop.exp_avg_src = ConstTensorView(m0.data(), kLength, DType::f32);
-              oop.exp_avg_sq_src = ConstTensorView(v0.data(), kLength, DType::f32);
-              using Unit = ::stepcore::detail::AdamW;
-              const auto range = detail::adamw_range(ker, config, read, step_k);
-              const auto streamed = detail::adamw_range(oop, config, read, step_s);
-              const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[0][static_cast<int>(gd)][out];
-              const detail::UnitFn<Unit> fn_s =
-                  t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
-              fn(range, 0, kSplit);
-              fn(range, kSplit, kLength);
-              fn_s(streamed, 0, kSplit);
-              fn_s(streamed, kSplit, kLength);
-              std::string d;
-              const char* what = "";
-              const char* path = "";
-              for (const auto& [p, m, v, o, name] :
-                   {std::tuple{pk.data(), mk.data(), vk.data(), outk.data(), ""},
-                    std::tuple{ps.data, ms.data, vs.data, outs.data(), "streamed "}}) {
-                if (d.empty()) d = compare(DType::f32, pr.data(), p, kLength), what = "param";
-                if (d.empty()) d = compare(DType::f32, mr.data(), m, kLength), what = "exp_avg";
-                if (d.empty()) d = compare(DType::f32, vr.data(), v, kLength), what = "exp_avg_sq";
-                if (d.empty() && out != 0)
-                  d = compare(od, outr.data(), o, kLength), what = "compute_param";
-                if (!d.empty()) {
-                  path = name;
-                  break;
-                }
-              }
-              if (!d.empty()) {
-                fail.kernel = std::string("adamw ") + path + "(" +
-                              (formula == AdamWFormula::torch ? "torch" : "native") + ", grad " +
-                              dtype_label(gd) + ", output " +
-                              (out == 0 ? "none" : dtype_label(od)) + ")";
-                char buf[96];
-                std::snprintf(buf, sizeof buf, "wd %g, beta1 %g, %s read: ", wd, beta1,
-                              read_label(mode));
-                fail.detail = buf + std::string(what) + " " + d;
-                return false;
-              }
+/// The initial values of one unit case (f32; converted to the param dtype when stored):
+/// the param, each state slot, the gradient. Slots 1 and up hold second moments and maxima
+/// (non-negative); slot 0 is signed, or non-negative in odd samples (Adagrad's sum).
+struct UnitInputs {
+  std::vector<float> param;
+  std::vector<float> state[kMaxOptimizerSlots];
+  std::vector<float> state_magnitudes;  // slot 0's values as magnitudes
+  std::vector<float> grad;
+  UnitInputs() {
+    Filler f;
+    param = values(kLength, f, true, true, -20, 4);
+    state[0] = values(kLength, f, true, false, -30, 0);
+    for (int k = 1; k < kMaxOptimizerSlots; ++k) {
+      state[k] = values(kLength, f, true, false, -60, -2);
+      for (float& x : state[k]) x = std::fabs(x);
+    }
+    state_magnitudes = state[0];
+    for (float& x : state_magnitudes) x = std::fabs(x);
+    grad = values(kLength, f, true, true, -24, 2);
+  }
+};
+
+const UnitInputs& unit_inputs() {
+  static const UnitInputs inputs;
+  return inputs;
+}
+
+/// The arrays of one run of a unit's step: the param and the state slots in the param's
+/// dtype, and the compute output; `dst` and `src` view them (in place: no sources).
+template <class Opt>
+struct UnitArrays {
+  static constexpr int kArrays = 1 + Opt::kSlots;
+  std::vector<std::uint32_t> data[kArrays];
+  std::vector<std::uint32_t> out;
+  UnitArrays(DType dtype, int sample) {
+    const UnitInputs& in = unit_inputs();
+    data[0] = storage(dtype, in.param);
+    for (int k = 0; k < Opt::kSlots; ++k)
+      data[1 + k] = storage(dtype, k == 0 && sample % 2 == 1 ? in.state_magnitudes : in.state[k]);
+    out.assign(kLength + 1, 0);
+  }
+};
+
+/// The label of one kernel of a unit: "adamw streamed (variant 2; param f32, grad bf16,
+/// output f16)".
+std::string unit_kernel_label(const char* unit, bool streamed, int variant, DType param, DType grad,
+                              int out) {
+  return std::string(unit) + (streamed ? " streamed" : "") + " (variant " +
+         std::to_string(variant) + "; param " + dtype_label(param) + ", grad " + dtype_label(grad) +
+         ", output " + (out == 0 ? "none" : dtype_label(kDTypes[out - 1])) + ")";
+}
+
+/// The reference's compute output in dtype `od` (output kind 2 or 3): its f32 one (the new
+/// param) rounded to nearest even, as docs/numerics.md defines a compute output.
+std::vector<std::uint32_t> rounded_output(const std::vector<std::uint32_t>& f32_out, DType od) {
+  std::vector<float> p(kLength);
+  std::memcpy(p.data(), f32_out.data(), kLength * sizeof(float));
+  return storage(od, p);
+}
+
+/// Runs every kernel of unit Opt in `t` (in place for every param, gradient and output
+/// dtype; through the streamed kernels for f32 params) on each of the unit's kSamples and
+/// compares the results with the reference's step of the same arrays: one reference run
+/// per sample, param and gradient dtype (an f32 param's with an f32 compute output, which
+/// the other output dtypes round).
+template <class Opt>
+bool check_unit(const KernelTable& t, Failure& fail) {
+  const detail::UnitKernels<Opt>& kernels = t.units.template of<Opt>();
+  const std::vector<std::uint32_t> grads[] = {storage(DType::f32, unit_inputs().grad),
+                                              storage(DType::bf16, unit_inputs().grad),
+                                              storage(DType::f16, unit_inputs().grad)};
+  int sample = 0;
+  for (const ::stepcore::detail::UnitSample<typename Opt::Config>& s : Opt::kSamples) {
+    const typename Opt::Config& config = s.config;
+    const int variant = Opt::variant(config);
+    const int used = Opt::slots(variant);
+    const float step_after = Opt::kCountsSteps ? s.step + 1.0f : 0.0f;
+    for (const DType pd : kDTypes) {
+      const int p = static_cast<int>(pd);
+      const bool f32 = pd == DType::f32;
+      for (const DType gd : kDTypes) {
+        const int g = static_cast<int>(gd);
+        const int mode = (sample + g + p) % 3;  // every kernel meets every read over the samples
+        const GradientRead read = read_of(mode);
+        const void* grad = grads[g].data();
+        // The reference, in place on its own copy.
+        UnitArrays<Opt> want(pd, sample);
+        float counter = s.step;
+        OptimizerTensor rt;
+        rt.param = TensorView{want.data[0].data(), kLength, pd};
+        for (int k = 0; k < used; ++k)
+          rt.state[k] = TensorView{want.data[1 + k].data(), kLength, pd};
+        if (Opt::kCountsSteps) rt.step = &counter;
+        rt.grad = ConstTensorView(grad, kLength, gd);
+        if (f32) rt.compute_param = TensorView{want.out.data(), kLength, DType::f32};
+        reference::optimizer_step({&rt, 1}, OptimizerConfig(config), read);
+        // 16-bit params have no compute output (docs/numerics.md 7.3) and no streamed kernel.
+        for (int out = 0; out < (f32 ? detail::kOutputKinds : 1); ++out) {
+          const DType od = out == 0 ? DType::f32 : kDTypes[out - 1];
+          const std::vector<std::uint32_t> want_out =
+              out >= 2 ? rounded_output(want.out, od) : want.out;
+          // The kernel in place, in two ranges (an edge inside the tensor, like a chunk's).
+          const detail::UnitFn<Opt> fn = kernels.step[p][g][out];
+          const detail::UnitFn<Opt> fn_s = f32 ? kernels.streamed[g][out] : nullptr;
+          if (fn == nullptr || (f32 && fn_s == nullptr)) {
+            fail.kernel = unit_kernel_label(Opt::kName, fn != nullptr, variant, pd, gd, out);
+            fail.detail = "the table has no kernel here";
+            return false;
+          }
+          UnitArrays<Opt> got(pd, sample);
+          TensorView dst[UnitArrays<Opt>::kArrays] = {};
+          ConstTensorView src[UnitArrays<Opt>::kArrays] = {};
+          for (int k = 0; k <= used; ++k) dst[k] = TensorView{got.data[k].data(), kLength, pd};
+          TensorView o = out == 0 ? TensorView{} : TensorView{got.out.data(), kLength, od};
+          const auto range = detail::unit_range<Opt>(config, step_after, read, dst, src, grad, o);
+          fn(range, 0, kSplit);
+          fn(range, kSplit, kLength);
+          // The same step out of place through the streamed kernel (f32 params): sources
+          // the initial values, destinations of garbage aligned alike (so all of them
+          // stream), one element past a line in odd samples (the scalar head first).
+          std::vector<Destination> streamed_dst;
+          std::vector<std::uint32_t> streamed_out(kLength + 1, 0);
+          if (f32) {
+            const UnitArrays<Opt> initial(pd, sample);
+            streamed_dst.reserve(UnitArrays<Opt>::kArrays);
+            for (int k = 0; k <= used; ++k) {
+              streamed_dst.emplace_back(static_cast<std::size_t>(sample % 2));
+              dst[k] = f32_view(streamed_dst.back().data, kLength);
+              src[k] = ConstTensorView(initial.data[k].data(), kLength, DType::f32);
+            }
+            if (out != 0) o.data = streamed_out.data();
+            const auto oop = detail::unit_range<Opt>(config, step_after, read, dst, src, grad, o);
+            fn_s(oop, 0, kSplit);
+            fn_s(oop, kSplit, kLength);
+          }
+          // Compare: the in-place arrays, then the streamed destinations.
+          for (int path = 0; path < (f32 ? 2 : 1); ++path) {
+            std::string d;
+            const char* what = "";
+            for (int k = 0; k <= used && d.empty(); ++k) {
+              const void* g_k = path == 0 ? static_cast<const void*>(got.data[k].data())
+                                          : static_cast<const void*>(streamed_dst[k].data);
+              d = compare(pd, want.data[k].data(), g_k, kLength);
+              what = k == 0 ? "param" : Opt::kSlotNames[k - 1];
+            }
+            if (d.empty() && out != 0) {
+              d = compare(od, want_out.data(), path == 0 ? got.out.data() : streamed_out.data(),
+                          kLength);
+              what = "compute_param";
+            }
+            if (!d.empty()) {
+              fail.kernel = unit_kernel_label(Opt::kName, path == 1, variant, pd, gd, out);
+              char buf[96];
+              std::snprintf(buf, sizeof buf, "sample %d, step %g, %s read: ", sample,
+                            static_cast<double>(step_after), read_label(mode));
+              fail.detail = buf + std::string(what) + " " + d;
+              return false;
             }
           }
         }
       }
     }
+    ++sample;
   }
   return true;
 }
 
-bool check_sign_sgd(const KernelTable& t, Failure& fail) {
-  Filler f;
-  const auto p0 = values(kLength, f, true, true, -20, 10);
-  const auto g_vals = values(kLength, f, true, true, -30, 4);
-  for (const double wd : {0.0, 0.1}) {
-    SignSgdConfig config;
-    config.lr = 1e-3;
-    config.weight_decay = wd;
-    for (const DType gd : kDTypes) {
-      const auto g = storage(gd, g_vals);
-      for (int out = 0; out < detail::kOutputKinds; ++out) {
-        const DType od = out == 0 ? DType::f32 : kDTypes[out - 1];
-        std::vector<float> pr = p0, pk = p0;
-        std::vector<std::uint32_t> outr(kLength + 1, 0), outk(kLength + 1, 0);
-        SignSgdTensor ref{f32_view(pr.data(), kLength), ConstTensorView(g.data(), kLength, gd), {}};
-        if (out != 0) ref.compute_param = TensorView{outr.data(), kLength, od};
-        reference::sign_sgd_step({&ref, 1}, config);
-        SignSgdTensor ker{f32_view(pk.data(), kLength), ConstTensorView(g.data(), kLength, gd), {}};
-        if (out != 0) ker.compute_param = TensorView{outk.data(), kLength, od};
-        // The streamed kernel, out of place: source p0, a garbage destination.
-        Destination ps(wd == 0.0 ? 1 : 0);
-        std::vector<std::uint32_t> outs(kLength + 1, 0);
-        SignSgdTensor oop = ker;
-        oop.param = f32_view(ps.data, kLength);
-        oop.param_src = ConstTensorView(p0.data(), kLength, DType::f32);
-        if (out != 0) oop.compute_param = TensorView{outs.data(), kLength, od};
-        using Unit = ::stepcore::detail::SignSgd;
-        const auto range = detail::sign_sgd_range(ker, config);
-        const auto streamed = detail::sign_sgd_range(oop, config);
-        const detail::UnitFn<Unit> fn = t.units.of<Unit>().step[0][static_cast<int>(gd)][out];
-        const detail::UnitFn<Unit> fn_s = t.units.of<Unit>().streamed[static_cast<int>(gd)][out];
-        fn(range, 0, kSplit);
-        fn(range, kSplit, kLength);
-        fn_s(streamed, 0, kSplit);
-        fn_s(streamed, kSplit, kLength);
-        const char* path = "";
-        std::string d = compare(DType::f32, pr.data(), pk.data(), kLength);
-        if (d.empty() && out != 0) d = compare(od, outr.data(), outk.data(), kLength);
-        if (d.empty()) {
-          path = "streamed ";
-          d = compare(DType::f32, pr.data(), ps.data, kLength);
-          if (d.empty() && out != 0) d = compare(od, outr.data(), outs.data(), kLength);
-        }
-        if (!d.empty()) {
-          fail.kernel = std::string("sign_sgd ") + path + "(grad " + dtype_label(gd) + ", output " +
-                        (out == 0 ? "none" : dtype_label(od)) + ")";
-          fail.detail = (wd == 0.0 ? "no decay: " : "decay: ") + d;
-          return false;
-        }
-      }
-    }
-  }
-  return true;
+/// check_unit of every unit the library builds (core/optimizers/all.hpp), in its order.
+bool check_units(const KernelTable& t, Failure& fail) {
+  bool ok = true;
+  ::stepcore::detail::AllUnits::for_each([&](auto unit) {
+    if (ok) ok = check_unit<decltype(unit)>(t, fail);
+  });
+  return ok;
 }
+
+// ---- accumulate, scale, norms -------------------------------------------------------------
 
 bool check_accumulate_and_scale(const KernelTable& t, Failure& fail) {
   Filler f;
@@ -434,54 +455,14 @@ bool check_norm(const KernelTable& t, Failure& fail) {
   return true;
 }
 
-// ---- the once-per-process record ------------------------------------------------------
+}  // namespace
 
-struct Registry {
-  std::mutex mutex;  ///< guards results and warned (not the hot-path table lookup)
-  std::optional<SelfTestResult> results[kIsaCount];
-  bool warned[kIsaCount] = {};
-  /// A test's replacement tables; read on every engine call, so atomic, not locked.
-  std::atomic<const KernelTable*> overrides[kIsaCount] = {};
-};
-
-Registry& registry() {
-  static Registry r;
-  return r;
-}
-
-const KernelTable& builtin_table(Isa isa) {
-  switch (isa) {
-#if defined(__x86_64__)
-    case Isa::sse2:
-      return detail::kernel_table_sse2();
-    case Isa::avx2:
-      return detail::kernel_table_avx2();
-    case Isa::avx512:
-      return detail::kernel_table_avx512();
-#elif defined(__aarch64__)
-    case Isa::neon:
-      return detail::kernel_table_neon();
-#endif
-    default:
-      break;
-  }
-  throw Error(Errc::not_supported, "isa",
-              std::string(isa_name(isa)) + " has no kernels in this build (another target's ISA)");
-}
-
-/// The table engines of `isa` run: a test's replacement, else the built-in one.
-const KernelTable& table_in_force(Isa isa) {
-  const KernelTable* t =
-      registry().overrides[static_cast<int>(isa)].load(std::memory_order_acquire);
-  return t != nullptr ? *t : builtin_table(isa);
-}
-
-SelfTestResult run_self_test(Isa isa, const KernelTable& table) {
+SelfTestResult detail::run_self_test(Isa isa, const KernelTable& table) {
   const ::stepcore::detail::FpEnvGuard env;
   const auto start = std::chrono::steady_clock::now();
   Failure fail;
-  const bool passed = check_adamw(table, fail) && check_sign_sgd(table, fail) &&
-                      check_accumulate_and_scale(table, fail) && check_norm(table, fail);
+  const bool passed = check_units(table, fail) && check_accumulate_and_scale(table, fail) &&
+                      check_norm(table, fail);
   SelfTestResult r;
   r.isa = isa;
   r.passed = passed;
@@ -489,49 +470,6 @@ SelfTestResult run_self_test(Isa isa, const KernelTable& table) {
   r.detail = fail.detail;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
-}
-
-}  // namespace
-
-namespace detail {
-
-const KernelTable& kernel_table(Isa isa) { return table_in_force(isa); }
-
-bool warn_once_about(Isa isa) {
-  Registry& reg = registry();
-  const std::lock_guard<std::mutex> lock(reg.mutex);
-  const bool first = !reg.warned[static_cast<int>(isa)];
-  reg.warned[static_cast<int>(isa)] = true;
-  return first;
-}
-
-}  // namespace detail
-
-namespace testing {
-
-void override_kernel_table(Isa isa, const detail::KernelTable* table) {
-  Registry& reg = registry();
-  const std::lock_guard<std::mutex> lock(reg.mutex);
-  reg.overrides[static_cast<int>(isa)].store(table, std::memory_order_release);
-  reg.results[static_cast<int>(isa)].reset();
-  reg.warned[static_cast<int>(isa)] = false;
-}
-
-const detail::KernelTable& builtin_kernel_table(Isa isa) { return builtin_table(isa); }
-
-}  // namespace testing
-
-SelfTestResult self_test(Isa isa) {
-  if (static_cast<int>(isa) >= kIsaCount)
-    throw Error(Errc::invalid_argument, "isa", "not an Isa enumerator");
-  if (!detail::isa_supported(isa))
-    throw Error(Errc::not_supported, "isa",
-                "this processor cannot run " + std::string(isa_name(isa)));
-  Registry& reg = registry();
-  const std::lock_guard<std::mutex> lock(reg.mutex);
-  std::optional<SelfTestResult>& slot = reg.results[static_cast<int>(isa)];
-  if (!slot) slot = run_self_test(isa, table_in_force(isa));
-  return *slot;
 }
 
 }  // namespace stepcore::cpu

@@ -379,18 +379,6 @@ class CudaDevice final : public Device {
                                       workspace_bytes, compute());
   }
 
-  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const AdamWDeviceArgs& d) override {
-    const DeviceGuard guard(ordinal_);
-    gpu::adamw_step(d_tensors, config, d, compute());
-  }
-
-  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const SignSgdDeviceArgs& d) override {
-    const DeviceGuard guard(ordinal_);
-    gpu::sign_sgd_step(d_tensors, config, d, compute());
-  }
-
   void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
                       const OptimizerDeviceArgs& d) override {
     const DeviceGuard guard(ordinal_);

@@ -405,20 +405,6 @@ class HostDevice final : public Device {
         gpu::emulate::exact_norm_partial_if_needed(plan, d_read, *d_found_inf, threads_);
   }
 
-  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const AdamWDeviceArgs& d) override {
-    raise_pending();
-    gpu::emulate::adamw_step(gpu::detail::checked_adamw_plan(d_tensors, config, d, memory_), d,
-                             threads_);
-  }
-
-  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const SignSgdDeviceArgs& d) override {
-    raise_pending();
-    gpu::emulate::sign_sgd_step(gpu::detail::checked_sign_sgd_plan(d_tensors, config, d, memory_),
-                                d, threads_);
-  }
-
   void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
                       const OptimizerDeviceArgs& d) override {
     raise_pending();

@@ -186,7 +186,7 @@ struct NormPass {
 /// The gradient read a block applies: each factor from device memory where `d` points
 /// (read now, when the kernel runs: a replayed CUDA graph takes the value there at
 /// replay), else `value`'s (a by-value launch argument, fixed when enqueued). The one
-/// place every norm and AdamW block body takes its scale and clip from.
+/// place every norm and optimizer block body takes its scale and clip from.
 STEPCORE_HD_INLINE GradientRead read_at_run(const float* d_scale, const float* d_clip,
                                             GradientRead value = {}) {
   return GradientRead{d_scale != nullptr ? *d_scale : value.scale,

@@ -226,27 +226,6 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
   return plan;
 }
 
-AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                             const AdamWDeviceArgs& d, const MemoryCheck& check) {
-  if (d.scale == nullptr) throw Error(Errc::null_pointer, "d.scale", "required");
-  if (d.clip == nullptr) throw Error(Errc::null_pointer, "d.clip", "required");
-  if (d.bias_table == nullptr)
-    throw Error(Errc::null_pointer, "d.bias_table", "required: gpu::make_adamw_bias_table(config)");
-  ::stepcore::detail::validate_adamw_config(config);
-  if (config.amsgrad)
-    throw Error(Errc::invalid_argument, "config.amsgrad",
-                "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
-  return checked_optimizer_plan<::stepcore::detail::AdamW>(optimizer_tensors(d_tensors), config,
-                                                           optimizer_device_args(d), check);
-}
-
-SignSgdPlan checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
-                                  const SignSgdConfig& config, const SignSgdDeviceArgs& d,
-                                  const MemoryCheck& check) {
-  return checked_optimizer_plan<::stepcore::detail::SignSgd>(optimizer_tensors(d_tensors), config,
-                                                             optimizer_device_args(d), check);
-}
-
 void check_device_scalar(const void* p, std::size_t bytes, const char* name,
                          const MemoryCheck* check) {
   if (p == nullptr) throw Error(Errc::null_pointer, name, "required (device memory)");

@@ -72,16 +72,6 @@ void with_checked_optimizer_plan(std::span<const OptimizerTensor> d_tensors,
       config);
 }
 
-/// An AdamW call with its own records (AdamWTensor, AdamWDeviceArgs; d.bias_table is
-/// required, config.amsgrad refused: no slot): the checked plan of the AdamW unit.
-AdamWPlan checked_adamw_plan(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                             const AdamWDeviceArgs& d, const MemoryCheck& check);
-
-/// A SignSGD call with its own records: the checked plan of the SignSGD unit.
-SignSgdPlan checked_sign_sgd_plan(std::span<const SignSgdTensor> d_tensors,
-                                  const SignSgdConfig& config, const SignSgdDeviceArgs& d,
-                                  const MemoryCheck& check);
-
 /// Throws Errc::null_pointer naming `name` when the device scalar p is null, then (with
 /// `check`) runs the memory check of its `bytes`: a kernel reads it when it runs.
 void check_device_scalar(const void* p, std::size_t bytes, const char* name,

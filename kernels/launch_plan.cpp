@@ -133,75 +133,6 @@ OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
   return plan;
 }
 
-std::vector<OptimizerTensor> optimizer_tensors(std::span<const AdamWTensor> tensors) {
-  std::vector<OptimizerTensor> out(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const AdamWTensor& t = tensors[i];
-    OptimizerTensor& o = out[i];
-    o.param = t.param;
-    o.state[0] = t.exp_avg;
-    o.state[1] = t.exp_avg_sq;
-    o.step = t.step;
-    o.grad = t.grad;
-    o.compute_param = t.compute_param;
-    o.param_src = t.param_src;
-    o.state_src[0] = t.exp_avg_src;
-    o.state_src[1] = t.exp_avg_sq_src;
-  }
-  return out;
-}
-
-std::vector<OptimizerTensor> optimizer_tensors(std::span<const SignSgdTensor> tensors) {
-  std::vector<OptimizerTensor> out(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    out[i].param = tensors[i].param;
-    out[i].grad = tensors[i].grad;
-    out[i].compute_param = tensors[i].compute_param;
-    out[i].param_src = tensors[i].param_src;
-  }
-  return out;
-}
-
-OptimizerDeviceArgs optimizer_device_args(const AdamWDeviceArgs& d) {
-  OptimizerDeviceArgs o;
-  o.scale = d.scale;
-  o.clip = d.clip;
-  o.found_inf = d.found_inf;
-  o.hyper = d.hyper;
-  o.table = d.bias_table;
-  return o;
-}
-
-OptimizerDeviceArgs optimizer_device_args(const SignSgdDeviceArgs& d) {
-  OptimizerDeviceArgs o;
-  o.found_inf = d.found_inf;
-  o.hyper = d.hyper;
-  return o;
-}
-
-namespace {
-// An AdamWTensor holds no max_exp_avg_sq: amsgrad needs the generic record.
-void refuse_adamw_amsgrad(const AdamWConfig& config) {
-  if (config.amsgrad)
-    throw Error(Errc::invalid_argument, "config.amsgrad",
-                "AdamWTensor has no max_exp_avg_sq slot (use OptimizerTensor)");
-}
-}  // namespace
-
-AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                          int max_blocks, int max_tensors) {
-  ::stepcore::detail::validate_adamw_config(config);
-  refuse_adamw_amsgrad(config);
-  return make_optimizer_plan<::stepcore::detail::AdamW>(optimizer_tensors(tensors), config,
-                                                        max_blocks, max_tensors);
-}
-
-SignSgdPlan make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                               int max_blocks, int max_tensors) {
-  return make_optimizer_plan<::stepcore::detail::SignSgd>(optimizer_tensors(tensors), config,
-                                                          max_blocks, max_tensors);
-}
-
 namespace {
 
 // The table of unit Opt (make_optimizer_table's layout), its configuration validated.
@@ -243,13 +174,6 @@ std::vector<double> make_optimizer_table(const OptimizerConfig& config) {
         return unit_table<Opt>(c);
       },
       config);
-}
-
-std::vector<double> make_adamw_bias_table(const AdamWConfig& config) {
-  // The table of the AdamWTensor entry points, which refuse amsgrad as they do.
-  ::stepcore::detail::validate_adamw_config(config);
-  refuse_adamw_amsgrad(config);
-  return make_optimizer_table(config);
 }
 
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
@@ -384,15 +308,6 @@ void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d
     }
   for (const StepCounterArgs& c : plan.counters)
     for (int k = 0; k < c.count; ++k) detail::advance_counter(c, k);
-}
-
-void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads) {
-  if (d.bias_table == nullptr) throw Error(Errc::null_pointer, "d.bias_table", "required");
-  optimizer_step(plan, optimizer_device_args(d), threads);
-}
-
-void sign_sgd_step(const SignSgdPlan& plan, const SignSgdDeviceArgs& d, int threads) {
-  optimizer_step(plan, optimizer_device_args(d), threads);
 }
 
 void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& result, float& clip,

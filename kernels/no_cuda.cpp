@@ -62,11 +62,6 @@ void accumulate(std::span<const AccumulatePair>, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 
-void sign_sgd_step(std::span<const SignSgdTensor>, const SignSgdConfig&, const SignSgdDeviceArgs&,
-                   cudaStream_t) {
-  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
-}
-
 void optimizer_step(std::span<const OptimizerTensor>, const OptimizerConfig&,
                     const OptimizerDeviceArgs&, cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
@@ -74,11 +69,6 @@ void optimizer_step(std::span<const OptimizerTensor>, const OptimizerConfig&,
 
 void finalize_and_clip(const NormPartial*, float, NormResult*, float*, std::int32_t*,
                        cudaStream_t) {
-  throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
-}
-
-void adamw_step(std::span<const AdamWTensor>, const AdamWConfig&, const AdamWDeviceArgs&,
-                cudaStream_t) {
   throw Error(Errc::not_supported, "", "stepcore was built without CUDA");
 }
 

@@ -156,24 +156,6 @@ OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
                                        int max_blocks = kMaxOptimizerBlocksPerLaunch,
                                        int max_tensors = kMaxOptimizerTensorsPerLaunch);
 
-/// The AdamW and SignSGD records' plans (AdamWTensor, SignSgdTensor): the generic plans of
-/// their units. AdamWTensor has no max_exp_avg_sq slot, so config.amsgrad is refused.
-using AdamWPlan = OptimizerPlan<::stepcore::detail::AdamW>;
-using SignSgdPlan = OptimizerPlan<::stepcore::detail::SignSgd>;
-AdamWPlan make_adamw_plan(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                          int max_blocks = kMaxOptimizerBlocksPerLaunch,
-                          int max_tensors = kMaxOptimizerTensorsPerLaunch);
-SignSgdPlan make_sign_sgd_plan(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                               int max_blocks = kMaxOptimizerBlocksPerLaunch,
-                               int max_tensors = kMaxOptimizerTensorsPerLaunch);
-
-/// The generic records of AdamW tensors (state: exp_avg, exp_avg_sq) and SignSGD tensors.
-std::vector<OptimizerTensor> optimizer_tensors(std::span<const AdamWTensor> tensors);
-std::vector<OptimizerTensor> optimizer_tensors(std::span<const SignSgdTensor> tensors);
-/// The generic device arguments of an AdamW or SignSGD step.
-OptimizerDeviceArgs optimizer_device_args(const AdamWDeviceArgs& d);
-OptimizerDeviceArgs optimizer_device_args(const SignSgdDeviceArgs& d);
-
 /// Every kernel's parameters (its launch argument, its device arguments and a few
 /// scalars, by value) fit CUDA 12.1's parameter space (the build requires 12.1).
 static_assert(sizeof(LaunchArgs) + 512 <= kMaxKernelArgumentBytes);
@@ -254,11 +236,6 @@ void finalize_exact_and_clip(const NormPartial& exact_partial, float max_norm, N
 template <class Opt>
 void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d,
                     int threads = kBlockThreads);
-
-/// The AdamW and SignSGD forms (their device arguments; the generic step).
-void adamw_step(const AdamWPlan& plan, const AdamWDeviceArgs& d, int threads = kBlockThreads);
-void sign_sgd_step(const SignSgdPlan& plan, const SignSgdDeviceArgs& d,
-                   int threads = kBlockThreads);
 
 /// Runs an accumulate plan (tensors: f32 accumulators; sources: f32/bf16/f16) on host
 /// memory: acc = acc + f32(src), or a copy when `copy`.

@@ -336,18 +336,6 @@ void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerC
   });
 }
 
-void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                const AdamWDeviceArgs& d, cudaStream_t stream) {
-  enqueue_optimizer(detail::checked_adamw_plan(d_tensors, config, d, device_memory()),
-                    optimizer_device_args(d), stream);
-}
-
-void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                   const SignSgdDeviceArgs& d, cudaStream_t stream) {
-  enqueue_optimizer(detail::checked_sign_sgd_plan(d_tensors, config, d, device_memory()),
-                    optimizer_device_args(d), stream);
-}
-
 void finalize_and_clip(const NormPartial* d_partial, float max_norm, NormResult* d_result,
                        float* d_clip, std::int32_t* d_found_inf, cudaStream_t stream) {
   detail::check_finalize_args(d_partial, "d_partial", max_norm, d_result, d_clip, d_found_inf,

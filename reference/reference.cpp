@@ -8,7 +8,6 @@
 #include <cstring>
 #include <limits>
 #include <variant>
-#include <vector>
 
 #include "core/fp_env.hpp"
 #include "core/norm_p.hpp"
@@ -192,79 +191,46 @@ void torch_adam_family_step(std::span<const OptimizerTensor> tensors, const Torc
 
 namespace {
 
-// docs/numerics.md 7.1 and 7.2 over validated AdamWTensor records (f32, or, for the native
-// formula reached through OptimizerTensor, the param's bf16/f16: widened when read,
-// rounded when stored, 7.3).
-void adamw_tensor_steps(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
+// docs/numerics.md 7.1 (the native formula), literally, over validated tensors: state[0]
+// exp_avg, state[1] exp_avg_sq, f32 or the param's bf16/f16 (widened when read, rounded
+// when stored, 7.3).
+void adamw_native_steps(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                         GradientRead read) {
-  for (const AdamWTensor& t : tensors) {
+  for (const OptimizerTensor& t : tensors) {
     copy_source(t.param_src, t.param);
-    copy_source(t.exp_avg_src, t.exp_avg);
-    copy_source(t.exp_avg_sq_src, t.exp_avg_sq);
+    copy_source(t.state_src[0], t.state[0]);
+    copy_source(t.state_src[1], t.state[1]);
     *t.step = *t.step + 1.0f;
     const AdamWScalars s = prepare_adamw_scalars(config, *t.step);
     const bool out = has_output(t.compute_param);
-    const std::size_t n = t.param.numel;
-    // torch formula: the first element of the scalar tail
-    const std::size_t tail_begin = torch_tail_begin(n, config.torch_tail_width, t.param.dtype);
-    for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
       const float g = read_gradient(t.grad, i, read);
       float p = load(t.param, i);
-      float m = load(t.exp_avg, i);
-      float v = load(t.exp_avg_sq, i);
-      if (config.formula == AdamWFormula::native) {
-        p = p * s.decay;
-        const float m_keep = m * s.beta1;
-        const float m_new = g * s.one_minus_beta1;
-        m = m_keep + m_new;
-        const float v_keep = v * s.beta2;
-        const float g2 = g * g;
-        const float v_new = g2 * s.one_minus_beta2;
-        v = v_keep + v_new;
-        const float root = std::sqrt(v);
-        const float scaled_root = root / s.bc2_sqrt;
-        const float denom = scaled_root + s.eps;
-        const float num = s.step_size * m;
-        const float update = num / denom;
-        p = p - update;
-      } else {
-        const float ge = config.maximize ? -g : g;
-        if (s.apply_decay) p = p * s.decay;
-        const float diff = ge - m;
-        m = s.lerp_small ? std::fma(s.lerp_coeff, diff, m) : std::fma(s.lerp_coeff, diff, ge);
-        const float cg = s.one_minus_beta2 * ge;
-        if (i < tail_begin && !config.torch_v_first) {
-          const float v_keep = v * s.beta2;
-          v = std::fma(cg, ge, v_keep);
-        } else {
-          const float cgg = cg * ge;
-          v = std::fma(v, s.beta2, cgg);
-        }
-        const float root = std::sqrt(v);
-        const float scaled_root = root / s.bc2_sqrt;
-        const float denom = scaled_root + s.eps;
-        const float num = s.step_size * m;  // step_size is negative here
-        const float update = num / denom;
-        p = p + update;
-      }
+      float m = load(t.state[0], i);
+      float v = load(t.state[1], i);
+      p = p * s.decay;
+      const float m_keep = m * s.beta1;
+      const float m_new = g * s.one_minus_beta1;
+      m = m_keep + m_new;
+      const float v_keep = v * s.beta2;
+      const float g2 = g * g;
+      const float v_new = g2 * s.one_minus_beta2;
+      v = v_keep + v_new;
+      const float root = std::sqrt(v);
+      const float scaled_root = root / s.bc2_sqrt;
+      const float denom = scaled_root + s.eps;
+      const float num = s.step_size * m;
+      const float update = num / denom;
+      p = p - update;
       store(t.param, i, p);
-      store(t.exp_avg, i, m);
-      store(t.exp_avg_sq, i, v);
+      store(t.state[0], i, m);
+      store(t.state[1], i, v);
       if (out) store(t.compute_param, i, p);
     }
   }
 }
 
 }  // namespace
-
-void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config, GradientRead read,
-                const std::int32_t* found_inf) {
-  detail::validate_adamw(tensors, config, read, detail::StepCounters::read,
-                         detail::Maximize::supported);
-  const detail::FpEnvGuard env;
-  if (found_inf != nullptr && *found_inf != 0) return;
-  adamw_tensor_steps(tensors, config, read);
-}
 
 void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                 GradientRead read, const std::int32_t* found_inf) {
@@ -273,14 +239,7 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
   if (config.formula == AdamWFormula::native) {
-    // Without amsgrad and maximize (validated), the native formula is the AdamWTensor one.
-    std::vector<AdamWTensor> ts(tensors.size());
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      const OptimizerTensor& t = tensors[i];
-      ts[i] = AdamWTensor{t.param,         t.state[0],  t.state[1],     t.step,        t.grad,
-                          t.compute_param, t.param_src, t.state_src[0], t.state_src[1]};
-    }
-    adamw_tensor_steps(std::span<const AdamWTensor>(ts), config, read);
+    adamw_native_steps(tensors, config, read);  // without amsgrad and maximize (validated)
     return;
   }
   torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/true), read);
@@ -295,13 +254,14 @@ void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& confi
   torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/false), read);
 }
 
-namespace {
-
-// docs/numerics.md 8 over validated SignSgdTensor records (the param f32, or bf16/f16 through
-// OptimizerTensor: widened when read, rounded once when stored, 7.3).
-void sign_sgd_tensor_steps(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config) {
+void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
+                   GradientRead read, const std::int32_t* found_inf) {
+  detail::validate_sign_sgd_slots(tensors, config, read, detail::ParamDTypes::model);
+  const detail::FpEnvGuard env;
+  if (found_inf != nullptr && *found_inf != 0) return;
+  // docs/numerics.md 8: the param widened when read, rounded once when stored (7.3).
   const SignSgdScalars s = prepare_sign_sgd_scalars(config);
-  for (const SignSgdTensor& t : tensors) {
+  for (const OptimizerTensor& t : tensors) {
     copy_source(t.param_src, t.param);
     const bool out = has_output(t.compute_param);
     for (std::size_t i = 0; i < t.param.numel; ++i) {
@@ -315,27 +275,6 @@ void sign_sgd_tensor_steps(std::span<const SignSgdTensor> tensors, const SignSgd
       if (out) store(t.compute_param, i, p);
     }
   }
-}
-
-}  // namespace
-
-void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                   GradientRead read, const std::int32_t* found_inf) {
-  detail::validate_sign_sgd(tensors, config, read);
-  const detail::FpEnvGuard env;
-  if (found_inf != nullptr && *found_inf != 0) return;
-  sign_sgd_tensor_steps(tensors, config);
-}
-
-void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
-                   GradientRead read, const std::int32_t* found_inf) {
-  detail::validate_sign_sgd_slots(tensors, config, read, detail::ParamDTypes::model);
-  const detail::FpEnvGuard env;
-  if (found_inf != nullptr && *found_inf != 0) return;
-  std::vector<SignSgdTensor> ts(tensors.size());
-  for (std::size_t i = 0; i < tensors.size(); ++i)
-    ts[i] = {tensors[i].param, tensors[i].grad, tensors[i].compute_param, tensors[i].param_src};
-  sign_sgd_tensor_steps(std::span<const SignSgdTensor>(ts), config);
 }
 
 void sgd_step(std::span<const OptimizerTensor> tensors, const SgdConfig& config, GradientRead read,

@@ -21,6 +21,7 @@
 
 #include "kernels/plans.hpp"
 #include "kernels/testing.hpp"
+#include "optimizer_records.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -221,20 +222,21 @@ inline void kernels_match_reference(Device& dev, int threads) {
       // SignSGD with a bf16 compute copy; then skipped on found-inf.
       {
         Tensors param(dev, DType::f32, seed++), out(dev, DType::bf16, seed++);
-        std::vector<SignSgdTensor> hs, ds;
+        std::vector<OptimizerTensor> hs, ds;
         for (std::size_t k = 0; k < param.hv.size(); ++k) {
-          hs.push_back({param.hv[k], g.hv[k], out.hv[k]});
-          ds.push_back({param.dv[k], g.dv[k], out.dv[k]});
+          hs.push_back(test_support::sign_sgd_tensor(param.hv[k], g.hv[k], out.hv[k]));
+          ds.push_back(test_support::sign_sgd_tensor(param.dv[k], g.dv[k], out.dv[k]));
         }
         const SignSgdConfig sc{1e-3, 0.1};
         d_flag.upload(&zero, 4);
-        dev.sign_sgd_step(ds, sc, SignSgdDeviceArgs{d_flag.as<std::int32_t>(), nullptr});
+        const OptimizerDeviceArgs sargs{nullptr, nullptr, d_flag.as<std::int32_t>(), nullptr};
+        dev.optimizer_step(ds, sc, sargs);
         reference::sign_sgd_step(hs, sc);
         param.expect_equal("sign_sgd param");
         out.expect_equal("sign_sgd compute copy");
         const std::int32_t one = gpu::kFoundInfNonFinite;
         d_flag.upload(&one, 4);
-        dev.sign_sgd_step(ds, sc, SignSgdDeviceArgs{d_flag.as<std::int32_t>(), nullptr});
+        dev.optimizer_step(ds, sc, sargs);
         param.expect_equal("sign_sgd skipped on found-inf");
       }
 
@@ -245,22 +247,23 @@ inline void kernels_match_reference(Device& dev, int threads) {
         Tensors m(dev, DType::f32, seed++, 1e-3f), v(dev, DType::f32, seed++, 1e-3f, true);
         std::vector<float> host_steps(g.hv.size(), 3.0f), dev_steps(g.hv.size());
         Buffer d_steps(dev, host_steps.data(), 4 * host_steps.size());
-        std::vector<AdamWTensor> ht, dt;
+        std::vector<OptimizerTensor> ht, dt;
         for (std::size_t k = 0; k < g.hv.size(); ++k) {
-          ht.push_back({param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]});
-          dt.push_back(
-              {param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
+          ht.push_back(test_support::adamw_tensor(param.hv[k], m.hv[k], v.hv[k], &host_steps[k],
+                                                  g.hv[k], out.hv[k]));
+          dt.push_back(test_support::adamw_tensor(param.dv[k], m.dv[k], v.dv[k],
+                                                  d_steps.as<float>() + k, g.dv[k], out.dv[k]));
         }
         AdamWConfig cfg;
         cfg.weight_decay = 0.1;
-        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+        const std::vector<double> bias = gpu::make_optimizer_table(cfg);
         Buffer d_bias(dev, bias.data(), bias.size() * sizeof(double));
         const float a_scale = 1.0f / 7.0f, a_clip = 0.61f;
         Buffer d_scale(dev, &a_scale, 4), d_aclip(dev, &a_clip, 4);
-        const AdamWDeviceArgs args{d_scale.as<float>(), d_aclip.as<float>(),
-                                   d_flag.as<std::int32_t>(), nullptr, d_bias.as<double>()};
+        const OptimizerDeviceArgs args{d_scale.as<float>(), d_aclip.as<float>(),
+                                       d_flag.as<std::int32_t>(), nullptr, d_bias.as<double>()};
         d_flag.upload(&zero, 4);
-        dev.adamw_step(dt, cfg, args);
+        dev.optimizer_step(dt, cfg, args);
         reference::adamw_step(ht, cfg, GradientRead{a_scale, a_clip});
         d_steps.download(dev_steps.data(), 4 * dev_steps.size());
         EXPECT_EQ(std::memcmp(host_steps.data(), dev_steps.data(), 4 * host_steps.size()), 0);
@@ -270,7 +273,7 @@ inline void kernels_match_reference(Device& dev, int threads) {
         out.expect_equal("adamw compute copy");
         const std::int32_t one = gpu::kFoundInfNonFinite;
         d_flag.upload(&one, 4);
-        dev.adamw_step(dt, cfg, args);
+        dev.optimizer_step(dt, cfg, args);
         d_steps.download(dev_steps.data(), 4 * dev_steps.size());
         EXPECT_EQ(std::memcmp(host_steps.data(), dev_steps.data(), 4 * host_steps.size()), 0)
             << "a skipped step leaves the device counters as they were";

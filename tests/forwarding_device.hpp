@@ -103,14 +103,6 @@ class ForwardingDevice : public device::Device {
     host_->exact_norm_partial_if_needed(d_tensors, d_read, d_found_inf, d_exact_partial,
                                         d_workspace, workspace_bytes);
   }
-  void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                  const AdamWDeviceArgs& d) override {
-    host_->adamw_step(d_tensors, config, d);
-  }
-  void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                     const SignSgdDeviceArgs& d) override {
-    host_->sign_sgd_step(d_tensors, config, d);
-  }
   void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
                       const OptimizerDeviceArgs& d) override {
     host_->optimizer_step(d_tensors, config, d);

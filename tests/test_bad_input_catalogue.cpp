@@ -54,8 +54,8 @@ struct Args {
   GradientRead read;
   float scale = 0.5f;
   float max_norm = 1.0f;
-  std::vector<AdamWTensor> adamw_t;
-  std::vector<SignSgdTensor> sgd_t;
+  std::vector<OptimizerTensor> adamw_t;  ///< AdamW: state[0] exp_avg, state[1] exp_avg_sq
+  std::vector<OptimizerTensor> sgd_t;    ///< SignSGD: the param only
   std::vector<AccumulatePair> pairs;
   std::vector<TensorView> grads;  ///< scaled in place, or read by the norms
   // Outputs and device-memory inputs of the device-style entry points.
@@ -70,13 +70,10 @@ struct Args {
   const double* bias_table = nullptr;
 
   std::vector<ConstTensorView> read_only() const { return {grads.begin(), grads.end()}; }
-  AdamWDeviceArgs adamw_device() const {
-    return AdamWDeviceArgs{d_scale, d_clip, nullptr, nullptr, bias_table};
+  /// The device inputs of an AdamW step (SignSGD needs none).
+  OptimizerDeviceArgs adamw_device() const {
+    return OptimizerDeviceArgs{d_scale, d_clip, nullptr, nullptr, bias_table};
   }
-  // The generic records of the same calls (OptimizerTensor, OptimizerDeviceArgs).
-  std::vector<OptimizerTensor> adamw_generic() const { return gpu::optimizer_tensors(adamw_t); }
-  std::vector<OptimizerTensor> sgd_generic() const { return gpu::optimizer_tensors(sgd_t); }
-  OptimizerDeviceArgs generic_device() const { return gpu::optimizer_device_args(adamw_device()); }
 };
 
 /// Which parts of Args an entry point takes from the host (and validates there): a row
@@ -88,16 +85,19 @@ enum Part : unsigned {
   kMaxNorm = 1u << 3,
   kAdamWConfig = 1u << 4,
   kSgdConfig = 1u << 5,
-  kAdamWTensors = 1u << 6,
+  kAdamWLists = 1u << 6,
   kStepValues = 1u << 7,  ///< the counters' values (host memory; devices never read them)
-  kSgdTensors = 1u << 8,
+  kSgdLists = 1u << 8,
   kPairs = 1u << 9,
   kGrads = 1u << 10,
   kStepHyper = 1u << 11,  ///< lr and weight decay alone (a manager's set_hyperparameters)
 };
 constexpr unsigned kRead = kReadScale | kReadClip;
 
-/// What an entry point does, for rows whose outcome depends on it.
+/// What an entry point does, for rows whose outcome depends on it. The optimizer steps of
+/// the devices, launchers and plans take f32 params only (kOpAdamW, kOpSignSgd); the
+/// reference and the CPU engine take them in the model's dtype too (kOpModelAdamW,
+/// kOpModelSignSgd; docs/numerics.md 7.3).
 enum Op : unsigned {
   kOpAdamW = 1u << 0,
   kOpSignSgd = 1u << 1,
@@ -106,8 +106,9 @@ enum Op : unsigned {
   kOpReadOnly = 1u << 4,  ///< reads the gradient list (norms)
   kOpFinalize = 1u << 5,  ///< takes max_norm
   kOpBeginStep = 1u << 6,
-  kOpGenericAdamW = 1u << 7,  ///< AdamW through the generic step (OptimizerTensor records)
-  kOpTable = 1u << 8,         ///< builds an optimizer's device table (no tensors)
+  kOpModelAdamW = 1u << 7,
+  kOpTable = 1u << 8,  ///< builds an optimizer's device table (no tensors)
+  kOpModelSignSgd = 1u << 9,
   kOpAll = ~0u,
 };
 
@@ -131,7 +132,7 @@ class Arena {
 };
 
 const std::vector<double>& default_bias_table() {
-  static const std::vector<double> table = gpu::make_adamw_bias_table(AdamWConfig{});
+  static const std::vector<double> table = gpu::make_optimizer_table(AdamWConfig{});
   return table;
 }
 
@@ -151,18 +152,20 @@ Args lay_out(std::byte* base, std::size_t size) {
   Args a;
   for (int t = 0; t < 2; ++t) {
     const DType g = t == 0 ? DType::bf16 : DType::f32;
-    AdamWTensor w;
+    OptimizerTensor w;
     w.param = {c.take<float>(kN), kN, DType::f32};
-    w.exp_avg = {c.take<float>(kN), kN, DType::f32};
-    w.exp_avg_sq = {c.take<float>(kN), kN, DType::f32};
+    w.state[0] = {c.take<float>(kN), kN, DType::f32};
+    w.state[1] = {c.take<float>(kN), kN, DType::f32};
     w.step = c.take<float>(1);
     *w.step = 3.0f;
     w.grad = {c.take<float>(kN), kN, g};
     w.compute_param = {c.take<float>(kN), kN, DType::bf16};
     a.adamw_t.push_back(w);
-    a.sgd_t.push_back({{c.take<float>(kN), kN, DType::f32},
-                       {c.take<float>(kN), kN, g},
-                       {c.take<float>(kN), kN, DType::bf16}});
+    OptimizerTensor s;
+    s.param = {c.take<float>(kN), kN, DType::f32};
+    s.grad = {c.take<float>(kN), kN, g};
+    s.compute_param = {c.take<float>(kN), kN, DType::bf16};
+    a.sgd_t.push_back(s);
     a.pairs.push_back({{c.take<float>(kN), kN, DType::f32}, {c.take<float>(kN), kN, g}, t == 1});
     a.grads.push_back({c.take<float>(kN), kN, g});
   }
@@ -233,9 +236,9 @@ std::unique_ptr<Family> reference_family() {
   auto f = std::make_unique<HostMemoryFamily>();
   f->name = "reference";
   f->entries = {
-      {"reference::adamw_step", kAdamWConfig | kAdamWTensors | kStepValues | kRead, kOpAdamW,
+      {"reference::adamw_step", kAdamWConfig | kAdamWLists | kStepValues | kRead, kOpModelAdamW,
        [](Args& a) { reference::adamw_step(a.adamw_t, a.adamw, a.read); }},
-      {"reference::sign_sgd_step", kSgdConfig | kSgdTensors | kRead, kOpSignSgd,
+      {"reference::sign_sgd_step", kSgdConfig | kSgdLists | kRead, kOpModelSignSgd,
        [](Args& a) { reference::sign_sgd_step(a.sgd_t, a.sgd, a.read); }},
       {"reference::accumulate", kPairs, kOpAccumulate,
        [](Args& a) { reference::accumulate(a.pairs); }},
@@ -252,10 +255,10 @@ std::unique_ptr<Family> engine_family() {
   auto engine = std::make_shared<cpu::Engine>();
   f->name = "cpu::Engine (" + std::string(engine->isa_name()) + ")";
   f->entries = {
-      {"Engine::adamw_step", kAdamWConfig | kAdamWTensors | kStepValues | kRead, kOpAdamW,
-       [engine](Args& a) { engine->adamw_step(a.adamw_t, a.adamw, a.read); }},
-      {"Engine::sign_sgd_step", kSgdConfig | kSgdTensors | kRead, kOpSignSgd,
-       [engine](Args& a) { engine->sign_sgd_step(a.sgd_t, a.sgd, a.read); }},
+      {"Engine::step (AdamW)", kAdamWConfig | kAdamWLists | kStepValues | kRead, kOpModelAdamW,
+       [engine](Args& a) { engine->step(a.adamw_t, a.adamw, a.read); }},
+      {"Engine::step (SignSGD)", kSgdConfig | kSgdLists | kRead, kOpModelSignSgd,
+       [engine](Args& a) { engine->step(a.sgd_t, a.sgd, a.read); }},
       {"Engine::accumulate", kPairs, kOpAccumulate,
        [engine](Args& a) { engine->accumulate(a.pairs); }},
       {"Engine::scale_", kScale | kGrads, kOpInPlace,
@@ -283,8 +286,8 @@ std::vector<Entry> device_entries(const std::string& prefix, const DeviceKernels
       {prefix + "finalize_and_clip", kMaxNorm, kOpFinalize, k.finalize},
       {prefix + "finalize_exact_and_clip", kMaxNorm, kOpFinalize, k.finalize_exact},
       // Device steps read the scale, clip and step counters from device memory.
-      {prefix + "adamw_step", kAdamWConfig | kAdamWTensors, kOpAdamW, k.adamw},
-      {prefix + "sign_sgd_step", kSgdConfig | kSgdTensors, kOpSignSgd, k.sign_sgd},
+      {prefix + "optimizer_step (AdamW)", kAdamWConfig | kAdamWLists, kOpAdamW, k.adamw},
+      {prefix + "optimizer_step (SignSGD)", kSgdConfig | kSgdLists, kOpSignSgd, k.sign_sgd},
   };
 }
 
@@ -315,14 +318,8 @@ class HostDeviceFamily : public Family {
          [d](Args& a) {
            d->finalize_exact_and_clip(a.partial, a.max_norm, a.result, a.clip_out, a.found_inf);
          },
-         [d](Args& a) { d->adamw_step(a.adamw_t, a.adamw, a.adamw_device()); },
-         [d](Args& a) { d->sign_sgd_step(a.sgd_t, a.sgd, SignSgdDeviceArgs{}); }});
-    entries.push_back(
-        {"Device::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors, kOpGenericAdamW,
-         [d](Args& a) { d->optimizer_step(a.adamw_generic(), a.adamw, a.generic_device()); }});
-    entries.push_back(
-        {"Device::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors, kOpSignSgd,
-         [d](Args& a) { d->optimizer_step(a.sgd_generic(), a.sgd, OptimizerDeviceArgs{}); }});
+         [d](Args& a) { d->optimizer_step(a.adamw_t, a.adamw, a.adamw_device()); },
+         [d](Args& a) { d->optimizer_step(a.sgd_t, a.sgd, OptimizerDeviceArgs{}); }});
   }
   ~HostDeviceFamily() override { dev_->deallocate(base_); }
   Args fresh() override {
@@ -348,39 +345,31 @@ std::unique_ptr<Family> launcher_family() {
   f->name = "gpu:: launchers";
   f->memory_refused = true;
   f->entries = device_entries(
-      "gpu::", {[](Args& a) { gpu::accumulate(a.pairs, nullptr); },
-                [](Args& a) {
-                  gpu::scale_and_norm_partial(a.grads, a.scale, a.partial, a.workspace,
-                                              a.workspace_bytes, nullptr);
-                },
-                [](Args& a) {
-                  gpu::norm_partial(a.read_only(), a.read, a.partial, a.workspace,
-                                    a.workspace_bytes, nullptr);
-                },
-                [](Args& a) {
-                  gpu::exact_norm_partial_if_needed(a.read_only(), a.read, a.found_inf, a.partial,
-                                                    a.workspace, a.workspace_bytes, nullptr);
-                },
-                [](Args& a) {
-                  gpu::finalize_and_clip(a.partial, a.max_norm, a.result, a.clip_out, a.found_inf,
-                                         nullptr);
-                },
-                [](Args& a) {
-                  gpu::finalize_exact_and_clip(a.partial, a.max_norm, a.result, a.clip_out,
-                                               a.found_inf, nullptr);
-                },
-                [](Args& a) { gpu::adamw_step(a.adamw_t, a.adamw, a.adamw_device(), nullptr); },
-                [](Args& a) { gpu::sign_sgd_step(a.sgd_t, a.sgd, SignSgdDeviceArgs{}, nullptr); }});
+      "gpu::",
+      {[](Args& a) { gpu::accumulate(a.pairs, nullptr); },
+       [](Args& a) {
+         gpu::scale_and_norm_partial(a.grads, a.scale, a.partial, a.workspace, a.workspace_bytes,
+                                     nullptr);
+       },
+       [](Args& a) {
+         gpu::norm_partial(a.read_only(), a.read, a.partial, a.workspace, a.workspace_bytes,
+                           nullptr);
+       },
+       [](Args& a) {
+         gpu::exact_norm_partial_if_needed(a.read_only(), a.read, a.found_inf, a.partial,
+                                           a.workspace, a.workspace_bytes, nullptr);
+       },
+       [](Args& a) {
+         gpu::finalize_and_clip(a.partial, a.max_norm, a.result, a.clip_out, a.found_inf, nullptr);
+       },
+       [](Args& a) {
+         gpu::finalize_exact_and_clip(a.partial, a.max_norm, a.result, a.clip_out, a.found_inf,
+                                      nullptr);
+       },
+       [](Args& a) { gpu::optimizer_step(a.adamw_t, a.adamw, a.adamw_device(), nullptr); },
+       [](Args& a) { gpu::optimizer_step(a.sgd_t, a.sgd, OptimizerDeviceArgs{}, nullptr); }});
   f->entries.push_back({"gpu::scale_ (device factor)", kGrads, kOpInPlace,
                         [](Args& a) { gpu::scale_(a.grads, a.d_scale, nullptr); }});
-  f->entries.push_back(
-      {"gpu::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors, kOpGenericAdamW, [](Args& a) {
-         gpu::optimizer_step(a.adamw_generic(), a.adamw, a.generic_device(), nullptr);
-       }});
-  f->entries.push_back(
-      {"gpu::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors, kOpSignSgd, [](Args& a) {
-         gpu::optimizer_step(a.sgd_generic(), a.sgd, OptimizerDeviceArgs{}, nullptr);
-       }});
   return f;
 }
 
@@ -390,30 +379,20 @@ std::unique_ptr<Family> executor_family() {
   f->name = "gpu plans + emulate::";
   namespace em = gpu::emulate;
   f->entries = {
-      {"make_adamw_plan + emulate::adamw_step", kAdamWConfig | kAdamWTensors, kOpAdamW,
-       [](Args& a) { em::adamw_step(gpu::make_adamw_plan(a.adamw_t, a.adamw), a.adamw_device()); }},
-      {"make_adamw_bias_table", kAdamWConfig, kOpAdamW,
-       [](Args& a) { (void)gpu::make_adamw_bias_table(a.adamw); }},
-      {"make_optimizer_plan + emulate::optimizer_step (AdamW)", kAdamWConfig | kAdamWTensors,
-       kOpGenericAdamW,
+      {"make_optimizer_plan + emulate::optimizer_step (AdamW)", kAdamWConfig | kAdamWLists,
+       kOpAdamW,
        [](Args& a) {
-         em::optimizer_step(
-             gpu::make_optimizer_plan<::stepcore::detail::AdamW>(a.adamw_generic(), a.adamw),
-             a.generic_device());
+         em::optimizer_step(gpu::make_optimizer_plan<::stepcore::detail::AdamW>(a.adamw_t, a.adamw),
+                            a.adamw_device());
        }},
-      {"make_optimizer_plan + emulate::optimizer_step (SignSGD)", kSgdConfig | kSgdTensors,
+      {"make_optimizer_plan + emulate::optimizer_step (SignSGD)", kSgdConfig | kSgdLists,
        kOpSignSgd,
        [](Args& a) {
-         em::optimizer_step(
-             gpu::make_optimizer_plan<::stepcore::detail::SignSgd>(a.sgd_generic(), a.sgd),
-             OptimizerDeviceArgs{});
+         em::optimizer_step(gpu::make_optimizer_plan<::stepcore::detail::SignSgd>(a.sgd_t, a.sgd),
+                            OptimizerDeviceArgs{});
        }},
       {"make_optimizer_table", kAdamWConfig, kOpTable,
        [](Args& a) { (void)gpu::make_optimizer_table(a.adamw); }},
-      {"make_sign_sgd_plan + emulate::sign_sgd_step", kSgdConfig | kSgdTensors, kOpSignSgd,
-       [](Args& a) {
-         em::sign_sgd_step(gpu::make_sign_sgd_plan(a.sgd_t, a.sgd), SignSgdDeviceArgs{});
-       }},
       {"emulate::scale_and_norm_partial", kScale, kOpInPlace,
        [](Args& a) { *a.partial = em::scale_and_norm_partial(gpu::make_plan(a.grads), a.scale); }},
       {"emulate::scale_",
@@ -700,21 +679,21 @@ void src_inside_param(Args& a, double) {  // starts one element into its own des
   });
 }
 void exp_avg_src_in_other_param(Args& a, double) {  // inside tensors[1].param (written)
-  a.adamw_t[0].exp_avg_src = {static_cast<const float*>(a.adamw_t[1].param.data) + 1, kN,
-                              DType::f32};
+  a.adamw_t[0].state_src[0] = {static_cast<const float*>(a.adamw_t[1].param.data) + 1, kN,
+                               DType::f32};
 }
 void exp_avg_sq_src_in_compute(Args& a, double) {  // inside its own compute output
-  a.adamw_t[0].exp_avg_sq_src = {static_cast<const float*>(a.adamw_t[0].compute_param.data) + 1, kN,
-                                 DType::f32};
+  a.adamw_t[0].state_src[1] = {static_cast<const float*>(a.adamw_t[0].compute_param.data) + 1, kN,
+                               DType::f32};
 }
 void exp_avg_sq_src_bf16(Args& a, double) {
-  a.adamw_t[0].exp_avg_sq_src = {spare(a), kN, DType::bf16};
+  a.adamw_t[0].state_src[1] = {spare(a), kN, DType::bf16};
 }
-void exp_avg_short(Args& a, double) { a.adamw_t[0].exp_avg.numel = kN - 1; }
-void exp_avg_sq_f16(Args& a, double) { a.adamw_t[0].exp_avg_sq.dtype = DType::f16; }
+void exp_avg_short(Args& a, double) { a.adamw_t[0].state[0].numel = kN - 1; }
+void exp_avg_sq_f16(Args& a, double) { a.adamw_t[0].state[1].dtype = DType::f16; }
 void step_null(Args& a, double) { a.adamw_t[0].step = nullptr; }
 void step_inside_exp_avg(Args& a, double) {
-  a.adamw_t[0].step = static_cast<float*>(a.adamw_t[0].exp_avg.data) + 1;
+  a.adamw_t[0].step = static_cast<float*>(a.adamw_t[0].state[0].data) + 1;
   *a.adamw_t[0].step = 3.0f;  // a valid count: only the overlap is wrong
 }
 void step_value(Args& a, double v) { *a.adamw_t[0].step = static_cast<float>(v); }
@@ -769,7 +748,7 @@ std::vector<Row> make_catalogue() {
   const std::optional<Errc> ok;
   const Errc invalid = Errc::invalid_argument, range = Errc::out_of_range;
   constexpr unsigned kOpt = kAdamWConfig | kSgdConfig;
-  constexpr unsigned kOptT = kAdamWTensors | kSgdTensors;
+  constexpr unsigned kOptT = kAdamWLists | kSgdLists;
   std::vector<Row> rows;
   scalar_rows(rows, "read.scale", kReadScale, read_scale,
               {{fmax, ok}, {tiny, ok}, {-1.0, invalid}, {0.0, invalid}});
@@ -777,8 +756,8 @@ std::vector<Row> make_catalogue() {
               {{fmax, invalid},
                {1.5, invalid},
                {-0.5, invalid},
-               {0.0, ok, "", ~unsigned{kOpSignSgd}},
-               {0.0, invalid, "SignSGD", kOpSignSgd}});
+               {0.0, ok, "", ~unsigned{kOpSignSgd | kOpModelSignSgd}},
+               {0.0, invalid, "SignSGD", kOpSignSgd | kOpModelSignSgd}});
   scalar_rows(rows, "scale", kScale, scale, {{fmax, ok}, {0.0, ok}, {-1.0, invalid}});
   scalar_rows(rows, "max_norm", kMaxNorm, max_norm, {{fmax, ok}, {0.0, ok}, {-1.0, invalid}});
   // Hyper-parameters: AdamW and SignSGD alike where both have them.
@@ -801,13 +780,10 @@ std::vector<Row> make_catalogue() {
                {fmax, ok}});
   rows.push_back({"config.formula", kAdamWConfig, formula, 7, invalid});
   rows.push_back({"config.torch_tail_width", kAdamWConfig, tail_width, 65, range});
-  // AdamWTensor lists have no max_exp_avg_sq slot (docs/numerics.md 8a); the generic step
-  // takes amsgrad and finds that slot missing; a table does not depend on it
-  // (test_gpu_units).
-  rows.push_back({"config.amsgrad", kAdamWConfig, amsgrad, 1, invalid, "",
-                  ~unsigned{kOpGenericAdamW | kOpTable}});
+  // amsgrad keeps max_exp_avg_sq in state slot 2 (docs/numerics.md 8a): a step finds that
+  // slot missing; a table does not depend on it (test_gpu_units).
   rows.push_back({"tensors[0].max_exp_avg_sq", kAdamWConfig, amsgrad, 1, Errc::size_mismatch,
-                  "amsgrad, two slots", kOpGenericAdamW});
+                  "amsgrad, two slots", kOpAdamW | kOpModelAdamW});
   scalar_rows(rows, "tensors[0].step", kStepValues, step_value,
               {{1.5, range}, {-1.0, range}, {16777216.0, range}, {0.0, ok}});
   // Tensors, grouped by the argument at fault.
@@ -833,13 +809,16 @@ std::vector<Row> make_catalogue() {
         {grad_misaligned, misaligned, "one byte off"}}},
       {"tensors[0].param",
        kOptT,
-       {{param_bf16, dtype, "bf16"},
+       {{param_bf16, dtype, "bf16", ~unsigned{kOpModelAdamW | kOpModelSignSgd}},
         {param_null, null, "null data"},
         {param_huge, range, "2^61"},
         {param_misaligned, misaligned, "two bytes off"}}},
       {"tensors[0].compute_param",
        kOptT,
-       {{compute_inside_param, Errc::overlap, "in param"}, {compute_long, size, "too long"}}},
+       {{compute_inside_param, Errc::overlap, "in param"},
+        {compute_long, size, "too long"},
+        // The model's bf16 param takes no compute output (the f32-only steps name the param).
+        {param_bf16, invalid, "bf16 param", kOpModelAdamW | kOpModelSignSgd}}},
       {"tensors[0].param_src",
        kOptT,
        {{src_separate, ok, "a separate f32 buffer"},
@@ -850,16 +829,16 @@ std::vector<Row> make_catalogue() {
         {src_misaligned, misaligned, "two bytes off"},
         {src_inside_param, Errc::overlap, "one element into its param"}}},
       {"tensors[0].exp_avg_src",
-       kAdamWTensors,
+       kAdamWLists,
        {{exp_avg_src_in_other_param, Errc::overlap, "in tensors[1].param"}}},
       {"tensors[0].exp_avg_sq_src",
-       kAdamWTensors,
+       kAdamWLists,
        {{exp_avg_sq_src_bf16, dtype, "bf16"},
         {exp_avg_sq_src_in_compute, Errc::overlap, "in its compute_param"}}},
-      {"tensors[0].exp_avg", kAdamWTensors, {{exp_avg_short, size, "one element short"}}},
-      {"tensors[0].exp_avg_sq", kAdamWTensors, {{exp_avg_sq_f16, dtype, "f16"}}},
+      {"tensors[0].exp_avg", kAdamWLists, {{exp_avg_short, size, "one element short"}}},
+      {"tensors[0].exp_avg_sq", kAdamWLists, {{exp_avg_sq_f16, dtype, "f16"}}},
       {"tensors[0].step",
-       kAdamWTensors,
+       kAdamWLists,
        {{step_null, null, "null counter"},
         {step_inside_exp_avg, Errc::overlap, "in exp_avg"},
         {step_misaligned, misaligned, "two bytes off"}}},

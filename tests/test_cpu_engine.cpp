@@ -144,14 +144,15 @@ struct Model {
     }
   }
 
-  std::vector<AdamWTensor> adamw() {
-    std::vector<AdamWTensor> t;
+  /// The AdamW tensors: state[0] exp_avg, state[1] exp_avg_sq, a step counter each.
+  std::vector<OptimizerTensor> adamw() {
+    std::vector<OptimizerTensor> t;
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t n = sizes[k];
-      AdamWTensor a;
+      OptimizerTensor a;
       a.param = {p[k].data() + 1, n, DType::f32};
-      a.exp_avg = {m[k].data() + 1, n, DType::f32};
-      a.exp_avg_sq = {v[k].data() + 1, n, DType::f32};
+      a.state[0] = {m[k].data() + 1, n, DType::f32};
+      a.state[1] = {v[k].data() + 1, n, DType::f32};
       a.step = &steps[k];
       a.grad = {g[k].data() + dtype_size(grad_dtype), n, grad_dtype};
       if (out_kind) {
@@ -162,9 +163,16 @@ struct Model {
     }
     return t;
   }
-  std::vector<SignSgdTensor> sign_sgd() {
-    std::vector<SignSgdTensor> t;
-    for (const AdamWTensor& a : adamw()) t.push_back({a.param, a.grad, a.compute_param});
+  /// The SignSGD tensors: the parameter only (no slot, no counter).
+  std::vector<OptimizerTensor> sign_sgd() {
+    std::vector<OptimizerTensor> t;
+    for (const OptimizerTensor& a : adamw()) {
+      OptimizerTensor s;
+      s.param = a.param;
+      s.grad = a.grad;
+      s.compute_param = a.compute_param;
+      t.push_back(s);
+    }
     return t;
   }
 };
@@ -228,7 +236,7 @@ TEST(CpuEngine, AdamWMatchesReferenceOnEveryIsaAndThreadCount) {
         SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
         Model eng = input;
         auto et = eng.adamw();
-        cpu::Engine(cpu::EngineConfig{isa, threads}).adamw_step(et, cfg, read);
+        cpu::Engine(cpu::EngineConfig{isa, threads}).step(et, cfg, read);
         ASSERT_TRUE(same_model(ref, eng));
       }
     }
@@ -253,84 +261,9 @@ TEST(CpuEngine, SignSgdMatchesReference) {
           for (int threads : thread_counts()) {
             Model eng = input;
             auto et = eng.sign_sgd();
-            cpu::Engine(cpu::EngineConfig{isa, threads}).sign_sgd_step(et, cfg);
+            cpu::Engine(cpu::EngineConfig{isa, threads}).step(et, cfg);
             ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
           }
-        }
-      }
-    }
-  }
-}
-
-/// The Model's AdamW tensors as generic records (slots exp_avg, exp_avg_sq).
-std::vector<OptimizerTensor> generic_adamw(Model& m) {
-  std::vector<OptimizerTensor> out;
-  for (const AdamWTensor& a : m.adamw()) {
-    OptimizerTensor t;
-    t.param = a.param;
-    t.state[0] = a.exp_avg;
-    t.state[1] = a.exp_avg_sq;
-    t.step = a.step;
-    t.grad = a.grad;
-    t.compute_param = a.compute_param;
-    out.push_back(t);
-  }
-  return out;
-}
-
-/// The Model's SignSGD tensors as generic records (no slots, no counter).
-std::vector<OptimizerTensor> generic_sign_sgd(Model& m) {
-  std::vector<OptimizerTensor> out;
-  for (const SignSgdTensor& a : m.sign_sgd()) {
-    OptimizerTensor t;
-    t.param = a.param;
-    t.grad = a.grad;
-    t.compute_param = a.compute_param;
-    out.push_back(t);
-  }
-  return out;
-}
-
-TEST(CpuEngine, GenericStepOfEachOptimizerMatchesTheReferenceOnEveryIsaAndThreadCount) {
-  // Engine::step over OptimizerTensor records: the same unit kernels reached through the
-  // generic entry, against the reference's own records, bit for bit.
-  const auto sizes = boundary_sizes();
-  int idx = 0;
-  for (DType g : {DType::f32, DType::bf16, DType::f16}) {
-    for (int o : {0, 2}) {
-      for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
-        SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) +
-                     (f == AdamWFormula::torch ? " torch" : " native"));
-        AdamWConfig cfg;
-        cfg.formula = f;
-        cfg.weight_decay = 0.1;
-        const GradientRead read{1.0f / 3000.0f, 0.37f};
-        Model ref(sizes, g, o, 900 + idx++);
-        Model input = ref;
-        auto rt = ref.adamw();
-        reference::adamw_step(rt, cfg, read);
-        for (cpu::Isa isa : testing_support::isas_under_test()) {
-          for (int threads : {1, 3}) {
-            SCOPED_TRACE(std::string(cpu::isa_name(isa)) + " threads " + std::to_string(threads));
-            Model eng = input;
-            const auto et = generic_adamw(eng);
-            cpu::Engine(cpu::EngineConfig{isa, threads}).step(std::span(et), cfg, read);
-            ASSERT_TRUE(same_model(ref, eng));
-          }
-        }
-      }
-      SCOPED_TRACE(std::string(dtype_name(g)) + " out " + std::to_string(o) + " sign_sgd");
-      Model ref(sizes, g, o, 900 + idx++);
-      Model input = ref;
-      auto rt = ref.sign_sgd();
-      const SignSgdConfig cfg{1e-3, 0.05};
-      reference::sign_sgd_step(rt, cfg);
-      for (cpu::Isa isa : testing_support::isas_under_test()) {
-        for (int threads : {1, 3}) {
-          Model eng = input;
-          const auto et = generic_sign_sgd(eng);
-          cpu::Engine(cpu::EngineConfig{isa, threads}).step(std::span(et), cfg);
-          ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
         }
       }
     }
@@ -353,22 +286,22 @@ TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting
     EXPECT_TRUE(same_model(before, m)) << "a refused call wrote";
   };
   {
-    auto t = generic_adamw(m);
+    auto t = m.adamw();
     t[1].state[2] = t[0].state[0];  // AdamW keeps two slots
     expect_refused(t, AdamWConfig{}, Errc::invalid_argument, "tensors[1].state[2]");
   }
   {
-    auto t = generic_adamw(m);
+    auto t = m.adamw();
     t[0].state[1] = {};  // exp_avg_sq missing: named by its slot name
     expect_refused(t, AdamWConfig{}, Errc::size_mismatch, "tensors[0].exp_avg_sq");
   }
   {
-    auto t = generic_adamw(m);
+    auto t = m.adamw();
     t[1].step = nullptr;
     expect_refused(t, AdamWConfig{}, Errc::null_pointer, "tensors[1].step");
   }
   {
-    auto t = generic_adamw(m);
+    auto t = m.adamw();
     // A source reading a range the call writes: the error names the written buffer and
     // the source (by its slot's source name).
     t[0].state_src[1] = ConstTensorView(t[1].param.data, 5, DType::f32);
@@ -386,15 +319,15 @@ TEST(CpuEngine, GenericStepRefusesSlotsAndCountersTheOptimizerLacksBeforeWriting
   {
     AdamWConfig bad;
     bad.beta2 = 1.0;
-    expect_refused(generic_adamw(m), bad, Errc::invalid_argument, "config.beta2");
+    expect_refused(m.adamw(), bad, Errc::invalid_argument, "config.beta2");
   }
   {
-    auto t = generic_sign_sgd(m);
+    auto t = m.sign_sgd();
     t[0].step = &m.steps[0];  // SignSGD keeps no counter
     expect_refused(t, SignSgdConfig{}, Errc::invalid_argument, "tensors[0].step");
   }
   {
-    auto t = generic_sign_sgd(m);
+    auto t = m.sign_sgd();
     t[1].state[0] = t[1].param;
     expect_refused(t, SignSgdConfig{}, Errc::invalid_argument, "tensors[1].state[0]");
   }
@@ -887,7 +820,7 @@ TEST(CpuEngine, HundredsOfTensorsAndOddMillions) {
       for (int threads : {2, 7}) {
         Model eng = input;
         auto et = eng.adamw();
-        cpu::Engine(cpu::EngineConfig{isa, threads}).adamw_step(et, cfg, read);
+        cpu::Engine(cpu::EngineConfig{isa, threads}).step(et, cfg, read);
         ASSERT_TRUE(same_model(ref, eng)) << cpu::isa_name(isa) << " threads " << threads;
       }
     }
@@ -899,10 +832,10 @@ TEST(CpuEngine, FoundInfWritesNothing) {
   const Model before = m;
   auto t = m.adamw();
   const std::int32_t found_inf = 1;
-  cpu::Engine().adamw_step(t, AdamWConfig{}, GradientRead{}, &found_inf);
+  cpu::Engine().step(t, AdamWConfig{}, GradientRead{}, &found_inf);
   EXPECT_TRUE(same_model(before, m));
   auto s = m.sign_sgd();
-  cpu::Engine().sign_sgd_step(s, SignSgdConfig{}, GradientRead{}, &found_inf);
+  cpu::Engine().step(s, SignSgdConfig{}, GradientRead{}, &found_inf);
   EXPECT_TRUE(same_model(before, m));
 }
 
@@ -937,9 +870,8 @@ struct Destinations {
 };
 
 /// Points tensor k of `t` at `dst` as `mode` says; its old state stays in `src` (whose
-/// buffers t holds now). Both optimizers: SignSGD has the param fields only.
-template <class Tensor>
-void redirect(Tensor& t, std::size_t k, Source mode, Destinations& dst) {
+/// buffers t holds now). `slots`: the state arrays the optimizer keeps (AdamW 2, SignSGD 0).
+void redirect(OptimizerTensor& t, std::size_t k, Source mode, Destinations& dst, int slots) {
   const std::size_t n = t.param.numel;
   auto out_of_place = [&](TensorView& to, ConstTensorView& from, std::vector<float>& d) {
     from = to;  // the old values: the model's buffer
@@ -947,19 +879,14 @@ void redirect(Tensor& t, std::size_t k, Source mode, Destinations& dst) {
   };
   if (mode == Source::self) {
     t.param_src = t.param;
-    if constexpr (std::is_same_v<Tensor, AdamWTensor>) {
-      t.exp_avg_src = t.exp_avg;
-      t.exp_avg_sq_src = t.exp_avg_sq;
-    }
+    for (int s = 0; s < slots; ++s) t.state_src[s] = t.state[s];
     return;
   }
   if (mode == Source::in_place) return;
   out_of_place(t.param, t.param_src, dst.p[k]);
-  if constexpr (std::is_same_v<Tensor, AdamWTensor>) {
-    if (mode == Source::separate) {
-      out_of_place(t.exp_avg, t.exp_avg_src, dst.m[k]);
-      out_of_place(t.exp_avg_sq, t.exp_avg_sq_src, dst.v[k]);
-    }
+  if (mode == Source::separate) {
+    if (slots > 0) out_of_place(t.state[0], t.state_src[0], dst.m[k]);
+    if (slots > 1) out_of_place(t.state[1], t.state_src[1], dst.v[k]);
   }
 }
 
@@ -975,12 +902,12 @@ void expect_out_of_place(const Model& input, const Model& ref, const std::vector
   Destinations dst(input);
   if (adamw) {
     auto t = eng.adamw();
-    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
-    engine.adamw_step(t, acfg, read);
+    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst, 2);
+    engine.step(t, acfg, read);
   } else {
     auto t = eng.sign_sgd();
-    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
-    engine.sign_sgd_step(t, scfg, read);
+    for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst, 0);
+    engine.step(t, scfg, read);
   }
   // What each buffer must hold: the model's buffers keep the input where they were
   // sources and take the reference's result where they were destinations.
@@ -1140,20 +1067,20 @@ TEST(CpuEngine, StreamedDestinationsGiveTheInPlaceBitsAtEveryAlignment) {
               auto t = eng.adamw();
               for (std::size_t k = 0; k < t.size(); ++k) {
                 t[k].param_src = t[k].param;
-                t[k].exp_avg_src = t[k].exp_avg;
-                t[k].exp_avg_sq_src = t[k].exp_avg_sq;
+                t[k].state_src[0] = t[k].state[0];
+                t[k].state_src[1] = t[k].state[1];
                 t[k].param = {dp[k].data(), sizes[k], DType::f32};
-                t[k].exp_avg = {dm[k].data(), sizes[k], DType::f32};
-                t[k].exp_avg_sq = {dv[k].data(), sizes[k], DType::f32};
+                t[k].state[0] = {dm[k].data(), sizes[k], DType::f32};
+                t[k].state[1] = {dv[k].data(), sizes[k], DType::f32};
               }
-              engine.adamw_step(t, acfg, read);
+              engine.step(t, acfg, read);
             } else {
               auto t = eng.sign_sgd();
               for (std::size_t k = 0; k < t.size(); ++k) {
                 t[k].param_src = t[k].param;
                 t[k].param = {dp[k].data(), sizes[k], DType::f32};
               }
-              engine.sign_sgd_step(t, scfg, read);
+              engine.step(t, scfg, read);
             }
             for (std::size_t k = 0; k < sizes.size(); ++k) {
               SCOPED_TRACE("size " + std::to_string(sizes[k]));
@@ -1178,7 +1105,7 @@ TEST(CpuEngine, OutOfPlaceFoundInfAndBadSourcesWriteNothing) {
   Destinations dst(m);
   const Destinations garbage_only(m);
   auto t = m.adamw();
-  for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst);
+  for (std::size_t k = 0; k < t.size(); ++k) redirect(t[k], k, modes[k], dst, 2);
   auto unchanged = [&] {
     EXPECT_TRUE(same_model(input, m));
     for (std::size_t k = 0; k < t.size(); ++k) {
@@ -1188,12 +1115,12 @@ TEST(CpuEngine, OutOfPlaceFoundInfAndBadSourcesWriteNothing) {
     }
   };
   const std::int32_t found_inf = 1;
-  cpu::Engine().adamw_step(t, AdamWConfig{}, GradientRead{}, &found_inf);
+  cpu::Engine().step(t, AdamWConfig{}, GradientRead{}, &found_inf);
   unchanged();
   // The last tensor's exp_avg source overlaps the first tensor's param destination.
-  t[1].exp_avg_src = {static_cast<const float*>(t[0].param.data) + 50, 33, DType::f32};
+  t[1].state_src[0] = {static_cast<const float*>(t[0].param.data) + 50, 33, DType::f32};
   try {
-    cpu::Engine().adamw_step(t, AdamWConfig{});
+    cpu::Engine().step(t, AdamWConfig{});
     FAIL() << "a source overlapping a destination was accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::overlap);
@@ -1376,7 +1303,7 @@ TEST(CpuEngine, NanAndInfGradientsThroughTheScaledReadStayNonFinite) {
         EXPECT_EQ(got.inf_count, ref.inf_count) << cpu::isa_name(isa);
         Model m = eng_model;
         auto et = m.adamw();
-        eng.adamw_step(et, AdamWConfig{}, read);
+        eng.step(et, AdamWConfig{}, read);
         EXPECT_TRUE(same_model(ref_model, m)) << cpu::isa_name(isa) << " " << dtype_name(d);
       }
     }
@@ -1405,10 +1332,12 @@ TEST(CpuEngine, NanResultsStoreAsThePositiveQuietNanOnEveryIsa) {
         for (std::size_t j = 0; j < at.size(); ++j)
           param[at[j]] = f32_from_bits(nans[j % (sizeof nans / sizeof nans[0])]);
         std::vector<std::uint16_t> compute(n, 0x1234);
-        const SignSgdTensor t{
-            {param.data(), n, DType::f32}, {grad.data(), n, DType::f32}, {compute.data(), n, out}};
+        OptimizerTensor t;
+        t.param = {param.data(), n, DType::f32};
+        t.grad = {grad.data(), n, DType::f32};
+        t.compute_param = {compute.data(), n, out};
         const cpu::Engine eng(cpu::EngineConfig{isa, 2});
-        eng.sign_sgd_step(std::span(&t, 1), SignSgdConfig{1e-3, 0.1});
+        eng.step(std::span(&t, 1), SignSgdConfig{1e-3, 0.1});
         for (const std::size_t k : at) {
           ASSERT_TRUE(std::isnan(param[k])) << k;
           ASSERT_EQ(compute[k], want) << "compute[" << k << "]";
@@ -1482,7 +1411,7 @@ TEST(CpuEngine, ResultsIgnoreTheCallersFloatingPointEnvironment) {
   Model by_engine = base, by_reference = base;
   auto t1 = by_engine.adamw();
   auto t2 = by_reference.adamw();
-  cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).adamw_step(t1, AdamWConfig{}, read);
+  cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).step(t1, AdamWConfig{}, read);
   reference::adamw_step(t2, AdamWConfig{}, read);
   const NormResult engine_norm = cpu::Engine(cpu::EngineConfig{std::nullopt, 2}).norm(gv, read);
   const NormPartial reference_norm = reference::norm_partial(gv, read);
@@ -1573,9 +1502,9 @@ TEST(CpuEngine, BadInputWritesNothing) {
   Model m({100, 200, 300}, DType::bf16, 3, 4);
   const Model before = m;
   auto t = m.adamw();
-  t[2].exp_avg.numel = 299;  // the last tensor is bad: nothing of the first two may change
+  t[2].state[0].numel = 299;  // the last tensor is bad: nothing of the first two may change
   try {
-    cpu::Engine().adamw_step(t, AdamWConfig{});
+    cpu::Engine().step(t, AdamWConfig{});
     FAIL() << "size mismatch accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::size_mismatch);
@@ -1584,7 +1513,7 @@ TEST(CpuEngine, BadInputWritesNothing) {
   EXPECT_TRUE(same_model(before, m));
   t = m.adamw();
   t[1].compute_param = {t[0].param.data, 200, DType::f32};  // overlaps tensors[0].param
-  EXPECT_THROW(cpu::Engine().adamw_step(t, AdamWConfig{}), Error);
+  EXPECT_THROW(cpu::Engine().step(t, AdamWConfig{}), Error);
   EXPECT_TRUE(same_model(before, m));
 }
 

@@ -1,6 +1,7 @@
 // The known-answer self-test of the CPU engine's ISAs: it passes on every ISA this
 // processor runs; a deliberately faulty kernel (injected through the test hook) is
-// caught for every kernel kind, makes an engine that chose its ISA itself fall back to
+// caught and named for every kernel of every optimizer unit (generated over AllUnits)
+// and every other kernel kind, makes an engine that chose its ISA itself fall back to
 // the best lower ISA with one warning, and makes an ISA asked for an Error naming the
 // ISA and the kernel.
 #include <gtest/gtest.h>
@@ -8,7 +9,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "cpu/testing.hpp"
 #include "isa_list.hpp"
 #include "stepcore/cpu.hpp"
@@ -50,24 +54,23 @@ void flip_f32(float* p) {
   u ^= 1u;
   std::memcpy(p, &u, 4);
 }
-using AdamWUnit = ::stepcore::detail::AdamW;
-using SignSgdUnit = ::stepcore::detail::SignSgd;
-void bad_adamw(const cpu::detail::UnitRange<AdamWUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<AdamWUnit>().step[0][1][2](r, b, e);  // grad bf16, output bf16
-  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[1]) + i);  // exp_avg
+// Flips the lowest bit of elements [b, e) of an array of `dtype`.
+void flip(void* data, DType dtype, std::size_t b, std::size_t e) {
+  const std::size_t size = dtype_size(dtype);
+  for (std::size_t i = b; i < e; ++i) static_cast<unsigned char*>(data)[i * size] ^= 1u;
 }
-void bad_sign_sgd(const cpu::detail::UnitRange<SignSgdUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<SignSgdUnit>().step[0][2][0](r, b, e);  // grad f16, no output
-  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[0]) + i);
+
+/// Unit Opt's kernel step[P][G][O] (in place) or streamed[G][O] (P = 0: f32 params), then
+/// one bit of each new parameter changed.
+template <class Opt, int P, int G, int O>
+void bad_step(const cpu::detail::UnitRange<Opt>& r, std::size_t b, std::size_t e) {
+  g_real->units.of<Opt>().step[P][G][O](r, b, e);
+  flip(r.dst[0], static_cast<DType>(P), b, e);
 }
-void bad_adamw_streamed(const cpu::detail::UnitRange<AdamWUnit>& r, std::size_t b, std::size_t e) {
-  g_real->units.of<AdamWUnit>().streamed[2][0](r, b, e);  // grad f16, no output, out of place
-  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[2]) + i);  // exp_avg_sq
-}
-void bad_sign_sgd_streamed(const cpu::detail::UnitRange<SignSgdUnit>& r, std::size_t b,
-                           std::size_t e) {
-  g_real->units.of<SignSgdUnit>().streamed[0][2](r, b, e);  // grad f32, output bf16, out of place
-  for (std::size_t i = b; i < e; ++i) flip_f32(static_cast<float*>(r.dst[0]) + i);
+template <class Opt, int G, int O>
+void bad_streamed(const cpu::detail::UnitRange<Opt>& r, std::size_t b, std::size_t e) {
+  g_real->units.of<Opt>().streamed[G][O](r, b, e);
+  flip(r.dst[0], DType::f32, b, e);
 }
 void bad_accumulate(float* acc, const void* src, bool copy, std::size_t b, std::size_t e) {
   g_real->accumulate[0](acc, src, copy, b, e);
@@ -89,20 +92,57 @@ void bad_norm_exact(const void* d, const GradientRead& read, std::size_t b, std:
 }
 
 struct Fault {
-  const char* name;  // what the self-test must name
+  std::string name;    // what the self-test's kernel label must begin with
+  std::string dtypes;  // and hold (a unit kernel's dtypes and output), or ""
   void (*install)(KernelTable&);
 };
-const Fault kFaults[] = {
-    {"adamw", [](KernelTable& t) { t.units.of<AdamWUnit>().step[0][1][2] = &bad_adamw; }},
-    {"sign_sgd", [](KernelTable& t) { t.units.of<SignSgdUnit>().step[0][2][0] = &bad_sign_sgd; }},
-    {"accumulate", [](KernelTable& t) { t.accumulate[0] = &bad_accumulate; }},
-    {"scale_", [](KernelTable& t) { t.scale[1] = &bad_scale; }},
-    {"norm_partial fast", [](KernelTable& t) { t.norm[0][2] = &bad_norm; }},
-    {"norm_partial exact", [](KernelTable& t) { t.norm_exact[1][0] = &bad_norm_exact; }},
-    {"adamw streamed",
-     [](KernelTable& t) { t.units.of<AdamWUnit>().streamed[2][0] = &bad_adamw_streamed; }},
-    {"sign_sgd streamed",
-     [](KernelTable& t) { t.units.of<SignSgdUnit>().streamed[0][2] = &bad_sign_sgd_streamed; }},
+
+/// The label part of a unit kernel's dtypes: "param f32, grad bf16, output f16)".
+std::string unit_dtypes(int p, int g, int o) {
+  auto name = [](int d) { return std::string(dtype_name(static_cast<DType>(d))); };
+  return "param " + name(p) + ", grad " + name(g) + ", output " +
+         (o == 0 ? std::string("none") : name(o - 1)) + ")";
+}
+
+template <class Opt, int I>
+void add_step_fault(std::vector<Fault>& out) {
+  constexpr int P = I / (cpu::detail::kDTypes * cpu::detail::kOutputKinds);
+  constexpr int G = I / cpu::detail::kOutputKinds % cpu::detail::kDTypes;
+  constexpr int O = I % cpu::detail::kOutputKinds;
+  if constexpr (P == 0 || O == 0)  // 16-bit params have no compute output (no kernel)
+    out.push_back({std::string(Opt::kName) + " (", unit_dtypes(P, G, O), [](KernelTable& t) {
+                     t.units.of<Opt>().step[P][G][O] = &bad_step<Opt, P, G, O>;
+                   }});
+}
+template <class Opt, int I>
+void add_streamed_fault(std::vector<Fault>& out) {
+  constexpr int G = I / cpu::detail::kOutputKinds;
+  constexpr int O = I % cpu::detail::kOutputKinds;
+  out.push_back({std::string(Opt::kName) + " streamed (", unit_dtypes(0, G, O), [](KernelTable& t) {
+                   t.units.of<Opt>().streamed[G][O] = &bad_streamed<Opt, G, O>;
+                 }});
+}
+
+/// One fault per kernel of unit Opt's table: every in-place entry (param, gradient and
+/// output dtype) and every streamed one.
+template <class Opt>
+std::vector<Fault> unit_faults() {
+  constexpr int kSteps = cpu::detail::kDTypes * cpu::detail::kDTypes * cpu::detail::kOutputKinds;
+  constexpr int kStreamed = cpu::detail::kDTypes * cpu::detail::kOutputKinds;
+  std::vector<Fault> out;
+  [&]<int... I>(std::integer_sequence<int, I...>) { (add_step_fault<Opt, I>(out), ...); }
+  (std::make_integer_sequence<int, kSteps>{});
+  [&]<int... I>(std::integer_sequence<int, I...>) { (add_streamed_fault<Opt, I>(out), ...); }
+  (std::make_integer_sequence<int, kStreamed>{});
+  return out;
+}
+
+/// The faults of the kernels that are not optimizer units'.
+const Fault kOtherFaults[] = {
+    {"accumulate", "", [](KernelTable& t) { t.accumulate[0] = &bad_accumulate; }},
+    {"scale_", "", [](KernelTable& t) { t.scale[1] = &bad_scale; }},
+    {"norm_partial fast", "", [](KernelTable& t) { t.norm[0][2] = &bad_norm; }},
+    {"norm_partial exact", "", [](KernelTable& t) { t.norm_exact[1][0] = &bad_norm_exact; }},
 };
 
 /// Installs a table with one faulty kernel for `isa` for the scope's lifetime.
@@ -121,16 +161,37 @@ class ScopedFault {
   KernelTable table_;
 };
 
-TEST(SelfTestFaults, EveryKernelKindIsCaughtAndNamed) {
+// Runs the self-test of `isa` with `f` installed: it must fail, naming the kernel.
+void expect_caught(cpu::Isa isa, const Fault& f) {
+  const ScopedFault scope(isa, f);
+  const cpu::SelfTestResult r = cpu::self_test(isa);
+  EXPECT_FALSE(r.passed) << cpu::isa_name(isa) << " " << f.name << f.dtypes;
+  EXPECT_EQ(r.kernel.rfind(f.name, 0), 0u)
+      << cpu::isa_name(isa) << ": expected '" << f.name << "...', got '" << r.kernel << "'";
+  EXPECT_NE(r.kernel.find(f.dtypes), std::string::npos)
+      << cpu::isa_name(isa) << ": expected '" << f.dtypes << "' in '" << r.kernel << "'";
+  EXPECT_FALSE(r.detail.empty());
+}
+
+TEST(SelfTestFaults, ABrokenKernelOfEveryUnitIsCaughtAndNamed) {
+  // Generated over AllUnits: a unit added there is covered here with no edit.
   for (const cpu::Isa isa : testing_support::isas_under_test()) {
-    for (const Fault& f : kFaults) {
-      const ScopedFault scope(isa, f);
-      const cpu::SelfTestResult r = cpu::self_test(isa);
-      EXPECT_FALSE(r.passed) << cpu::isa_name(isa) << " " << f.name;
-      EXPECT_NE(r.kernel.find(f.name), std::string::npos)
-          << cpu::isa_name(isa) << ": expected '" << f.name << "', got '" << r.kernel << "'";
-      EXPECT_FALSE(r.detail.empty());
-    }
+    std::size_t faults = 0;
+    ::stepcore::detail::AllUnits::for_each([&](auto unit) {
+      for (const Fault& f : unit_faults<decltype(unit)>()) {
+        SCOPED_TRACE(f.name + f.dtypes);
+        expect_caught(isa, f);
+        ++faults;
+      }
+    });
+    EXPECT_GE(faults, 30u);
+    EXPECT_TRUE(cpu::self_test(isa).passed) << "the built-in table is back";
+  }
+}
+
+TEST(SelfTestFaults, EveryOtherKernelKindIsCaughtAndNamed) {
+  for (const cpu::Isa isa : testing_support::isas_under_test()) {
+    for (const Fault& f : kOtherFaults) expect_caught(isa, f);
     EXPECT_TRUE(cpu::self_test(isa).passed) << "the built-in table is back";
   }
 }
@@ -139,7 +200,8 @@ TEST(SelfTestFaults, AChosenIsaFallsBackWithOneWarning) {
   ::unsetenv("STEPCORE_ISA");
   const auto isas = cpu::supported_isas();
   const cpu::Isa best = isas.back();
-  const ScopedFault scope(best, kFaults[0]);
+  const Fault adamw = unit_faults<::stepcore::detail::AdamW>().front();
+  const ScopedFault scope(best, adamw);
   if (isas.size() == 1) {  // nothing lower to fall back to
     EXPECT_THROW(cpu::Engine{}, Error);
     std::printf("[ NOT RUN  ] fallback: this processor runs only %s\n",
@@ -168,7 +230,7 @@ TEST(SelfTestFaults, AChosenIsaFallsBackWithOneWarning) {
 
 TEST(SelfTestFaults, AnIsaAskedForIsAnErrorNamingIsaAndKernel) {
   for (const cpu::Isa isa : testing_support::isas_under_test()) {
-    const ScopedFault scope(isa, kFaults[4]);
+    const ScopedFault scope(isa, kOtherFaults[2]);
     const std::string name(cpu::isa_name(isa));
     try {
       cpu::Engine e(cpu::EngineConfig{isa, 1});

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "optimizer_records.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
@@ -22,6 +23,8 @@
 namespace {
 
 using namespace stepcore;
+using test_support::adamw_tensor;
+using test_support::sign_sgd_tensor;
 
 TEST(GpuKernels, ScaleAndNormMatchTheReference) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
@@ -154,7 +157,7 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
         EXPECT_EQ(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
         return d;
       };
-      std::vector<AdamWTensor> ht, dt;
+      std::vector<OptimizerTensor> ht, dt;
       std::vector<void*> owned;
       for (std::size_t k = 0; k < sizes.size(); ++k) {
         const std::size_t n = sizes[k];
@@ -164,30 +167,24 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
         void* dg = up(g[k].data(), g[k].size());
         void* dout = up(o[k].data(), n * 2);
         owned.insert(owned.end(), {dp, dm, dvv, dg, dout});
-        dt.push_back({{dp, n, DType::f32},
-                      {dm, n, DType::f32},
-                      {dvv, n, DType::f32},
-                      &dev_steps[k],
-                      {dg, n, gd},
-                      {dout, n, DType::bf16}});
-        ht.push_back({{p[k].data(), n, DType::f32},
-                      {m[k].data(), n, DType::f32},
-                      {v[k].data(), n, DType::f32},
-                      &ref_steps[k],
-                      {g[k].data(), n, gd},
-                      {o[k].data(), n, DType::bf16}});
+        dt.push_back(adamw_tensor({dp, n, DType::f32}, {dm, n, DType::f32}, {dvv, n, DType::f32},
+                                  &dev_steps[k], {dg, n, gd}, {dout, n, DType::bf16}));
+        ht.push_back(adamw_tensor({p[k].data(), n, DType::f32}, {m[k].data(), n, DType::f32},
+                                  {v[k].data(), n, DType::f32}, &ref_steps[k], {g[k].data(), n, gd},
+                                  {o[k].data(), n, DType::bf16}));
       }
       float* d_scalars = nullptr;
       ASSERT_EQ(cudaMalloc(&d_scalars, 2 * sizeof(float)), cudaSuccess);
       const float hs[2] = {scale, clip};
       ASSERT_EQ(cudaMemcpy(d_scalars, hs, sizeof hs, cudaMemcpyHostToDevice), cudaSuccess);
-      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      const std::vector<double> bias = gpu::make_optimizer_table(cfg);
       auto* d_bias = static_cast<double*>(up(bias.data(), bias.size() * sizeof(double)));
       auto* d_steps = static_cast<float*>(up(dev_steps.data(), dev_steps.size() * 4));
       owned.insert(owned.end(), {d_bias, d_steps});
       for (std::size_t k = 0; k < dt.size(); ++k) dt[k].step = d_steps + k;
-      gpu::adamw_step(dt, cfg, AdamWDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
-                      nullptr);
+      gpu::optimizer_step(dt, cfg,
+                          OptimizerDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
+                          nullptr);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(dev_steps.data(), d_steps, dev_steps.size() * 4, cudaMemcpyDeviceToHost),
                 cudaSuccess);
@@ -198,7 +195,7 @@ TEST(GpuKernels, AdamWWithLazyScaleAndClipMatchesTheReference) {
         std::vector<std::uint16_t> ob(n);
         cudaMemcpy(back.data(), dt[k].param.data, n * 4, cudaMemcpyDeviceToHost);
         ASSERT_EQ(std::memcmp(back.data(), p[k].data(), n * 4), 0) << "param " << k;
-        cudaMemcpy(back.data(), dt[k].exp_avg_sq.data, n * 4, cudaMemcpyDeviceToHost);
+        cudaMemcpy(back.data(), dt[k].state[1].data, n * 4, cudaMemcpyDeviceToHost);
         ASSERT_EQ(std::memcmp(back.data(), v[k].data(), n * 4), 0) << "exp_avg_sq " << k;
         cudaMemcpy(ob.data(), dt[k].compute_param.data, n * 2, cudaMemcpyDeviceToHost);
         ASSERT_EQ(ob, o[k]) << "compute copy " << k;
@@ -272,36 +269,33 @@ TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
     }
     auto rp = p, rm = m, rv = v;
     auto ro = o;
-    std::vector<AdamWTensor> ht, dt;
-    std::vector<SignSgdTensor> hs, ds;
+    std::vector<OptimizerTensor> ht, dt;
+    std::vector<OptimizerTensor> hs, ds;
     const std::vector<float> dev_steps_init(sizes.size(), 2.0f);
     auto* d_steps = static_cast<float*>(up(dev_steps_init.data(), sizes.size() * 4));
     for (std::size_t k = 0; k < sizes.size(); ++k) {
       const std::size_t n = sizes[k];
-      ht.push_back({{rp[k].data(), n, DType::f32},
-                    {rm[k].data(), n, DType::f32},
-                    {rv[k].data(), n, DType::f32},
-                    &ref_steps[k],
-                    {g[k].data(), n, DType::bf16},
-                    {ro[k].data(), n, DType::bf16}});
-      hs.push_back({ht.back().param, ht.back().grad, ht.back().compute_param});
-      AdamWTensor d;
+      ht.push_back(adamw_tensor({rp[k].data(), n, DType::f32}, {rm[k].data(), n, DType::f32},
+                                {rv[k].data(), n, DType::f32}, &ref_steps[k],
+                                {g[k].data(), n, DType::bf16}, {ro[k].data(), n, DType::bf16}));
+      hs.push_back(sign_sgd_tensor(ht.back().param, ht.back().grad, ht.back().compute_param));
+      OptimizerTensor d;
       d.param = {up(p[k].data(), n * 4), n, DType::f32};  // in place: the input
-      d.exp_avg = {up(m[k].data(), n * 4), n, DType::f32};
-      d.exp_avg_sq = {up(v[k].data(), n * 4), n, DType::f32};
+      d.state[0] = {up(m[k].data(), n * 4), n, DType::f32};
+      d.state[1] = {up(v[k].data(), n * 4), n, DType::f32};
       d.step = d_steps + k;
       d.grad = {up(g[k].data(), n * 2), n, DType::bf16};
       d.compute_param = {alloc(n * 2), n, DType::bf16};
       if (k % 2 == 0) {  // out of place: the input becomes the sources
         d.param_src = d.param;
-        d.exp_avg_src = d.exp_avg;
-        d.exp_avg_sq_src = d.exp_avg_sq;
+        d.state_src[0] = d.state[0];
+        d.state_src[1] = d.state[1];
         d.param = {alloc(n * 4), n, DType::f32};
-        d.exp_avg = {alloc(n * 4), n, DType::f32};
-        d.exp_avg_sq = {alloc(n * 4), n, DType::f32};
+        d.state[0] = {alloc(n * 4), n, DType::f32};
+        d.state[1] = {alloc(n * 4), n, DType::f32};
       }
       dt.push_back(d);
-      SignSgdTensor sd{d.param, d.grad, d.compute_param};
+      OptimizerTensor sd = sign_sgd_tensor(d.param, d.grad, d.compute_param);
       sd.param_src = d.param_src;
       ds.push_back(sd);
     }
@@ -309,13 +303,14 @@ TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
       float* d_scalars = static_cast<float*>(alloc(2 * sizeof(float)));
       const float hsc[2] = {scale, clip};
       ASSERT_EQ(cudaMemcpy(d_scalars, hsc, sizeof hsc, cudaMemcpyHostToDevice), cudaSuccess);
-      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      const std::vector<double> bias = gpu::make_optimizer_table(cfg);
       auto* d_bias = static_cast<double*>(up(bias.data(), bias.size() * sizeof(double)));
-      gpu::adamw_step(dt, cfg, AdamWDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
-                      nullptr);
+      gpu::optimizer_step(dt, cfg,
+                          OptimizerDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_bias},
+                          nullptr);
       reference::adamw_step(ht, cfg, GradientRead{scale, clip});
     } else {
-      gpu::sign_sgd_step(ds, scfg, SignSgdDeviceArgs{}, nullptr);
+      gpu::optimizer_step(ds, scfg, OptimizerDeviceArgs{}, nullptr);
       reference::sign_sgd_step(hs, scfg);
     }
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -329,11 +324,11 @@ TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
       if (k % 2 == 0)
         EXPECT_EQ(down(dt[k].param_src.data, n * 4), bytes_of(p[k])) << "param source";
       if (opt == 2) continue;  // SignSGD has no moments
-      EXPECT_EQ(down(dt[k].exp_avg.data, n * 4), bytes_of(rm[k])) << "exp_avg";
-      EXPECT_EQ(down(dt[k].exp_avg_sq.data, n * 4), bytes_of(rv[k])) << "exp_avg_sq";
+      EXPECT_EQ(down(dt[k].state[0].data, n * 4), bytes_of(rm[k])) << "exp_avg";
+      EXPECT_EQ(down(dt[k].state[1].data, n * 4), bytes_of(rv[k])) << "exp_avg_sq";
       if (k % 2 == 0) {
-        EXPECT_EQ(down(dt[k].exp_avg_src.data, n * 4), bytes_of(m[k])) << "exp_avg source";
-        EXPECT_EQ(down(dt[k].exp_avg_sq_src.data, n * 4), bytes_of(v[k])) << "exp_avg_sq source";
+        EXPECT_EQ(down(dt[k].state_src[0].data, n * 4), bytes_of(m[k])) << "exp_avg source";
+        EXPECT_EQ(down(dt[k].state_src[1].data, n * 4), bytes_of(v[k])) << "exp_avg_sq source";
       }
     }
     std::vector<float> dev_steps(sizes.size());

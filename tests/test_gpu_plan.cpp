@@ -14,6 +14,7 @@
 
 #include "expect_error.hpp"
 #include "kernels/plans.hpp"
+#include "optimizer_records.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/cuda_host.hpp"
@@ -24,6 +25,9 @@
 namespace {
 
 using namespace stepcore;
+using AdamWUnit = stepcore::detail::AdamW;
+using SignSgdUnit = stepcore::detail::SignSgd;
+using test_support::sign_sgd_tensor;
 
 std::vector<std::size_t> sizes_with_empty() {
   const std::size_t c = gpu::kBlockElements;
@@ -207,9 +211,9 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
           got_o.emplace_back(v.numel * 4 + 1, 0xEE);
         }
         auto tensors = [&](Data& p, std::vector<std::vector<std::uint8_t>>& o) {
-          std::vector<SignSgdTensor> t;
+          std::vector<OptimizerTensor> t;
           for (std::size_t k = 0; k < p.views.size(); ++k) {
-            SignSgdTensor s{p.views[k], grads.views[k], {}};
+            OptimizerTensor s = sign_sgd_tensor(p.views[k], grads.views[k]);
             if (out) s.compute_param = {o[k].data(), p.views[k].numel, static_cast<DType>(out - 1)};
             t.push_back(s);
           }
@@ -219,8 +223,8 @@ TEST(GpuExecutor, SignSgdMatchesTheReference) {
         auto rt = tensors(ref_p, ref_o);
         reference::sign_sgd_step(rt, cfg);
         auto gt = tensors(got_p, got_o);
-        gpu::emulate::sign_sgd_step(gpu::make_sign_sgd_plan(gt, cfg, 4, 3), SignSgdDeviceArgs{},
-                                    64);
+        gpu::emulate::optimizer_step(gpu::make_optimizer_plan<SignSgdUnit>(gt, cfg, 4, 3),
+                                     OptimizerDeviceArgs{}, 64);
         for (std::size_t k = 0; k < ref_p.bufs.size(); ++k) {
           ASSERT_EQ(got_p.bufs[k], ref_p.bufs[k]) << dtype_name(gd) << " tensor " << k;
           ASSERT_EQ(got_o[k], ref_o[k]) << "compute copy " << k;
@@ -305,7 +309,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         cfg.formula = f;
         cfg.weight_decay = out % 2 ? 0.1 : 0.0;
         cfg.beta1 = out == 3 ? 0.3 : 0.9;
-        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+        const std::vector<double> bias = gpu::make_optimizer_table(cfg);
         const float scale = 1.0f / 3001.0f, clip = out == 2 ? 0.37f : 1.0f;
         // One model, three copies: reference, and two launch shapes of the executor.
         const Data grads = make_data(gd, seed++);
@@ -329,12 +333,12 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
           base.steps.push_back(static_cast<float>(rng() % 4));
         }
         auto tensors = [&](State& st) {
-          std::vector<AdamWTensor> t;
+          std::vector<OptimizerTensor> t;
           for (std::size_t k = 0; k < sizes.size(); ++k) {
-            AdamWTensor a;
+            OptimizerTensor a;
             a.param = {st.p[k].data(), sizes[k], DType::f32};
-            a.exp_avg = {st.m[k].data(), sizes[k], DType::f32};
-            a.exp_avg_sq = {st.v[k].data(), sizes[k], DType::f32};
+            a.state[0] = {st.m[k].data(), sizes[k], DType::f32};
+            a.state[1] = {st.v[k].data(), sizes[k], DType::f32};
             a.step = &st.steps[k];
             a.grad = grads.views[k];
             if (out) a.compute_param = {st.o[k].data(), sizes[k], static_cast<DType>(out - 1)};
@@ -348,7 +352,7 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         {  // the CPU engine gives the reference's bits too: CPU = GPU executor = reference
           State eng = base;
           auto et = tensors(eng);
-          cpu::Engine({.threads = 2}).adamw_step(et, cfg, GradientRead{scale, clip});
+          cpu::Engine({.threads = 2}).step(et, cfg, GradientRead{scale, clip});
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0)
               ASSERT_EQ(std::memcmp(eng.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
@@ -364,9 +368,11 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
               Shape{3, 2, 64}}) {
           State got = base;
           auto gt = tensors(got);
-          const auto plan = gpu::make_adamw_plan(gt, cfg, shape.max_blocks, shape.max_tensors);
-          gpu::emulate::adamw_step(
-              plan, AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, shape.threads);
+          const auto plan =
+              gpu::make_optimizer_plan<AdamWUnit>(gt, cfg, shape.max_blocks, shape.max_tensors);
+          gpu::emulate::optimizer_step(
+              plan, OptimizerDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
+              shape.threads);
           for (std::size_t k = 0; k < sizes.size(); ++k) {
             if (sizes[k] != 0) {  // memcmp on bits; empty vectors have no data pointer
               ASSERT_EQ(std::memcmp(got.p[k].data(), ref.p[k].data(), sizes[k] * 4), 0)
@@ -383,9 +389,10 @@ TEST(GpuExecutor, AdamWMatchesTheReferenceForTwoLaunchShapes) {
         // found-inf: nothing written by the kernels.
         State skipped = base;
         auto st = tensors(skipped);
-        const auto plan = gpu::make_adamw_plan(st, cfg);
+        const auto plan = gpu::make_optimizer_plan<AdamWUnit>(st, cfg);
         const std::int32_t flag = 1;
-        gpu::emulate::adamw_step(plan, AdamWDeviceArgs{&scale, &clip, &flag, nullptr, bias.data()});
+        gpu::emulate::optimizer_step(
+            plan, OptimizerDeviceArgs{&scale, &clip, &flag, nullptr, bias.data()});
         for (std::size_t k = 0; k < sizes.size(); ++k) {
           ASSERT_EQ(skipped.p[k], base.p[k]);
           ASSERT_EQ(skipped.steps[k], base.steps[k]) << "a skipped step keeps its counter";
@@ -434,7 +441,7 @@ TEST(GpuExecutor, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
         cfg.weight_decay = seed % 2 ? 0.1 : 0.0;
         cfg.beta1 = seed % 3 == 0 ? 0.3 : 0.9;
         const SignSgdConfig scfg{1e-3, seed % 2 ? 0.05 : 0.0};
-        const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+        const std::vector<double> bias = gpu::make_optimizer_table(cfg);
         const float scale = 1.0f / 3001.0f, clip = seed % 4 == 1 ? 0.37f : 1.0f;
         const Data grads = make_data(gd, seed++);
         std::mt19937 rng(seed++);
@@ -453,12 +460,12 @@ TEST(GpuExecutor, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
           base.steps.push_back(static_cast<float>(rng() % 4));
         }
         auto tensors = [&](State& st) {
-          std::vector<AdamWTensor> t;
+          std::vector<OptimizerTensor> t;
           for (std::size_t k = 0; k < sizes.size(); ++k) {
-            AdamWTensor a;
+            OptimizerTensor a;
             a.param = {st.p[k].data(), sizes[k], DType::f32};
-            a.exp_avg = {st.m[k].data(), sizes[k], DType::f32};
-            a.exp_avg_sq = {st.v[k].data(), sizes[k], DType::f32};
+            a.state[0] = {st.m[k].data(), sizes[k], DType::f32};
+            a.state[1] = {st.v[k].data(), sizes[k], DType::f32};
             a.step = &st.steps[k];
             a.grad = grads.views[k];
             if (out) a.compute_param = {st.o[k].data(), sizes[k], static_cast<DType>(out - 1)};
@@ -466,9 +473,10 @@ TEST(GpuExecutor, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
           }
           return t;
         };
-        auto sgd = [](const std::vector<AdamWTensor>& t) {
-          std::vector<SignSgdTensor> s;
-          for (const AdamWTensor& a : t) s.push_back({a.param, a.grad, a.compute_param});
+        auto sgd = [](const std::vector<OptimizerTensor>& t) {
+          std::vector<OptimizerTensor> s;
+          for (const OptimizerTensor& a : t)
+            s.push_back(sign_sgd_tensor(a.param, a.grad, a.compute_param));
           return s;
         };
         State ref = base;
@@ -505,26 +513,26 @@ TEST(GpuExecutor, OutOfPlaceStepsGiveTheInPlaceBitsAndLeaveTheSourcesIntact) {
               };
               if (mode == Source::self) {
                 t[k].param_src = t[k].param;
-                t[k].exp_avg_src = t[k].exp_avg;
-                t[k].exp_avg_sq_src = t[k].exp_avg_sq;
+                t[k].state_src[0] = t[k].state[0];
+                t[k].state_src[1] = t[k].state[1];
               }
               if (mode == Source::separate || mode == Source::param_only)
                 move(t[k].param, t[k].param_src, dst[0][k]);
               if (mode == Source::separate) {
-                move(t[k].exp_avg, t[k].exp_avg_src, dst[1][k]);
-                move(t[k].exp_avg_sq, t[k].exp_avg_sq_src, dst[2][k]);
+                move(t[k].state[0], t[k].state_src[0], dst[1][k]);
+                move(t[k].state[1], t[k].state_src[1], dst[2][k]);
               }
             }
             if (adamw) {
-              gpu::emulate::adamw_step(
-                  gpu::make_adamw_plan(t, cfg, shape.max_blocks, shape.max_tensors),
-                  AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, shape.threads);
+              gpu::emulate::optimizer_step(
+                  gpu::make_optimizer_plan<AdamWUnit>(t, cfg, shape.max_blocks, shape.max_tensors),
+                  OptimizerDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, shape.threads);
             } else {
-              std::vector<SignSgdTensor> st = sgd(t);
+              std::vector<OptimizerTensor> st = sgd(t);
               for (std::size_t k = 0; k < t.size(); ++k) st[k].param_src = t[k].param_src;
-              gpu::emulate::sign_sgd_step(
-                  gpu::make_sign_sgd_plan(st, scfg, shape.max_blocks, shape.max_tensors),
-                  SignSgdDeviceArgs{}, shape.threads);
+              gpu::emulate::optimizer_step(gpu::make_optimizer_plan<SignSgdUnit>(
+                                               st, scfg, shape.max_blocks, shape.max_tensors),
+                                           OptimizerDeviceArgs{}, shape.threads);
             }
             for (std::size_t k = 0; k < sizes.size(); ++k) {
               const std::size_t n = sizes[k], off = layout->offset[k];
@@ -572,7 +580,7 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       AdamWConfig cfg;
       cfg.formula = f;
       cfg.weight_decay = 0.05;
-      const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+      const std::vector<double> bias = gpu::make_optimizer_table(cfg);
       std::mt19937 rng(17);
       std::normal_distribution<float> nd(0.0f, 1.0f);
       struct State {
@@ -594,18 +602,19 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       }
       got = ref;
       auto tensors = [&](State& st) {
-        std::vector<AdamWTensor> t;
+        std::vector<OptimizerTensor> t;
         for (std::size_t k = 0; k < sizes.size(); ++k)
           t.push_back({{st.p[k].data() + offset, sizes[k], DType::f32},
-                       {st.m[k].data() + offset, sizes[k], DType::f32},
-                       {st.v[k].data() + offset, sizes[k], DType::f32},
+                       {TensorView{st.m[k].data() + offset, sizes[k], DType::f32},
+                        TensorView{st.v[k].data() + offset, sizes[k], DType::f32}},
                        &st.steps[k],
                        {st.g[k].data() + offset, sizes[k], DType::bf16},
                        {st.o[k].data() + offset, sizes[k], DType::bf16}});
         return t;
       };
       auto gt = tensors(got);
-      const gpu::AdamWPlan plan = gpu::make_adamw_plan(gt, cfg, 3, 2);  // built once
+      const gpu::OptimizerPlan<AdamWUnit> plan =
+          gpu::make_optimizer_plan<AdamWUnit>(gt, cfg, 3, 2);  // built once
       const float scale = 0.25f, clip = 1.0f;
       StepHyper hyper{};  // "device memory" the replays read
       std::int32_t found_inf = 0;
@@ -614,8 +623,8 @@ TEST(GpuExecutor, AReplayedAdamWPlanTakesEachStepsCounterAndLearningRate) {
       for (int r = 0; r < 4; ++r) {
         hyper = StepHyper{lrs[r], cfg.weight_decay};
         found_inf = flags[r];
-        gpu::emulate::adamw_step(plan,
-                                 AdamWDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
+        gpu::emulate::optimizer_step(
+            plan, OptimizerDeviceArgs{&scale, &clip, &found_inf, &hyper, bias.data()});
         if (flags[r] == 0) {
           AdamWConfig step_cfg = cfg;
           step_cfg.lr = lrs[r];
@@ -652,7 +661,7 @@ TEST(GpuExecutor, AReplayedStepReadsEachReplaysScaleLearningRateAndClip) {
     SCOPED_TRACE(eager ? "eager" : "lazy");
     AdamWConfig cfg;
     cfg.weight_decay = 0.1;
-    const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+    const std::vector<double> bias = gpu::make_optimizer_table(cfg);
     struct State {
       std::vector<std::vector<float>> p, m, v;
       std::vector<std::vector<std::uint16_t>> g;
@@ -676,11 +685,10 @@ TEST(GpuExecutor, AReplayedStepReadsEachReplaysScaleLearningRateAndClip) {
       return t;
     };
     auto tensors = [&](State& st) {
-      std::vector<AdamWTensor> t;
+      std::vector<OptimizerTensor> t;
       for (std::size_t k = 0; k < sizes.size(); ++k)
         t.push_back({f32_view(st.p[k].data(), sizes[k]),
-                     f32_view(st.m[k].data(), sizes[k]),
-                     f32_view(st.v[k].data(), sizes[k]),
+                     {f32_view(st.m[k].data(), sizes[k]), f32_view(st.v[k].data(), sizes[k])},
                      &st.steps[k],
                      {st.g[k].data(), sizes[k], DType::bf16},
                      {}});
@@ -698,9 +706,10 @@ TEST(GpuExecutor, AReplayedStepReadsEachReplaysScaleLearningRateAndClip) {
     // The capture: plans (several launches each) and by-value arguments, built once.
     const std::vector<TensorView> gv = grads(got);
     const gpu::LaunchPlan norm_plan = gpu::make_plan(gv, {}, 3, 2);
-    const gpu::AdamWPlan adamw_plan = gpu::make_adamw_plan(tensors(got), cfg, 3, 2);
+    const gpu::OptimizerPlan<AdamWUnit> adamw_plan =
+        gpu::make_optimizer_plan<AdamWUnit>(tensors(got), cfg, 3, 2);
     const DeviceGradientRead read{eager ? &one : &scale, &one};
-    const AdamWDeviceArgs d{eager ? &one : &scale, &clip, &flag, &hyper, bias.data()};
+    const OptimizerDeviceArgs d{eager ? &one : &scale, &clip, &flag, &hyper, bias.data()};
     std::vector<std::function<void()>> graph;
     if (eager)
       graph.emplace_back([&partial, norm_plan, d_scale = &scale] {
@@ -717,7 +726,7 @@ TEST(GpuExecutor, AReplayedStepReadsEachReplaysScaleLearningRateAndClip) {
     graph.emplace_back([&, max_norm] {
       gpu::emulate::finalize_exact_and_clip(exact, max_norm, result, clip, flag);
     });
-    graph.emplace_back([adamw_plan, d] { gpu::emulate::adamw_step(adamw_plan, d); });
+    graph.emplace_back([adamw_plan, d] { gpu::emulate::optimizer_step(adamw_plan, d); });
 
     std::vector<float> clips;
     for (int r = 0; r < 4; ++r) {
@@ -781,14 +790,14 @@ TEST(GpuExecutor, AReplayedSignSgdPlanTakesEachReplaysLearningRate) {
   }
   p_got = p_ref;
   const SignSgdConfig cfg{1e-3, 0.1};
-  const std::vector<SignSgdTensor> gt{
-      {f32_view(p_got.data(), p_got.size()), const_view(g.data(), g.size()), {}}};
-  const auto plan = gpu::make_sign_sgd_plan(gt, cfg);
+  const std::vector<OptimizerTensor> gt{
+      sign_sgd_tensor(f32_view(p_got.data(), p_got.size()), const_view(g.data(), g.size()))};
+  const auto plan = gpu::make_optimizer_plan<SignSgdUnit>(gt, cfg);
   for (double lr : {1e-3, 3e-2, 5e-4}) {
     const StepHyper hyper{lr, 0.1};
-    gpu::emulate::sign_sgd_step(plan, SignSgdDeviceArgs{nullptr, &hyper});
-    const std::vector<SignSgdTensor> rt{
-        {f32_view(p_ref.data(), p_ref.size()), const_view(g.data(), g.size()), {}}};
+    gpu::emulate::optimizer_step(plan, OptimizerDeviceArgs{nullptr, nullptr, nullptr, &hyper});
+    const std::vector<OptimizerTensor> rt{
+        sign_sgd_tensor(f32_view(p_ref.data(), p_ref.size()), const_view(g.data(), g.size()))};
     reference::sign_sgd_step(rt, SignSgdConfig{lr, 0.1});
     ASSERT_EQ(std::memcmp(p_got.data(), p_ref.data(), p_ref.size() * 4), 0) << "lr " << lr;
   }
@@ -802,7 +811,7 @@ TEST(GpuPlan, TheBiasTableHoldsTheHostsCorrectionsAndEndsWhereTheyReachOne) {
       AdamWConfig cfg;
       cfg.formula = f;
       cfg.beta2 = beta2;
-      const std::vector<double> table = gpu::make_adamw_bias_table(cfg);
+      const std::vector<double> table = gpu::make_optimizer_table(cfg);
       const auto len1 = static_cast<std::size_t>(table[0]);
       const auto len2 = static_cast<std::size_t>(table[1]);
       ASSERT_EQ(table.size(), 2 + len1 + len2);
@@ -823,7 +832,7 @@ TEST(GpuPlan, TheBiasTableHoldsTheHostsCorrectionsAndEndsWhereTheyReachOne) {
   AdamWConfig near_one;
   near_one.beta2 = 1.0 - 1e-7;
   try {
-    (void)gpu::make_adamw_bias_table(near_one);
+    (void)gpu::make_optimizer_table(near_one);
     ADD_FAILURE() << "a beta this close to 1 needs more than 2^22 table entries";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), Errc::not_supported);
@@ -936,18 +945,18 @@ TEST(GpuApi, BadInputIsRefusedBeforeAnythingIsWritten) {
   // AdamW: a size mismatch is found before the device pointers are looked at.
   std::vector<float> p(100), m(50), vv(100);
   float step = 0.0f;
-  const std::vector<AdamWTensor> adamw{{f32_view(p.data(), 100),
-                                        f32_view(m.data(), 50),
-                                        f32_view(vv.data(), 100),
-                                        &step,
-                                        const_view(g.data(), 100),
-                                        {}}};
+  const std::vector<OptimizerTensor> adamw{{f32_view(p.data(), 100),
+                                            {f32_view(m.data(), 50), f32_view(vv.data(), 100)},
+                                            &step,
+                                            const_view(g.data(), 100),
+                                            {}}};
   float scale = 1.0f, clip = 1.0f;
-  const std::vector<double> bias = gpu::make_adamw_bias_table(AdamWConfig{});
+  const std::vector<double> bias = gpu::make_optimizer_table(AdamWConfig{});
   expect_error(
       [&] {
-        gpu::adamw_step(adamw, AdamWConfig{},
-                        AdamWDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()}, nullptr);
+        gpu::optimizer_step(adamw, AdamWConfig{},
+                            OptimizerDeviceArgs{&scale, &clip, nullptr, nullptr, bias.data()},
+                            nullptr);
       },
       Errc::size_mismatch, "tensors[0].exp_avg");
   EXPECT_EQ(step, 0.0f) << "the step counter must not advance on an error";

@@ -12,6 +12,7 @@
 
 #include "kernels/plans.hpp"
 #include "kernels/testing.hpp"
+#include "optimizer_records.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
@@ -25,6 +26,8 @@
 namespace {
 
 using namespace stepcore;
+using test_support::adamw_tensor;
+using test_support::sign_sgd_tensor;
 
 #define SKIP_WITHOUT_DEVICE() \
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason()
@@ -173,13 +176,13 @@ TEST(GpuSteps, EveryKernelMatchesTheReferenceUnderTwoLaunchShapes) {
 
       // SignSGD with a bf16 compute copy.
       Tensors param(DType::f32, seed++), out(DType::bf16, seed++);
-      std::vector<SignSgdTensor> hs, ds;
+      std::vector<OptimizerTensor> hs, ds;
       for (std::size_t k = 0; k < param.hv.size(); ++k) {
-        hs.push_back({param.hv[k], g.hv[k], out.hv[k]});
-        ds.push_back({param.dv[k], g.dv[k], out.dv[k]});
+        hs.push_back(sign_sgd_tensor(param.hv[k], g.hv[k], out.hv[k]));
+        ds.push_back(sign_sgd_tensor(param.dv[k], g.dv[k], out.dv[k]));
       }
       const SignSgdConfig sc{1e-3, 0.1};
-      gpu::sign_sgd_step(ds, sc, SignSgdDeviceArgs{}, nullptr);
+      gpu::optimizer_step(ds, sc, OptimizerDeviceArgs{}, nullptr);
       reference::sign_sgd_step(hs, sc);
       param.expect_equal("sign_sgd param");
       out.expect_equal("sign_sgd compute copy");
@@ -282,10 +285,11 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentScaleAnd
   }
   std::vector<float> host_steps(g.hv.size(), 3.0f), dev_steps = host_steps;
   DeviceBytes d_steps(dev_steps.data(), dev_steps.size() * 4);
-  std::vector<AdamWTensor> ht, dt;
+  std::vector<OptimizerTensor> ht, dt;
   for (std::size_t k = 0; k < g.hv.size(); ++k) {
-    ht.push_back({param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]});
-    dt.push_back({param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]});
+    ht.push_back(adamw_tensor(param.hv[k], m.hv[k], v.hv[k], &host_steps[k], g.hv[k], out.hv[k]));
+    dt.push_back(
+        adamw_tensor(param.dv[k], m.dv[k], v.dv[k], d_steps.as<float>() + k, g.dv[k], out.dv[k]));
   }
   const std::vector<ConstTensorView> gc = g.dev_const();
   const std::size_t ws = gpu::scale_and_norm_workspace_bytes(g.dv);
@@ -295,7 +299,7 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentScaleAnd
   DeviceBytes d_one(&one, 4), d_scale(&scales[0], 4);
   AdamWConfig cfg;
   cfg.weight_decay = 0.1;
-  const std::vector<double> bias = gpu::make_adamw_bias_table(cfg);
+  const std::vector<double> bias = gpu::make_optimizer_table(cfg);
   DeviceBytes d_bias(bias.data(), bias.size() * sizeof(double));
   StepHyper hyper{cfg.lr, cfg.weight_decay};
   DeviceBytes d_hyper(&hyper, sizeof hyper);
@@ -313,10 +317,11 @@ TEST(GpuSteps, AStepCapturedInACudaGraphReplaysTheNextStepWithTheCurrentScaleAnd
                                     d_ws.as<void>(), ws, stream);
   gpu::finalize_exact_and_clip(d_exact.as<NormPartial>(), max_norm, d_result.as<NormResult>(),
                                d_clip.as<float>(), d_flag.as<std::int32_t>(), stream);
-  gpu::adamw_step(dt, cfg,
-                  AdamWDeviceArgs{d_one.as<float>(), d_clip.as<float>(), d_flag.as<std::int32_t>(),
-                                  d_hyper.as<StepHyper>(), d_bias.as<double>()},
-                  stream);
+  gpu::optimizer_step(
+      dt, cfg,
+      OptimizerDeviceArgs{d_one.as<float>(), d_clip.as<float>(), d_flag.as<std::int32_t>(),
+                          d_hyper.as<StepHyper>(), d_bias.as<double>()},
+      stream);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess)
       << "a launcher synchronised or used a capture-unsafe call";
   cudaGraphExec_t exec = nullptr;

@@ -24,6 +24,7 @@
 #include "host/crc32c.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers_cases.hpp"
+#include "optimizer_records.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
@@ -550,12 +551,9 @@ TEST(Managers, GradientReadsFollowTheTrainersEventsWithoutAHostSynchronisation) 
     const std::vector<AccumulatePair> p2{
         {f32_view(acc.data(), n), {g2.data(), n, DType::bf16}, false}};
     reference::accumulate(p2);
-    const std::vector<AdamWTensor> t{{f32_view(master.data(), n),
-                                      f32_view(m.data(), n),
-                                      f32_view(v.data(), n),
-                                      &step,
-                                      ConstTensorView(acc.data(), n, DType::f32),
-                                      {compute.data(), n, DType::bf16}}};
+    const std::vector<OptimizerTensor> t{test_support::adamw_tensor(
+        f32_view(master.data(), n), f32_view(m.data(), n), f32_view(v.data(), n), &step,
+        ConstTensorView(acc.data(), n, DType::f32), {compute.data(), n, DType::bf16})};
     reference::adamw_step(t, AdamWConfig{}, GradientRead{scale, 1.0f});
   }
   for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {

@@ -20,24 +20,25 @@ namespace {
 using namespace stepcore;
 using gpu::detail::CallKey;
 using test_support::expect_error;
+using AdamWUnit = stepcore::detail::AdamW;
 
 // 40 AdamW tensors in one host vector: param, exp_avg, exp_avg_sq, grad (f32) each.
 struct Call {
   std::vector<float> memory, steps;
-  std::vector<AdamWTensor> tensors;
+  std::vector<OptimizerTensor> tensors;
   float scale = 1.0f, clip = 1.0f;
   double bias[2] = {1.0, 1.0};
-  AdamWDeviceArgs d{&scale, &clip, nullptr, nullptr, bias};
+  OptimizerDeviceArgs d{&scale, &clip, nullptr, nullptr, bias};
   explicit Call(std::size_t n = 40, std::size_t numel = 1000)
       : memory(4 * n * numel), steps(n), tensors(n) {
     for (std::size_t i = 0; i < n; ++i) {
       float* p = memory.data() + 4 * i * numel;
-      tensors[i] = AdamWTensor{{p, numel, DType::f32},
-                               {p + numel, numel, DType::f32},
-                               {p + 2 * numel, numel, DType::f32},
-                               &steps[i],
-                               {p + 3 * numel, numel, DType::f32},
-                               {}};
+      tensors[i] = OptimizerTensor{
+          {p, numel, DType::f32},
+          {TensorView{p + numel, numel, DType::f32}, TensorView{p + 2 * numel, numel, DType::f32}},
+          &steps[i],
+          {p + 3 * numel, numel, DType::f32},
+          {}};
     }
   }
 };
@@ -62,17 +63,18 @@ TEST(PlanCache, ARepeatedCallMakesNoMemoryCheckAndGetsTheSamePlan) {
   Call c;
   Counter n;
   const auto check = n.check();
-  const gpu::AdamWPlan first =
-      gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, check);
+  const gpu::OptimizerPlan<AdamWUnit> first =
+      gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d, check);
   const std::size_t per_call = n.checks;
   EXPECT_EQ(per_call, 5 * c.tensors.size() + 3) << "each buffer, counter and scalar once";
-  const gpu::AdamWPlan again =
-      gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, check);
+  const gpu::OptimizerPlan<AdamWUnit> again =
+      gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d, check);
   EXPECT_EQ(n.checks, per_call) << "the repeated call checked memory again";
   ASSERT_EQ(again.launches.size(), first.launches.size());
   ASSERT_EQ(again.counters.size(), first.counters.size());
   // The plan the cache returns is the one a fresh validation builds.
-  const gpu::AdamWPlan fresh = gpu::make_adamw_plan(c.tensors, AdamWConfig{});
+  const gpu::OptimizerPlan<AdamWUnit> fresh =
+      gpu::make_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{});
   ASSERT_EQ(again.launches.size(), fresh.launches.size());
   for (std::size_t l = 0; l < fresh.launches.size(); ++l) {
     const auto& a = again.launches[l];
@@ -92,7 +94,7 @@ TEST(PlanCache, ARepeatedCallMakesNoMemoryCheckAndGetsTheSamePlan) {
 // go first when more than the cache holds come.
 TEST(PlanCache, DistinctCallsStayCachedAndTheLeastRecentlyUsedGoFirst) {
   const gpu::testing::ScopedPlanCache on(true);
-  constexpr std::size_t kEntries = gpu::detail::PlanCache<gpu::AdamWPlan>::kEntries;
+  constexpr std::size_t kEntries = gpu::detail::PlanCache<gpu::OptimizerPlan<AdamWUnit>>::kEntries;
   std::vector<Call> calls;
   calls.reserve(kEntries + 1);  // each Call's device arguments point into it: no moves
   for (std::size_t i = 0; i < kEntries + 1; ++i) calls.emplace_back(2, 100);
@@ -100,7 +102,8 @@ TEST(PlanCache, DistinctCallsStayCachedAndTheLeastRecentlyUsedGoFirst) {
   const auto check = n.check();
   auto run = [&](std::size_t i) {
     const std::size_t before = n.checks;
-    (void)gpu::detail::checked_adamw_plan(calls[i].tensors, AdamWConfig{}, calls[i].d, check);
+    (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(calls[i].tensors, AdamWConfig{},
+                                                         calls[i].d, check);
     return n.checks - before;
   };
   const std::size_t per_call = run(0);
@@ -118,9 +121,9 @@ TEST(PlanCache, WithTheCacheOffEveryCallChecksMemory) {
   Call c;
   Counter n;
   const auto check = n.check();
-  (void)gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, check);
+  (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d, check);
   const std::size_t per_call = n.checks;
-  (void)gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, check);
+  (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d, check);
   EXPECT_EQ(n.checks, 2 * per_call);
 }
 
@@ -129,43 +132,59 @@ TEST(PlanCache, AnyChangedArgumentIsValidatedAgain) {
   Call c;
   Counter n;
   const auto check = n.check();
-  (void)gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, check);
+  (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d, check);
   // A moment that now overlaps the next tensor's parameter.
-  std::vector<AdamWTensor> overlapping = c.tensors;
-  overlapping[3].exp_avg.data = c.tensors[4].param.data;
+  std::vector<OptimizerTensor> overlapping = c.tensors;
+  overlapping[3].state[0].data = c.tensors[4].param.data;
   expect_error(
-      [&] { (void)gpu::detail::checked_adamw_plan(overlapping, AdamWConfig{}, c.d, check); },
+      [&] {
+        (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(overlapping, AdamWConfig{}, c.d,
+                                                             check);
+      },
       Errc::overlap);
   // The same tensors with a bad configuration.
   AdamWConfig bad;
   bad.lr = -1.0;
-  expect_error([&] { (void)gpu::detail::checked_adamw_plan(c.tensors, bad, c.d, check); },
-               Errc::invalid_argument, "config.lr");
-  // The same call with a flag the record cannot take (no max_exp_avg_sq): refused, not
-  // served from the plan cached without it; maximize is taken, and the plan carries it.
+  expect_error(
+      [&] { (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, bad, c.d, check); },
+      Errc::invalid_argument, "config.lr");
+  // The same call with a flag its tensors cannot take (amsgrad: no max_exp_avg_sq slot):
+  // refused, not served from the plan cached without it; maximize is taken, and the plan
+  // carries it.
   AdamWConfig flagged;
   flagged.maximize = true;
-  const gpu::AdamWPlan maximizing = gpu::detail::checked_adamw_plan(c.tensors, flagged, c.d, check);
+  const gpu::OptimizerPlan<AdamWUnit> maximizing =
+      gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, flagged, c.d, check);
   ASSERT_FALSE(maximizing.launches.empty());
   EXPECT_TRUE(maximizing.launches[0].config.maximize);
   flagged.maximize = false;
   flagged.amsgrad = true;
-  expect_error([&] { (void)gpu::detail::checked_adamw_plan(c.tensors, flagged, c.d, check); },
-               Errc::invalid_argument, "config.amsgrad");
+  expect_error(
+      [&] { (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, flagged, c.d, check); },
+      Errc::size_mismatch, "tensors[0].max_exp_avg_sq");
   // A scalar pointer that became null.
-  AdamWDeviceArgs no_clip = c.d;
+  OptimizerDeviceArgs no_clip = c.d;
   no_clip.clip = nullptr;
   expect_error(
-      [&] { (void)gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, no_clip, check); },
+      [&] {
+        (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, no_clip,
+                                                             check);
+      },
       Errc::null_pointer, "d.clip");
   // A dtype change alone (same pointers and sizes): an f16 master is refused.
-  std::vector<AdamWTensor> f16_param = c.tensors;
+  std::vector<OptimizerTensor> f16_param = c.tensors;
   f16_param[0].param.dtype = DType::f16;
-  expect_error([&] { (void)gpu::detail::checked_adamw_plan(f16_param, AdamWConfig{}, c.d, check); },
-               Errc::unsupported_dtype, "tensors[0].param");
+  expect_error(
+      [&] {
+        (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(f16_param, AdamWConfig{}, c.d, check);
+      },
+      Errc::unsupported_dtype, "tensors[0].param");
   // A failed call is not cached: the same bad call fails again.
   expect_error(
-      [&] { (void)gpu::detail::checked_adamw_plan(overlapping, AdamWConfig{}, c.d, check); },
+      [&] {
+        (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(overlapping, AdamWConfig{}, c.d,
+                                                             check);
+      },
       Errc::overlap);
 }
 
@@ -179,7 +198,10 @@ TEST(PlanCache, AMemoryCheckThatFailsIsNeverCached) {
   };
   for (int i = 0; i < 2; ++i)
     expect_error(
-        [&] { (void)gpu::detail::checked_adamw_plan(c.tensors, AdamWConfig{}, c.d, refuse); },
+        [&] {
+          (void)gpu::detail::checked_optimizer_plan<AdamWUnit>(c.tensors, AdamWConfig{}, c.d,
+                                                               refuse);
+        },
         Errc::invalid_argument, "d.scale");
   EXPECT_EQ(calls, 2);
 }
@@ -197,22 +219,24 @@ TEST(PlanCache, MemoryReleasedThroughADeviceIsCheckedAgain) {
   auto* step = static_cast<float*>(dev->allocate(4));
   auto* scalars = static_cast<float*>(dev->allocate(8));
   const AdamWConfig config;
-  const std::vector<double> table = gpu::make_adamw_bias_table(config);
+  const std::vector<double> table = gpu::make_optimizer_table(config);
   auto* bias = static_cast<double*>(dev->allocate(8 * table.size()));
   std::copy(table.begin(), table.end(), bias);
   scalars[0] = scalars[1] = 1.0f;
-  const AdamWTensor t{{param, n, DType::f32}, {m, n, DType::f32},
-                      {v, n, DType::f32},     step,
-                      {grad, n, DType::f32},  {}};
-  const AdamWDeviceArgs d{&scalars[0], &scalars[1], nullptr, nullptr, bias};
-  dev->adamw_step({&t, 1}, config, d);
-  dev->adamw_step({&t, 1}, config, d);  // from the cache
+  const OptimizerTensor t{{param, n, DType::f32},
+                          {TensorView{m, n, DType::f32}, TensorView{v, n, DType::f32}},
+                          step,
+                          {grad, n, DType::f32},
+                          {}};
+  const OptimizerDeviceArgs d{&scalars[0], &scalars[1], nullptr, nullptr, bias};
+  dev->optimizer_step({&t, 1}, config, d);
+  dev->optimizer_step({&t, 1}, config, d);  // from the cache
   dev->synchronize();
   EXPECT_EQ(*step, 2.0f);
   dev->deallocate(m);
   expect_error(
       [&] {
-        dev->adamw_step({&t, 1}, config, d);
+        dev->optimizer_step({&t, 1}, config, d);
       },
       Errc::invalid_argument, "tensors[0].exp_avg");
   for (void* p : {static_cast<void*>(param), static_cast<void*>(v), static_cast<void*>(grad),

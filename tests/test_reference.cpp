@@ -26,14 +26,13 @@ namespace {
 using stepcore::AccumulatePair;
 using stepcore::AdamWConfig;
 using stepcore::AdamWFormula;
-using stepcore::AdamWTensor;
 using stepcore::bfloat16_t;
 using stepcore::ConstTensorView;
 using stepcore::DType;
 using stepcore::float16_t;
 using stepcore::GradientRead;
+using stepcore::OptimizerTensor;
 using stepcore::SignSgdConfig;
-using stepcore::SignSgdTensor;
 using stepcore::TensorView;
 namespace ref = stepcore::reference;
 
@@ -228,11 +227,11 @@ struct AdamWBufs {
   Buf out;  // size 0 and dtype f32 with no data: no output
   bool has_out = false;
 
-  AdamWTensor tensor() {
-    AdamWTensor t;
+  OptimizerTensor tensor() {
+    OptimizerTensor t;
     t.param = stepcore::f32_view(p.data(), p.size());
-    t.exp_avg = stepcore::f32_view(m.data(), m.size());
-    t.exp_avg_sq = stepcore::f32_view(v.data(), v.size());
+    t.state[0] = stepcore::f32_view(m.data(), m.size());
+    t.state[1] = stepcore::f32_view(v.data(), v.size());
     t.step = &step;
     t.grad = g.cview();
     if (has_out) t.compute_param = out.view();
@@ -266,7 +265,7 @@ AdamWBufs random_adamw(std::mt19937_64& rng, std::size_t n, DType gdt, bool out,
 
 void adamw(std::vector<AdamWBufs>& bs, const AdamWConfig& c, GradientRead read = {},
            const std::int32_t* found_inf = nullptr) {
-  std::vector<AdamWTensor> ts;
+  std::vector<OptimizerTensor> ts;
   for (AdamWBufs& b : bs) ts.push_back(b.tensor());
   ref::adamw_step(ts, c, read, found_inf);
 }
@@ -798,9 +797,9 @@ TYPED_TEST(GradType, SignSgdMatchesPerElementExpectation) {
       }
       ss.push_back(std::move(s));
     }
-    std::vector<SignSgdTensor> ts;
+    std::vector<OptimizerTensor> ts;
     for (S& s : ss) {
-      SignSgdTensor t;
+      OptimizerTensor t;
       t.param = stepcore::f32_view(s.p.data(), s.p.size());
       t.grad = s.g.cview();
       if (s.has_out) t.compute_param = s.out.view();
@@ -1161,7 +1160,7 @@ TEST(SignSgdHandWorked, SignsZerosAndDecay) {
   c.weight_decay = 0.0;
   std::vector<float> p = {1.0f, 1.0f, 1.0f, 1.0f, -0.0f, -0.0f, 0.0f, 1.0f};
   const std::vector<float> g = {3.0f, -2.0f, 0.0f, -0.0f, 0.0f, -0.0f, -0.0f, kNaN};
-  SignSgdTensor t;
+  OptimizerTensor t;
   t.param = stepcore::f32_view(p.data(), p.size());
   t.grad = stepcore::const_view(g.data(), g.size());
   ref::sign_sgd_step({&t, 1}, c);
@@ -1180,7 +1179,7 @@ TEST(SignSgdHandWorked, SignsZerosAndDecay) {
   std::vector<float> q = {2.0f, 2.0f, -4.0f};
   const std::vector<float> gq = {1.0f, -0.0f, -1.0f};
   std::vector<std::uint16_t> out(3, 0xFFFF);
-  SignSgdTensor tq;
+  OptimizerTensor tq;
   tq.param = stepcore::f32_view(q.data(), 3);
   tq.grad = stepcore::const_view(gq.data(), 3);
   tq.compute_param = TensorView{out.data(), 3, DType::bf16};
@@ -1212,7 +1211,7 @@ TEST(SignSgdHandWorked, DecayIsOneFusedOperation) {
     const float once = static_cast<float>(exact);
     const float twice = F(D(F(D(p) * D(k))) + D(p));
     if (bits(once) != bits(twice)) ++differs;
-    SignSgdTensor t;
+    OptimizerTensor t;
     t.param = stepcore::f32_view(&p, 1);
     t.grad = stepcore::const_view(&g, 1);
     ref::sign_sgd_step({&t, 1}, c);
@@ -1482,7 +1481,7 @@ TEST(FoundInf, NonZeroWritesNothing) {
   std::vector<float> p = {1.0f, 2.0f};
   const std::vector<float> g = {1.0f, -1.0f};
   std::vector<float> out = {7.0f, 7.0f};
-  SignSgdTensor t;
+  OptimizerTensor t;
   t.param = stepcore::f32_view(p.data(), 2);
   t.grad = stepcore::const_view(g.data(), 2);
   t.compute_param = stepcore::f32_view(out.data(), 2);

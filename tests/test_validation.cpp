@@ -26,7 +26,6 @@ using stepcore::AdagradConfig;
 using stepcore::AdamConfig;
 using stepcore::AdamWConfig;
 using stepcore::AdamWFormula;
-using stepcore::AdamWTensor;
 using stepcore::ConstTensorView;
 using stepcore::DType;
 using stepcore::Errc;
@@ -35,7 +34,6 @@ using stepcore::LionConfig;
 using stepcore::OptimizerTensor;
 using stepcore::SgdConfig;
 using stepcore::SignSgdConfig;
-using stepcore::SignSgdTensor;
 using stepcore::TensorView;
 namespace ref = stepcore::reference;
 
@@ -81,14 +79,15 @@ void expect_error(const Arena& arena, const std::function<void()>& f, Errc code,
 
 struct AdamWFixture : ::testing::Test {
   Arena arena;
-  std::vector<AdamWTensor> valid;  // tensors[0..2]
+  std::vector<OptimizerTensor> valid;  // tensors[0..2]
 
-  AdamWTensor make(std::size_t n, DType gdt = DType::f32, DType odt = DType::bf16,
-                   bool out = true) {
-    AdamWTensor t;
+  // An AdamW tensor: state[0] exp_avg, state[1] exp_avg_sq, a step counter.
+  OptimizerTensor make(std::size_t n, DType gdt = DType::f32, DType odt = DType::bf16,
+                       bool out = true) {
+    OptimizerTensor t;
     t.param = {arena.alloc<float>(n), n, DType::f32};
-    t.exp_avg = {arena.alloc<float>(n), n, DType::f32};
-    t.exp_avg_sq = {arena.alloc<float>(n), n, DType::f32};
+    t.state[0] = {arena.alloc<float>(n), n, DType::f32};
+    t.state[1] = {arena.alloc<float>(n), n, DType::f32};
     t.step = arena.alloc<float>(1);
     *t.step = 3.0f;
     t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};  // room for any dtype
@@ -101,17 +100,17 @@ struct AdamWFixture : ::testing::Test {
     valid.push_back(make(8, DType::f16, DType::bf16, false));
   }
   // The valid tensors plus `bad` as tensors[3].
-  std::vector<AdamWTensor> with(const AdamWTensor& bad) {
-    std::vector<AdamWTensor> v = valid;
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad) {
+    std::vector<OptimizerTensor> v = valid;
     v.push_back(bad);
     return v;
   }
-  void expect(const std::vector<AdamWTensor>& ts, const AdamWConfig& c, GradientRead r, Errc code,
-              std::vector<std::string> args, const std::int32_t* found_inf = nullptr) {
+  void expect(const std::vector<OptimizerTensor>& ts, const AdamWConfig& c, GradientRead r,
+              Errc code, std::vector<std::string> args, const std::int32_t* found_inf = nullptr) {
     expect_error(
         arena, [&] { ref::adamw_step(ts, c, r, found_inf); }, code, std::move(args));
   }
-  void expect_tensor(const AdamWTensor& bad, Errc code, const std::string& arg) {
+  void expect_tensor(const OptimizerTensor& bad, Errc code, const std::string& arg) {
     for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch}) {
       AdamWConfig c;
       c.formula = f;
@@ -213,50 +212,48 @@ TEST_F(AdamWFixture, GradientRead) {
 TEST_F(AdamWFixture, PointersDtypesAndSizes) {
   const std::string n = "tensors[3].";
   auto bad = [&](auto mutate) {
-    AdamWTensor t = make(6);
+    OptimizerTensor t = make(6);
     mutate(t);
     return t;
   };
-  expect_tensor(bad([](AdamWTensor& t) { t.param.data = nullptr; }), Errc::null_pointer,
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.data = nullptr; }), Errc::null_pointer,
                 n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::bf16; }), Errc::unsupported_dtype,
+  // A bf16/f16 param with f32 state: AdamFixture.StateSlots names the state or the output.
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.dtype = kBadDType; }), Errc::unsupported_dtype,
                 n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = DType::f16; }), Errc::unsupported_dtype,
-                n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.dtype = kBadDType; }), Errc::unsupported_dtype,
-                n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.param.numel = (std::size_t{1} << 61); }),
+  expect_tensor(bad([](OptimizerTensor& t) { t.param.numel = (std::size_t{1} << 61); }),
                 Errc::out_of_range, n + "param");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.data = nullptr; }), Errc::null_pointer,
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].data = nullptr; }), Errc::null_pointer,
                 n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.dtype = DType::f16; }), Errc::unsupported_dtype,
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].dtype = DType::f16; }),
+                Errc::unsupported_dtype, n + "exp_avg");
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].numel = 5; }), Errc::size_mismatch,
                 n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 5; }), Errc::size_mismatch,
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[0].numel = 7; }), Errc::size_mismatch,
                 n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg.numel = 7; }), Errc::size_mismatch,
-                n + "exp_avg");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.data = nullptr; }), Errc::null_pointer,
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[1].data = nullptr; }), Errc::null_pointer,
                 n + "exp_avg_sq");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.dtype = DType::bf16; }),
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[1].dtype = DType::bf16; }),
                 Errc::unsupported_dtype, n + "exp_avg_sq");
-  expect_tensor(bad([](AdamWTensor& t) { t.exp_avg_sq.numel = 0; }), Errc::size_mismatch,
+  expect_tensor(bad([](OptimizerTensor& t) { t.state[1].numel = 0; }), Errc::size_mismatch,
                 n + "exp_avg_sq");
-  expect_tensor(bad([](AdamWTensor& t) { t.grad.data = nullptr; }), Errc::null_pointer, n + "grad");
-  expect_tensor(bad([](AdamWTensor& t) { t.grad.dtype = kBadDType; }), Errc::unsupported_dtype,
+  expect_tensor(bad([](OptimizerTensor& t) { t.grad.data = nullptr; }), Errc::null_pointer,
                 n + "grad");
-  expect_tensor(bad([](AdamWTensor& t) { t.grad.numel = 5; }), Errc::size_mismatch, n + "grad");
-  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.numel = 5; }), Errc::size_mismatch,
+  expect_tensor(bad([](OptimizerTensor& t) { t.grad.dtype = kBadDType; }), Errc::unsupported_dtype,
+                n + "grad");
+  expect_tensor(bad([](OptimizerTensor& t) { t.grad.numel = 5; }), Errc::size_mismatch, n + "grad");
+  expect_tensor(bad([](OptimizerTensor& t) { t.compute_param.numel = 5; }), Errc::size_mismatch,
                 n + "compute_param");
-  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.data = nullptr; }), Errc::null_pointer,
+  expect_tensor(bad([](OptimizerTensor& t) { t.compute_param.data = nullptr; }), Errc::null_pointer,
                 n + "compute_param");
-  expect_tensor(bad([](AdamWTensor& t) { t.compute_param.dtype = kBadDType; }),
+  expect_tensor(bad([](OptimizerTensor& t) { t.compute_param.dtype = kBadDType; }),
                 Errc::unsupported_dtype, n + "compute_param");
   // param and its moments empty, the gradient not: the gradient is the mismatch.
   expect_tensor(
-      bad([](AdamWTensor& t) { t.param.numel = t.exp_avg.numel = t.exp_avg_sq.numel = 0; }),
+      bad([](OptimizerTensor& t) { t.param.numel = t.state[0].numel = t.state[1].numel = 0; }),
       Errc::size_mismatch, n + "grad");
   // Sizes of a valid empty tensor with null pointers are fine.
-  AdamWTensor empty;
+  OptimizerTensor empty;
   float step = 0.0f;
   empty.step = &step;
   EXPECT_NO_THROW(ref::adamw_step(with(empty), AdamWConfig{}));
@@ -265,11 +262,11 @@ TEST_F(AdamWFixture, PointersDtypesAndSizes) {
 TEST_F(AdamWFixture, StepCounters) {
   const std::string s = "tensors[3].step";
   auto with_step = [&](float v) {
-    AdamWTensor t = make(4);
+    OptimizerTensor t = make(4);
     *t.step = v;
     return t;
   };
-  AdamWTensor null_step = make(4);
+  OptimizerTensor null_step = make(4);
   null_step.step = nullptr;
   expect_tensor(null_step, Errc::null_pointer, s);
   expect_tensor(with_step(kNaNf), Errc::non_finite, s);
@@ -280,7 +277,7 @@ TEST_F(AdamWFixture, StepCounters) {
   expect_tensor(with_step(16777218.0f), Errc::out_of_range, s);
   expect_tensor(with_step(1e30f), Errc::out_of_range, s);
   // The largest valid counter.
-  AdamWTensor ok = with_step(16777215.0f);
+  OptimizerTensor ok = with_step(16777215.0f);
   EXPECT_NO_THROW(ref::adamw_step(with(ok), AdamWConfig{}));
   EXPECT_EQ(*ok.step, 16777216.0f);
 }
@@ -289,38 +286,38 @@ TEST_F(AdamWFixture, Overlaps) {
   const std::string n = "tensors[3].";
   {
     // compute_param starting inside its own param.
-    AdamWTensor t = make(6, DType::f32, DType::f32);
+    OptimizerTensor t = make(6, DType::f32, DType::f32);
     t.compute_param.data = static_cast<float*>(t.param.data) + 1;
     expect_tensor(t, Errc::overlap, n + "compute_param");
   }
   {
     // exp_avg starting inside its own (f32) gradient.
-    AdamWTensor t = make(6);
-    t.exp_avg.data = const_cast<float*>(static_cast<const float*>(t.grad.data)) + 2;
+    OptimizerTensor t = make(6);
+    t.state[0].data = const_cast<float*>(static_cast<const float*>(t.grad.data)) + 2;
     expect_tensor(t, Errc::overlap, n + "exp_avg");
   }
   {
     // exp_avg_sq starting inside tensors[0].param.
-    AdamWTensor t = make(4);
-    t.exp_avg_sq.data = static_cast<float*>(valid[0].param.data) + 1;
+    OptimizerTensor t = make(4);
+    t.state[1].data = static_cast<float*>(valid[0].param.data) + 1;
     expect_tensor(t, Errc::overlap, n + "exp_avg_sq");
   }
   {
     // compute_param (bf16) starting inside tensors[1].grad (read only).
-    AdamWTensor t = make(6);
+    OptimizerTensor t = make(6);
     t.compute_param.data =
         const_cast<std::uint16_t*>(static_cast<const std::uint16_t*>(valid[1].grad.data)) + 3;
     expect_tensor(t, Errc::overlap, n + "compute_param");
   }
   {
     // Two tensors sharing one step counter (same address: either may be named).
-    AdamWTensor t = make(4);
+    OptimizerTensor t = make(4);
     t.step = valid[0].step;
     expect(with(t), AdamWConfig{}, {}, Errc::overlap, {"tensors[3].step", "tensors[0].step"});
   }
   {
     // A step counter inside its own param.
-    AdamWTensor t = make(4);
+    OptimizerTensor t = make(4);
     t.step = static_cast<float*>(t.param.data) + 2;
     *t.step = 1.0f;
     expect_tensor(t, Errc::overlap, n + "step");
@@ -334,7 +331,7 @@ TEST_F(AdamWFixture, Overlaps) {
             "tensors[1].grad"});
   }
   // Read-only buffers may alias: two tensors reading one gradient is valid.
-  AdamWTensor shared = make(17);
+  OptimizerTensor shared = make(17);
   shared.grad = valid[1].grad;
   EXPECT_NO_THROW(ref::adamw_step(with(shared), AdamWConfig{}));
 }
@@ -343,69 +340,69 @@ TEST_F(AdamWFixture, OutOfPlaceSources) {
   const std::string n = "tensors[3].";
   // A tensor of 6 elements stepping out of place from three separate f32 sources.
   auto out_of_place = [&](auto mutate) {
-    AdamWTensor t = make(6);
+    OptimizerTensor t = make(6);
     t.param_src = {arena.alloc<float>(6), 6, DType::f32};
-    t.exp_avg_src = {arena.alloc<float>(6), 6, DType::f32};
-    t.exp_avg_sq_src = {arena.alloc<float>(6), 6, DType::f32};
+    t.state_src[0] = {arena.alloc<float>(6), 6, DType::f32};
+    t.state_src[1] = {arena.alloc<float>(6), 6, DType::f32};
     mutate(t);
     return t;
   };
   // dtype, size, null data, alignment: named as the source.
-  expect_tensor(out_of_place([](AdamWTensor& t) { t.param_src.dtype = DType::bf16; }),
+  expect_tensor(out_of_place([](OptimizerTensor& t) { t.param_src.dtype = DType::bf16; }),
                 Errc::unsupported_dtype, n + "param_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_src.dtype = kBadDType; }),
+  expect_tensor(out_of_place([](OptimizerTensor& t) { t.state_src[0].dtype = kBadDType; }),
                 Errc::unsupported_dtype, n + "exp_avg_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_sq_src.numel = 5; }),
+  expect_tensor(out_of_place([](OptimizerTensor& t) { t.state_src[1].numel = 5; }),
                 Errc::size_mismatch, n + "exp_avg_sq_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) { t.param_src.numel = 7; }), Errc::size_mismatch,
-                n + "param_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) { t.exp_avg_src.data = nullptr; }),
+  expect_tensor(out_of_place([](OptimizerTensor& t) { t.param_src.numel = 7; }),
+                Errc::size_mismatch, n + "param_src");
+  expect_tensor(out_of_place([](OptimizerTensor& t) { t.state_src[0].data = nullptr; }),
                 Errc::null_pointer, n + "exp_avg_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) {
+  expect_tensor(out_of_place([](OptimizerTensor& t) {
                   t.param_src.data = static_cast<const std::byte*>(t.param_src.data) + 2;
                 }),
                 Errc::invalid_argument, n + "param_src");
   // A source must be its destination exactly or overlap no written buffer of the call.
-  expect_tensor(out_of_place([](AdamWTensor& t) {
+  expect_tensor(out_of_place([](OptimizerTensor& t) {
                   t.param_src.data = static_cast<const float*>(t.param.data) + 1;  // partial
                 }),
                 Errc::overlap, n + "param_src");
-  expect_tensor(out_of_place([](AdamWTensor& t) {
-                  t.exp_avg_sq_src.data = static_cast<const float*>(t.exp_avg.data) + 1;
+  expect_tensor(out_of_place([](OptimizerTensor& t) {
+                  t.state_src[1].data = static_cast<const float*>(t.state[0].data) + 1;
                 }),
                 Errc::overlap, n + "exp_avg_sq_src");
-  expect_tensor(out_of_place([&](AdamWTensor& t) {  // another tensor's param
-                  t.exp_avg_src.data = static_cast<const float*>(valid[1].param.data) + 3;
+  expect_tensor(out_of_place([&](OptimizerTensor& t) {  // another tensor's param
+                  t.state_src[0].data = static_cast<const float*>(valid[1].param.data) + 3;
                 }),
                 Errc::overlap, n + "exp_avg_src");
-  expect_tensor(out_of_place([&](AdamWTensor& t) {  // another tensor's compute output (f32)
-                  t.exp_avg_src.data = static_cast<const float*>(valid[0].compute_param.data) + 1;
+  expect_tensor(out_of_place([&](OptimizerTensor& t) {  // another tensor's compute output (f32)
+                  t.state_src[0].data = static_cast<const float*>(valid[0].compute_param.data) + 1;
                 }),
                 Errc::overlap, n + "exp_avg_src");
   {  // its own compute output, starting at the same address: either may be named
-    AdamWTensor t = out_of_place([](AdamWTensor& a) {
+    OptimizerTensor t = out_of_place([](OptimizerTensor& a) {
       a.compute_param.dtype = DType::f32;
       a.param_src.data = a.compute_param.data;
     });
     expect(with(t), AdamWConfig{}, {}, Errc::overlap, {n + "param_src", n + "compute_param"});
   }
   {  // a step counter (a one-element tensor's source at tensors[0]'s counter; same address)
-    AdamWTensor t = make(1);
+    OptimizerTensor t = make(1);
     t.param_src = {valid[0].step, 1, DType::f32};
     expect(with(t), AdamWConfig{}, {}, Errc::overlap, {n + "param_src", "tensors[0].step"});
   }
   // Accepted: sources that are exactly their destinations (in place), and read-only
   // sources sharing memory with each other or with a gradient.
-  auto run = [&](const AdamWTensor& t) { ref::adamw_step(with(t), AdamWConfig{}); };
-  EXPECT_NO_THROW(run(out_of_place([](AdamWTensor&) {})));
-  EXPECT_NO_THROW(run(out_of_place([](AdamWTensor& t) {
+  auto run = [&](const OptimizerTensor& t) { ref::adamw_step(with(t), AdamWConfig{}); };
+  EXPECT_NO_THROW(run(out_of_place([](OptimizerTensor&) {})));
+  EXPECT_NO_THROW(run(out_of_place([](OptimizerTensor& t) {
     t.param_src = t.param;
-    t.exp_avg_src = t.exp_avg;
-    t.exp_avg_sq_src = t.exp_avg_sq;
+    t.state_src[0] = t.state[0];
+    t.state_src[1] = t.state[1];
   })));
-  EXPECT_NO_THROW(run(out_of_place([&](AdamWTensor& t) {
-    t.exp_avg_src = t.param_src;
-    t.exp_avg_sq_src = {valid[0].grad.data, 6, DType::f32};  // valid[0]'s f32 gradient
+  EXPECT_NO_THROW(run(out_of_place([&](OptimizerTensor& t) {
+    t.state_src[0] = t.param_src;
+    t.state_src[1] = {valid[0].grad.data, 6, DType::f32};  // valid[0]'s f32 gradient
   })));
 }
 
@@ -821,23 +818,6 @@ TEST_F(AdamFixture, AmsgradAndMaximizeNeedTheTorchFormula) {
   EXPECT_NO_THROW(ref::adamw_step(with(make(9, false), false), c));
 }
 
-TEST_F(AdamFixture, AdamWTensorRefusesAmsgradAndAcceptsMaximize) {
-  std::vector<AdamWTensor> ts(1);
-  ts[0].param = valid[0].param;
-  ts[0].exp_avg = valid[0].state[0];
-  ts[0].exp_avg_sq = valid[0].state[1];
-  ts[0].step = valid[0].step;
-  ts[0].grad = valid[0].grad;
-  AdamWConfig c;
-  c.amsgrad = true;
-  expect_error(arena, [&] { ref::adamw_step(ts, c); }, Errc::invalid_argument, {"config.amsgrad"});
-  c.amsgrad = false;
-  c.maximize = true;
-  EXPECT_NO_THROW(ref::adamw_step(ts, c));
-  c.formula = AdamWFormula::native;
-  expect_error(arena, [&] { ref::adamw_step(ts, c); }, Errc::invalid_argument, {"config.maximize"});
-}
-
 TEST_F(AdamFixture, StateSlots) {
   const std::string n = "tensors[3].";
   auto bad = [&](auto mutate) {
@@ -896,11 +876,12 @@ TEST_F(AdamFixture, StateSlots) {
 
 struct SignSgdFixture : ::testing::Test {
   Arena arena;
-  std::vector<SignSgdTensor> valid;
+  std::vector<OptimizerTensor> valid;
 
-  SignSgdTensor make(std::size_t n, DType gdt = DType::f32, bool out = true,
-                     DType odt = DType::f16) {
-    SignSgdTensor t;
+  // A SignSGD tensor: the param only (no state slot, no step counter).
+  OptimizerTensor make(std::size_t n, DType gdt = DType::f32, bool out = true,
+                       DType odt = DType::f16) {
+    OptimizerTensor t;
     t.param = {arena.alloc<float>(n), n, DType::f32};
     t.grad = {arena.alloc<std::uint32_t>(n), n, gdt};
     if (out) t.compute_param = {arena.alloc<std::uint32_t>(n), n, odt};
@@ -911,12 +892,12 @@ struct SignSgdFixture : ::testing::Test {
     valid.push_back(make(9, DType::bf16, false));
     valid.push_back(make(16, DType::f16, true, DType::bf16));
   }
-  std::vector<SignSgdTensor> with(const SignSgdTensor& bad) {
-    std::vector<SignSgdTensor> v = valid;
+  std::vector<OptimizerTensor> with(const OptimizerTensor& bad) {
+    std::vector<OptimizerTensor> v = valid;
     v.push_back(bad);
     return v;
   }
-  void expect(const std::vector<SignSgdTensor>& ts, const SignSgdConfig& c, GradientRead r,
+  void expect(const std::vector<OptimizerTensor>& ts, const SignSgdConfig& c, GradientRead r,
               Errc code, std::vector<std::string> args) {
     expect_error(
         arena, [&] { ref::sign_sgd_step(ts, c, r); }, code, std::move(args));
@@ -957,33 +938,37 @@ TEST_F(SignSgdFixture, HyperParametersAndRead) {
 TEST_F(SignSgdFixture, TensorsAndOverlaps) {
   const SignSgdConfig c;
   auto bad = [&](auto mutate) {
-    SignSgdTensor t = make(6);
+    OptimizerTensor t = make(6);
     mutate(t);
     return with(t);
   };
-  expect(bad([](SignSgdTensor& t) { t.param.dtype = DType::bf16; }), c, {}, Errc::unsupported_dtype,
+  expect(bad([](OptimizerTensor& t) { t.param.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
          {"tensors[3].param"});
-  expect(bad([](SignSgdTensor& t) { t.param.data = nullptr; }), c, {}, Errc::null_pointer,
+  // A bf16 param (docs/numerics.md 7.3) has no compute output.
+  expect(bad([](OptimizerTensor& t) { t.param.dtype = DType::bf16; }), c, {},
+         Errc::invalid_argument, {"tensors[3].compute_param"});
+  expect(bad([](OptimizerTensor& t) { t.param.data = nullptr; }), c, {}, Errc::null_pointer,
          {"tensors[3].param"});
-  expect(bad([](SignSgdTensor& t) { t.grad.numel = 7; }), c, {}, Errc::size_mismatch,
+  expect(bad([](OptimizerTensor& t) { t.grad.numel = 7; }), c, {}, Errc::size_mismatch,
          {"tensors[3].grad"});
-  expect(bad([](SignSgdTensor& t) { t.grad.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
+  expect(bad([](OptimizerTensor& t) { t.grad.dtype = kBadDType; }), c, {}, Errc::unsupported_dtype,
          {"tensors[3].grad"});
-  expect(bad([](SignSgdTensor& t) { t.grad.data = nullptr; }), c, {}, Errc::null_pointer,
+  expect(bad([](OptimizerTensor& t) { t.grad.data = nullptr; }), c, {}, Errc::null_pointer,
          {"tensors[3].grad"});
-  expect(bad([](SignSgdTensor& t) { t.compute_param.numel = 2; }), c, {}, Errc::size_mismatch,
+  expect(bad([](OptimizerTensor& t) { t.compute_param.numel = 2; }), c, {}, Errc::size_mismatch,
          {"tensors[3].compute_param"});
-  expect(bad([](SignSgdTensor& t) { t.compute_param.dtype = kBadDType; }), c, {},
+  expect(bad([](OptimizerTensor& t) { t.compute_param.dtype = kBadDType; }), c, {},
          Errc::unsupported_dtype, {"tensors[3].compute_param"});
-  expect(
-      bad([&](SignSgdTensor& t) { t.compute_param.data = static_cast<float*>(t.param.data) + 1; }),
-      c, {}, Errc::overlap, {"tensors[3].compute_param"});
-  expect(bad([&](SignSgdTensor& t) {
+  expect(bad([&](OptimizerTensor& t) {
+           t.compute_param.data = static_cast<float*>(t.param.data) + 1;
+         }),
+         c, {}, Errc::overlap, {"tensors[3].compute_param"});
+  expect(bad([&](OptimizerTensor& t) {
            t.param.data = const_cast<float*>(static_cast<const float*>(valid[0].grad.data)) + 1;
          }),
          c, {}, Errc::overlap, {"tensors[3].param"});
   // Shared read-only gradients are fine.
-  SignSgdTensor shared = make(5);
+  OptimizerTensor shared = make(5);
   shared.grad = valid[0].grad;
   EXPECT_NO_THROW(ref::sign_sgd_step(with(shared), c));
 }
@@ -991,27 +976,28 @@ TEST_F(SignSgdFixture, TensorsAndOverlaps) {
 TEST_F(SignSgdFixture, OutOfPlaceSource) {
   const SignSgdConfig c;
   auto bad = [&](auto mutate) {
-    SignSgdTensor t = make(6);
+    OptimizerTensor t = make(6);
     t.param_src = {arena.alloc<float>(6), 6, DType::f32};
     mutate(t);
     return with(t);
   };
   const std::string name = "tensors[3].param_src";
-  expect(bad([](SignSgdTensor& t) { t.param_src.dtype = DType::f16; }), c, {},
+  expect(bad([](OptimizerTensor& t) { t.param_src.dtype = DType::f16; }), c, {},
          Errc::unsupported_dtype, {name});
-  expect(bad([](SignSgdTensor& t) { t.param_src.numel = 5; }), c, {}, Errc::size_mismatch, {name});
-  expect(bad([](SignSgdTensor& t) { t.param_src.data = nullptr; }), c, {}, Errc::null_pointer,
+  expect(bad([](OptimizerTensor& t) { t.param_src.numel = 5; }), c, {}, Errc::size_mismatch,
          {name});
-  expect(bad([](SignSgdTensor& t) {
+  expect(bad([](OptimizerTensor& t) { t.param_src.data = nullptr; }), c, {}, Errc::null_pointer,
+         {name});
+  expect(bad([](OptimizerTensor& t) {
            t.param_src.data = static_cast<const float*>(t.param.data) + 2;  // partial
          }),
          c, {}, Errc::overlap, {name});
-  expect(bad([&](SignSgdTensor& t) {  // another tensor's param
+  expect(bad([&](OptimizerTensor& t) {  // another tensor's param
            t.param_src.data = static_cast<const float*>(valid[2].param.data) + 1;
          }),
          c, {}, Errc::overlap, {name});
-  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor&) {}), c));
-  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](SignSgdTensor& t) { t.param_src = t.param; }), c));
+  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](OptimizerTensor&) {}), c));
+  EXPECT_NO_THROW(ref::sign_sgd_step(bad([](OptimizerTensor& t) { t.param_src = t.param; }), c));
 }
 
 // ---- SGD -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include "backends.hpp"
 
 #include <cstdio>
+#include <variant>
 
 #include "report.hpp"
 #include "stepcore/numa.hpp"
@@ -24,20 +25,12 @@ sc::NormResult Backend::norm(std::span<const sc::ConstTensorView> tensors,
                 : sc::finalize(sc::reference::norm_partial(tensors, read));
 }
 
-void Backend::adamw_step(std::span<const sc::AdamWTensor> tensors, const sc::AdamWConfig& config,
-                         sc::GradientRead read) const {
+void Backend::step(std::span<const sc::OptimizerTensor> tensors, const sc::OptimizerConfig& config,
+                   sc::GradientRead read) const {
   if (engine)
-    engine->adamw_step(tensors, config, read, nullptr);
+    std::visit([&](const auto& c) { engine->step(tensors, c, read, nullptr); }, config);
   else
-    sc::reference::adamw_step(tensors, config, read, nullptr);
-}
-
-void Backend::sign_sgd_step(std::span<const sc::SignSgdTensor> tensors,
-                            const sc::SignSgdConfig& config, sc::GradientRead read) const {
-  if (engine)
-    engine->sign_sgd_step(tensors, config, read, nullptr);
-  else
-    sc::reference::sign_sgd_step(tensors, config, read, nullptr);
+    sc::reference::optimizer_step(tensors, config, read, nullptr);
 }
 
 Backend make_backend(const Options& o) {

@@ -33,12 +33,10 @@ struct Backend {
   /// Returns the finalized global norm of the read values (never needs_exact: the
   /// engine recomputes an uncertifiable fast partial exactly).
   sc::NormResult norm(std::span<const sc::ConstTensorView> tensors, sc::GradientRead read) const;
-  /// Runs one AdamW step over `tensors` (no found-inf flag: the caller checked the norm).
-  void adamw_step(std::span<const sc::AdamWTensor> tensors, const sc::AdamWConfig& config,
-                  sc::GradientRead read) const;
-  /// Runs one SignSGD step over `tensors` (no found-inf flag: the caller checked the norm).
-  void sign_sgd_step(std::span<const sc::SignSgdTensor> tensors, const sc::SignSgdConfig& config,
-                     sc::GradientRead read) const;
+  /// Runs one step of the optimizer `config` holds over `tensors` (its state in its slot
+  /// order; no found-inf flag: the caller checked the norm).
+  void step(std::span<const sc::OptimizerTensor> tensors, const sc::OptimizerConfig& config,
+            sc::GradientRead read) const;
 };
 
 /// Returns the backend of the options. Throws UsageError for an unknown backend or

@@ -121,11 +121,16 @@ Calls make_calls(const Model& m, State& s, const State& grads, const Options& o)
     const sc::TensorView param = sc::f32_view(s.param.data() + off, n);
     const sc::TensorView out = sc::view(s.compute.data() + off, n);
     const int group = no_decay(m.layout[t].kind) ? 1 : 0;
-    if (o.optimizer == Optimizer::adamw)
-      c.adamw[group].push_back({param, sc::f32_view(s.exp_avg.data() + off, n),
-                                sc::f32_view(s.exp_avg_sq.data() + off, n), &s.step[t], acc, out});
-    else
-      c.sign[group].push_back({param, acc, out});
+    sc::OptimizerTensor ot;
+    ot.param = param;
+    if (o.optimizer == Optimizer::adamw) {
+      ot.state[0] = sc::f32_view(s.exp_avg.data() + off, n);
+      ot.state[1] = sc::f32_view(s.exp_avg_sq.data() + off, n);
+      ot.step = &s.step[t];
+    }
+    ot.grad = acc;
+    ot.compute_param = out;
+    c.optimizer[group].push_back(ot);
   }
   return c;
 }

@@ -75,8 +75,9 @@ struct Calls {
   std::vector<sc::AccumulatePair> first;  ///< copy pairs (first micro-batch)
   std::vector<sc::AccumulatePair> rest;   ///< add pairs
   std::vector<sc::ConstTensorView> accs;  ///< accumulators, for the norm
-  std::vector<sc::AdamWTensor> adamw[2];  ///< [0]: decayed, [1]: no decay
-  std::vector<sc::SignSgdTensor> sign[2];
+  /// The optimizer's tensors, [0]: decayed, [1]: no decay. AdamW: state[0] exp_avg,
+  /// state[1] exp_avg_sq, a step counter each; SignSGD: the param alone.
+  std::vector<sc::OptimizerTensor> optimizer[2];
 };
 
 /// Returns the argument lists over `s` for the model `m`, reading the micro-batch

@@ -27,21 +27,20 @@ const Backend& reference_backend() {
 void optimizer_step(const Calls& c, const Options& o, const Backend& b, sc::GradientRead read,
                     std::int64_t step) {
   const double lr = scheduled_lr(o.lr, step, o.steps);
-  if (o.optimizer == Optimizer::adamw) {
-    sc::AdamWConfig cfg;
-    cfg.lr = lr;
-    cfg.formula = o.formula;
-    set_torch_build(cfg, o.torch_aarch64);
-    for (int g = 0; g < 2; ++g) {
-      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
-      b.adamw_step(c.adamw[g], cfg, read);
-    }
-  } else {
-    sc::SignSgdConfig cfg;
-    cfg.lr = lr;
-    for (int g = 0; g < 2; ++g) {
-      cfg.weight_decay = g == 0 ? o.weight_decay : 0.0;
-      b.sign_sgd_step(c.sign[g], cfg, read);
+  for (int g = 0; g < 2; ++g) {
+    const double wd = g == 0 ? o.weight_decay : 0.0;
+    if (o.optimizer == Optimizer::adamw) {
+      sc::AdamWConfig cfg;
+      cfg.lr = lr;
+      cfg.formula = o.formula;
+      set_torch_build(cfg, o.torch_aarch64);
+      cfg.weight_decay = wd;
+      b.step(c.optimizer[g], cfg, read);
+    } else {
+      sc::SignSgdConfig cfg;
+      cfg.lr = lr;
+      cfg.weight_decay = wd;
+      b.step(c.optimizer[g], cfg, read);
     }
   }
 }

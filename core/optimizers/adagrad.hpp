@@ -42,6 +42,11 @@ struct Adagrad {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_adagrad_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
+  /// The self-test's configurations: the defaults; lr decay, weight decay and maximize.
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{}},
+      {{.lr_decay = 0.01, .weight_decay = 0.1, .maximize = true}, 5.0f},
+  };
   static constexpr int kTableColumns = 0;
   /// lr_decay's denominator fma(t - 1, lr_decay, 1) and the quotient in binary64: both
   /// correctly rounded, so the device computes them itself.

@@ -41,6 +41,18 @@ struct Adam {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_adam_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config& c) { return c.amsgrad ? 1 : 0; }
+  /// The self-test's configurations: L2 decay off and on, both branches of the lerp,
+  /// maximize, amsgrad, both forms of v in the body, tail widths 8 and 4.
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{.weight_decay = 0.0, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.beta1 = 0.3,
+        .weight_decay = 0.1,
+        .maximize = true,
+        .torch_v_first = false,
+        .torch_tail_width = 8}},
+      {{.weight_decay = 0.05, .amsgrad = true, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.amsgrad = true, .torch_v_first = true, .torch_tail_width = 4}, 0.0f},
+  };
 
   /// The same kernel's AdamW configuration with no decoupled decay: its scalars are Adam's.
   STEPCORE_HD_INLINE static AdamWConfig as_adamw(const Config& c) {

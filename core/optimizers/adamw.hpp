@@ -135,6 +135,23 @@ struct AdamW {
     if (c.formula != AdamWFormula::torch) return kNative;
     return c.amsgrad ? kTorchAmsgrad : kTorch;
   }
+  /// The self-test's configurations: both formulas with decay on and off, both branches of
+  /// torch's lerp (beta1 0.9 and 0.3), maximize, amsgrad, and both forms of v in the body
+  /// and tail widths 8 and 4 (torch's x86 and aarch64 builds).
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{.weight_decay = 0.1, .formula = AdamWFormula::native}},
+      {{.weight_decay = 0.0, .formula = AdamWFormula::native}, 6.0f},
+      {{.weight_decay = 0.0, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.beta1 = 0.3, .weight_decay = 0.1, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.weight_decay = 0.1, .maximize = true, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.weight_decay = 0.1, .amsgrad = true, .torch_v_first = false, .torch_tail_width = 8}},
+      {{.beta1 = 0.3,
+        .amsgrad = true,
+        .maximize = true,
+        .torch_v_first = true,
+        .torch_tail_width = 4},
+       0.0f},
+  };
   /// The bias corrections bc1 = 1 - beta1^t and bc2 = 1 - beta2^t: pow, which the device
   /// does not round as the host's C library does, so the device reads them from a table.
   static constexpr int kTableColumns = 2;

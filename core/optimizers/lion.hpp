@@ -63,6 +63,11 @@ struct Lion {
     validate_read(read);
   }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
+  /// The self-test's configurations: weight decay off and on.
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{}},
+      {{.lr = 1e-3, .beta1 = 0.95, .beta2 = 0.98, .weight_decay = 0.1}},
+  };
   static constexpr int kTableColumns = 0;
   /// Every scalar one rounding of a binary64 value (1 - beta is exact in binary64 for a
   /// beta in [0.5, 1], and one correctly rounded subtraction below).

@@ -41,6 +41,21 @@ struct Sgd {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config& c) { return c.momentum != 0.0 ? 1 : 0; }
+  /// The self-test's configurations: no momentum; momentum with dampening, decay and
+  /// maximize (the buffer's body and tail forms, tail width 8); nesterov on the first step
+  /// (the buffer starts as the gradient) and later with tail width 4.
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{.lr = 1e-2, .weight_decay = 0.0}},
+      {{.lr = 1e-2,
+        .momentum = 0.9,
+        .dampening = 0.1,
+        .weight_decay = 0.1,
+        .maximize = true,
+        .torch_tail_width = 8}},
+      {{.lr = 1e-2, .momentum = 0.9, .nesterov = true, .torch_tail_width = 8}, 0.0f},
+      {{.lr = 1e-2, .momentum = 0.5, .weight_decay = 0.01, .nesterov = true, .torch_tail_width = 4},
+       4.0f},
+  };
   static constexpr int kTableColumns = 0;
   /// The first step (t == 1) starts the buffer as the gradient.
   STEPCORE_HD_INLINE static Scalars step_scalars(const Config& c, const StepInputs& in) {

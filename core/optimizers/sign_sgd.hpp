@@ -38,6 +38,11 @@ struct SignSgd {
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_sign_sgd_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }
+  /// The self-test's configurations: weight decay off and on.
+  static constexpr UnitSample<Config> kSamples[] = {
+      {{.lr = 1e-3, .weight_decay = 0.0}},
+      {{.lr = 1e-3, .weight_decay = 0.1}},
+  };
   static constexpr int kTableColumns = 0;
   STEPCORE_HD_INLINE static Scalars step_scalars(const Config&, const StepInputs& in) {
     return sign_sgd_scalars(in.lr, in.weight_decay);

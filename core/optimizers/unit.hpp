@@ -16,6 +16,12 @@
 //   kCountsSteps               whether each tensor has a step counter, incremented first
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
+//   kSamples                   UnitSample<Config>s: the configurations (and step counter
+//                              values) the CPU engine's known-answer self-test runs every
+//                              kernel of the unit with; together they take every variant
+//                              and every form of the update (each formula and flag, decay
+//                              on and off, torch's tail forms, the first step where it
+//                              differs)
 //   kReadsScaled               whether the gradient read applies the scale and clip
 //   kTableColumns              how many binary64 values of each step the device cannot
 //                              compute bit-exactly (pow, exp: not correctly rounded), 0: none;
@@ -121,6 +127,15 @@ STEPCORE_HD_INLINE void unit_element(const typename NoDeduce<St>::type* Ps,
   for (int s = 0; s < K; ++s) S[s][i] = from_f32<St>(st[s]);
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
 }
+
+/// One configuration of a unit's kSamples, with the value its step counter holds before
+/// the step (units that count steps; 0: the first step). The CPU engine's self-test
+/// (cpu/self_test.cpp) runs every kernel of the unit with each, against the reference.
+template <class C>
+struct UnitSample {
+  C config;
+  float step = 2.0f;
+};
 
 /// What a unit's step_scalars derives one step's Scalars from, besides its Config: the
 /// same values on the host (unit_scalars) and on the device (read from device memory when

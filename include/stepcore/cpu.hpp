@@ -76,7 +76,7 @@ struct EngineConfig {
 using NormMode = ::stepcore::NormMode;
 
 /// A configured CPU engine. Cheap to create (the first engine of each ISA in a process
-/// also runs that ISA's self-test, about 1.5 ms); thread-safe for concurrent calls on
+/// also runs that ISA's self-test, a few milliseconds); thread-safe for concurrent calls on
 /// disjoint buffers (each call opens its own OpenMP parallel region).
 ///
 /// Every call validates all arguments first (stepcore::Error, nothing written),
@@ -115,17 +115,13 @@ class Engine {
   /// on its NUMA node — by the worker thread that will later read and write it.
   void first_touch(std::span<const TensorView> tensors) const;
 
-  /// AdamW over all tensors (see reference::adamw_step for the contract).
-  void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                  GradientRead read = {}, const std::int32_t* found_inf = nullptr) const;
-  /// SignSGD over all tensors (see reference::sign_sgd_step).
-  void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                     GradientRead read = {}, const std::int32_t* found_inf = nullptr) const;
   /// One step of the optimizer `config` configures (AdamWConfig, SignSgdConfig, ...: the
   /// library defines it for each optimizer it has; docs/numerics.md defines each) over
-  /// tensors holding its state in its slot order. Everything is validated before
-  /// anything is written; found_inf (host, != 0) skips the step, counters kept.
-  /// Determinism: bitwise; equals the reference's step for the same optimizer.
+  /// tensors holding its state in its slot order (e.g. AdamW: state[0] exp_avg, state[1]
+  /// exp_avg_sq, a step counter each; SignSGD: the param alone). Everything is validated
+  /// before anything is written; found_inf (host, != 0) skips the step, counters kept.
+  /// Determinism: bitwise; equals the reference's step for the same optimizer
+  /// (reference::adamw_step, reference::sign_sgd_step, ...).
   template <class Config>
   void step(std::span<const OptimizerTensor> tensors, const Config& config, GradientRead read = {},
             const std::int32_t* found_inf = nullptr) const;
@@ -155,8 +151,8 @@ class Engine {
                     GradientRead read = {}) const;
 
  private:
-  template <class Opt, class Tensor>
-  void run_unit(std::span<const Tensor> tensors, const typename Opt::Config& config,
+  template <class Opt>
+  void run_unit(std::span<const OptimizerTensor> tensors, const typename Opt::Config& config,
                 GradientRead read) const;
 
   Isa isa_ = Isa::sse2;

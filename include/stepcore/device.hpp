@@ -155,16 +155,9 @@ class Device {
                                             const std::int32_t* d_found_inf,
                                             NormPartial* d_exact_partial, void* d_workspace,
                                             std::size_t workspace_bytes) = 0;
-  /// AdamW: step counters, lr, weight decay and the bias table in device memory, read
-  /// when the kernels run (gpu.hpp); found-inf leaves everything, counters too, unchanged.
-  virtual void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                          const AdamWDeviceArgs& d) = 0;
-  virtual void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                             const SignSgdDeviceArgs& d) = 0;
   /// One step of any optimizer (the alternative `config` holds; gpu::optimizer_step):
   /// step counters, lr, weight decay and the optimizer's table in device memory, read
   /// when the kernels run; found-inf leaves everything, counters too, unchanged.
-  /// adamw_step and sign_sgd_step are this step for their records.
   virtual void optimizer_step(std::span<const OptimizerTensor> d_tensors,
                               const OptimizerConfig& config, const OptimizerDeviceArgs& d) = 0;
 

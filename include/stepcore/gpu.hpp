@@ -50,11 +50,6 @@ inline constexpr std::uint32_t kMaxBiasTableSteps = std::uint32_t{1} << 22;
 /// ("config.beta2") when a column would pass kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).
 std::vector<double> make_optimizer_table(const OptimizerConfig& config);
 
-/// Returns the bias table of `config`'s betas, for device memory (AdamWDeviceArgs):
-/// make_optimizer_table(config), {len1, len2, 1 - beta1^1 .. 1 - beta1^len1, 1 - beta2^1
-/// .. 1 - beta2^len2}, where len is the first t at which 1 - beta^t rounds to 1.
-std::vector<double> make_adamw_bias_table(const AdamWConfig& config);
-
 /// Returns the workspace bytes scale_and_norm_partial needs for these tensors.
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 
@@ -131,33 +126,19 @@ void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
                              NormResult* d_result, float* d_clip, std::int32_t* d_found_inf,
                              cudaStream_t stream);
 
-/// AdamW on device tensors with the gradient read lazily as R_T(R_T(g * *d.scale) *
-/// *d.clip): bit-identical to scaling and clipping in place first (docs/numerics.md
-/// section 3) and to the CPU engine. Step counters, lr and weight decay (d.hyper), the
-/// bias corrections (d.bias_table) and the found-inf flag are device memory, read when
-/// the kernels run: a captured graph replays the next step with the current lr, and
-/// *d.found_inf != 0 leaves parameters, moments and counters untouched (no rollback).
-/// Never allocates, never synchronises. Determinism: bitwise (the reference and the CPU
-/// engine, for any launch shape).
-void adamw_step(std::span<const AdamWTensor> d_tensors, const AdamWConfig& config,
-                const AdamWDeviceArgs& d, cudaStream_t stream);
-
-/// SignSGD on device tensors; lr and weight decay from d.hyper when given, read when the
-/// kernels run; *d.found_inf != 0 (optional) writes nothing. Determinism: bitwise.
-void sign_sgd_step(std::span<const SignSgdTensor> d_tensors, const SignSgdConfig& config,
-                   const SignSgdDeviceArgs& d, cudaStream_t stream);
-
 /// One step of any optimizer on device tensors (the alternative `config` holds selects
-/// it; the tensors' state in its slot order, docs/numerics.md), with the gradient read
-/// lazily as R_T(R_T(g * *d.scale) * *d.clip) where the optimizer applies the read:
-/// bit-identical to the reference and the CPU engine's Engine::step, for any launch shape.
-/// Step counters, lr and weight decay (d.hyper, else the config's), the optimizer's table
-/// (d.table: make_optimizer_table(config)) and the found-inf flag are device memory, read
-/// when the kernels run: a captured graph replays the next step with the current values,
-/// and *d.found_inf != 0 leaves parameters, state and counters untouched. Validation: the
-/// CPU engine's (the unit's checker), except that the counters' values and the device
-/// scalars are not read (they are device memory). Never allocates device memory, never
-/// synchronises. Determinism: bitwise.
+/// it; the tensors' state in its slot order, docs/numerics.md: e.g. AdamW's state[0]
+/// exp_avg, state[1] exp_avg_sq), with the gradient read lazily as R_T(R_T(g * *d.scale)
+/// * *d.clip) where the optimizer applies the read: bit-identical to scaling and clipping
+/// in place first (docs/numerics.md section 3), to the reference and to the CPU engine's
+/// Engine::step, for any launch shape. Step counters, lr and weight decay (d.hyper, else
+/// the config's), the optimizer's table (d.table: make_optimizer_table(config); AdamW's
+/// and Adam's bias corrections) and the found-inf flag are device memory, read when the
+/// kernels run: a captured graph replays the next step with the current values, and
+/// *d.found_inf != 0 leaves parameters, state and counters untouched (no rollback).
+/// Validation: the CPU engine's (the unit's checker), except that the counters' values and
+/// the device scalars are not read (they are device memory). Never allocates device
+/// memory, never synchronises. Determinism: bitwise.
 void optimizer_step(std::span<const OptimizerTensor> d_tensors, const OptimizerConfig& config,
                     const OptimizerDeviceArgs& d, cudaStream_t stream);
 

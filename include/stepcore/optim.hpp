@@ -245,39 +245,6 @@ struct GradientRead {
   float clip = 1.0f;   ///< the clip coefficient; in [0, 1]
 };
 
-/// One tensor of an AdamW call. param/exp_avg/exp_avg_sq are f32 and receive the
-/// updated state: in place, or out of place from the old values in the optional *_src
-/// views (read only, left intact; same bits either way). grad is read only;
-/// compute_param, when given (data != nullptr or numel != 0), receives the updated
-/// parameter rounded to its dtype. A view is empty when data == nullptr and numel == 0.
-struct AdamWTensor {
-  TensorView param;
-  TensorView exp_avg;
-  TensorView exp_avg_sq;
-  float* step = nullptr;  ///< per-tensor f32 step counter, incremented before use
-  ConstTensorView grad;
-  TensorView compute_param;
-  // The optional sources, last and `= {}`: initialisations that list only the fields
-  // above stay valid (and free of missing-initialiser warnings).
-  /// The old param is read from here (f32, numel elements); empty: in place (from param).
-  ConstTensorView param_src = {};
-  /// The old exp_avg is read from here (f32, numel elements); empty: in place (from exp_avg).
-  ConstTensorView exp_avg_src = {};
-  /// The old exp_avg_sq is read from here (f32, numel elements); empty: in place (from
-  /// exp_avg_sq).
-  ConstTensorView exp_avg_sq_src = {};
-};
-
-/// One tensor of a SignSGD call: f32 param (in place, or out of place from param_src),
-/// read-only grad, optional compute-parameter output.
-struct SignSgdTensor {
-  TensorView param;
-  ConstTensorView grad;
-  TensorView compute_param;
-  /// The old param is read from here (f32, numel elements); empty: in place (from param).
-  ConstTensorView param_src = {};
-};
-
 /// The most state arrays an optimizer keeps beside each parameter.
 inline constexpr int kMaxOptimizerSlots = 3;
 
@@ -289,7 +256,8 @@ inline constexpr int kMaxOptimizerSlots = 3;
 /// sources (read only, left intact). The parameter, its state and their sources are f32;
 /// the CPU engine (cpu::Engine::step) and the reference also take them all in bf16 or all
 /// in f16, the model's dtype, as torch's fused CPU optimizers do (math in f32, each
-/// stored value rounded to nearest even; no compute output; docs/numerics.md 7.3).
+/// stored value rounded to nearest even; no compute output; docs/numerics.md 7.3). A view
+/// is empty when data == nullptr and numel == 0.
 struct OptimizerTensor {
   TensorView param;
   TensorView state[kMaxOptimizerSlots] = {};
@@ -328,20 +296,6 @@ struct DeviceGradientRead {
   const float* clip;   ///< the clip coefficient (required; a 1.0f in device memory for none)
 };
 
-/// The device-memory inputs of a device AdamW step, all read when the kernels run (not
-/// when they are enqueued), so a captured graph replays with the values there at replay.
-/// Step counters (AdamWTensor::step) are device memory too: each tensor's counter is read
-/// as t - 1 and set to t by the step, on the device.
-struct AdamWDeviceArgs {
-  const float* scale = nullptr;             ///< the read's gradient scale (required)
-  const float* clip = nullptr;              ///< the read's clip coefficient (required)
-  const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing, counters kept
-  const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
-  const double* bias_table = nullptr;       ///< required: gpu::make_adamw_bias_table(config)
-  /// Returns the gradient read (scale, clip) as a DeviceGradientRead.
-  DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
-};
-
 /// The device-memory inputs of a device step of any optimizer (Device::optimizer_step,
 /// gpu::optimizer_step), all read when the kernels run (not when they are enqueued), so a
 /// captured graph replays with the values there at replay. Step counters
@@ -359,12 +313,6 @@ struct OptimizerDeviceArgs {
   const double* table = nullptr;
   /// Returns the gradient read (scale, clip) as a DeviceGradientRead.
   DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
-};
-
-/// The device-memory inputs of a device SignSGD step (read when the kernels run).
-struct SignSgdDeviceArgs {
-  const std::int32_t* found_inf = nullptr;  ///< optional: != 0 writes nothing
-  const StepHyper* hyper = nullptr;         ///< optional: lr and weight decay (else config's)
 };
 
 /// Returns min(1, max_norm / (norm + 1e-6)) as torch.nn.utils.clip_grad_norm_

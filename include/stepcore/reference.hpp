@@ -16,17 +16,12 @@
 
 namespace stepcore::reference {
 
-/// One AdamW update of every tensor, in place or out of place from its *_src views.
-/// Gradients are read with `read`; when `found_inf` is non-null and *found_inf != 0
-/// nothing is written (out-of-place destinations included) and no step counter
-/// advances. config.maximize is computed (torch formula); config.amsgrad is refused (an
-/// AdamWTensor has no max_exp_avg_sq slot). Determinism: bitwise (the definition itself).
-void adamw_step(std::span<const AdamWTensor> tensors, const AdamWConfig& config,
-                GradientRead read = {}, const std::int32_t* found_inf = nullptr);
-
-/// One AdamW update of OptimizerTensors (slots exp_avg, exp_avg_sq, max_exp_avg_sq with
-/// amsgrad), with amsgrad and maximize. Torch formula only: the native formula refuses
-/// config.amsgrad and config.maximize. Otherwise as the AdamWTensor overload.
+/// One AdamW update (docs/numerics.md 7; amsgrad and maximize: 8a) of every tensor: the
+/// param and its state slots exp_avg, exp_avg_sq and, with amsgrad, max_exp_avg_sq
+/// (state[0..2]), in place or out of place from param_src / state_src, in f32, bf16 or f16
+/// (7.3). Gradients are read with `read`; when `found_inf` is non-null and *found_inf != 0
+/// nothing is written (out-of-place destinations included) and no step counter advances.
+/// amsgrad and maximize need the torch formula (the native formula refuses them).
 /// Determinism: bitwise (the definition itself).
 void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                 GradientRead read = {}, const std::int32_t* found_inf = nullptr);
@@ -37,14 +32,11 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
 void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
                GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 
-/// One SignSGD update of every tensor (in place, or out of place from param_src). The
-/// positive `read` scale and clip do not change a sign and are not applied (they are
-/// still validated: finite, > 0).
-void sign_sgd_step(std::span<const SignSgdTensor> tensors, const SignSgdConfig& config,
-                   GradientRead read = {}, const std::int32_t* found_inf = nullptr);
-/// The same over OptimizerTensor records (no state slot, no step counter): the param in
-/// f32, bf16 or f16 (docs/numerics.md 7.3: math in f32, the new param rounded once when
-/// stored). Determinism: bitwise (the definition itself).
+/// One SignSGD update (docs/numerics.md 8) of every tensor: the param alone (no state
+/// slot, no step counter), in place or out of place from param_src, in f32, bf16 or f16
+/// (7.3: math in f32, the new param rounded once when stored). The positive `read` scale
+/// and clip do not change a sign and are not applied (they are still validated: finite,
+/// > 0). Determinism: bitwise (the definition itself).
 void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
                    GradientRead read = {}, const std::int32_t* found_inf = nullptr);
 

@@ -20,10 +20,12 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "arrays.hpp"      // this extension's one checker of array and stream arguments
-#include "optim_args.hpp"  // the formula and AdamW keyword arguments
+#include "optim_args.hpp"  // optimizers by name, their hyper-parameters from a dict
 #include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/dtype.hpp"
@@ -39,11 +41,9 @@ namespace {
 
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 using python::Access;
-using python::adamw_config;
 using python::ArgName;
 using python::BufferArg;
 using python::Memory;
-using python::parse_formula;
 
 // The device layouts Python code indexes (docs/python.md, "GPU launchers").
 constexpr std::size_t kSumWords = kNormDigits + 2;  // digits, nan_count, inf_count: SUM
@@ -221,23 +221,28 @@ nb::handle first_of(const Objects& list, nb::handle fallback) {
   return list.empty() ? fallback : nb::handle(list.front());
 }
 
-// Returns the entries of make_adamw_bias_table(config): computed once per distinct
-// (beta1, beta2, formula) of the last few (under the GIL), so each step can check a
-// table's length without rebuilding it.
-std::size_t bias_table_numel(const AdamWConfig& config) {
-  struct Entry {
-    double beta1, beta2;
-    AdamWFormula formula;
-    std::size_t numel;
-  };
-  static std::array<Entry, 4> cache{};
+// Returns the entries of make_optimizer_table(config): computed once per distinct
+// configuration of the last few (under the GIL), keyed by the optimizer and every
+// hyper-parameter but the schedule's (lr and weight decay, which the device reads from
+// its StepHyper each step: the table cannot depend on them), so each step can check a
+// table's length without rebuilding it. Builds (validates) the configuration.
+std::size_t table_numel(const OptimizerConfig& config) {
+  std::vector<double> key{static_cast<double>(config.index())};
+  std::visit(
+      [&key](const auto& c) {
+        using C = std::decay_t<decltype(c)>;
+        for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+          if (f.role != HyperRole::schedule)
+            std::visit([&](auto member) { key.push_back(static_cast<double>(c.*member)); },
+                       f.member);
+      },
+      config);
+  static std::array<std::pair<std::vector<double>, std::size_t>, 4> cache{};
   static std::size_t used = 0, next = 0;
   for (std::size_t k = 0; k < used; ++k)
-    if (cache[k].beta1 == config.beta1 && cache[k].beta2 == config.beta2 &&
-        cache[k].formula == config.formula)
-      return cache[k].numel;
-  const std::size_t numel = gpu::make_adamw_bias_table(config).size();
-  cache[next] = Entry{config.beta1, config.beta2, config.formula, numel};
+    if (cache[k].first == key) return cache[k].second;
+  const std::size_t numel = gpu::make_optimizer_table(config).size();
+  cache[next] = {std::move(key), numel};
   next = (next + 1) % cache.size();
   if (used < cache.size()) ++used;
   return numel;
@@ -303,21 +308,21 @@ void bind_gpu(nb::module_& parent) {
         "Why no CUDA device is usable ('' when one is).");
 
   m.def(
-      "make_adamw_bias_table",
-      [](double beta1, double beta2, const std::string& formula) {
-        AdamWConfig config;
-        config.beta1 = beta1;
-        config.beta2 = beta2;
-        config.formula = parse_formula(formula);
-        auto* table = new std::vector<double>(gpu::make_adamw_bias_table(config));
+      "make_optimizer_table",
+      [](const std::string& optimizer, nb::handle hyper) {
+        const OptimizerConfig config = python::optimizer_config(optimizer, hyper);
+        auto* table = new std::vector<double>(gpu::make_optimizer_table(config));
         nb::capsule owner(table,
                           [](void* t) noexcept { delete static_cast<std::vector<double>*>(t); });
         return nb::ndarray<nb::numpy, double, nb::shape<-1>>(table->data(), {table->size()}, owner);
       },
-      nb::arg("beta1"), nb::arg("beta2"), nb::kw_only(), nb::arg("formula") = "torch",
-      "The AdamW bias table of these betas as a float64 numpy array (copy it to the device "
-      "once, e.g. torch.from_numpy(t).cuda()): {len1, len2, 1 - beta1^t..., 1 - beta2^t...}, "
-      "the host's values bit for bit.");
+      nb::arg("optimizer"), nb::arg("hyper").none() = nb::none(),
+      "The device table of the optimizer named `optimizer` with the hyper-parameters "
+      "`hyper` (a dict, as Engine.step takes it) as a float64 numpy array: copy it to the "
+      "device once (e.g. torch.from_numpy(t).cuda()) and pass it as optimizer_step's "
+      "`table`. The binary64 values the device cannot compute bit-exactly, the host's bit "
+      "for bit: AdamW's and Adam's bias corrections {len1, len2, 1 - beta1^t..., "
+      "1 - beta2^t...}; empty for an optimizer that needs none.");
 
   m.def(
       "scale_and_norm_workspace_bytes",
@@ -458,93 +463,74 @@ void bind_gpu(nb::module_& parent) {
         "(reduced) exact partial, as finalize_and_clip; otherwise nothing changes.");
 
   m.def(
-      "adamw_step",
-      [](const Objects& params, const Objects& exp_avgs, const Objects& exp_avg_sqs,
-         const Objects& steps, const Objects& grads, std::optional<Objects> computes,
-         nb::handle scale, nb::handle clip, nb::handle bias_table, nb::handle found_inf,
-         nb::handle hyper, double lr, double beta1, double beta2, double eps, double weight_decay,
-         const std::string& formula, int torch_tail_width, bool torch_v_first, nb::handle stream) {
+      "optimizer_step",
+      [](const std::string& optimizer, const Objects& params, const std::vector<Objects>& states,
+         std::optional<Objects> steps, const Objects& grads, std::optional<Objects> computes,
+         nb::handle hyper, nb::handle scale, nb::handle clip, nb::handle table,
+         nb::handle found_inf, nb::handle step_hyper, nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(params, scale));
         const std::size_t n = params.size();
-        same_length(exp_avgs.size(), n, "exp_avgs");
-        same_length(exp_avg_sqs.size(), n, "exp_avg_sqs");
-        same_length(steps.size(), n, "steps");
+        if (states.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
+          bad("invalid_argument", ArgName{"states"},
+              std::to_string(states.size()) + " state lists; an optimizer keeps at most " +
+                  std::to_string(kMaxOptimizerSlots));
+        static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]",
+                                                                   "states[2]"};
+        for (std::size_t k = 0; k < states.size(); ++k)
+          same_length(states[k].size(), n, kSlotLists[k]);
+        if (steps) same_length(steps->size(), n, "steps");
         same_length(grads.size(), n, "grads");
         if (computes) same_length(computes->size(), n, "computes");
-        const AdamWConfig config = adamw_config(lr, beta1, beta2, eps, weight_decay, formula,
-                                                torch_tail_width, torch_v_first);
+        const OptimizerConfig config = python::optimizer_config(optimizer, hyper);
         Launch l;
-        std::vector<AdamWTensor> t(n);
+        std::vector<OptimizerTensor> t(n);
         for (std::size_t i = 0; i < n; ++i) {
           const auto k = static_cast<std::ptrdiff_t>(i);
           t[i].param = l.tensor(params[i], ArgName{"params", k}, Access::write);
-          t[i].exp_avg = l.tensor(exp_avgs[i], ArgName{"exp_avgs", k}, Access::write);
-          t[i].exp_avg_sq = l.tensor(exp_avg_sqs[i], ArgName{"exp_avg_sqs", k}, Access::write);
-          t[i].step = l.f32_scalar(steps[i], ArgName{"steps", k}, Access::write);
+          for (std::size_t j = 0; j < states.size(); ++j)
+            t[i].state[j] = l.tensor(states[j][i], ArgName{kSlotLists[j], k}, Access::write);
+          if (steps) t[i].step = l.f32_scalar((*steps)[i], ArgName{"steps", k}, Access::write);
           t[i].grad = l.tensor(grads[i], ArgName{"grads", k}, Access::read);
           if (computes && !(*computes)[i].is_none())
             t[i].compute_param = l.tensor((*computes)[i], ArgName{"computes", k}, Access::write);
         }
-        AdamWDeviceArgs d;
-        d.scale = l.f32_scalar(scale, ArgName{"scale"}, Access::read);
-        d.clip = l.f32_scalar(clip, ArgName{"clip"}, Access::read);
-        d.bias_table = static_cast<const double*>(
-            l.exact(bias_table, ArgName{"bias_table"}, Access::read, python::kF64,
-                    bias_table_numel(config),
-                    "the length of make_adamw_bias_table(beta1, beta2, formula=formula)")
-                .data);
+        OptimizerDeviceArgs d;
+        if (!scale.is_none()) d.scale = l.f32_scalar(scale, ArgName{"scale"}, Access::read);
+        if (!clip.is_none()) d.clip = l.f32_scalar(clip, ArgName{"clip"}, Access::read);
+        const std::size_t table_entries = table_numel(config);
+        if (table_entries > 0) {
+          if (table.is_none())
+            bad("null_pointer", ArgName{"table"},
+                "required: make_optimizer_table('" + optimizer + "', hyper) in device memory");
+          d.table = static_cast<const double*>(
+              l.exact(table, ArgName{"table"}, Access::read, python::kF64, table_entries,
+                      "the length of make_optimizer_table(optimizer, hyper)")
+                  .data);
+        } else if (!table.is_none()) {
+          bad("invalid_argument", ArgName{"table"},
+              "'" + optimizer + "' has no table (make_optimizer_table is empty): pass None");
+        }
         if (!found_inf.is_none())
           d.found_inf = l.found_inf(found_inf, ArgName{"found_inf"}, Access::read);
-        if (!hyper.is_none()) d.hyper = l.hyper(hyper, ArgName{"hyper"});
+        if (!step_hyper.is_none()) d.hyper = l.hyper(step_hyper, ArgName{"step_hyper"});
         nb::gil_scoped_release release;
-        gpu::adamw_step(t, config, d, s);
+        gpu::optimizer_step(t, config, d, s);
       },
-      nb::arg("params"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"), nb::arg("steps"),
-      nb::arg("grads"), nb::arg("computes").none() = nb::none(), nb::kw_only(), nb::arg("scale"),
-      nb::arg("clip"), nb::arg("bias_table"), nb::arg("found_inf").none() = nb::none(),
-      nb::arg("hyper").none() = nb::none(), nb::arg("lr"), nb::arg("beta1"), nb::arg("beta2"),
-      nb::arg("eps"), nb::arg("weight_decay"), nb::arg("formula") = "torch",
-      nb::arg("torch_tail_width") = kTorchTailWidth, nb::arg("torch_v_first") = kTorchVFirst,
+      nb::arg("optimizer"), nb::arg("params"), nb::arg("states"), nb::arg("steps").none(),
+      nb::arg("grads"), nb::arg("computes").none() = nb::none(), nb::kw_only(),
+      nb::arg("hyper").none() = nb::none(), nb::arg("scale").none() = nb::none(),
+      nb::arg("clip").none() = nb::none(), nb::arg("table").none() = nb::none(),
+      nb::arg("found_inf").none() = nb::none(), nb::arg("step_hyper").none() = nb::none(),
       nb::arg("stream").none() = nb::none(),
-      "AdamW on device tensors, bit-identical to Engine.adamw_step: grads read as "
-      "R(R(g * scale) * clip) with scale, clip (float32), steps (float32 counters, "
-      "incremented on the device), found_inf (int32: != 0 writes nothing), hyper (float64 "
-      "lr, weight_decay, else the keywords') and bias_table in device memory, read when the "
-      "kernels run.");
-
-  m.def(
-      "sign_sgd_step",
-      [](const Objects& params, const Objects& grads, std::optional<Objects> computes,
-         nb::handle found_inf, nb::handle hyper, double lr, double weight_decay,
-         nb::handle stream) {
-        const cudaStream_t s = launch_stream(stream, first_of(params, nb::handle()));
-        const std::size_t n = params.size();
-        same_length(grads.size(), n, "grads");
-        if (computes) same_length(computes->size(), n, "computes");
-        SignSgdConfig config;
-        config.lr = lr;
-        config.weight_decay = weight_decay;
-        Launch l;
-        std::vector<SignSgdTensor> t(n);
-        for (std::size_t i = 0; i < n; ++i) {
-          const auto k = static_cast<std::ptrdiff_t>(i);
-          t[i].param = l.tensor(params[i], ArgName{"params", k}, Access::write);
-          t[i].grad = l.tensor(grads[i], ArgName{"grads", k}, Access::read);
-          if (computes && !(*computes)[i].is_none())
-            t[i].compute_param = l.tensor((*computes)[i], ArgName{"computes", k}, Access::write);
-        }
-        SignSgdDeviceArgs d;
-        if (!found_inf.is_none())
-          d.found_inf = l.found_inf(found_inf, ArgName{"found_inf"}, Access::read);
-        if (!hyper.is_none()) d.hyper = l.hyper(hyper, ArgName{"hyper"});
-        nb::gil_scoped_release release;
-        gpu::sign_sgd_step(t, config, d, s);
-      },
-      nb::arg("params"), nb::arg("grads"), nb::arg("computes").none() = nb::none(), nb::kw_only(),
-      nb::arg("found_inf").none() = nb::none(), nb::arg("hyper").none() = nb::none(), nb::arg("lr"),
-      nb::arg("weight_decay") = 0.0, nb::arg("stream").none() = nb::none(),
-      "SignSGD on device tensors, bit-identical to Engine.sign_sgd_step; found_inf (int32) "
-      "!= 0 writes nothing; hyper (float64 lr, weight_decay) overrides the keywords.");
+      "One step of the optimizer named `optimizer` on device tensors, bit-identical to "
+      "Engine.step with the same arguments: states[k][i] tensor i's state slot k in the "
+      "optimizer's slot order, steps float32 counters (None for an optimizer that keeps "
+      "none), incremented on the device; `hyper` its hyper-parameters (a dict, as "
+      "Engine.step). In device memory, read when the kernels run: scale and clip (float32; "
+      "required when the optimizer's gradient read applies them: grads read as "
+      "R(R(g * scale) * clip)), table (float64: make_optimizer_table(optimizer, hyper), "
+      "required when that is not empty), found_inf (int32: != 0 writes nothing, counters "
+      "kept) and step_hyper (float64 lr, weight_decay, else the dict's).");
 
   m.def(
       "partial_words",

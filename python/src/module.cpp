@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "arrays.hpp"      // this extension's one checker of array and stream arguments
-#include "optim_args.hpp"  // the formula, AdamW keyword arguments, optimizers by name
+#include "optim_args.hpp"  // optimizers by name, their hyper-parameters from a dict
 #include "partials.hpp"    // a norm partial as PARTIAL_WORDS int64 words
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
@@ -38,7 +38,6 @@ namespace {
 
 using Objects = std::vector<nb::object>;  // a Python list of arrays, converted one by one
 using python::Access;
-using python::adamw_config;
 using python::ArgName;
 using python::kMaxAbsWord;
 using python::kPartialWords;
@@ -362,7 +361,9 @@ std::string python_name(const std::string& arg) {
   if (arg == "read.scale") return "grad_scale";
   if (arg == "read.clip") return "clip";
   // The GPU launchers' device arguments (stepcore.gpu): "d.scale" -> "scale",
+  // "d.hyper" -> "step_hyper" (the keyword `hyper` is the optimizer's dict),
   // "d_partial" -> "partial", "workspace_bytes" -> "workspace".
+  if (arg == "d.hyper") return "step_hyper";
   if (arg.rfind("d.", 0) == 0 || arg.rfind("d_", 0) == 0) return arg.substr(2);
   if (arg == "workspace_bytes") return "workspace";
   return arg;
@@ -452,71 +453,6 @@ NB_MODULE(_core, m) {
           nb::arg("isa") = nb::none(), nb::arg("threads") = 0, nb::arg("cpus") = std::vector<int>{})
       .def_prop_ro("isa", [](const cpu::Engine& e) { return std::string(e.isa_name()); })
       .def_prop_ro("threads", &cpu::Engine::threads)
-      .def(
-          "adamw_step",
-          [](const cpu::Engine& e, const Objects& params_in, const Objects& exp_avgs_in,
-             const Objects& exp_avg_sqs_in, const Objects& steps_in, const Objects& grads_in,
-             std::optional<Objects> computes_in, double lr, double beta1, double beta2, double eps,
-             double weight_decay, const std::string& formula, int torch_tail_width,
-             bool torch_v_first, float grad_scale, float clip) {
-            const std::size_t n = params_in.size();
-            same_length(exp_avgs_in.size(), n, "exp_avgs");
-            same_length(exp_avg_sqs_in.size(), n, "exp_avg_sqs");
-            same_length(steps_in.size(), n, "steps");
-            same_length(grads_in.size(), n, "grads");
-            if (computes_in) same_length(computes_in->size(), n, "computes");
-            const AdamWConfig config = adamw_config(lr, beta1, beta2, eps, weight_decay, formula,
-                                                    torch_tail_width, torch_v_first);
-            std::vector<AdamWTensor> t(n);
-            for (std::size_t i = 0; i < n; ++i) {
-              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
-              t[i].exp_avg = cpu_view(exp_avgs_in[i], "exp_avgs", i, Access::write);
-              t[i].exp_avg_sq = cpu_view(exp_avg_sqs_in[i], "exp_avg_sqs", i, Access::write);
-              const TensorView s = cpu_view(steps_in[i], "steps", i, Access::write);
-              if (s.dtype != DType::f32 || s.numel != 1)
-                bad_array(s.dtype != DType::f32, indexed("steps", i),
-                          "must be one float32 value (torch's 0-dim step tensor)");
-              t[i].step = static_cast<float*>(s.data);
-              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
-              if (computes_in && !(*computes_in)[i].is_none())
-                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
-            }
-            nb::gil_scoped_release release;
-            e.adamw_step(t, config, GradientRead{grad_scale, clip});
-          },
-          nb::arg("params"), nb::arg("exp_avgs"), nb::arg("exp_avg_sqs"), nb::arg("steps"),
-          nb::arg("grads"), nb::arg("computes") = nb::none(), nb::kw_only(), nb::arg("lr"),
-          nb::arg("beta1"), nb::arg("beta2"), nb::arg("eps"), nb::arg("weight_decay"),
-          nb::arg("formula") = "torch", nb::arg("torch_tail_width") = kTorchTailWidth,
-          nb::arg("torch_v_first") = kTorchVFirst, nb::arg("grad_scale") = 1.0f,
-          nb::arg("clip") = 1.0f,
-          "AdamW in place over every tensor (f32 params and moments, 0-dim f32 steps "
-          "incremented first, f32/bf16/f16 grads read as R(R(g*grad_scale)*clip)); computes[i] "
-          "receives params[i] rounded to its dtype. Bitwise: equals the reference for any ISA "
-          "and thread count.")
-      .def(
-          "sign_sgd_step",
-          [](const cpu::Engine& e, const Objects& params_in, const Objects& grads_in,
-             std::optional<Objects> computes_in, double lr, double weight_decay) {
-            const std::size_t n = params_in.size();
-            same_length(grads_in.size(), n, "grads");
-            if (computes_in) same_length(computes_in->size(), n, "computes");
-            SignSgdConfig config;
-            config.lr = lr;
-            config.weight_decay = weight_decay;
-            std::vector<SignSgdTensor> t(n);
-            for (std::size_t i = 0; i < n; ++i) {
-              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
-              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
-              if (computes_in && !(*computes_in)[i].is_none())
-                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
-            }
-            nb::gil_scoped_release release;
-            e.sign_sgd_step(t, config);
-          },
-          nb::arg("params"), nb::arg("grads"), nb::arg("computes") = nb::none(), nb::kw_only(),
-          nb::arg("lr"), nb::arg("weight_decay") = 0.0,
-          "SignSGD in place: p = p*(1 - lr*wd) - lr*sign(g) (docs/numerics.md section 8).")
       .def(
           "step",
           [](const cpu::Engine& e, const std::string& optimizer, const Objects& params_in,

@@ -1,7 +1,7 @@
-// The optimizer keyword arguments of stepcore._core's entry points (the CPU engine, the
-// GPU launchers): one parser of `formula`, one AdamWConfig builder, and the one parser of
-// an optimizer chosen by name with a dict of hyper-parameters (-> OptimizerConfig), which
-// the library then validates (its errors name the fields: 'lr', 'beta1', ...).
+// The optimizer arguments of stepcore._core's entry points (the CPU engine, the GPU
+// launchers): one parser of `formula`, and the one parser of an optimizer chosen by name
+// with a dict of hyper-parameters (-> OptimizerConfig), which the library then validates
+// (its errors name the fields: 'lr', 'beta1', ...).
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -26,23 +26,6 @@ inline AdamWFormula parse_formula(const std::string& name) {
   throw nb::value_error(
       ("stepcore: invalid_argument in 'formula': '" + name + "': expected 'torch' or 'native'")
           .c_str());
-}
-
-/// Returns the AdamW configuration of the keyword arguments (unvalidated: the call that
-/// takes it validates every field before writing anything).
-inline AdamWConfig adamw_config(double lr, double beta1, double beta2, double eps,
-                                double weight_decay, const std::string& formula,
-                                int torch_tail_width, bool torch_v_first) {
-  AdamWConfig config;
-  config.lr = lr;
-  config.beta1 = beta1;
-  config.beta2 = beta2;
-  config.eps = eps;
-  config.weight_decay = weight_decay;
-  config.formula = parse_formula(formula);
-  config.torch_tail_width = torch_tail_width;
-  config.torch_v_first = torch_v_first;
-  return config;
 }
 
 // ---- an optimizer by name, its hyper-parameters from a dict --------------------------

@@ -131,7 +131,7 @@ def test_bad_input_names_the_argument_and_changes_nothing(spoil, exc, name):
     p, m, v, s, g = args
     before = digest(p, m, v, s, g)
     with pytest.raises(exc) as info:
-        e.adamw_step([p], [m], [v], [s], [g], **hyper)
+        e.step("adamw", [p], [[m], [v]], [s], [g], hyper=hyper)
     assert name in str(info.value)
     assert digest(p, m, v, s, g) == before
 
@@ -140,7 +140,7 @@ def test_unknown_formula_and_isa_are_refused():
     e = stepcore.Engine(threads=1)
     p, m, v, s, g = adamw_args()
     with pytest.raises(ValueError, match="formula"):
-        e.adamw_step([p], [m], [v], [s], [g], formula="fused", **HYPER)
+        e.step("adamw", [p], [[m], [v]], [s], [g], hyper=dict(HYPER, formula="fused"))
     with pytest.raises(ValueError, match="isa"):
         stepcore.Engine(isa="avx1024")
 
@@ -174,13 +174,13 @@ def test_two_threads_step_at_once_and_match_sequential_runs():
     e = stepcore.Engine(threads=1)
     for p, m, v, s, g in copies:  # sequential expectation
         for _ in range(3):
-            e.adamw_step([p], [m], [v], [s], [g], **HYPER)
+            e.step("adamw", [p], [[m], [v]], [s], [g], hyper=HYPER)
     inside = [0, 0]
 
     def run(k):
         p, m, v, s, g = sets[k]
         for _ in range(3):
-            e.adamw_step([p], [m], [v], [s], [g], **HYPER)
+            e.step("adamw", [p], [[m], [v]], [s], [g], hyper=HYPER)
         inside[k] = 1
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]

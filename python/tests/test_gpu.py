@@ -87,6 +87,8 @@ def f32(*values):
 PARTIAL = sc.NORM_PARTIAL_BYTES
 RESULT = sc.NORM_RESULT_BYTES
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+ADAMW = "optimizer_step(adamw)"  # valid_calls() keys of the optimizer launcher
+SIGN_SGD = "optimizer_step(sign_sgd)"
 
 
 def valid_calls():
@@ -96,7 +98,7 @@ def valid_calls():
     ws = lambda: fake(np.zeros(sc.scale_and_norm_workspace_bytes([np.zeros(n, np.float32)]),  # noqa: E731
                                np.uint8))
     part = lambda: fake(np.zeros(PARTIAL, np.uint8))  # noqa: E731
-    table = sc.make_adamw_bias_table(HYPER["beta1"], HYPER["beta2"])
+    table = sc.make_optimizer_table("adamw", HYPER)
     return {
         "scale_and_norm_partial": dict(tensors=[t(), t()], scale=0.5, partial=part(), workspace=ws()),
         "norm_partial": dict(tensors=[t()], partial=part(), workspace=ws(), grad_scale=0.5),
@@ -109,36 +111,60 @@ def valid_calls():
         "finalize_exact_and_clip": dict(exact_partial=part(), max_norm=1.0,
                                         result=fake(np.zeros(RESULT // 8, np.int64)),
                                         clip=fake(f32(0)), found_inf=fake(np.zeros((), np.int32))),
-        "adamw_step": dict(params=[t()], exp_avgs=[t()], exp_avg_sqs=[fake(np.ones(n, np.float32))],
-                           steps=[fake(np.zeros((), np.float32))], grads=[t()], computes=[t()],
-                           scale=fake(f32(1)), clip=fake(f32(1)), bias_table=fake(table),
-                           found_inf=fake(np.zeros(1, np.int32)),
-                           hyper=fake(np.array([1e-3, 0.01])), **HYPER),
-        "sign_sgd_step": dict(params=[t()], grads=[t()], computes=[t()],
-                              found_inf=fake(np.zeros(1, np.int32)), hyper=fake(np.array([1e-3, 0.0])),
-                              lr=1e-3),
+        "optimizer_step(adamw)": dict(
+            optimizer="adamw", params=[t()], states=[[t()], [fake(np.ones(n, np.float32))]],
+            steps=[fake(np.zeros((), np.float32))], grads=[t()], computes=[t()], hyper=dict(HYPER),
+            scale=fake(f32(1)), clip=fake(f32(1)), table=fake(table),
+            found_inf=fake(np.zeros(1, np.int32)), step_hyper=fake(np.array([1e-3, 0.01]))),
+        "optimizer_step(sign_sgd)": dict(
+            optimizer="sign_sgd", params=[t()], states=[], steps=None, grads=[t()], computes=[t()],
+            hyper=dict(lr=1e-3), found_inf=fake(np.zeros(1, np.int32)),
+            step_hyper=fake(np.array([1e-3, 0.0]))),
     }
 
 
 def arrays_of(kwargs):
-    """(python name, FakeCuda) of every array argument, lists' entries named base[i]."""
+    """(python name, FakeCuda) of every array argument, lists' entries named base[i] (lists
+    of lists: base[i][j])."""
     out = []
-    for k, v in kwargs.items():
+
+    def walk(name, v):
         if isinstance(v, FakeCuda):
-            out.append((k, v))
+            out.append((name, v))
         elif isinstance(v, list):
-            out += [(f"{k}[{i}]", a) for i, a in enumerate(v) if isinstance(a, FakeCuda)]
+            for i, a in enumerate(v):
+                walk(f"{name}[{i}]", a)
+
+    for k, v in kwargs.items():
+        walk(k, v)
     return out
+
+
+def set_arg(kwargs, arg, value):
+    """Replaces the argument named `arg` as arrays_of names it ("grads[0]", "states[1][0]")."""
+    key, *indices = arg.replace("]", "").split("[")
+    if not indices:
+        kwargs[key] = value
+        return
+    target = kwargs[key]
+    for i in indices[:-1]:
+        target = target[int(i)]
+    target[int(indices[-1])] = value
 
 
 def snapshot(kwargs):
     return [a.array.tobytes() for _, a in arrays_of(kwargs)]
 
 
+def launcher(name):
+    """The launcher of a valid_calls() entry: "optimizer_step(adamw)" -> sc.optimizer_step."""
+    return getattr(sc, name.split("(")[0])
+
+
 def launch(name, kwargs):
     # A FakeCuda reports no current stream (no DLPack C exchange API): stream=None with it
     # is refused (test_stream_none_needs_a_current_stream), so the launches name one.
-    return getattr(sc, name)(**{"stream": 0, **kwargs})
+    return launcher(name)(**{"stream": 0, **kwargs})
 
 
 def refused_on_the_host():
@@ -227,11 +253,7 @@ def test_bad_streams_are_refused_naming_stream(stream, exc, match):
 def test_a_valid_stream_reaches_the_array_checks(name, stream):
     kwargs = valid_calls()[name]
     first, arr = arrays_of(kwargs)[0]
-    key = first.split("[")[0]
-    if key == first:
-        kwargs[key] = arr.array  # a CPU array where device memory is needed
-    else:
-        kwargs[key][0] = arr.array
+    set_arg(kwargs, first, arr.array)  # a CPU array where device memory is needed
     before = snapshot(kwargs) + [arr.array.tobytes()]
     with pytest.raises(ValueError, match="must be CUDA device memory") as info:
         launch(name, dict(kwargs, stream=stream))
@@ -256,7 +278,7 @@ def test_stream_none_needs_a_current_stream(name):
     kwargs = valid_calls()[name]
     before = snapshot(kwargs)
     with pytest.raises(ValueError, match="reports no current stream") as info:
-        getattr(sc, name)(**kwargs)  # stream=None
+        launcher(name)(**kwargs)  # stream=None
     assert "'stream'" in str(info.value)
     assert snapshot(kwargs) == before
     producer = arrays_of(kwargs)[0][1]
@@ -317,11 +339,7 @@ def test_a_cpu_array_is_refused_naming_it_and_nothing_is_written(name, arg, kind
     if kind == "torch":
         torch = pytest.importorskip("torch")
         host = torch.from_numpy(host)  # the same memory, through the DLPack C exchange API
-    key = arg.split("[")[0]
-    if key == arg:
-        kwargs[key] = host
-    else:
-        kwargs[key][int(arg[len(key) + 1:-1])] = host
+    set_arg(kwargs, arg, host)
     before = snapshot(kwargs) + [target.array.tobytes()]
     with pytest.raises(ValueError, match="must be CUDA device memory") as info:
         launch(name, kwargs)
@@ -350,20 +368,21 @@ def bad_buffer_cases():
         ("finalize_and_clip", "found_inf", np.zeros(0, np.int32), ValueError, "0 elements"),
         ("finalize_exact_and_clip", "exact_partial", u8(PARTIAL * 2), ValueError, "368 bytes"),
         ("scale_", "factor", np.zeros(1, np.int32), TypeError, "float32"),
-        ("adamw_step", "scale", f32(), ValueError, "0 elements"),
-        ("adamw_step", "clip", np.zeros(1, np.float16), TypeError, "float32"),
-        ("adamw_step", "steps[0]", f32(0, 0), ValueError, "2 elements"),
-        ("adamw_step", "found_inf", np.zeros(1, np.uint8), TypeError, "int32"),
-        ("adamw_step", "hyper", np.zeros(3), ValueError, "3 elements"),
-        ("adamw_step", "hyper", np.zeros(2, np.float32), TypeError, "float64"),
-        ("adamw_step", "bias_table", np.zeros(2), ValueError, "length"),
-        ("adamw_step", "bias_table", sc.make_adamw_bias_table(0.5, 0.99),
+        (ADAMW, "scale", f32(), ValueError, "0 elements"),
+        (ADAMW, "clip", np.zeros(1, np.float16), TypeError, "float32"),
+        (ADAMW, "steps[0]", f32(0, 0), ValueError, "2 elements"),
+        (ADAMW, "states[1][0]", np.zeros(5, np.float64), TypeError, "float32, bfloat16"),
+        (ADAMW, "found_inf", np.zeros(1, np.uint8), TypeError, "int32"),
+        (ADAMW, "step_hyper", np.zeros(3), ValueError, "3 elements"),
+        (ADAMW, "step_hyper", np.zeros(2, np.float32), TypeError, "float64"),
+        (ADAMW, "table", np.zeros(2), ValueError, "length"),
+        (ADAMW, "table", sc.make_optimizer_table("adamw", dict(beta1=0.5, beta2=0.99)),
          ValueError, "length"),
-        ("adamw_step", "bias_table", sc.make_adamw_bias_table(0.9, 0.999).astype(np.float32),
+        (ADAMW, "table", sc.make_optimizer_table("adamw", HYPER).astype(np.float32),
          TypeError, "float64"),
-        ("sign_sgd_step", "hyper", np.zeros(1), ValueError, "1 elements"),
-        ("sign_sgd_step", "found_inf", np.zeros(1, np.float32), TypeError, "int32"),
-        ("adamw_step", "grads[0]", np.zeros(5, np.float64), TypeError, "float32, bfloat16"),
+        (SIGN_SGD, "step_hyper", np.zeros(1), ValueError, "1 elements"),
+        (SIGN_SGD, "found_inf", np.zeros(1, np.float32), TypeError, "int32"),
+        (ADAMW, "grads[0]", np.zeros(5, np.float64), TypeError, "float32, bfloat16"),
         ("accumulate", "srcs[0]", np.zeros((5, 2), np.float32)[:, 0], ValueError, "C-contiguous"),
     ]
 
@@ -371,12 +390,7 @@ def bad_buffer_cases():
 @pytest.mark.parametrize("name, arg, bad, exc, match", bad_buffer_cases())
 def test_a_bad_device_buffer_is_refused_naming_it_and_nothing_is_written(name, arg, bad, exc, match):
     kwargs = valid_calls()[name]
-    replacement = FakeCuda(bad)
-    key = arg.split("[")[0]
-    if key == arg:
-        kwargs[key] = replacement
-    else:
-        kwargs[key][int(arg[len(key) + 1:-1])] = replacement
+    set_arg(kwargs, arg, FakeCuda(bad))
     before = snapshot(kwargs)
     with pytest.raises(exc, match=match) as info:
         launch(name, kwargs)
@@ -385,46 +399,53 @@ def test_a_bad_device_buffer_is_refused_naming_it_and_nothing_is_written(name, a
 
 
 def test_arrays_on_two_devices_are_refused_naming_the_second():
-    kwargs = valid_calls()["adamw_step"]
+    kwargs = valid_calls()[ADAMW]
     kwargs["grads"] = [FakeCuda(np.zeros(5, np.float32), device_id=1)]
     before = snapshot(kwargs)
     with pytest.raises(ValueError, match=r"'grads\[0\]': is on CUDA device 1 but 'params\[0\]'"):
-        launch("adamw_step", kwargs)
+        launch(ADAMW, kwargs)
     assert snapshot(kwargs) == before
 
 
 def test_list_lengths_and_a_read_only_output_are_refused():
-    kwargs = valid_calls()["adamw_step"]
+    kwargs = valid_calls()[ADAMW]
     kwargs["steps"] = []
     with pytest.raises(ValueError, match="'steps'"):
-        launch("adamw_step", kwargs)
+        launch(ADAMW, kwargs)
+    kwargs = valid_calls()[ADAMW]
+    kwargs["states"][1] = []
+    with pytest.raises(ValueError, match=r"'states\[1\]'"):
+        launch(ADAMW, kwargs)
     kwargs = valid_calls()["accumulate"]
     kwargs["srcs"] = kwargs["srcs"] * 2
     with pytest.raises(ValueError, match="'srcs'"):
         launch("accumulate", kwargs)
-    kwargs = valid_calls()["sign_sgd_step"]
+    kwargs = valid_calls()[SIGN_SGD]
     kwargs["computes"] = []
     with pytest.raises(ValueError, match="'computes'"):
-        launch("sign_sgd_step", kwargs)
+        launch(SIGN_SGD, kwargs)
 
 
 @pytest.mark.parametrize("name, key, value, match", [
-    ("adamw_step", "lr", float("nan"), "'lr'"),
-    ("adamw_step", "beta1", 1.0, "'beta1'"),
-    ("adamw_step", "formula", "fused", "'formula'"),
-    ("sign_sgd_step", "weight_decay", -1.0, "'weight_decay'"),
+    (ADAMW, "lr", float("nan"), "'lr'"),
+    (ADAMW, "beta1", 1.0, "'beta1'"),
+    (ADAMW, "formula", "fused", "'formula'"),
+    (SIGN_SGD, "weight_decay", -1.0, "'weight_decay'"),
     ("finalize_and_clip", "max_norm", -1.0, "max_norm"),
     ("scale_and_norm_partial", "scale", float("inf"), "'scale'"),
     ("norm_partial", "clip", 2.0, "'clip'"),
 ])
 def test_bad_hyper_parameters_are_refused_with_python_names(name, key, value, match):
     kwargs = valid_calls()[name]
-    kwargs[key] = value
+    if "hyper" in kwargs:  # an optimizer's hyper-parameters: the `hyper` dict
+        kwargs["hyper"] = dict(kwargs["hyper"], **{key: value})
+    else:
+        kwargs[key] = value
     before = snapshot(kwargs)
     # The CUDA library validates every scalar; without CUDA only what the binding reads
-    # itself is checked before NotImplementedError: the formula, and betas new to the bias
-    # table's length check (which builds that table, validating the configuration).
-    checked = sc.built_with_cuda() or key in ("formula", "beta1")
+    # itself is checked before NotImplementedError: an optimizer's configuration, which the
+    # table's length check builds (validating it).
+    checked = sc.built_with_cuda() or "hyper" in kwargs
     with pytest.raises(ValueError if checked else NotImplementedError) as info:
         launch(name, kwargs)
     if checked:
@@ -509,7 +530,7 @@ def test_workspace_bytes_count_blocks_of_each_tensor():
 @pytest.mark.parametrize("formula", ["torch", "native"])
 def test_the_bias_table_is_the_hosts_pow(formula):
     b1, b2 = 0.9, 0.999
-    t = sc.make_adamw_bias_table(b1, b2, formula=formula)
+    t = sc.make_optimizer_table("adamw", dict(beta1=b1, beta2=b2, formula=formula))
     assert t.dtype == np.float64 and t.ndim == 1
     len1, len2 = int(t[0]), int(t[1])
     assert t.size == 2 + len1 + len2
@@ -524,11 +545,36 @@ def test_the_bias_table_is_the_hosts_pow(formula):
 
 def test_the_bias_table_refuses_bad_betas_naming_them():
     with pytest.raises(ValueError, match="'beta2'"):
-        sc.make_adamw_bias_table(0.9, 1.5)
+        sc.make_optimizer_table("adamw", dict(beta2=1.5))
     with pytest.raises(NotImplementedError, match="'beta1'"):
-        sc.make_adamw_bias_table(1.0 - 1e-7, 0.999)
+        sc.make_optimizer_table("adam", dict(beta1=1.0 - 1e-7))
     with pytest.raises(ValueError, match="'formula'"):
-        sc.make_adamw_bias_table(0.9, 0.999, formula="fused")
+        sc.make_optimizer_table("adamw", dict(formula="fused"))
+    with pytest.raises(ValueError, match="'optimizer'"):
+        sc.make_optimizer_table("adamax")
+
+
+@pytest.mark.parametrize("name", stepcore.optimizers())
+def test_every_optimizer_has_a_table_or_none(name):
+    # AdamW and Adam: their bias corrections; the others compute every value themselves.
+    t = sc.make_optimizer_table(name)
+    assert t.dtype == np.float64 and t.ndim == 1
+    assert (t.size > 0) == (name in ("adamw", "adam"))
+
+
+def test_a_table_for_an_optimizer_without_one_is_refused():
+    kwargs = valid_calls()[SIGN_SGD]
+    kwargs["table"] = fake(sc.make_optimizer_table("adamw"))
+    before = snapshot(kwargs)
+    with pytest.raises(ValueError, match="has no table") as info:
+        launch(SIGN_SGD, kwargs)
+    assert "'table'" in str(info.value)
+    assert snapshot(kwargs) == before
+    kwargs = valid_calls()[ADAMW]
+    kwargs["table"] = None
+    with pytest.raises(ValueError, match="required") as info:
+        launch(ADAMW, kwargs)
+    assert "'table'" in str(info.value)
 
 
 def partial_struct(words):
@@ -631,7 +677,7 @@ def randn(torch, gen, n, dtype, scale=1.0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("formula", ["torch", "native"])
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
-def test_adamw_step_equals_the_cpu_engine(cuda_torch, grad_dtype, formula):
+def test_adamw_optimizer_step_equals_the_cpu_engine(cuda_torch, grad_dtype, formula):
     torch = cuda_torch
     gd = getattr(torch, grad_dtype)
     gen = torch.Generator().manual_seed(11)
@@ -646,21 +692,22 @@ def test_adamw_step_equals_the_cpu_engine(cuda_torch, grad_dtype, formula):
     dev = [[t.cuda() for t in ts] for ts in cpu]
     d_scale = torch.tensor([0.5], device="cuda")
     d_clip = torch.tensor([0.75], device="cuda")
-    table = torch.from_numpy(sc.make_adamw_bias_table(0.9, 0.999, formula=formula)).cuda()
+    table = torch.from_numpy(sc.make_optimizer_table("adamw", hyper)).cuda()
     d_hyper = torch.tensor([hyper["lr"], hyper["weight_decay"]], dtype=torch.float64, device="cuda")
     found = torch.zeros(1, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     for step in range(4):
         grads = [randn(torch, gen, n, gd, scale=3.0) for n in SIZES]
-        e.adamw_step(params, moments, squares, steps, grads, computes, grad_scale=0.5, clip=0.75,
-                     **hyper)
+        e.step("adamw", params, [moments, squares], steps, grads, computes, hyper=hyper,
+               grad_scale=0.5, clip=0.75)
         d_grads = [g.cuda() for g in grads]
         stream.wait_stream(torch.cuda.current_stream())
         # The stream as the object (__cuda_stream__) and as its int; lr and weight decay from
-        # the device (hyper) on odd steps, from the keywords on even ones.
-        sc.adamw_step(*dev[:4], d_grads, dev[4], scale=d_scale, clip=d_clip, bias_table=table,
-                      found_inf=found, hyper=d_hyper if step % 2 else None,
-                      stream=stream if step < 2 else stream.cuda_stream, **hyper)
+        # the device (step_hyper) on odd steps, from the dict on even ones.
+        sc.optimizer_step("adamw", dev[0], dev[1:3], dev[3], d_grads, dev[4], hyper=hyper,
+                          scale=d_scale, clip=d_clip, table=table, found_inf=found,
+                          step_hyper=d_hyper if step % 2 else None,
+                          stream=stream if step < 2 else stream.cuda_stream)
         stream.synchronize()
         for name, c, d in zip(("params", "exp_avgs", "exp_avg_sqs", "steps", "computes"), cpu, dev):
             assert_same_bits(c, d, f"step {step}: {name}")
@@ -668,8 +715,8 @@ def test_adamw_step_equals_the_cpu_engine(cuda_torch, grad_dtype, formula):
     found.fill_(1)
     before = [[bits(t) for t in ts] for ts in dev]
     with torch.cuda.stream(stream):  # stream=None: the current stream
-        sc.adamw_step(*dev[:4], [g.cuda() for g in grads], dev[4], scale=d_scale, clip=d_clip,
-                      bias_table=table, found_inf=found, **hyper)
+        sc.optimizer_step("adamw", dev[0], dev[1:3], dev[3], [g.cuda() for g in grads], dev[4],
+                          hyper=hyper, scale=d_scale, clip=d_clip, table=table, found_inf=found)
     stream.synchronize()
     assert [[bits(t) for t in ts] for ts in dev] == before
 
@@ -833,7 +880,7 @@ def test_device_partials_combine_across_ranks_as_documented(cuda_torch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
-def test_sign_sgd_step_equals_the_cpu_engine(cuda_torch, grad_dtype):
+def test_sign_sgd_optimizer_step_equals_the_cpu_engine(cuda_torch, grad_dtype):
     torch = cuda_torch
     gd = getattr(torch, grad_dtype)
     gen = torch.Generator().manual_seed(14)
@@ -845,19 +892,22 @@ def test_sign_sgd_step_equals_the_cpu_engine(cuda_torch, grad_dtype):
     found = torch.zeros(1, dtype=torch.int32, device="cuda")
     for step, (lr, wd) in enumerate([(1e-2, 0.0), (3e-3, 0.1), (1e-3, 0.01)]):
         grads = [randn(torch, gen, n, gd) for n in SIZES]
-        e.sign_sgd_step(params, grads, computes, lr=lr, weight_decay=wd)
-        if step == 2:  # lr and weight decay from device memory, the keywords ignored
+        e.step("sign_sgd", params, [], None, grads, computes, hyper=dict(lr=lr, weight_decay=wd))
+        if step == 2:  # lr and weight decay from device memory, the dict's ignored
             d_hyper = torch.tensor([lr, wd], dtype=torch.float64, device="cuda")
-            sc.sign_sgd_step(dev_p, [g.cuda() for g in grads], dev_c, found_inf=found,
-                             hyper=d_hyper, lr=0.5, weight_decay=0.0)
+            sc.optimizer_step("sign_sgd", dev_p, [], None, [g.cuda() for g in grads], dev_c,
+                              hyper=dict(lr=0.5, weight_decay=0.0), found_inf=found,
+                              step_hyper=d_hyper)
         else:
-            sc.sign_sgd_step(dev_p, [g.cuda() for g in grads], dev_c, lr=lr, weight_decay=wd)
+            sc.optimizer_step("sign_sgd", dev_p, [], None, [g.cuda() for g in grads], dev_c,
+                              hyper=dict(lr=lr, weight_decay=wd))
         torch.cuda.synchronize()
         assert_same_bits(params, dev_p, f"step {step}: params")
         assert_same_bits(computes, dev_c, f"step {step}: computes")
     found.fill_(1)
     before = [bits(t) for t in dev_p + dev_c]
-    sc.sign_sgd_step(dev_p, [g.cuda() for g in grads], dev_c, found_inf=found, lr=1e-2)
+    sc.optimizer_step("sign_sgd", dev_p, [], None, [g.cuda() for g in grads], dev_c,
+                      hyper=dict(lr=1e-2), found_inf=found)
     torch.cuda.synchronize()
     assert [bits(t) for t in dev_p + dev_c] == before
 

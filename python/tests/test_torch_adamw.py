@@ -695,7 +695,7 @@ class _GradSubclass(torch.Tensor):
 
 
 def test_grads_the_rows_do_not_take_go_through_the_list_path_with_torch_bits():
-    """Grads of a tensor subclass skip the cached rows (Engine.adamw_step on detached
+    """Grads of a tensor subclass skip the cached rows (Engine.step on detached
     tensors); the bits still equal torch's fused AdamW."""
     ours, ref, o, r, gen = twin_optimizers([5, 130], 25)
     for k in range(3):

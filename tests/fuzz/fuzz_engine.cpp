@@ -1,6 +1,6 @@
-// libFuzzer harness: every CPU engine entry point family (adamw_step, sign_sgd_step and
-// the generic step over OptimizerTensor records of every optimizer unit: AdamW, SignSGD,
-// Adam, SGD, Adagrad, Lion; accumulate, scale_, norm_partial of order 2 or 1, p_norm of the other
+// libFuzzer harness: every CPU engine entry point family (the step over OptimizerTensor
+// records of every optimizer unit: AdamW, SignSGD, Adam, SGD, Adagrad, Lion; accumulate,
+// scale_, norm_partial of order 2 or 1, p_norm of the other
 // orders, the order a fuzzed choice), and the generic device step
 // (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
 // its inputs in "device memory" it reads when it runs) on random tensor
@@ -105,7 +105,6 @@ struct Case {
   bool found_inf_given = false;
   std::int32_t found_inf = 0;
   bool exact = false;
-  bool generic = false;  // the engine runs AdamW / SignSGD through Engine::step
   // The optimizers run on the host device (Device::optimizer_step) instead of the engine,
   // lr and weight decay from its StepHyper when `hyper`.
   bool device = false;
@@ -113,29 +112,6 @@ struct Case {
   std::uint8_t norm_kind = 0;      // op 4: the norm's order, kNormKinds[norm_kind]
   DType param_dtype = DType::f32;  // params and state (docs/numerics.md 7.3)
 };
-
-// The generic records of AdamW tensors (slots exp_avg, exp_avg_sq) or SignSGD tensors.
-std::vector<OptimizerTensor> generic(const std::vector<AdamWTensor>& t) {
-  std::vector<OptimizerTensor> out(t.size());
-  for (std::size_t i = 0; i < t.size(); ++i) {
-    out[i].param = t[i].param;
-    out[i].state[0] = t[i].exp_avg;
-    out[i].state[1] = t[i].exp_avg_sq;
-    out[i].step = t[i].step;
-    out[i].grad = t[i].grad;
-    out[i].compute_param = t[i].compute_param;
-  }
-  return out;
-}
-std::vector<OptimizerTensor> generic(const std::vector<SignSgdTensor>& t) {
-  std::vector<OptimizerTensor> out(t.size());
-  for (std::size_t i = 0; i < t.size(); ++i) {
-    out[i].param = t[i].param;
-    out[i].grad = t[i].grad;
-    out[i].compute_param = t[i].compute_param;
-  }
-  return out;
-}
 
 Case decode(fuzz::Input& in) {
   Case c;
@@ -239,7 +215,9 @@ Case decode(fuzz::Input& in) {
   c.found_inf_given = in.flag();
   c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
   c.exact = in.flag();
-  c.generic = in.flag();
+  // A byte that once chose between two record types for ops 0 and 1 (there is one now):
+  // still read, so every input of the corpus decodes to the case it was found with.
+  (void)in.flag();
   c.device = in.flag();
   c.hyper = in.flag();
   c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
@@ -300,47 +278,40 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
     const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
     switch (c.op) {
       case 0: {
-        std::vector<AdamWTensor> t(c.n);
+        // AdamW's slots exp_avg, exp_avg_sq (amsgrad: its missing third slot is refused).
+        std::vector<OptimizerTensor> t(c.n);
         for (int i = 0; i < c.n; ++i) {
           const auto& s = c.slots[i];
           t[i].param = view(a, s[0]);
-          t[i].exp_avg = view(a, s[1]);
-          t[i].exp_avg_sq = view(a, s[2]);
+          t[i].state[0] = view(a, s[1]);
+          t[i].state[1] = view(a, s[2]);
           t[i].step = s[3].null ? nullptr : reinterpret_cast<float*>(a.bytes.data() + s[3].offset);
           t[i].grad = view(a, s[4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
         }
-        // Generic: both through OptimizerTensor, which also takes bf16/f16 params.
+        const std::span<const OptimizerTensor> ts(t);
         if (e && c.device)
-          device_step(generic(t), c.adamw, c, *table);
-        else if (e && c.generic)
-          e->step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
+          device_step(ts, c.adamw, c, *table);
         else if (e)
-          e->adamw_step(t, c.adamw, c.read, fi);
-        else if (c.generic)
-          reference::adamw_step(std::span<const OptimizerTensor>(generic(t)), c.adamw, c.read, fi);
+          e->step(ts, c.adamw, c.read, fi);
         else
-          reference::adamw_step(t, c.adamw, c.read, fi);
+          reference::adamw_step(ts, c.adamw, c.read, fi);
         break;
       }
       case 1: {
-        std::vector<SignSgdTensor> t(c.n);
+        std::vector<OptimizerTensor> t(c.n);  // the param alone: no slot, no counter
         for (int i = 0; i < c.n; ++i) {
           t[i].param = view(a, c.slots[i][0]);
           t[i].grad = view(a, c.slots[i][4]);
           if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
         }
+        const std::span<const OptimizerTensor> ts(t);
         if (e && c.device)
-          device_step(generic(t), c.sign, c, *table);
-        else if (e && c.generic)
-          e->step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read, fi);
+          device_step(ts, c.sign, c, *table);
         else if (e)
-          e->sign_sgd_step(t, c.sign, c.read, fi);
-        else if (c.generic)
-          reference::sign_sgd_step(std::span<const OptimizerTensor>(generic(t)), c.sign, c.read,
-                                   fi);
+          e->step(ts, c.sign, c.read, fi);
         else
-          reference::sign_sgd_step(t, c.sign, c.read, fi);
+          reference::sign_sgd_step(ts, c.sign, c.read, fi);
         break;
       }
       case 5:

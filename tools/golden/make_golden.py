@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 # Purpose: write the PyTorch golden files in tests/data/ that tests/test_golden.cpp replays
-# bit for bit against stepcore's scalar reference (AdamW torch formula, Adam and AdamW with
-# amsgrad/maximize, SignSGD, SGD, clip, Adagrad; Adam/AdamW/SGD/Adagrad with bf16/f16 params).
-"""Generate stepcore's golden files from PyTorch (CPU, f32), deterministically.
+# bit for bit: every optimizer file from one table (OPTIMIZERS: torch's class, the
+# hyper-parameters by stepcore's names, the state slots) through one writer; clip_grad_norm_
+# through its own; and the analysers that test the formula hypotheses behind docs/numerics.md.
+"""Generate stepcore's golden files from PyTorch (CPU), deterministically.
 
 Run from the repository root:
 
@@ -16,142 +17,13 @@ version and on its CPU capability (the AVX2 build here: `torch.backends.cpu.
 get_cpu_capability()`); both are written into every file's header and the script
 refuses to run on another capability unless --any-capability is given.
 
-File format (every file)
-------------------------
-Plain ASCII, one record per line: a keyword followed by space-separated tokens.
-Lines that are empty or start with '#' are comments. Numbers are:
-
-* f32 values: 8 hex digits, the IEEE binary32 bit pattern (e.g. 3f800000 = 1.0);
-* bf16 values: 4 hex digits, the bfloat16 bit pattern (e.g. 3f80 = 1.0);
-* hyper-parameters: Python's float.hex() of the exact double the trainer holds
-  (e.g. 0x1.0624dd2f1a9fcp-10 = 0.001), which C's strtod reads back exactly;
-* counts and indices: decimal.
-
-A tensor record is `<keyword> <tensor index> <word>...`: exactly as many words as the
-tensor has elements (none for an empty tensor).
-
-adamw_torch.txt -- torch.optim.AdamW(params, lr, betas, eps, weight_decay, fused=True)
-
-    case <name> <grad dtype: f32|bf16> <tensor count K> <step count S>
-    hparams <lr> <beta1> <beta2> <eps> <weight_decay>
-    sizes <n_0> ... <n_{K-1}>
-    init_param <t> <f32>...            K lines; exp_avg and exp_avg_sq start at +0
-    then S times:
-      step <s>                         s = 1..S
-      grad <t> <f32 or bf16>...        K lines, the gradient of this step
-      param <t> <f32>...               K lines each: the state after torch's step
-      exp_avg <t> <f32>...
-      exp_avg_sq <t> <f32>...
-      step_count <t> <f32>             torch's f32 state['step']
-    end
-
-  bf16 gradients are stored as their bf16 bits; torch was given the exactly widened f32
-  values (its fused kernel needs grad dtype == param dtype).
-
-adagrad_torch.txt -- torch.optim.Adagrad(params, lr, lr_decay, weight_decay,
-                     initial_accumulator_value, eps, maximize=..., fused=True), f32 params
-
-    case <name> <tensor count K> <step count S>
-    hparams <lr> <lr_decay> <weight_decay> <initial_accumulator_value> <eps> <maximize: 0|1>
-    sizes <n_0> ... <n_{K-1}>
-    init_param <t> <f32>...            K lines
-    init_sum <t> <f32>...              K lines: torch's state['sum'] after construction
-    then S times:
-      step <s>                         s = 1..S
-      grad <t> <f32>...                K lines, the gradient of this step
-      param <t> <f32>...               K lines each: the state after torch's step
-      sum <t> <f32>...
-      step_count <t> <f32>             torch's f32 state['step']
-    end
-
-  Case clr_fma has an lr chosen so that f32(clr) differs between the binary64 denominator
-  1 + (step - 1) * lr_decay rounded twice and rounded once (an FMA) at some of its steps.
-
-adam_torch.txt -- torch.optim.Adam or torch.optim.AdamW(params, lr, betas, eps, weight_decay,
-                  amsgrad, maximize, fused=True), f32 params and f32 gradients
-
-    case <name> <adam|adamw> <amsgrad: 0|1> <maximize: 0|1> <tensor count K> <step count S>
-    hparams <lr> <beta1> <beta2> <eps> <weight_decay>
-    sizes <n_0> ... <n_{K-1}>
-    init_param <t> <f32>...            K lines; exp_avg, exp_avg_sq (and max_exp_avg_sq) start
-                                       at +0
-    then S times:
-      step <s>                         s = 1..S
-      grad <t> <f32>...                K lines, the gradient of this step
-      param <t> <f32>...               K lines each: the state after torch's step
-      exp_avg <t> <f32>...
-      exp_avg_sq <t> <f32>...
-      max_exp_avg_sq <t> <f32>...      only when amsgrad is 1
-      step_count <t> <f32>             torch's f32 state['step']
-    end
-
-  Case names ending in "_nan" have NaN gradients; torch's NaN results are written with their
-  bits, but docs/numerics.md specifies only that they are NaN (a replay compares NaN-ness
-  there, bits everywhere else).
-
-sign_sgd.txt -- the plain PyTorch SignSGD a trainer writes, on f32 parameters:
-
-      if wd > 0: p.add_(p, alpha=-lr*wd)
-      p.add_(torch.sign(g), alpha=-lr)          g in its own dtype (f32 or bf16)
-
-    case <name> <grad dtype> <K> <S>
-    hparams <lr> <weight_decay>
-    sizes ...
-    init_param <t> <f32>...
-    then S times: step <s>, grad <t> ... (K lines), param <t> ... (K lines)
-    end
-
-sgd_torch.txt -- torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov,
-maximize, fused=True), f32 params and gradients:
-
-    case <name> <K> <S>
-    hparams <lr> <momentum> <dampening> <weight_decay> <nesterov: 0|1> <maximize: 0|1>
-    sizes <n_0> ... <n_{K-1}>
-    init_param <t> <f32>...            K lines
-    then S times:
-      step <s>                         s = 1..S (s = 1: torch's first step, no buffer yet)
-      grad <t> <f32>...                K lines, the gradient of this step
-      param <t> <f32>...               K lines: the parameter after torch's step
-      momentum_buffer <t> <f32>...     K lines, only when momentum != 0
-    end
-
-lowp_torch.txt -- torch.optim.Adam / AdamW / SGD / Adagrad(..., fused=True) with bf16 or f16
-params (gradients and state in the param's dtype; docs/numerics.md 7.3):
-
-    case <name> <adam|adamw|sgd|adagrad> <bf16|f16> <K> <S>
-    hparams <key>=<value>...           torch's constructor arguments in a fixed order per
-                                       optimizer (betas as beta1, beta2): doubles as
-                                       float.hex(), flags as 0|1
-    sizes <n_0> ... <n_{K-1}>
-    init_param <t> <16-bit>...         K lines; Adam's moments start at +0
-    init_sum <t> <16-bit>...           Adagrad only: torch's state['sum'] after construction
-    then S times:
-      step <s>
-      grad <t> <16-bit>...             K lines, in the param's dtype
-      param <t> <16-bit>...            K lines each: the param and every state slot the
-      <slot> <t> <16-bit>...           options use (exp_avg, exp_avg_sq, max_exp_avg_sq,
-                                       momentum_buffer, sum), after torch's step
-      step_count <t> <f32>             Adam, AdamW, Adagrad: torch's f32 state['step']
-    end
-
-clip_grad_norm.txt -- torch.nn.utils.clip_grad_norm_(params, max_norm) on f32 gradients:
-
-    case <name> <K> <check: bound|none>  bound: torch's norm is within the f32 summation
-                                       bound of the exact one; none: f32 squares underflow
-                                       or overflow in torch, no bound is claimed
-    max_norm <double> <f32>            the Python float, and f32(max_norm)
-    sizes ...
-    grad <t> <f32>...                  K lines: the gradients before clipping
-    norm_torch <f32>                   the total norm torch returned
-    norm_exact <f32>                   RN_f32(sqrt(sum x^2)), computed here exactly
-    coef_torch <f32>                   torch's clamped coefficient (see below)
-    clipped <t> <f32>...               K lines: torch's gradients after clipping
-    end
-
-  torch computes clamp(max_norm / (total_norm + 1e-6), max=1.0) in Python, and a float
-  divided by a Tensor is Tensor.__rtruediv__ = reciprocal() * other, so its coefficient
-  is min(1, RN(RN(1 / RN(norm + f32(1e-6))) * f32(max_norm))). The script recomputes that
-  expression with torch and checks that it reproduces every clipped gradient.
+The file format is tests/data/README.md's ("Format"). Every optimizer file
+(<group>_torch.txt) has one format, in stepcore's names: a case names its optimizer
+(OptimizerTraits' name), its hyper-parameters by OptimizerTraits' field names and its state
+by the unit's slot names, so tests/test_golden.cpp reads every optimizer with one loader.
+What ties those names to torch is OPTIMIZERS below, the one table of this script; FILES
+lists each file's cases. A torch-backed optimizer added to stepcore gets golden data from
+one OPTIMIZERS entry and a FILES entry with its cases (docs/adding-an-optimizer.md).
 """
 
 import argparse
@@ -162,8 +34,7 @@ from fractions import Fraction
 
 import torch
 
-SIZES_FULL = [1, 7, 8, 13, 16, 31, 33, 100, 257, 1025]
-SIZES_SMALL = [1, 7, 8, 13, 16, 31, 33, 100, 257]
+DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
 
 # ---------------------------------------------------------------- bit helpers
@@ -175,14 +46,13 @@ def f32_words(t):
     return " ".join("%08x" % (x & 0xFFFFFFFF) for x in u)
 
 
-def bf16_words(t):
-    assert t.dtype == torch.bfloat16
+def words(t):
+    """A tensor's bit patterns: 8 hex digits per f32 element, 4 per bf16 or f16 element."""
+    if t.dtype == torch.float32:
+        return f32_words(t)
+    assert t.dtype in (torch.bfloat16, torch.float16)
     u = t.detach().contiguous().view(torch.int16).tolist()
     return " ".join("%04x" % (x & 0xFFFF) for x in u)
-
-
-def words(t):
-    return f32_words(t) if t.dtype == torch.float32 else bf16_words(t)
 
 
 def bits_list(t):
@@ -205,6 +75,12 @@ def line(key, *toks):
 def tensor_line(key, idx, t):
     w = words(t)
     return f"{key} {idx} {w}" if w else f"{key} {idx}"
+
+
+def same_bits(a, b):
+    """Whether two tensors hold the same dtype and bit patterns."""
+    view = torch.int32 if a.dtype == torch.float32 else torch.int16
+    return a.dtype == b.dtype and torch.equal(a.view(view), b.view(view))
 
 
 # ---------------------------------------------------------------- exact arithmetic
@@ -275,7 +151,144 @@ def fma32(a, b, c):
     return 0.0
 
 
-# ---------------------------------------------------------------- AdamW
+def fma32_array(a, b, c):
+    """Elementwise fma of f32 numpy arrays, rounded once: the double sum where it is exact
+    (checked with TwoSum), fma32's exact arithmetic elsewhere."""
+    import numpy as np
+    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  np.asarray(c, np.float32))
+    prod = a.astype(np.float64) * b.astype(np.float64)      # exact: 24 + 24 bits
+    cd = c.astype(np.float64)
+    s = prod + cd
+    bb = s - prod
+    err = (prod - (s - bb)) + (cd - bb)
+    r = s.astype(np.float32)
+    for i in np.nonzero(err != 0)[0]:
+        r[i] = fma32(float(a[i]), float(b[i]), float(c[i]))
+    return r
+
+
+def double_fma(a, b, c):
+    """RN_double(a*b + c) for doubles, exactly (Fractions)."""
+    return float(Fraction(a) * Fraction(b) + Fraction(c))
+
+
+# ---------------------------------------------------------------- the optimizers: one table
+
+class PlainSignSgd(torch.optim.Optimizer):
+    """The SignSGD a trainer writes in plain PyTorch (torch.optim has none), on the widened
+    gradient (torch.sign of a bf16 gradient gives the same bits: check_sign_and_add):
+
+        if wd > 0: p.add_(p, alpha=-lr*wd)
+        p.add_(torch.sign(g), alpha=-lr)
+    """
+
+    def __init__(self, params, lr, weight_decay):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if wd > 0:
+                    p.add_(p, alpha=-lr * wd)
+                p.add_(torch.sign(p.grad), alpha=-lr)
+
+
+def fused(cls):
+    """A torch.optim class with fused=True (its fused CPU kernel)."""
+    return lambda params, **kw: cls(params, fused=True, **kw)
+
+
+def same_names(hp):
+    """Hyper-parameters whose names torch shares."""
+    return dict(hp)
+
+
+def adam_names(hp):
+    """The Adam family's: beta1 and beta2 as torch's betas; `formula` is stepcore's (which
+    arithmetic it reproduces: torch's), not torch's."""
+    kw = {k: v for k, v in hp.items() if k != "formula"}
+    kw["betas"] = (kw.pop("beta1"), kw.pop("beta2"))
+    return kw
+
+
+# Every optimizer torch runs for the golden files, by its OptimizerTraits name
+# (include/stepcore/optim.hpp): `make` builds torch's optimizer from the keyword arguments
+# `args` gives for the hyper-parameters; `fields` are OptimizerTraits' fields in their order
+# (the machine ones left out: the golden set is the torch build), `defaults` fills those a
+# case does not give; `slots` are the unit's state slots in their order (core/optimizers:
+# kSlotNames, torch's state keys too: run_case asserts it) and `used(hp)` how many of them
+# the configuration uses (the unit's slots(variant)). Lion has none: torch has no Lion.
+OPTIMIZERS = {
+    "adamw": dict(make=fused(torch.optim.AdamW), args=adam_names,
+                  fields=["lr", "beta1", "beta2", "eps", "weight_decay", "formula", "amsgrad",
+                          "maximize"],
+                  defaults=dict(formula="torch", amsgrad=False, maximize=False),
+                  slots=["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+                  used=lambda hp: 3 if hp["amsgrad"] else 2),
+    "sign_sgd": dict(make=PlainSignSgd, args=same_names, fields=["lr", "weight_decay"],
+                     defaults={}, slots=[], used=lambda hp: 0),
+    "adam": dict(make=fused(torch.optim.Adam), args=adam_names,
+                 fields=["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
+                 defaults=dict(amsgrad=False, maximize=False),
+                 slots=["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
+                 used=lambda hp: 3 if hp["amsgrad"] else 2),
+    "sgd": dict(make=fused(torch.optim.SGD), args=same_names,
+                fields=["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"],
+                defaults=dict(dampening=0.0, nesterov=False, maximize=False),
+                slots=["momentum_buffer"], used=lambda hp: 1 if hp["momentum"] != 0 else 0),
+    "adagrad": dict(make=fused(torch.optim.Adagrad), args=same_names,
+                    fields=["lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                            "maximize"],
+                    defaults=dict(maximize=False), slots=["sum"], used=lambda hp: 1),
+}
+
+
+def hparams(opt, hp):
+    """Every field of optimizer `opt` in its order: the value given in hp, else the default."""
+    spec = OPTIMIZERS[opt]
+    unknown = set(hp) - set(spec["fields"])
+    assert not unknown, f"{opt}: no hyper-parameters {sorted(unknown)}"
+    out = {}
+    for k in spec["fields"]:
+        assert k in hp or k in spec["defaults"], f"{opt}: hyper-parameter {k} missing"
+        out[k] = hp.get(k, spec["defaults"].get(k))
+    return out
+
+
+def used_slots(opt, hp):
+    """The state slots optimizer `opt` keeps with hyper-parameters hp (every field given)."""
+    spec = OPTIMIZERS[opt]
+    return spec["slots"][:spec["used"](hp)]
+
+
+def make_optimizer(opt, params, hp):
+    """torch's optimizer `opt` over params, with hyper-parameters hp (stepcore's names)."""
+    spec = OPTIMIZERS[opt]
+    return spec["make"](params, **spec["args"](hparams(opt, hp)))
+
+
+def hparam_token(v):
+    """A hyper-parameter as the files write it: a flag 0|1, a name, or a double's hex."""
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, str):
+        return v
+    return float(v).hex()
+
+
+def hparam_decimal(v):
+    """The same for a comment a reader reads: doubles as Python prints them."""
+    return repr(float(v)) if not isinstance(v, (bool, str)) else hparam_token(v)
+
+
+# ---------------------------------------------------------------- inputs
+#
+# Each case's `inputs(gen, case)` returns its initial parameters (in the param dtype) and a
+# function giving the gradients of step s (1-based, in the gradient dtype), drawn from the
+# case's generator in that order.
 
 def make_grad(gen, n, scale, dtype, specials):
     g = torch.randn(n, generator=gen, dtype=torch.float32) * scale
@@ -289,159 +302,197 @@ def make_grad(gen, n, scale, dtype, specials):
     return g.to(dtype)
 
 
-def run_adamw(case, threads):
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(case["seed"])
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.5) for n in case["sizes"]]
-    out = {"init": [p.detach().clone() for p in params], "steps": []}
-    opt = torch.optim.AdamW(params, lr=case["lr"], betas=case["betas"], eps=case["eps"],
-                            weight_decay=case["wd"], fused=True)
-    for s, scale in enumerate(case["grad_scales"], start=1):
-        grads = [make_grad(gen, n, scale, case["gdtype"], case["specials"]) for n in case["sizes"]]
-        for p, g in zip(params, grads):
-            p.grad = g.float()              # exact widening for bf16
-        opt.step()
-        rec = {"grads": grads, "param": [], "exp_avg": [], "exp_avg_sq": [], "step": []}
-        for p in params:
-            st = opt.state[p]
-            rec["param"].append(p.detach().clone())
-            rec["exp_avg"].append(st["exp_avg"].clone())
-            rec["exp_avg_sq"].append(st["exp_avg_sq"].clone())
-            assert st["step"].dtype == torch.float32
-            rec["step"].append(st["step"].clone().reshape(1))
-        out["steps"].append(rec)
-    return out
+def moments_inputs(gen, case):
+    """AdamW's and Adam's: parameters ~N(0, 0.25); gradients ~N(0, 1) times the step's
+    scale with, when `specials`, exact +-0, a tiny and a large element, in the case's gradient
+    dtype; NaN in the first and the last element of every tensor at step `nan_step`."""
+    init = [torch.randn(n, generator=gen) * 0.5 for n in case["sizes"]]
+
+    def grads(s):
+        gs = [make_grad(gen, n, case["scales"][s - 1], grad_dtype(case), case["specials"])
+              for n in case["sizes"]]
+        if case.get("nan_step") == s:
+            for g in gs:
+                if g.numel():
+                    g[0] = float("nan")
+                    g[-1] = float("nan")
+        return gs
+    return init, grads
 
 
-def same_bits(a, b):
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int32) if a.dtype == torch.float32
-                                              else a.view(torch.int16),
-                                              b.view(torch.int32) if b.dtype == torch.float32
-                                              else b.view(torch.int16))
+def adagrad_init(gen, sizes):
+    """Random parameters with a +0 and a -0 in each tensor of 3+ elements (their indices
+    are returned, so the first step can give them zero gradients)."""
+    params, zeros = [], []
+    for n in sizes:
+        p = torch.randn(n, generator=gen) * 0.5
+        z = None
+        if n >= 3:
+            idx = torch.randperm(n, generator=gen)[:2].tolist()
+            p[idx[0]] = 0.0
+            p[idx[1]] = -0.0
+            z = idx
+        params.append(p)
+        zeros.append(z)
+    return params, zeros
+
+
+def adagrad_inputs(gen, case):
+    """Adagrad's: adagrad_init's parameters; AdamW's gradients (with the specials), the
+    zero parameters given +-0 gradients in step 1."""
+    init, zeros = adagrad_init(gen, case["sizes"])
+
+    def grads(s):
+        gs = [make_grad(gen, n, case["scales"][s - 1], torch.float32, True) for n in case["sizes"]]
+        if s == 1:  # zero gradients of both signs on the zero parameters
+            for t, z in enumerate(zeros):
+                if z is not None:
+                    gs[t][z[0]] = -0.0
+                    gs[t][z[1]] = 0.0 if t % 2 == 0 else -0.0
+        return gs
+    return init, grads
+
+
+def fma_discriminating_params(gen, count, c):
+    """f32 values p for which fma(p, c, p) != p + RN(p*c): they tell an FMA decay apart."""
+    found = []
+    while len(found) < count:
+        xs = torch.randn(4096, generator=gen)
+        sep = xs + xs * c
+        dbl = (xs.double() * float(c) + xs.double()).float()  # candidates only
+        for i in torch.nonzero(sep != dbl).flatten().tolist():
+            x = xs[i].item()
+            if f32_bits_of(fma32(x, float(c), x)) != f32_bits_of(sep[i].item()):
+                found.append(x)
+    return found[:count]
+
+
+def sign_sgd_init(gen, case):
+    """Initial parameters: random, one +0 and one -0 per tensor (their indices are returned),
+    and, with weight decay, a quarter of values whose decay rounds differently with and
+    without an FMA."""
+    lr, wd = case["hp"]["lr"], case["hp"]["weight_decay"]
+    params = [torch.randn(n, generator=gen) for n in case["sizes"]]
+    c = f32_value(-lr * wd) if wd > 0 else None
+    zeros = []
+    for p in params:
+        n = p.numel()
+        idx = torch.randperm(n, generator=gen).tolist()
+        if n >= 3:
+            p[idx[0]] = 0.0
+            p[idx[1]] = -0.0
+            zeros.append((idx[0], idx[1]))
+        else:
+            zeros.append(None)
+        if c is not None and n >= 8:
+            k = n // 4
+            vals = fma_discriminating_params(gen, k, torch.tensor(c, dtype=torch.float32))
+            for j, v in zip(idx[2:2 + k], vals):
+                p[j] = v
+    return params, zeros
+
+
+def sign_sgd_grad(gen, n, dtype, nan=False):
+    g = torch.randn(n, generator=gen)
+    kind = torch.randint(0, 10, (n,), generator=gen)
+    g[kind == 0] = 0.0
+    g[kind == 1] = -0.0
+    g[kind == 2] *= 1e-30          # tiny: still a sign (bf16 keeps it)
+    if nan:
+        g[kind == 3] = float("nan")
+    return g.to(dtype)
+
+
+def sign_sgd_inputs(gen, case):
+    """SignSGD's: sign_sgd_init's parameters; gradients ~N(0, 1) with exact +0 and -0 (10 %
+    each) and tiny ones (10 %), NaN (10 %) when `nan`; the zero parameters given +-0
+    gradients in step 1, so sign(+-0) and the sign of the zero sum p + sign(g) * -lr show."""
+    init, zeros = sign_sgd_init(gen, case)
+
+    def grads(s):
+        gs = [sign_sgd_grad(gen, n, grad_dtype(case), case.get("nan", False))
+              for n in case["sizes"]]
+        if s == 1:
+            for t, z in enumerate(zeros):
+                if z is not None:
+                    gs[t][z[0]] = -0.0
+                    gs[t][z[1]] = -0.0 if t % 2 == 0 else 0.0
+        return gs
+    return init, grads
+
+
+def sgd_grad(gen, n, scale):
+    """Gradients of magnitude ~scale (each element times 0.1, 1 or 10), with exact +0 and
+    -0 (10 % each) and tiny values (10 %, times 1e-30)."""
+    g = torch.randn(n, generator=gen) * scale
+    g *= 10.0 ** torch.randint(-1, 2, (n,), generator=gen).float()
+    kind = torch.randint(0, 10, (n,), generator=gen)
+    g[kind == 0] = 0.0
+    g[kind == 1] = -0.0
+    g[kind == 2] *= 1e-30
+    return g
+
+
+def standard_inputs(gen, case):
+    """The inputs a new optimizer's cases can take: parameters ~N(0, 0.25), each tensor of
+    3+ elements starting with a +0 and a -0, rounded to the param dtype; sgd_grad's
+    gradients (x0.1/1/10, +-0, tiny) times the step's scale, rounded to the gradient dtype."""
+    init = []
+    for n in case["sizes"]:
+        p = torch.randn(n, generator=gen) * 0.5
+        if n >= 3:
+            p[0], p[1] = 0.0, -0.0
+        init.append(p.to(param_dtype(case)))
+
+    def grads(s):
+        return [sgd_grad(gen, n, case["scales"][s - 1]).to(grad_dtype(case))
+                for n in case["sizes"]]
+    return init, grads
+
+
+# ---------------------------------------------------------------- the cases
+#
+# A case: name, opt (an OPTIMIZERS key), hp (its hyper-parameters by stepcore's names; the
+# defaults fill the rest), sizes, seed, inputs, scales (one gradient scale per step; its
+# length is the step count), dtype (the param dtype, default f32), gdtype (the gradient
+# dtype, default the param's), and what its inputs read.
+
+def param_dtype(case):
+    return case.get("dtype", torch.float32)
+
+
+def grad_dtype(case):
+    return case.get("gdtype", param_dtype(case))
+
+
+SIZES_FULL = [1, 7, 8, 13, 16, 31, 33, 100, 257, 1025]
+SIZES_SMALL = [1, 7, 8, 13, 16, 31, 33, 100, 257]
 
 
 def adamw_cases():
-    d = (0.9, 0.999)
+    def hp(lr, b1, b2, eps, wd):
+        return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+    common = dict(opt="adamw", inputs=moments_inputs)
     return [
-        dict(name="f32_default_wd", gdtype=torch.float32, sizes=SIZES_FULL, lr=1e-3, betas=d,
-             eps=1e-8, wd=0.01, seed=101, grad_scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
-        dict(name="f32_beta1_0.3_wd0", gdtype=torch.float32, sizes=SIZES_SMALL, lr=1e-2,
-             betas=(0.3, 0.95), eps=1e-8, wd=0.0, seed=102, grad_scales=[1.0, 0.1, 1.0, 5.0, 1.0],
+        dict(common, name="f32_default_wd", gdtype=torch.float32, sizes=SIZES_FULL, seed=101,
+             hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.01), scales=[1.0, 1e-2, 10.0, 1.0, 1e-4],
              specials=True),
-        dict(name="f32_beta1_0.5_wd", gdtype=torch.float32, sizes=SIZES_SMALL, lr=3e-3,
-             betas=(0.5, 0.99), eps=1e-6, wd=0.1, seed=103, grad_scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
+        dict(common, name="f32_beta1_0.3_wd0", gdtype=torch.float32, sizes=SIZES_SMALL, seed=102,
+             hp=hp(1e-2, 0.3, 0.95, 1e-8, 0.0), scales=[1.0, 0.1, 1.0, 5.0, 1.0], specials=True),
+        dict(common, name="f32_beta1_0.5_wd", gdtype=torch.float32, sizes=SIZES_SMALL, seed=103,
+             hp=hp(3e-3, 0.5, 0.99, 1e-6, 0.1), scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
              specials=False),
-        dict(name="bf16_default_wd0", gdtype=torch.bfloat16, sizes=SIZES_FULL, lr=1e-3, betas=d,
-             eps=1e-8, wd=0.0, seed=104, grad_scales=[1.0, 1.0, 1e-2, 10.0, 1.0], specials=True),
-        dict(name="bf16_beta1_0.3_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL, lr=1e-2,
-             betas=(0.3, 0.999), eps=1e-8, wd=0.05, seed=105, grad_scales=[1.0, 0.5, 1.0, 1.0, 3.0],
+        dict(common, name="bf16_default_wd0", gdtype=torch.bfloat16, sizes=SIZES_FULL, seed=104,
+             hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.0), scales=[1.0, 1.0, 1e-2, 10.0, 1.0],
+             specials=True),
+        dict(common, name="bf16_beta1_0.3_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL, seed=105,
+             hp=hp(1e-2, 0.3, 0.999, 1e-8, 0.05), scales=[1.0, 0.5, 1.0, 1.0, 3.0],
              specials=True),
     ]
 
 
-def write_adamw(path, header):
-    lines = list(header)
-    lines += ["# torch.optim.AdamW(params, lr, betas, eps, weight_decay, fused=True), f32 params."]
-    for case in adamw_cases():
-        a = run_adamw(case, 1)
-        b = run_adamw(case, 2)
-        for ra, rb in zip(a["steps"], b["steps"]):
-            for key in ("param", "exp_avg", "exp_avg_sq"):
-                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
-                    f"{case['name']}: thread count changed {key}"
-        torch.set_num_threads(1)
-        K, S = len(case["sizes"]), len(case["grad_scales"])
-        dt = "f32" if case["gdtype"] == torch.float32 else "bf16"
-        lines.append(f"# lr={case['lr']!r} betas={case['betas']!r} eps={case['eps']!r} "
-                     f"weight_decay={case['wd']!r} seed={case['seed']}")
-        lines.append(line("case", case["name"], dt, K, S))
-        lines.append(line("hparams", case["lr"].hex(), case["betas"][0].hex(),
-                          case["betas"][1].hex(), case["eps"].hex(), case["wd"].hex()))
-        lines.append(line("sizes", *case["sizes"]))
-        for t, p in enumerate(a["init"]):
-            lines.append(tensor_line("init_param", t, p))
-        for s, rec in enumerate(a["steps"], start=1):
-            lines.append(line("step", s))
-            for t, g in enumerate(rec["grads"]):
-                lines.append(tensor_line("grad", t, g))
-            for key in ("param", "exp_avg", "exp_avg_sq"):
-                for t, x in enumerate(rec[key]):
-                    lines.append(tensor_line(key, t, x))
-            for t, x in enumerate(rec["step"]):
-                lines.append(tensor_line("step_count", t, x))
-        lines.append("end")
-    write(path, lines)
-
-
-def analyze_adamw():
-    """Per element, which rounding of m, v and p reproduces torch: the evidence behind the
-    torch formula. numpy float32 scalars for the correctly rounded operations (torch.sqrt
-    on f32 tensors is not correctly rounded on CPU, so it is not used here), Fractions for
-    exact FMAs. body = the first numel - numel % 8 elements, tail = the rest."""
-    import numpy as np
-    F = np.float32
-    for case in adamw_cases():
-        a = run_adamw(case, 1)
-        lr, (b1, b2), eps, wd = case["lr"], case["betas"], case["eps"], case["wd"]
-        tally = {}
-
-        def score(region, cands, want_bits, always=False):
-            got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
-            if always or len(set(got.values())) > 1:
-                for k, b in got.items():
-                    tot, ok = tally.get((region, k), (0, 0))
-                    tally[(region, k)] = (tot + 1, ok + (b == want_bits))
-
-        prev = {"param": a["init"], "exp_avg": [torch.zeros(n) for n in case["sizes"]],
-                "exp_avg_sq": [torch.zeros(n) for n in case["sizes"]]}
-        for s, rec in enumerate(a["steps"], start=1):
-            w = F(1 - b1)
-            small = abs(w) < F(0.5)
-            coeff = w if small else F(w - F(1))
-            b2f, c2, dec = F(b2), F(1 - b2), F(1 - lr * wd)
-            ss, bc2s, ef = F(-(lr / (1 - b1 ** s))), F(math.sqrt(1 - b2 ** s)), F(eps)
-            for t, n in enumerate(case["sizes"]):
-                g = rec["grads"][t].float().numpy()
-                p0, m0, v0 = (prev[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
-                p1, m1, v1 = (rec[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
-                for i in range(n):
-                    region = "body" if i < n - n % 8 else "tail"
-                    diff = F(g[i] - m0[i])
-                    score(region, {"m=fma(coeff,g-m,m or g)": fma32(float(coeff), float(diff),
-                                                                  float(m0[i] if small else g[i])),
-                                   "m=(m or g)+coeff*(g-m)": F((m0[i] if small else g[i]) + F(coeff * diff))},
-                          f32_bits_of(float(m1[i])), always=True)
-                    cg = F(c2 * g[i])
-                    cgg = F(cg * g[i])
-                    vb = F(v0[i] * b2f)
-                    score(region, {"v=(v*b2)+cgg": F(vb + cgg),
-                                   "v=fma(v,b2,cgg)": fma32(float(v0[i]), float(b2f), float(cgg)),
-                                   "v=fma(c2*g,g,v*b2)": fma32(float(cg), float(g[i]), float(vb))},
-                          f32_bits_of(float(v1[i])))
-                    # p from torch's own m and v, so only the p rounding is under test
-                    den = F(F(np.sqrt(v1[i]) / bc2s) + ef)
-                    upd = F(F(ss * m1[i]) / den)
-                    if wd != 0:
-                        score(region, {"p=(p*decay)+upd": F(F(p0[i] * dec) + upd),
-                                       "p=fma(p,decay,upd)": fma32(float(p0[i]), float(dec), float(upd))},
-                              f32_bits_of(float(p1[i])), always=True)
-                    else:
-                        score(region, {"p=p+upd": F(p0[i] + upd)}, f32_bits_of(float(p1[i])), always=True)
-            prev = rec
-        print(f"AdamW {case['name']}: matches / elements compared (v: only where the candidates differ)")
-        for (region, k), (tot, ok) in sorted(tally.items()):
-            print(f"  {region:4s} {k:26s} {ok:6d} / {tot}")
-
-
-# ---------------------------------------------------------------- Adagrad
-
 SIZES_ADAGRAD = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
 SIZES_ADAGRAD_SMALL = [0, 1, 7, 8, 9, 31, 32, 33, 100]
-
-
-def double_fma(a, b, c):
-    """RN_double(a*b + c) for doubles, exactly (Fractions)."""
-    return float(Fraction(a) * Fraction(b) + Fraction(c))
 
 
 def clr_candidates(lr, lr_decay, step):
@@ -471,117 +522,337 @@ def clr_fma_lr(lr_decay, steps, near):
     raise RuntimeError("no lr found")
 
 
+def adagrad_case(name, sizes, seed, scales, lr, lr_decay, wd, iav, eps, maximize):
+    return dict(name=name, opt="adagrad", inputs=adagrad_inputs, sizes=sizes, seed=seed,
+                scales=scales, hp=dict(lr=lr, lr_decay=lr_decay, weight_decay=wd,
+                                       initial_accumulator_value=iav, eps=eps, maximize=maximize))
+
+
 def adagrad_cases():
-    cases = [
-        dict(name="default", sizes=SIZES_ADAGRAD, lr=1e-2, lr_decay=0.0, wd=0.0, iav=0.0,
-             eps=1e-10, maximize=False, seed=401, grad_scales=[1.0, 1e-2, 10.0]),
-        dict(name="iav0.1_wd_lr_decay", sizes=SIZES_ADAGRAD, lr=1e-2, lr_decay=1e-3, wd=0.1,
-             iav=0.1, eps=1e-10, maximize=False, seed=402, grad_scales=[1.0, 3.0, 1e-3]),
-        dict(name="maximize_wd_eps1e-6", sizes=SIZES_ADAGRAD_SMALL, lr=5e-2, lr_decay=1e-2,
-             wd=1e-2, iav=0.0, eps=1e-6, maximize=True, seed=403,
-             grad_scales=[1.0, 0.1, 10.0, 1.0, 1e-4]),
-        dict(name="iav0.1_eps1e-3_lr_decay0.5", sizes=SIZES_ADAGRAD_SMALL, lr=1e-1,
-             lr_decay=0.5, wd=0.0, iav=0.1, eps=1e-3, maximize=False, seed=404,
-             grad_scales=[1.0, 1e-2, 1.0, 5.0, 1.0]),
-        dict(name="maximize_iav0.1_wd0.5_eps0", sizes=SIZES_ADAGRAD_SMALL, lr=1e-2,
-             lr_decay=0.0, wd=0.5, iav=0.1, eps=0.0, maximize=True, seed=405,
-             grad_scales=[1.0, 1.0, 1e-3, 10.0, 1.0, 0.5]),
-        dict(name="wd_iav0_eps1e-8", sizes=SIZES_ADAGRAD_SMALL, lr=3e-3, lr_decay=0.0,
-             wd=0.3, iav=0.0, eps=1e-8, maximize=False, seed=406,
-             grad_scales=[1.0, 10.0, 0.1, 1.0, 1.0]),
+    full, small = SIZES_ADAGRAD, SIZES_ADAGRAD_SMALL
+    lr_decay = 0.047  # its two denominators differ at step 6 (case clr_fma)
+    return [
+        adagrad_case("default", full, 401, [1.0, 1e-2, 10.0], 1e-2, 0.0, 0.0, 0.0, 1e-10, False),
+        adagrad_case("iav0.1_wd_lr_decay", full, 402, [1.0, 3.0, 1e-3], 1e-2, 1e-3, 0.1, 0.1,
+                     1e-10, False),
+        adagrad_case("maximize_wd_eps1e-6", small, 403, [1.0, 0.1, 10.0, 1.0, 1e-4], 5e-2, 1e-2,
+                     1e-2, 0.0, 1e-6, True),
+        adagrad_case("iav0.1_eps1e-3_lr_decay0.5", small, 404, [1.0, 1e-2, 1.0, 5.0, 1.0], 1e-1,
+                     0.5, 0.0, 0.1, 1e-3, False),
+        adagrad_case("maximize_iav0.1_wd0.5_eps0", small, 405, [1.0, 1.0, 1e-3, 10.0, 1.0, 0.5],
+                     1e-2, 0.0, 0.5, 0.1, 0.0, True),
+        adagrad_case("wd_iav0_eps1e-8", small, 406, [1.0, 10.0, 0.1, 1.0, 1.0], 3e-3, 0.0, 0.3,
+                     0.0, 1e-8, False),
+        adagrad_case("clr_fma", small, 407, [1.0] * 6, clr_fma_lr(lr_decay, 6, 1e-2), lr_decay,
+                     0.0, 0.0, 1e-10, False),
     ]
-    lr_decay = 0.047  # its two denominators differ at step 6
-    cases.append(dict(name="clr_fma", sizes=SIZES_ADAGRAD_SMALL,
-                      lr=clr_fma_lr(lr_decay, 6, 1e-2), lr_decay=lr_decay, wd=0.0, iav=0.0,
-                      eps=1e-10, maximize=False, seed=407, grad_scales=[1.0] * 6))
+
+
+SIZES_ADAM_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
+SIZES_ADAM_SMALL = [0, 1, 7, 8, 9, 31, 32, 33, 100]
+
+
+def adam_case(name, opt, ams, maxi, sizes, seed, scales, lr, betas, eps, wd, specials=True,
+              **extra):
+    return dict(name=name, opt=opt, inputs=moments_inputs, sizes=sizes, seed=seed,
+                scales=scales, specials=specials,
+                hp=dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=wd,
+                        amsgrad=ams, maximize=maxi), **extra)
+
+
+def adam_cases():
+    d = (0.9, 0.999)
+    full, small = SIZES_ADAM_FULL, SIZES_ADAM_SMALL
+    return [
+        adam_case("adam_wd_full", "adam", False, False, full, 401, [1.0, 1e-2], 1e-3, d, 1e-8, 0.1),
+        adam_case("adam_ams_max_wd_beta1_0.3_full", "adam", True, True, full, 402, [1.0, 1e-2],
+                  3e-3, (0.3, 0.95), 1e-8, 0.37),
+        adam_case("adam_wd0", "adam", False, False, small, 403, [1.0, 0.1, 10.0, 1e-4], 1e-2, d,
+                  1e-8, 0.0),
+        adam_case("adam_ams_wd", "adam", True, False, small, 404, [1.0, 1e-2, 3.0, 1e-3], 1e-3, d,
+                  1e-8, 0.01),
+        adam_case("adam_max_wd0_beta1_0.5", "adam", False, True, small, 405,
+                  [1.0, 2.0, 1e-3, 1.0], 1e-2, (0.5, 0.99), 1e-6, 0.0),
+        adam_case("adam_max_wd", "adam", False, True, small, 406, [1.0, 0.5, 1e-2, 1.0], 1e-3,
+                  (0.8, 0.9), 1e-8, 0.3),
+        adam_case("adamw_ams_wd", "adamw", True, False, small, 407, [1.0, 1e-2, 3.0, 1e-3], 1e-3,
+                  d, 1e-8, 0.01),
+        adam_case("adamw_max_beta1_0.3", "adamw", False, True, small, 408, [1.0, 0.1, 1.0, 5.0],
+                  1e-2, (0.3, 0.999), 1e-8, 0.1),
+        adam_case("adamw_ams_max_wd0", "adamw", True, True, small, 409, [1.0, 1e-3, 1.0, 1e-2],
+                  1e-2, (0.9, 0.99), 1e-8, 0.0),
+        adam_case("adamw_ams_max_wd_full", "adamw", True, True, full, 410, [1.0, 1e-2], 1e-3, d,
+                  1e-8, 0.05),
+        # NaN gradients in step 2: amsgrad's maximum propagates NaN in torch's vector body
+        # and keeps the old maximum in its scalar tail (std::max with a NaN second operand)
+        adam_case("adam_ams_wd_nan", "adam", True, False, [7, 9, 16, 17], 411, [1.0, 1.0, 1.0],
+                  1e-3, d, 1e-8, 0.01, specials=False, nan_step=2),
+    ]
+
+
+def sign_sgd_cases():
+    def case(name, gdtype, sizes, lr, wd, seed, steps=3, **extra):
+        return dict(name=name, opt="sign_sgd", inputs=sign_sgd_inputs, gdtype=gdtype,
+                    sizes=sizes, seed=seed, scales=[1.0] * steps,
+                    hp=dict(lr=lr, weight_decay=wd), **extra)
+    return [
+        case("f32_wd0", torch.float32, SIZES_FULL, 1e-3, 0.0, 201),
+        case("f32_wd", torch.float32, SIZES_SMALL, 5e-2, 0.5, 202),
+        case("bf16_wd", torch.bfloat16, SIZES_FULL, 1e-2, 0.01, 203),
+        case("bf16_wd0", torch.bfloat16, SIZES_SMALL, 3e-4, 0.0, 204),
+        # NaN gradients: torch.sign(NaN) = +0, a deliberate difference (docs/numerics.md 8)
+        case("f32_nan_grad", torch.float32, [7, 33], 1e-2, 0.1, 205, steps=1, nan=True),
+    ]
+
+
+SGD_SIZES_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
+SGD_SIZES_SMALL = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33]
+
+
+def sgd_cases():
+    def case(name, sizes, lr, mom, damp, wd, nest, maxi, seed, scales):
+        return dict(name=name, opt="sgd", inputs=standard_inputs, sizes=sizes, seed=seed,
+                    scales=scales, hp=dict(lr=lr, momentum=mom, dampening=damp, weight_decay=wd,
+                                           nesterov=nest, maximize=maxi))
+    F, S = SGD_SIZES_FULL, SGD_SIZES_SMALL
+    return [
+        case("mom0_wd0", F, 1e-2, 0.0, 0.0, 0.0, False, False, 401, [1.0, 1e-3, 10.0]),
+        case("mom0.9_damp0.1_wd", F, 0.1, 0.9, 0.1, 0.05, False, False, 402, [1.0, 0.1, 3.0]),
+        case("nesterov_wd_maximize", F, 3e-2, 0.9, 0.0, 0.1, True, True, 403, [0.1, 1.0, 0.01]),
+        case("mom0.9_plain", S, 1e-3, 0.9, 0.0, 0.0, False, False, 404, [1.0, 0.5, 2.0, 1e-4]),
+        case("mom0.9_damp0.1_maximize", S, 0.1, 0.9, 0.1, 0.0, False, True, 405,
+             [1.0, 10.0, 0.1, 1.0]),
+        case("mom0_wd_maximize", S, 0.1, 0.0, 0.0, 0.1, False, True, 406, [0.05, 1.0, 0.1, 1.0]),
+        case("nesterov_0.5_wd", S, 5e-2, 0.5, 0.0, 0.01, True, False, 407, [1.0, 0.01, 1.0, 0.1]),
+        case("mom0.99_damp0.5_wd", S, 1e-2, 0.99, 0.5, 1e-4, False, False, 408,
+             [1.0, 1.0, 1e-2, 5.0]),
+    ]
+
+
+LOWP_SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 100]
+LOWP_SIZES_FULL = LOWP_SIZES + [1023, 1024, 1025]
+LOWP_TAIL_SIZES = [15] * 40 + [31] * 20 + [9] * 20   # mostly tail: W' = 16 against 8
+
+
+def lowp_cases():
+    """Each configuration with bf16 and with f16 params (gradients and state in the param's
+    dtype), the f16 one drawn from seed + 50."""
+    configs = [
+        ("adam_default", "adam", LOWP_SIZES_FULL, 601, 3,
+         dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)),
+        ("adam_l2_amsgrad", "adam", LOWP_SIZES, 602, 5,
+         dict(lr=1e-2, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.1, amsgrad=True)),
+        ("adam_maximize_tail", "adam", LOWP_TAIL_SIZES, 603, 6,
+         dict(lr=1e-2, beta1=0.3, beta2=0.6, eps=1e-8, weight_decay=0.0, maximize=True)),
+        ("adamw_wd", "adamw", LOWP_SIZES_FULL, 604, 3,
+         dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)),
+        ("adamw_amsgrad_maximize", "adamw", LOWP_SIZES, 605, 5,
+         dict(lr=3e-3, beta1=0.5, beta2=0.99, eps=1e-8, weight_decay=0.1, amsgrad=True,
+              maximize=True)),
+        ("sgd_plain", "sgd", LOWP_SIZES, 606, 4,
+         dict(lr=1e-1, momentum=0.0, dampening=0.0, weight_decay=0.0)),
+        ("sgd_momentum_wd", "sgd", LOWP_SIZES_FULL, 607, 3,
+         dict(lr=1e-1, momentum=0.9, dampening=0.1, weight_decay=0.05)),
+        ("sgd_nesterov_maximize_tail", "sgd", LOWP_TAIL_SIZES, 608, 6,
+         dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True,
+              maximize=True)),
+        ("adagrad_default", "adagrad", LOWP_SIZES_FULL, 609, 3,
+         dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10)),
+        ("adagrad_decay_iav_maximize", "adagrad", LOWP_SIZES, 610, 5,
+         dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2, initial_accumulator_value=0.1, eps=1e-6,
+              maximize=True)),
+    ]
+    cases = []
+    for name, opt, sizes, seed, steps, hp in configs:
+        for dtype, offset in ((torch.bfloat16, 0), (torch.float16, 50)):
+            cases.append(dict(name=f"{name}_{DTYPE_NAMES[dtype]}", opt=opt, dtype=dtype,
+                              inputs=standard_inputs, sizes=sizes, seed=seed + offset,
+                              scales=[1.0] * steps, hp=hp))
     return cases
 
 
-def adagrad_init(gen, sizes):
-    """Random parameters with a +0 and a -0 in each tensor of 3+ elements (their indices
-    are returned, so the first step can give them zero gradients)."""
-    params, zeros = [], []
-    for n in sizes:
-        p = torch.randn(n, generator=gen) * 0.5
-        z = None
-        if n >= 3:
-            idx = torch.randperm(n, generator=gen)[:2].tolist()
-            p[idx[0]] = 0.0
-            p[idx[1]] = -0.0
-            z = idx
-        params.append(p)
-        zeros.append(z)
-    return params, zeros
+# Every optimizer file, by its --only name: the file, the comment lines under its header,
+# and its cases (each in the file's order).
+FILES = {
+    "adamw": ("adamw_torch.txt",
+              ["# torch.optim.AdamW(fused=True) on CPU, f32 params; f32 and bf16 gradients (torch",
+               "# was given their exact f32 widening)."], adamw_cases),
+    "adam": ("adam_torch.txt",
+             ["# torch.optim.Adam / AdamW(fused=True) on CPU with amsgrad and maximize, f32 params",
+              "# and gradients."], adam_cases),
+    "sign_sgd": ("sign_sgd_torch.txt",
+                 ["# The plain PyTorch SignSGD a trainer writes, f32 params:",
+                  "#   if wd > 0: p.add_(p, alpha=-lr*wd);  p.add_(torch.sign(g), alpha=-lr)",
+                  "# Case f32_nan_grad has NaN gradients: torch.sign(NaN) = 0 (see README)."],
+                 sign_sgd_cases),
+    "sgd": ("sgd_torch.txt", ["# torch.optim.SGD(fused=True) on CPU, f32 params and gradients."],
+            sgd_cases),
+    "adagrad": ("adagrad_torch.txt",
+                ["# torch.optim.Adagrad(fused=True) on CPU, f32 params and gradients."],
+                adagrad_cases),
+    "lowp": ("lowp_torch.txt",
+             ["# torch.optim.Adam / AdamW / SGD / Adagrad(fused=True) on CPU with bf16 and f16",
+              "# params: gradients and state in the param's dtype (docs/numerics.md 7.3)."],
+             lowp_cases),
+}
 
 
-def run_adagrad(case, threads):
+# ---------------------------------------------------------------- the writer
+
+def run_case(case, threads):
+    """Runs a case's optimizer in torch with `threads` threads. Returns its initial params
+    ("init"), the slots torch fills at construction ("init_state": slot -> tensors), and
+    per step the gradients given ("grads"), the params after the step ("param"), every used
+    slot by its name, and torch's f32 state['step'] where torch keeps one ("step")."""
     torch.set_num_threads(threads)
+    hp = hparams(case["opt"], case["hp"])
+    slots = used_slots(case["opt"], hp)
     gen = torch.Generator().manual_seed(case["seed"])
-    init, zeros = adagrad_init(gen, case["sizes"])
+    init, grads_of = case["inputs"](gen, case)
     params = [torch.nn.Parameter(p.clone()) for p in init]
-    opt = torch.optim.Adagrad(params, lr=case["lr"], lr_decay=case["lr_decay"],
-                              weight_decay=case["wd"],
-                              initial_accumulator_value=case["iav"], eps=case["eps"],
-                              maximize=case["maximize"], fused=True)
-    out = {"init": init, "init_sum": [opt.state[p]["sum"].clone() for p in params],
-           "steps": []}
-    for s, scale in enumerate(case["grad_scales"], start=1):
-        grads = [make_grad(gen, n, scale, torch.float32, True) for n in case["sizes"]]
-        if s == 1:  # zero gradients of both signs on the zero parameters
-            for t, z in enumerate(zeros):
-                if z is not None:
-                    grads[t][z[0]] = -0.0
-                    grads[t][z[1]] = 0.0 if t % 2 == 0 else -0.0
+    opt = make_optimizer(case["opt"], params, hp)
+    out = {"init": [p.detach().clone() for p in params], "steps": [],
+           "init_state": {k: [opt.state[p][k].clone() for p in params] for k in slots
+                          if all(k in opt.state[p] for p in params)}}
+    for s in range(1, len(case["scales"]) + 1):
+        grads = grads_of(s)
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            p.grad = g.to(p.dtype, copy=True)   # exact widening of a bf16 gradient
         opt.step()
-        rec = {"grads": grads, "param": [], "sum": [], "step": []}
-        for p in params:
-            st = opt.state[p]
-            rec["param"].append(p.detach().clone())
-            rec["sum"].append(st["sum"].clone())
-            assert st["step"].dtype == torch.float32
-            rec["step"].append(st["step"].clone().reshape(1))
+        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "step": []}
+        for p, g in zip(params, grads):
+            assert same_bits(p.grad, g.to(p.dtype)), f"{case['name']}: the step wrote the gradient"
+            state = {k for k, v in opt.state[p].items() if k != "step" and v is not None}
+            assert state == set(slots), f"{case['name']}: torch's state {sorted(state)}, not {slots}"
+        for k in slots:
+            rec[k] = [opt.state[p][k].clone() for p in params]
+            assert all(x.dtype == p.dtype for x, p in zip(rec[k], params)), \
+                f"{case['name']}: {k} is not in the param's dtype"
+        if all("step" in opt.state[p] for p in params):
+            for p in params:
+                st = opt.state[p]["step"]
+                assert st.dtype == torch.float32
+                rec["step"].append(st.clone().reshape(1))
         out["steps"].append(rec)
     return out
 
 
-def write_adagrad(path, header):
-    lines = list(header)
-    lines += ["# torch.optim.Adagrad(params, lr, lr_decay, weight_decay, "
-              "initial_accumulator_value, eps, maximize, fused=True), f32 params."]
-    for case in adagrad_cases():
-        a = run_adagrad(case, 1)
-        b = run_adagrad(case, 2)
+def write_optimizer_file(path, header, title, cases):
+    """Writes an optimizer file (tests/data/README.md, "Format"): each case run with 1 and
+    with 2 torch threads (asserted to give the same bits), the first run written."""
+    lines = list(header) + list(title)
+    for case in cases:
+        a = run_case(case, 1)
+        b = run_case(case, 2)
         for ra, rb in zip(a["steps"], b["steps"]):
-            for key in ("param", "sum"):
-                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
-                    f"{case['name']}: thread count changed {key}"
+            for key in ra:
+                if key != "grads":
+                    assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
+                        f"{case['name']}: thread count changed {key}"
         torch.set_num_threads(1)
-        K, S = len(case["sizes"]), len(case["grad_scales"])
-        lines.append(f"# lr={case['lr']!r} lr_decay={case['lr_decay']!r} "
-                     f"weight_decay={case['wd']!r} initial_accumulator_value={case['iav']!r} "
-                     f"eps={case['eps']!r} maximize={case['maximize']} seed={case['seed']}")
-        lines.append(line("case", case["name"], K, S))
-        lines.append(line("hparams", case["lr"].hex(), case["lr_decay"].hex(), case["wd"].hex(),
-                          case["iav"].hex(), case["eps"].hex(), int(case["maximize"])))
+        hp = hparams(case["opt"], case["hp"])
+        slots = used_slots(case["opt"], hp)
+        K, S = len(case["sizes"]), len(case["scales"])
+        lines.append(f"# seed {case['seed']}: " +
+                     " ".join(f"{k}={hparam_decimal(v)}" for k, v in hp.items()))
+        lines.append(line("case", case["name"], case["opt"], DTYPE_NAMES[param_dtype(case)],
+                          DTYPE_NAMES[grad_dtype(case)], K, S))
+        lines.append(line("hparams", *(f"{k}={hparam_token(v)}" for k, v in hp.items())))
         lines.append(line("sizes", *case["sizes"]))
         for t, p in enumerate(a["init"]):
             lines.append(tensor_line("init_param", t, p))
-        for t, x in enumerate(a["init_sum"]):
-            lines.append(tensor_line("init_sum", t, x))
+        for k in slots:
+            for t, x in enumerate(a["init_state"].get(k, [])):
+                lines.append(tensor_line("init_" + k, t, x))
         for s, rec in enumerate(a["steps"], start=1):
             lines.append(line("step", s))
-            for t, g in enumerate(rec["grads"]):
-                lines.append(tensor_line("grad", t, g))
-            for key in ("param", "sum"):
+            for key in ["grads", "param"] + slots:
                 for t, x in enumerate(rec[key]):
-                    lines.append(tensor_line(key, t, x))
+                    lines.append(tensor_line("grad" if key == "grads" else key, t, x))
             for t, x in enumerate(rec["step"]):
                 lines.append(tensor_line("step_count", t, x))
         lines.append("end")
     write(path, lines)
 
+
+class CandidateTally:
+    """The analysers' evidence: per region (body, tail) and candidate formula, how many
+    elements were compared and how many of them the candidate reproduced."""
+
+    def __init__(self):
+        self.counts = {}
+
+    def score(self, region, cands, want_bits, always=False):
+        """Scores every candidate's result (name -> value, rounded to f32 here) against
+        torch's bits: on every element when `always`, else only where they disagree."""
+        got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
+        if always or len(set(got.values())) > 1:
+            for k, b in got.items():
+                tot, ok = self.counts.get((region, k), (0, 0))
+                self.counts[(region, k)] = (tot + 1, ok + (b == want_bits))
+
+    def print(self, width):
+        """Prints a line per region and candidate: matches / elements compared."""
+        for (region, k), (tot, ok) in sorted(self.counts.items()):
+            print(f"  {region:4s} {k:{width}s} {ok:6d} / {tot}")
+
+
+# ---------------------------------------------------------------- evidence: AdamW
+
+def analyze_adamw():
+    """Per element, which rounding of m, v and p reproduces torch: the evidence behind the
+    torch formula. numpy float32 scalars for the correctly rounded operations (torch.sqrt
+    on f32 tensors is not correctly rounded on CPU, so it is not used here), Fractions for
+    exact FMAs. body = the first numel - numel % 8 elements, tail = the rest."""
+    import numpy as np
+    F = np.float32
+    for case in adamw_cases():
+        a = run_case(case, 1)
+        hp = case["hp"]
+        lr, b1, b2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+        tally = CandidateTally()
+
+        prev = {"param": a["init"], "exp_avg": [torch.zeros(n) for n in case["sizes"]],
+                "exp_avg_sq": [torch.zeros(n) for n in case["sizes"]]}
+        for s, rec in enumerate(a["steps"], start=1):
+            w = F(1 - b1)
+            small = abs(w) < F(0.5)
+            coeff = w if small else F(w - F(1))
+            b2f, c2, dec = F(b2), F(1 - b2), F(1 - lr * wd)
+            ss, bc2s, ef = F(-(lr / (1 - b1 ** s))), F(math.sqrt(1 - b2 ** s)), F(eps)
+            for t, n in enumerate(case["sizes"]):
+                g = rec["grads"][t].float().numpy()
+                p0, m0, v0 = (prev[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
+                p1, m1, v1 = (rec[k][t].numpy() for k in ("param", "exp_avg", "exp_avg_sq"))
+                for i in range(n):
+                    region = "body" if i < n - n % 8 else "tail"
+                    diff = F(g[i] - m0[i])
+                    base = m0[i] if small else g[i]
+                    mc = {"m=fma(coeff,g-m,m or g)": fma32(float(coeff), float(diff), float(base)),
+                          "m=(m or g)+coeff*(g-m)": F(base + F(coeff * diff))}
+                    tally.score(region, mc, f32_bits_of(float(m1[i])), always=True)
+                    cg = F(c2 * g[i])
+                    cgg = F(cg * g[i])
+                    vb = F(v0[i] * b2f)
+                    vc = {"v=(v*b2)+cgg": F(vb + cgg),
+                          "v=fma(v,b2,cgg)": fma32(float(v0[i]), float(b2f), float(cgg)),
+                          "v=fma(c2*g,g,v*b2)": fma32(float(cg), float(g[i]), float(vb))}
+                    tally.score(region, vc, f32_bits_of(float(v1[i])))
+                    # p from torch's own m and v, so only the p rounding is under test
+                    den = F(F(np.sqrt(v1[i]) / bc2s) + ef)
+                    upd = F(F(ss * m1[i]) / den)
+                    if wd != 0:
+                        pc = {"p=(p*decay)+upd": F(F(p0[i] * dec) + upd),
+                              "p=fma(p,decay,upd)": fma32(float(p0[i]), float(dec), float(upd))}
+                    else:
+                        pc = {"p=p+upd": F(p0[i] + upd)}
+                    tally.score(region, pc, f32_bits_of(float(p1[i])), always=True)
+            prev = rec
+        print(f"AdamW {case['name']}: matches / elements compared (v: only where the candidates differ)")
+        tally.print(26)
+
+
+# ---------------------------------------------------------------- evidence: Adagrad
 
 def check_adagrad_amp():
     """torch's grad_scale / found_inf on fused Adagrad (asserted, printed as evidence): a
@@ -627,24 +898,17 @@ def analyze_adagrad():
     import numpy as np
     F = np.float32
     # plus one case not written to the file: 60 tensors that are all or mostly tail
-    tail_heavy = dict(name="analysis_only_tail_heavy", sizes=[7] * 40 + [15] * 20, lr=1e-2,
-                      lr_decay=0.01, wd=0.3, iav=0.1, eps=1e-10, maximize=True, seed=408,
-                      grad_scales=[1.0, 10.0, 0.1, 1.0, 1.0, 1.0])
+    tail_heavy = adagrad_case("analysis_only_tail_heavy", [7] * 40 + [15] * 20, 408,
+                              [1.0, 10.0, 0.1, 1.0, 1.0, 1.0], 1e-2, 0.01, 0.3, 0.1, 1e-10, True)
     for case in adagrad_cases() + [tail_heavy]:
-        a = run_adagrad(case, 1)
-        wd, ef, mx = F(case["wd"]), F(case["eps"]), case["maximize"]
-        tally = {}
+        a = run_case(case, 1)
+        hp = case["hp"]
+        wd, ef, mx = F(hp["weight_decay"]), F(hp["eps"]), hp["maximize"]
+        tally = CandidateTally()
 
-        def score(region, cands, want_bits, always=False):
-            got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
-            if always or len(set(got.values())) > 1:
-                for k, b in got.items():
-                    tot, ok = tally.get((region, k), (0, 0))
-                    tally[(region, k)] = (tot + 1, ok + (b == want_bits))
-
-        prev_p, prev_s = a["init"], a["init_sum"]
+        prev_p, prev_s = a["init"], a["init_state"]["sum"]
         for s, rec in enumerate(a["steps"], start=1):
-            two, one = clr_candidates(case["lr"], case["lr_decay"], float(s))
+            two, one = clr_candidates(hp["lr"], hp["lr_decay"], float(s))
             for t, n in enumerate(case["sizes"]):
                 g0 = rec["grads"][t].numpy()
                 p0, s0 = prev_p[t].numpy(), prev_s[t].numpy()
@@ -652,7 +916,7 @@ def analyze_adagrad():
                 for i in range(n):
                     region = "body" if i < n - n % 8 else "tail"
                     g = F(-g0[i]) if mx else F(g0[i])
-                    if case["wd"] != 0:
+                    if hp["weight_decay"] != 0:
                         gs = {"g=g+p*wd": F(g + F(p0[i] * wd)),
                               "g=fma(p,wd,g)": F(fma32(float(p0[i]), float(wd), float(g)))}
                     else:
@@ -661,7 +925,7 @@ def analyze_adagrad():
                     for gk, gv in gs.items():
                         cands[gk + " s=s+g*g"] = F(s0[i] + F(gv * gv))
                         cands[gk + " s=fma(g,g,s)"] = fma32(float(gv), float(gv), float(s0[i]))
-                    score(region, cands, f32_bits_of(float(s1[i])))
+                    tally.score(region, cands, f32_bits_of(float(s1[i])))
                     # p from torch's own sum, so only the update's rounding is under test
                     std = F(F(np.sqrt(s1[i])) + ef)
                     pc = {}
@@ -669,121 +933,13 @@ def analyze_adagrad():
                         for ck, c in (("clr twice", two), ("clr fma", one)):
                             pc[f"{gk} {ck} p=p-(clr*g)/std"] = F(p0[i] - F(F(F(c) * gv) / std))
                             pc[f"{gk} {ck} p=p-clr*(g/std)"] = F(p0[i] - F(F(c) * F(gv / std)))
-                    score(region, pc, f32_bits_of(float(p1[i])))
+                    tally.score(region, pc, f32_bits_of(float(p1[i])))
             prev_p, prev_s = rec["param"], rec["sum"]
         print(f"Adagrad {case['name']}: matches / elements compared (where the candidates differ)")
-        for (region, k), (tot, ok) in sorted(tally.items()):
-            print(f"  {region:4s} {k:42s} {ok:6d} / {tot}")
+        tally.print(42)
 
 
-# ---------------------------------------------------------------- Adam, amsgrad, maximize
-
-SIZES_ADAM_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
-SIZES_ADAM_SMALL = [0, 1, 7, 8, 9, 31, 32, 33, 100]
-
-
-def adam_cases():
-    d = (0.9, 0.999)
-    full, small = SIZES_ADAM_FULL, SIZES_ADAM_SMALL
-    return [
-        dict(name="adam_wd_full", opt="adam", ams=False, maxi=False, sizes=full, lr=1e-3, betas=d,
-             eps=1e-8, wd=0.1, seed=401, grad_scales=[1.0, 1e-2], specials=True),
-        dict(name="adam_ams_max_wd_beta1_0.3_full", opt="adam", ams=True, maxi=True, sizes=full,
-             lr=3e-3, betas=(0.3, 0.95), eps=1e-8, wd=0.37, seed=402, grad_scales=[1.0, 1e-2],
-             specials=True),
-        dict(name="adam_wd0", opt="adam", ams=False, maxi=False, sizes=small, lr=1e-2, betas=d,
-             eps=1e-8, wd=0.0, seed=403, grad_scales=[1.0, 0.1, 10.0, 1e-4], specials=True),
-        dict(name="adam_ams_wd", opt="adam", ams=True, maxi=False, sizes=small, lr=1e-3, betas=d,
-             eps=1e-8, wd=0.01, seed=404, grad_scales=[1.0, 1e-2, 3.0, 1e-3], specials=True),
-        dict(name="adam_max_wd0_beta1_0.5", opt="adam", ams=False, maxi=True, sizes=small, lr=1e-2,
-             betas=(0.5, 0.99), eps=1e-6, wd=0.0, seed=405, grad_scales=[1.0, 2.0, 1e-3, 1.0],
-             specials=True),
-        dict(name="adam_max_wd", opt="adam", ams=False, maxi=True, sizes=small, lr=1e-3,
-             betas=(0.8, 0.9), eps=1e-8, wd=0.3, seed=406, grad_scales=[1.0, 0.5, 1e-2, 1.0],
-             specials=True),
-        dict(name="adamw_ams_wd", opt="adamw", ams=True, maxi=False, sizes=small, lr=1e-3, betas=d,
-             eps=1e-8, wd=0.01, seed=407, grad_scales=[1.0, 1e-2, 3.0, 1e-3], specials=True),
-        dict(name="adamw_max_beta1_0.3", opt="adamw", ams=False, maxi=True, sizes=small, lr=1e-2,
-             betas=(0.3, 0.999), eps=1e-8, wd=0.1, seed=408, grad_scales=[1.0, 0.1, 1.0, 5.0],
-             specials=True),
-        dict(name="adamw_ams_max_wd0", opt="adamw", ams=True, maxi=True, sizes=small, lr=1e-2,
-             betas=(0.9, 0.99), eps=1e-8, wd=0.0, seed=409, grad_scales=[1.0, 1e-3, 1.0, 1e-2],
-             specials=True),
-        dict(name="adamw_ams_max_wd_full", opt="adamw", ams=True, maxi=True, sizes=full, lr=1e-3,
-             betas=d, eps=1e-8, wd=0.05, seed=410, grad_scales=[1.0, 1e-2], specials=True),
-        # NaN gradients in step 2: amsgrad's maximum propagates NaN in torch's vector body
-        # and keeps the old maximum in its scalar tail (std::max with a NaN second operand)
-        dict(name="adam_ams_wd_nan", opt="adam", ams=True, maxi=False, sizes=[7, 9, 16, 17],
-             lr=1e-3, betas=d, eps=1e-8, wd=0.01, seed=411, grad_scales=[1.0, 1.0, 1.0],
-             specials=False, nan_step=2),
-    ]
-
-
-def run_adam(case, threads):
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(case["seed"])
-    params = [torch.nn.Parameter(torch.randn(n, generator=gen) * 0.5) for n in case["sizes"]]
-    out = {"init": [p.detach().clone() for p in params], "steps": []}
-    cls = torch.optim.Adam if case["opt"] == "adam" else torch.optim.AdamW
-    opt = cls(params, lr=case["lr"], betas=case["betas"], eps=case["eps"],
-              weight_decay=case["wd"], amsgrad=case["ams"], maximize=case["maxi"], fused=True)
-    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if case["ams"] else [])
-    for s, scale in enumerate(case["grad_scales"], start=1):
-        grads = [make_grad(gen, n, scale, torch.float32, case["specials"]) for n in case["sizes"]]
-        if case.get("nan_step") == s:
-            for g in grads:          # NaN in the first and the last element
-                if g.numel():
-                    g[0] = float("nan")
-                    g[-1] = float("nan")
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "step": []}
-        for k in keys:
-            rec[k] = [opt.state[p][k].clone() for p in params]
-        for p in params:
-            st = opt.state[p]["step"]
-            assert st.dtype == torch.float32
-            rec["step"].append(st.clone().reshape(1))
-        out["steps"].append(rec)
-    return out, keys
-
-
-def write_adam(path, header):
-    lines = list(header)
-    lines += ["# torch.optim.Adam / AdamW(params, lr, betas, eps, weight_decay, amsgrad, maximize,",
-              "# fused=True), f32 params and gradients."]
-    for case in adam_cases():
-        a, keys = run_adam(case, 1)
-        b, _ = run_adam(case, 2)
-        for ra, rb in zip(a["steps"], b["steps"]):
-            for key in ["param"] + keys:
-                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
-                    f"{case['name']}: thread count changed {key}"
-        torch.set_num_threads(1)
-        K, S = len(case["sizes"]), len(case["grad_scales"])
-        lines.append(f"# {case['opt']} lr={case['lr']!r} betas={case['betas']!r} eps={case['eps']!r} "
-                     f"weight_decay={case['wd']!r} amsgrad={case['ams']} maximize={case['maxi']} "
-                     f"seed={case['seed']}")
-        lines.append(line("case", case["name"], case["opt"], int(case["ams"]), int(case["maxi"]),
-                          K, S))
-        lines.append(line("hparams", case["lr"].hex(), case["betas"][0].hex(),
-                          case["betas"][1].hex(), case["eps"].hex(), case["wd"].hex()))
-        lines.append(line("sizes", *case["sizes"]))
-        for t, p in enumerate(a["init"]):
-            lines.append(tensor_line("init_param", t, p))
-        for s, rec in enumerate(a["steps"], start=1):
-            lines.append(line("step", s))
-            for t, g in enumerate(rec["grads"]):
-                lines.append(tensor_line("grad", t, g))
-            for key in ["param"] + keys:
-                for t, x in enumerate(rec[key]):
-                    lines.append(tensor_line(key, t, x))
-            for t, x in enumerate(rec["step"]):
-                lines.append(tensor_line("step_count", t, x))
-        lines.append("end")
-    write(path, lines)
-
+# ---------------------------------------------------------------- evidence: Adam
 
 def analyze_adam():
     """Per element, which candidate rounding reproduces torch's Adam/AdamW with L2 decay,
@@ -797,18 +953,12 @@ def analyze_adam():
     for case in adam_cases():
         if case.get("nan_step"):
             continue
-        a, keys = run_adam(case, 1)
+        a = run_case(case, 1)
         adam = case["opt"] == "adam"
-        lr, (b1, b2), eps, wd = case["lr"], case["betas"], case["eps"], case["wd"]
-        ams, maxi = case["ams"], case["maxi"]
-        tally = {}
-
-        def score(region, cands, want_bits, always=False):
-            got = {k: f32_bits_of(float(x)) for k, x in cands.items()}
-            if always or len(set(got.values())) > 1:
-                for k, b in got.items():
-                    tot, ok = tally.get((region, k), (0, 0))
-                    tally[(region, k)] = (tot + 1, ok + (b == want_bits))
+        hp = case["hp"]
+        lr, b1, b2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+        ams, maxi = hp["amsgrad"], hp["maximize"]
+        tally = CandidateTally()
 
         zeros = [torch.zeros(n) for n in case["sizes"]]
         prev = {"param": a["init"], "exp_avg": zeros, "exp_avg_sq": zeros, "max_exp_avg_sq": zeros}
@@ -845,12 +995,12 @@ def analyze_adam():
                         cg, vb = F(c2 * ge), F(v0[i] * b2f)
                         vc["v: " + k] = (fma32(float(cg), float(ge), float(vb)) if region == "body"
                                          else fma32(float(v0[i]), float(b2f), float(F(cg * ge))))
-                    score(region, mc, f32_bits_of(float(m1[i])))
-                    score(region, vc, f32_bits_of(float(v1[i])))
+                    tally.score(region, mc, f32_bits_of(float(m1[i])))
+                    tally.score(region, vc, f32_bits_of(float(v1[i])))
                     dens = {"p: denominator from v": v1[i]}
                     if ams:
-                        score(region, {"max=max(old max, new v)": max(x0[i], v1[i])},
-                              f32_bits_of(float(x1[i])), always=True)
+                        tally.score(region, {"max=max(old max, new v)": max(x0[i], v1[i])},
+                                    f32_bits_of(float(x1[i])), always=True)
                         dens = {"p: denominator from new max": x1[i], **dens}
                     pc = {}
                     for k, r in dens.items():
@@ -858,132 +1008,14 @@ def analyze_adam():
                         upd = F(F(ss * m1[i]) / den)
                         base = F(p0[i] * dec) if (not adam and wd != 0) else p0[i]
                         pc[k] = F(base + upd)
-                    score(region, pc, f32_bits_of(float(p1[i])), always=True)
+                    tally.score(region, pc, f32_bits_of(float(p1[i])), always=True)
             prev = rec
         print(f"{case['opt']} {case['name']}: matches / elements compared "
               "(m, v: only where the candidates differ)")
-        for (region, k), (tot, ok) in sorted(tally.items()):
-            print(f"  {region:4s} {k:32s} {ok:6d} / {tot}")
+        tally.print(32)
 
 
-# ---------------------------------------------------------------- SignSGD
-
-def fma_discriminating_params(gen, count, c):
-    """f32 values p for which fma(p, c, p) != p + RN(p*c): they tell an FMA decay apart."""
-    found = []
-    while len(found) < count:
-        xs = torch.randn(4096, generator=gen)
-        sep = xs + xs * c
-        dbl = (xs.double() * float(c) + xs.double()).float()  # candidates only
-        for i in torch.nonzero(sep != dbl).flatten().tolist():
-            x = xs[i].item()
-            if f32_bits_of(fma32(x, float(c), x)) != f32_bits_of(sep[i].item()):
-                found.append(x)
-    return found[:count]
-
-
-def sign_sgd_cases():
-    return [
-        dict(name="f32_wd0", gdtype=torch.float32, sizes=SIZES_FULL, lr=1e-3, wd=0.0, seed=201, steps=3),
-        dict(name="f32_wd", gdtype=torch.float32, sizes=SIZES_SMALL, lr=5e-2, wd=0.5, seed=202, steps=3),
-        dict(name="bf16_wd", gdtype=torch.bfloat16, sizes=SIZES_FULL, lr=1e-2, wd=0.01, seed=203, steps=3),
-        dict(name="bf16_wd0", gdtype=torch.bfloat16, sizes=SIZES_SMALL, lr=3e-4, wd=0.0, seed=204, steps=3),
-    ]
-
-
-def sign_sgd_nan_case():
-    return dict(name="f32_nan_grad", gdtype=torch.float32, sizes=[7, 33], lr=1e-2, wd=0.1,
-                seed=205, steps=1, nan=True)
-
-
-def sign_sgd_init(gen, case):
-    """Initial parameters: random, one +0 and one -0 per tensor (their indices are kept in
-    case["zeros"]), and, with weight decay, a quarter of values whose decay rounds
-    differently with and without an FMA."""
-    params = [torch.randn(n, generator=gen) for n in case["sizes"]]
-    c = f32_value(-case["lr"] * case["wd"]) if case["wd"] > 0 else None
-    case["zeros"] = []
-    for p in params:
-        n = p.numel()
-        idx = torch.randperm(n, generator=gen).tolist()
-        if n >= 3:
-            p[idx[0]] = 0.0
-            p[idx[1]] = -0.0
-            case["zeros"].append((idx[0], idx[1]))
-        else:
-            case["zeros"].append(None)
-        if c is not None and n >= 8:
-            k = n // 4
-            vals = fma_discriminating_params(gen, k, torch.tensor(c, dtype=torch.float32))
-            for j, v in zip(idx[2:2 + k], vals):
-                p[j] = v
-    return params
-
-
-def sign_sgd_grad(gen, n, dtype, nan=False):
-    g = torch.randn(n, generator=gen)
-    kind = torch.randint(0, 10, (n,), generator=gen)
-    g[kind == 0] = 0.0
-    g[kind == 1] = -0.0
-    g[kind == 2] *= 1e-30          # tiny: still a sign (bf16 keeps it)
-    if nan:
-        g[kind == 3] = float("nan")
-    return g.to(dtype)
-
-
-def run_sign_sgd(case):
-    torch.set_num_threads(1)
-    gen = torch.Generator().manual_seed(case["seed"])
-    params = sign_sgd_init(gen, case)
-    init = [p.clone() for p in params]
-    steps = []
-    lr, wd = case["lr"], case["wd"]
-    for s in range(case["steps"]):
-        grads = [sign_sgd_grad(gen, n, case["gdtype"], case.get("nan", False)) for n in case["sizes"]]
-        if s == 0:
-            # zero gradients of both signs on the zero parameters: sign(+-0) and the sign of
-            # the zero sum p + sign(g) * -lr are then visible in the result
-            for t, z in enumerate(case["zeros"]):
-                if z is not None:
-                    grads[t][z[0]] = -0.0
-                    grads[t][z[1]] = -0.0 if t % 2 == 0 else 0.0
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                q = p.clone()
-                if wd > 0:
-                    p.add_(p, alpha=-lr * wd)
-                p.add_(torch.sign(g), alpha=-lr)
-                # the same update from the exactly widened gradient gives the same bits
-                if wd > 0:
-                    q.add_(q, alpha=-lr * wd)
-                q.add_(torch.sign(g.float()), alpha=-lr)
-                assert same_bits(p, q)
-        steps.append({"grads": grads, "param": [p.clone() for p in params]})
-    return init, steps
-
-
-def write_sign_sgd(path, header):
-    lines = list(header)
-    lines += ["# if wd > 0: p.add_(p, alpha=-lr*wd);  p.add_(torch.sign(g), alpha=-lr)",
-              "# Case f32_nan_grad has NaN gradients: torch.sign(NaN) = 0 (see README)."]
-    for case in sign_sgd_cases() + [sign_sgd_nan_case()]:
-        init, steps = run_sign_sgd(case)
-        dt = "f32" if case["gdtype"] == torch.float32 else "bf16"
-        lines.append(f"# lr={case['lr']!r} weight_decay={case['wd']!r} seed={case['seed']}")
-        lines.append(line("case", case["name"], dt, len(case["sizes"]), case["steps"]))
-        lines.append(line("hparams", case["lr"].hex(), case["wd"].hex()))
-        lines.append(line("sizes", *case["sizes"]))
-        for t, p in enumerate(init):
-            lines.append(tensor_line("init_param", t, p))
-        for s, rec in enumerate(steps, start=1):
-            lines.append(line("step", s))
-            for t, g in enumerate(rec["grads"]):
-                lines.append(tensor_line("grad", t, g))
-            for t, p in enumerate(rec["param"]):
-                lines.append(tensor_line("param", t, p))
-        lines.append("end")
-    write(path, lines)
-
+# ---------------------------------------------------------------- evidence: SignSGD
 
 def check_sign_and_add():
     """Assertions about the torch operations SignSGD relies on (printed as evidence)."""
@@ -1001,109 +1033,17 @@ def check_sign_and_add():
             p.add_(p, alpha=-lr * wd)
             want = [f32_bits_of(fma32(v, c, v)) for v in vals[:n]]
             assert bits_list(p) == want, f"add_ with alpha is not an FMA (n={n})"
+    for n in (1, 7, 16, 33, 100):  # PlainSignSgd takes the sign of the widened gradient
+        g = sign_sgd_grad(gen, n, torch.bfloat16)
+        p = torch.randn(n, generator=gen)
+        assert same_bits(p.clone().add_(torch.sign(g), alpha=-1e-2),
+                         p.clone().add_(torch.sign(g.float()), alpha=-1e-2)), "bf16 sign"
     print("checked: torch.sign(+-0) = +0, torch.sign(NaN) = +0 (body and tail); "
-          "p.add_(p, alpha=a) = fma(p, f32(a), p) on values where the FMA changes the result")
+          "p.add_(p, alpha=a) = fma(p, f32(a), p) on values where the FMA changes the result; "
+          "p.add_(torch.sign(g), alpha) is the same for a bf16 g and its f32 widening")
 
 
-# ---------------------------------------------------------------- SGD (fused)
-
-SGD_SIZES_FULL = [0, 1, 7, 8, 9, 31, 32, 33, 1023, 1024, 1025]
-SGD_SIZES_SMALL = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33]
-
-
-def sgd_cases():
-    F, S = SGD_SIZES_FULL, SGD_SIZES_SMALL
-    return [
-        dict(name="mom0_wd0", sizes=F, lr=1e-2, mom=0.0, damp=0.0, wd=0.0, nest=False, maxi=False,
-             seed=401, scales=[1.0, 1e-3, 10.0]),
-        dict(name="mom0.9_damp0.1_wd", sizes=F, lr=0.1, mom=0.9, damp=0.1, wd=0.05, nest=False,
-             maxi=False, seed=402, scales=[1.0, 0.1, 3.0]),
-        dict(name="nesterov_wd_maximize", sizes=F, lr=3e-2, mom=0.9, damp=0.0, wd=0.1, nest=True,
-             maxi=True, seed=403, scales=[0.1, 1.0, 0.01]),
-        dict(name="mom0.9_plain", sizes=S, lr=1e-3, mom=0.9, damp=0.0, wd=0.0, nest=False,
-             maxi=False, seed=404, scales=[1.0, 0.5, 2.0, 1e-4]),
-        dict(name="mom0.9_damp0.1_maximize", sizes=S, lr=0.1, mom=0.9, damp=0.1, wd=0.0,
-             nest=False, maxi=True, seed=405, scales=[1.0, 10.0, 0.1, 1.0]),
-        dict(name="mom0_wd_maximize", sizes=S, lr=0.1, mom=0.0, damp=0.0, wd=0.1, nest=False,
-             maxi=True, seed=406, scales=[0.05, 1.0, 0.1, 1.0]),
-        dict(name="nesterov_0.5_wd", sizes=S, lr=5e-2, mom=0.5, damp=0.0, wd=0.01, nest=True,
-             maxi=False, seed=407, scales=[1.0, 0.01, 1.0, 0.1]),
-        dict(name="mom0.99_damp0.5_wd", sizes=S, lr=1e-2, mom=0.99, damp=0.5, wd=1e-4, nest=False,
-             maxi=False, seed=408, scales=[1.0, 1.0, 1e-2, 5.0]),
-    ]
-
-
-def sgd_grad(gen, n, scale):
-    """Gradients of magnitude ~scale (each element times 0.1, 1 or 10), with exact +0 and
-    -0 (10 % each) and tiny values (10 %, times 1e-30)."""
-    g = torch.randn(n, generator=gen) * scale
-    g *= 10.0 ** torch.randint(-1, 2, (n,), generator=gen).float()
-    kind = torch.randint(0, 10, (n,), generator=gen)
-    g[kind == 0] = 0.0
-    g[kind == 1] = -0.0
-    g[kind == 2] *= 1e-30
-    return g
-
-
-def run_sgd(case, threads):
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(case["seed"])
-    params = []
-    for n in case["sizes"]:
-        p = torch.randn(n, generator=gen) * 0.5
-        if n >= 3:
-            p[0], p[1] = 0.0, -0.0
-        params.append(torch.nn.Parameter(p))
-    out = {"init": [p.detach().clone() for p in params], "steps": []}
-    opt = torch.optim.SGD(params, lr=case["lr"], momentum=case["mom"], dampening=case["damp"],
-                          weight_decay=case["wd"], nesterov=case["nest"], maximize=case["maxi"],
-                          fused=True)
-    for scale in case["scales"]:
-        grads = [sgd_grad(gen, n, scale) for n in case["sizes"]]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        for p, g in zip(params, grads):
-            assert same_bits(p.grad, g), "the fused step wrote the gradient"
-        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "buf": []}
-        if case["mom"] != 0:
-            rec["buf"] = [opt.state[p]["momentum_buffer"].clone() for p in params]
-        else:
-            assert all(opt.state[p].get("momentum_buffer") is None for p in params)
-        out["steps"].append(rec)
-    return out
-
-
-def write_sgd(path, header):
-    lines = list(header)
-    lines += ["# torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov, "
-              "maximize, fused=True), f32 params."]
-    for case in sgd_cases():
-        a = run_sgd(case, 1)
-        b = run_sgd(case, 2)
-        for ra, rb in zip(a["steps"], b["steps"]):
-            for key in ("param", "buf"):
-                assert all(same_bits(x, y) for x, y in zip(ra[key], rb[key])), \
-                    f"{case['name']}: thread count changed {key}"
-        K, S = len(case["sizes"]), len(case["scales"])
-        lines.append(f"# lr={case['lr']!r} momentum={case['mom']!r} dampening={case['damp']!r} "
-                     f"weight_decay={case['wd']!r} nesterov={case['nest']} "
-                     f"maximize={case['maxi']} seed={case['seed']}")
-        lines.append(line("case", case["name"], K, S))
-        lines.append(line("hparams", case["lr"].hex(), case["mom"].hex(), case["damp"].hex(),
-                          case["wd"].hex(), int(case["nest"]), int(case["maxi"])))
-        lines.append(line("sizes", *case["sizes"]))
-        for t, p in enumerate(a["init"]):
-            lines.append(tensor_line("init_param", t, p))
-        for s, rec in enumerate(a["steps"], start=1):
-            lines.append(line("step", s))
-            for key, recs in (("grad", rec["grads"]), ("param", rec["param"]),
-                              ("momentum_buffer", rec["buf"])):
-                for t, x in enumerate(recs):
-                    lines.append(tensor_line(key, t, x))
-        lines.append("end")
-    write(path, lines)
-
+# ---------------------------------------------------------------- evidence: SGD
 
 def check_sgd_scale_and_found_inf():
     """torch's grad_scale / found_inf arguments of the fused SGD (printed as evidence):
@@ -1135,23 +1075,6 @@ def check_sgd_scale_and_found_inf():
           "scale 1/8, grad_scale 3 differs from the read scale 1/3")
 
 
-def fma32_array(a, b, c):
-    """Elementwise fma of f32 numpy arrays, rounded once: the double sum where it is exact
-    (checked with TwoSum), fma32's exact arithmetic elsewhere."""
-    import numpy as np
-    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                  np.asarray(c, np.float32))
-    prod = a.astype(np.float64) * b.astype(np.float64)      # exact: 24 + 24 bits
-    cd = c.astype(np.float64)
-    s = prod + cd
-    bb = s - prod
-    err = (prod - (s - bb)) + (cd - bb)
-    r = s.astype(np.float32)
-    for i in np.nonzero(err != 0)[0]:
-        r[i] = fma32(float(a[i]), float(b[i]), float(c[i]))
-    return r
-
-
 SGD_FORMULA = {"decay": "fma(p,wd,g)", "buf_body": "fma(g,c,b*mom)", "buf_tail": "fma(b,mom,g*c)",
                "nesterov": "fma(b,mom,g)", "param": "fma(g,-lr,p)"}
 
@@ -1174,25 +1097,27 @@ def analyze_sgd():
 
     w16_misses = 0
     for case in sgd_cases():
-        a = run_sgd(case, 1)
-        wd, mom, c, neg_lr = F(case["wd"]), F(case["mom"]), F(1 - case["damp"]), F(-case["lr"])
+        a = run_case(case, 1)
+        hp = case["hp"]
+        wd, mom = F(hp["weight_decay"]), F(hp["momentum"])
+        c, neg_lr = F(1 - hp["dampening"]), F(-hp["lr"])
         tally = {}
         prev_p = [x.numpy() for x in a["init"]]
         prev_b = None
         for s, rec in enumerate(a["steps"]):
             for t, n in enumerate(case["sizes"]):
                 g = rec["grads"][t].numpy()
-                if case["maxi"]:
+                if hp["maximize"]:
                     g = -g
                 p0, p1 = prev_p[t], rec["param"][t].numpy()
                 decays = {"none": g}
-                if case["wd"] != 0:
+                if hp["weight_decay"] != 0:
                     decays = {"fma(p,wd,g)": fma32_array(p0, wd, g), "g+RN(p*wd)": g + p0 * wd}
                 for dk, g1 in decays.items():
                     bufs = {"none": None}
-                    if case["mom"] != 0 and s == 0:
+                    if hp["momentum"] != 0 and s == 0:
                         bufs = {"first:b=g": g1}
-                    elif case["mom"] != 0:
+                    elif hp["momentum"] != 0:
                         b0 = prev_b[t]
                         bufs = {"fma(g,c,b*mom)": fma32_array(g1, c, b0 * mom),
                                 "fma(b,mom,g*c)": fma32_array(b0, mom, g1 * c),
@@ -1200,7 +1125,7 @@ def analyze_sgd():
                     for bk, b1 in bufs.items():
                         if b1 is None:
                             nests = {"none": g1}
-                        elif case["nest"]:
+                        elif hp["nesterov"]:
                             nests = {"fma(b,mom,g)": fma32_array(b1, mom, g1), "g+RN(b*mom)": g1 + b1 * mom}
                         else:
                             nests = {"none": b1}
@@ -1209,7 +1134,7 @@ def analyze_sgd():
                                            ("p+RN(g*-lr)", p0 + g2 * neg_lr)):
                                 ok = bits(pn) == bits(p1)
                                 if b1 is not None:
-                                    ok &= bits(b1) == bits(rec["buf"][t].numpy())
+                                    ok &= bits(b1) == bits(rec["momentum_buffer"][t].numpy())
                                 for width in (8, 16):
                                     tail = np.arange(n) >= n - n % width
                                     for region, mask in (("body", ~tail), ("tail", tail)):
@@ -1217,7 +1142,7 @@ def analyze_sgd():
                                         tot, hit = tally.get(key, (0, 0))
                                         tally[key] = (tot + int(mask.sum()), hit + int(ok[mask].sum()))
             prev_p = [x.numpy() for x in rec["param"]]
-            prev_b = [x.numpy() for x in rec["buf"]]
+            prev_b = [x.numpy() for x in rec.get("momentum_buffer", [])]
         print(f"SGD {case['name']}: combinations that match every element (W=8 | W=16), "
               "and the best of the rest")
         for width in (8, 16):
@@ -1238,6 +1163,194 @@ def analyze_sgd():
     assert w16_misses > 0, "W = 16 is not rejected by the data"
     print(f"SGD: the spec formula with W = 8 matches every element of every case; with W = 16 "
           f"it misses {w16_misses} element-steps")
+
+
+# ---------------------------------------------------------------- evidence: bf16 / f16 params
+
+def check_lowp_grad_scale():
+    """torch's grad_scale on bf16/f16 params divides the widened gradient in f32 and uses
+    the quotient unrounded (it stores the rounded one into p.grad): asserted on SGD with
+    nesterov, where the unrounded quotient reaches the parameter through two FMAs. A
+    stepcore read with scale 2^-k rounds the product to the gradient's dtype (section 3),
+    so it differs where quotients fall below that dtype's normal range (f16 with the
+    default GradScaler scale 2^16 and gradients below 4); an f32 gradient (the exact
+    widening) read with scale 2^-k gives torch's bits. Printed as evidence."""
+    torch.set_num_threads(1)
+    for dt, gs, mag in ((torch.float16, 65536.0, 1.0), (torch.bfloat16, 2.0 ** 20, 2.0 ** -110)):
+        n = 1029
+        g = (torch.randn(n, generator=torch.Generator().manual_seed(611)) * mag).to(dt)
+        res = {}
+        for mode in ("scale", "rounded"):
+            p = torch.nn.Parameter(torch.zeros(n, dtype=dt))
+            opt = torch.optim.SGD([p], lr=1.0, momentum=0.9, nesterov=True, fused=True)
+            if mode == "scale":
+                p.grad = g.clone()
+                opt.grad_scale = torch.tensor(gs)
+                opt.found_inf = torch.tensor(0.0)
+            else:
+                p.grad = (g.float() / gs).to(dt)
+            opt.step()
+            res[mode] = p.detach().clone()
+        q = g.float() / gs                         # exact: a power of two
+        want = []
+        for x in q.tolist():
+            b = x                                  # first step: b = g
+            gg = fma32(b, f32_value(0.9), x)       # nesterov: fma(b, mom, g)
+            want.append(fma32(gg, -1.0, 0.0))      # fma(g, -lr, p)
+        want = torch.tensor(want, dtype=torch.float32).to(dt)
+        assert same_bits(res["scale"], want), f"{dt}: grad_scale is not an unrounded f32 quotient"
+        differ = int((res["scale"].view(torch.int16) != res["rounded"].view(torch.int16)).sum())
+        assert differ > 0
+        print(f"checked: {dt} grad_scale {gs:g} is the unrounded f32 quotient; a gradient "
+              f"rounded to {dt} first differs in {differ} of {n} params")
+
+
+def analyze_lowp():
+    """Per element, which reading of torch's reduced-precision kernels reproduces its bf16 and
+    f16 results (docs/numerics.md 7.3): the f32 formula of each optimizer with its f32
+    scalars, values widened when loaded and rounded when stored, the tail the last
+    numel mod 16 elements ("spec"), against the same with the 8-element f32 tail or no tail,
+    with m/v/b/sum rounded to T before use ("rounded"), and with the body's scalars rounded
+    to T first as older copies of torch's source write them ("T scalars"). Each step starts
+    from torch's own state; counts are mismatching param + state words. Asserts "spec" has
+    none."""
+    import numpy as np
+    F = np.float32
+
+    def f32a(t):
+        return t.detach().float().numpy().copy()
+
+    def rnd(x, dt):
+        return torch.from_numpy(np.asarray(x, np.float32).copy()).to(dt).float().numpy()
+
+    def sc(x, dt, lp):
+        return F(torch.tensor(float(x)).to(dt).float().item()) if lp else F(x)
+
+    def bits(x):
+        return np.asarray(x, np.float32).view(np.uint32)
+
+    def emulate(opt, hp, st, g, step, dt, W, rounded, lp_scalars):
+        n = g.size
+        tail = np.zeros(n, bool)
+        if W > 1:
+            tail[n - n % W:] = True
+        out = {}
+        for region in ("body", "tail"):
+            lp = lp_scalars and region == "body"
+            p = st["param"].copy()
+            gg = -g if hp.get("maximize") else g.copy()
+            res = {}
+            if opt in ("adam", "adamw"):
+                b1, b2 = hp["beta1"], hp["beta2"]
+                lr, wd, eps = hp["lr"], hp["weight_decay"], hp["eps"]
+                w = F(1 - b1)
+                small = abs(w) < F(0.5)
+                coeff = w if small else F(w - F(1))
+                if wd != 0:
+                    if opt == "adam":
+                        gg = fma32_array(p, sc(wd, dt, lp), gg)
+                    else:
+                        p = (p * sc(1 - lr * wd, dt, lp)).astype(F)
+                m0, v0 = st["exp_avg"], st["exp_avg_sq"]
+                m = fma32_array(coeff, (gg - m0).astype(F), m0 if small else gg)
+                cg = (F(1 - b2) * gg).astype(F)
+                if region == "body":
+                    v = fma32_array(cg, gg, (v0 * F(b2)).astype(F))
+                else:
+                    v = fma32_array(v0, F(b2), (cg * gg).astype(F))
+                if rounded:
+                    m, v = rnd(m, dt), rnd(v, dt)
+                r = v
+                if hp.get("amsgrad"):
+                    x0 = st["max_exp_avg_sq"]
+                    if region == "body":
+                        r = np.where(np.isnan(x0) | np.isnan(v), np.nan,
+                                     np.where(x0 > v, x0, v)).astype(F)
+                    else:
+                        r = np.where(x0 < v, v, x0).astype(F)
+                    res["max_exp_avg_sq"] = r
+                bc2s = F(math.sqrt(1 - b2 ** step))
+                d = ((np.sqrt(r) / bc2s).astype(F) + sc(eps, dt, lp)).astype(F)
+                ns = sc(-(lr / (1 - b1 ** step)), dt, lp)
+                p = (p + ((ns * m).astype(F) / d).astype(F)).astype(F)
+                res.update(exp_avg=m, exp_avg_sq=v)
+            elif opt == "sgd":
+                mom, wd = hp["momentum"], hp["weight_decay"]
+                if wd != 0:
+                    gg = fma32_array(p, sc(wd, dt, lp), gg)
+                if mom != 0:
+                    b0 = st["momentum_buffer"]
+                    c = sc(1 - hp["dampening"], dt, lp)
+                    m32 = sc(mom, dt, lp)
+                    if step == 1:
+                        b = gg
+                    elif region == "body":
+                        b = fma32_array(gg, c, (b0 * m32).astype(F))
+                    else:
+                        b = fma32_array(b0, m32, (gg * c).astype(F))
+                    if rounded:
+                        b = rnd(b, dt)
+                    res["momentum_buffer"] = b
+                    gg = fma32_array(b, m32, gg) if hp.get("nesterov") else b
+                p = fma32_array(gg, F(-hp["lr"]), p)
+            else:  # adagrad
+                wd = hp["weight_decay"]
+                if wd != 0:
+                    gg = fma32_array(p, sc(wd, dt, lp), gg)
+                sm = fma32_array(gg, gg, st["sum"])
+                if rounded:
+                    sm = rnd(sm, dt)
+                clr = hp["lr"] / double_fma(step - 1.0, hp["lr_decay"], 1.0)
+                d = (np.sqrt(sm) + sc(hp["eps"], dt, lp)).astype(F)
+                p = (p - ((sc(clr, dt, lp) * gg).astype(F) / d).astype(F)).astype(F)
+                res["sum"] = sm
+            res["param"] = p
+            out[region] = res
+        return {k: rnd(np.where(tail, out["tail"][k], out["body"][k]), dt) for k in out["body"]}
+
+    cands = {"spec": (16, False, False), "8-element tail": (8, False, False),
+             "no tail": (1, False, False), "rounded": (16, True, False),
+             "T scalars": (16, False, True)}
+    cases = [("adam", dict(lr=1e-2, beta1=0.3, beta2=0.6, eps=1e-8, weight_decay=0.1,
+                           amsgrad=True)),
+             ("adamw", dict(lr=1e-2, beta1=0.5, beta2=0.9, eps=1e-6, weight_decay=0.1,
+                            maximize=True)),
+             ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05)),
+             ("sgd", dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True,
+                          maximize=True)),
+             ("adagrad", dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2,
+                              initial_accumulator_value=0.1, eps=1e-6, maximize=True))]
+    sizes = [15] * 150 + [31] * 50 + [100, 1025]
+    for opt, hp in cases:
+        for dt in (torch.bfloat16, torch.float16):
+            torch.set_num_threads(1)
+            gen = torch.Generator().manual_seed(620)
+            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.5).to(dt))
+                      for n in sizes]
+            o = make_optimizer(opt, params, hp)
+            keys = used_slots(opt, hparams(opt, hp))
+            state = [{"param": f32a(p), **{k: np.zeros(p.numel(), F) for k in keys}}
+                     for p in params]
+            if opt == "adagrad":
+                for t, p in enumerate(params):
+                    state[t]["sum"] = f32a(o.state[p]["sum"])
+            tally = {c: 0 for c in cands}
+            for step in range(1, 6):
+                grads = [(torch.randn(n, generator=gen) *
+                          10.0 ** torch.randint(-3, 2, (n,), generator=gen).float()).to(dt)
+                         for n in sizes]
+                for p, g in zip(params, grads):
+                    p.grad = g
+                o.step()
+                for t, (p, g) in enumerate(zip(params, grads)):
+                    got = {"param": f32a(p), **{k: f32a(o.state[p][k]) for k in keys}}
+                    for c, (W, rounded, lp) in cands.items():
+                        e = emulate(opt, hp, state[t], f32a(g), step, dt, W, rounded, lp)
+                        tally[c] += sum(int((bits(e[k]) != bits(got[k])).sum()) for k in got)
+                    state[t] = got
+            print(f"lowp {opt} {str(dt)[6:]} {hp}: mismatching words " +
+                  ", ".join(f"{c} {v}" for c, v in tally.items()))
+            assert tally["spec"] == 0, f"{opt} {dt}: the 7.3 definition disagrees with torch"
 
 
 # ---------------------------------------------------------------- clip_grad_norm_
@@ -1336,343 +1449,6 @@ def write_clip(path, header):
           "RN(RN(1/denom) * max_norm)")
 
 
-# ---------------------------------------------------------------- bf16 / f16 params
-
-LOWP_SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 47, 100]
-LOWP_SIZES_FULL = LOWP_SIZES + [1023, 1024, 1025]
-LOWP_TAIL_SIZES = [15] * 40 + [31] * 20 + [9] * 20   # mostly tail: W' = 16 against 8
-
-
-def lowp_cases():
-    """(optimizer, hyper-parameters) for the bf16 and f16 golden file; each runs in both
-    dtypes. Keys as torch's constructor arguments."""
-    return [
-        dict(name="adam_default", opt="adam", sizes=LOWP_SIZES_FULL, seed=601, steps=3,
-             hp=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)),
-        dict(name="adam_l2_amsgrad", opt="adam", sizes=LOWP_SIZES, seed=602, steps=5,
-             hp=dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1, amsgrad=True)),
-        dict(name="adam_maximize_tail", opt="adam", sizes=LOWP_TAIL_SIZES, seed=603, steps=6,
-             hp=dict(lr=1e-2, betas=(0.3, 0.6), eps=1e-8, weight_decay=0.0, maximize=True)),
-        dict(name="adamw_wd", opt="adamw", sizes=LOWP_SIZES_FULL, seed=604, steps=3,
-             hp=dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)),
-        dict(name="adamw_amsgrad_maximize", opt="adamw", sizes=LOWP_SIZES, seed=605, steps=5,
-             hp=dict(lr=3e-3, betas=(0.5, 0.99), eps=1e-8, weight_decay=0.1, amsgrad=True,
-                     maximize=True)),
-        dict(name="sgd_plain", opt="sgd", sizes=LOWP_SIZES, seed=606, steps=4,
-             hp=dict(lr=1e-1, momentum=0.0, dampening=0.0, weight_decay=0.0)),
-        dict(name="sgd_momentum_wd", opt="sgd", sizes=LOWP_SIZES_FULL, seed=607, steps=3,
-             hp=dict(lr=1e-1, momentum=0.9, dampening=0.1, weight_decay=0.05)),
-        dict(name="sgd_nesterov_maximize_tail", opt="sgd", sizes=LOWP_TAIL_SIZES, seed=608,
-             steps=6, hp=dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1,
-                              nesterov=True, maximize=True)),
-        dict(name="adagrad_default", opt="adagrad", sizes=LOWP_SIZES_FULL, seed=609, steps=3,
-             hp=dict(lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0,
-                     eps=1e-10)),
-        dict(name="adagrad_decay_iav_maximize", opt="adagrad", sizes=LOWP_SIZES, seed=610,
-             steps=5, hp=dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2,
-                              initial_accumulator_value=0.1, eps=1e-6, maximize=True)),
-    ]
-
-
-LOWP_SLOTS = {"adam": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
-              "adamw": ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
-              "sgd": ["momentum_buffer"], "adagrad": ["sum"]}
-LOWP_HP_ORDER = {
-    "adam": ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
-    "adamw": ["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
-    "sgd": ["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"],
-    "adagrad": ["lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps", "maximize"],
-}
-
-
-def lowp_words(t):
-    assert t.dtype in (torch.bfloat16, torch.float16)
-    u = t.detach().contiguous().view(torch.int16).tolist()
-    return " ".join("%04x" % (x & 0xFFFF) for x in u)
-
-
-def lowp_line(key, idx, t):
-    w = lowp_words(t)
-    return f"{key} {idx} {w}" if w else f"{key} {idx}"
-
-
-def lowp_used_slots(case):
-    hp = case["hp"]
-    if case["opt"] in ("adam", "adamw"):
-        return LOWP_SLOTS[case["opt"]][:3 if hp.get("amsgrad") else 2]
-    if case["opt"] == "sgd":
-        return ["momentum_buffer"] if hp["momentum"] != 0 else []
-    return ["sum"]
-
-
-def run_lowp(case, dtype, threads):
-    torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(case["seed"] + (0 if dtype == torch.bfloat16 else 50))
-    params = []
-    for n in case["sizes"]:
-        p = torch.randn(n, generator=gen) * 0.5
-        if n >= 3:
-            p[0], p[1] = 0.0, -0.0
-        params.append(torch.nn.Parameter(p.to(dtype)))
-    init = [p.detach().clone() for p in params]
-    ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
-            "adagrad": torch.optim.Adagrad}[case["opt"]]
-    opt = ctor(params, fused=True, **case["hp"])
-    slots = lowp_used_slots(case)
-    out = {"init": init, "steps": [],
-           "init_sum": [opt.state[p]["sum"].clone() for p in params] if case["opt"] == "adagrad"
-           else None}
-    for _ in range(case["steps"]):
-        grads = [sgd_grad(gen, n, 1.0).to(dtype) for n in case["sizes"]]
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-        rec = {"grads": grads, "param": [p.detach().clone() for p in params], "step": []}
-        for k in slots:
-            rec[k] = [opt.state[p][k].clone() for p in params]
-            assert all(x.dtype == dtype for x in rec[k]), f"{k} is not in the param's dtype"
-        if case["opt"] != "sgd":
-            for p in params:
-                st = opt.state[p]["step"]
-                assert st.dtype == torch.float32
-                rec["step"].append(st.clone().reshape(1))
-        out["steps"].append(rec)
-    return out, slots
-
-
-def write_lowp(path, header):
-    lines = list(header)
-    lines += ["# torch.optim.Adam / AdamW / SGD / Adagrad(fused=True) on CPU with bf16 and f16",
-              "# params: gradients and state in the param's dtype (docs/numerics.md 7.3)."]
-    for case in lowp_cases():
-        for dtype, dname in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
-            a, slots = run_lowp(case, dtype, 1)
-            b, _ = run_lowp(case, dtype, 2)
-            for ra, rb in zip(a["steps"], b["steps"]):
-                for key in ["param"] + slots:
-                    assert all(same_lowp(x, y) for x, y in zip(ra[key], rb[key])), \
-                        f"{case['name']} {dname}: thread count changed {key}"
-            torch.set_num_threads(1)
-            hp = dict(case["hp"])
-            if "betas" in hp:
-                hp["beta1"], hp["beta2"] = hp.pop("betas")
-            toks = []
-            for k in LOWP_HP_ORDER[case["opt"]]:
-                v = hp.get(k, False)
-                toks.append(f"{k}={int(v)}" if isinstance(v, bool) else f"{k}={float(v).hex()}")
-            K, S = len(case["sizes"]), case["steps"]
-            lines.append(f"# {case['opt']} {dname} {case['hp']!r} seed={case['seed']}")
-            lines.append(line("case", f"{case['name']}_{dname}", case["opt"], dname, K, S))
-            lines.append(line("hparams", *toks))
-            lines.append(line("sizes", *case["sizes"]))
-            for t, p in enumerate(a["init"]):
-                lines.append(lowp_line("init_param", t, p))
-            if a["init_sum"] is not None:
-                for t, x in enumerate(a["init_sum"]):
-                    lines.append(lowp_line("init_sum", t, x))
-            for s, rec in enumerate(a["steps"], start=1):
-                lines.append(line("step", s))
-                for t, g in enumerate(rec["grads"]):
-                    lines.append(lowp_line("grad", t, g))
-                for key in ["param"] + slots:
-                    for t, x in enumerate(rec[key]):
-                        lines.append(lowp_line(key, t, x))
-                for t, x in enumerate(rec["step"]):
-                    lines.append(tensor_line("step_count", t, x))
-            lines.append("end")
-    write(path, lines)
-
-
-def same_lowp(a, b):
-    return a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-def check_lowp_grad_scale():
-    """torch's grad_scale on bf16/f16 params divides the widened gradient in f32 and uses
-    the quotient unrounded (it stores the rounded one into p.grad): asserted on SGD with
-    nesterov, where the unrounded quotient reaches the parameter through two FMAs. A
-    stepcore read with scale 2^-k rounds the product to the gradient's dtype (section 3),
-    so it differs where quotients fall below that dtype's normal range (f16 with the
-    default GradScaler scale 2^16 and gradients below 4); an f32 gradient (the exact
-    widening) read with scale 2^-k gives torch's bits. Printed as evidence."""
-    torch.set_num_threads(1)
-    for dt, gs, mag in ((torch.float16, 65536.0, 1.0), (torch.bfloat16, 2.0 ** 20, 2.0 ** -110)):
-        n = 1029
-        g = (torch.randn(n, generator=torch.Generator().manual_seed(611)) * mag).to(dt)
-        res = {}
-        for mode in ("scale", "rounded"):
-            p = torch.nn.Parameter(torch.zeros(n, dtype=dt))
-            opt = torch.optim.SGD([p], lr=1.0, momentum=0.9, nesterov=True, fused=True)
-            if mode == "scale":
-                p.grad = g.clone()
-                opt.grad_scale = torch.tensor(gs)
-                opt.found_inf = torch.tensor(0.0)
-            else:
-                p.grad = (g.float() / gs).to(dt)
-            opt.step()
-            res[mode] = p.detach().clone()
-        q = g.float() / gs                         # exact: a power of two
-        want = []
-        for x in q.tolist():
-            b = x                                  # first step: b = g
-            gg = fma32(b, f32_value(0.9), x)       # nesterov: fma(b, mom, g)
-            want.append(fma32(gg, -1.0, 0.0))      # fma(g, -lr, p)
-        want = torch.tensor(want, dtype=torch.float32).to(dt)
-        assert same_lowp(res["scale"], want), f"{dt}: grad_scale is not an unrounded f32 quotient"
-        differ = int((res["scale"].view(torch.int16) != res["rounded"].view(torch.int16)).sum())
-        assert differ > 0
-        print(f"checked: {dt} grad_scale {gs:g} is the unrounded f32 quotient; a gradient "
-              f"rounded to {dt} first differs in {differ} of {n} params")
-
-
-def analyze_lowp():
-    """Per element, which reading of torch's reduced-precision kernels reproduces its bf16 and
-    f16 results (docs/numerics.md 7.3): the f32 formula of each optimizer with its f32
-    scalars, values widened when loaded and rounded when stored, the tail the last
-    numel mod 16 elements ("spec"), against the same with the 8-element f32 tail or no tail,
-    with m/v/b/sum rounded to T before use ("rounded"), and with the body's scalars rounded
-    to T first as older copies of torch's source write them ("T scalars"). Each step starts
-    from torch's own state; counts are mismatching param + state words. Asserts "spec" has
-    none."""
-    import numpy as np
-    F = np.float32
-
-    def f32a(t):
-        return t.detach().float().numpy().copy()
-
-    def rnd(x, dt):
-        return torch.from_numpy(np.asarray(x, np.float32).copy()).to(dt).float().numpy()
-
-    def sc(x, dt, lp):
-        return F(torch.tensor(float(x)).to(dt).float().item()) if lp else F(x)
-
-    def bits(x):
-        return np.asarray(x, np.float32).view(np.uint32)
-
-    def emulate(opt, hp, st, g, step, dt, W, rounded, lp_scalars):
-        n = g.size
-        tail = np.zeros(n, bool)
-        if W > 1:
-            tail[n - n % W:] = True
-        out = {}
-        for region in ("body", "tail"):
-            lp = lp_scalars and region == "body"
-            p = st["param"].copy()
-            gg = -g if hp.get("maximize") else g.copy()
-            res = {}
-            if opt in ("adam", "adamw"):
-                b1, b2 = hp["betas"]
-                lr, wd, eps = hp["lr"], hp["weight_decay"], hp["eps"]
-                w = F(1 - b1)
-                small = abs(w) < F(0.5)
-                coeff = w if small else F(w - F(1))
-                if wd != 0:
-                    if opt == "adam":
-                        gg = fma32_array(p, sc(wd, dt, lp), gg)
-                    else:
-                        p = (p * sc(1 - lr * wd, dt, lp)).astype(F)
-                m0, v0 = st["exp_avg"], st["exp_avg_sq"]
-                m = fma32_array(coeff, (gg - m0).astype(F), m0 if small else gg)
-                cg = (F(1 - b2) * gg).astype(F)
-                if region == "body":
-                    v = fma32_array(cg, gg, (v0 * F(b2)).astype(F))
-                else:
-                    v = fma32_array(v0, F(b2), (cg * gg).astype(F))
-                if rounded:
-                    m, v = rnd(m, dt), rnd(v, dt)
-                r = v
-                if hp.get("amsgrad"):
-                    x0 = st["max_exp_avg_sq"]
-                    if region == "body":
-                        r = np.where(np.isnan(x0) | np.isnan(v), np.nan,
-                                     np.where(x0 > v, x0, v)).astype(F)
-                    else:
-                        r = np.where(x0 < v, v, x0).astype(F)
-                    res["max_exp_avg_sq"] = r
-                bc2s = F(math.sqrt(1 - b2 ** step))
-                d = ((np.sqrt(r) / bc2s).astype(F) + sc(eps, dt, lp)).astype(F)
-                ns = sc(-(lr / (1 - b1 ** step)), dt, lp)
-                p = (p + ((ns * m).astype(F) / d).astype(F)).astype(F)
-                res.update(exp_avg=m, exp_avg_sq=v)
-            elif opt == "sgd":
-                mom, wd = hp["momentum"], hp["weight_decay"]
-                if wd != 0:
-                    gg = fma32_array(p, sc(wd, dt, lp), gg)
-                if mom != 0:
-                    b0 = st["momentum_buffer"]
-                    c = sc(1 - hp["dampening"], dt, lp)
-                    m32 = sc(mom, dt, lp)
-                    if step == 1:
-                        b = gg
-                    elif region == "body":
-                        b = fma32_array(gg, c, (b0 * m32).astype(F))
-                    else:
-                        b = fma32_array(b0, m32, (gg * c).astype(F))
-                    if rounded:
-                        b = rnd(b, dt)
-                    res["momentum_buffer"] = b
-                    gg = fma32_array(b, m32, gg) if hp.get("nesterov") else b
-                p = fma32_array(gg, F(-hp["lr"]), p)
-            else:  # adagrad
-                wd = hp["weight_decay"]
-                if wd != 0:
-                    gg = fma32_array(p, sc(wd, dt, lp), gg)
-                sm = fma32_array(gg, gg, st["sum"])
-                if rounded:
-                    sm = rnd(sm, dt)
-                clr = hp["lr"] / double_fma(step - 1.0, hp["lr_decay"], 1.0)
-                d = (np.sqrt(sm) + sc(hp["eps"], dt, lp)).astype(F)
-                p = (p - ((sc(clr, dt, lp) * gg).astype(F) / d).astype(F)).astype(F)
-                res["sum"] = sm
-            res["param"] = p
-            out[region] = res
-        return {k: rnd(np.where(tail, out["tail"][k], out["body"][k]), dt) for k in out["body"]}
-
-    cands = {"spec": (16, False, False), "8-element tail": (8, False, False),
-             "no tail": (1, False, False), "rounded": (16, True, False),
-             "T scalars": (16, False, True)}
-    cases = [("adam", dict(lr=1e-2, betas=(0.3, 0.6), eps=1e-8, weight_decay=0.1, amsgrad=True)),
-             ("adamw", dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.1, maximize=True)),
-             ("sgd", dict(lr=0.1, momentum=0.9, dampening=0.3, weight_decay=0.05)),
-             ("sgd", dict(lr=3e-2, momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True,
-                          maximize=True)),
-             ("adagrad", dict(lr=5e-2, lr_decay=1e-2, weight_decay=1e-2,
-                              initial_accumulator_value=0.1, eps=1e-6, maximize=True))]
-    sizes = [15] * 150 + [31] * 50 + [100, 1025]
-    for opt, hp in cases:
-        for dt in (torch.bfloat16, torch.float16):
-            torch.set_num_threads(1)
-            gen = torch.Generator().manual_seed(620)
-            params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.5).to(dt))
-                      for n in sizes]
-            ctor = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW,
-                    "sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[opt]
-            o = ctor(params, fused=True, **hp)
-            keys = lowp_used_slots(dict(opt=opt, hp=hp))
-            state = [{"param": f32a(p), **{k: np.zeros(p.numel(), F) for k in keys}}
-                     for p in params]
-            if opt == "adagrad":
-                for t, p in enumerate(params):
-                    state[t]["sum"] = f32a(o.state[p]["sum"])
-            tally = {c: 0 for c in cands}
-            for step in range(1, 6):
-                grads = [(torch.randn(n, generator=gen) *
-                          10.0 ** torch.randint(-3, 2, (n,), generator=gen).float()).to(dt)
-                         for n in sizes]
-                for p, g in zip(params, grads):
-                    p.grad = g
-                o.step()
-                for t, (p, g) in enumerate(zip(params, grads)):
-                    got = {"param": f32a(p), **{k: f32a(o.state[p][k]) for k in keys}}
-                    for c, (W, rounded, lp) in cands.items():
-                        e = emulate(opt, hp, state[t], f32a(g), step, dt, W, rounded, lp)
-                        tally[c] += sum(int((bits(e[k]) != bits(got[k])).sum()) for k in got)
-                    state[t] = got
-            print(f"lowp {opt} {str(dt)[6:]} {hp}: mismatching words " +
-                  ", ".join(f"{c} {v}" for c, v in tally.items()))
-            assert tally["spec"] == 0, f"{opt} {dt}: the 7.3 definition disagrees with torch"
-
-
 # ---------------------------------------------------------------- main
 
 def write(path, lines):
@@ -1691,18 +1467,26 @@ def self_test():
     assert fma32(1.0, 1.0, -1.0) == 0.0 and math.copysign(1, fma32(-0.0, 1.0, -0.0)) < 0
 
 
+# Per --only name: the checks of torch's behaviour run before its file is written, and
+# the analysers --analyze runs after.
+CHECKS = {"sgd": [check_sgd_scale_and_found_inf], "adagrad": [check_adagrad_amp],
+          "lowp": [check_lowp_grad_scale]}
+ANALYSERS = {"adamw": [analyze_adamw], "adam": [analyze_adam], "sgd": [analyze_sgd],
+             "adagrad": [analyze_adagrad], "lowp": [analyze_lowp]}
+
+
 def main():
+    names = list(FILES) + ["clip"]
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tests/data", help="output directory (default tests/data)")
     ap.add_argument("--analyze", action="store_true", help="print the per-element formula analysis")
     ap.add_argument("--any-capability", action="store_true",
                     help="allow a CPU capability other than AVX2 (files will differ)")
-    ap.add_argument("--only", default="adamw,adam,sign_sgd,sgd,clip,adagrad,lowp",
-                    help="comma-separated files to write: adamw, adam, sign_sgd, sgd, clip, adagrad, "
-                         "lowp (default all)")
+    ap.add_argument("--only", default=",".join(names),
+                    help=f"comma-separated files to write: {', '.join(names)} (default all)")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    unknown = only - {"adamw", "adam", "sign_sgd", "sgd", "clip", "adagrad", "lowp"}
+    unknown = only - set(names)
     if unknown:
         sys.exit(f"unknown --only entries: {sorted(unknown)}")
     cap = torch.backends.cpu.get_cpu_capability()
@@ -1712,36 +1496,21 @@ def main():
     check_sign_and_add()
     header = [f"# Generated by tools/golden/make_golden.py: torch {torch.__version__}, "
               f"CPU capability {cap}, python {sys.version.split()[0]}. Do not edit.",
-              "# Format: see the docstring of tools/golden/make_golden.py and tests/data/README.md."]
+              "# Format: tests/data/README.md."]
     os.makedirs(args.out, exist_ok=True)
-    if "adamw" in only:
-        write_adamw(os.path.join(args.out, "adamw_torch.txt"), header)
-    if "adam" in only:
-        write_adam(os.path.join(args.out, "adam_torch.txt"), header)
+    for name in names:
+        if name not in only:
+            continue
+        if name == "clip":
+            write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
+            continue
+        for check in CHECKS.get(name, []):
+            check()
+        path, title, cases = FILES[name]
+        write_optimizer_file(os.path.join(args.out, path), header, title, cases())
         if args.analyze:
-            analyze_adam()
-    if "sign_sgd" in only:
-        write_sign_sgd(os.path.join(args.out, "sign_sgd.txt"), header)
-    if "sgd" in only:
-        check_sgd_scale_and_found_inf()
-        write_sgd(os.path.join(args.out, "sgd_torch.txt"), header)
-    if "clip" in only:
-        write_clip(os.path.join(args.out, "clip_grad_norm.txt"), header)
-    if args.analyze:
-        if "adamw" in only:
-            analyze_adamw()
-        if "sgd" in only:
-            analyze_sgd()
-    if "adagrad" in only:
-        check_adagrad_amp()
-        write_adagrad(os.path.join(args.out, "adagrad_torch.txt"), header)
-        if args.analyze:
-            analyze_adagrad()
-    if "lowp" in only:
-        check_lowp_grad_scale()
-        write_lowp(os.path.join(args.out, "lowp_torch.txt"), header)
-        if args.analyze:
-            analyze_lowp()
+            for analyse in ANALYSERS.get(name, []):
+                analyse()
 
 
 if __name__ == "__main__":
