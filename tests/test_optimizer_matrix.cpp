@@ -6,7 +6,7 @@
 // counts, the CUDA kernels' block bodies on the CPU executor, the host device, the
 // gradient managers in modes none (eager and lazy scale), optimizer and full, with and
 // without optimizer overlap, and a checkpoint resumed across every pair of modes. Each
-// cell runs the unit's own sample configurations (Unit::samples(): one per formula and
+// cell runs the unit's own sample configurations (Unit::kSamples: one per formula and
 // variant). A unit that a surface refuses, lacks or computes differently fails its cell,
 // so a new optimizer cannot be left out of one place. The Python surfaces (the drop-ins
 // and stepcore.torch.GradientManager) have the same matrix in python/tests, generated
@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -61,15 +62,11 @@ struct UnitName {
   }
 };
 
-/// The unit's sample configurations, each with lr and weight decay as the unit gave them.
+/// The unit's own sample configurations (Unit::kSamples: one per formula and variant).
 template <class Unit>
 std::vector<typename Unit::Config> configs_of() {
   std::vector<typename Unit::Config> out;
-  if constexpr (requires { Unit::samples(); }) {
-    for (const typename Unit::Config& c : Unit::samples()) out.push_back(c);
-  } else {
-    out.push_back(typename Unit::Config{});  // TODO(merge): every unit declares samples()
-  }
+  for (const auto& sample : Unit::kSamples) out.push_back(sample.config);
   return out;
 }
 
@@ -384,31 +381,34 @@ TYPED_TEST(OptimizerMatrix, HostDeviceOptimizerStep) {
 
 // ---- columns: the gradient managers ---------------------------------------------------------
 
-/// The managers' case of sample k: the test model's bf16 gradients in the RL flow (parameters
-/// without a gradient in some micro-batches), clipped at 0.05, a schedule, `steps` steps.
+/// The managers' cases of a sample: the test model (bf16 or f32 gradients) in the RL flow
+/// (parameters without a gradient in some micro-batches) under a schedule; variant 0:
+/// bf16, clipped at 0.05, no overlap; 1: f32, clipped, optimizer overlap (speculated
+/// chunks rolled back and committed); 2: bf16, no clip_grad_norm, overlap.
 template <class Unit>
-managers_cases::Case manager_case(const typename Unit::Config& config, bool overlap, int steps) {
+managers_cases::Case manager_case(const typename Unit::Config& config, int variant, int steps) {
   managers_cases::Case c;
   c.optimizer = config;
-  c.max_norm = 0.05f;
+  c.grad_dtype = variant == 1 ? DType::f32 : DType::bf16;
+  c.max_norm = variant == 2 ? std::optional<float>{} : std::optional<float>{0.05f};
   c.flow = stepcore::testing::Flow::rl;
   c.schedule = true;
-  c.overlap = overlap;
+  c.overlap = variant != 0;
   c.steps = steps;
   return c;
 }
 
 /// Runs every sample of Unit through the manager of `mode` (lazy: mode none's lazy scale),
-/// with and without optimizer overlap, against the independent simulation (reference).
+/// in each variant of manager_case, against the independent simulation (reference).
 template <class Unit>
 void manager_column(OffloadMode mode, bool lazy = false) {
   const auto configs = configs_of<Unit>();
   for (std::size_t k = 0; k < configs.size(); ++k)
-    for (const bool overlap : {false, true}) {
-      const managers_cases::Case c = manager_case<Unit>(configs[k], overlap, 4);
+    for (int variant = 0; variant < 3; ++variant) {
+      const managers_cases::Case c = manager_case<Unit>(configs[k], variant, 6);
       SCOPED_TRACE(label<Unit>(k) + " " + c.label());
       const auto want = managers_cases::run_reference(c);
-      ASSERT_NE(want[0].state[0], want[3].state[0]) << "the stream changes the state";
+      ASSERT_NE(want[0].state[0], want[5].state[0]) << "the stream changes the state";
       managers_cases::expect_same(managers_cases::run_mode(mode, c, lazy), want,
                                   std::string(offload_mode_name(mode)));
       if (::testing::Test::HasFatalFailure()) return;
@@ -439,7 +439,7 @@ TYPED_TEST(OptimizerMatrix, CheckpointResumedAcrossModes) {
   const OffloadMode modes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
   const auto configs = configs_of<Unit>();
   for (std::size_t k = 0; k < configs.size(); ++k) {
-    const managers_cases::Case c = manager_case<Unit>(configs[k], false, 5);
+    const managers_cases::Case c = manager_case<Unit>(configs[k], 0, 5);
     SCOPED_TRACE(label<Unit>(k));
     const auto want = managers_cases::run_reference(c);
     for (const OffloadMode from : modes)
