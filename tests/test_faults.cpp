@@ -1,4 +1,4 @@
-// Unit (issue 18): faults that are not bad arguments. Host memory exhaustion while a
+// Unit: faults that are not bad arguments. Host memory exhaustion while a
 // manager is built (a device whose allocations fail past a limit, swept over every
 // allocation point, and a state too large for the machine): an Error, and nothing the
 // build allocated stays allocated. A soak: 1,000 managers of random modes, optimizers and

@@ -6,7 +6,8 @@
 // norms, clip coefficients, parameters, moments and compute weights after every step,
 // and equal an independent simulation built from stepcore::reference alone. Also the
 // same stream sharded over 2 and 4 in-process ranks, the factory's refusals, and the
-// fault behaviour.
+// fault behaviour. Every optimizer unit in every mode, and resumed across modes, is the
+// optimizer matrix's (tests/test_optimizer_matrix.cpp).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -62,109 +63,6 @@ TEST(Managers, ThreeModesGiveTheReferenceBitsAfterEveryStep) {
     expect_same(run_mode(OffloadMode::full, c), want, "full");
     if (HasFatalFailure()) return;
   }
-}
-
-/// Every optimizer unit, with the variants that change its state: AdamW (torch, native,
-/// amsgrad, maximize), Adam (plain, amsgrad with maximize), SGD (momentum 0; momentum with
-/// dampening; nesterov), Adagrad (an initial accumulator, lr decay, maximize), SignSGD,
-/// Lion (default; other betas with weight decay).
-std::vector<OptimizerConfig> every_optimizer() {
-  AdamWConfig amsgrad, maximize;
-  amsgrad.amsgrad = true;
-  maximize.maximize = true;
-  AdamConfig adam_ams;
-  adam_ams.amsgrad = true;
-  adam_ams.maximize = true;
-  SgdConfig momentum, nesterov;
-  momentum.momentum = 0.9;
-  momentum.dampening = 0.1;
-  nesterov.momentum = 0.5;
-  nesterov.nesterov = true;
-  AdagradConfig adagrad, adagrad_max;
-  adagrad.initial_accumulator_value = 0.1;
-  adagrad.lr_decay = 0.01;
-  adagrad_max.maximize = true;
-  adagrad_max.eps = 1e-6;
-  LionConfig lion_wd;
-  lion_wd.beta1 = 0.95;
-  lion_wd.beta2 = 0.98;
-  lion_wd.weight_decay = 0.1;
-  return {AdamWConfig{}, amsgrad, maximize,    AdamConfig{},    adam_ams,     SgdConfig{}, momentum,
-          nesterov,      adagrad, adagrad_max, SignSgdConfig{}, LionConfig{}, lion_wd};
-}
-
-/// The modes that step `c`: every mode steps every optimizer (the device modes through
-/// Device::optimizer_step).
-std::vector<OffloadMode> modes_of(const OptimizerConfig&) {
-  return {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
-}
-
-// Every optimizer, through every mode that steps it, equals the reference after each of
-// 10 steps: clipped and not, bf16 and f32 gradients, the RL flow (parameters without
-// gradients in some micro-batches), with overlap (speculated chunks committed or rolled
-// back) and a schedule.
-TEST(Managers, EveryOptimizerInEveryModeThatStepsItGivesTheReferenceBits) {
-  for (const OptimizerConfig& opt : every_optimizer())
-    for (int variant = 0; variant < 3; ++variant) {
-      Case c;
-      c.grad_dtype = variant == 1 ? DType::f32 : DType::bf16;
-      c.optimizer = opt;
-      c.max_norm = variant == 2 ? std::optional<float>{} : std::optional<float>{0.05f};
-      c.flow = Flow::rl;
-      c.overlap = variant == 2;
-      c.schedule = variant != 0;
-      c.steps = 10;
-      SCOPED_TRACE(c.label());
-      const auto want = run_reference(c);
-      ASSERT_NE(want[0].state[0], want[9].state[0]) << "the stream changes the state";
-      for (OffloadMode mode : modes_of(opt)) {
-        expect_same(run_mode(mode, c), want, std::string(offload_mode_name(mode)));
-        if (HasFatalFailure()) return;
-      }
-    }
-}
-
-// A checkpoint saved after 4 steps resumes in every mode that steps the optimizer (mode
-// full with another thread count), and the resumed run's last 4 steps have the bits of
-// the run that never stopped (the reference).
-TEST(Managers, EveryOptimizerResumesAcrossModesBitForBit) {
-  namespace fs = std::filesystem;
-  const fs::path dir =
-      fs::temp_directory_path() / ("stepcore-resume-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
-  const std::string path = (dir / "state.stepcore").string();
-  for (const OptimizerConfig& opt : every_optimizer()) {
-    Case c;
-    c.optimizer = opt;
-    c.max_norm = 0.05f;
-    c.flow = Flow::rl;
-    c.schedule = true;
-    c.steps = 8;
-    SCOPED_TRACE(c.label());
-    const auto want = run_reference(c);
-    for (OffloadMode from : modes_of(opt))
-      for (OffloadMode to : modes_of(opt)) {
-        SCOPED_TRACE(std::string(offload_mode_name(from)) + " -> " +
-                     std::string(offload_mode_name(to)));
-        auto dev = make_device();
-        Build b;
-        b.mode = from;
-        b.threads = 1;
-        auto saver = make_manager(b, c, *dev);
-        (void)run_stream(*saver, *dev, stream_options(c, nullptr, 0, 4));
-        saver->save_checkpoint(path);
-        saver->close();
-        b.mode = to;
-        b.threads = 3;  // another partition of every tensor in mode full
-        auto m = make_manager(b, c, *dev);
-        m->load_checkpoint(path);
-        const auto got = run_stream(*m, *dev, stream_options(c, nullptr, 4, 4));
-        m->close();
-        expect_same(got, {want.begin() + 4, want.end()}, "resumed");
-        if (HasFatalFailure()) return;
-      }
-  }
-  fs::remove_all(dir);
 }
 
 /// The model sharded over `ranks` in-process ranks (uneven shards, rank 0's shard of

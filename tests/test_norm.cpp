@@ -707,7 +707,7 @@ float expected_clip(float norm, float max_norm) {
   return q < 1.0f ? q : 1.0f;
 }
 
-// ---- partials beyond the documented range: exact, or flagged (issue 18) -------------
+// ---- partials beyond the documented range: exact, or flagged ---------------------
 
 // S of raw (unnormalised) 64-bit digits, summed here without stepcore's carry code.
 Big big_of_raw_digits(const std::uint64_t (&d)[stepcore::kNormDigits]) {

@@ -1,4 +1,4 @@
-// Unit (issue 25): the speculation of overlapped steps (docs/managers.md, "With overlap:
+// Unit: the speculation of overlapped steps (docs/managers.md, "With overlap:
 // speculate, then commit or roll back"), on the host device. Every comparison is with an
 // independent run: the same stream without overlap (the serial run) and manager_model
 // (stepcore::reference alone), never the speculating code with itself.

@@ -553,7 +553,7 @@ phase_bench_gpu() {
   program_phase "$exe" 60 1 "" --json "$logdir/bench-gpu.json"
 }
 # The overlapped full-offload step on the CUDA device (copies are DMA; device staging on):
-# issue 25's exposed-time targets.
+# the overlapped step's exposed-time targets.
 phase_bench_speculation() {
   local exe=$build/bench/stepcore-bench-speculation
   [ -x "$exe" ] || { note="stepcore-bench-speculation not built"; return 1; }

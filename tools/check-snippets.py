@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""Runs every code snippet of the README and the docs, so what they say stays true.
+
+Every fenced block of the project's Markdown (README.md, CONTRIBUTING.md, docs/*.md and
+the READMEs in the tree) is checked by its language:
+
+* ``python``: run in a fresh interpreter (``--python``, with the built package on
+  ``--pythonpath``) and must exit 0. A block with ``>>>`` prompts is a doctest: each
+  statement's printed output must match what the block shows, so a statement of what is
+  accepted or refused (an exception shown with its type) is checked too.
+* ``cpp``: compiled (``--cxx``, syntax and types only: -fsyntax-only) against the public
+  headers, inside a function body; the public headers are included first.
+
+A snippet that needs names it does not define (a model, a batch stream, a config) names a
+prelude in an HTML comment on the line just before its fence:
+
+    <!-- snippet: prelude=tiny_model -->
+
+The preludes are tools/snippets/<name>.py (run before the block, same interpreter) and
+tools/snippets/<name>.hpp (declarations in scope of the block). ``<!-- snippet: continues -->``
+runs a python block after the file's previous python block, in the same interpreter (for
+a walk-through split by prose). Blocks of any other language (sh, text, cmake) are not run.
+
+Usage: tools/check-snippets.py [--root DIR] [--python EXE] [--pythonpath DIR]
+                               [--cxx EXE] [--include DIR ...] [--list]
+Exit status: 0 every snippet ran, 1 a snippet failed (each failure printed), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+FENCE = re.compile(r"^```(\w*)\s*$")
+DIRECTIVE = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->\s*$")
+
+
+class Snippet:
+    """One fenced block: where it is, its language, its text and its directives."""
+
+    def __init__(self, path: Path, line: int, lang: str, text: str, directives: dict):
+        self.path, self.line, self.lang, self.text = path, line, lang, text
+        self.directives = directives
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def parse_directives(text: str) -> dict:
+    """Returns {key: value} of a directive comment's words ("prelude=x continues")."""
+    out = {}
+    for word in text.split():
+        key, _, value = word.partition("=")
+        out[key] = value or True
+    return out
+
+
+def snippets_of(path: Path, root: Path) -> list[Snippet]:
+    """Returns the fenced blocks of one Markdown file, in order."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        lang, start = m.group(1), i + 1
+        directives = {}
+        if i > 0:
+            d = DIRECTIVE.match(lines[i - 1])
+            if d:
+                directives = parse_directives(d.group(1))
+        j = start
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        out.append(Snippet(path.relative_to(root), start, lang, "\n".join(lines[start:j]) + "\n",
+                           directives))
+        i = j + 1
+    return out
+
+
+def markdown_files(root: Path) -> list[Path]:
+    """The project's Markdown: tracked files (git), else every .md outside build/."""
+    try:
+        names = subprocess.run(["git", "-C", str(root), "ls-files", "*.md"], check=True,
+                               capture_output=True, text=True).stdout.split()
+        files = [root / n for n in names]
+    except (OSError, subprocess.CalledProcessError):
+        files = [p for p in root.rglob("*.md") if "build" not in p.parts]
+    return sorted(p for p in files if p.exists() and "data" not in p.relative_to(root).parts)
+
+
+def prelude(root: Path, name: str, suffix: str) -> str:
+    """The text of prelude `name` (tools/snippets/<name><suffix>)."""
+    p = root / "tools" / "snippets" / (name + suffix)
+    if not p.exists():
+        raise FileNotFoundError(f"prelude '{name}' ({p.relative_to(root)}) does not exist")
+    return p.read_text(encoding="utf-8")
+
+
+# Runs a doctest part in the program's own globals (names carry to later parts).
+DOCTEST_HELPER = """
+import doctest as _doctest
+_failed = 0
+def _run_doctest(text):
+    global _failed
+    test = _doctest.DocTestParser().get_doctest(text, globals(), "snippet", None, 0)
+    runner = _doctest.DocTestRunner(
+        optionflags=_doctest.ELLIPSIS | _doctest.NORMALIZE_WHITESPACE)
+    runner.run(test, clear_globs=False)
+    _failed += runner.failures
+"""
+
+
+def python_program(root: Path, chain: list[Snippet]) -> str:
+    """The program of a python block and the blocks it continues, with their preludes."""
+    parts = [DOCTEST_HELPER]
+    for s in chain:
+        name = s.directives.get("prelude")
+        if name:
+            parts.append(prelude(root, name, ".py"))
+        parts.append(f"_run_doctest({s.text!r})" if ">>>" in s.text else s.text)
+    parts.append("import sys as _sys\n_sys.exit(1 if _failed else 0)")
+    return "\n".join(parts) + "\n"
+
+
+def run_python(root: Path, chain: list[Snippet], args) -> str:
+    """Runs a python block (after the blocks it continues); returns '' or the failure."""
+    program = python_program(root, chain)
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [args.pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    with tempfile.TemporaryDirectory(prefix="stepcore-snippet-") as tmp:
+        r = subprocess.run([args.python, "-c", program], cwd=tmp, env=env, capture_output=True,
+                           text=True, timeout=600)
+    if r.returncode != 0:
+        return (r.stdout + r.stderr).strip()[-4000:]
+    return ""
+
+
+def run_cpp(root: Path, s: Snippet, args) -> str:
+    """Compiles a cpp block inside a function, after every public header and its prelude."""
+    headers = sorted((root / "include" / "stepcore").glob("*.hpp"))
+    optional = {"comm_mpi.hpp", "comm_nccl.hpp"}  # need MPI / NCCL headers of their own
+    includes = "".join(f'#include "stepcore/{h.name}"\n' for h in headers
+                       if h.name not in optional)
+    name = s.directives.get("prelude")
+    decls = prelude(root, name, ".hpp") if name else ""
+    source = (includes + "#include <cstdio>\n#include <vector>\nusing namespace stepcore;\n"
+              + decls + "\nvoid snippet() {\n" + s.text + "}\n")
+    with tempfile.TemporaryDirectory(prefix="stepcore-snippet-") as tmp:
+        src = Path(tmp) / "snippet.cpp"
+        src.write_text(source, encoding="utf-8")
+        cmd = [args.cxx, "-std=c++20", "-fsyntax-only", "-Wall", "-Wno-unused-variable",
+               "-Wno-unused-but-set-variable", "-I", str(root / "include")]
+        for inc in args.include:
+            cmd += ["-I", inc]
+        r = subprocess.run(cmd + [str(src)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        return r.stderr.strip()[-4000:]
+    return ""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--pythonpath", default="")
+    ap.add_argument("--cxx", default=os.environ.get("CXX", "c++"))
+    ap.add_argument("--include", action="append", default=[],
+                    help="another include folder (the build's generated headers)")
+    ap.add_argument("--list", action="store_true", help="list the snippets, run nothing")
+    args = ap.parse_args()
+    root = Path(args.root).resolve()
+    failures, ran = [], 0
+    for md in markdown_files(root):
+        previous = []  # the file's python blocks so far, for `continues`
+        for s in snippets_of(md, root):
+            if s.lang not in ("python", "cpp"):
+                continue
+            if args.list:
+                print(f"{s.where()} {s.lang} {' '.join(s.directives)}")
+                continue
+            try:
+                if s.lang == "python":
+                    chain = (previous[-1] + [s]) if s.directives.get("continues") and previous \
+                        else [s]
+                    if s.directives.get("continues") and not previous:
+                        raise ValueError("'continues' with no python block before it")
+                    why = run_python(root, chain, args)
+                    previous.append(chain)
+                else:
+                    why = run_cpp(root, s, args)
+            except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+                why = str(e)
+            ran += 1
+            if why:
+                failures.append(f"check-snippets: {s.where()} ({s.lang}) failed:\n{why}")
+    for f in failures:
+        print(f, file=sys.stderr)
+    if not args.list:
+        print(f"check-snippets: {ran} snippets, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
