@@ -1,7 +1,7 @@
 // FileBytes: open, fstat, pread in chunks into one buffer, fstat again, close. A short
 // read (end of file before fstat's size) or a smaller size afterwards is the file
 // shrinking under us: an InputError.
-#include "file_bytes.hpp"
+#include "diff/file_bytes.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -14,9 +14,9 @@
 #include <cstring>
 #include <utility>
 
-#include "error.hpp"
+#include "stepcore/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -102,4 +102,4 @@ ScopedReadHook::~ScopedReadHook() {
 
 }  // namespace testing
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

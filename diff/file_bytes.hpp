@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// The bytes of a regular file, read whole when constructed. Throws InputError naming
 /// the path when it cannot be opened, is not a regular file, cannot be read, or ends
@@ -50,4 +50,4 @@ class ScopedReadHook {
 
 }  // namespace testing
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff
