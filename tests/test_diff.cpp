@@ -31,6 +31,7 @@
 #include "diff/diff.hpp"
 #include "diff/file_bytes.hpp"
 #include "diff/inputs.hpp"
+#include "host/testing.hpp"
 #include "safetensors_writer.hpp"
 #include "stepcore/diff.hpp"
 
@@ -1063,7 +1064,7 @@ TEST(DiffTruncation, ALoadRacingATruncationIsAnErrorNeverASignal) {
       const std::size_t chunk = 4096 + rng() % 65536;
       const std::size_t at = rng() % bytes.size();
       bool done = false;
-      const stepcore::diff::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
+      const stepcore::detail::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
         if (!done && offset + chunk > at) {
           cut_to(cut);
           done = true;
@@ -1126,7 +1127,7 @@ TEST(DiffTruncation, FileBytesReadsWholeOrThrowsNamingTheFile) {
   EXPECT_EQ(whole.data()[99999], std::byte{7});
   std::uint64_t calls = 0;
   try {
-    const stepcore::diff::testing::ScopedReadHook hook(4096, [&](std::uint64_t offset) {
+    const stepcore::detail::testing::ScopedReadHook hook(4096, [&](std::uint64_t offset) {
       ++calls;
       if (offset == 8192) cut_to_size(p, 5000);
     });
