@@ -131,8 +131,8 @@ bool dict_holds(PyObject* d, std::size_t n, Key key, Value value) {
   Py_ssize_t pos = 0;
   PyObject* k = nullptr;
   PyObject* v = nullptr;
-  for (std::size_t i = 0; PyDict_Next(d, &pos, &k, &v); ++i)
-    if (k != key(i) || v != value(i)) return false;
+  for (std::size_t i = 0; i < n; ++i)  // n entries: PyDict_Next yields each once
+    if (!PyDict_Next(d, &pos, &k, &v) || k != key(i) || v != value(i)) return false;
   return true;
 }
 
@@ -231,6 +231,10 @@ class OptimizerRows {
         static_cast<std::size_t>(PyList_GET_SIZE(group_params.ptr())) != params_.size())
       return false;
     if (grads && grads->size() != tensors_.size()) return false;
+    // The state dicts first, in a loop of their own: its memory reads are independent, so
+    // the processor overlaps them (between the calls into torch below it could not).
+    for (std::size_t r = 0; r < tensors_.size(); ++r)
+      if (!same_items(r)) return false;
     static PyObject* const grad_name = PyUnicode_InternFromString("grad");
     for (std::size_t i = 0; i < params_.size(); ++i) {
       PyObject* p = PyList_GET_ITEM(group_params.ptr(), static_cast<Py_ssize_t>(i));
@@ -244,7 +248,6 @@ class OptimizerRows {
         continue;
       }
       if (grad.is_none() || !known_grad_type(grad)) return false;
-      if (!same_items(r)) return false;
       OptimizerTensor& t = tensors_[r];
       try {
         t.param = cpu_view(p, "params", r, Access::write);

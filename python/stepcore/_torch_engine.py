@@ -18,6 +18,7 @@ from . import _core, _table
 from ._torch_checks import (_COMPUTE_DTYPES, _bump_versions, _check_grad, _check_param,
                             _check_tensor, _detached, _engine_checked, _scalar, _unsupported)
 
+
 class _ComputeCopies:
     """Per-parameter compute copies (bf16/f16/f32 tensors receiving R(p_new))."""
 
@@ -124,16 +125,18 @@ class _EngineOwner:
 # anything about it changed; the result is a _core._OptimizerRows, which re-reads at C speed
 # on every step what may change between steps: each param's grad (new grad objects, a grad
 # gained or lost), the param's and grad's arrays (so swapped storage is seen; through the
-# DLPack C exchange API) and the compute copies, and compares the state dicts' entries the
-# optimizer uses (its slots, e.g. exp_avg and exp_avg_sq, and step, and any other entry)
-# by identity, in order. When anything no longer matches it writes nothing and the group is
-# checked in full again. Not
-# detected (and not supported): swapping a state tensor's storage in place
-# (state[p]['exp_avg'].data = ...). Version counters: the params and compute copies, which
-# autograd may have saved, advance after every step as torch's in-place update does; the
-# state tensors are the optimizer's own and their counters do not advance (docs/python.md).
+# DLPack C exchange API) and the compute copies, and compares every entry of the state dicts
+# (the optimizer's slots, e.g. exp_avg and exp_avg_sq, its step, and any other key) by
+# identity, in order, and self.state's params and dicts the same way: public dict
+# iteration, no interpreter internals. When anything no longer matches it writes nothing
+# and the group is checked in full again. Not detected (and not supported): swapping a
+# state tensor's storage in place (state[p]['exp_avg'].data = ...). Version counters: the
+# params and compute copies, which autograd may have saved, advance after every step as
+# torch's in-place update does; the state tensors are the optimizer's own and their
+# counters do not advance (docs/python.md).
 
 _grad_of = operator.attrgetter("grad")
+_PLANS = {}  # (drop-in class, engine optimizer) -> _EngineOptimizer._plan's tuple
 _GRAD_TYPES = [torch.Tensor]  # exact types of grads the rows take (others: the full path)
 
 
@@ -187,23 +190,43 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
         through _scalar, naming the group's key; flags as bools); a field the group lacks
         (torch has no such key) keeps the engine's default."""
         h = {}
-        for f in _table.entry(self._engine_name(group), "stepcore.torch")["hyper"]:
-            key = f["name"]
-            if key in ("beta1", "beta2"):
+        for key, kind, source in self._plan(self._engine_name(group)):
+            if source == "group":
+                if key not in group:
+                    continue
+                value = group[key]
+            elif source == "defaults":
+                value = self.defaults[key]
+            else:  # betas[0] or betas[1]
                 betas = group["betas"]
                 if not isinstance(betas, (tuple, list)) or len(betas) != 2:
                     raise ValueError(f"stepcore.torch: {where}['betas'] must be a pair, "
                                      f"got {betas!r}")
-                value, what = betas[key == "beta2"], f"{where}['betas'][{int(key == 'beta2')}]"
-            elif key in self._FROM_DEFAULTS:
-                value, what = self.defaults[key], key
-            elif key in group:
-                value, what = group[key], f"{where}['{key}']"
-            else:
-                continue
-            h[key] = (_scalar(value, what) if f["kind"] == "real" else
-                      bool(value) if f["kind"] == "flag" else value)
+                value = betas[source]
+            if kind == "real":
+                if type(value) is not float:  # the name is formatted only for a check
+                    value = _scalar(value, key if source == "defaults" else
+                                    f"{where}['betas'][{source}]" if source in (0, 1) else
+                                    f"{where}['{key}']")
+            elif kind == "flag":
+                value = bool(value)
+            h[key] = value
         return h
+
+    def _plan(self, name):
+        """How _hyper reads each field of the engine optimizer `name`: (field, kind, source),
+        source "group" (the group's key of that name), "defaults" (_FROM_DEFAULTS) or 0/1
+        (the group's betas pair), in the table's order; computed once per class."""
+        plan = _PLANS.get((type(self), name))
+        if plan is None:
+            fields = _table.entry(name, "stepcore.torch")["hyper"]
+            plan = _PLANS[(type(self), name)] = tuple(
+                (f["name"], f["kind"],
+                 {"beta1": 0, "beta2": 1}.get(f["name"],
+                                              "defaults" if f["name"] in self._FROM_DEFAULTS
+                                              else "group"))
+                for f in fields)
+        return plan
 
     def _slot_keys(self, name, h):
         """The state keys of the slots the configuration (name, h) uses, in its order."""
