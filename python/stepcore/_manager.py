@@ -188,19 +188,17 @@ class GradientManager(torch.optim.Optimizer):
                     raise ValueError(f"stepcore.torch: {k!r} is set twice: by '{arg}' and "
                                      "by 'hyper'")
                 values[k] = v
-        config = {}
+        config, resolved = {}, {}
         for name, h in fields.items():
-            value = hyper.get(name, values.get(name, h["default"]))
+            resolved[name] = hyper.get(name, values.get(name, h["default"]))
             if h["role"] not in _GROUP_ROLES:
-                config[name] = value
-            elif name in ("beta1", "beta2", "eps"):
-                values[name] = value  # the groups' defaults below
+                config[name] = resolved[name]
         defaults = dict(lr=lr, weight_decay=weight_decay)
-        if "beta1" in fields and "beta2" in fields:
-            defaults["betas"] = (config.get("beta1", values.get("beta1")),
-                                 config.get("beta2", values.get("beta2")))
-        if "eps" in fields:
-            defaults["eps"] = config.get("eps", values.get("eps"))
+        for arg in ("betas", "eps"):  # the groups show them whatever their role
+            keys = _ARGUMENT_FIELDS[arg]
+            if all(k in fields for k in keys):
+                value = tuple(resolved[k] for k in keys)
+                defaults[arg] = value if arg == "betas" else value[0]
         for name in list(hyper):
             if name not in fields:  # the extension names it, with the optimizer's fields
                 config[name] = hyper[name]
