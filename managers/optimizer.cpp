@@ -64,9 +64,8 @@ void for_each_field(OptimizerConfig& config, Fn&& fn) {
 
 std::string accepted_names() {
   std::string names;
-  AllUnits::for_each([&](auto unit) {
-    names += (names.empty() ? "" : ", ") + std::string(decltype(unit)::kName);
-  });
+  for (const OptimizerInfo& info : optimizer_table())
+    names += (names.empty() ? "" : ", ") + std::string(info.name);
   return names;
 }
 
@@ -122,14 +121,14 @@ ParamGroup default_group(const OptimizerConfig& config) {
 }
 
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot) {
-  return with_unit(config, [&](auto unit, const auto& c) -> float {
-    using Unit = decltype(unit);
-    if constexpr (requires { Unit::initial_slot_value(c, 0); }) {
-      for (int k = 0; k < Unit::kSlots; ++k)
-        if (slot == Unit::kSlotNames[k]) return Unit::initial_slot_value(c, k);
-    }
-    return 0.0f;
-  });
+  // The optimizer table's slot entry names the field (stepcore/optim.hpp: SlotInfo).
+  const OptimizerInfo& info = optimizer_table()[config.index()];
+  for (const SlotInfo& s : info.slots) {
+    if (slot != s.name || s.initial == nullptr) continue;
+    for (const FieldValue& f : config_fields(config))
+      if (f.name == s.initial) return static_cast<float>(f.value);
+  }
+  return 0.0f;
 }
 
 bool slot_non_negative(std::string_view slot) noexcept {

@@ -56,8 +56,8 @@ OptimizerConfig group_config(const OptimizerConfig& config, const ParamGroup& gr
 /// Returns the single group "default" of a configuration without groups.
 ParamGroup default_group(const OptimizerConfig& config);
 
-/// The value a state slot starts from (load_parameter): the unit's initial_slot_value
-/// where it has one (Adagrad's sum: f32(initial_accumulator_value)), else +0.
+/// The value a state slot starts from (load_parameter): f32 of the field the optimizer
+/// table names for it (Adagrad's sum: initial_accumulator_value), else +0.
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot);
 /// Whether a slot's values are never negative (a second moment, its maximum, a sum of
 /// squares): import and checkpoints refuse a negative value there.

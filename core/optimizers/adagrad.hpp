@@ -36,10 +36,9 @@ struct Adagrad {
   static constexpr bool kReadsScaled = true;
 
   static constexpr int slots(int /*v*/) { return 1; }
-  /// The value slot k starts from: torch fills `sum` with initial_accumulator_value.
-  static float initial_slot_value(const Config& c, int /*k*/) {
-    return static_cast<float>(c.initial_accumulator_value);
-  }
+  /// The hyper-parameter each slot starts from: torch fills `sum` with
+  /// initial_accumulator_value.
+  static constexpr const char* kSlotInitialFields[kSlots] = {"initial_accumulator_value"};
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) { validate_adagrad_config(c, read); }
   STEPCORE_HD_INLINE static int variant(const Config&) { return 0; }

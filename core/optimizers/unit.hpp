@@ -15,7 +15,8 @@
 //   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch),
 //   kSlotSourceNames           and the names of their out-of-place sources
 //   slots(V)                   how many of them variant V uses (the first slots(V))
-//   initial_slot_value(c, k)   optional, host: the value slot k starts from (default +0)
+//   kSlotInitialFields         optional: the real hyper-parameter (OptimizerTraits' name)
+//                              whose value each slot starts from (nullptr or absent: +0)
 //   kCountsSteps               whether each tensor has a step counter, incremented first
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)

@@ -97,7 +97,7 @@ Speculation parse_speculation(std::string_view name);
 std::string_view speculation_name(Speculation policy) noexcept;
 
 /// Returns the default configuration of the optimizer named exactly `name`: one of the
-/// optimizer units' names ("adamw", "sign_sgd", "adam", "sgd", "adagrad"). Anything else
+/// names of optimizer_table() (stepcore/optim.hpp: "adamw", "lion", ...). Anything else
 /// ("AdamW", "muon", "") throws Errc::invalid_argument naming "optimizer" with the
 /// accepted names.
 OptimizerConfig parse_optimizer(std::string_view name);
@@ -145,9 +145,8 @@ struct ManagerConfig {
   /// The optimizer: the alternative held selects it. lr and weight decay (and the betas
   /// and eps of the optimizers with betas: AdamW, Adam) are the groups'; a configuration
   /// without groups has the single group "default" made of them. Its other fields
-  /// (AdamW's formula, momentum, ...) apply to every group. Modes none and optimizer
-  /// step AdamW (without amsgrad and maximize) and SignSGD; mode full steps every
-  /// optimizer (make_gradient_manager refuses the others, naming "optimizer").
+  /// (AdamW's formula, momentum, ...) apply to every group. Every mode steps every
+  /// optimizer (optimizer_table() in stepcore/optim.hpp lists them).
   OptimizerConfig optimizer = AdamWConfig{};
   /// The parameter groups (ParamSpec::group indexes them). Empty: one group, "default",
   /// with the optimizer's lr, weight decay, betas and eps.

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <variant>
 
 #include "stepcore/config.hpp"
@@ -234,6 +235,48 @@ struct OptimizerTraits<LionConfig> {
 /// alternative held selects the optimizer.
 using OptimizerConfig =
     std::variant<AdamWConfig, SignSgdConfig, AdamConfig, SgdConfig, AdagradConfig, LionConfig>;
+
+/// How a hyper-parameter's value is held: its Config member's type.
+enum class HyperKind : std::uint8_t {
+  real,     ///< double
+  flag,     ///< bool (0 or 1 as a number)
+  integer,  ///< int
+  formula,  ///< AdamWFormula (its value as a number: 0 native, 1 torch)
+};
+
+/// One hyper-parameter of an optimizer: OptimizerTraits' field, its kind and the Config's
+/// default as a double (a flag 0 or 1, a formula its value).
+struct HyperInfo {
+  const char* name;
+  HyperRole role;
+  HyperKind kind;
+  double default_value;
+};
+
+/// One state slot of an optimizer: its name (torch's: exp_avg, momentum_buffer, sum, ...)
+/// and the real hyper-parameter whose value, rounded to the slot's dtype, it starts from
+/// (Adagrad's sum: initial_accumulator_value); nullptr: it starts at +0.
+struct SlotInfo {
+  const char* name;
+  const char* initial;
+};
+
+/// One optimizer as an integrator or a binding drives it by name: what it is called, what
+/// it takes, what it keeps beside each parameter, and how it reads the gradient.
+struct OptimizerInfo {
+  const char* name;                  ///< OptimizerTraits<Config>::kName
+  std::span<const HyperInfo> hyper;  ///< its hyper-parameters, in OptimizerTraits' order
+  /// Every state slot it may keep, in its slot order; a configuration uses the first few
+  /// (optimizer_slot_names in stepcore/managers.hpp: e.g. max_exp_avg_sq only with amsgrad).
+  std::span<const SlotInfo> slots;
+  bool counts_steps;  ///< each tensor has an f32 step counter, incremented before use
+  /// Its gradient read applies the scale and clip coefficient (GradientRead); false: it
+  /// reads f32(g) (SignSGD: the sign of a positive multiple is the same).
+  bool reads_scaled;
+};
+
+/// Every optimizer the library implements, entry i for alternative i of OptimizerConfig.
+std::span<const OptimizerInfo> optimizer_table() noexcept;
 
 /// How a gradient element g of storage type T is read by every operation that
 /// accepts it (docs/numerics.md, "Gradient read"):

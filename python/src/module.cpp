@@ -122,32 +122,30 @@ NormPartial partial_of(const nb::ndarray<nb::ro, std::int64_t, nb::shape<-1>, nb
 
 // ---- stepcore.torch's cached optimizer rows (private) ----------------------------------
 
-// A stamp of dict `d` that every mutation changes, or 0 where CPython keeps none. CPython
-// 3.11 to 3.13 keep one (PEP 509's ma_version_tag: a value from an interpreter-wide counter
-// on each insertion, replacement, deletion or clear; 3.12 also keeps watcher bits in its
-// low bits, which only makes two stamps differ more often). 3.14 dropped it.
-std::uint64_t dict_stamp(PyObject* d) {
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030E0000 && !defined(Py_LIMITED_API)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  return reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
-#pragma GCC diagnostic pop
-#else
-  (void)d;
-  return 0;
-#endif
+// Whether dict `d` holds exactly n entries, entry i being key(i): value(i) by identity (`is`),
+// in order: PyDict_Next over its entries, no hashing, the same test on every CPython.
+template <class Key, class Value>
+bool dict_holds(PyObject* d, std::size_t n, Key key, Value value) {
+  if (static_cast<std::size_t>(PyDict_Size(d)) != n) return false;
+  Py_ssize_t pos = 0;
+  PyObject* k = nullptr;
+  PyObject* v = nullptr;
+  for (std::size_t i = 0; i < n; ++i)  // n entries: PyDict_Next yields each once
+    if (!PyDict_Next(d, &pos, &k, &v) || k != key(i) || v != value(i)) return false;
+  return true;
 }
 
 // One param group's rows for any optimizer, built from objects stepcore.torch checked in
 // full, and re-read on every step at C speed: each param's grad (via the `grad`
 // attribute) and the param and grad arrays themselves (so replaced grads and swapped param
-// storage are seen), the state dicts' entries by identity (the slots' keys, in the unit's
-// slot order, and the step counter's key when the counter lives there: a replaced entry
-// makes the rows stale; swapping a state tensor's storage in place is not supported), the
-// compute copies' arrays. Counters that do not live in the state dict (torch's SGD keeps
-// none; stepcore.torch keeps them beside it) are given as tensors. Anything that no longer
-// matches the full check's result makes step() return False having written nothing; the
-// torch layer then rebuilds the rows through the full check, which names the bad argument.
+// storage are seen), every entry of each state dict by identity, in order (PyDict_Next:
+// the slots' keys, in the unit's slot order, the step counter's key when the counter lives
+// there, and any other key: an entry added, removed or replaced makes the rows stale;
+// swapping a state tensor's storage in place is not supported), the compute copies' arrays.
+// Counters that do not live in the state dict (torch's SGD keeps none; stepcore.torch keeps them
+// beside it) are given as tensors. Anything that no longer matches the full check's result makes
+// step() return False having written nothing; the torch layer then rebuilds the rows through the
+// full check, which names the bad argument.
 class OptimizerRows {
  public:
   // `params`: the group's params in order; `rows`: the positions that have state rows;
@@ -179,9 +177,9 @@ class OptimizerRows {
     }
     const std::size_t nk = keys_.size();
     tensors_.resize(rows.size());
-    state_stamps_.assign(rows.size(), 0);
     grad_objects_.resize(rows.size());
     state_objects_.resize(nk * rows.size());
+    items_begin_.assign(rows.size() + 1, 0);
     computes_.resize(rows.size());
     if (counters) counters_ = std::move(*counters);
     static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]",
@@ -200,6 +198,14 @@ class OptimizerRows {
         }
         state_objects_[nk * r + k] = nb::borrow(v);
       }
+      Py_ssize_t pos = 0;
+      PyObject* key = nullptr;
+      PyObject* value = nullptr;
+      while (PyDict_Next(st.ptr(), &pos, &key, &value)) {
+        items_.push_back(nb::borrow(key));
+        items_.push_back(nb::borrow(value));
+      }
+      items_begin_[r + 1] = items_.size();
       for (int s = 0; s < slots_; ++s)
         tensors_[r].state[s] = cpu_view(state_objects_[nk * r + static_cast<std::size_t>(s)],
                                         kSlotLists[s], r, Access::write);
@@ -224,8 +230,11 @@ class OptimizerRows {
         static_cast<std::size_t>(PyList_GET_SIZE(group_params.ptr())) != params_.size())
       return false;
     if (grads && grads->size() != tensors_.size()) return false;
+    // The state dicts first, in a loop of their own: its memory reads are independent, so
+    // the processor overlaps them (between the calls into torch below it could not).
+    for (std::size_t r = 0; r < tensors_.size(); ++r)
+      if (!same_items(r)) return false;
     static PyObject* const grad_name = PyUnicode_InternFromString("grad");
-    const std::size_t nk = keys_.size();
     for (std::size_t i = 0; i < params_.size(); ++i) {
       PyObject* p = PyList_GET_ITEM(group_params.ptr(), static_cast<Py_ssize_t>(i));
       if (p != params_[i].ptr()) return false;
@@ -238,19 +247,6 @@ class OptimizerRows {
         continue;
       }
       if (grad.is_none() || !known_grad_type(grad)) return false;
-      // The state dict's entries by identity, looked up only when the dict changed since
-      // they last matched (its stamp; every step where CPython keeps none).
-      const nb::handle st = states_[r];
-      const std::uint64_t stamp = dict_stamp(st.ptr());
-      if (stamp == 0 || stamp != state_stamps_[r]) {
-        for (std::size_t k = 0; k < nk; ++k)
-          if (PyDict_GetItemWithError(st.ptr(), keys_[k].ptr()) !=
-              state_objects_[nk * r + k].ptr()) {
-            if (PyErr_Occurred()) throw nb::python_error();
-            return false;
-          }
-        state_stamps_[r] = stamp;
-      }
       OptimizerTensor& t = tensors_[r];
       try {
         t.param = cpu_view(p, "params", r, Access::write);
@@ -313,25 +309,36 @@ class OptimizerRows {
     return o;
   }
 
+  // Whether row r's state dict holds exactly the entries it held when the rows were built
+  // (every entry, not only the slots' and the counter's).
+  bool same_items(std::size_t r) const {
+    const std::size_t begin = items_begin_[r];
+    return dict_holds(
+        states_[r].ptr(), (items_begin_[r + 1] - begin) / 2,
+        [&](std::size_t i) { return items_[begin + 2 * i].ptr(); },
+        [&](std::size_t i) { return items_[begin + 2 * i + 1].ptr(); });
+  }
+
   bool known_grad_type(nb::handle g) const {
     for (const nb::object& t : grad_types_)
       if (reinterpret_cast<PyObject*>(Py_TYPE(g.ptr())) == t.ptr()) return true;
     return false;
   }
 
-  Objects params_;                           // the group's params, in order (identity)
-  std::vector<std::size_t> row_of_;          // param index -> row, kNoRow without state
-  Objects states_;                           // per row: the state dict
-  Objects keys_;                             // the slot keys, then the step key (if any)
-  int slots_ = 0;                            // how many of keys_ are slots
-  Objects state_objects_;                    // per row: keys_'s entries (identity)
-  Objects counters_;                         // per row: the counter, when not in the state
-  std::vector<std::uint64_t> state_stamps_;  // per row: dict_stamp when they last matched
-  Objects computes_;                         // per row: the compute copy or an invalid handle
-  Objects grad_types_;                       // exact types a grad may have
-  Objects grad_objects_;                     // per row: the grad prepare() read, until run()
-  std::vector<OptimizerTensor> tensors_;     // per row: the views prepare() read
-  bool prepared_ = false;                    // prepare() succeeded and run() has not run since
+  Objects params_;                        // the group's params, in order (identity)
+  std::vector<std::size_t> row_of_;       // param index -> row, kNoRow without state
+  Objects states_;                        // per row: the state dict
+  Objects keys_;                          // the slot keys, then the step key (if any)
+  int slots_ = 0;                         // how many of keys_ are slots
+  Objects state_objects_;                 // per row: keys_'s entries (identity)
+  Objects items_;                         // every state dict's keys and values, in order
+  std::vector<std::size_t> items_begin_;  // row r's items: [items_begin_[r], [r + 1])
+  Objects counters_;                      // per row: the counter, when not in the state
+  Objects computes_;                      // per row: the compute copy or an invalid handle
+  Objects grad_types_;                    // exact types a grad may have
+  Objects grad_objects_;                  // per row: the grad prepare() read, until run()
+  std::vector<OptimizerTensor> tensors_;  // per row: the views prepare() read
+  bool prepared_ = false;                 // prepare() succeeded and run() has not run since
 };
 
 // Returns the Python name of a C++ argument: "tensors[3].grad" -> "grads[3]",
@@ -381,9 +388,45 @@ std::string python_message(const Error& e) {
 
 }  // namespace
 
-void bind_managers(nb::module_& m);  // python/src/managers.cpp
-void bind_gpu(nb::module_& m);       // python/src/gpu_launchers.cpp: the submodule _core.gpu
-void bind_diff(nb::module_& m);      // python/src/diff_binding.cpp: _core.diff_compare
+std::vector<OptimizerTensor> python::optimizer_tensors(const Objects& params,
+                                                       const std::vector<Objects>& states,
+                                                       const std::optional<Objects>& steps,
+                                                       const Objects& grads,
+                                                       const std::optional<Objects>& computes) {
+  const std::size_t n = params.size();
+  if (states.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
+    throw nb::value_error(
+        ("stepcore: invalid_argument in 'states': " + std::to_string(states.size()) +
+         " state lists; an optimizer keeps at most " + std::to_string(kMaxOptimizerSlots))
+            .c_str());
+  static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]", "states[2]"};
+  for (std::size_t s = 0; s < states.size(); ++s) same_length(states[s].size(), n, kSlotLists[s]);
+  if (steps) same_length(steps->size(), n, "steps");
+  same_length(grads.size(), n, "grads");
+  if (computes) same_length(computes->size(), n, "computes");
+  std::vector<OptimizerTensor> t(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    t[i].param = cpu_view(params[i], "params", i, Access::write);
+    for (std::size_t s = 0; s < states.size(); ++s)
+      t[i].state[s] = cpu_view(states[s][i], kSlotLists[s], i, Access::write);
+    if (steps) {
+      const TensorView c = cpu_view((*steps)[i], "steps", i, Access::write);
+      if (c.dtype != DType::f32 || c.numel != 1)
+        bad_array(c.dtype != DType::f32, indexed("steps", i),
+                  "must be one float32 value (torch's 0-dim step tensor)");
+      t[i].step = static_cast<float*>(c.data);
+    }
+    t[i].grad = cpu_view(grads[i], "grads", i, Access::read);
+    if (computes && !(*computes)[i].is_none())
+      t[i].compute_param = cpu_view((*computes)[i], "computes", i, Access::write);
+  }
+  return t;
+}
+
+void bind_optimizers(nb::module_& m);  // python/src/optimizers.cpp: the table, the reference
+void bind_managers(nb::module_& m);    // python/src/managers.cpp
+void bind_gpu(nb::module_& m);         // python/src/gpu_launchers.cpp: the submodule _core.gpu
+void bind_diff(nb::module_& m);        // python/src/diff_binding.cpp: _core.diff_compare
 
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
@@ -459,43 +502,13 @@ NB_MODULE(_core, m) {
              const std::vector<Objects>& states_in, std::optional<Objects> steps_in,
              const Objects& grads_in, std::optional<Objects> computes_in, nb::handle hyper,
              float grad_scale, float clip, bool found_inf) {
-            const OptimizerConfig config = python::optimizer_config(optimizer, hyper);
-            const std::size_t n = params_in.size();
-            if (states_in.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
-              throw nb::value_error(
-                  ("stepcore: invalid_argument in 'states': " + std::to_string(states_in.size()) +
-                   " state lists; an optimizer keeps at most " + std::to_string(kMaxOptimizerSlots))
-                      .c_str());
-            static const char* const kSlotLists[kMaxOptimizerSlots] = {"states[0]", "states[1]",
-                                                                       "states[2]"};
-            for (std::size_t s = 0; s < states_in.size(); ++s)
-              same_length(states_in[s].size(), n, kSlotLists[s]);
-            if (steps_in) same_length(steps_in->size(), n, "steps");
-            same_length(grads_in.size(), n, "grads");
-            if (computes_in) same_length(computes_in->size(), n, "computes");
-            std::vector<OptimizerTensor> t(n);
-            for (std::size_t i = 0; i < n; ++i) {
-              t[i].param = cpu_view(params_in[i], "params", i, Access::write);
-              for (std::size_t s = 0; s < states_in.size(); ++s)
-                t[i].state[s] = cpu_view(states_in[s][i], kSlotLists[s], i, Access::write);
-              if (steps_in) {
-                const TensorView c = cpu_view((*steps_in)[i], "steps", i, Access::write);
-                if (c.dtype != DType::f32 || c.numel != 1)
-                  bad_array(c.dtype != DType::f32, indexed("steps", i),
-                            "must be one float32 value (torch's 0-dim step tensor)");
-                t[i].step = static_cast<float*>(c.data);
-              }
-              t[i].grad = cpu_view(grads_in[i], "grads", i, Access::read);
-              if (computes_in && !(*computes_in)[i].is_none())
-                t[i].compute_param = cpu_view((*computes_in)[i], "computes", i, Access::write);
-            }
-            const std::int32_t skip = found_inf ? 1 : 0;
-            nb::gil_scoped_release release;
-            std::visit(
-                [&](const auto& c) {
-                  e.step(t, c, GradientRead{grad_scale, clip}, &skip);
-                },
-                config);
+            python::step_call(optimizer, hyper, params_in, states_in, steps_in, grads_in,
+                              computes_in, GradientRead{grad_scale, clip}, found_inf,
+                              [&](std::span<const OptimizerTensor> t, const OptimizerConfig& config,
+                                  GradientRead read, const std::int32_t* skip) {
+                                std::visit([&](const auto& c) { e.step(t, c, read, skip); },
+                                           config);
+                              });
           },
           nb::arg("optimizer"), nb::arg("params"), nb::arg("states"), nb::arg("steps").none(),
           nb::arg("grads"), nb::arg("computes") = nb::none(), nb::kw_only(),
@@ -612,31 +625,23 @@ NB_MODULE(_core, m) {
           nb::arg("grad_scale") = 1.0f, nb::arg("clip") = 1.0f,
           "One step of `optimizer` (Engine.step's names and hyper-parameters) over the rows "
           "prepare() just read (the engine checks everything before writing).");
-  m.def("optimizers", &python::optimizer_defaults,
-        "Every optimizer Engine.step takes: {name: {hyper-parameter: default}}.");
   m.def(
-      "_same_objects",
-      [](nb::handle a, nb::handle b) {
-        if (!PyList_Check(a.ptr()) || !PyList_Check(b.ptr()))
-          throw nb::type_error("stepcore: invalid_argument in 'a': two lists expected");
-        const Py_ssize_t n = PyList_GET_SIZE(a.ptr());
-        if (n != PyList_GET_SIZE(b.ptr())) return false;
-        for (Py_ssize_t k = 0; k < n; ++k)
-          if (PyList_GET_ITEM(a.ptr(), k) != PyList_GET_ITEM(b.ptr(), k)) return false;
-        return true;
+      "_same_items",
+      [](nb::handle d, nb::handle keys, nb::handle values) {
+        if (!PyDict_Check(d.ptr()) || !PyList_Check(keys.ptr()) || !PyList_Check(values.ptr()))
+          throw nb::type_error("stepcore: invalid_argument in 'd': a dict and two lists expected");
+        const Py_ssize_t n = PyList_GET_SIZE(keys.ptr());
+        if (PyList_GET_SIZE(values.ptr()) != n) return false;
+        return dict_holds(
+            d.ptr(), static_cast<std::size_t>(n),
+            [&](std::size_t i) { return PyList_GET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i)); },
+            [&](std::size_t i) {
+              return PyList_GET_ITEM(values.ptr(), static_cast<Py_ssize_t>(i));
+            });
       },
-      nb::arg("a"), nb::arg("b"),
-      "Private (stepcore.torch): whether two lists hold the same objects in order (`is`).");
-  m.def(
-      "_dict_stamp",
-      [](nb::handle d) -> std::uint64_t {
-        if (!PyDict_Check(d.ptr()))
-          throw nb::type_error("stepcore: invalid_argument in 'd': a dict expected");
-        return dict_stamp(d.ptr());
-      },
-      nb::arg("d"),
-      "Private (stepcore.torch): a stamp every mutation of dict `d` changes, or 0 where "
-      "this Python keeps none.");
+      nb::arg("d"), nb::arg("keys"), nb::arg("values"),
+      "Private (stepcore.torch): whether dict `d` holds exactly keys[k]: values[k], in that "
+      "order, by identity (`is`), as list(d.keys()) and list(d.values()) were taken.");
   m.def("_exchange_imports", &python::exchange_imports,
         "Private (tests): array imports through the DLPack C exchange API so far.");
   m.def(
@@ -651,6 +656,7 @@ NB_MODULE(_core, m) {
       nb::arg("stream").none(), nb::arg("producer").none(),
       "Private (tests): the cudaStream_t address a launcher uses for `stream` when its first "
       "array is `producer` (stream None: the producer's framework's current stream).");
+  bind_optimizers(m);
   bind_managers(m);
   bind_gpu(m);
   bind_diff(m);

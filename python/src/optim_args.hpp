@@ -1,23 +1,33 @@
-// The optimizer arguments of stepcore._core's entry points (the CPU engine, the GPU
-// launchers): one parser of `formula`, and the one parser of an optimizer chosen by name
-// with a dict of hyper-parameters (-> OptimizerConfig), which the library then validates
-// (its errors name the fields: 'lr', 'beta1', ...).
+// The optimizer arguments of stepcore._core's entry points (the CPU engine, the reference,
+// the GPU launchers): one parser of `formula`, the one parser of an optimizer chosen by
+// name with a dict of hyper-parameters (-> OptimizerConfig), which the library then
+// validates (its errors name the fields: 'lr', 'beta1', ...), and the one reader of
+// Engine.step's tensor lists.
 #pragma once
 
 #include <nanobind/nanobind.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
 #include <variant>
+#include <vector>
 
 #include "stepcore/optim.hpp"
 
 namespace stepcore::python {
 
 namespace nb = nanobind;
+
+/// Returns the name of a formula: "torch" or "native".
+inline const char* formula_name(AdamWFormula f) {
+  return f == AdamWFormula::torch ? "torch" : "native";
+}
 
 /// Returns the formula named "torch" or "native"; else ValueError naming 'formula'.
 inline AdamWFormula parse_formula(const std::string& name) {
@@ -44,13 +54,11 @@ void for_each_optimizer(Fn&& fn) {
                      std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
 }
 
-/// Returns "adamw, sign_sgd, ...": every optimizer's name, in OptimizerConfig's order.
+/// Returns "adamw, sign_sgd, ...": every optimizer's name, in the optimizer table's order.
 inline std::string optimizer_names() {
   std::string out;
-  for_each_optimizer([&](auto i) {
-    using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
-    out += (out.empty() ? "" : ", ") + std::string(OptimizerTraits<C>::kName);
-  });
+  for (const OptimizerInfo& info : optimizer_table())
+    out += (out.empty() ? "" : ", ") + std::string(info.name);
   return out;
 }
 
@@ -148,32 +156,29 @@ inline OptimizerConfig optimizer_config(std::string_view name, nb::handle hyper)
   return out;
 }
 
-/// Returns {name: {key: default}} for every optimizer, in OptimizerConfig's order.
-inline nb::dict optimizer_defaults() {
-  nb::dict out;
-  for_each_optimizer([&](auto i) {
-    using C = std::variant_alternative_t<decltype(i)::value, OptimizerConfig>;
-    const C c{};
-    nb::dict d;
-    for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
-      std::visit(
-          [&](auto member) {
-            using T = std::remove_cvref_t<decltype(c.*member)>;
-            nb::object v;
-            if constexpr (std::is_same_v<T, AdamWFormula>)
-              v = nb::str(c.*member == AdamWFormula::torch ? "torch" : "native");
-            else if constexpr (std::is_same_v<T, double>)
-              v = nb::float_(c.*member);
-            else if constexpr (std::is_same_v<T, bool>)
-              v = nb::bool_(c.*member);
-            else
-              v = nb::int_(c.*member);
-            d[f.name] = v;
-          },
-          f.member);
-    out[OptimizerTraits<C>::kName] = d;
-  });
-  return out;
+/// The Python lists of Engine.step (and reference_step) as OptimizerTensor records, each
+/// array checked and named as the call names it ("params[3]", "states[1][0]", "steps[2]",
+/// "grads[0]", "computes[1]"), list lengths checked first (python/src/module.cpp).
+using Objects = std::vector<nb::object>;
+std::vector<OptimizerTensor> optimizer_tensors(const Objects& params,
+                                               const std::vector<Objects>& states,
+                                               const std::optional<Objects>& steps,
+                                               const Objects& grads,
+                                               const std::optional<Objects>& computes);
+
+/// Engine.step's call (and reference_step's): the optimizer by name with its `hyper` dict
+/// and the tensor lists, each checked (optimizer_config, optimizer_tensors), then
+/// step(tensors, config, read, &found_inf) with the GIL released; found_inf writes nothing.
+template <class Step>
+void step_call(const std::string& optimizer, nb::handle hyper, const Objects& params,
+               const std::vector<Objects>& states, const std::optional<Objects>& steps,
+               const Objects& grads, const std::optional<Objects>& computes, GradientRead read,
+               bool found_inf, Step&& step) {
+  const OptimizerConfig config = optimizer_config(optimizer, hyper);
+  const std::vector<OptimizerTensor> t = optimizer_tensors(params, states, steps, grads, computes);
+  const std::int32_t skip = found_inf ? 1 : 0;
+  nb::gil_scoped_release release;
+  step(std::span<const OptimizerTensor>(t), config, read, &skip);
 }
 
 }  // namespace stepcore::python

@@ -3,7 +3,9 @@
 The CPU engine (AdamW, SignSGD, any optimizer by name through ``Engine.step``,
 accumulate, scale, the exact norm partial) over arrays
 passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
-in-process communicators and NUMA placement; ``stepcore.gpu`` holds the GPU launchers on
+in-process communicators and NUMA placement, the optimizer table (``optimizer_table()``:
+every optimizer's name, hyper-parameters, slots) and the scalar reference
+(``reference_step``, the oracle); ``stepcore.gpu`` holds the GPU launchers on
 device arrays. Importing stepcore never imports torch; ``stepcore.torch`` is the PyTorch
 layer.
 """
@@ -23,7 +25,10 @@ from ._core import (
     make_in_process_group,
     numa_place_on_node,
     numa_placement,
+    optimizer_slots,
+    optimizer_table,
     optimizers,
+    reference_step,
     supported_isas,
 )
 
@@ -37,7 +42,10 @@ __all__ = [
     "make_in_process_group",
     "numa_place_on_node",
     "numa_placement",
+    "optimizer_slots",
+    "optimizer_table",
     "optimizers",
+    "reference_step",
     "PARTIAL_MAX_ABS_WORD",
     "PARTIAL_WORDS",
     "__version__",

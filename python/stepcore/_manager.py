@@ -6,7 +6,9 @@ A ``torch.optim.Optimizer`` (so LR schedulers drive its ``param_groups``) that o
 own buffer, the manager accumulates, scales, computes the exact global norm, clips and
 steps in the mode's place (GPU-resident, host-resident optimizer state, or full offload),
 and writes the compute weights straight into the model's parameter storage. Every mode
-gives the same bits (docs/managers.md); see docs/python.md, "GradientManager".
+gives the same bits (docs/managers.md) for every optimizer of ``stepcore.optimizer_table()``,
+whose roles say which hyper-parameters are each param group's and which the manager's;
+see docs/python.md, "GradientManager".
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ import os
 
 import torch
 
-from . import _core
+from . import _core, _table
 
 __all__ = ["GradientManager"]
 
 OFFLOAD_MODES = ("none", "optimizer", "full")
-OPTIMIZERS = ("adamw", "sign_sgd", "adam", "sgd", "adagrad")
-_WITH_BETAS = ("adamw", "adam")  # their betas and eps are each param group's
+# Whose a hyper-parameter is, by its role in the optimizer table: "schedule" (lr,
+# weight_decay) and "betas" (the Adam family's beta1, beta2, eps) fields are each param
+# group's; "fixed" and "machine" fields are the manager's, one value for every group.
+_GROUP_ROLES = ("schedule", "betas")
+# The constructor arguments that set fields of whichever role: betas -> beta1 and beta2.
+_ARGUMENT_FIELDS = {"betas": ("beta1", "beta2"), "eps": ("eps",), "formula": ("formula",)}
 _DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _REDUCE_OPS = None  # name -> torch.distributed.ReduceOp, filled on first use
 
@@ -90,25 +96,17 @@ def _local_gpu_buses(local_world_size):
 class GradientManager(torch.optim.Optimizer):
     """The step after backward in one of three places, chosen by ``offload``."""
 
-    def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=(0.9, 0.999),
-                 eps=1e-8, weight_decay=0.0, formula="torch", hyper=None,
+    def __init__(self, params, *, offload, optimizer="adamw", lr=1e-3, betas=None, eps=None,
+                 weight_decay=0.0, formula=None, hyper=None,
                  chunk_elements=16 << 20,
                  process_group=None, threads=None, isa=None, numa=True, recorder=None,
                  speculation="auto", speculation_bytes=-1, speculation_device_bytes=0):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
-        _check_choice("optimizer", optimizer, OPTIMIZERS)
-        if hyper is not None and not isinstance(hyper, dict):
-            raise TypeError(f"stepcore.torch: 'hyper' must be a dict or None, got "
-                            f"{type(hyper).__name__}")
-        self._hyper = dict(hyper or {})
-        for key in ("lr", "weight_decay") + (("beta1", "beta2", "eps")
-                                             if optimizer in _WITH_BETAS else ()):
-            if key in self._hyper:
-                raise ValueError(f"stepcore.torch: 'hyper' sets {key!r}, a param group's "
-                                 f"value: pass it as an argument or in the param groups")
-        _check_choice("formula", formula, ("torch", "native"))
+        self._info = _table.entry(optimizer, "stepcore.torch")
+        self._config, defaults = self._resolve_hyper(
+            hyper, dict(betas=betas, eps=eps, formula=formula), lr, weight_decay)
         _check_choice("speculation", speculation, ("always", "never", "auto"))
         for name, value in (("speculation_bytes", speculation_bytes),
                             ("speculation_device_bytes", speculation_device_bytes)):
@@ -120,22 +118,15 @@ class GradientManager(torch.optim.Optimizer):
                              "weights only with offload='full'; got "
                              f"{speculation_device_bytes!r} with offload={offload!r}")
         self._speculation = (speculation, speculation_bytes, speculation_device_bytes)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {betas!r}")
         names = None
         if isinstance(params, torch.nn.Module):
             named = list(params.named_parameters())
             names = {id(p): n for n, p in named}
             params = [p for _, p in named]
-        if optimizer in _WITH_BETAS:
-            defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        else:
-            defaults = dict(lr=lr, weight_decay=weight_decay)
         self._built = False
         super().__init__(params, defaults)
         self.offload = offload
         self.optimizer_name = optimizer
-        self._formula = formula
         flat = [p for g in self.param_groups for p in g["params"]]
         if not flat:
             raise ValueError("stepcore.torch: 'params' is empty")
@@ -155,11 +146,89 @@ class GradientManager(torch.optim.Optimizer):
         self._built = True
         if recorder is not None:
             recorder._set_run(device=str(self.device), offload=offload,
-                              formula=formula if optimizer == "adamw" else None,
+                              formula=self._config.get("formula"),
                               optimizer=optimizer, threads=self.threads)
             self._recorder = recorder
 
     # ---- construction --------------------------------------------------------------
+
+    def _resolve_hyper(self, hyper, arguments, lr, weight_decay):
+        """Returns (every manager-wide field's value, the param groups' defaults), by the
+        optimizer table's roles: `hyper` sets fields by name but not a group's (role
+        schedule or betas); `arguments` (betas, eps, formula; None: unset) set the fields
+        they name, of either role, and are refused for an optimizer without them; a field
+        set twice is refused. Unset fields take the table's defaults. The groups' defaults
+        hold lr, weight_decay, and betas and eps where the optimizer has them."""
+        info = self._info
+        fields = {h["name"]: h for h in info["hyper"]}
+        if hyper is not None and not isinstance(hyper, dict):
+            raise TypeError(f"stepcore.torch: 'hyper' must be a dict or None, got "
+                            f"{type(hyper).__name__}")
+        hyper = dict(hyper or {})
+        for key in hyper:
+            if key in fields and fields[key]["role"] in _GROUP_ROLES:
+                raise ValueError(f"stepcore.torch: 'hyper' sets {key!r}, a param group's "
+                                 f"value: pass it as an argument or in the param groups")
+        values = {}
+        for arg, value in arguments.items():
+            if value is None:
+                continue
+            keys = _ARGUMENT_FIELDS[arg]
+            if any(k not in fields for k in keys):
+                raise ValueError(
+                    f"stepcore.torch: '{arg}' is not a hyper-parameter of optimizer "
+                    f"{info['name']!r} (its hyper-parameters: "
+                    + ", ".join(fields) + f"); got {value!r}")
+            if arg == "betas":
+                if not isinstance(value, (tuple, list)) or len(value) != 2:
+                    raise ValueError(f"stepcore.torch: 'betas' must be a pair, got {value!r}")
+                value = (float(value[0]), float(value[1]))
+            for k, v in zip(keys, value if arg == "betas" else (value,)):
+                if k in hyper:
+                    raise ValueError(f"stepcore.torch: {k!r} is set twice: by '{arg}' and "
+                                     "by 'hyper'")
+                values[k] = v
+        config, resolved = {}, {}
+        for name, h in fields.items():
+            resolved[name] = hyper.get(name, values.get(name, h["default"]))
+            if h["role"] not in _GROUP_ROLES:
+                config[name] = resolved[name]
+        defaults = dict(lr=lr, weight_decay=weight_decay)
+        for arg in ("betas", "eps"):  # the groups show them whatever their role
+            keys = _ARGUMENT_FIELDS[arg]
+            if all(k in fields for k in keys):
+                value = tuple(resolved[k] for k in keys)
+                defaults[arg] = value if arg == "betas" else value[0]
+        for name in list(hyper):
+            if name not in fields:  # the extension names it, with the optimizer's fields
+                config[name] = hyper[name]
+        return config, defaults
+
+    def _group_entry(self, gi, g) -> dict:
+        """The C++ manager's entry of param group gi: its name, lr and weight decay, and
+        its betas and eps where their role is the groups'; refuses a group that sets a
+        manager-wide (role fixed) beta or eps to another value than the manager's."""
+        entry = dict(name=str(g.get("name", f"group{gi}")), lr=float(g["lr"]),
+                     weight_decay=float(g["weight_decay"]))
+        roles = {h["name"]: h["role"] for h in self._info["hyper"]}
+        for key, fields in (("betas", ("beta1", "beta2")), ("eps", ("eps",))):
+            if fields[0] not in roles:
+                continue
+            value = g[key]
+            if key == "betas" and (not isinstance(value, (tuple, list)) or len(value) != 2):
+                raise ValueError(f"stepcore.torch: param_groups[{gi}]['betas'] must be a pair")
+            value = tuple(float(v) for v in value) if key == "betas" else (float(value),)
+            if roles[fields[0]] in _GROUP_ROLES:
+                entry.update(zip(fields, value))
+            elif value != tuple(float(self._config[f]) for f in fields):
+                mine = tuple(self._config[f] for f in fields)
+                raise ValueError(
+                    f"stepcore.torch: param_groups[{gi}]['{key}'] is "
+                    f"{value if key == 'betas' else value[0]!r}, but {self._info['name']}'s "
+                    f"{key} are the optimizer's, one value for every group (role fixed): "
+                    f"{mine if key == 'betas' else mine[0]!r}; set it with the '{key}' "
+                    "argument")
+        return entry
 
     def _build(self, chunk_elements, process_group, threads, isa, numa) -> None:
         """Checks the parameters and creates the C++ manager, its hooks and masters."""
@@ -205,16 +274,7 @@ class GradientManager(torch.optim.Optimizer):
         else:
             self.rank, self.world_size = 0, 1
 
-        groups = []
-        for gi, g in enumerate(self.param_groups):
-            entry = dict(name=str(g.get("name", f"group{gi}")), lr=float(g["lr"]),
-                         weight_decay=float(g["weight_decay"]))
-            if self.optimizer_name in _WITH_BETAS:
-                if not isinstance(g["betas"], (tuple, list)) or len(g["betas"]) != 2:
-                    raise ValueError(f"stepcore.torch: param_groups[{gi}]['betas'] must be a pair")
-                entry.update(beta1=float(g["betas"][0]), beta2=float(g["betas"][1]),
-                             eps=float(g["eps"]))
-            groups.append(entry)
+        groups = [self._group_entry(gi, g) for gi, g in enumerate(self.param_groups)]
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         specs = []
         for i, (p, local) in enumerate(zip(self._params, locals_)):
@@ -241,11 +301,9 @@ class GradientManager(torch.optim.Optimizer):
                 cpus, numa_node = list(place["cpus"]), int(place["numa_node"])
                 threads = min(int(threads), len(cpus)) if cpus else int(threads)
         self.threads = int(threads)
-        hyper = dict(self._hyper)
-        if self.optimizer_name == "adamw":
-            hyper["formula"] = self._formula
         self._m = _core.GradientManager(
-            self.offload, specs, optimizer=self.optimizer_name, groups=groups, hyper=hyper,
+            self.offload, specs, optimizer=self.optimizer_name, groups=groups,
+            hyper=self._config,
             chunk_elements=int(chunk_elements), device=device, comm=comm,
             threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
             speculation=self._speculation[0], speculation_bytes=self._speculation[1],
@@ -450,7 +508,8 @@ class GradientManager(torch.optim.Optimizer):
     # ---- state -----------------------------------------------------------------------
 
     def state_dict(self):
-        """torch's layout: state[i] = {step, exp_avg, exp_avg_sq, master}, plus param_groups.
+        """torch's layout: state[i] = {the optimizer's slots by name (stepcore.optimizer_table():
+        exp_avg, exp_avg_sq, ...), step when it counts steps, master}, plus param_groups.
 
         Modes optimizer and full return views of the manager's host state (no copy; valid
         until the next begin_step, load or close); mode none copies. DTensor parameters get
@@ -498,6 +557,7 @@ class GradientManager(torch.optim.Optimizer):
             raise ValueError(f"stepcore.torch: the state_dict has {len(groups)} param groups, "
                              f"this manager {len(self.param_groups)}")
         state = state_dict["state"]
+        starts = {s["name"]: s["initial"] for s in self._info["slots"]}
         rows = []
         for i, p in enumerate(self._params):
             st = state.get(i, {})
@@ -507,14 +567,16 @@ class GradientManager(torch.optim.Optimizer):
                 return t.detach().float().contiguous().cpu().reshape(-1)
             master = flat(master)
             # A slot the state lacks (a fresh torch optimizer's) starts where the
-            # optimizer starts it: Adagrad's sum at initial_accumulator_value, others at 0.
+            # optimizer starts it: the field the table names (Adagrad's sum:
+            # initial_accumulator_value), else 0.
             slots = {}
             for name in self._m.state_slot_names:
                 if name in st:
                     slots[name] = flat(st[name])
                 else:
-                    start = self._hyper.get("initial_accumulator_value", 0.0) if name == "sum" else 0.0
-                    slots[name] = torch.full_like(master, float(start))
+                    field = starts[name]
+                    start = 0.0 if field is None else float(self._config[field])
+                    slots[name] = torch.full_like(master, start)
             step = float(st.get("step", 0.0)) if self._m.counts_steps else 0.0
             rows.append((master, slots, step))
         for i, (master, slots, step) in enumerate(rows):

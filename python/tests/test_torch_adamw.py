@@ -757,27 +757,54 @@ def test_cached_rows_refuse_what_no_longer_matches():
     assert not rows.prepare(ps)
 
 
-def test_dict_stamp_changes_with_every_mutation():
-    """The rows skip re-looking-up a state dict whose stamp is unchanged: every mutation
-    that changes what a key holds must change it (storing the object a key already holds
-    may keep it: the identities the rows compare are unchanged). 0: this Python keeps none."""
+@pytest.mark.parametrize("mutation", ["replace", "same object again", "add", "remove and re-add",
+                                      "clear and refill", "none"])
+def test_cached_rows_see_every_change_of_a_state_dict(mutation):
+    """The rows compare every entry of each state dict by identity, in order, on every
+    step (no interpreter internals): an entry replaced, added, or removed and put back
+    (another order) makes prepare() False; storing the object a key already holds, or
+    nothing, keeps the rows."""
+    e = stepcore.Engine(threads=1)
+    p = torch.nn.Parameter(torch.zeros(3))
+    p.grad = torch.ones(3)
+    st0 = dict(step=torch.zeros(()), exp_avg=torch.zeros(3), exp_avg_sq=torch.zeros(3))
+    rows = stepcore._core._OptimizerRows([p], [0], [st0], ["exp_avg", "exp_avg_sq"], "step",
+                                         None, None, [torch.Tensor])
+    assert rows.prepare([p])
+    kept = dict(st0)
+    if mutation == "replace":
+        st0["exp_avg_sq"] = torch.zeros(3)
+    elif mutation == "same object again":
+        st0["exp_avg"] = st0["exp_avg"]
+    elif mutation == "add":
+        st0["extra"] = 1
+    elif mutation == "remove and re-add":
+        st0["step"] = st0.pop("step")  # the same objects, another order
+    elif mutation == "clear and refill":
+        st0.clear()
+        st0.update(exp_avg=kept["exp_avg"], step=kept["step"], exp_avg_sq=kept["exp_avg_sq"])
+    assert rows.prepare([p]) == (mutation in ("same object again", "none"))
+
+
+def test_same_items_compares_a_dict_with_its_snapshot_by_identity():
+    """_core._same_items(d, keys, values): d holds exactly keys[k]: values[k] in order."""
     one, two = object(), object()
-    d = {"a": one}
-    if stepcore._core._dict_stamp(d) == 0:
-        assert sys.version_info >= (3, 14), "CPython 3.11-3.13 keep a stamp"
-        pytest.skip("this Python keeps no dict stamp: the entries are looked up every step")
-    seen = {stepcore._core._dict_stamp(d)}
-    for mutate in (lambda: d.__setitem__("a", two), lambda: d.__setitem__("b", 2),
-                   lambda: d.pop("b"), lambda: d.update(a=one), lambda: d.setdefault("c", 4),
-                   lambda: d.clear(), lambda: d.__setitem__("a", one)):
-        mutate()
-        stamp = stepcore._core._dict_stamp(d)
-        assert stamp not in seen
-        seen.add(stamp)
-    e = {}
-    assert stepcore._core._dict_stamp(e) not in seen  # another dict: another stamp
+    d = {"a": one, "b": two}
+    keys, values = list(d.keys()), list(d.values())
+    same = stepcore._core._same_items
+    assert same(d, keys, values)
+    d["a"] = object()
+    assert not same(d, keys, values)
+    d["a"] = one
+    assert same(d, keys, values)
+    d["c"] = 3
+    assert not same(d, keys, values)
+    del d["c"]
+    d["a"] = d.pop("a")
+    assert not same(d, keys, values)  # another order
+    assert not same({"a": one}, keys, values)
     with pytest.raises(TypeError, match="'d'"):
-        stepcore._core._dict_stamp([1])
+        same([1], keys, values)
 
 
 @pytest.mark.parametrize("what", ["state tensor", "state dict", "state dict, same tensors"])
