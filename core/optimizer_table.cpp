@@ -61,10 +61,26 @@ struct UnitRows {
       return nullptr;
   }
 
+  // Every initial field names a real hyper-parameter of the unit.
+  static constexpr bool initial_fields_are_real() {
+    for (int k = 0; k < Unit::kSlots; ++k) {
+      const char* field = initial(k);
+      if (field == nullptr) continue;
+      bool found = false;
+      for (const HyperInfo& h : kHyper)
+        found = found || (std::string_view(h.name) == field && h.kind == HyperKind::real);
+      if (!found) return false;
+    }
+    return true;
+  }
+  static_assert(initial_fields_are_real(),
+                "kSlotInitialFields names a real hyper-parameter of OptimizerTraits");
+
   static constexpr std::array<SlotInfo, Unit::kSlots> kSlots = [] {
     std::array<SlotInfo, Unit::kSlots> out{};
     for (int k = 0; k < Unit::kSlots; ++k)
-      out[static_cast<std::size_t>(k)] = SlotInfo{Unit::kSlotNames[k], initial(k)};
+      out[static_cast<std::size_t>(k)] =
+          SlotInfo{Unit::kSlotNames[k], initial(k), detail::unit_slot_non_negative<Unit>(k)};
     return out;
   }();
 };

@@ -154,7 +154,7 @@ void GradientManager::load_checkpoint(const std::string& path) {
     const std::string where = path + ", parameter '" + name + "': ";
     check(i, 0, "master", false, where);
     for (std::size_t s = 0; s < slots.size(); ++s)
-      check(i, 1 + s, slots[s], detail::slot_non_negative(slots[s]), where);
+      check(i, 1 + s, slots[s], detail::slot_non_negative(h.optimizer, slots[s]), where);
     const float step = h.params[i].step;
     if (!detail::valid_step_count(step, counts))
       throw Error(Errc::invalid_argument, param_arg(i, "step"),

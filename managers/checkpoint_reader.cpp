@@ -87,7 +87,7 @@ class PayloadReader {
       const std::size_t a = k % arrays;
       if (bytes > 0)
         extents_.push_back({parsed.array_offsets[k], parsed.array_offsets[k] + bytes, k,
-                            a != 0 && slot_non_negative(h.slots[a - 1])});
+                            a != 0 && slot_non_negative(h.optimizer, h.slots[a - 1])});
     }
     // parse checked that no two overlap: sorted by start, they are disjoint.
     std::sort(extents_.begin(), extents_.end(),

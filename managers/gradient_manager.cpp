@@ -317,7 +317,7 @@ void GradientManager::import_parameter(std::size_t i, std::span<const float> mas
   for (std::size_t s = 0; s < names.size(); ++s) {
     arrays[1 + s] = state[at[s]].values;
     detail::check_state_values(arrays[1 + s], numel, std::string(names[s]),
-                               detail::slot_non_negative(names[s]));
+                               detail::slot_non_negative(m.shape_.name, names[s]));
   }
   const bool counts = m.shape_.counts_steps;
   if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");

@@ -121,18 +121,22 @@ ParamGroup default_group(const OptimizerConfig& config) {
 }
 
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot) {
-  // The optimizer table's slot entry names the field (stepcore/optim.hpp: SlotInfo).
-  const OptimizerInfo& info = optimizer_table()[config.index()];
-  for (const SlotInfo& s : info.slots) {
-    if (slot != s.name || s.initial == nullptr) continue;
-    for (const FieldValue& f : config_fields(config))
-      if (f.name == s.initial) return static_cast<float>(f.value);
-  }
-  return 0.0f;
+  float v = 0.0f;
+  with_unit(config, [&](auto unit, const auto& c) {
+    using Unit = decltype(unit);
+    for (int k = 0; k < Unit::kSlots; ++k)
+      if (slot == Unit::kSlotNames[k]) v = unit_initial_slot<Unit>(c, k);
+  });
+  return v;
 }
 
-bool slot_non_negative(std::string_view slot) noexcept {
-  return slot == "exp_avg_sq" || slot == "max_exp_avg_sq" || slot == "sum";
+bool slot_non_negative(std::string_view optimizer, std::string_view slot) noexcept {
+  // The optimizer table's slot entry says it (stepcore/optim.hpp: SlotInfo).
+  for (const OptimizerInfo& info : optimizer_table())
+    if (optimizer == info.name)
+      for (const SlotInfo& s : info.slots)
+        if (slot == s.name) return s.non_negative;
+  return false;
 }
 
 std::vector<FieldValue> config_fields(const OptimizerConfig& config) {

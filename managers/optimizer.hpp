@@ -56,12 +56,13 @@ OptimizerConfig group_config(const OptimizerConfig& config, const ParamGroup& gr
 /// Returns the single group "default" of a configuration without groups.
 ParamGroup default_group(const OptimizerConfig& config);
 
-/// The value a state slot starts from (load_parameter): f32 of the field the optimizer
-/// table names for it (Adagrad's sum: initial_accumulator_value), else +0.
+/// The value a state slot starts from (load_parameter): f32 of the field the unit names
+/// for it (Adagrad's sum: initial_accumulator_value), else +0.
 float initial_slot_value(const OptimizerConfig& config, std::string_view slot);
-/// Whether a slot's values are never negative (a second moment, its maximum, a sum of
-/// squares): import and checkpoints refuse a negative value there.
-bool slot_non_negative(std::string_view slot) noexcept;
+/// Whether slot `slot` of optimizer `optimizer` is never negative (the unit's
+/// kSlotNonNegative: a second moment, its maximum, a sum of squares): import and
+/// checkpoints refuse a negative value there. An unknown optimizer or slot: false.
+bool slot_non_negative(std::string_view optimizer, std::string_view slot) noexcept;
 
 /// One field of a configuration as a double (flags 0/1, AdamW's formula its value).
 struct FieldValue {

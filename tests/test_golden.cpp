@@ -380,10 +380,7 @@ std::vector<GoldenCase> load_optimizer_file(const std::filesystem::path& path) {
       const int used = Unit::slots(Unit::variant(config));
       for (int j = 0; j < used; ++j) {
         k.slots.emplace_back(Unit::kSlotNames[j]);
-        float v = 0.0f;
-        if constexpr (requires { Unit::initial_slot_value(config, 0); })
-          v = Unit::initial_slot_value(config, j);
-        k.initial.push_back(v);
+        k.initial.push_back(stepcore::detail::unit_initial_slot<Unit>(config, j));
       }
       k.counts_steps = Unit::kCountsSteps;
     });

@@ -123,9 +123,7 @@ struct Arrays {
 /// state: Adagrad's sum at f32(initial_accumulator_value)), else +0.
 template <class Unit>
 float initial_slot(const typename Unit::Config& config, int s) {
-  if constexpr (requires { Unit::initial_slot_value(config, s); })
-    return Unit::initial_slot_value(config, s);
-  return 0.0f;
+  return stepcore::detail::unit_initial_slot<Unit>(config, s);
 }
 
 /// The arrays of `config` (unit Unit): parameters from a normal draw with signed zeros,

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <set>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -126,6 +127,23 @@ TEST(OptimizerTable, SlotsStartFromTheFieldTheyName) {
     }
   }
   EXPECT_EQ(with_initial, 1);  // Adagrad's sum, as torch fills it
+}
+
+// The slots that are never negative are the second moments, their maximum and Adagrad's
+// sum of squares (written out here, independently of the units' declarations), and the
+// checkpoint and import checks ask the table by optimizer and slot name.
+TEST(OptimizerTable, NonNegativeSlotsAreTheSquaresAndTheirSums) {
+  const std::set<std::string> squares = {"exp_avg_sq", "max_exp_avg_sq", "sum"};
+  int seen = 0;
+  for (const OptimizerInfo& info : stepcore::optimizer_table())
+    for (const stepcore::SlotInfo& s : info.slots) {
+      EXPECT_EQ(s.non_negative, squares.count(s.name) == 1) << info.name << "." << s.name;
+      EXPECT_EQ(stepcore::detail::slot_non_negative(info.name, s.name), s.non_negative);
+      seen += s.non_negative;
+    }
+  EXPECT_EQ(seen, 5);  // adamw and adam: exp_avg_sq, max_exp_avg_sq; adagrad: sum
+  EXPECT_FALSE(stepcore::detail::slot_non_negative("lion", "exp_avg_sq"));
+  EXPECT_FALSE(stepcore::detail::slot_non_negative("no_such", "sum"));
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ struct Adagrad {
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"sum"};
   static constexpr const char* kSlotSourceNames[kSlots] = {"sum_src"};
+  static constexpr bool kSlotNonNegative[kSlots] = {true};
   static constexpr bool kCountsSteps = true;
   static constexpr int kVariants = 1;
   static constexpr bool kReadsScaled = true;
@@ -45,7 +46,8 @@ struct Adagrad {
   /// The self-test's configurations: the defaults; lr decay, weight decay and maximize.
   static constexpr UnitSample<Config> kSamples[] = {
       {{}},
-      {{.lr_decay = 0.01, .weight_decay = 0.1, .maximize = true}, 5.0f},
+      {{.lr_decay = 0.01, .weight_decay = 0.1, .initial_accumulator_value = 0.1, .maximize = true},
+       5.0f},
   };
   static constexpr int kTableColumns = 0;
   /// lr_decay's denominator fma(t - 1, lr_decay, 1) and the quotient in binary64: both

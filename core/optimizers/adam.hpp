@@ -33,6 +33,7 @@ struct Adam {
   static constexpr int kSlots = AdamW::kSlots;
   static constexpr const char* const* kSlotNames = AdamW::kSlotNames;
   static constexpr const char* const* kSlotSourceNames = AdamW::kSlotSourceNames;
+  static constexpr const bool* kSlotNonNegative = AdamW::kSlotNonNegative;
   static constexpr bool kCountsSteps = true;
   /// 0: plain, 1: amsgrad.
   static constexpr int kVariants = 2;

@@ -122,6 +122,7 @@ struct AdamW {
   static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
   static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",
                                                            "max_exp_avg_sq_src"};
+  static constexpr bool kSlotNonNegative[kSlots] = {false, true, true};
   static constexpr bool kCountsSteps = true;
   /// 0: native (no contraction), 1: torch (lerp and v with FMAs), 2: torch with amsgrad.
   static constexpr int kNative = 0, kTorch = 1, kTorchAmsgrad = 2, kVariants = 3;

@@ -17,6 +17,9 @@
 //   slots(V)                   how many of them variant V uses (the first slots(V))
 //   kSlotInitialFields         optional: the real hyper-parameter (OptimizerTraits' name)
 //                              whose value each slot starts from (nullptr or absent: +0)
+//   kSlotNonNegative           optional: per slot, whether its values are never negative
+//                              (a second moment, its maximum, a sum of squares); loaded
+//                              state is refused there below zero (absent: no slot is)
 //   kCountsSteps               whether each tensor has a step counter, incremented first
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
@@ -60,7 +63,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <type_traits>
+#include <variant>
 
 #include "core/fp_env.hpp"
 #include "core/validate.hpp"
@@ -282,6 +287,31 @@ typename Opt::Scalars unit_scalars(const typename Opt::Config& c, float step) {
   if constexpr (Opt::kTableColumns > 0)
     for (int k = 0; k < Opt::kTableColumns; ++k) row[k] = Opt::table_entry(c, k, step);
   return Opt::step_scalars(c, StepInputs{step, c.lr, c.weight_decay, row});
+}
+
+/// The value slot k of a fresh unit Opt optimizer starts from: f32 of the real
+/// hyper-parameter the unit's kSlotInitialFields names for it (Adagrad's sum:
+/// initial_accumulator_value), else +0. core/optimizer_table.cpp checks the names.
+template <class Opt>
+constexpr float unit_initial_slot(const typename Opt::Config& c, int k) {
+  if constexpr (requires { Opt::kSlotInitialFields; }) {
+    const char* field = Opt::kSlotInitialFields[k];
+    if (field == nullptr) return 0.0f;
+    for (const auto& f : OptimizerTraits<typename Opt::Config>::kFields) {
+      const auto* m = std::get_if<double Opt::Config::*>(&f.member);
+      if (m != nullptr && std::string_view(f.name) == field) return static_cast<float>(c.**m);
+    }
+  }
+  return 0.0f;
+}
+
+/// Whether slot k of unit Opt is never negative (its kSlotNonNegative; absent: false).
+template <class Opt>
+constexpr bool unit_slot_non_negative(int k) {
+  if constexpr (requires { Opt::kSlotNonNegative; })
+    return Opt::kSlotNonNegative[k];
+  else
+    return false;
 }
 
 /// Calls fn(std::integral_constant<int, V>{}) for the run-time variant v of a unit with

@@ -255,10 +255,12 @@ struct HyperInfo {
 
 /// One state slot of an optimizer: its name (torch's: exp_avg, momentum_buffer, sum, ...)
 /// and the real hyper-parameter whose value, rounded to the slot's dtype, it starts from
-/// (Adagrad's sum: initial_accumulator_value); nullptr: it starts at +0.
+/// (Adagrad's sum: initial_accumulator_value); nullptr: it starts at +0. A non-negative
+/// slot (a second moment, its maximum, a sum of squares) refuses loaded values below zero.
 struct SlotInfo {
   const char* name;
   const char* initial;
+  bool non_negative;
 };
 
 /// One optimizer as an integrator or a binding drives it by name: what it is called, what

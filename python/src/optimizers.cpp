@@ -64,6 +64,7 @@ nb::dict entry_dict(const OptimizerInfo& info) {
     nb::dict d;
     d["name"] = s.name;
     d["initial"] = s.initial != nullptr ? nb::object(nb::str(s.initial)) : nb::none();
+    d["non_negative"] = s.non_negative;
     slots.append(d);
   }
   nb::dict out;
@@ -91,7 +92,8 @@ void bind_optimizers(nb::module_& m) {
       "group's beta1, beta2, eps; 'fixed': the rest of its function; 'machine': which torch "
       "build to match), 'kind' ('real', 'flag', 'integer', 'formula'), 'default'}]; 'slots', "
       "every state slot it may keep, in its order [{'name', 'initial': the hyper-parameter "
-      "whose value the slot starts from, or None for +0}]; 'counts_steps' (a per-tensor "
+      "whose value the slot starts from, or None for +0, 'non_negative': loaded values below "
+      "zero are refused}]; 'counts_steps' (a per-tensor "
       "step counter); 'reads_scaled' (its gradient read applies grad_scale and clip).");
   m.def(
       "optimizers",
