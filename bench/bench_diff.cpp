@@ -29,7 +29,7 @@
 
 namespace {
 
-using namespace stepcore_diff;
+using namespace stepcore::diff;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kTensors = 4;

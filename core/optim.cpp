@@ -23,11 +23,11 @@ BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step) {
 }  // namespace detail
 
 // The units' own derivation (core/optimizers/unit.hpp), as every engine takes it.
-AdamWScalars prepare_adamw_scalars(const AdamWConfig& c, float step) {
+AdamWScalars<float> prepare_adamw_scalars(const AdamWConfig& c, float step) {
   return detail::unit_scalars<detail::AdamW>(c, step);
 }
 
-SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& c) {
+SignSgdScalars<float> prepare_sign_sgd_scalars(const SignSgdConfig& c) {
   return detail::unit_scalars<detail::SignSgd>(c, 0.0f);
 }
 

@@ -8,38 +8,40 @@
 
 namespace stepcore {
 
-/// The per-tensor f32 scalars of one AdamW update, prepared on the host in
-/// double where the formula says so, then used unchanged by every element,
-/// thread, ISA and device.
+/// The per-tensor f32 scalars of one AdamW update (F = float), prepared on the host in
+/// double where the formula says so, then used unchanged by every element, thread, ISA
+/// and device; over an Ops value type, the same fields splatted (UnitConsts, unit.hpp).
+template <class F>
 struct AdamWScalars {
-  float decay = 1.0f;            ///< parameter multiplier f32(1 - lr*wd)
-  bool apply_decay = true;       ///< torch skips the multiply when wd == 0
-  float beta1 = 0.0f;            ///< native: f32(beta1)
-  float beta2 = 0.0f;            ///< f32(beta2)
-  float one_minus_beta1 = 0.0f;  ///< native: 1.0f - beta1 in f32
-  float one_minus_beta2 = 0.0f;  ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
-  float lerp_coeff = 0.0f;       ///< torch: w or w - 1, w = f32(1 - beta1)
-  bool lerp_small = true;        ///< torch: |w| < 0.5 selects m + w*(g-m)
-  float step_size = 0.0f;        ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
-  float bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
-  float eps = 0.0f;              ///< f32(eps)
-  bool maximize = false;         ///< torch: the gradient read is negated first (8a)
-  bool v_first = false;          ///< torch: v = fma(v, b2, c*g*g) in the body too (7.2)
+  F decay = 1.0f;            ///< parameter multiplier f32(1 - lr*wd)
+  F beta1 = 0.0f;            ///< native: f32(beta1)
+  F beta2 = 0.0f;            ///< f32(beta2)
+  F one_minus_beta1 = 0.0f;  ///< native: 1.0f - beta1 in f32
+  F one_minus_beta2 = 0.0f;  ///< native: 1.0f - beta2 in f32; torch: f32(1 - beta2)
+  F lerp_coeff = 0.0f;       ///< torch: w or w - 1, w = f32(1 - beta1)
+  F step_size = 0.0f;        ///< native: f32(lr / bc1); torch: f32(-(lr / bc1))
+  F bc2_sqrt = 1.0f;         ///< f32(sqrt(1 - beta2^step))
+  F eps = 0.0f;              ///< f32(eps)
+  bool apply_decay = true;   ///< torch skips the multiply when wd == 0
+  bool lerp_small = true;    ///< torch: |w| < 0.5 selects m + w*(g-m)
+  bool maximize = false;     ///< torch: the gradient read is negated first (8a)
+  bool v_first = false;      ///< torch: v = fma(v, b2, c*g*g) in the body too (7.2)
 };
 
 /// Returns the scalars of one AdamW update at `step` (the counter value after
 /// its increment). Deterministic: depends only on its arguments and the C
 /// library's pow/sqrt in double (see docs/numerics.md).
-AdamWScalars prepare_adamw_scalars(const AdamWConfig& config, float step);
+AdamWScalars<float> prepare_adamw_scalars(const AdamWConfig& config, float step);
 
-/// The f32 scalars of one SignSGD update.
+/// The f32 scalars of one SignSGD update (F = float; over an Ops value type, splatted).
+template <class F>
 struct SignSgdScalars {
-  float neg_lr = 0.0f;     ///< f32(-lr)
-  float neg_lr_wd = 0.0f;  ///< f32(-(lr * wd)), product in double
+  F neg_lr = 0.0f;     ///< f32(-lr)
+  F neg_lr_wd = 0.0f;  ///< f32(-(lr * wd)), product in double
   bool apply_decay = false;
 };
 
 /// Returns the scalars of one SignSGD update.
-SignSgdScalars prepare_sign_sgd_scalars(const SignSgdConfig& config);
+SignSgdScalars<float> prepare_sign_sgd_scalars(const SignSgdConfig& config);
 
 }  // namespace stepcore

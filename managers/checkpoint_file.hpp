@@ -4,7 +4,10 @@
 // groups, every parameter's name, size, group and step counter) and the f32 arrays (the
 // master, then each state slot) — written atomically and verified completely (sizes,
 // offsets, checksums) before anything is handed to the manager. Version 1 files (AdamW or
-// SignSGD, the optimizer as a number) are read as their version 2 equivalent.
+// SignSGD, the optimizer as a number) are read as their version 2 equivalent. The layout
+// and the records are managers/checkpoint_format.hpp's; save is checkpoint_writer.cpp,
+// parse checkpoint_parser.cpp, File checkpoint_reader.cpp, check_compatible
+// checkpoint_compatible.cpp; the save faults are managers/testing.hpp's.
 #pragma once
 
 #include <cstddef>
@@ -15,56 +18,9 @@
 #include <string>
 #include <vector>
 
+#include "managers/checkpoint_format.hpp"
+
 namespace stepcore::detail::checkpoint {
-
-/// The format version this build writes; it reads this one and kFormatVersion1.
-inline constexpr std::uint32_t kFormatVersion = 2;
-/// The first version: AdamW (optimizer 0, 3 arrays) or SignSGD (1, 1 array) only.
-inline constexpr std::uint32_t kFormatVersion1 = 1;
-
-/// One parameter group as the file records it.
-struct GroupRecord {
-  std::string name;
-  double lr = 0.0;
-  double weight_decay = 0.0;
-  double beta1 = 0.0;  ///< optimizers with betas only (else 0)
-  double beta2 = 0.0;  ///< optimizers with betas only
-  double eps = 0.0;    ///< optimizers with betas only
-};
-
-/// One parameter (this rank's shard) as the file records it; its arrays are in the payload.
-struct ParamRecord {
-  std::string name;
-  std::uint64_t numel = 0;
-  std::uint32_t group = 0;  ///< index into Header::groups
-  float step = 0.0f;        ///< step counter (0 for an optimizer without one)
-};
-
-/// One fixed hyper-parameter of the optimizer (a field of its configuration as a double).
-struct HyperRecord {
-  std::string name;
-  double value = 0.0;
-};
-
-/// Everything in the file but the arrays.
-struct Header {
-  /// The file's format version (parse sets it; save writes kFormatVersion).
-  std::uint32_t version = kFormatVersion;
-  std::string optimizer = "adamw";  ///< the optimizer unit's name
-  /// The optimizer's hyper-parameters that are neither a group's nor the schedule's.
-  std::vector<HyperRecord> hyper;
-  /// The names of the state slots, in order: array 1 + s of a parameter is slot s.
-  std::vector<std::string> slots = {"exp_avg", "exp_avg_sq"};
-  std::uint32_t saved_mode = 0;  ///< OffloadMode of the manager that saved (informational)
-  std::int32_t rank = 0;
-  std::int32_t world_size = 1;
-  std::uint64_t layout_fingerprint = 0;
-  std::string library_version;  ///< informational
-  std::vector<GroupRecord> groups;
-  std::vector<ParamRecord> params;
-  /// f32 arrays per parameter: the master and each slot.
-  std::uint32_t arrays() const noexcept { return 1 + static_cast<std::uint32_t>(slots.size()); }
-};
 
 /// Supplies array `a` (0 master, 1 + s slot s) of parameter `i`: numel floats, valid
 /// until the next call (a view of host state, or a copy the source owns).
@@ -112,19 +68,6 @@ class File {
   std::unique_ptr<Impl> impl_;
 };
 
-/// The fixed preamble at the start of every file (docs/checkpoint.md has the layout).
-inline constexpr char kMagic[8] = {'S', 'T', 'E', 'P', 'C', 'K', 'P', 'T'};
-inline constexpr std::size_t kPreambleBytes = 40;
-/// The payload starts, and every array starts, at a multiple of this many bytes.
-inline constexpr std::uint64_t kPayloadAlignment = 64;
-/// The longest name (of a parameter, a group, the library version) a file may hold.
-inline constexpr std::uint32_t kMaxNameBytes = 4096;
-/// The most parameters, and the most groups, a file may hold.
-inline constexpr std::uint32_t kMaxRecords = std::uint32_t{1} << 24;
-/// The most state slots, and the most hyper-parameters, a file may hold.
-inline constexpr std::uint32_t kMaxSlots = 16;
-inline constexpr std::uint32_t kMaxHyper = 64;
-
 /// A file's bytes, verified: the header and where each array lies.
 struct ParsedFile {
   Header header;
@@ -145,6 +88,17 @@ ParsedFile parse(std::span<const std::byte> bytes, const std::string& name);
 /// What parse does after the checksums agree: a fuzzer's way past the CRC.
 ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t payload_length,
                         const std::string& name, std::uint32_t version = kFormatVersion);
+
+/// Everything parse verifies but the payload's checksum, from the bytes before the payload
+/// alone (`bytes` spans the whole file, whose payload need not be read yet): returns what
+/// the header holds and sets `payload_crc` to the checksum the preamble records for the
+/// payload. File::open's first step.
+ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& name,
+                        std::uint32_t* payload_crc);
+
+/// Throws Errc::corrupt_file naming "path" (the file `name`) unless the payload's
+/// checksum `got` is the one its preamble records, `wanted`.
+void check_payload_crc(std::uint32_t got, std::uint32_t wanted, const std::string& name);
 
 /// Throws unless the file's header (`file`, read from `path`) can be loaded by the manager
 /// whose header is `mine`: the same optimizer ("checkpoint.optimizer"), the same state

@@ -1,13 +1,12 @@
-// Test hooks of the checkpoint writer and reader (internal, not installed): tests make
-// save() meet the failures a real disk and a real crash produce (short writes and EINTR,
-// a full disk, a failing fsync, a kill between fsync and rename) and check what is left
-// on disk, and make File::open read in small pieces with a call between them (where a
-// test truncates the file, as another process could).
+// Test hooks of the checkpoint writer (internal, not installed): tests make save() meet
+// the failures a real disk and a real crash produce (short writes and EINTR, a full disk,
+// a failing fsync, a kill between fsync and rename) and check what is left on disk.
+// File::open's reads in small pieces with a call between them (where a test truncates the
+// file, as another process could) are host/testing.hpp's ScopedReadHook.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 
 namespace stepcore::detail::checkpoint::testing {
 
@@ -39,20 +38,6 @@ class ScopedSaveFault {
   bool saved_active_;
   SaveFaultKind saved_kind_;
   std::uint64_t saved_bytes_;
-};
-
-/// While alive, File::open on this thread reads `chunk_bytes` at a time (> 0) and calls
-/// `before_read(offset)` before each read; the previous hook, if any, is back afterwards.
-class ScopedReadHook {
- public:
-  ScopedReadHook(std::size_t chunk_bytes, std::function<void(std::size_t offset)> before_read);
-  ~ScopedReadHook();
-  ScopedReadHook(const ScopedReadHook&) = delete;
-  ScopedReadHook& operator=(const ScopedReadHook&) = delete;
-
- private:
-  std::size_t saved_chunk_;
-  std::function<void(std::size_t)> saved_hook_;
 };
 
 }  // namespace stepcore::detail::checkpoint::testing

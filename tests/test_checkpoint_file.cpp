@@ -28,6 +28,7 @@
 
 #include "expect_error.hpp"
 #include "host/crc32c.hpp"
+#include "host/testing.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers/testing.hpp"
 #include "stepcore/error.hpp"
@@ -588,7 +589,7 @@ TEST(Checkpoint, ALoadRacingATruncationIsAnErrorNeverASignal) {
         const std::size_t chunk = 4096 + rng() % 65536;
         const std::size_t at = rng() % bytes.size();
         bool done = false;
-        const ckpt::testing::ScopedReadHook hook(chunk, [&](std::size_t offset) {
+        const stepcore::detail::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
           if (!done && offset + chunk > at) {
             cut_to(cut);
             done = true;

@@ -1,4 +1,4 @@
-// stepcore-diff (apps/diff, docs/diff.md) on files crafted byte by byte with a test-only
+// stepcore-diff (diff/, docs/diff.md) on files crafted byte by byte with a test-only
 // writer: identical inputs, ulp distances of f32/bf16/f16 against hand-computed values
 // (across zero, next to Inf), the class differences, missing tensors, shape and dtype
 // mismatches, the exact median, --max-ulps, the first divergence of a recording, every
@@ -27,13 +27,13 @@
 #include <thread>
 #include <vector>
 
-#include "diff/cli.hpp"
 #include "diff/compare.hpp"
 #include "diff/diff.hpp"
-#include "diff/error.hpp"
 #include "diff/file_bytes.hpp"
 #include "diff/inputs.hpp"
+#include "host/testing.hpp"
 #include "safetensors_writer.hpp"
+#include "stepcore/diff.hpp"
 
 namespace {
 
@@ -75,7 +75,7 @@ Result run_diff(const std::vector<std::string>& args) {
   for (const std::string& a : args) argv.push_back(a.c_str());
   std::ostringstream out, err;
   Result r;
-  r.status = stepcore_diff::run(static_cast<int>(argv.size()), argv.data(), out, err);
+  r.status = stepcore::diff::run(static_cast<int>(argv.size()), argv.data(), out, err);
   r.out = out.str();
   r.err = err.str();
   return r;
@@ -257,8 +257,8 @@ TEST(DiffFiles, InfAgainstFltMaxIsOneUlpAndAnInfDifference) {
 }
 
 TEST(DiffUlps, DistancesAgainstHandComputedValues) {
-  using stepcore_diff::DType;
-  using stepcore_diff::ulp_distance;
+  using stepcore::diff::DType;
+  using stepcore::diff::ulp_distance;
   EXPECT_EQ(ulp_distance(DType::f32, 0x3F800000, 0x3F800001), 1u);
   EXPECT_EQ(ulp_distance(DType::f32, 0x80000001, 0x00000001), 2u);  // -tiny, +tiny
   EXPECT_EQ(ulp_distance(DType::f32, 0x80000000, 0x00000000), 0u);  // -0, +0
@@ -1042,7 +1042,7 @@ TEST(DiffTruncation, ALoadRacingATruncationIsAnErrorNeverASignal) {
   std::int64_t load_ns = INT64_MAX;
   for (int i = 0; i < 5; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    (void)stepcore_diff::load_input(a);
+    (void)stepcore::diff::load_input(a);
     load_ns = std::min<std::int64_t>(load_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                   std::chrono::steady_clock::now() - t0)
                                                   .count());
@@ -1064,7 +1064,7 @@ TEST(DiffTruncation, ALoadRacingATruncationIsAnErrorNeverASignal) {
       const std::size_t chunk = 4096 + rng() % 65536;
       const std::size_t at = rng() % bytes.size();
       bool done = false;
-      const stepcore_diff::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
+      const stepcore::detail::testing::ScopedReadHook hook(chunk, [&](std::uint64_t offset) {
         if (!done && offset + chunk > at) {
           cut_to(cut);
           done = true;
@@ -1074,10 +1074,10 @@ TEST(DiffTruncation, ALoadRacingATruncationIsAnErrorNeverASignal) {
       EXPECT_EQ(r.status, 2) << "run " << run << ": a file cut while read compared";
       EXPECT_NE(r.err.find("while being read"), std::string::npos) << r.err;
     } else if (kind == 2) {  // after the load, before the comparison
-      const stepcore_diff::Input ia = stepcore_diff::load_input(a);
-      const stepcore_diff::Input ib = stepcore_diff::load_input(b);
+      const stepcore::diff::Input ia = stepcore::diff::load_input(a);
+      const stepcore::diff::Input ib = stepcore::diff::load_input(b);
       cut_to(cut);
-      const stepcore_diff::DiffResult d = stepcore_diff::diff_inputs(ia, ib, {});
+      const stepcore::diff::DiffResult d = stepcore::diff::diff_inputs(ia, ib, {});
       EXPECT_EQ(d.counts[0], 3u) << "run " << run << ": the loaded bytes changed";
       r.status = d.exit_status();
       r.j["summary"]["identical"] = d.counts[0];
@@ -1122,27 +1122,27 @@ TEST(DiffTruncation, FileBytesReadsWholeOrThrowsNamingTheFile) {
   TempDir dir;
   const std::string p = dir / "f";
   test_support::write_bytes(p, Bytes(100000, 7));
-  const stepcore_diff::FileBytes whole(p);
+  const stepcore::diff::FileBytes whole(p);
   ASSERT_EQ(whole.size(), 100000u);
   EXPECT_EQ(whole.data()[99999], std::byte{7});
   std::uint64_t calls = 0;
   try {
-    const stepcore_diff::testing::ScopedReadHook hook(4096, [&](std::uint64_t offset) {
+    const stepcore::detail::testing::ScopedReadHook hook(4096, [&](std::uint64_t offset) {
       ++calls;
       if (offset == 8192) cut_to_size(p, 5000);
     });
-    (void)stepcore_diff::FileBytes(p);
+    (void)stepcore::diff::FileBytes(p);
     ADD_FAILURE() << "a file that shrank to 5000 bytes while read was read";
-  } catch (const stepcore_diff::InputError& e) {
+  } catch (const stepcore::diff::InputError& e) {
     EXPECT_NE(std::string(e.what()).find(p + ": ends at byte 8192 while being read"),
               std::string::npos)
         << e.what();
   }
   EXPECT_EQ(calls, 3u);
   test_support::write_bytes(p, {});
-  EXPECT_EQ(stepcore_diff::FileBytes(p).size(), 0u);
-  EXPECT_THROW(stepcore_diff::FileBytes(dir / "nothing"), stepcore_diff::InputError);
-  EXPECT_THROW(stepcore_diff::FileBytes(dir / ""), stepcore_diff::InputError);  // a directory
+  EXPECT_EQ(stepcore::diff::FileBytes(p).size(), 0u);
+  EXPECT_THROW(stepcore::diff::FileBytes(dir / "nothing"), stepcore::diff::InputError);
+  EXPECT_THROW(stepcore::diff::FileBytes(dir / ""), stepcore::diff::InputError);  // a directory
 }
 
 // ---- the executable

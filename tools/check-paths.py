@@ -18,7 +18,7 @@ import re
 import subprocess
 import sys
 
-FOLDERS = ["apps", "bench", "cmake", "comm", "core", "cpu", "device", "docs", "examples", "host",
+FOLDERS = ["apps", "bench", "cmake", "comm", "core", "cpu", "device", "diff", "docs", "examples", "host",
            "include", "kernels", "managers", "python", "reference", "tests", "tools", ".ci"]
 TOP_FILES = {"README.md", "CMakeLists.txt", "CMakePresets.json", "pyproject.toml",
              ".gitignore", ".clang-format"}

@@ -23,7 +23,7 @@ import stepcore
 assert "torch" not in sys.modules, "import stepcore imported torch"
 import stepcore.diff, tempfile, numpy as np
 assert "torch" not in sys.modules, "import stepcore.diff imported torch"
-with tempfile.TemporaryDirectory() as d:  # the comparer is in the wheel (apps/diff)
+with tempfile.TemporaryDirectory() as d:  # the comparer is in the wheel (diff/)
     with stepcore.diff.Recorder(d + "/r") as rec:
         rec.record("p", "w", np.ones(3, np.float32))
     assert stepcore.diff.compare(d + "/r", d + "/r")["identical"]

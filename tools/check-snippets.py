@@ -21,8 +21,18 @@ tools/snippets/<name>.hpp (declarations in scope of the block). ``<!-- snippet: 
 runs a python block after the file's previous python block, in the same interpreter (for
 a walk-through split by prose). Blocks of any other language (sh, text, cmake) are not run.
 
+A generated region is Markdown a program writes from the library itself (a table of the
+optimizers, say), so it cannot drift from the code:
+
+    <!-- generated: optimizer_table -->
+    ...
+    <!-- end generated -->
+
+Its text must equal what tools/snippets/<name>.py prints (run like a python block);
+``--fix`` rewrites the regions instead of failing.
+
 Usage: tools/check-snippets.py [--root DIR] [--python EXE] [--pythonpath DIR]
-                               [--cxx EXE] [--include DIR ...] [--list]
+                               [--cxx EXE] [--include DIR ...] [--list] [--fix]
 Exit status: 0 every snippet ran, 1 a snippet failed (each failure printed), 2 usage.
 """
 
@@ -38,6 +48,8 @@ from pathlib import Path
 
 FENCE = re.compile(r"^```(\w*)\s*$")
 DIRECTIVE = re.compile(r"^<!--\s*snippet:\s*(.*?)\s*-->\s*$")
+GENERATED = re.compile(r"^<!--\s*generated:\s*(\w+)\s*-->\s*$")
+END_GENERATED = re.compile(r"^<!--\s*end generated\s*-->\s*$")
 
 
 class Snippet:
@@ -132,10 +144,7 @@ def python_program(root: Path, chain: list[Snippet]) -> str:
 def run_python(root: Path, chain: list[Snippet], args) -> str:
     """Runs a python block (after the blocks it continues); returns '' or the failure."""
     program = python_program(root, chain)
-    env = dict(os.environ)
-    if args.pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join(
-            [args.pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env = python_env(args)
     with tempfile.TemporaryDirectory(prefix="stepcore-snippet-") as tmp:
         r = subprocess.run([args.python, "-c", program], cwd=tmp, env=env, capture_output=True,
                            text=True, timeout=600)
@@ -167,6 +176,55 @@ def run_cpp(root: Path, s: Snippet, args) -> str:
     return ""
 
 
+def python_env(args) -> dict:
+    """The environment snippets and generators run in: the built package first."""
+    env = dict(os.environ)
+    if args.pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(
+            [args.pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def check_generated(root: Path, md: Path, args) -> list[str]:
+    """Checks (or with --fix rewrites) the generated regions of one Markdown file."""
+    lines = md.read_text(encoding="utf-8").splitlines(keepends=True)
+    out, failures, i, changed = [], [], 0, False
+    while i < len(lines):
+        m = GENERATED.match(lines[i])
+        out.append(lines[i])
+        i += 1
+        if not m:
+            continue
+        start = i
+        while i < len(lines) and not END_GENERATED.match(lines[i]):
+            i += 1
+        where = f"{md.relative_to(root)}:{start}"
+        if i == len(lines):
+            failures.append(f"check-snippets: {where}: generated region without its end")
+            break
+        script = root / "tools" / "snippets" / (m.group(1) + ".py")
+        r = subprocess.run([args.python, str(script)], env=python_env(args),
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            failures.append(f"check-snippets: {where}: {script.name} failed:\n"
+                            + (r.stdout + r.stderr)[-4000:])
+            out.extend(lines[start:i])
+            continue
+        want = r.stdout if r.stdout.endswith("\n") or not r.stdout else r.stdout + "\n"
+        have = "".join(lines[start:i])
+        if have != want:
+            if args.fix:
+                changed = True
+            else:
+                failures.append(f"check-snippets: {where}: the region differs from what "
+                                f"{script.relative_to(root)} prints (tools/check-snippets.py "
+                                "--fix rewrites it)")
+        out.append(want if args.fix else have)
+    if changed and not failures:
+        md.write_text("".join(out), encoding="utf-8")
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent))
@@ -176,10 +234,13 @@ def main() -> int:
     ap.add_argument("--include", action="append", default=[],
                     help="another include folder (the build's generated headers)")
     ap.add_argument("--list", action="store_true", help="list the snippets, run nothing")
+    ap.add_argument("--fix", action="store_true", help="rewrite the generated regions")
     args = ap.parse_args()
     root = Path(args.root).resolve()
     failures, ran = [], 0
     for md in markdown_files(root):
+        if not args.list:
+            failures += check_generated(root, md, args)
         previous = []  # the file's python blocks so far, for `continues`
         for s in snippets_of(md, root):
             if s.lang not in ("python", "cpp"):

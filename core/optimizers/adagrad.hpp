@@ -15,17 +15,18 @@
 namespace stepcore::detail {
 
 /// Adagrad's per-tensor scalars.
+template <class F>
 struct AdagradScalars {
-  float clr = 0.0f;  ///< f32(lr / fma(step - 1, lr_decay, 1)), binary64 before the rounding
-  float wd = 0.0f;   ///< f32(weight_decay)
-  float eps = 0.0f;  ///< f32(eps)
+  F clr = 0.0f;  ///< f32(lr / fma(step - 1, lr_decay, 1)), binary64 before the rounding
+  F wd = 0.0f;   ///< f32(weight_decay)
+  F eps = 0.0f;  ///< f32(eps)
   bool apply_decay = false;
   bool maximize = false;
 };
 
 struct Adagrad {
   using Config = AdagradConfig;
-  using Scalars = AdagradScalars;
+  using Scalars = AdagradScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"sum"};
@@ -66,18 +67,7 @@ struct Adagrad {
   }
 
   template <class Ops>
-  struct Consts {
-    using F = typename Ops::F;
-    F clr, wd, eps, minus_one;
-    bool apply_decay, maximize;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : clr(Ops::set1(s.clr)),
-          wd(Ops::set1(s.wd)),
-          eps(Ops::set1(s.eps)),
-          minus_one(Ops::set1(-1.0f)),
-          apply_decay(s.apply_decay),
-          maximize(s.maximize) {}
-  };
+  using Consts = UnitConsts<Ops, AdagradScalars>;
 
   /// docs/numerics.md 8c: sum = fma(g, g, sum); p = p - (clr*g) / (sqrt(sum) + eps).
   template <class Ops, int V, bool Tail>

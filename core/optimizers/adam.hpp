@@ -18,15 +18,16 @@ namespace stepcore::detail {
 
 /// Adam's per-tensor scalars: the torch AdamW scalars without decoupled decay, and the
 /// L2 factor f32(weight_decay).
+template <class F>
 struct AdamScalars {
-  AdamWScalars base;
-  float l2_wd = 0.0f;  ///< f32(weight_decay)
-  bool l2 = false;     ///< weight_decay != 0
+  AdamWScalars<F> base;
+  F l2_wd = 0.0f;   ///< f32(weight_decay)
+  bool l2 = false;  ///< weight_decay != 0
 };
 
 struct Adam {
   using Config = AdamConfig;
-  using Scalars = AdamScalars;
+  using Scalars = AdamScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   // AdamW's slots, in its order (the same kernel's state).
   static constexpr int kSlots = AdamW::kSlots;
@@ -89,18 +90,13 @@ struct Adam {
   }
 
   template <class Ops>
-  struct Consts : AdamW::Consts<Ops> {
-    typename Ops::F l2_wd;
-    bool l2;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : AdamW::Consts<Ops>(s.base), l2_wd(Ops::set1(s.l2_wd)), l2(s.l2) {}
-  };
+  using Consts = UnitConsts<Ops, AdamScalars>;
 
   /// docs/numerics.md 8a.
   template <class Ops, int V, bool Tail>
   STEPCORE_HD_INLINE static void update(const Consts<Ops>& k, typename Ops::F g, typename Ops::F& p,
                                         typename Ops::F* st) {
-    torch_adam_update<Ops, V == 1, Tail>(k, g, p, st, k.l2, k.l2_wd);
+    torch_adam_update<Ops, V == 1, Tail>(k.base, k.minus_one, g, p, st, k.l2, k.l2_wd);
   }
 };
 

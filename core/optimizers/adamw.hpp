@@ -32,9 +32,9 @@ BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step);
 /// arguments, not read from `c`, so a device step can take them from device memory.
 /// The same operations on host and device (no contraction: -ffp-contract=off and
 /// -fmad=false), so both give the same bits.
-STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in,
-                                              double weight_decay, double bc1, double bc2) {
-  AdamWScalars s;
+STEPCORE_HD_INLINE AdamWScalars<float> adamw_scalars(const AdamWConfig& c, double lr_in,
+                                                     double weight_decay, double bc1, double bc2) {
+  AdamWScalars<float> s;
   if (c.formula == AdamWFormula::native) {
     // The native kernel holds its hyper-parameters in f32.
     const float lr = static_cast<float>(lr_in);
@@ -71,16 +71,19 @@ STEPCORE_HD_INLINE AdamWScalars adamw_scalars(const AdamWConfig& c, double lr_in
 }
 
 /// The torch Adam family's element (docs/numerics.md 7.2 and 8a), written once for AdamW
-/// (decoupled decay: p * decay) and Adam (L2: g = fma(p, l2_wd, g) when `l2`): maximize
-/// negates the read first; amsgrad keeps max_exp_avg_sq in st[2] and divides by its square
-/// root. Tail: torch's scalar-loop forms (of v, and of amsgrad's max) at each tensor's end;
+/// (decoupled decay: p * decay) and Adam (L2: g = fma(p, l2_wd, g) when `l2`), over the
+/// torch AdamW scalars `k` as Ops values: maximize negates the read first (a product with
+/// `minus_one`); amsgrad keeps max_exp_avg_sq in st[2] and divides by its square root.
+/// Tail: torch's scalar-loop forms (of v, and of amsgrad's max) at each tensor's end;
 /// k.v_first: v's tail form in the body too (torch's aarch64 NEON build).
-template <class Ops, bool Amsgrad, bool Tail, class K>
-STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typename Ops::F& p,
-                                          typename Ops::F* st, bool l2, typename Ops::F l2_wd) {
+template <class Ops, bool Amsgrad, bool Tail>
+STEPCORE_HD_INLINE void torch_adam_update(const AdamWScalars<typename Ops::F>& k,
+                                          typename Ops::F minus_one, typename Ops::F g,
+                                          typename Ops::F& p, typename Ops::F* st, bool l2,
+                                          typename Ops::F l2_wd) {
   using F = typename Ops::F;
   F m = st[0], v = st[1];
-  if (k.maximize) g = Ops::mul(g, k.minus_one);  // exact: the sign flips
+  if (k.maximize) g = Ops::mul(g, minus_one);  // exact: the sign flips
   if (l2) {
     g = Ops::fma(p, l2_wd, g);
   } else if (k.apply_decay) {
@@ -113,7 +116,7 @@ STEPCORE_HD_INLINE void torch_adam_update(const K& k, typename Ops::F g, typenam
 
 struct AdamW {
   using Config = AdamWConfig;
-  using Scalars = AdamWScalars;
+  using Scalars = AdamWScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 3;
   static constexpr const char* kSlotNames[kSlots] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
@@ -177,27 +180,7 @@ struct AdamW {
   }
 
   template <class Ops>
-  struct Consts {
-    using F = typename Ops::F;
-    F decay, beta1, beta2, one_minus_beta1, one_minus_beta2, lerp_coeff, step_size, bc2_sqrt, eps,
-        minus_one;
-    bool apply_decay, lerp_small, maximize, v_first;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : decay(Ops::set1(s.decay)),
-          beta1(Ops::set1(s.beta1)),
-          beta2(Ops::set1(s.beta2)),
-          one_minus_beta1(Ops::set1(s.one_minus_beta1)),
-          one_minus_beta2(Ops::set1(s.one_minus_beta2)),
-          lerp_coeff(Ops::set1(s.lerp_coeff)),
-          step_size(Ops::set1(s.step_size)),
-          bc2_sqrt(Ops::set1(s.bc2_sqrt)),
-          eps(Ops::set1(s.eps)),
-          minus_one(Ops::set1(-1.0f)),
-          apply_decay(s.apply_decay),
-          lerp_small(s.lerp_small),
-          maximize(s.maximize),
-          v_first(s.v_first) {}
-  };
+  using Consts = UnitConsts<Ops, AdamWScalars>;
 
   /// docs/numerics.md 7.1 (native), 7.2 and 8a (torch; Tail: torch's scalar-loop forms).
   template <class Ops, int V, bool Tail>
@@ -215,7 +198,7 @@ struct AdamW {
       st[0] = m;
       st[1] = v;
     } else {
-      torch_adam_update<Ops, V == kTorchAmsgrad, Tail>(k, g, p, st, false, k.decay);
+      torch_adam_update<Ops, V == kTorchAmsgrad, Tail>(k, k.minus_one, g, p, st, false, k.decay);
     }
   }
 };

@@ -14,19 +14,20 @@
 namespace stepcore::detail {
 
 /// Lion's per-call scalars, each rounded once from binary64 (8d).
+template <class F>
 struct LionScalars {
-  float b1 = 0.0f;        ///< f32(beta1)
-  float c1 = 0.0f;        ///< f32(1 - beta1)
-  float b2 = 0.0f;        ///< f32(beta2)
-  float c2 = 0.0f;        ///< f32(1 - beta2)
-  float neg_lr = 0.0f;    ///< f32(-lr)
-  float neg_lrwd = 0.0f;  ///< f32(-(lr * weight_decay))
+  F b1 = 0.0f;        ///< f32(beta1)
+  F c1 = 0.0f;        ///< f32(1 - beta1)
+  F b2 = 0.0f;        ///< f32(beta2)
+  F c2 = 0.0f;        ///< f32(1 - beta2)
+  F neg_lr = 0.0f;    ///< f32(-lr)
+  F neg_lrwd = 0.0f;  ///< f32(-(lr * weight_decay))
   bool apply_decay = false;
 };
 
 struct Lion {
   using Config = LionConfig;
-  using Scalars = LionScalars;
+  using Scalars = LionScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"exp_avg"};
@@ -89,22 +90,7 @@ struct Lion {
   }
 
   template <class Ops>
-  struct Consts {
-    using F = typename Ops::F;
-    F b1, c1, b2, c2, neg_lr, neg_lrwd, zero, one, minus_one;
-    bool apply_decay;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : b1(Ops::set1(s.b1)),
-          c1(Ops::set1(s.c1)),
-          b2(Ops::set1(s.b2)),
-          c2(Ops::set1(s.c2)),
-          neg_lr(Ops::set1(s.neg_lr)),
-          neg_lrwd(Ops::set1(s.neg_lrwd)),
-          zero(Ops::set1(0.0f)),
-          one(Ops::set1(1.0f)),
-          minus_one(Ops::set1(-1.0f)),
-          apply_decay(s.apply_decay) {}
-  };
+  using Consts = UnitConsts<Ops, LionScalars, SignConstants>;
 
   /// docs/numerics.md 8d. u and the new m are three roundings each (no FMA); sign(u) is
   /// spec_sign's. s * neg_lr is exact, so the separate multiply and add round once;

@@ -14,11 +14,12 @@
 namespace stepcore::detail {
 
 /// SGD's per-tensor scalars, each rounded once from its double expression.
+template <class F>
 struct SgdScalars {
-  float wd = 0.0f;        ///< f32(weight_decay)
-  float momentum = 0.0f;  ///< f32(momentum)
-  float keep = 1.0f;      ///< f32(1 - dampening)
-  float neg_lr = 0.0f;    ///< f32(-lr)
+  F wd = 0.0f;        ///< f32(weight_decay)
+  F momentum = 0.0f;  ///< f32(momentum)
+  F keep = 1.0f;      ///< f32(1 - dampening)
+  F neg_lr = 0.0f;    ///< f32(-lr)
   bool apply_decay = false;
   bool nesterov = false;
   bool maximize = false;
@@ -27,7 +28,7 @@ struct SgdScalars {
 
 struct Sgd {
   using Config = SgdConfig;
-  using Scalars = SgdScalars;
+  using Scalars = SgdScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 1;
   static constexpr const char* kSlotNames[kSlots] = {"momentum_buffer"};
@@ -80,21 +81,7 @@ struct Sgd {
   }
 
   template <class Ops>
-  struct Consts {
-    using F = typename Ops::F;
-    F wd, momentum, keep, neg_lr, minus_one;
-    bool apply_decay, nesterov, maximize, first;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : wd(Ops::set1(s.wd)),
-          momentum(Ops::set1(s.momentum)),
-          keep(Ops::set1(s.keep)),
-          neg_lr(Ops::set1(s.neg_lr)),
-          minus_one(Ops::set1(-1.0f)),
-          apply_decay(s.apply_decay),
-          nesterov(s.nesterov),
-          maximize(s.maximize),
-          first(s.first) {}
-  };
+  using Consts = UnitConsts<Ops, SgdScalars>;
 
   /// docs/numerics.md 8b.
   template <class Ops, int V, bool Tail>

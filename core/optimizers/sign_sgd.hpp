@@ -14,8 +14,8 @@
 namespace stepcore::detail {
 
 /// The f32 scalars of one SignSGD update (host and device alike).
-STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_decay) {
-  SignSgdScalars s;
+STEPCORE_HD_INLINE SignSgdScalars<float> sign_sgd_scalars(double lr, double weight_decay) {
+  SignSgdScalars<float> s;
   s.neg_lr = static_cast<float>(-lr);
   s.neg_lr_wd = static_cast<float>(-(lr * weight_decay));
   s.apply_decay = weight_decay > 0.0;
@@ -24,7 +24,7 @@ STEPCORE_HD_INLINE SignSgdScalars sign_sgd_scalars(double lr, double weight_deca
 
 struct SignSgd {
   using Config = SignSgdConfig;
-  using Scalars = SignSgdScalars;
+  using Scalars = SignSgdScalars<float>;
   static constexpr const char* kName = OptimizerTraits<Config>::kName;
   static constexpr int kSlots = 0;
   static constexpr const char* const* kSlotNames = nullptr;
@@ -53,18 +53,7 @@ struct SignSgd {
   }
 
   template <class Ops>
-  struct Consts {
-    using F = typename Ops::F;
-    F neg_lr, neg_lr_wd, zero, one, minus_one;
-    bool apply_decay;
-    STEPCORE_HD_INLINE explicit Consts(const Scalars& s)
-        : neg_lr(Ops::set1(s.neg_lr)),
-          neg_lr_wd(Ops::set1(s.neg_lr_wd)),
-          zero(Ops::set1(0.0f)),
-          one(Ops::set1(1.0f)),
-          minus_one(Ops::set1(-1.0f)),
-          apply_decay(s.apply_decay) {}
-  };
+  using Consts = UnitConsts<Ops, SignSgdScalars, SignConstants>;
 
   /// sign(g) is spec_sign's (+0 for either zero, the NaN for a NaN). fma(sg, -lr, p) with
   /// sg in {+-1, +0, NaN}: the product is exact, so the separate multiply and add round

@@ -8,7 +8,10 @@
 //                              OptimizerTraits<Config> beside it names the optimizer and
 //                              lists its hyper-parameters (every layer reads that list)
 //   kName                      OptimizerTraits<Config>::kName
-//   Scalars                    the per-tensor f32 scalars of one step
+//   Scalars                    the per-tensor f32 scalars of one step: <Name>Scalars<float>,
+//                              an aggregate template over the value type whose fields
+//                              (F values, bool flags, a nested scalars struct) are the
+//                              list, written once: Consts is the same struct over Ops::F
 //   kSlots, kSlotNames         its f32 state arrays beside the parameter (names as in torch),
 //   kSlotSourceNames           and the names of their out-of-place sources
 //   slots(V)                   how many of them variant V uses (the first slots(V))
@@ -40,7 +43,10 @@
 //                              storage type (1: f32; 2: bf16/f16 params, whose Vectorized<T> is
 //                              twice as wide), so a unit with a width-W tail begins it at n - n mod
 //                              (lanes * W)
-//   Consts<Ops>                the Scalars as Ops values (splatted once per range)
+//   Consts<Ops>                UnitConsts<Ops, <Name>Scalars[, SignConstants]>: the Scalars
+//                              as Ops values, splatted once per range by splat_scalars
+//                              (below, for every unit), with the constants the formula
+//                              reads (minus_one; and zero, one for a sign)
 //   update<Ops, V, Tail>(k, g, p, st)
 //                              the element formula: the new parameter p and state st[0..kSlots)
 //                              from the gradient read g and the old ones, written in Ops'
@@ -81,6 +87,113 @@ struct ScalarOps {
   static STEPCORE_HD_INLINE bool eq(float a, float b) { return a == b; }
   static STEPCORE_HD_INLINE bool is_nan(float a) { return a != a; }
   static STEPCORE_HD_INLINE float select(bool m, float a, float b) { return m ? a : b; }
+};
+
+// ---- a unit's Scalars as Ops values, splatted field by field (UnitConsts below) ----------
+
+namespace scalars_detail {
+/// Converts to any type, in unevaluated brace-initialisations only.
+struct AnyField {
+  template <class T>
+  constexpr operator T() const noexcept;  // never defined
+};
+/// The number of fields of an aggregate S (a unit's Scalars<float>): the most AnyField
+/// values S can be brace-initialised from (a field of class type takes one whole).
+template <class S, class... Fields>
+constexpr int field_count() {
+  if constexpr (requires { S{Fields{}..., AnyField{}}; })
+    return field_count<S, Fields..., AnyField>();
+  else
+    return static_cast<int>(sizeof...(Fields));
+}
+}  // namespace scalars_detail
+
+template <class Ops, template <class> class S>
+STEPCORE_HD_INLINE S<typename Ops::F> splat_scalars(const S<float>& s);
+
+/// One field of a unit's scalars as Ops values: an f32 scalar in every lane, a flag as it
+/// is, a nested scalars struct field by field.
+template <class Ops>
+STEPCORE_HD_INLINE typename Ops::F splat_field(float x) {
+  return Ops::set1(x);
+}
+template <class Ops>
+STEPCORE_HD_INLINE bool splat_field(bool x) {
+  return x;
+}
+template <class Ops, template <class> class S>
+STEPCORE_HD_INLINE S<typename Ops::F> splat_field(const S<float>& s) {
+  return splat_scalars<Ops>(s);
+}
+
+/// S<Ops::F> from the fields of an S<float>, in order.
+template <class Ops, template <class> class S, class... Fields>
+STEPCORE_HD_INLINE S<typename Ops::F> splat_fields(const Fields&... fields) {
+  return {splat_field<Ops>(fields)...};
+}
+
+/// A unit's scalars S<float> as Ops values, S<Ops::F>: each field splat_field'ed, in
+/// order (structured bindings of the aggregate; up to 16 fields). The one splat of every
+/// unit: its field list is written once, in S (f32 values first, flags last: the layout
+/// the vector bodies were tuned with).
+template <class Ops, template <class> class S>
+STEPCORE_HD_INLINE S<typename Ops::F> splat_scalars(const S<float>& s) {
+  constexpr int n = scalars_detail::field_count<S<float>>();
+  static_assert(n >= 1 && n <= 16, "a unit's Scalars has 1 to 16 fields");
+#define STEPCORE_SPLAT_CASE(N, ...)           \
+  if constexpr (n == N) {                     \
+    const auto& [__VA_ARGS__] = s;            \
+    return splat_fields<Ops, S>(__VA_ARGS__); \
+  } else
+  STEPCORE_SPLAT_CASE(1, a)
+  STEPCORE_SPLAT_CASE(2, a, b)
+  STEPCORE_SPLAT_CASE(3, a, b, c)
+  STEPCORE_SPLAT_CASE(4, a, b, c, d)
+  STEPCORE_SPLAT_CASE(5, a, b, c, d, e)
+  STEPCORE_SPLAT_CASE(6, a, b, c, d, e, f)
+  STEPCORE_SPLAT_CASE(7, a, b, c, d, e, f, g)
+  STEPCORE_SPLAT_CASE(8, a, b, c, d, e, f, g, h)
+  STEPCORE_SPLAT_CASE(9, a, b, c, d, e, f, g, h, i)
+  STEPCORE_SPLAT_CASE(10, a, b, c, d, e, f, g, h, i, j)
+  STEPCORE_SPLAT_CASE(11, a, b, c, d, e, f, g, h, i, j, k)
+  STEPCORE_SPLAT_CASE(12, a, b, c, d, e, f, g, h, i, j, k, l)
+  STEPCORE_SPLAT_CASE(13, a, b, c, d, e, f, g, h, i, j, k, l, m)
+  STEPCORE_SPLAT_CASE(14, a, b, c, d, e, f, g, h, i, j, k, l, m, o)
+  STEPCORE_SPLAT_CASE(15, a, b, c, d, e, f, g, h, i, j, k, l, m, o, q)
+  STEPCORE_SPLAT_CASE(16, a, b, c, d, e, f, g, h, i, j, k, l, m, o, q, r)
+  return splat_fields<Ops, S>();  // not reached: n is in [1, 16]
+#undef STEPCORE_SPLAT_CASE
+}
+
+/// The constant every formula may read besides its scalars: -1 (maximize negates the
+/// read by a multiplication with it, exact).
+template <class F>
+struct UnitConstants {
+  F minus_one;
+  template <class Ops>
+  STEPCORE_HD_INLINE static UnitConstants splat() {
+    return {Ops::set1(-1.0f)};
+  }
+};
+
+/// The constants of a formula that takes a sign (spec_sign): +0, 1 and -1.
+template <class F>
+struct SignConstants {
+  F zero, one, minus_one;
+  template <class Ops>
+  STEPCORE_HD_INLINE static SignConstants splat() {
+    return {Ops::set1(0.0f), Ops::set1(1.0f), Ops::set1(-1.0f)};
+  }
+};
+
+/// What a unit's update reads: its Scalars<float> as Ops values (k.beta1) and the
+/// constants C (k.minus_one), splatted once per range. A unit's Consts<Ops> is
+/// UnitConsts<Ops, its Scalars template> (with SignConstants when it takes a sign).
+template <class Ops, template <class> class S, template <class> class C = UnitConstants>
+struct UnitConsts : S<typename Ops::F>, C<typename Ops::F> {
+  STEPCORE_HD_INLINE explicit UnitConsts(const S<float>& s)
+      : S<typename Ops::F>(splat_scalars<Ops>(s)),
+        C<typename Ops::F>(C<typename Ops::F>::template splat<Ops>()) {}
 };
 
 /// The gradient read of docs/numerics.md section 3 on one element of storage type G:

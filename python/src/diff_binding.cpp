@@ -1,4 +1,4 @@
-// stepcore._core.diff_compare: stepcore-diff's comparer (apps/diff) for stepcore.diff,
+// stepcore._core.diff_compare: the library's comparer (stepcore/diff.hpp) for stepcore.diff,
 // thin: the paths and options go to compare_json, which returns the comparison as JSON
 // text (the schema of stepcore-diff --json plus what the report draws); the GIL is
 // released while the files are read and compared. A bad input raises
@@ -14,8 +14,7 @@
 #include <string>
 
 #ifdef STEPCORE_PY_DIFF
-#include "diff/cli.hpp"
-#include "diff/error.hpp"
+#include "stepcore/diff.hpp"
 #endif
 
 namespace nb = nanobind;
@@ -35,9 +34,9 @@ void bind_diff(nb::module_& m) {
     };
     try {
       std::rethrow_exception(p);
-    } catch (const stepcore_diff::InputError& e) {
+    } catch (const stepcore::diff::InputError& e) {
       raise(input_error, e.what());
-    } catch (const stepcore_diff::UsageError& e) {
+    } catch (const stepcore::diff::UsageError& e) {
       raise(PyExc_ValueError, e.what());
     }
   });
@@ -46,7 +45,7 @@ void bind_diff(nb::module_& m) {
       [](const std::string& a, const std::string& b, std::optional<std::uint64_t> max_ulps,
          int threads, bool all) {
         nb::gil_scoped_release released;
-        return stepcore_diff::compare_json(a, b, max_ulps, threads, all);
+        return stepcore::diff::compare_json(a, b, max_ulps, threads, all);
       },
       nb::arg("a"), nb::arg("b"), nb::arg("max_ulps").none() = nb::none(), nb::arg("threads") = 0,
       nb::arg("all") = false,

@@ -29,6 +29,11 @@
 #if CONSUMER_NCCL
 #include "stepcore/comm_nccl.hpp"
 #endif
+#if CONSUMER_DIFF
+#include <sstream>
+
+#include "stepcore/diff.hpp"
+#endif
 #if defined(CONSUMER_MPI)
 #include "stepcore/comm_mpi.hpp"
 #endif
@@ -114,6 +119,19 @@ int main() {
   std::unique_ptr<comm::Communicator> (*nccl_entry)(
       ncclComm_t, cudaStream_t, std::chrono::milliseconds) = &comm::make_nccl_communicator;
   expect(nccl_entry != nullptr, "the NCCL communicator links");
+#endif
+#if CONSUMER_DIFF
+  // The comparer: its usage, and a missing input refused naming it (exit status 2).
+  {
+    std::ostringstream out, err;
+    const char* help[] = {"stepcore-diff", "--help"};
+    expect(diff::run(2, help, out, err) == 0 && out.str().find("usage:") != std::string::npos,
+           "stepcore-diff --help through diff::run");
+    const char* missing[] = {"stepcore-diff", "/nonexistent/a", "/nonexistent/b"};
+    expect(diff::run(3, missing, out, err) == 2 &&
+               err.str().find("/nonexistent/a") != std::string::npos,
+           "diff::run refuses a missing input, naming it");
+  }
 #endif
 #if defined(CONSUMER_MPI)
   // Links and compiles against <mpi.h> through stepcore::mpi (not called: needs MPI_Init).

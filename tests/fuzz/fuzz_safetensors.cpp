@@ -1,4 +1,4 @@
-// libFuzzer harness: stepcore-diff's readers (apps/diff) on any bytes. (1) The bytes as
+// libFuzzer harness: the comparer's readers (diff/) on any bytes. (1) The bytes as
 // a safetensors file in /dev/shm (read through FileBytes): either InputError (naming the
 // file) or a file whose every tensor lies inside the data with the size its dtype and
 // shape give and no two non-empty tensors overlapping; such a file compared with itself
@@ -16,9 +16,9 @@
 #include <string_view>
 
 #include "diff/diff.hpp"
-#include "diff/error.hpp"
 #include "diff/inputs.hpp"
 #include "diff/safetensors.hpp"
+#include "stepcore/diff.hpp"
 
 namespace {
 
@@ -57,7 +57,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       "/dev/shm/stepcore-fuzz-" + std::to_string(getpid()) + ".safetensors";
   write_file(path, data, size);
   try {
-    const stepcore_diff::SafetensorsFile file(path);
+    const stepcore::diff::SafetensorsFile file(path);
     std::uint64_t data_bytes = size;  // at most: the data start is past the header
     for (const auto& t : file.tensors()) {
       if (t.begin > t.end || t.end > data_bytes) __builtin_trap();
@@ -68,32 +68,32 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       if (n != t.elements) __builtin_trap();
     }
-    const stepcore_diff::Input in = stepcore_diff::load_input(path);
-    const stepcore_diff::DiffResult r = stepcore_diff::diff_inputs(in, in, {});
+    const stepcore::diff::Input in = stepcore::diff::load_input(path);
+    const stepcore::diff::DiffResult r = stepcore::diff::diff_inputs(in, in, {});
     if (r.exit_status() != 0) __builtin_trap();  // a file against itself
-  } catch (const stepcore_diff::InputError&) {
+  } catch (const stepcore::diff::InputError&) {
     // refused, naming the file: the expected outcome for most inputs
   }
 
   // The same bytes as a journal.
   const std::string_view text(reinterpret_cast<const char*>(data), size);
   try {
-    const auto entries = stepcore_diff::parse_journal(text, "journal");
+    const auto entries = stepcore::diff::parse_journal(text, "journal");
     if (entries.size() > static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')))
       __builtin_trap();
     for (const auto& e : entries)
       if (!e.is_object()) __builtin_trap();
-  } catch (const stepcore_diff::InputError&) {
+  } catch (const stepcore::diff::InputError&) {
   }
   static const std::string dir = recording_dir();
   write_file(dir + "/entries.jsonl", data, size);
   try {
-    const stepcore_diff::Input in = stepcore_diff::load_input(dir);
+    const stepcore::diff::Input in = stepcore::diff::load_input(dir);
     for (const auto& item : in.items)
       if (item.tensor == nullptr || item.data == nullptr) __builtin_trap();
-    const stepcore_diff::DiffResult r = stepcore_diff::diff_inputs(in, in, {});
+    const stepcore::diff::DiffResult r = stepcore::diff::diff_inputs(in, in, {});
     if (r.exit_status() != 0) __builtin_trap();  // a recording against itself
-  } catch (const stepcore_diff::InputError&) {
+  } catch (const stepcore::diff::InputError&) {
   }
   return 0;
 }

@@ -1,4 +1,4 @@
-"""The comparer: stepcore-diff's C++ comparer (apps/diff) through stepcore._core.
+"""The comparer: stepcore-diff's C++ comparer (diff/) through stepcore._core.
 
 `compare(a, b, max_ulps=0)` compares two recordings or two safetensors files bit for bit
 and returns the dict of ``stepcore-diff --json`` (docs/diff.md, "JSON output"); this

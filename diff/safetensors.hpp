@@ -11,10 +11,10 @@
 #include <unordered_map>
 #include <vector>
 
-#include "dtype.hpp"
-#include "file_bytes.hpp"
+#include "diff/dtype.hpp"
+#include "diff/file_bytes.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// One tensor of a safetensors header, validated against the file.
 struct TensorInfo {
@@ -57,4 +57,4 @@ class SafetensorsFile {
 /// Formats a shape as "[61, 12]" (messages and the human table).
 std::string shape_string(const std::vector<std::int64_t>& shape);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

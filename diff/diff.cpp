@@ -1,6 +1,6 @@
 // diff_inputs: pairing by key, statuses, one compare_arrays call for every comparable
 // pair, and the first divergence.
-#include "diff.hpp"
+#include "diff/diff.hpp"
 
 #include <sched.h>
 
@@ -8,7 +8,7 @@
 #include <map>
 #include <tuple>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -122,4 +122,4 @@ DiffResult diff_inputs(const Input& a, const Input& b, const DiffOptions& option
   return out;
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

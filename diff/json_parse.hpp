@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// Parses `text`, the JSON text of `what` (e.g. "the header") in the file `path`.
 /// Throws InputError(path, ...) when it is not valid JSON, an object has a key twice, or
@@ -17,4 +17,4 @@ nlohmann::json parse_json(std::string_view text, const std::string& path, std::s
 /// Returns the JSON type of `v` in words ("a string", "an array", ...), for messages.
 std::string json_kind(const nlohmann::json& v);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -3,7 +3,7 @@
 // a histogram with one bucket per distance below 2^16 and one per 2^16-wide range above
 // (f32 distances are below 2^32); a median that lands in a wide range is resolved by a
 // second pass over that array counting the low 16 bits of the distances in that range.
-#include "compare.hpp"
+#include "diff/compare.hpp"
 
 #include <omp.h>
 
@@ -13,7 +13,7 @@
 #include <cstring>
 #include <limits>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 // The data are read in place: safetensors is little-endian.
 static_assert(std::endian::native == std::endian::little,
@@ -342,4 +342,4 @@ std::vector<ElementStats> compare_arrays(const std::vector<ArrayPair>& pairs, in
   return out;
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -9,10 +9,10 @@
 #include <string_view>
 #include <vector>
 
-#include "compare.hpp"
-#include "inputs.hpp"
+#include "diff/compare.hpp"
+#include "diff/inputs.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 enum class Status {
   identical,
@@ -73,4 +73,4 @@ int default_threads();
 /// Compares `a` and `b`, which must be of the same kind (the caller checks).
 DiffResult diff_inputs(const Input& a, const Input& b, const DiffOptions& options);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -13,9 +13,9 @@
 #include <string_view>
 #include <vector>
 
-#include "safetensors.hpp"
+#include "diff/safetensors.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// One tensor of an input. Recording entries carry step, rank and point; a file's
 /// tensors do not (and their key is their name). A tensor gathered from the shards of
@@ -74,4 +74,4 @@ Input load_safetensors(const std::string& path);
 /// "step 2, rank 0, point after_step, name w" for a recording entry; "name w" for a file's.
 std::string item_label(const Item& item);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -10,9 +10,9 @@
 #include <optional>
 #include <vector>
 
-#include "dtype.hpp"
+#include "diff/dtype.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// The ordered integer of a float's bits (f32, bf16, f16): bits for a non-negative
 /// value, -(bits & magnitude mask) for a negative one, so +0 and -0 are both 0 and
@@ -62,4 +62,4 @@ struct ElementStats {
 /// minima, maxima, histograms), so the results do not depend on the thread count.
 std::vector<ElementStats> compare_arrays(const std::vector<ArrayPair>& pairs, int threads);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

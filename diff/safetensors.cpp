@@ -1,14 +1,14 @@
 // SafetensorsFile: the header's length, JSON and every tensor entry checked against the
 // file's bytes (read whole into memory) before anything reads a tensor's bytes.
-#include "safetensors.hpp"
+#include "diff/safetensors.hpp"
 
 #include <algorithm>
 #include <limits>
 
-#include "error.hpp"
-#include "json_parse.hpp"
+#include "diff/json_parse.hpp"
+#include "stepcore/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -152,4 +152,4 @@ const TensorInfo* SafetensorsFile::find(std::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

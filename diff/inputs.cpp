@@ -1,6 +1,6 @@
 // load_input: recognises a recording or a safetensors file; load_recording checks the
 // manifest and every entry against its file.
-#include "inputs.hpp"
+#include "diff/inputs.hpp"
 
 #include <sys/stat.h>
 
@@ -10,10 +10,10 @@
 #include <map>
 #include <tuple>
 
-#include "error.hpp"
-#include "json_parse.hpp"
+#include "diff/json_parse.hpp"
+#include "stepcore/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -383,4 +383,4 @@ Input load_input(const std::string& path) {
   throw InputError(path, "neither a recording (a directory) nor a safetensors file");
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -1,5 +1,5 @@
 // write_human and write_json: every field formatted from the DiffResult, nothing computed.
-#include "report.hpp"
+#include "diff/report.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -11,7 +11,7 @@
 
 #include "stepcore/convert.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -318,4 +318,4 @@ void write_details_json(std::ostream& out, const DiffResult& r) {
   out << all.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -1,6 +1,4 @@
 // run(): the command line of stepcore-diff and its exit statuses.
-#include "cli.hpp"
-
 #include <charconv>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -8,12 +6,12 @@
 #include <string>
 #include <string_view>
 
-#include "diff.hpp"
-#include "error.hpp"
-#include "inputs.hpp"
-#include "report.hpp"
+#include "diff/diff.hpp"
+#include "diff/inputs.hpp"
+#include "diff/report.hpp"
+#include "stepcore/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -155,4 +153,4 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   }
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

@@ -7,7 +7,7 @@
 #include <optional>
 #include <string_view>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// A safetensors dtype stepcore-diff knows. f32, bf16 and f16 are compared ulp-aware;
 /// the others bitwise (equal or not).
@@ -29,4 +29,4 @@ bool dtype_has_ulps(DType t);
 /// True for the floating-point dtypes (their values print as numbers with a fraction).
 bool dtype_is_float(DType t);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

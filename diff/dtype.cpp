@@ -1,9 +1,9 @@
 // The dtype table of stepcore-diff: header names, sizes and kinds, in one place.
-#include "dtype.hpp"
+#include "diff/dtype.hpp"
 
 #include <array>
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 
@@ -50,4 +50,4 @@ std::size_t dtype_size(DType t) { return row(t).size; }
 bool dtype_has_ulps(DType t) { return row(t).ulps; }
 bool dtype_is_float(DType t) { return row(t).is_float; }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

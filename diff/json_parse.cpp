@@ -1,12 +1,12 @@
 // parse_json: nlohmann's parser with a callback that tracks each open object's keys.
-#include "json_parse.hpp"
+#include "diff/json_parse.hpp"
 
 #include <set>
 #include <vector>
 
-#include "error.hpp"
+#include "stepcore/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 namespace {
 constexpr int kMaxDepth = 64;
@@ -66,4 +66,4 @@ std::string json_kind(const nlohmann::json& v) {
   }
 }
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

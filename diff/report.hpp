@@ -7,9 +7,9 @@
 #include <ostream>
 #include <string>
 
-#include "diff.hpp"
+#include "diff/diff.hpp"
 
-namespace stepcore_diff {
+namespace stepcore::diff {
 
 /// The decimal value of an element's bits: for floats the shortest text that reads back
 /// to the same value ("1.0000001", "-0", "nan", "inf", "-inf"; bf16/f16 as their exact
@@ -37,4 +37,4 @@ void write_json(std::ostream& out, const DiffResult& r);
 /// shards, 0 when none).
 void write_details_json(std::ostream& out, const DiffResult& r);
 
-}  // namespace stepcore_diff
+}  // namespace stepcore::diff

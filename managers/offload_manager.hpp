@@ -1,0 +1,218 @@
+// OffloadGradientManager (mode "full"): gradients copied device-to-host into pinned
+// staging as backward hands them over, accumulated, normed, clipped and stepped in f32 on
+// the CPU engine by one worker thread, compute weights uploaded host-to-device.
+// docs/managers.md is the contract; every result equals the GPU modes' bits. Its parts:
+// construction and the state's import and export (offload_manager.cpp), the worker and
+// the sticky error (offload_manager_worker.cpp), the step (offload_manager_step.cpp),
+// overlapped steps' speculation (offload_manager_speculation.cpp).
+//
+// Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
+// the norm collectives; the worker runs tasks from two FIFO lanes: `main` (accumulate,
+// the chunks' norm partials) first, `late` (speculative steps, the step's updates and
+// uploads) when main is empty — so a late task runs after every main task posted before
+// it, and the decision waits only for what the norm needs, not for speculative steps
+// it may cancel (a rollback or skip cancels the step's speculative tasks not yet run).
+// All Device calls are serialised by dev_mu_; waits on events happen outside it
+// (Event::wait), then synchronize(event) collects errors under it. The worker never
+// joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
+// the manager failed: every later hook raises that same error (sticky), close() returns it.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <span>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "managers/manager_impl.hpp"
+#include "stepcore/cpu.hpp"
+#include "stepcore/device.hpp"
+#include "stepcore/host_slab.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/norm.hpp"
+#include "stepcore/numa.hpp"
+#include "stepcore/optim.hpp"
+#include "stepcore/tensor.hpp"
+
+namespace stepcore::detail {
+
+class OffloadGradientManager final : public ManagerImpl {
+ public:
+  explicit OffloadGradientManager(ManagerConfig config);
+  ~OffloadGradientManager() override { (void)do_close(); }
+
+ protected:
+  void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
+  void do_begin_step() override;
+  void do_begin_backward() override;
+  TensorView do_gradient(std::size_t i) override;
+  void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
+                         const device::Event& written) override;
+  device::Event do_gradient_released(std::size_t i) const override { return released_[i]; }
+  void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
+  void do_step_chunk(std::size_t chunk) override;
+  void do_reserve_speculation() override;
+  NormResult do_clip_grad_norm(float max_norm, float& clip) override;
+  void do_step() override;
+  StepReport do_report() override;
+  ConstTensorView do_compute_weights(std::size_t i) const override;
+  void do_read_parameter(std::size_t i, Arrays<float> arrays,
+                         std::span<std::uint8_t> compute) override;
+  void do_step_counts(std::span<float> out) override;
+  HostArrays do_host_state(std::size_t i) override;
+  void do_synchronize() override;
+  void do_recover() override;
+  std::exception_ptr do_close() noexcept override;
+  std::exception_ptr do_async_failure() const noexcept override {
+    const std::lock_guard lock(err_mu_);
+    return error_;
+  }
+
+ private:
+  // The optimizer state arrays of a parameter, in slot order: master, then the
+  // optimizer's state slots. Saving, restoring and committing go over this list, never
+  // over the arrays by name.
+  static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
+  static constexpr std::size_t kStateViews = 1 + kMaxSlots;  // acc and the slots
+  using Slots = std::array<TensorView, kMaxSlots>;
+
+  // Per-parameter views into the slabs.
+  struct Param {
+    TensorView grad;     // device, grad_dtype
+    TensorView compute;  // device, compute_dtype (empty without compute weights)
+    TensorView staging;  // pinned host, grad_dtype
+    TensorView out;      // pinned host, compute_dtype (empty without compute weights)
+    TensorView staged;   // device staging of speculated compute weights (empty: none)
+    TensorView acc;      // host f32
+    Slots state;         // host f32, the live state (slots() of them used)
+    Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
+    const TensorView& master() const { return state[0]; }
+  };
+  std::size_t slots() const noexcept { return 1 + state_slots(); }
+
+  // Carves the slabs into the per-parameter views and places the state pages.
+  void carve(const SlabLayout& dl, const SlabLayout& pl, const SlabLayout& sl);
+
+  // ---- errors --------------------------------------------------------------------------
+  void store_error(std::exception_ptr ep) noexcept;
+  void raise_if_failed() const;
+  // Runs f under dev_mu_; a Device error becomes the manager's (sticky) error.
+  template <class F>
+  decltype(auto) on_device(F&& f);
+  // Waits for e (any thread), then raises the device's errors (sticky).
+  void sync_event(const device::Event& e);
+
+  // ---- the worker ------------------------------------------------------------------------
+  enum Lane : std::size_t { main = 0, late = 1 };
+  std::uint64_t post(std::function<void()> task, Lane lane = late);
+  void wait_done(Lane lane, std::uint64_t seq);
+  void drain(Lane lane);  // waits for the lane's posted tasks, then raises a stored error
+  void drain();           // both lanes
+  void worker_loop();
+
+  // ---- numerics --------------------------------------------------------------------------
+  NormResult global_norm(float scale);
+  // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
+  // change the groups while they wait).
+  using GroupConfigs = std::vector<OptimizerConfig>;
+  GroupConfigs group_configs() const;
+  // Steps chunk k (worker): in place, or (into_spare) reading the live state and writing
+  // the spares, the step counters into spec_steps_.
+  void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs,
+                  bool into_spare = false);
+  // Gives chunk k a spare from the rollback space when it has none and it fits.
+  bool admit(std::size_t k);
+  // The global norm of an overlapped step from the chunks' partials (worker-made).
+  NormResult overlapped_global_norm(float scale);
+  // Posts the step's last task: waits for its uploads and stamps the end of the step.
+  void post_step_end();
+  // The decision keeps the speculated chunks (finite, and coefficient 1 or an optimizer
+  // that does not read it).
+  bool keeps_speculation() const;
+  // Makes this step's speculative tasks not yet run skip (a rollback or skip).
+  void cancel_speculation();
+  // Uploads chunk k's compute weights (from device staging when `staged`) after `after`.
+  void upload_chunk(std::size_t k, const device::Event& after,
+                    bool staged = false);  // on the worker
+  // Uploads speculated chunk k's compute weights into its device staging.
+  void stage_chunk(std::size_t k);  // on the worker
+  void wait_uploads();
+
+  device::Device& dev_;
+  cpu::Engine engine_;
+  std::vector<Param> params_;
+  std::vector<float> steps_;
+  std::vector<ConstTensorView> counted_acc_;                 // the global norm's tensors
+  std::vector<std::vector<ConstTensorView>> chunk_counted_;  // a chunk's counted tensors
+
+  void* dev_slab_ = nullptr;
+  void* pinned_slab_ = nullptr;
+  numa::HostBuffer state_;
+
+  // Speculation: the rollback space (reserved by the first step that speculates), each
+  // chunk's bytes of spares, how much is given out; per step, what each chunk did.
+  numa::HostBuffer spare_space_;
+  std::size_t spare_used_ = 0;
+  std::vector<std::size_t> chunk_state_bytes_;
+  std::vector<std::uint8_t> has_spare_, speculated_;
+  // Device staging of speculated compute weights (speculation_device_bytes), given to
+  // chunks as they are first admitted, like the spares.
+  void* stage_space_ = nullptr;
+  std::size_t stage_bytes_ = 0, stage_used_ = 0;
+  std::vector<std::size_t> chunk_compute_bytes_;
+  std::vector<std::uint8_t> has_stage_;
+  std::vector<float> spec_steps_;                     // speculated step counters (worker)
+  std::vector<NormPartial> chunk_partial_;            // fast partials of the counted acc (worker)
+  std::chrono::steady_clock::time_point step_end_{};  // written by the step's last task
+
+  // Device calls and their events (dev_mu_).
+  std::mutex dev_mu_;
+  device::Event last_d2h_;     // the latest gradient copy (caller thread only)
+  device::Event last_upload_;  // the latest compute-weight upload (under dev_mu_)
+
+  // The worker.
+  std::mutex mu_;
+  std::condition_variable task_cv_, done_cv_;
+  std::deque<std::function<void()>> tasks_[2];  // per Lane
+  std::uint64_t posted_[2] = {0, 0}, done_[2] = {0, 0};
+  std::uint64_t generation_ = 0;             // steps begun (caller thread; tasks capture it)
+  std::atomic<std::uint64_t> cancelled_{0};  // speculative tasks of this generation skip
+  bool stop_ = false;
+  std::vector<std::uint64_t> staging_task_;  // last task reading staging i
+  std::vector<device::Event> released_;      // per parameter: its device buffer is staged
+  std::thread worker_;
+
+  // Errors (err_mu_).
+  mutable std::mutex err_mu_;
+  std::exception_ptr error_;
+
+  // The step (caller thread).
+  bool norm_known_ = false;
+  NormResult norm_;
+  float clip_ = 1.0f;
+  StepReport report_;
+  bool closed_ = false;
+};
+
+template <class F>
+inline decltype(auto) OffloadGradientManager::on_device(F&& f) {
+  const std::lock_guard lock(dev_mu_);
+  try {
+    return std::forward<F>(f)();
+  } catch (...) {
+    store_error(std::current_exception());
+    raise_if_failed();
+    throw;  // unreachable: an error was stored
+  }
+}
+
+}  // namespace stepcore::detail

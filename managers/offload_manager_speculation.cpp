@@ -1,0 +1,138 @@
+// OffloadGradientManager's speculation (managers/offload_manager.hpp), overlapped steps: a
+// chunk whose final gradients are in is stepped out of place, reading its live state and
+// writing the new state into its spare (rollback space from
+// ManagerConfig::speculation_bytes, a chunk's spare kept once given), compute weights into
+// the pinned upload buffers, nothing uploaded to the model's weights (with
+// ManagerConfig::speculation_device_bytes, they are uploaded into device staging at once,
+// and a commit copies them device-to-device). The decision then commits (the spare
+// becomes the live state: a pointer swap, then the uploads) or rolls back (the live state
+// was never written: it is stepped again in place with the coefficient, or left alone when
+// the step is skipped). No formula is ever inverted.
+#include <algorithm>
+#include <mutex>
+#include <string>
+
+#include "comm/global_norm.hpp"
+#include "managers/offload_manager.hpp"
+#include "stepcore/comm.hpp"
+#include "stepcore/error.hpp"
+
+namespace stepcore::detail {
+
+bool OffloadGradientManager::admit(std::size_t k) {
+  if (has_spare_[k]) return true;
+  const std::size_t bytes = chunk_state_bytes_[k];
+  // The budget, not the mapping: HostBuffer rounds it up to a (huge) page.
+  const std::size_t limit = std::min(spare_space_.bytes(), speculation_budget());
+  if (bytes > limit - spare_used_) return false;
+  // The chunk keeps this spare from now on (a commit swaps it with the live state).
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+    for (std::size_t s = 0; s < slots(); ++s) {
+      TensorView& v = params_[i].spare[s];
+      v = f32_view(reinterpret_cast<float*>(static_cast<char*>(spare_space_.data()) + spare_used_),
+                   params_[i].state[s].numel);
+      spare_used_ += (v.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+    }
+  has_spare_[k] = 1;
+  // Device staging, when the chunk's compute weights fit what is left of it.
+  if (chunk_compute_bytes_[k] != 0 && chunk_compute_bytes_[k] <= stage_bytes_ - stage_used_) {
+    for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+      Param& p = params_[i];
+      if (p.out.numel == 0) continue;
+      p.staged = {static_cast<char*>(stage_space_) + stage_used_, p.out.numel, p.out.dtype};
+      stage_used_ +=
+          (p.out.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+    }
+    has_stage_[k] = 1;
+  }
+  return true;
+}
+
+void OffloadGradientManager::do_reserve_speculation() {
+  const std::int64_t device_budget = config().speculation_device_bytes;
+  if (stage_space_ == nullptr && device_budget != 0) {
+    std::size_t need = 0;
+    for (std::size_t bytes : chunk_compute_bytes_) need += bytes;
+    const std::size_t bytes = device_budget == ManagerConfig::kAllChunks
+                                  ? need
+                                  : std::min(need, static_cast<std::size_t>(device_budget));
+    if (bytes != 0) {
+      try {
+        const std::lock_guard lock(dev_mu_);  // not on_device: a refusal fails nothing
+        stage_space_ = dev_.allocate(bytes);
+      } catch (const Error& e) {
+        throw Error(
+            Errc::out_of_range, "speculation_device_bytes",
+            "cannot reserve " + std::to_string(bytes) + " bytes of device staging: " + e.what());
+      }
+      stage_bytes_ = bytes;
+    }
+  }
+  if (spare_space_.data() != nullptr) return;
+  std::size_t need = 0;
+  for (std::size_t bytes : chunk_state_bytes_) need += bytes;
+  const std::size_t bytes = std::min(need, speculation_budget());
+  if (bytes == 0) return;
+  try {
+    spare_space_ = numa::HostBuffer(bytes, config().numa_node);
+  } catch (const Error& e) {
+    throw Error(
+        Errc::out_of_range, "speculation_bytes",
+        "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
+  }
+}
+
+void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
+  raise_if_failed();
+  const float scale = gradient_scale();
+  const bool speculate = speculating() && admit(chunk);
+  speculated_[chunk] = speculate ? 1 : 0;
+  // The chunk's part of the global norm (exact integer partials merge in any order).
+  post(
+      [this, chunk, scale] {
+        chunk_partial_[chunk] =
+            engine_.norm_partial(chunk_counted_[chunk], GradientRead{scale, 1.0f}, NormMode::fast);
+      },
+      main);
+  // Speculating: its step as if the coefficient were 1 and the step finite, unless the
+  // decision (a rollback or skip) came first.
+  if (speculate)
+    post([this, chunk, scale, gen = generation_, configs = group_configs()] {
+      if (cancelled_.load(std::memory_order_acquire) == gen) return;
+      step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
+      if (has_stage_[chunk]) stage_chunk(chunk);
+    });
+}
+
+NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
+  // The fast partial of the counted accumulators is the merge of the chunks' partials
+  // (their digits are exact integers; the error bounds add like threads' do).
+  auto local = [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
+    if (mode != NormMode::fast) {  // rare: the engine here, so nothing else may use it
+      drain();
+      return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
+    }
+    drain(main);  // the partials (the speculative steps may still run)
+    NormPartial merged{};
+    for (const NormPartial& p : chunk_partial_) merge(merged, p);
+    return merged;
+  };
+  if (config().comm == nullptr) {
+    const NormResult r = finalize(local(counted_acc_, NormMode::fast));
+    return r.needs_exact ? finalize(local(counted_acc_, NormMode::exact)) : r;
+  }
+  return comm::detail::global_norm(*config().comm, config().layout_fingerprint, counted_acc_,
+                                   local);
+}
+
+bool OffloadGradientManager::keeps_speculation() const {
+  // Speculated chunks stay as they are when the coefficient is 1 (an optimizer that does
+  // not read it, SignSGD: any coefficient) and the step is finite.
+  return norm_.finite && (clip_ == 1.0f || !shape().reads_scaled);
+}
+
+void OffloadGradientManager::cancel_speculation() {
+  cancelled_.store(generation_, std::memory_order_release);
+}
+
+}  // namespace stepcore::detail
