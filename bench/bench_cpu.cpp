@@ -20,10 +20,14 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "cpu/testing.hpp"
 #include "kernels/checked_plans.hpp"
 #include "kernels/plans.hpp"
@@ -32,13 +36,13 @@
 #include "stepcore/convert.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/gpu.hpp"
-#include "stepcore/managers.hpp"  // optimizer_counts_steps
 #include "stepcore/numa.hpp"
 #include "stepcore/reference.hpp"
 
 namespace {
 
 using namespace stepcore;
+using ::stepcore::detail::UnitSample;
 
 template <class T>
 struct Slab {
@@ -622,252 +626,6 @@ void BM_AdamWOutOfPlace(benchmark::State& st) {
               std::to_string(s.total) + " elements");
 }
 
-/// The generic records of the benchmark model for a unit with `k` slots (m, v, then x),
-/// f32 gradients, bf16 copies.
-std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k, bool counters) {
-  std::vector<OptimizerTensor> t;
-  float* slots[3] = {s.m.get(), s.v.get(), x.get()};
-  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
-    const std::size_t o = s.offsets[j], n = s.sizes[j];
-    OptimizerTensor a;
-    a.param = {s.p.get() + o, n, DType::f32};
-    for (int q = 0; q < k; ++q) a.state[q] = {slots[q] + o, n, DType::f32};
-    a.step = counters ? &s.steps[j] : nullptr;
-    a.grad = {s.gf32.get() + o, n, DType::f32};
-    a.compute_param = {s.out.get() + o, n, DType::bf16};
-    t.push_back(a);
-  }
-  return t;
-}
-
-/// One optimizer unit's step through Engine::step against the same-traffic probe: K
-/// slots, f32 gradients, a bf16 copy. Validated first: two steps on a prefix of the model
-/// equal the reference's (`reference_step`) bit for bit.
-template <class Config, int K, class Reference>
-void unit_benchmark(benchmark::State& st, const Config& cfg, Reference reference_step,
-                    const char* what) {
-  const cpu::Engine eng = engine_for(st);
-  State& s = state();
-  const bool counters = optimizer_counts_steps(OptimizerConfig(cfg));
-  static Slab<float> x(s.total);  // the third slot (amsgrad's max)
-#pragma omp parallel for schedule(static)
-  for (std::size_t i = 0; i < s.total; ++i) x.get()[i] = s.v.get()[i] * 2.0f;
-  {
-    const std::size_t n = 70001;
-    // Fresh state (the timed runs and the probes leave the model's arrays anywhere).
-    std::vector<float> a[4], b[4];
-    std::mt19937 rng(99);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (std::size_t i = 0; i < n; ++i) {
-      a[0].push_back(nd(rng) * 0.02f);
-      a[1].push_back(nd(rng) * 1e-4f);
-      a[2].push_back(std::abs(nd(rng)) * 1e-8f);
-      a[3].push_back(a[2].back() * (i % 2 == 0 ? 2.0f : 0.5f));  // a max above v or not
-    }
-    for (int q = 0; q < 4; ++q) b[q] = a[q];
-    std::vector<std::uint16_t> oa(n), ob(n);
-    float ca = 0.0f, cb = 0.0f;
-    auto record = [&](std::vector<float>* v, std::vector<std::uint16_t>& o, float& c) {
-      OptimizerTensor t;
-      t.param = {v[0].data(), n, DType::f32};
-      for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::f32};
-      t.step = counters ? &c : nullptr;
-      t.grad = {s.gf32.get(), n, DType::f32};
-      t.compute_param = {o.data(), n, DType::bf16};
-      return t;
-    };
-    const OptimizerTensor ta = record(a, oa, ca), tb = record(b, ob, cb);
-    for (int step = 0; step < 2; ++step) {
-      reference_step(std::span<const OptimizerTensor>(&ta, 1), cfg);
-      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
-    }
-    for (int q = 0; q < 4; ++q)
-      for (std::size_t i = 0; i < n; ++i)
-        if (f32_bits(a[q][i]) != f32_bits(b[q][i])) {
-          std::fprintf(stderr, "array %d element %zu: reference %a, engine %a\n", q, i,
-                       static_cast<double>(a[q][i]), static_cast<double>(b[q][i]));
-          validation_failed(what);
-        }
-    if (std::memcmp(oa.data(), ob.data(), n * 2) != 0) validation_failed(what);
-  }
-  Slab<float>& xs = x;
-  auto tensors = generic_tensors(s, xs, K, counters);
-  const double bytes = static_cast<double>(s.total) * (8.0 * (1 + K) + 4.0 + 2.0);
-  const int th = eng.threads();
-  auto kernel = [&] {
-    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
-    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
-  };
-  float* slots[3] = {s.m.get(), s.v.get(), x.get()};
-  auto probe = [&] { probe_slots<K>(s.p.get(), slots, s.gf32.get(), s.out.get(), s.total, th); };
-  run_timed(st, kernel, bytes);
-  set_roofline(st, bytes, kernel, probe);
-}
-
-void BM_Adam(benchmark::State& st) {
-  AdamConfig c;
-  c.weight_decay = 0.01;
-  unit_benchmark<AdamConfig, 2>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
-      "adam");
-}
-void BM_AdamAmsgrad(benchmark::State& st) {
-  AdamConfig c;
-  c.weight_decay = 0.01;
-  c.amsgrad = true;
-  unit_benchmark<AdamConfig, 3>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
-      "adam amsgrad");
-}
-void BM_Sgd(benchmark::State& st) {
-  SgdConfig c;
-  c.lr = 1e-3;
-  c.momentum = 0.9;
-  c.weight_decay = 0.01;
-  unit_benchmark<SgdConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const SgdConfig& k) { reference::sgd_step(t, k); },
-      "sgd");
-}
-void BM_Adagrad(benchmark::State& st) {
-  AdagradConfig c;
-  c.lr_decay = 0.01;
-  c.weight_decay = 0.01;
-  unit_benchmark<AdagradConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdagradConfig& k) {
-        reference::adagrad_step(t, k);
-      },
-      "adagrad");
-}
-
-void BM_Lion(benchmark::State& st) {
-  LionConfig c;
-  c.lr = 1e-4;
-  c.weight_decay = 0.01;
-  unit_benchmark<LionConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const LionConfig& k) { reference::lion_step(t, k); },
-      "lion");
-}
-
-/// One optimizer unit's step with bf16 params, state and gradients (torch's fused bf16
-/// path, docs/numerics.md 7.3) through Engine::step, against the same-traffic bf16 probe.
-/// Validated first: two steps on a prefix of the model equal the reference's bit for bit.
-template <class Config, int K, class Reference>
-void unit_benchmark_bf16(benchmark::State& st, const Config& cfg, Reference reference_step,
-                         const char* what) {
-  const cpu::Engine eng = engine_for(st);
-  State& s = state();
-  const bool counters = optimizer_counts_steps(OptimizerConfig(cfg));
-  // The bf16 model: param and up to three slots, from the f32 model's values.
-  static Slab<std::uint16_t> p16(s.total),
-      slot16[3] = {Slab<std::uint16_t>(s.total), Slab<std::uint16_t>(s.total),
-                   Slab<std::uint16_t>(s.total)};
-#pragma omp parallel for schedule(static)
-  for (std::size_t i = 0; i < s.total; ++i) {
-    p16.get()[i] = f32_to_bf16_bits(s.p.get()[i]);
-    slot16[0].get()[i] = f32_to_bf16_bits(s.m.get()[i]);
-    slot16[1].get()[i] = f32_to_bf16_bits(s.v.get()[i]);
-    slot16[2].get()[i] = f32_to_bf16_bits(s.v.get()[i] * 2.0f);
-  }
-  {
-    const std::size_t n = 70001;
-    std::vector<std::uint16_t> a[4], b[4];
-    for (std::size_t i = 0; i < n; ++i) {
-      a[0].push_back(p16.get()[i]);
-      for (int q = 0; q < 3; ++q)
-        a[q + 1].push_back(slot16[q].get()[i] ^ static_cast<std::uint16_t>(i % 2));
-    }
-    for (int q = 0; q < 4; ++q) b[q] = a[q];
-    float ca = 0.0f, cb = 0.0f;
-    auto record = [&](std::vector<std::uint16_t>* v, float& c) {
-      OptimizerTensor t;
-      t.param = {v[0].data(), n, DType::bf16};
-      for (int q = 0; q < K; ++q) t.state[q] = {v[q + 1].data(), n, DType::bf16};
-      t.step = counters ? &c : nullptr;
-      t.grad = {s.gbf16.get(), n, DType::bf16};
-      return t;
-    };
-    const OptimizerTensor ta = record(a, ca), tb = record(b, cb);
-    for (int step = 0; step < 2; ++step) {
-      reference_step(std::span<const OptimizerTensor>(&ta, 1), cfg);
-      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
-    }
-    for (int q = 0; q < 4; ++q)
-      if (a[q] != b[q]) validation_failed(what);
-  }
-  std::vector<OptimizerTensor> tensors;
-  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
-    const std::size_t o = s.offsets[j], n = s.sizes[j];
-    OptimizerTensor a;
-    a.param = {p16.get() + o, n, DType::bf16};
-    for (int q = 0; q < K; ++q) a.state[q] = {slot16[q].get() + o, n, DType::bf16};
-    a.step = counters ? &s.steps[j] : nullptr;
-    a.grad = {s.gbf16.get() + o, n, DType::bf16};
-    tensors.push_back(a);
-  }
-  const double bytes = static_cast<double>(s.total) * (4.0 * (1 + K) + 2.0);
-  const int th = eng.threads();
-  auto kernel = [&] {
-    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
-    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
-  };
-  std::uint16_t* slots[3] = {slot16[0].get(), slot16[1].get(), slot16[2].get()};
-  auto probe = [&] { probe_slots_bf16<K>(p16.get(), slots, s.gbf16.get(), s.total, th); };
-  run_timed(st, kernel, bytes);
-  set_roofline(st, bytes, kernel, probe);
-}
-
-void BM_AdamWBf16Params(benchmark::State& st) {
-  AdamWConfig c;
-  c.weight_decay = 0.01;
-  unit_benchmark_bf16<AdamWConfig, 2>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdamWConfig& k) { reference::adamw_step(t, k); },
-      "adamw bf16 params");
-}
-void BM_AdamBf16Params(benchmark::State& st) {
-  AdamConfig c;
-  c.weight_decay = 0.01;
-  unit_benchmark_bf16<AdamConfig, 2>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdamConfig& k) { reference::adam_step(t, k); },
-      "adam bf16 params");
-}
-void BM_SgdBf16Params(benchmark::State& st) {
-  SgdConfig c;
-  c.lr = 1e-3;
-  c.momentum = 0.9;
-  c.weight_decay = 0.01;
-  unit_benchmark_bf16<SgdConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const SgdConfig& k) { reference::sgd_step(t, k); },
-      "sgd bf16 params");
-}
-void BM_AdagradBf16Params(benchmark::State& st) {
-  AdagradConfig c;
-  c.lr_decay = 0.01;
-  c.weight_decay = 0.01;
-  unit_benchmark_bf16<AdagradConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const AdagradConfig& k) {
-        reference::adagrad_step(t, k);
-      },
-      "adagrad bf16 params");
-}
-void BM_LionBf16Params(benchmark::State& st) {
-  LionConfig c;
-  c.lr = 1e-4;
-  c.weight_decay = 0.01;
-  unit_benchmark_bf16<LionConfig, 1>(
-      st, c,
-      [](std::span<const OptimizerTensor> t, const LionConfig& k) { reference::lion_step(t, k); },
-      "lion bf16 params");
-}
-
 void BM_SignSgd(benchmark::State& st) {
   const cpu::Engine eng = engine_for(st);
   State& s = state();
@@ -1084,6 +842,258 @@ void out_of_place_args(benchmark::internal::Benchmark* b) {
       for (int t : thread_counts) b->Args({static_cast<int>(isa), t, m});
 }
 
+// ---- every optimizer unit of the table: registered at run time (register_units) ---------
+
+/// Calls fn(std::integral_constant<int, K>{}) for a slot count k in [0, kMaxOptimizerSlots]:
+/// the probes' loops over the slots unrolled for the unit's run-time count.
+template <class Fn, int K = 0>
+void with_slot_count(int k, Fn&& fn) {
+  if constexpr (K < kMaxOptimizerSlots) {
+    if (k != K) return with_slot_count<Fn, K + 1>(k, static_cast<Fn&&>(fn));
+  }
+  fn(std::integral_constant<int, K>{});
+}
+
+/// The generic records of the benchmark model for a unit with `k` slots (m, v, then x),
+/// f32 gradients, bf16 copies.
+std::vector<OptimizerTensor> generic_tensors(State& s, Slab<float>& x, int k, bool counters) {
+  std::vector<OptimizerTensor> t;
+  float* slots[kMaxOptimizerSlots] = {s.m.get(), s.v.get(), x.get()};
+  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
+    const std::size_t o = s.offsets[j], n = s.sizes[j];
+    OptimizerTensor a;
+    a.param = {s.p.get() + o, n, DType::f32};
+    for (int q = 0; q < k; ++q) a.state[q] = {slots[q] + o, n, DType::f32};
+    a.step = counters ? &s.steps[j] : nullptr;
+    a.grad = {s.gf32.get() + o, n, DType::f32};
+    a.compute_param = {s.out.get() + o, n, DType::bf16};
+    t.push_back(a);
+  }
+  return t;
+}
+
+/// Fresh validation arrays of n elements: a param and kMaxOptimizerSlots state arrays, all
+/// non-negative (a valid state of every unit: Adagrad's sum among them), the third slot
+/// above or below the second (amsgrad's max).
+std::vector<std::vector<float>> fresh_arrays(std::size_t n) {
+  std::vector<std::vector<float>> a(1 + kMaxOptimizerSlots);
+  std::mt19937 rng(99);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    a[0].push_back(nd(rng) * 0.02f);
+    a[1].push_back(std::abs(nd(rng)) * 1e-4f);
+    a[2].push_back(std::abs(nd(rng)) * 1e-8f);
+    a[3].push_back(a[2].back() * (i % 2 == 0 ? 2.0f : 0.5f));
+  }
+  return a;
+}
+
+/// One optimizer unit's step through Engine::step at `cfg` (one of its samples) against the
+/// same-traffic probe: its variant's K slots, f32 gradients, a bf16 copy. Validated first:
+/// two steps on a prefix of the model, from the sample's step counter, equal
+/// reference::optimizer_step's bit for bit.
+template <class Unit>
+void unit_benchmark(benchmark::State& st, const UnitSample<typename Unit::Config>& sample,
+                    const std::string& what) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  const auto& cfg = sample.config;
+  const int k = Unit::slots(Unit::variant(cfg));
+  const bool counters = Unit::kCountsSteps;
+  static Slab<float> x(s.total);  // the third slot (amsgrad's max)
+#pragma omp parallel for schedule(static)
+  for (std::size_t i = 0; i < s.total; ++i) x.get()[i] = s.v.get()[i] * 2.0f;
+  {
+    const std::size_t n = 70001;
+    // Fresh state (the timed runs and the probes leave the model's arrays anywhere).
+    std::vector<std::vector<float>> a = fresh_arrays(n), b = a;
+    std::vector<std::uint16_t> oa(n), ob(n);
+    float ca = sample.step, cb = sample.step;
+    auto record = [&](std::vector<std::vector<float>>& v, std::vector<std::uint16_t>& o, float& c) {
+      OptimizerTensor t;
+      t.param = {v[0].data(), n, DType::f32};
+      for (int q = 0; q < k; ++q) t.state[q] = {v[q + 1].data(), n, DType::f32};
+      t.step = counters ? &c : nullptr;
+      t.grad = {s.gf32.get(), n, DType::f32};
+      t.compute_param = {o.data(), n, DType::bf16};
+      return t;
+    };
+    const OptimizerTensor ta = record(a, oa, ca), tb = record(b, ob, cb);
+    for (int step = 0; step < 2; ++step) {
+      reference::optimizer_step(std::span<const OptimizerTensor>(&ta, 1), OptimizerConfig(cfg));
+      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
+    }
+    for (std::size_t q = 0; q < a.size(); ++q)
+      for (std::size_t i = 0; i < n; ++i)
+        if (f32_bits(a[q][i]) != f32_bits(b[q][i])) {
+          std::fprintf(stderr, "array %zu element %zu: reference %a, engine %a\n", q, i,
+                       static_cast<double>(a[q][i]), static_cast<double>(b[q][i]));
+          validation_failed(what.c_str());
+        }
+    if (std::memcmp(oa.data(), ob.data(), n * 2) != 0 || ca != cb) validation_failed(what.c_str());
+  }
+  auto tensors = generic_tensors(s, x, k, counters);
+  const double bytes = static_cast<double>(s.total) * (8.0 * (1 + k) + 4.0 + 2.0);
+  const int th = eng.threads();
+  auto kernel = [&] {
+    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
+    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
+  };
+  float* slots[kMaxOptimizerSlots] = {s.m.get(), s.v.get(), x.get()};
+  with_slot_count(k, [&](auto K) {
+    auto probe = [&] {
+      probe_slots<decltype(K)::value>(s.p.get(), slots, s.gf32.get(), s.out.get(), s.total, th);
+    };
+    run_timed(st, kernel, bytes);
+    set_roofline(st, bytes, kernel, probe);
+  });
+}
+
+/// One optimizer unit's step at `cfg` with bf16 params, state and gradients (torch's fused
+/// bf16 path, docs/numerics.md 7.3) through Engine::step, against the same-traffic bf16
+/// probe. Validated first: two steps on a prefix of the model equal the reference's bit
+/// for bit.
+template <class Unit>
+void unit_benchmark_bf16(benchmark::State& st, const UnitSample<typename Unit::Config>& sample,
+                         const std::string& what) {
+  const cpu::Engine eng = engine_for(st);
+  State& s = state();
+  const auto& cfg = sample.config;
+  const int k = Unit::slots(Unit::variant(cfg));
+  const bool counters = Unit::kCountsSteps;
+  // The bf16 model: param and up to kMaxOptimizerSlots slots, from the f32 model's values.
+  static Slab<std::uint16_t> p16(s.total),
+      slot16[kMaxOptimizerSlots] = {Slab<std::uint16_t>(s.total), Slab<std::uint16_t>(s.total),
+                                    Slab<std::uint16_t>(s.total)};
+#pragma omp parallel for schedule(static)
+  for (std::size_t i = 0; i < s.total; ++i) {
+    p16.get()[i] = f32_to_bf16_bits(s.p.get()[i]);
+    slot16[0].get()[i] = f32_to_bf16_bits(s.m.get()[i]);
+    slot16[1].get()[i] = f32_to_bf16_bits(s.v.get()[i]);
+    slot16[2].get()[i] = f32_to_bf16_bits(s.v.get()[i] * 2.0f);
+  }
+  {
+    const std::size_t n = 70001;
+    const std::vector<std::vector<float>> f = fresh_arrays(n);
+    std::vector<std::vector<std::uint16_t>> a(f.size());
+    for (std::size_t q = 0; q < f.size(); ++q)
+      for (float v : f[q]) a[q].push_back(f32_to_bf16_bits(v));
+    std::vector<std::vector<std::uint16_t>> b = a;
+    float ca = sample.step, cb = sample.step;
+    auto record = [&](std::vector<std::vector<std::uint16_t>>& v, float& c) {
+      OptimizerTensor t;
+      t.param = {v[0].data(), n, DType::bf16};
+      for (int q = 0; q < k; ++q) t.state[q] = {v[q + 1].data(), n, DType::bf16};
+      t.step = counters ? &c : nullptr;
+      t.grad = {s.gbf16.get(), n, DType::bf16};
+      return t;
+    };
+    const OptimizerTensor ta = record(a, ca), tb = record(b, cb);
+    for (int step = 0; step < 2; ++step) {
+      reference::optimizer_step(std::span<const OptimizerTensor>(&ta, 1), OptimizerConfig(cfg));
+      eng.step(std::span<const OptimizerTensor>(&tb, 1), cfg);
+    }
+    if (a != b || ca != cb) validation_failed(what.c_str());
+  }
+  std::vector<OptimizerTensor> tensors;
+  for (std::size_t j = 0; j < s.sizes.size(); ++j) {
+    const std::size_t o = s.offsets[j], n = s.sizes[j];
+    OptimizerTensor a;
+    a.param = {p16.get() + o, n, DType::bf16};
+    for (int q = 0; q < k; ++q) a.state[q] = {slot16[q].get() + o, n, DType::bf16};
+    a.step = counters ? &s.steps[j] : nullptr;
+    a.grad = {s.gbf16.get() + o, n, DType::bf16};
+    tensors.push_back(a);
+  }
+  const double bytes = static_cast<double>(s.total) * (4.0 * (1 + k) + 2.0);
+  const int th = eng.threads();
+  auto kernel = [&] {
+    for (float& c : s.steps) c = 0.0f;  // keep the bias corrections in range
+    eng.step(std::span<const OptimizerTensor>(tensors), cfg);
+  };
+  std::uint16_t* slots[kMaxOptimizerSlots] = {slot16[0].get(), slot16[1].get(), slot16[2].get()};
+  with_slot_count(k, [&](auto K) {
+    auto probe = [&] {
+      probe_slots_bf16<decltype(K)::value>(p16.get(), slots, s.gbf16.get(), s.total, th);
+    };
+    run_timed(st, kernel, bytes);
+    set_roofline(st, bytes, kernel, probe);
+  });
+}
+
+/// The first of unit U's samples whose configuration computes variant v, or nullptr.
+template <class U>
+const UnitSample<typename U::Config>* first_sample(int v) {
+  for (const auto& sample : U::kSamples)
+    if (U::variant(sample.config) == v) return &sample;
+  return nullptr;
+}
+
+/// A readable name of variant v of unit U: the fields of its first sample that select it
+/// (each one that, set back to its default, selects another variant), joined by '/': a
+/// flag by its name ("amsgrad"), AdamW's formula by its value ("native"), a number by its
+/// name ("momentum"); "" when the sample selects it with the defaults.
+template <class U>
+std::string variant_label(int v) {
+  using C = typename U::Config;
+  const C& c = first_sample<U>(v)->config;
+  std::string label;
+  for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+    std::visit(
+        [&](auto member) {
+          C back = c;
+          back.*member = C{}.*member;
+          if (U::variant(back) == v) return;
+          label += label.empty() ? "" : "/";
+          if constexpr (std::is_same_v<decltype(member), AdamWFormula C::*>)
+            label += c.*member == AdamWFormula::native ? "native" : "torch";
+          else
+            label += f.name;
+        },
+        f.member);
+  return label;
+}
+
+/// Registers, for every unit of the table (detail::AllUnits) and each of its variants, an
+/// f32-gradient, bf16-copy benchmark and a bf16-params one, named
+/// "<unit>[/<variant>]/f32grad/bf16out" and ".../bf16params" (the variant named by
+/// variant_label, or "variant<v>" where two would share a name), each at the variant's
+/// first sample (UnitSample: the unit's own configurations).
+void register_units() {
+  ::stepcore::detail::AllUnits::for_each([](auto unit) {
+    using U = decltype(unit);
+    std::vector<std::string> names;
+    for (int v = 0; v < U::kVariants; ++v) {
+      if (first_sample<U>(v) == nullptr) {
+        std::fprintf(stderr, "not run: %s variant %d (no sample computes it)\n", U::kName, v);
+        names.emplace_back();
+        continue;
+      }
+      const std::string label = variant_label<U>(v);
+      std::string name = std::string(U::kName) + (label.empty() ? "" : "/" + label);
+      if (std::find(names.begin(), names.end(), name) != names.end())
+        name = std::string(U::kName) + "/variant" + std::to_string(v);
+      names.push_back(name);
+    }
+    for (int v = 0; v < U::kVariants; ++v) {
+      if (names[v].empty()) continue;
+      const auto* sample = first_sample<U>(v);
+      const std::string f32 = names[v] + "/f32grad/bf16out", bf16 = names[v] + "/bf16params";
+      benchmark::RegisterBenchmark(
+          f32.c_str(), [sample, f32](benchmark::State& st) { unit_benchmark<U>(st, *sample, f32); })
+          ->Apply(isa_thread_args)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+      benchmark::RegisterBenchmark(
+          bf16.c_str(),
+          [sample, bf16](benchmark::State& st) { unit_benchmark_bf16<U>(st, *sample, bf16); })
+          ->Apply(isa_thread_args)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  });
+}
+
 }  // namespace
 
 BENCHMARK(BM_StreamTriad)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -1115,56 +1125,6 @@ BENCHMARK(BM_AdamWOutOfPlace<false>)
 BENCHMARK(BM_AdamWOutOfPlace<true>)
     ->Name("AdamW/outofplace/f32grad/bf16out")
     ->Apply(out_of_place_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Adam)
-    ->Name("Adam/f32grad/bf16out")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_AdamAmsgrad)
-    ->Name("Adam/amsgrad/f32grad/bf16out")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Sgd)
-    ->Name("SGD/momentum/f32grad/bf16out")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Adagrad)
-    ->Name("Adagrad/f32grad/bf16out")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_Lion)
-    ->Name("Lion/f32grad/bf16out")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_AdamWBf16Params)
-    ->Name("AdamW/bf16params")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_AdamBf16Params)
-    ->Name("Adam/bf16params")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_SgdBf16Params)
-    ->Name("SGD/momentum/bf16params")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_AdagradBf16Params)
-    ->Name("Adagrad/bf16params")
-    ->Apply(isa_thread_args)
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK(BM_LionBf16Params)
-    ->Name("Lion/bf16params")
-    ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_SignSgd)
@@ -1213,4 +1173,12 @@ BENCHMARK(BM_AdamWScalarReference)
     ->UseRealTime()
     ->Iterations(1);
 
-BENCHMARK_MAIN();
+// The units' benchmarks are registered at run time, after the studies above.
+int main(int argc, char** argv) {
+  register_units();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -3,8 +3,13 @@ the same threads (not a timed test: a benchmark): torch's fused CPU optimizers
 (torch.optim.AdamW/Adam/SGD/Adagrad with fused=True) and DeepSpeed's CPU ops
 (DeepSpeedCPUAdam with adamw_mode True and False, DeepSpeedCPUAdagrad, DeepSpeedCPULion).
 
-stepcore:  stepcore.torch.AdamW, Adam, SGD, Adagrad and Lion, each where this build has it
-           (a missing one prints "not available" and its peers are still timed).
+stepcore:  every optimizer stepcore.optimizers() lists (the C++ units' table), each through
+           its stepcore.torch drop-in at the table's defaults with weight decay 0.01 (SGD:
+           momentum 0.9); an optimizer without a drop-in in this build prints "not
+           available" and its peers are still timed; one without a peer prints "no peer"
+           and is timed alone.
+peers:     which torch and DeepSpeed class matches which stepcore optimizer (PEERS below):
+           the peers' facts, keyed by stepcore's names.
 DeepSpeed: optional (tools/setup-deepspeed.sh installs it); its CPU ops are built at first
            use with DS_ACCELERATOR=cpu, which this script sets.
 
@@ -20,8 +25,9 @@ rounding level may flip, so there the share of elements beyond it is bounded ins
 Then per size: one untimed step of each optimizer (it creates the state; afterwards the
 same checks run again on the timed data), then --repeats rounds that time one step of each
 in turn (the order rotated every round), fastest and median printed, bytes moved per
-element and GB/s (from the fastest), and the ratios peer time / stepcore time (> 1: stepcore
-is faster). A markdown summary closes the output.
+element (the param, its gradient and each state array of its size) and GB/s (from the
+fastest), and the ratios peer time / stepcore time (> 1: stepcore is faster). A markdown
+summary closes the output.
 
 Threads: OMP_NUM_THREADS and torch.set_num_threads (DeepSpeed's OpenMP loops run on
 torch's runtime) and stepcore's threads all get --threads.
@@ -31,6 +37,7 @@ Usage: /opt/torchenv/py bench/bench_peers.py [--threads 2] [--sizes 1M,16M,64M,s
 """
 
 import argparse
+import inspect
 import os
 import platform
 import statistics
@@ -38,9 +45,21 @@ import sys
 import time
 
 SIZES = ("1M", "16M", "64M", "small")
-# Bytes moved per element by one step with f32 params, grads and state: each array read
-# once and each written one written once (the per-tensor step counters are negligible).
-BYTES = {"AdamW": 28, "Adam": 28, "SGD": 20, "Adagrad": 20, "Lion": 20}
+
+# The peers of each stepcore optimizer (stepcore.optimizers()'s names): torch.optim's fused
+# class, and DeepSpeed's CPU op with its own keyword arguments, the names it gives
+# stepcore's state slots where they differ, and whether its update is a sign (a sign taken
+# of a value at rounding level may flip). An optimizer without an entry has no such peer.
+PEERS = {
+    "adamw": dict(torch="AdamW", deepspeed=("Adam", dict(adamw_mode=True), {}, False)),
+    "adam": dict(torch="Adam", deepspeed=("Adam", dict(adamw_mode=False), {}, False)),
+    "sgd": dict(torch="SGD"),
+    "adagrad": dict(torch="Adagrad", deepspeed=("Adagrad", {}, dict(sum="exp_avg_sq"), False)),
+    "lion": dict(deepspeed=("Lion", {}, {}, True)),
+}
+# The benchmark's hyper-parameters where they differ from the table's defaults (a field an
+# optimizer does not have is left out): weight decay on, SGD with momentum.
+OVERRIDES = dict(weight_decay=0.01, momentum=0.9)
 
 
 def parse_args():
@@ -48,8 +67,8 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default=",".join(SIZES),
                     help="comma-separated from " + ", ".join(SIZES))
-    ap.add_argument("--optimizers", default=",".join(BYTES),
-                    help="comma-separated from " + ", ".join(BYTES))
+    ap.add_argument("--optimizers", default=None,
+                    help="comma-separated names from stepcore.optimizers() (default: all)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="timed rounds per size (0: 41 up to 1M elements, then fewer)")
     ap.add_argument("--validate-steps", type=int, default=3)
@@ -62,10 +81,7 @@ def parse_args():
     for s in args.sizes.split(","):
         if s not in SIZES:
             ap.error(f"unknown size {s!r}")
-    for o in args.optimizers.split(","):
-        if o not in BYTES:
-            ap.error(f"unknown optimizer {o!r}")
-    return args
+    return args  # the optimizers are checked once stepcore is imported (after OMP_NUM_THREADS)
 
 
 ARGS = parse_args() if __name__ == "__main__" else None
@@ -146,44 +162,79 @@ def deepspeed_ops():
                 version=deepspeed.__version__, simd=simd), None
 
 
+def drop_in(name):
+    """The stepcore.torch class that steps optimizer `name`, or None where there is none:
+    stepcore.torch.optimizer_class where this build has it, else the drop-in whose default
+    group the engine steps as `name`."""
+    lookup = getattr(stepcore.torch, "optimizer_class", None)
+    if lookup is not None:
+        try:
+            return lookup(name)
+        except NotImplementedError:
+            return None
+    probe = [torch.nn.Parameter(torch.zeros(1))]
+    for cls in vars(stepcore.torch).values():
+        if (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                and hasattr(cls, "_engine_name")):
+            opt = cls(probe)
+            if opt._engine_name(opt.param_groups[0]) == name:
+                return cls
+    return None
+
+
+def hyper_of(name):
+    """Optimizer `name`'s hyper-parameters here: the table's defaults, OVERRIDES applied."""
+    hyper = dict(stepcore.optimizers()[name])
+    hyper.update({k: v for k, v in OVERRIDES.items() if k in hyper})
+    return hyper
+
+
+def kwargs_for(cls, hyper):
+    """The keyword arguments among `hyper` (the table's names) that the constructor of
+    `cls` takes, beta1 and beta2 as its `betas` pair."""
+    params = inspect.signature(cls).parameters
+    kwargs = {k: v for k, v in hyper.items() if k in params}
+    if "betas" in params and "beta1" in hyper:
+        kwargs["betas"] = (hyper["beta1"], hyper["beta2"])
+    return kwargs
+
+
 def contenders(name, ds):
-    """(label, kind, constructor over a param list, state-slot names) of optimizer `name`:
-    torch's fused one, DeepSpeed's, stepcore's; a missing one has constructor None and a
-    reason instead. Slot names are (stepcore/torch name, DeepSpeed name) pairs."""
-    t = ARGS.threads
-    sc = getattr(stepcore.torch, name, None)
-    extra = dict(threads=t, isa=ARGS.isa)
-    if name in ("AdamW", "Adam"):
-        hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        tcls = getattr(torch.optim, name)
-        slots = (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
-        ds_ctor = ds and (lambda ps, h=hyper, w=name == "AdamW": ds["Adam"](ps, adamw_mode=w, **h))
-        ds_label = f"DeepSpeedCPUAdam(adamw_mode={name == 'AdamW'})"
-    elif name == "SGD":
-        hyper = dict(lr=1e-2, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False)
-        tcls, slots, ds_ctor, ds_label = torch.optim.SGD, (("momentum_buffer", None),), None, None
-    elif name == "Adagrad":
-        hyper = dict(lr=1e-2, lr_decay=0.0, weight_decay=0.01, eps=1e-10)
-        tcls, slots = torch.optim.Adagrad, (("sum", "exp_avg_sq"),)
-        ds_hyper = {k: v for k, v in hyper.items() if k != "lr_decay"}  # DeepSpeed has none
-        ds_ctor = ds and (lambda ps, h=ds_hyper: ds["Adagrad"](ps, **h))
-        ds_label = "DeepSpeedCPUAdagrad"
-    else:  # Lion
-        hyper = dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.01)
-        tcls, slots = None, (("exp_avg", "exp_avg"),)
-        ds_ctor = ds and (lambda ps, h=hyper: ds["Lion"](ps, **h))
-        ds_label = "DeepSpeedCPULion"
+    """(label, kind, constructor over a param list, reason when there is none) of optimizer
+    `name`: torch's fused one, DeepSpeed's and stepcore's drop-in, as far as each exists;
+    the DeepSpeed names of stepcore's state slots; whether the update is a sign."""
+    hyper = hyper_of(name)
+    peers = PEERS.get(name, {})
     out = []
-    if tcls is not None:
-        out.append((f"torch.optim.{name}(fused=True)", "torch",
-                    lambda ps: tcls(ps, fused=True, **hyper), None))
-    if ds_label is not None:
-        out.append((ds_label, "deepspeed", ds_ctor or None, None if ds_ctor else "DeepSpeed " +
-                    "not available"))
-    out.append((f"stepcore.torch.{name}", "stepcore",
-                (lambda ps: sc(ps, **hyper, **extra)) if sc is not None else None,
-                None if sc is not None else "not available in this build (pending)"))
-    return out, slots, hyper
+    if "torch" in peers:
+        tcls = getattr(torch.optim, peers["torch"])
+        out.append((f"torch.optim.{peers['torch']}(fused=True)", "torch",
+                    lambda ps, kw=kwargs_for(tcls, hyper): tcls(ps, fused=True, **kw), None))
+    ds_slots, sign = {}, False
+    if "deepspeed" in peers:
+        op, extra, ds_slots, sign = peers["deepspeed"]
+        label = f"DeepSpeedCPU{op}" + "".join(f"({k}={v})" for k, v in extra.items())
+        ctor = None
+        if ds:
+            ctor = lambda ps, cls=ds[op], kw=dict(kwargs_for(ds[op], hyper), **extra): \
+                cls(ps, **kw)  # noqa: E731
+        out.append((label, "deepspeed", ctor, None if ctor else "DeepSpeed not available"))
+    sc = drop_in(name)
+    ctor = None
+    if sc is not None:
+        ctor = lambda ps, kw=kwargs_for(sc, hyper): \
+            sc(ps, threads=ARGS.threads, isa=ARGS.isa, **kw)  # noqa: E731
+    out.append((f"stepcore.torch.{sc.__name__}" if sc else f"stepcore {name}", "stepcore", ctor,
+                None if sc else "no drop-in in stepcore.torch in this build"))
+    return out, ds_slots, sign
+
+
+def bytes_per_element(runner):
+    """Bytes one step moves per element: the param read and written, its gradient read,
+    each state array of the param's size read and written (counted on the largest param;
+    the per-tensor step counters are negligible)."""
+    p = max(runner.params, key=lambda t: t.numel())
+    return 4 * (3 + 2 * len(state_keys(runner, p)))
 
 
 class Runner:
@@ -237,8 +288,14 @@ def same_bits(a, b):
     return None
 
 
+def state_keys(runner, p):
+    """The keys of the state arrays `runner` keeps beside param `p` (its shape), in order."""
+    return [k for k, v in runner.opt.state[p].items()
+            if isinstance(v, torch.Tensor) and v.shape == p.shape]
+
+
 def ds_difference(ref, ds, start, slots, tol):
-    """Against DeepSpeed: the largest |update difference| / the tensor's largest |update|,
+    """Against DeepSpeed (`slots`: its names of the state arrays, where they differ): the largest |update difference| / the tensor's largest |update|,
     the largest state difference / the tensor's largest state value, and the fraction of
     elements whose update differs by more than `tol` of the tensor's largest. (A param's
     own relative difference says little: params near 0 inflate it.)"""
@@ -254,11 +311,9 @@ def ds_difference(ref, ds, start, slots, tol):
             upd = max(upd, diff.max().item() / scale)
             off += int((diff > tol * scale).sum())
         total += pr.numel()
-        for rk, dk in slots:
-            if dk is None:
-                continue
-            x, y = ref.state(pr, rk), ds.state(pd, dk)
-            if x is None or y is None:
+        for rk in state_keys(ref, pr):
+            x, y = ref.state(pr, rk), ds.state(pd, slots.get(rk, rk))
+            if not isinstance(y, torch.Tensor) or y.shape != x.shape:
                 continue
             s = y.abs().max().item()
             if s > 0:
@@ -266,22 +321,23 @@ def ds_difference(ref, ds, start, slots, tol):
     return upd, state, off / max(total, 1)
 
 
-def check(name, runners, start, slots, where, fail):
+def check(name, runners, start, slots, sign, where, fail):
     """The checks of one optimizer after its steps (validation or the timed data's first):
-    stepcore == torch bit for bit; DeepSpeed within --ds-tolerance. Prints one line each."""
+    stepcore == torch bit for bit; DeepSpeed within --ds-tolerance (`slots`: its names of
+    the state arrays; `sign`: the update is a sign). Prints one line each."""
     by = {r.kind: r for r in runners}
     if "stepcore" in by and "torch" in by:
         bad = same_bits(by["stepcore"], by["torch"])
         if bad:
-            fail.append(f"{name} ({where}): stepcore differs from torch's fused {name} in {bad}")
-        print(f"    {name}: stepcore vs torch.optim.{name}(fused=True): "
+            fail.append(f"{name} ({where}): stepcore differs from {by['torch'].label} in {bad}")
+        print(f"    {name}: stepcore vs {by['torch'].label}: "
               f"{'DIFFERS in ' + bad if bad else 'equal bit for bit (params, state)'}")
     ref = by.get("stepcore") or by.get("torch")
     if "deepspeed" in by and ref is not None:
         tol = ARGS.ds_tolerance
         upd, state, off = ds_difference(ref, by["deepspeed"], start, slots, tol)
         ok = upd <= tol and state <= tol
-        if name == "Lion":
+        if sign:
             # sign(c) of c at rounding level can differ between two formulas: allow a few.
             ok = off <= 1e-5 and state <= tol
         if not ok:
@@ -331,7 +387,16 @@ def main():
     sc_isa = stepcore.Engine(isa=ARGS.isa, threads=ARGS.threads).isa
     for line in machine_lines(ds, ds_reason, sc_isa):
         print(line)
-    names = ARGS.optimizers.split(",")
+    table = stepcore.optimizers()
+    names = ARGS.optimizers.split(",") if ARGS.optimizers else list(table)
+    for name in names:
+        if name not in table:
+            raise SystemExit(f"unknown optimizer {name!r}: stepcore.optimizers() lists "
+                             + ", ".join(table))
+    for name in names:
+        if not PEERS.get(name):
+            print(f"{name}: no peer (neither torch.optim's fused optimizers nor DeepSpeed's CPU "
+                  "ops have it): stepcore timed alone")
     fail = []
 
     # Validation: several steps, new gradients each, boundary sizes and a small model.
@@ -340,7 +405,7 @@ def main():
     print(f"validation: {ARGS.validate_steps} steps, {len(shapes)} tensors "
           f"({sum(torch.Size(s).numel() for s in shapes)} elements), new gradients each step")
     for name in names:
-        cs, slots, _ = contenders(name, ds)
+        cs, slots, sign = contenders(name, ds)
         runners = [Runner(label, kind, ctor, start, make_grads(shapes, 2))
                    for label, kind, ctor, _ in cs if ctor is not None]
         for k in range(ARGS.validate_steps):
@@ -351,7 +416,7 @@ def main():
         for label, _, ctor, why in cs:
             if ctor is None:
                 print(f"    {name}: {label}: {why}")
-        check(name, runners, start, slots, "validation", fail)
+        check(name, runners, start, slots, sign, "validation", fail)
     if fail:
         raise SystemExit("FAILED:\n  " + "\n  ".join(fail))
 
@@ -364,18 +429,22 @@ def main():
         print(f"\nsize {size}: {numel / 1e6:.2f} M elements in {len(shapes)} tensors, "
               f"{repeats} rounds, one step each per round")
         for name in names:
-            cs, slots, _ = contenders(name, ds)
+            cs, slots, sign = contenders(name, ds)
             runners = [Runner(label, kind, ctor, params, grads)
                        for label, kind, ctor, _ in cs if ctor is not None]
+            if not runners:
+                print(f"  {name:8s} nothing to time (no drop-in and no peer)")
+                continue
             for r in runners:  # untimed: creates the state; then the same checks
                 r.step()
-            check(name, runners, params, slots, f"size {size}, first step", fail)
+            check(name, runners, params, slots, sign, f"size {size}, first step", fail)
             for k in range(repeats):
                 order = runners[k % len(runners):] + runners[:k % len(runners)]
                 for r in order:
                     r.times.append(r.step())
             by = {r.kind: r for r in runners}
             sc = by.get("stepcore")
+            moved = bytes_per_element(runners[0]) if runners else 0
             for label, kind, ctor, why in cs:
                 if ctor is None:
                     print(f"  {name:8s} {label:44s} {why}")
@@ -383,14 +452,14 @@ def main():
                     continue
                 r = by[kind]
                 best, med = min(r.times), statistics.median(r.times)
-                gbs = BYTES[name] * numel / best / 1e9
+                gbs = moved * numel / best / 1e9
                 ratio = (best / min(sc.times), med / statistics.median(sc.times)) \
                     if sc is not None and kind != "stepcore" else None
                 rows.append((size, numel, name, label, best, med, gbs, ratio, kind))
                 say = (f"  stepcore speed-up {ratio[0]:.2f} (fastest) / {ratio[1]:.2f} (median)"
                        if ratio else "")
                 print(f"  {name:8s} {label:44s} {best * 1e3:8.2f} ms fastest {med * 1e3:8.2f} "
-                      f"ms median {BYTES[name]:2d} B/elem {gbs:6.1f} GB/s{say}")
+                      f"ms median {moved:2d} B/elem {gbs:6.1f} GB/s{say}")
             del runners
         del params, grads
 

@@ -1,20 +1,26 @@
-// libFuzzer harness: every CPU engine entry point family (the step over OptimizerTensor
-// records of every optimizer unit: AdamW, SignSGD, Adam, SGD, Adagrad, Lion; accumulate,
-// scale_, norm_partial of order 2 or 1, p_norm of the other
-// orders, the order a fuzzed choice), and the generic device step
-// (Device::optimizer_step on the host device: the GPU kernels' plans and block bodies,
-// its inputs in "device memory" it reads when it runs) on random tensor
-// lists carved from one arena: random sizes and dtypes, overlapping, adjacent and misaligned
-// ranges, null pointers, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, the
-// param and state dtype (f32, bf16, f16; sometimes mixed), every ISA the machine runs. Differential
-// oracle: the scalar reference on a copy of the arena. Either both succeed with identical bits, or
-// both throw the same Errc and the engine's arena is unchanged (all-or-nothing).
+// libFuzzer harness: every CPU engine entry point family (the step of every optimizer unit
+// of the table, OptimizerConfig's alternatives in core/optimizers/all.hpp's order, its
+// configuration decoded field by field from OptimizerTraits<C>::kFields; accumulate,
+// scale_, norm_partial of order 2 or 1, p_norm of the other orders, the order a fuzzed
+// choice), and the generic device step (Device::optimizer_step on the host device: the GPU
+// kernels' plans and block bodies, its inputs in "device memory" it reads when it runs) on
+// random tensor lists carved from one arena: random sizes and dtypes, overlapping, adjacent
+// and misaligned ranges, null pointers, state slots and step counters the unit does or does
+// not keep, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, the param
+// and state dtype (f32, bf16, f16; sometimes mixed), every ISA the machine runs.
+// Differential oracle: the scalar reference (reference::optimizer_step: each optimizer's
+// literal function) on a copy of the arena. Either both succeed with identical bits, or both
+// throw the same Errc and the engine's arena is unchanged (all-or-nothing).
 #include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "fuzz/fuzz_input.hpp"
@@ -22,6 +28,7 @@
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"  // optimizer_slot_names, optimizer_counts_steps, optimizer_name
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
@@ -84,22 +91,67 @@ TensorView view(Arena& a, const Slot& s) {
 /// byte keeps its meaning), then the orders of docs/numerics.md 6.6.
 constexpr double kNormKinds[] = {2.0, 1.0, __builtin_inf(), -__builtin_inf(), 0.0, 3.0, 0.5, -1.5};
 
+/// The optimizer units: OptimizerConfig's alternatives, in core/optimizers/all.hpp's order.
+constexpr std::size_t kUnits = std::variant_size_v<OptimizerConfig>;
+
+/// Ops 0, 1, 5, 6 and 7 (five of the eight op values) are the optimizer step; 2 accumulate,
+/// 3 scale_, 4 the norms.
+bool optimizer_op(int op) { return op == 0 || op == 1 || op >= 5; }
+
+// One hyper-parameter from the input, by its kind: a double from the specials, a flag, a
+// count as a torch tail width (8, or -2..17: none, torch's widths and widths the
+// configuration refuses), AdamW's formula.
+void decode_field(fuzz::Input& in, double& v) { v = fuzz::special(in); }
+void decode_field(fuzz::Input& in, bool& v) { v = in.flag(); }
+void decode_field(fuzz::Input& in, int& v) {
+  v = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
+}
+void decode_field(fuzz::Input& in, AdamWFormula& v) {
+  v = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
+}
+
+// Unit I's configuration: each field of OptimizerTraits<C>::kFields, in its order.
+template <std::size_t I>
+OptimizerConfig decode_unit_config(fuzz::Input& in) {
+  using C = std::variant_alternative_t<I, OptimizerConfig>;
+  C c{};
+  for (const HyperField<C>& f : OptimizerTraits<C>::kFields)
+    std::visit([&](auto member) { decode_field(in, c.*member); }, f.member);
+  return OptimizerConfig(std::in_place_index<I>, c);
+}
+
+using ConfigDecoder = OptimizerConfig (*)(fuzz::Input&);
+template <std::size_t... I>
+constexpr std::array<ConfigDecoder, kUnits> config_decoders(std::index_sequence<I...>) {
+  return {&decode_unit_config<I>...};
+}
+
+// The configuration of the unit a byte picks among all of them.
+OptimizerConfig decode_config(fuzz::Input& in) {
+  static constexpr auto decoders = config_decoders(std::make_index_sequence<kUnits>{});
+  return decoders[in.byte() % kUnits](in);
+}
+
+// The views of one tensor of a case. Ops 2-4 use `param` (accumulate's acc, the tensor of
+// scale_ and the norms) and `grad` (accumulate's src).
+struct TensorSlots {
+  Slot param;
+  std::array<Slot, kMaxOptimizerSlots> state;
+  Slot step;  // one f32 counter at the slot's offset
+  Slot grad;
+  Slot compute;
+};
+
 struct Case {
   int op = 0;
   int n = 0;
-  // Per tensor, by role: 0 param, 1-2 the first state slots, 3 step, 4 grad, 5 compute, 6
-  // the third state slot.
-  std::array<std::array<Slot, 7>, kMaxTensors> slots;
-  std::array<int, kMaxTensors> state_slots{};  // generic ops: how many slots are given
+  std::array<TensorSlots, kMaxTensors> slots;
+  // Optimizer ops: how many state slots each tensor is given, and whether a step counter.
+  std::array<int, kMaxTensors> state_slots{};
+  std::array<bool, kMaxTensors> has_step{};
   std::array<bool, kMaxTensors> has_compute{};
   std::array<bool, kMaxTensors> copy{};
-  AdamWConfig adamw;
-  SignSgdConfig sign;
-  AdamConfig adam;
-  SgdConfig sgd;
-  AdagradConfig adagrad;
-  LionConfig lion;
-  bool lion_for_adagrad = false;  // op 7 runs Lion (decoded last: older inputs keep Adagrad)
+  OptimizerConfig config;  // optimizer ops: the unit and its hyper-parameters
   GradientRead read;
   float factor = 1.0f;
   bool found_inf_given = false;
@@ -119,130 +171,62 @@ Case decode(fuzz::Input& in) {
   c.n = in.byte() % (kMaxTensors + 1);
   const int pd = in.byte() % 4;  // f32 half the time, else bf16 or f16
   c.param_dtype = pd == 2 ? DType::bf16 : pd == 3 ? DType::f16 : DType::f32;
+  int own_slots = 0;
+  bool counts_steps = false;
+  if (optimizer_op(c.op)) {
+    c.config = decode_config(in);
+    own_slots = static_cast<int>(optimizer_slot_names(c.config).size());
+    counts_steps = optimizer_counts_steps(c.config);
+  }
   for (int i = 0; i < c.n; ++i) {
-    auto& t = c.slots[i];
-    switch (c.op) {
-      case 0:  // adamw: param, exp_avg, exp_avg_sq (param dtype), step (one f32), grad, compute
-        t[0] = decode_slot(in, c.param_dtype);
-        t[1] = decode_slot(in, c.param_dtype);
-        t[2] = decode_slot(in, c.param_dtype);
-        t[3] = decode_slot(in, DType::f32);
-        t[4] = decode_slot(in, std::nullopt);
-        t[5] = decode_slot(in, std::nullopt);
-        if (in.byte() % 4 != 0) {  // mostly consistent sizes
-          t[1].numel = t[2].numel = t[4].numel = t[5].numel = t[0].numel;
-          t[3].numel = 1;
-        }
-        c.has_compute[i] = in.flag();
-        break;
-      case 1:  // sign_sgd: param (param dtype), grad, compute
-        t[0] = decode_slot(in, c.param_dtype);
-        t[4] = decode_slot(in, std::nullopt);
-        t[5] = decode_slot(in, std::nullopt);
-        if (in.byte() % 4 != 0) t[4].numel = t[5].numel = t[0].numel;
-        c.has_compute[i] = in.flag();
-        break;
-      case 2:  // accumulate: acc (f32), src
-        t[0] = decode_slot(in, DType::f32);
-        t[4] = decode_slot(in, std::nullopt);
-        if (in.byte() % 4 != 0) t[4].numel = t[0].numel;
-        c.copy[i] = in.flag();
-        break;
-      case 5:  // adam, sgd, adagrad: param, three state slots (param dtype), step, grad, compute
-      case 6:
-      case 7:
-        t[0] = decode_slot(in, c.param_dtype);
-        t[1] = decode_slot(in, c.param_dtype);
-        t[2] = decode_slot(in, c.param_dtype);
-        t[6] = decode_slot(in, c.param_dtype);
-        t[3] = decode_slot(in, DType::f32);
-        t[4] = decode_slot(in, std::nullopt);
-        t[5] = decode_slot(in, std::nullopt);
-        if (in.byte() % 4 != 0) {  // mostly consistent sizes
-          t[1].numel = t[2].numel = t[6].numel = t[4].numel = t[5].numel = t[0].numel;
-          t[3].numel = 1;
-        }
-        c.has_compute[i] = in.flag();
-        c.state_slots[i] = in.byte() % 4;
-        break;
-      default:  // scale_, norm_partial: one tensor each
-        t[0] = decode_slot(in, std::nullopt);
-        break;
+    TensorSlots& t = c.slots[i];
+    if (optimizer_op(c.op)) {
+      // Mostly the state slots and counter the unit keeps (its variant's); now and then
+      // another number of slots, or a counter it does not keep, or none it needs.
+      const std::uint8_t shape = in.byte();
+      c.state_slots[i] = shape % 4 != 0 ? own_slots : shape / 4 % (kMaxOptimizerSlots + 1);
+      c.has_step[i] = (shape / 16 % 8 == 0) != counts_steps;
+      // param and state (param dtype), step (one f32), grad, compute.
+      t.param = decode_slot(in, c.param_dtype);
+      for (int k = 0; k < c.state_slots[i]; ++k) t.state[k] = decode_slot(in, c.param_dtype);
+      if (c.has_step[i]) t.step = decode_slot(in, DType::f32);
+      t.grad = decode_slot(in, std::nullopt);
+      t.compute = decode_slot(in, std::nullopt);
+      if (in.byte() % 4 != 0) {  // mostly consistent sizes
+        for (Slot& s : t.state) s.numel = t.param.numel;
+        t.grad.numel = t.compute.numel = t.param.numel;
+        t.step.numel = 1;
+      }
+      c.has_compute[i] = in.flag();
+    } else if (c.op == 2) {  // accumulate: acc (f32), src
+      t.param = decode_slot(in, DType::f32);
+      t.grad = decode_slot(in, std::nullopt);
+      if (in.byte() % 4 != 0) t.grad.numel = t.param.numel;
+      c.copy[i] = in.flag();
+    } else {  // scale_, norm_partial: one tensor each
+      t.param = decode_slot(in, std::nullopt);
     }
     // Keep every slot inside the arena after the size fix-ups; a step counter is one f32
     // whatever its slot's size (an empty slot may sit at the arena's end).
-    for (Slot& s : t) {
+    const auto inside = [](Slot& s) {
       const std::size_t bytes = s.numel * dtype_size(s.dtype);
       if (s.offset + bytes > kArenaBytes) s.offset = kArenaBytes - bytes;
-    }
-    if (t[3].offset + 4 > kArenaBytes) t[3].offset = kArenaBytes - 4;
+    };
+    inside(t.param);
+    for (Slot& s : t.state) inside(s);
+    inside(t.step), inside(t.grad), inside(t.compute);
+    if (t.step.offset + 4 > kArenaBytes) t.step.offset = kArenaBytes - 4;
   }
-  c.adamw.lr = fuzz::special(in);
-  c.adamw.beta1 = fuzz::special(in);
-  c.adamw.beta2 = fuzz::special(in);
-  c.adamw.eps = fuzz::special(in);
-  c.adamw.weight_decay = fuzz::special(in);
-  c.adamw.formula = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
-  c.adamw.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
-  c.adamw.torch_v_first = in.flag();
-  c.adam.lr = fuzz::special(in);
-  c.adam.beta1 = fuzz::special(in);
-  c.adam.beta2 = fuzz::special(in);
-  c.adam.eps = fuzz::special(in);
-  c.adam.weight_decay = fuzz::special(in);
-  c.adam.amsgrad = in.flag();
-  c.adam.maximize = in.flag();
-  c.adam.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
-  c.adam.torch_v_first = in.flag();
-  c.sgd.lr = fuzz::special(in);
-  c.sgd.momentum = in.flag() ? 0.0 : fuzz::special(in);
-  c.sgd.dampening = fuzz::special(in);
-  c.sgd.weight_decay = fuzz::special(in);
-  c.sgd.nesterov = in.flag();
-  c.sgd.maximize = in.flag();
-  c.sgd.torch_tail_width = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
-  c.adagrad.lr = fuzz::special(in);
-  c.adagrad.lr_decay = fuzz::special(in);
-  c.adagrad.weight_decay = fuzz::special(in);
-  c.adagrad.initial_accumulator_value = fuzz::special(in);
-  c.adagrad.eps = fuzz::special(in);
-  c.adagrad.maximize = in.flag();
-  c.sign.lr = fuzz::special(in);
-  c.sign.weight_decay = fuzz::special(in);
   c.read.scale = static_cast<float>(fuzz::special(in));
   c.read.clip = static_cast<float>(fuzz::special(in));
   c.factor = static_cast<float>(fuzz::special(in));
   c.found_inf_given = in.flag();
   c.found_inf = static_cast<std::int32_t>(in.byte() % 3);
   c.exact = in.flag();
-  // A byte that once chose between two record types for ops 0 and 1 (there is one now):
-  // still read, so every input of the corpus decodes to the case it was found with.
-  (void)in.flag();
   c.device = in.flag();
   c.hyper = in.flag();
   c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
-  c.lion.lr = fuzz::special(in);
-  c.lion.beta1 = fuzz::special(in);
-  c.lion.beta2 = fuzz::special(in);
-  c.lion.weight_decay = fuzz::special(in);
-  c.lion_for_adagrad = in.flag();
   return c;
-}
-
-// The configuration an optimizer op runs (ops 0, 1, 5, 6, 7).
-OptimizerConfig config_of(const Case& c) {
-  switch (c.op) {
-    case 0:
-      return c.adamw;
-    case 1:
-      return c.sign;
-    case 5:
-      return c.adam;
-    case 6:
-      return c.sgd;
-    default:
-      return c.lion_for_adagrad ? OptimizerConfig(c.lion) : OptimizerConfig(c.adagrad);
-  }
 }
 
 // The host device the device cases run on: any host memory is its "device memory".
@@ -276,88 +260,32 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
                         const std::vector<double>* table, NormResult& p_norm) {
   try {
     const std::int32_t* fi = c.found_inf_given ? &c.found_inf : nullptr;
+    if (optimizer_op(c.op)) {
+      std::vector<OptimizerTensor> t(c.n);
+      for (int i = 0; i < c.n; ++i) {
+        const TensorSlots& s = c.slots[i];
+        t[i].param = view(a, s.param);
+        for (int k = 0; k < c.state_slots[i]; ++k) t[i].state[k] = view(a, s.state[k]);
+        if (c.has_step[i] && !s.step.null)
+          t[i].step = reinterpret_cast<float*>(a.bytes.data() + s.step.offset);
+        t[i].grad = view(a, s.grad);
+        if (c.has_compute[i]) t[i].compute_param = view(a, s.compute);
+      }
+      const std::span<const OptimizerTensor> ts(t);
+      if (e && c.device)
+        device_step(ts, c.config, c, *table);
+      else if (e)
+        std::visit([&](const auto& config) { e->step(ts, config, c.read, fi); }, c.config);
+      else
+        reference::optimizer_step(ts, c.config, c.read, fi);
+      return std::nullopt;
+    }
     switch (c.op) {
-      case 0: {
-        // AdamW's slots exp_avg, exp_avg_sq (amsgrad: its missing third slot is refused).
-        std::vector<OptimizerTensor> t(c.n);
-        for (int i = 0; i < c.n; ++i) {
-          const auto& s = c.slots[i];
-          t[i].param = view(a, s[0]);
-          t[i].state[0] = view(a, s[1]);
-          t[i].state[1] = view(a, s[2]);
-          t[i].step = s[3].null ? nullptr : reinterpret_cast<float*>(a.bytes.data() + s[3].offset);
-          t[i].grad = view(a, s[4]);
-          if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
-        }
-        const std::span<const OptimizerTensor> ts(t);
-        if (e && c.device)
-          device_step(ts, c.adamw, c, *table);
-        else if (e)
-          e->step(ts, c.adamw, c.read, fi);
-        else
-          reference::adamw_step(ts, c.adamw, c.read, fi);
-        break;
-      }
-      case 1: {
-        std::vector<OptimizerTensor> t(c.n);  // the param alone: no slot, no counter
-        for (int i = 0; i < c.n; ++i) {
-          t[i].param = view(a, c.slots[i][0]);
-          t[i].grad = view(a, c.slots[i][4]);
-          if (c.has_compute[i]) t[i].compute_param = view(a, c.slots[i][5]);
-        }
-        const std::span<const OptimizerTensor> ts(t);
-        if (e && c.device)
-          device_step(ts, c.sign, c, *table);
-        else if (e)
-          e->step(ts, c.sign, c.read, fi);
-        else
-          reference::sign_sgd_step(ts, c.sign, c.read, fi);
-        break;
-      }
-      case 5:
-      case 6:
-      case 7: {
-        std::vector<OptimizerTensor> t(c.n);
-        for (int i = 0; i < c.n; ++i) {
-          const auto& s = c.slots[i];
-          t[i].param = view(a, s[0]);
-          const Slot* state[3] = {&s[1], &s[2], &s[6]};
-          for (int k = 0; k < c.state_slots[i]; ++k) t[i].state[k] = view(a, *state[k]);
-          t[i].step = s[3].null ? nullptr : reinterpret_cast<float*>(a.bytes.data() + s[3].offset);
-          t[i].grad = view(a, s[4]);
-          if (c.has_compute[i]) t[i].compute_param = view(a, s[5]);
-        }
-        const std::span<const OptimizerTensor> ts(t);
-        if (e && c.device) {
-          device_step(ts, config_of(c), c, *table);
-        } else if (c.op == 5) {
-          if (e)
-            e->step(ts, c.adam, c.read, fi);
-          else
-            reference::adam_step(ts, c.adam, c.read, fi);
-        } else if (c.op == 6) {
-          if (e)
-            e->step(ts, c.sgd, c.read, fi);
-          else
-            reference::sgd_step(ts, c.sgd, c.read, fi);
-        } else if (c.lion_for_adagrad) {
-          if (e)
-            e->step(ts, c.lion, c.read, fi);
-          else
-            reference::lion_step(ts, c.lion, c.read, fi);
-        } else {
-          if (e)
-            e->step(ts, c.adagrad, c.read, fi);
-          else
-            reference::adagrad_step(ts, c.adagrad, c.read, fi);
-        }
-        break;
-      }
       case 2: {
         std::vector<AccumulatePair> p(c.n);
         for (int i = 0; i < c.n; ++i) {
-          p[i].acc = view(a, c.slots[i][0]);
-          p[i].src = view(a, c.slots[i][4]);
+          p[i].acc = view(a, c.slots[i].param);
+          p[i].src = view(a, c.slots[i].grad);
           p[i].copy = c.copy[i];
         }
         if (e)
@@ -368,7 +296,7 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
       }
       case 3: {
         std::vector<TensorView> t(c.n);
-        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
+        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i].param);
         if (e)
           e->scale_(t, c.factor);
         else
@@ -377,7 +305,7 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
       }
       default: {
         std::vector<ConstTensorView> t(c.n);
-        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i][0]);
+        for (int i = 0; i < c.n; ++i) t[i] = view(a, c.slots[i].param);
         const double p = kNormKinds[c.norm_kind];
         const NormOrder order = p == 1.0 ? NormOrder::one : NormOrder::two;
         if (p != 2.0 && p != 1.0)  // the other orders: their finished norm
@@ -399,34 +327,20 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
 // refused before anything runs).
 std::vector<std::size_t> f32_outputs(const Case& c) {
   std::vector<std::size_t> out;
-  auto add = [&](const Slot& s) {
+  auto add = [&](const Slot& s, std::size_t numel) {
     if (s.null || s.dtype != DType::f32 || s.offset % 4 != 0) return;
-    for (std::size_t k = 0; k < s.numel; ++k) out.push_back(s.offset + 4 * k);
+    for (std::size_t k = 0; k < numel; ++k) out.push_back(s.offset + 4 * k);
   };
   for (int i = 0; i < c.n; ++i) {
-    const auto& t = c.slots[i];
-    switch (c.op) {
-      case 0:
-        add(t[0]), add(t[1]), add(t[2]), add(t[3]);
-        if (c.has_compute[i]) add(t[5]);
-        break;
-      case 1:
-        add(t[0]);
-        if (c.has_compute[i]) add(t[5]);
-        break;
-      case 5:
-      case 6:
-      case 7:
-        add(t[0]), add(t[1]), add(t[2]), add(t[6]), add(t[3]);
-        if (c.has_compute[i]) add(t[5]);
-        break;
-      case 2:
-      case 3:
-        add(t[0]);
-        break;
-      default:
-        break;  // norm_partial writes nothing
-    }
+    const TensorSlots& t = c.slots[i];
+    if (optimizer_op(c.op)) {
+      add(t.param, t.param.numel);
+      for (int k = 0; k < c.state_slots[i]; ++k) add(t.state[k], t.state[k].numel);
+      if (c.has_step[i]) add(t.step, 1);
+      if (c.has_compute[i]) add(t.compute, t.compute.numel);
+    } else if (c.op == 2 || c.op == 3) {
+      add(t.param, t.param.numel);
+    }  // the norms write nothing
   }
   return out;
 }
@@ -445,23 +359,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // agree on every refusal, and its table (a configuration the table refuses, a beta
   // within 2^-22 steps of 1, the device does not run: documented, not a difference).
   std::vector<double> table;
-  const bool optimizer = c.op == 0 || c.op == 1 || c.op >= 5;
+  const bool optimizer = optimizer_op(c.op);
   // The device steps f32 params only (docs/numerics.md 7.3: the CPU engine's bf16/f16).
   if (!optimizer || c.param_dtype != DType::f32) c.device = false;
   for (int i = 0; i < c.n; ++i)  // a mixed list: one param in another dtype
-    if (c.slots[i][0].dtype != DType::f32) c.device = false;
+    if (c.slots[i].param.dtype != DType::f32) c.device = false;
   if (c.device) {
     c.read = GradientRead{0.5f, 0.75f};
     for (int i = 0; i < c.n; ++i) {
-      const Slot& st = c.slots[i][3];
-      if (c.op != 1 && !st.null && st.offset % 4 == 0) {
+      const Slot& st = c.slots[i].step;
+      if (c.has_step[i] && !st.null && st.offset % 4 == 0) {
         const float three = 3.0f;
         std::memcpy(original.bytes.data() + st.offset, &three, 4);
       }
     }
-    const OptimizerConfig config = config_of(c);
     try {
-      table = gpu::make_optimizer_table(config);
+      table = gpu::make_optimizer_table(c.config);
     } catch (const Error& err) {
       if (err.code() == Errc::not_supported) return 0;
       table = {0.0, 0.0};  // a placeholder: the step refuses the configuration first
@@ -473,8 +386,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::optional<Errc> e_mine = run(c, mine, &engine, p_mine, &table, n_mine);
   const std::optional<Errc> e_ref = run(c, ref, nullptr, p_ref, nullptr, n_ref);
   if (e_mine != e_ref) {  // the same checker on every path
-    std::fprintf(stderr, "fuzz_engine: op %d (device %d, lion %d): engine %d, reference %d\n", c.op,
-                 c.device ? 1 : 0, c.lion_for_adagrad ? 1 : 0,
+    std::fprintf(stderr, "fuzz_engine: op %d (%s, device %d): engine %d, reference %d\n", c.op,
+                 optimizer ? std::string(optimizer_name(c.config)).c_str() : "-", c.device ? 1 : 0,
                  e_mine ? static_cast<int>(*e_mine) : -1, e_ref ? static_cast<int>(*e_ref) : -1);
     __builtin_trap();
   }

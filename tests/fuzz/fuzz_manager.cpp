@@ -1,7 +1,8 @@
 // libFuzzer harness: a gradient manager as a state machine, checked against a serial
 // twin. Each input builds a manager on the host device (mode none, optimizer or full;
-// AdamW or SignSGD; 1-3 parameters of fuzzed sizes, gradient dtypes and buffers; 1-2
-// groups; AdamW's betas; the speculation policy; a rollback budget of 0, a few chunks'
+// any optimizer unit of the table, its hyper-parameters decoded field by field from
+// OptimizerTraits<C>::kFields; 1-3 parameters of fuzzed sizes, gradient dtypes and
+// buffers; 1-2 groups; the speculation policy; a rollback budget of 0, a few chunks'
 // bytes or kAllChunks; eager or lazy GPU scaling) and drives it through up to 32 calls
 // with fuzzed arguments in any order, overlapped steps among them (clipped, unclipped,
 // non-finite: speculated chunks committed, rolled back or skipped). Every call succeeds or
@@ -24,18 +25,24 @@
 //    refuse more than the serial step, never less); any Error from the twin traps;
 //  * after the primary fails otherwise (a runtime error: it is failed for good), the
 //    twin gets nothing more and the rest of the input is not compared.
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "fuzz/fuzz_input.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
+#include "stepcore/optim.hpp"
 
 namespace {
 
@@ -119,6 +126,110 @@ std::optional<std::vector<std::uint8_t>> report_bits(GradientManager& m) {
   } catch (const Error&) {
     return std::nullopt;
   }
+}
+
+// The betas every input draws from (one byte picks a pair). They are restricted because a
+// GPU-mode manager of an optimizer with a bias table (AdamW, Adam) has an entry per step
+// until 1 - beta^t rounds to 1: 37,000 pow calls for beta2 = 0.999 (the default; one input
+// in 32 here), which would otherwise be most of an input's time. A NaN beta2 is a refused
+// configuration.
+struct Betas {
+  double beta1, beta2;
+};
+Betas decode_betas(std::uint8_t shape) {
+  static const double beta1s[] = {0.9, 0.0, 0.5, 0.8};
+  static const double beta2s[] = {0.95, 0.98, 0.9, 0.5, 0.0, 0.7, 0.8, __builtin_nan("")};
+  return {beta1s[(shape >> 4) % 4], (shape & 0xCE) == 0xC0 ? 0.999 : beta2s[(shape >> 1) % 8]};
+}
+
+// The input's bits, least significant first, a byte read from it whenever they run out.
+class Bits {
+ public:
+  explicit Bits(fuzz::Input& in) : in_(in) {}
+  unsigned take(int n) {
+    unsigned v = 0;
+    for (int k = 0; k < n; ++k) {
+      if (left_ == 0) byte_ = in_.byte(), left_ = 8;
+      v |= static_cast<unsigned>(byte_ & 1) << k;
+      byte_ >>= 1, --left_;
+    }
+    return v;
+  }
+
+ private:
+  fuzz::Input& in_;
+  std::uint8_t byte_ = 0;
+  int left_ = 0;
+};
+
+// Plausible values of one hyper-parameter (the harness fuzzes the manager, not the
+// optimizers' validation): beta1 and beta2 from the betas above; other numbers the
+// default, 0.1 or 0.9 (each field accepts both on its own); flags from a bit; counts
+// (torch's tail width) the default, 8, 4 or 0; AdamW's formula either.
+void decode_field(Bits& bits, std::string_view name, const Betas& betas, double& v) {
+  if (name == "beta1" || name == "beta2") {
+    v = name == "beta1" ? betas.beta1 : betas.beta2;
+    return;
+  }
+  static const double values[] = {0.1, 0.9};
+  const unsigned k = bits.take(2);
+  if (k >= 2) v = values[k - 2];
+}
+void decode_field(Bits& bits, std::string_view, const Betas&, bool& v) { v = bits.take(1) != 0; }
+void decode_field(Bits& bits, std::string_view, const Betas&, int& v) {
+  static const int widths[] = {8, 4, 0};
+  const unsigned k = bits.take(2);
+  if (k != 0) v = widths[k - 1];
+}
+void decode_field(Bits& bits, std::string_view, const Betas&, AdamWFormula& v) {
+  v = bits.take(1) != 0 ? AdamWFormula::native : AdamWFormula::torch;
+}
+
+// The member of a group that holds hyper-parameter `name` of role betas (beta1, beta2,
+// eps: each group's), or none.
+double ParamGroup::*group_member(std::string_view name) {
+  if (name == "beta1") return &ParamGroup::beta1;
+  if (name == "beta2") return &ParamGroup::beta2;
+  if (name == "eps") return &ParamGroup::eps;
+  return nullptr;
+}
+
+// Unit I's configuration, each field of OptimizerTraits<C>::kFields decoded in its order,
+// except the schedule's (lr, weight decay), which come from the groups (ParamGroup's
+// defaults, or the configuration's without groups; then set_hyperparameters' values).
+// A field of role betas is set in every group too.
+template <std::size_t I>
+OptimizerConfig decode_unit_config(Bits& bits, const Betas& betas,
+                                   std::vector<ParamGroup>& groups) {
+  using C = std::variant_alternative_t<I, OptimizerConfig>;
+  C c{};
+  for (const HyperField<C>& f : OptimizerTraits<C>::kFields) {
+    if (f.role == HyperRole::schedule) continue;
+    std::visit(
+        [&](auto member) {
+          decode_field(bits, f.name, betas, c.*member);
+          if constexpr (std::is_same_v<decltype(member), double C::*>)
+            if (double ParamGroup::*g = f.role == HyperRole::betas ? group_member(f.name) : nullptr)
+              for (ParamGroup& group : groups) group.*g = c.*member;
+        },
+        f.member);
+  }
+  return OptimizerConfig(std::in_place_index<I>, c);
+}
+
+using ConfigDecoder = OptimizerConfig (*)(Bits&, const Betas&, std::vector<ParamGroup>&);
+template <std::size_t... I>
+constexpr std::array<ConfigDecoder, sizeof...(I)> config_decoders(std::index_sequence<I...>) {
+  return {&decode_unit_config<I>...};
+}
+
+// The configuration of the optimizer unit a byte picks (OptimizerConfig's alternatives, in
+// core/optimizers/all.hpp's order).
+OptimizerConfig decode_config(std::uint8_t unit, Bits& bits, const Betas& betas,
+                              std::vector<ParamGroup>& groups) {
+  constexpr std::size_t kUnits = std::variant_size_v<OptimizerConfig>;
+  static constexpr auto decoders = config_decoders(std::make_index_sequence<kUnits>{});
+  return decoders[unit % kUnits](bits, betas, groups);
 }
 
 // One manager and the caller's gradient buffers handed to it (declared first: freed last).
@@ -250,31 +361,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Full offload: device staging of speculated compute weights, all or a few chunks'.
   if (c.mode == OffloadMode::full && mode / 108 % 2 != 0)
     c.speculation_device_bytes = mode / 27 % 2 ? ManagerConfig::kAllChunks : 256;
-  const bool adamw = in.flag();
-  // One byte picks the groups and AdamW's betas. The betas vary because a GPU-mode
-  // AdamW manager's bias table has an entry per step until 1 - beta^t rounds to 1:
-  // 37,000 pow calls for beta2 = 0.999 (the default; one input in 32 here), which would
-  // otherwise be most of an input's time. A NaN beta2 is a refused configuration.
+  // One byte picks the optimizer unit (its fields are decoded once the groups exist),
+  // one the groups and the betas.
+  const std::uint8_t unit = in.byte();
   const std::uint8_t shape = in.byte();
-  static const double beta1s[] = {0.9, 0.0, 0.5, 0.8};
-  static const double beta2s[] = {0.95, 0.98, 0.9, 0.5, 0.0, 0.7, 0.8, __builtin_nan("")};
-  const double beta1 = beta1s[(shape >> 4) % 4];
-  const double beta2 = (shape & 0xCE) == 0xC0 ? 0.999 : beta2s[(shape >> 1) % 8];
-  if (adamw) {
-    AdamWConfig a;
-    a.beta1 = beta1;
-    a.beta2 = beta2;
-    c.optimizer = a;
-  } else {
-    c.optimizer = SignSgdConfig{};
-  }
+  const Betas betas = decode_betas(shape);
   const int groups = 1 + shape % 2;
-  for (int g = 0; g < groups && groups > 1; ++g) {
-    ParamGroup group{"g" + std::to_string(g)};
-    group.beta1 = beta1;
-    group.beta2 = beta2;
-    c.groups.push_back(group);
-  }
+  for (int g = 0; g < groups && groups > 1; ++g) c.groups.push_back({"g" + std::to_string(g)});
   const int n = 1 + in.byte() % 3;
   for (int i = 0; i < n; ++i) {
     ParamSpec p;
@@ -287,40 +380,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     c.params.push_back(p);
   }
   c.chunk_elements = 1 + in.byte() % 300;
-  // Mode full steps every optimizer: one byte may pick another (its state slots named as
-  // its unit names them; every mode steps it).
-  if (!adamw) {
-    const std::uint8_t o = in.byte();
-    AdamConfig adam;
-    adam.amsgrad = o & 8;
-    adam.beta1 = beta1;
-    adam.beta2 = beta2;
-    SgdConfig sgd;
-    sgd.momentum = o & 8 ? 0.9 : 0.0;
-    sgd.nesterov = o & 16 && sgd.momentum != 0.0;
-    AdagradConfig adagrad;
-    adagrad.initial_accumulator_value = o & 8 ? 0.1 : 0.0;
-    switch (o % 4) {
-      case 1:
-        c.optimizer = adam;
-        break;
-      case 2:
-        c.optimizer = sgd;
-        break;
-      case 3:
-        c.optimizer = adagrad;
-        break;
-      default:
-        if (o & 32) {  // Lion (else SignSGD)
-          LionConfig lion;
-          lion.beta1 = beta1;
-          lion.beta2 = beta2;
-          lion.weight_decay = o & 64 ? 0.1 : 0.0;
-          c.optimizer = lion;
-        }
-        break;
-    }
-  }
+  // Every mode steps every optimizer (its state slots named as its unit names them).
+  Bits bits(in);
+  c.optimizer = decode_config(unit, bits, betas, c.groups);
   c.device = dev.get();
   c.engine.threads = 1 + in.byte() % 2;
   Side primary, twin;
