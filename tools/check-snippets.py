@@ -19,7 +19,16 @@ prelude in an HTML comment on the line just before its fence:
 The preludes are tools/snippets/<name>.py (run before the block, same interpreter) and
 tools/snippets/<name>.hpp (declarations in scope of the block). ``<!-- snippet: continues -->``
 runs a python block after the file's previous python block, in the same interpreter (for
-a walk-through split by prose). Blocks of any other language (sh, text, cmake) are not run.
+a walk-through split by prose). Two more directives, for what cannot simply run here:
+
+* ``needs=cuda``: a python block that needs a CUDA device (torch's and stepcore's) runs
+  only where there is one; elsewhere it is compiled (syntax only) and counted as skipped.
+* ``removed=NAME[,NAME...]``: the block shows an API that was removed (docs/api-changes.md's
+  "before"): it must fail, and its errors must name each NAME, so it cannot fail for
+  another reason, and the names cannot come back unnoticed.
+
+Blocks of any other language (sh, text, cmake, json) are not run. The blocks run in
+parallel (``--jobs``).
 
 A generated region is Markdown a program writes from the library itself (a table of the
 optimizers, say), so it cannot drift from the code:
@@ -32,13 +41,15 @@ Its text must equal what tools/snippets/<name>.py prints (run like a python bloc
 ``--fix`` rewrites the regions instead of failing.
 
 Usage: tools/check-snippets.py [--root DIR] [--python EXE] [--pythonpath DIR]
-                               [--cxx EXE] [--include DIR ...] [--list] [--fix]
-Exit status: 0 every snippet ran, 1 a snippet failed (each failure printed), 2 usage.
+                               [--cxx EXE] [--include DIR ...] [--jobs N] [--list] [--fix]
+Exit status: 0 every snippet ran (or was skipped for want of CUDA), 1 a snippet failed
+(each failure printed), 2 usage.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import subprocess
@@ -129,9 +140,28 @@ def _run_doctest(text):
 """
 
 
+# Exit status of a block that needs CUDA where there is none (compiled, not run).
+SKIPPED = 77
+
+# Runs before a block that needs CUDA: exits SKIPPED after compiling the block's text.
+NEEDS_CUDA = """
+import sys as _sys
+try:
+    import torch as _torch, stepcore.gpu as _gpu
+    _cuda = _torch.cuda.is_available() and _gpu.built_with_cuda()
+except ImportError:
+    _cuda = False
+if not _cuda:
+    compile({text!r}, "snippet", "exec")
+    _sys.exit({skipped})
+"""
+
+
 def python_program(root: Path, chain: list[Snippet]) -> str:
     """The program of a python block and the blocks it continues, with their preludes."""
     parts = [DOCTEST_HELPER]
+    if any(s.directives.get("needs") == "cuda" for s in chain):
+        parts.append(NEEDS_CUDA.format(text="\n".join(s.text for s in chain), skipped=SKIPPED))
     for s in chain:
         name = s.directives.get("prelude")
         if name:
@@ -148,9 +178,9 @@ def run_python(root: Path, chain: list[Snippet], args) -> str:
     with tempfile.TemporaryDirectory(prefix="stepcore-snippet-") as tmp:
         r = subprocess.run([args.python, "-c", program], cwd=tmp, env=env, capture_output=True,
                            text=True, timeout=600)
-    if r.returncode != 0:
-        return (r.stdout + r.stderr).strip()[-4000:]
-    return ""
+    if r.returncode == SKIPPED and chain[-1].directives.get("needs") == "cuda":
+        return SKIP
+    return expected(chain[-1], r.returncode, r.stdout + r.stderr)
 
 
 def run_cpp(root: Path, s: Snippet, args) -> str:
@@ -171,8 +201,24 @@ def run_cpp(root: Path, s: Snippet, args) -> str:
         for inc in args.include:
             cmd += ["-I", inc]
         r = subprocess.run(cmd + [str(src)], capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        return r.stderr.strip()[-4000:]
+    return expected(s, r.returncode, r.stderr)
+
+
+# run_python's answer for a block that needs CUDA where there is none.
+SKIP = "skipped: needs CUDA"
+
+
+def expected(s: Snippet, returncode: int, output: str) -> str:
+    """'' when the block did what it should: succeed, or (removed=...) fail naming each name."""
+    removed = s.directives.get("removed")
+    if not removed:
+        return "" if returncode == 0 else output.strip()[-4000:]
+    if returncode == 0:
+        return f"a block of removed API ({removed}) ran: the names are back"
+    missing = [n for n in str(removed).split(",") if n not in output]
+    if missing:
+        return (f"a block of removed API failed without naming {', '.join(missing)}:\n"
+                + output.strip()[-4000:])
     return ""
 
 
@@ -233,11 +279,13 @@ def main() -> int:
     ap.add_argument("--cxx", default=os.environ.get("CXX", "c++"))
     ap.add_argument("--include", action="append", default=[],
                     help="another include folder (the build's generated headers)")
+    ap.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                    help="blocks run at once (default: the CPUs, at most 4)")
     ap.add_argument("--list", action="store_true", help="list the snippets, run nothing")
     ap.add_argument("--fix", action="store_true", help="rewrite the generated regions")
     args = ap.parse_args()
     root = Path(args.root).resolve()
-    failures, ran = [], 0
+    failures, jobs = [], []
     for md in markdown_files(root):
         if not args.list:
             failures += check_generated(root, md, args)
@@ -248,25 +296,39 @@ def main() -> int:
             if args.list:
                 print(f"{s.where()} {s.lang} {' '.join(s.directives)}")
                 continue
-            try:
-                if s.lang == "python":
-                    chain = (previous[-1] + [s]) if s.directives.get("continues") and previous \
-                        else [s]
-                    if s.directives.get("continues") and not previous:
-                        raise ValueError("'continues' with no python block before it")
-                    why = run_python(root, chain, args)
-                    previous.append(chain)
-                else:
-                    why = run_cpp(root, s, args)
-            except (OSError, ValueError, subprocess.TimeoutExpired) as e:
-                why = str(e)
-            ran += 1
-            if why:
-                failures.append(f"check-snippets: {s.where()} ({s.lang}) failed:\n{why}")
+            if s.lang == "cpp":
+                jobs.append((s, run_cpp, s))
+                continue
+            if s.directives.get("continues") and not previous:
+                failures.append(f"check-snippets: {s.where()} (python) failed:\n"
+                                "'continues' with no python block before it")
+                continue
+            chain = (previous[-1] + [s]) if s.directives.get("continues") else [s]
+            previous.append(chain)
+            jobs.append((s, run_python, chain))
+    if args.list:
+        return 0
+
+    def run(job) -> str:
+        s, fn, what = job
+        try:
+            return fn(root, what, args)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            return str(e)
+
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = list(pool.map(run, jobs))
+    skipped = 0
+    for (s, _, _), why in zip(jobs, results):
+        if why == SKIP:
+            skipped += 1
+            print(f"check-snippets: {s.where()} ({s.lang}) {SKIP}")
+        elif why:
+            failures.append(f"check-snippets: {s.where()} ({s.lang}) failed:\n{why}")
     for f in failures:
         print(f, file=sys.stderr)
-    if not args.list:
-        print(f"check-snippets: {ran} snippets, {len(failures)} failed")
+    note = f", {skipped} skipped (no CUDA)" if skipped else ""
+    print(f"check-snippets: {len(jobs)} snippets, {len(failures)} failed{note}")
     return 1 if failures else 0
 
 
