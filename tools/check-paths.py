@@ -20,8 +20,8 @@ import sys
 
 FOLDERS = ["apps", "bench", "cmake", "comm", "core", "cpu", "device", "diff", "docs", "examples", "host",
            "include", "kernels", "managers", "python", "reference", "tests", "tools", ".ci"]
-TOP_FILES = {"README.md", "CMakeLists.txt", "CMakePresets.json", "pyproject.toml",
-             ".gitignore", ".clang-format"}
+TOP_FILES = {"README.md", "CONTRIBUTING.md", "CMakeLists.txt", "CMakePresets.json",
+             "pyproject.toml", ".gitignore", ".clang-format"}
 RETIRED = ["src"]  # the tree's old root: a path under it is stale
 # Paths outside the tree that read like the tree's (an NCCL root's, a system prefix's).
 EXTERNAL = {"include/nccl.h"}
