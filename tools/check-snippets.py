@@ -227,7 +227,7 @@ def python_env(args) -> dict:
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
-            [args.pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            [os.path.abspath(args.pythonpath)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
