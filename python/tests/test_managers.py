@@ -144,8 +144,9 @@ TORCH_CASES = [
 @pytest.mark.parametrize("optimizer,hyper,cls,args", TORCH_CASES,
                          ids=[f"{c[0]}{sorted(c[1])}" for c in TORCH_CASES])
 def test_the_manager_equals_torch_fused_fed_its_gradient_read(optimizer, hyper, cls, args):
-    """Mode full (the device modes step AdamW and SignSGD only, below) against torch's
-    fused optimizer: every slot by torch's name for it, the step counter, each step."""
+    """Mode full, and modes none and optimizer for plain AdamW (every mode steps every
+    optimizer: test_optimizer_table.py runs them all), against torch's fused optimizer:
+    every slot by torch's name for it, the step counter, each step."""
     torch = pytest.importorskip("torch")
     modes = ["full"] + (["none", "optimizer"] if optimizer == "adamw" and not hyper else [])
     for mode in modes:

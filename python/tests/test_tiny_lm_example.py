@@ -95,9 +95,9 @@ def run_example(argv, timeout=600):
 
 
 def test_the_example_reports_the_three_modes_bitwise_identical():
-    """The README's `bitwise:` lines, from the example itself (6 steps). With --speculation
-    always every overlapped step speculates its one chunk (the default chunk holds the
-    whole model) and every clipped step rolls it back; the bits are still the
+    """examples/README.md's `bitwise:` lines, from the example itself (6 steps). With
+    --speculation always every overlapped step speculates its one chunk (the default chunk
+    holds the whole model) and every clipped step rolls it back; the bits are still the
     non-overlapped runs'."""
     pytest.importorskip("stepcore.torch")
     rc, out = run_example(["--steps", "6", "--warmup", "2", "--quiet", "--speculation", "always"])
