@@ -140,8 +140,10 @@ def _run_doctest(text):
 """
 
 
-# Exit status of a block that needs CUDA where there is none (compiled, not run).
+# Exit status of a block that needs CUDA where there is none (compiled, not run), and
+# run_python's answer for it.
 SKIPPED = 77
+SKIP = "skipped: needs CUDA"
 
 # Runs before a block that needs CUDA: exits SKIPPED after compiling the block's text.
 NEEDS_CUDA = """
@@ -204,10 +206,6 @@ def run_cpp(root: Path, s: Snippet, args) -> str:
     return expected(s, r.returncode, r.stderr)
 
 
-# run_python's answer for a block that needs CUDA where there is none.
-SKIP = "skipped: needs CUDA"
-
-
 def expected(s: Snippet, returncode: int, output: str) -> str:
     """'' when the block did what it should: succeed, or (removed=...) fail naming each name."""
     removed = s.directives.get("removed")
@@ -227,7 +225,8 @@ def python_env(args) -> dict:
     env = dict(os.environ)
     if args.pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(
-            [os.path.abspath(args.pythonpath)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+            [os.path.abspath(args.pythonpath)]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
 
