@@ -12,7 +12,7 @@
 // The overlapped steps are first validated bit for bit against a serial manager's.
 // On the host device every copy is a CPU memcpy (its "DMA" competes with the engine for
 // the cores); `cuda` runs the same on CUDA device 0, where the copies are DMA and the CPU
-// is idle during backward, as the targets assume. `staging on` gives the
+// is idle during backward, as a GPU trainer's step is. `staging on` gives the
 // speculating manager device staging for every chunk's compute weights
 // (ManagerConfig::speculation_device_bytes): a commit then copies device-to-device
 // instead of uploading (default: on with cuda, off on the host device, where the staging
