@@ -87,10 +87,15 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
         a.src_dtype[slot] = sources.empty() ? DType::f32 : sources[i].dtype;
       },
       max_blocks, max_tensors, LaunchArgs{});
+  std::uint64_t blocks = 0;  // the block indices (first_block, the partials) are 32-bit
   for (LaunchArgs& a : plan.launches) {
-    a.first_block = plan.total_blocks;
-    plan.total_blocks += static_cast<std::uint32_t>(a.num_blocks);
+    a.first_block = static_cast<std::uint32_t>(blocks);
+    blocks += static_cast<std::uint64_t>(a.num_blocks);
+    if (blocks > UINT32_MAX)
+      throw Error(Errc::out_of_range, "tensors",
+                  "more than 2^32 - 1 blocks of " + std::to_string(kBlockElements) + " elements");
   }
+  plan.total_blocks = static_cast<std::uint32_t>(blocks);
   return plan;
 }
 
@@ -187,6 +192,9 @@ namespace detail {
 namespace {
 thread_local int tl_max_blocks = kMaxBlocksPerLaunch;
 thread_local int tl_max_tensors = kMaxTensorsPerLaunch;
+// The executor's reduction limits (testing::ScopedReduceSlicing).
+thread_local std::uint64_t tl_min_per_slice = kPartialsPerSlice;
+thread_local std::uint64_t tl_max_slices = kMaxReduceSlices;
 }  // namespace
 
 LaunchLimits launch_limits(bool optimizer) {
@@ -209,6 +217,22 @@ ScopedLaunchLimits::~ScopedLaunchLimits() {
   detail::tl_max_blocks = saved_blocks_;
   detail::tl_max_tensors = saved_tensors_;
 }
+
+ScopedReduceSlicing::ScopedReduceSlicing(std::uint64_t min_per_slice, std::uint64_t max_slices)
+    : saved_min_per_slice_(detail::tl_min_per_slice), saved_max_slices_(detail::tl_max_slices) {
+  if (min_per_slice < 1 || min_per_slice > kPartialsPerSlice)
+    throw Error(Errc::out_of_range, "min_per_slice",
+                "must be in [1, " + std::to_string(kPartialsPerSlice) + "]");
+  if (max_slices < 2 || max_slices > kMaxReduceSlices)
+    throw Error(Errc::out_of_range, "max_slices",
+                "must be in [2, " + std::to_string(kMaxReduceSlices) + "]");
+  detail::tl_min_per_slice = min_per_slice;
+  detail::tl_max_slices = max_slices;
+}
+ScopedReduceSlicing::~ScopedReduceSlicing() {
+  detail::tl_min_per_slice = saved_min_per_slice_;
+  detail::tl_max_slices = saved_max_slices_;
+}
 }  // namespace testing
 
 namespace emulate {
@@ -222,9 +246,47 @@ void check_threads(int threads) {
 }  // namespace
 
 namespace {
+// One pass of the CUDA reduction (reduce_partial_fields_kernel) over `count` partials:
+// field by field, slice s (slice_bounds) into out[s]. The kernel's threads and CUB tree
+// combine the same exact integer operations in another order: the same bits.
+void reduce_pass(const NormPartial* in, std::uint64_t count, const ReducePlan& plan,
+                 NormPartial* out) {
+  for (std::uint32_t s = 0; s < plan.slices; ++s) {
+    const SliceBounds slice = slice_bounds(count, plan.per_slice, s);
+    for (int f = 0; f < detail::kReduceFields; ++f) {
+      std::uint64_t acc = 0;
+      for (std::uint64_t b = slice.begin; b < slice.end; ++b)
+        acc = detail::combine_field(f, acc, detail::partial_field(in[b], f));
+      detail::set_partial_field(out[s], f, acc);
+    }
+  }
+}
+
+// The device's reduction of the block partials (reduce_partials in step_kernels.cu): the
+// slices of reduce_plan first when there are several, then one pass over their partials,
+// then the digits normalised.
+NormPartial reduce_block_partials(const std::vector<NormPartial>& blocks) {
+  const ReducePlan plan =
+      reduce_plan(blocks.size(), detail::tl_min_per_slice, detail::tl_max_slices);
+  std::vector<NormPartial> slices(plan.slices);
+  const NormPartial* in = blocks.data();
+  std::uint64_t count = blocks.size();
+  if (plan.slices > 1) {
+    reduce_pass(in, count, plan, slices.data());
+    in = slices.data();
+    count = plan.slices;
+  }
+  NormPartial total;
+  reduce_pass(in, count, ReducePlan{count, 1}, &total);
+  ::stepcore::detail::normalize_digits(total.digits);
+  return total;
+}
+
+// Every block's partial into its place (first_block + b, as the kernels write the
+// workspace), then the device's reduction.
 template <class Lane = detail::NormLane>
 NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int threads) {
-  NormPartial total;
+  std::vector<NormPartial> partials(plan.total_blocks);
   std::vector<Lane> lanes(static_cast<std::size_t>(threads));
   for (const LaunchArgs& a : plan.launches) {
     for (int b = 0; b < a.num_blocks; ++b) {
@@ -237,10 +299,10 @@ NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int t
         for (int t = 0; t < half; ++t)
           detail::combine(lanes[static_cast<std::size_t>(t)],
                           lanes[static_cast<std::size_t>(t + half)]);
-      merge(total, detail::to_partial(lanes[0]));
+      partials[a.first_block + static_cast<std::size_t>(b)] = detail::to_partial(lanes[0]);
     }
   }
-  return total;
+  return reduce_block_partials(partials);
 }
 }  // namespace
 

@@ -25,6 +25,23 @@ class ScopedLaunchLimits {
   int saved_blocks_, saved_tensors_;
 };
 
+/// Lowers the CPU executor's norm reduction limits on this thread while alive: more than
+/// `min_per_slice` block partials are reduced in at most `max_slices` slices (the
+/// constants kPartialsPerSlice and kMaxReduceSlices otherwise), so a test reaches many
+/// slices, uneven ones and the growth of the slices past their cap with a few blocks.
+/// The CUDA launchers keep the constants (their workspace is sized by them).
+/// min_per_slice in [1, kPartialsPerSlice], max_slices in [2, kMaxReduceSlices].
+class ScopedReduceSlicing {
+ public:
+  ScopedReduceSlicing(std::uint64_t min_per_slice, std::uint64_t max_slices);
+  ~ScopedReduceSlicing();
+  ScopedReduceSlicing(const ScopedReduceSlicing&) = delete;
+  ScopedReduceSlicing& operator=(const ScopedReduceSlicing&) = delete;
+
+ private:
+  std::uint64_t saved_min_per_slice_, saved_max_slices_;
+};
+
 /// Turns the cache of validated calls (kernels/plan_cache.hpp) on or off while alive, so
 /// that tests see both paths in every build type.
 class ScopedPlanCache {
