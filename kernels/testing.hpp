@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/plan_cache.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/cuda_host.hpp"
 
@@ -54,6 +55,15 @@ class ScopedPlanCache {
  private:
   bool saved_;
 };
+
+/// Calls of one kind of entry point (detail::CallKind) on every thread since the process
+/// started: those that reused a validated plan (the shared cache or a caller's own) and
+/// those that were validated (a miss, or the cache off).
+struct CallCounts {
+  std::uint64_t reused = 0;
+  std::uint64_t validated = 0;
+};
+CallCounts call_counts(detail::CallKind kind) noexcept;
 
 }  // namespace stepcore::gpu::testing
 
