@@ -538,7 +538,7 @@ phase_sanitizer() {
       cat "$out"
       if [ $rc -ne 0 ] && refused_device "$out"; then
         # The tool cannot run on this device (a gVisor host): no later run can either.
-        refused=$(grep -m1 -ioE 'device not supported|cudaErrorUnknown|error 999' "$out")
+        refused=$(grep -m1 -ioE 'device not supported|cudaErrorUnknown|error 999' "$out" | head -1)
         say "sanitizer: $tool $t: compute-sanitizer refused this device ($refused): the phase is skipped"
         break 2
       fi
