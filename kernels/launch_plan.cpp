@@ -56,13 +56,19 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
   return out;
 }
 
+// Throws Errc::out_of_range naming `name` unless lo <= v <= hi (an int's negative value
+// converts to a value above 2^63: out of range too).
+void check_in_range(std::uint64_t v, std::uint64_t lo, std::uint64_t hi, const char* name) {
+  if (v < lo || v > hi)
+    throw Error(Errc::out_of_range, name,
+                "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
 void check_limits(int max_blocks, int max_tensors, int block_limit, int tensor_limit) {
-  if (max_blocks < 1 || max_blocks > block_limit)
-    throw Error(Errc::out_of_range, "max_blocks",
-                "must be in [1, " + std::to_string(block_limit) + "]");
-  if (max_tensors < 1 || max_tensors > tensor_limit)
-    throw Error(Errc::out_of_range, "max_tensors",
-                "must be in [1, " + std::to_string(tensor_limit) + "]");
+  check_in_range(static_cast<std::uint64_t>(max_blocks), 1, static_cast<std::uint64_t>(block_limit),
+                 "max_blocks");
+  check_in_range(static_cast<std::uint64_t>(max_tensors), 1,
+                 static_cast<std::uint64_t>(tensor_limit), "max_tensors");
 }
 
 std::int8_t output_kind(const TensorView& v) {
@@ -220,12 +226,8 @@ ScopedLaunchLimits::~ScopedLaunchLimits() {
 
 ScopedReduceSlicing::ScopedReduceSlicing(std::uint64_t min_per_slice, std::uint64_t max_slices)
     : saved_min_per_slice_(detail::tl_min_per_slice), saved_max_slices_(detail::tl_max_slices) {
-  if (min_per_slice < 1 || min_per_slice > kPartialsPerSlice)
-    throw Error(Errc::out_of_range, "min_per_slice",
-                "must be in [1, " + std::to_string(kPartialsPerSlice) + "]");
-  if (max_slices < 2 || max_slices > kMaxReduceSlices)
-    throw Error(Errc::out_of_range, "max_slices",
-                "must be in [2, " + std::to_string(kMaxReduceSlices) + "]");
+  check_in_range(min_per_slice, 1, kPartialsPerSlice, "min_per_slice");
+  check_in_range(max_slices, 2, kMaxReduceSlices, "max_slices");
   detail::tl_min_per_slice = min_per_slice;
   detail::tl_max_slices = max_slices;
 }
