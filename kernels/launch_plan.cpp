@@ -83,6 +83,16 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
   if (!sources.empty() && sources.size() != tensors.size())
     throw Error(Errc::size_mismatch, "sources", "one source per tensor");
+  // The block indices (first_block, the norm's partials) are 32-bit: at most 2^32 - 1
+  // blocks (2^48 elements), refused before anything is built.
+  std::uint64_t blocks = 0;
+  for (const TensorView& t : tensors) {
+    const auto n = static_cast<std::uint64_t>(t.numel);
+    blocks += n / kBlockElements + (n % kBlockElements != 0 ? 1 : 0);
+    if (blocks > UINT32_MAX)
+      throw Error(Errc::out_of_range, "tensors",
+                  "more than 2^32 - 1 blocks of " + std::to_string(kBlockElements) + " elements");
+  }
   LaunchPlan plan;
   plan.launches = build_launches(
       tensors.size(), [&](std::size_t i) { return tensors[i].numel; },
@@ -93,15 +103,10 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
         a.src_dtype[slot] = sources.empty() ? DType::f32 : sources[i].dtype;
       },
       max_blocks, max_tensors, LaunchArgs{});
-  std::uint64_t blocks = 0;  // the block indices (first_block, the partials) are 32-bit
   for (LaunchArgs& a : plan.launches) {
-    a.first_block = static_cast<std::uint32_t>(blocks);
-    blocks += static_cast<std::uint64_t>(a.num_blocks);
-    if (blocks > UINT32_MAX)
-      throw Error(Errc::out_of_range, "tensors",
-                  "more than 2^32 - 1 blocks of " + std::to_string(kBlockElements) + " elements");
+    a.first_block = plan.total_blocks;
+    plan.total_blocks += static_cast<std::uint32_t>(a.num_blocks);
   }
-  plan.total_blocks = static_cast<std::uint32_t>(blocks);
   return plan;
 }
 

@@ -91,6 +91,18 @@ TEST(GpuReducePlan, SlicesCoverEveryBlockCountUpTo2To32ExactlyOnce) {
   EXPECT_EQ(gpu::reduce_plan(kTop).per_slice, kTop / gpu::kMaxReduceSlices);
 }
 
+// The block indices are 32-bit: a plan of 2^32 blocks or more (2^48 elements) is refused,
+// naming the tensors, before anything is built (nothing is read: the views are never used).
+TEST(GpuReducePlan, APlanOfMoreThan2To32MinusOneBlocksIsRefused) {
+  float x = 0.0f;
+  const std::size_t per_block = gpu::kBlockElements;
+  const std::vector<TensorView> one{{&x, (std::size_t{1} << 32) * per_block + 1, DType::bf16}};
+  expect_error([&] { (void)gpu::make_plan(one); }, Errc::out_of_range, "tensors");
+  const std::vector<TensorView> two{{&x, (std::size_t{1} << 31) * per_block, DType::bf16},
+                                    {&x, (std::size_t{1} << 31) * per_block, DType::bf16}};
+  expect_error([&] { (void)gpu::make_plan(two); }, Errc::out_of_range, "tensors");
+}
+
 // Values of one-element tensors (one block each): `n` of them, seeded, plus the
 // reference's partial of them.
 struct OneElementBlocks {
