@@ -320,6 +320,44 @@ STEPCORE_HD_INLINE NormPartial to_partial(const NormLane& l) {
   return p;
 }
 
+/// The fields of a NormPartial the partials' reduction combines one at a time (the
+/// CUDA reduction runs one block per field and slice): the digits and the two counts are
+/// summed, max_abs_bits is a max, approximate an or. Block partials hold normalised
+/// digits (below 2^32, to_partial) and there are fewer than 2^32 blocks, so the digit
+/// sums stay below 2^64 unnormalised; the result is normalised once at the end.
+inline constexpr int kReduceFields = kNormDigits + 4;
+
+/// Returns field f of p, widened.
+STEPCORE_HD_INLINE std::uint64_t partial_field(const NormPartial& p, int f) {
+  if (f < kNormDigits) return p.digits[f];
+  if (f == kNormDigits) return p.nan_count;
+  if (f == kNormDigits + 1) return p.inf_count;
+  if (f == kNormDigits + 2) return p.max_abs_bits;
+  return p.approximate;
+}
+
+/// Returns field f's combination of a and b: a sum, a max or an or (exact, associative
+/// and commutative: any order and tree give the same bits).
+STEPCORE_HD_INLINE std::uint64_t combine_field(int f, std::uint64_t a, std::uint64_t b) {
+  if (f < kNormDigits + 2) return a + b;
+  if (f == kNormDigits + 2) return a > b ? a : b;
+  return a | b;
+}
+
+/// Stores a reduced field f into p.
+STEPCORE_HD_INLINE void set_partial_field(NormPartial& p, int f, std::uint64_t v) {
+  if (f < kNormDigits)
+    p.digits[f] = v;
+  else if (f == kNormDigits)
+    p.nan_count = v;
+  else if (f == kNormDigits + 1)
+    p.inf_count = v;
+  else if (f == kNormDigits + 2)
+    p.max_abs_bits = static_cast<std::uint32_t>(v);
+  else
+    p.approximate = static_cast<std::uint32_t>(v);
+}
+
 /// acc = copy ? f32(src) : acc + f32(src) over thread `thread`'s groups of V.
 template <class S, int V>
 STEPCORE_HD_INLINE void accumulate_range(float* acc, const S* src, std::uint64_t begin,

@@ -48,6 +48,15 @@ void check_scalar(const void* p, std::size_t bytes, const char* name, const Memo
   check(p, bytes, Arg{name});
 }
 
+// Returns the plan `store` holds for `key`, if any, counting the call as reused or
+// validated (a miss: the caller validates it).
+template <class Store>
+auto reuse(Store& store, const CallKey& key, CallKind kind) {
+  auto hit = store.find(key);
+  count_call(kind, !hit.has_value());
+  return hit;
+}
+
 }  // namespace
 
 std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors) {
@@ -70,7 +79,7 @@ LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPa
   key.add(static_cast<std::uint64_t>(workspace_bytes));
   add_limits(key, lim);
   key.add(&check);  // the device whose memory was checked
-  if (auto hit = cache.find(key)) return *std::move(hit);
+  if (auto hit = reuse(cache, key, CallKind::norm)) return *std::move(hit);
   const std::uint64_t epoch = memory_epoch();
   if (d_partial == nullptr) throw Error(Errc::null_pointer, partial_name, "null");
   ::stepcore::detail::validate_tensors(d_tensors);  // the one checker: names "tensors[i]"
@@ -97,7 +106,7 @@ LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float
   key.add(d_factor);
   add_limits(key, lim);
   key.add(&check);  // the device whose memory was checked
-  if (auto hit = cache.find(key)) return *std::move(hit);
+  if (auto hit = reuse(cache, key, CallKind::scale)) return *std::move(hit);
   const std::uint64_t epoch = memory_epoch();
   if (d_factor == nullptr) throw Error(Errc::null_pointer, "d_factor", "null");
   ::stepcore::detail::validate_scale_tensors(d_tensors);
@@ -108,10 +117,11 @@ LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float
   return plan;
 }
 
-std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
-    std::span<const AccumulatePair> d_pairs, const MemoryCheck& check) {
-  using Plans = std::vector<std::pair<bool, LaunchPlan>>;
+AccumulatePlans checked_accumulate_plans(std::span<const AccumulatePair> d_pairs,
+                                         const MemoryCheck& check) {
+  using Plans = AccumulatePlans;
   static PlanCache<Plans> cache;
+  OwnedPlan<Plans>* const owned = ScopedOwnedPlan<Plans>::in_force();
   const LaunchLimits lim = launch_limits(false);
   CallKey key(5 * d_pairs.size() + 4);
   key.add(static_cast<std::uint64_t>(d_pairs.size()));
@@ -122,7 +132,9 @@ std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
   }
   add_limits(key, lim);
   key.add(&check);  // the device whose memory was checked
-  if (auto hit = cache.find(key)) return *std::move(hit);
+  if (auto hit = owned != nullptr ? reuse(*owned, key, CallKind::accumulate)
+                                  : reuse(cache, key, CallKind::accumulate))
+    return *std::move(hit);
   const std::uint64_t epoch = memory_epoch();
   ::stepcore::detail::validate_accumulate(d_pairs);
   std::vector<TensorView> acc;
@@ -149,7 +161,10 @@ std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
       }
     if (!a.empty()) plans.emplace_back(copy, make_plan(a, s, lim.max_blocks, lim.max_tensors));
   }
-  cache.insert(std::move(key), plans, epoch);
+  if (owned != nullptr)
+    owned->insert(std::move(key), plans, epoch);
+  else
+    cache.insert(std::move(key), plans, epoch);
   return plans;
 }
 
@@ -193,7 +208,7 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
     for (OptimizerLaunchArgs<Opt>& a : plan.launches) a.config = config;
     return plan;
   };
-  if (auto hit = cache.find(key)) return with_config(*std::move(hit));
+  if (auto hit = reuse(cache, key, CallKind::optimizer)) return with_config(*std::move(hit));
   const std::uint64_t epoch = memory_epoch();
   // The plan validates every host-side argument (validate_unit, before any memory is
   // looked at) and touches no buffer: build it first, then check the memory.

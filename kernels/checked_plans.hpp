@@ -41,10 +41,15 @@ LaunchPlan checked_norm_plan(std::span<const TensorView> d_tensors, const NormPa
 LaunchPlan checked_scale_plan(std::span<const TensorView> d_tensors, const float* d_factor,
                               const MemoryCheck& check);
 
-/// Validates accumulate pairs and returns one plan per copy flag present, as
-/// {copy, plan} (a launch carries one flag).
-std::vector<std::pair<bool, LaunchPlan>> checked_accumulate_plans(
-    std::span<const AccumulatePair> d_pairs, const MemoryCheck& check);
+/// The plans of one accumulate call: one per copy flag present, as {copy, plan} (a launch
+/// carries one flag).
+using AccumulatePlans = std::vector<std::pair<bool, LaunchPlan>>;
+
+/// Validates accumulate pairs and returns their plans. A caller that owns the plan of
+/// this call (ScopedOwnedPlan<AccumulatePlans> on this thread) gets it from there and
+/// keeps it there instead of in the shared cache.
+AccumulatePlans checked_accumulate_plans(std::span<const AccumulatePair> d_pairs,
+                                         const MemoryCheck& check);
 
 /// Validates a step of unit Opt (the device inputs it needs: d.scale and d.clip when the
 /// unit applies the read, d.table when it has a table; the configuration and tensors by

@@ -56,13 +56,19 @@ std::vector<Args> build_launches(std::size_t count, Numel numel, Bind bind, int 
   return out;
 }
 
+// Throws Errc::out_of_range naming `name` unless lo <= v <= hi (an int's negative value
+// converts to a value above 2^63: out of range too).
+void check_in_range(std::uint64_t v, std::uint64_t lo, std::uint64_t hi, const char* name) {
+  if (v < lo || v > hi)
+    throw Error(Errc::out_of_range, name,
+                "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
 void check_limits(int max_blocks, int max_tensors, int block_limit, int tensor_limit) {
-  if (max_blocks < 1 || max_blocks > block_limit)
-    throw Error(Errc::out_of_range, "max_blocks",
-                "must be in [1, " + std::to_string(block_limit) + "]");
-  if (max_tensors < 1 || max_tensors > tensor_limit)
-    throw Error(Errc::out_of_range, "max_tensors",
-                "must be in [1, " + std::to_string(tensor_limit) + "]");
+  check_in_range(static_cast<std::uint64_t>(max_blocks), 1, static_cast<std::uint64_t>(block_limit),
+                 "max_blocks");
+  check_in_range(static_cast<std::uint64_t>(max_tensors), 1,
+                 static_cast<std::uint64_t>(tensor_limit), "max_tensors");
 }
 
 std::int8_t output_kind(const TensorView& v) {
@@ -77,6 +83,16 @@ LaunchPlan make_plan(std::span<const TensorView> tensors, std::span<const ConstT
   check_limits(max_blocks, max_tensors, kMaxBlocksPerLaunch, kMaxTensorsPerLaunch);
   if (!sources.empty() && sources.size() != tensors.size())
     throw Error(Errc::size_mismatch, "sources", "one source per tensor");
+  // The block indices (first_block, the norm's partials) are 32-bit: at most 2^32 - 1
+  // blocks (2^48 elements), refused before anything is built.
+  std::uint64_t blocks = 0;
+  for (const TensorView& t : tensors) {
+    const auto n = static_cast<std::uint64_t>(t.numel);
+    blocks += n / kBlockElements + (n % kBlockElements != 0 ? 1 : 0);
+    if (blocks > UINT32_MAX)
+      throw Error(Errc::out_of_range, "tensors",
+                  "more than 2^32 - 1 blocks of " + std::to_string(kBlockElements) + " elements");
+  }
   LaunchPlan plan;
   plan.launches = build_launches(
       tensors.size(), [&](std::size_t i) { return tensors[i].numel; },
@@ -187,6 +203,9 @@ namespace detail {
 namespace {
 thread_local int tl_max_blocks = kMaxBlocksPerLaunch;
 thread_local int tl_max_tensors = kMaxTensorsPerLaunch;
+// The executor's reduction limits (testing::ScopedReduceSlicing).
+thread_local std::uint64_t tl_min_per_slice = kPartialsPerSlice;
+thread_local std::uint64_t tl_max_slices = kMaxReduceSlices;
 }  // namespace
 
 LaunchLimits launch_limits(bool optimizer) {
@@ -209,6 +228,18 @@ ScopedLaunchLimits::~ScopedLaunchLimits() {
   detail::tl_max_blocks = saved_blocks_;
   detail::tl_max_tensors = saved_tensors_;
 }
+
+ScopedReduceSlicing::ScopedReduceSlicing(std::uint64_t min_per_slice, std::uint64_t max_slices)
+    : saved_min_per_slice_(detail::tl_min_per_slice), saved_max_slices_(detail::tl_max_slices) {
+  check_in_range(min_per_slice, 1, kPartialsPerSlice, "min_per_slice");
+  check_in_range(max_slices, 2, kMaxReduceSlices, "max_slices");
+  detail::tl_min_per_slice = min_per_slice;
+  detail::tl_max_slices = max_slices;
+}
+ScopedReduceSlicing::~ScopedReduceSlicing() {
+  detail::tl_min_per_slice = saved_min_per_slice_;
+  detail::tl_max_slices = saved_max_slices_;
+}
 }  // namespace testing
 
 namespace emulate {
@@ -222,9 +253,47 @@ void check_threads(int threads) {
 }  // namespace
 
 namespace {
+// One pass of the CUDA reduction (reduce_partial_fields_kernel) over `count` partials:
+// field by field, slice s (slice_bounds) into out[s]. The kernel's threads and CUB tree
+// combine the same exact integer operations in another order: the same bits.
+void reduce_pass(const NormPartial* in, std::uint64_t count, const ReducePlan& plan,
+                 NormPartial* out) {
+  for (std::uint32_t s = 0; s < plan.slices; ++s) {
+    const SliceBounds slice = slice_bounds(count, plan.per_slice, s);
+    for (int f = 0; f < detail::kReduceFields; ++f) {
+      std::uint64_t acc = 0;
+      for (std::uint64_t b = slice.begin; b < slice.end; ++b)
+        acc = detail::combine_field(f, acc, detail::partial_field(in[b], f));
+      detail::set_partial_field(out[s], f, acc);
+    }
+  }
+}
+
+// The device's reduction of the block partials (reduce_partials in step_kernels.cu): the
+// slices of reduce_plan first when there are several, then one pass over their partials,
+// then the digits normalised.
+NormPartial reduce_block_partials(const std::vector<NormPartial>& blocks) {
+  const ReducePlan plan =
+      reduce_plan(blocks.size(), detail::tl_min_per_slice, detail::tl_max_slices);
+  std::vector<NormPartial> slices(plan.slices);
+  const NormPartial* in = blocks.data();
+  std::uint64_t count = blocks.size();
+  if (plan.slices > 1) {
+    reduce_pass(in, count, plan, slices.data());
+    in = slices.data();
+    count = plan.slices;
+  }
+  NormPartial total;
+  reduce_pass(in, count, ReducePlan{count, 1}, &total);
+  ::stepcore::detail::normalize_digits(total.digits);
+  return total;
+}
+
+// Every block's partial into its place (first_block + b, as the kernels write the
+// workspace), then the device's reduction.
 template <class Lane = detail::NormLane>
 NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int threads) {
-  NormPartial total;
+  std::vector<NormPartial> partials(plan.total_blocks);
   std::vector<Lane> lanes(static_cast<std::size_t>(threads));
   for (const LaunchArgs& a : plan.launches) {
     for (int b = 0; b < a.num_blocks; ++b) {
@@ -237,10 +306,10 @@ NormPartial run_norm(const LaunchPlan& plan, const detail::NormPass& pass, int t
         for (int t = 0; t < half; ++t)
           detail::combine(lanes[static_cast<std::size_t>(t)],
                           lanes[static_cast<std::size_t>(t + half)]);
-      merge(total, detail::to_partial(lanes[0]));
+      partials[a.first_block + static_cast<std::size_t>(b)] = detail::to_partial(lanes[0]);
     }
   }
-  return total;
+  return reduce_block_partials(partials);
 }
 }  // namespace
 

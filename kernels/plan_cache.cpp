@@ -1,4 +1,5 @@
-// The memory epoch and the switch of the validated-call cache (kernels/plan_cache.hpp).
+// The memory epoch, the switch of the validated-call cache and its call counts
+// (kernels/plan_cache.hpp).
 #include "kernels/plan_cache.hpp"
 
 #include <atomic>
@@ -15,7 +16,13 @@ std::atomic<bool> g_enabled{true};
 std::atomic<bool> g_enabled{false};  // debug builds check every call
 #endif
 
+std::atomic<std::uint64_t> g_calls[kCallKinds][2]{};  // per kind: reused, validated
+
 }  // namespace
+
+void count_call(CallKind kind, bool validated) noexcept {
+  g_calls[static_cast<int>(kind)][validated ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
+}
 
 std::uint64_t memory_epoch() noexcept { return g_epoch.load(std::memory_order_acquire); }
 
@@ -34,5 +41,10 @@ namespace stepcore::gpu::testing {
 
 ScopedPlanCache::ScopedPlanCache(bool enabled) : saved_(detail::set_plan_cache_enabled(enabled)) {}
 ScopedPlanCache::~ScopedPlanCache() { detail::set_plan_cache_enabled(saved_); }
+
+CallCounts call_counts(detail::CallKind kind) noexcept {
+  const auto& c = detail::g_calls[static_cast<int>(kind)];
+  return CallCounts{c[0].load(std::memory_order_relaxed), c[1].load(std::memory_order_relaxed)};
+}
 
 }  // namespace stepcore::gpu::testing

@@ -22,17 +22,55 @@ namespace stepcore::gpu {
 inline constexpr int kBlockThreads = 256;
 
 /// The exact reduction of a norm's block partials runs one block per partial field and
-/// slice: a norm of more than kPartialsPerSlice blocks is reduced in slices of that many
-/// (up to kMaxReduceSlices slices, so 24 x slices blocks fill the GPU), then the slices'
-/// partials in one more pass. Integer sums, max and or: the same bits for any slicing.
+/// slice: more than kPartialsPerSlice block partials are reduced in slices of
+/// consecutive partials first (at most kMaxReduceSlices, so 24 x slices blocks fill the
+/// GPU), then the slices' partials in one more pass. Integer sums, max and or: the same
+/// bits for any slicing. The slices grow past kPartialsPerSlice partials each once the
+/// slice count is at its cap (beyond 2^18 blocks), so every partial is read whatever the
+/// count; the workspace holds at most kMaxReduceSlices slice partials.
 inline constexpr std::uint64_t kPartialsPerSlice = 2048;
 inline constexpr std::uint64_t kMaxReduceSlices = 128;
 
-/// Returns the slices of the first reduction pass over `blocks` partials (1: one pass).
-inline std::uint32_t reduce_slices(std::uint64_t blocks) {
-  const std::uint64_t s = (blocks + kPartialsPerSlice - 1) / kPartialsPerSlice;
-  return static_cast<std::uint32_t>(s <= 1 ? 1 : s < kMaxReduceSlices ? s : kMaxReduceSlices);
+/// The first reduction pass over a number of block partials: `slices` slices of
+/// `per_slice` consecutive partials, the last one possibly shorter; slices == 1: the
+/// partials are reduced in one pass (per_slice = their count).
+struct ReducePlan {
+  std::uint64_t per_slice;
+  std::uint32_t slices;
+};
+
+/// Returns the reduction plan of `blocks` partials (blocks <= 2^32): one pass up to
+/// `min_per_slice`, else ceil(blocks / per_slice) slices of per_slice =
+/// max(min_per_slice, ceil(blocks / max_slices)) partials, so 2 <= slices <= max_slices
+/// and (slices - 1) * per_slice < blocks <= slices * per_slice. The limits are
+/// parameters only for the executor's test hook (testing::ScopedReduceSlicing); the
+/// CUDA launchers use the constants. Requires min_per_slice >= 1, max_slices >= 2.
+STEPCORE_HD_INLINE ReducePlan reduce_plan(std::uint64_t blocks,
+                                          std::uint64_t min_per_slice = kPartialsPerSlice,
+                                          std::uint64_t max_slices = kMaxReduceSlices) {
+  if (blocks <= min_per_slice) return ReducePlan{blocks, 1};
+  std::uint64_t per = (blocks + max_slices - 1) / max_slices;
+  if (per < min_per_slice) per = min_per_slice;
+  return ReducePlan{per, static_cast<std::uint32_t>((blocks + per - 1) / per)};
 }
+
+/// Partials [begin, end) of a reduction pass: those of slice s of a pass over `blocks`
+/// partials in slices of `per_slice` (slice s < the plan's slices: never empty). The one
+/// definition of the slices, read by the CUDA reduction kernel and the executor.
+struct SliceBounds {
+  std::uint64_t begin;
+  std::uint64_t end;
+};
+STEPCORE_HD_INLINE SliceBounds slice_bounds(std::uint64_t blocks, std::uint64_t per_slice,
+                                            std::uint32_t s) {
+  const std::uint64_t begin = s * per_slice;
+  if (begin >= blocks) return SliceBounds{blocks, blocks};
+  return SliceBounds{begin, blocks - begin < per_slice ? blocks : begin + per_slice};
+}
+
+/// Returns the slices of the first reduction pass over `blocks` partials (1: one pass).
+inline std::uint32_t reduce_slices(std::uint64_t blocks) { return reduce_plan(blocks).slices; }
+
 /// Tensors and blocks one launch carries in its by-value kernel argument. A launch's
 /// blocks are described per tensor (a BlockMap), so the block count costs no argument
 /// space: a launch fills the GPU (1 GiB of bf16 is 8,192 blocks in one launch). 256

@@ -2,7 +2,8 @@
 // (grid = the launch's blocks, up to 65,536, kBlockThreads threads), launch metadata
 // passed by value, results per block into the caller's workspace, then an exact
 // integer reduction of the block partials, one block per partial field and slice (two
-// passes above kPartialsPerSlice blocks). No allocation, no host synchronisation.
+// passes above kPartialsPerSlice blocks, slices by reduce_plan). No allocation, no host
+// synchronisation.
 #include <cuda_runtime.h>
 
 #include <cub/block/block_reduce.cuh>
@@ -47,20 +48,18 @@ __global__ void __launch_bounds__(kBlockThreads)
     d_block_partials[args.first_block + blockIdx.x] = detail::to_partial(lanes[0]);
 }
 
-// The fields of a NormPartial the reduction combines, one block each per slice: the
-// digits and the two counts are summed, max_abs_bits is a max, approximate an or.
-constexpr int kReduceFields = kNormDigits + 4;
 constexpr int kReduceThreads = 256;
 
-// Block (f, s) reduces field f of partials [s * per_slice, min(count, (s + 1) * per_slice))
-// of d_in into d_out[s]: each thread combines a strided share, then a CUB block reduction
-// combines the threads. Integer sums, max and or are associative and exact, so the result
-// does not depend on the number of blocks, slices, their order or the tree (determinism:
-// bitwise); the digits stay unnormalised (normalize_partial_kernel follows). With
-// d_found_inf, it runs only for the exact fallback and writes zero partials otherwise.
+// Block (f, s) reduces field f (detail::kReduceFields) of slice s of d_in's `count`
+// partials (slice_bounds: the plan's slices of per_slice partials) into d_out[s]: each
+// thread combines a strided share, then a CUB block reduction combines the threads.
+// Integer sums, max and or are associative and exact, so the result does not depend on
+// the number of blocks, slices, their order or the tree (determinism: bitwise); the
+// digits stay unnormalised (normalize_partial_kernel follows). With d_found_inf, it runs
+// only for the exact fallback and writes zero partials otherwise.
 __global__ void __launch_bounds__(kReduceThreads)
-    reduce_partial_fields_kernel(const NormPartial* d_in, std::uint32_t count,
-                                 std::uint32_t per_slice, const std::int32_t* d_found_inf,
+    reduce_partial_fields_kernel(const NormPartial* d_in, std::uint64_t count,
+                                 std::uint64_t per_slice, const std::int32_t* d_found_inf,
                                  NormPartial* d_out) {
   const int f = blockIdx.x;
   NormPartial* out = d_out + blockIdx.y;
@@ -68,43 +67,15 @@ __global__ void __launch_bounds__(kReduceThreads)
     if (f == 0 && threadIdx.x == 0) *out = NormPartial{};
     return;
   }
-  const std::uint32_t begin = blockIdx.y * per_slice;
-  const std::uint32_t end = count - begin < per_slice ? count : begin + per_slice;
+  const SliceBounds slice = slice_bounds(count, per_slice, blockIdx.y);
   using Reduce = cub::BlockReduce<std::uint64_t, kReduceThreads>;
   __shared__ typename Reduce::TempStorage temp;
   std::uint64_t acc = 0;
-  for (std::uint32_t b = begin + threadIdx.x; b < end; b += kReduceThreads) {
-    const NormPartial& p = d_in[b];
-    if (f < kNormDigits) {
-      acc += p.digits[f];
-    } else if (f == kNormDigits) {
-      acc += p.nan_count;
-    } else if (f == kNormDigits + 1) {
-      acc += p.inf_count;
-    } else if (f == kNormDigits + 2) {
-      acc = acc > p.max_abs_bits ? acc : p.max_abs_bits;
-    } else {
-      acc |= p.approximate;
-    }
-  }
-  std::uint64_t r = 0;
-  if (f < kNormDigits + 2)
-    r = Reduce(temp).Sum(acc);
-  else if (f == kNormDigits + 2)
-    r = Reduce(temp).Reduce(acc, [](std::uint64_t x, std::uint64_t y) { return x > y ? x : y; });
-  else
-    r = Reduce(temp).Reduce(acc, [](std::uint64_t x, std::uint64_t y) { return x | y; });
-  if (threadIdx.x != 0) return;
-  if (f < kNormDigits)
-    out->digits[f] = r;
-  else if (f == kNormDigits)
-    out->nan_count = r;
-  else if (f == kNormDigits + 1)
-    out->inf_count = r;
-  else if (f == kNormDigits + 2)
-    out->max_abs_bits = static_cast<std::uint32_t>(r);
-  else
-    out->approximate = static_cast<std::uint32_t>(r);
+  for (std::uint64_t b = slice.begin + threadIdx.x; b < slice.end; b += kReduceThreads)
+    acc = detail::combine_field(f, acc, detail::partial_field(d_in[b], f));
+  const std::uint64_t r = Reduce(temp).Reduce(
+      acc, [f](std::uint64_t x, std::uint64_t y) { return detail::combine_field(f, x, y); });
+  if (threadIdx.x == 0) detail::set_partial_field(*out, f, r);
 }
 
 // Normalises the reduced digits (one thread), as the CPU executor's merge does.
@@ -114,21 +85,21 @@ __global__ void normalize_partial_kernel(const std::int32_t* d_found_inf, NormPa
 }
 
 // Enqueues the reduction of `blocks` block partials into *d_out: with more than one
-// slice (reduce_slices), first the slices' partials, which the workspace holds after the
+// slice (reduce_plan), first the slices' partials, which the workspace holds after the
 // block partials (scale_and_norm_workspace_bytes), then those.
-void reduce_partials(const NormPartial* d_blocks, std::uint32_t blocks,
+void reduce_partials(const NormPartial* d_blocks, std::uint64_t blocks,
                      const std::int32_t* d_found_inf, NormPartial* d_out, cudaStream_t stream) {
-  const std::uint32_t slices = reduce_slices(blocks);
-  if (slices > 1) {
+  const ReducePlan plan = reduce_plan(blocks);
+  if (plan.slices > 1) {
     NormPartial* d_slices = const_cast<NormPartial*>(d_blocks) + blocks;
-    const auto per_slice = static_cast<std::uint32_t>(kPartialsPerSlice);
-    reduce_partial_fields_kernel<<<dim3(kReduceFields, slices), kReduceThreads, 0, stream>>>(
-        d_blocks, blocks, per_slice, d_found_inf, d_slices);
+    reduce_partial_fields_kernel<<<dim3(detail::kReduceFields, plan.slices), kReduceThreads, 0,
+                                   stream>>>(d_blocks, blocks, plan.per_slice, d_found_inf,
+                                             d_slices);
     cuda::detail::check_launch("reduce_partial_fields_kernel (slices)");
     d_blocks = d_slices;
-    blocks = slices;
+    blocks = plan.slices;
   }
-  reduce_partial_fields_kernel<<<kReduceFields, kReduceThreads, 0, stream>>>(
+  reduce_partial_fields_kernel<<<detail::kReduceFields, kReduceThreads, 0, stream>>>(
       d_blocks, blocks, blocks, d_found_inf, d_out);
   cuda::detail::check_launch("reduce_partial_fields_kernel");
   normalize_partial_kernel<<<1, 1, 0, stream>>>(d_found_inf, d_out);

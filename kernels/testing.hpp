@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/plan_cache.hpp"
 #include "kernels/plans.hpp"
 #include "stepcore/cuda_host.hpp"
 
@@ -25,6 +26,23 @@ class ScopedLaunchLimits {
   int saved_blocks_, saved_tensors_;
 };
 
+/// Lowers the CPU executor's norm reduction limits on this thread while alive: more than
+/// `min_per_slice` block partials are reduced in at most `max_slices` slices (the
+/// constants kPartialsPerSlice and kMaxReduceSlices otherwise), so a test reaches many
+/// slices, uneven ones and the growth of the slices past their cap with a few blocks.
+/// The CUDA launchers keep the constants (their workspace is sized by them).
+/// min_per_slice in [1, kPartialsPerSlice], max_slices in [2, kMaxReduceSlices].
+class ScopedReduceSlicing {
+ public:
+  ScopedReduceSlicing(std::uint64_t min_per_slice, std::uint64_t max_slices);
+  ~ScopedReduceSlicing();
+  ScopedReduceSlicing(const ScopedReduceSlicing&) = delete;
+  ScopedReduceSlicing& operator=(const ScopedReduceSlicing&) = delete;
+
+ private:
+  std::uint64_t saved_min_per_slice_, saved_max_slices_;
+};
+
 /// Turns the cache of validated calls (kernels/plan_cache.hpp) on or off while alive, so
 /// that tests see both paths in every build type.
 class ScopedPlanCache {
@@ -37,6 +55,15 @@ class ScopedPlanCache {
  private:
   bool saved_;
 };
+
+/// Calls of one kind of entry point (detail::CallKind) on every thread since the process
+/// started: those that reused a validated plan (the shared cache or a caller's own) and
+/// those that were validated (a miss, or the cache off).
+struct CallCounts {
+  std::uint64_t reused = 0;
+  std::uint64_t validated = 0;
+};
+CallCounts call_counts(detail::CallKind kind) noexcept;
 
 }  // namespace stepcore::gpu::testing
 

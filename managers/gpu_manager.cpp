@@ -32,6 +32,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   eager_ = !cfg.lazy_gpu_scale && shape().reads_scaled;
   params_.resize(cfg.params.size());
   accumulated_.assign(cfg.params.size(), 0);
+  accumulate_plans_.resize(cfg.params.size());
   // The bias tables first: they may refuse a beta too close to 1, before any memory.
   const BiasTables bias = make_bias_tables();
   const MemoryPlan plan = plan_memory(bias);

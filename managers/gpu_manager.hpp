@@ -19,6 +19,8 @@
 #include <span>
 #include <vector>
 
+#include "kernels/checked_plans.hpp"
+#include "kernels/plan_cache.hpp"
 #include "managers/manager_impl.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/device.hpp"
@@ -180,6 +182,13 @@ class GpuGradientManager final : public ManagerImpl {
   bool eager_ = true;  // acc <- R(acc * s) in place at the final finish_backward
   std::vector<Param> params_;
   std::vector<std::uint8_t> accumulated_;  // per parameter: a gradient was read at least once
+  // Per parameter, its accumulate's validated plans, one per copy flag (the step's first
+  // micro-batch copies, the others add): the manager's own, so several hundred
+  // parameters never evict one another from the shared cache. Validated at the first
+  // accumulate of each, again only when its pointers change (a caller's gradient buffer)
+  // or a device released memory since.
+  std::vector<std::array<gpu::detail::OwnedPlan<gpu::detail::AccumulatePlans>, 2>>
+      accumulate_plans_;
 
   // Views for the kernels.
   std::vector<TensorView> counted_, uncounted_;

@@ -238,6 +238,8 @@ void GpuGradientManager::do_gradient_ready(std::size_t i, bool first_in_step, Co
   const Param& q = params_[i];
   dev_.wait(Queue::compute, written);  // the trainer's write, before the read
   const AccumulatePair pair{q.acc, grad, first_in_step};
+  const gpu::detail::ScopedOwnedPlan<gpu::detail::AccumulatePlans> own(
+      accumulate_plans_[i][first_in_step ? 1 : 0]);
   dev_.accumulate(std::span(&pair, 1));
   accumulated_[i] = 1;
 }

@@ -1,9 +1,11 @@
 // The cache of validated multi-tensor calls (kernels/plan_cache.hpp): a repeated call
 // makes no memory check, any changed argument is validated again, memory released
-// through a device is checked again, and the keys are exact.
+// through a device is checked again, and the keys are exact; a gradient manager of
+// several hundred parameters validates nothing after its first step.
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -14,6 +16,7 @@
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"
 
 namespace {
 
@@ -261,6 +264,95 @@ TEST(PlanCache, KeysAreExact) {
   EXPECT_FALSE(key({{x, big + 3, DType::f32}}) == key({{x, 3, DType::f32}}));
   EXPECT_TRUE(key({{x, big + 3, DType::f32}}) == key({{x, big + 3, DType::f32}}));
   EXPECT_FALSE(key({{x, 4, DType::f32}, {x, 4, DType::f32}}) == key({{x, 4, DType::f32}}));
+}
+
+// The call counts of every kind (testing::call_counts).
+struct AllCounts {
+  gpu::testing::CallCounts kind[gpu::detail::kCallKinds];
+  static AllCounts now() {
+    AllCounts c;
+    for (int k = 0; k < gpu::detail::kCallKinds; ++k)
+      c.kind[k] = gpu::testing::call_counts(static_cast<gpu::detail::CallKind>(k));
+    return c;
+  }
+  gpu::testing::CallCounts since(const AllCounts& before, gpu::detail::CallKind k) const {
+    const int i = static_cast<int>(k);
+    return {kind[i].reused - before.kind[i].reused, kind[i].validated - before.kind[i].validated};
+  }
+};
+
+// A device-resident manager of 300 parameters on the host device (each micro-batch makes
+// one accumulate per parameter: 300 distinct calls per copy flag, more than a
+// least-recently-used cache of a step's few calls holds): its first step validates each
+// call once; every later step reuses every plan, the accumulates (the manager's own,
+// one per parameter and copy flag), the norms and the optimizer steps. With the manager's
+// gradient buffers and with the caller's own (the same buffers every micro-batch).
+TEST(PlanCache, AManagerOfSeveralHundredParametersValidatesNothingAfterItsFirstStep) {
+  using gpu::detail::CallKind;
+  const gpu::testing::ScopedPlanCache on(true);
+  constexpr std::size_t kParams = 300;
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer})
+    for (bool own_buffers : {true, false}) {
+      SCOPED_TRACE(std::string(mode == OffloadMode::none ? "mode none" : "mode optimizer") +
+                   (own_buffers ? ", the manager's gradient buffers" : ", the caller's"));
+      auto dev = device::make_host_device(32);
+      ManagerConfig cfg;
+      cfg.mode = mode;
+      cfg.device = dev.get();
+      cfg.chunk_elements = 4096;  // mode optimizer: a few dozen chunks
+      for (std::size_t i = 0; i < kParams; ++i) {
+        ParamSpec p;
+        p.name = "p" + std::to_string(i);
+        p.numel = 40 + 13 * (i % 7);
+        p.gradient_buffer = own_buffers;
+        cfg.params.push_back(p);
+      }
+      auto m = make_gradient_manager(cfg);
+      for (std::size_t i = 0; i < kParams; ++i)
+        m->load_parameter(i, std::vector<float>(cfg.params[i].numel, 0.5f));
+      std::vector<void*> grads(kParams, nullptr);  // the caller's, when it keeps its own
+      for (std::size_t i = 0; i < kParams && !own_buffers; ++i)
+        grads[i] = dev->allocate(2 * cfg.params[i].numel);
+      auto run_step = [&](int step) {
+        m->begin_step(1.0f, false);
+        for (bool final_backward : {false, true}) {  // two micro-batches: copy, then add
+          m->begin_backward(final_backward);
+          for (std::size_t i = kParams; i-- > 0;) {
+            const std::size_t n = cfg.params[i].numel;
+            const std::vector<std::uint16_t> bits(n, static_cast<std::uint16_t>(0x3C00 + step));
+            const TensorView g =
+                own_buffers ? m->gradient(i) : TensorView{grads[i], n, DType::bf16};
+            dev->copy(device::Queue::compute, g.data, bits.data(), 2 * n);
+            dev->synchronize(dev->record(device::Queue::compute));
+            if (own_buffers)
+              m->gradient_ready(i);
+            else
+              m->gradient_ready(i, ConstTensorView(g));
+          }
+          m->finish_backward();
+        }
+        (void)m->clip_grad_norm(1.0f);
+        m->step();
+        m->synchronize();
+        ASSERT_TRUE(m->report().stepped);
+      };
+      const AllCounts before = AllCounts::now();
+      run_step(0);
+      const AllCounts first = AllCounts::now();
+      EXPECT_GE(first.since(before, CallKind::accumulate).validated, 2 * kParams)
+          << "each parameter and copy flag validated once";
+      for (int step = 1; step < 3; ++step) run_step(step);
+      const AllCounts later = AllCounts::now();
+      for (CallKind k :
+           {CallKind::norm, CallKind::scale, CallKind::accumulate, CallKind::optimizer})
+        EXPECT_EQ(later.since(first, k).validated, 0u)
+            << "kind " << static_cast<int>(k) << " validated after the first step";
+      EXPECT_EQ(later.since(first, CallKind::accumulate).reused, 2 * 2 * kParams)
+          << "one accumulate per parameter and micro-batch, every one reused";
+      m->close();
+      for (void* p : grads)
+        if (p != nullptr) dev->deallocate(p);
+    }
 }
 
 }  // namespace

@@ -11,18 +11,23 @@
 # host device, counting the host synchronisations per step, the NCCL norm against a float
 # all-reduce; plus the gpu tests naming NCCL and a manager), python
 # (python/tests/test_gpu.py -m gpu), bench-comm (when built), sanitizer
-# (compute-sanitizer memcheck and racecheck over the kernel tests, with what is left).
-# CPU-only suites are not run. Logs go to $OUT (else build/gpu-check-logs/): build.log,
-# gpu-tests.log, bench.log, python.log, sanitizer.log, the figures as JSON
-# (bench-gpu.json, nccl-step.json), summary.txt and summary.json (tools/gpu_summary.py:
-# the phases and one table of figures, "n/a (no device)" where the device gave none);
-# the summary is printed last.
+# (compute-sanitizer memcheck and racecheck over the kernel tests, with what is left;
+# skipped, not failed, where compute-sanitizer refuses the device, as on gVisor hosts).
+# CPU-only suites are not run. Four files go to $OUT (else build/gpu-check-logs/; the
+# device tool returns at most 8): gpu-check.log (every phase's output, appended as it
+# runs, so a check cut short still returns it), summary.txt (the phases and one table of
+# figures, tools/gpu_summary.py: "n/a (no device)" where the device gave none),
+# summary.json (the same as JSON) and data.tar.gz (the table's inputs: phases.tsv,
+# ctest-results.txt and the figures as JSON, bench-gpu.json and nccl-step.json or
+# nccl-step-host.json). The summary and the archive are rewritten after every phase; the
+# summary is printed last.
 # Exit status: 0 when no phase failed, else 1. Without a GPU the CUDA tests skip and every
-# phase still runs (tools/gpu-rehearse.sh rehearses it so); with one, a skip is a failure.
+# phase still runs (tools/gpu-rehearse.sh rehearses it so); with one, a skip is a failure
+# (except the sanitizer's, when the sanitizer refuses the device).
 #
 # Environment (all optional):
 #   OUT                       folder for the logs (the device tool sets it)
-#   STEPCORE_GPU_BUDGET       seconds the whole check may take (default 480)
+#   STEPCORE_GPU_BUDGET       seconds the whole check may take (default 420)
 #   STEPCORE_TEST_TIMEOUT     ctest's per-test timeout in seconds (default 120)
 #   STEPCORE_GPU_PREFIX       where the bundle is unpacked (default /tmp/stepcore-prefix)
 #   STEPCORE_GPU_BUILD        build folder (default build/gpu-check)
@@ -34,20 +39,30 @@
 #   STEPCORE_SANITIZER_BUDGET seconds for all the sanitizer runs (default 240; 150 at most each)
 #   STEPCORE_UNPACK           dpkg (default when dpkg-deb exists) or ar
 #   STEPCORE_GPU_PYTHON       the Python (with a CUDA build of torch) of the python phase
+#   STEPCORE_GPU_PHASES       run only these phases (names as in the summary, space-separated;
+#                             e.g. "env sanitizer" on a machine that still has the build)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$PWD
-logdir=${OUT:-$root/build/gpu-check-logs}
+outdir=${OUT:-$root/build/gpu-check-logs}
 bundle=$root/.gpu-bundle
 prefix=${STEPCORE_GPU_PREFIX:-/tmp/stepcore-prefix}
 build=${STEPCORE_GPU_BUILD:-$root/build/gpu-check}
-budget=${STEPCORE_GPU_BUDGET:-420}  # 7 of the lent window's minutes; the rest: start, files
+# The budget every phase's cap is written for (bounded scales them by budget / it): 7 of
+# the lent window's minutes; the rest is the machine's start and the files' return.
+default_budget=420
+budget=${STEPCORE_GPU_BUDGET:-$default_budget}
 test_timeout=${STEPCORE_TEST_TIMEOUT:-120}
 jobs=$(nproc 2>/dev/null || echo 4)
-mkdir -p "$logdir" "$build" || { echo "gpu-check: cannot create $logdir or $build" >&2; exit 2; }
-for f in build.log gpu-tests.log python.log sanitizer.log bench.log summary.txt ctest-results.txt; do : >"$logdir/$f"; done
-rm -f "$logdir"/bench-gpu.json "$logdir"/nccl-step.json "$logdir"/nccl-step-host.json "$logdir"/summary.json
-exec 3>&1  # the console, while a phase's output goes to its log
+# The table's inputs are kept in $logdir (in the build folder) and packed into $outdir.
+logdir=$build/gpu-check-data
+log=$outdir/gpu-check.log
+mkdir -p "$outdir" "$build" "$logdir" || { echo "gpu-check: cannot create $outdir, $build or $logdir" >&2; exit 2; }
+rm -f "$outdir"/gpu-check.log "$outdir"/summary.txt "$outdir"/summary.json "$outdir"/data.tar.gz
+rm -f "$logdir"/*
+: >"$log"
+: >"$logdir/ctest-results.txt"
+exec 3>&1  # the console, while a phase's output goes to the log
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # NCCL's own warnings into the logs
 
 # ---- phases: name, status, seconds, note ------------------------------------------
@@ -61,11 +76,11 @@ deadline=$((t_start + budget))
 say() { echo "$*" >&3; echo "$*"; }
 
 # bounded CAP CMD...: runs CMD with a timeout of CAP seconds (caps are written for the
-# default 420 s budget and scale with STEPCORE_GPU_BUDGET: a slow rehearsal gets more),
+# default budget and scale with STEPCORE_GPU_BUDGET: a slow rehearsal gets more),
 # cut to what the budget leaves (keeping 20 s for the summary); 124 when it timed out or
 # no time was left.
 bounded() {
-  local cap=$(($1 * budget / 420)) left t
+  local cap=$(($1 * budget / default_budget)) left t
   shift
   left=$((deadline - SECONDS - 20))
   t=$((cap < left ? cap : left))
@@ -90,11 +105,14 @@ echoed() {
 # device_skipped: the last echoed program said it found no CUDA device.
 device_skipped() { grep -qiE 'skip(ped)?[:,] no CUDA device' "$echoed_out"; }
 
-# phase NAME LOG FUNCTION: runs FUNCTION with its output appended to LOG. FUNCTION
-# returns 0 (pass), 3 (skip: it could not run; a failure when a GPU is present), 4 (n/a:
-# not part of this build, never a failure) or anything else (fail).
+# phase NAME FUNCTION: runs FUNCTION with its output appended to the log. FUNCTION
+# returns 0 (pass), 3 (skip: it could not run; a failure when a GPU is present), 5 (skip
+# even with a GPU: a tool refused this device, said in the note), 4 (n/a: not part of
+# this build, never a failure) or anything else (fail). Then the summary and the archive
+# in $outdir are brought up to date.
 phase() {
-  local name=$1 log=$logdir/$2 fn=$3 t0=$SECONDS rc status first
+  local name=$1 fn=$2 t0=$SECONDS rc status first
+  [ -z "${STEPCORE_GPU_PHASES:-}" ] || [[ " $STEPCORE_GPU_PHASES " == *" $name "* ]] || return 0
   first=$(($(wc -l <"$log") + 1))
   note=""
   echo "==> $name" >&3
@@ -105,6 +123,7 @@ phase() {
     0) status=pass ;;
     3) if [ "$have_gpu" = 1 ]; then status=FAIL; note="skipped with a GPU present: $note"; else status=skip; fi ;;
     4) status=n/a ;;
+    5) status=skip ;;
     *) status=FAIL ;;
   esac
   names+=("$name") statuses+=("$status") secs+=($((SECONDS - t0))) notes+=("$note")
@@ -114,6 +133,7 @@ phase() {
     tail -n +"$first" "$log" | tail -n 25 >&3
     echo "----" >&3
   fi
+  write_summary "after $name" >/dev/null
 }
 
 # ---- env: what the machine has ----------------------------------------------------------
@@ -451,7 +471,7 @@ python_ready() {
 phase_python() {
   [ -n "$py_exe" ] && [ -f "$build/python/stepcore/__init__.py" ] ||
     { note="not built: ${py_note:-the extension is not in this build}"; echo "$note"; return 4; }
-  ls "$build"/python/stepcore/_core*.so >/dev/null 2>&1 || { note="stepcore._core was not built (see build.log)"; return 1; }
+  ls "$build"/python/stepcore/_core*.so >/dev/null 2>&1 || { note="stepcore._core was not built (see the build phase in gpu-check.log)"; return 1; }
   local out rc passed skipped failed
   echo "python: $py_note"
   out=$(mktemp)
@@ -483,8 +503,17 @@ find_sanitizer() {
   done
   return 1
 }
+# refused_device FILE: the sanitizer's output says it cannot run on this device: "Device
+# not supported", or the CUDA runtime's error 999 (cudaErrorUnknown, as at the first
+# allocation where the sanitizer refused a gVisor host's device) with no memory or race
+# report beside it.
+refused_device() {
+  grep -qi 'device not supported' "$1" && return 0
+  grep -qE 'cudaErrorUnknown|error 999|\(999\)|code=999' "$1" &&
+    ! grep -qE '^=+ +(Invalid |Uninitialized |.*[Rr]ace reported|.*[Hh]azard)' "$1"
+}
 phase_sanitizer() {
-  local san tool t exe rc runs=0 bad=0 nodriver=0 what=() cap out
+  local san tool t exe rc runs=0 bad=0 nodriver=0 refused="" what=() cap out
   local stop=$((SECONDS + ${STEPCORE_SANITIZER_BUDGET:-240}))
   san=$(find_sanitizer) || { note="compute-sanitizer not found"; return 3; }
   echo "compute-sanitizer: $san ($("$san" --version 2>&1 | grep -i version | head -1))"
@@ -507,6 +536,12 @@ phase_sanitizer() {
         --gtest_filter="${STEPCORE_SANITIZER_FILTER:-*}" --gtest_brief=1 >"$out" 2>&1
       rc=$?
       cat "$out"
+      if [ $rc -ne 0 ] && refused_device "$out"; then
+        # The tool cannot run on this device (a gVisor host): no later run can either.
+        refused=$(grep -m1 -ioE 'device not supported|cudaErrorUnknown|error 999' "$out" | head -1)
+        say "sanitizer: $tool $t: compute-sanitizer refused this device ($refused): the phase is skipped"
+        break 2
+      fi
       if [ $rc -ne 0 ] && [ "$have_gpu" = 0 ] && grep -q 'terminated before first instrumented API call' "$out"; then
         # No driver: the sanitizer cannot attach; the command line and the binary were found.
         say "sanitizer: $tool $t: cannot instrument without a GPU driver (expected here)"
@@ -524,6 +559,12 @@ phase_sanitizer() {
     done
   done
   rm -f "$out"
+  if [ -n "$refused" ]; then
+    note="compute-sanitizer refused the device ($refused) at run $runs: skipped, not failed"
+    [ $bad -eq 0 ] && return 5
+    note="$note; before it: ${what[*]}"
+    return 1
+  fi
   note="$((runs - bad - nodriver))/$runs runs clean${what[*]:+: ${what[*]}}"
   if [ $nodriver -gt 0 ]; then
     note="$note; $nodriver could not instrument (no driver)"
@@ -569,39 +610,56 @@ phase_bench_comm() {
   program_phase "$build/bench/stepcore-bench-comm" 120 4 "not built (it needs MPI: STEPCORE_GPU_MPI=ON)"
 }
 
-# ---- run: the figures first, the sanitizers with what is left ---------------------------
-echo "gpu-check: $root -> logs in $logdir, build in $build, budget ${budget}s, $jobs jobs"
-phase env build.log phase_env
-phase unpack build.log phase_unpack
-phase configure build.log phase_configure
-phase build build.log phase_build
-phase bench-gpu bench.log phase_bench_gpu
-phase bench-spec bench.log phase_bench_speculation
-phase gpu-tests gpu-tests.log phase_gpu_tests
-phase nccl gpu-tests.log phase_nccl
-phase manager-nccl gpu-tests.log phase_manager_nccl
-phase python python.log phase_python
-phase bench-comm bench.log phase_bench_comm
-phase sanitizer sanitizer.log phase_sanitizer  # last: the slowest, cut to what the budget leaves
-
-worst=0
-for s in "${statuses[@]}"; do [ "$s" = FAIL ] && worst=1; done
-for i in "${!names[@]}"; do
-  printf '%s\t%s\t%s\t%s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
-done >"$logdir/phases.tsv"
-{
-  echo "gpu-check summary, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname 2>/dev/null || echo ?), total $((SECONDS - t_start)) s of ${budget} s"
-  printf '%-13s %-6s %5s  %s\n' phase status secs note
+# ---- the summary: the table to $outdir/summary.txt, its JSON, the inputs' archive -------
+# write_summary STATE: the phases so far ("after PHASE", or "final") and the figures; the
+# result line says FAIL, PASS or, before the end, INCOMPLETE. Prints the summary.
+write_summary() {
+  local state=$1 worst=0 i s result py f inputs=()
+  for s in "${statuses[@]}"; do [ "$s" = FAIL ] && worst=1; done
   for i in "${!names[@]}"; do
-    printf '%-13s %-6s %5s  %s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
-  done
-  # The figures, one table (and summary.json): needs a python3 (any: the standard library).
-  py=$(command -v python3 || echo "$py_exe")
-  if [ -n "$py" ] && "$py" "$root/tools/gpu_summary.py" "$logdir" "$have_gpu"; then
-    :
-  else
-    echo "figures: no python3 to read the JSON files (they are in $logdir)"
-  fi
-  echo "result: $([ $worst -eq 0 ] && echo PASS || echo FAIL) (logs: $(cd "$logdir" && ls | tr '\n' ' '))"
-} | tee "$logdir/summary.txt"
-exit $worst
+    printf '%s\t%s\t%s\t%s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
+  done >"$logdir/phases.tsv"
+  if [ $worst -ne 0 ]; then result=FAIL; elif [ "$state" = final ]; then result=PASS; else result="INCOMPLETE ($state)"; fi
+  {
+    echo "gpu-check summary, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname 2>/dev/null || echo ?), total $((SECONDS - t_start)) s of ${budget} s"
+    printf '%-13s %-6s %5s  %s\n' phase status secs note
+    for i in "${!names[@]}"; do
+      printf '%-13s %-6s %5s  %s\n' "${names[$i]}" "${statuses[$i]}" "${secs[$i]}" "${notes[$i]}"
+    done
+    # The figures, one table (and summary.json): needs a python3 (any: the standard library).
+    py=$(command -v python3 || echo "$py_exe")
+    if [ -n "$py" ] && "$py" "$root/tools/gpu_summary.py" "$logdir" "$have_gpu"; then
+      cp "$logdir/summary.json" "$outdir/summary.json.tmp" && mv -f "$outdir/summary.json.tmp" "$outdir/summary.json"
+    else
+      echo "figures: no python3 to read the JSON files (they are in data.tar.gz)"
+    fi
+    for f in "$logdir"/*; do
+      [ -f "$f" ] && [ "${f##*/}" != summary.json ] && inputs+=("${f##*/}")
+    done
+    echo "result: $result (in $outdir: gpu-check.log summary.txt summary.json data.tar.gz of ${inputs[*]})"
+  } >"$outdir/summary.txt.tmp"
+  mv -f "$outdir/summary.txt.tmp" "$outdir/summary.txt"
+  # The inputs in one archive (gzip where there is one), replaced whole.
+  (cd "$logdir" && { tar -czf "$outdir/data.tar.gz.tmp" "${inputs[@]}" 2>/dev/null ||
+    tar -cf "$outdir/data.tar.gz.tmp" "${inputs[@]}"; }) && mv -f "$outdir/data.tar.gz.tmp" "$outdir/data.tar.gz"
+  cat "$outdir/summary.txt"
+  return $worst
+}
+
+# ---- run: the figures first, the sanitizers with what is left ---------------------------
+echo "gpu-check: $root -> $outdir (gpu-check.log, summary.txt, summary.json, data.tar.gz), build in $build, budget ${budget}s, $jobs jobs"
+phase env phase_env
+phase unpack phase_unpack
+phase configure phase_configure
+phase build phase_build
+phase bench-gpu phase_bench_gpu
+phase bench-spec phase_bench_speculation
+phase gpu-tests phase_gpu_tests
+phase nccl phase_nccl
+phase manager-nccl phase_manager_nccl
+phase python phase_python
+phase bench-comm phase_bench_comm
+phase sanitizer phase_sanitizer  # last: the slowest, cut to what the budget leaves
+
+write_summary final
+exit $?

@@ -4,13 +4,18 @@
 # with debootstrap: build-essential, cmake, ninja-build, python3 and nothing else: no
 # -dev package of the build's libraries, no pkg-config, no MPI), with /usr/local/cuda
 # bind-mounted read-only and no network (a new network namespace). The CUDA tests skip
-# (no GPU); every phase must still pass. Logs land in build/gpu-rehearsal/.
+# (no GPU); every phase must still pass, and the check may leave at most 8 files in its
+# $OUT (what the device tool returns). Logs land in build/gpu-rehearsal/.
 #
-#   tools/gpu-rehearse.sh [--suite SUITE] [--no-sanitizer] [--nccl-wheel] [--ar] [--pip-cmake]
+#   tools/gpu-rehearse.sh [--suite SUITE] [--no-sanitizer | --refusing-sanitizer] [--nccl-wheel]
+#                         [--ar] [--pip-cmake]
 #     --suite SUITE  Debian release of the chroot (default bookworm; e.g. trixie)
 #     --no-sanitizer leave out NVIDIA's compute-sanitizer wheel (PyPI), which is put in the
 #                    chroot so the sanitizer phase runs its commands (the GPU machine has
 #                    its own; without a driver it cannot instrument, so that phase skips)
+#     --refusing-sanitizer  a stand-in compute-sanitizer that answers as on a gVisor host
+#                    ("Device not supported", then error 999 at the first allocation):
+#                    the sanitizer phase must be a skip that says so
 #     --nccl-wheel   take NCCL from the nvidia-nccl wheel of this machine's Python,
 #                    mounted where the GPU machine's PyTorch venv has it, not the toolkit's
 #     --ar           unpack the bundle with ar + tar, as on a machine without dpkg
@@ -21,11 +26,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 root=$PWD
-suite=bookworm sanitizer=1 nccl_wheel=0 use_ar=0 pip_cmake=0
+suite=bookworm sanitizer=1 nccl_wheel=0 use_ar=0 pip_cmake=0 max_out_files=8
 while [ $# -gt 0 ]; do
   case $1 in
     --suite) suite=${2:?--suite needs a value}; shift ;;
     --no-sanitizer) sanitizer=0 ;;
+    --refusing-sanitizer) sanitizer=refusing ;;
     --pip-cmake) pip_cmake=1 ;;
     --nccl-wheel) nccl_wheel=1 ;;
     --ar) use_ar=1 ;;
@@ -92,7 +98,21 @@ bind_ro "$(readlink -f /usr/local/cuda)" "$rootfs/usr/local/cuda"
 # This machine may have few cores (the GPU machine has 16): a longer budget, so the
 # build's time here is measured instead of cut off.
 env_extra=(STEPCORE_GPU_BUDGET="${STEPCORE_GPU_BUDGET:-3600}")
-if [ "$sanitizer" = 1 ]; then
+if [ "$sanitizer" = refusing ]; then
+  mkdir -p "$rootfs/opt/sanitizer-refusing"
+  cat >"$rootfs/opt/sanitizer-refusing/compute-sanitizer" <<'STANDIN'
+#!/bin/sh
+# A stand-in for compute-sanitizer on a host whose device it does not support (gVisor).
+[ "$1" = --version ] && { echo "NVIDIA (R) Compute Sanitizer, Version 2025.3.0 (stand-in)"; exit 0; }
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: Device not supported"
+echo "========= Program hit cudaErrorUnknown (error 999) due to \"unknown error\" on CUDA API call to cudaMalloc."
+echo "========= ERROR SUMMARY: 1 error"
+exit 99
+STANDIN
+  chmod +x "$rootfs/opt/sanitizer-refusing/compute-sanitizer"
+  env_extra+=(STEPCORE_SANITIZER=/opt/sanitizer-refusing/compute-sanitizer)
+elif [ "$sanitizer" = 1 ]; then
   cache=/var/tmp/stepcore-rehearse/wheels
   mkdir -p "$cache"
   ls "$cache"/nvidia_cuda_sanitizer_api-13.0*.whl >/dev/null 2>&1 ||
@@ -139,12 +159,20 @@ t0=$(date +%s)
   /bin/bash -c "cd /work/stepcore && tools/gpu-check.sh" 2>&1 | tee "$results/console.log"
 rc=${PIPESTATUS[0]}
 t1=$(date +%s)
+out_files=$(find "$rootfs/out" -type f | wc -l)
+(cd "$results" && rm -rf gpu-check.log summary.txt summary.json data.tar.gz data build.log gpu-tests.log \
+  bench.log python.log sanitizer.log ./*.json phases.tsv ctest-results.txt)  # an earlier run's
 cp "$rootfs"/out/* "$results/" 2>/dev/null
+[ -f "$results/data.tar.gz" ] && mkdir -p "$results/data" && tar -xzf "$results/data.tar.gz" -C "$results/data"
+if [ "$out_files" -gt "$max_out_files" ]; then
+  echo "gpu-rehearse: the check left $out_files files in \$OUT, more than the $max_out_files that come back"
+  [ "$rc" -eq 0 ] && rc=1
+fi
 mib() { awk -v b="$1" 'BEGIN {printf "%.2f MiB", b / 1048576}'; }
 {
   echo "rehearsal: $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(hostname) ($(nproc) cores), Debian $suite chroot, clone of $head"
   echo "rehearsal: options: ${env_extra[*]:-none}; PATH=$path; network: ${isolate[*]:-shared}"
-  echo "rehearsal: tools/gpu-check.sh exit $rc, $((t1 - t0)) s"
+  echo "rehearsal: tools/gpu-check.sh exit $rc, $((t1 - t0)) s; $out_files files in \$OUT: $(cd "$rootfs/out" && ls | tr '\n' ' ')"
   echo "rehearsal: travels: source tree $(mib "$tree_bytes") + bundle $(mib "$bundle_bytes") = $(mib $((tree_bytes + bundle_bytes))) (limit 64 MiB)"
 } | tee "$results/rehearsal.txt"
 exit "$rc"

@@ -2,7 +2,9 @@
 "n/a (no device)" without a GPU (the rehearsal), and with one the figures the programs
 wrote, read back into the table and summary.json."""
 import json
+import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -70,3 +72,59 @@ def test_with_a_gpu_the_figures_come_from_the_programs(tmp_path):
     assert rows["CPU == GPU, manager steps (stepcore-gpu-nccl-step)"] == "bitwise: every run"
     assert rows["NCCL norm vs a float all-reduce (step 1)"].startswith("float all-reduce -3 ulp")
     assert len(summary["figures"]) == len(rows)
+
+
+CHECK = SCRIPT.parent / "gpu-check.sh"
+
+
+def test_the_headers_default_budget_is_the_codes():
+    text = CHECK.read_text()
+    header = re.search(r"STEPCORE_GPU_BUDGET +seconds the whole check may take \(default (\d+)\)",
+                       text)
+    code = re.search(r"^default_budget=(\d+)$", text, re.M)
+    assert header and code and header.group(1) == code.group(1)
+    assert "budget=${STEPCORE_GPU_BUDGET:-$default_budget}" in text
+
+
+def executable(path, text):
+    path.write_text(text)
+    path.chmod(0o755)
+
+
+def run_check(tmp_path, sanitizer_lines, sanitizer_rc):
+    """gpu-check.sh's env and sanitizer phases only, on a stand-in GPU (nvidia-smi lists
+    one) with stand-in kernel tests and a stand-in compute-sanitizer printing the given
+    lines: returns the files in $OUT and the phases of its summary."""
+    bin_dir, build, out = tmp_path / "bin", tmp_path / "build", tmp_path / "out"
+    (build / "tests").mkdir(parents=True)
+    bin_dir.mkdir()
+    for t in ("test_gpu_kernels", "test_gpu_steps", "test_gpu_conversions", "test_cuda_device"):
+        executable(build / "tests" / t, "#!/bin/sh\nexit 0\n")
+    executable(bin_dir / "nvidia-smi", '#!/bin/sh\ncase "$*" in\n'
+               '  -L) echo "GPU 0: NVIDIA H200 (UUID: GPU-stand-in)" ;;\n'
+               '  *) echo "NVIDIA H200" ;;\nesac\n')
+    body = "".join(f"echo '{line}'\n" for line in sanitizer_lines)
+    executable(bin_dir / "compute-sanitizer",
+               '#!/bin/sh\n[ "$1" = --version ] && { echo "Version 0 (stand-in)"; exit 0; }\n'
+               f"{body}exit {sanitizer_rc}\n")
+    env = dict(os.environ, OUT=str(out), STEPCORE_GPU_BUILD=str(build),
+               STEPCORE_GPU_PHASES="env sanitizer",
+               STEPCORE_SANITIZER=str(bin_dir / "compute-sanitizer"),
+               PATH=f"{bin_dir}:{os.environ.get('PATH', '')}")
+    subprocess.run(["bash", str(CHECK)], env=env, capture_output=True, text=True, timeout=120)
+    phases = {p["phase"]: p for p in json.loads((out / "summary.json").read_text())["phases"]}
+    return sorted(p.name for p in out.iterdir()), phases
+
+
+def test_the_check_returns_four_files_and_a_refusing_sanitizer_is_a_skip(tmp_path):
+    files, phases = run_check(tmp_path, [
+        "========= COMPUTE-SANITIZER", "========= Error: Device not supported",
+        '========= Program hit cudaErrorUnknown (error 999) due to "unknown error" on CUDA '
+        "API call to cudaMalloc.", "========= ERROR SUMMARY: 1 error"], 99)
+    assert files == ["data.tar.gz", "gpu-check.log", "summary.json", "summary.txt"]
+    assert phases["sanitizer"]["status"] == "skip", phases["sanitizer"]
+    assert "refused the device" in phases["sanitizer"]["note"]
+    # An error the sanitizer found on a device it supports is a failure, GPU or not.
+    _, phases = run_check(tmp_path / "errors", [
+        "========= Invalid __global__ read of size 4 bytes", "========= ERROR SUMMARY: 1 error"], 99)
+    assert phases["sanitizer"]["status"] == "FAIL", phases["sanitizer"]
