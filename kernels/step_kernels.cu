@@ -30,7 +30,7 @@ namespace {
 // come from d_scale / d_clip (device memory, read now) where given, else from `pass`.
 template <class Lane>
 __global__ void __launch_bounds__(kBlockThreads)
-    scale_and_sum_squares_kernel(const LaunchArgs args, const detail::NormPass pass,
+    scale_and_sum_squares_kernel(const __grid_constant__ LaunchArgs args, const detail::NormPass pass,
                                  const float* d_scale, const float* d_clip,
                                  const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
@@ -108,12 +108,12 @@ void reduce_partials(const NormPartial* d_blocks, std::uint64_t blocks,
 
 // In place g = R_T(g * *d_factor), one block per task.
 __global__ void __launch_bounds__(kBlockThreads)
-    scale_kernel(const LaunchArgs args, const float* d_factor) {
+    scale_kernel(const __grid_constant__ LaunchArgs args, const float* d_factor) {
   detail::scale_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, *d_factor);
 }
 
 __global__ void __launch_bounds__(kBlockThreads)
-    accumulate_kernel(const LaunchArgs args, bool copy) {
+    accumulate_kernel(const __grid_constant__ LaunchArgs args, bool copy) {
   detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
 }
 
@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 // shared memory. Instantiated for every unit by the launches of optimizer_step.
 template <class Opt>
 __global__ void __launch_bounds__(kBlockThreads)
-    optimizer_kernel(const OptimizerLaunchArgs<Opt> args, const OptimizerDeviceArgs d) {
+    optimizer_kernel(const __grid_constant__ OptimizerLaunchArgs<Opt> args,
+                     const __grid_constant__ OptimizerDeviceArgs d) {
   using Scalars = typename Opt::Scalars;
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
   // Raw storage: a __shared__ variable takes no initialiser (the Scalars have defaults).
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // After every update launch of the step: each counter advances, unless found-inf.
-__global__ void advance_counters_kernel(const StepCounterArgs args,
+__global__ void advance_counters_kernel(const __grid_constant__ StepCounterArgs args,
                                         const std::int32_t* d_found_inf) {
   if (d_found_inf != nullptr && *d_found_inf != 0) return;
   if (static_cast<int>(threadIdx.x) < args.count) detail::advance_counter(args, threadIdx.x);
