@@ -1,5 +1,5 @@
 // stepcore-bench-gpu: bandwidth of the GPU kernels at 1 GiB of bf16 gradients spread
-// over a realistic tensor list (norm, fused scale + norm, accumulate, AdamW, SignSGD),
+// over a realistic tensor list (norm, fused scale + norm, accumulate, every optimizer),
 // each as a ratio to a device-to-device copy of the same kind of traffic measured in the
 // same run (CUDA events on the device's compute stream around `batch` calls issued back
 // to back, so the window holds device work, not the host's checks and launches), plus
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
     const double probe_bw = r.probe_bytes / (r.probe_ms * 1e-3);
     std::printf("tensors    %zu, %zu elements (%zu blocks of %zu)\n", r.tensors, r.elements,
                 r.blocks, gpu::kBlockElements);
-    std::printf("%-32s %8.3f ms  %7.1f GB/s  (probe: device-to-device copy)\n", "memcpy d2d",
+    std::printf("%-34s %8.3f ms  %7.1f GB/s  (probe: device-to-device copy)\n", "memcpy d2d",
                 r.probe_ms, probe_bw * 1e-9);
     std::string json = "{\"device\": \"" + std::string(prop.name) +
                        "\", \"sms\": " + std::to_string(prop.multiProcessorCount) +
@@ -95,11 +95,12 @@ int main(int argc, char** argv) {
     for (std::size_t i = 0; i < r.rows.size(); ++i) {
       const bench::GpuBenchRow& row = r.rows[i];
       const double bw = row.bytes / (row.ms * 1e-3);
-      std::printf("%-32s %8.3f ms  %7.1f GB/s  ratio to memcpy %.3f  host %.1f us/call\n",
+      std::printf("%-34s %8.3f ms  %7.1f GB/s  ratio to memcpy %.3f  host %.1f us/call\n",
                   row.name.c_str(), row.ms, bw * 1e-9, bw / probe_bw, row.host_us);
       json += std::string(i ? ", " : "") + "{\"name\": \"" + row.name +
               "\", \"ms\": " + std::to_string(row.ms) + ", \"gbps\": " + std::to_string(bw * 1e-9) +
               ", \"ratio\": " + std::to_string(bw / probe_bw) +
+              ", \"optimizer\": " + (row.optimizer ? "true" : "false") +
               ", \"host_us\": " + std::to_string(row.host_us) + "}";
     }
     std::printf("host time per call, %zu tensors: %.1f us (scale+norm enqueue)\n",

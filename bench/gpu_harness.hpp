@@ -2,8 +2,9 @@
 // stepcore-bench-gpu program) and on the host device (a small smoke test in the test
 // suite, so a harness bug cannot stop a scarce GPU run): it builds the model's tensor
 // list and a 2,000-tensor list, sizes one workspace for every list it uses, validates
-// every kernel against the scalar reference, then times each kernel and a
-// same-traffic device-to-device copy (the probe) in the same run.
+// every kernel against the scalar reference, then times each kernel (the norm, the fused
+// scale + norm, accumulate, and every optimizer of the table with its default
+// hyper-parameters) and a same-traffic device-to-device copy (the probe) in the same run.
 #pragma once
 
 #include <algorithm>
@@ -12,14 +13,19 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "bench/model_sizes.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/gpu.hpp"
+#include "stepcore/managers.hpp"
 #include "stepcore/norm.hpp"
+#include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
 
 namespace stepcore::bench {
@@ -41,6 +47,7 @@ struct GpuBenchRow {
   double ms = 0.0;
   double bytes = 0.0;
   double host_us = 0.0;
+  bool optimizer = false;  ///< an optimizer's step (one row per optimizer of the table)
 };
 
 /// The run: the probe, the kernels, the host enqueue time per call, and the first
@@ -87,6 +94,14 @@ inline void download(device::Device& dev, void* h, const void* d, std::size_t by
   dev.synchronize();
 }
 
+/// Every optimizer the library implements, with its default hyper-parameters (one
+/// OptimizerConfig per alternative, in the order of optimizer_table()).
+inline std::vector<OptimizerConfig> default_configs() {
+  return []<std::size_t... I>(std::index_sequence<I...>) {
+    return std::vector<OptimizerConfig>{OptimizerConfig(std::in_place_index<I>)...};
+  }(std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
+}
+
 }  // namespace harness_detail
 
 /// Runs the benchmark on `dev`; stops at the first validation failure (result.failure).
@@ -104,7 +119,15 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   res.elements = total;
 
   DeviceMemory d_grad(dev, total * 2), d_copy(dev, total * 4), d_acc(dev, total * 4);
-  DeviceMemory d_p(dev, total * 4), d_m(dev, total * 4), d_v(dev, total * 4);
+  // The optimizers' state: as many f32 slot arrays as the defaults of any optimizer use.
+  const std::vector<OptimizerConfig> configs = harness_detail::default_configs();
+  std::size_t max_slots = 0;
+  for (const OptimizerConfig& c : configs)
+    max_slots = std::max(max_slots, optimizer_slot_names(c).size());
+  DeviceMemory d_p(dev, total * 4);
+  std::vector<std::unique_ptr<DeviceMemory>> d_slots;
+  for (std::size_t k = 0; k < max_slots; ++k)
+    d_slots.push_back(std::make_unique<DeviceMemory>(dev, total * 4));
   DeviceMemory d_out(dev, total * 2), d_steps(dev, sizes.size() * 4);
   DeviceMemory d_words(dev, 256);  // scale, clip, hyper
   std::vector<std::uint16_t> h_grad(total);
@@ -129,25 +152,33 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   std::vector<TensorView> views;
   std::vector<ConstTensorView> cviews;
   std::vector<AccumulatePair> pairs;
-  std::vector<OptimizerTensor> adamw;
-  std::vector<OptimizerTensor> sign;
+  // optimizer_tensors(c): the model list as c's tensors on the device (its slots, its
+  // counters when it counts steps), bf16 gradients and bf16 compute-weight outputs.
+  auto optimizer_tensors = [&](const OptimizerConfig& c) {
+    const std::size_t nslots = optimizer_slot_names(c).size();
+    const bool counts = optimizer_table()[c.index()].counts_steps;
+    std::vector<OptimizerTensor> ts;
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      const std::size_t s = sizes[k];
+      OptimizerTensor t{{d_p.as<float>() + at, s, DType::f32},
+                        {},
+                        counts ? d_steps.as<float>() + k : nullptr,
+                        {g16 + at, s, DType::bf16},
+                        {d_out.as<std::uint16_t>() + at, s, DType::bf16}};
+      for (std::size_t j = 0; j < nslots; ++j)
+        t.state[j] = TensorView{d_slots[j]->as<float>() + at, s, DType::f32};
+      ts.push_back(t);
+      at += s;
+    }
+    return ts;
+  };
   std::size_t off = 0;
   for (std::size_t k = 0; k < sizes.size(); ++k) {
     const std::size_t s = sizes[k];
     views.push_back({g16 + off, s, DType::bf16});
     cviews.push_back({g16 + off, s, DType::bf16});
     pairs.push_back({{d_acc.as<float>() + off, s, DType::f32}, {g16 + off, s, DType::bf16}, false});
-    adamw.push_back({{d_p.as<float>() + off, s, DType::f32},
-                     {TensorView{d_m.as<float>() + off, s, DType::f32},
-                      TensorView{d_v.as<float>() + off, s, DType::f32}},
-                     d_steps.as<float>() + k,
-                     {g16 + off, s, DType::bf16},
-                     {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
-    sign.push_back({{d_p.as<float>() + off, s, DType::f32},  // no state slot, no counter
-                    {},
-                    nullptr,
-                    {g16 + off, s, DType::bf16},
-                    {d_out.as<std::uint16_t>() + off, s, DType::bf16}});
     off += s;
   }
   // The small-tensor list for the host time per call.
@@ -161,18 +192,20 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   res.blocks = dev.norm_workspace_bytes(views) / sizeof(NormPartial);
   DeviceMemory d_ws(dev, ws), d_partial(dev, sizeof(NormPartial));
 
-  // Device scalars: scale 1, clip 1, the AdamW bias table and hyper-parameters.
-  AdamWConfig acfg;
-  acfg.lr = 1e-4;
-  acfg.weight_decay = 0.01;
-  const std::vector<double> bias = gpu::make_optimizer_table(acfg);
-  DeviceMemory d_bias(dev, bias.size() * sizeof(double));
-  upload(dev, d_bias.as<void>(), bias.data(), bias.size() * sizeof(double));
+  // Device scalars: scale 1, clip 1, and each optimizer's table (gpu::make_optimizer_table:
+  // AdamW's and Adam's bias corrections; empty for the others).
   const float ones[2] = {1.0f, 1.0f};
   upload(dev, d_words.as<void>(), ones, sizeof ones);
   const float* d_one = d_words.as<float>();
-  const OptimizerDeviceArgs dargs{d_one, d_one + 1, nullptr, nullptr, d_bias.as<double>()};
-  const SignSgdConfig scfg{1e-5, 0.0};
+  std::vector<std::unique_ptr<DeviceMemory>> d_tables;
+  std::vector<OptimizerDeviceArgs> dargs;
+  for (const OptimizerConfig& c : configs) {
+    const std::vector<double> table = gpu::make_optimizer_table(c);
+    d_tables.push_back(std::make_unique<DeviceMemory>(dev, std::max<std::size_t>(8, table.size() * 8)));
+    if (!table.empty()) upload(dev, d_tables.back()->as<void>(), table.data(), table.size() * 8);
+    dargs.push_back({d_one, d_one + 1, nullptr, nullptr,
+                     table.empty() ? nullptr : d_tables.back()->as<double>()});
+  }
 
   auto fail = [&](std::string what) {
     res.failure = std::move(what);
@@ -242,54 +275,52 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
     if (std::memcmp(back.data(), ref.data(), head * 4) != 0)
       return fail("accumulate differs from the reference");
   }
-  {  // one AdamW step of the head tensors
-    std::vector<float> p(h_p.begin(), h_p.begin() + static_cast<long>(head)), m(head, 0.0f),
-        v(head, 0.0f);
+  // One step of every optimizer over the head tensors, each from the same parameters and
+  // zero state, against the reference: parameters, compute weights, state and counters.
+  for (std::size_t u = 0; u < configs.size(); ++u) {
+    const OptimizerConfig& c = configs[u];
+    const char* name = optimizer_table()[u].name;
+    const std::size_t nslots = optimizer_slot_names(c).size();
+    const bool counts = optimizer_table()[u].counts_steps;
+    std::vector<float> p(h_p.begin(), h_p.begin() + static_cast<long>(head));
+    std::vector<std::vector<float>> st(nslots, std::vector<float>(head, 0.0f));
     std::vector<std::uint16_t> out(head);
     std::vector<float> steps(nv, 0.0f);
     std::vector<OptimizerTensor> ht;
     std::size_t at = 0;
     for (std::size_t k = 0; k < nv; ++k) {
       const std::size_t s = sizes[k];
-      ht.push_back(
-          {{p.data() + at, s, DType::f32},
-           {TensorView{m.data() + at, s, DType::f32}, TensorView{v.data() + at, s, DType::f32}},
-           &steps[k],
-           {h_grad.data() + at, s, DType::bf16},
-           {out.data() + at, s, DType::bf16}});
+      OptimizerTensor t{{p.data() + at, s, DType::f32},
+                        {},
+                        counts ? &steps[k] : nullptr,
+                        {h_grad.data() + at, s, DType::bf16},
+                        {out.data() + at, s, DType::bf16}};
+      for (std::size_t j = 0; j < nslots; ++j) t.state[j] = {st[j].data() + at, s, DType::f32};
+      ht.push_back(t);
       at += s;
     }
-    reference::adamw_step(ht, acfg, GradientRead{});
-    const std::vector<OptimizerTensor> dt(adamw.begin(), adamw.begin() + static_cast<long>(nv));
-    dev.optimizer_step(dt, acfg, dargs);
+    upload(dev, d_p.as<void>(), p.data(), head * 4);
+    for (std::size_t j = 0; j < nslots; ++j)
+      upload(dev, d_slots[j]->as<void>(), st[j].data(), head * 4);
+    upload(dev, d_steps.as<void>(), steps.data(), nv * 4);
+    reference::optimizer_step(ht, c, GradientRead{});
+    const std::vector<OptimizerTensor> all = optimizer_tensors(c);
+    const std::vector<OptimizerTensor> dt(all.begin(), all.begin() + static_cast<long>(nv));
+    dev.optimizer_step(dt, c, dargs[u]);
     std::vector<float> back(head);
     std::vector<std::uint16_t> oback(head);
     download(dev, back.data(), d_p.as<void>(), head * 4);
     download(dev, oback.data(), d_out.as<void>(), head * 2);
     if (std::memcmp(back.data(), p.data(), head * 4) != 0 || oback != out)
-      return fail("AdamW differs from the reference");
+      return fail(std::string(name) + " differs from the reference");
+    for (std::size_t j = 0; j < nslots; ++j) {
+      download(dev, back.data(), d_slots[j]->as<void>(), head * 4);
+      if (std::memcmp(back.data(), st[j].data(), head * 4) != 0)
+        return fail(std::string(name) + "'s state differs from the reference");
+    }
     std::vector<float> dsteps(nv);
     download(dev, dsteps.data(), d_steps.as<void>(), nv * 4);
-    if (dsteps != steps) return fail("AdamW step counters differ from the reference");
-    // SignSGD on the updated head parameters.
-    std::vector<OptimizerTensor> hs;
-    at = 0;
-    for (std::size_t k = 0; k < nv; ++k) {
-      const std::size_t s = sizes[k];
-      hs.push_back({{p.data() + at, s, DType::f32},
-                    {},
-                    nullptr,
-                    {h_grad.data() + at, s, DType::bf16},
-                    {out.data() + at, s, DType::bf16}});
-      at += s;
-    }
-    reference::sign_sgd_step(hs, scfg);
-    const std::vector<OptimizerTensor> ds(sign.begin(), sign.begin() + static_cast<long>(nv));
-    dev.optimizer_step(ds, scfg, OptimizerDeviceArgs{});
-    download(dev, back.data(), d_p.as<void>(), head * 4);
-    download(dev, oback.data(), d_out.as<void>(), head * 2);
-    if (std::memcmp(back.data(), p.data(), head * 4) != 0 || oback != out)
-      return fail("SignSGD differs from the reference");
+    if (dsteps != steps) return fail(std::string(name) + "'s step counters differ from the reference");
   }
 
   // ---- timing --------------------------------------------------------------------------
@@ -335,12 +366,16 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
       2.0 * g_bytes, 2);
   row(
       "accumulate bf16 -> f32", [&] { dev.accumulate(pairs); }, static_cast<double>(total) * 10.0);
-  row(
-      "adamw (f32 state, bf16 g/out)", [&] { dev.optimizer_step(adamw, acfg, dargs); },
-      static_cast<double>(total) * 28.0);
-  row(
-      "sign_sgd (f32, bf16 g/out)", [&] { dev.optimizer_step(sign, scfg, OptimizerDeviceArgs{}); },
-      static_cast<double>(total) * 12.0);
+  // Each optimizer: param f32 read + write, bf16 gradient read, bf16 output write, and
+  // each of its f32 slots read + written.
+  for (std::size_t u = 0; u < configs.size(); ++u) {
+    const std::vector<OptimizerTensor> ts = optimizer_tensors(configs[u]);
+    const std::size_t nslots = optimizer_slot_names(configs[u]).size();
+    const std::string name = std::string(optimizer_table()[u].name) + " (f32 state, bf16 g/out)";
+    row(name.c_str(), [&] { dev.optimizer_step(ts, configs[u], dargs[u]); },
+        static_cast<double>(total) * static_cast<double>(12 + 8 * nslots));
+    res.rows.back().optimizer = true;
+  }
 
   // Host time per call for the small-tensor list (enqueue only; the device runs meanwhile).
   {

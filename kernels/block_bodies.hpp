@@ -95,7 +95,7 @@ inline constexpr int kGroup = kVectorBytes / static_cast<int>(sizeof(T));
 /// Calls fn(std::type_identity<T>{}) for the storage type T of `dtype`: the one dtype
 /// dispatch of every block body.
 template <class Fn>
-STEPCORE_HD_INLINE void with_dtype(DType dtype, Fn&& fn) {
+STEPCORE_HD_INLINE STEPCORE_DISPATCH_INLINE void with_dtype(DType dtype, Fn&& fn) {
   switch (dtype) {
     case DType::f32:
       fn(std::type_identity<float>{});
@@ -112,7 +112,7 @@ STEPCORE_HD_INLINE void with_dtype(DType dtype, Fn&& fn) {
 /// Calls fn(std::type_identity<O>{}) for an optional output's kind (0: none, O = void;
 /// else 1 + its DType).
 template <class Fn>
-STEPCORE_HD_INLINE void with_output(std::int8_t kind, Fn&& fn) {
+STEPCORE_HD_INLINE STEPCORE_DISPATCH_INLINE void with_output(std::int8_t kind, Fn&& fn) {
   if (kind == 0)
     fn(std::type_identity<void>{});
   else
@@ -242,7 +242,7 @@ STEPCORE_HD_INLINE void scale_norm_thread(const LaunchArgs& a, int block, int th
                                           const NormPass& pass, Lane& lane) {
   const BlockTask t = a.task(block);
   void* p = a.data[t.tensor];
-  with_dtype(a.dtype[t.tensor], [&](auto type) {
+  with_dtype(a.dtype[t.tensor], [&](auto type) STEPCORE_DISPATCH_INLINE {
     scale_norm_typed<typename decltype(type)::type>(p, t, thread, threads, pass, lane);
   });
 }
@@ -273,7 +273,7 @@ STEPCORE_HD_INLINE void scale_thread(const LaunchArgs& a, int block, int thread,
                                      float factor) {
   const BlockTask t = a.task(block);
   void* p = a.data[t.tensor];
-  with_dtype(a.dtype[t.tensor], [&](auto type) {
+  with_dtype(a.dtype[t.tensor], [&](auto type) STEPCORE_DISPATCH_INLINE {
     scale_typed<typename decltype(type)::type>(p, t, thread, threads, factor);
   });
 }
@@ -389,7 +389,7 @@ STEPCORE_HD_INLINE void accumulate_thread(const LaunchArgs& a, int block, int th
   const BlockTask t = a.task(block);
   float* acc = static_cast<float*>(a.data[t.tensor]);
   const void* s = a.src[t.tensor];
-  with_dtype(a.src_dtype[t.tensor], [&](auto type) {
+  with_dtype(a.src_dtype[t.tensor], [&](auto type) STEPCORE_DISPATCH_INLINE {
     accumulate_typed<typename decltype(type)::type>(acc, s, t, thread, threads, copy);
   });
 }
@@ -493,11 +493,11 @@ STEPCORE_HD_INLINE void optimizer_thread(const OptimizerLaunchArgs<Opt>& a, int 
   const int t = task.tensor;
   const typename Opt::template Consts<ScalarOps> k_s(s);
   const std::uint64_t tail = Opt::tail_begin(a.config, a.map.numel[t]);
-  with_variant<Opt::kVariants>(Opt::variant(a.config), [&](auto form) {
+  with_variant<Opt::kVariants>(Opt::variant(a.config), [&](auto form) STEPCORE_DISPATCH_INLINE {
     constexpr int V = decltype(form)::value;
-    with_dtype(a.grad_dtype[t], [&](auto gt) {
+    with_dtype(a.grad_dtype[t], [&](auto gt) STEPCORE_DISPATCH_INLINE {
       using G = typename decltype(gt)::type;
-      with_output(a.out_kind[t], [&](auto ot) {
+      with_output(a.out_kind[t], [&](auto ot) STEPCORE_DISPATCH_INLINE {
         using O = typename decltype(ot)::type;
         constexpr int W = kGroup<float>;
         bool vec = aligned_to(a.grad[t], W * sizeof(G));

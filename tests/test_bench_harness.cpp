@@ -42,9 +42,18 @@ TEST(GpuBenchHarness, ValidatesAndTimesEveryKernelOnTheHostDevice) {
   // The small-tensor list needs more blocks than the model list: one workspace must cover
   // both (the run used to throw here).
   EXPECT_GT(o.small_tensors, r.blocks);
-  ASSERT_EQ(r.rows.size(), 5u);
+  // norm, scale+norm, accumulate, then one row per optimizer of the table, in its order.
+  const auto table = optimizer_table();
+  ASSERT_EQ(r.rows.size(), 3u + table.size());
+  for (std::size_t u = 0; u < table.size(); ++u) {
+    const bench::GpuBenchRow& row = r.rows[3 + u];
+    EXPECT_TRUE(row.optimizer) << row.name;
+    EXPECT_EQ(row.name.rfind(std::string(table[u].name) + " ", 0), 0u) << row.name;
+  }
+  EXPECT_FALSE(r.rows[0].optimizer);
   EXPECT_GT(r.probe_ms, 0.0);
-  EXPECT_EQ(batches, 6) << "the probe and every row, timed through best_ms";
+  EXPECT_EQ(batches, static_cast<int>(1 + r.rows.size()))
+      << "the probe and every row, timed through best_ms";
   for (const bench::GpuBenchRow& row : r.rows) {
     EXPECT_GT(row.ms, 0.0) << row.name;
     EXPECT_GT(row.bytes, 0.0) << row.name;

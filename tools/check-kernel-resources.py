@@ -1,23 +1,25 @@
 #!/usr/bin/env python3
 """Checks what the CUDA kernels cost each thread, from ptxas's own report, without a GPU.
 
-Compiles each given .cu file for each architecture (nvcc -cubin -Xptxas -v, nothing
-linked or kept) and reads, per kernel: its stack frame, its spill stores and loads, and
-its registers. It fails when a kernel
+The library's CUDA sources are compiled with -Xptxas=-v through tools/ptxas-report.sh,
+which keeps ptxas's report per object in the build's report folder. This reads those
+reports, per kernel and architecture: its stack frame, its spill stores and loads, and its
+registers. It fails when
 
-* has a stack frame above --max-stack bytes (default 1024: a by-value launch argument
-  copied into local memory shows here as kilobytes per thread),
-* spills more than --max-spill bytes (default 16: the exact norm lane's 12 today), or
-* uses more registers than lets --min-blocks blocks of --block-threads threads reside on
-  one SM (65,536 registers per SM on sm_80, sm_90 and sm_100, allocated per warp in
-  units of 256).
+* an expected object has no report, or its report lacks one of the build's architectures,
+* a kernel has a stack frame above --max-stack bytes (default 1024: a by-value launch
+  argument copied into local memory shows here as kilobytes per thread),
+* a kernel spills more than --max-spill bytes (default 16), or
+* a kernel uses more registers than lets --min-blocks blocks of --block-threads threads
+  reside on one SM (65,536 registers per SM on sm_80, sm_90 and sm_100, allocated per warp
+  in units of 256).
 
-Every kernel of every file and architecture is printed with its figures, the failures
-last. Exit status: 0 every kernel within the limits, 1 a kernel over one, 2 usage or a
-compiler error.
+Every kernel of every object and architecture is printed with its figures, the failures
+last. Exit status: 0 every kernel within the limits, 1 a kernel over one, 2 a missing or
+unreadable report or a usage error.
 
-Usage: tools/check-kernel-resources.py --nvcc NVCC --arch 80 [--arch 90 ...]
-           [--flag=-I... ...] FILE.cu [FILE.cu ...]
+Usage: tools/check-kernel-resources.py --reports DIR --arch 80 [--arch 90 ...]
+           --expect step_kernels.cu.o [--expect ...]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\d+a?)'")
 FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -64,51 +67,67 @@ def kernels_of(report: str) -> list[dict]:
     return out
 
 
+def short_names(mangled: list[str]) -> dict[str, str]:
+    """Readable kernel names: c++filt's, without namespaces and parameters (else as given)."""
+    try:
+        r = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True,
+                           text=True, check=True)
+        plain = r.stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return {m: m for m in mangled}
+    out = {}
+    for m, d in zip(mangled, plain):
+        d = re.sub(r"\b[A-Za-z_]\w*::|\(anonymous namespace\)::", "", d)
+        d = re.sub(r"^void ", "", d)
+        out[m] = d.split("(")[0] if "(" in d else d
+    return out
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nvcc", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--reports", required=True, help="the build's ptxas report folder")
     ap.add_argument("--arch", action="append", required=True, help="e.g. 90 (repeatable)")
-    ap.add_argument("--flag", action="append", default=[], help="a compiler flag (repeatable)")
+    ap.add_argument("--expect", action="append", required=True,
+                    help="an object whose report must be there, e.g. step_kernels.cu.o")
     ap.add_argument("--max-stack", type=int, default=1024)
     ap.add_argument("--max-spill", type=int, default=16)
     ap.add_argument("--block-threads", type=int, default=256)
     ap.add_argument("--min-blocks", type=int, default=2)
-    ap.add_argument("sources", nargs="+")
     args = ap.parse_args()
 
+    archs = {"sm_" + a.split("-")[0] for a in args.arch}  # CMake's "90-real" form
     failures: list[str] = []
     seen = 0
-    for src in args.sources:
-        for arch in args.arch:
-            arch = arch.split("-")[0]  # CMake's "90-real" form
-            cmd = [args.nvcc, "-cubin", f"-arch=sm_{arch}", "-Xptxas", "-v", "-o", "/dev/null",
-                   *args.flag, src]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                print(r.stdout + r.stderr, file=sys.stderr)
-                print(f"check-kernel-resources: nvcc failed on {src} for sm_{arch}",
-                      file=sys.stderr)
-                return 2
-            ks = kernels_of(r.stdout + r.stderr)
-            if not ks:
-                print(f"check-kernel-resources: no kernel reported for {src}, sm_{arch}",
-                      file=sys.stderr)
-                return 2
-            for k in ks:
-                seen += 1
-                blocks = blocks_per_sm(k["regs"], args.block_threads)
-                print(f"{k['arch']:7} stack {k['stack']:6} B  spill {k['spill']:5} B  "
-                      f"regs {k['regs']:3} ({min(blocks, 99)} blocks/SM)  {k['name']}")
-                why = []
-                if k["stack"] > args.max_stack:
-                    why.append(f"stack frame {k['stack']} B > {args.max_stack} B")
-                if k["spill"] > args.max_spill:
-                    why.append(f"spills {k['spill']} B > {args.max_spill} B")
-                if blocks < args.min_blocks:
-                    why.append(f"{k['regs']} registers leave {blocks} blocks of "
-                               f"{args.block_threads} threads per SM < {args.min_blocks}")
-                if why:
-                    failures.append(f"{k['arch']} {k['name']}: " + "; ".join(why))
+    for obj in args.expect:
+        path = Path(args.reports) / (obj + ".ptxas")
+        try:
+            ks = kernels_of(path.read_text(errors="replace"))
+        except OSError as e:
+            print(f"check-kernel-resources: no report for {obj} ({e}); build the library first",
+                  file=sys.stderr)
+            return 2
+        missing = archs - {k["arch"] for k in ks}
+        if missing:
+            print(f"check-kernel-resources: {path} has no kernel for {sorted(missing)}",
+                  file=sys.stderr)
+            return 2
+        names = short_names([k["name"] for k in ks])
+        for k in ks:
+            seen += 1
+            name = names[k["name"]]
+            blocks = blocks_per_sm(k["regs"], args.block_threads)
+            print(f"{k['arch']:7} stack {k['stack']:6} B  spill {k['spill']:5} B  "
+                  f"regs {k['regs']:3} ({min(blocks, 99)} blocks/SM)  {obj}: {name}")
+            why = []
+            if k["stack"] > args.max_stack:
+                why.append(f"stack frame {k['stack']} B > {args.max_stack} B")
+            if k["spill"] > args.max_spill:
+                why.append(f"spills {k['spill']} B > {args.max_spill} B")
+            if blocks < args.min_blocks:
+                why.append(f"{k['regs']} registers leave {blocks} blocks of "
+                           f"{args.block_threads} threads per SM < {args.min_blocks}")
+            if why:
+                failures.append(f"{k['arch']} {obj}: {name}: " + "; ".join(why))
     for f in failures:
         print("OVER: " + f)
     print(f"check-kernel-resources: {seen} kernels, {len(failures)} over a limit "

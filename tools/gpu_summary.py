@@ -17,8 +17,7 @@ import sys
 NO_DEVICE = "n/a (no device)"
 
 # The kernels' rows of stepcore-bench-gpu, by the start of their names.
-KERNELS = [("scale+norm", "scale+norm"), ("norm only", "norm"), ("accumulate", "accumulate"),
-           ("adamw", "AdamW"), ("sign_sgd", "SignSGD")]
+KERNELS = [("scale+norm", "scale+norm"), ("norm only", "norm"), ("accumulate", "accumulate")]
 
 
 def load_json(path):
@@ -70,6 +69,13 @@ def figures(logdir, have_gpu):
         row = next((r for r in (bench or {}).get("rows", []) if r["name"].startswith(prefix)), None)
         rows.append((f"{label}: ratio to a device copy",
                      f"{row['ratio']:.3f} ({row['gbps']:.0f} GB/s)" if row else NO_DEVICE))
+    # Every optimizer the benchmark timed (one row each, named from the optimizer table).
+    optimizers = [r for r in (bench or {}).get("rows", []) if r.get("optimizer")]
+    for row in optimizers:
+        rows.append((f"{row['name'].split(' ')[0]}: ratio to a device copy",
+                     f"{row['ratio']:.3f} ({row['gbps']:.0f} GB/s)"))
+    if not optimizers:
+        rows.append(("each optimizer: ratio to a device copy", NO_DEVICE))
     for prefix, label in (("adamw", "AdamW"), ("scale+norm", "scale+norm")):
         row = next((r for r in (bench or {}).get("rows", []) if r["name"].startswith(prefix)), None)
         tensors = f"{bench['tensors']} tensors" if bench and "tensors" in bench else "model list"

@@ -73,6 +73,12 @@
 #include "stepcore/convert.hpp"
 #include "stepcore/optim.hpp"
 
+// On a dispatch helper (a function or lambda that picks a variant or dtype at run time and
+// calls the body for it): always inlined. One that nvcc leaves out of line receives the
+// kernel's launch argument by reference, which copies the argument into every thread's
+// local memory (tools/check-kernel-resources.py fails on the stack frame and spills).
+#define STEPCORE_DISPATCH_INLINE __attribute__((always_inline))
+
 namespace stepcore::detail {
 
 /// One element at a time: each operation one correctly rounded binary32 operation
@@ -317,7 +323,7 @@ constexpr bool unit_slot_non_negative(int k) {
 /// Calls fn(std::integral_constant<int, V>{}) for the run-time variant v of a unit with
 /// `Count` variants (v in [0, Count)).
 template <int Count, int V = 0, class Fn>
-STEPCORE_HD_INLINE void with_variant(int v, Fn&& fn) {
+STEPCORE_HD_INLINE STEPCORE_DISPATCH_INLINE void with_variant(int v, Fn&& fn) {
   if constexpr (V + 1 < Count) {
     if (v != V) return with_variant<Count, V + 1>(v, static_cast<Fn&&>(fn));
   }

@@ -39,7 +39,8 @@ def test_without_a_gpu_every_device_cell_says_so(tmp_path):
     write(tmp_path, "bench-gpu.json", {"rows": [{"name": "adamw", "ratio": 0.9, "gbps": 1.0,
                                                  "host_us": 1.0, "ms": 1.0}]})
     rows, summary = run(tmp_path, False)
-    assert rows["AdamW: ratio to a device copy"] == "n/a (no device)"
+    assert rows["each optimizer: ratio to a device copy"] == "n/a (no device)"
+    assert "adamw: ratio to a device copy" not in rows
     assert rows["host cost per call: scale+norm (2,000 small tensors)"] == "n/a (no device)"
     assert rows["host cost per call: AdamW (model list, repeated)"] == "n/a (no device)"
     assert rows["host syncs per manager step, mode full (counted)"] == (
@@ -52,18 +53,21 @@ def test_without_a_gpu_every_device_cell_says_so(tmp_path):
 
 
 def test_with_a_gpu_the_figures_come_from_the_programs(tmp_path):
-    rows_in = [{"name": n, "ms": 1.0, "gbps": g, "ratio": r, "host_us": h}
-               for n, g, r, h in (("norm only (bf16, read)", 3900.0, 0.85, 20.0),
-                                  ("scale+norm (bf16, scale 2^-12)", 4000.0, 0.9, 25.0),
-                                  ("accumulate bf16 -> f32", 4100.0, 0.91, 30.0),
-                                  ("adamw (f32 state, bf16 g/out)", 3800.0, 0.8, 60.0),
-                                  ("sign_sgd (f32, bf16 g/out)", 3950.0, 0.88, 40.0))]
+    rows_in = [{"name": n, "ms": 1.0, "gbps": g, "ratio": r, "host_us": h, "optimizer": o}
+               for n, g, r, h, o in (("norm only (bf16, read)", 3900.0, 0.85, 20.0, False),
+                                     ("scale+norm (bf16, scale 2^-12)", 4000.0, 0.9, 25.0, False),
+                                     ("accumulate bf16 -> f32", 4100.0, 0.91, 30.0, False),
+                                     ("adamw (f32 state, bf16 g/out)", 3800.0, 0.8, 60.0, True),
+                                     ("sign_sgd (f32 state, bf16 g/out)", 3950.0, 0.88, 40.0, True),
+                                     ("lion (f32 state, bf16 g/out)", 3700.0, 0.79, 50.0, True))]
     write(tmp_path, "bench-gpu.json", {"device": "H200", "tensors": 433, "probe_gbps": 4400.0,
                                        "rows": rows_in, "host_us_small_call": 12.5})
     write(tmp_path, "nccl-step.json", nccl_step("cuda+nccl"))
     write(tmp_path, "ctest-results.txt", "GpuSteps.A passed\nGpuSteps.B passed\n")
     rows, summary = run(tmp_path, True)
-    assert rows["AdamW: ratio to a device copy"] == "0.800 (3800 GB/s)"
+    assert rows["adamw: ratio to a device copy"] == "0.800 (3800 GB/s)"
+    assert rows["lion: ratio to a device copy"] == "0.790 (3700 GB/s)"
+    assert "each optimizer: ratio to a device copy" not in rows
     assert rows["norm: ratio to a device copy"] == "0.850 (3900 GB/s)"
     assert rows["host cost per call: AdamW (433 tensors, repeated)"] == "60.0 us"
     assert rows["host cost per call: scale+norm (2,000 small tensors)"] == "12.5 us"
