@@ -6,7 +6,8 @@ which keeps ptxas's report per object in the build's report folder. This reads t
 reports, per kernel and architecture: its stack frame, its spill stores and loads, and its
 registers. It fails when
 
-* an expected object has no report, or its report lacks one of the build's architectures,
+* an expected object has no report, a report with kernels lacks one of the build's
+  architectures, or no report has a kernel,
 * a kernel has a stack frame above --max-stack bytes (default 1024: a by-value launch
   argument copied into local memory shows here as kilobytes per thread),
 * a kernel spills more than --max-spill bytes (default 16), or
@@ -107,7 +108,7 @@ def main() -> int:
                   file=sys.stderr)
             return 2
         missing = archs - {k["arch"] for k in ks}
-        if missing:
+        if ks and missing:  # a source without kernels (host code only) has an empty report
             print(f"check-kernel-resources: {path} has no kernel for {sorted(missing)}",
                   file=sys.stderr)
             return 2
@@ -128,6 +129,9 @@ def main() -> int:
                            f"{args.block_threads} threads per SM < {args.min_blocks}")
             if why:
                 failures.append(f"{k['arch']} {obj}: {name}: " + "; ".join(why))
+    if not seen:
+        print("check-kernel-resources: no kernel in any report", file=sys.stderr)
+        return 2
     for f in failures:
         print("OVER: " + f)
     print(f"check-kernel-resources: {seen} kernels, {len(failures)} over a limit "
