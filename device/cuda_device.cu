@@ -70,6 +70,24 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
+// Polls done() until it returns true or `timeout` has passed, yielding for the first 2 ms,
+// then sleeping 50 us between polls; returns whether done() did. The one polling loop of
+// the device's bounded waits (its own, and Event::wait_for).
+template <class Done>
+bool poll_until(std::chrono::milliseconds timeout, Done&& done) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  for (;;) {
+    if (done()) return true;
+    const auto waited = clock::now() - start;
+    if (waited >= timeout) return false;
+    if (waited < std::chrono::milliseconds(2))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 // The CUDA events of one device, reused: record() and record_on() take a free one (made
 // only when none is free), and an event goes back once its last handle is gone. Sharing
 // the pool keeps it alive for events that outlive their device. Re-recording a returned
@@ -132,6 +150,10 @@ class CudaEventState final : public Event::State {
     return false;
   }
   void wait() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  // Polled (a failed query counts as complete: the caller's synchronize raises it).
+  bool wait_for(std::chrono::milliseconds timeout) override {
+    return poll_until(timeout, [this] { return complete(); });
+  }
   cudaEvent_t event() const noexcept { return event_; }
 
  private:
@@ -197,6 +219,7 @@ class CudaDevice final : public Device {
   }
 
   std::string_view name() const noexcept override { return name_; }
+  std::chrono::milliseconds wait_timeout() const noexcept override { return wait_timeout_; }
 
   void* allocate(std::size_t bytes) override {
     const DeviceGuard guard(ordinal_);
@@ -420,9 +443,9 @@ class CudaDevice final : public Device {
   }
 
   // Returns true once the work queued so far on `streams` is done, false when it is not
-  // within wait_timeout_: an event recorded on each now, polled (yielding for the first
-  // 2 ms, then sleeping 50 us between polls). Work queued after the call is not waited
-  // for. A failed record or query counts as done (its error is the next call's).
+  // within wait_timeout_: an event recorded on each now, polled (poll_until). Work queued
+  // after the call is not waited for. A failed record or query counts as done (its error
+  // is the next call's).
   bool wait_bounded(std::initializer_list<cudaStream_t> streams) noexcept {
     std::array<cudaEvent_t, 3> events{};
     std::size_t n = 0;
@@ -440,23 +463,15 @@ class CudaDevice final : public Device {
       }
       events[n++] = e;
     }
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    bool done = false;
-    for (;;) {
-      done = true;
+    const bool done = poll_until(wait_timeout_, [&] {
+      bool all = true;
       for (std::size_t i = 0; i < n; ++i) {
         const cudaError_t q = cudaEventQuery(events[i]);
-        if (q == cudaErrorNotReady) done = false;
+        if (q == cudaErrorNotReady) all = false;
         if (q != cudaSuccess) cudaGetLastError();  // not sticky: reported by later work
       }
-      const auto waited = clock::now() - start;
-      if (done || waited >= wait_timeout_) break;
-      if (waited < std::chrono::milliseconds(2))
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+      return all;
+    });
     for (std::size_t i = 0; i < n; ++i)
       if (cudaEventDestroy(events[i]) != cudaSuccess) cudaGetLastError();
     return done;

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +44,9 @@ bool Event::complete() const { return state_ == nullptr || state_->complete(); }
 void Event::wait() const {
   if (state_ != nullptr) state_->wait();
 }
+bool Event::wait_for(std::chrono::milliseconds timeout) const {
+  return state_ == nullptr || state_->wait_for(timeout);
+}
 Device::~Device() = default;
 
 namespace {
@@ -60,6 +64,10 @@ class HostEventState final : public Event::State {
   void wait() override {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return done_; });
+  }
+  bool wait_for(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [this] { return done_; });
   }
   void set() {
     {
@@ -180,7 +188,8 @@ class Worker {
 
 class HostDevice final : public Device {
  public:
-  HostDevice(int threads, HostDeviceMemory memory) : threads_(threads), memory_kind_(memory) {}
+  HostDevice(int threads, HostDeviceMemory memory, std::chrono::milliseconds wait_timeout)
+      : threads_(threads), memory_kind_(memory), wait_timeout_(wait_timeout) {}
 
   ~HostDevice() override {
     gpu::detail::note_memory_released();  // its memory, and its memory check, go
@@ -194,6 +203,7 @@ class HostDevice final : public Device {
   }
 
   std::string_view name() const noexcept override { return "host"; }
+  std::chrono::milliseconds wait_timeout() const noexcept override { return wait_timeout_; }
 
   void* allocate(std::size_t bytes) override {
     const std::size_t n = bytes == 0 ? 1 : bytes;
@@ -472,6 +482,7 @@ class HostDevice final : public Device {
 
   const int threads_;
   const HostDeviceMemory memory_kind_;
+  const std::chrono::milliseconds wait_timeout_;  // wait_timeout(): its users' wait bound
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
   std::array<int, 3> inject_{-1, -1, -1};
@@ -483,13 +494,16 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device(int emulated_threads, HostDeviceMemory memory) {
+std::unique_ptr<Device> make_host_device(int emulated_threads, HostDeviceMemory memory,
+                                         std::chrono::milliseconds wait_timeout) {
   if (emulated_threads < 32 || emulated_threads > 1024 ||
       (emulated_threads & (emulated_threads - 1)) != 0)
     throw Error(Errc::out_of_range, "emulated_threads", "must be a power of two in [32, 1024]");
   if (memory != HostDeviceMemory::allocated_only && memory != HostDeviceMemory::any_host_memory)
     throw Error(Errc::invalid_argument, "memory", "not a HostDeviceMemory");
-  return std::make_unique<HostDevice>(emulated_threads, memory);
+  if (wait_timeout.count() <= 0)
+    throw Error(Errc::out_of_range, "wait_timeout", "the device's wait bound must be positive");
+  return std::make_unique<HostDevice>(emulated_threads, memory, wait_timeout);
 }
 
 namespace detail {

@@ -3,6 +3,7 @@
 // synchronisations.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -33,6 +34,9 @@ class ForwardingDevice : public device::Device {
   int synchronizations() const noexcept { return synchronizations_; }
 
   std::string_view name() const noexcept override { return host_->name(); }
+  std::chrono::milliseconds wait_timeout() const noexcept override {
+    return host_->wait_timeout();
+  }
   void* allocate(std::size_t bytes) override {
     ++allocations_;
     return host_->allocate(bytes);

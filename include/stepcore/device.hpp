@@ -47,6 +47,11 @@ class Event {
   /// raises only a failure of the wait itself (CUDA: Errc::cuda_error), never the
   /// errors of other queued work — Device::synchronize(e) waits and raises those.
   void wait() const;
+  /// Blocks the calling thread until the event is complete or `timeout` has passed;
+  /// returns whether it is complete (true at once for an empty event). Any thread, as
+  /// wait(); raises only a failure of the wait itself. What a bounded wait uses:
+  /// Device::wait_timeout() is the bound the managers give it.
+  bool wait_for(std::chrono::milliseconds timeout) const;
   /// The implementation's state (for the devices).
   const std::shared_ptr<State>& state() const noexcept { return state_; }
 
@@ -86,6 +91,12 @@ class Device {
 
   /// Returns "host" or "cuda:N".
   virtual std::string_view name() const noexcept = 0;
+  /// Returns the bound of every wait for this device's queued work: the device's own
+  /// (CUDA: allocate's zero fill, deallocate, destruction) and the full-offload manager's
+  /// waits for its copies and uploads (past it the manager fails with Errc::timeout).
+  /// Set where the device is made (make_cuda_device, make_host_device); default
+  /// comm::kDefaultTimeout.
+  virtual std::chrono::milliseconds wait_timeout() const noexcept = 0;
 
   /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
   virtual void* allocate(std::size_t bytes) = 0;
@@ -182,16 +193,19 @@ enum class HostDeviceMemory : std::uint8_t {
 
 /// Returns the host device: the stand-in GPU of CPU-only tests (see the file comment), or
 /// with HostDeviceMemory::any_host_memory the device of a CPU-only trainer.
-/// `emulated_threads` is the thread count per block of the CPU executor.
+/// `emulated_threads` is the thread count per block of the CPU executor; `wait_timeout`
+/// is its wait_timeout() (its own waits are not bounded: its queues are memcpy workers).
+/// Throws Errc::out_of_range naming "wait_timeout" unless it is positive.
 std::unique_ptr<Device> make_host_device(
-    int emulated_threads = 256, HostDeviceMemory memory = HostDeviceMemory::allocated_only);
+    int emulated_threads = 256, HostDeviceMemory memory = HostDeviceMemory::allocated_only,
+    std::chrono::milliseconds wait_timeout = comm::kDefaultTimeout);
 
 /// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
 /// given, as the compute stream: the trainer's stream, so gradients written on it are
 /// ordered before the manager's reads; cudaStreamLegacy or cudaStreamPerThread name the
 /// default streams). `wait_timeout` bounds the device's own waits for queued work
-/// (allocate's zero fill, deallocate, deallocate_host, destruction): pass the
-/// communicator's timeout() with NCCL. Past it, allocate throws Errc::timeout naming
+/// (allocate's zero fill, deallocate, deallocate_host, destruction) and is its
+/// wait_timeout(): pass the communicator's timeout() with NCCL. Past it, allocate throws Errc::timeout naming
 /// "wait_timeout", and memory the work may still use is abandoned instead of freed.
 /// Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
 /// "wait_timeout" unless it is positive.
