@@ -197,8 +197,8 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
   // the device (freed with it), never freed under the copies.
   bool drained = true;
   try {
-    drained = wait_copy_queues(failed_by_timeout() ? std::chrono::milliseconds(0)
-                                                   : dev_.wait_timeout());
+    drained =
+        wait_copy_queues(failed_by_timeout() ? std::chrono::milliseconds(0) : dev_.wait_timeout());
     if (!drained) store_error(std::make_exception_ptr(timeout_error({Awaited::queues, 0})));
   } catch (...) {
     store_error(std::current_exception());

@@ -38,9 +38,9 @@
 #include <vector>
 
 #include "managers/manager_impl.hpp"
-#include "stepcore/error.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
 #include "stepcore/host_slab.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/norm.hpp"
@@ -201,9 +201,9 @@ class OffloadGradientManager final : public ManagerImpl {
 
   // Device calls and their events (dev_mu_).
   std::mutex dev_mu_;
-  device::Event last_d2h_;     // the latest gradient copy (caller thread only)
+  device::Event last_d2h_;          // the latest gradient copy (caller thread only)
   std::size_t last_d2h_param_ = 0;  // its parameter
-  device::Event last_upload_;  // the latest compute-weight upload (under dev_mu_)
+  device::Event last_upload_;       // the latest compute-weight upload (under dev_mu_)
   Awaited last_upload_what_{Awaited::upload, 0};  // what it uploads (under dev_mu_)
 
   // The worker.

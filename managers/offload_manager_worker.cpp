@@ -222,8 +222,8 @@ void OffloadGradientManager::do_recover() {
     drained = wait_copy_queues(dev_.wait_timeout());
   } catch (const Error&) {
   }
-  if (!drained || !wait_copy_queues(dev_.wait_timeout()))  // a device that fails again cannot continue
-    throw timeout_error({Awaited::queues, 0});
+  // Then once more, raising: a device that fails again cannot continue.
+  if (!drained || !wait_copy_queues(dev_.wait_timeout())) throw timeout_error({Awaited::queues, 0});
   {
     const std::lock_guard lock(err_mu_);
     error_ = nullptr;
