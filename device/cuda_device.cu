@@ -25,6 +25,7 @@
 
 #include "device/device_internal.hpp"
 #include "kernels/check.cuh"
+#include "kernels/checked_plans.hpp"
 #include "kernels/plan_cache.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
@@ -273,6 +274,12 @@ class CudaDevice final : public Device {
     host_buffers_.remove(p);
   }
 
+  void check_memory(const void* p, std::size_t bytes, const std::string& name) const override {
+    if (device_mem_.check_inside(p, bytes, name)) return;
+    gpu::detail::check_pointer_device(gpu::detail::pointer_info(p), ordinal_,
+                                      ::stepcore::detail::Arg{name.c_str()});
+  }
+
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
     detail::check_copy(device_mem_, host_buffers_.ranges(), dst, src, bytes);
@@ -308,7 +315,7 @@ class CudaDevice final : public Device {
       const DeviceGuard guard(ordinal_);
       check(cudaStreamWaitEvent(stream, c->event(), 0), "cudaStreamWaitEvent");
     } else {
-      e.state()->wait();
+      wait_foreign(e);
     }
   }
 
@@ -319,7 +326,7 @@ class CudaDevice final : public Device {
       const DeviceGuard guard(ordinal_);
       check(cudaStreamWaitEvent(stream(q), c->event(), 0), "cudaStreamWaitEvent");
     } else {
-      e.state()->wait();  // another kind of device's event: wait on the host
+      wait_foreign(e);  // another kind of device's event: wait on the host
     }
   }
 
@@ -417,6 +424,15 @@ class CudaDevice final : public Device {
   cudaStream_t compute() const noexcept { return streams_[0]; }
   cudaStream_t stream(Queue q) const noexcept { return streams_[static_cast<std::size_t>(q)]; }
 
+  // Blocks until `e`, an event that is not a CUDA event (a HostEvent), is complete; past
+  // wait_timeout_ throws Errc::timeout naming "e".
+  void wait_foreign(const Event& e) const {
+    if (!e.state()->wait_for(wait_timeout_))
+      throw Error(Errc::timeout, "e",
+                  "a host event did not complete within " + std::to_string(wait_timeout_.count()) +
+                      " ms (the wait_timeout of " + name_ + ")");
+  }
+
   // Returns an event of the pool recorded on `s` now.
   Event record_event(cudaStream_t s) {
     const DeviceGuard guard(ordinal_);
@@ -434,12 +450,8 @@ class CudaDevice final : public Device {
 
   bool is_device_memory(const void* p) const {
     if (device_mem_.find(p).second != 0) return true;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    const auto kind = gpu::detail::pointer_info(p).kind;
+    return kind == gpu::detail::PointerInfo::device || kind == gpu::detail::PointerInfo::managed;
   }
 
   // Returns true once the work queued so far on `streams` is done, false when it is not

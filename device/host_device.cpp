@@ -236,6 +236,10 @@ class HostDevice final : public Device {
     host_buffers_.remove(p);
   }
 
+  void check_memory(const void* p, std::size_t bytes, const std::string& name) const override {
+    require_device(p, bytes, ::stepcore::detail::Arg{name.c_str()});
+  }
+
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
     raise_pending();
@@ -274,7 +278,7 @@ class HostDevice final : public Device {
   void wait_on(cudaStream_t stream, const Event& e) override {
     if (stream != nullptr)
       throw Error(Errc::invalid_argument, "stream", "the host device has no CUDA streams");
-    if (!e.empty()) e.state()->wait();  // the caller's "stream" is the calling thread
+    if (!e.empty()) wait_inline(e);  // the caller's "stream" is the calling thread
   }
 
   void wait(Queue q, const Event& e) override {
@@ -282,7 +286,7 @@ class HostDevice final : public Device {
     raise_pending();
     if (e.empty()) return;
     if (q == Queue::compute) {
-      e.state()->wait();  // compute work runs inline: the "stream wait" is a host wait
+      wait_inline(e);  // compute work runs inline: the "stream wait" is a host wait
       return;
     }
     worker(q).push(Task{[s = e.state()] { s->wait(); }, true});
@@ -432,6 +436,15 @@ class HostDevice final : public Device {
 
  private:
   Worker& worker(Queue q) { return q == Queue::d2h ? *d2h_ : *h2d_; }
+
+  // Blocks the calling thread until `e` is complete (the inline "stream wait" of compute
+  // and wait_on); past wait_timeout_ throws Errc::timeout naming "e".
+  void wait_inline(const Event& e) const {
+    if (!e.state()->wait_for(wait_timeout_))
+      throw Error(Errc::timeout, "e",
+                  "the event did not complete within " + std::to_string(wait_timeout_.count()) +
+                      " ms (the wait_timeout of the host device)");
+  }
 
   // Runs fn inline (compute) or queues it; an inline failure is stored like a queued one.
   void submit(Queue q, std::function<void()> fn) {

@@ -62,7 +62,8 @@ class Event {
 /// An event completed from the host: event() is complete once set() has been called (by
 /// any thread, once or more). Every device takes it where an Event is waited for: the host
 /// device's copy queues wait for it in their worker; the CUDA device, the host device's
-/// compute queue and Device::wait_on block the calling thread until it is set. For work
+/// compute queue and Device::wait_on block the calling thread until it is set, up to the
+/// device's wait_timeout() (past it Errc::timeout naming "e"). For work
 /// ordered behind host work (a producer thread's write handed over before it is done),
 /// and for tests of that ordering.
 class HostEvent {
@@ -109,6 +110,12 @@ class Device {
   /// Frees memory from allocate_host(); waits for queued work first (bounded as
   /// deallocate()). Never throws.
   virtual void deallocate_host(void* p) noexcept = 0;
+  /// Throws Errc::invalid_argument naming `name` unless [p, p + bytes) is memory this
+  /// device's kernels may use: its allocate()'s, or (CUDA) device memory of this very
+  /// device or managed memory, or (host device) as its HostDeviceMemory says. A manager
+  /// checks a caller's buffer with it once, before any work (another GPU's pointer would
+  /// fault in a kernel with a sticky illegal-address error).
+  virtual void check_memory(const void* p, std::size_t bytes, const std::string& name) const = 0;
 
   /// Enqueues a copy of `bytes` from `src` to `dst` (device or host memory, either
   /// direction) on queue `q`.
@@ -119,7 +126,8 @@ class Device {
   virtual void zero(Queue q, void* dst, std::size_t bytes) = 0;
   /// Returns an event recorded on queue `q` now.
   virtual Event record(Queue q) = 0;
-  /// Makes queue `q` wait for `e` before running work submitted after this call.
+  /// Makes queue `q` wait for `e` before running work submitted after this call (a wait
+  /// that blocks the caller, see HostEvent, is bounded by wait_timeout()).
   virtual void wait(Queue q, const Event& e) = 0;
   /// Returns an event recorded now on the caller's `stream` (the trainer's backward
   /// stream): CUDA records a CUDA event there; the host device, whose callers have no
@@ -205,9 +213,9 @@ std::unique_ptr<Device> make_host_device(
 /// ordered before the manager's reads; cudaStreamLegacy or cudaStreamPerThread name the
 /// default streams). `wait_timeout` bounds the device's own waits for queued work
 /// (allocate's zero fill, deallocate, deallocate_host, destruction) and is its
-/// wait_timeout(): pass the communicator's timeout() with NCCL. Past it, allocate throws Errc::timeout naming
-/// "wait_timeout", and memory the work may still use is abandoned instead of freed.
-/// Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
+/// wait_timeout(): pass the communicator's timeout() with NCCL. Past it, allocate throws
+/// Errc::timeout naming "wait_timeout", and memory the work may still use is abandoned instead of
+/// freed. Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
 /// "wait_timeout" unless it is positive.
 std::unique_ptr<Device> make_cuda_device(
     int ordinal = 0, cudaStream_t compute = nullptr,
