@@ -33,15 +33,11 @@ using clock_type = std::chrono::steady_clock;
 constexpr std::chrono::milliseconds kBound{1000};
 constexpr std::size_t kStuck = 4;  // the parameter whose event never completes
 
+// A full-offload manager of the test model on `dev`, its masters loaded.
 std::unique_ptr<GradientManager> make(device::Device& dev) {
-  ManagerConfig cfg = config_of(OffloadMode::full, dev);
-  auto m = make_gradient_manager(cfg);
-  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
-    std::vector<float> init(cfg.params[i].numel);
-    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
-    m->load_parameter(i, init);
-  }
-  return m;
+  Build b;
+  b.mode = OffloadMode::full;
+  return make_manager(b, Case{}, dev);
 }
 
 // The stream's options with parameter kStuck's first gradient of step `step` handed over
