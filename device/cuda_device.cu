@@ -25,6 +25,7 @@
 
 #include "device/device_internal.hpp"
 #include "kernels/check.cuh"
+#include "kernels/checked_plans.hpp"
 #include "kernels/plan_cache.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
@@ -69,6 +70,24 @@ class DeviceGuard {
   int previous_ = 0;
   bool switched_ = false;
 };
+
+// Polls done() until it returns true or `timeout` has passed, yielding for the first 2 ms,
+// then sleeping 50 us between polls; returns whether done() did. The one polling loop of
+// the device's bounded waits (its own, and Event::wait_for).
+template <class Done>
+bool poll_until(std::chrono::milliseconds timeout, Done&& done) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  for (;;) {
+    if (done()) return true;
+    const auto waited = clock::now() - start;
+    if (waited >= timeout) return false;
+    if (waited < std::chrono::milliseconds(2))
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
 
 // The CUDA events of one device, reused: record() and record_on() take a free one (made
 // only when none is free), and an event goes back once its last handle is gone. Sharing
@@ -132,6 +151,10 @@ class CudaEventState final : public Event::State {
     return false;
   }
   void wait() override { check(cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+  // Polled (a failed query counts as complete: the caller's synchronize raises it).
+  bool wait_for(std::chrono::milliseconds timeout) override {
+    return poll_until(timeout, [this] { return complete(); });
+  }
   cudaEvent_t event() const noexcept { return event_; }
 
  private:
@@ -197,6 +220,7 @@ class CudaDevice final : public Device {
   }
 
   std::string_view name() const noexcept override { return name_; }
+  std::chrono::milliseconds wait_timeout() const noexcept override { return wait_timeout_; }
 
   void* allocate(std::size_t bytes) override {
     const DeviceGuard guard(ordinal_);
@@ -250,6 +274,12 @@ class CudaDevice final : public Device {
     host_buffers_.remove(p);
   }
 
+  void check_memory(const void* p, std::size_t bytes, const std::string& name) const override {
+    if (device_mem_.check_inside(p, bytes, name)) return;
+    gpu::detail::check_pointer_device(gpu::detail::pointer_info(p), ordinal_,
+                                      ::stepcore::detail::Arg{name.c_str()});
+  }
+
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
     detail::check_copy(device_mem_, host_buffers_.ranges(), dst, src, bytes);
@@ -285,7 +315,7 @@ class CudaDevice final : public Device {
       const DeviceGuard guard(ordinal_);
       check(cudaStreamWaitEvent(stream, c->event(), 0), "cudaStreamWaitEvent");
     } else {
-      e.state()->wait();
+      wait_foreign(e);
     }
   }
 
@@ -296,7 +326,7 @@ class CudaDevice final : public Device {
       const DeviceGuard guard(ordinal_);
       check(cudaStreamWaitEvent(stream(q), c->event(), 0), "cudaStreamWaitEvent");
     } else {
-      e.state()->wait();  // another kind of device's event: wait on the host
+      wait_foreign(e);  // another kind of device's event: wait on the host
     }
   }
 
@@ -394,6 +424,15 @@ class CudaDevice final : public Device {
   cudaStream_t compute() const noexcept { return streams_[0]; }
   cudaStream_t stream(Queue q) const noexcept { return streams_[static_cast<std::size_t>(q)]; }
 
+  // Blocks until `e`, an event that is not a CUDA event (a HostEvent), is complete; past
+  // wait_timeout_ throws Errc::timeout naming "e".
+  void wait_foreign(const Event& e) const {
+    if (!e.state()->wait_for(wait_timeout_))
+      throw Error(Errc::timeout, "e",
+                  "a host event did not complete within " + std::to_string(wait_timeout_.count()) +
+                      " ms (the wait_timeout of " + name_ + ")");
+  }
+
   // Returns an event of the pool recorded on `s` now.
   Event record_event(cudaStream_t s) {
     const DeviceGuard guard(ordinal_);
@@ -411,18 +450,14 @@ class CudaDevice final : public Device {
 
   bool is_device_memory(const void* p) const {
     if (device_mem_.find(p).second != 0) return true;
-    cudaPointerAttributes attr{};
-    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    const auto kind = gpu::detail::pointer_info(p).kind;
+    return kind == gpu::detail::PointerInfo::device || kind == gpu::detail::PointerInfo::managed;
   }
 
   // Returns true once the work queued so far on `streams` is done, false when it is not
-  // within wait_timeout_: an event recorded on each now, polled (yielding for the first
-  // 2 ms, then sleeping 50 us between polls). Work queued after the call is not waited
-  // for. A failed record or query counts as done (its error is the next call's).
+  // within wait_timeout_: an event recorded on each now, polled (poll_until). Work queued
+  // after the call is not waited for. A failed record or query counts as done (its error
+  // is the next call's).
   bool wait_bounded(std::initializer_list<cudaStream_t> streams) noexcept {
     std::array<cudaEvent_t, 3> events{};
     std::size_t n = 0;
@@ -440,23 +475,15 @@ class CudaDevice final : public Device {
       }
       events[n++] = e;
     }
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    bool done = false;
-    for (;;) {
-      done = true;
+    const bool done = poll_until(wait_timeout_, [&] {
+      bool all = true;
       for (std::size_t i = 0; i < n; ++i) {
         const cudaError_t q = cudaEventQuery(events[i]);
-        if (q == cudaErrorNotReady) done = false;
+        if (q == cudaErrorNotReady) all = false;
         if (q != cudaSuccess) cudaGetLastError();  // not sticky: reported by later work
       }
-      const auto waited = clock::now() - start;
-      if (done || waited >= wait_timeout_) break;
-      if (waited < std::chrono::milliseconds(2))
-        std::this_thread::yield();
-      else
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+      return all;
+    });
     for (std::size_t i = 0; i < n; ++i)
       if (cudaEventDestroy(events[i]) != cudaSuccess) cudaGetLastError();
     return done;

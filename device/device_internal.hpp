@@ -3,6 +3,7 @@
 // registry of a device's allocations that range-checks copies before they are queued.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,8 @@ struct Event::State {
   virtual bool complete() = 0;
   // Blocks the calling thread until complete(); may throw the device's runtime error.
   virtual void wait() = 0;
+  // wait() for at most `timeout`; returns complete() (a failed wait may throw, as wait()).
+  virtual bool wait_for(std::chrono::milliseconds timeout) = 0;
 };
 
 namespace detail {

@@ -11,6 +11,7 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +44,9 @@ bool Event::complete() const { return state_ == nullptr || state_->complete(); }
 void Event::wait() const {
   if (state_ != nullptr) state_->wait();
 }
+bool Event::wait_for(std::chrono::milliseconds timeout) const {
+  return state_ == nullptr || state_->wait_for(timeout);
+}
 Device::~Device() = default;
 
 namespace {
@@ -60,6 +64,10 @@ class HostEventState final : public Event::State {
   void wait() override {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [this] { return done_; });
+  }
+  bool wait_for(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [this] { return done_; });
   }
   void set() {
     {
@@ -180,7 +188,8 @@ class Worker {
 
 class HostDevice final : public Device {
  public:
-  HostDevice(int threads, HostDeviceMemory memory) : threads_(threads), memory_kind_(memory) {}
+  HostDevice(int threads, HostDeviceMemory memory, std::chrono::milliseconds wait_timeout)
+      : threads_(threads), memory_kind_(memory), wait_timeout_(wait_timeout) {}
 
   ~HostDevice() override {
     gpu::detail::note_memory_released();  // its memory, and its memory check, go
@@ -194,6 +203,7 @@ class HostDevice final : public Device {
   }
 
   std::string_view name() const noexcept override { return "host"; }
+  std::chrono::milliseconds wait_timeout() const noexcept override { return wait_timeout_; }
 
   void* allocate(std::size_t bytes) override {
     const std::size_t n = bytes == 0 ? 1 : bytes;
@@ -224,6 +234,10 @@ class HostDevice final : public Device {
     gpu::detail::note_memory_released();
     drain();
     host_buffers_.remove(p);
+  }
+
+  void check_memory(const void* p, std::size_t bytes, const std::string& name) const override {
+    require_device(p, bytes, ::stepcore::detail::Arg{name.c_str()});
   }
 
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
@@ -264,7 +278,7 @@ class HostDevice final : public Device {
   void wait_on(cudaStream_t stream, const Event& e) override {
     if (stream != nullptr)
       throw Error(Errc::invalid_argument, "stream", "the host device has no CUDA streams");
-    if (!e.empty()) e.state()->wait();  // the caller's "stream" is the calling thread
+    if (!e.empty()) wait_inline(e);  // the caller's "stream" is the calling thread
   }
 
   void wait(Queue q, const Event& e) override {
@@ -272,7 +286,7 @@ class HostDevice final : public Device {
     raise_pending();
     if (e.empty()) return;
     if (q == Queue::compute) {
-      e.state()->wait();  // compute work runs inline: the "stream wait" is a host wait
+      wait_inline(e);  // compute work runs inline: the "stream wait" is a host wait
       return;
     }
     worker(q).push(Task{[s = e.state()] { s->wait(); }, true});
@@ -423,6 +437,15 @@ class HostDevice final : public Device {
  private:
   Worker& worker(Queue q) { return q == Queue::d2h ? *d2h_ : *h2d_; }
 
+  // Blocks the calling thread until `e` is complete (the inline "stream wait" of compute
+  // and wait_on); past wait_timeout_ throws Errc::timeout naming "e".
+  void wait_inline(const Event& e) const {
+    if (!e.state()->wait_for(wait_timeout_))
+      throw Error(Errc::timeout, "e",
+                  "the event did not complete within " + std::to_string(wait_timeout_.count()) +
+                      " ms (the wait_timeout of the host device)");
+  }
+
   // Runs fn inline (compute) or queues it; an inline failure is stored like a queued one.
   void submit(Queue q, std::function<void()> fn) {
     if (q != Queue::compute) {
@@ -472,6 +495,7 @@ class HostDevice final : public Device {
 
   const int threads_;
   const HostDeviceMemory memory_kind_;
+  const std::chrono::milliseconds wait_timeout_;  // wait_timeout(): its users' wait bound
   detail::Allocations device_mem_;
   detail::HostBuffers host_buffers_;
   std::array<int, 3> inject_{-1, -1, -1};
@@ -483,13 +507,16 @@ class HostDevice final : public Device {
 
 }  // namespace
 
-std::unique_ptr<Device> make_host_device(int emulated_threads, HostDeviceMemory memory) {
+std::unique_ptr<Device> make_host_device(int emulated_threads, HostDeviceMemory memory,
+                                         std::chrono::milliseconds wait_timeout) {
   if (emulated_threads < 32 || emulated_threads > 1024 ||
       (emulated_threads & (emulated_threads - 1)) != 0)
     throw Error(Errc::out_of_range, "emulated_threads", "must be a power of two in [32, 1024]");
   if (memory != HostDeviceMemory::allocated_only && memory != HostDeviceMemory::any_host_memory)
     throw Error(Errc::invalid_argument, "memory", "not a HostDeviceMemory");
-  return std::make_unique<HostDevice>(emulated_threads, memory);
+  if (wait_timeout.count() <= 0)
+    throw Error(Errc::out_of_range, "wait_timeout", "the device's wait bound must be positive");
+  return std::make_unique<HostDevice>(emulated_threads, memory, wait_timeout);
 }
 
 namespace detail {

@@ -269,4 +269,24 @@ constexpr auto checked_instances(::stepcore::detail::UnitList<Units...>) {
 }
 extern const auto kCheckedInstances = checked_instances(::stepcore::detail::AllUnits{});
 
+void check_pointer_device(const PointerInfo& info, int launch_device,
+                          const ::stepcore::detail::Arg& name) {
+  switch (info.kind) {
+    case PointerInfo::managed:
+      return;
+    case PointerInfo::device:
+      if (info.ordinal == launch_device) return;
+      throw Error(Errc::invalid_argument, name.str(),
+                  "device memory of CUDA device " + std::to_string(info.ordinal) +
+                      ", but the launch runs on device " + std::to_string(launch_device) +
+                      " (the current device): make the memory's device current for the call");
+    case PointerInfo::host:
+      throw Error(Errc::invalid_argument, name.str(),
+                  "a host pointer where device memory is needed");
+    case PointerInfo::unknown:
+      break;
+  }
+  throw Error(Errc::invalid_argument, name.str(), "not a CUDA pointer");
+}
+
 }  // namespace stepcore::gpu::detail

@@ -28,6 +28,30 @@ namespace stepcore::gpu::detail {
 using MemoryCheck =
     std::function<void(const void* p, std::size_t bytes, const ::stepcore::detail::Arg& name)>;
 
+/// What the CUDA runtime says of a pointer (cudaPointerGetAttributes), for the launchers'
+/// memory check.
+struct PointerInfo {
+  enum Kind : std::uint8_t {
+    unknown,  ///< the runtime could not say (the query failed)
+    host,     ///< host memory, registered or not
+    device,   ///< device memory of CUDA device `ordinal`
+    managed,  ///< managed memory (any device may use it)
+  } kind = unknown;
+  int ordinal = -1;  ///< the device of device memory
+};
+
+/// Returns what the CUDA runtime says of p (cudaPointerGetAttributes; a failed query is
+/// `unknown`). Defined in CUDA builds only (step_kernels.cu).
+PointerInfo pointer_info(const void* p) noexcept;
+
+/// The launchers' pointer rule: a kernel launched on CUDA device `launch_device` (the
+/// current device) may use device memory of that device or managed memory. Anything else
+/// throws Errc::invalid_argument naming `name`, saying what it is: not a CUDA pointer, a
+/// host pointer, or device memory of another device (a multi-GPU caller's pointer from
+/// another GPU would fault with a sticky illegal-address error in the kernel).
+void check_pointer_device(const PointerInfo& info, int launch_device,
+                          const ::stepcore::detail::Arg& name);
+
 /// Returns writable views of read-only tensors (the norm kernels write only when asked).
 std::vector<TensorView> as_views(std::span<const ConstTensorView> tensors);
 

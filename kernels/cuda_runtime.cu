@@ -1,8 +1,11 @@
-// Device discovery for the CUDA layer.
+// Device discovery for the CUDA layer, and the scope of a current device.
 #include <cuda_runtime.h>
+
+#include <string>
 
 #include "kernels/check.cuh"
 #include "stepcore/cuda_host.hpp"
+#include "stepcore/error.hpp"
 
 namespace stepcore::cuda {
 
@@ -40,6 +43,24 @@ std::string unavailable_reason() {
            cudaGetErrorString(s) + ")";
   }
   return n > 0 ? std::string() : std::string("no CUDA device is present");
+}
+
+CurrentDevice::CurrentDevice(int device) {
+  const int n = device_count();
+  if (n == 0) return;
+  if (device < 0 || device >= n)
+    throw Error(Errc::invalid_argument, "device",
+                "CUDA device " + std::to_string(device) + " is not present (" + std::to_string(n) +
+                    " devices)");
+  int current = -1;
+  detail::check(cudaGetDevice(&current), "cudaGetDevice");
+  if (current == device) return;
+  detail::check(cudaSetDevice(device), "cudaSetDevice");
+  previous_ = current;
+}
+
+CurrentDevice::~CurrentDevice() {
+  if (previous_ >= 0 && cudaSetDevice(previous_) != cudaSuccess) cudaGetLastError();
 }
 
 }  // namespace stepcore::cuda

@@ -176,27 +176,43 @@ __global__ void finalize_exact_and_clip_kernel(const NormPartial* d_exact_partia
   *d_found_inf = flag;
 }
 
-void require_device_pointer(const void* p, const ::stepcore::detail::Arg& name) {
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
-    cudaGetLastError();
-    throw Error(Errc::invalid_argument, name.str(), "not a CUDA pointer");
-  }
-  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
-    throw Error(Errc::invalid_argument, name.str(), "a host pointer where device memory is needed");
+// Returns the calling thread's current CUDA device: the device the launches go to.
+int current_device() {
+  int current = -1;
+  cuda::detail::check(cudaGetDevice(&current), "cudaGetDevice");
+  return current;
 }
 
-void require_device_pointer(const void* p, const char* name) {
-  require_device_pointer(p, ::stepcore::detail::Arg{name});
+// Throws unless p is memory a kernel on device `launch_device` may use
+// (check_pointer_device).
+void require_device_pointer(const void* p, const ::stepcore::detail::Arg& name, int launch_device) {
+  detail::check_pointer_device(detail::pointer_info(p), launch_device, name);
 }
 
-// The launchers' memory check: the runtime must know the start as device memory.
+// The launchers' memory check on the current device: the runtime must know the start as
+// memory of that device (or managed). One check object per device: a cached call is keyed
+// by its check's address (plan_cache.hpp), so a call validated with one device current is
+// checked again with another. Without a usable device, one check that refuses every
+// pointer as the runtime describes it.
 const detail::MemoryCheck& device_memory() {
-  static const detail::MemoryCheck check = [](const void* p, std::size_t,
-                                              const ::stepcore::detail::Arg& name) {
-    require_device_pointer(p, name);
+  auto check_on = [](int launch_device) -> detail::MemoryCheck {
+    return [launch_device](const void* p, std::size_t, const ::stepcore::detail::Arg& name) {
+      require_device_pointer(p, name, launch_device);
+    };
   };
-  return check;
+  static const std::vector<detail::MemoryCheck> checks = [&] {
+    std::vector<detail::MemoryCheck> v;
+    for (int d = 0; d < cuda::device_count(); ++d) v.push_back(check_on(d));
+    return v;
+  }();
+  static const detail::MemoryCheck no_device = check_on(-1);
+  if (checks.empty()) return no_device;
+  const int current = current_device();
+  if (current < 0 || static_cast<std::size_t>(current) >= checks.size())
+    throw Error(Errc::cuda_error, "device",
+                "the current device " + std::to_string(current) + " is not one of the " +
+                    std::to_string(checks.size()) + " devices present");
+  return checks[static_cast<std::size_t>(current)];
 }
 
 // Enqueues a norm pass (Lane: fast or exact) over a checked plan: `pass` with its factors
@@ -223,6 +239,17 @@ LaunchPlan checked_plan(std::span<const TensorView> d_tensors, NormPartial* d_pa
 }
 
 }  // namespace
+
+detail::PointerInfo detail::pointer_info(const void* p) noexcept {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the query's own failure
+    return {};
+  }
+  if (attr.type == cudaMemoryTypeManaged) return {PointerInfo::managed, attr.device};
+  if (attr.type == cudaMemoryTypeDevice) return {PointerInfo::device, attr.device};
+  return {PointerInfo::host, -1};
+}
 
 void scale_and_norm_partial(std::span<const TensorView> d_tensors, float scale,
                             NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
@@ -324,7 +351,7 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
   const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
                                        "d_exact_partial", d_workspace, workspace_bytes);
-  require_device_pointer(d_found_inf, "d_found_inf");
+  device_memory()(d_found_inf, sizeof(std::int32_t), ::stepcore::detail::Arg{"d_found_inf"});
   enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
                                       nullptr, d_found_inf, d_exact_partial, d_workspace, stream);
 }
@@ -337,7 +364,7 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors,
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
   const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
                                        "d_exact_partial", d_workspace, workspace_bytes);
-  require_device_pointer(d_found_inf, "d_found_inf");
+  device_memory()(d_found_inf, sizeof(std::int32_t), ::stepcore::detail::Arg{"d_found_inf"});
   detail::check_device_read(d_read, &device_memory());
   enqueue_norm<detail::ExactNormLane>(plan, detail::NormPass{}, d_read.scale, d_read.clip,
                                       d_found_inf, d_exact_partial, d_workspace, stream);

@@ -30,6 +30,11 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   // SignSGD takes the sign of the raw accumulator (the read is not applied); scaling it in
   // place could flush a tiny value to zero, so SignSGD always reads lazily.
   eager_ = !cfg.lazy_gpu_scale && shape().reads_scaled;
+  // The caller's compute destinations, which the step's kernels write: memory of this
+  // device, checked once here rather than refused by the first step's launch.
+  for (std::size_t i = 0; i < cfg.params.size(); ++i)
+    if (const TensorView& d = cfg.params[i].compute_into; d.numel != 0)
+      dev_.check_memory(d.data, d.bytes(), "params[" + std::to_string(i) + "].compute_into");
   params_.resize(cfg.params.size());
   accumulated_.assign(cfg.params.size(), 0);
   accumulate_plans_.resize(cfg.params.size());

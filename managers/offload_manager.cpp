@@ -4,6 +4,7 @@
 #include "managers/offload_manager.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -132,9 +133,10 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const flo
   round_into(arrays[0], p.out);
   const Event e = on_device([&] {
     dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
+    last_upload_what_ = {Awaited::upload, i};
     return last_upload_ = dev_.record(Queue::h2d);
   });
-  sync_event(e);
+  sync_event(e, {Awaited::upload, i});
 }
 
 ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const {
@@ -155,7 +157,7 @@ void OffloadGradientManager::do_read_parameter(std::size_t i, Arrays<float> arra
     dev_.copy(Queue::d2h, p.out.data, p.compute.data, p.out.bytes());
     return dev_.record(Queue::d2h);
   });
-  sync_event(e);
+  sync_event(e, {Awaited::read_back, i});
   std::memcpy(compute.data(), p.out.data, compute.size());
 }
 
@@ -177,7 +179,7 @@ ManagerImpl::HostArrays OffloadGradientManager::do_host_state(std::size_t i) {
 void OffloadGradientManager::do_synchronize() {
   drain();
   wait_uploads();
-  sync_event(last_d2h_);
+  sync_event(last_d2h_, {Awaited::gradient_copy, last_d2h_param_});
 }
 
 std::exception_ptr OffloadGradientManager::do_close() noexcept {
@@ -188,15 +190,24 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
     stop_ = true;
   }
   task_cv_.notify_all();
-  if (worker_.joinable()) worker_.join();  // runs the queued tasks (skipped after a failure)
+  // Runs the queued tasks (skipped after a failure); each of their waits is bounded.
+  if (worker_.joinable()) worker_.join();
+  // The copy queues, bounded (not waited for again when a wait already timed out):
+  // past the bound, queued copies may still read or write the slabs, so they are left to
+  // the device (freed with it), never freed under the copies.
+  bool drained = true;
   try {
-    dev_.synchronize();
+    drained =
+        wait_copy_queues(failed_by_timeout() ? std::chrono::milliseconds(0) : dev_.wait_timeout());
+    if (!drained) store_error(std::make_exception_ptr(timeout_error({Awaited::queues, 0})));
   } catch (...) {
     store_error(std::current_exception());
   }
-  if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
-  if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
-  if (stage_space_ != nullptr) dev_.deallocate(stage_space_);
+  if (drained) {
+    if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
+    if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
+    if (stage_space_ != nullptr) dev_.deallocate(stage_space_);
+  }
   pinned_slab_ = dev_slab_ = stage_space_ = nullptr;
   state_ = numa::HostBuffer{};
   spare_space_ = numa::HostBuffer{};

@@ -13,9 +13,13 @@
 // it, and the decision waits only for what the norm needs, not for speculative steps
 // it may cancel (a rollback or skip cancels the step's speculative tasks not yet run).
 // All Device calls are serialised by dev_mu_; waits on events happen outside it
-// (Event::wait), then synchronize(event) collects errors under it. The worker never
-// joins a collective, so it cannot hang on a peer. An error of asynchronous work makes
-// the manager failed: every later hook raises that same error (sticky), close() returns it.
+// (Event::wait_for), then synchronize(event) collects errors under it. The worker never
+// joins a collective, so it cannot hang on a peer; every wait for the device's work is
+// bounded by Device::wait_timeout() (a gradient copy stuck behind a trainer's event that
+// never completes, as when an FSDP peer died mid reduce-scatter): past it the wait fails
+// with Errc::timeout naming what it waited for. An error of asynchronous work makes the
+// manager failed: every later hook raises that same error (sticky), close() returns it,
+// load_checkpoint recovers from it once the device's queues drain within the bound.
 #pragma once
 
 #include <array>
@@ -36,6 +40,7 @@
 #include "managers/manager_impl.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/device.hpp"
+#include "stepcore/error.hpp"
 #include "stepcore/host_slab.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/norm.hpp"
@@ -108,8 +113,28 @@ class OffloadGradientManager final : public ManagerImpl {
   // Runs f under dev_mu_; a Device error becomes the manager's (sticky) error.
   template <class F>
   decltype(auto) on_device(F&& f);
-  // Waits for e (any thread), then raises the device's errors (sticky).
-  void sync_event(const device::Event& e);
+  // What a bounded wait waits for, named by its timeout error.
+  struct Awaited {
+    enum Kind : std::uint8_t {
+      gradient_copy,  // parameter `index`'s gradient into staging (after `written`)
+      upload,         // parameter `index`'s compute weights to the device (import)
+      chunk_upload,   // chunk `index`'s compute weights to the device (a step)
+      read_back,      // parameter `index`'s compute weights from the device
+      queues,         // everything queued on the copy queues (`index` unused)
+    } kind;
+    std::size_t index;
+  };
+  // The Errc::timeout error of a wait for `what` that passed the device's wait bound.
+  Error timeout_error(Awaited what) const;
+  // Waits for e (any thread) up to the device's wait_timeout(), then raises the device's
+  // errors; past the bound, the timeout error of `what`. Either is sticky.
+  void sync_event(const device::Event& e, Awaited what);
+  // Waits up to `bound` for the work queued so far on the copy queues (an event recorded
+  // on each now), then raises its errors; returns false at the bound (the work may still
+  // run: nothing it uses may be freed). Not sticky: the caller decides.
+  bool wait_copy_queues(std::chrono::milliseconds bound);
+  // The stored error is a timed-out wait (the device's queues were found stuck).
+  bool failed_by_timeout() const noexcept;
 
   // ---- the worker ------------------------------------------------------------------------
   enum Lane : std::size_t { main = 0, late = 1 };
@@ -176,8 +201,10 @@ class OffloadGradientManager final : public ManagerImpl {
 
   // Device calls and their events (dev_mu_).
   std::mutex dev_mu_;
-  device::Event last_d2h_;     // the latest gradient copy (caller thread only)
-  device::Event last_upload_;  // the latest compute-weight upload (under dev_mu_)
+  device::Event last_d2h_;          // the latest gradient copy (caller thread only)
+  std::size_t last_d2h_param_ = 0;  // its parameter
+  device::Event last_upload_;       // the latest compute-weight upload (under dev_mu_)
+  Awaited last_upload_what_{Awaited::upload, 0};  // what it uploads (under dev_mu_)
 
   // The worker.
   std::mutex mu_;

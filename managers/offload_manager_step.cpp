@@ -87,6 +87,7 @@ void OffloadGradientManager::upload_chunk(std::size_t k, const Event& after, boo
         dev_.copy(Queue::h2d, p.compute.data, staged ? p.staged.data : p.out.data, p.out.bytes());
     }
     last_upload_ = dev_.record(Queue::h2d);
+    last_upload_what_ = {Awaited::chunk_upload, k};
   });
 }
 
@@ -101,16 +102,19 @@ void OffloadGradientManager::stage_chunk(std::size_t k) {
       if (p.out.numel != 0) dev_.copy(Queue::h2d, p.staged.data, p.out.data, p.out.bytes());
     }
     last_upload_ = dev_.record(Queue::h2d);
+    last_upload_what_ = {Awaited::chunk_upload, k};
   });
 }
 
 void OffloadGradientManager::wait_uploads() {
   Event e;
+  Awaited what{};
   {
     const std::lock_guard lock(dev_mu_);
     e = last_upload_;
+    what = last_upload_what_;
   }
-  sync_event(e);
+  sync_event(e, what);
 }
 
 void OffloadGradientManager::do_begin_step() {
@@ -128,7 +132,7 @@ void OffloadGradientManager::do_begin_step() {
 void OffloadGradientManager::do_begin_backward() {
   raise_if_failed();
   // Backward rewrites the gradient buffers: the previous micro-batch's copies must be done.
-  sync_event(last_d2h_);
+  sync_event(last_d2h_, {Awaited::gradient_copy, last_d2h_param_});
 }
 
 TensorView OffloadGradientManager::do_gradient(std::size_t i) {
@@ -149,13 +153,14 @@ void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step
       dev_.wait(Queue::d2h, dev_.record(Queue::compute));  // backward's writes first
       dev_.wait(Queue::d2h, written);                      // and the trainer's event
       dev_.copy(Queue::d2h, p.staging.data, grad.data, grad.bytes());
+      last_d2h_param_ = i;
       return last_d2h_ = dev_.record(Queue::d2h);
     });
   }
   released_[i] = copied;  // the device buffer (the manager's or the caller's) is free once staged
   staging_task_[i] = post(
-      [this, &p, copied, first_in_step] {
-        sync_event(copied);
+      [this, &p, i, copied, first_in_step] {
+        sync_event(copied, {Awaited::gradient_copy, i});
         const AccumulatePair pair{p.acc, p.staging, first_in_step};
         engine_.accumulate({&pair, 1});
       },

@@ -1,9 +1,14 @@
 // OffloadGradientManager's worker and errors (managers/offload_manager.hpp): the two task
-// lanes it runs, posting and draining them, the sticky error an asynchronous failure
-// leaves (every later hook raises it), and recovery from it.
+// lanes it runs, posting and draining them, the bounded waits for the device's work, the
+// sticky error an asynchronous failure or a timed-out wait leaves (every later hook
+// raises it), and recovery from it.
+#include <algorithm>
+#include <array>
+#include <chrono>
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "managers/offload_manager.hpp"
@@ -12,6 +17,7 @@
 namespace stepcore::detail {
 
 using device::Event;
+using device::Queue;
 
 namespace {
 
@@ -44,18 +50,94 @@ void OffloadGradientManager::raise_if_failed() const {
   if (ep) std::rethrow_exception(ep);
 }
 
-void OffloadGradientManager::sync_event(const Event& e) {
+Error OffloadGradientManager::timeout_error(Awaited what) const {
+  const auto& params = config().params;
+  auto param = [&](std::size_t i) { return "parameter '" + params[i].name + "'"; };
+  std::string arg, waited;
+  switch (what.kind) {
+    case Awaited::gradient_copy:
+      arg = "params[" + std::to_string(what.index) + "].gradient";
+      waited = "the copy of " + param(what.index) +
+               "'s gradient to host staging (queued after the trainer's written event)";
+      break;
+    case Awaited::upload:
+      arg = "params[" + std::to_string(what.index) + "].compute_weights";
+      waited = "the upload of " + param(what.index) + "'s compute weights";
+      break;
+    case Awaited::chunk_upload: {
+      const Chunk& c = chunks()[what.index];
+      arg = "chunks[" + std::to_string(what.index) + "].compute_weights";
+      waited = "the upload of the compute weights of chunk " + std::to_string(what.index) +
+               " (parameters " + std::to_string(c.first) + ".." + std::to_string(c.last - 1) + ")";
+      break;
+    }
+    case Awaited::read_back:
+      arg = "params[" + std::to_string(what.index) + "].compute_weights";
+      waited = "the read-back of " + param(what.index) + "'s compute weights";
+      break;
+    case Awaited::queues:
+      arg = "wait_timeout";
+      waited = "the work queued on the device's copy queues";
+      break;
+  }
+  return Error(Errc::timeout, arg,
+               waited + " did not complete within " + std::to_string(dev_.wait_timeout().count()) +
+                   " ms (the wait_timeout of device " + std::string(dev_.name()) +
+                   "): the manager is failed; load_checkpoint recovers it once the device's "
+                   "queues move again");
+}
+
+void OffloadGradientManager::sync_event(const Event& e, Awaited what) {
   // Wait without the lock (the other thread keeps enqueueing), then let the device raise
   // its errors under the lock, so that no two threads ever collect them at once.
   if (!e.empty()) {
+    bool done = false;
     try {
-      e.wait();
+      done = e.wait_for(dev_.wait_timeout());
     } catch (...) {
       store_error(std::current_exception());
       raise_if_failed();
     }
+    if (!done) {
+      store_error(std::make_exception_ptr(timeout_error(what)));
+      raise_if_failed();
+    }
   }
   on_device([&] { dev_.synchronize(e); });
+}
+
+bool OffloadGradientManager::failed_by_timeout() const noexcept {
+  std::exception_ptr ep;
+  {
+    const std::lock_guard lock(err_mu_);
+    ep = error_;
+  }
+  if (!ep) return false;
+  try {
+    std::rethrow_exception(ep);
+  } catch (const Error& e) {
+    return e.code() == Errc::timeout;
+  } catch (...) {
+  }
+  return false;
+}
+
+bool OffloadGradientManager::wait_copy_queues(std::chrono::milliseconds bound) {
+  std::array<Event, 2> marks;
+  {
+    const std::lock_guard lock(dev_mu_);
+    marks = {dev_.record(Queue::d2h), dev_.record(Queue::h2d)};
+  }
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + bound;
+  for (const Event& e : marks) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+        std::max(deadline - clock::now(), clock::duration::zero()));
+    if (!e.wait_for(left)) return false;
+  }
+  const std::lock_guard lock(dev_mu_);
+  for (const Event& e : marks) dev_.synchronize(e);
+  return true;
 }
 
 std::uint64_t OffloadGradientManager::post(std::function<void()> task, Lane lane) {
@@ -133,14 +215,15 @@ void OffloadGradientManager::do_recover() {
     seq = posted_[late];
   }
   wait_done(late, seq);
-  {
-    const std::lock_guard lock(dev_mu_);
-    try {
-      dev_.synchronize();  // the queued work; its errors are the stored one's
-    } catch (const Error&) {
-    }
-    dev_.synchronize();  // a device that fails again cannot continue
+  // The queued work, bounded (a copy still stuck behind a trainer's event keeps the
+  // manager failed: a later load_checkpoint tries again); its errors are the stored one's.
+  bool drained = true;
+  try {
+    drained = wait_copy_queues(dev_.wait_timeout());
+  } catch (const Error&) {
   }
+  // Then once more, raising: a device that fails again cannot continue.
+  if (!drained || !wait_copy_queues(dev_.wait_timeout())) throw timeout_error({Awaited::queues, 0});
   {
     const std::lock_guard lock(err_mu_);
     error_ = nullptr;

@@ -3,10 +3,12 @@
 // synchronisations.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -33,6 +35,7 @@ class ForwardingDevice : public device::Device {
   int synchronizations() const noexcept { return synchronizations_; }
 
   std::string_view name() const noexcept override { return host_->name(); }
+  std::chrono::milliseconds wait_timeout() const noexcept override { return host_->wait_timeout(); }
   void* allocate(std::size_t bytes) override {
     ++allocations_;
     return host_->allocate(bytes);
@@ -43,6 +46,9 @@ class ForwardingDevice : public device::Device {
     return host_->allocate_host(bytes, numa_node);
   }
   void deallocate_host(void* p) noexcept override { host_->deallocate_host(p); }
+  void check_memory(const void* p, std::size_t bytes, const std::string& name) const override {
+    host_->check_memory(p, bytes, name);
+  }
   void copy(device::Queue q, void* dst, const void* src, std::size_t bytes) override {
     host_->copy(q, dst, src, bytes);
   }

@@ -164,6 +164,9 @@ struct StreamOptions {
   /// over with gradient_ready(i, grad); each is overwritten with NaN as soon as
   /// gradient_released(i) is complete, so a manager still reading it would be caught.
   bool caller_gradients = false;
+  /// When set: the `written` event gradient_ready gets for (step, micro, param) (e.g. an
+  /// event that never completes, for the managers' bounded waits); else none.
+  std::function<device::Event(int step, int micro, std::size_t param)> written;
 };
 
 /// Runs `opts.steps` steps of the stream through `m` (parameters already loaded) and
@@ -236,11 +239,12 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
           dev.copy(device::Queue::compute, g.data, host.data(), g.bytes());
           dev.synchronize(dev.record(device::Queue::compute));  // host buffer is reused
         }
+        const device::Event written = opts.written ? opts.written(s, mb, i) : device::Event{};
         if (!opts.caller_gradients) {
-          m.gradient_ready(i);
+          m.gradient_ready(i, written);
           continue;
         }
-        m.gradient_ready(i, ConstTensorView(g));
+        m.gradient_ready(i, ConstTensorView(g), written);
         // Released: the manager must not read it again; poison it at once. First, it
         // must hold what was written (the manager never writes a caller's gradient).
         dev.synchronize(m.gradient_released(i));

@@ -2,11 +2,13 @@
 // every kernel entry point against the reference and the CPU executor bit for bit,
 // copies on the d2h/h2d streams ordered by events, zero() (refused on host memory under
 // capture), the compute stream waiting on a copy, page-locked host memory, waits bounded
-// by the wait timeout, and validation. Skips without a device.
+// by the wait timeout (the device's own and its events'), memory of this very device,
+// and validation. Skips without a device.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -16,6 +18,7 @@
 #include "kernels/plans.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/device.hpp"
+#include "stepcore/gpu.hpp"
 
 #if defined(STEPCORE_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -195,6 +198,68 @@ TEST(CudaDevice, WaitsAreBoundedByTheWaitTimeout) {
     EXPECT_LT(s_waited, 5.0) << "a wait was not bounded by 300 ms";
     EXPECT_FALSE(gate.opened_by_watchdog());
     gate.open();
+  }
+  cudaStreamDestroy(s);
+}
+
+// Event::wait_for of a CUDA event is bounded (the trainer's stream held by a gate, as by a
+// hung collective), a wait for a host event that blocks the caller is bounded by the
+// wait timeout (Errc::timeout naming "e"), and check_memory takes the device's own
+// memory and refuses host memory and (with two devices) another device's memory, naming
+// the argument; so do the launchers with device 0 current.
+TEST(CudaDevice, EventWaitsAreBoundedAndMemoryIsTheDevicesOwn) {
+  SKIP_WITHOUT_DEVICE();
+  cudaStream_t s = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess);
+  {
+    cuda_gate::Gate gate;
+    auto dev = device::make_cuda_device(0, s, std::chrono::milliseconds(300));
+    EXPECT_EQ(dev->wait_timeout(), std::chrono::milliseconds(300));
+    gate.close(s, std::chrono::seconds(20));
+    const device::Event held = dev->record_on(s);
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_FALSE(held.wait_for(std::chrono::milliseconds(50)));
+    EXPECT_GE(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(50));
+    const device::HostEvent never;
+    EXPECT_EQ(device_cases::error_code([&] { dev->wait(Queue::d2h, never.event()); }),
+              Errc::timeout);
+    gate.open();
+    EXPECT_TRUE(held.wait_for(std::chrono::seconds(10)));
+    EXPECT_FALSE(gate.opened_by_watchdog());
+
+    void* d = dev->allocate(64);
+    EXPECT_NO_THROW(dev->check_memory(d, 64, "x"));
+    EXPECT_EQ(
+        device_cases::error_code([&] { dev->check_memory(static_cast<char*>(d) + 60, 8, "x"); }),
+        Errc::out_of_range);
+    std::vector<float> host(16);
+    EXPECT_EQ(device_cases::error_code([&] { dev->check_memory(host.data(), 64, "x"); }),
+              Errc::invalid_argument);
+    if (cuda::device_count() >= 2) {
+      auto other = device::make_cuda_device(1);
+      void* p1 = other->allocate(64);
+      try {
+        dev->check_memory(p1, 64, "params[2].compute_into");
+        ADD_FAILURE() << "memory of device 1 accepted by device 0";
+      } catch (const Error& e) {
+        EXPECT_EQ(e.code(), Errc::invalid_argument);
+        EXPECT_EQ(e.argument(), "params[2].compute_into");
+        EXPECT_NE(std::string(e.what()).find("device memory of CUDA device 1"), std::string::npos)
+            << e.what();
+      }
+      // The launchers on device 0 (current) refuse it too, before launching anything.
+      ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+      const AccumulatePair pair{TensorView{d, 16, DType::f32}, ConstTensorView{p1, 16, DType::f32},
+                                false};
+      EXPECT_EQ(device_cases::error_code([&] {
+                  gpu::accumulate({&pair, 1}, s);
+                }),
+                Errc::invalid_argument);
+      other->deallocate(p1);
+    } else {
+      std::printf("one CUDA device: another device's memory not tried\n");
+    }
+    dev->deallocate(d);
   }
   cudaStreamDestroy(s);
 }

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "expect_error.hpp"
+#include "kernels/checked_plans.hpp"
 #include "kernels/plans.hpp"
 #include "optimizer_records.hpp"
 #include "stepcore/convert.hpp"
@@ -962,6 +963,48 @@ TEST(GpuApi, BadInputIsRefusedBeforeAnythingIsWritten) {
   EXPECT_EQ(step, 0.0f) << "the step counter must not advance on an error";
   expect_error([&] { gpu::finalize_and_clip(&partial, -1.0f, nullptr, nullptr, nullptr, nullptr); },
                Errc::invalid_argument, "max_norm");
+}
+
+// The launchers' pointer rule (check_pointer_device), decided on what the runtime says
+// of a pointer: memory of the launch's device or managed memory passes; another device's
+// memory, host memory and a pointer the runtime does not know are refused naming the
+// argument, another device's saying which devices.
+TEST(GpuPlan, APointerOfAnotherDeviceIsRefusedNamingTheArgument) {
+  using gpu::detail::check_pointer_device;
+  using gpu::detail::PointerInfo;
+  const stepcore::detail::Arg name{"tensors", 3, "grad"};
+  EXPECT_NO_THROW(check_pointer_device({PointerInfo::device, 1}, 1, name));
+  EXPECT_NO_THROW(check_pointer_device({PointerInfo::managed, 0}, 1, name));
+  EXPECT_NO_THROW(check_pointer_device({PointerInfo::managed, -1}, 0, name));
+  for (int pointer_device : {0, 2}) {
+    try {
+      check_pointer_device({PointerInfo::device, pointer_device}, 1, name);
+      ADD_FAILURE() << "device " << pointer_device << " memory on a launch on device 1";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::invalid_argument);
+      EXPECT_EQ(e.argument(), "tensors[3].grad");
+      EXPECT_NE(std::string(e.what()).find("device memory of CUDA device " +
+                                           std::to_string(pointer_device) +
+                                           ", but the launch runs on device 1"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  test_support::expect_error(
+      [&] {
+        check_pointer_device({PointerInfo::host, -1}, 0, name);
+      },
+      Errc::invalid_argument, "tensors[3].grad");
+  test_support::expect_error(
+      [&] {
+        check_pointer_device({PointerInfo::unknown, -1}, 0, name);
+      },
+      Errc::invalid_argument, "tensors[3].grad");
+  test_support::expect_error(
+      [&] {
+        check_pointer_device({PointerInfo::device, 0}, -1, stepcore::detail::Arg{"d_x"});
+      },
+      Errc::invalid_argument, "d_x");
 }
 
 }  // namespace

@@ -538,6 +538,7 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
   auto base = [&] { return config_of(OffloadMode::none, *dev); };
   void* mem = dev->allocate(1 << 16);
   const TensorView dest{mem, 33, DType::bf16};  // parameter 0's size
+  std::vector<std::uint16_t> host_dest(33);     // host memory, not the device's
   for (OffloadMode mode : kModes) {
     SCOPED_TRACE(offload_mode_name(mode));
     auto refused = [&](auto&& spoil, Errc code, const test_support::ArgumentNames& arg) {
@@ -596,6 +597,14 @@ TEST(TrainerApi, TheConfigurationsNewPartsAreValidatedBeforeAnythingIsAllocated)
           c.params[1].compute_into = {static_cast<char*>(mem) + 64, 1, DType::bf16};
         },
         Errc::overlap, {"params[0].compute_into", "params[1].compute_into"});
+    // Modes none and optimizer: the step's kernels write the destinations, so memory the
+    // device's kernels may not use (here host memory) is refused at construction.
+    if (mode != OffloadMode::full)
+      refused(
+          [&](ManagerConfig& c) {
+            c.params[0].compute_into = {host_dest.data(), 33, DType::bf16};
+          },
+          Errc::invalid_argument, "params[0].compute_into");
     // Without the manager's buffer, gradient(i) and gradient_ready(i) say what to do.
     ManagerConfig cfg = base();
     cfg.mode = mode;

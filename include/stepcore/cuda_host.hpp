@@ -32,4 +32,22 @@ void host_unregister(void* ptr) noexcept;
 /// when they skip.
 std::string unavailable_reason();
 
+/// Makes CUDA device `device` the calling thread's current device while alive, and the
+/// previous one current again at its end. The launchers of gpu.hpp launch on the current
+/// device and refuse memory of any other (Errc::invalid_argument naming the argument), so
+/// a caller whose arrays are on another device makes theirs current around the call.
+/// Without a usable device (no CUDA support, driver or GPU) it changes nothing. Throws
+/// Errc::invalid_argument naming "device" for a device that is not present,
+/// Errc::cuda_error when it cannot be made current.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device);
+  ~CurrentDevice();  ///< never throws
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = -1;  ///< the device to make current again (-1: none was changed)
+};
+
 }  // namespace stepcore::cuda

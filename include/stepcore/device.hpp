@@ -47,6 +47,11 @@ class Event {
   /// raises only a failure of the wait itself (CUDA: Errc::cuda_error), never the
   /// errors of other queued work — Device::synchronize(e) waits and raises those.
   void wait() const;
+  /// Blocks the calling thread until the event is complete or `timeout` has passed;
+  /// returns whether it is complete (true at once for an empty event). Any thread, as
+  /// wait(); raises only a failure of the wait itself. What a bounded wait uses:
+  /// Device::wait_timeout() is the bound the managers give it.
+  bool wait_for(std::chrono::milliseconds timeout) const;
   /// The implementation's state (for the devices).
   const std::shared_ptr<State>& state() const noexcept { return state_; }
 
@@ -57,7 +62,8 @@ class Event {
 /// An event completed from the host: event() is complete once set() has been called (by
 /// any thread, once or more). Every device takes it where an Event is waited for: the host
 /// device's copy queues wait for it in their worker; the CUDA device, the host device's
-/// compute queue and Device::wait_on block the calling thread until it is set. For work
+/// compute queue and Device::wait_on block the calling thread until it is set, up to the
+/// device's wait_timeout() (past it Errc::timeout naming "e"). For work
 /// ordered behind host work (a producer thread's write handed over before it is done),
 /// and for tests of that ordering.
 class HostEvent {
@@ -86,6 +92,12 @@ class Device {
 
   /// Returns "host" or "cuda:N".
   virtual std::string_view name() const noexcept = 0;
+  /// Returns the bound of every wait for this device's queued work: the device's own
+  /// (CUDA: allocate's zero fill, deallocate, destruction) and the full-offload manager's
+  /// waits for its copies and uploads (past it the manager fails with Errc::timeout).
+  /// Set where the device is made (make_cuda_device, make_host_device); default
+  /// comm::kDefaultTimeout.
+  virtual std::chrono::milliseconds wait_timeout() const noexcept = 0;
 
   /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
   virtual void* allocate(std::size_t bytes) = 0;
@@ -98,6 +110,12 @@ class Device {
   /// Frees memory from allocate_host(); waits for queued work first (bounded as
   /// deallocate()). Never throws.
   virtual void deallocate_host(void* p) noexcept = 0;
+  /// Throws Errc::invalid_argument naming `name` unless [p, p + bytes) is memory this
+  /// device's kernels may use: its allocate()'s, or (CUDA) device memory of this very
+  /// device or managed memory, or (host device) as its HostDeviceMemory says. A manager
+  /// checks a caller's buffer with it once, before any work (another GPU's pointer would
+  /// fault in a kernel with a sticky illegal-address error).
+  virtual void check_memory(const void* p, std::size_t bytes, const std::string& name) const = 0;
 
   /// Enqueues a copy of `bytes` from `src` to `dst` (device or host memory, either
   /// direction) on queue `q`.
@@ -108,7 +126,8 @@ class Device {
   virtual void zero(Queue q, void* dst, std::size_t bytes) = 0;
   /// Returns an event recorded on queue `q` now.
   virtual Event record(Queue q) = 0;
-  /// Makes queue `q` wait for `e` before running work submitted after this call.
+  /// Makes queue `q` wait for `e` before running work submitted after this call (a wait
+  /// that blocks the caller, see HostEvent, is bounded by wait_timeout()).
   virtual void wait(Queue q, const Event& e) = 0;
   /// Returns an event recorded now on the caller's `stream` (the trainer's backward
   /// stream): CUDA records a CUDA event there; the host device, whose callers have no
@@ -182,18 +201,21 @@ enum class HostDeviceMemory : std::uint8_t {
 
 /// Returns the host device: the stand-in GPU of CPU-only tests (see the file comment), or
 /// with HostDeviceMemory::any_host_memory the device of a CPU-only trainer.
-/// `emulated_threads` is the thread count per block of the CPU executor.
+/// `emulated_threads` is the thread count per block of the CPU executor; `wait_timeout`
+/// is its wait_timeout() (its own waits are not bounded: its queues are memcpy workers).
+/// Throws Errc::out_of_range naming "wait_timeout" unless it is positive.
 std::unique_ptr<Device> make_host_device(
-    int emulated_threads = 256, HostDeviceMemory memory = HostDeviceMemory::allocated_only);
+    int emulated_threads = 256, HostDeviceMemory memory = HostDeviceMemory::allocated_only,
+    std::chrono::milliseconds wait_timeout = comm::kDefaultTimeout);
 
 /// Returns CUDA device `ordinal` with three new non-blocking streams (or `compute`, when
 /// given, as the compute stream: the trainer's stream, so gradients written on it are
 /// ordered before the manager's reads; cudaStreamLegacy or cudaStreamPerThread name the
 /// default streams). `wait_timeout` bounds the device's own waits for queued work
-/// (allocate's zero fill, deallocate, deallocate_host, destruction): pass the
-/// communicator's timeout() with NCCL. Past it, allocate throws Errc::timeout naming
-/// "wait_timeout", and memory the work may still use is abandoned instead of freed.
-/// Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
+/// (allocate's zero fill, deallocate, deallocate_host, destruction) and is its
+/// wait_timeout(): pass the communicator's timeout() with NCCL. Past it, allocate throws
+/// Errc::timeout naming "wait_timeout", and memory the work may still use is abandoned instead of
+/// freed. Throws Errc::not_supported without CUDA or a device, Errc::out_of_range naming
 /// "wait_timeout" unless it is positive.
 std::unique_ptr<Device> make_cuda_device(
     int ordinal = 0, cudaStream_t compute = nullptr,

@@ -70,7 +70,9 @@ void same_length(std::size_t got, std::size_t want, const char* name) {
 }
 
 // The arrays of one launch, checked one by one (arrays.hpp) and required to be on one
-// CUDA device: the launch goes to the calling thread's current device, which must be it.
+// CUDA device, which is made the calling thread's current device from the first array on
+// until the launch returns (the launchers launch on the current device and refuse a
+// pointer of any other, naming it).
 class Launch {
  public:
   // Returns the view of the f32/bf16/f16 CUDA array `h`.
@@ -157,6 +159,12 @@ class Launch {
  private:
   void on_device(int id, const ArgName& name) {
     if (!have_device_) {
+      const int present = cuda::device_count();
+      if (present > 0 && (id < 0 || id >= present))
+        bad("invalid_argument", name,
+            "is on CUDA device " + std::to_string(id) + ", but " + std::to_string(present) +
+                " devices are present");
+      current_.emplace(id);  // no device usable: nothing changes (the library refuses)
       have_device_ = true;
       device_ = id;
       first_ = name;
@@ -171,6 +179,7 @@ class Launch {
   bool have_device_ = false;
   int device_ = 0;
   ArgName first_{""};
+  std::optional<cuda::CurrentDevice> current_;  // device_ current until the launch returns
 };
 
 // A per-step scalar argument (a gradient scale or clip): a number, the host-value form,

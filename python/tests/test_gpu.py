@@ -954,3 +954,58 @@ def test_launches_are_ordered_on_the_given_stream(cuda_torch, how):
         sc.accumulate([acc], [src], stream=stream if how == "object" else stream.cuda_stream)
     stream.synchronize()
     assert bool((acc == 2.0).all())
+
+
+class Described(FakeCuda):
+    """`n` float32 values at device address `address`, described to DLPack as CUDA memory of
+    `device_id` (which need not be where the memory is)."""
+
+    def __init__(self, address, n, device_id):
+        super().__init__(np.zeros(n, np.float32), device_id)
+        self.address = address
+
+    def __dlpack__(self, **kwargs):
+        capsule = super().__dlpack__(**kwargs)
+        self._keep[-1][0].dl_tensor.data = self.address
+        return capsule
+
+
+@pytest.mark.gpu
+def test_a_launch_runs_on_its_arrays_device_and_refuses_another_devices_memory(cuda_torch):
+    """Arrays on cuda:1 while cuda:0 is current: the launch runs on cuda:1 (the CPU engine's
+    bits) and cuda:0 is current again after. An array that claims cuda:1 but whose memory is
+    on cuda:0 is refused naming it, before anything is written."""
+    torch = cuda_torch
+    if sc.device_count() < 2:
+        pytest.skip(f"needs two CUDA devices (the launch's and another); "
+                    f"{sc.device_count()} present")
+    gen = torch.Generator().manual_seed(17)
+    acc_cpu = randn(torch, gen, 1025, torch.float32)
+    src_cpu = randn(torch, gen, 1025, torch.bfloat16)
+    want = acc_cpu.clone()
+    stepcore.Engine(threads=1).accumulate([want], [src_cpu])
+    torch.cuda.set_device(0)
+    acc = acc_cpu.to("cuda:1")
+    src = src_cpu.to("cuda:1")
+    sc.accumulate([acc], [src])
+    torch.cuda.synchronize(1)
+    assert torch.cuda.current_device() == 0
+    assert bits(acc) == bits(want)
+    on0 = torch.zeros(1025, device="cuda:0")
+    before = bits(acc)
+    with pytest.raises(ValueError, match=r"'srcs\[0\]': device memory of CUDA device 0, but "
+                                         r"the launch runs on device 1"):
+        sc.accumulate([acc], [Described(on0.data_ptr(), 1025, 1)])
+    torch.cuda.synchronize(1)
+    assert bits(acc) == before
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
+def test_an_array_on_a_device_that_is_not_present_is_refused_naming_it(cuda_torch):
+    torch = cuda_torch
+    n = sc.device_count()
+    acc = torch.zeros(4, device="cuda:0")
+    with pytest.raises(ValueError, match=rf"'accs\[0\]': is on CUDA device {n}, but {n} devices"):
+        sc.accumulate([Described(acc.data_ptr(), 4, n)], [acc],
+                      stream=torch.cuda.current_stream().cuda_stream)
