@@ -369,3 +369,104 @@ def test_callback_communicator_that_raises_fails_the_manager():
         core.make_callback_communicator(2, 2, broken)
     with pytest.raises(ValueError, match="all_reduce"):
         core.make_callback_communicator(0, 2, 42)
+
+
+def test_device_callback_communicator_hands_the_words_in_place_for_the_whole_models_bits():
+    """Modes none and optimizer on the host device, two ranks in two threads through a
+    device callback communicator over a shared board: the callback gets the manager's own
+    words (uint64 sums, the uint32 max pair, the uint64 layout check), reduces them in
+    place, and every rank's shards get the whole model's norms and bits."""
+    board = {"arrays": [None, None], "barrier": threading.Barrier(2), "calls": []}
+
+    def make(rank):
+        def all_reduce(array, op):
+            a = np.from_dlpack(array)  # a view: the reduction lands in the manager's words
+            if rank == 0:
+                board["calls"].append((a.dtype.name, a.size, op))
+            board["arrays"][rank] = a.copy()
+            board["barrier"].wait()
+            both = board["arrays"]
+            combined = both[0] + both[1] if op == "sum" else np.maximum(both[0], both[1])
+            board["barrier"].wait()
+            a[:] = combined
+        return all_reduce
+
+    halves = [[{**s, "numel": (n // 2 if r == 0 else n - n // 2)} for s, n in zip(specs(), SIZES)]
+              for r in range(2)]
+    offsets = [[0] * len(SIZES), [n // 2 for n in SIZES]]
+    native = {"formula": "native"}  # torch's has a tail of numel % 8: the shards' differ
+    for mode in ("none", "optimizer"):
+        whole = run(mode, steps=3, hyper=native)
+        comms = [core.make_device_callback_communicator(r, 2, make(r)) for r in range(2)]
+        assert [c.name for c in comms] == ["device_callback"] * 2
+        got = [None, None]
+
+        def rank(r):
+            got[r] = run(mode, steps=3, comm=comms[r], shard=(halves[r], offsets[r]),
+                         hyper=native)
+
+        board["calls"].clear()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        partial = [("uint64", 22, "sum"), ("uint32", 2, "max"), ("uint64", 3, "max")]
+        assert board["calls"][:3] == partial, board["calls"]
+        for r in range(2):
+            for s, ((nw, sw), (nr, sr)) in enumerate(zip(whole, got[r])):
+                assert np.float32(nw).tobytes() == np.float32(nr).tobytes(), (mode, s)
+                for i, (pw, pr) in enumerate(zip(sw, sr)):
+                    lo = offsets[r][i]
+                    hi = lo + halves[r][i]["numel"]
+                    assert pw[0][lo:hi].tobytes() == pr[0].tobytes(), (mode, s, i)
+                    for slot in pw[1]:
+                        assert pw[1][slot][lo:hi].tobytes() == pr[1][slot].tobytes(), slot
+                    assert pw[3] == pr[3]
+
+
+def test_device_callback_communicator_arguments_and_its_memory_are_checked():
+    """Named refusals: rank, size, all_reduce, device, a stream on the host device or none
+    on a CUDA device; a CUDA-memory communicator is refused by mode full and by the host
+    device (before any CUDA call); a raising callback fails the manager (comm_error)."""
+    ok = lambda array, op: None  # noqa: E731
+    with pytest.raises(ValueError, match="'rank'"):
+        core.make_device_callback_communicator(2, 2, ok)
+    with pytest.raises(ValueError, match="'size'"):
+        core.make_device_callback_communicator(0, 0, ok)
+    with pytest.raises(ValueError, match="'all_reduce'"):
+        core.make_device_callback_communicator(0, 2, 42)
+    for device in ("tpu", "cuda:", "cuda:x", "cuda:-1", "cuda"):
+        with pytest.raises(ValueError, match="'device'"):
+            core.make_device_callback_communicator(0, 2, ok, device=device)
+    with pytest.raises(ValueError, match="'stream'.*host device has no streams"):
+        core.make_device_callback_communicator(0, 2, ok, device="host", stream=0x1234)
+    with pytest.raises(ValueError, match="'stream'.*compute stream"):
+        core.make_device_callback_communicator(0, 2, ok, device="cuda:0")
+    cuda = core.make_device_callback_communicator(0, 2, ok, device="cuda:0", stream=0x1234)
+    for mode, why in (("full", "full offload reduces host memory"),
+                      ("none", "a host communicator on the host device")):
+        with pytest.raises(ValueError, match=f"'comm'.*device_callback.*{why}"):
+            core.GradientManager(mode, specs(), groups=GROUPS, threads=1, comm=cuda)
+    with pytest.raises(ValueError, match="'device'"):
+        core.GradientManager("none", specs(), device="cuda:x")
+
+    def broken(array, op):
+        raise ConnectionError("peer went away")
+
+    comm = core.make_device_callback_communicator(0, 2, broken)
+    m = core.GradientManager("none", specs(), groups=GROUPS, threads=1, comm=comm)
+    for i, n in enumerate(SIZES):
+        m.load_parameter(i, master(i, n))
+    m.begin_step(0.01)
+    m.begin_backward(True)
+    for i, n in enumerate(SIZES):
+        np.from_dlpack(m.gradient(i))[:] = grad(0, 0, i, n)
+        m.gradient_ready(i)
+    # Mode none computes and reduces the partial as the final backward finishes.
+    with pytest.raises(RuntimeError, match=r"comm_error in 'comm'.*ConnectionError: peer went away"):
+        m.finish_backward()
+    try:
+        m.close()
+    except RuntimeError:
+        pass  # close() may re-raise the step's failure once
