@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
 
 import stepcore.torch as st  # noqa: E402
 from exact import exact_norm  # noqa: E402
+from ranks import communicate_all  # noqa: E402
 
 MODES = ("none", "optimizer", "full")
 VOCAB, HIDDEN = 61, 12
@@ -1062,14 +1063,7 @@ def run_sliced_processes(world, backend, world_size=None, timeout=300):
              "sys.argv[5], int(sys.argv[6]) or None)",
              str(r), str(world), init_file, out, backend, str(world_size or 0)], env=env,
             cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=timeout)[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
+        logs = communicate_all(procs, timeout)
         for r, p in enumerate(procs):
             assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
         return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
