@@ -458,6 +458,9 @@ class GradientManager(torch.optim.Optimizer):
         if process_group is not None:
             import torch.distributed as dist
 
+            if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+                raise ValueError("stepcore.torch: this process is not a member of "
+                                 "'process_group' (new_group gave it NON_GROUP_MEMBER)")
             if not isinstance(process_group, dist.ProcessGroup):
                 raise TypeError("stepcore.torch: 'process_group' must be a "
                                 "torch.distributed.ProcessGroup or None, got "

@@ -1017,8 +1017,9 @@ def group_refusal(make_params, **kw):
 
 def sliced_worker(rank, world, init_file, out_file, backend, world_size=None):
     """One process: every mode sharded over the default group (`backend`; nccl: on
-    cuda:rank) against the whole run; a group without a backend for the parameters' memory;
-    saves {"comm": {mode: name}, "mismatches": [...], "refused": {case: message}}."""
+    cuda:rank) against the whole run; a group without a backend for the parameters' memory,
+    and one without this rank; saves {"comm": {mode: name}, "mismatches": [...],
+    "refused": {case: message}, "not_member": message (rank 0: None)}."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -1040,6 +1041,11 @@ def sliced_worker(rank, world, init_file, out_file, backend, world_size=None):
         results["refused"][(other, mode)] = group_refusal(
             lambda: [torch.nn.Parameter(torch.ones(8, device=dev))], offload=mode,
             process_group=group)
+    # A group of rank 0 alone: the other ranks are refused as non-members.
+    first = dist.new_group(ranks=[0])
+    results["not_member"] = group_refusal(
+        lambda: [torch.nn.Parameter(torch.ones(8, device=dev))], offload="none",
+        process_group=first) if rank > 0 else None
     dist.barrier()
     dist.destroy_process_group()
     torch.save(results, f"{out_file}.{rank}")
@@ -1073,9 +1079,11 @@ def check_sliced_results(results, memory):
     """Every rank: the single-process bits in every mode, through the device callback
     communicator in modes none and optimizer and the host one in full; the group without
     a backend for `memory` refused naming 'process_group' (host memory: unless a GPU can
-    stage it)."""
+    stage it); a group without this rank refused naming it."""
     for r, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {r}: " + "; ".join(res["mismatches"])
+        if r > 0:
+            assert "not a member of 'process_group'" in res["not_member"], res["not_member"]
         assert res["comm"] == {"none": "device_callback", "optimizer": "device_callback",
                                "full": "callback"}, f"rank {r}: {res['comm']}"
         for (group, mode), message in res["refused"].items():
