@@ -41,8 +41,9 @@ std::unique_ptr<GradientManager> make_gradient_manager(ManagerConfig config) {
                       " communicator cannot reduce this mode's norm partials (" +
                       (config.mode == OffloadMode::full
                            ? "full offload reduces host memory: use MPI or in-process)"
-                           : "device modes reduce in the device's memory: NCCL on a CUDA device, "
-                             "a host communicator on the host device)"));
+                           : "device modes reduce in the device's memory: a device-memory "
+                             "communicator (NCCL, the Python binding's device callback) on a "
+                             "CUDA device, a host communicator on the host device)"));
     // A device communicator reduces the partials the compute stream's kernels write and
     // read: on any other stream nothing orders the two, and the norm is silently wrong.
     if (!host_comm && config.comm->stream() != config.device->compute_stream())

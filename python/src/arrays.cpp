@@ -365,6 +365,22 @@ cudaStream_t stream_arg(nb::handle stream, nb::handle producer) {
                             .c_str());
 }
 
+int device_ordinal(const std::string& device, const char* name) {
+  if (device == "host") return -1;
+  const std::string digits = device.rfind("cuda:", 0) == 0 ? device.substr(5) : std::string();
+  if (digits.empty() || digits.size() > 4 ||
+      digits.find_first_not_of("0123456789") != std::string::npos)
+    throw nb::value_error(("stepcore: invalid_argument in '" + std::string(name) + "': '" + device +
+                           "': expected 'host' or 'cuda:N'")
+                              .c_str());
+  return std::stoi(digits);
+}
+
+cudaStream_t trainer_stream(nb::handle stream) {
+  const std::uintptr_t a = stream_address(stream);
+  return reinterpret_cast<cudaStream_t>(a == 0 ? std::uintptr_t{1} : a);
+}
+
 std::uint64_t exchange_imports() noexcept {
   return g_exchange_imports.load(std::memory_order_relaxed);
 }

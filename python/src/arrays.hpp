@@ -86,6 +86,14 @@ cudaStream_t stream_arg(nb::handle stream, nb::handle producer = nb::handle());
 /// Returns stream_arg's address as an int (for the tests of the stream protocol).
 std::uintptr_t stream_address(nb::handle stream);
 
+/// Returns the CUDA ordinal of a device argument "cuda:N", or -1 for "host"; anything else
+/// raises ValueError naming `name`.
+int device_ordinal(const std::string& device, const char* name);
+
+/// Returns the compute stream a CUDA trainer names (an address or an object with
+/// __cuda_stream__; 0 names the legacy default stream, cudaStreamLegacy).
+cudaStream_t trainer_stream(nb::handle stream);
+
 /// Returns how many array imports went through the C exchange API so far (the tests check
 /// that torch tensors take it).
 std::uint64_t exchange_imports() noexcept;

@@ -45,17 +45,11 @@ using python::ArgName;
 using python::BufferArg;
 using python::Memory;
 
-// The device layouts Python code indexes (docs/python.md, "GPU launchers").
-constexpr std::size_t kSumWords = kNormDigits + 2;  // digits, nan_count, inf_count: SUM
-constexpr std::size_t kMaxInt32 = 2 * kSumWords;    // max_abs_bits, approximate: MAX (int32)
-static_assert(sizeof(NormPartial) == 8 * kSumWords + 8);
-static_assert(offsetof(NormPartial, nan_count) == 8 * kNormDigits);
-static_assert(offsetof(NormPartial, max_abs_bits) == 4 * kMaxInt32);
-static_assert(offsetof(NormPartial, approximate) == 4 * kMaxInt32 + 4);
+// The device layouts Python code indexes (docs/python.md, "GPU launchers"); the partial's
+// is partials.hpp's.
 static_assert(sizeof(StepHyper) == 2 * sizeof(double) && offsetof(StepHyper, lr) == 0 &&
               offsetof(StepHyper, weight_decay) == sizeof(double));
-static_assert(std::is_trivially_copyable_v<NormPartial> &&
-              std::is_trivially_copyable_v<NormResult>);
+static_assert(std::is_trivially_copyable_v<NormResult>);
 
 [[noreturn]] void bad(const char* code, const ArgName& name, const std::string& why) {
   throw nb::value_error(
@@ -300,8 +294,8 @@ void bind_gpu(nb::module_& parent) {
       "allocation, no synchronisation, streams as int, __cuda_stream__ or None.");
   m.attr("NORM_PARTIAL_BYTES") = sizeof(NormPartial);
   m.attr("NORM_RESULT_BYTES") = sizeof(NormResult);
-  m.attr("PARTIAL_SUM_WORDS") = kSumWords;
-  m.attr("PARTIAL_MAX_INT32") = kMaxInt32;
+  m.attr("PARTIAL_SUM_WORDS") = python::kStructSumWords;
+  m.attr("PARTIAL_MAX_INT32") = python::kStructMaxInt32;
   m.attr("BLOCK_ELEMENTS") = gpu::kBlockElements;
   m.attr("FOUND_INF_NONE") = gpu::kFoundInfNone;
   m.attr("FOUND_INF_NON_FINITE") = gpu::kFoundInfNonFinite;

@@ -1,8 +1,8 @@
-// stepcore._core's gradient managers, communicators and NUMA placement: the public C++
-// managers (make_gradient_manager) driven from Python, on the host device or a CUDA device
-// the binding creates, with parameters and groups given as dicts (unknown keys refused),
+// stepcore._core's gradient managers and NUMA placement: the public C++ managers
+// (make_gradient_manager) driven from Python, on the host device or a CUDA device the
+// binding creates, with parameters and groups given as dicts (unknown keys refused),
 // buffers returned as DLPack arrays without copies, and the GIL released around every
-// call that runs kernels or waits.
+// call that runs kernels or waits. Their communicators: communicators.cpp.
 #include "stepcore/managers.hpp"
 
 #include <nanobind/nanobind.h>
@@ -11,8 +11,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -126,186 +124,13 @@ TensorView device_view(const PyManager& p, nb::handle h, const char* name, pytho
       .view;
 }
 
-// A communicator whose collectives call a Python function: all_reduce(array, op) reduces the
-// array (numpy for host memory; a DLPack array in device memory) in place over the ranks with
-// op "sum", "max" or "min" (e.g. torch.distributed.all_reduce on a gloo or NCCL group). Every
-// word travels as int64 (unsigned words SUM identically mod 2^64; MAX/MIN of unsigned words
-// are taken on the words with their top bit flipped, which orders them as signed) or as
-// float64/float32. Called with the GIL from whichever thread the manager runs its
-// collective on; a Python exception marks the communicator failed (Errc::comm_error).
-class CallbackCommunicator final : public comm::Communicator {
- public:
-  CallbackCommunicator(int rank, int size, nb::object all_reduce, comm::MemorySpace memory,
-                       cudaStream_t stream, int device_ordinal)
-      : Communicator(comm::kDefaultTimeout),
-        rank_(rank),
-        size_(size),
-        fn_(std::move(all_reduce)),
-        memory_(memory),
-        stream_(stream),
-        ordinal_(device_ordinal) {}
-
-  ~CallbackCommunicator() override {
-    nb::gil_scoped_acquire gil;
-    fn_.reset();
-  }
-
-  int rank() const noexcept override { return rank_; }
-  int size() const noexcept override { return size_; }
-  comm::MemorySpace memory() const noexcept override { return memory_; }
-  std::string_view name() const noexcept override { return "callback"; }
-  cudaStream_t stream() const noexcept override { return stream_; }
-
-  void all_reduce(void* data, std::size_t count, comm::Word word, comm::Op op) override {
-    check_usable();
-    if (count == 0) return;
-    if (memory_ == comm::MemorySpace::device)
-      throw Error(Errc::not_supported, "comm",
-                  "the callback communicator reduces device memory only as norm partials");
-    switch (word) {
-      case comm::Word::u64:
-        reduce_u64(static_cast<std::uint64_t*>(data), count, op);
-        return;
-      case comm::Word::u32: {
-        std::vector<std::uint64_t> w(static_cast<const std::uint32_t*>(data),
-                                     static_cast<const std::uint32_t*>(data) + count);
-        reduce_u64(w.data(), count, op);
-        for (std::size_t k = 0; k < count; ++k)
-          static_cast<std::uint32_t*>(data)[k] = static_cast<std::uint32_t>(w[k]);
-        return;
-      }
-      case comm::Word::f32:
-        call(data, count, nb::dlpack::dtype_code::Float, 32, op);
-        return;
-      case comm::Word::f64:
-        call(data, count, nb::dlpack::dtype_code::Float, 64, op);
-        return;
-    }
-  }
-
-  void all_reduce_partial(NormPartial* partial, comm::LayoutCheck* check) override {
-    check_usable();
-    if (memory_ == comm::MemorySpace::device) {
-      // The record in device memory (the GPU manager's), as int64 words: digits, nan and
-      // inf counts summed; max_abs_bits | approximate << 32 and the check maxed.
-      throw Error(Errc::not_supported, "comm",
-                  "device norm partials through a callback communicator are not supported yet; "
-                  "use the NCCL communicator");
-    }
-    std::uint64_t sum[kNormDigits + 2];
-    for (int k = 0; k < kNormDigits; ++k) sum[k] = partial->digits[k];
-    sum[kNormDigits] = partial->nan_count;
-    sum[kNormDigits + 1] = partial->inf_count;
-    std::uint64_t max[5] = {partial->max_abs_bits, partial->approximate, 0, 0, 0};
-    const std::size_t nmax = check != nullptr ? 5 : 2;
-    if (check != nullptr) {
-      max[2] = check->fingerprint;
-      max[3] = check->inverse;
-      max[4] = check->failure;
-    }
-    reduce_u64(sum, kNormDigits + 2, comm::Op::sum);
-    reduce_u64(max, nmax, comm::Op::max);
-    for (int k = 0; k < kNormDigits; ++k) partial->digits[k] = sum[k];
-    partial->nan_count = sum[kNormDigits];
-    partial->inf_count = sum[kNormDigits + 1];
-    partial->max_abs_bits = static_cast<std::uint32_t>(max[0]);
-    partial->approximate = static_cast<std::uint32_t>(max[1]);
-    if (check != nullptr) {
-      check->fingerprint = max[2];
-      check->inverse = max[3];
-      check->failure = max[4];
-    }
-  }
-
-  void synchronize() override { check_usable(); }
-  void abort() noexcept override { failed_ = true; }
-  bool failed() const noexcept override { return failed_; }
-
- private:
-  void check_usable() const {
-    if (failed_)
-      throw Error(Errc::comm_error, "comm",
-                  "the communicator failed earlier (a collective raised)");
-  }
-
-  // In place over the ranks; MAX/MIN through the sign-flip order (see the class comment).
-  void reduce_u64(std::uint64_t* w, std::size_t count, comm::Op op) {
-    const bool order = op != comm::Op::sum;
-    constexpr std::uint64_t kTop = std::uint64_t{1} << 63;
-    if (order)
-      for (std::size_t k = 0; k < count; ++k) w[k] ^= kTop;
-    call(w, count, nb::dlpack::dtype_code::Int, 64, op);
-    if (order)
-      for (std::size_t k = 0; k < count; ++k) w[k] ^= kTop;
-  }
-
-  void call(void* data, std::size_t count, nb::dlpack::dtype_code code, int bits, comm::Op op) {
-    nb::gil_scoped_acquire gil;
-    try {
-      nb::dlpack::dtype t;
-      t.code = static_cast<std::uint8_t>(code);
-      t.bits = static_cast<std::uint8_t>(bits);
-      t.lanes = 1;
-      const std::size_t shape[1] = {count};
-      nb::ndarray<nb::numpy> a(data, 1, shape, nb::handle(), nullptr, t);
-      const char* name = op == comm::Op::sum ? "sum" : op == comm::Op::max ? "max" : "min";
-      // A view, not a copy (nanobind copies an owner-less array it converts by default):
-      // the callback reduces these very words.
-      fn_(nb::cast(a, nb::rv_policy::reference), name);
-    } catch (nb::python_error& e) {
-      failed_ = true;
-      const std::string what =
-          std::string(nb::type_name(e.type()).c_str()) + ": " + nb::str(e.value()).c_str();
-      throw Error(Errc::comm_error, "comm", "the all_reduce callback raised " + what);
-    }
-  }
-
-  int rank_, size_;
-  nb::object fn_;
-  comm::MemorySpace memory_;
-  cudaStream_t stream_;
-  int ordinal_;
-  std::atomic<bool> failed_{false};
-};
-
 }  // namespace
 
+// python/src/communicators.cpp: Communicator, the callback communicators, in-process groups.
+void bind_communicators(nb::module_& m);
+
 void bind_managers(nb::module_& m) {
-  nb::class_<comm::Communicator>(m, "Communicator",
-                                 "One rank of a group that all-reduces (comm.hpp).")
-      .def_prop_ro("rank", &comm::Communicator::rank)
-      .def_prop_ro("size", &comm::Communicator::size)
-      .def_prop_ro("name", [](const comm::Communicator& c) { return std::string(c.name()); })
-      .def("abort", &comm::Communicator::abort);
-
-  m.def(
-      "make_callback_communicator",
-      [](int rank, int size, nb::object all_reduce) {
-        if (size < 1) bad("size", "must be >= 1");
-        if (rank < 0 || rank >= size) bad("rank", "must be in [0, size)");
-        if (!PyCallable_Check(all_reduce.ptr())) bad("all_reduce", "must be callable");
-        comm::Communicator* c = new CallbackCommunicator(rank, size, std::move(all_reduce),
-                                                         comm::MemorySpace::host, nullptr, 0);
-        return nb::cast(c, nb::rv_policy::take_ownership);
-      },
-      nb::arg("rank"), nb::arg("size"), nb::arg("all_reduce"),
-      "Returns a host-memory communicator whose collectives call all_reduce(array, op): reduce "
-      "the numpy array in place over the ranks with op 'sum', 'max' or 'min' (e.g. "
-      "torch.distributed.all_reduce on a gloo group); the array is valid only during the call. "
-      "The norm travels as int64 words, so any transport combines it exactly.");
-
-  m.def(
-      "make_in_process_group",
-      [](int size, double timeout_s) {
-        auto group = comm::make_in_process_group(
-            size, std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000)));
-        nb::list out;
-        for (auto& c : group) out.append(nb::cast(c.release(), nb::rv_policy::take_ownership));
-        return out;
-      },
-      nb::arg("size"), nb::arg("timeout_s") = 60.0,
-      "Returns `size` communicators of one group in this process, one per thread (rank i is "
-      "element i): for tests and single-process multi-worker setups.");
+  bind_communicators(m);
 
   auto placement_dict = [](const numa::Placement& p) {
     nb::dict d;
@@ -416,21 +241,16 @@ void bind_managers(nb::module_& m) {
                 c.groups.push_back(pg);
               }
             auto pm = std::make_unique<PyManager>();
-            if (device == "host") {  // a CPU trainer: its CPU tensors count as device memory
+            const int ordinal = python::device_ordinal(device, "device");
+            if (ordinal < 0) {  // a CPU trainer: its CPU tensors count as device memory
               pm->dev = device::make_host_device(256, device::HostDeviceMemory::any_host_memory);
-            } else if (device.rfind("cuda:", 0) == 0) {
-              pm->ordinal = std::stoi(device.substr(5));
-              // The trainer's stream as the compute stream; an address of 0 names the legacy
-              // default stream (cudaStreamLegacy, 0x1), None new streams of the manager's own.
-              cudaStream_t compute = nullptr;
-              if (!stream.is_none()) {
-                const std::uintptr_t a = python::stream_address(stream);
-                compute = reinterpret_cast<cudaStream_t>(a == 0 ? std::uintptr_t{1} : a);
-              }
-              pm->dev = device::make_cuda_device(pm->ordinal, compute);
-              pm->cuda = true;
             } else {
-              bad("device", "'" + device + "': expected 'host' or 'cuda:N'");
+              pm->ordinal = ordinal;
+              // The trainer's stream as the compute stream, None new streams of the
+              // manager's own.
+              pm->dev = device::make_cuda_device(
+                  pm->ordinal, stream.is_none() ? nullptr : python::trainer_stream(stream));
+              pm->cuda = true;
             }
             for (std::size_t i = 0; i < params.size(); ++i) {
               ParamSpec p;

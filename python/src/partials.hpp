@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "stepcore/norm.hpp"
 
@@ -21,6 +22,18 @@ namespace nb = nanobind;
 inline constexpr std::size_t kPartialWords = kNormDigits + 4;
 /// The word combined with MAX (max_abs_bits).
 inline constexpr std::size_t kMaxAbsWord = kNormDigits + 2;
+
+/// The struct NormPartial itself, as the device keeps it and a collective reduces it in
+/// place: words [0, kStructSumWords) are uint64 summed (digits, nan_count, inf_count);
+/// the uint32 words [kStructMaxInt32, kStructMaxInt32 + 2) (max_abs_bits, approximate)
+/// combined with max.
+inline constexpr std::size_t kStructSumWords = kNormDigits + 2;
+inline constexpr std::size_t kStructMaxInt32 = 2 * kStructSumWords;
+static_assert(std::is_trivially_copyable_v<NormPartial>);
+static_assert(sizeof(NormPartial) == 8 * kStructSumWords + 8);
+static_assert(offsetof(NormPartial, nan_count) == 8 * kNormDigits);
+static_assert(offsetof(NormPartial, max_abs_bits) == 4 * kStructMaxInt32);
+static_assert(offsetof(NormPartial, approximate) == 4 * kStructMaxInt32 + 4);
 
 /// Returns `p` as a new numpy array of kPartialWords int64 words.
 inline nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1>> partial_array(const NormPartial& p) {

@@ -56,17 +56,116 @@ def _check_choice(name: str, value, allowed, extra: str = "") -> None:
                          + ", ".join(repr(a) for a in allowed) + f"; got {value!r}{extra}")
 
 
-def _all_reduce_function(group):
-    """Returns all_reduce(array, op) over `group` with torch.distributed (in place)."""
+def _reduce_ops():
+    """Returns {op name: torch.distributed.ReduceOp} for the callbacks' ops."""
     import torch.distributed as dist
 
     global _REDUCE_OPS
     if _REDUCE_OPS is None:
         _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                        "min": dist.ReduceOp.MIN}
+    return _REDUCE_OPS
+
+
+def _group_backends(group) -> dict:
+    """Returns {device type: backend name} of `group`: 'cpu:gloo,cuda:nccl' gives
+    {'cpu': 'gloo', 'cuda': 'nccl'}; a plain backend name the device types it serves."""
+    import torch.distributed as dist
+
+    try:
+        config = str(dist.get_backend_config(group))
+    except Exception:  # a group torch keeps no configuration for
+        config = str(dist.get_backend(group))
+    out = {}
+    for part in config.split(","):
+        device, sep, name = part.strip().partition(":")
+        if sep:
+            out[device] = name
+    if not out:
+        name = config.strip().lower()
+        capability = getattr(dist.Backend, "backend_capability", {})
+        out = {d: name for d in capability.get(name, ["cpu"])}
+    return out
+
+
+def _reducer(group, memory, stage_device=None):
+    """Returns reduce(tensor, op): torch.distributed.all_reduce over `group`, in place, of a
+    tensor in `memory` (a torch.device: 'cpu' or a CUDA device), on the group's backend for
+    that device type. Host memory of a group without a CPU backend (NCCL alone) is staged
+    through a GPU (`stage_device`, else the current one): copied there, all-reduced, copied
+    back, the host waiting. Raises ValueError naming 'process_group' when the group cannot
+    reduce that memory."""
+    import torch.distributed as dist
+
+    ops = _reduce_ops()
+    backends = _group_backends(group)
+    shown = ",".join(f"{d}:{b}" for d, b in backends.items())
+
+    def direct(t, op):
+        dist.all_reduce(t, op=ops[op], group=group)
+
+    if memory.type in backends:
+        return direct
+    if memory.type == "cuda":
+        raise ValueError(
+            f"stepcore.torch: 'process_group' (backends {shown}) has no CUDA backend, but modes "
+            "none and optimizer all-reduce the norm in the parameters' CUDA memory: use a "
+            "group with one (nccl, or 'cpu:gloo,cuda:nccl'), or offload='full'")
+    if memory.type == "cpu" and "cuda" in backends and torch.cuda.is_available():
+        stage = stage_device or torch.device("cuda", torch.cuda.current_device())
+
+        def staged(t, op):
+            on_gpu = t.to(stage)
+            dist.all_reduce(on_gpu, op=ops[op], group=group)
+            t.copy_(on_gpu)  # waits for the collective: host memory is reduced on return
+
+        return staged
+    raise ValueError(
+        f"stepcore.torch: 'process_group' (backends {shown}) cannot all-reduce {memory.type} "
+        "memory: the host's norm words need a CPU backend (gloo), or a CUDA backend and a GPU "
+        "to stage them through")
+
+
+def _all_reduce_function(group, stage_device=None):
+    """Returns all_reduce(array, op) over `group` of a host communicator's numpy words (in
+    place): on the group's CPU backend, else staged through the GPU (see _reducer)."""
+    reduce = _reducer(group, torch.device("cpu"), stage_device)
 
     def all_reduce(array, op):
-        dist.all_reduce(torch.from_numpy(array), op=_REDUCE_OPS[op], group=group)
+        reduce(torch.from_numpy(array), op)
+
+    return all_reduce
+
+
+# The signed view of an unsigned word type, and the top bit that flipped orders the
+# unsigned words as the signed view (torch.distributed has no unsigned MAX/MIN).
+_SIGNED = {getattr(torch, f"uint{n}"): (getattr(torch, f"int{n}"), -(1 << (n - 1)))
+           for n in (32, 64) if hasattr(torch, f"uint{n}")}
+
+
+def _device_all_reduce_function(group, memory, stream):
+    """Returns all_reduce(array, op) of a device-memory communicator (docstring of
+    _core.make_device_callback_communicator): the manager's words themselves, as a tensor
+    in `memory`, all-reduced over `group` in place; on a CUDA device under
+    torch.cuda.stream(`stream`), the manager's compute stream, so the collective is ordered
+    with the kernels that write and read the words and nothing waits on the host. Unsigned
+    words are reduced as their signed view: SUM gives the same bits; MAX/MIN flip the top
+    bit before and after (exact, as the host communicator's words)."""
+    import contextlib
+
+    reduce = _reducer(group, memory)
+
+    def all_reduce(array, op):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            t = torch.from_dlpack(array)
+            signed, top = _SIGNED.get(t.dtype, (None, 0))
+            if signed is not None:
+                t = t.view(signed)
+            if op != "sum" and top:
+                t.bitwise_xor_(top)
+            reduce(t, op)
+            if op != "sum" and top:
+                t.bitwise_xor_(top)
 
     return all_reduce
 
@@ -268,11 +367,13 @@ class GradientManager(torch.optim.Optimizer):
             import torch.distributed as dist
 
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
-            if self.world_size > 1:
-                comm = _core.make_callback_communicator(self.rank, self.world_size,
-                                                        _all_reduce_function(group))
+            if self.rank < 0:
+                raise ValueError("stepcore.torch: this process is not a member of "
+                                 "'process_group'")
+            comm = self._communicator(group, dev, device)
         else:
             self.rank, self.world_size = 0, 1
+        self._comm = comm
 
         groups = [self._group_entry(gi, g) for gi, g in enumerate(self.param_groups)]
         group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
@@ -320,6 +421,25 @@ class GradientManager(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self._params)]
 
+    def _communicator(self, group, dev, device):
+        """The communicator of the norm over `group` (None for one rank, after the same
+        checks): mode full reduces host memory (a host communicator: the group's CPU
+        backend, else staged through `dev`); modes none and optimizer reduce the device's
+        memory in place (CUDA memory on the compute stream, host memory on the host device).
+        Raises ValueError naming 'process_group' when the group cannot reduce that memory."""
+        cuda = dev.type == "cuda"
+        stream = torch.cuda.current_stream(dev) if cuda else None
+        full = self.offload == "full"
+        fn = (_all_reduce_function(group, dev if cuda else None) if full
+              else _device_all_reduce_function(group, dev, stream))
+        if self.world_size == 1:
+            return None
+        if full:
+            return _core.make_callback_communicator(self.rank, self.world_size, fn)
+        return _core.make_device_callback_communicator(
+            self.rank, self.world_size, fn, device=device,
+            stream=None if stream is None else stream.cuda_stream)
+
     def _process_group(self, process_group):
         """Returns (the group the norm is global over or None, counts_toward_norm(p))."""
         meshes = []  # distinct meshes (fully_shard makes equal mesh objects per module)
@@ -336,6 +456,15 @@ class GradientManager(torch.optim.Optimizer):
             return all(c == 0 for c, pl in zip(coord, p.placements) if isinstance(pl, _Replicate))
 
         if process_group is not None:
+            import torch.distributed as dist
+
+            if process_group is getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+                raise ValueError("stepcore.torch: this process is not a member of "
+                                 "'process_group' (new_group gave it NON_GROUP_MEMBER)")
+            if not isinstance(process_group, dist.ProcessGroup):
+                raise TypeError("stepcore.torch: 'process_group' must be a "
+                                "torch.distributed.ProcessGroup or None, got "
+                                f"{type(process_group).__name__}")
             return process_group, counts
         if meshes:
             import torch.distributed as dist

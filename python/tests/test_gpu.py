@@ -1009,3 +1009,24 @@ def test_an_array_on_a_device_that_is_not_present_is_refused_naming_it(cuda_torc
     with pytest.raises(ValueError, match=rf"'accs\[0\]': is on CUDA device {n}, but {n} devices"):
         sc.accumulate([Described(acc.data_ptr(), 4, n)], [acc],
                       stream=torch.cuda.current_stream().cuda_stream)
+
+
+@pytest.mark.gpu
+def test_nccl_drives_the_device_memory_communicator_to_one_process_bits(cuda_torch):
+    """stepcore.torch.GradientManager on CUDA parameters over an NCCL group, each rank a
+    slice of every parameter (test_torch_manager's gloo workers on cuda:rank): modes none
+    and optimizer all-reduce the norm words in CUDA memory on the compute stream (the device
+    callback communicator), mode full in host memory staged through the GPU (NCCL has no
+    CPU backend); every mode gives one process's bits, and a "cpu:gloo" group is refused
+    for CUDA memory naming 'process_group'. Two GPUs: two processes; one GPU: one NCCL rank
+    whose manager is told of two, so that it builds and drives the communicator."""
+    torch = cuda_torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip(f"torch {torch.__version__} has no NCCL backend")
+    import test_torch_manager as tm
+
+    world = min(2, torch.cuda.device_count())
+    results = tm.run_sliced_processes(world, "nccl", world_size=None if world > 1 else 2)
+    tm.check_sliced_results(results, "cuda")

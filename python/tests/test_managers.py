@@ -301,40 +301,76 @@ def test_placement_and_launcher_environment(monkeypatch):
     assert core.local_rank_from_env() == 3
 
 
-def test_callback_communicator_combines_partials_exactly_across_threads():
-    """Two ranks in two threads, their collectives through Python callbacks over a shared
-    board (what torch.distributed.all_reduce does over gloo): the whole model's norms."""
-    board = {"arrays": [None, None], "barrier": threading.Barrier(2)}
+def board_callbacks(view, calls=None):
+    """Two ranks' all_reduce(array, op) callbacks over a shared board (what
+    torch.distributed.all_reduce does over gloo): each reduces view(array) in place with the
+    other rank's; rank 0 logs (dtype, size, op) into `calls`."""
+    arrays, barrier = [None, None], threading.Barrier(2)
 
     def make(rank):
         def all_reduce(array, op):
-            assert array.dtype == np.int64
-            board["arrays"][rank] = array.copy()
-            board["barrier"].wait()
-            both = board["arrays"]
-            combined = both[0] + both[1] if op == "sum" else np.maximum(both[0], both[1])
-            board["barrier"].wait()
-            array[:] = combined
+            a = view(array)
+            if calls is not None and rank == 0:
+                calls.append((a.dtype.name, a.size, op))
+            arrays[rank] = a.copy()
+            barrier.wait()
+            combined = arrays[0] + arrays[1] if op == "sum" else np.maximum(*arrays)
+            barrier.wait()
+            a[:] = combined
         return all_reduce
 
-    comms = [core.make_callback_communicator(r, 2, make(r)) for r in range(2)]
-    whole = run("full", steps=2)
-    halves = [[{**s, "numel": (n // 2 if r == 0 else n - n // 2)} for s, n in zip(specs(), SIZES)]
-              for r in range(2)]
-    offsets = [[0] * len(SIZES), [n // 2 for n in SIZES]]
+    return [make(r) for r in range(2)]
+
+
+# Two ranks' halves of every parameter: (specs, offsets) per rank.
+HALVES = [([{**s, "numel": (n // 2 if r == 0 else n - n // 2)} for s, n in zip(specs(), SIZES)],
+           [0] * len(SIZES) if r == 0 else [n // 2 for n in SIZES]) for r in range(2)]
+
+
+def run_two_ranks(mode, comms, **kw):
+    """Runs `mode` on two threads, rank r over comms[r] with HALVES[r]; returns their runs."""
     got = [None, None]
 
     def rank(r):
-        got[r] = run("full", steps=2, comm=comms[r], shard=(halves[r], offsets[r]))
+        got[r] = run(mode, comm=comms[r], shard=HALVES[r], **kw)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return got
+
+
+def int64_words(array):
+    """The host callback's words: int64 numpy arrays, reduced as they are."""
+    assert array.dtype == np.int64
+    return array
+
+
+def test_callback_communicator_combines_partials_exactly_across_threads():
+    """Two ranks in two threads, their collectives through Python callbacks over a shared
+    board (what torch.distributed.all_reduce does over gloo): the whole model's norms."""
+    comms = [core.make_callback_communicator(r, 2, f) for r, f in
+             enumerate(board_callbacks(int64_words))]
+    whole = run("full", steps=2)
+    got = run_two_ranks("full", comms, steps=2)
     for r in range(2):
         for (n_whole, _), (n_rank, _) in zip(whole, got[r]):
             assert np.float32(n_whole).tobytes() == np.float32(n_rank).tobytes()
+
+
+def final_backward_begun(mode, comm):
+    """A manager in `mode` over `comm` whose final backward has every gradient handed over."""
+    m = core.GradientManager(mode, specs(), groups=GROUPS, threads=1, comm=comm)
+    for i, n in enumerate(SIZES):
+        m.load_parameter(i, master(i, n))
+    m.begin_step(0.01)
+    m.begin_backward(True)
+    for i, n in enumerate(SIZES):
+        np.from_dlpack(m.gradient(i))[:] = grad(0, 0, i, n)
+        m.gradient_ready(i)
+    return m
 
 
 def test_callback_communicator_that_raises_fails_the_manager():
@@ -346,15 +382,7 @@ def test_callback_communicator_that_raises_fails_the_manager():
         calls.append(op)
         raise ConnectionError("peer went away")
 
-    comm = core.make_callback_communicator(0, 2, broken)
-    m = core.GradientManager("full", specs(), groups=GROUPS, threads=1, comm=comm)
-    for i, n in enumerate(SIZES):
-        m.load_parameter(i, master(i, n))
-    m.begin_step(0.01)
-    m.begin_backward(True)
-    for i, n in enumerate(SIZES):
-        np.from_dlpack(m.gradient(i))[:] = grad(0, 0, i, n)
-        m.gradient_ready(i)
+    m = final_backward_begun("full", core.make_callback_communicator(0, 2, broken))
     m.finish_backward()
     with pytest.raises(RuntimeError, match=r"comm_error in 'comm'.*ConnectionError: peer went away"):
         m.clip_grad_norm(1.0)
@@ -369,3 +397,69 @@ def test_callback_communicator_that_raises_fails_the_manager():
         core.make_callback_communicator(2, 2, broken)
     with pytest.raises(ValueError, match="all_reduce"):
         core.make_callback_communicator(0, 2, 42)
+
+
+def test_device_callback_communicator_hands_the_words_in_place_for_the_whole_models_bits():
+    """Modes none and optimizer on the host device, two ranks in two threads through a
+    device callback communicator over a shared board: the callback gets the manager's own
+    words (uint64 sums, the uint32 max pair, the uint64 layout check), reduces them in
+    place, and every rank's shards get the whole model's norms and bits."""
+    native = {"formula": "native"}  # torch's has a tail of numel % 8: the shards' differ
+    for mode in ("none", "optimizer"):
+        whole = run(mode, steps=3, hyper=native)
+        calls = []
+        # np.from_dlpack: a view, so the reduction lands in the manager's words.
+        comms = [core.make_device_callback_communicator(r, 2, f) for r, f in
+                 enumerate(board_callbacks(np.from_dlpack, calls))]
+        assert [c.name for c in comms] == ["device_callback"] * 2
+        got = run_two_ranks(mode, comms, steps=3, hyper=native)
+        partial = [("uint64", 22, "sum"), ("uint32", 2, "max"), ("uint64", 3, "max")]
+        assert calls[:3] == partial, calls
+        for r, (shard, offsets) in enumerate(HALVES):
+            for s, ((nw, sw), (nr, sr)) in enumerate(zip(whole, got[r])):
+                assert np.float32(nw).tobytes() == np.float32(nr).tobytes(), (mode, s)
+                for i, (pw, pr) in enumerate(zip(sw, sr)):
+                    lo, hi = offsets[i], offsets[i] + shard[i]["numel"]
+                    assert pw[0][lo:hi].tobytes() == pr[0].tobytes(), (mode, s, i)
+                    for slot in pw[1]:
+                        assert pw[1][slot][lo:hi].tobytes() == pr[1][slot].tobytes(), slot
+                    assert pw[3] == pr[3]
+
+
+def test_device_callback_communicator_arguments_and_its_memory_are_checked():
+    """Named refusals: rank, size, all_reduce, device, a stream on the host device or none
+    on a CUDA device; a CUDA-memory communicator is refused by mode full and by the host
+    device (before any CUDA call); a raising callback fails the manager (comm_error)."""
+    ok = lambda array, op: None  # noqa: E731
+    with pytest.raises(ValueError, match="'rank'"):
+        core.make_device_callback_communicator(2, 2, ok)
+    with pytest.raises(ValueError, match="'size'"):
+        core.make_device_callback_communicator(0, 0, ok)
+    with pytest.raises(ValueError, match="'all_reduce'"):
+        core.make_device_callback_communicator(0, 2, 42)
+    for device in ("tpu", "cuda:", "cuda:x", "cuda:-1", "cuda"):
+        with pytest.raises(ValueError, match="'device'"):
+            core.make_device_callback_communicator(0, 2, ok, device=device)
+    with pytest.raises(ValueError, match="'stream'.*host device has no streams"):
+        core.make_device_callback_communicator(0, 2, ok, device="host", stream=0x1234)
+    with pytest.raises(ValueError, match="'stream'.*compute stream"):
+        core.make_device_callback_communicator(0, 2, ok, device="cuda:0")
+    cuda = core.make_device_callback_communicator(0, 2, ok, device="cuda:0", stream=0x1234)
+    for mode, why in (("full", "full offload reduces host memory"),
+                      ("none", "a host communicator on the host device")):
+        with pytest.raises(ValueError, match=f"'comm'.*device_callback.*{why}"):
+            core.GradientManager(mode, specs(), groups=GROUPS, threads=1, comm=cuda)
+    with pytest.raises(ValueError, match="'device'"):
+        core.GradientManager("none", specs(), device="cuda:x")
+
+    def broken(array, op):
+        raise ConnectionError("peer went away")
+
+    m = final_backward_begun("none", core.make_device_callback_communicator(0, 2, broken))
+    # Mode none computes and reduces the partial as the final backward finishes.
+    with pytest.raises(RuntimeError, match=r"comm_error in 'comm'.*ConnectionError: peer went away"):
+        m.finish_backward()
+    try:
+        m.close()
+    except RuntimeError:
+        pass  # close() may re-raise the step's failure once

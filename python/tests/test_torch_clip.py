@@ -27,6 +27,7 @@ torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
 
 import stepcore.torch as st  # noqa: E402
 from exact import exact_l1, exact_norm, round_sqrt_to_f32  # noqa: E402
+from ranks import communicate_all  # noqa: E402
 
 FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
 TINY = 2.0**-149
@@ -544,14 +545,7 @@ def test_distributed_norm_equals_single_process(world, expected_single_process):
              "t.dist_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])",
              str(r), str(world), init_file, outs[r]], env=env, cwd=tmp,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=120)[0].decode(errors="replace"))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                raise
+        logs = communicate_all(procs, 120)
         for r, p in enumerate(procs):
             assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
         results = [torch.load(o) for o in outs]

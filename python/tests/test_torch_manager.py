@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch", reason="stepcore.torch tests need PyTorch")
 
 import stepcore.torch as st  # noqa: E402
 from exact import exact_norm  # noqa: E402
+from ranks import communicate_all  # noqa: E402
 
 MODES = ("none", "optimizer", "full")
 VOCAB, HIDDEN = 61, 12
@@ -915,6 +916,297 @@ def test_two_fsdp2_processes_give_the_single_process_bits(reference):
             assert_records_equal(recs, peer, what + " (against FSDP2 + torch fused AdamW)")
         if overlap:
             check_speculation_counts(recs, speculation, -1, what)
+
+
+# ---- the device-memory communicator on process groups ------------------------------------
+# Each rank holds a contiguous slice of every parameter (uneven cuts) and the norm is global
+# over the group; every mode must give the bits of one process holding everything, on the
+# same device. Modes none and optimizer reduce the norm words in the device's memory (the
+# device callback communicator: host memory on the host device, CUDA memory on the compute
+# stream on a GPU), mode full in host memory. test_gpu.py runs the same workers on NCCL.
+
+SLICE_SIZES = (1000, 37, 4099)
+SLICE_STEPS = 4
+INF_STEP = 2  # the last element of the last parameter (the last rank's) is +inf: skipped
+
+
+def slice_bounds(n, rank, world):
+    """Returns this rank's [lo, hi) of n elements: quadratic cut points (uneven)."""
+    cut = lambda r: (n * r * r) // (world * world)  # noqa: E731
+    return cut(rank), cut(rank + 1)
+
+
+def slice_gradient(step, i, n):
+    """The whole gradient of parameter i at `step` (identical in every process)."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(100 * step + i)) * 10.0 ** (i - 1)
+    if step == INF_STEP and i == len(SLICE_SIZES) - 1:
+        g[-1] = math.inf
+    return g
+
+
+def sliced_run(mode, dev, group=None, world_size=None):
+    """Trains SLICE_SIZES parameters on `dev` for SLICE_STEPS steps in `mode`: this rank's
+    slices with a `group` (the manager told `world_size` ranks when given), the whole
+    without. Returns ([(norm, skipped) per step], the final (param, exp_avg, exp_avg_sq) as
+    CPU tensors, the communicator's name or None)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group else (0, 1)
+    bounds = [slice_bounds(n, rank, world) for n in SLICE_SIZES]
+    params = [torch.nn.Parameter(slice_gradient(-1, i, n)[lo:hi].to(dev))
+              for i, (n, (lo, hi)) in enumerate(zip(SLICE_SIZES, bounds))]
+    real = dist.get_world_size
+    if world_size is not None:
+        # One GPU holds one NCCL rank: the manager is told the group has world_size ranks, so
+        # that it builds its communicator (an all-reduce over one rank is the identity).
+        dist.get_world_size = lambda group=None: world_size
+    try:
+        gm = st.GradientManager(params, offload=mode, lr=1e-2, betas=BETAS, weight_decay=WD,
+                                threads=1, formula="native", process_group=group)
+    finally:
+        dist.get_world_size = real
+    steps = []
+    for step in range(SLICE_STEPS):
+        gm.begin_step(0.5)
+        gm.begin_backward(final_backward=True)
+        grads = [slice_gradient(step, i, n)[lo:hi].to(dev)
+                 for i, (n, (lo, hi)) in enumerate(zip(SLICE_SIZES, bounds))]
+        sum((p * g).sum() for p, g in zip(params, grads)).backward()  # p.grad = g exactly
+        gm.finish_backward()
+        norm = gm.clip_grad_norm_(1.0)
+        gm.step()
+        steps.append((norm.item(), gm.report()["skipped"]))
+    sd = gm.state_dict()["state"]
+    state = [(p.detach().cpu().clone(), sd[i]["exp_avg"].cpu().clone(),
+              sd[i]["exp_avg_sq"].cpu().clone()) for i, p in enumerate(params)]
+    name = gm._comm.name if gm._comm is not None else None
+    gm.close()
+    return steps, state, name
+
+
+def sliced_mismatches(mode, dev, group, world_size=None):
+    """Runs `mode` sharded over `group` and whole in this process; returns (the sharded
+    run's communicator name, every difference from the whole run's bits)."""
+    import torch.distributed as dist
+
+    got_steps, got_state, name = sliced_run(mode, dev, group, world_size)
+    want_steps, want_state, _ = sliced_run(mode, dev)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    out = []
+    for s, (got, want) in enumerate(zip(got_steps, want_steps)):
+        if f32(got[0]) != f32(want[0]) and not (math.isnan(got[0]) and math.isnan(want[0])):
+            out.append(f"{mode} step {s}: norm {got[0]} != {want[0]}")
+        if got[1] != want[1] or got[1] != (s == INF_STEP):
+            out.append(f"{mode} step {s}: skipped {got[1]}, one process {want[1]}")
+    for i, (n, g, w) in enumerate(zip(SLICE_SIZES, got_state, want_state)):
+        lo, hi = slice_bounds(n, rank, world)
+        for what, a, b in zip(("param", "exp_avg", "exp_avg_sq"), g, w):
+            if not torch.equal(bits(a), bits(b[lo:hi])):
+                out.append(f"{mode} params[{i}] {what}: rank {rank}'s slice differs")
+    return name, out
+
+
+def group_refusal(make_params, **kw):
+    """Returns the message of the ValueError building a manager raises ('' for none)."""
+    try:
+        st.GradientManager(make_params(), lr=1e-2, threads=1, **kw).close()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def sliced_worker(rank, world, init_file, out_file, backend, world_size=None):
+    """One process: every mode sharded over the default group (`backend`; nccl: on
+    cuda:rank) against the whole run; a group without a backend for the parameters' memory,
+    and one without this rank; saves {"comm": {mode: name}, "mismatches": [...],
+    "refused": {case: message}, "not_member": message (rank 0: None)}."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=120))
+    results = {"comm": {}, "mismatches": [], "refused": {}}
+    for mode in MODES:
+        name, bad = sliced_mismatches(mode, dev, dist.group.WORLD, world_size)
+        results["comm"][mode] = name
+        results["mismatches"] += bad
+    # A group whose one backend serves the other memory: CUDA memory on "cpu:gloo" is
+    # refused; host memory on "cuda:gloo" needs a GPU to stage through.
+    other = "cpu:gloo" if dev.type == "cuda" else "cuda:gloo"
+    group = dist.new_group(backend=other)
+    for mode in MODES:
+        results["refused"][(other, mode)] = group_refusal(
+            lambda: [torch.nn.Parameter(torch.ones(8, device=dev))], offload=mode,
+            process_group=group)
+    # A group of rank 0 alone: the other ranks are refused as non-members.
+    first = dist.new_group(ranks=[0])
+    results["not_member"] = group_refusal(
+        lambda: [torch.nn.Parameter(torch.ones(8, device=dev))], offload="none",
+        process_group=first) if rank > 0 else None
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(results, f"{out_file}.{rank}")
+    # Leave at once: gloo's threads can abort interpreter shutdown ("terminate called without
+    # an active exception", seen twice on a loaded 2-vCPU VM), and every result is written.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_sliced_processes(world, backend, world_size=None, timeout=300):
+    """Runs sliced_worker on `world` processes; returns every rank's results."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([tests_dir] + [p for p in sys.path if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, out = os.path.join(tmp, "init"), os.path.join(tmp, "out")
+        procs = [subprocess.Popen(
+            [sys.executable, "-c", "import sys, test_torch_manager as t; "
+             "t.sliced_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], "
+             "sys.argv[5], int(sys.argv[6]) or None)",
+             str(r), str(world), init_file, out, backend, str(world_size or 0)], env=env,
+            cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+        logs = communicate_all(procs, timeout)
+        for r, p in enumerate(procs):
+            assert p.returncode == 0, f"rank {r} failed:\n{logs[r][-4000:]}"
+        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+def check_sliced_results(results, memory):
+    """Every rank: the single-process bits in every mode, through the device callback
+    communicator in modes none and optimizer and the host one in full; the group without
+    a backend for `memory` refused naming 'process_group' (host memory: unless a GPU can
+    stage it); a group without this rank refused naming it."""
+    for r, res in enumerate(results):
+        assert res["mismatches"] == [], f"rank {r}: " + "; ".join(res["mismatches"])
+        if r > 0:
+            assert "not a member of 'process_group'" in res["not_member"], res["not_member"]
+        assert res["comm"] == {"none": "device_callback", "optimizer": "device_callback",
+                               "full": "callback"}, f"rank {r}: {res['comm']}"
+        for (group, mode), message in res["refused"].items():
+            what = f"rank {r}, {group} group, mode {mode}: {message!r}"
+            if memory == "cuda" and mode != "full":
+                assert "'process_group'" in message and "no CUDA backend" in message, what
+            elif memory == "cuda" or torch.cuda.is_available():
+                assert message == "", what  # full: host memory on the CPU backend; staged
+            else:
+                assert "'process_group'" in message and "cannot all-reduce cpu" in message, what
+
+
+def test_two_gloo_processes_drive_the_device_memory_communicator_to_one_process_bits():
+    """Two gloo processes on the host device, each holding uneven slices: modes none and
+    optimizer through the device callback communicator (host memory: the code path of CUDA
+    memory without the stream), full through the host one; norms, skipped steps (an Inf on
+    the last rank only), params and moments equal one process's, bit for bit."""
+    check_sliced_results(run_sliced_processes(2, "gloo"), "cpu")
+
+
+def test_device_words_reduce_as_unsigned_through_signed_collectives(monkeypatch):
+    """The device callback's words on two threads whose "collective" has
+    torch.distributed.all_reduce's semantics (signed int64/int32 SUM, MAX, MIN): uint64
+    and uint32 words combine as unsigned (top bits set included), floats as they are."""
+    import threading
+
+    import numpy as np
+
+    from stepcore import _manager
+
+    board, barrier = [None, None], threading.Barrier(2)
+    torch_op = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+    def signed_reducer(group, memory, stage_device=None):
+        assert memory == torch.device("cpu") and stage_device is None
+        rank = group
+
+        def reduce(t, op):
+            assert t.dtype in (torch.int64, torch.int32, torch.float64, torch.float32)
+            board[rank] = t.clone()
+            barrier.wait()
+            combined = torch_op[op](board[0], board[1])
+            barrier.wait()
+            t.copy_(combined)
+        return reduce
+
+    monkeypatch.setattr(_manager, "_reducer", signed_reducer)
+    fns = [_manager._device_all_reduce_function(r, torch.device("cpu"), None) for r in range(2)]
+    cases = [
+        (np.uint64, [[2**63 + 5, 1, 2**64 - 1, 7], [3, 2**63, 2**62, 2**64 - 2]]),
+        (np.uint32, [[2**31 + 5, 1, 2**32 - 1], [3, 2**31, 2**30]]),
+        (np.float64, [[1.5, -2.0, 3.0], [-1.0, 4.0, 0.25]]),
+        (np.float32, [[1.5, -2.0], [-1.0, 4.0]]),
+    ]
+    numpy_op = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+    for dtype, (a, b) in cases:
+        for op in ("sum", "max", "min"):
+            arrays = [np.array(a, dtype=dtype), np.array(b, dtype=dtype)]
+            want = numpy_op[op](arrays[0], arrays[1])  # uint64 sums wrap mod 2^64
+            threads = [threading.Thread(target=fns[r], args=(arrays[r], op)) for r in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for r in range(2):
+                assert arrays[r].tobytes() == want.tobytes(), (dtype, op, r, arrays[r], want)
+
+
+def test_process_group_of_the_wrong_kind_is_refused_naming_it():
+    for value in (42, "gloo", object()):
+        with pytest.raises(TypeError, match="'process_group' must be a "
+                                            "torch.distributed.ProcessGroup"):
+            st.GradientManager(TinyLM(), offload="none", process_group=value)
+
+
+@pytest.mark.parametrize("config, memory, cuda, want", [
+    ("cpu:gloo,cuda:nccl", "cpu", False, "direct"),
+    ("cpu:gloo,cuda:nccl", "cuda", False, "direct"),
+    ("cuda:nccl", "cuda", False, "direct"),
+    ("cuda:nccl", "cpu", True, "staged"),
+    ("cuda:nccl", "cpu", False, "cannot all-reduce cpu memory"),
+    ("cpu:gloo", "cuda", True, "no CUDA backend"),
+])
+def test_the_group_backend_serving_the_memory_reduces_it(monkeypatch, config, memory, cuda,
+                                                          want):
+    """_reducer's choice by the group's backends: the device type's own backend, host memory
+    staged through a GPU when the group has only a CUDA one, else ValueError naming
+    'process_group' (a CUDA memory without a CUDA backend, host memory without a GPU)."""
+    import torch.distributed as dist
+
+    from stepcore import _manager
+
+    monkeypatch.setattr(dist, "get_backend_config", lambda group=None: config)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    if want in ("direct", "staged"):
+        assert _manager._reducer(object(), torch.device(memory, 0) if memory == "cuda"
+                                 else torch.device(memory)).__name__ == want
+    else:
+        with pytest.raises(ValueError, match=f"'process_group' \\(backends {config}\\).*{want}"):
+            _manager._reducer(object(), torch.device(memory))
+
+
+@pytest.mark.parametrize("config, backend, want", [
+    ("cpu:gloo,cuda:nccl", None, {"cpu": "gloo", "cuda": "nccl"}),
+    (None, "nccl", {"cuda": "nccl"}),
+    (None, "gloo", {"cpu": "gloo", "cuda": "gloo"}),
+    (None, "cuda:gloo", {"cuda": "gloo"}),
+])
+def test_a_groups_backends_by_device_type(monkeypatch, config, backend, want):
+    """From get_backend_config, else (a group torch keeps no configuration for) from the
+    backend's name and the device types it serves."""
+    import torch.distributed as dist
+
+    from stepcore import _manager
+
+    def no_config(group=None):
+        raise KeyError(group)
+
+    monkeypatch.setattr(dist, "get_backend_config",
+                        (lambda group=None: config) if config else no_config)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    assert _manager._group_backends(object()) == want
 
 
 # ---- CUDA (label gpu: skips without a GPU) ---------------------------------------------
