@@ -9,7 +9,9 @@ the READMEs in the tree) is checked by its language:
   statement's printed output must match what the block shows, so a statement of what is
   accepted or refused (an exception shown with its type) is checked too.
 * ``cpp``: compiled (``--cxx``, syntax and types only: -fsyntax-only) against the public
-  headers, inside a function body; the public headers are included first.
+  headers, inside a function body; the public headers are included first. The blocks are
+  compiled together as one translation unit (each with its prelude in a namespace of its
+  own, so the headers are parsed once); when that fails, each alone, to name the failures.
 
 A snippet that needs names it does not define (a model, a batch stream, a config) names a
 prelude in an HTML comment on the line just before its fence:
@@ -185,16 +187,24 @@ def run_python(root: Path, chain: list[Snippet], args) -> str:
     return expected(chain[-1], r.returncode, r.stdout + r.stderr)
 
 
-def run_cpp(root: Path, s: Snippet, args) -> str:
-    """Compiles a cpp block inside a function, after every public header and its prelude."""
+def cpp_header(root: Path) -> str:
+    """What every cpp block is compiled after: the public headers, <cstdio>, <vector>."""
     headers = sorted((root / "include" / "stepcore").glob("*.hpp"))
     optional = {"comm_mpi.hpp", "comm_nccl.hpp"}  # need MPI / NCCL headers of their own
     includes = "".join(f'#include "stepcore/{h.name}"\n' for h in headers
                        if h.name not in optional)
+    return includes + "#include <cstdio>\n#include <vector>\nusing namespace stepcore;\n"
+
+
+def cpp_block(root: Path, s: Snippet) -> str:
+    """A cpp block as a function `snippet`, after its prelude's declarations."""
     name = s.directives.get("prelude")
     decls = prelude(root, name, ".hpp") if name else ""
-    source = (includes + "#include <cstdio>\n#include <vector>\nusing namespace stepcore;\n"
-              + decls + "\nvoid snippet() {\n" + s.text + "}\n")
+    return decls + "\nvoid snippet() {\n" + s.text + "}\n"
+
+
+def compile_cpp(root: Path, source: str, args) -> subprocess.CompletedProcess:
+    """Compiles `source` (syntax and types only) against the public headers."""
     with tempfile.TemporaryDirectory(prefix="stepcore-snippet-") as tmp:
         src = Path(tmp) / "snippet.cpp"
         src.write_text(source, encoding="utf-8")
@@ -202,8 +212,27 @@ def run_cpp(root: Path, s: Snippet, args) -> str:
                "-Wno-unused-but-set-variable", "-I", str(root / "include")]
         for inc in args.include:
             cmd += ["-I", inc]
-        r = subprocess.run(cmd + [str(src)], capture_output=True, text=True, timeout=600)
+        return subprocess.run(cmd + [str(src)], capture_output=True, text=True, timeout=600)
+
+
+def run_cpp(root: Path, s: Snippet, args) -> str:
+    """Compiles a cpp block inside a function, after every public header and its prelude."""
+    r = compile_cpp(root, cpp_header(root) + cpp_block(root, s), args)
     return expected(s, r.returncode, r.stderr)
+
+
+def run_cpp_together(root: Path, blocks: list[Snippet], args) -> list[str]:
+    """Compiles the cpp blocks that must succeed as one translation unit, each block and its
+    prelude in a namespace of its own (no name reaches another block), so the headers are
+    parsed once; when that fails, each block alone, so each failure names its own block.
+    Returns run_cpp's answer per block."""
+    if len(blocks) > 1:
+        source = cpp_header(root) + "".join(
+            f"namespace snippet_{k} {{\n{cpp_block(root, s)}}}  // namespace snippet_{k}\n"
+            for k, s in enumerate(blocks))
+        if compile_cpp(root, source, args).returncode == 0:
+            return [""] * len(blocks)
+    return [run_cpp(root, s, args) for s in blocks]
 
 
 def expected(s: Snippet, returncode: int, output: str) -> str:
@@ -284,7 +313,7 @@ def main() -> int:
     ap.add_argument("--fix", action="store_true", help="rewrite the generated regions")
     args = ap.parse_args()
     root = Path(args.root).resolve()
-    failures, jobs = [], []
+    failures, jobs, together = [], [], []  # together: the cpp blocks compiled as one unit
     for md in markdown_files(root):
         if not args.list:
             failures += check_generated(root, md, args)
@@ -296,7 +325,10 @@ def main() -> int:
                 print(f"{s.where()} {s.lang} {' '.join(s.directives)}")
                 continue
             if s.lang == "cpp":
-                jobs.append((s, run_cpp, s))
+                if s.directives.get("removed"):
+                    jobs.append((s, run_cpp, s))
+                else:
+                    together.append(s)
                 continue
             if s.directives.get("continues") and not previous:
                 failures.append(f"check-snippets: {s.where()} (python) failed:\n"
@@ -315,8 +347,17 @@ def main() -> int:
         except (OSError, ValueError, subprocess.TimeoutExpired) as e:
             return str(e)
 
+    def run_together(blocks: list[Snippet]) -> list[str]:
+        try:
+            return run_cpp_together(root, blocks, args)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            return [str(e)] * len(blocks)
+
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        batch = pool.submit(run_together, together)
         results = list(pool.map(run, jobs))
+        jobs += [(s, run_cpp, s) for s in together]
+        results += batch.result()
     skipped = 0
     for (s, _, _), why in zip(jobs, results):
         if why == SKIP:
