@@ -19,7 +19,7 @@ tools/install-deps.sh --sanitizers
 
 # The threaded suites TSan runs (their test binaries; every test in them).
 tsan_targets=(test_cpu_engine test_device test_comm test_gpu_manager test_offload_manager
-              test_managers test_trainer_api test_speculation)
+              test_managers test_trainer_api test_speculation test_offload_timeout)
 
 timed() {  # timed NAME COMMAND...: runs the command and prints how long it took
   local name=$1 start=$SECONDS
