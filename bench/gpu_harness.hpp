@@ -99,7 +99,8 @@ inline void download(device::Device& dev, void* h, const void* d, std::size_t by
 inline std::vector<OptimizerConfig> default_configs() {
   return []<std::size_t... I>(std::index_sequence<I...>) {
     return std::vector<OptimizerConfig>{OptimizerConfig(std::in_place_index<I>)...};
-  }(std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
+  }
+  (std::make_index_sequence<std::variant_size_v<OptimizerConfig>>{});
 }
 
 }  // namespace harness_detail
@@ -201,7 +202,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
   std::vector<OptimizerDeviceArgs> dargs;
   for (const OptimizerConfig& c : configs) {
     const std::vector<double> table = gpu::make_optimizer_table(c);
-    d_tables.push_back(std::make_unique<DeviceMemory>(dev, std::max<std::size_t>(8, table.size() * 8)));
+    d_tables.push_back(
+        std::make_unique<DeviceMemory>(dev, std::max<std::size_t>(8, table.size() * 8)));
     if (!table.empty()) upload(dev, d_tables.back()->as<void>(), table.data(), table.size() * 8);
     dargs.push_back({d_one, d_one + 1, nullptr, nullptr,
                      table.empty() ? nullptr : d_tables.back()->as<double>()});
@@ -320,7 +322,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
     }
     std::vector<float> dsteps(nv);
     download(dev, dsteps.data(), d_steps.as<void>(), nv * 4);
-    if (dsteps != steps) return fail(std::string(name) + "'s step counters differ from the reference");
+    if (dsteps != steps)
+      return fail(std::string(name) + "'s step counters differ from the reference");
   }
 
   // ---- timing --------------------------------------------------------------------------
@@ -372,7 +375,8 @@ inline GpuBenchResult run_gpu_bench(device::Device& dev, const BestMs& best_ms,
     const std::vector<OptimizerTensor> ts = optimizer_tensors(configs[u]);
     const std::size_t nslots = optimizer_slot_names(configs[u]).size();
     const std::string name = std::string(optimizer_table()[u].name) + " (f32 state, bf16 g/out)";
-    row(name.c_str(), [&] { dev.optimizer_step(ts, configs[u], dargs[u]); },
+    row(
+        name.c_str(), [&] { dev.optimizer_step(ts, configs[u], dargs[u]); },
         static_cast<double>(total) * static_cast<double>(12 + 8 * nslots));
     res.rows.back().optimizer = true;
   }

@@ -30,9 +30,10 @@ namespace {
 // come from d_scale / d_clip (device memory, read now) where given, else from `pass`.
 template <class Lane>
 __global__ void __launch_bounds__(kBlockThreads)
-    scale_and_sum_squares_kernel(const __grid_constant__ LaunchArgs args, const detail::NormPass pass,
-                                 const float* d_scale, const float* d_clip,
-                                 const std::int32_t* d_found_inf, NormPartial* d_block_partials) {
+    scale_and_sum_squares_kernel(const __grid_constant__ LaunchArgs args,
+                                 const detail::NormPass pass, const float* d_scale,
+                                 const float* d_clip, const std::int32_t* d_found_inf,
+                                 NormPartial* d_block_partials) {
   if (d_found_inf != nullptr && *d_found_inf != kFoundInfNeedsExact) return;
   __shared__ Lane lanes[kBlockThreads];
   Lane lane;
