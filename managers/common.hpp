@@ -52,6 +52,11 @@ class SlabViews {
   std::vector<std::size_t> bytes_;
 };
 
+/// Returns `bytes` rounded up to kSlabViewAlignment: what a view takes in a slab.
+inline std::size_t aligned_bytes(std::size_t bytes) {
+  return (bytes + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+}
+
 /// Returns the bytes to allocate for `layout`: its total, and never less than one
 /// aligned block (an allocation is never empty).
 inline std::size_t slab_allocation_bytes(const SlabLayout& layout) {

@@ -43,6 +43,7 @@ GpuGradientManager::GpuGradientManager(ManagerConfig config)
   const MemoryPlan plan = plan_memory(bias);
   try {
     allocate_memory(plan);
+    account_memory(plan);
     set_up_step(plan, bias);
   } catch (...) {
     free_memory();
@@ -186,6 +187,41 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
     workspace_bytes_ = std::max(workspace_bytes_, dev_.norm_workspace_bytes(views));
   }
   if (workspace_bytes_ != 0) workspace_ = dev_.allocate(workspace_bytes_);
+}
+
+void GpuGradientManager::account_memory(const MemoryPlan& plan) {
+  const ManagerConfig& cfg = config();
+  std::size_t grads = 0, accs = 0, computes = 0, per_slot = 0;
+  for (const ParamSpec& p : cfg.params) {
+    if (p.gradient_buffer) grads += aligned_bytes(p.numel * dtype_size(p.grad_dtype));
+    accs += aligned_bytes(p.numel * sizeof(float));
+    if (p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0)
+      computes += aligned_bytes(p.numel * dtype_size(p.compute_dtype));
+    per_slot += aligned_bytes(p.numel * sizeof(float));
+  }
+  std::size_t streaming = 0;
+  for (std::size_t k = 0; k < plan.slots.size(); ++k)
+    streaming += aligned_bytes(*std::max_element(chunk_bytes_.begin(), chunk_bytes_.end()));
+  const bool on_device = !streamed();
+  MemoryLedger& book = ledger();
+  for (std::size_t s = 0; s < slots(); ++s)
+    book.set(s == 0 ? std::string_view("master") : shape().slot_names[s - 1], on_device, per_slot);
+  book.set("accumulator", true, accs);
+  book.set("gradient", true, grads);
+  book.set("compute", true, computes);
+  book.set("streaming", true, streaming);
+  // The rest of each slab (scalars, counters, hyper-parameters, bias tables, flags) and
+  // the norm workspace.
+  auto rest = [](std::size_t total, std::size_t named) {
+    return total > named ? total - named : 0;
+  };
+  const std::size_t dev_total = slab_allocation_bytes(plan.device) + workspace_bytes_;
+  book.set(
+      "scalars", true,
+      rest(dev_total, grads + accs + computes + streaming + (on_device ? slots() * per_slot : 0)));
+  book.set("scalars", false,
+           rest(slab_allocation_bytes(plan.host), on_device ? 0 : slots() * per_slot));
+  book.set("speculation", true, 0);
 }
 
 void GpuGradientManager::set_up_step(const MemoryPlan& plan, const BiasTables& bias) {

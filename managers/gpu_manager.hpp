@@ -40,7 +40,7 @@ class GpuGradientManager final : public ManagerImpl {
  protected:
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
   void do_begin_step() override;
-  void do_begin_backward() override {}
+  void do_begin_backward(bool, bool) override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
   void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
                          const device::Event& written) override;
@@ -147,6 +147,8 @@ class GpuGradientManager final : public ManagerImpl {
   MemoryPlan plan_memory(const BiasTables& bias);
   void allocate_memory(const MemoryPlan& plan);
   void set_up_step(const MemoryPlan& plan, const BiasTables& bias);
+  // Records what allocate_memory allocated in the ledger, by kind (memory()).
+  void account_memory(const MemoryPlan& plan);
   void free_memory() noexcept;
   void ensure_scale();
   void ensure_hyper();

@@ -41,6 +41,7 @@ void GpuGradientManager::do_reserve_speculation() {
         "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
   }
   spare_bytes_ = bytes;
+  ledger().set("speculation", true, bytes);
 }
 
 bool GpuGradientManager::admit(std::size_t k) {

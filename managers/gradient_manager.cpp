@@ -13,6 +13,7 @@
 
 #include "core/validate.hpp"
 #include "managers/manager_impl.hpp"
+#include "managers/offload_layout.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 
@@ -160,6 +161,7 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
     destinations.push_back({begin, begin + d.bytes(), true, Arg{"params", i, "compute_into"}});
   }
   check_overlaps(destinations);
+  (void)ring_geometry(config_);  // every mode refuses a bad ring; full offload uses it
 
   chunk_of_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -401,7 +403,7 @@ void GradientManager::begin_step(float gradient_scale, bool overlap_optimizer) {
   m.scale_ = gradient_scale;
   m.clip_ = 1.0f;
   m.overlap_ = overlap_optimizer;
-  m.saw_final_ = m.clipped_ = m.stepped_ = false;
+  m.saw_final_ = m.clipped_ = m.stepped_ = m.backward_in_step_ = false;
   std::fill(m.got_in_step_.begin(), m.got_in_step_.end(), std::uint8_t{0});
   m.phase_ = CallPhase::step;
 }
@@ -411,7 +413,8 @@ void GradientManager::begin_backward(bool final_backward) {
   m.expect(m.phase_ == CallPhase::step, "begin_backward",
            "needs begin_step() first, and finish_backward() after each backward");
   m.expect(!m.saw_final_, "begin_backward", "the step's final backward has already run");
-  m.guarded([&] { m.do_begin_backward(); });
+  m.guarded([&] { m.do_begin_backward(final_backward, !m.backward_in_step_); });
+  m.backward_in_step_ = true;
   m.final_ = final_backward;
   std::fill(m.ready_in_micro_.begin(), m.ready_in_micro_.end(), std::uint8_t{0});
   if (m.final_)
@@ -492,6 +495,12 @@ device::Event GradientManager::gradient_released(std::size_t i) const {
   m.expect_param(i);
   return m.do_gradient_released(i);
 }
+
+bool GradientManager::gradients_read_by_step() const noexcept {
+  return impl_->do_reads_gradients_at_step();
+}
+
+MemoryReport GradientManager::memory() const { return impl_->ledger().report(); }
 
 void GradientManager::finish_backward() {
   ManagerImpl& m = *impl_;

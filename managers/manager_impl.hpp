@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "managers/memory_ledger.hpp"
 #include "managers/optimizer.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -60,7 +61,8 @@ class ManagerImpl {
   /// empty slot means its initial value (load_parameter).
   virtual void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) = 0;
   virtual void do_begin_step() = 0;
-  virtual void do_begin_backward() = 0;
+  /// `final_backward`: the step's last micro-batch; `first_backward`: its first.
+  virtual void do_begin_backward(bool final_backward, bool first_backward) = 0;
   virtual TensorView do_gradient(std::size_t i) = 0;
   /// `first_in_step`: the parameter's first gradient of the step (copy, not add); `grad`
   /// the buffer to read (the manager's or the caller's, validated); the reads wait for
@@ -69,6 +71,9 @@ class ManagerImpl {
                                  const device::Event& written) = 0;
   /// The event after which parameter i's gradient buffer may be rewritten.
   virtual device::Event do_gradient_released(std::size_t i) const = 0;
+  /// The step reads its final micro-batch's gradients again from their buffers
+  /// (GradientManager::gradients_read_by_step).
+  virtual bool do_reads_gradients_at_step() const noexcept { return false; }
   /// Called by finish_backward of the final micro-batch with the parameters that got no
   /// gradient in the step (they must read as zero).
   virtual void do_finish_final_backward(std::span<const std::size_t> no_gradient) = 0;
@@ -103,6 +108,10 @@ class ManagerImpl {
   /// that every later call raises it even when its code is not a runtime one (an engine
   /// refusal inside a worker task).
   virtual std::exception_ptr do_async_failure() const noexcept { return nullptr; }
+
+  /// The bytes the manager holds by kind (GradientManager::memory()): the modes set
+  /// them where they allocate; a save or load holds its buffers while it runs.
+  detail::MemoryLedger& ledger() const noexcept { return ledger_; }
 
   OffloadMode mode() const noexcept { return config_.mode; }
   const ManagerConfig& config() const noexcept { return config_; }
@@ -164,7 +173,9 @@ class ManagerImpl {
   bool speculating_ = false, would_commit_ = true;
   std::chrono::steady_clock::time_point last_gradient_{};
   float scale_ = 1.0f, clip_ = 1.0f;
-  std::exception_ptr failure_;  ///< the runtime error every later call raises again
+  std::exception_ptr failure_;     ///< the runtime error every later call raises again
+  bool backward_in_step_ = false;  ///< a micro-batch's backward began in this step
+  mutable detail::MemoryLedger ledger_;
 };
 
 namespace detail {

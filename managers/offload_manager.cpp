@@ -26,38 +26,76 @@ using device::Queue;
 OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
     : ManagerImpl(std::move(config)), dev_(*this->config().device), engine_(this->config().engine) {
   const ManagerConfig& cfg = this->config();
-  // Layouts: device (gradients, compute weights), pinned (staging, upload buffers) and
-  // host state (acc, master, state slots), each one slab of 256-byte aligned views: per
-  // parameter i views 2i, 2i + 1 of the device and pinned slabs, kStateViews * i + v of
-  // the state (v = 0 acc, 1 master, 2 + s slot s).
-  SlabViews dev_views, pin_views, state_views;
+  ring_ = ring_geometry(cfg);
+  // Layouts: device (gradients, compute weights: views 2i, 2i + 1), host state (master
+  // and slots: view kMaxSlots * i + s), each one slab of 256-byte aligned views; the
+  // pinned slab holds the three rings.
+  SlabViews dev_views, state_views;
+  std::size_t grad_bytes = 1, compute_bytes = 1;  // the widest element of each ring
   for (const ParamSpec& p : cfg.params) {
     const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
     const std::size_t cb = p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
-    const std::size_t fb = p.numel * sizeof(float);
     // Device: the gradient and compute buffers the caller does not provide.
     dev_views.add(p.gradient_buffer ? gb : 0);
     dev_views.add(p.compute_into.data == nullptr && p.compute_into.numel == 0 ? cb : 0);
-    pin_views.add(gb);
-    pin_views.add(cb);
-    for (std::size_t v = 0; v < kStateViews; ++v) state_views.add(v < 1 + slots() ? fb : 0);
+    for (std::size_t v = 0; v < kMaxSlots; ++v)
+      state_views.add(v < slots() ? p.numel * sizeof(float) : 0);
+    grad_bytes = std::max(grad_bytes, dtype_size(p.grad_dtype));
+    if (p.has_compute_weights) compute_bytes = std::max(compute_bytes, dtype_size(p.compute_dtype));
   }
+  const std::size_t slot_span = ring_.slots * ring_.slot_elements;
+  SlabViews pin_views;
+  pin_views.add(slot_span * grad_bytes);     // staging
+  pin_views.add(slot_span * compute_bytes);  // upload
+  pin_views.add(slot_span * grad_bytes);     // fetch
   const SlabLayout dl = dev_views.layout(), pl = pin_views.layout(), sl = state_views.layout();
   state_ = numa::HostBuffer(std::max<std::size_t>(sl.total_bytes, 1), cfg.numa_node);
+  scratch_ = numa::HostBuffer(ring_.slot_elements * sizeof(float), cfg.numa_node);
   dev_slab_ = dev_.allocate(slab_allocation_bytes(dl));
   try {
     pinned_slab_ = dev_.allocate_host(slab_allocation_bytes(pl), cfg.numa_node);
-    carve(dl, pl, sl);
+    carve(dl, sl);
   } catch (...) {
     if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
     dev_.deallocate(dev_slab_);
     throw;
   }
+  auto pinned = [&](std::size_t v) { return static_cast<char*>(pinned_slab_) + pl.offsets[v]; };
+  staging_ring_ = {pinned(0), grad_bytes, ring_.slot_elements};
+  upload_ring_ = {pinned(1), compute_bytes, ring_.slot_elements};
+  fetch_ring_ = {pinned(2), grad_bytes, ring_.slot_elements};
+  staging_task_.assign(ring_.slots, 0);
+  upload_done_.resize(ring_.slots);
+  fetched_.resize(ring_.slots);
+
+  // The ledger: every kind this mode holds, in report order.
+  MemoryLedger& book = ledger();
+  for (std::size_t s = 0; s < slots(); ++s) {
+    std::size_t bytes = 0;
+    for (std::size_t i = 0; i < cfg.params.size(); ++i)
+      bytes += aligned_bytes(params_[i].state[s].bytes());
+    book.set(s == 0 ? std::string_view("master") : shape().slot_names[s - 1], false, bytes);
+  }
+  book.set("accumulator", false, 0);
+  book.set("staging", false, slot_span * grad_bytes);
+  book.set("upload", false, slot_span * compute_bytes);
+  book.set("fetch", false, slot_span * grad_bytes);
+  book.set("scratch", false, ring_.slot_elements * sizeof(float));
+  book.set("speculation", false, 0);
+  book.set("gradient", true, 0);
+  book.set("compute", true, 0);
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    const ParamSpec& p = cfg.params[i];
+    if (p.gradient_buffer)
+      book.add("gradient", true, aligned_bytes(p.numel * dtype_size(p.grad_dtype)));
+    if (p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0)
+      book.add("compute", true, aligned_bytes(p.numel * dtype_size(p.compute_dtype)));
+  }
+  book.set("speculation_device", true, 0);
   worker_ = std::thread([this] { worker_loop(); });  // last: nothing below can throw
 }
 
-void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
-                                   const SlabLayout& sl) {
+void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& sl) {
   const ManagerConfig& cfg = config();
   const std::size_t n = cfg.params.size();
   auto at = [](void* base, std::size_t off) { return static_cast<char*>(base) + off; };
@@ -74,16 +112,11 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
       v.compute = p.compute_into;  // the caller's storage (validated by the base)
     else
       v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
-    v.staging = {at(pinned_slab_, pl.offsets[2 * i]), p.numel, p.grad_dtype};
-    v.out = {cn ? at(pinned_slab_, pl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
-    v.acc = f32_at(sl.offsets[kStateViews * i], p.numel);
     for (std::size_t s = 0; s < slots(); ++s)
-      v.state[s] = f32_at(sl.offsets[kStateViews * i + 1 + s], p.numel);
-    if (p.counts_toward_norm) counted_acc_.push_back(v.acc);
+      v.state[s] = f32_at(sl.offsets[kMaxSlots * i + s], p.numel);
   }
   steps_.assign(n, 0.0f);
   spec_steps_.assign(n, 0.0f);
-  staging_task_.assign(n, 0);
   released_.resize(n);
   const std::size_t nchunks = chunks().size();
   has_spare_.assign(nchunks, 0);
@@ -92,25 +125,46 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& pl,
   speculated_.assign(nchunks, 0);
   chunk_partial_.assign(nchunks, NormPartial{});
   chunk_state_bytes_.assign(nchunks, 0);
-  // Place the state pages: each chunk's buffers touched in the partition its step uses.
   chunk_counted_.resize(nchunks);
-  auto aligned = [](std::size_t bytes) {
-    return (bytes + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
-  };
+  // Place the state pages: each chunk's buffers touched in the partition its step uses.
   for (std::size_t k = 0; k < nchunks; ++k) {
-    // One list per array (acc, then each slot), as the step partitions its tensors.
-    std::vector<std::vector<TensorView>> touch(1 + slots());
+    // One list per array (each slot), as the step partitions its tensors.
+    std::vector<std::vector<TensorView>> touch(slots());
     for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
-      touch[0].push_back(params_[i].acc);
       for (std::size_t s = 0; s < slots(); ++s) {
-        touch[1 + s].push_back(params_[i].state[s]);
-        chunk_state_bytes_[k] += aligned(params_[i].state[s].bytes());
+        touch[s].push_back(params_[i].state[s]);
+        chunk_state_bytes_[k] += aligned_bytes(params_[i].state[s].bytes());
       }
-      chunk_compute_bytes_[k] += aligned(params_[i].out.bytes());
-      if (cfg.params[i].counts_toward_norm) chunk_counted_[k].push_back(params_[i].acc);
+      if (cfg.params[i].has_compute_weights)
+        chunk_compute_bytes_[k] +=
+            aligned_bytes(cfg.params[i].numel * dtype_size(cfg.params[i].compute_dtype));
     }
     for (const auto& list : touch) engine_.first_touch(list);
   }
+}
+
+void OffloadGradientManager::allocate_accumulators() {
+  const ManagerConfig& cfg = config();
+  SlabViews views;
+  for (const ParamSpec& p : cfg.params) views.add(p.numel * sizeof(float));
+  const SlabLayout l = views.layout();
+  acc_space_ = numa::HostBuffer(std::max<std::size_t>(l.total_bytes, 1), cfg.numa_node);
+  acc_bytes_ = l.total_bytes;
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    params_[i].acc =
+        f32_view(reinterpret_cast<float*>(static_cast<char*>(acc_space_.data()) + l.offsets[i]),
+                 cfg.params[i].numel);
+    if (cfg.params[i].counts_toward_norm) {
+      counted_acc_.push_back(params_[i].acc);
+      chunk_counted_[chunk_of(i)].push_back(params_[i].acc);
+    }
+  }
+  for (const Chunk& c : chunks()) {  // each chunk's pages where its step runs
+    std::vector<TensorView> touch;
+    for (std::size_t i = c.first; i < c.last; ++i) touch.push_back(params_[i].acc);
+    engine_.first_touch(touch);
+  }
+  ledger().set("accumulator", false, acc_bytes_);
 }
 
 void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays,
@@ -129,14 +183,9 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const flo
     }
   }
   steps_[i] = step;
-  if (p.out.numel == 0) return;
-  round_into(arrays[0], p.out);
-  const Event e = on_device([&] {
-    dev_.copy(Queue::h2d, p.compute.data, p.out.data, p.out.bytes());
-    last_upload_what_ = {Awaited::upload, i};
-    return last_upload_ = dev_.record(Queue::h2d);
-  });
-  sync_event(e, {Awaited::upload, i});
+  if (p.compute.numel == 0) return;
+  upload_rounded(i, i + 1, Event{}, {Awaited::upload, i});
+  wait_uploads();
 }
 
 ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const {
@@ -152,13 +201,20 @@ void OffloadGradientManager::do_read_parameter(std::size_t i, Arrays<float> arra
   for (std::size_t s = 0; s < slots(); ++s)
     if (!arrays[s].empty()) std::memcpy(arrays[s].data(), p.state[s].data, arrays[s].size_bytes());
   if (compute.empty()) return;
-  // What the device holds, through the (idle) pinned upload buffer.
-  const Event e = on_device([&] {
-    dev_.copy(Queue::d2h, p.out.data, p.compute.data, p.out.bytes());
-    return dev_.record(Queue::d2h);
-  });
-  sync_event(e, {Awaited::read_back, i});
-  std::memcpy(compute.data(), p.out.data, compute.size());
+  // What the device holds, piece by piece through the (idle) upload ring.
+  const std::size_t width = dtype_size(p.compute.dtype);
+  for (std::size_t off = 0; off < p.compute.numel; off += ring_.slot_elements) {
+    const std::size_t n = std::min(ring_.slot_elements, p.compute.numel - off);
+    const std::size_t slot = next_upload_slot();
+    char* piece = upload_ring_.at(slot, 0);
+    const Event e = on_device([&] {
+      dev_.copy(Queue::d2h, piece, static_cast<const char*>(p.compute.data) + off * width,
+                n * width);
+      return upload_done_[slot] = dev_.record(Queue::d2h);
+    });
+    sync_event(e, {Awaited::read_back, i});
+    std::memcpy(compute.data() + off * width, piece, n * width);
+  }
 }
 
 void OffloadGradientManager::do_step_counts(std::span<float> out) {
@@ -210,6 +266,8 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
   }
   pinned_slab_ = dev_slab_ = stage_space_ = nullptr;
   state_ = numa::HostBuffer{};
+  acc_space_ = numa::HostBuffer{};
+  scratch_ = numa::HostBuffer{};
   spare_space_ = numa::HostBuffer{};
   const std::lock_guard lock(err_mu_);
   return error_;

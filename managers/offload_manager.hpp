@@ -1,10 +1,19 @@
-// OffloadGradientManager (mode "full"): gradients copied device-to-host into pinned
-// staging as backward hands them over, accumulated, normed, clipped and stepped in f32 on
-// the CPU engine by one worker thread, compute weights uploaded host-to-device.
-// docs/managers.md is the contract; every result equals the GPU modes' bits. Its parts:
-// construction and the state's import and export (offload_manager.cpp), the worker and
-// the sticky error (offload_manager_worker.cpp), the step (offload_manager_step.cpp),
-// overlapped steps' speculation (offload_manager_speculation.cpp).
+// OffloadGradientManager (mode "full"): gradients copied device-to-host through a pinned
+// ring as backward hands them over, accumulated, normed, clipped and stepped in f32 on
+// the CPU engine by one worker thread, compute weights uploaded host-to-device through a
+// second ring. docs/managers.md is the contract; every result equals the GPU modes' bits.
+// Its parts: construction and the state's import and export (offload_manager.cpp), the
+// worker and the sticky error (offload_manager_worker.cpp), the rings and the piecewise
+// step (offload_manager_ring.cpp), the step (offload_manager_step.cpp), overlapped
+// steps' speculation (offload_manager_speculation.cpp).
+//
+// Memory: host state is the masters and slots, the f32 accumulators only once a step
+// accumulates (allocated by the first step of two or more micro-batches), and the rings
+// (ManagerConfig::ring_slots × ring_slot_elements each): nothing else grows with the
+// model. A step of one micro-batch while no accumulator exists holds its gradients on the
+// device: each arrives through the staging ring for the norm's partial and is read again
+// through the fetch ring by the step (a "holding" step), so its buffer is released by
+// step(), not at arrival.
 //
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
 // the norm collectives; the worker runs tasks from two FIFO lanes: `main` (accumulate,
@@ -38,6 +47,7 @@
 #include <vector>
 
 #include "managers/manager_impl.hpp"
+#include "managers/offload_layout.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -58,11 +68,12 @@ class OffloadGradientManager final : public ManagerImpl {
  protected:
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
   void do_begin_step() override;
-  void do_begin_backward() override;
+  void do_begin_backward(bool final_backward, bool first_backward) override;
   TensorView do_gradient(std::size_t i) override;
   void do_gradient_ready(std::size_t i, bool first_in_step, ConstTensorView grad,
                          const device::Event& written) override;
-  device::Event do_gradient_released(std::size_t i) const override { return released_[i]; }
+  device::Event do_gradient_released(std::size_t i) const override;
+  bool do_reads_gradients_at_step() const noexcept override { return holding_; }
   void do_finish_final_backward(std::span<const std::size_t> no_gradient) override;
   void do_step_chunk(std::size_t chunk) override;
   void do_reserve_speculation() override;
@@ -87,32 +98,29 @@ class OffloadGradientManager final : public ManagerImpl {
   // optimizer's state slots. Saving, restoring and committing go over this list, never
   // over the arrays by name.
   static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
-  static constexpr std::size_t kStateViews = 1 + kMaxSlots;  // acc and the slots
   using Slots = std::array<TensorView, kMaxSlots>;
 
   // Per-parameter views into the slabs.
   struct Param {
-    TensorView grad;     // device, grad_dtype
-    TensorView compute;  // device, compute_dtype (empty without compute weights)
-    TensorView staging;  // pinned host, grad_dtype
-    TensorView out;      // pinned host, compute_dtype (empty without compute weights)
-    TensorView staged;   // device staging of speculated compute weights (empty: none)
-    TensorView acc;      // host f32
-    Slots state;         // host f32, the live state (slots() of them used)
-    Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
+    TensorView grad;       // device, grad_dtype
+    TensorView compute;    // device, compute_dtype (empty without compute weights)
+    TensorView staged;     // device staging of speculated compute weights (empty: none)
+    TensorView acc;        // host f32 (empty until a step accumulates)
+    Slots state;           // host f32, the live state (slots() of them used)
+    Slots spare;           // host f32 in the rollback space (empty until its chunk has one)
+    ConstTensorView held;  // a holding step's gradient on the device (empty: zero)
     const TensorView& master() const { return state[0]; }
   };
   std::size_t slots() const noexcept { return 1 + state_slots(); }
+  // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
+  // change the groups while they wait).
+  using GroupConfigs = std::vector<OptimizerConfig>;
 
   // Carves the slabs into the per-parameter views and places the state pages.
-  void carve(const SlabLayout& dl, const SlabLayout& pl, const SlabLayout& sl);
+  void carve(const SlabLayout& dl, const SlabLayout& sl);
+  // Allocates the accumulators (the first step that accumulates) and places their pages.
+  void allocate_accumulators();
 
-  // ---- errors --------------------------------------------------------------------------
-  void store_error(std::exception_ptr ep) noexcept;
-  void raise_if_failed() const;
-  // Runs f under dev_mu_; a Device error becomes the manager's (sticky) error.
-  template <class F>
-  decltype(auto) on_device(F&& f);
   // What a bounded wait waits for, named by its timeout error.
   struct Awaited {
     enum Kind : std::uint8_t {
@@ -124,6 +132,63 @@ class OffloadGradientManager final : public ManagerImpl {
     } kind;
     std::size_t index;
   };
+
+  // ---- the rings (offload_manager_ring.cpp) -----------------------------------------------
+  // A pinned ring: ring_.slots slots of ring_.slot_elements elements of `elem_bytes` each.
+  struct Ring {
+    char* base = nullptr;
+    std::size_t elem_bytes = 0, slot_elements = 0;
+    char* at(std::size_t slot, std::size_t element) const {
+      return base + (slot * slot_elements + element) * elem_bytes;
+    }
+  };
+  // One piece of a parameter placed in a ring slot.
+  struct Piece {
+    std::size_t param, offset, count, slot, at;
+  };
+  // Where a ring is filled next, and what frees each slot.
+  struct Cursor {
+    std::size_t slot = 0, used = 0;
+  };
+  // Returns the pieces of parameters [first, last) (those of `members` when given),
+  // packed into batches of one slot each: batch b's pieces have slot == b.
+  std::vector<std::vector<Piece>> batches(std::span<const std::size_t> members) const;
+  // Copies piece `pc` of `grad` (device) into the staging ring and posts its use.
+  void stage_piece(std::size_t i, bool first_in_step, const ConstTensorView& grad, const Piece& pc,
+                   bool wait_written, const device::Event& written);
+  // The step's part of chunk k (worker, or the caller's thread while the worker is idle):
+  // its parameters stepped batch by batch, each batch's gradients from the accumulators
+  // or read again from the device (a holding step), the compute weights written to the
+  // upload ring and uploaded to `target` after `after`.
+  enum class Target : std::uint8_t {
+    live,         // in place; compute weights to the model's
+    spare,        // into the spares; no compute weights
+    spare_staged  // into the spares; compute weights to the device staging
+  };
+  void run_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs, Target target,
+                 const device::Event& after);
+  // Uploads the rounding of parameters [first, last)'s masters (their compute weights)
+  // through the upload ring after `after`.
+  void upload_rounded(std::size_t first, std::size_t last, const device::Event& after,
+                      Awaited what);
+  // Returns the next upload slot, once its previous upload is done.
+  std::size_t next_upload_slot();
+  // Copies piece `pc` of parameter i's held gradient into fetch slot `slot` (recorded in
+  // fetched_[slot]); an empty held gradient is zero (nothing copied).
+  void fetch_piece(const Piece& pc, std::size_t slot);
+  // Widens the pieces of batch `b` (fetched into fetch slot `slot`) into the scratch.
+  void widen_fetched(const std::vector<Piece>& b, std::size_t slot);
+  // A holding step's norm partial over the counted gradients read again (mode `mode`).
+  NormPartial held_norm_partial(NormMode mode, float scale);
+  // The step's local norm partial (the decision's) in `mode`.
+  NormPartial local_partial(NormMode mode, float scale);
+
+  // ---- errors --------------------------------------------------------------------------
+  void store_error(std::exception_ptr ep) noexcept;
+  void raise_if_failed() const;
+  // Runs f under dev_mu_; a Device error becomes the manager's (sticky) error.
+  template <class F>
+  decltype(auto) on_device(F&& f);
   // The Errc::timeout error of a wait for `what` that passed the device's wait bound.
   Error timeout_error(Awaited what) const;
   // Waits for e (any thread) up to the device's wait_timeout(), then raises the device's
@@ -139,25 +204,19 @@ class OffloadGradientManager final : public ManagerImpl {
   // ---- the worker ------------------------------------------------------------------------
   enum Lane : std::size_t { main = 0, late = 1 };
   std::uint64_t post(std::function<void()> task, Lane lane = late);
-  void wait_done(Lane lane, std::uint64_t seq);
+  void wait_done(Lane lane, std::uint64_t seq) const;
   void drain(Lane lane);  // waits for the lane's posted tasks, then raises a stored error
   void drain();           // both lanes
   void worker_loop();
 
   // ---- numerics --------------------------------------------------------------------------
+  // The decision's global norm: over the accumulators, or merged from the chunks'
+  // partials (overlapped or holding steps), over every rank.
   NormResult global_norm(float scale);
-  // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
-  // change the groups while they wait).
-  using GroupConfigs = std::vector<OptimizerConfig>;
   GroupConfigs group_configs() const;
-  // Steps chunk k (worker): in place, or (into_spare) reading the live state and writing
-  // the spares, the step counters into spec_steps_.
-  void step_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs,
-                  bool into_spare = false);
+
   // Gives chunk k a spare from the rollback space when it has none and it fits.
   bool admit(std::size_t k);
-  // The global norm of an overlapped step from the chunks' partials (worker-made).
-  NormResult overlapped_global_norm(float scale);
   // Posts the step's last task: waits for its uploads and stamps the end of the step.
   void post_step_end();
   // The decision keeps the speculated chunks (finite, and coefficient 1 or an optimizer
@@ -165,11 +224,8 @@ class OffloadGradientManager final : public ManagerImpl {
   bool keeps_speculation() const;
   // Makes this step's speculative tasks not yet run skip (a rollback or skip).
   void cancel_speculation();
-  // Uploads chunk k's compute weights (from device staging when `staged`) after `after`.
-  void upload_chunk(std::size_t k, const device::Event& after,
-                    bool staged = false);  // on the worker
-  // Uploads speculated chunk k's compute weights into its device staging.
-  void stage_chunk(std::size_t k);  // on the worker
+  // Copies chunk k's staged compute weights to the model's (device to device) after `after`.
+  void commit_staged(std::size_t k, const device::Event& after);  // on the worker
   void wait_uploads();
 
   device::Device& dev_;
@@ -181,7 +237,24 @@ class OffloadGradientManager final : public ManagerImpl {
 
   void* dev_slab_ = nullptr;
   void* pinned_slab_ = nullptr;
-  numa::HostBuffer state_;
+  numa::HostBuffer state_;      // masters and slots
+  numa::HostBuffer acc_space_;  // accumulators (empty until a step accumulates)
+  std::size_t acc_bytes_ = 0;   // their bytes (aligned views)
+  numa::HostBuffer scratch_;    // one slot of f32: widened gradients (worker)
+
+  // The rings: staging (gradients in, the caller's thread fills, the worker empties),
+  // upload (compute weights out) and fetch (a holding step's gradients read again).
+  RingGeometry ring_;
+  Ring staging_ring_, upload_ring_, fetch_ring_;
+  Cursor staging_at_;                        // caller's thread
+  std::vector<std::uint64_t> staging_task_;  // per slot: the last main task reading it
+  std::size_t upload_next_ = 0;              // the next upload slot
+  std::vector<device::Event> upload_done_;   // per slot: its last upload
+  std::vector<device::Event> fetched_;       // per fetch slot: its copies
+  double staging_wait_ = 0.0;                // seconds waited for a staging slot (caller)
+  bool holding_ = false;                     // this step holds its gradients on the device
+  bool step_posted_ = false;                 // this step's step() ran
+  std::uint64_t step_end_task_ = 0;          // its last task (late lane)
 
   // Speculation: the rollback space (reserved by the first step that speculates), each
   // chunk's bytes of spares, how much is given out; per step, what each chunk did.
@@ -207,15 +280,14 @@ class OffloadGradientManager final : public ManagerImpl {
   Awaited last_upload_what_{Awaited::upload, 0};  // what it uploads (under dev_mu_)
 
   // The worker.
-  std::mutex mu_;
-  std::condition_variable task_cv_, done_cv_;
+  mutable std::mutex mu_;
+  mutable std::condition_variable task_cv_, done_cv_;
   std::deque<std::function<void()>> tasks_[2];  // per Lane
   std::uint64_t posted_[2] = {0, 0}, done_[2] = {0, 0};
   std::uint64_t generation_ = 0;             // steps begun (caller thread; tasks capture it)
   std::atomic<std::uint64_t> cancelled_{0};  // speculative tasks of this generation skip
   bool stop_ = false;
-  std::vector<std::uint64_t> staging_task_;  // last task reading staging i
-  std::vector<device::Event> released_;      // per parameter: its device buffer is staged
+  std::vector<device::Event> released_;  // per parameter: its device buffer is staged
   std::thread worker_;
 
   // Errors (err_mu_).

@@ -12,12 +12,14 @@
 #include <mutex>
 #include <string>
 
-#include "comm/global_norm.hpp"
+#include "managers/common.hpp"
 #include "managers/offload_manager.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/error.hpp"
 
 namespace stepcore::detail {
+
+using device::Event;
 
 bool OffloadGradientManager::admit(std::size_t k) {
   if (has_spare_[k]) return true;
@@ -31,17 +33,16 @@ bool OffloadGradientManager::admit(std::size_t k) {
       TensorView& v = params_[i].spare[s];
       v = f32_view(reinterpret_cast<float*>(static_cast<char*>(spare_space_.data()) + spare_used_),
                    params_[i].state[s].numel);
-      spare_used_ += (v.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+      spare_used_ += aligned_bytes(v.bytes());
     }
   has_spare_[k] = 1;
   // Device staging, when the chunk's compute weights fit what is left of it.
   if (chunk_compute_bytes_[k] != 0 && chunk_compute_bytes_[k] <= stage_bytes_ - stage_used_) {
     for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
       Param& p = params_[i];
-      if (p.out.numel == 0) continue;
-      p.staged = {static_cast<char*>(stage_space_) + stage_used_, p.out.numel, p.out.dtype};
-      stage_used_ +=
-          (p.out.bytes() + kSlabViewAlignment - 1) / kSlabViewAlignment * kSlabViewAlignment;
+      if (p.compute.numel == 0) continue;
+      p.staged = {static_cast<char*>(stage_space_) + stage_used_, p.compute.numel, p.compute.dtype};
+      stage_used_ += aligned_bytes(p.compute.bytes());
     }
     has_stage_[k] = 1;
   }
@@ -66,6 +67,7 @@ void OffloadGradientManager::do_reserve_speculation() {
             "cannot reserve " + std::to_string(bytes) + " bytes of device staging: " + e.what());
       }
       stage_bytes_ = bytes;
+      ledger().set("speculation_device", true, bytes);
     }
   }
   if (spare_space_.data() != nullptr) return;
@@ -80,6 +82,7 @@ void OffloadGradientManager::do_reserve_speculation() {
         Errc::out_of_range, "speculation_bytes",
         "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
   }
+  ledger().set("speculation", false, bytes);
 }
 
 void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
@@ -87,42 +90,23 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
   const float scale = gradient_scale();
   const bool speculate = speculating() && admit(chunk);
   speculated_[chunk] = speculate ? 1 : 0;
-  // The chunk's part of the global norm (exact integer partials merge in any order).
-  post(
-      [this, chunk, scale] {
-        chunk_partial_[chunk] =
-            engine_.norm_partial(chunk_counted_[chunk], GradientRead{scale, 1.0f}, NormMode::fast);
-      },
-      main);
+  // The chunk's part of the global norm (exact integer partials merge in any order); a
+  // holding step made it piece by piece as the gradients arrived.
+  if (!holding_)
+    post(
+        [this, chunk, scale] {
+          chunk_partial_[chunk] = engine_.norm_partial(chunk_counted_[chunk],
+                                                       GradientRead{scale, 1.0f}, NormMode::fast);
+        },
+        main);
   // Speculating: its step as if the coefficient were 1 and the step finite, unless the
   // decision (a rollback or skip) came first.
   if (speculate)
     post([this, chunk, scale, gen = generation_, configs = group_configs()] {
       if (cancelled_.load(std::memory_order_acquire) == gen) return;
-      step_chunk(chunk, GradientRead{scale, 1.0f}, configs, /*into_spare=*/true);
-      if (has_stage_[chunk]) stage_chunk(chunk);
+      run_chunk(chunk, GradientRead{scale, 1.0f}, configs,
+                has_stage_[chunk] ? Target::spare_staged : Target::spare, Event{});
     });
-}
-
-NormResult OffloadGradientManager::overlapped_global_norm(float scale) {
-  // The fast partial of the counted accumulators is the merge of the chunks' partials
-  // (their digits are exact integers; the error bounds add like threads' do).
-  auto local = [&](std::span<const ConstTensorView> tensors, cpu::NormMode mode) {
-    if (mode != NormMode::fast) {  // rare: the engine here, so nothing else may use it
-      drain();
-      return engine_.norm_partial(tensors, GradientRead{scale, 1.0f}, mode);
-    }
-    drain(main);  // the partials (the speculative steps may still run)
-    NormPartial merged{};
-    for (const NormPartial& p : chunk_partial_) merge(merged, p);
-    return merged;
-  };
-  if (config().comm == nullptr) {
-    const NormResult r = finalize(local(counted_acc_, NormMode::fast));
-    return r.needs_exact ? finalize(local(counted_acc_, NormMode::exact)) : r;
-  }
-  return comm::detail::global_norm(*config().comm, config().layout_fingerprint, counted_acc_,
-                                   local);
 }
 
 bool OffloadGradientManager::keeps_speculation() const {

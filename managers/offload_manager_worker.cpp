@@ -151,7 +151,7 @@ std::uint64_t OffloadGradientManager::post(std::function<void()> task, Lane lane
   return seq;
 }
 
-void OffloadGradientManager::wait_done(Lane lane, std::uint64_t seq) {
+void OffloadGradientManager::wait_done(Lane lane, std::uint64_t seq) const {
   std::unique_lock lock(mu_);
   done_cv_.wait(lock, [&] { return done_[lane] >= seq; });
 }
@@ -232,6 +232,7 @@ void OffloadGradientManager::do_recover() {
   norm_ = NormResult{};
   clip_ = 1.0f;
   report_ = StepReport{};
+  holding_ = false;  // the failed step's gradients are not read again
   std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
 }
 

@@ -26,7 +26,9 @@
 
 namespace stepcore::testing {
 
-enum class Flow : std::uint8_t { sft, rl };
+/// How a step's micro-batches come: SFT (3, every parameter in each), RL (1 to 4, some
+/// parameters without a gradient), RL with one micro-batch per step.
+enum class Flow : std::uint8_t { sft, rl, rl_single };
 
 /// One parameter shard of the synthetic model.
 struct StreamParam {
@@ -59,11 +61,12 @@ inline StepPlan plan_step(Flow flow, int step, std::size_t params, std::uint32_t
     p.micro_batches = 3;
     p.scale = 1.0f / static_cast<float>(1000 + 37 * step);  // 1 / loss tokens
   } else {
-    p.micro_batches = 1 + static_cast<int>(rng() % 4);
+    const int drawn = 1 + static_cast<int>(rng() % 4);
+    p.micro_batches = flow == Flow::rl_single ? 1 : drawn;
     p.scale = 1.0f / static_cast<float>(1 + rng() % 5000);
   }
   p.has_grad.assign(static_cast<std::size_t>(p.micro_batches), std::vector<bool>(params, true));
-  if (flow == Flow::rl)
+  if (flow != Flow::sft)
     for (auto& row : p.has_grad)
       for (std::size_t i = 0; i < params; ++i) row[i] = rng() % 5 != 0;
   return p;
@@ -203,6 +206,24 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
         return b;
       }(),
       0xFF);  // all-ones: a NaN in f32, bf16 and f16
+  // Released: the manager must not read the caller's buffer again; poison it at once.
+  // First, it must hold what was written (the manager never writes a caller's gradient).
+  auto release = [&](std::size_t i, const TensorView& g, const std::vector<std::uint8_t>& host) {
+    dev.synchronize(m.gradient_released(i));
+    if (g.numel) {
+      std::vector<std::uint8_t> back(g.bytes());
+      dev.copy(device::Queue::compute, back.data(), g.data, g.bytes());
+      dev.synchronize(dev.record(device::Queue::compute));
+      if (std::memcmp(back.data(), host.data(), g.bytes()) != 0)
+        throw std::logic_error("the manager wrote the caller's gradient of parameter " +
+                               std::to_string(i));
+    }
+    if (g.numel) {
+      dev.copy(device::Queue::compute, g.data, poison_bytes.data(), g.bytes());
+      dev.synchronize(dev.record(device::Queue::compute));
+    }
+  };
+  std::vector<std::pair<std::size_t, std::vector<std::uint8_t>>> held;  // released by step()
   for (int s = opts.first_step; s < opts.first_step + opts.steps; ++s) {
     const StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
     if (opts.schedule)
@@ -245,21 +266,11 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
           continue;
         }
         m.gradient_ready(i, ConstTensorView(g), written);
-        // Released: the manager must not read it again; poison it at once. First, it
-        // must hold what was written (the manager never writes a caller's gradient).
-        dev.synchronize(m.gradient_released(i));
-        if (g.numel) {
-          std::vector<std::uint8_t> back(g.bytes());
-          dev.copy(device::Queue::compute, back.data(), g.data, g.bytes());
-          dev.synchronize(dev.record(device::Queue::compute));
-          if (std::memcmp(back.data(), host.data(), g.bytes()) != 0)
-            throw std::logic_error("the manager wrote the caller's gradient of parameter " +
-                                   std::to_string(i));
+        if (m.gradients_read_by_step()) {  // released by step(): checked and poisoned then
+          held.push_back({i, host});
+          continue;
         }
-        if (g.numel) {
-          dev.copy(device::Queue::compute, g.data, poison_bytes.data(), g.bytes());
-          dev.synchronize(dev.record(device::Queue::compute));
-        }
+        release(i, g, host);
       }
       m.finish_backward();
     }
@@ -268,6 +279,9 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     if (max_norm) r.norm_bits = std::bit_cast<std::uint32_t>(m.clip_grad_norm(*max_norm));
     r.scale_bits = std::bit_cast<std::uint32_t>(m.effective_gradient_scale());
     m.step();
+    for (const auto& [i, written_bytes] : held)
+      release(i, TensorView{owned[i].data, params[i].numel, params[i].grad_dtype}, written_bytes);
+    held.clear();
     const StepReport rep = m.report();
     r.skipped = rep.skipped;
     r.speculated = rep.chunks_speculated;

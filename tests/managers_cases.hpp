@@ -67,6 +67,8 @@ struct Case {
   Speculation speculation = Speculation::automatic;            ///< ManagerConfig::speculation
   std::int64_t speculation_bytes = ManagerConfig::kAllChunks;  ///< ManagerConfig's budget
   std::int64_t speculation_device_bytes = 0;  ///< ManagerConfig's (full offload) staging
+  std::int64_t ring_slots = ManagerConfig::kDefaultRing;  ///< ManagerConfig's (full offload)
+  std::size_t ring_slot_elements = ManagerConfig{}.ring_slot_elements;
   /// The optimizer's fixed hyper-parameters that differ from its defaults, for labels.
   std::string optimizer_flags() const {
     std::string out;
@@ -81,7 +83,10 @@ struct Case {
   std::string label() const {
     return std::string(dtype_name(grad_dtype)) + " " + std::string(optimizer_name(optimizer)) +
            optimizer_flags() + (formula == AdamWFormula::native ? " (native)" : "") + " max_norm " +
-           (max_norm ? std::to_string(*max_norm) : "none") + (flow == Flow::sft ? " sft" : " rl") +
+           (max_norm ? std::to_string(*max_norm) : "none") +
+           (flow == Flow::sft  ? " sft"
+            : flow == Flow::rl ? " rl"
+                               : " rl-single") +
            (overlap ? " overlap" : "") + (schedule ? " schedule" : "") +
            (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps" +
            (max_norm_of ? " max_norm per step" : "") +
@@ -211,6 +216,8 @@ inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case&
   cfg.speculation = c.speculation;
   cfg.speculation_bytes = c.speculation_bytes;
   cfg.speculation_device_bytes = b.mode == OffloadMode::full ? c.speculation_device_bytes : 0;
+  cfg.ring_slots = c.ring_slots;
+  cfg.ring_slot_elements = c.ring_slot_elements;
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
   cfg.comm = b.comm;
   cfg.engine.threads = b.threads;

@@ -443,6 +443,53 @@ TEST(Speculation, ShardedOverInProcessRanksEveryRankHoldsItsSliceOfTheSerialRun)
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
+// ---- Long steps through a small ring -----------------------------------------------------
+
+// Long steps: 22 parameters of mixed sizes (0, 1, 63, 255, 257, 1000 and 3000 elements:
+// several pieces of a 256-element ring slot, or several parameters to a slot) in chunks
+// of at most 2,000 elements (14 chunks); full offload's rings of 2 slots of 256
+// elements. 10 steps of the mixed max_norm (commits, rollbacks) with a NaN in step 4, in
+// every mode, without overlap and with it (speculating every chunk; full offload also
+// with device staging): the reference's bits after every step. Flows: one micro-batch per
+// step (full offload holds the gradients on the device and reads them again: no
+// accumulator), RL (1 to 4 micro-batches, parameters without gradients: the first step of
+// several allocates the accumulators), SFT; caller-owned gradient buffers, poisoned once
+// released (step() releases the held ones).
+TEST(Speculation, LongStepsThroughARingOfTwoGiveTheReferenceBitsInEveryMode) {
+  const std::vector<std::size_t> sizes = {3000, 1,    257, 0,   1000, 63,  255,  3000,
+                                          1,    1000, 257, 63,  255,  0,   3000, 1000,
+                                          257,  1,    63,  255, 1000, 3000};
+  for (Flow flow : {Flow::rl_single, Flow::rl, Flow::sft}) {
+    Case c;
+    c.grad_dtype = DType::bf16;
+    c.optimizer = AdamWConfig{};
+    c.flow = flow;
+    c.steps = 10;
+    c.sizes = sizes;
+    c.chunk = 2000;
+    c.max_norm_of = mixed_max_norm;
+    c.caller_gradients = true;
+    c.ring_slots = 2;
+    c.ring_slot_elements = 256;
+    c.poisons = {poison_in(flow, 4, sizes.size(), -1, 7)};
+    SCOPED_TRACE(c.label());
+    const auto want = run_reference(c);
+    for (const Variant& v : kVariants) {
+      expect_bits(run_variant(v, c), want, v.label + " without overlap");
+      if (HasFatalFailure()) return;
+      Case o = c;
+      o.overlap = true;
+      o.speculation = Speculation::always;
+      expect_bits(run_variant(v, o), want, v.label + " with overlap");
+      if (HasFatalFailure()) return;
+      if (v.mode != OffloadMode::full) continue;
+      o.speculation_device_bytes = ManagerConfig::kAllChunks;
+      expect_bits(run_variant(v, o), want, v.label + " with overlap and device staging");
+      if (HasFatalFailure()) return;
+    }
+  }
+}
+
 // ---- A simple trainer for the tests below --------------------------------------------
 
 // Drives steps of two micro-batches: parameter i's gradient in (step, micro) is the
@@ -583,6 +630,11 @@ TEST(Speculation, FullOffloadDecisionWhileTheLastChunkIsStillBeingSteppedGivesTh
     ManagerConfig cs = simple_config(OffloadMode::full, *dev_s, sizes, 1u << 20);
     ManagerConfig co = simple_config(OffloadMode::full, *dev_o, sizes, 1u << 20);
     cs.engine.threads = co.engine.threads = threads;
+    // The gate below stalls the copy queue until the decision: a staging ring smaller
+    // than the step would (by design) hold backward at a full ring, so this ring holds
+    // the whole step (4 slots of 1 Mi elements: parameter 0 fills 3, the rest 1).
+    co.ring_slots = 4;
+    co.ring_slot_elements = 1u << 20;
     auto serial = make_gradient_manager(cs);
     auto spec = make_gradient_manager(co);
     load_initial(*serial);

@@ -190,6 +190,48 @@ struct ManagerConfig {
   /// rollback space is already on the device): Errc::invalid_argument; both name
   /// "speculation_device_bytes". Same bits either way.
   std::int64_t speculation_device_bytes = 0;
+  /// Full offload: the slots of each pinned ring: the one gradients arrive through (as
+  /// backward hands them over), the one compute weights leave through, and the one the
+  /// step reads back gradients held on the device through (a step of one micro-batch).
+  /// Each slot holds ring_slot_elements elements; a larger parameter moves in pieces,
+  /// smaller ones share a slot. Backward's copies wait for a free slot when the CPU
+  /// falls behind (StepReport::staging_wait_seconds). kDefaultRing: min(4, the slots the
+  /// model can fill). 0 or other negatives: Errc::out_of_range; more slots than the model
+  /// can fill: Errc::invalid_argument; both name "ring_slots". Same bits with any ring.
+  std::int64_t ring_slots = kDefaultRing;
+  static constexpr std::int64_t kDefaultRing = -1;
+  /// Full offload: elements per ring slot (rounded up to a multiple of 64, at most the
+  /// largest parameter's). 0: Errc::out_of_range naming "ring_slot_elements".
+  /// docs/managers.md ("Memory") gives the rings' bytes.
+  std::size_t ring_slot_elements = std::size_t{1} << 19;
+};
+
+/// One kind of memory a manager holds (GradientManager::memory()).
+struct MemoryUse {
+  /// "master", each state slot by its name ("exp_avg", ...), "accumulator", "gradient"
+  /// (device gradient buffers), "compute" (device compute weights the manager owns),
+  /// "staging", "upload" and "fetch" (full offload's pinned rings), "scratch",
+  /// "speculation" (rollback space), "speculation_device" (staged compute weights),
+  /// "streaming" (mode optimizer's device slots), "scalars" (the step's scalars, norm
+  /// workspace and flags), "checkpoint" (the buffers of a save or load in progress).
+  std::string kind;
+  bool device = false;    ///< device memory; else host memory (pinned or pageable)
+  std::size_t bytes = 0;  ///< held now
+  std::size_t peak = 0;   ///< the most this kind held at once since construction
+};
+
+/// Every byte a manager allocated, by kind: now and at its peak. Host bytes are the ones
+/// the manager asked for (the system rounds each allocation up to whole pages).
+struct MemoryReport {
+  std::vector<MemoryUse> kinds;                  ///< every kind the mode has, in a fixed order
+  std::size_t host_bytes = 0, device_bytes = 0;  ///< held now
+  std::size_t host_peak = 0, device_peak = 0;    ///< the most held at once (all kinds)
+  /// Returns the kind named `name` (an empty record with that name when there is none).
+  MemoryUse kind(std::string_view name) const {
+    for (const MemoryUse& k : kinds)
+      if (k.kind == name) return k;
+    return MemoryUse{std::string(name)};
+  }
 };
 
 /// What the last step did. Known after step() (full offload) or, for the device
@@ -209,6 +251,9 @@ struct StepReport {
   /// the worker finished the step and its uploads; modes none and optimizer: when the
   /// host learnt the device's work was done (report()), an upper bound.
   double exposed_seconds = 0.0;
+  /// Full offload: seconds the caller's thread waited in gradient_ready for a free slot of
+  /// the staging ring during the step (the CPU behind backward); 0 in the other modes.
+  double staging_wait_seconds = 0.0;
 };
 
 /// The interface the trainer drives; see the file comment for the call sequence.
@@ -300,8 +345,16 @@ class GradientManager final {
   /// Returns the event after which parameter i's buffer may be rewritten (the
   /// manager's reads of its last gradient are done): the trainer's stream waits for it
   /// (Device::wait_on) before the next backward writes the buffer. Empty before the
-  /// parameter's first gradient_ready.
+  /// parameter's first gradient_ready. A gradient step() reads again
+  /// (gradients_read_by_step()) is released by step(): called before it, this throws
+  /// Errc::invalid_argument naming "gradient_released"; after it, it waits for the
+  /// step's reads.
   device::Event gradient_released(std::size_t i) const;
+  /// Returns true during a step whose final micro-batch's gradients step() reads again
+  /// from their buffers (mode full, a step of one micro-batch while no accumulator is
+  /// allocated: the gradients are not kept in host memory): the trainer keeps each
+  /// buffer until step() has run.
+  bool gradients_read_by_step() const noexcept;
   /// Ends the micro-batch's backward. Parameters that received no gradient in the whole
   /// step get a zero gradient.
   void finish_backward();
@@ -372,6 +425,10 @@ class GradientManager final {
   /// queued work is waited for and its error dropped, and the manager continues from the
   /// file (it stays failed when its device or communicator fails again).
   void load_checkpoint(const std::string& path);
+
+  /// Returns every byte the manager holds, by kind, now and at its peak
+  /// (docs/managers.md, "Memory"; stepcore-plan predicts the same figures).
+  MemoryReport memory() const;
 
   /// Waits for all outstanding work and re-raises its errors.
   void synchronize();

@@ -207,7 +207,8 @@ void bind_managers(nb::module_& m) {
              const std::string& device, nb::object comm, std::uint64_t layout_fingerprint,
              int threads, std::optional<std::string> isa, std::vector<int> cpus, int numa_node,
              bool lazy_gpu_scale, nb::handle stream, const std::string& speculation,
-             std::int64_t speculation_bytes, std::int64_t speculation_device_bytes) {
+             std::int64_t speculation_bytes, std::int64_t speculation_device_bytes,
+             std::int64_t ring_slots, std::size_t ring_slot_elements) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             // The optimizer by name, its hyper-parameters by field name (numbers, flags as
@@ -288,6 +289,8 @@ void bind_managers(nb::module_& m) {
             c.speculation = parse_speculation(speculation);
             c.speculation_bytes = speculation_bytes;
             c.speculation_device_bytes = speculation_device_bytes;
+            c.ring_slots = ring_slots;
+            c.ring_slot_elements = ring_slot_elements;
             c.device = pm->dev.get();
             if (!comm.is_none()) {
               c.comm = nb::cast<comm::Communicator*>(comm);
@@ -304,7 +307,9 @@ void bind_managers(nb::module_& m) {
           nb::arg("numa_node") = -1, nb::arg("lazy_gpu_scale") = false,
           nb::arg("stream").none() = nb::none(), nb::arg("speculation") = "auto",
           nb::arg("speculation_bytes") = ManagerConfig::kAllChunks,
-          nb::arg("speculation_device_bytes") = 0)
+          nb::arg("speculation_device_bytes") = 0,
+          nb::arg("ring_slots") = ManagerConfig::kDefaultRing,
+          nb::arg("ring_slot_elements") = ManagerConfig{}.ring_slot_elements)
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
@@ -479,11 +484,36 @@ void bind_managers(nb::module_& m) {
              d["chunks_committed"] = rep.chunks_committed;
              d["chunks_rolled_back"] = rep.chunks_rolled_back;
              d["exposed_seconds"] = rep.exposed_seconds;
+             d["staging_wait_seconds"] = rep.staging_wait_seconds;
              d["norm"] = rep.norm.norm;
              d["finite"] = rep.norm.finite;
              d["clip_coefficient"] = rep.clip_coefficient;
              return d;
            })
+      .def(
+          "memory",
+          [](const PyManager& p) {
+            const MemoryReport r = p.m->memory();
+            nb::dict kinds;
+            for (const MemoryUse& k : r.kinds) {
+              nb::dict e;
+              e["device"] = k.device;
+              e["bytes"] = k.bytes;
+              e["peak"] = k.peak;
+              kinds[(k.kind + (k.device ? "@device" : "")).c_str()] = e;
+            }
+            nb::dict d;
+            d["kinds"] = kinds;
+            d["host_bytes"] = r.host_bytes;
+            d["host_peak"] = r.host_peak;
+            d["device_bytes"] = r.device_bytes;
+            d["device_peak"] = r.device_peak;
+            return d;
+          },
+          "Every byte the manager holds by kind ('<kind>' host, '<kind>@device'), now and at "
+          "its peak, and the totals (GradientManager::memory()).")
+      .def_prop_ro("gradients_read_by_step",
+                   [](const PyManager& p) { return p.m->gradients_read_by_step(); })
       .def_prop_ro("effective_gradient_scale",
                    [](const PyManager& p) { return p.m->effective_gradient_scale(); })
       .def(

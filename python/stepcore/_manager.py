@@ -199,7 +199,8 @@ class GradientManager(torch.optim.Optimizer):
                  weight_decay=0.0, formula=None, hyper=None,
                  chunk_elements=16 << 20,
                  process_group=None, threads=None, isa=None, numa=True, recorder=None,
-                 speculation="auto", speculation_bytes=-1, speculation_device_bytes=0):
+                 speculation="auto", speculation_bytes=-1, speculation_device_bytes=0,
+                 ring_slots=-1, ring_slot_elements=1 << 19):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
@@ -216,6 +217,16 @@ class GradientManager(torch.optim.Optimizer):
             raise ValueError("stepcore.torch: 'speculation_device_bytes' stages compute "
                              "weights only with offload='full'; got "
                              f"{speculation_device_bytes!r} with offload={offload!r}")
+        for name, value, low in (("ring_slots", ring_slots, -1),
+                                 ("ring_slot_elements", ring_slot_elements, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"stepcore.torch: '{name}' must be an int >= {max(low, 1)}"
+                                 + (", or -1 (the default ring)" if low < 0 else "")
+                                 + f"; got {value!r}")
+        if ring_slots == 0:
+            raise ValueError("stepcore.torch: 'ring_slots' must be an int >= 1, or -1 (the "
+                             "default ring); got 0")
+        self._ring = (ring_slots, ring_slot_elements)
         self._speculation = (speculation, speculation_bytes, speculation_device_bytes)
         names = None
         if isinstance(params, torch.nn.Module):
@@ -408,7 +419,8 @@ class GradientManager(torch.optim.Optimizer):
             chunk_elements=int(chunk_elements), device=device, comm=comm,
             threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
             speculation=self._speculation[0], speculation_bytes=self._speculation[1],
-            speculation_device_bytes=self._speculation[2])
+            speculation_device_bytes=self._speculation[2],
+            ring_slots=self._ring[0], ring_slot_elements=self._ring[1])
         self._locals = locals_
         for i, local in enumerate(locals_):  # masters start from the model's values
             self._m.load_parameter(i, local.float().contiguous().cpu())
@@ -551,10 +563,12 @@ class GradientManager(torch.optim.Optimizer):
         self._in_backward = True
 
     def finish_backward(self) -> None:
-        """Ends the micro-batch's backward; the grads handed over are released."""
+        """Ends the micro-batch's backward; the grads handed over are released (those the
+        step reads again, in a full-offload step of one micro-batch, after step())."""
         self._m.finish_backward()
         self._in_backward = False
-        self._release_gradients()
+        if not self._m.gradients_read_by_step:
+            self._release_gradients()
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """Returns the global norm before clipping (0-dim f32) and clips by it (with or
@@ -577,6 +591,7 @@ class GradientManager(torch.optim.Optimizer):
             self._push_hyperparameters()
         self._m.step()
         self._report = self._m.report()
+        self._release_gradients()  # any the step read again
         self._held = [(e, g) for e, g in self._held if not e.complete()]
         torch.autograd.graph.increment_version(self._locals)
         if self._recorder is not None:
@@ -615,9 +630,13 @@ class GradientManager(torch.optim.Optimizer):
 
     def report(self) -> dict:
         """The last step's report: stepped, skipped, norm, finite, clip_coefficient, and for
-        overlapped steps chunks_speculated, chunks_committed, chunks_rolled_back; and
-        exposed_seconds (the step's time after its last gradient)."""
-        return dict(self._report)
+        overlapped steps chunks_speculated, chunks_committed, chunks_rolled_back;
+        exposed_seconds (the step's time after its last gradient), staging_wait_seconds
+        (full offload: backward's wait for a free staging slot); and memory, every byte the
+        manager holds by kind now and at its peak (docs/managers.md, "Memory")."""
+        r = dict(self._report)
+        r["memory"] = self._m.memory()
+        return r
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The hooks already released every gradient; clears any left on the params."""
