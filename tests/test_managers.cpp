@@ -9,6 +9,7 @@
 // fault behaviour. Every optimizer unit in every mode, and resumed across modes, is the
 // optimizer matrix's (tests/test_optimizer_matrix.cpp).
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <bit>
@@ -38,6 +39,62 @@
 namespace {
 
 using namespace managers_cases;
+
+// A manager of `cfg` with the stream's initial masters loaded.
+std::unique_ptr<GradientManager> make_initial(const ManagerConfig& cfg) {
+  auto m = make_gradient_manager(cfg);
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    std::vector<float> init(cfg.params[i].numel);
+    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+    m->load_parameter(i, init);
+  }
+  return m;
+}
+
+// A manager of `mode` (AdamW) over parameters "w<i>" of `sizes`, groups in turn.
+std::unique_ptr<GradientManager> make_sized(OffloadMode mode, device::Device& dev,
+                                            const std::vector<std::size_t>& sizes) {
+  ManagerConfig cfg = config_of(mode, dev);
+  cfg.params.clear();
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    ParamSpec p;
+    p.name = "w" + std::to_string(i);
+    p.numel = sizes[i];
+    p.group = i % 2;
+    cfg.params.push_back(p);
+  }
+  return make_gradient_manager(cfg);
+}
+
+// Distinct values per parameter and array ([3 * i + a]): master, exp_avg, exp_avg_sq >= 0.
+std::vector<std::vector<float>> distinct_state(const std::vector<std::size_t>& sizes) {
+  std::vector<std::vector<float>> want;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    for (int a = 0; a < 3; ++a) {
+      std::vector<float> v(sizes[i]);
+      for (std::size_t j = 0; j < v.size(); ++j)
+        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
+               (a == 1 ? -1e-4f : 1e-4f);
+      want.push_back(std::move(v));
+    }
+  return want;
+}
+
+// Expects m's arrays to be `want` (distinct_state) bit for bit and parameter i's step
+// counter i + 3.
+void expect_state(GradientManager& m, const std::vector<std::vector<float>>& want) {
+  for (std::size_t i = 0; i < m.config().params.size(); ++i) {
+    const std::size_t n = m.config().params[i].numel;
+    std::vector<float> a(n), b(n), c(n);
+    m.read_parameter(i, a, b, c, {});
+    for (int k = 0; k < 3; ++k) {
+      const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
+      EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
+          << "parameter " << i << " array " << k;
+    }
+    EXPECT_EQ(m.step_count(i), static_cast<float>(i + 3)) << i;
+  }
+}
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
@@ -307,16 +364,7 @@ TEST(Managers, ACheckpointChangedBetweenTheLoadsPassesFailsTheManagerUntilALoad)
     const std::string good = (dir / (mode_name + "-good.ckpt")).string();
     const std::string later = (dir / (mode_name + "-later.ckpt")).string();
     const std::string victim = (dir / (mode_name + "-victim.ckpt")).string();
-    auto make = [&](device::Device& dev) {
-      ManagerConfig cfg = config_of(mode, dev);
-      auto m = make_gradient_manager(cfg);
-      for (std::size_t i = 0; i < cfg.params.size(); ++i) {
-        std::vector<float> init(cfg.params[i].numel);
-        for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
-        m->load_parameter(i, init);
-      }
-      return m;
-    };
+    auto make = [&](device::Device& dev) { return make_initial(config_of(mode, dev)); };
     StreamOptions o;
     auto clean_dev = device::make_host_device();
     auto clean = make(*clean_dev);
@@ -392,30 +440,9 @@ TEST(Managers, ASaveOfLargeDeviceParametersCopiedOutAheadRoundTrips) {
   fs::create_directories(dir);
   const std::string path = (dir / "ahead.stepcore").string();
   const std::vector<std::size_t> sizes = {300000, 5, 262144, 400001, 262144, 7};
-  auto make = [&](OffloadMode mode, device::Device& dev) {
-    ManagerConfig cfg = config_of(mode, dev);
-    cfg.params.clear();
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      ParamSpec p;
-      p.name = "w" + std::to_string(i);
-      p.numel = sizes[i];
-      p.group = i % 2;
-      cfg.params.push_back(p);
-    }
-    return make_gradient_manager(cfg);
-  };
-  // Distinct values per parameter and array: master, exp_avg, exp_avg_sq >= 0, step.
-  std::vector<std::vector<float>> want;
-  for (std::size_t i = 0; i < sizes.size(); ++i)
-    for (int a = 0; a < 3; ++a) {
-      std::vector<float> v(sizes[i]);
-      for (std::size_t j = 0; j < v.size(); ++j)
-        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
-               (a == 1 ? -1e-4f : 1e-4f);
-      want.push_back(std::move(v));
-    }
+  const std::vector<std::vector<float>> want = distinct_state(sizes);
   auto dev = device::make_host_device();
-  auto saver = make(OffloadMode::none, *dev);
+  auto saver = make_sized(OffloadMode::none, *dev, sizes);
   for (std::size_t i = 0; i < sizes.size(); ++i)
     saver->import_parameter(i, want[3 * i], want[3 * i + 1], want[3 * i + 2],
                             static_cast<float>(i + 3));
@@ -423,18 +450,9 @@ TEST(Managers, ASaveOfLargeDeviceParametersCopiedOutAheadRoundTrips) {
   saver->close();
   for (OffloadMode mode : {OffloadMode::none, OffloadMode::full}) {
     SCOPED_TRACE(std::string(offload_mode_name(mode)));
-    auto m = make(mode, *dev);
+    auto m = make_sized(mode, *dev, sizes);
     m->load_checkpoint(path);
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      std::vector<float> a(sizes[i]), b(sizes[i]), c(sizes[i]);
-      m->read_parameter(i, a, b, c, {});
-      for (int k = 0; k < 3; ++k) {
-        const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
-        EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
-            << "parameter " << i << " array " << k;
-      }
-      EXPECT_EQ(m->step_count(i), static_cast<float>(i + 3)) << i;
-    }
+    expect_state(*m, want);
     m->close();
   }
   fs::remove_all(dir);
@@ -453,42 +471,10 @@ TEST(Managers, ALargeCheckpointChangedInItsLastBlockFailsTheManagerUntilALoad) {
   const std::string good = (dir / "good.stepcore").string();
   const std::string victim = (dir / "victim.stepcore").string();
   const std::vector<std::size_t> sizes = {2300001, 5, 0, 400001, 262144};
-  auto make = [&](OffloadMode mode, device::Device& dev) {
-    ManagerConfig cfg = config_of(mode, dev);
-    cfg.params.clear();
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      ParamSpec p;
-      p.name = "w" + std::to_string(i);
-      p.numel = sizes[i];
-      p.group = i % 2;
-      cfg.params.push_back(p);
-    }
-    return make_gradient_manager(cfg);
-  };
-  std::vector<std::vector<float>> want;
-  for (std::size_t i = 0; i < sizes.size(); ++i)
-    for (int a = 0; a < 3; ++a) {
-      std::vector<float> v(sizes[i]);
-      for (std::size_t j = 0; j < v.size(); ++j)
-        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
-               (a == 1 ? -1e-4f : 1e-4f);
-      want.push_back(std::move(v));
-    }
-  auto expect_state = [&](GradientManager& m) {
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      std::vector<float> a(sizes[i]), b(sizes[i]), c(sizes[i]);
-      m.read_parameter(i, a, b, c, {});
-      for (int k = 0; k < 3; ++k) {
-        const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
-        EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
-            << "parameter " << i << " array " << k;
-      }
-      EXPECT_EQ(m.step_count(i), static_cast<float>(i + 3)) << i;
-    }
-  };
+  const std::vector<std::vector<float>> want = distinct_state(sizes);
   auto dev = device::make_host_device();
   {
-    auto saver = make(OffloadMode::none, *dev);
+    auto saver = make_sized(OffloadMode::none, *dev, sizes);
     for (std::size_t i = 0; i < sizes.size(); ++i)
       saver->import_parameter(i, want[3 * i], want[3 * i + 1], want[3 * i + 2],
                               static_cast<float>(i + 3));
@@ -498,9 +484,9 @@ TEST(Managers, ALargeCheckpointChangedInItsLastBlockFailsTheManagerUntilALoad) {
   ASSERT_GT(fs::file_size(good), 3 * ckpt::kLoadPieceBytes);
   for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
     SCOPED_TRACE(std::string(offload_mode_name(mode)));
-    auto m = make(mode, *dev);
+    auto m = make_sized(mode, *dev, sizes);
     m->load_checkpoint(good);
-    expect_state(*m);
+    expect_state(*m, want);
     fs::copy_file(good, victim, fs::copy_options::overwrite_existing);
     {
       const ckpt::testing::ScopedBetweenPassesHook hook([&](const std::string& p) {
@@ -514,7 +500,7 @@ TEST(Managers, ALargeCheckpointChangedInItsLastBlockFailsTheManagerUntilALoad) {
     }
     test_support::expect_error([&] { m->synchronize(); }, Errc::corrupt_file, "path");
     m->load_checkpoint(good);
-    expect_state(*m);
+    expect_state(*m, want);
     m->close();
   }
   fs::remove_all(dir);
@@ -533,6 +519,7 @@ long long peak_rss_growth(F&& f) {
       if (line.rfind(key, 0) == 0) kb = std::stoll(line.substr(std::strlen(key)));
     return kb * 1024;
   };
+  ::malloc_trim(0);  // freed heap memory back to the system: f's buffers are counted
   {
     std::ofstream clear("/proc/self/clear_refs");
     if (!clear) return -1;
