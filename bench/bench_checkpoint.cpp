@@ -9,7 +9,9 @@
 // import alone (the verified state handed to import_parameter, the part of a load after
 // its verification) is timed too, to show what the verification and the read cost beyond
 // it. CRC-32C (the file's checksum) is timed against a plain read of the same buffer.
-// Every load is validated first: the loaded state equals the saved one bit for bit.
+// Every load is validated first: the loaded state equals the saved one bit for bit. The
+// peak resident memory a save and a load add (VmHWM after /proc/self/clear_refs reset it to
+// the resident size, Linux >= 4.0) is printed beside each.
 //
 // Usage: stepcore-bench-checkpoint [million parameters = 64] [directory = /tmp] [repeats = 3]
 #include <fcntl.h>
@@ -131,6 +133,43 @@ double probe_read(const std::string& path, std::vector<char>& dst) {
   return seconds_since(t0);
 }
 
+// Resets the process's peak resident size (VmHWM) to its current one (VmRSS); false when
+// /proc/self/clear_refs cannot be written.
+bool reset_peak_rss() {
+  const int fd = ::open("/proc/self/clear_refs", O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const bool ok = ::write(fd, "5", 1) == 1;
+  ::close(fd);
+  return ok;
+}
+
+// Returns the field `key` ("VmHWM:", "VmRSS:") of /proc/self/status in bytes (0 if absent).
+std::size_t status_bytes(const char* key) {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  std::size_t kb = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::strncmp(line, key, std::strlen(key)) == 0)
+      kb = std::strtoull(line + std::strlen(key), nullptr, 10);
+  std::fclose(f);
+  return kb * 1024;
+}
+
+// Runs `f` and returns how far the peak resident size rose above the resident size before
+// it (bytes; 0 when the peak cannot be reset).
+template <class F>
+std::size_t peak_growth(F&& f) {
+  if (!reset_peak_rss()) {
+    f();
+    return 0;
+  }
+  const std::size_t before = status_bytes("VmRSS:");
+  f();
+  const std::size_t peak = status_bytes("VmHWM:");
+  return peak > before ? peak - before : 0;
+}
+
 // Drops `path`'s clean pages from the page cache (written and fsync'ed: all are clean), so
 // the next read comes from storage.
 void evict(const std::string& path) {
@@ -187,13 +226,15 @@ int main(int argc, char** argv) {
       steps.push_back(saver->step_count(i));
     }
     std::vector<double> save_s, load_s, pw_s, pr_s, import_s, cold_load_s, cold_pr_s;
+    // The peak resident memory a save and a load add (the largest over the repeats).
+    std::size_t save_peak = 0, load_peak = 0;
     for (int r = 0; r < repeats; ++r) {
       auto t0 = Clock::now();
-      saver->save_checkpoint(path);
+      save_peak = std::max(save_peak, peak_growth([&] { saver->save_checkpoint(path); }));
       save_s.push_back(seconds_since(t0));
       pw_s.push_back(probe_write(probe, buf, bytes));
       t0 = Clock::now();
-      loader->load_checkpoint(path);
+      load_peak = std::max(load_peak, peak_growth([&] { loader->load_checkpoint(path); }));
       load_s.push_back(seconds_since(t0));
       pr_s.push_back(probe_read(probe, whole));
       evict(path);
@@ -235,6 +276,9 @@ int main(int argc, char** argv) {
         "read probe + import %.3f s = %.2f of the load\n",
         median(import_s), median(pr_s) + median(import_s),
         (median(pr_s) + median(import_s)) / median(load_s));
+    std::printf("    peak resident memory added: save %.1f MB, load %.1f MB%s\n",
+                static_cast<double>(save_peak) * 1e-6, static_cast<double>(load_peak) * 1e-6,
+                reset_peak_rss() ? "" : " (not measured: /proc/self/clear_refs not writable)");
     saver->close();
     loader->close();
   }

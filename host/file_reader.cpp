@@ -55,13 +55,17 @@ FileReader::FileReader(std::string path) : path_(std::move(path)) {
 FileReader::~FileReader() { ::close(fd_); }
 
 void FileReader::read(std::byte* out, std::uint64_t from, std::uint64_t to) const {
+  read_to(out + from, from, to);
+}
+
+void FileReader::read_to(std::byte* dst, std::uint64_t from, std::uint64_t to) const {
   for (std::uint64_t done = from; done < to;) {
     if (hook_) {
       const std::lock_guard lock(hook_mu_);
       hook_(done);
     }
     const auto want = static_cast<std::size_t>(std::min<std::uint64_t>(chunk_, to - done));
-    const ssize_t got = ::pread(fd_, out + done, want, static_cast<off_t>(done));
+    const ssize_t got = ::pread(fd_, dst + (done - from), want, static_cast<off_t>(done));
     if (got < 0) {
       const int err = errno;
       if (err == EINTR) continue;

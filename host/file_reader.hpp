@@ -37,6 +37,8 @@ class FileReader {
   /// `to` ("ends at byte N while being read, not at its size S"). Several threads may
   /// read disjoint ranges at once; the hook is then called one read at a time.
   void read(std::byte* out, std::uint64_t from, std::uint64_t to) const;
+  /// Reads bytes [from, to) of the file into dst[0, to - from), as read does.
+  void read_to(std::byte* dst, std::uint64_t from, std::uint64_t to) const;
 
   /// Throws unless the file's size is still size() (`grown_ok`: or larger): a file that
   /// shrank (or grew) while it was read. After the last read, this tells a truncation

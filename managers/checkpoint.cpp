@@ -1,22 +1,27 @@
 // GradientManager::save_checkpoint / load_checkpoint: a manager's optimizer state as one
-// rank's checkpoint file (managers/checkpoint_file.hpp, docs/checkpoint.md), in any mode.
-// Saving reads host-resident state in place and copies device state one parameter at a
-// time; loading reads and verifies the whole file (checksums and every value, in one
-// pass) before it imports anything.
+// rank's checkpoint file (managers/checkpoint_file.hpp, docs/checkpoint.md), in any mode,
+// through bounded buffers (managers/checkpoint_buffers.hpp). Saving reads host-resident
+// state in place and copies device state a range at a time; loading reads the file twice
+// in pieces: a verifying pass (checksums and every value) before anything is imported,
+// then an importing pass that checks every block again before it imports it.
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <future>
+#include <map>
 #include <span>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "core/validate.hpp"
+#include "host/file_reader.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers/manager_impl.hpp"
 #include "managers/optimizer.hpp"
+#include "managers/testing.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -70,63 +75,91 @@ void GradientManager::save_checkpoint(const std::string& path) {
   std::vector<float> steps(n);
   m.guarded([&] { m.do_step_counts(steps); });
   const ckpt::Header header = header_of(*this, steps);
-  // Host-resident state is written in place; device state through a copy, the next
-  // parameter's copied out on a helper thread while this one's arrays are written (two
-  // sets of buffers, used in turn). The source is asked for each parameter's arrays in
-  // order, and its spans are valid until it is asked again.
+  // The writer asks for each array in ranges of kSavePieceBytes, in order. Host-resident
+  // state is written in place; device state through a copy of the range, the next range
+  // copied out on a helper thread while this one is written (two buffers, used in turn:
+  // kSaveBufferBytes with the writer's). The source's spans are valid until it is asked
+  // again.
+  const std::size_t range = ckpt::kSavePieceBytes / sizeof(float);
   const std::size_t array_count = 1 + m.state_slots();
-  struct Arrays {
-    std::span<const float> a[1 + kMaxOptimizerSlots];
+  struct Piece {
+    std::size_t i, a, offset, count;
+    bool operator==(const Piece&) const = default;
   };
-  std::vector<float> copies[2][1 + kMaxOptimizerSlots];
-  // Returns parameter i's arrays: in place, or copied into copies[i % 2].
-  auto prepare = [&](std::size_t i, const ManagerImpl::HostArrays& h) {
-    Arrays out;
-    const std::size_t numel = m.config_.params[i].numel;
-    if (numel == 0 || !h.a[0].empty()) {
-      for (std::size_t a = 0; a < array_count; ++a) out.a[a] = h.a[a];
-      return out;
-    }
-    std::vector<float>* copy = copies[i % 2];
+  // The piece the writer asks for after `p` (i == n after the last).
+  auto after = [&](const Piece& p) -> Piece {
+    const std::size_t numel = m.config_.params[p.i].numel;
+    if (p.offset + p.count < numel)
+      return {p.i, p.a, p.offset + p.count, std::min(range, numel - p.offset - p.count)};
+    if (p.a + 1 < array_count) return {p.i, p.a + 1, 0, std::min(range, numel)};
+    if (p.i + 1 < n) return {p.i + 1, 0, 0, std::min(range, m.config_.params[p.i + 1].numel)};
+    return {n, 0, 0, 0};
+  };
+  std::vector<float> buffers[2];
+  // Copies piece p of device state into buffers[b].
+  auto copy_out = [&](const Piece& p, std::size_t b) -> std::span<const float> {
+    buffers[b].resize(p.count);
     std::span<float> into[1 + kMaxOptimizerSlots];
-    for (std::size_t a = 0; a < array_count; ++a) {
-      copy[a].resize(numel);  // every element is overwritten: resize, not assign
-      into[a] = copy[a];
-      out.a[a] = copy[a];
-    }
-    m.guarded([&] { m.do_read_parameter(i, std::span(into, array_count), {}); });
-    return out;
+    into[p.a] = buffers[b];
+    m.guarded([&] { m.do_read_range(p.i, p.offset, std::span(into, array_count)); });
+    return buffers[b];
   };
   // A copy this large is worth a thread of its own.
   constexpr std::size_t kPrefetchElements = std::size_t{1} << 18;
-  Arrays arrays;
-  std::size_t current = n;   // the parameter `arrays` describe
-  std::future<Arrays> next;  // parameter current + 1, when being copied out
-  const ckpt::ArraySource source = [&](std::size_t i, std::size_t a) -> std::span<const float> {
-    if (current != i) {
-      if (next.valid() && i == current + 1) {
-        arrays = next.get();
-      } else {
-        if (next.valid()) next.wait();  // (not reached: the writer asks in order)
-        next = {};
-        arrays = prepare(i, m.guarded([&] { return m.do_host_state(i); }));
-      }
-      current = i;
-      if (i + 1 < n && m.config_.params[i + 1].numel >= kPrefetchElements) {
-        const ManagerImpl::HostArrays h = m.guarded([&] { return m.do_host_state(i + 1); });
-        if (h.a[0].empty()) {
-          try {
-            next = std::async(std::launch::async, prepare, i + 1, h);
-          } catch (const std::system_error&) {
-            // No thread: copied when asked for.
-          }
-        }
+  std::size_t host_of = n;  // the parameter `host` describes
+  ManagerImpl::HostArrays host;
+  auto host_state = [&](std::size_t i) -> const ManagerImpl::HostArrays& {
+    if (host_of != i) {
+      host = m.guarded([&] { return m.do_host_state(i); });
+      host_of = i;
+    }
+    return host;
+  };
+  std::size_t current = 0;  // the buffer holding the piece last returned
+  Piece ahead{n, 0, 0, 0};  // the piece being copied out into buffers[1 - current]
+  std::future<std::span<const float>> next;
+  const ckpt::RangeSource source = [&](std::size_t i, std::size_t a, std::size_t offset,
+                                       std::size_t count) -> std::span<const float> {
+    if (count == 0) return {};
+    if (!host_state(i).a[0].empty()) return host.a[a].subspan(offset, count);
+    const Piece p{i, a, offset, count};
+    std::span<const float> out;
+    if (next.valid() && ahead == p) {
+      out = next.get();
+      current = 1 - current;
+    } else {
+      if (next.valid()) next.wait();  // (not reached: the writer asks in order)
+      next = {};
+      out = copy_out(p, current);
+    }
+    const Piece q = after(p);
+    if (q.i < n && q.count >= kPrefetchElements && host_state(q.i).a[0].empty()) {
+      try {
+        next = std::async(std::launch::async, copy_out, q, 1 - current);
+        ahead = q;
+      } catch (const std::system_error&) {
+        // No thread: copied when asked for.
       }
     }
-    return arrays.a[a];
+    return out;
   };
-  ckpt::save(path, header, source);
+  ckpt::save(path, header, source, range);
 }
+
+namespace detail::checkpoint::testing {
+
+namespace {
+thread_local std::function<void(const std::string&)> tl_between_passes;
+}  // namespace
+
+ScopedBetweenPassesHook::ScopedBetweenPassesHook(std::function<void(const std::string&)> between)
+    : saved_(std::move(tl_between_passes)) {
+  tl_between_passes = std::move(between);
+}
+
+ScopedBetweenPassesHook::~ScopedBetweenPassesHook() { tl_between_passes = std::move(saved_); }
+
+}  // namespace detail::checkpoint::testing
 
 void GradientManager::load_checkpoint(const std::string& path) {
   ManagerImpl& m = *impl_;
@@ -134,27 +167,28 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
-  // The format, sizes and checksums, and every array's values scanned in the same pass.
-  const ckpt::File file = ckpt::File::open(path, /*scan_values=*/true);
-  const ckpt::Header& h = file.header();
+  // The verifying pass: the format, sizes and checksums, every array's values scanned,
+  // each block's checksum recorded.
+  const detail::FileReader reader(path);  // io_error: cannot open, not a regular file
+  const ckpt::ByteSource file = ckpt::source_of(reader);
+  const ckpt::Verified verified = ckpt::verify(file, path);
+  const ckpt::Header& h = verified.parsed.header;
   ckpt::check_compatible(h, header_of(*this, {}), path);
   // Every value before anything changes: states a manager can continue from, and the
-  // groups' hyper-parameters as set_hyperparameters would accept them. An array the scan
-  // found fault in is checked again here for the error naming the first bad element.
+  // groups' hyper-parameters as set_hyperparameters would accept them.
   const std::vector<std::string>& slots = h.slots;  // the manager's (check_compatible)
   const bool counts = m.shape_.counts_steps;
-  auto check = [&](std::size_t i, std::size_t a, const std::string& field, bool non_negative,
-                   const std::string& where) {
-    if (!file.values_clean(i, a))
-      detail::check_state_values(file.array(i, a), h.params[i].numel, param_arg(i, field.c_str()),
-                                 non_negative, where);
-  };
+  const std::size_t arrays = h.arrays();
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const std::string& name = h.params[i].name;
-    const std::string where = path + ", parameter '" + name + "': ";
-    check(i, 0, "master", false, where);
-    for (std::size_t s = 0; s < slots.size(); ++s)
-      check(i, 1 + s, slots[s], detail::slot_non_negative(h.optimizer, slots[s]), where);
+    for (std::size_t a = 0; a < arrays; ++a) {
+      const std::size_t k = i * arrays + a;
+      if (verified.first_bad[k] != ckpt::Verified::kClean)
+        detail::throw_bad_state_value(
+            param_arg(i, a == 0 ? "master" : slots[a - 1].c_str()),
+            path + ", parameter '" + name + "': ", static_cast<std::size_t>(verified.first_bad[k]),
+            verified.first_bad_value[k]);
+    }
     const float step = h.params[i].step;
     if (!detail::valid_step_count(step, counts))
       throw Error(Errc::invalid_argument, param_arg(i, "step"),
@@ -172,6 +206,7 @@ void GradientManager::load_checkpoint(const std::string& path) {
       detail::validate_config(detail::group_config(m.config_.optimizer, restored));
     });
   }
+  if (ckpt::testing::tl_between_passes) ckpt::testing::tl_between_passes(path);
   if (recovering) {
     try {
       m.do_recover();
@@ -181,10 +216,57 @@ void GradientManager::load_checkpoint(const std::string& path) {
     m.failure_ = nullptr;
     m.phase_ = CallPhase::idle;
   }
-  std::vector<std::span<const float>> arrays(h.arrays());
-  for (std::size_t i = 0; i < h.params.size(); ++i) {
-    for (std::size_t a = 0; a < arrays.size(); ++a) arrays[a] = file.array(i, a);
-    m.guarded([&] { m.do_import_parameter(i, arrays, h.params[i].step); });
+  // The importing pass: every block checked again before its values are imported. A
+  // file that changed since the verifying pass leaves some parameters imported and
+  // others not: the manager is failed (every later call raises the error) until a load
+  // recovers it.
+  // Each range is imported as it comes (do_import_range), or, in a mode without ranges,
+  // each parameter gathered whole (do_import_parameter); a parameter's step counter
+  // applies with its last range.
+  const bool ranges = m.do_imports_ranges();
+  std::vector<std::uint64_t> remaining(h.params.size());  // elements still to come
+  std::map<std::size_t, std::vector<std::vector<float>>> gathered;
+  auto import_whole = [&](std::size_t i, const std::vector<std::vector<float>>& whole) {
+    std::span<const float> in[1 + kMaxOptimizerSlots];
+    for (std::size_t a = 0; a < arrays; ++a) in[a] = whole[a];
+    m.do_import_parameter(i, std::span(in, arrays), h.params[i].step);
+  };
+  auto take = [&](std::size_t i, std::size_t a, std::uint64_t offset,
+                  std::span<const float> values) {
+    remaining[i] -= values.size();
+    const bool last = remaining[i] == 0;
+    if (ranges) {
+      std::span<const float> in[1 + kMaxOptimizerSlots];
+      in[a] = values;
+      m.do_import_range(i, static_cast<std::size_t>(offset), std::span(in, arrays),
+                        h.params[i].step, last);
+      return;
+    }
+    std::vector<std::vector<float>>& whole = gathered[i];
+    whole.resize(arrays);
+    whole[a].resize(static_cast<std::size_t>(h.params[i].numel));
+    std::copy(values.begin(), values.end(), whole[a].begin() + static_cast<std::ptrdiff_t>(offset));
+    if (last) {
+      import_whole(i, whole);
+      gathered.erase(i);
+    }
+  };
+  try {
+    for (std::size_t i = 0; i < h.params.size(); ++i) {
+      remaining[i] = h.params[i].numel * arrays;
+      if (remaining[i] != 0) continue;
+      // No elements: the step counter alone.
+      if (ranges) {
+        const std::span<const float> none[1 + kMaxOptimizerSlots];
+        m.do_import_range(i, 0, std::span(none, arrays), h.params[i].step, true);
+      } else {
+        import_whole(i, std::vector<std::vector<float>>(arrays));
+      }
+    }
+    ckpt::import_pass(file, verified, path, take);
+  } catch (...) {
+    m.failure_ = std::current_exception();
+    throw;
   }
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     m.groups_[g].lr = h.groups[g].lr;

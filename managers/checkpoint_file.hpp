@@ -3,10 +3,13 @@
 // optimizer by name with its fixed hyper-parameters and state slot names, the parameter
 // groups, every parameter's name, size, group and step counter) and the f32 arrays (the
 // master, then each state slot) — written atomically and verified completely (sizes,
-// offsets, checksums) before anything is handed to the manager. Version 1 files (AdamW or
+// offsets, checksums) before anything is handed to the manager: by File, which holds the
+// whole file, or by the streamed load's two passes (verify, then import_pass), which hold
+// a few pieces of it (managers/checkpoint_buffers.hpp). Version 1 files (AdamW or
 // SignSGD, the optimizer as a number) are read as their version 2 equivalent. The layout
 // and the records are managers/checkpoint_format.hpp's; save is checkpoint_writer.cpp,
-// parse checkpoint_parser.cpp, File checkpoint_reader.cpp, check_compatible
+// parse checkpoint_parser.cpp, File and the streamed passes checkpoint_reader.cpp,
+// check_compatible
 // checkpoint_compatible.cpp; the save faults are managers/testing.hpp's.
 #pragma once
 
@@ -18,7 +21,12 @@
 #include <string>
 #include <vector>
 
+#include "managers/checkpoint_buffers.hpp"
 #include "managers/checkpoint_format.hpp"
+
+namespace stepcore::detail {
+class FileReader;
+}  // namespace stepcore::detail
 
 namespace stepcore::detail::checkpoint {
 
@@ -38,6 +46,17 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 /// the wrong size (found while writing, each array is read once; the temporary file is
 /// removed and `path` is untouched).
 void save(const std::string& path, const Header& header, const ArraySource& source);
+
+/// Supplies elements [offset, offset + count) of array `a` of parameter `i`: count floats,
+/// valid until the next call.
+using RangeSource = std::function<std::span<const float>(std::size_t i, std::size_t a,
+                                                         std::size_t offset, std::size_t count)>;
+
+/// save, with each array asked for in ranges of at most `range_elements` floats (> 0), in
+/// order: what a source that copies state out uses to bound its buffers. A span of the
+/// wrong size is Errc::invalid_argument naming "source", as above.
+void save(const std::string& path, const Header& header, const RangeSource& source,
+          std::size_t range_elements);
 
 /// A checkpoint file, opened and verified: magic, format version, every length and offset
 /// inside the file, no two arrays overlapping, the header's and the payload's CRC-32C.
@@ -96,9 +115,76 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
 ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& name,
                         std::uint32_t* payload_crc);
 
+/// parse_prefix of a file of `file_size` bytes of which `prefix` holds the first ones:
+/// all of them when there are fewer than kPreambleBytes; else at least kPreambleBytes,
+/// and the whole of [0, payload start) when the preamble's header length fits the file
+/// (payload start = kPreambleBytes + header length rounded up to kPayloadAlignment, at
+/// most file_size). Never reads past `prefix`.
+ParsedFile parse_prefix(std::span<const std::byte> prefix, std::uint64_t file_size,
+                        const std::string& name, std::uint32_t* payload_crc);
+
+/// Returns how many of a file's first bytes parse_prefix needs, given its size and its
+/// first min(size, kPreambleBytes) bytes `preamble`: the payload's start, or what is
+/// already there when the preamble does not describe a file of that size.
+std::uint64_t prefix_bytes(std::span<const std::byte> preamble, std::uint64_t file_size);
+
 /// Throws Errc::corrupt_file naming "path" (the file `name`) unless the payload's
 /// checksum `got` is the one its preamble records, `wanted`.
 void check_payload_crc(std::uint32_t got, std::uint32_t wanted, const std::string& name);
+
+// ---- the streamed load: two passes over the file, a few pieces in memory ---------------
+
+/// A file as the streamed load reads it.
+struct ByteSource {
+  std::uint64_t size = 0;  ///< the file's size when it was opened
+  /// Reads bytes [from, to) (to <= size) into dst[0, to - from); called by several
+  /// threads at once for disjoint ranges. Throws (Errc::io_error naming "path") when it
+  /// cannot.
+  std::function<void(std::byte* dst, std::uint64_t from, std::uint64_t to)> read;
+  /// Throws unless the file's size is still `size` (empty: nothing to check).
+  std::function<void()> check_size;
+};
+
+/// `file`'s bytes through its reader (host/file_reader.hpp), which must outlive the
+/// source.
+ByteSource source_of(const FileReader& file);
+
+/// What the verifying pass found: the header and the arrays' places, the checksums the
+/// importing pass checks again, and the first bad value of each array.
+struct Verified {
+  static constexpr std::uint64_t kClean = ~std::uint64_t{0};
+  ParsedFile parsed;
+  std::uint64_t size = 0;        ///< the file's size
+  std::uint32_t prefix_crc = 0;  ///< CRC-32C of the preamble, header and padding
+  /// CRC-32C of each block of the payload: block k is payload bytes
+  /// [k * kLoadPieceBytes, (k + 1) * kLoadPieceBytes), the last one shorter.
+  std::vector<std::uint32_t> block_crcs;
+  /// Per array ([i * arrays + a]): the index of its first element that is NaN or Inf
+  /// (or, for a slot that is never negative — slot_non_negative — below -0), or kClean.
+  std::vector<std::uint64_t> first_bad;
+  /// Per array: that element's value (0 where clean).
+  std::vector<float> first_bad_value;
+};
+
+/// The verifying pass: reads `file` once, front to back in pieces of kLoadPieceBytes
+/// (kLoadPieces of them in memory at once, the next ones read by helper threads while
+/// one is checked), and verifies everything File::open does (the same errors, `name`
+/// naming the file), scans every value and records each block's checksum. The header is
+/// read whole (its size is the file's metadata, not its state).
+Verified verify(const ByteSource& file, const std::string& name);
+
+/// Receives elements [offset, offset + values.size()) of array `a` of parameter `i`.
+using RangeSink = std::function<void(std::size_t i, std::size_t a, std::uint64_t offset,
+                                     std::span<const float> values)>;
+
+/// The importing pass: reads `file` again in pieces, as verify does, and hands every
+/// array's values to `take` in the file's order, the values of each block only once that
+/// block's bytes have the checksum `verified` recorded (and, before the first block, the
+/// file its size and the header its checksum). A difference is Errc::corrupt_file naming
+/// "path" (a file that shrank or grew, or cannot be read: Errc::io_error), `take` having
+/// been called for the blocks before it.
+void import_pass(const ByteSource& file, const Verified& verified, const std::string& name,
+                 const RangeSink& take);
 
 /// Throws unless the file's header (`file`, read from `path`) can be loaded by the manager
 /// whose header is `mine`: the same optimizer ("checkpoint.optimizer"), the same state

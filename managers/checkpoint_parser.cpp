@@ -258,23 +258,23 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   return out;
 }
 
-ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& name,
-                        std::uint32_t* payload_crc) {
-  if (bytes.size() < kPreambleBytes)
-    corrupt(name, bytes.empty() ? std::string("the file is empty")
-                                : "the file is " + std::to_string(bytes.size()) +
-                                      " bytes, shorter than the " + std::to_string(kPreambleBytes) +
-                                      "-byte preamble (truncated)");
-  if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0)
+ParsedFile parse_prefix(std::span<const std::byte> prefix, std::uint64_t size,
+                        const std::string& name, std::uint32_t* payload_crc) {
+  if (size < kPreambleBytes)
+    corrupt(name, size == 0 ? std::string("the file is empty")
+                            : "the file is " + std::to_string(size) + " bytes, shorter than the " +
+                                  std::to_string(kPreambleBytes) + "-byte preamble (truncated)");
+  if (prefix.size() < kPreambleBytes)
+    throw Error(Errc::internal, "prefix", name + ": parse_prefix given less than the preamble");
+  if (std::memcmp(prefix.data(), kMagic, sizeof kMagic) != 0)
     corrupt(name, "not a stepcore checkpoint (the magic is not \"STEPCKPT\")");
-  const Preamble pre = decode_preamble(bytes.data());
+  const Preamble pre = decode_preamble(prefix.data());
   if (pre.version != kFormatVersion && pre.version != kFormatVersion1)
     corrupt(name, "format version " + std::to_string(pre.version) + ", this build reads " +
                       std::to_string(kFormatVersion1) + " and " + std::to_string(kFormatVersion));
   if (pre.reserved != 0)
     corrupt(name, "the reserved preamble field is " + hex32(pre.reserved) + ", not 0");
 
-  const std::uint64_t size = bytes.size();
   if (pre.header_length > size - kPreambleBytes)
     corrupt(name, "the header length " + std::to_string(pre.header_length) +
                       " runs past the end of the " + std::to_string(size) + "-byte file");
@@ -285,9 +285,11 @@ ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& nam
                       " and the payload length " + std::to_string(pre.payload_length) +
                       " do not add up to the file's " + std::to_string(size) +
                       " bytes (truncated?)");
+  if (prefix.size() < payload_start)
+    throw Error(Errc::internal, "prefix", name + ": parse_prefix given less than the header");
 
-  const std::span<const std::byte> header = bytes.subspan(kPreambleBytes, pre.header_length);
-  const std::span<const std::byte> padding = bytes.subspan(
+  const std::span<const std::byte> header = prefix.subspan(kPreambleBytes, pre.header_length);
+  const std::span<const std::byte> padding = prefix.subspan(
       kPreambleBytes + pre.header_length, payload_start - kPreambleBytes - pre.header_length);
   if (std::any_of(padding.begin(), padding.end(), [](std::byte b) { return b != std::byte{0}; }))
     corrupt(name, "the padding between the header and the payload is not zero");
@@ -299,6 +301,21 @@ ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& nam
   out.payload_start = payload_start;
   *payload_crc = pre.payload_crc;
   return out;
+}
+
+ParsedFile parse_prefix(std::span<const std::byte> bytes, const std::string& name,
+                        std::uint32_t* payload_crc) {
+  return parse_prefix(bytes, bytes.size(), name, payload_crc);
+}
+
+std::uint64_t prefix_bytes(std::span<const std::byte> preamble, std::uint64_t size) {
+  if (preamble.size() < kPreambleBytes || size < kPreambleBytes) return preamble.size();
+  const std::uint64_t header_length = decode_preamble(preamble.data()).header_length;
+  std::uint64_t start;
+  if (header_length <= size - kPreambleBytes && align_up(kPreambleBytes + header_length, &start) &&
+      start <= size)
+    return start;
+  return preamble.size();  // parse_prefix refuses the file from its preamble
 }
 
 void check_payload_crc(std::uint32_t got, std::uint32_t wanted, const std::string& name) {

@@ -225,7 +225,7 @@ class TempFile {
   const std::string& name() const noexcept { return temp_; }
 
  private:
-  static constexpr std::size_t kBufferBytes = std::size_t{1} << 20;
+  static constexpr std::size_t kBufferBytes = kWriteBufferBytes;
 
   /// One write call as the injected fault shapes it.
   ssize_t write_once(const std::byte* p, std::size_t n, off_t offset) {
@@ -370,6 +370,17 @@ class BackgroundCrc {
 void save(const std::string& path, const Header& header, const ArraySource& source) {
   if (path.empty()) refuse("path", "is empty");
   if (!source) refuse("source", "is empty");
+  // Each array whole: the source's span as it gives it (its size checked by the writer).
+  const RangeSource whole = [&](std::size_t i, std::size_t a, std::size_t,
+                                std::size_t) -> std::span<const float> { return source(i, a); };
+  save(path, header, whole, std::numeric_limits<std::size_t>::max());
+}
+
+void save(const std::string& path, const Header& header, const RangeSource& source,
+          std::size_t range_elements) {
+  if (path.empty()) refuse("path", "is empty");
+  if (!source) refuse("source", "is empty");
+  if (range_elements == 0) refuse("range_elements", "is 0");
   const Encoded e = validate_and_encode(header);
 
   std::uint64_t payload_start;
@@ -385,30 +396,40 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
   file.append_zeros(payload_start - kPreambleBytes - e.header.size());
   pre.header_crc = crc32c(e.header);
 
-  // The arrays are written where they are (large ones in one write each) while the
-  // helper folds each into the checksum; before the source is asked again (its spans
-  // are valid until then) the fold of the last one is waited for.
+  // The arrays are written where they are, range by range (large ones in one write
+  // each) while the helper folds each into the checksum; before the source is asked
+  // again (its spans are valid until then) the fold of the last one is waited for.
   static constexpr std::byte kZeros[kPayloadAlignment] = {};
   BackgroundCrc payload_crc;
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < header.params.size(); ++i) {
-    const std::uint64_t numel = header.params[i].numel;
+    const auto numel = static_cast<std::size_t>(header.params[i].numel);
     for (std::uint32_t a = 0; a < header.arrays(); ++a) {
       const std::uint64_t offset = e.offsets[i * header.arrays() + a];
       const std::size_t pad = static_cast<std::size_t>(offset - cursor);
       payload_crc.add(std::span<const std::byte>(kZeros, pad));
       file.append_zeros(pad);
-      payload_crc.wait();
-      const std::span<const float> values = source(i, a);
-      if (values.size() != numel || (numel > 0 && values.data() == nullptr))
-        throw Error(Errc::invalid_argument, "source",
-                    "checkpoint::save: source(" + std::to_string(i) + ", " + std::to_string(a) +
-                        ") gave " + std::to_string(values.size()) + " floats" +
-                        (values.data() == nullptr ? " at a null pointer" : "") + "; parameter " +
-                        quoted(header.params[i].name) + " has " + std::to_string(numel));
-      payload_crc.add(bytes_of(values));
-      file.append(bytes_of(values));
-      cursor = offset + numel * 4;
+      // Every array is asked for at least once (an empty one as the range [0, 0)).
+      std::size_t at = 0;
+      do {
+        const std::size_t count = std::min(range_elements, numel - at);
+        payload_crc.wait();
+        const std::span<const float> values = source(i, a, at, count);
+        if (values.size() != count || (count > 0 && values.data() == nullptr))
+          throw Error(
+              Errc::invalid_argument, "source",
+              "checkpoint::save: source(" + std::to_string(i) + ", " + std::to_string(a) +
+                  (count == numel ? "" : ", " + std::to_string(at)) + ") gave " +
+                  std::to_string(values.size()) + " floats" +
+                  (values.data() == nullptr ? " at a null pointer" : "") + "; " +
+                  (count == numel ? "parameter " + quoted(header.params[i].name) + " has "
+                                  : "the range of " + quoted(header.params[i].name) + " has ") +
+                  std::to_string(count));
+        payload_crc.add(bytes_of(values));
+        file.append(bytes_of(values));
+        at += count;
+      } while (at < numel);
+      cursor = offset + std::uint64_t{numel} * 4;
     }
   }
   pre.payload_crc = payload_crc.value();

@@ -306,6 +306,33 @@ void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> 
   wait_all();  // the sources are the caller's and this frame's memory
 }
 
+void GpuGradientManager::do_import_range(std::size_t i, std::size_t offset,
+                                         Arrays<const float> arrays, float step, bool last) {
+  wait_idle();
+  const ParamSpec& p = config().params[i];
+  const Param& q = params_[i];
+  for (std::size_t s = 0; s < slots(); ++s) {
+    const std::span<const float> src = arrays[s];
+    if (src.empty()) continue;
+    if (streamed())
+      std::memcpy(q.state[s] + offset, src.data(), src.size_bytes());
+    else
+      dev_.copy(Queue::compute, q.state[s] + offset, src.data(), src.size_bytes());
+  }
+  if (last && counts()) dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
+  // The compute weights' range: the master's range rounded (at most one range's bytes).
+  const std::span<const float> master = arrays[0];
+  std::vector<std::uint8_t> rounded;
+  if (p.has_compute_weights && !master.empty()) {
+    const std::size_t width = dtype_size(p.compute_dtype);
+    rounded.resize(master.size() * width);
+    round_into(master, TensorView{rounded.data(), master.size(), p.compute_dtype});
+    dev_.copy(Queue::compute, static_cast<std::byte*>(q.compute.data) + offset * width,
+              rounded.data(), rounded.size());
+  }
+  wait_all();  // the sources are the caller's and this frame's memory
+}
+
 ConstTensorView GpuGradientManager::do_compute_weights(std::size_t i) const {
   const Param& q = params_[i];
   if (config().params[i].has_compute_weights) return q.compute;
@@ -326,6 +353,19 @@ void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays,
       dev_.copy(Queue::compute, arrays[s].data(), q.state[s], arrays[s].size_bytes());
   }
   if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
+  wait_all();
+}
+
+void GpuGradientManager::do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays) {
+  wait_idle();
+  const Param& q = params_[i];
+  for (std::size_t s = 0; s < slots(); ++s) {
+    if (arrays[s].empty()) continue;
+    if (streamed())
+      std::memcpy(arrays[s].data(), q.state[s] + offset, arrays[s].size_bytes());
+    else
+      dev_.copy(Queue::compute, arrays[s].data(), q.state[s] + offset, arrays[s].size_bytes());
+  }
   wait_all();
 }
 

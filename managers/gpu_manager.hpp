@@ -39,6 +39,9 @@ class GpuGradientManager final : public ManagerImpl {
 
  protected:
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
+  void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
+                       bool last) override;
+  bool do_imports_ranges() const noexcept override { return true; }
   void do_begin_step() override;
   void do_begin_backward(bool, bool) override {}
   TensorView do_gradient(std::size_t i) override { return params_[i].grad; }
@@ -58,6 +61,7 @@ class GpuGradientManager final : public ManagerImpl {
   ConstTensorView do_compute_weights(std::size_t i) const override;
   void do_read_parameter(std::size_t i, Arrays<float> arrays,
                          std::span<std::uint8_t> compute) override;
+  void do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays) override;
   void do_step_counts(std::span<float> out) override;
   HostArrays do_host_state(std::size_t i) override;
   void do_synchronize() override;

@@ -193,6 +193,16 @@ void ManagerImpl::expect_param(std::size_t i) const {
 
 ManagerImpl::~ManagerImpl() = default;
 
+void ManagerImpl::do_import_range(std::size_t, std::size_t, Arrays<const float>, float, bool) {
+  throw Error(Errc::internal, "mode",
+              std::string(offload_mode_name(mode())) + ": import of a range not implemented");
+}
+
+void ManagerImpl::do_read_range(std::size_t, std::size_t, Arrays<float>) {
+  throw Error(Errc::internal, "mode",
+              std::string(offload_mode_name(mode())) + ": read of a range not implemented");
+}
+
 std::size_t ManagerImpl::speculation_budget() const noexcept {
   return config_.speculation_bytes == ManagerConfig::kAllChunks
              ? SIZE_MAX
@@ -234,15 +244,17 @@ void check_state_values(std::span<const float> values, std::size_t want, const s
            static_cast<std::uint32_t>(non_negative && b > 0x80000000u);
   }
   if (bad == 0) return;
-  for (std::size_t j = 0; j < values.size(); ++j) {
-    if (!std::isfinite(values[j]))
-      throw Error(Errc::non_finite, name,
-                  where + "element " + std::to_string(j) + " is not finite");
-    if (non_negative && values[j] < 0.0f)
-      throw Error(
-          Errc::invalid_argument, name,
-          where + "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
-  }
+  for (std::size_t j = 0; j < values.size(); ++j)
+    if (!std::isfinite(values[j]) || (non_negative && values[j] < 0.0f))
+      throw_bad_state_value(name, where, j, values[j]);
+}
+
+void throw_bad_state_value(const std::string& name, const std::string& where, std::size_t j,
+                           float value) {
+  if (!std::isfinite(value))
+    throw Error(Errc::non_finite, name, where + "element " + std::to_string(j) + " is not finite");
+  throw Error(Errc::invalid_argument, name,
+              where + "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
 }
 
 bool valid_step_count(float step, bool counts_steps) noexcept {

@@ -60,6 +60,18 @@ class ManagerImpl {
   /// Sets parameter i's state (validated; `arrays` has 1 + state_slots() entries): an
   /// empty slot means its initial value (load_parameter).
   virtual void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) = 0;
+  /// Sets elements [offset, offset + n) of parameter i's state (validated), n the size of
+  /// the non-empty entries of `arrays` (1 + state_slots() entries; an empty one leaves its
+  /// array as it is): a range of the master sets the same range of the compute weights
+  /// (the master rounded); with `last` (the parameter's final range; every element of
+  /// every array was set once, in any order) the step counter becomes `step`. The mode
+  /// is done with `arrays` when it returns. What a checkpoint load imports through, a
+  /// bounded range at a time, when do_imports_ranges(); the default throws Errc::internal.
+  virtual void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays,
+                               float step, bool last);
+  /// Returns true when the mode implements do_import_range (a load otherwise imports
+  /// each parameter whole, through do_import_parameter).
+  virtual bool do_imports_ranges() const noexcept { return false; }
   virtual void do_begin_step() = 0;
   /// `final_backward`: the step's last micro-batch; `first_backward`: its first.
   virtual void do_begin_backward(bool final_backward, bool first_backward) = 0;
@@ -91,6 +103,10 @@ class ManagerImpl {
   /// Copies parameter i's arrays (1 + state_slots() entries, each empty to skip it).
   virtual void do_read_parameter(std::size_t i, Arrays<float> arrays,
                                  std::span<std::uint8_t> compute) = 0;
+  /// Copies elements [offset, offset + n) of parameter i's arrays into `arrays` (1 +
+  /// state_slots() entries, each empty to skip it, else n floats), for state that
+  /// do_host_state does not show (device memory); the default throws Errc::internal.
+  virtual void do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays);
   /// Writes every parameter's step counter to out (out.size() == number of parameters).
   virtual void do_step_counts(std::span<float> out) = 0;
   /// Views of host-resident state (empty where it is device memory).
@@ -216,6 +232,10 @@ namespace detail {
 /// by `where` (e.g. "<path>: "). One branch-free pass; only a bad array is searched.
 void check_state_values(std::span<const float> values, std::size_t want, const std::string& name,
                         bool non_negative, const std::string& where = "");
+/// Throws what check_state_values throws for element j of value `value`, the first bad
+/// one: Errc::non_finite when it is NaN or Inf, else Errc::invalid_argument (negative).
+[[noreturn]] void throw_bad_state_value(const std::string& name, const std::string& where,
+                                        std::size_t j, float value);
 /// Returns true for a step counter a manager can continue from: with a counter an integer
 /// in [0, 2^24] (what an f32 counter holds exactly), without one +0.
 bool valid_step_count(float step, bool counts_steps) noexcept;

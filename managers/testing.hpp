@@ -1,12 +1,16 @@
 // Test hooks of the checkpoint writer (internal, not installed): tests make save() meet
 // the failures a real disk and a real crash produce (short writes and EINTR, a full disk,
 // a failing fsync, a kill between fsync and rename) and check what is left on disk.
+// load_checkpoint calls a hook between its verifying and importing passes (where a test
+// rewrites or truncates the file, as another process could).
 // File::open's reads in small pieces with a call between them (where a test truncates the
 // file, as another process could) are host/testing.hpp's ScopedReadHook.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <string>
 
 namespace stepcore::detail::checkpoint::testing {
 
@@ -38,6 +42,20 @@ class ScopedSaveFault {
   bool saved_active_;
   SaveFaultKind saved_kind_;
   std::uint64_t saved_bytes_;
+};
+
+/// While alive, GradientManager::load_checkpoint on this thread calls `between(path)`
+/// once its verifying pass accepted the file, before its importing pass reads it again;
+/// the previous hook, if any, is back afterwards.
+class ScopedBetweenPassesHook {
+ public:
+  explicit ScopedBetweenPassesHook(std::function<void(const std::string& path)> between);
+  ~ScopedBetweenPassesHook();
+  ScopedBetweenPassesHook(const ScopedBetweenPassesHook&) = delete;
+  ScopedBetweenPassesHook& operator=(const ScopedBetweenPassesHook&) = delete;
+
+ private:
+  std::function<void(const std::string&)> saved_;
 };
 
 }  // namespace stepcore::detail::checkpoint::testing

@@ -9,6 +9,7 @@
 // fault behaviour. Every optimizer unit in every mode, and resumed across modes, is the
 // optimizer matrix's (tests/test_optimizer_matrix.cpp).
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <bit>
@@ -17,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <thread>
 
@@ -24,6 +26,7 @@
 #include "expect_error.hpp"
 #include "host/crc32c.hpp"
 #include "managers/checkpoint_file.hpp"
+#include "managers/testing.hpp"
 #include "managers_cases.hpp"
 #include "optimizer_records.hpp"
 #include "stepcore/comm.hpp"
@@ -36,6 +39,62 @@
 namespace {
 
 using namespace managers_cases;
+
+// A manager of `cfg` with the stream's initial masters loaded.
+std::unique_ptr<GradientManager> make_initial(const ManagerConfig& cfg) {
+  auto m = make_gradient_manager(cfg);
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    std::vector<float> init(cfg.params[i].numel);
+    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+    m->load_parameter(i, init);
+  }
+  return m;
+}
+
+// A manager of `mode` (AdamW) over parameters "w<i>" of `sizes`, groups in turn.
+std::unique_ptr<GradientManager> make_sized(OffloadMode mode, device::Device& dev,
+                                            const std::vector<std::size_t>& sizes) {
+  ManagerConfig cfg = config_of(mode, dev);
+  cfg.params.clear();
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    ParamSpec p;
+    p.name = "w" + std::to_string(i);
+    p.numel = sizes[i];
+    p.group = i % 2;
+    cfg.params.push_back(p);
+  }
+  return make_gradient_manager(cfg);
+}
+
+// Distinct values per parameter and array ([3 * i + a]): master, exp_avg, exp_avg_sq >= 0.
+std::vector<std::vector<float>> distinct_state(const std::vector<std::size_t>& sizes) {
+  std::vector<std::vector<float>> want;
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    for (int a = 0; a < 3; ++a) {
+      std::vector<float> v(sizes[i]);
+      for (std::size_t j = 0; j < v.size(); ++j)
+        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
+               (a == 1 ? -1e-4f : 1e-4f);
+      want.push_back(std::move(v));
+    }
+  return want;
+}
+
+// Expects m's arrays to be `want` (distinct_state) bit for bit and parameter i's step
+// counter i + 3.
+void expect_state(GradientManager& m, const std::vector<std::vector<float>>& want) {
+  for (std::size_t i = 0; i < m.config().params.size(); ++i) {
+    const std::size_t n = m.config().params[i].numel;
+    std::vector<float> a(n), b(n), c(n);
+    m.read_parameter(i, a, b, c, {});
+    for (int k = 0; k < 3; ++k) {
+      const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
+      EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
+          << "parameter " << i << " array " << k;
+    }
+    EXPECT_EQ(m.step_count(i), static_cast<float>(i + 3)) << i;
+  }
+}
 
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
@@ -279,6 +338,99 @@ TEST(Managers, ACheckpointSpoiledInItsLastByteLeavesTheStateUntouched) {
   fs::remove_all(dir);
 }
 
+// A file that changes between load_checkpoint's verifying and importing passes (cut
+// short, rewritten with another checkpoint of the same layout, a payload bit flipped in
+// place) is refused with its typed error naming the file; the manager is then failed
+// (every call raises that error) and a load of a good file recovers it: the run
+// continues with the bits of a run that never met the changed file.
+TEST(Managers, ACheckpointChangedBetweenTheLoadsPassesFailsTheManagerUntilALoad) {
+  namespace fs = std::filesystem;
+  namespace ckpt = stepcore::detail::checkpoint;
+  const fs::path dir =
+      fs::temp_directory_path() / ("stepcore-between-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  auto read_bytes = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  // Rewrites the file in place (the same inode: what the load's open file reads).
+  auto overwrite = [](const std::string& path, const std::vector<char>& b) {
+    std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
+    out.write(b.data(), static_cast<std::streamsize>(b.size()));
+  };
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    const std::string mode_name(offload_mode_name(mode));
+    const std::string good = (dir / (mode_name + "-good.ckpt")).string();
+    const std::string later = (dir / (mode_name + "-later.ckpt")).string();
+    const std::string victim = (dir / (mode_name + "-victim.ckpt")).string();
+    auto make = [&](device::Device& dev) { return make_initial(config_of(mode, dev)); };
+    StreamOptions o;
+    auto clean_dev = device::make_host_device();
+    auto clean = make(*clean_dev);
+    o.steps = 3;
+    const std::vector<StepRecord> want = run_stream(*clean, *clean_dev, o);
+    clean->close();
+
+    auto dev = device::make_host_device();
+    auto m = make(*dev);
+    o.steps = 1;
+    (void)run_stream(*m, *dev, o);
+    m->save_checkpoint(good);
+    {  // the same layout, a step later: another file of the same size
+      auto other = make(*dev);
+      o.steps = 2;
+      (void)run_stream(*other, *dev, o);
+      other->save_checkpoint(later);
+      other->close();
+    }
+    const std::vector<char> good_bytes = read_bytes(good);
+    const std::vector<char> later_bytes = read_bytes(later);
+    ASSERT_EQ(good_bytes.size(), later_bytes.size());
+    ASSERT_NE(good_bytes, later_bytes);
+    struct Change {
+      const char* what;
+      std::function<void(const std::string&)> apply;
+      Errc code;
+    };
+    const std::vector<Change> changes = {
+        {"cut short", [&](const std::string& p) { ASSERT_EQ(::truncate(p.c_str(), 100), 0); },
+         Errc::io_error},
+        {"rewritten", [&](const std::string& p) { overwrite(p, later_bytes); }, Errc::corrupt_file},
+        {"a payload bit flipped",
+         [&](const std::string& p) {
+           std::vector<char> b = good_bytes;
+           b.back() = static_cast<char>(b.back() ^ 0x10);
+           overwrite(p, b);
+         },
+         Errc::corrupt_file},
+    };
+    for (const Change& c : changes) {
+      SCOPED_TRACE(c.what);
+      fs::copy_file(good, victim, fs::copy_options::overwrite_existing);
+      {
+        const ckpt::testing::ScopedBetweenPassesHook hook([&](const std::string& p) {
+          EXPECT_EQ(p, victim);
+          c.apply(p);
+        });
+        test_support::expect_error([&] { m->load_checkpoint(victim); }, c.code, "path");
+      }
+      // Failed: every call raises the load's error, naming the file.
+      test_support::expect_error([&] { m->synchronize(); }, c.code, "path");
+      test_support::expect_error([&] { (void)m->step_count(0); }, c.code, "path");
+      test_support::expect_error([&] { m->save_checkpoint(victim); }, c.code, "path");
+      m->load_checkpoint(good);  // recovers
+    }
+    o.first_step = 1;
+    o.steps = 2;
+    const std::vector<StepRecord> got = run_stream(*m, *dev, o);
+    m->close();
+    expect_same(got, std::vector<StepRecord>(want.begin() + 1, want.end()),
+                "recovered run vs one that never met a changed file");
+  }
+  fs::remove_all(dir);
+}
+
 // save_checkpoint from device state copies the next large parameter out on a helper
 // thread while this one is written (two buffer sets in turn): parameters of 2^18
 // elements and more, between small ones, round-trip bit for bit into modes none and full.
@@ -288,30 +440,9 @@ TEST(Managers, ASaveOfLargeDeviceParametersCopiedOutAheadRoundTrips) {
   fs::create_directories(dir);
   const std::string path = (dir / "ahead.stepcore").string();
   const std::vector<std::size_t> sizes = {300000, 5, 262144, 400001, 262144, 7};
-  auto make = [&](OffloadMode mode, device::Device& dev) {
-    ManagerConfig cfg = config_of(mode, dev);
-    cfg.params.clear();
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      ParamSpec p;
-      p.name = "w" + std::to_string(i);
-      p.numel = sizes[i];
-      p.group = i % 2;
-      cfg.params.push_back(p);
-    }
-    return make_gradient_manager(cfg);
-  };
-  // Distinct values per parameter and array: master, exp_avg, exp_avg_sq >= 0, step.
-  std::vector<std::vector<float>> want;
-  for (std::size_t i = 0; i < sizes.size(); ++i)
-    for (int a = 0; a < 3; ++a) {
-      std::vector<float> v(sizes[i]);
-      for (std::size_t j = 0; j < v.size(); ++j)
-        v[j] = static_cast<float>((i * 7919 + j * 31 + static_cast<std::size_t>(a) * 101) % 4099) *
-               (a == 1 ? -1e-4f : 1e-4f);
-      want.push_back(std::move(v));
-    }
+  const std::vector<std::vector<float>> want = distinct_state(sizes);
   auto dev = device::make_host_device();
-  auto saver = make(OffloadMode::none, *dev);
+  auto saver = make_sized(OffloadMode::none, *dev, sizes);
   for (std::size_t i = 0; i < sizes.size(); ++i)
     saver->import_parameter(i, want[3 * i], want[3 * i + 1], want[3 * i + 2],
                             static_cast<float>(i + 3));
@@ -319,20 +450,127 @@ TEST(Managers, ASaveOfLargeDeviceParametersCopiedOutAheadRoundTrips) {
   saver->close();
   for (OffloadMode mode : {OffloadMode::none, OffloadMode::full}) {
     SCOPED_TRACE(std::string(offload_mode_name(mode)));
-    auto m = make(mode, *dev);
+    auto m = make_sized(mode, *dev, sizes);
     m->load_checkpoint(path);
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      std::vector<float> a(sizes[i]), b(sizes[i]), c(sizes[i]);
-      m->read_parameter(i, a, b, c, {});
-      for (int k = 0; k < 3; ++k) {
-        const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
-        EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
-            << "parameter " << i << " array " << k;
-      }
-      EXPECT_EQ(m->step_count(i), static_cast<float>(i + 3)) << i;
-    }
+    expect_state(*m, want);
     m->close();
   }
+  fs::remove_all(dir);
+}
+
+// Large parameters (a device save copies them out in several ranges; the file has several
+// blocks) round-trip bit for bit into every mode; a bit flipped in the file's last block
+// between the load's passes is met after the earlier blocks were imported: the manager
+// is failed, and the next load of the good file restores every bit.
+TEST(Managers, ALargeCheckpointChangedInItsLastBlockFailsTheManagerUntilALoad) {
+  namespace fs = std::filesystem;
+  namespace ckpt = stepcore::detail::checkpoint;
+  const fs::path dir =
+      fs::temp_directory_path() / ("stepcore-blocks-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string good = (dir / "good.stepcore").string();
+  const std::string victim = (dir / "victim.stepcore").string();
+  const std::vector<std::size_t> sizes = {2300001, 5, 0, 400001, 262144};
+  const std::vector<std::vector<float>> want = distinct_state(sizes);
+  auto dev = device::make_host_device();
+  {
+    auto saver = make_sized(OffloadMode::none, *dev, sizes);
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      saver->import_parameter(i, want[3 * i], want[3 * i + 1], want[3 * i + 2],
+                              static_cast<float>(i + 3));
+    saver->save_checkpoint(good);
+    saver->close();
+  }
+  ASSERT_GT(fs::file_size(good), 3 * ckpt::kLoadPieceBytes);
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto m = make_sized(mode, *dev, sizes);
+    m->load_checkpoint(good);
+    expect_state(*m, want);
+    fs::copy_file(good, victim, fs::copy_options::overwrite_existing);
+    {
+      const ckpt::testing::ScopedBetweenPassesHook hook([&](const std::string& p) {
+        std::fstream f(p, std::ios::binary | std::ios::in | std::ios::out);
+        f.seekg(-1, std::ios::end);
+        const char last = static_cast<char>(f.get() ^ 0x01);
+        f.seekp(-1, std::ios::end);
+        f.put(last);
+      });
+      test_support::expect_error([&] { m->load_checkpoint(victim); }, Errc::corrupt_file, "path");
+    }
+    test_support::expect_error([&] { m->synchronize(); }, Errc::corrupt_file, "path");
+    m->load_checkpoint(good);
+    expect_state(*m, want);
+    m->close();
+  }
+  fs::remove_all(dir);
+}
+
+// Returns the process's peak resident bytes after the peak was reset to the resident size
+// just before `f` ran, over the resident size then; -1 when the peak cannot be reset
+// (/proc/self/clear_refs, Linux >= 4.0).
+template <class F>
+long long peak_rss_growth(F&& f) {
+  auto field = [](const char* key) {
+    std::ifstream in("/proc/self/status");
+    std::string line;
+    long long kb = -1;
+    while (std::getline(in, line))
+      if (line.rfind(key, 0) == 0) kb = std::stoll(line.substr(std::strlen(key)));
+    return kb * 1024;
+  };
+  ::malloc_trim(0);  // freed heap memory back to the system: f's buffers are counted
+  {
+    std::ofstream clear("/proc/self/clear_refs");
+    if (!clear) return -1;
+    clear << "5";
+    clear.flush();
+    if (!clear) return -1;
+  }
+  const long long before = field("VmRSS:");
+  f();
+  return field("VmHWM:") - before;
+}
+
+// A checkpoint of 32 M parameters (SignSGD, mode none on the host device: the state is
+// resident host memory) saves and loads with the peak resident memory growing by no more
+// than the bounded buffers (managers/checkpoint_buffers.hpp) and a little slack, not by a
+// fraction of the 128 MB file.
+TEST(Managers, ALargeCheckpointSavesAndLoadsWithinTheBoundedBuffers) {
+  namespace fs = std::filesystem;
+  namespace ckpt = stepcore::detail::checkpoint;
+  const fs::path dir = fs::temp_directory_path() / ("stepcore-rss-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string path = (dir / "big.stepcore").string();
+  auto dev = device::make_host_device();
+  ManagerConfig cfg = config_of(OffloadMode::none, *dev, SignSgdConfig{});
+  cfg.params.clear();
+  for (std::size_t i = 0; i < 8; ++i) {
+    ParamSpec p;
+    p.name = "w" + std::to_string(i);
+    p.numel = std::size_t{4} << 20;
+    p.group = i % 2;
+    p.gradient_buffer = false;
+    cfg.params.push_back(p);
+  }
+  auto m = make_gradient_manager(cfg);
+  std::vector<float> init(std::size_t{4} << 20);
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    for (std::size_t j = 0; j < init.size(); ++j) init[j] = initial_master(i, j);
+    m->load_parameter(i, init);
+  }
+  init = {};
+  init.shrink_to_fit();
+  const long long save = peak_rss_growth([&] { m->save_checkpoint(path); });
+  const long long load = peak_rss_growth([&] { m->load_checkpoint(path); });
+  if (save < 0 || load < 0) GTEST_SKIP() << "/proc/self/clear_refs cannot be written";
+  ASSERT_GT(fs::file_size(path), std::uintmax_t{128} << 20);
+  constexpr long long kSlack = 8 << 20;  // threads' stacks, the header, the allocator
+  std::printf("[ checkpoint ] 128 MiB file: peak growth save %.1f MiB, load %.1f MiB\n",
+              static_cast<double>(save) / (1 << 20), static_cast<double>(load) / (1 << 20));
+  EXPECT_LT(save, static_cast<long long>(ckpt::kSaveBufferBytes) + kSlack);
+  EXPECT_LT(load, static_cast<long long>(ckpt::kLoadBufferBytes) + kSlack);
+  m->close();
   fs::remove_all(dir);
 }
 

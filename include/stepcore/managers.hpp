@@ -411,8 +411,10 @@ class GradientManager final {
   /// Writes this rank's optimizer state (every parameter's master, state slots by name and
   /// step counter, keyed by name; the optimizer and the groups' hyper-parameters) to `path`,
   /// atomically (a temporary file, fsync, rename: a crash leaves the previous file intact), in the
-  /// versioned format of docs/checkpoint.md. Each rank saves its own file. Only between
-  /// steps; Errc::io_error naming "path" when the file cannot be written.
+  /// versioned format of docs/checkpoint.md. Each rank saves its own file. Host state is
+  /// written in place, device state copied out a bounded range at a time: the save holds
+  /// at most a few tens of MB beyond the manager's own memory (docs/checkpoint.md). Only
+  /// between steps; Errc::io_error naming "path" when the file cannot be written.
   void save_checkpoint(const std::string& path);
   /// Reads a checkpoint written by save_checkpoint in any mode, thread count, ISA or
   /// device (format version 2, or version 1 of the AdamW/SignSGD-only releases), and
@@ -420,7 +422,13 @@ class GradientManager final {
   /// optimizer, its hyper-parameters and slot names, groups, rank, layout, parameter
   /// names, sizes and values):
   /// any disagreement is an Error naming it (Errc::corrupt_file for a damaged file),
-  /// with nothing loaded. Restores each group's lr and weight decay. Only between steps,
+  /// with nothing loaded. The file is read twice, a few pieces at a time (a bounded
+  /// buffer of tens of MB, whatever the model's size): a verifying pass, then an
+  /// importing pass that checks every block against the first before importing it. A
+  /// file that changes between the passes is an Error naming "path" (Errc::corrupt_file,
+  /// or Errc::io_error when it shrank or cannot be read) that leaves the manager failed,
+  /// partly loaded, until another load_checkpoint recovers it. Restores each group's lr
+  /// and weight decay. Only between steps,
   /// or at any point on a failed manager: after the file is verified, the failed step's
   /// queued work is waited for and its error dropped, and the manager continues from the
   /// file (it stays failed when its device or communicator fails again).

@@ -1,12 +1,16 @@
 // libFuzzer harness: the checkpoint file parser (managers/checkpoint_file.hpp) on any
-// bytes. Each input is parsed twice: as a whole file (parse: preamble, checksums, header,
-// payload layout; format version 1 or 2, as the preamble says) and as a bare header past
-// the checksums (parse_header of version 1 or 2, the fuzzer's way around the CRC). Either
-// returns a result whose arrays lie inside the bytes and agree with the header, or throws
-// stepcore::Error with Errc::corrupt_file; anything else is a bug.
+// bytes. Each input is parsed three times: as a whole file (parse: preamble, checksums,
+// header, payload layout; format version 1 or 2, as the preamble says), by the streamed
+// load's verifying pass over the same bytes in memory (verify, which must agree with
+// parse: the same verdict and header, a checksum per block, a first bad value only where
+// there is one), and as a bare header past the checksums (parse_header of version 1 or 2,
+// the fuzzer's way around the CRC). Each returns a result whose arrays lie inside the
+// bytes and agree with the header, or throws stepcore::Error with Errc::corrupt_file;
+// anything else is a bug.
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -46,15 +50,55 @@ void refused_or_valid(Fn&& parse_it) {
   // Any other exception escapes: libFuzzer reports it as a crash.
 }
 
+// Checks what a successful verify promises beside parse's promises, against `parsed`
+// (parse of the same bytes; null when it refused them).
+void check_verified(const ck::Verified& v, const ck::ParsedFile* parsed,
+                    std::span<const std::byte> bytes) {
+  if (parsed == nullptr || v.parsed.payload_start != parsed->payload_start ||
+      v.parsed.array_offsets != parsed->array_offsets ||
+      v.parsed.header.params.size() != parsed->header.params.size() || v.size != bytes.size())
+    __builtin_trap();
+  check(v.parsed, bytes.size() - v.parsed.payload_start);
+  const std::uint64_t payload = bytes.size() - v.parsed.payload_start;
+  if (v.block_crcs.size() != (payload + ck::kLoadPieceBytes - 1) / ck::kLoadPieceBytes)
+    __builtin_trap();
+  const ck::Header& h = v.parsed.header;
+  if (v.first_bad.size() != v.parsed.array_offsets.size()) __builtin_trap();
+  for (std::size_t k = 0; k < v.first_bad.size(); ++k) {
+    if (v.first_bad[k] == ck::Verified::kClean) continue;
+    if (v.first_bad[k] >= h.params[k / h.arrays()].numel) __builtin_trap();
+    std::uint32_t word;
+    std::memcpy(
+        &word,
+        bytes.data() + v.parsed.payload_start + v.parsed.array_offsets[k] + 4 * v.first_bad[k], 4);
+    const bool not_finite = (word & 0x7F800000u) == 0x7F800000u;
+    if (!not_finite && word <= 0x80000000u) __builtin_trap();  // neither NaN/Inf nor negative
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
+  std::optional<ck::ParsedFile> parsed;
   refused_or_valid([&] {
-    const ck::ParsedFile f = ck::parse(bytes, "fuzz.ckpt");
-    if (f.payload_start > size) __builtin_trap();
-    check(f, size - f.payload_start);
+    parsed = ck::parse(bytes, "fuzz.ckpt");
+    if (parsed->payload_start > size) __builtin_trap();
+    check(*parsed, size - parsed->payload_start);
   });
+  ck::ByteSource source;
+  source.size = size;
+  source.read = [&](std::byte* dst, std::uint64_t from, std::uint64_t to) {
+    if (from > to || to > size) __builtin_trap();
+    std::memcpy(dst, bytes.data() + from, to - from);
+  };
+  bool verified = false;
+  refused_or_valid([&] {
+    const ck::Verified v = ck::verify(source, "fuzz.ckpt");
+    check_verified(v, parsed ? &*parsed : nullptr, bytes);
+    verified = true;
+  });
+  if (verified != parsed.has_value()) __builtin_trap();  // the same verdict
   // Past the checksums: the first 8 bytes choose the payload length, the ninth's shift also
   // the version (its low bit: 1 or 2; now and then another, which is refused).
   fuzz::Input in(data, size);
