@@ -18,6 +18,7 @@
 
 #include "core/validate.hpp"
 #include "host/file_reader.hpp"
+#include "managers/checkpoint_buffers.hpp"
 #include "managers/checkpoint_file.hpp"
 #include "managers/manager_impl.hpp"
 #include "managers/optimizer.hpp"
@@ -71,6 +72,7 @@ void GradientManager::save_checkpoint(const std::string& path) {
   ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "save_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
+  const detail::MemoryLedger::Hold held(m.ledger(), "checkpoint", false, ckpt::kSaveBufferBytes);
   const std::size_t n = m.config_.params.size();
   std::vector<float> steps(n);
   m.guarded([&] { m.do_step_counts(steps); });
@@ -167,6 +169,7 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
+  const detail::MemoryLedger::Hold held(m.ledger(), "checkpoint", false, ckpt::kLoadBufferBytes);
   // The verifying pass: the format, sizes and checksums, every array's values scanned,
   // each block's checksum recorded.
   const detail::FileReader reader(path);  // io_error: cannot open, not a regular file

@@ -149,7 +149,8 @@ void OffloadGradientManager::allocate_accumulators() {
   for (const ParamSpec& p : cfg.params) views.add(p.numel * sizeof(float));
   const SlabLayout l = views.layout();
   acc_space_ = numa::HostBuffer(std::max<std::size_t>(l.total_bytes, 1), cfg.numa_node);
-  acc_bytes_ = l.total_bytes;
+  acc_bytes_ = 0;  // what the ledger counts: each view's aligned bytes
+  for (const ParamSpec& p : cfg.params) acc_bytes_ += aligned_bytes(p.numel * sizeof(float));
   for (std::size_t i = 0; i < cfg.params.size(); ++i) {
     params_[i].acc =
         f32_view(reinterpret_cast<float*>(static_cast<char*>(acc_space_.data()) + l.offsets[i]),
@@ -186,6 +187,21 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const flo
   if (p.compute.numel == 0) return;
   upload_rounded(i, i + 1, Event{}, {Awaited::upload, i});
   wait_uploads();
+}
+
+void OffloadGradientManager::do_import_range(std::size_t i, std::size_t offset,
+                                             Arrays<const float> arrays, float step, bool last) {
+  drain();
+  Param& p = params_[i];
+  for (std::size_t s = 0; s < slots(); ++s)
+    if (!arrays[s].empty())
+      std::memcpy(static_cast<float*>(p.state[s].data) + offset, arrays[s].data(),
+                  arrays[s].size_bytes());
+  if (!arrays[0].empty() && p.compute.numel != 0) upload_rounded_range(i, offset, arrays[0].size());
+  if (last) {
+    steps_[i] = step;
+    wait_uploads();
+  }
 }
 
 ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const {

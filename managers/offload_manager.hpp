@@ -67,6 +67,9 @@ class OffloadGradientManager final : public ManagerImpl {
 
  protected:
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
+  void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
+                       bool last) override;
+  bool do_imports_ranges() const noexcept override { return true; }
   void do_begin_step() override;
   void do_begin_backward(bool final_backward, bool first_backward) override;
   TensorView do_gradient(std::size_t i) override;
@@ -171,6 +174,9 @@ class OffloadGradientManager final : public ManagerImpl {
   // through the upload ring after `after`.
   void upload_rounded(std::size_t first, std::size_t last, const device::Event& after,
                       Awaited what);
+  // Uploads the rounding of elements [offset, offset + count) of parameter i's master
+  // through the upload ring (no wait: between steps).
+  void upload_rounded_range(std::size_t i, std::size_t offset, std::size_t count);
   // Returns the next upload slot, once its previous upload is done.
   std::size_t next_upload_slot();
   // Copies piece `pc` of parameter i's held gradient into fetch slot `slot` (recorded in

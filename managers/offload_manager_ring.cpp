@@ -169,6 +169,24 @@ void OffloadGradientManager::upload_rounded(std::size_t first, std::size_t last,
   }
 }
 
+void OffloadGradientManager::upload_rounded_range(std::size_t i, std::size_t offset,
+                                                  std::size_t count) {
+  const Param& p = params_[i];
+  const std::size_t width = dtype_size(p.compute.dtype);
+  for (std::size_t off = offset; off < offset + count; off += ring_.slot_elements) {
+    const std::size_t n = std::min(ring_.slot_elements, offset + count - off);
+    const std::size_t slot = next_upload_slot();
+    round_into({static_cast<const float*>(p.master().data) + off, n},
+               TensorView{upload_ring_.at(slot, 0), n, p.compute.dtype});
+    on_device([&] {
+      dev_.copy(Queue::h2d, static_cast<char*>(p.compute.data) + off * width,
+                upload_ring_.at(slot, 0), n * width);
+      upload_done_[slot] = last_upload_ = dev_.record(Queue::h2d);
+      last_upload_what_ = {Awaited::upload, i};
+    });
+  }
+}
+
 void OffloadGradientManager::fetch_piece(const Piece& pc, std::size_t slot) {
   const ConstTensorView& g = params_[pc.param].held;
   if (g.numel == 0 || pc.count == 0) return;  // no gradient this step: zero
