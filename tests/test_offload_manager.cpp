@@ -3,7 +3,9 @@
 // clip coefficients, parameters, moments and compute weights after every step (bf16 and f32
 // gradients, AdamW both formulas and SignSGD, max_norm none / 0.05 / 100, with and
 // without optimizer overlap), found-inf skips, sharding over 2 and 4 in-process ranks,
-// the factory's refusals and the fault behaviour (sequence errors, a failed copy, close).
+// the factory's refusals and the fault behaviour (sequence errors, a failed copy, close);
+// the rings' refusals, the bytes memory() reports (from the ParamSpecs, by the documented
+// formulas), and a step of one micro-batch (its gradients read again by step()).
 #include <gtest/gtest.h>
 
 #include <array>
@@ -615,6 +617,150 @@ TEST(OffloadManager, FactoryRefusals) {
   bad.optimizer = nesterov;
   test_support::expect_error([&] { make_gradient_manager(bad); }, Errc::invalid_argument,
                              "optimizer.sgd.nesterov");
+}
+
+TEST(OffloadManager, BadRingsAreRefusedNamingTheFieldInEveryMode) {
+  auto dev = device::make_host_device();
+  const Scenario s;
+  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    ManagerConfig cfg = config_of(s, whole_model(), dev.get());
+    cfg.mode = mode;
+    for (std::int64_t slots : {std::int64_t{0}, std::int64_t{-2}}) {
+      cfg.ring_slots = slots;
+      test_support::expect_error([&] { make_gradient_manager(cfg); }, Errc::out_of_range,
+                                 "ring_slots");
+    }
+    cfg.ring_slots = ManagerConfig::kDefaultRing;
+    cfg.ring_slot_elements = 0;
+    test_support::expect_error([&] { make_gradient_manager(cfg); }, Errc::out_of_range,
+                               "ring_slot_elements");
+    // 256-element slots: the model's 75,161 elements fill 297 of them (pieces of at most a
+    // slot, packed in order at 64-element boundaries), far fewer than 1,000.
+    cfg.ring_slot_elements = 256;
+    cfg.ring_slots = 1000;
+    test_support::expect_error([&] { make_gradient_manager(cfg); }, Errc::invalid_argument,
+                               "ring_slots");
+    cfg.ring_slots = 2;
+    make_gradient_manager(cfg)->close();
+  }
+}
+
+// Σ over the parameters of `bytes(numel)` rounded up to 256 (each array's view).
+template <class F>
+std::size_t sum_views(const std::vector<ParamSpec>& specs, F bytes) {
+  std::size_t total = 0;
+  for (const ParamSpec& p : specs) total += (bytes(p) + 255) / 256 * 256;
+  return total;
+}
+
+// Drives one step of `micro` micro-batches of small gradients through the manager's own
+// buffers (host device memory), clip at 1.
+void simple_step(GradientManager& m, int micro) {
+  m.begin_step(0.5f, false);
+  for (int mb = 0; mb < micro; ++mb) {
+    m.begin_backward(mb + 1 == micro);
+    for (std::size_t i = m.config().params.size(); i-- > 0;) {
+      const TensorView g = m.gradient(i);
+      if (g.numel != 0) std::memset(g.data, 0x3c, g.bytes());  // a small finite value
+      m.gradient_ready(i);
+    }
+    m.finish_backward();
+  }
+  (void)m.clip_grad_norm(1.0f);
+  m.step();
+  (void)m.report();
+}
+
+TEST(OffloadManager, MemoryReportsEveryByteFromTheDocumentedFormulas) {
+  auto dev = device::make_host_device();
+  const Scenario s;  // AdamW: master, exp_avg, exp_avg_sq
+  ManagerConfig cfg = config_of(s, whole_model(), dev.get());
+  cfg.ring_slots = 3;
+  cfg.ring_slot_elements = 1000;  // rounded up to 1,024
+  auto m = make_gradient_manager(cfg);
+  load(*m, whole_model());
+  const auto& specs = cfg.params;
+  const std::size_t state = sum_views(specs, [](const ParamSpec& p) { return p.numel * 4; });
+  const std::size_t grads = sum_views(specs, [](const ParamSpec& p) {
+    return p.numel * dtype_size(p.grad_dtype);
+  });
+  const std::size_t computes = sum_views(specs, [](const ParamSpec& p) {
+    return p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
+  });
+  // The rings: 3 slots of 1,024 elements of the widest gradient dtype (f32: parameter 4)
+  // for staging and fetch, of the widest compute dtype for upload (2 bytes: parameter 3's
+  // f32 has no compute weights); the scratch: one slot of f32.
+  const std::size_t ring = 3 * 1024;
+  auto expect_kinds = [&](std::size_t acc, const char* when) {
+    SCOPED_TRACE(when);
+    const MemoryReport r = m->memory();
+    EXPECT_EQ(r.kind("master").bytes, state);
+    EXPECT_EQ(r.kind("exp_avg").bytes, state);
+    EXPECT_EQ(r.kind("exp_avg_sq").bytes, state);
+    EXPECT_EQ(r.kind("accumulator").bytes, acc);
+    EXPECT_EQ(r.kind("staging").bytes, ring * 4);
+    EXPECT_EQ(r.kind("fetch").bytes, ring * 4);
+    EXPECT_EQ(r.kind("upload").bytes, ring * 2);
+    EXPECT_EQ(r.kind("scratch").bytes, 1024u * 4);
+    EXPECT_EQ(r.kind("speculation").bytes, 0u);
+    std::size_t device = 0;
+    for (const MemoryUse& k : r.kinds)
+      if (k.device) device += k.bytes;
+    EXPECT_EQ(device, grads + computes);  // the manager's gradient and compute buffers
+    EXPECT_EQ(r.host_bytes, 3 * state + acc + ring * 10 + 1024 * 4);
+    EXPECT_EQ(r.host_peak, r.host_bytes);  // nothing transient outlives its call
+  };
+  expect_kinds(0, "constructed");
+  simple_step(*m, 1);  // one micro-batch: no accumulator
+  expect_kinds(0, "after a step of one micro-batch");
+  simple_step(*m, 2);  // the first step that accumulates allocates them
+  expect_kinds(state, "after a step of two micro-batches");
+  simple_step(*m, 1);  // kept
+  expect_kinds(state, "after another step of one micro-batch");
+  m->close();
+}
+
+TEST(OffloadManager, AStepOfOneMicroBatchReadsItsGradientsAgainUntilStep) {
+  auto dev = device::make_host_device();
+  const Scenario s;
+  ManagerConfig cfg = config_of(s, whole_model(), dev.get());
+  for (ParamSpec& p : cfg.params) p.gradient_buffer = false;
+  auto m = make_gradient_manager(cfg);
+  load(*m, whole_model());
+  std::vector<std::vector<std::uint8_t>> grads;
+  for (const ParamSpec& p : cfg.params)
+    grads.emplace_back(std::max<std::size_t>(1, p.numel * dtype_size(p.grad_dtype)), 0x3c);
+  auto hand_over = [&](std::size_t i) {
+    const ParamSpec& p = cfg.params[i];
+    m->gradient_ready(i, ConstTensorView{grads[i].data(), p.numel, p.grad_dtype});
+  };
+  m->begin_step(0.5f, false);
+  m->begin_backward(true);
+  EXPECT_TRUE(m->gradients_read_by_step());
+  for (std::size_t i = cfg.params.size(); i-- > 0;) hand_over(i);
+  m->finish_backward();
+  // Parameter 5 (70,000 elements) is read again by step(): not released before it.
+  test_support::expect_error([&] { (void)m->gradient_released(5); }, Errc::invalid_argument,
+                             "gradient_released");
+  (void)m->gradient_released(0);  // no elements: nothing read again
+  m->step();
+  EXPECT_TRUE(m->gradient_released(5).complete());  // step()'s reads are done
+  EXPECT_TRUE(m->report().stepped);
+  // Two micro-batches: accumulated in host memory, released as they arrive.
+  m->begin_step(0.5f, false);
+  m->begin_backward(false);
+  EXPECT_FALSE(m->gradients_read_by_step());
+  for (std::size_t i = cfg.params.size(); i-- > 0;) hand_over(i);
+  m->finish_backward();
+  m->begin_backward(true);
+  for (std::size_t i = cfg.params.size(); i-- > 0;) hand_over(i);
+  EXPECT_FALSE(m->gradients_read_by_step());
+  m->gradient_released(5).wait();
+  m->finish_backward();
+  m->step();
+  EXPECT_TRUE(m->report().stepped);
+  m->close();
 }
 
 }  // namespace

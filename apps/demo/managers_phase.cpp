@@ -8,6 +8,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -31,6 +32,7 @@ struct ManagersRun {
   std::size_t speculated = 0, committed = 0, rolled_back = 0;  // overlapped runs' chunks
   double seconds = 0.0;
   std::string device;
+  sc::MemoryReport memory;  ///< the manager's bytes by kind at the end of the run
 };
 
 /// FNV-1a 64 over bytes, continuing from `h`.
@@ -165,6 +167,7 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
     run.state_hash.push_back(h);
   }
   if (!span.save.empty()) m->save_checkpoint(span.save);
+  run.memory = m->memory();
   m->close();
   run.seconds = seconds_since(t0);
   return run;
@@ -263,6 +266,14 @@ bool run_managers_phase(const ManagersOptions& o) {
       std::printf("%s", r.skipped[s] ? " skipped" : (o.max_norm > 0.0 ? "" : " applied"));
     }
     std::printf("\n");
+    // Every byte the manager held (GradientManager::memory()), per parameter.
+    const double n = static_cast<double>(std::max<std::size_t>(params, 1));
+    std::printf(
+        "managers   mode %-9s bytes/param: host %.2f (peak %.2f), device %.2f (peak %.2f)\n",
+        std::string(sc::offload_mode_name(mode)).c_str(),
+        static_cast<double>(r.memory.host_bytes) / n, static_cast<double>(r.memory.host_peak) / n,
+        static_cast<double>(r.memory.device_bytes) / n,
+        static_cast<double>(r.memory.device_peak) / n);
     std::fflush(stdout);
   }
   for (std::size_t k = 1; k < runs.size(); ++k)
