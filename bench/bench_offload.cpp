@@ -6,6 +6,7 @@
 // bit against the bare calls before anything is timed.
 //
 // Usage: stepcore-bench-offload [million elements = 100] [micro-batches = 1] [steps = 5]
+//                              [ring slot elements = ManagerConfig's default]
 #include <omp.h>
 
 #include <algorithm>
@@ -92,8 +93,12 @@ int main(int argc, char** argv) {
   const std::size_t millions = argc > 1 ? std::strtoul(argv[1], nullptr, 10) : 100;
   const int micro = argc > 2 ? std::atoi(argv[2]) : 1;
   const int steps = argc > 3 ? std::atoi(argv[3]) : 5;
-  if (millions == 0 || micro < 1 || steps < 1) {
-    std::fprintf(stderr, "usage: %s [million elements] [micro-batches] [steps]\n", argv[0]);
+  const std::size_t ring_elements =
+      argc > 4 ? std::strtoul(argv[4], nullptr, 10) : ManagerConfig{}.ring_slot_elements;
+  if (millions == 0 || micro < 1 || steps < 1 || ring_elements == 0) {
+    std::fprintf(stderr,
+                 "usage: %s [million elements] [micro-batches] [steps] [ring slot elements]\n",
+                 argv[0]);
     return 2;
   }
   const std::vector<std::size_t> sizes = bench::model_sizes(millions * 1000000);
@@ -106,9 +111,10 @@ int main(int argc, char** argv) {
   adamw.weight_decay = 0.1;
   std::printf(
       "stepcore-bench-offload: %zu tensors, %.1f M elements, %d micro-batch(es), "
-      "bf16 gradients and compute weights, AdamW, clip %.1f; engine %s, %d threads\n",
+      "bf16 gradients and compute weights, AdamW, clip %.1f; engine %s, %d threads; ring slots "
+      "of %zu elements\n",
       sizes.size(), total / 1e6, micro, kMaxNorm, std::string(engine.isa_name()).c_str(),
-      engine.threads());
+      engine.threads(), ring_elements);
 
   // The manager on the host device.
   auto dev = device::make_host_device();
@@ -118,6 +124,7 @@ int main(int argc, char** argv) {
   for (std::size_t k = 0; k < sizes.size(); ++k)
     cfg.params.push_back({"t" + std::to_string(k), sizes[k], DType::bf16, DType::bf16, true, true});
   cfg.device = dev.get();
+  cfg.ring_slot_elements = ring_elements;
   auto t0 = Clock::now();
   auto mgr = make_gradient_manager(cfg);
   const double construct_s = seconds_since(t0);

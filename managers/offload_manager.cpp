@@ -185,7 +185,7 @@ void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const flo
   }
   steps_[i] = step;
   if (p.compute.numel == 0) return;
-  upload_rounded(i, i + 1, Event{}, {Awaited::upload, i});
+  upload_rounded_range(i, 0, p.compute.numel);
   wait_uploads();
 }
 
@@ -279,8 +279,9 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
     if (pinned_slab_ != nullptr) dev_.deallocate_host(pinned_slab_);
     if (dev_slab_ != nullptr) dev_.deallocate(dev_slab_);
     if (stage_space_ != nullptr) dev_.deallocate(stage_space_);
+    if (out_space_ != nullptr) dev_.deallocate_host(out_space_);
   }
-  pinned_slab_ = dev_slab_ = stage_space_ = nullptr;
+  pinned_slab_ = dev_slab_ = stage_space_ = out_space_ = nullptr;
   state_ = numa::HostBuffer{};
   acc_space_ = numa::HostBuffer{};
   scratch_ = numa::HostBuffer{};

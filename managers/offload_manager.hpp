@@ -111,6 +111,8 @@ class OffloadGradientManager final : public ManagerImpl {
     TensorView acc;        // host f32 (empty until a step accumulates)
     Slots state;           // host f32, the live state (slots() of them used)
     Slots spare;           // host f32 in the rollback space (empty until its chunk has one)
+    TensorView out;        // pinned, compute_dtype: a speculated step's compute weights
+                           // (rollback space; empty until its chunk has one)
     ConstTensorView held;  // a holding step's gradient on the device (empty: zero)
     const TensorView& master() const { return state[0]; }
   };
@@ -165,15 +167,11 @@ class OffloadGradientManager final : public ManagerImpl {
   // upload ring and uploaded to `target` after `after`.
   enum class Target : std::uint8_t {
     live,         // in place; compute weights to the model's
-    spare,        // into the spares; no compute weights
+    spare,        // into the spares; compute weights into the pinned rollback space
     spare_staged  // into the spares; compute weights to the device staging
   };
   void run_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs, Target target,
                  const device::Event& after);
-  // Uploads the rounding of parameters [first, last)'s masters (their compute weights)
-  // through the upload ring after `after`.
-  void upload_rounded(std::size_t first, std::size_t last, const device::Event& after,
-                      Awaited what);
   // Uploads the rounding of elements [offset, offset + count) of parameter i's master
   // through the upload ring (no wait: between steps).
   void upload_rounded_range(std::size_t i, std::size_t offset, std::size_t count);
@@ -230,8 +228,9 @@ class OffloadGradientManager final : public ManagerImpl {
   bool keeps_speculation() const;
   // Makes this step's speculative tasks not yet run skip (a rollback or skip).
   void cancel_speculation();
-  // Copies chunk k's staged compute weights to the model's (device to device) after `after`.
-  void commit_staged(std::size_t k, const device::Event& after);  // on the worker
+  // Copies chunk k's speculated compute weights to the model's after `after`: device to
+  // device from its staging, or uploaded from its pinned rollback space.
+  void commit_compute(std::size_t k, const device::Event& after);  // on the worker
   void wait_uploads();
 
   device::Device& dev_;
@@ -265,7 +264,10 @@ class OffloadGradientManager final : public ManagerImpl {
   // Speculation: the rollback space (reserved by the first step that speculates), each
   // chunk's bytes of spares, how much is given out; per step, what each chunk did.
   numa::HostBuffer spare_space_;
-  std::size_t spare_used_ = 0;
+  std::size_t spare_used_ = 0, spare_cap_ = 0;  // state spares: used, the budget's share
+  // The rollback space's pinned part: speculated compute weights, uploaded by a commit.
+  void* out_space_ = nullptr;
+  std::size_t out_used_ = 0, out_cap_ = 0;
   std::vector<std::size_t> chunk_state_bytes_;
   std::vector<std::uint8_t> has_spare_, speculated_;
   // Device staging of speculated compute weights (speculation_device_bytes), given to

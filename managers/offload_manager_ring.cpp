@@ -141,34 +141,6 @@ std::size_t OffloadGradientManager::next_upload_slot() {
   return slot;
 }
 
-void OffloadGradientManager::upload_rounded(std::size_t first, std::size_t last, const Event& after,
-                                            Awaited what) {
-  std::vector<std::size_t> members;
-  for (std::size_t i = first; i < last; ++i)
-    if (params_[i].compute.numel != 0) members.push_back(i);
-  bool waited = after.empty();
-  for (const std::vector<Piece>& b : batches(members)) {
-    const std::size_t slot = next_upload_slot();
-    for (const Piece& pc : b) {
-      const Param& p = params_[pc.param];
-      round_into({static_cast<const float*>(p.master().data) + pc.offset, pc.count},
-                 TensorView{upload_ring_.at(slot, pc.at), pc.count, p.compute.dtype});
-    }
-    on_device([&] {
-      if (!waited) dev_.wait(Queue::h2d, after);  // backward's use of the old weights first
-      waited = true;
-      for (const Piece& pc : b) {
-        const Param& p = params_[pc.param];
-        const std::size_t width = dtype_size(p.compute.dtype);
-        dev_.copy(Queue::h2d, static_cast<char*>(p.compute.data) + pc.offset * width,
-                  upload_ring_.at(slot, pc.at), pc.count * width);
-      }
-      upload_done_[slot] = last_upload_ = dev_.record(Queue::h2d);
-      last_upload_what_ = what;
-    });
-  }
-}
-
 void OffloadGradientManager::upload_rounded_range(std::size_t i, std::size_t offset,
                                                   std::size_t count) {
   const Param& p = params_[i];
@@ -271,6 +243,10 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
                            : ConstTensorView(cut(p.acc));
             if (output && p.compute.numel != 0)
               o.compute_param = {upload_ring_.at(slot, pc.at), pc.count, p.compute.dtype};
+            else if (target == Target::spare && p.compute.numel != 0)  // its rollback space
+              o.compute_param = {
+                  static_cast<char*>(p.out.data) + pc.offset * dtype_size(p.compute.dtype),
+                  pc.count, p.compute.dtype};
             t.push_back(o);
           }
           with_unit(configs[group], [&](auto, const auto& cfg) {
@@ -331,14 +307,16 @@ NormPartial OffloadGradientManager::local_partial(NormMode mode, float scale) {
   return engine_.norm_partial(counted_acc_, GradientRead{scale, 1.0f}, mode);
 }
 
-void OffloadGradientManager::commit_staged(std::size_t k, const Event& after) {
+void OffloadGradientManager::commit_compute(std::size_t k, const Event& after) {
   const Chunk& c = chunks()[k];
+  const bool staged = has_stage_[k] != 0;
   on_device([&] {
     dev_.wait(Queue::h2d, after);  // backward's use of the old weights comes first
     for (std::size_t i = c.first; i < c.last; ++i) {
       const Param& p = params_[i];
       if (p.compute.numel != 0)
-        dev_.copy(Queue::h2d, p.compute.data, p.staged.data, p.compute.bytes());
+        dev_.copy(Queue::h2d, p.compute.data, staged ? p.staged.data : p.out.data,
+                  p.compute.bytes());
     }
     last_upload_ = dev_.record(Queue::h2d);
     last_upload_what_ = {Awaited::chunk_upload, k};

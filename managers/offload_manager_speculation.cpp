@@ -23,18 +23,25 @@ using device::Event;
 
 bool OffloadGradientManager::admit(std::size_t k) {
   if (has_spare_[k]) return true;
-  const std::size_t bytes = chunk_state_bytes_[k];
-  // The budget, not the mapping: HostBuffer rounds it up to a (huge) page.
-  const std::size_t limit = std::min(spare_space_.bytes(), speculation_budget());
-  if (bytes > limit - spare_used_) return false;
-  // The chunk keeps this spare from now on (a commit swaps it with the live state).
-  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i)
+  // The chunk's state spares and its compute weights' pinned space, each within its share
+  // of the budget.
+  if (chunk_state_bytes_[k] > spare_cap_ - spare_used_ ||
+      chunk_compute_bytes_[k] > out_cap_ - out_used_)
+    return false;
+  // The chunk keeps this space from now on (a commit swaps its spares with the live state).
+  for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
+    Param& p = params_[i];
     for (std::size_t s = 0; s < slots(); ++s) {
-      TensorView& v = params_[i].spare[s];
+      TensorView& v = p.spare[s];
       v = f32_view(reinterpret_cast<float*>(static_cast<char*>(spare_space_.data()) + spare_used_),
-                   params_[i].state[s].numel);
+                   p.state[s].numel);
       spare_used_ += aligned_bytes(v.bytes());
     }
+    if (p.compute.numel != 0) {
+      p.out = {static_cast<char*>(out_space_) + out_used_, p.compute.numel, p.compute.dtype};
+      out_used_ += aligned_bytes(p.compute.bytes());
+    }
+  }
   has_spare_[k] = 1;
   // Device staging, when the chunk's compute weights fit what is left of it.
   if (chunk_compute_bytes_[k] != 0 && chunk_compute_bytes_[k] <= stage_bytes_ - stage_used_) {
@@ -70,18 +77,33 @@ void OffloadGradientManager::do_reserve_speculation() {
       ledger().set("speculation_device", true, bytes);
     }
   }
-  if (spare_space_.data() != nullptr) return;
-  std::size_t need = 0;
-  for (std::size_t bytes : chunk_state_bytes_) need += bytes;
-  const std::size_t bytes = std::min(need, speculation_budget());
+  if (spare_space_.data() != nullptr || out_space_ != nullptr) return;
+  std::size_t state = 0, out = 0;
+  for (std::size_t bytes : chunk_state_bytes_) state += bytes;
+  for (std::size_t bytes : chunk_compute_bytes_) out += bytes;
+  const std::size_t bytes = std::min(state + out, speculation_budget());
   if (bytes == 0) return;
+  // The budget split between the two parts as the model's bytes are (every chunk needs
+  // both in about that ratio).
+  const std::size_t state_cap =
+      bytes == state + out
+          ? state
+          : static_cast<std::size_t>(static_cast<unsigned __int128>(bytes) * state / (state + out));
+  const std::size_t out_cap = bytes - state_cap;
   try {
-    spare_space_ = numa::HostBuffer(bytes, config().numa_node);
+    if (state_cap != 0) spare_space_ = numa::HostBuffer(state_cap, config().numa_node);
+    if (out_cap != 0) {
+      const std::lock_guard lock(dev_mu_);  // not on_device: a refusal fails nothing
+      out_space_ = dev_.allocate_host(out_cap, config().numa_node);
+    }
   } catch (const Error& e) {
+    spare_space_ = numa::HostBuffer{};
     throw Error(
         Errc::out_of_range, "speculation_bytes",
         "cannot reserve " + std::to_string(bytes) + " bytes of rollback space: " + e.what());
   }
+  spare_cap_ = state_cap;
+  out_cap_ = out_cap;
   ledger().set("speculation", false, bytes);
 }
 

@@ -160,12 +160,7 @@ void OffloadGradientManager::do_step() {
           std::swap(params_[i].state, params_[i].spare);
           if (shape().counts_steps) steps_[i] = spec_steps_[i];
         }
-        // The compute weights: staged on the device, or the new masters' rounding (what
-        // the step wrote, rounded again: the same bits).
-        if (has_stage_[k])
-          commit_staged(k, backward);
-        else
-          upload_rounded(c.first, c.last, backward, {Awaited::chunk_upload, k});
+        commit_compute(k, backward);  // the compute weights the speculative step wrote
       });
     } else {  // waited, or rolled back: the live state is the step's old state
       post([this, k, read, backward, configs] {

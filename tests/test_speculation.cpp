@@ -186,10 +186,10 @@ std::size_t align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 // The rollback space chunk [first, last) takes (docs/managers.md, "The mechanism per
 // mode"), from the ParamSpecs alone: every state array (master; AdamW: exp_avg and
-// exp_avg_sq) of 4 B/element from a 256-byte boundary; modes none and optimizer add the
-// step counters (AdamW: 4 B per parameter, one range) and each parameter's compute-weight
-// staging, each from a 256-byte boundary. (Mode optimizer saves the chunk's host block:
-// masters, then moments, each view 256-aligned: the same sum.)
+// exp_avg_sq) of 4 B/element from a 256-byte boundary, and each parameter's compute
+// weights from a 256-byte boundary (full offload: pinned host memory); modes none and
+// optimizer add the step counters (AdamW: 4 B per parameter, one range). (Mode optimizer
+// saves the chunk's host block: masters, then moments, each view 256-aligned: the same sum.)
 std::size_t rollback_bytes_of(OffloadMode mode, OptimizerConfig opt,
                               const std::vector<ParamSpec>& specs, std::size_t first,
                               std::size_t last) {
@@ -197,8 +197,8 @@ std::size_t rollback_bytes_of(OffloadMode mode, OptimizerConfig opt,
   std::size_t bytes = 0;
   for (std::size_t i = first; i < last; ++i)
     bytes += (adamw ? 3 : 1) * align256(specs[i].numel * sizeof(float));
-  if (mode == OffloadMode::full) return bytes;
-  if (adamw && last > first) bytes += align256(sizeof(float) * (last - first));
+  if (adamw && last > first && mode != OffloadMode::full)
+    bytes += align256(sizeof(float) * (last - first));
   for (std::size_t i = first; i < last; ++i)
     if (specs[i].has_compute_weights)
       bytes += align256(specs[i].numel * dtype_size(specs[i].compute_dtype));
