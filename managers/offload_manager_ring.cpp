@@ -162,6 +162,7 @@ void OffloadGradientManager::upload_rounded_range(std::size_t i, std::size_t off
 void OffloadGradientManager::fetch_piece(const Piece& pc, std::size_t slot) {
   const ConstTensorView& g = params_[pc.param].held;
   if (g.numel == 0 || pc.count == 0) return;  // no gradient this step: zero
+  if (dev_.host_readable()) return;           // read in place (widen_fetched)
   const std::size_t width = dtype_size(g.dtype);
   on_device([&] {
     dev_.copy(Queue::d2h, fetch_ring_.at(slot, pc.at),
@@ -180,8 +181,13 @@ void OffloadGradientManager::widen_fetched(const std::vector<Piece>& b, std::siz
       std::fill(scratch + pc.at, scratch + pc.at + pc.count, 0.0f);
       continue;
     }
-    pairs.push_back({f32_view(scratch + pc.at, pc.count),
-                     ConstTensorView{fetch_ring_.at(slot, pc.at), pc.count, g.dtype}, true});
+    // The device's memory in place where the CPU may read it (its writes were complete
+    // before the piece's arrival), else the fetched copy.
+    const void* src = dev_.host_readable()
+                          ? static_cast<const char*>(g.data) + pc.offset * dtype_size(g.dtype)
+                          : static_cast<const void*>(fetch_ring_.at(slot, pc.at));
+    pairs.push_back(
+        {f32_view(scratch + pc.at, pc.count), ConstTensorView{src, pc.count, g.dtype}, true});
   }
   engine_.accumulate(pairs);
 }

@@ -454,7 +454,9 @@ TEST(Speculation, ShardedOverInProcessRanksEveryRankHoldsItsSliceOfTheSerialRun)
 // step (full offload holds the gradients on the device and reads them again: no
 // accumulator), RL (1 to 4 micro-batches, parameters without gradients: the first step of
 // several allocates the accumulators), SFT; caller-owned gradient buffers, poisoned once
-// released (step() releases the held ones).
+// released (step() releases the held ones). On the host device the step reads the held
+// gradients in place; on a device it cannot read (a forwarding device) through the fetch
+// ring.
 TEST(Speculation, LongStepsThroughARingOfTwoGiveTheReferenceBitsInEveryMode) {
   const std::vector<std::size_t> sizes = {3000, 1,    257, 0,   1000, 63,  255,  3000,
                                           1,    1000, 257, 63,  255,  0,   3000, 1000,
@@ -485,6 +487,24 @@ TEST(Speculation, LongStepsThroughARingOfTwoGiveTheReferenceBitsInEveryMode) {
       if (v.mode != OffloadMode::full) continue;
       o.speculation_device_bytes = ManagerConfig::kAllChunks;
       expect_bits(run_variant(v, o), want, v.label + " with overlap and device staging");
+      if (HasFatalFailure()) return;
+    }
+    // Full offload on a device whose memory the CPU does not read in place (the host
+    // device behind a forwarding layer): a holding step's gradients come back through
+    // the fetch ring's copies, with and without overlap.
+    for (bool overlap : {false, true}) {
+      test_support::ForwardingDevice fwd;
+      Case o = c;
+      o.overlap = overlap;
+      o.speculation = Speculation::always;
+      Build b;
+      b.mode = OffloadMode::full;
+      b.threads = 2;
+      auto m = make_manager(b, o, fwd);
+      const auto rec = run_stream(*m, fwd, stream_options(o, nullptr, 0, -1, 0));
+      m->close();
+      expect_bits(rec, want,
+                  std::string("full through the fetch ring") + (overlap ? " with overlap" : ""));
       if (HasFatalFailure()) return;
     }
   }

@@ -98,6 +98,11 @@ class Device {
   /// Set where the device is made (make_cuda_device, make_host_device); default
   /// comm::kDefaultTimeout.
   virtual std::chrono::milliseconds wait_timeout() const noexcept = 0;
+  /// Returns true when the CPU may read this device's memory in place once the work that
+  /// wrote it is complete (the host device: its memory is host memory). The full-offload
+  /// manager then reads the gradients a step holds on the device where they are, instead
+  /// of copying them through its fetch ring. Default false.
+  virtual bool host_readable() const noexcept { return false; }
 
   /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
   virtual void* allocate(std::size_t bytes) = 0;
