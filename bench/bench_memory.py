@@ -9,8 +9,10 @@ manager under test through --steps steps of --micro micro-batches, and:
 
   constructed  resident growth once the manager is built (masters loaded)
   steady       after the steps (every gradient released)
-  peak         the most resident during the steps (VmHWM, reset before each step), less
-               the model's bf16 gradients (they exist while backward runs)
+  peak         the most resident during the steps (VmHWM, reset at each step's start and
+               at its final finish_backward), less the model's bf16 gradients while they
+               exist (backward; and a full-offload step of one micro-batch, which holds
+               them until step())
   overlap      an overlapped step whose clip rolls every speculated chunk back: steady and
                peak, with the rollback space (the speculation budget) shown apart
   save, load   the peak of save_checkpoint and of load_checkpoint over the steady state
@@ -51,7 +53,11 @@ def _optimizer_kwargs(name):
     return dict(hyper={"momentum": 0.9}) if name == "sgd" else {}
 
 
-def _run_steps(m, model, x, steps, micro, overlap=False, max_norm=1.0):
+def _run_steps(m, model, x, steps, micro, grads, overlap=False, max_norm=1.0):
+    """Runs the steps; returns the most resident at once over the model's bf16 gradients:
+    while backward runs (every gradient alive) the resident set less `grads`; from the
+    final finish_backward to the step's end less `grads` only where the step still holds
+    them (a full-offload step of one micro-batch)."""
     peak = 0
     for _ in range(steps):
         _reset_peak()
@@ -60,9 +66,12 @@ def _run_steps(m, model, x, steps, micro, overlap=False, max_norm=1.0):
             m.begin_backward(mb == micro - 1)
             model(x).float().pow(2).mean().backward()
             m.finish_backward()
+        held = getattr(m._m, "gradients_read_by_step", False)
+        peak = max(peak, _status("VmHWM") - grads)
+        _reset_peak()
         m.clip_grad_norm_(max_norm)
         m.step()
-        peak = max(peak, _status("VmHWM"))
+        peak = max(peak, _status("VmHWM") - (grads if held else 0))
     return peak
 
 
@@ -83,8 +92,8 @@ def case(args):
     small = torch.nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     w = st.GradientManager(small, offload=args.mode, optimizer=args.optimizer, threads=args.threads,
                            **kw)
-    _run_steps(w, small, torch.ones(2, 64, dtype=torch.bfloat16), 1, 2)
-    _run_steps(w, small, torch.ones(2, 64, dtype=torch.bfloat16), 1, 1)
+    _run_steps(w, small, torch.ones(2, 64, dtype=torch.bfloat16), 1, 2, 0)
+    _run_steps(w, small, torch.ones(2, 64, dtype=torch.bfloat16), 1, 1, 0)
     w.close()
     del w
     model(x).float().pow(2).mean().backward()  # autograd's own first use
@@ -98,9 +107,9 @@ def case(args):
                            speculation_bytes=0 if not args.overlap else -1, **kw)
     rec = dict(mode=args.mode, optimizer=args.optimizer, micro=args.micro, overlap=args.overlap,
                params=n, constructed=(_status("VmRSS") - base) / n)
-    peak = _run_steps(m, model, x, args.steps, args.micro)
+    peak = _run_steps(m, model, x, args.steps, args.micro, grads)
     rec["steady"] = (_status("VmRSS") - base) / n
-    rec["peak"] = (peak - base - grads) / n
+    rec["peak"] = (peak - base) / n
     report = m.report()
     ledger = report.get("memory")
     if ledger is not None:
@@ -111,11 +120,11 @@ def case(args):
     else:
         spec = None
     if args.overlap:  # one more step, clipped hard: every speculated chunk rolls back
-        peak = _run_steps(m, model, x, 1, args.micro, overlap=True, max_norm=1e-9)
+        peak = _run_steps(m, model, x, 1, args.micro, grads, overlap=True, max_norm=1e-9)
         r = m.report()
         rec["rolled_back"] = r.get("chunks_rolled_back", 0)
         rec["overlap_steady"] = (_status("VmRSS") - base) / n
-        rec["overlap_peak"] = (peak - base - grads) / n
+        rec["overlap_peak"] = (peak - base) / n
         if r.get("memory") is not None:
             k = r["memory"]["kinds"]
             spec = k.get("speculation", {}).get("bytes", 0) + k.get(

@@ -3,7 +3,8 @@
 // any optimizer unit of the table, its hyper-parameters decoded field by field from
 // OptimizerTraits<C>::kFields; 1-3 parameters of fuzzed sizes, gradient dtypes and
 // buffers; 1-2 groups; the speculation policy; a rollback budget of 0, a few chunks'
-// bytes or kAllChunks; eager or lazy GPU scaling) and drives it through up to 32 calls
+// bytes or kAllChunks; eager or lazy GPU scaling; full offload's rings) and drives it
+// through up to 32 calls
 // with fuzzed arguments in any order, overlapped steps among them (clipped, unclipped,
 // non-finite: speculated chunks committed, rolled back or skipped). Every call succeeds or
 // throws stepcore::Error; it never crashes, hangs or corrupts memory (ASan, UBSan); and
@@ -380,6 +381,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     c.params.push_back(p);
   }
   c.chunk_elements = 1 + in.byte() % 300;
+  // Full offload's rings (every mode validates them): the default, 1-3 slots, or a refused
+  // count (0, more than the model fills); slots of 1-148 elements (rounded up to 64: a
+  // parameter of 257 elements moves in pieces) or the default.
+  const std::uint8_t ring = in.byte();
+  static const std::int64_t ring_slots[] = {ManagerConfig::kDefaultRing, 1, 2, 3, 0, 1000};
+  c.ring_slots = ring_slots[ring % 6];
+  if (ring / 6 % 2 != 0) c.ring_slot_elements = ring / 12 % 4 == 0 ? 0 : 1 + ring / 12 * 7;
   // Every mode steps every optimizer (its state slots named as its unit names them).
   Bits bits(in);
   c.optimizer = decode_config(unit, bits, betas, c.groups);
