@@ -6,6 +6,7 @@
 // options, models and Hugging Face configs are typed errors naming the argument or file.
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -17,6 +18,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "expect_error.hpp"
@@ -499,5 +502,99 @@ TEST(MemoryPlan, BrokenConfigFilesAreErrorsNamingTheFile) {
   std::filesystem::remove(path);
   expect_error([&] { read_decoder_config(path); }, Errc::io_error, path);
 }
+
+// ---- stepcore-plan ------------------------------------------------------------------
+
+#ifdef STEPCORE_PLAN_EXE
+// Runs stepcore-plan with `args`; returns its exit status and what it printed (both streams).
+std::pair<int, std::string> plan_cli(const std::string& args) {
+  const std::string cmd = std::string(STEPCORE_PLAN_EXE) + " " + args + " 2>&1";
+  FILE* f = ::popen(cmd.c_str(), "r");
+  if (f == nullptr) return {-1, ""};
+  std::string out;
+  char buf[4096];
+  for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  const int status = ::pclose(f);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+TEST(MemoryPlan, TheCliRefusesBadInputWithStatusTwoNamingTheArgument) {
+  const std::string config = data_path("llama3-70b.json");
+  const std::pair<const char*, const char*> cases[] = {
+      {"--params 7e9", "'--params'"},
+      {"--params -5", "'--params'"},
+      {"--params 7.5B", "'--params'"},
+      {"--params 70X", "'--params'"},
+      {"--params 99999999999999999999", "'--params'"},
+      {"--params", "'--params'"},
+      {"", "'--params'"},
+      {"--params 1000 --ranks 0", "'--ranks'"},
+      {"--params 1000 --ranks 2.5", "'--ranks'"},
+      {"--params 1000 --ranks 4 --ranks-per-node 8", "--ranks-per-node"},
+      {"--params 1000 --ranks-per-node 0", "'--ranks-per-node'"},
+      {"--params 1000 --optimizer muon", "'--optimizer'"},
+      {"--params 1000 --offload fsdp", "'--offload'"},
+      {"--params 1000 --micro-batches 0", "'--micro-batches'"},
+      {"--params 1000 --ring-slots 0", "'--ring-slots'"},
+      {"--params 1000 --ring-slots 99", "--ring-slots"},
+      {"--params 1000 --ring-slot-elements 0", "'--ring-slot-elements'"},
+      {"--params 1000 --speculation-bytes -1", "'--speculation-bytes'"},
+      {"--params 1000 --host-memory 1.5TB", "'--host-memory'"},
+      {"--params 1000 --gpu-memory 80Gb", "'--gpu-memory'"},
+      {"--params 1000 --checkpoint both", "'--checkpoint'"},
+      {"--params 1000 --dtype int8", "'--dtype'"},
+      {"--params 1000 --shapes x", "'--shapes'"},
+      {"--params 1000 --frobnicate", "'--frobnicate'"},
+      {"--hf-config /nonexistent/config.json", "'/nonexistent/config.json'"},
+  };
+  for (const auto& [args, names] : cases) {
+    SCOPED_TRACE(args);
+    const auto [status, out] = plan_cli(args);
+    EXPECT_EQ(status, 2) << out;
+    EXPECT_NE(out.find(names), std::string::npos) << out;
+    EXPECT_EQ(out.find("stepcore-plan: a prediction"), std::string::npos) << out;
+  }
+  // A broken config and a broken shapes file name the file.
+  const std::string path = scratch_path("cli_config");
+  for (const char* text : {"{\"vocab_size\": 1", "{\"vocab_size\": 1}", "4096 x 11008\n12 y\n"}) {
+    std::ofstream(path, std::ios::binary) << text;
+    const bool shapes = text[0] != '{';
+    const auto [status, out] = plan_cli((shapes ? "--shapes " : "--hf-config ") + path);
+    EXPECT_EQ(status, 2) << out;
+    EXPECT_NE(out.find("'" + path + "'"), std::string::npos) << out;
+  }
+  std::filesystem::remove(path);
+}
+
+TEST(MemoryPlan, TheCliPrintsThePlanAndWhetherItFits) {
+  ModelPlanRequest r;
+  r.model = decoder_params(read_decoder_config(data_path("llama3-70b.json")));
+  r.ranks = 8;
+  r.ranks_per_node = 8;
+  r.manager.mode = OffloadMode::full;
+  r.options = {2, false, CheckpointPhase::load};
+  const ModelPlan p = plan_model(r);
+  const std::string common = "--hf-config " + data_path("llama3-70b.json") +
+                             " --ranks 8 --ranks-per-node 8 --offload full --micro-batches 2";
+  auto [status, out] = plan_cli(common + " --host-memory 3840GB --gpu-memory 80GiB");
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find(std::to_string(p.rank.host_bytes)), std::string::npos) << out;
+  EXPECT_NE(out.find("fits host memory: yes"), std::string::npos) << out;
+  EXPECT_NE(out.find("fits GPU memory:  yes"), std::string::npos) << out;
+  std::tie(status, out) = plan_cli(common + " --host-memory 1TiB");
+  EXPECT_EQ(status, 1) << out;  // 1.03 TiB per node at the peak
+  EXPECT_NE(out.find("fits host memory: no"), std::string::npos) << out;
+  // A count with a suffix; a shapes file.
+  std::tie(status, out) = plan_cli("--params 70B --offload optimizer --optimizer lion");
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("70000000000 parameters"), std::string::npos) << out;
+  const std::string path = scratch_path("cli_shapes");
+  std::ofstream(path) << "# embeddings\n32000 4096\n4096x4096\n\n4096, 11008  # mlp\n0\n";
+  std::tie(status, out) = plan_cli("--shapes " + path + " --ranks 3");
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("192937984 parameters in 4 tensors"), std::string::npos) << out;
+  std::filesystem::remove(path);
+}
+#endif
 
 }  // namespace
