@@ -374,6 +374,8 @@ ModelPlan plan_model(const ModelPlanRequest& request) {
   config.device = nullptr;
   config.params.clear();
   config.params.reserve(request.model.size());
+  constexpr std::uintptr_t kStandInBase = std::uintptr_t{1} << 12;
+  std::uintptr_t stand_in = 0;
   for (std::size_t i = 0; i < request.model.size(); ++i) {
     const ModelParam& p = request.model[i];
     const std::uint64_t numel = model_param_numel(p, "model[" + std::to_string(i) + "]");
@@ -385,6 +387,15 @@ ModelPlan plan_model(const ModelPlanRequest& request) {
     spec.name = p.name;
     spec.numel = static_cast<std::size_t>(shard);
     spec.grad_dtype = spec.compute_dtype = p.dtype;
+    if (request.trainer_buffers) {
+      spec.gradient_buffer = false;
+      // The model's storage, at stand-in addresses (the planner never reads them: only
+      // that a destination is set, aligned and apart from the others).
+      if (spec.numel != 0) {
+        spec.compute_into = {reinterpret_cast<void*>(kStandInBase + stand_in), spec.numel, p.dtype};
+        stand_in += (spec.numel * dtype_size(p.dtype) + 255) / 256 * 256;
+      }
+    }
     config.params.push_back(std::move(spec));
     if (__builtin_add_overflow(plan.model_params, numel, &plan.model_params))
       throw Error(Errc::out_of_range, "model", "its element count overflows 64 bits");

@@ -41,6 +41,8 @@ options:
   --optimizer NAME        any optimizer of stepcore's table (default adamw)
   --micro-batches N       micro-batches per step (default 2)
   --overlap               overlapped steps: the rollback space is reserved
+  --trainer-buffers       gradients and compute weights in the model's own tensors (as
+                          stepcore.torch): no device gradient or compute buffers
   --speculation POLICY    always, never or auto (default auto)
   --speculation-bytes B   rollback budget in bytes, or "all" (default all)
   --speculation-device-bytes B   mode full: device staging budget, or "all" (default 0)
@@ -213,6 +215,8 @@ Args parse(int argc, char** argv) {
       }
     } else if (o == "--micro-batches") {
       a.request.options.micro_batches = positive(o, value(k, o));
+    } else if (o == "--trainer-buffers") {
+      a.request.trainer_buffers = true;
     } else if (o == "--overlap") {
       a.request.options.overlap = true;
     } else if (o == "--speculation") {
@@ -317,6 +321,8 @@ void print(const Args& a, const ModelPlan& p) {
               std::string(offload_mode_name(m.mode)).c_str(),
               std::string(optimizer_name(m.optimizer)).c_str(), r.options.micro_batches,
               r.options.overlap ? "overlapped" : "no overlap", a.checkpoint.c_str());
+  if (r.trainer_buffers)
+    std::printf("          gradients and compute weights in the model's own tensors\n");
   const double per = p.params_per_rank == 0 ? 1.0 : static_cast<double>(p.params_per_rank);
   std::printf("%-20s %-6s %16s %11s %11s %8s\n", "kind", "memory", "bytes/rank", "size", "peak",
               "B/param");

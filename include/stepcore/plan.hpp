@@ -97,6 +97,10 @@ struct ModelPlanRequest {
   /// are set from the model: each ModelParam's shard, gradients and compute weights in
   /// its dtype, the host device planned).
   ManagerConfig manager;
+  /// The trainer's buffers (as stepcore.torch does): backward's gradients are the
+  /// model's own (ParamSpec::gradient_buffer false) and step() writes the compute weights
+  /// into the model's storage (compute_into): no device gradient or compute buffers.
+  bool trainer_buffers = false;
   MemoryPlanOptions options;
   /// Bytes of host memory per node and device memory per GPU to check against (absent:
   /// not checked).
