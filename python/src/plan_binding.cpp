@@ -18,6 +18,7 @@
 #include <variant>
 #include <vector>
 
+#include "memory_dict.hpp"
 #include "stepcore/dtype.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
@@ -93,20 +94,7 @@ void bind_plan(nb::module_& m) {
         r.host_memory = host_memory;
         r.gpu_memory = gpu_memory;
         const ModelPlan p = plan_model(r);
-        nb::dict kinds;
-        for (const MemoryUse& k : p.rank.kinds) {
-          nb::dict e;
-          e["device"] = k.device;
-          e["bytes"] = k.bytes;
-          e["peak"] = k.peak;
-          kinds[(k.kind + (k.device ? "@device" : "")).c_str()] = e;
-        }
-        nb::dict d;
-        d["kinds"] = kinds;
-        d["host_bytes"] = p.rank.host_bytes;
-        d["host_peak"] = p.rank.host_peak;
-        d["device_bytes"] = p.rank.device_bytes;
-        d["device_peak"] = p.rank.device_peak;
+        nb::dict d = memory_dict(p.rank);
         d["model_params"] = p.model_params;
         d["params_per_rank"] = p.params_per_rank;
         d["tensors"] = p.tensors;
