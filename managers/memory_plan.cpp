@@ -200,8 +200,10 @@ MemoryReport plan_full(const ManagerConfig& config, const MemoryPlanOptions& opt
   plan.add("upload", false, ring_elements * compute_width);
   plan.add("fetch", false, ring_elements * grad_width);
   plan.add("scratch", false, ring.slot_elements * sizeof(float));
-  plan.add("speculation", false,
-           rollback ? std::min(arrays * per_array, budget(config.speculation_bytes)) : 0);
+  // The rollback space: every chunk's state spares and its compute weights' pinned space.
+  plan.add(
+      "speculation", false,
+      rollback ? std::min(arrays * per_array + compute_all, budget(config.speculation_bytes)) : 0);
   plan.add("gradient", true, grads);
   plan.add("compute", true, computes);
   plan.add("speculation_device", true, staged);
