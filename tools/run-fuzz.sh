@@ -21,7 +21,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#harnesses[@]} -eq 0 ] &&
-  harnesses=(fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager fuzz_safetensors)
+  harnesses=(fuzz_norm fuzz_checkpoint fuzz_engine fuzz_manager fuzz_hf_config fuzz_safetensors)
 jobs=$(nproc 2>/dev/null || echo 2)
 
 tools/install-deps.sh --sanitizers

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "arrays.hpp"  // this extension's one checker of array and stream arguments
+#include "memory_dict.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/dtype.hpp"
@@ -491,25 +492,7 @@ void bind_managers(nb::module_& m) {
              return d;
            })
       .def(
-          "memory",
-          [](const PyManager& p) {
-            const MemoryReport r = p.m->memory();
-            nb::dict kinds;
-            for (const MemoryUse& k : r.kinds) {
-              nb::dict e;
-              e["device"] = k.device;
-              e["bytes"] = k.bytes;
-              e["peak"] = k.peak;
-              kinds[(k.kind + (k.device ? "@device" : "")).c_str()] = e;
-            }
-            nb::dict d;
-            d["kinds"] = kinds;
-            d["host_bytes"] = r.host_bytes;
-            d["host_peak"] = r.host_peak;
-            d["device_bytes"] = r.device_bytes;
-            d["device_peak"] = r.device_peak;
-            return d;
-          },
+          "memory", [](const PyManager& p) { return memory_dict(p.m->memory()); },
           "Every byte the manager holds by kind ('<kind>' host, '<kind>@device'), now and at "
           "its peak, and the totals (GradientManager::memory()).")
       .def_prop_ro("gradients_read_by_step",

@@ -427,6 +427,7 @@ void bind_optimizers(nb::module_& m);  // python/src/optimizers.cpp: the table, 
 void bind_managers(nb::module_& m);    // python/src/managers.cpp
 void bind_gpu(nb::module_& m);         // python/src/gpu_launchers.cpp: the submodule _core.gpu
 void bind_diff(nb::module_& m);        // python/src/diff_binding.cpp: _core.diff_compare
+void bind_plan(nb::module_& m);        // python/src/plan_binding.cpp: _core.plan_model
 
 NB_MODULE(_core, m) {
   m.doc() = "stepcore's C++ core: the CPU engine and the exact norm (thin binding)";
@@ -660,4 +661,5 @@ NB_MODULE(_core, m) {
   bind_managers(m);
   bind_gpu(m);
   bind_diff(m);
+  bind_plan(m);
 }

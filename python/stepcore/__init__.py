@@ -2,15 +2,17 @@
 
 The CPU engine (AdamW, SignSGD, any optimizer by name through ``Engine.step``,
 accumulate, scale, the exact norm partial) over arrays
-passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers,
-in-process communicators and NUMA placement, the optimizer table (``optimizer_table()``:
-every optimizer's name, hyper-parameters, slots) and the scalar reference
+passed through DLPack (torch tensors, numpy arrays) without copies, the gradient managers
+and their memory planner (``plan_memory``), in-process communicators and NUMA placement,
+the optimizer table (``optimizer_table()``: every optimizer's name, hyper-parameters,
+slots) and the scalar reference
 (``reference_step``, the oracle); ``stepcore.gpu`` holds the GPU launchers on
 device arrays. Importing stepcore never imports torch; ``stepcore.torch`` is the PyTorch
 layer.
 """
 
 from . import gpu
+from ._plan import plan_memory
 from ._core import (
     PARTIAL_MAX_ABS_WORD,
     PARTIAL_WORDS,
@@ -45,6 +47,7 @@ __all__ = [
     "optimizer_slots",
     "optimizer_table",
     "optimizers",
+    "plan_memory",
     "reference_step",
     "PARTIAL_MAX_ABS_WORD",
     "PARTIAL_WORDS",
