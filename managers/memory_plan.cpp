@@ -290,8 +290,9 @@ MemoryReport plan_device(const ManagerConfig& config, const MemoryPlanOptions& o
       std::max({workspace([](std::size_t) { return true; }),
                 workspace([&](std::size_t i) { return config.params[i].counts_toward_norm; }),
                 workspace([&](std::size_t i) { return !config.params[i].counts_toward_norm; })});
-  for (const auto& [first, last] : chunks)
-    ws = std::max(ws, workspace([&](std::size_t i) { return i >= first && i < last; }));
+  for (const auto& chunk : chunks)
+    ws = std::max(
+        ws, workspace([&chunk](std::size_t i) { return i >= chunk.first && i < chunk.second; }));
 
   // The rollback space: per chunk its counters, per parameter its arrays and compute weights.
   std::size_t rollback = 0;
