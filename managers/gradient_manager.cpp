@@ -81,67 +81,62 @@ std::string indexed(const char* base, std::size_t i, const char* field) {
 
 }  // namespace
 
-}  // namespace detail
-
-// ManagerImpl (manager_impl.hpp) is declared in stepcore, where its members are defined.
-using detail::CallPhase;
-
-ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
-  using namespace detail;  // the validators (core/validate.hpp) and the helpers above
-  const std::size_t n = config_.params.size();
-  if (config_.optimizer.valueless_by_exception())
+/// Throws what a manager's construction refuses in every mode before anything is
+/// allocated (GradientManager and plan_memory check a configuration with it): the
+/// optimizer, chunk_elements, the speculation fields, the groups (names, each one's
+/// configuration), the parameters (names, groups, compute destinations) and the ring.
+void validate_manager_config(const ManagerConfig& config) {
+  const std::size_t n = config.params.size();
+  if (config.optimizer.valueless_by_exception())
     throw Error(Errc::invalid_argument, "optimizer", "holds no configuration");
-  shape_ = optimizer_shape(config_.optimizer);
-  for (std::string_view slot : shape_.slot_names)
-    initial_.push_back(detail::initial_slot_value(config_.optimizer, slot));
-  if (config_.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
-  if (config_.speculation != Speculation::always && config_.speculation != Speculation::never &&
-      config_.speculation != Speculation::automatic)
+  if (config.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
+  if (config.speculation != Speculation::always && config.speculation != Speculation::never &&
+      config.speculation != Speculation::automatic)
     throw Error(Errc::invalid_argument, "speculation",
-                std::to_string(static_cast<int>(config_.speculation)) +
+                std::to_string(static_cast<int>(config.speculation)) +
                     " is not a Speculation: always, never or automatic (\"auto\")");
-  if (config_.speculation_bytes < 0 && config_.speculation_bytes != ManagerConfig::kAllChunks)
+  if (config.speculation_bytes < 0 && config.speculation_bytes != ManagerConfig::kAllChunks)
     throw Error(Errc::out_of_range, "speculation_bytes",
-                std::to_string(config_.speculation_bytes) +
+                std::to_string(config.speculation_bytes) +
                     ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
-  if (config_.speculation_device_bytes < 0 &&
-      config_.speculation_device_bytes != ManagerConfig::kAllChunks)
+  if (config.speculation_device_bytes < 0 &&
+      config.speculation_device_bytes != ManagerConfig::kAllChunks)
     throw Error(Errc::out_of_range, "speculation_device_bytes",
-                std::to_string(config_.speculation_device_bytes) +
+                std::to_string(config.speculation_device_bytes) +
                     ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
-  if (config_.speculation_device_bytes != 0 && config_.mode != OffloadMode::full)
+  if (config.speculation_device_bytes != 0 && config.mode != OffloadMode::full)
     throw Error(Errc::invalid_argument, "speculation_device_bytes",
                 "stages compute weights only in mode full (modes none and optimizer keep "
                 "their rollback space on the device: speculation_bytes)");
 
   // The groups: names, and each one's configuration as the optimizer will see it.
-  groups_ = resolve_groups(config_);
-  const bool implicit = config_.groups.empty();
-  const std::string opt_prefix = "optimizer." + std::string(shape_.name) + ".";
-  const bool betas = has_betas(config_.optimizer);
+  const std::vector<ParamGroup> groups = resolve_groups(config);
+  const bool implicit = config.groups.empty();
+  const std::string opt_prefix = "optimizer." + std::string(optimizer_name(config.optimizer)) + ".";
+  const bool betas = has_betas(config.optimizer);
   std::unordered_set<std::string_view> group_names;
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].name.empty())
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].name.empty())
       throw Error(Errc::invalid_argument, indexed("groups", g, "name"), "must not be empty");
-    if (!group_names.insert(groups_[g].name).second)
+    if (!group_names.insert(groups[g].name).second)
       throw Error(Errc::invalid_argument, indexed("groups", g, "name"),
-                  "'" + groups_[g].name + "' names two groups");
+                  "'" + groups[g].name + "' names two groups");
     with_group_names(implicit ? opt_prefix : indexed("groups", g, ""), opt_prefix, betas,
-                     [&] { validate_config(group_config(g)); });
+                     [&] { validate_config(group_config(config.optimizer, groups[g])); });
   }
 
   // The parameters: unique names (checkpoints key by them), groups, destinations.
   std::unordered_set<std::string_view> names;
   std::vector<Range> destinations;
   for (std::size_t i = 0; i < n; ++i) {
-    const ParamSpec& p = config_.params[i];
+    const ParamSpec& p = config.params[i];
     if (!names.insert(p.name).second)
       throw Error(Errc::invalid_argument, indexed("params", i, "name"),
                   "'" + p.name + "' names two parameters (checkpoints key state by name)");
-    if (p.group >= groups_.size())
+    if (p.group >= groups.size())
       throw Error(Errc::out_of_range, indexed("params", i, "group"),
                   std::to_string(p.group) + " >= the number of groups (" +
-                      std::to_string(groups_.size()) + ")");
+                      std::to_string(groups.size()) + ")");
     const TensorView& d = p.compute_into;
     if (d.data == nullptr && d.numel == 0) continue;
     const std::string arg = indexed("params", i, "compute_into");
@@ -161,7 +156,22 @@ ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
     destinations.push_back({begin, begin + d.bytes(), true, Arg{"params", i, "compute_into"}});
   }
   check_overlaps(destinations);
-  (void)ring_geometry(config_);  // every mode refuses a bad ring; full offload uses it
+  (void)ring_geometry(config);  // every mode refuses a bad ring; full offload uses it
+}
+
+}  // namespace detail
+
+// ManagerImpl (manager_impl.hpp) is declared in stepcore, where its members are defined.
+using detail::CallPhase;
+
+ManagerImpl::ManagerImpl(ManagerConfig config) : config_(std::move(config)) {
+  using namespace detail;
+  validate_manager_config(config_);
+  const std::size_t n = config_.params.size();
+  shape_ = optimizer_shape(config_.optimizer);
+  for (std::string_view slot : shape_.slot_names)
+    initial_.push_back(detail::initial_slot_value(config_.optimizer, slot));
+  groups_ = resolve_groups(config_);
 
   chunk_of_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {

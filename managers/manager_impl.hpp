@@ -236,6 +236,11 @@ void check_state_values(std::span<const float> values, std::size_t want, const s
 /// one: Errc::non_finite when it is NaN or Inf, else Errc::invalid_argument (negative).
 [[noreturn]] void throw_bad_state_value(const std::string& name, const std::string& where,
                                         std::size_t j, float value);
+/// Throws what a manager's construction refuses in every mode before anything is
+/// allocated (Errc naming the field): the optimizer, chunk_elements, the speculation
+/// fields, the groups, the parameters' names, groups and compute destinations, the ring.
+/// ManagerImpl's constructor and plan_memory both check a configuration with it.
+void validate_manager_config(const ManagerConfig& config);
 /// Returns true for a step counter a manager can continue from: with a counter an integer
 /// in [0, 2^24] (what an f32 counter holds exactly), without one +0.
 bool valid_step_count(float step, bool counts_steps) noexcept;

@@ -5,11 +5,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
-#include <unordered_set>
 #include <vector>
 
 #include "core/validate.hpp"
 #include "managers/checkpoint_buffers.hpp"
+#include "managers/manager_impl.hpp"
 #include "managers/offload_layout.hpp"
 #include "managers/optimizer.hpp"
 #include "stepcore/comm.hpp"
@@ -96,69 +96,21 @@ void validate(const ManagerConfig& config) {
     if (p.has_compute_weights && !dtype_valid(p.compute_dtype))
       throw Error(Errc::unsupported_dtype, indexed("params", i, "compute_dtype"), "");
   }
-  if (config.optimizer.valueless_by_exception())
-    throw Error(Errc::invalid_argument, "optimizer", "holds no configuration");
-  if (config.chunk_elements == 0) throw Error(Errc::out_of_range, "chunk_elements", "must be > 0");
-  if (config.speculation != Speculation::always && config.speculation != Speculation::never &&
-      config.speculation != Speculation::automatic)
-    throw Error(Errc::invalid_argument, "speculation", "not a Speculation");
-  if (config.speculation_bytes < 0 && config.speculation_bytes != ManagerConfig::kAllChunks)
-    throw Error(Errc::out_of_range, "speculation_bytes",
-                std::to_string(config.speculation_bytes) +
-                    ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
-  if (config.speculation_device_bytes < 0 &&
-      config.speculation_device_bytes != ManagerConfig::kAllChunks)
-    throw Error(Errc::out_of_range, "speculation_device_bytes",
-                std::to_string(config.speculation_device_bytes) +
-                    ": a budget is >= 0 bytes, or ManagerConfig::kAllChunks (-1)");
-  if (config.speculation_device_bytes != 0 && config.mode != OffloadMode::full)
-    throw Error(Errc::invalid_argument, "speculation_device_bytes",
-                "stages compute weights only in mode full");
-  // The groups: names, and each one's configuration (and, on the device, its table).
-  const std::vector<ParamGroup> groups =
-      config.groups.empty() ? std::vector<ParamGroup>{default_group(config.optimizer)}
-                            : config.groups;
-  const std::string opt_prefix = "optimizer." + std::string(optimizer_name(config.optimizer)) + ".";
-  const bool betas = has_betas(config.optimizer);
-  std::unordered_set<std::string_view> names;
-  for (std::size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].name.empty())
-      throw Error(Errc::invalid_argument, indexed("groups", g, "name"), "must not be empty");
-    if (!names.insert(groups[g].name).second)
-      throw Error(Errc::invalid_argument, indexed("groups", g, "name"),
-                  "'" + groups[g].name + "' names two groups");
-    const OptimizerConfig c = group_config(config.optimizer, groups[g]);
-    with_group_names(config.groups.empty() ? opt_prefix : indexed("groups", g, ""), opt_prefix,
-                     betas, [&] {
-                       validate_config(c);
-                       if (config.mode != OffloadMode::full) (void)gpu::make_optimizer_table(c);
-                     });
+  // What every manager's construction refuses, checked by the same function.
+  validate_manager_config(config);
+  // The device modes' bias tables (a beta too close to 1 is refused there).
+  if (config.mode != OffloadMode::full) {
+    const std::vector<ParamGroup> groups =
+        config.groups.empty() ? std::vector<ParamGroup>{default_group(config.optimizer)}
+                              : config.groups;
+    const std::string opt_prefix =
+        "optimizer." + std::string(optimizer_name(config.optimizer)) + ".";
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      with_group_names(config.groups.empty() ? opt_prefix : indexed("groups", g, ""), opt_prefix,
+                       has_betas(config.optimizer), [&] {
+                         (void)gpu::make_optimizer_table(group_config(config.optimizer, groups[g]));
+                       });
   }
-  names.clear();
-  std::vector<Range> destinations;
-  for (std::size_t i = 0; i < config.params.size(); ++i) {
-    const ParamSpec& p = config.params[i];
-    if (!names.insert(p.name).second)
-      throw Error(Errc::invalid_argument, indexed("params", i, "name"),
-                  "'" + p.name + "' names two parameters");
-    if (p.group >= groups.size())
-      throw Error(Errc::out_of_range, indexed("params", i, "group"),
-                  std::to_string(p.group) + " >= the number of groups");
-    const TensorView& d = p.compute_into;
-    if (d.data == nullptr && d.numel == 0) continue;
-    const std::string arg = indexed("params", i, "compute_into");
-    if (!p.has_compute_weights)
-      throw Error(Errc::invalid_argument, arg, "needs has_compute_weights");
-    if (d.dtype != p.compute_dtype) throw Error(Errc::unsupported_dtype, arg, "not compute_dtype");
-    if (d.numel != p.numel) throw Error(Errc::size_mismatch, arg, "not numel elements");
-    if (d.data == nullptr) throw Error(Errc::null_pointer, arg, "no data for numel > 0");
-    const auto begin = reinterpret_cast<std::uintptr_t>(d.data);
-    if (begin % dtype_size(d.dtype) != 0)
-      throw Error(Errc::invalid_argument, arg, "not aligned to its element size");
-    destinations.push_back({begin, begin + d.bytes(), true, Arg{"params", i, "compute_into"}});
-  }
-  check_overlaps(destinations);
-  (void)ring_geometry(config);  // every mode refuses a bad ring
 }
 
 // The rollback budget: kAllChunks is everything.
