@@ -204,7 +204,7 @@ class HostDevice final : public Device {
 
   std::string_view name() const noexcept override { return "host"; }
   std::chrono::milliseconds wait_timeout() const noexcept override { return wait_timeout_; }
-  bool host_readable() const noexcept override { return true; }
+  bool host_accessible() const noexcept override { return true; }
 
   void* allocate(std::size_t bytes) override {
     const std::size_t n = bytes == 0 ? 1 : bytes;

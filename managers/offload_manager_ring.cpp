@@ -162,7 +162,7 @@ void OffloadGradientManager::upload_rounded_range(std::size_t i, std::size_t off
 void OffloadGradientManager::fetch_piece(const Piece& pc, std::size_t slot) {
   const ConstTensorView& g = params_[pc.param].held;
   if (g.numel == 0 || pc.count == 0) return;  // no gradient this step: zero
-  if (dev_.host_readable()) return;           // read in place (widen_fetched)
+  if (dev_.host_accessible()) return;         // read in place (widen_fetched)
   const std::size_t width = dtype_size(g.dtype);
   on_device([&] {
     dev_.copy(Queue::d2h, fetch_ring_.at(slot, pc.at),
@@ -183,7 +183,7 @@ void OffloadGradientManager::widen_fetched(const std::vector<Piece>& b, std::siz
     }
     // The device's memory in place where the CPU may read it (its writes were complete
     // before the piece's arrival), else the fetched copy.
-    const void* src = dev_.host_readable()
+    const void* src = dev_.host_accessible()
                           ? static_cast<const char*>(g.data) + pc.offset * dtype_size(g.dtype)
                           : static_cast<const void*>(fetch_ring_.at(slot, pc.at));
     pairs.push_back(
@@ -228,6 +228,14 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
           bool output = false;
           for (const Piece& pc : batch)
             output = output || (target != Target::spare && params_[pc.param].compute.numel != 0);
+          // On a device the CPU writes in place, the model's compute weights are written
+          // where they are, once backward's use of the old ones is over.
+          const bool direct = output && target == Target::live && dev_.host_accessible();
+          if (direct && !waited) {
+            sync_event(after, {Awaited::chunk_upload, k});
+            waited = true;
+          }
+          output = output && !direct;
           const std::size_t slot = output ? next_upload_slot() : 0;
           t.clear();
           counters.assign(batch.size(), 0.0f);
@@ -247,7 +255,11 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
             }
             o.grad = fetch ? ConstTensorView(f32_view(scratch + pc.at, pc.count))
                            : ConstTensorView(cut(p.acc));
-            if (output && p.compute.numel != 0)
+            if (direct && p.compute.numel != 0)
+              o.compute_param = {
+                  static_cast<char*>(p.compute.data) + pc.offset * dtype_size(p.compute.dtype),
+                  pc.count, p.compute.dtype};
+            else if (output && p.compute.numel != 0)
               o.compute_param = {upload_ring_.at(slot, pc.at), pc.count, p.compute.dtype};
             else if (target == Target::spare && p.compute.numel != 0)  // its rollback space
               o.compute_param = {

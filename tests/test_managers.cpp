@@ -223,13 +223,12 @@ TEST(Managers, LoadCheckpointRecoversAFailedManagerInTheMiddleOfASpeculatedStep)
     o.steps = 1;
     (void)run_stream(*m, *dev, o);
     m->save_checkpoint(path);
-    // The step's first copy after its gradients are in, so that the manager (not this
+    // A copy of the manager's own in the middle of the step, so that the manager (not this
     // driver's own synchronisation of a gradient write) meets the failure: the host
     // device raises a queued failure to whoever synchronises next. Modes none and
-    // optimizer: clip_grad_norm's summary download; full: the first upload after the
-    // decision.
-    device::detail::inject_copy_failure(
-        *dev, mode == OffloadMode::full ? device::Queue::h2d : device::Queue::d2h, 0);
+    // optimizer: clip_grad_norm's summary download; full: the step's first gradient copy
+    // to staging (on the host device a step writes compute weights in place: no upload).
+    device::detail::inject_copy_failure(*dev, device::Queue::d2h, 0);
     o.first_step = 1;
     EXPECT_THROW((void)run_stream(*m, *dev, o), Error);
     EXPECT_THROW(m->synchronize(), Error) << "the manager is failed";

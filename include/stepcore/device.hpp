@@ -98,11 +98,12 @@ class Device {
   /// Set where the device is made (make_cuda_device, make_host_device); default
   /// comm::kDefaultTimeout.
   virtual std::chrono::milliseconds wait_timeout() const noexcept = 0;
-  /// Returns true when the CPU may read this device's memory in place once the work that
-  /// wrote it is complete (the host device: its memory is host memory). The full-offload
-  /// manager then reads the gradients a step holds on the device where they are, instead
-  /// of copying them through its fetch ring. Default false.
-  virtual bool host_readable() const noexcept { return false; }
+  /// Returns true when the CPU may read and write this device's memory in place, ordered
+  /// by waiting for its events on the host (the host device: its memory is host memory).
+  /// The full-offload manager then reads the gradients a step holds on the device and
+  /// writes the step's compute weights where they are, instead of copying them through
+  /// its fetch and upload rings. Default false.
+  virtual bool host_accessible() const noexcept { return false; }
 
   /// Returns `bytes` of device memory (256-byte aligned, zero-filled; synchronous).
   virtual void* allocate(std::size_t bytes) = 0;
