@@ -682,9 +682,8 @@ TEST(OffloadManager, MemoryReportsEveryByteFromTheDocumentedFormulas) {
   load(*m, whole_model());
   const auto& specs = cfg.params;
   const std::size_t state = sum_views(specs, [](const ParamSpec& p) { return p.numel * 4; });
-  const std::size_t grads = sum_views(specs, [](const ParamSpec& p) {
-    return p.numel * dtype_size(p.grad_dtype);
-  });
+  const std::size_t grads =
+      sum_views(specs, [](const ParamSpec& p) { return p.numel * dtype_size(p.grad_dtype); });
   const std::size_t computes = sum_views(specs, [](const ParamSpec& p) {
     return p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
   });
