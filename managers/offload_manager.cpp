@@ -148,7 +148,16 @@ void OffloadGradientManager::allocate_accumulators() {
   SlabViews views;
   for (const ParamSpec& p : cfg.params) views.add(p.numel * sizeof(float));
   const SlabLayout l = views.layout();
-  acc_space_ = numa::HostBuffer(std::max<std::size_t>(l.total_bytes, 1), cfg.numa_node);
+  // Allocated here (a refusal fails nothing), placed by the worker: after construction
+  // only the worker runs the engine (its thread team), and it is idle until this returns.
+  numa::HostBuffer space(std::max<std::size_t>(l.total_bytes, 1), cfg.numa_node);
+  post([this, &l, &space] { place_accumulators(l, std::move(space)); }, main);
+  drain(main);
+}
+
+void OffloadGradientManager::place_accumulators(const SlabLayout& l, numa::HostBuffer space) {
+  const ManagerConfig& cfg = config();
+  acc_space_ = std::move(space);
   acc_bytes_ = 0;  // what the ledger counts: each view's aligned bytes
   for (const ParamSpec& p : cfg.params) acc_bytes_ += aligned_bytes(p.numel * sizeof(float));
   for (std::size_t i = 0; i < cfg.params.size(); ++i) {

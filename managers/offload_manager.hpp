@@ -123,8 +123,10 @@ class OffloadGradientManager final : public ManagerImpl {
 
   // Carves the slabs into the per-parameter views and places the state pages.
   void carve(const SlabLayout& dl, const SlabLayout& sl);
-  // Allocates the accumulators (the first step that accumulates) and places their pages.
+  // Allocates the accumulators (the first step that accumulates) and has the worker
+  // point the views at them and place their pages (place_accumulators).
   void allocate_accumulators();
+  void place_accumulators(const SlabLayout& layout, numa::HostBuffer space);
 
   // What a bounded wait waits for, named by its timeout error.
   struct Awaited {

@@ -3,6 +3,7 @@
 // synchronisations.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -124,8 +125,9 @@ class ForwardingDevice : public device::Device {
  private:
   std::unique_ptr<device::Device> host_;
   bool streams_;  // false: the host device behind a disguise, given no stream
-  int allocations_ = 0;
-  int synchronizations_ = 0;
+  // Counted from any thread (a manager's worker and the trainer's both synchronise).
+  std::atomic<int> allocations_{0};
+  std::atomic<int> synchronizations_{0};
 };
 
 }  // namespace test_support
