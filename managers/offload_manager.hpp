@@ -12,7 +12,8 @@
 // (ManagerConfig::ring_slots × ring_slot_elements each): nothing else grows with the
 // model. A step of one micro-batch while no accumulator exists holds its gradients on the
 // device: each arrives through the staging ring for the norm's partial and is read again
-// through the fetch ring by the step (a "holding" step), so its buffer is released by
+// by the step (a "holding" step; through the fetch ring, or in place where the device
+// is host_accessible(), as are the compute weights the step writes), so its buffer is released by
 // step(), not at arrival.
 //
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and

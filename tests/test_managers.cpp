@@ -186,6 +186,12 @@ TEST(Managers, NonFiniteGradientsSkipTheStepInEveryMode) {
   }
 }
 
+// Returns the bytes of the file at `path`.
+std::vector<char> read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 // A copy that fails in the middle of an overlapped, speculated and clipped step fails the
 // manager; load_checkpoint of the state saved before that step recovers it (in the
 // middle of the step), and the run continues with the bits of a run that never failed.
@@ -255,10 +261,6 @@ TEST(Managers, ACheckpointSpoiledInItsLastByteLeavesTheStateUntouched) {
   fs::create_directories(dir);
   const std::string good = (dir / "good.stepcore").string();
   const std::string bad = (dir / "bad.stepcore").string();
-  auto read_bytes = [](const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  };
   auto write_bytes = [](const std::string& path, const std::vector<char>& b) {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(b.data(), static_cast<std::streamsize>(b.size()));
@@ -348,10 +350,6 @@ TEST(Managers, ACheckpointChangedBetweenTheLoadsPassesFailsTheManagerUntilALoad)
   const fs::path dir =
       fs::temp_directory_path() / ("stepcore-between-" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  auto read_bytes = [](const std::string& path) {
-    std::ifstream in(path, std::ios::binary);
-    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  };
   // Rewrites the file in place (the same inode: what the load's open file reads).
   auto overwrite = [](const std::string& path, const std::vector<char>& b) {
     std::fstream out(path, std::ios::binary | std::ios::in | std::ios::out);
