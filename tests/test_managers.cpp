@@ -29,6 +29,7 @@
 #include "managers/testing.hpp"
 #include "managers_cases.hpp"
 #include "optimizer_records.hpp"
+#include "sanitized.hpp"
 #include "stepcore/comm.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/device.hpp"
@@ -89,7 +90,9 @@ void expect_state(GradientManager& m, const std::vector<std::vector<float>>& wan
     m.read_parameter(i, a, b, c, {});
     for (int k = 0; k < 3; ++k) {
       const std::vector<float>& got = k == 0 ? a : k == 1 ? b : c;
-      EXPECT_EQ(std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()), 0)
+      ASSERT_EQ(got.size(), want[3 * i + k].size());
+      EXPECT_TRUE(got.empty() ||  // memcmp's pointers must not be null, even for 0 bytes
+                  std::memcmp(got.data(), want[3 * i + k].data(), 4 * got.size()) == 0)
           << "parameter " << i << " array " << k;
     }
     EXPECT_EQ(m.step_count(i), static_cast<float>(i + 3)) << i;
@@ -534,6 +537,10 @@ long long peak_rss_growth(F&& f) {
 // than the bounded buffers (managers/checkpoint_buffers.hpp) and a little slack, not by a
 // fraction of the 128 MB file.
 TEST(Managers, ALargeCheckpointSavesAndLoadsWithinTheBoundedBuffers) {
+#if STEPCORE_TEST_SANITIZED
+  GTEST_SKIP() << "the sanitizers' quarantine keeps freed blocks resident: the resident set "
+                  "measures the allocator, not the buffers";
+#endif
   namespace fs = std::filesystem;
   namespace ckpt = stepcore::detail::checkpoint;
   const fs::path dir = fs::temp_directory_path() / ("stepcore-rss-" + std::to_string(::getpid()));
