@@ -20,6 +20,9 @@
 //
 // Usage: stepcore-bench-speculation [million elements = 100] [steps per case = 3]
 //                                   [host | cuda = host] [staging: on | off]
+//                                   [backward unit in ms = S]
+// The backward unit paces T_b (T_b/S = 1.0 is one unit) at a fixed duration instead of
+// the measured S, so that two builds compare at the same backward duration.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -185,11 +188,12 @@ int main(int argc, char** argv) {
   const int reps = argc > 2 ? std::atoi(argv[2]) : 3;
   const std::string where = argc > 3 ? argv[3] : "host";
   const std::string staged = argc > 4 ? argv[4] : (where == "cuda" ? "on" : "off");
+  const double unit_ms = argc > 5 ? std::atof(argv[5]) : 0.0;
   if (millions == 0 || reps < 1 || (where != "host" && where != "cuda") ||
-      (staged != "on" && staged != "off")) {
+      (staged != "on" && staged != "off") || !(unit_ms >= 0.0)) {
     std::fprintf(stderr,
                  "usage: %s [million elements] [steps per case] [host | cuda] [staging: on | "
-                 "off]\n",
+                 "off] [backward unit ms]\n",
                  argv[0]);
     return 2;
   }
@@ -275,6 +279,8 @@ int main(int argc, char** argv) {
     td.push_back(t.drain);
   }
   const double s = median(ts);
+  const double pace = unit_ms > 0.0 ? unit_ms / 1e3 : s;  // what T_b/S = 1.0 paces
+  if (unit_ms > 0.0) std::printf("backward unit: %.1f ms (S %.1f ms)\n", unit_ms, s * 1e3);
   std::printf(
       "E: from the final finish_backward to report()'s return; rep: report().exposed_seconds; "
       "drain: to clip_grad_norm's return (the worker's queued chunk steps, the norm); decide: "
@@ -291,7 +297,7 @@ int main(int argc, char** argv) {
       std::vector<double> e, rep, drain;
       StepReport last;
       for (int r = 0; r < reps; ++r) {
-        const StepTimes t = run_step(*spec, *dev, model, step++, true, f * s, kind);
+        const StepTimes t = run_step(*spec, *dev, model, step++, true, f * pace, kind);
         e.push_back(t.exposed);
         rep.push_back(t.reported);
         drain.push_back(t.drain);
@@ -321,7 +327,7 @@ int main(int argc, char** argv) {
     std::vector<double> e, rep, drain;
     std::size_t sp = 0, co = 0, rb = 0;
     for (int r = 0; r < kAlternating; ++r) {
-      const StepTimes t = run_step(m, *dev, model, step++, true, kAlternatingTb * s,
+      const StepTimes t = run_step(m, *dev, model, step++, true, kAlternatingTb * pace,
                                    r % 2 == 0 ? Kind::clipped : Kind::unclipped);
       e.push_back(t.exposed);
       rep.push_back(t.reported);

@@ -161,6 +161,10 @@ class OffloadGradientManager final : public ManagerImpl {
   // Returns the pieces of parameters [first, last) (those of `members` when given),
   // packed into batches of one slot each: batch b's pieces have slot == b.
   std::vector<std::vector<Piece>> batches(std::span<const std::size_t> members) const;
+  // A holding step's arrival of parameter i's gradient on a host-accessible device: its
+  // norm partial posted (one task, piece by piece), read in place after backward's writes
+  // and `written`.
+  void hold_in_place(std::size_t i, const ConstTensorView& grad, const device::Event& written);
   // Copies piece `pc` of `grad` (device) into the staging ring and posts its use.
   void stage_piece(std::size_t i, bool first_in_step, const ConstTensorView& grad, const Piece& pc,
                    bool wait_written, const device::Event& written);

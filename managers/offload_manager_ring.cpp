@@ -85,12 +85,47 @@ void OffloadGradientManager::stage_piece(std::size_t i, bool first_in_step,
       main);
 }
 
+void OffloadGradientManager::hold_in_place(std::size_t i, const ConstTensorView& grad,
+                                           const Event& written) {
+  // Backward's writes (the compute queue so far) and the trainer's event come before any
+  // read; the step reads after this task (the main lane runs first). One task for the
+  // whole gradient: a wake-up of the worker per parameter, not per piece.
+  const Event computed = on_device([&] { return dev_.record(Queue::compute); });
+  post(
+      [this, i, grad, computed, written, counted = config().params[i].counts_toward_norm,
+       scale = gradient_scale()] {
+        sync_event(computed, {Awaited::gradient_copy, i});
+        sync_event(written, {Awaited::gradient_copy, i});
+        if (!counted) return;
+        // The norm partial piece by piece (a slot of the scratch each), over the gradient
+        // widened to f32 exactly as an accumulator would hold it.
+        const std::size_t width = dtype_size(grad.dtype);
+        NormPartial& partial = chunk_partial_[chunk_of(i)];
+        for (std::size_t off = 0; off < grad.numel; off += ring_.slot_elements) {
+          const std::size_t n = std::min(ring_.slot_elements, grad.numel - off);
+          const TensorView wide = f32_view(static_cast<float*>(scratch_.data()), n);
+          const AccumulatePair pair{
+              wide, {static_cast<const char*>(grad.data) + off * width, n, grad.dtype}, true};
+          engine_.accumulate({&pair, 1});
+          const ConstTensorView w = wide;
+          merge(partial, engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, NormMode::fast));
+        }
+      },
+      main);
+}
+
 void OffloadGradientManager::do_gradient_ready(std::size_t i, bool first_in_step,
                                                ConstTensorView grad, const Event& written) {
   raise_if_failed();
   Param& p = params_[i];
   if (holding_) p.held = grad;  // read again by the step
   released_[i] = Event{};
+  // A holding step on a device whose memory the CPU reads: the gradient is read where it
+  // is, at arrival for the norm and by the step, never copied.
+  if (holding_ && dev_.host_accessible()) {
+    hold_in_place(i, grad, written);
+    return;
+  }
   bool first_piece = true;
   for (std::size_t off = 0; off < grad.numel;) {
     const std::size_t n = std::min(ring_.slot_elements, grad.numel - off);
