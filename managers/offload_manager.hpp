@@ -177,8 +177,10 @@ class OffloadGradientManager final : public ManagerImpl {
     spare,        // into the spares; compute weights into the pinned rollback space
     spare_staged  // into the spares; compute weights to the device staging
   };
+  // A speculative step (`generation` non-zero) stops at the next batch once that
+  // generation's speculation is cancelled: it wrote only spares, which nothing reads then.
   void run_chunk(std::size_t k, GradientRead read, const GroupConfigs& configs, Target target,
-                 const device::Event& after);
+                 const device::Event& after, std::uint64_t generation = 0);
   // Uploads the rounding of elements [offset, offset + count) of parameter i's master
   // through the upload ring (no wait: between steps).
   void upload_rounded_range(std::size_t i, std::size_t offset, std::size_t count);

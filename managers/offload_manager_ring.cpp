@@ -229,7 +229,7 @@ void OffloadGradientManager::widen_fetched(const std::vector<Piece>& b, std::siz
 
 void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
                                        const GroupConfigs& configs, Target target,
-                                       const Event& after) {
+                                       const Event& after, std::uint64_t generation) {
   const Chunk& c = chunks()[k];
   const bool counts = shape().counts_steps;
   const bool into_spare = target != Target::live;
@@ -254,6 +254,8 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
         std::vector<OptimizerTensor> t;
         std::vector<float> counters;
         for (std::size_t b = 0; b < bs.size(); ++b) {
+          if (generation != 0 && cancelled_.load(std::memory_order_acquire) == generation)
+            return;  // a rollback or skip came: the rest of this speculation is discarded
           const std::vector<Piece>& batch = bs[b];
           if (fetch) {
             widen_fetched(batch, b % ring_.slots);

@@ -127,7 +127,7 @@ void OffloadGradientManager::do_step_chunk(std::size_t chunk) {
     post([this, chunk, scale, gen = generation_, configs = group_configs()] {
       if (cancelled_.load(std::memory_order_acquire) == gen) return;
       run_chunk(chunk, GradientRead{scale, 1.0f}, configs,
-                has_stage_[chunk] ? Target::spare_staged : Target::spare, Event{});
+                has_stage_[chunk] ? Target::spare_staged : Target::spare, Event{}, gen);
     });
 }
 
