@@ -12,9 +12,10 @@
 // (ManagerConfig::ring_slots × ring_slot_elements each): nothing else grows with the
 // model. A step of one micro-batch while no accumulator exists holds its gradients on the
 // device: each arrives through the staging ring for the norm's partial and is read again
-// by the step (a "holding" step; through the fetch ring, or in place where the device
-// is host_accessible(), as are the compute weights the step writes), so its buffer is released by
-// step(), not at arrival.
+// by the step through the fetch ring (a "holding" step), so its buffer is released by
+// step(), not at arrival. Where the device is host_accessible() nothing is copied: the
+// arrival's partial and the step read the gradient in place, and the step writes the
+// compute weights in place.
 //
 // Threads: the caller's thread (the trainer's) runs the hooks, enqueues the copies and
 // the norm collectives; the worker runs tasks from two FIFO lanes: `main` (accumulate,
@@ -161,6 +162,10 @@ class OffloadGradientManager final : public ManagerImpl {
   // Returns the pieces of parameters [first, last) (those of `members` when given),
   // packed into batches of one slot each: batch b's pieces have slot == b.
   std::vector<std::vector<Piece>> batches(std::span<const std::size_t> members) const;
+  // Merges into `partial` the fast norm partial of `src` (at most one slot of elements)
+  // read with `scale`, widened first into the scratch to f32 exactly as an accumulator
+  // would hold it (the read rounds in f32, as the accumulating step's does). Worker only.
+  void add_held_partial(NormPartial& partial, const ConstTensorView& src, float scale);
   // A holding step's arrival of parameter i's gradient on a host-accessible device: its
   // norm partial posted (one task, piece by piece), read in place after backward's writes
   // and `written`.

@@ -72,17 +72,21 @@ void OffloadGradientManager::stage_piece(std::size_t i, bool first_in_step,
           engine_.accumulate({&pair, 1});
           return;
         }
-        // A holding step: the piece's part of the norm, over the gradient widened to f32
-        // exactly as an accumulator would hold it.
-        if (!config().params[pc.param].counts_toward_norm || pc.count == 0) return;
-        const TensorView wide = f32_view(static_cast<float*>(scratch_.data()), pc.count);
-        const AccumulatePair pair{wide, src, true};
-        engine_.accumulate({&pair, 1});
-        const ConstTensorView w = wide;
-        merge(chunk_partial_[chunk_of(pc.param)],
-              engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, NormMode::fast));
+        // A holding step: the piece's part of the norm.
+        if (config().params[pc.param].counts_toward_norm)
+          add_held_partial(chunk_partial_[chunk_of(pc.param)], src, scale);
       },
       main);
+}
+
+void OffloadGradientManager::add_held_partial(NormPartial& partial, const ConstTensorView& src,
+                                              float scale) {
+  if (src.numel == 0) return;
+  const TensorView wide = f32_view(static_cast<float*>(scratch_.data()), src.numel);
+  const AccumulatePair pair{wide, src, true};
+  engine_.accumulate({&pair, 1});
+  const ConstTensorView w = wide;
+  merge(partial, engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, NormMode::fast));
 }
 
 void OffloadGradientManager::hold_in_place(std::size_t i, const ConstTensorView& grad,
@@ -97,19 +101,13 @@ void OffloadGradientManager::hold_in_place(std::size_t i, const ConstTensorView&
         sync_event(computed, {Awaited::gradient_copy, i});
         sync_event(written, {Awaited::gradient_copy, i});
         if (!counted) return;
-        // The norm partial piece by piece (a slot of the scratch each), over the gradient
-        // widened to f32 exactly as an accumulator would hold it.
+        // The norm partial piece by piece (a slot of the scratch each).
         const std::size_t width = dtype_size(grad.dtype);
-        NormPartial& partial = chunk_partial_[chunk_of(i)];
-        for (std::size_t off = 0; off < grad.numel; off += ring_.slot_elements) {
-          const std::size_t n = std::min(ring_.slot_elements, grad.numel - off);
-          const TensorView wide = f32_view(static_cast<float*>(scratch_.data()), n);
-          const AccumulatePair pair{
-              wide, {static_cast<const char*>(grad.data) + off * width, n, grad.dtype}, true};
-          engine_.accumulate({&pair, 1});
-          const ConstTensorView w = wide;
-          merge(partial, engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, NormMode::fast));
-        }
+        for (std::size_t off = 0; off < grad.numel; off += ring_.slot_elements)
+          add_held_partial(chunk_partial_[chunk_of(i)],
+                           {static_cast<const char*>(grad.data) + off * width,
+                            std::min(ring_.slot_elements, grad.numel - off), grad.dtype},
+                           scale);
       },
       main);
 }
@@ -216,8 +214,8 @@ void OffloadGradientManager::widen_fetched(const std::vector<Piece>& b, std::siz
       std::fill(scratch + pc.at, scratch + pc.at + pc.count, 0.0f);
       continue;
     }
-    // The device's memory in place where the CPU may read it (its writes were complete
-    // before the piece's arrival), else the fetched copy.
+    // The device's memory in place where the CPU may read it (the arrival's task waited
+    // for backward's writes and the trainer's event: hold_in_place), else the fetched copy.
     const void* src = dev_.host_accessible()
                           ? static_cast<const char*>(g.data) + pc.offset * dtype_size(g.dtype)
                           : static_cast<const void*>(fetch_ring_.at(slot, pc.at));
