@@ -673,64 +673,83 @@ TEST(Managers, ClipTwiceOrAfterStepIsRefusedAndCloseIsIdempotent) {
 TEST(Managers, GradientReadsFollowTheTrainersEventsWithoutAHostSynchronisation) {
   constexpr std::size_t n = 1000;
   const float scale = 1.0f / 3.0f;
-  std::vector<std::uint16_t> g1(n), g2(n);
+  std::vector<std::uint16_t> g1(n), g2(n), poison(n, f32_to_bf16_bits(1000.0f));
   std::vector<float> init(n);
   for (std::size_t j = 0; j < n; ++j) {
     g1[j] = f32_to_bf16_bits(0.01f * static_cast<float>(j % 17) - 0.07f);
     g2[j] = f32_to_bf16_bits(0.003f * static_cast<float>(j % 23) + 0.01f);
     init[j] = 0.001f * static_cast<float>(j % 29);
   }
-  // The reference: acc = f32(g1) + f32(g2), then AdamW reading it with the step's scale.
-  std::vector<float> acc(n), master = init, m(n, 0.0f), v(n, 0.0f);
-  std::vector<std::uint16_t> compute(n);
-  float step = 0.0f;
-  {
-    const std::vector<AccumulatePair> p1{
-        {f32_view(acc.data(), n), {g1.data(), n, DType::bf16}, true}};
-    reference::accumulate(p1);
-    const std::vector<AccumulatePair> p2{
-        {f32_view(acc.data(), n), {g2.data(), n, DType::bf16}, false}};
-    reference::accumulate(p2);
-    const std::vector<OptimizerTensor> t{test_support::adamw_tensor(
-        f32_view(master.data(), n), f32_view(m.data(), n), f32_view(v.data(), n), &step,
-        ConstTensorView(acc.data(), n, DType::f32), {compute.data(), n, DType::bf16})};
-    reference::adamw_step(t, AdamWConfig{}, GradientRead{scale, 1.0f});
-  }
-  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
-    SCOPED_TRACE(std::string(offload_mode_name(mode)));
-    auto dev = device::make_host_device();
-    ManagerConfig cfg;
-    cfg.mode = mode;
-    cfg.params = {ParamSpec{"w", n, DType::bf16, DType::bf16}};
-    cfg.device = dev.get();
-    cfg.engine.threads = 1;
-    auto mgr = make_gradient_manager(cfg);
-    mgr->load_parameter(0, init);
-    mgr->begin_step(scale, false);
-    for (const std::vector<std::uint16_t>* g : {&g1, &g2}) {
-      mgr->begin_backward(g == &g2);
-      const device::Event gate = device::detail::make_manual_event();
-      dev->wait(device::Queue::h2d, gate);  // the trainer's stream is busy for a while
-      dev->wait(device::Queue::h2d, mgr->gradient_released(0));
-      dev->copy(device::Queue::h2d, mgr->gradient(0).data, g->data(), n * 2);
-      const device::Event written = dev->record(device::Queue::h2d);
-      std::thread opener([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(30));
-        device::detail::complete_manual_event(gate);
-      });
-      mgr->gradient_ready(0, written);
-      mgr->finish_backward();
-      opener.join();
+  // Two micro-batches (accumulated), and one (in full offload a holding step: its norm
+  // partial at arrival and the step read the device buffer again, on the host device in
+  // place), each written by the trainer's queue only once a gate opens.
+  for (const std::size_t micro : {std::size_t{2}, std::size_t{1}}) {
+    const std::vector<const std::vector<std::uint16_t>*> grads =
+        micro == 2 ? std::vector<const std::vector<std::uint16_t>*>{&g1, &g2}
+                   : std::vector<const std::vector<std::uint16_t>*>{&g1};
+    // The reference: acc = f32(g1) (+ f32(g2)), its norm read with the step's scale, then
+    // AdamW reading it with that scale.
+    std::vector<float> acc(n), master = init, m(n, 0.0f), v(n, 0.0f);
+    std::vector<std::uint16_t> compute(n);
+    float step = 0.0f;
+    for (std::size_t k = 0; k < grads.size(); ++k) {
+      const std::vector<AccumulatePair> pair{
+          {f32_view(acc.data(), n), {grads[k]->data(), n, DType::bf16}, k == 0}};
+      reference::accumulate(pair);
     }
-    mgr->step();
-    EXPECT_TRUE(mgr->report().stepped);
-    std::vector<float> got_master(n), got_m(n), got_v(n);
-    std::vector<std::uint8_t> got_compute(n * 2);
-    mgr->read_parameter(0, got_master, got_m, got_v, got_compute);
-    EXPECT_EQ(std::memcmp(got_master.data(), master.data(), n * 4), 0);
-    EXPECT_EQ(std::memcmp(got_v.data(), v.data(), n * 4), 0);
-    EXPECT_EQ(std::memcmp(got_compute.data(), compute.data(), n * 2), 0);
-    mgr->close();
+    const ConstTensorView acc_view(acc.data(), n, DType::f32);
+    const NormResult want_norm =
+        finalize(reference::norm_partial({&acc_view, 1}, GradientRead{scale, 1.0f}));
+    {
+      const std::vector<OptimizerTensor> t{test_support::adamw_tensor(
+          f32_view(master.data(), n), f32_view(m.data(), n), f32_view(v.data(), n), &step, acc_view,
+          {compute.data(), n, DType::bf16})};
+      reference::adamw_step(t, AdamWConfig{}, GradientRead{scale, 1.0f});
+    }
+    for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full}) {
+      SCOPED_TRACE(std::string(offload_mode_name(mode)) + ", " + std::to_string(micro) +
+                   " micro-batch(es)");
+      auto dev = device::make_host_device();
+      ManagerConfig cfg;
+      cfg.mode = mode;
+      cfg.params = {ParamSpec{"w", n, DType::bf16, DType::bf16}};
+      cfg.device = dev.get();
+      cfg.engine.threads = 1;
+      auto mgr = make_gradient_manager(cfg);
+      mgr->load_parameter(0, init);
+      mgr->begin_step(scale, false);
+      for (const std::vector<std::uint16_t>* g : grads) {
+        mgr->begin_backward(g == grads.back());
+        // The buffer first holds other values (a read before the gate opens sees them),
+        // then the trainer's stream is busy for a while before it writes the gradient.
+        dev->wait(device::Queue::h2d, mgr->gradient_released(0));
+        dev->copy(device::Queue::h2d, mgr->gradient(0).data, poison.data(), n * 2);
+        dev->synchronize();
+        const device::Event gate = device::detail::make_manual_event();
+        dev->wait(device::Queue::h2d, gate);
+        dev->copy(device::Queue::h2d, mgr->gradient(0).data, g->data(), n * 2);
+        const device::Event written = dev->record(device::Queue::h2d);
+        std::thread opener([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(30));
+          device::detail::complete_manual_event(gate);
+        });
+        mgr->gradient_ready(0, written);
+        mgr->finish_backward();
+        opener.join();
+      }
+      const float got_norm = mgr->clip_grad_norm(1e30f);
+      mgr->step();
+      EXPECT_TRUE(mgr->report().stepped);
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(got_norm),
+                std::bit_cast<std::uint32_t>(want_norm.norm));
+      std::vector<float> got_master(n), got_m(n), got_v(n);
+      std::vector<std::uint8_t> got_compute(n * 2);
+      mgr->read_parameter(0, got_master, got_m, got_v, got_compute);
+      EXPECT_EQ(std::memcmp(got_master.data(), master.data(), n * 4), 0);
+      EXPECT_EQ(std::memcmp(got_v.data(), v.data(), n * 4), 0);
+      EXPECT_EQ(std::memcmp(got_compute.data(), compute.data(), n * 2), 0);
+      mgr->close();
+    }
   }
 }
 
