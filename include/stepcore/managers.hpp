@@ -192,8 +192,10 @@ struct ManagerConfig {
   std::int64_t speculation_device_bytes = 0;
   /// Full offload: the slots of each pinned ring: the one gradients arrive through (as
   /// backward hands them over), the one compute weights leave through, and the one the
-  /// step reads back gradients held on the device through (a step of one micro-batch, on a
-  /// device that is not Device::host_accessible()).
+  /// step reads back gradients held on the device through (a step of one micro-batch). On a
+  /// Device::host_accessible() device a step of one micro-batch reads its gradients in
+  /// place (neither the staging nor the fetch ring), and a chunk stepped in place writes the
+  /// model's compute weights where they are (not through the upload ring).
   /// Each slot holds ring_slot_elements elements; a larger parameter moves in pieces,
   /// smaller ones share a slot. Backward's copies wait for a free slot when the CPU
   /// falls behind (StepReport::staging_wait_seconds). kDefaultRing: min(4, the slots the
