@@ -59,7 +59,8 @@ void add_facts(const ConstTensorView& t, GradientRead read, std::size_t begin, s
                PNormFacts& f) {
   with_data(t, [&](const auto* data) {
     for (std::size_t i = begin; i < end; ++i) {
-      const std::uint32_t a = f32_bits(read_gradient(data, i, read.scale, read.clip)) & 0x7FFFFFFFu;
+      const std::uint32_t a =
+          f32_bits(read_gradient(data, i, read.scale, read.clip, read.as_f32)) & 0x7FFFFFFFu;
       ++f.count;
       if (a > kInfBits) {
         ++f.nan_count;
@@ -82,7 +83,7 @@ void add_powers(const ConstTensorView& t, GradientRead read, std::size_t begin, 
   with_data(t, [&](const auto* data) {
     std::uint32_t since_normalize = 0;
     for (std::size_t i = begin; i < end; ++i) {
-      const float x = read_gradient(data, i, read.scale, read.clip);
+      const float x = read_gradient(data, i, read.scale, read.clip, read.as_f32);
       const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
       if (a == 0 || a >= kInfBits)
         continue;  // 0^p = 0 (p > 0; p < 0 never sums a zero),

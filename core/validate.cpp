@@ -256,6 +256,14 @@ void validate_read(const GradientRead& read, const char* name) {
   check_clip(read.clip, base + ".clip");
 }
 
+void validate_device_read(const GradientRead& read) {
+  validate_read(read);
+  if (read.as_f32)
+    fail(Errc::invalid_argument, "read.as_f32",
+         "device kernels round the read in the gradient's dtype; an f32-rounded read is "
+         "the CPU engine's and the reference's");
+}
+
 // The Adam family's hyper-parameters (AdamConfig, AdamWConfig): every one finite.
 template <class C>
 void check_adam_finite(const C& c) {

@@ -104,6 +104,9 @@ void validate_norm(std::span<const ConstTensorView> tensors, GradientRead read);
 /// Throws unless read.scale passes check_gradient_scale and read.clip check_clip,
 /// naming "read.scale" / "read.clip".
 void validate_read(const GradientRead& read, const char* name = "read");
+/// validate_read for a device entry point, which reads in the gradient's dtype only:
+/// also Errc::invalid_argument naming "read.as_f32" when it is set.
+void validate_device_read(const GradientRead& read);
 
 // ---- The scalar rules (docs/numerics.md section 9), one function per kind ------------
 // Each throws Errc::non_finite when the value is NaN or +-Inf, then Errc::invalid_argument

@@ -184,13 +184,25 @@ struct Body {
   /// stays a NaN, whose payload the spec leaves open).
   /// Which factors of the read a loop applies, as a template parameter so the
   /// hot loops carry no branch: 0 none, 1 scale, 2 scale and clip.
+  /// `f32`: all lanes set for a read whose products round in f32 (GradientRead::as_f32):
+  /// a select, not a branch or another instantiation (the loops stay memory-bound).
   template <int Mode, class T>
-  static F read_mode(const T* p, F scale, F clip) {
+  static F read_mode(const T* p, F scale, F clip, U f32) {
     F x = load(p);
-    if constexpr (Mode >= 1) x = round_to<T>(Ops::mul(x, scale));
-    if constexpr (Mode >= 2) x = round_to<T>(Ops::mul(x, clip));
+    if constexpr (Mode >= 1) x = round_read<T>(Ops::mul(x, scale), f32);
+    if constexpr (Mode >= 2) x = round_read<T>(Ops::mul(x, clip), f32);
     return x;
   }
+  /// R_T(x), or x (R_f32) in the lanes `f32` sets.
+  template <class T>
+  static F round_read(F x, U f32) {
+    if constexpr (std::is_same_v<T, float>)
+      return x;
+    else
+      return as_f((as_u(x) & f32) | (as_u(round_to<T>(x)) & ~f32));
+  }
+  /// The lane mask of read_mode for a read.
+  static U f32_lanes(const GradientRead& r) { return U(r.as_f32 ? 0xFFFFFFFFu : 0u); }
   static int read_mode_of(const GradientRead& r) {
     if (r.clip != 1.0f) return 2;
     return r.scale != 1.0f ? 1 : 0;
@@ -211,8 +223,9 @@ struct Body {
     }
   }
   template <class T>
-  static float read1(const T* p, float scale, float clip) {
+  static float read1(const T* p, float scale, float clip, bool as_f32) {
     float x = to_f32(*p);
+    if (as_f32) return x * scale * clip;
     x = ::stepcore::round_to<T>(x * scale);
     x = ::stepcore::round_to<T>(x * clip);
     return x;
@@ -241,7 +254,7 @@ struct Body {
     for (; i < end; ++i)
       ::stepcore::detail::unit_element<Opt, V, G, O, St>(
           static_cast<const St*>(r.src[0]), Ss, static_cast<St*>(r.dst[0]), S, grad, out, k,
-          r.tail_begin, r.read.scale, r.read.clip, i);
+          r.tail_begin, r.read.scale, r.read.clip, i, r.read.as_f32);
   }
 
   /// Calls fn(std::integral_constant<int, Mode>{}) for the read mode of unit Opt's range:
@@ -271,6 +284,7 @@ struct Body {
     constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
     constexpr int KA = K > 0 ? K : 1;
     const F scale = splat(r.read.scale), clip = splat(r.read.clip);
+    const U f32 = f32_lanes(r.read);
     const typename Opt::template Consts<Ops> k(r.scalars);
     const St* const Ps = static_cast<const St*>(r.src[0]);
     St* const P = static_cast<St*>(r.dst[0]);
@@ -291,7 +305,7 @@ struct Body {
         F pl[L], sl[KA][L];
         for (std::size_t l = 0; l < L; ++l) {
           const std::size_t j = i + l * N;
-          const F g = read_mode<Mode>(grad + j, scale, clip);
+          const F g = read_mode<Mode>(grad + j, scale, clip, f32);
           F p = load(Ps + j);
           F st[KA];
           for (int s = 0; s < K; ++s) st[s] = load(Ss[s] + j);
@@ -305,7 +319,7 @@ struct Body {
       }
     }
     for (; i + N <= end; i += N) {
-      const F g = read_mode<Mode>(grad + i, scale, clip);
+      const F g = read_mode<Mode>(grad + i, scale, clip, f32);
       F p = load(Ps + i);
       F st[KA];
       for (int s = 0; s < K; ++s) st[s] = load(Ss[s] + i);
@@ -402,7 +416,7 @@ struct Body {
   static void norm_exact(const T* data, const GradientRead& read, std::size_t begin,
                          std::size_t end, NormPartial& out) {
     for (std::size_t i = begin; i < end; ++i) {
-      const float x = read1(data + i, read.scale, read.clip);
+      const float x = read1(data + i, read.scale, read.clip, read.as_f32);
       const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
       if (a > 0x7F800000u) {
         ++out.nan_count;
@@ -456,6 +470,7 @@ struct Body {
     // The 1-norm sums |x|: the sign is cleared before widening (free for the 2-norm).
     auto term_input = [&](F x) { return is_one(O) ? as_f(as_u(x) & abs_mask) : x; };
     const F scale = splat(read.scale), clip = splat(read.clip);
+    const U f32 = f32_lanes(read);
     for (std::size_t b = begin; b < end; b += kNormBlockElements) {
       const std::size_t e = b + kNormBlockElements < end ? b + kNormBlockElements : end;
       // Four independent binary64 chains hide the FMA latency.
@@ -486,8 +501,8 @@ struct Body {
       }
       for (; i + 2 * N <= e; i += 2 * N) {
         __builtin_prefetch(data + i + kPrefetchBytes / sizeof(T));
-        const F x = read_mode<Mode>(data + i, scale, clip);
-        const F y = read_mode<Mode>(data + i + N, scale, clip);
+        const F x = read_mode<Mode>(data + i, scale, clip, f32);
+        const F y = read_mode<Mode>(data + i + N, scale, clip, f32);
         const U ax = as_u(x) & abs_mask, ay = as_u(y) & abs_mask;
         mx = xsimd::max(mx, as_i(ax));
         mx2 = xsimd::max(mx2, as_i(ay));
@@ -500,7 +515,7 @@ struct Body {
         acc3 = add_term<O>(yh, acc3);
       }
       for (; i + N <= e; i += N) {
-        const F x = read_mode<Mode>(data + i, scale, clip);
+        const F x = read_mode<Mode>(data + i, scale, clip, f32);
         const U ax = as_u(x) & abs_mask;
         mx = xsimd::max(mx, as_i(ax));
         D xl, xh;
@@ -516,7 +531,7 @@ struct Body {
         if (static_cast<std::uint32_t>(lanes[l]) > block_max) block_max = lanes[l];
       double tail = 0.0;
       for (; i < e; ++i) {
-        const float x = read1(data + i, read.scale, read.clip);
+        const float x = read1(data + i, read.scale, read.clip, read.as_f32);
         const std::uint32_t a = f32_bits(x) & 0x7FFFFFFFu;
         if (a > block_max) block_max = a;
         const double xd = f32_from_bits(a);  // |x|

@@ -327,7 +327,7 @@ class HostDevice final : public Device {
                     NormPartial* d_partial, void* d_workspace,
                     std::size_t workspace_bytes) override {
     raise_pending();
-    ::stepcore::detail::validate_read(read);
+    ::stepcore::detail::validate_device_read(read);
     const gpu::LaunchPlan plan =
         gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_partial, "d_partial",
                                        d_workspace, workspace_bytes, memory_);
@@ -352,7 +352,7 @@ class HostDevice final : public Device {
                                     const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
                                     void* d_workspace, std::size_t workspace_bytes) override {
     raise_pending();
-    ::stepcore::detail::validate_read(read);
+    ::stepcore::detail::validate_device_read(read);
     if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
     const gpu::LaunchPlan plan =
         gpu::detail::checked_norm_plan(gpu::detail::as_views(d_tensors), d_exact_partial,

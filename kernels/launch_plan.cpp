@@ -320,7 +320,7 @@ NormPartial scale_and_norm_partial(const LaunchPlan& plan, float scale, int thre
 }
 
 NormPartial norm_partial(const LaunchPlan& plan, GradientRead read, int threads) {
-  ::stepcore::detail::validate_read(read);
+  ::stepcore::detail::validate_device_read(read);
   check_threads(threads);
   return run_norm(plan, detail::NormPass{read.scale, read.clip, false}, threads);
 }
@@ -387,7 +387,7 @@ void finalize_and_clip(const NormPartial& partial, float max_norm, NormResult& r
 
 NormPartial exact_norm_partial_if_needed(const LaunchPlan& plan, GradientRead read,
                                          std::int32_t found_inf, int threads) {
-  ::stepcore::detail::validate_read(read);
+  ::stepcore::detail::validate_device_read(read);
   check_threads(threads);
   if (found_inf != kFoundInfNeedsExact) return NormPartial{};
   return run_norm<detail::ExactNormLane>(plan, detail::NormPass{read.scale, read.clip, false},

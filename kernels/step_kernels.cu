@@ -277,7 +277,7 @@ void scale_and_norm_partial(std::span<const TensorView> d_tensors, const float* 
 void norm_partial(std::span<const ConstTensorView> d_tensors, GradientRead read,
                   NormPartial* d_partial, void* d_workspace, std::size_t workspace_bytes,
                   cudaStream_t stream) {
-  ::stepcore::detail::validate_read(read);
+  ::stepcore::detail::validate_device_read(read);
   const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_partial, "d_partial",
                                        d_workspace, workspace_bytes);
   enqueue_norm<detail::NormLane>(plan, detail::NormPass{read.scale, read.clip, false}, nullptr,
@@ -348,7 +348,7 @@ void exact_norm_partial_if_needed(std::span<const ConstTensorView> d_tensors, Gr
                                   const std::int32_t* d_found_inf, NormPartial* d_exact_partial,
                                   void* d_workspace, std::size_t workspace_bytes,
                                   cudaStream_t stream) {
-  ::stepcore::detail::validate_read(read);
+  ::stepcore::detail::validate_device_read(read);
   if (d_found_inf == nullptr) throw Error(Errc::null_pointer, "d_found_inf", "null");
   const LaunchPlan plan = checked_plan(detail::as_views(d_tensors), d_exact_partial,
                                        "d_exact_partial", d_workspace, workspace_bytes);

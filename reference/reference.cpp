@@ -63,11 +63,13 @@ void store(const TensorView& v, std::size_t i, float x) {
   throw Error(Errc::internal, "dtype", "unreachable");
 }
 
-// The gradient read: x = R_T(R_T(f32(g) * scale) * clip).
+// The gradient read: x = R_T(R_T(f32(g) * scale) * clip), T the gradient's dtype, or
+// f32 with r.as_f32.
 float read_gradient(const ConstTensorView& g, std::size_t i, const GradientRead& r) {
+  const DType t = r.as_f32 ? DType::f32 : g.dtype;
   float x = load(g, i);
-  x = round_dtype(x * r.scale, g.dtype);
-  x = round_dtype(x * r.clip, g.dtype);
+  x = round_dtype(x * r.scale, t);
+  x = round_dtype(x * r.clip, t);
   return x;
 }
 

@@ -589,6 +589,15 @@ inline void validation(Device& dev) {
               dev.scale_and_norm_partial(dv, -1.0f, d_partial.as<NormPartial>(), d_ws.as(), ws);
             }),
             Errc::invalid_argument);  // finite but negative (docs/numerics.md section 9)
+  // A device reads in the gradient's dtype: an f32-rounded read is refused, by name.
+  EXPECT_EQ(error_code(
+                [&] {
+                  dev.norm_partial(cv, GradientRead{0.5f, 1.0f, true}, d_partial.as<NormPartial>(),
+                                   d_ws.as(), ws);
+                },
+                &arg),
+            Errc::invalid_argument);
+  EXPECT_EQ(arg, "read.as_f32");
   dev.synchronize();
   EXPECT_EQ(download<NormPartial>(d_partial).nan_count, 12345u) << "nothing was written";
   std::vector<float> back(x.size());

@@ -771,6 +771,45 @@ TYPED_TEST(GradType, ReadEqualsEagerScaleThenClip) {
     }
 }
 
+TYPED_TEST(GradType, AnF32RoundedReadIsTheReadOfTheExactlyWidenedGradient) {
+  // docs/numerics.md 3: as_f32 reads g as an f32 buffer holding f32(g) is read (for f32
+  // gradients the two are one), in the steps and in the norm.
+  constexpr DType gdt = stepcore::dtype_of_v<TypeParam>;
+  std::mt19937_64 rng(250 + static_cast<int>(gdt));
+  const GradientRead reads[] = {{0.37f, 0.83f}, {1.0f / 3000.0f, 1.0f}, {1e-3f, 0.0f}};
+  for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch})
+    for (GradientRead rd : reads) {
+      SCOPED_TRACE(testing::Message() << "formula " << static_cast<int>(f) << " scale " << rd.scale
+                                      << " clip " << rd.clip);
+      const AdamWConfig c = f == AdamWFormula::native ? native_config() : torch_config();
+      std::vector<AdamWBufs> held;
+      for (std::size_t n : boundary_sizes())
+        held.push_back(random_adamw(rng, n, gdt, true, DType::bf16));
+      std::vector<AdamWBufs> widened = held;
+      for (AdamWBufs& b : widened) {
+        Buf w(DType::f32, b.g.size());
+        for (std::size_t i = 0; i < w.size(); ++i) w.f[i] = b.g.get(i);  // exact
+        b.g = w;
+      }
+      // The norm of the same reads, digit for digit.
+      std::vector<ConstTensorView> hv, wv;
+      for (const AdamWBufs& b : held) hv.push_back(b.g.cview());
+      for (const AdamWBufs& b : widened) wv.push_back(b.g.cview());
+      GradientRead as_f32 = rd;
+      as_f32.as_f32 = true;
+      EXPECT_TRUE(same_value(ref::norm_partial(hv, {as_f32.scale, 1.0f, true}),
+                             ref::norm_partial(wv, {as_f32.scale, 1.0f})));
+      adamw(held, c, as_f32);
+      adamw(widened, c, rd);
+      for (std::size_t t = 0; t < held.size(); ++t) {
+        expect_same_bits(held[t].p, widened[t].p, "param");
+        expect_same_bits(held[t].m, widened[t].m, "exp_avg");
+        expect_same_bits(held[t].v, widened[t].v, "exp_avg_sq");
+        EXPECT_EQ(held[t].out.bytes(), widened[t].out.bytes());
+      }
+    }
+}
+
 TYPED_TEST(GradType, SignSgdMatchesPerElementExpectation) {
   constexpr DType gdt = stepcore::dtype_of_v<TypeParam>;
   std::mt19937_64 rng(300 + static_cast<int>(gdt));

@@ -209,10 +209,13 @@ struct UnitConsts : S<typename Ops::F>, C<typename Ops::F> {
 };
 
 /// The gradient read of docs/numerics.md section 3 on one element of storage type G:
-/// R_G(R_G(f32(g) * scale) * clip) (a factor of exactly 1 changes nothing).
+/// R_G(R_G(f32(g) * scale) * clip) (a factor of exactly 1 changes nothing), or with
+/// as_f32 the products rounded in f32 (GradientRead::as_f32).
 template <class G>
-STEPCORE_HD_INLINE float read_gradient(const G* grad, std::uint64_t i, float scale, float clip) {
+STEPCORE_HD_INLINE float read_gradient(const G* grad, std::uint64_t i, float scale, float clip,
+                                       bool as_f32 = false) {
   float g = to_f32(grad[i]);
+  if (as_f32) return g * scale * clip;  // (g * scale) * clip, each product rounded in f32
   g = round_to<G>(g * scale);
   g = round_to<G>(g * clip);
   return g;
@@ -238,8 +241,8 @@ STEPCORE_HD_INLINE void unit_element(const typename NoDeduce<St>::type* Ps,
                                      typename NoDeduce<St>::type* const* S, const G* grad, O* out,
                                      const typename Opt::template Consts<ScalarOps>& k,
                                      std::uint64_t tail_begin, float scale, float clip,
-                                     std::uint64_t i) {
-  const float g = Opt::kReadsScaled ? read_gradient(grad, i, scale, clip) : to_f32(grad[i]);
+                                     std::uint64_t i, bool as_f32 = false) {
+  const float g = Opt::kReadsScaled ? read_gradient(grad, i, scale, clip, as_f32) : to_f32(grad[i]);
   constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
   float p = to_f32(Ps[i]);
   float st[K > 0 ? K : 1];

@@ -285,9 +285,14 @@ std::span<const OptimizerInfo> optimizer_table() noexcept;
 ///   x = R_T( R_T( f32(g) * scale ) * clip )
 /// i.e. exactly what scaling in place by `scale`, then clipping in place by
 /// `clip`, would have stored. With the defaults the read is exact: x = f32(g).
+/// With as_f32, R_T is R_f32 whatever T: the read of the gradient widened exactly into an
+/// f32 buffer first (an accumulator's), without that buffer. The CPU engine's steps and
+/// norms and the reference take it; the device entry points refuse it
+/// (Errc::invalid_argument naming "read.as_f32"); for f32 gradients it changes nothing.
 struct GradientRead {
-  float scale = 1.0f;  ///< the step's gradient scale (e.g. 1 / loss tokens); finite, > 0
-  float clip = 1.0f;   ///< the clip coefficient; in [0, 1]
+  float scale = 1.0f;   ///< the step's gradient scale (e.g. 1 / loss tokens); finite, > 0
+  float clip = 1.0f;    ///< the clip coefficient; in [0, 1]
+  bool as_f32 = false;  ///< round the products in f32, not in the gradient's dtype
 };
 
 /// The most state arrays an optimizer keeps beside each parameter.

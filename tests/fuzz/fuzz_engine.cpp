@@ -226,6 +226,7 @@ Case decode(fuzz::Input& in) {
   c.device = in.flag();
   c.hyper = in.flag();
   c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
+  c.read.as_f32 = in.flag();  // products rounded in f32 (the device cases reset the read)
   return c;
 }
 
