@@ -246,10 +246,10 @@ int main(int argc, char** argv) {
   // most a full staging ring can hold backward back.
   std::printf(
       "backward held by a full staging ring (no overlap): %.1f ms per step (%.1f MiB of "
-      "rings and scratch, host memory %.2f B/element, peak %.2f)\n",
+      "rings, host memory %.2f B/element, peak %.2f)\n",
       1e3 * median(t_wait),
       static_cast<double>(memory.kind("staging").bytes + memory.kind("upload").bytes +
-                          memory.kind("fetch").bytes + memory.kind("scratch").bytes) /
+                          memory.kind("fetch").bytes) /
           (1 << 20),
       static_cast<double>(memory.host_bytes) / static_cast<double>(total),
       static_cast<double>(memory.host_peak) / static_cast<double>(total));

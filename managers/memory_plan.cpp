@@ -151,7 +151,6 @@ MemoryReport plan_full(const ManagerConfig& config, const MemoryPlanOptions& opt
   plan.add("staging", false, ring_elements * grad_width);
   plan.add("upload", false, ring_elements * compute_width);
   plan.add("fetch", false, ring_elements * grad_width);
-  plan.add("scratch", false, ring.slot_elements * sizeof(float));
   // The rollback space: every chunk's state spares and its compute weights' pinned space.
   plan.add(
       "speculation", false,

@@ -50,7 +50,6 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
   pin_views.add(slot_span * grad_bytes);     // fetch
   const SlabLayout dl = dev_views.layout(), pl = pin_views.layout(), sl = state_views.layout();
   state_ = numa::HostBuffer(std::max<std::size_t>(sl.total_bytes, 1), cfg.numa_node);
-  scratch_ = numa::HostBuffer(ring_.slot_elements * sizeof(float), cfg.numa_node);
   dev_slab_ = dev_.allocate(slab_allocation_bytes(dl));
   try {
     pinned_slab_ = dev_.allocate_host(slab_allocation_bytes(pl), cfg.numa_node);
@@ -80,7 +79,6 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
   book.set("staging", false, slot_span * grad_bytes);
   book.set("upload", false, slot_span * compute_bytes);
   book.set("fetch", false, slot_span * grad_bytes);
-  book.set("scratch", false, ring_.slot_elements * sizeof(float));
   book.set("speculation", false, 0);
   book.set("gradient", true, 0);
   book.set("compute", true, 0);
@@ -293,7 +291,6 @@ std::exception_ptr OffloadGradientManager::do_close() noexcept {
   pinned_slab_ = dev_slab_ = stage_space_ = out_space_ = nullptr;
   state_ = numa::HostBuffer{};
   acc_space_ = numa::HostBuffer{};
-  scratch_ = numa::HostBuffer{};
   spare_space_ = numa::HostBuffer{};
   const std::lock_guard lock(err_mu_);
   return error_;

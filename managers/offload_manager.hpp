@@ -159,16 +159,20 @@ class OffloadGradientManager final : public ManagerImpl {
   struct Cursor {
     std::size_t slot = 0, used = 0;
   };
-  // Returns the pieces of parameters [first, last) (those of `members` when given),
-  // packed into batches of one slot each: batch b's pieces have slot == b.
-  std::vector<std::vector<Piece>> batches(std::span<const std::size_t> members) const;
-  // Merges into `partial` the fast norm partial of `src` (at most one slot of elements)
-  // read with `scale`, widened first into the scratch to f32 exactly as an accumulator
-  // would hold it (the read rounds in f32, as the accumulating step's does). Worker only.
+  // Returns the pieces of `members`, packed into batches of one slot each (batch b's
+  // pieces have slot == b), a slot of batch_elements elements when non-zero (a batch that
+  // goes through no ring) instead of the ring's.
+  std::vector<std::vector<Piece>> batches(std::span<const std::size_t> members,
+                                          std::size_t batch_elements = 0) const;
+  // Merges into `partial` the fast norm partial of the held gradient `src` read with
+  // `scale` (held_read: as an accumulator holding it would be read). Worker only.
   void add_held_partial(NormPartial& partial, const ConstTensorView& src, float scale);
+  // The read of a held gradient: its products rounded in f32, as the read of its exact
+  // widening into an accumulator (an accumulating step's) rounds them.
+  static GradientRead held_read(float scale, float clip);
   // A holding step's arrival of parameter i's gradient on a host-accessible device: its
-  // norm partial posted (one task, piece by piece), read in place after backward's writes
-  // and `written`.
+  // norm partial posted (one task, one engine call), read in place after backward's
+  // writes and `written`.
   void hold_in_place(std::size_t i, const ConstTensorView& grad, const device::Event& written);
   // Copies piece `pc` of `grad` (device) into the staging ring and posts its use.
   void stage_piece(std::size_t i, bool first_in_step, const ConstTensorView& grad, const Piece& pc,
@@ -192,10 +196,12 @@ class OffloadGradientManager final : public ManagerImpl {
   // Returns the next upload slot, once its previous upload is done.
   std::size_t next_upload_slot();
   // Copies piece `pc` of parameter i's held gradient into fetch slot `slot` (recorded in
-  // fetched_[slot]); an empty held gradient is zero (nothing copied).
+  // fetched_[slot]); nothing on a host-accessible device (read in place); an empty held
+  // gradient is zeros written there.
   void fetch_piece(const Piece& pc, std::size_t slot);
-  // Widens the pieces of batch `b` (fetched into fetch slot `slot`) into the scratch.
-  void widen_fetched(const std::vector<Piece>& b, std::size_t slot);
+  // Piece `pc` of its held gradient where the step reads it (once fetched_[slot] is done):
+  // in place, or in fetch slot `slot`.
+  ConstTensorView held_piece(const Piece& pc, std::size_t slot) const;
   // A holding step's norm partial over the counted gradients read again (mode `mode`).
   NormPartial held_norm_partial(NormMode mode, float scale);
   // The step's local norm partial (the decision's) in `mode`.
@@ -259,7 +265,6 @@ class OffloadGradientManager final : public ManagerImpl {
   numa::HostBuffer state_;      // masters and slots
   numa::HostBuffer acc_space_;  // accumulators (empty until a step accumulates)
   std::size_t acc_bytes_ = 0;   // their bytes (aligned views)
-  numa::HostBuffer scratch_;    // one slot of f32: widened gradients (worker)
 
   // The rings: staging (gradients in, the caller's thread fills, the worker empties),
   // upload (compute weights out) and fetch (a holding step's gradients read again).

@@ -1,8 +1,9 @@
 // OffloadGradientManager's rings (managers/offload_manager.hpp): gradients staged piece by
 // piece as backward hands them over, the step run batch by batch (a batch: the pieces one
 // ring slot holds), compute weights uploaded through the upload ring, and a holding
-// step's gradients read again from the device through the fetch ring. A piece is at most
-// one slot of one parameter; every element's result is the same whatever the pieces
+// step's gradients read again from the device through the fetch ring (or in place), each
+// read as its exact f32 widening would be (GradientRead::as_f32): no widening pass. A piece is at
+// most one slot of one parameter; every element's result is the same whatever the pieces
 // (element-wise optimizers; a parameter's step counter advances once per step).
 #include <algorithm>
 #include <chrono>
@@ -31,11 +32,13 @@ TensorView part(const TensorView& v, std::size_t offset, std::size_t count) {
 }  // namespace
 
 std::vector<std::vector<OffloadGradientManager::Piece>> OffloadGradientManager::batches(
-    std::span<const std::size_t> members) const {
+    std::span<const std::size_t> members, std::size_t batch_elements) const {
   std::vector<std::vector<Piece>> out;
   std::size_t slot = 0, used = 0;
+  RingGeometry g = ring_;
+  if (batch_elements != 0) g.slot_elements = batch_elements;
   for (std::size_t i : members)
-    pack_pieces(config(), ring_, i, i + 1, slot, used,
+    pack_pieces(config(), g, i, i + 1, slot, used,
                 [&](std::size_t param, std::size_t offset, std::size_t count, std::size_t s,
                     std::size_t at) {
                   if (out.size() <= s) out.resize(s + 1);
@@ -82,32 +85,21 @@ void OffloadGradientManager::stage_piece(std::size_t i, bool first_in_step,
 void OffloadGradientManager::add_held_partial(NormPartial& partial, const ConstTensorView& src,
                                               float scale) {
   if (src.numel == 0) return;
-  const TensorView wide = f32_view(static_cast<float*>(scratch_.data()), src.numel);
-  const AccumulatePair pair{wide, src, true};
-  engine_.accumulate({&pair, 1});
-  const ConstTensorView w = wide;
-  merge(partial, engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, NormMode::fast));
+  merge(partial, engine_.norm_partial({&src, 1}, held_read(scale, 1.0f), NormMode::fast));
 }
 
 void OffloadGradientManager::hold_in_place(std::size_t i, const ConstTensorView& grad,
                                            const Event& written) {
   // Backward's writes (the compute queue so far) and the trainer's event come before any
-  // read; the step reads after this task (the main lane runs first). One task for the
-  // whole gradient: a wake-up of the worker per parameter, not per piece.
+  // read; the step reads after this task (the main lane runs first). One task and one
+  // engine call for the whole gradient.
   const Event computed = on_device([&] { return dev_.record(Queue::compute); });
   post(
       [this, i, grad, computed, written, counted = config().params[i].counts_toward_norm,
        scale = gradient_scale()] {
         sync_event(computed, {Awaited::gradient_copy, i});
         sync_event(written, {Awaited::gradient_copy, i});
-        if (!counted) return;
-        // The norm partial piece by piece (a slot of the scratch each).
-        const std::size_t width = dtype_size(grad.dtype);
-        for (std::size_t off = 0; off < grad.numel; off += ring_.slot_elements)
-          add_held_partial(chunk_partial_[chunk_of(i)],
-                           {static_cast<const char*>(grad.data) + off * width,
-                            std::min(ring_.slot_elements, grad.numel - off), grad.dtype},
-                           scale);
+        if (counted) add_held_partial(chunk_partial_[chunk_of(i)], grad, scale);
       },
       main);
 }
@@ -194,8 +186,14 @@ void OffloadGradientManager::upload_rounded_range(std::size_t i, std::size_t off
 
 void OffloadGradientManager::fetch_piece(const Piece& pc, std::size_t slot) {
   const ConstTensorView& g = params_[pc.param].held;
-  if (g.numel == 0 || pc.count == 0) return;  // no gradient this step: zero
-  if (dev_.host_accessible()) return;         // read in place (widen_fetched)
+  if (pc.count == 0) return;
+  if (g.numel == 0) {  // no gradient this step: zeros (of the ring's width), CPU-written
+    // after every copy still bound for the slot (a cancelled speculation's prefetch)
+    sync_event(fetched_[slot], {Awaited::gradient_copy, pc.param});
+    std::memset(fetch_ring_.at(slot, pc.at), 0, pc.count * fetch_ring_.elem_bytes);
+    return;
+  }
+  if (dev_.host_accessible()) return;  // read in place (held_piece)
   const std::size_t width = dtype_size(g.dtype);
   on_device([&] {
     dev_.copy(Queue::d2h, fetch_ring_.at(slot, pc.at),
@@ -204,25 +202,23 @@ void OffloadGradientManager::fetch_piece(const Piece& pc, std::size_t slot) {
   });
 }
 
-void OffloadGradientManager::widen_fetched(const std::vector<Piece>& b, std::size_t slot) {
-  if (!b.empty()) sync_event(fetched_[slot], {Awaited::gradient_copy, b.front().param});
-  float* scratch = static_cast<float*>(scratch_.data());
-  std::vector<AccumulatePair> pairs;
-  for (const Piece& pc : b) {
-    const ConstTensorView& g = params_[pc.param].held;
-    if (g.numel == 0) {
-      std::fill(scratch + pc.at, scratch + pc.at + pc.count, 0.0f);
-      continue;
-    }
-    // The device's memory in place where the CPU may read it (the arrival's task waited
-    // for backward's writes and the trainer's event: hold_in_place), else the fetched copy.
-    const void* src = dev_.host_accessible()
-                          ? static_cast<const char*>(g.data) + pc.offset * dtype_size(g.dtype)
-                          : static_cast<const void*>(fetch_ring_.at(slot, pc.at));
-    pairs.push_back(
-        {f32_view(scratch + pc.at, pc.count), ConstTensorView{src, pc.count, g.dtype}, true});
+ConstTensorView OffloadGradientManager::held_piece(const Piece& pc, std::size_t slot) const {
+  const ConstTensorView& g = params_[pc.param].held;
+  // Zeros in the fetch slot (fetch_piece) for a parameter without a gradient this step.
+  if (g.numel == 0) {
+    const DType zeros = fetch_ring_.elem_bytes == 4 ? DType::f32 : DType::bf16;
+    return {fetch_ring_.at(slot, pc.at), pc.count, zeros};
   }
-  engine_.accumulate(pairs);
+  // The device's memory in place where the CPU may read it (the arrival's task waited for
+  // backward's writes and the trainer's event: hold_in_place), else the fetched copy.
+  if (dev_.host_accessible())
+    return {static_cast<const char*>(g.data) + pc.offset * dtype_size(g.dtype), pc.count, g.dtype};
+  return {fetch_ring_.at(slot, pc.at), pc.count, g.dtype};
+}
+
+GradientRead OffloadGradientManager::held_read(float scale, float clip) {
+  // A held 16-bit gradient read as its exact widening into an accumulator would be.
+  return GradientRead{scale, clip, /*as_f32=*/true};
 }
 
 void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
@@ -234,8 +230,18 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
   const bool fetch = holding_;  // the gradients are read again from the device
   // An optimizer that does not read the scale and clip (SignSGD) reads them as 1, so
   // that a zero clip coefficient (max_norm = 0) is not refused.
-  const GradientRead r = shape().reads_scaled ? read : GradientRead{};
-  float* scratch = static_cast<float*>(scratch_.data());
+  // A holding step reads the held 16-bit gradients rounding in f32, as the accumulator
+  // an accumulating step reads would hold them.
+  GradientRead r = shape().reads_scaled ? read : GradientRead{};
+  if (fetch) r.as_f32 = true;
+  // On a device the CPU reads and writes in place, a batch goes through no ring (unless
+  // its compute weights go to device staging): batches of the whole ring's elements, so
+  // fewer engine calls, and a cancelled speculation still stops within one of them.
+  const bool ring_free = dev_.host_accessible() && target != Target::spare_staged;
+  const std::size_t batch_elements = ring_free ? ring_.slots * ring_.slot_elements : 0;
+  // The fetch slots a batch's pieces index (a ring-free batch spans the whole fetch ring:
+  // there it holds only the zeros of parameters without a gradient, fetch_piece).
+  const std::size_t fetch_slots = ring_free ? 1 : ring_.slots;
   bool waited = after.empty();
   // The counters the step starts from (a parameter's pieces in several batches each
   // advance a copy of its counter; the result is written once every batch ran).
@@ -246,7 +252,7 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
   for_each_group(
       config().params, groups().size(), c.first, c.last,
       [&](std::size_t group, std::span<const std::size_t> members) {
-        const std::vector<std::vector<Piece>> bs = batches(members);
+        const std::vector<std::vector<Piece>> bs = batches(members, batch_elements);
         if (fetch && !bs.empty())
           for (const Piece& pc : bs[0]) fetch_piece(pc, 0);
         std::vector<OptimizerTensor> t;
@@ -256,9 +262,10 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
             return;  // a rollback or skip came: the rest of this speculation is discarded
           const std::vector<Piece>& batch = bs[b];
           if (fetch) {
-            widen_fetched(batch, b % ring_.slots);
+            if (!batch.empty())
+              sync_event(fetched_[b % fetch_slots], {Awaited::gradient_copy, batch.front().param});
             if (b + 1 < bs.size())  // the next batch's copies overlap this batch's step
-              for (const Piece& pc : bs[b + 1]) fetch_piece(pc, (b + 1) % ring_.slots);
+              for (const Piece& pc : bs[b + 1]) fetch_piece(pc, (b + 1) % fetch_slots);
           }
           bool output = false;
           for (const Piece& pc : batch)
@@ -288,8 +295,7 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
               counters[j] = start[pc.param - c.first];
               o.step = &counters[j];
             }
-            o.grad = fetch ? ConstTensorView(f32_view(scratch + pc.at, pc.count))
-                           : ConstTensorView(cut(p.acc));
+            o.grad = fetch ? held_piece(pc, b % fetch_slots) : ConstTensorView(cut(p.acc));
             if (direct && p.compute.numel != 0)
               o.compute_param = {
                   static_cast<char*>(p.compute.data) + pc.offset * dtype_size(p.compute.dtype),
@@ -332,15 +338,14 @@ NormPartial OffloadGradientManager::held_norm_partial(NormMode mode, float scale
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (config().params[i].counts_toward_norm && params_[i].held.numel != 0) members.push_back(i);
   NormPartial total{};
-  const float* scratch = static_cast<const float*>(scratch_.data());
   const std::vector<std::vector<Piece>> bs = batches(members);
+  std::vector<ConstTensorView> pieces;
   for (std::size_t b = 0; b < bs.size(); ++b) {
     for (const Piece& pc : bs[b]) fetch_piece(pc, 0);
-    widen_fetched(bs[b], 0);
-    for (const Piece& pc : bs[b]) {
-      const ConstTensorView w = const_view(scratch + pc.at, pc.count);
-      merge(total, engine_.norm_partial({&w, 1}, GradientRead{scale, 1.0f}, mode));
-    }
+    if (!bs[b].empty()) sync_event(fetched_[0], {Awaited::gradient_copy, bs[b].front().param});
+    pieces.clear();
+    for (const Piece& pc : bs[b]) pieces.push_back(held_piece(pc, 0));
+    merge(total, engine_.norm_partial(pieces, held_read(scale, 1.0f), mode));
   }
   return total;
 }

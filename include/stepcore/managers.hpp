@@ -213,7 +213,7 @@ struct ManagerConfig {
 struct MemoryUse {
   /// "master", each state slot by its name ("exp_avg", ...), "accumulator", "gradient"
   /// (device gradient buffers), "compute" (device compute weights the manager owns),
-  /// "staging", "upload" and "fetch" (full offload's pinned rings), "scratch",
+  /// "staging", "upload" and "fetch" (full offload's pinned rings),
   /// "speculation" (rollback space), "speculation_device" (staged compute weights),
   /// "streaming" (mode optimizer's device slots), "scalars" (the step's scalars, norm
   /// workspace and flags), "checkpoint" (the buffers of a save or load in progress).

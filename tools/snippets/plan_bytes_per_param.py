@@ -3,7 +3,7 @@ planner (``stepcore.plan_memory``: the figures the managers' memory() reports).
 
 The model is 7,000,000,000 bf16 parameters on one rank (the managers' own gradient and
 compute buffers), steps of two micro-batches (mode full also of one), without overlap; the
-bytes are held in the steady state, divided by the parameter count. The rings, scratch and
+bytes are held in the steady state, divided by the parameter count. The rings and the
 scalars are bounded, so at this size they round away; tools/check-snippets.py compares the
 region with this output (``--fix`` rewrites it).
 """
@@ -29,7 +29,7 @@ def main() -> None:
             plans[mode, micro] = stepcore.plan_memory(COUNT, offload=mode, optimizer=name,
                                                       hyper=hyper, micro_batches=micro)
         slots = [k for k in plans["full", 2]["kinds"] if k not in (
-            "master", "accumulator", "staging", "upload", "fetch", "scratch", "speculation",
+            "master", "accumulator", "staging", "upload", "fetch", "speculation",
             "gradient@device", "compute@device", "speculation_device@device")]
         label = f"`{name}`" + (" " + ", ".join(f"{k}={v}" for k, v in hyper.items())
                                if hyper else "")
