@@ -480,13 +480,23 @@ struct SlotModel {
 template <class Config, class Reference>
 void expect_engine_equals_reference(const Config& config, int slots, Reference reference,
                                     std::uint32_t seed, bool counters = true) {
-  const GradientRead reads[] = {{1.0f, 1.0f}, {1.0f / 3000.0f, 0.37f}, {2.0f, 1.0f}};
-  for (DType pd : {DType::f32, DType::bf16, DType::f16}) {
+  // Step s reads with reads[s % 4]: exact, scale and clip rounded in f32 (as_f32), the
+  // same rounded in the gradient's dtype, and scale alone.
+  const GradientRead reads[] = {
+      {1.0f, 1.0f}, {1.0f / 3000.0f, 0.37f, true}, {1.0f / 3000.0f, 0.37f}, {2.0f, 1.0f}};
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  for (int pi = 0; pi < 3; ++pi) {
+    const DType pd = dtypes[pi];
     const bool f32 = pd == DType::f32;
-    const int steps =
-        f32 ? 3 : testing_support::by_profile(10, 4, "16-bit params: 4 steps, not 10");
-    for (DType gd : {DType::f32, DType::bf16, DType::f16}) {
+    const int steps = f32 ? testing_support::by_profile(4, 3, "f32 params: 3 steps, not 4")
+                          : testing_support::by_profile(10, 4, "16-bit params: 4 steps, not 10");
+    for (int gi = 0; gi < 3; ++gi) {
+      const DType gd = dtypes[gi];
       for (int variant : {0, 1}) {  // f32: output kind 0 or 2 (bf16); 16-bit: in place or not
+        // The quick profile: one variant per dtype pair, each param dtype taking both.
+        if (testing_support::by_profile(false, (pi + gi) % 2 != variant,
+                                        "one variant per dtype pair, alternating"))
+          continue;
         const int o = f32 && variant == 1 ? 2 : 0;
         const bool oop = !f32 && variant == 1;
         SCOPED_TRACE(std::string("param ") + std::string(dtype_name(pd)) + " grad " +
@@ -507,14 +517,14 @@ void expect_engine_equals_reference(const Config& config, int slots, Reference r
           if (step > 0) ref.regrad(seed + 17 * step);
           const auto grads = ref.g;
           const auto rt = ref.tensors();
-          reference(std::span<const OptimizerTensor>(rt), config, reads[step % 3]);
+          reference(std::span<const OptimizerTensor>(rt), config, reads[step % 4]);
           for (std::size_t r = 0; r < runs.size(); ++r) {
             SCOPED_TRACE(std::string(cpu::isa_name(runs[r].first)) + " threads " +
                          std::to_string(runs[r].second) + " step " + std::to_string(step + 1));
             eng[r].g = grads;
             const auto et = eng[r].tensors();
             cpu::Engine(cpu::EngineConfig{runs[r].first, runs[r].second})
-                .step(std::span<const OptimizerTensor>(et), config, reads[step % 3]);
+                .step(std::span<const OptimizerTensor>(et), config, reads[step % 4]);
             ASSERT_TRUE(same_slot_model(ref, eng[r]));
             eng[r].flip();
           }
@@ -1223,9 +1233,11 @@ TEST(CpuEngine, NormMatchesReferenceBits) {
   sizes.push_back(100003);
   std::uint32_t seed = 1;
   for (DType d : {DType::f32, DType::bf16, DType::f16}) {
-    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 4099.0f, 0.61f}}) {
+    for (const GradientRead read : {GradientRead{}, GradientRead{1.0f / 4099.0f, 0.61f},
+                                    GradientRead{1.0f / 4099.0f, 0.61f, true}}) {
       for (float scale : {1e-3f, 1e3f}) {
-        SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale));
+        SCOPED_TRACE(std::string(dtype_name(d)) + " scale " + std::to_string(read.scale) +
+                     (read.as_f32 ? " as_f32" : ""));
         NormData data = norm_data(d, sizes, seed++, scale);
         const NormPartial ref_partial = reference::norm_partial(data.views, read);
         const NormResult ref = finalize(ref_partial);
