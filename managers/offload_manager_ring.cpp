@@ -233,7 +233,7 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
   // A holding step reads the held 16-bit gradients rounding in f32, as the accumulator
   // an accumulating step reads would hold them.
   GradientRead r = shape().reads_scaled ? read : GradientRead{};
-  if (fetch) r.as_f32 = true;
+  if (fetch) r = held_read(r.scale, r.clip);
   // On a device the CPU reads and writes in place, a batch goes through no ring (unless
   // its compute weights go to device staging): batches of the whole ring's elements, so
   // fewer engine calls, and a cancelled speculation still stops within one of them.
