@@ -6,7 +6,13 @@
 // Errors of queued work: the first one is stored and every later copy, zero and wait is
 // skipped (event markers still complete, so nothing waits forever); the next
 // synchronize() or enqueueing call drains the queues and raises it, once, after which
-// the device runs new work again.
+// the device runs new work again. Work that failed or was skipped is never lost without
+// a trace: the first event recorded on its queue after it completes carrying that error,
+// and the first synchronize(event) (or compute wait) of any event carrying it raises it,
+// whoever took the device's stored error first (unless that caller named the same
+// queue: it has been told); a queue told to wait for such an event counts its own next
+// piece of work as lost in the same way. So a failure reaches two callers at most: the
+// device's next caller, and the owner of the lost work.
 #include "device/host_device.hpp"
 
 #include <array>
@@ -53,10 +59,21 @@ namespace {
 
 constexpr std::size_t kAlignment = 256;
 
-// An event of the host device: set once by the queue's marker task (or born complete).
+// An event of the host device: set once by the queue's marker task (or born complete),
+// with the error of lost work before it on its queue, if any.
 class HostEventState final : public Event::State {
  public:
   explicit HostEventState(bool done) : done_(done) {}
+  // The error it completed with, left in place (null while none or incomplete).
+  std::exception_ptr error() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+  // The error it completed with, handed over once.
+  std::exception_ptr take_error() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(error_, nullptr);
+  }
   bool complete() override {
     const std::lock_guard<std::mutex> lock(mu_);
     return done_;
@@ -69,9 +86,10 @@ class HostEventState final : public Event::State {
     std::unique_lock<std::mutex> lock(mu_);
     return cv_.wait_for(lock, timeout, [this] { return done_; });
   }
-  void set() {
+  void set(std::exception_ptr error = nullptr) {
     {
       const std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::move(error);
       done_ = true;
     }
     cv_.notify_all();
@@ -81,7 +99,13 @@ class HostEventState final : public Event::State {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_;
+  std::exception_ptr error_;
 };
+
+// The host event behind `e`, or null (an empty event, or another device's).
+HostEventState* host_state(const Event& e) {
+  return dynamic_cast<HostEventState*>(e.state().get());
+}
 
 // The first error of queued work, shared by the queues; failed() makes them skip work.
 class Failure {
@@ -98,10 +122,28 @@ class Failure {
     failed_.store(false, std::memory_order_release);
     return std::exchange(first_, nullptr);
   }
+  // The stored error, left in place (null while none).
+  std::exception_ptr peek() {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return first_;
+  }
+  // Whether `e`, carried by an event, is to be raised: true the first time an event hands
+  // it over (the stored error, if it is `e`, then counts as raised), false after that.
+  bool raise_through_event(const std::exception_ptr& e) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    if (e == raised_by_event_) return false;
+    raised_by_event_ = e;
+    if (first_ == e) {
+      first_ = nullptr;
+      failed_.store(false, std::memory_order_release);
+    }
+    return true;
+  }
 
  private:
   std::mutex mu_;
   std::exception_ptr first_;
+  std::exception_ptr raised_by_event_;  // the last error an event handed over
   std::atomic<bool> failed_{false};
 };
 
@@ -118,10 +160,12 @@ class Failure {
   }
 }
 
-// One task of a copy queue; markers (skippable == false) run even after a failure.
+// One task of a copy queue: work (a copy or zero), a marker completing an event, or a
+// wait for an event. Markers run even after a failure; work and waits are skipped.
 struct Task {
   std::function<void()> run;
-  bool skippable = true;
+  std::shared_ptr<HostEventState> marks;  // a marker: the event it completes
+  std::shared_ptr<Event::State> awaits;   // a wait: the event the queue waits for
 };
 
 // One in-order copy queue: a worker thread running its FIFO of tasks.
@@ -163,13 +207,7 @@ class Worker {
       tasks_.pop_front();
       busy_ = true;
       lock.unlock();
-      if (!t.skippable || !failure_.failed()) {
-        try {
-          t.run();
-        } catch (...) {
-          failure_.set(std::current_exception());
-        }
-      }
+      run(t);
       t = Task{};  // release captured state outside the lock
       lock.lock();
       busy_ = false;
@@ -177,7 +215,34 @@ class Worker {
     }
   }
 
+  // Runs one task on the worker thread. Invariant: lost_ is the error of the first work
+  // of this queue that failed or was skipped since its last marker; the next marker
+  // carries it and clears it.
+  void run(Task& t) {
+    if (t.marks) {
+      t.marks->set(std::exchange(lost_, nullptr));
+      return;
+    }
+    if (std::exception_ptr first = failure_.peek()) {  // a failure is pending: skip
+      if (!lost_) lost_ = std::move(first);
+      return;
+    }
+    if (t.awaits) {
+      t.awaits->wait();
+      auto* h = dynamic_cast<HostEventState*>(t.awaits.get());
+      if (std::exception_ptr e = h != nullptr ? h->error() : nullptr; e && !lost_) lost_ = e;
+      return;
+    }
+    try {
+      t.run();
+    } catch (...) {
+      if (!lost_) lost_ = std::current_exception();
+      failure_.set(std::current_exception());
+    }
+  }
+
   Failure& failure_;
+  std::exception_ptr lost_;  // worker thread only
   std::mutex mu_;
   std::condition_variable work_cv_, idle_cv_;
   std::deque<Task> tasks_;
@@ -243,7 +308,7 @@ class HostDevice final : public Device {
 
   void copy(Queue q, void* dst, const void* src, std::size_t bytes) override {
     detail::check_queue(q);
-    raise_pending();
+    raise_pending(q);
     detail::check_copy(device_mem_, host_buffers_.ranges(), dst, src, bytes);
     if (bytes == 0) return;
     const bool fail = take_injected(q);
@@ -255,7 +320,7 @@ class HostDevice final : public Device {
 
   void zero(Queue q, void* dst, std::size_t bytes) override {
     detail::check_queue(q);
-    raise_pending();
+    raise_pending(q);
     detail::check_zero(device_mem_, host_buffers_.ranges(), dst, bytes);
     if (bytes == 0) return;
     submit(q, [dst, bytes] { std::memset(dst, 0, bytes); });
@@ -263,10 +328,10 @@ class HostDevice final : public Device {
 
   Event record(Queue q) override {
     detail::check_queue(q);
-    raise_pending();
+    raise_pending(q);
     if (q == Queue::compute) return Event(std::make_shared<HostEventState>(true));
     auto s = std::make_shared<HostEventState>(false);
-    worker(q).push(Task{[s] { s->set(); }, false});
+    worker(q).push(Task{{}, s, {}});
     return Event(std::move(s));
   }
 
@@ -284,17 +349,20 @@ class HostDevice final : public Device {
 
   void wait(Queue q, const Event& e) override {
     detail::check_queue(q);
-    raise_pending();
+    raise_pending(q);
     if (e.empty()) return;
     if (q == Queue::compute) {
       wait_inline(e);  // compute work runs inline: the "stream wait" is a host wait
       return;
     }
-    worker(q).push(Task{[s = e.state()] { s->wait(); }, true});
+    worker(q).push(Task{{}, {}, e.state()});
   }
 
   void synchronize(const Event& e) override {
-    if (!e.empty()) e.state()->wait();
+    if (!e.empty()) {
+      e.state()->wait();
+      raise_event_error(e);
+    }
     raise_pending();
   }
 
@@ -440,17 +508,29 @@ class HostDevice final : public Device {
 
   // Blocks the calling thread until `e` is complete (the inline "stream wait" of compute
   // and wait_on); past wait_timeout_ throws Errc::timeout naming "e".
-  void wait_inline(const Event& e) const {
+  // Raises the error `e` completed with, if any.
+  void wait_inline(const Event& e) {
     if (!e.state()->wait_for(wait_timeout_))
       throw Error(Errc::timeout, "e",
                   "the event did not complete within " + std::to_string(wait_timeout_.count()) +
                       " ms (the wait_timeout of the host device)");
+    raise_event_error(e);
+  }
+
+  // Raises the error complete event `e` carries, unless an event has raised it before
+  // (events kept from a failed phase stay quiet once their owner has been told); the
+  // device's stored error, if it is the same one, counts as raised with it.
+  void raise_event_error(const Event& e) {
+    HostEventState* h = host_state(e);
+    if (h == nullptr) return;
+    if (std::exception_ptr err = h->take_error(); err && failure_.raise_through_event(err))
+      raise_error(err);
   }
 
   // Runs fn inline (compute) or queues it; an inline failure is stored like a queued one.
   void submit(Queue q, std::function<void()> fn) {
     if (q != Queue::compute) {
-      worker(q).push(Task{std::move(fn), true});
+      worker(q).push(Task{std::move(fn), {}, {}});
       return;
     }
     try {
@@ -465,12 +545,18 @@ class HostDevice final : public Device {
     h2d_->drain();
   }
 
-  // Raises the stored error of queued work, after the queues have drained.
-  void raise_pending() {
+  // Raises the stored error of queued work, after the queues have drained. Raised by a
+  // call naming copy queue `q`, it also settles that queue's lost work: the caller, who
+  // orders work on `q`, has been told, and the next event recorded there carries nothing.
+  void raise_pending(Queue q = Queue::compute) {
     if (!failure_.failed()) return;
     drain();
     // Another thread (synchronize(Event) may be called from any) can have taken it.
-    if (std::exception_ptr e = failure_.take()) raise_error(e);
+    if (std::exception_ptr e = failure_.take()) {
+      if (q != Queue::compute)
+        worker(q).push(Task{{}, std::make_shared<HostEventState>(false), {}});
+      raise_error(e);
+    }
   }
 
   bool take_injected(Queue q) {

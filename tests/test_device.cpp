@@ -212,6 +212,72 @@ TEST(HostDevice, InjectedCopyFailureSurfacesAtTheNextCall) {
   dev->synchronize();
 }
 
+// A failure another caller took first (here a device-wide synchronize) still reaches the
+// owner of the lost copy: the first event recorded on its queue after it carries the
+// error, even when recorded after the take, and raises it once; later events are clean.
+TEST(HostDevice, TheEventAfterALostCopyCarriesItsErrorWhoeverTookTheFailure) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> src(256, 7), dst(256, 0);
+  Buffer d(*dev, src.data(), src.size());
+  inject_copy_failure(*dev, Queue::d2h, 0);
+  dev->copy(Queue::d2h, dst.data(), d.as(), 256);  // fails when the queue runs it
+  EXPECT_EQ(error_code([&] { dev->synchronize(); }), Errc::internal) << "another caller";
+  const Event owner = dev->record(Queue::d2h);  // recorded after the take
+  const std::string what = error_message([&] { dev->synchronize(owner); }, Errc::internal);
+  EXPECT_NE(what.find("injected copy failure"), std::string::npos) << what;
+  EXPECT_EQ(dst[0], 0) << "the failed copy wrote nothing";
+  dev->synchronize(owner);  // raised once
+  dev->copy(Queue::d2h, dst.data(), d.as(), 256);
+  dev->synchronize(dev->record(Queue::d2h));  // the queue runs new work, its events clean
+  EXPECT_EQ(dst[0], 7);
+}
+
+// An event carrying a failure makes a queue told to wait for it report the failure at
+// its own next event; once any event has raised the failure, the others stay quiet.
+TEST(HostDevice, AQueueWaitingForAFailedEventReportsTheFailureOnce) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> host(256, 9);
+  Buffer a(*dev, 256), b(*dev, 256);
+  inject_copy_failure(*dev, Queue::h2d, 0);
+  const Gate gate;
+  dev->wait(Queue::h2d, gate.event);
+  dev->copy(Queue::h2d, a.as(), host.data(), 256);  // fails
+  const Event loaded = dev->record(Queue::h2d);
+  gate.open();
+  EXPECT_EQ(error_code([&] { dev->synchronize(); }), Errc::internal) << "another caller";
+  dev->wait(Queue::d2h, loaded);
+  dev->copy(Queue::d2h, host.data(), b.as(), 256);
+  const Event after = dev->record(Queue::d2h);
+  EXPECT_EQ(error_code([&] { dev->synchronize(after); }), Errc::internal)
+      << "work ordered after the lost copy";
+  dev->synchronize(loaded);  // the failure has reached an event's owner: quiet now
+  dev->synchronize();
+}
+
+// A caller told of a failure by a call naming the failed queue settles that queue: its
+// next event is clean (the caller, who orders work there, already knows).
+TEST(HostDevice, ACallOnTheFailedQueueThatRaisesSettlesIt) {
+  auto dev = device::make_host_device();
+  std::vector<std::uint8_t> host(256, 3);
+  Buffer d(*dev, 256);
+  inject_copy_failure(*dev, Queue::d2h, 0);
+  const Gate gate;
+  dev->wait(Queue::d2h, gate.event);
+  dev->copy(Queue::d2h, host.data(), d.as(), 256);  // fails
+  gate.open();
+  // More copies on d2h until one raises the failure (those queued before it are lost
+  // too: they run after the failed copy).
+  for (bool raised = false; !raised; std::this_thread::yield()) {
+    try {
+      dev->copy(Queue::d2h, host.data(), d.as(), 256);
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), Errc::internal);
+      raised = true;
+    }
+  }
+  dev->synchronize(dev->record(Queue::d2h));  // settled: nothing to raise
+}
+
 TEST(HostDevice, InjectedFailureOnTheComputeQueue) {
   auto dev = device::make_host_device();
   Buffer a(*dev, 64), b(*dev, 64);

@@ -232,11 +232,11 @@ TEST(Managers, LoadCheckpointRecoversAFailedManagerInTheMiddleOfASpeculatedStep)
     o.steps = 1;
     (void)run_stream(*m, *dev, o);
     m->save_checkpoint(path);
-    // A copy of the manager's own in the middle of the step, so that the manager (not this
-    // driver's own synchronisation of a gradient write) meets the failure: the host
-    // device raises a queued failure to whoever synchronises next. Modes none and
-    // optimizer: clip_grad_norm's summary download; full: the step's first gradient copy
-    // to staging (on the host device a step writes compute weights in place: no upload).
+    // A copy of the manager's own fails in the middle of the step. The manager meets the
+    // failure through the event it records after the copy even when this driver's own
+    // next call takes the device's stored error first. Modes none and optimizer:
+    // clip_grad_norm's summary download; full: the step's first gradient copy to staging
+    // (on the host device a step writes compute weights in place: no upload).
     device::detail::inject_copy_failure(*dev, device::Queue::d2h, 0);
     o.first_step = 1;
     EXPECT_THROW((void)run_stream(*m, *dev, o), Error);

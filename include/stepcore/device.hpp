@@ -81,7 +81,10 @@ class HostEvent {
 /// What the managers need from a GPU. Every enqueueing call returns at once; errors of
 /// queued work (a failed copy, a kernel error) are raised by the next synchronize() or
 /// the next call on the device, as stepcore::Error (Errc::cuda_error on CUDA,
-/// Errc::internal or the work's own code on the host device). Thread safety:
+/// Errc::internal or the work's own code on the host device), and by synchronize(e) of
+/// an event recorded after the failed work on its queue (on CUDA the error is sticky; on
+/// the host device the first such event raises it even if another caller was told
+/// first, and the device then runs new work again). Thread safety:
 /// synchronize(const Event&) may be called from any thread, concurrently with anything;
 /// every other call must be serialised by the caller (one thread, or a mutex).
 class Device {
