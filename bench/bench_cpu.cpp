@@ -1046,7 +1046,7 @@ std::string variant_label(int v) {
           if (U::variant(back) == v) return;
           label += label.empty() ? "" : "/";
           if constexpr (std::is_same_v<decltype(member), AdamWFormula C::*>)
-            label += c.*member == AdamWFormula::native ? "native" : "torch";
+            label += kAdamWFormulaNames[static_cast<std::size_t>(c.*member)];
           else
             label += f.name;
         },

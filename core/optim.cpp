@@ -13,6 +13,14 @@ namespace detail {
 
 BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step) {
   const double t = static_cast<double>(step);
+  if (c.formula == AdamWFormula::torchao) {
+    // 1 - P(f32(beta), t) in f32: P the C library's binary32 powf, which torchao's
+    // compiled kernel calls (docs/numerics.md 8e).
+    auto f32_bc = [t](double beta) {
+      return static_cast<double>(1.0f - powf(static_cast<float>(beta), static_cast<float>(t)));
+    };
+    return {f32_bc(c.beta1), f32_bc(c.beta2)};
+  }
   // The native formula raises its f32-rounded betas; torch's the Python doubles.
   const bool native = c.formula == AdamWFormula::native;
   const double b1 = native ? static_cast<double>(static_cast<float>(c.beta1)) : c.beta1;

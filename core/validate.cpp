@@ -187,8 +187,37 @@ void check_step_counter(std::size_t i, const float* step, StepCounters counters,
 
 // The names of OptimizerTensor::state[s] in errors about a slot the optimizer lacks.
 constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]", "state[2]"};
+
 constexpr const char* kStateSourceFields[kMaxOptimizerSlots] = {"state_src[0]", "state_src[1]",
                                                                 "state_src[2]"};
+constexpr const char* kQ8Fields[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
+
+bool has_q8(const Q8Slot& q) { return q.codes != nullptr || q.absmax != nullptr; }
+
+// Checks used slot s of tensor i stored in block-wise 8 bits (docs/numerics.md 8f): taken
+// only where `dtypes` says so, in place (no state view, no source), codes and maxima
+// present for a non-empty tensor, the maxima f32-aligned; adds both ranges (written).
+void check_q8_slot(std::size_t i, const OptimizerTensor& t, int s, std::size_t n,
+                   ParamDTypes dtypes, std::vector<Range>& ranges) {
+  const Arg name{"tensors", i, kQ8Fields[s]};
+  if (dtypes != ParamDTypes::model_and_q8)
+    fail(Errc::unsupported_dtype, name,
+         "block-wise 8-bit state is not computed by this entry point (the reference takes it)");
+  if (has_view(t.state[s]))
+    fail(Errc::invalid_argument, Arg{"tensors", i, kStateFields[s]},
+         "must be empty: the slot is stored in 8 bits (q8)");
+  if (has_view(t.state_src[s]))
+    fail(Errc::invalid_argument, Arg{"tensors", i, kStateSourceFields[s]},
+         "must be empty: an 8-bit slot steps in place");
+  if (n == 0) return;
+  if (t.q8[s].codes == nullptr) fail(Errc::invalid_argument, name, "codes must not be null");
+  if (t.q8[s].absmax == nullptr) fail(Errc::invalid_argument, name, "absmax must not be null");
+  if (reinterpret_cast<std::uintptr_t>(t.q8[s].absmax) % alignof(float) != 0)
+    fail(Errc::invalid_argument, name, "absmax must be aligned to 4 bytes");
+  const std::size_t blocks = (n + kQ8BlockSize - 1) / kQ8BlockSize;
+  add_range(ranges, t.q8[s].codes, n, true, name);
+  add_range(ranges, t.q8[s].absmax, blocks * sizeof(float), true, name);
+}
 
 }  // namespace
 
@@ -301,17 +330,19 @@ void check_adam_f32(const C& c) {
 
 void validate_adamw_config(const AdamWConfig& c) {
   check_adam_finite(c);
-  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch)
+  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch &&
+      c.formula != AdamWFormula::torchao)
     fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
   if (c.formula == AdamWFormula::native && c.amsgrad)
-    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula");
-  if (c.formula == AdamWFormula::native && c.maximize)
+    fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula or the torchao one");
+  if (c.formula != AdamWFormula::torch && c.maximize)
     fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
   check_adam_ranges(c);
   if (c.lr * c.weight_decay > 1.0)
     fail(Errc::invalid_argument, "config.weight_decay", "lr * weight_decay must be <= 1");
-  if (c.formula == AdamWFormula::native) {
-    // The native formula rounds the hyper-parameters to f32 first: re-check there.
+  if (c.formula != AdamWFormula::torch) {
+    // The native and torchao formulas round the hyper-parameters to f32 first: re-check
+    // there (torchao's lr * weight_decay is the product of the two f32 values).
     if (static_cast<float>(c.beta1) >= 1.0f)
       fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
     if (static_cast<float>(c.beta2) >= 1.0f)
@@ -332,12 +363,21 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
     // The arrays, then their sources, then the counter.
     const std::size_t n =
         check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges, dtypes);
-    for (int s = 0; s < used_slots; ++s)
-      check_moment(i, t.state[s], n, names.slot[s], ranges, t.param.dtype);
+    for (int s = 0; s < used_slots; ++s) {
+      if (has_q8(t.q8[s]))
+        check_q8_slot(i, t, s, n, dtypes, ranges);
+      else
+        check_moment(i, t.state[s], n, names.slot[s], ranges, t.param.dtype);
+    }
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
     for (int s = 0; s < kMaxOptimizerSlots; ++s) {
       if (s < used_slots) {
-        check_source(i, t.state_src[s], t.state[s], names.source[s], names.slot[s], ranges);
+        if (!has_q8(t.q8[s]))
+          check_source(i, t.state_src[s], t.state[s], names.source[s], names.slot[s], ranges);
+      } else if (has_q8(t.q8[s])) {
+        fail(Errc::invalid_argument, Arg{"tensors", i, kQ8Fields[s]},
+             "this optimizer keeps " + std::to_string(used_slots) + " state arrays: state slot " +
+                 std::to_string(s) + " must be empty");
       } else if (has_view(t.state[s])) {
         fail(Errc::invalid_argument, Arg{"tensors", i, kStateFields[s]},
              "this optimizer keeps " + std::to_string(used_slots) + " state arrays: state slot " +

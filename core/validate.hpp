@@ -19,10 +19,11 @@ namespace stepcore::detail {
 enum class StepCounters : std::uint8_t { read, unread };
 
 /// The parameter dtypes an OptimizerTensor entry point computes: f32 only (the CUDA plans,
-/// devices and managers refuse any other), or the model's (the CPU engine and the
-/// reference: f32, bf16 or f16, every used state slot and source in the param's dtype, no
-/// compute output for a bf16/f16 param; docs/numerics.md 7.3).
-enum class ParamDTypes : std::uint8_t { f32, model };
+/// devices and managers refuse any other), or the model's (the CPU engine: f32, bf16 or
+/// f16, every used state slot and source in the param's dtype, no compute output for a
+/// bf16/f16 param; docs/numerics.md 7.3), or the model's and block-wise 8-bit state slots
+/// (the reference: OptimizerTensor::q8, docs/numerics.md 8f).
+enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8 };
 
 /// Throws unless every argument of an AdamW step is valid (dtypes, sizes, pointers,
 /// overlaps, hyper-parameter ranges, step counters, read scalars): state[0] exp_avg,

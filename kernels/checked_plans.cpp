@@ -15,8 +15,8 @@ using ::stepcore::detail::Arg;  // an argument's name, built only for an error
 namespace {
 
 // The keys list every field of the argument structs: a new field must join its key.
-static_assert(sizeof(OptimizerTensor) ==
-              (4 + 2 * kMaxOptimizerSlots) * sizeof(TensorView) + sizeof(float*));
+static_assert(sizeof(OptimizerTensor) == (4 + 2 * kMaxOptimizerSlots) * sizeof(TensorView) +
+                                             sizeof(float*) + kMaxOptimizerSlots * sizeof(Q8Slot));
 static_assert(sizeof(OptimizerDeviceArgs) == 5 * sizeof(void*));
 
 void add_limits(CallKey& key, const LaunchLimits& lim) {
@@ -186,7 +186,7 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
   // The tensors' validity depends on the configuration only through the slots its
   // variant uses: the variant is in the key, the rest of the configuration is not.
   const int used = Opt::slots(Opt::variant(config));
-  CallKey key(21 * d_tensors.size() + 12);
+  CallKey key(27 * d_tensors.size() + 12);
   key.add(static_cast<std::uint64_t>(d_tensors.size()));
   for (const OptimizerTensor& t : d_tensors) {
     key.add(ConstTensorView(t.param));
@@ -196,6 +196,10 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
     key.add(t.param_src);
     for (const ConstTensorView& v : t.state_src) key.add(v);
     key.add(t.step);
+    for (const Q8Slot& q : t.q8) {  // refused here, so a cached call must not have them
+      key.add(static_cast<const void*>(q.codes));
+      key.add(static_cast<const void*>(q.absmax));
+    }
   }
   key.add(static_cast<std::uint64_t>(Opt::variant(config)));
   for (const void* p : {static_cast<const void*>(d.scale), static_cast<const void*>(d.clip),

@@ -24,9 +24,10 @@ void fields_of(C& c, Fn&& f) {
 }
 
 // AdamW's formulas by name, indexed by their value.
-constexpr std::string_view kFormulaNames[] = {"native", "torch"};
+constexpr const auto& kFormulaNames = kAdamWFormulaNames;
 static_assert(static_cast<int>(AdamWFormula::native) == 0 &&
-              static_cast<int>(AdamWFormula::torch) == 1);
+              static_cast<int>(AdamWFormula::torch) == 1 &&
+              static_cast<int>(AdamWFormula::torchao) == 2);
 
 template <class T>
 double to_double(const T& v) {
@@ -51,7 +52,8 @@ void from_double(T& member, double value, const std::string& argument) {
     if (!(std::floor(value) == value && std::fabs(value) < 2147483648.0)) bad("not an integer");
     member = static_cast<int>(value);
   } else {
-    if (value != 0.0 && value != 1.0) bad("AdamW's formula is 0 (native) or 1 (torch)");
+    if (value != 0.0 && value != 1.0 && value != 2.0)
+      bad("AdamW's formula is 0 (native), 1 (torch) or 2 (torchao)");
     member = static_cast<AdamWFormula>(static_cast<int>(value));
   }
 }
@@ -225,7 +227,7 @@ OptimizerConfig make_optimizer_config(std::string_view name,
       while (k < std::size(detail::kFormulaNames) && detail::kFormulaNames[k] != *text) ++k;
       if (k == std::size(detail::kFormulaNames))
         throw Error(Errc::invalid_argument, argument,
-                    "'" + *text + "': AdamW's formula is 'torch' or 'native'");
+                    "'" + *text + "': AdamW's formula is 'torch', 'native' or 'torchao'");
       value = static_cast<double>(k);
     } else {
       value = std::get<double>(f.value);
@@ -239,7 +241,7 @@ std::vector<OptimizerField> optimizer_fields(const OptimizerConfig& config) {
   std::vector<OptimizerField> out;
   for (const detail::FieldValue& f : detail::config_fields(config)) {
     if (f.name == "formula" && std::holds_alternative<AdamWConfig>(config) &&
-        (f.value == 0.0 || f.value == 1.0))
+        (f.value == 0.0 || f.value == 1.0 || f.value == 2.0))
       out.push_back({std::string(f.name),
                      std::string(detail::kFormulaNames[static_cast<std::size_t>(f.value)])});
     else

@@ -4,14 +4,18 @@
 // are written as std::fma where the spec has them.
 #include "stepcore/reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <variant>
+#include <vector>
 
 #include "core/fp_env.hpp"
 #include "core/norm_p.hpp"
+#include "core/optimizers/adamw.hpp"
 #include "core/optimizers/lion.hpp"
+#include "core/q8_maps.hpp"
 #include "core/step_scalars.hpp"
 #include "core/superaccumulator.hpp"
 #include "core/validate.hpp"
@@ -232,28 +236,187 @@ void adamw_native_steps(std::span<const OptimizerTensor> tensors, const AdamWCon
   }
 }
 
+// docs/numerics.md 8e.1 (torchao's AdamW8bit arithmetic), literally, over validated tensors:
+// state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq with amsgrad; no FMA.
+void adamw_torchao_steps(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
+                         GradientRead read) {
+  // P(b, t): the C library's binary32 powf of the f32 beta.
+  auto power = [](double beta, double t) {
+    return powf(static_cast<float>(beta), static_cast<float>(t));
+  };
+  const float lr = static_cast<float>(config.lr);
+  const float lrwd = lr * static_cast<float>(config.weight_decay);
+  // The lerp weights' branch and coefficient, each from binary64 (w or w - 1).
+  const double w1d = 1.0 - config.beta1, w2d = 1.0 - config.beta2;
+  const bool small1 = std::fabs(w1d) < 0.5, small2 = std::fabs(w2d) < 0.5;
+  const float c1 = static_cast<float>(small1 ? w1d : w1d - 1.0);
+  const float c2 = static_cast<float>(small2 ? w2d : w2d - 1.0);
+  const float eps = static_cast<float>(config.eps);
+  for (const OptimizerTensor& t : tensors) {
+    copy_source(t.param_src, t.param);
+    for (int k = 0; k < (config.amsgrad ? 3 : 2); ++k) copy_source(t.state_src[k], t.state[k]);
+    *t.step = *t.step + 1.0f;
+    const double step = static_cast<double>(*t.step);
+    const float bc1 = 1.0f - power(config.beta1, step);
+    const float bc2s = std::sqrt(1.0f - power(config.beta2, step));
+    const bool out = has_output(t.compute_param);
+    for (std::size_t i = 0; i < t.param.numel; ++i) {
+      const float g = read_gradient(t.grad, i, read);
+      float p = load(t.param, i);
+      float m = load(t.state[0], i);
+      float v = load(t.state[1], i);
+      const float decay = lrwd * p;
+      p = p - decay;
+      // torch's lerp decomposition: coeff * (end - start) + base, base the start for a
+      // small weight, else the end.
+      const float dm = g - m;
+      const float um = c1 * dm;
+      m = small1 ? m + um : g + um;
+      const float g2 = g * g;
+      const float dv = g2 - v;
+      const float uv = c2 * dv;
+      v = small2 ? v + uv : g2 + uv;
+      float r = v;
+      if (config.amsgrad) {
+        float x = load(t.state[2], i);
+        x = (std::isnan(x) || std::isnan(v)) ? std::numeric_limits<float>::quiet_NaN()
+                                             : (x > v ? x : v);
+        store(t.state[2], i, x);
+        r = x;
+      }
+      const float mhat = m / bc1;
+      const float num = lr * mhat;
+      const float root = std::sqrt(r);
+      const float scaled_root = root / bc2s;
+      const float denom = scaled_root + eps;
+      const float update = num / denom;
+      p = p - update;
+      store(t.param, i, p);
+      store(t.state[0], i, m);
+      store(t.state[1], i, v);
+      if (out) store(t.compute_param, i, p);
+    }
+  }
+}
+
+// ---- block-wise 8-bit slots (docs/numerics.md 8f), literally ----------------------------
+
+// The value code c stands for in the signed or the unsigned map.
+float q8_value(bool non_negative, int c) {
+  const std::uint32_t b = non_negative ? detail::kQ8UnsignedBits[c] : detail::kQ8SignedBits[c];
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// N(y): the code whose value is nearest to y in exact arithmetic, a tie to the code of
+// larger magnitude; a NaN gives the zero code; below the least value, the least code.
+std::uint8_t q8_nearest(float y, bool non_negative) {
+  if (std::isnan(y)) return non_negative ? detail::kQ8UnsignedZero : detail::kQ8SignedZero;
+  int lo = -1;  // the last code whose value is <= y (the map ascends)
+  for (int c = 0; c < 256; ++c)
+    if (q8_value(non_negative, c) <= y) lo = c;
+  if (lo < 0) return 0;
+  if (lo == 255) return 255;
+  const float a = q8_value(non_negative, lo), b = q8_value(non_negative, lo + 1);
+  // Both distances are exact in binary64: y lies between two neighbouring values.
+  const double below = static_cast<double>(y) - a, above = static_cast<double>(b) - y;
+  if (below != above) return static_cast<std::uint8_t>(below < above ? lo : lo + 1);
+  return static_cast<std::uint8_t>(std::fabs(a) > std::fabs(b) ? lo : lo + 1);
+}
+
+// torchao's quantizer (8f.1): an eight-step search, then up one code when the rounded
+// residual reaches half the rounded gap.
+std::uint8_t q8_torchao(float y, bool non_negative) {
+  int c = 0;
+  for (int k = 128; k >= 1; k /= 2)
+    if (y >= q8_value(non_negative, c + k)) c += k;
+  const int u = c + 1 < 255 ? c + 1 : 255;
+  const float residual = y - q8_value(non_negative, c);
+  const float gap = q8_value(non_negative, u) - q8_value(non_negative, c);
+  const float half = gap * 0.5f;
+  if (residual >= half) c = u;
+  return static_cast<std::uint8_t>(c);
+}
+
+bool has_q8(const Q8Slot& q) { return q.codes != nullptr || q.absmax != nullptr; }
+
+// Runs `step` over `tensors` with every 8-bit slot dequantized into an f32 array
+// (x = M[c] * absmax, one f32 product each), then requantizes each block of each such
+// slot from its new values: native, a = max|x| (NaN if any is NaN), codes N(x / a);
+// torchao, A = max(a, 1e-12) stored and codes by its search on x / A.
+template <class Step>
+void with_q8_slots(std::span<const OptimizerTensor> tensors, const bool* non_negative, int used,
+                   bool torchao, Step&& step) {
+  std::vector<OptimizerTensor> ts(tensors.begin(), tensors.end());
+  std::vector<std::vector<float>> values;
+  values.reserve(ts.size() * static_cast<std::size_t>(used));
+  for (OptimizerTensor& t : ts)
+    for (int k = 0; k < used; ++k) {
+      if (!has_q8(t.q8[k])) continue;
+      const std::size_t n = t.param.numel;
+      std::vector<float>& x = values.emplace_back(n);
+      for (std::size_t i = 0; i < n; ++i)
+        x[i] = q8_value(non_negative[k], t.q8[k].codes[i]) * t.q8[k].absmax[i / kQ8BlockSize];
+      t.state[k] = TensorView{x.data(), n, DType::f32};
+      t.q8[k] = {};
+    }
+  step(std::span<const OptimizerTensor>(ts));
+  std::size_t next = 0;
+  for (const OptimizerTensor& t : tensors)
+    for (int k = 0; k < used; ++k) {
+      if (!has_q8(t.q8[k])) continue;
+      const std::vector<float>& x = values[next++];
+      for (std::size_t b0 = 0; b0 < x.size(); b0 += kQ8BlockSize) {
+        const std::size_t b1 = std::min(x.size(), b0 + kQ8BlockSize);
+        float a = 0.0f;
+        bool nan = false;
+        for (std::size_t i = b0; i < b1; ++i) {
+          if (std::isnan(x[i])) nan = true;
+          a = std::fabs(x[i]) > a ? std::fabs(x[i]) : a;
+        }
+        if (nan) a = std::numeric_limits<float>::quiet_NaN();
+        if (torchao && !nan) a = a > 1e-12f ? a : 1e-12f;
+        t.q8[k].absmax[b0 / kQ8BlockSize] = a;
+        for (std::size_t i = b0; i < b1; ++i) {
+          const float y = x[i] / a;
+          t.q8[k].codes[i] =
+              torchao ? q8_torchao(y, non_negative[k]) : q8_nearest(y, non_negative[k]);
+        }
+      }
+    }
+}
+
 }  // namespace
 
 void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
                 GradientRead read, const std::int32_t* found_inf) {
   detail::validate_adamw_slots(tensors, config, read, detail::StepCounters::read,
-                               detail::ParamDTypes::model);
+                               detail::ParamDTypes::model_and_q8);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
-  if (config.formula == AdamWFormula::native) {
-    adamw_native_steps(tensors, config, read);  // without amsgrad and maximize (validated)
-    return;
-  }
-  torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/true), read);
+  const bool torchao = config.formula == AdamWFormula::torchao;
+  with_q8_slots(tensors, detail::AdamW::kSlotNonNegative, config.amsgrad ? 3 : 2, torchao,
+                [&](std::span<const OptimizerTensor> ts) {
+                  if (config.formula == AdamWFormula::native)
+                    adamw_native_steps(ts, config, read);  // no amsgrad, maximize (validated)
+                  else if (torchao)
+                    adamw_torchao_steps(ts, config, read);  // without maximize (validated)
+                  else
+                    torch_adam_family_step(ts, torch_adam_hyper(config, /*adamw=*/true), read);
+                });
 }
 
 void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& config,
                GradientRead read, const std::int32_t* found_inf) {
   detail::validate_adam(tensors, config, read, detail::StepCounters::read,
-                        detail::ParamDTypes::model);
+                        detail::ParamDTypes::model_and_q8);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
-  torch_adam_family_step(tensors, torch_adam_hyper(config, /*adamw=*/false), read);
+  with_q8_slots(tensors, detail::AdamW::kSlotNonNegative, config.amsgrad ? 3 : 2, false,
+                [&](std::span<const OptimizerTensor> ts) {
+                  torch_adam_family_step(ts, torch_adam_hyper(config, /*adamw=*/false), read);
+                });
 }
 
 void sign_sgd_step(std::span<const OptimizerTensor> tensors, const SignSgdConfig& config,
@@ -514,6 +677,13 @@ void abs_units(float x, std::uint64_t& mantissa, int& shift) {
   mantissa = exp == 0 ? (a & 0x7FFFFFu) : ((a & 0x7FFFFFu) | 0x800000u);
   const int e = exp == 0 ? -149 : static_cast<int>(exp) - 150;  // |x| = mant * 2^e
   shift = e - kNorm1UnitExponent;                               // |x| / 2^-149 = mant * 2^shift
+}
+
+std::uint8_t q8_nearest(float y, bool non_negative) {
+  return reference::q8_nearest(y, non_negative);
+}
+std::uint8_t q8_torchao(float y, bool non_negative) {
+  return reference::q8_torchao(y, non_negative);
 }
 }  // namespace testing
 

@@ -315,9 +315,11 @@ C parse_config(const GoldenFile& f, const Record& h) {
           } else if constexpr (std::is_same_v<M, int>) {
             c.*member = static_cast<int>(parse_size(value));
           } else if constexpr (std::is_same_v<M, stepcore::AdamWFormula>) {
-            if (value != "torch" && value != "native") f.fail("bad formula '" + value + "'");
-            c.*member =
-                value == "torch" ? stepcore::AdamWFormula::torch : stepcore::AdamWFormula::native;
+            std::size_t k = 0;
+            const auto& names = stepcore::kAdamWFormulaNames;
+            while (k < std::size(names) && names[k] != value) ++k;
+            if (k == std::size(names)) f.fail("bad formula '" + value + "'");
+            c.*member = static_cast<stepcore::AdamWFormula>(k);
           } else {
             static_assert(sizeof(M) == 0, "a field type the golden format cannot write");
           }
@@ -416,13 +418,15 @@ std::vector<GoldenCase> load_optimizer_file(const std::filesystem::path& path) {
   return cases;
 }
 
-// Every case of every optimizer file of this run's set (*_torch.txt, in name order).
+// Every case of every optimizer file of this run's set (*_torch.txt and *_torchao.txt, in
+// name order).
 const std::vector<GoldenCase>& golden_cases() {
   static const std::vector<GoldenCase> cases = [] {
     std::vector<std::filesystem::path> files;
     for (const auto& e : std::filesystem::directory_iterator(set_dir())) {
       const std::string name = e.path().filename().string();
-      if (e.is_regular_file() && name.ends_with("_torch.txt")) files.push_back(e.path());
+      if (e.is_regular_file() && (name.ends_with("_torch.txt") || name.ends_with("_torchao.txt")))
+        files.push_back(e.path());
     }
     std::sort(files.begin(), files.end());
     std::vector<GoldenCase> all;

@@ -392,6 +392,38 @@ TEST(AdamWScalars, NativeAndTorchDifferWhereTheSpecSaysSo) {
   EXPECT_EQ(bits(stepcore::prepare_adamw_scalars(c, 1.0f).decay), bits(1.0f));
 }
 
+// The torchao formula's scalars (docs/numerics.md 8e): f32 hyper-parameters, the lerp
+// coefficients folded in binary64 as torch.compile folds them, and f32 bias corrections
+// from the C library's powf, as torchao's compiled kernel computes them (which is not the
+// f32 of the binary64 power everywhere).
+TEST(AdamWScalars, TorchaoFoldsItsLerpsInBinary64AndTakesPowf) {
+  AdamWConfig c;
+  c.formula = AdamWFormula::torchao;
+  c.lr = 3e-3;
+  c.weight_decay = 0.1;
+  c.beta1 = 0.3;
+  c.beta2 = 0.4;
+  const stepcore::AdamWScalars s = stepcore::prepare_adamw_scalars(c, 1.0f);
+  EXPECT_EQ(bits(s.decay), bits(F(3e-3) * F(0.1)));
+  EXPECT_EQ(bits(s.step_size), bits(F(3e-3)));
+  EXPECT_FALSE(s.lerp_small);
+  EXPECT_FALSE(s.v_small);
+  EXPECT_EQ(bits(s.lerp_coeff), bits(F((1.0 - 0.3) - 1.0)));
+  EXPECT_EQ(bits(s.one_minus_beta2), bits(F((1.0 - 0.4) - 1.0)));
+  EXPECT_NE(bits(s.one_minus_beta2), bits(F(1.0 - 0.4) - 1.0f)) << "folded in f32 instead";
+  EXPECT_EQ(bits(s.bc1), bits(1.0f - F(0.3)));
+  EXPECT_EQ(bits(s.bc2_sqrt), bits(std::sqrt(1.0f - F(0.4))));
+  // Step 2958 of beta2 = 0.999: the C library's powf (at run time: a compiler folds a
+  // constant call exactly) differs from the f32 of the binary64 power.
+  c.beta2 = 0.999;
+  volatile float base = F(0.999), exponent = 2958.0f;
+  const float p_powf = powf(base, exponent);
+  const float p_pow = F(std::pow(D(F(0.999)), 2958.0));
+  ASSERT_NE(bits(p_powf), bits(p_pow)) << "the example that tells the two apart";
+  EXPECT_EQ(bits(stepcore::prepare_adamw_scalars(c, 2958.0f).bc2_sqrt),
+            bits(std::sqrt(1.0f - p_powf)));
+}
+
 // ---- native AdamW ----------------------------------------------------------------------
 
 TEST(AdamWNative, HandWorkedSingleElement) {

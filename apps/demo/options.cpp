@@ -38,7 +38,7 @@ options (--name value or --name=value):
   --max-norm X|none    clip the global norm to X (default 1.0; 0 or none: no clipping)
   --grad-dtype T       dtype of the micro-batch gradients: bf16 (default) or f32
   --optimizer O        adamw (default) or sign_sgd
-  --formula F          AdamW arithmetic: torch (default) or native
+  --formula F          AdamW arithmetic: torch (default), native or torchao
   --torch-build B      the torch kernel the torch formula reproduces: x86 (its AVX2
                        build) or aarch64 (its NEON build); default: this machine's
   --lr X               learning rate (default 3e-4)
@@ -177,12 +177,11 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     else
       throw UsageError("--optimizer: expected adamw or sign_sgd, got '" + value + "'");
   } else if (name == "--formula") {
-    if (value == "native")
-      o.formula = sc::AdamWFormula::native;
-    else if (value == "torch")
-      o.formula = sc::AdamWFormula::torch;
-    else
-      throw UsageError("--formula: expected native or torch, got '" + value + "'");
+    std::size_t k = 0;
+    while (k < std::size(sc::kAdamWFormulaNames) && sc::kAdamWFormulaNames[k] != value) ++k;
+    if (k == std::size(sc::kAdamWFormulaNames))
+      throw UsageError("--formula: expected native, torch or torchao, got '" + value + "'");
+    o.formula = static_cast<sc::AdamWFormula>(k);
   } else if (name == "--torch-build") {
     if (value == "x86")
       o.torch_aarch64 = false;

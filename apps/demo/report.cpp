@@ -164,9 +164,10 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
               o.micro_batches);
   if (o.optimizer == Optimizer::adamw)
     std::printf("adamw (%s formula, betas 0.9/0.999, eps 1e-8), ",
-                o.formula == sc::AdamWFormula::native ? "native"
-                : o.torch_aarch64                     ? "torch (aarch64 build)"
-                                                      : "torch (x86 build)");
+                o.formula != sc::AdamWFormula::torch
+                    ? sc::kAdamWFormulaNames[static_cast<std::size_t>(o.formula)].data()
+                : o.torch_aarch64 ? "torch (aarch64 build)"
+                                  : "torch (x86 build)");
   else
     std::printf("sign_sgd, ");
   std::printf("lr %g, weight decay %g, max_norm ", o.lr, o.weight_decay);

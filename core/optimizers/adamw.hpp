@@ -23,7 +23,8 @@ struct BiasCorrections {
 };
 
 /// Host only: the bias corrections at step t of the formula's betas (the native formula
-/// raises its f32-rounded betas), with the C library's pow in binary64.
+/// raises its f32-rounded betas), with the C library's pow in binary64; torchao's are f32
+/// values (1 - powf of the f32 beta, in f32).
 BiasCorrections adamw_bias_corrections(const AdamWConfig& c, float step);
 
 /// The per-tensor scalars of one AdamW update from the hyper-parameters and the step's
@@ -49,6 +50,24 @@ STEPCORE_HD_INLINE AdamWScalars<float> adamw_scalars(const AdamWConfig& c, doubl
     s.one_minus_beta2 = 1.0f - b2;
     s.step_size = static_cast<float>(static_cast<double>(lr) / bc1);
     s.bc2_sqrt = static_cast<float>(sqrt(bc2));
+    s.eps = static_cast<float>(c.eps);
+  } else if (c.formula == AdamWFormula::torchao) {
+    // torchao's compiled AdamW8bit: f32 hyper-parameters, f32 bias corrections (bc1, bc2
+    // are f32 values here, docs/numerics.md 8e.1).
+    const float lr = static_cast<float>(lr_in);
+    const float wd = static_cast<float>(weight_decay);
+    s.decay = lr * wd;
+    s.apply_decay = true;
+    // torch.compile folds the lerp weight's branch and coefficient in binary64.
+    const double w = 1.0 - c.beta1;
+    s.lerp_small = fabs(w) < 0.5;
+    s.lerp_coeff = static_cast<float>(s.lerp_small ? w : w - 1.0);
+    const double w2 = 1.0 - c.beta2;
+    s.v_small = fabs(w2) < 0.5;
+    s.one_minus_beta2 = static_cast<float>(s.v_small ? w2 : w2 - 1.0);
+    s.step_size = lr;
+    s.bc1 = static_cast<float>(bc1);
+    s.bc2_sqrt = sqrtf(static_cast<float>(bc2));
     s.eps = static_cast<float>(c.eps);
   } else {
     // torch's fused CPU AdamW: Python doubles, rounded to f32 at the last moment.
@@ -114,6 +133,32 @@ STEPCORE_HD_INLINE void torch_adam_update(const AdamWScalars<typename Ops::F>& k
   st[1] = v;
 }
 
+/// torchao's AdamW8bit element (docs/numerics.md 8e.1), each operation rounded, no FMA:
+/// p - (lr*wd)*p; torch's lerp decomposition for m and v (coeff*(end - start) + base);
+/// amsgrad's NaN-propagating maximum; p - (lr*(m/bc1)) / (sqrt(r)/bc2s + eps).
+template <class Ops, bool Amsgrad>
+STEPCORE_HD_INLINE void torchao_adam_update(const AdamWScalars<typename Ops::F>& k,
+                                            typename Ops::F g, typename Ops::F& p,
+                                            typename Ops::F* st) {
+  using F = typename Ops::F;
+  F m = st[0], v = st[1];
+  p = Ops::sub(p, Ops::mul(k.decay, p));
+  m = Ops::add(Ops::mul(k.lerp_coeff, Ops::sub(g, m)), k.lerp_small ? m : g);
+  const F g2 = Ops::mul(g, g);
+  v = Ops::add(Ops::mul(k.one_minus_beta2, Ops::sub(g2, v)), k.v_small ? v : g2);
+  F r = v;
+  if constexpr (Amsgrad) {
+    const F x = st[2];
+    r = Ops::select(Ops::gt(x, v), x, v);  // NaN when either is NaN, else the larger
+    r = Ops::select(Ops::is_nan(x), x, r);
+    st[2] = r;
+  }
+  const F d = Ops::add(Ops::div(Ops::sqrt(r), k.bc2_sqrt), k.eps);
+  p = Ops::sub(p, Ops::div(Ops::mul(k.step_size, Ops::div(m, k.bc1)), d));
+  st[0] = m;
+  st[1] = v;
+}
+
 struct AdamW {
   using Config = AdamWConfig;
   using Scalars = AdamWScalars<float>;
@@ -124,18 +169,21 @@ struct AdamW {
                                                            "max_exp_avg_sq_src"};
   static constexpr bool kSlotNonNegative[kSlots] = {false, true, true};
   static constexpr bool kCountsSteps = true;
-  /// 0: native (no contraction), 1: torch (lerp and v with FMAs), 2: torch with amsgrad.
-  static constexpr int kNative = 0, kTorch = 1, kTorchAmsgrad = 2, kVariants = 3;
+  /// 0: native (no contraction), 1: torch (lerp and v with FMAs), 2: torch with amsgrad,
+  /// 3: torchao (no FMA), 4: torchao with amsgrad.
+  static constexpr int kNative = 0, kTorch = 1, kTorchAmsgrad = 2, kTorchao = 3,
+                       kTorchaoAmsgrad = 4, kVariants = 5;
   static constexpr bool kReadsScaled = true;
 
   /// The state arrays variant V reads and writes: max_exp_avg_sq only with amsgrad.
-  static constexpr int slots(int v) { return v == kTorchAmsgrad ? 3 : 2; }
+  static constexpr int slots(int v) { return v == kTorchAmsgrad || v == kTorchaoAmsgrad ? 3 : 2; }
   /// Host: throws naming the first bad hyper-parameter or read factor.
   static void validate(const Config& c, GradientRead read) {
     validate_adamw_config(c);
     validate_read(read);
   }
   STEPCORE_HD_INLINE static int variant(const Config& c) {
+    if (c.formula == AdamWFormula::torchao) return c.amsgrad ? kTorchaoAmsgrad : kTorchao;
     if (c.formula != AdamWFormula::torch) return kNative;
     return c.amsgrad ? kTorchAmsgrad : kTorch;
   }
@@ -155,6 +203,12 @@ struct AdamW {
         .torch_v_first = true,
         .torch_tail_width = 4},
        0.0f},
+      {{.weight_decay = 0.1, .formula = AdamWFormula::torchao}},
+      {{.beta1 = 0.3,
+        .beta2 = 0.4,
+        .weight_decay = 0.0,
+        .formula = AdamWFormula::torchao,
+        .amsgrad = true}},
   };
   /// The bias corrections bc1 = 1 - beta1^t and bc2 = 1 - beta2^t: pow, which the device
   /// does not round as the host's C library does, so the device reads them from a table.
@@ -198,6 +252,8 @@ struct AdamW {
       p = Ops::sub(p, Ops::div(Ops::mul(k.step_size, m), d));
       st[0] = m;
       st[1] = v;
+    } else if constexpr (V == kTorchao || V == kTorchaoAmsgrad) {
+      torchao_adam_update<Ops, V == kTorchaoAmsgrad>(k, g, p, st);
     } else {
       torch_adam_update<Ops, V == kTorchAmsgrad, Tail>(k, k.minus_one, g, p, st, false, k.decay);
     }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <variant>
 
 #include "stepcore/config.hpp"
@@ -18,7 +19,13 @@ enum class AdamWFormula : std::uint8_t {
   native = 0,
   /// The default: torch.optim.AdamW(fused=True) on CPU with f32 parameters (lerp with FMA).
   torch = 1,
+  /// torchao.optim.AdamW8bit's arithmetic on the CPU (docs/numerics.md 8e.1): no FMA, the
+  /// decay p - (lr*wd)*p first, f32 bias corrections; amsgrad, no maximize.
+  torchao = 2,
 };
+
+/// AdamWFormula's names, indexed by value (the Python and checkpoint spelling).
+inline constexpr std::string_view kAdamWFormulaNames[] = {"native", "torch", "torchao"};
 
 /// The build of torch's fused CPU kernels that the torch formulas follow by default: the
 /// one torch runs on this library's target (docs/numerics.md 7.2, "Per platform"). x86-64:
@@ -45,8 +52,8 @@ struct AdamWConfig {
   AdamWFormula formula = AdamWFormula::torch;
   // amsgrad, maximize and torch_v_first sit in the padding after `formula`, so
   // sizeof(AdamWConfig) is unchanged and no initialisation changes meaning.
-  /// torch formula only: keep max_exp_avg_sq (state slot 2) and divide by its square root
-  /// (docs/numerics.md 8a). Needs an OptimizerTensor with three state slots.
+  /// torch and torchao formulas only: keep max_exp_avg_sq (state slot 2) and divide by its
+  /// square root (docs/numerics.md 8a, 8e.1). Needs an OptimizerTensor with three slots.
   bool amsgrad = false;
   /// torch formula only: step along +gradient (the read gradient is negated first).
   bool maximize = false;
@@ -241,7 +248,7 @@ enum class HyperKind : std::uint8_t {
   real,     ///< double
   flag,     ///< bool (0 or 1 as a number)
   integer,  ///< int
-  formula,  ///< AdamWFormula (its value as a number: 0 native, 1 torch)
+  formula,  ///< AdamWFormula (its value as a number: 0 native, 1 torch, 2 torchao)
 };
 
 /// One hyper-parameter of an optimizer: OptimizerTraits' field, its kind and the Config's
@@ -298,6 +305,18 @@ struct GradientRead {
 /// The most state arrays an optimizer keeps beside each parameter.
 inline constexpr int kMaxOptimizerSlots = 3;
 
+/// Elements per block of a state slot in block-wise 8-bit storage (docs/numerics.md 8f).
+inline constexpr std::size_t kQ8BlockSize = 256;
+
+/// A state slot in block-wise 8-bit storage (docs/numerics.md 8f): one code byte per
+/// element, and one f32 maximum per block of kQ8BlockSize consecutive elements of the
+/// tensor (ceil(numel / kQ8BlockSize) of them; the last block may be shorter). Empty when
+/// both pointers are null.
+struct Q8Slot {
+  std::uint8_t* codes = nullptr;
+  float* absmax = nullptr;
+};
+
 /// One tensor of an optimizer step, for any optimizer: the parameter, the optimizer's
 /// state arrays in its slot order (docs/numerics.md names each optimizer's slots, e.g.
 /// AdamW: exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad; slots the optimizer does
@@ -318,6 +337,10 @@ struct OptimizerTensor {
   ConstTensorView param_src = {};
   /// The old state arrays are read from here (the param's dtype); an empty entry: in place.
   ConstTensorView state_src[kMaxOptimizerSlots] = {};
+  /// A used slot stored in block-wise 8 bits instead (docs/numerics.md 8f; state[k] and
+  /// state_src[k] then empty: in place). The reference takes them; the other entry points
+  /// refuse them (Errc::unsupported_dtype naming tensors[i].q8[k]).
+  Q8Slot q8[kMaxOptimizerSlots] = {};
 };
 
 /// One pair of an accumulate call: acc (f32) = copy ? f32(src) : acc + f32(src).

@@ -24,18 +24,18 @@ namespace stepcore::python {
 
 namespace nb = nanobind;
 
-/// Returns the name of a formula: "torch" or "native".
+/// Returns the name of a formula: "native", "torch" or "torchao" (kAdamWFormulaNames).
 inline const char* formula_name(AdamWFormula f) {
-  return f == AdamWFormula::torch ? "torch" : "native";
+  return kAdamWFormulaNames[static_cast<std::size_t>(f)].data();
 }
 
-/// Returns the formula named "torch" or "native"; else ValueError naming 'formula'.
+/// Returns the formula of that name (kAdamWFormulaNames); else ValueError naming 'formula'.
 inline AdamWFormula parse_formula(const std::string& name) {
-  if (name == "torch") return AdamWFormula::torch;
-  if (name == "native") return AdamWFormula::native;
-  throw nb::value_error(
-      ("stepcore: invalid_argument in 'formula': '" + name + "': expected 'torch' or 'native'")
-          .c_str());
+  for (std::size_t k = 0; k < std::size(kAdamWFormulaNames); ++k)
+    if (kAdamWFormulaNames[k] == name) return static_cast<AdamWFormula>(k);
+  throw nb::value_error(("stepcore: invalid_argument in 'formula': '" + name +
+                         "': expected 'torch', 'native' or 'torchao'")
+                            .c_str());
 }
 
 // ---- an optimizer by name, its hyper-parameters from a dict --------------------------

@@ -57,6 +57,11 @@ nb::dict entry_dict(const OptimizerInfo& info) {
     d["role"] = kRoleNames[static_cast<int>(h.role)];
     d["kind"] = kKindNames[static_cast<int>(h.kind)];
     d["default"] = default_of(h);
+    if (h.kind == HyperKind::formula) {  // the names it takes (kAdamWFormulaNames)
+      nb::list names;
+      for (std::string_view n : kAdamWFormulaNames) names.append(nb::str(n.data(), n.size()));
+      d["choices"] = nb::tuple(names);
+    }
     hyper.append(d);
   }
   nb::list slots;
@@ -90,7 +95,8 @@ void bind_optimizers(nb::module_& m) {
       "optimizer_table): a dict per optimizer with 'name'; 'hyper', its hyper-parameters "
       "[{'name', 'role' ('schedule': each param group's lr and weight_decay; 'betas': each "
       "group's beta1, beta2, eps; 'fixed': the rest of its function; 'machine': which torch "
-      "build to match), 'kind' ('real', 'flag', 'integer', 'formula'), 'default'}]; 'slots', "
+      "build to match), 'kind' ('real', 'flag', 'integer', 'formula'), 'default', and for "
+      "a formula 'choices', the names it takes}]; 'slots', "
       "every state slot it may keep, in its order [{'name', 'initial': the hyper-parameter "
       "whose value the slot starts from, or None for +0, 'non_negative': loaded values below "
       "zero are refused}]; 'counts_steps' (a per-tensor "

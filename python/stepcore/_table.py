@@ -23,6 +23,11 @@ def entry(name, where: str) -> dict:
     return e
 
 
+def choices(e: dict, name: str) -> tuple:
+    """The names formula hyper-parameter `name` of entry `e` takes (the table's 'choices')."""
+    return tuple(hyper(e, name)["choices"])
+
+
 def hyper(e: dict, name: str):
     """Returns the hyper-parameter `name` of entry `e` (its dict), or None."""
     for h in e["hyper"]:

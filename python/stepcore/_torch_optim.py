@@ -67,8 +67,8 @@ class AdamW(Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, formula="torch", threads=0, isa=None):
         """torch.optim.AdamW's arguments (checked by torch), plus stepcore's formula
-        ("torch" or "native", docs/numerics.md 7), threads and isa."""
-        _unsupported("formula", formula, ("torch", "native"))
+        ("torch", "native" or "torchao", docs/numerics.md 7, 8e.1), threads and isa."""
+        _unsupported("formula", formula, _table.choices(_table.entry("adamw", "AdamW"), "formula"))
         defaults = _torch_defaults(
             torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)

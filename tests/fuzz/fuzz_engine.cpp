@@ -107,7 +107,8 @@ void decode_field(fuzz::Input& in, int& v) {
   v = in.flag() ? 8 : static_cast<int>(in.byte() % 20) - 2;
 }
 void decode_field(fuzz::Input& in, AdamWFormula& v) {
-  v = in.flag() ? AdamWFormula::torch : AdamWFormula::native;
+  // native, torch, torchao, or a value no formula has (refused by both).
+  v = static_cast<AdamWFormula>(in.byte() % (std::size(kAdamWFormulaNames) + 1));
 }
 
 // Unit I's configuration: each field of OptimizerTraits<C>::kFields, in its order.

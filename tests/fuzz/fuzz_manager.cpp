@@ -183,7 +183,9 @@ void decode_field(Bits& bits, std::string_view, const Betas&, int& v) {
   if (k != 0) v = widths[k - 1];
 }
 void decode_field(Bits& bits, std::string_view, const Betas&, AdamWFormula& v) {
-  v = bits.take(1) != 0 ? AdamWFormula::native : AdamWFormula::torch;
+  static const AdamWFormula formulas[] = {AdamWFormula::torch, AdamWFormula::native,
+                                          AdamWFormula::torchao, AdamWFormula::torch};
+  v = formulas[bits.take(2)];
 }
 
 // The member of a group that holds hyper-parameter `name` of role betas (beta1, beta2,

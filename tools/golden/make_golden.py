@@ -206,6 +206,24 @@ def same_names(hp):
     return dict(hp)
 
 
+def adamw_make(params, formula="torch", **kw):
+    """AdamW by stepcore's formula: torch's fused kernel, or for "torchao" torchao's
+    AdamW8bit (pinned by tools/setup-python.sh), whose tensors below 4,096 elements keep f32
+    state: the torchao formula's element arithmetic on unquantized state."""
+    if formula == "torchao":
+        from torchao.optim import AdamW8bit
+        assert not kw.pop("maximize"), "torchao's AdamW8bit has no maximize"
+        return AdamW8bit(params, **kw)
+    return torch.optim.AdamW(params, fused=True, **kw)
+
+
+def adamw_names(hp):
+    """adam_names, keeping `formula` (adamw_make picks the implementation by it)."""
+    kw = adam_names(hp)
+    kw["formula"] = hp["formula"]
+    return kw
+
+
 def adam_names(hp):
     """The Adam family's: beta1 and beta2 as torch's betas; `formula` is stepcore's (which
     arithmetic it reproduces: torch's), not torch's."""
@@ -222,7 +240,7 @@ def adam_names(hp):
 # kSlotNames, torch's state keys too: run_case asserts it) and `used(hp)` how many of them
 # the configuration uses (the unit's slots(variant)). Lion has none: torch has no Lion.
 OPTIMIZERS = {
-    "adamw": dict(make=fused(torch.optim.AdamW), args=adam_names,
+    "adamw": dict(make=adamw_make, args=adamw_names,
                   fields=["lr", "beta1", "beta2", "eps", "weight_decay", "formula", "amsgrad",
                           "maximize"],
                   defaults=dict(formula="torch", amsgrad=False, maximize=False),
@@ -560,6 +578,26 @@ def adam_case(name, opt, ams, maxi, sizes, seed, scales, lr, betas, eps, wd, spe
                         amsgrad=ams, maximize=maxi), **extra)
 
 
+def torchao_cases():
+    """torchao's AdamW8bit on tensors below its 4,096-element threshold (f32 state), the
+    torchao formula (docs/numerics.md 8e.1): both lerp forms of m and v, amsgrad, decay."""
+    def hp(lr, b1, b2, eps, wd, amsgrad=False):
+        return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, formula="torchao",
+                    amsgrad=amsgrad)
+    common = dict(opt="adamw", inputs=moments_inputs)
+    return [
+        dict(common, name="torchao_f32_default", gdtype=torch.float32, sizes=SIZES_FULL,
+             seed=701, hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.01),
+             scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
+        dict(common, name="torchao_wd0_beta1_0.3_beta2_0.4_amsgrad", gdtype=torch.float32,
+             sizes=SIZES_SMALL, seed=702, hp=hp(1e-2, 0.3, 0.4, 1e-8, 0.0, amsgrad=True),
+             scales=[1.0, 0.1, 1.0, 5.0, 1.0], specials=True),
+        dict(common, name="torchao_bf16_grads_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL,
+             seed=703, hp=hp(3e-3, 0.5, 0.99, 1e-6, 0.1), scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
+             specials=False),
+    ]
+
+
 def adam_cases():
     d = (0.9, 0.999)
     full, small = SIZES_ADAM_FULL, SIZES_ADAM_SMALL
@@ -680,6 +718,10 @@ FILES = {
     "adam": ("adam_torch.txt",
              ["# torch.optim.Adam / AdamW(fused=True) on CPU with amsgrad and maximize, f32 params",
               "# and gradients."], adam_cases),
+    "torchao": ("adamw_torchao.txt",
+                ["# torchao.optim.AdamW8bit on CPU (torch.compile's kernel) over tensors below its",
+                 "# 4,096-element threshold, so with f32 state: the torchao formula; f32 params."],
+                torchao_cases),
     "sign_sgd": ("sign_sgd_torch.txt",
                  ["# The plain PyTorch SignSGD a trainer writes, f32 params:",
                   "#   if wd > 0: p.add_(p, alpha=-lr*wd);  p.add_(torch.sign(g), alpha=-lr)",
@@ -1507,6 +1549,9 @@ def main():
         for check in CHECKS.get(name, []):
             check()
         path, title, cases = FILES[name]
+        if name == "torchao":
+            import torchao
+            title = title + [f"# torchao {torchao.__version__}."]
         write_optimizer_file(os.path.join(args.out, path), header, title, cases())
         if args.analyze:
             for analyse in ANALYSERS.get(name, []):

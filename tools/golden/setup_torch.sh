@@ -9,6 +9,7 @@
 #   STEPCORE_TORCH_VENV     venv directory                 (default /opt/torchenv)
 #   STEPCORE_TORCH_VERSION  torch version to install       (default 2.15.0, the golden files' version)
 #   STEPCORE_TORCH_DL       where the torch wheel is saved (default /tmp/torchdl)
+#   STEPCORE_TORCHAO_VERSION  torchao version               (default 0.18.0, the golden files')
 #   PYTHON                  interpreter that creates the venv (default python3; 3.11 was used)
 #
 # Afterwards run Python as "$STEPCORE_TORCH_VENV/py" (e.g. /opt/torchenv/py); the plain
@@ -38,6 +39,14 @@ fi
 
 # 3. The pure-Python packages torch imports, and numpy for the golden script.
 "${PIP[@]}" install numpy filelock typing_extensions sympy networkx jinja2 fsspec
+
+# 3b. torchao (pure Python for the CPU; without its dependency list, which would replace
+# torch): the golden files of the torchao formula and the 8-bit maps' test.
+TORCHAO_VERSION="${STEPCORE_TORCHAO_VERSION:-0.18.0}"
+have_torchao="$("$VPY" -c 'import importlib.metadata as m; print(m.version("torchao"))' 2>/dev/null || true)"
+if [ "$have_torchao" != "$TORCHAO_VERSION" ]; then
+  "${PIP[@]}" install --no-deps "torchao==$TORCHAO_VERSION"
+fi
 
 # 4. Shared libraries torch's wheel links against even when only the CPU is used.
 "${PIP[@]}" install --no-deps nvidia-cusparselt-cu13 nvidia-nvshmem-cu13 nvidia-cufile nvidia-nccl-cu13
