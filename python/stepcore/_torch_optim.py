@@ -68,7 +68,8 @@ class AdamW(Adam):
                  differentiable=False, fused=None, formula="torch", threads=0, isa=None):
         """torch.optim.AdamW's arguments (checked by torch), plus stepcore's formula
         ("torch", "native" or "torchao", docs/numerics.md 7, 8e.1), threads and isa."""
-        _unsupported("formula", formula, _table.choices(_table.entry("adamw", "AdamW"), "formula"))
+        _unsupported("formula", formula,
+                     _table.choices(_table.entry(self._UNIT, type(self).__name__), "formula"))
         defaults = _torch_defaults(
             torch.optim.AdamW, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
