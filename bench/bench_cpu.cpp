@@ -206,6 +206,34 @@ STEPCORE_CLONES void probe_slots_bf16(std::uint16_t* p, std::uint16_t* const* sl
           f32_bits(f32_from_bits(std::uint32_t{slots[k][i]} << 16) + gi) >> 16);
   }
 }
+// AdamW with 8-bit state (docs/numerics.md 8f): read p, g, the two code arrays and each
+// block's two maxima; write p, the codes, the maxima and the bf16 copy.
+template <class G>
+STEPCORE_CLONES void probe_adamw8bit(float* p, std::uint8_t* cm, std::uint8_t* cv, float* am,
+                                     float* av, const G* g, std::uint16_t* out, std::size_t n,
+                                     int threads) {
+  const std::size_t blocks = (n + kQ8BlockSize - 1) / kQ8BlockSize;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const std::size_t i1 = std::min(n, (b + 1) * kQ8BlockSize);
+    for (std::size_t i = b * kQ8BlockSize; i < i1; ++i) {
+      float gi;
+      if constexpr (sizeof(G) == 2) {
+        gi = f32_from_bits(std::uint32_t{g[i]} << 16);
+      } else {
+        gi = g[i];
+      }
+      const float pi = p[i] + gi;
+      p[i] = pi;
+      const auto k = static_cast<std::uint8_t>(f32_bits(gi));
+      cm[i] = static_cast<std::uint8_t>(cm[i] + k);
+      cv[i] = static_cast<std::uint8_t>(cv[i] ^ k);
+      if (out) out[i] = static_cast<std::uint16_t>(f32_bits(pi) >> 16);
+    }
+    am[b] = am[b] + 1.0f;
+    av[b] = av[b] + 1.0f;
+  }
+}
 STEPCORE_CLONES void probe_sign_sgd(float* p, const std::uint16_t* g, std::uint16_t* out,
                                     std::size_t n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -392,6 +420,129 @@ bool validate_adamw(const cpu::Engine& eng, DType grad, bool output) {
          std::memcmp(o1.data(), o2.data(), total * 2) == 0;
 }
 
+/// The benchmark model's AdamW state in 8 bits: the codes of exp_avg and exp_avg_sq, and
+/// one f32 maximum per block of each tensor (blocks restart at each tensor).
+struct Q8State {
+  Slab<std::uint8_t> cm, cv;
+  Slab<float> am, av;
+  std::vector<std::size_t> block_offsets;
+  std::vector<float> steps;
+  std::size_t blocks = 0;
+
+  static std::size_t count_blocks(const State& s) {
+    std::size_t b = 0;
+    for (std::size_t n : s.sizes) b += (n + kQ8BlockSize - 1) / kQ8BlockSize;
+    return b;
+  }
+  explicit Q8State(const State& s)
+      : cm(s.total),
+        cv(s.total),
+        am(count_blocks(s)),
+        av(count_blocks(s)),
+        blocks(count_blocks(s)) {
+    std::size_t off = 0;
+    for (std::size_t n : s.sizes) {
+      block_offsets.push_back(off);
+      off += (n + kQ8BlockSize - 1) / kQ8BlockSize;
+    }
+    steps.assign(s.sizes.size(), 0.0f);
+#pragma omp parallel
+    {
+      std::mt19937 rng(99 + omp_get_thread_num());
+#pragma omp for schedule(static)
+      for (std::size_t i = 0; i < s.total; ++i) {
+        cm.get()[i] = static_cast<std::uint8_t>(rng());
+        cv.get()[i] = static_cast<std::uint8_t>(rng());
+      }
+#pragma omp for schedule(static)
+      for (std::size_t b = 0; b < blocks; ++b) {
+        am.get()[b] = 1e-4f;
+        av.get()[b] = 1e-8f;
+      }
+    }
+  }
+  std::vector<OptimizerTensor> adamw(State& s, DType grad, bool output) {
+    std::vector<OptimizerTensor> t = s.adamw(grad, output);
+    for (std::size_t k = 0; k < t.size(); ++k) {
+      t[k].state[0] = {};
+      t[k].state[1] = {};
+      t[k].step = &steps[k];
+      t[k].q8[0] = {cm.get() + s.offsets[k], am.get() + block_offsets[k]};
+      t[k].q8[1] = {cv.get() + s.offsets[k], av.get() + block_offsets[k]};
+    }
+    return t;
+  }
+};
+
+Q8State& q8_state() {
+  static Q8State q(state());
+  return q;
+}
+
+/// Two AdamW steps with 8-bit state on tensors of awkward sizes equal the reference's bit for
+/// bit: parameters, compute output, codes and maxima.
+bool validate_adamw8bit(const cpu::Engine& eng, DType grad, bool output) {
+  const std::size_t sizes[] = {1, 33, 4097, 70001};
+  struct T {
+    std::vector<float> p, g;
+    std::vector<std::uint16_t> gb, out;
+    std::vector<std::uint8_t> cm, cv;
+    std::vector<float> am, av;
+    float step = 0.0f;
+  };
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  std::vector<T> a;
+  for (std::size_t n : sizes) {
+    T t;
+    t.p.resize(n);
+    t.g.resize(n);
+    t.gb.resize(n);
+    t.out.assign(n, 0);
+    t.cm.assign(n, 127);
+    t.cv.assign(n, 0);
+    t.am.assign((n + kQ8BlockSize - 1) / kQ8BlockSize, 0.0f);
+    t.av = t.am;
+    for (std::size_t i = 0; i < n; ++i) {
+      t.p[i] = nd(rng);
+      t.g[i] = nd(rng) * 1e-2f;
+      t.gb[i] = f32_to_bf16_bits(t.g[i]);
+    }
+    a.push_back(std::move(t));
+  }
+  std::vector<T> b = a;
+  auto views = [&](std::vector<T>& ts) {
+    std::vector<OptimizerTensor> v;
+    for (T& t : ts) {
+      const std::size_t n = t.p.size();
+      OptimizerTensor o;
+      o.param = {t.p.data(), n, DType::f32};
+      o.step = &t.step;
+      o.grad = grad == DType::f32 ? ConstTensorView{t.g.data(), n, DType::f32}
+                                  : ConstTensorView{t.gb.data(), n, DType::bf16};
+      if (output) o.compute_param = {t.out.data(), n, DType::bf16};
+      o.q8[0] = {t.cm.data(), t.am.data()};
+      o.q8[1] = {t.cv.data(), t.av.data()};
+      v.push_back(o);
+    }
+    return v;
+  };
+  const GradientRead read{1.0f / 4096.0f, 0.5f};
+  for (int step = 0; step < 2; ++step) {
+    reference::adamw_step(views(a), AdamWConfig{}, read);
+    eng.step(views(b), AdamWConfig{}, read);
+  }
+  for (std::size_t k = 0; k < a.size(); ++k) {
+    const std::size_t n = a[k].p.size();
+    if (std::memcmp(a[k].p.data(), b[k].p.data(), n * 4) != 0 || a[k].out != b[k].out ||
+        a[k].cm != b[k].cm || a[k].cv != b[k].cv ||
+        std::memcmp(a[k].am.data(), b[k].am.data(), a[k].am.size() * 4) != 0 ||
+        std::memcmp(a[k].av.data(), b[k].av.data(), a[k].av.size() * 4) != 0)
+      return false;
+  }
+  return true;
+}
+
 /// Returns the PUs of this process's NUMA placement (one rank on the node of the
 /// first CPU in the affinity mask), empty when unknown.
 std::vector<int> placement_cpus() {
@@ -451,6 +602,38 @@ void BM_AdamW(benchmark::State& st) {
       probe_adamw(s.p.get(), s.m.get(), s.v.get(), s.gf32.get(), out, s.total, th);
     else
       probe_adamw(s.p.get(), s.m.get(), s.v.get(), s.gbf16.get(), out, s.total, th);
+  };
+  run_timed(st, kernel, bytes);
+  set_roofline(st, bytes, kernel, probe);
+}
+
+/// AdamW with 8-bit state over the benchmark model (docs/numerics.md 8f), against its
+/// same-traffic probe; validated first.
+template <DType G, bool Output>
+void BM_AdamW8bit(benchmark::State& st) {
+  const cpu::Engine eng = engine_for(st);
+  if (!validate_adamw8bit(eng, G, Output)) validation_failed("the AdamW step with 8-bit state");
+  State& s = state();
+  Q8State& q = q8_state();
+  auto tensors = q.adamw(s, G, Output);
+  const double bytes =
+      static_cast<double>(s.total) * (4.0 + dtype_size(G) + 2.0 + 6.0 + (Output ? 2.0 : 0.0)) +
+      static_cast<double>(q.blocks) * 16.0;
+  const int th = eng.threads();
+  const AdamWConfig cfg;
+  const GradientRead read{1.0f / 4096.0f, 1.0f};
+  auto kernel = [&] {
+    for (auto& t : tensors) *t.step = 0.0f;  // keep the bias corrections in range
+    eng.step(tensors, cfg, read);
+  };
+  auto probe = [&] {
+    std::uint16_t* out = Output ? s.out.get() : nullptr;
+    if constexpr (G == DType::f32)
+      probe_adamw8bit(s.p.get(), q.cm.get(), q.cv.get(), q.am.get(), q.av.get(), s.gf32.get(), out,
+                      s.total, th);
+    else
+      probe_adamw8bit(s.p.get(), q.cm.get(), q.cv.get(), q.am.get(), q.av.get(), s.gbf16.get(), out,
+                      s.total, th);
   };
   run_timed(st, kernel, bytes);
   set_roofline(st, bytes, kernel, probe);
@@ -1114,6 +1297,16 @@ BENCHMARK(BM_AdamW<DType::f32, true>)
     ->UseRealTime();
 BENCHMARK(BM_AdamW<DType::f32, false>)
     ->Name("AdamW/f32grad")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamW8bit<DType::f32, false>)
+    ->Name("AdamW8bit/f32grad")
+    ->Apply(isa_thread_args)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AdamW8bit<DType::bf16, true>)
+    ->Name("AdamW8bit/bf16grad/bf16out")
     ->Apply(isa_thread_args)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();

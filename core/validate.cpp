@@ -363,11 +363,20 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
     // The arrays, then their sources, then the counter.
     const std::size_t n =
         check_param_grad_output(i, t.param, t.grad, t.compute_param, ranges, dtypes);
+    int q8_slots = 0;
     for (int s = 0; s < used_slots; ++s) {
-      if (has_q8(t.q8[s]))
+      if (has_q8(t.q8[s])) {
         check_q8_slot(i, t, s, n, dtypes, ranges);
-      else
+        ++q8_slots;
+      } else {
         check_moment(i, t.state[s], n, names.slot[s], ranges, t.param.dtype);
+      }
+    }
+    if (q8_slots != 0 && q8_slots != used_slots) {
+      int s = 0;
+      while (has_q8(t.q8[s])) ++s;
+      fail(Errc::invalid_argument, Arg{"tensors", i, kQ8Fields[s]},
+           "a tensor's used state slots are all 8-bit or none: this one must be set too");
     }
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
     for (int s = 0; s < kMaxOptimizerSlots; ++s) {

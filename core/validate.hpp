@@ -22,7 +22,8 @@ enum class StepCounters : std::uint8_t { read, unread };
 /// devices and managers refuse any other), or the model's (the CPU engine: f32, bf16 or
 /// f16, every used state slot and source in the param's dtype, no compute output for a
 /// bf16/f16 param; docs/numerics.md 7.3), or the model's and block-wise 8-bit state slots
-/// (the reference: OptimizerTensor::q8, docs/numerics.md 8f).
+/// (OptimizerTensor::q8, docs/numerics.md 8f: the reference, and the CPU engine for units
+/// that take them; a tensor's used slots are then all 8-bit or none).
 enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8 };
 
 /// Throws unless every argument of an AdamW step is valid (dtypes, sizes, pointers,

@@ -101,6 +101,22 @@ struct ArchOps<Avx2> {
     a = {_mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), v))};
     b = {_mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), v))};
   }
+
+  // ---- 8-bit codes and table reads (integer lanes) ----
+  /// N bytes, zero-extended to the lanes.
+  static U load_u8(const std::uint8_t* p) {
+    return U(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  /// The low byte of each lane (lanes in [0, 255]).
+  static void store_u8(std::uint8_t* p, U v) {
+    const __m256i x = v;
+    const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(h, h));
+  }
+  /// table[index] in each lane.
+  static U gather(const std::uint32_t* table, U index) {
+    return U(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4));
+  }
 };
 
 }  // namespace stepcore::cpu::detail

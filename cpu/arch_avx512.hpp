@@ -96,6 +96,20 @@ struct ArchOps<Avx512> {
     a = {_mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), v))};
     b = {_mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), v))};
   }
+
+  // ---- 8-bit codes and table reads (integer lanes) ----
+  /// N bytes, zero-extended to the lanes.
+  static U load_u8(const std::uint8_t* p) {
+    return U(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  /// The low byte of each lane (lanes in [0, 255]).
+  static void store_u8(std::uint8_t* p, U v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  }
+  /// table[index] in each lane.
+  static U gather(const std::uint32_t* table, U index) {
+    return U(_mm512_i32gather_epi32(index, table, 4));
+  }
 };
 
 }  // namespace stepcore::cpu::detail

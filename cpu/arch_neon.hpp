@@ -91,6 +91,29 @@ struct ArchOps<xsimd::neon64> {
     a = {vreinterpretq_f32_u16(vzip1q_u16(zero, v))};  // each value in a lane's high half
     b = {vreinterpretq_f32_u16(vzip2q_u16(zero, v))};
   }
+
+  // ---- 8-bit codes and table reads (integer lanes) ----
+  /// N bytes, zero-extended to the lanes.
+  static U load_u8(const std::uint8_t* p) {
+    std::uint32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const uint16x8_t h = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(w)));
+    return U(vmovl_u16(vget_low_u16(h)));
+  }
+  /// The low byte of each lane (lanes in [0, 255]).
+  static void store_u8(std::uint8_t* p, U v) {
+    const uint16x4_t h = vmovn_u32(v);
+    const uint8x8_t b = vmovn_u16(vcombine_u16(h, h));
+    const std::uint32_t w = vget_lane_u32(vreinterpret_u32_u8(b), 0);
+    std::memcpy(p, &w, sizeof w);
+  }
+  /// table[index] in each lane.
+  static U gather(const std::uint32_t* table, U index) {
+    const uint32x4_t i = index;
+    const std::uint32_t g[N] = {table[vgetq_lane_u32(i, 0)], table[vgetq_lane_u32(i, 1)],
+                                table[vgetq_lane_u32(i, 2)], table[vgetq_lane_u32(i, 3)]};
+    return U(vld1q_u32(g));
+  }
 };
 
 }  // namespace stepcore::cpu::detail

@@ -105,6 +105,28 @@ struct ArchOps<xsimd::sse2> {
     a = {_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), v))};
     b = {_mm_castsi128_ps(_mm_unpackhi_epi16(_mm_setzero_si128(), v))};
   }
+
+  // ---- 8-bit codes and table reads (integer lanes) ----
+  /// N bytes, zero-extended to the lanes.
+  static U load_u8(const std::uint8_t* p) {
+    std::int32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const __m128i z = _mm_setzero_si128();
+    return U(_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(w), z), z));
+  }
+  /// The low byte of each lane (lanes in [0, 255]).
+  static void store_u8(std::uint8_t* p, U v) {
+    const __m128i h = _mm_packs_epi32(v, v);  // exact: lanes in [0, 255]
+    const std::int32_t w = _mm_cvtsi128_si32(_mm_packus_epi16(h, h));
+    std::memcpy(p, &w, sizeof w);
+  }
+  /// table[index] in each lane.
+  static U gather(const std::uint32_t* table, U index) {
+    alignas(16) std::uint32_t i[N];
+    _mm_store_si128(reinterpret_cast<__m128i*>(i), index);
+    return U(_mm_setr_epi32(static_cast<int>(table[i[0]]), static_cast<int>(table[i[1]]),
+                            static_cast<int>(table[i[2]]), static_cast<int>(table[i[3]])));
+  }
 };
 
 }  // namespace stepcore::cpu::detail

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <xsimd/config/xsimd_cpuid.hpp>
 
 #include "core/fp_env.hpp"
@@ -23,6 +24,7 @@
 #include "core/optimizers/all.hpp"
 #include "core/validate.hpp"
 #include "cpu/dispatch.hpp"
+#include "cpu/q8_slots.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/numa.hpp"
@@ -295,7 +297,8 @@ TensorViews views_of(const OptimizerTensor& t) {
 
 // One step of unit Opt over validated tensors: every dtype combination is resolved to a
 // kernel before anything is written; then each counter is advanced (units that count
-// steps), the ranges built and the chunks run.
+// steps), the ranges built and the chunks run. A tensor with 8-bit slots runs its unit's
+// q8 kernel.
 template <class Opt>
 void Engine::run_unit(std::span<const OptimizerTensor> tensors, const typename Opt::Config& config,
                       GradientRead read) const {
@@ -313,10 +316,21 @@ void Engine::run_unit(std::span<const OptimizerTensor> tensors, const typename O
     if (streamed) return p == 0 ? kernels.streamed[g][o] : detail::UnitFn<Opt>{nullptr};
     return kernels.step[p][g][o];
   };
+  // The 8-bit slots of each tensor, and the kernel that steps them (q8_slots.hpp).
+  std::vector<detail::Q8Slots> q8(tensors.size());
+  std::vector<detail::Q8Fn<Opt>> q8_fns(tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    q8[i] = detail::q8_slots<Opt>(tensors[i], Opt::variant(config));
+    const TensorViews v = views_of(tensors[i]);
+    if (q8[i].slots > 0)
+      q8_fns[i] = detail::q8_kernel(kernels, static_cast<int>(v.dst[0].dtype),
+                                    static_cast<int>(v.grad.dtype), detail::output_kind(v.out));
+  }
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const TensorViews v = views_of(tensors[i]);
     const bool f32 = v.dst[0].dtype == DType::f32;
-    if (!kernel_of(v, false) || (f32 && !kernel_of(v, true))) unreachable_dtype(Opt::kName);
+    if (q8[i].slots > 0 ? !q8_fns[i] : !kernel_of(v, false) || (f32 && !kernel_of(v, true)))
+      unreachable_dtype(Opt::kName);
   }
   // All checks passed: from here on the call writes.
   bool streamed = false;
@@ -325,15 +339,26 @@ void Engine::run_unit(std::span<const OptimizerTensor> tensors, const typename O
     float step = 0.0f;
     if constexpr (Opt::kCountsSteps) step = *v.step = *v.step + 1.0f;
     ranges[i] = detail::unit_range<Opt>(config, step, read, v.dst, v.src, v.grad.data, v.out);
+    if (q8[i].slots > 0) {
+      ranges[i].stream = 0;  // block by block: plain stores
+      continue;
+    }
     // A range with out-of-place destinations streams them; in place, the plain kernel.
     fns[i] = kernel_of(v, ranges[i].stream != 0);
     streamed = streamed || ranges[i].stream != 0;
   }
+  static_assert(Engine::kWorkChunkElements % kQ8BlockSize == 0, "chunks are whole 8-bit blocks");
   const auto chunks =
       make_chunks(tensors.size(), [&](std::size_t t) { return tensors[t].param.numel; });
   run_static(
       chunks, threads_, cpus_,
-      [&](const Chunk& c) { fns[c.tensor](ranges[c.tensor], c.begin, c.end); }, streamed);
+      [&](const Chunk& c) {
+        if (q8[c.tensor].slots > 0)
+          q8_fns[c.tensor](ranges[c.tensor], q8[c.tensor], c.begin, c.end);
+        else
+          fns[c.tensor](ranges[c.tensor], c.begin, c.end);
+      },
+      streamed);
 }
 
 template <class Config>
@@ -341,10 +366,12 @@ void Engine::step(std::span<const OptimizerTensor> tensors, const Config& config
                   const std::int32_t* found_inf) const {
   using Opt =
       typename ::stepcore::detail::UnitForConfig<Config, ::stepcore::detail::AllUnits>::type;
-  // Parameters in the model's dtype: f32, bf16 or f16, the state in the same dtype.
-  ::stepcore::detail::validate_unit<Opt>(tensors, config, read,
-                                         ::stepcore::detail::StepCounters::read,
-                                         ::stepcore::detail::ParamDTypes::model);
+  // Parameters in the model's dtype: f32, bf16 or f16, the state in the same dtype, or
+  // 8-bit (units that take it).
+  ::stepcore::detail::validate_unit<Opt>(
+      tensors, config, read, ::stepcore::detail::StepCounters::read,
+      ::stepcore::detail::unit_takes_q8<Opt>() ? ::stepcore::detail::ParamDTypes::model_and_q8
+                                               : ::stepcore::detail::ParamDTypes::model);
   if (found_inf != nullptr && *found_inf != 0) return;
   run_unit<Opt>(tensors, config, read);
 }

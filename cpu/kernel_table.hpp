@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/optimizers/all.hpp"
+#include "core/q8.hpp"
 #include "core/step_scalars.hpp"
 #include "core/validate.hpp"
 #include "stepcore/norm.hpp"
@@ -83,16 +84,34 @@ struct UnitRange {
 template <class Opt>
 using UnitFn = void (*)(const UnitRange<Opt>&, std::size_t begin, std::size_t end);
 
+/// A tensor's 8-bit state slots as a kernel reads them (docs/numerics.md 8f): its used
+/// slots (all 8-bit: validation; 0 when it has none), each slot's codes and block maxima
+/// (from the tensor's first element), and the codebook of its map under the variant's rule.
+struct Q8Slots {
+  int slots = 0;
+  std::uint8_t* codes[kMaxOptimizerSlots] = {};
+  float* absmax[kMaxOptimizerSlots] = {};
+  const ::stepcore::detail::Q8Codebook* codebook[kMaxOptimizerSlots] = {};
+};
+
+/// Unit Opt's step over elements [begin, end) of a tensor with 8-bit slots `q` (the range's
+/// slot pointers unused); begin on a block boundary (kQ8BlockSize).
+template <class Opt>
+using Q8Fn = void (*)(const UnitRange<Opt>&, const Q8Slots& q, std::size_t begin, std::size_t end);
+
 /// One unit's kernels: `step` indexed [param and state dtype][gradient dtype][output kind],
 /// in place (or out of place with plain stores); bf16/f16 params have only output kind 0
 /// (validation refuses a compute output for them). `streamed` ([gradient dtype][output
 /// kind], f32 params only) for ranges with streamed destinations (UnitRange::stream != 0:
 /// out of place, streaming stores, which the caller must fence (sfence) before another
 /// thread reads them; the engine picks per range).
+/// `q8` ([param dtype][gradient dtype][output kind]; units that take 8-bit slots, else
+/// null): a tensor whose used slots are 8-bit (docs/numerics.md 8f), in place.
 template <class Opt>
 struct UnitKernels {
   UnitFn<Opt> step[kDTypes][kDTypes][kOutputKinds];
   UnitFn<Opt> streamed[kDTypes][kOutputKinds];
+  Q8Fn<Opt> q8[kDTypes][kDTypes][kOutputKinds];
 };
 
 /// The kernels of every unit of a UnitList, found by unit: tables.of<AdamW>().
@@ -116,6 +135,15 @@ using ScaleFn = void (*)(void* data, float scale, std::size_t begin, std::size_t
 /// Adds the norm partial of elements [begin, end) (approximate, block-summed, or exact).
 using NormFn = void (*)(const void* data, const GradientRead& read, std::size_t begin,
                         std::size_t end, NormPartial& partial);
+
+/// x[i] = M[codes[i]] * absmax over [0, n) (docs/numerics.md 8f), M: the map's f32 patterns
+/// (the q8 kernels dequantize in their own loop; the tests check this one per ISA).
+using Q8DequantizeFn = void (*)(const std::uint8_t* codes, float absmax, const std::uint32_t* map,
+                                float* x, std::size_t n);
+/// Requantizes one block's values x[0, n): writes the codes, returns the stored maximum.
+using Q8RequantizeFn = float (*)(const float* x, std::size_t n,
+                                 const ::stepcore::detail::Q8Codebook& codebook,
+                                 std::uint8_t* codes);
 
 /// The floating-point primitives every body is built from (simd_body.hpp, ArchOps),
 /// exposed per ISA over whole arrays for the primitive tests.
@@ -149,6 +177,8 @@ struct KernelTable {
   PrimitiveFn primitive;
   Primitive64Fn primitive64;
   UnitTables<::stepcore::detail::AllUnits> units;  ///< every optimizer unit's step
+  Q8DequantizeFn q8_dequantize;                    ///< a block of an 8-bit slot, to f32
+  Q8RequantizeFn q8_requantize;                    ///< a block's new f32 values, to codes
   AccumulateFn accumulate[kDTypes];
   ScaleFn scale[kDTypes];
   NormFn norm[kNormOrders][kDTypes];        ///< [NormOrder][dtype]: block-summed partial

@@ -3,7 +3,8 @@
 // runs on a small built-in adversarial input and is compared, bit for bit, with
 // stepcore::reference: every optimizer unit of core/optimizers/all.hpp with each of its
 // samples (Unit::kSamples: its variants and forms), every param/state, gradient and
-// output dtype, in place and out of place (streamed); accumulate, scale_, the norms.
+// output dtype, in place and out of place (streamed), and with 8-bit state (units that
+// take it: the table's dequantization and requantization); accumulate, scale_, the norms.
 //
 // Invariant: the inputs straddle every place the bodies branch — the vector width of
 // every ISA (lengths 53 = 3*16 + 5), a range edge inside a tensor (the engine's chunk
@@ -17,12 +18,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "core/fp_env.hpp"
 #include "core/optimizers/all.hpp"
 #include "cpu/dispatch.hpp"
+#include "cpu/q8_slots.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/reference.hpp"
 
@@ -332,11 +335,123 @@ bool check_unit(const KernelTable& t, Failure& fail) {
   return true;
 }
 
-/// check_unit of every unit the library builds (core/optimizers/all.hpp), in its order.
+/// Runs each of unit Opt's q8 kernels (8-bit slots: every param, gradient and output dtype)
+/// on one of the unit's samples in turn (the first kernel on all of them), and compares the params,
+/// output, codes and maxima with the reference's step. The tensor is a whole block and a tail, run
+/// as two ranges (a chunk edge); its codes are every code, its maxima every kind (0, subnormal,
+/// torchao's floor, normal), its gradient adversarial.
+template <class Opt>
+bool check_q8_unit(const KernelTable& t, Failure& fail) {
+  if constexpr (::stepcore::detail::unit_takes_q8<Opt>()) {
+    constexpr std::size_t n = kQ8BlockSize + kLength;
+    constexpr std::size_t blocks = 2;
+    const detail::UnitKernels<Opt>& kernels = t.units.template of<Opt>();
+    Filler f;
+    const std::vector<float> param = values(n, f, true, false, -20, 4);
+    const std::vector<float> grad = values(n, f, true, false, -30, 2);
+    // Every kernel (param, gradient and output dtype) once, on samples in turn, and the
+    // first kernel on every sample.
+    constexpr int kSampleCount = static_cast<int>(std::size(Opt::kSamples));
+    int kernel = 0;
+    for (const DType pd : kDTypes)
+      for (const DType gd : kDTypes)
+        for (int out = 0; out < (pd == DType::f32 ? detail::kOutputKinds : 1); ++out, ++kernel)
+          for (int sample = kernel == 0 ? 0 : kernel % kSampleCount;
+               sample < (kernel == 0 ? kSampleCount : kernel % kSampleCount + 1); ++sample) {
+            const ::stepcore::detail::UnitSample<typename Opt::Config>& s = Opt::kSamples[sample];
+            const typename Opt::Config& config = s.config;
+            const int variant = Opt::variant(config);
+            const int used = Opt::slots(variant);
+            const GradientRead read = read_of((sample + static_cast<int>(gd) + out) % 3);
+            const std::vector<std::uint32_t> g = storage(gd, grad);
+            struct Copy {
+              std::vector<std::uint32_t> p;
+              std::vector<std::uint8_t> codes[kMaxOptimizerSlots];
+              float absmax[kMaxOptimizerSlots][blocks];
+              float step;
+            } want, got;
+            want.p = storage(pd, param);
+            want.step = s.step;
+            for (int k = 0; k < used; ++k) {
+              want.codes[k].resize(n);
+              for (std::size_t i = 0; i < n; ++i)
+                want.codes[k][i] = static_cast<std::uint8_t>((i * (2 * k + 1) + 7 * sample) % 256);
+              want.absmax[k][0] = f32_from_bits(k == 0 ? 0x3A83126Fu : 0x00000005u << sample % 8);
+              want.absmax[k][1] =
+                  sample % 2 == 0 ? 0.0f : f32_from_bits(::stepcore::detail::kQ8TorchaoFloorBits);
+            }
+            got = want;
+            auto view = [&](Copy& c) {
+              OptimizerTensor v;
+              v.param = TensorView{c.p.data(), n, pd};
+              v.step = &c.step;
+              v.grad = ConstTensorView(g.data(), n, gd);
+              for (int k = 0; k < used; ++k) v.q8[k] = Q8Slot{c.codes[k].data(), c.absmax[k]};
+              return v;
+            };
+            const bool f32 = pd == DType::f32;
+            const DType od = out == 0 ? DType::f32 : kDTypes[out - 1];
+            const detail::Q8Fn<Opt> fn =
+                detail::q8_kernel(kernels, static_cast<int>(pd), static_cast<int>(gd), out);
+            const std::string label =
+                unit_kernel_label(Opt::kName, false, variant, pd, gd, out) + " q8";
+            if (fn == nullptr) {
+              fail.kernel = label;
+              fail.detail = "the table has no kernel here";
+              return false;
+            }
+            std::vector<std::uint32_t> want_out(n, 0), got_out(n + 1, 0);
+            for (int step = 0; step < 1; ++step) {
+              OptimizerTensor rv = view(want);
+              if (f32) rv.compute_param = TensorView{want_out.data(), n, DType::f32};
+              reference::optimizer_step({&rv, 1}, OptimizerConfig(config), read);
+              OptimizerTensor kv = view(got);
+              const detail::Q8Slots q = detail::q8_slots<Opt>(kv, variant);
+              got.step = got.step + 1.0f;
+              TensorView dst[1 + Opt::kSlots] = {kv.param};
+              ConstTensorView src[1 + Opt::kSlots] = {};
+              const TensorView o = out == 0 ? TensorView{} : TensorView{got_out.data(), n, od};
+              const auto range =
+                  detail::unit_range<Opt>(config, got.step, read, dst, src, g.data(), o);
+              fn(range, q, 0, kQ8BlockSize);
+              fn(range, q, kQ8BlockSize, n);  // a chunk edge between blocks
+              std::string d = compare(pd, want.p.data(), got.p.data(), n);
+              if (d.empty() && out != 0) {
+                std::vector<float> w(n);
+                std::memcpy(w.data(), want_out.data(), n * sizeof(float));
+                d = compare(od, storage(od, w).data(), got_out.data(), n);
+                if (!d.empty()) d = "compute_param " + d;
+              }
+              for (int k = 0; k < used && d.empty(); ++k) {
+                for (std::size_t i = 0; i < n && d.empty(); ++i)
+                  if (want.codes[k][i] != got.codes[k][i])
+                    d = std::string(Opt::kSlotNames[k]) + " code " + std::to_string(i) + ": want " +
+                        std::to_string(want.codes[k][i]) + ", got " +
+                        std::to_string(got.codes[k][i]);
+                for (std::size_t b = 0; b < blocks && d.empty(); ++b)
+                  if (f32_bits(want.absmax[k][b]) != f32_bits(got.absmax[k][b]))
+                    d = std::string(Opt::kSlotNames[k]) + " absmax " + std::to_string(b) +
+                        " differs";
+              }
+              if (!d.empty()) {
+                fail.kernel = label;
+                fail.detail = "sample " + std::to_string(sample) + ", step " +
+                              std::to_string(step) + ": " + d;
+                return false;
+              }
+            }
+          }
+  }
+  return true;
+}
+
+/// check_unit (and check_q8_unit) of every unit the library builds
+/// (core/optimizers/all.hpp), in its order.
 bool check_units(const KernelTable& t, Failure& fail) {
   bool ok = true;
   ::stepcore::detail::AllUnits::for_each([&](auto unit) {
     if (ok) ok = check_unit<decltype(unit)>(t, fail);
+    if (ok) ok = check_q8_unit<decltype(unit)>(t, fail);
   });
   return ok;
 }

@@ -47,6 +47,9 @@ template <class A>
 struct ArchOps;
 
 template <class A>
+struct Q8Body;  // the 8-bit state kernels (simd_q8.hpp)
+
+template <class A>
 struct Body {
   using Ops = ArchOps<A>;
   using F = typename Ops::F;  // N binary32 lanes (opaque)
@@ -237,22 +240,22 @@ struct Body {
   // elements computed one at a time (the chunk's remainder, the unit's tail, the head
   // before a streamed destination's aligned line).
 
-  /// Elements [i, end) one at a time, variant V; parameter and state stored as St.
-  template <class Opt, int V, class G, class O, class St = float>
+  /// Elements [i, end) one at a time, variant V; parameter stored as St, state as Sl.
+  template <class Opt, int V, class G, class O, class St = float, class Sl = St>
   static void unit_scalar(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
     if (i >= end) return;
     constexpr int KA = UnitRange<Opt>::kArrays - 1 > 0 ? UnitRange<Opt>::kArrays - 1 : 1;
     const typename Opt::template Consts<::stepcore::detail::ScalarOps> k(r.scalars);
     const G* grad = static_cast<const G*>(r.grad);
     O* out = static_cast<O*>(r.out);
-    const St* Ss[KA] = {};
-    St* S[KA] = {};
+    const Sl* Ss[KA] = {};
+    Sl* S[KA] = {};
     for (int s = 0; s + 1 < UnitRange<Opt>::kArrays; ++s) {
-      Ss[s] = static_cast<const St*>(r.src[1 + s]);
-      S[s] = static_cast<St*>(r.dst[1 + s]);
+      Ss[s] = static_cast<const Sl*>(r.src[1 + s]);
+      S[s] = static_cast<Sl*>(r.dst[1 + s]);
     }
     for (; i < end; ++i)
-      ::stepcore::detail::unit_element<Opt, V, G, O, St>(
+      ::stepcore::detail::unit_element<Opt, V, G, O, St, Sl>(
           static_cast<const St*>(r.src[0]), Ss, static_cast<St*>(r.dst[0]), S, grad, out, k,
           r.tail_begin, r.read.scale, r.read.clip, i, r.read.as_f32);
   }
@@ -277,8 +280,10 @@ struct Body {
   /// line at a time, so [i, end) must start where they are kStreamAlignment-aligned; the
   /// rest after the last whole line takes plain stores (f32 storage only). St: the storage
   /// type of the parameter and state (f32, or bf16/f16: widened exactly by load, rounded
-  /// to nearest even by store, docs/numerics.md 7.3).
-  template <class Opt, class G, class O, int V, int Mode, bool Stream = false, class St = float>
+  /// to nearest even by store, docs/numerics.md 7.3); Sl: the state's (St, or f32 beside a
+  /// 16-bit parameter: the dequantized values of 8-bit slots, docs/numerics.md 8f).
+  template <class Opt, class G, class O, int V, int Mode, bool Stream = false, class St = float,
+            class Sl = St>
   static void unit_lanes(const UnitRange<Opt>& r, std::size_t i, std::size_t end) {
     static_assert(!Stream || std::is_same_v<St, float>, "streaming stores are f32 lines");
     constexpr int K = Opt::slots(V);  // the slots this variant reads and writes
@@ -288,11 +293,11 @@ struct Body {
     const typename Opt::template Consts<Ops> k(r.scalars);
     const St* const Ps = static_cast<const St*>(r.src[0]);
     St* const P = static_cast<St*>(r.dst[0]);
-    const St* Ss[KA] = {};
-    St* S[KA] = {};
+    const Sl* Ss[KA] = {};
+    Sl* S[KA] = {};
     for (int s = 0; s < K; ++s) {
-      Ss[s] = static_cast<const St*>(r.src[1 + s]);
-      S[s] = static_cast<St*>(r.dst[1 + s]);
+      Ss[s] = static_cast<const Sl*>(r.src[1 + s]);
+      S[s] = static_cast<Sl*>(r.dst[1 + s]);
     }
     const G* __restrict grad = static_cast<const G*>(r.grad);
     O* __restrict out = static_cast<O*>(r.out);
@@ -338,17 +343,17 @@ struct Body {
   }
 
   /// One range of unit Opt's step, in place or out of place with plain stores, parameter
-  /// and state stored as St: vector lanes, then the remainder and the tail element by
-  /// element.
-  template <class Opt, class G, class O, class St = float>
+  /// stored as St and state as Sl (unit_lanes): vector lanes, then the remainder and the
+  /// tail element by element.
+  template <class Opt, class G, class O, class St = float, class Sl = St>
   static void unit_step(const UnitRange<Opt>& r, std::size_t begin, std::size_t end) {
     const std::size_t lanes_end = begin + (vector_end(r, begin, end) - begin) / N * N;
     ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
       constexpr int V = decltype(form)::value;
       with_unit_read<Opt>(r.read, [&](auto mode) {
-        unit_lanes<Opt, G, O, V, decltype(mode)::value, false, St>(r, begin, lanes_end);
+        unit_lanes<Opt, G, O, V, decltype(mode)::value, false, St, Sl>(r, begin, lanes_end);
       });
-      unit_scalar<Opt, V, G, O, St>(r, lanes_end, end);
+      unit_scalar<Opt, V, G, O, St, Sl>(r, lanes_end, end);
     });
   }
 
@@ -569,6 +574,15 @@ struct Body {
       k.step[f32][g][3] = &unit_step<Opt, G, float16_t>;
       k.step[bf16][g][0] = &unit_step<Opt, G, void, bfloat16_t>;
       k.step[f16][g][0] = &unit_step<Opt, G, void, float16_t>;
+      if constexpr (::stepcore::detail::unit_takes_q8<Opt>()) {
+        using Q = Q8Body<A>;
+        k.q8[f32][g][0] = &Q::template q8_step<Opt, G, void, float>;
+        k.q8[f32][g][1] = &Q::template q8_step<Opt, G, float, float>;
+        k.q8[f32][g][2] = &Q::template q8_step<Opt, G, bfloat16_t, float>;
+        k.q8[f32][g][3] = &Q::template q8_step<Opt, G, float16_t, float>;
+        k.q8[bf16][g][0] = &Q::template q8_step<Opt, G, void, bfloat16_t>;
+        k.q8[f16][g][0] = &Q::template q8_step<Opt, G, void, float16_t>;
+      }
     });
     t.accumulate[g] = &accumulate<G>;
     t.scale[g] = &scale<G>;
@@ -671,6 +685,8 @@ struct Body {
     t.width = N;
     t.primitive = &primitive;
     t.primitive64 = &primitive64;
+    t.q8_dequantize = &Q8Body<A>::q8_dequantize;
+    t.q8_requantize = &Q8Body<A>::q8_requantize;
     fill_grad<float>(t, static_cast<int>(DType::f32));
     fill_grad<bfloat16_t>(t, static_cast<int>(DType::bf16));
     fill_grad<float16_t>(t, static_cast<int>(DType::f16));
@@ -679,3 +695,6 @@ struct Body {
 };
 
 }  // namespace stepcore::cpu::detail
+
+// The 8-bit state kernels (Q8Body, which make_table names).
+#include "cpu/simd_q8.hpp"

@@ -1,7 +1,7 @@
 // Unit: block-wise 8-bit state in the reference (docs/numerics.md 8f) against expectations
 // built here: the nearest code by brute force over every code in long double, the step
 // composed from parts written here (dequantize, the reference's f32 step, requantize), and
-// the spec's consequences worked by hand; the other entry points refuse 8-bit slots.
+// the spec's consequences worked by hand; the optimizers without 8-bit state refuse them.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "core/q8_maps.hpp"
+#include "q8_configs.hpp"
 #include "reference/testing.hpp"
 #include "stepcore/convert.hpp"
-#include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/reference.hpp"
@@ -279,18 +279,7 @@ void expect_same(const Q8Tensor& got, const Q8Tensor& want, int slots, const std
 }
 
 TEST(ReferenceQ8, AdamWStepsEqualDequantizeStepRequantizeOverAdversarialBlocks) {
-  std::vector<AdamWConfig> configs;
-  for (AdamWFormula f : {AdamWFormula::native, AdamWFormula::torch, AdamWFormula::torchao})
-    for (bool ams : {false, true}) {
-      if (ams && f == AdamWFormula::native) continue;
-      AdamWConfig c;
-      c.formula = f;
-      c.amsgrad = ams;
-      c.lr = 1e-2;
-      c.weight_decay = ams ? 0.0 : 0.1;
-      configs.push_back(c);
-    }
-  for (const AdamWConfig& c : configs)
+  for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs())
     for (DType dt : {DType::f32, DType::bf16})
       for (std::size_t n : {0, 1, 31, 255, 256, 257, 1023, 4095, 4097}) {
         const int slots = c.amsgrad ? 3 : 2;
@@ -364,8 +353,8 @@ TEST(ReferenceQ8, AnInfiniteMomentMakesItsBlockNaNAtTheNextStep) {
   for (std::size_t i = 256; i < 512; ++i) ASSERT_TRUE(std::isfinite(t.p32[i])) << i;
 }
 
-// Bad input: each refusal names the argument and writes nothing; the CPU engine and the
-// optimizers without 8-bit state refuse an 8-bit slot.
+// Bad input: each refusal names the argument and writes nothing; the optimizers without
+// 8-bit state refuse an 8-bit slot (the CPU engine's refusals: test_q8_engine.cpp).
 TEST(ReferenceQ8, BadSlotsAreRefusedBeforeAnythingIsWritten) {
   AdamWConfig c;
   Q8Tensor t(300, DType::f32, 2, false);
@@ -395,13 +384,6 @@ TEST(ReferenceQ8, BadSlotsAreRefusedBeforeAnythingIsWritten) {
   v = t.view(2);
   v.q8[2] = Q8Slot{t.codes[0].data(), t.absmax[0].data()};  // no amsgrad: slot 2 unused
   refused(v, reference, Errc::invalid_argument, "tensors[0].q8[2]");
-  const stepcore::cpu::Engine engine;
-  refused(
-      t.view(2),
-      [&](OptimizerTensor& w) {
-        engine.step({&w, 1}, c);
-      },
-      Errc::unsupported_dtype, "tensors[0].q8[0]");
   stepcore::SgdConfig sgd;
   sgd.momentum = 0.9;
   refused(

@@ -34,6 +34,8 @@ struct Adam {
   static constexpr const char* const* kSlotNames = AdamW::kSlotNames;
   static constexpr const char* const* kSlotSourceNames = AdamW::kSlotSourceNames;
   static constexpr const bool* kSlotNonNegative = AdamW::kSlotNonNegative;
+  /// Its slots may be 8-bit (docs/numerics.md 8f), requantized to the nearest code.
+  static constexpr bool kQ8 = true;
   static constexpr bool kCountsSteps = true;
   /// 0: plain, 1: amsgrad.
   static constexpr int kVariants = 2;

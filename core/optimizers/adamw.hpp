@@ -168,6 +168,12 @@ struct AdamW {
   static constexpr const char* kSlotSourceNames[kSlots] = {"exp_avg_src", "exp_avg_sq_src",
                                                            "max_exp_avg_sq_src"};
   static constexpr bool kSlotNonNegative[kSlots] = {false, true, true};
+  /// Its slots may be 8-bit (docs/numerics.md 8f): the torchao formula requantizes them by
+  /// torchao's search (8f.1), the others to the nearest code.
+  static constexpr bool kQ8 = true;
+  static constexpr Q8Rule q8_rule(int v) {
+    return v == kTorchao || v == kTorchaoAmsgrad ? Q8Rule::torchao : Q8Rule::nearest;
+  }
   static constexpr bool kCountsSteps = true;
   /// 0: native (no contraction), 1: torch (lerp and v with FMAs), 2: torch with amsgrad,
   /// 3: torchao (no FMA), 4: torchao with amsgrad.

@@ -20,6 +20,9 @@
 //   kSlotNonNegative           optional: per slot, whether its values are never negative
 //                              (a second moment, its maximum, a sum of squares); loaded
 //                              state is refused there below zero (absent: no slot is)
+//   kQ8, q8_rule(V)            optional: whether its slots may be stored in block-wise 8
+//                              bits (docs/numerics.md 8f; absent: no), and the rule variant
+//                              V requantizes them by (absent: Q8Rule::nearest)
 //   kCountsSteps               whether each tensor has a step counter, incremented first
 //   validate(c, read)          host: throws naming the first bad hyper-parameter
 //   kVariants, variant(c)      the formulas it can compute (compile-time loop variants)
@@ -68,6 +71,7 @@
 #include <variant>
 
 #include "core/fp_env.hpp"
+#include "core/q8.hpp"
 #include "core/validate.hpp"
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
@@ -234,11 +238,13 @@ struct NoDeduce {
 /// the unit's tail form. St is the storage type of the parameter and state (f32, or the
 /// model's bf16/f16: docs/numerics.md 7.3): each is widened exactly when read, the
 /// formula runs in f32, and each new value is rounded to St (nearest even) when stored.
-template <class Opt, int V, class G, class O, class St = float>
+/// Sl: the state's storage type where it differs (f32 beside a 16-bit parameter: the
+/// dequantized values of 8-bit slots, docs/numerics.md 8f).
+template <class Opt, int V, class G, class O, class St = float, class Sl = St>
 STEPCORE_HD_INLINE void unit_element(const typename NoDeduce<St>::type* Ps,
-                                     const typename NoDeduce<St>::type* const* Ss,
+                                     const typename NoDeduce<Sl>::type* const* Ss,
                                      typename NoDeduce<St>::type* P,
-                                     typename NoDeduce<St>::type* const* S, const G* grad, O* out,
+                                     typename NoDeduce<Sl>::type* const* S, const G* grad, O* out,
                                      const typename Opt::template Consts<ScalarOps>& k,
                                      std::uint64_t tail_begin, float scale, float clip,
                                      std::uint64_t i, bool as_f32 = false) {
@@ -252,7 +258,7 @@ STEPCORE_HD_INLINE void unit_element(const typename NoDeduce<St>::type* Ps,
   else
     Opt::template update<ScalarOps, V, true>(k, g, p, st);
   P[i] = from_f32<St>(p);
-  for (int s = 0; s < K; ++s) S[s][i] = from_f32<St>(st[s]);
+  for (int s = 0; s < K; ++s) S[s][i] = from_f32<Sl>(st[s]);
   if constexpr (!std::is_void_v<O>) out[i] = from_f32<O>(p);
 }
 
@@ -321,6 +327,25 @@ constexpr bool unit_slot_non_negative(int k) {
     return Opt::kSlotNonNegative[k];
   else
     return false;
+}
+
+/// Whether unit Opt's slots may be stored in block-wise 8 bits (its kQ8; absent: false).
+template <class Opt>
+constexpr bool unit_takes_q8() {
+  if constexpr (requires { Opt::kQ8; })
+    return Opt::kQ8;
+  else
+    return false;
+}
+
+/// The rule variant v of unit Opt requantizes its 8-bit slots by (its q8_rule; absent:
+/// Q8Rule::nearest).
+template <class Opt>
+constexpr Q8Rule unit_q8_rule(int v) {
+  if constexpr (requires { Opt::q8_rule(0); })
+    return Opt::q8_rule(v);
+  else
+    return Q8Rule::nearest;
 }
 
 /// Calls fn(std::integral_constant<int, V>{}) for the run-time variant v of a unit with

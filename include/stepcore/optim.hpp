@@ -338,8 +338,9 @@ struct OptimizerTensor {
   /// The old state arrays are read from here (the param's dtype); an empty entry: in place.
   ConstTensorView state_src[kMaxOptimizerSlots] = {};
   /// A used slot stored in block-wise 8 bits instead (docs/numerics.md 8f; state[k] and
-  /// state_src[k] then empty: in place). The reference takes them; the other entry points
-  /// refuse them (Errc::unsupported_dtype naming tensors[i].q8[k]).
+  /// state_src[k] then empty: in place; a tensor's used slots all 8-bit or none). AdamW
+  /// and Adam take them in the reference and the CPU engine; the other entry points refuse
+  /// them (Errc::unsupported_dtype naming tensors[i].q8[k]).
   Q8Slot q8[kMaxOptimizerSlots] = {};
 };
 

@@ -7,7 +7,9 @@
 // random tensor lists carved from one arena: random sizes and dtypes, overlapping, adjacent
 // and misaligned ranges, null pointers, state slots and step counters the unit does or does
 // not keep, hyper-parameters including NaN/Inf/subnormal/huge, found-inf flags, the param
-// and state dtype (f32, bf16, f16; sometimes mixed), every ISA the machine runs.
+// and state dtype (f32, bf16, f16; sometimes mixed), state slots in 8 bits (codes and block
+// maxima anywhere in the arena, misaligned, null, beside state views), every ISA the
+// machine runs.
 // Differential oracle: the scalar reference (reference::optimizer_step: each optimizer's
 // literal function) on a copy of the arena. Either both succeed with identical bits, or both
 // throw the same Errc and the engine's arena is unchanged (all-or-nothing).
@@ -138,6 +140,8 @@ OptimizerConfig decode_config(fuzz::Input& in) {
 struct TensorSlots {
   Slot param;
   std::array<Slot, kMaxOptimizerSlots> state;
+  // 8-bit state (docs/numerics.md 8f), when Case::q8: codes (bytes) and block maxima (f32).
+  std::array<Slot, kMaxOptimizerSlots> codes, absmax;
   Slot step;  // one f32 counter at the slot's offset
   Slot grad;
   Slot compute;
@@ -164,6 +168,10 @@ struct Case {
   bool hyper = false;
   std::uint8_t norm_kind = 0;      // op 4: the norm's order, kNormKinds[norm_kind]
   DType param_dtype = DType::f32;  // params and state (docs/numerics.md 7.3)
+  // Optimizer ops: a tensor's slots in 8 bits (its state views then given only when
+  // q8_and_state: refused), decoded last so older corpus inputs keep their meaning.
+  std::array<bool, kMaxTensors> q8{};
+  std::array<bool, kMaxTensors> q8_and_state{};
 };
 
 Case decode(fuzz::Input& in) {
@@ -228,6 +236,27 @@ Case decode(fuzz::Input& in) {
   c.hyper = in.flag();
   c.norm_kind = static_cast<std::uint8_t>(in.byte() % (sizeof kNormKinds / sizeof kNormKinds[0]));
   c.read.as_f32 = in.flag();  // products rounded in f32 (the device cases reset the read)
+  for (int i = 0; i < c.n && optimizer_op(c.op); ++i) {
+    const std::uint8_t q = in.byte();
+    c.q8[i] = q % 3 == 1;
+    c.q8_and_state[i] = q % 32 == 4;
+    if (!c.q8[i]) continue;
+    TensorSlots& t = c.slots[i];
+    for (int k = 0; k < kMaxOptimizerSlots; ++k) {
+      // Codes: one byte per element (sometimes another count); maxima: one f32 per block of
+      // 256 (numel <= 100 here: one), mostly aligned; either sometimes null.
+      Slot& codes = t.codes[k];
+      codes.dtype = DType::bf16;  // unused: codes are bytes
+      codes.numel = in.byte() % 8 != 0 ? t.param.numel : t.param.numel + 1;
+      codes.offset = in.below(static_cast<std::uint32_t>(kArenaBytes - codes.numel + 1));
+      codes.null = in.byte() % 32 == 0;
+      Slot& max = t.absmax[k];
+      max.numel = 1;
+      max.offset = in.below(static_cast<std::uint32_t>(kArenaBytes - 4 + 1));
+      if (in.byte() % 4 != 0) max.offset -= max.offset % 4;
+      max.null = in.byte() % 32 == 0;
+    }
+  }
   return c;
 }
 
@@ -267,7 +296,16 @@ std::optional<Errc> run(const Case& c, Arena& a, const cpu::Engine* e, NormParti
       for (int i = 0; i < c.n; ++i) {
         const TensorSlots& s = c.slots[i];
         t[i].param = view(a, s.param);
-        for (int k = 0; k < c.state_slots[i]; ++k) t[i].state[k] = view(a, s.state[k]);
+        for (int k = 0; k < c.state_slots[i]; ++k) {
+          if (!c.q8[i] || c.q8_and_state[i]) t[i].state[k] = view(a, s.state[k]);
+          if (c.q8[i])
+            t[i].q8[k] = Q8Slot{
+                s.codes[k].null
+                    ? nullptr
+                    : reinterpret_cast<std::uint8_t*>(a.bytes.data() + s.codes[k].offset),
+                s.absmax[k].null ? nullptr
+                                 : reinterpret_cast<float*>(a.bytes.data() + s.absmax[k].offset)};
+        }
         if (c.has_step[i] && !s.step.null)
           t[i].step = reinterpret_cast<float*>(a.bytes.data() + s.step.offset);
         t[i].grad = view(a, s.grad);
@@ -337,7 +375,10 @@ std::vector<std::size_t> f32_outputs(const Case& c) {
     const TensorSlots& t = c.slots[i];
     if (optimizer_op(c.op)) {
       add(t.param, t.param.numel);
-      for (int k = 0; k < c.state_slots[i]; ++k) add(t.state[k], t.state[k].numel);
+      for (int k = 0; k < c.state_slots[i]; ++k) {
+        if (!c.q8[i] || c.q8_and_state[i]) add(t.state[k], t.state[k].numel);
+        if (c.q8[i]) add(t.absmax[k], 1);
+      }
       if (c.has_step[i]) add(t.step, 1);
       if (c.has_compute[i]) add(t.compute, t.compute.numel);
     } else if (c.op == 2 || c.op == 3) {
@@ -364,8 +405,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool optimizer = optimizer_op(c.op);
   // The device steps f32 params only (docs/numerics.md 7.3: the CPU engine's bf16/f16).
   if (!optimizer || c.param_dtype != DType::f32) c.device = false;
-  for (int i = 0; i < c.n; ++i)  // a mixed list: one param in another dtype
-    if (c.slots[i].param.dtype != DType::f32) c.device = false;
+  for (int i = 0; i < c.n; ++i)  // a mixed list: one param in another dtype; 8-bit state
+    if (c.slots[i].param.dtype != DType::f32 || c.q8[i]) c.device = false;
   if (c.device) {
     c.read = GradientRead{0.5f, 0.75f};
     for (int i = 0; i < c.n; ++i) {

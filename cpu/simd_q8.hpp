@@ -1,0 +1,210 @@
+// The 8-bit state kernels of the generic body (docs/numerics.md 8f; core/q8.hpp):
+// dequantization, the block maximum and the encoding over integer lanes and one f32
+// operation each, and each unit's q8 kernel (one pass over memory per block). Part of
+// simd_body.hpp, which includes it last; compiled per ISA with it. Do not include it
+// elsewhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/q8.hpp"
+#include "cpu/simd_body.hpp"
+
+namespace stepcore::cpu::detail {
+
+template <class A>
+struct Q8Body : Body<A> {
+  using B = Body<A>;
+  using B::as_f;
+  using B::as_i;
+  using B::as_u;
+  using B::N;
+  using B::splat;
+  using typename B::F;
+  using typename B::I;
+  using typename B::Ops;
+  using typename B::U;
+
+  /// x[i] = M[codes[i]] * absmax for i in [0, n), M the map's values (f32 patterns).
+  static void q8_dequantize(const std::uint8_t* codes, float absmax, const std::uint32_t* map,
+                            float* x, std::size_t n) {
+    const F a = splat(absmax);
+    std::size_t i = 0;
+    for (; i + N <= n; i += N)
+      Ops::store(x + i, Ops::mul(as_f(Ops::gather(map, Ops::load_u8(codes + i))), a));
+    for (; i < n; ++i) x[i] = f32_from_bits(map[codes[i]]) * absmax;
+  }
+
+  /// The codes of y's lanes (y's f32 patterns `b`): ::stepcore::detail::q8_code,
+  /// lane-wise; `near` is set in the lanes within kQ8Guard keys of a threshold (core/q8.hpp).
+  static U q8_codes(const ::stepcore::detail::Q8Codebook& cb, U b,
+                    typename I::batch_bool_type& near) {
+    namespace d = ::stepcore::detail;
+    const I mag = as_i(b & U(0x7FFFFFFFu));
+    const auto negative = as_i(b) < I(0);
+    const I m = xsimd::min(xsimd::max(mag, I(static_cast<std::int32_t>(d::kQ8KeyFloor))),
+                           I(static_cast<std::int32_t>(d::kQ8KeyCeil)));
+    const U key = as_u(m) - U(d::kQ8KeyFloor);
+    const I low = as_i(key & U(d::kQ8KeyLowMask));
+    const I k = as_i(B::template shr<d::kQ8KeyShift>(key));
+    const I index = xsimd::select(negative, I(static_cast<std::int32_t>(d::kQ8Buckets) - 1) - k,
+                                  I(static_cast<std::int32_t>(d::kQ8Buckets)) + k);
+    const U e = Ops::gather(cb.buckets, as_u(index));
+    const I pos = as_i(e & U(d::kQ8PosMask)) - I(d::kQ8PosBias);
+    const auto moves = (as_i(e & U(d::kQ8MovesBit)) != I(0)) && (low >= pos);
+    const I from = low - pos + I(d::kQ8Guard);  // in [0, 2 * guard): near the threshold
+    near = (from >= I(0)) && (from < I(2 * d::kQ8Guard));
+    I code = as_i(B::template shr<24>(e)) +
+             xsimd::select(moves, xsimd::select(negative, I(-1), I(1)), I(0));
+    code = xsimd::select(mag > I(0x7F800000), I(static_cast<std::int32_t>(cb.nan_code)), code);
+    return as_u(code);
+  }
+
+  /// The largest magnitude pattern of x[0, n), NaN patterns included (they order above
+  /// +Inf): the integer maximum of the patterns finds max |x| and any NaN.
+  static std::uint32_t q8_max_bits(const float* x, std::size_t n) {
+    I mx(0);
+    std::size_t i = 0;
+    for (; i + N <= n; i += N) mx = xsimd::max(mx, as_i(as_u(Ops::load(x + i)) & U(0x7FFFFFFFu)));
+    std::uint32_t top = hmax(mx);
+    for (; i < n; ++i) {
+      const std::uint32_t a = f32_bits(x[i]) & 0x7FFFFFFFu;
+      top = a > top ? a : top;
+    }
+    return top;
+  }
+  /// The largest lane of non-negative 32-bit integers.
+  static std::uint32_t hmax(I mx) {
+    alignas(64) std::int32_t lanes[N];
+    mx.store_aligned(lanes);
+    std::uint32_t top = 0;
+    for (std::size_t l = 0; l < N; ++l)
+      top = static_cast<std::uint32_t>(lanes[l]) > top ? static_cast<std::uint32_t>(lanes[l]) : top;
+    return top;
+  }
+
+  /// codes[i] = the code of RN(x[i] / stored) for i in [0, n). Where `stored` allows
+  /// (core/q8.hpp), a vector's codes come from x * RN(1 / stored) and only a vector with a
+  /// lane near a threshold divides.
+  static void q8_encode(const float* x, std::size_t n, float stored,
+                        const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes) {
+    namespace d = ::stepcore::detail;
+    const std::uint32_t sb = f32_bits(stored);
+    const F a = splat(stored);
+    typename I::batch_bool_type near;
+    std::size_t i = 0;
+    if (sb >= d::kQ8FastMinBits && sb <= d::kQ8FastMaxBits) {
+      const F r = splat(1.0f / stored);
+      for (; i + N <= n; i += N) {
+        const F v = Ops::load(x + i);
+        U c = q8_codes(cb, as_u(Ops::mul(v, r)), near);
+        if (xsimd::any(near)) c = q8_codes(cb, as_u(Ops::div(v, a)), near);
+        Ops::store_u8(codes + i, c);
+      }
+    } else {
+      for (; i + N <= n; i += N)
+        Ops::store_u8(codes + i, q8_codes(cb, as_u(Ops::div(Ops::load(x + i), a)), near));
+    }
+    for (; i < n; ++i) codes[i] = static_cast<std::uint8_t>(d::q8_code(cb, x[i] / stored));
+  }
+
+  /// Requantizes one block's new values x[0, n) (n <= kQ8BlockSize) into `codes`; returns
+  /// the stored maximum.
+  static float q8_requantize(const float* x, std::size_t n,
+                             const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes) {
+    const float stored = ::stepcore::detail::q8_stored_max(cb, q8_max_bits(x, n));
+    q8_encode(x, n, stored, cb, codes);
+    return stored;
+  }
+
+  /// Unit Opt's step, variant V, over elements [begin, end) of a tensor whose slots are
+  /// 8-bit (`q`; begin on a block boundary), block by block in one pass over memory: each
+  /// vector's codes are dequantized in registers, stepped, the parameter stored, the new
+  /// state kept in an L1 array and its magnitude folded into the block's maximum; the
+  /// block's remainder and tail elements go one at a time through the same arrays; then
+  /// each slot's maximum is stored and its codes encoded from the array.
+  template <class Opt, class G, class O, int V, int Mode, class St>
+  static void q8_lanes(const UnitRange<Opt>& r, const Q8Slots& q, std::size_t begin,
+                       std::size_t end) {
+    constexpr int K = Opt::slots(V);
+    constexpr int KA = K > 0 ? K : 1;
+    const F scale = splat(r.read.scale), clip = splat(r.read.clip);
+    const U f32 = B::f32_lanes(r.read);
+    const typename Opt::template Consts<Ops> k(r.scalars);
+    const St* const Ps = static_cast<const St*>(r.src[0]);
+    St* const P = static_cast<St*>(r.dst[0]);
+    const G* __restrict grad = static_cast<const G*>(r.grad);
+    O* __restrict out = static_cast<O*>(r.out);
+    alignas(64) float values[KA][kQ8BlockSize];
+    UnitRange<Opt> rest = r;  // the block's elements one at a time, the state in `values`
+    for (int s = 0; s < K; ++s) {
+      rest.dst[1 + s] = values[s];
+      rest.src[1 + s] = values[s];
+    }
+    for (std::size_t b0 = begin; b0 < end; b0 += kQ8BlockSize) {
+      const std::size_t n = end - b0 < kQ8BlockSize ? end - b0 : kQ8BlockSize;
+      const std::size_t block = b0 / kQ8BlockSize;
+      const std::size_t tail = r.tail_begin > b0 ? r.tail_begin - b0 : 0;
+      const std::size_t lanes_end = (tail < n ? tail : n) / N * N;
+      F a[KA];
+      I mx[KA];
+      for (int s = 0; s < K; ++s) {
+        a[s] = splat(q.absmax[s][block]);
+        mx[s] = I(0);
+      }
+      for (std::size_t j = 0; j < lanes_end; j += N) {
+        const std::size_t i = b0 + j;
+        const F g = B::template read_mode<Mode>(grad + i, scale, clip, f32);
+        F p = B::load(Ps + i);
+        F st[KA];
+        for (int s = 0; s < K; ++s)
+          st[s] =
+              Ops::mul(as_f(Ops::gather(q.codebook[s]->map, Ops::load_u8(q.codes[s] + i))), a[s]);
+        Opt::template update<Ops, V, false>(k, g, p, st);
+        B::store(P + i, p);
+        if constexpr (!std::is_void_v<O>) B::store(out + i, p);
+        for (int s = 0; s < K; ++s) {
+          Ops::store(values[s] + j, st[s]);
+          mx[s] = xsimd::max(mx[s], as_i(as_u(st[s]) & U(0x7FFFFFFFu)));
+        }
+      }
+      if (lanes_end < n) {
+        for (int s = 0; s < K; ++s)
+          for (std::size_t j = lanes_end; j < n; ++j)
+            values[s][j] =
+                f32_from_bits(q.codebook[s]->map[q.codes[s][b0 + j]]) * q.absmax[s][block];
+        rest.dst[0] = P + b0;
+        rest.src[0] = Ps + b0;
+        rest.grad = grad + b0;
+        if constexpr (!std::is_void_v<O>) rest.out = out + b0;
+        rest.tail_begin = tail;
+        B::template unit_scalar<Opt, V, G, O, St, float>(rest, lanes_end, n);
+      }
+      for (int s = 0; s < K; ++s) {
+        std::uint32_t top = hmax(mx[s]);
+        for (std::size_t j = lanes_end; j < n; ++j) {
+          const std::uint32_t m = f32_bits(values[s][j]) & 0x7FFFFFFFu;
+          top = m > top ? m : top;
+        }
+        const float stored = ::stepcore::detail::q8_stored_max(*q.codebook[s], top);
+        q.absmax[s][block] = stored;
+        q8_encode(values[s], n, stored, *q.codebook[s], q.codes[s] + b0);
+      }
+    }
+  }
+
+  /// q8_lanes for the range's variant and read.
+  template <class Opt, class G, class O, class St>
+  static void q8_step(const UnitRange<Opt>& r, const Q8Slots& q, std::size_t begin,
+                      std::size_t end) {
+    ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
+      B::template with_unit_read<Opt>(r.read, [&](auto mode) {
+        q8_lanes<Opt, G, O, decltype(form)::value, decltype(mode)::value, St>(r, q, begin, end);
+      });
+    });
+  }
+};
+
+}  // namespace stepcore::cpu::detail
