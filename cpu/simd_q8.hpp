@@ -39,28 +39,51 @@ struct Q8Body : Body<A> {
 
   /// The codes of y's lanes (y's f32 patterns `b`): ::stepcore::detail::q8_code,
   /// lane-wise; `near` is set in the lanes within kQ8Guard keys of a threshold (core/q8.hpp).
+  /// NaNs: whether a lane may hold a NaN (else its code is left to the caller's guarantee).
+  template <bool NaNs = true>
   static U q8_codes(const ::stepcore::detail::Q8Codebook& cb, U b,
                     typename I::batch_bool_type& near) {
     namespace d = ::stepcore::detail;
     const I mag = as_i(b & U(0x7FFFFFFFu));
-    const auto negative = as_i(b) < I(0);
+    const I sign = as_i(b) >> 31;  // all ones in negative lanes
     const I m = xsimd::min(xsimd::max(mag, I(static_cast<std::int32_t>(d::kQ8KeyFloor))),
                            I(static_cast<std::int32_t>(d::kQ8KeyCeil)));
-    const U key = as_u(m) - U(d::kQ8KeyFloor);
-    const I low = as_i(key & U(d::kQ8KeyLowMask));
-    const I k = as_i(B::template shr<d::kQ8KeyShift>(key));
-    const I index = xsimd::select(negative, I(static_cast<std::int32_t>(d::kQ8Buckets) - 1) - k,
-                                  I(static_cast<std::int32_t>(d::kQ8Buckets)) + k);
+    const I key = m - I(static_cast<std::int32_t>(d::kQ8KeyFloor));
+    const I low = key & I(static_cast<std::int32_t>(d::kQ8KeyLowMask));
+    // kQ8Buckets + k for +y, kQ8Buckets - 1 - k (= kQ8Buckets + ~k) for -y.
+    const I index = I(static_cast<std::int32_t>(d::kQ8Buckets)) + ((key >> d::kQ8KeyShift) ^ sign);
     const U e = Ops::gather(cb.buckets, as_u(index));
     const I pos = as_i(e & U(d::kQ8PosMask)) - I(d::kQ8PosBias);
     const auto moves = (as_i(e & U(d::kQ8MovesBit)) != I(0)) && (low >= pos);
     const I from = low - pos + I(d::kQ8Guard);  // in [0, 2 * guard): near the threshold
     near = (from >= I(0)) && (from < I(2 * d::kQ8Guard));
-    I code = as_i(B::template shr<24>(e)) +
-             xsimd::select(moves, xsimd::select(negative, I(-1), I(1)), I(0));
-    code = xsimd::select(mag > I(0x7F800000), I(static_cast<std::int32_t>(cb.nan_code)), code);
+    I code = as_i(B::template shr<24>(e)) + xsimd::select(moves, sign | I(1), I(0));
+    if constexpr (NaNs)
+      code = xsimd::select(mag > I(0x7F800000), I(static_cast<std::int32_t>(cb.nan_code)), code);
     return as_u(code);
   }
+
+  /// How a block's values are encoded (q8_encode): the stored maximum `a` and, where it
+  /// allows the reciprocal path (core/q8.hpp), r = RN(1 / a).
+  struct Encoder {
+    F a{}, r{};
+    bool fast = false;
+    Encoder() = default;
+    explicit Encoder(float stored) : a(splat(stored)), r(splat(1.0f / stored)) {
+      const std::uint32_t sb = f32_bits(stored);
+      fast = sb >= ::stepcore::detail::kQ8FastMinBits && sb <= ::stepcore::detail::kQ8FastMaxBits;
+    }
+    /// The codes of RN(v / a): from v * r (no NaN: the maximum is finite) unless a lane is
+    /// near a threshold, else by division.
+    U codes(const ::stepcore::detail::Q8Codebook& cb, F v) const {
+      typename I::batch_bool_type near;
+      if (fast) {
+        const U c = q8_codes<false>(cb, as_u(Ops::mul(v, r)), near);
+        if (!xsimd::any(near)) return c;
+      }
+      return q8_codes(cb, as_u(Ops::div(v, a)), near);
+    }
+  };
 
   /// The largest magnitude pattern of x[0, n), NaN patterns included (they order above
   /// +Inf): the integer maximum of the patterns finds max |x| and any NaN.
@@ -85,29 +108,16 @@ struct Q8Body : Body<A> {
     return top;
   }
 
-  /// codes[i] = the code of RN(x[i] / stored) for i in [0, n). Where `stored` allows
-  /// (core/q8.hpp), a vector's codes come from x * RN(1 / stored) and only a vector with a
-  /// lane near a threshold divides.
+  /// codes[i] = the code of RN(x[i] / stored) for i in [0, n), vectors from `from` on (a
+  /// multiple of N) and the remainder one at a time (Encoder).
   static void q8_encode(const float* x, std::size_t n, float stored,
-                        const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes) {
-    namespace d = ::stepcore::detail;
-    const std::uint32_t sb = f32_bits(stored);
-    const F a = splat(stored);
-    typename I::batch_bool_type near;
-    std::size_t i = 0;
-    if (sb >= d::kQ8FastMinBits && sb <= d::kQ8FastMaxBits) {
-      const F r = splat(1.0f / stored);
-      for (; i + N <= n; i += N) {
-        const F v = Ops::load(x + i);
-        U c = q8_codes(cb, as_u(Ops::mul(v, r)), near);
-        if (xsimd::any(near)) c = q8_codes(cb, as_u(Ops::div(v, a)), near);
-        Ops::store_u8(codes + i, c);
-      }
-    } else {
-      for (; i + N <= n; i += N)
-        Ops::store_u8(codes + i, q8_codes(cb, as_u(Ops::div(Ops::load(x + i), a)), near));
-    }
-    for (; i < n; ++i) codes[i] = static_cast<std::uint8_t>(d::q8_code(cb, x[i] / stored));
+                        const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes,
+                        std::size_t from = 0) {
+    const Encoder enc(stored);
+    std::size_t i = from;
+    for (; i + N <= n; i += N) Ops::store_u8(codes + i, enc.codes(cb, Ops::load(x + i)));
+    for (; i < n; ++i)
+      codes[i] = static_cast<std::uint8_t>(::stepcore::detail::q8_code(cb, x[i] / stored));
   }
 
   /// Requantizes one block's new values x[0, n) (n <= kQ8BlockSize) into `codes`; returns
