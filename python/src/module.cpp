@@ -361,6 +361,7 @@ std::string python_name(const std::string& arg) {
     // Engine.step's state lists: "tensors[3].state[1]" -> "states[1][3]"; a slot named by
     // its unit, "tensors[3].momentum_buffer" -> "momentum_buffers[3]".
     if (field.rfind(".state[", 0) == 0) return "states" + field.substr(6) + index;
+    if (field.rfind(".q8[", 0) == 0) return "states" + field.substr(3) + index;
     if (field.size() > 1 && field[0] == '.' && field.find_first_of("[.", 1) == std::string::npos)
       return field.substr(1) + "s" + index;
   }
@@ -407,8 +408,35 @@ std::vector<OptimizerTensor> python::optimizer_tensors(const Objects& params,
   std::vector<OptimizerTensor> t(n);
   for (std::size_t i = 0; i < n; ++i) {
     t[i].param = cpu_view(params[i], "params", i, Access::write);
-    for (std::size_t s = 0; s < states.size(); ++s)
-      t[i].state[s] = cpu_view(states[s][i], kSlotLists[s], i, Access::write);
+    for (std::size_t s = 0; s < states.size(); ++s) {
+      const nb::handle h = states[s][i];
+      if (!nb::isinstance<nb::tuple>(h)) {
+        t[i].state[s] = cpu_view(h, kSlotLists[s], i, Access::write);
+        continue;
+      }
+      // An 8-bit slot (docs/numerics.md 8f): (codes, absmax), uint8 codes one per element
+      // and f32 maxima one per block of kQ8BlockSize.
+      const ArgName name{kSlotLists[s], static_cast<std::ptrdiff_t>(i)};
+      const nb::tuple pair = nb::borrow<nb::tuple>(h);
+      if (pair.size() != 2)
+        bad_array(true, name.str(), "an 8-bit slot is a (codes, absmax) pair");
+      const BufferArg codes = buffer_arg(pair[0], name, Memory::cpu, Access::write, kU8);
+      const BufferArg absmax = buffer_arg(pair[1], name, Memory::cpu, Access::write, kF32);
+      const std::size_t blocks = (t[i].param.numel + kQ8BlockSize - 1) / kQ8BlockSize;
+      if (codes.numel != t[i].param.numel || absmax.numel != blocks)
+        bad_array(false, name.str(),
+                  "an 8-bit slot holds " + std::to_string(t[i].param.numel) +
+                      " uint8 codes (one per element) and " + std::to_string(blocks) +
+                      " float32 block maxima (one per " + std::to_string(kQ8BlockSize) +
+                      "); got " + std::to_string(codes.numel) + " and " +
+                      std::to_string(absmax.numel));
+      static std::uint8_t no_code;
+      static float no_max;
+      t[i].q8[s] = t[i].param.numel == 0
+                       ? Q8Slot{&no_code, &no_max}
+                       : Q8Slot{static_cast<std::uint8_t*>(codes.data),
+                                static_cast<float*>(absmax.data)};
+    }
     if (steps) {
       const TensorView c = cpu_view((*steps)[i], "steps", i, Access::write);
       if (c.dtype != DType::f32 || c.numel != 1)
@@ -522,7 +550,10 @@ NB_MODULE(_core, m) {
           "(docs/numerics.md; as many lists as its configuration uses), steps: 0-dim f32 "
           "counters incremented first (None for an optimizer that keeps none), grads "
           "f32/bf16/f16 read as R(R(g*grad_scale)*clip); computes[i] receives params[i] "
-          "rounded to its dtype. Everything is checked before anything is written; "
+          "rounded to its dtype. A states[k][i] given as a (codes, absmax) tuple is an 8-bit "
+          "slot (AdamW, Adam: docs/numerics.md 8f): uint8 codes, one per element, and float32 "
+          "maxima, one per block of 256; a tensor's slots are all 8-bit or none. "
+          "Everything is checked before anything is written; "
           "found_inf=True then writes nothing (counters kept). Bitwise: equals the reference "
           "for any ISA and thread count.")
       .def(
