@@ -89,6 +89,8 @@ using UnitFn = void (*)(const UnitRange<Opt>&, std::size_t begin, std::size_t en
 /// (from the tensor's first element), and the codebook of its map under the variant's rule.
 struct Q8Slots {
   int slots = 0;
+  int grad_dtype = 0;   ///< the gradient's DType, as an int
+  int output_kind = 0;  ///< the compute output's kind (output_kind): f32 params only
   std::uint8_t* codes[kMaxOptimizerSlots] = {};
   float* absmax[kMaxOptimizerSlots] = {};
   const ::stepcore::detail::Q8Codebook* codebook[kMaxOptimizerSlots] = {};
@@ -105,13 +107,14 @@ using Q8Fn = void (*)(const UnitRange<Opt>&, const Q8Slots& q, std::size_t begin
 /// kind], f32 params only) for ranges with streamed destinations (UnitRange::stream != 0:
 /// out of place, streaming stores, which the caller must fence (sfence) before another
 /// thread reads them; the engine picks per range).
-/// `q8` ([param dtype][gradient dtype][output kind]; units that take 8-bit slots, else
-/// null): a tensor whose used slots are 8-bit (docs/numerics.md 8f), in place.
+/// `q8` ([param dtype]; units that take 8-bit slots, else null): a tensor whose used slots
+/// are 8-bit (docs/numerics.md 8f), in place, the gradient's dtype and the output kind
+/// read from its Q8Slots.
 template <class Opt>
 struct UnitKernels {
   UnitFn<Opt> step[kDTypes][kDTypes][kOutputKinds];
   UnitFn<Opt> streamed[kDTypes][kOutputKinds];
-  Q8Fn<Opt> q8[kDTypes][kDTypes][kOutputKinds];
+  Q8Fn<Opt> q8[kDTypes];
 };
 
 /// The kernels of every unit of a UnitList, found by unit: tables.of<AdamW>().

@@ -19,6 +19,8 @@ Q8Slots q8_slots(const OptimizerTensor& t, int variant) {
     if (used == 0 || (t.q8[0].codes == nullptr && t.q8[0].absmax == nullptr)) return q;
     const ::stepcore::detail::Q8Rule rule = ::stepcore::detail::unit_q8_rule<Opt>(variant);
     q.slots = used;
+    q.grad_dtype = static_cast<int>(t.grad.dtype);
+    q.output_kind = output_kind(t.compute_param);
     for (int s = 0; s < used; ++s) {
       q.codes[s] = t.q8[s].codes;
       q.absmax[s] = t.q8[s].absmax;
@@ -34,7 +36,8 @@ Q8Slots q8_slots(const OptimizerTensor& t, int variant) {
 template <class Opt>
 Q8Fn<Opt> q8_kernel(const UnitKernels<Opt>& kernels, int p, int g, int o) {
   if (p < 0 || p >= kDTypes || g < 0 || g >= kDTypes || o < 0 || o >= kOutputKinds) return nullptr;
-  return kernels.q8[p][g][o];
+  if (p != 0 && o != 0) return nullptr;
+  return kernels.q8[p];
 }
 
 }  // namespace stepcore::cpu::detail

@@ -406,11 +406,12 @@ bool check_q8_unit(const KernelTable& t, Failure& fail) {
               if (f32) rv.compute_param = TensorView{want_out.data(), n, DType::f32};
               reference::optimizer_step({&rv, 1}, OptimizerConfig(config), read);
               OptimizerTensor kv = view(got);
+              const TensorView o = out == 0 ? TensorView{} : TensorView{got_out.data(), n, od};
+              kv.compute_param = o;
               const detail::Q8Slots q = detail::q8_slots<Opt>(kv, variant);
               got.step = got.step + 1.0f;
               TensorView dst[1 + Opt::kSlots] = {kv.param};
               ConstTensorView src[1 + Opt::kSlots] = {};
-              const TensorView o = out == 0 ? TensorView{} : TensorView{got_out.data(), n, od};
               const auto range =
                   detail::unit_range<Opt>(config, got.step, read, dst, src, g.data(), o);
               fn(range, q, 0, kQ8BlockSize);

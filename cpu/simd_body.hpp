@@ -575,13 +575,12 @@ struct Body {
       k.step[bf16][g][0] = &unit_step<Opt, G, void, bfloat16_t>;
       k.step[f16][g][0] = &unit_step<Opt, G, void, float16_t>;
       if constexpr (::stepcore::detail::unit_takes_q8<Opt>()) {
-        using Q = Q8Body<A>;
-        k.q8[f32][g][0] = &Q::template q8_step<Opt, G, void, float>;
-        k.q8[f32][g][1] = &Q::template q8_step<Opt, G, float, float>;
-        k.q8[f32][g][2] = &Q::template q8_step<Opt, G, bfloat16_t, float>;
-        k.q8[f32][g][3] = &Q::template q8_step<Opt, G, float16_t, float>;
-        k.q8[bf16][g][0] = &Q::template q8_step<Opt, G, void, bfloat16_t>;
-        k.q8[f16][g][0] = &Q::template q8_step<Opt, G, void, float16_t>;
+        if (g == f32) {  // one kernel per param dtype: gradient and output at run time
+          using Q = Q8Body<A>;
+          k.q8[f32] = &Q::template q8_step<Opt, float>;
+          k.q8[bf16] = &Q::template q8_step<Opt, bfloat16_t>;
+          k.q8[f16] = &Q::template q8_step<Opt, float16_t>;
+        }
       }
     });
     t.accumulate[g] = &accumulate<G>;

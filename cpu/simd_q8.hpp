@@ -129,35 +129,87 @@ struct Q8Body : Body<A> {
     return stored;
   }
 
+  /// The gradient read (docs/numerics.md 3) of elements [i0, i0 + n) of `grad` (dtype G)
+  /// into f32 values g[0, n): R_G(R_G(f32(x) * scale) * clip), or the stored value for a
+  /// unit that reads it unscaled.
+  template <class G>
+  static void q8_read(const void* grad_v, const GradientRead& read, bool scaled, std::size_t i0,
+                      float* g, std::size_t n) {
+    const G* grad = static_cast<const G*>(grad_v) + i0;
+    const F scale = splat(read.scale), clip = splat(read.clip);
+    const U f32 = B::f32_lanes(read);
+    std::size_t j = 0;
+    if (scaled) {
+      for (; j + N <= n; j += N)
+        Ops::store(g + j, B::template read_mode<2>(grad + j, scale, clip, f32));
+      for (; j < n; ++j) g[j] = B::read1(grad + j, read.scale, read.clip, read.as_f32);
+    } else {
+      for (; j + N <= n; j += N) Ops::store(g + j, B::load(grad + j));
+      for (; j < n; ++j) g[j] = to_f32(grad[j]);
+    }
+  }
+  /// The compute output of elements [i0, i0 + n): out = R_O(p) for the new f32 params.
+  template <class O>
+  static void q8_output(const float* p, void* out_v, std::size_t i0, std::size_t n) {
+    O* out = static_cast<O*>(out_v) + i0;
+    p += i0;
+    std::size_t j = 0;
+    for (; j + N <= n; j += N) B::store(out + j, Ops::load(p + j));
+    for (; j < n; ++j) out[j] = from_f32<O>(p[j]);
+  }
+  /// q8_read for the gradient's dtype (an index of kDTypes).
+  static void q8_read_any(int g, const void* grad, const GradientRead& read, bool scaled,
+                          std::size_t i0, float* out, std::size_t n) {
+    if (g == static_cast<int>(DType::bf16))
+      q8_read<bfloat16_t>(grad, read, scaled, i0, out, n);
+    else if (g == static_cast<int>(DType::f16))
+      q8_read<float16_t>(grad, read, scaled, i0, out, n);
+    else
+      q8_read<float>(grad, read, scaled, i0, out, n);
+  }
+  /// q8_output for an output kind (1 + its dtype; 0: none).
+  static void q8_output_any(int o, const float* p, void* out, std::size_t i0, std::size_t n) {
+    if (o == 1 + static_cast<int>(DType::f32))
+      q8_output<float>(p, out, i0, n);
+    else if (o == 1 + static_cast<int>(DType::bf16))
+      q8_output<bfloat16_t>(p, out, i0, n);
+    else if (o == 1 + static_cast<int>(DType::f16))
+      q8_output<float16_t>(p, out, i0, n);
+  }
+
   /// Unit Opt's step, variant V, over elements [begin, end) of a tensor whose slots are
-  /// 8-bit (`q`; begin on a block boundary), block by block in one pass over memory: each
-  /// vector's codes are dequantized in registers, stepped, the parameter stored, the new
+  /// 8-bit (`q`; begin on a block boundary) and whose parameter and state are St, block
+  /// by block in one pass over memory: the block's gradient read into f32 values (L1);
+  /// each vector's codes dequantized in registers, stepped, the parameter stored, the new
   /// state kept in an L1 array and its magnitude folded into the block's maximum; the
-  /// block's remainder and tail elements go one at a time through the same arrays; then
-  /// each slot's maximum is stored and its codes encoded from the array.
-  template <class Opt, class G, class O, int V, int Mode, class St>
+  /// block's remainder and tail elements one at a time through the same arrays; the
+  /// compute output from the stored parameters; then each slot's maximum stored and its
+  /// codes encoded from the array. The gradient's dtype and the output are run-time
+  /// arguments (q.grad_dtype, q.output_kind), so a unit has one kernel per St and variant.
+  template <class Opt, int V, class St>
   static void q8_lanes(const UnitRange<Opt>& r, const Q8Slots& q, std::size_t begin,
                        std::size_t end) {
     constexpr int K = Opt::slots(V);
     constexpr int KA = K > 0 ? K : 1;
-    const F scale = splat(r.read.scale), clip = splat(r.read.clip);
-    const U f32 = B::f32_lanes(r.read);
     const typename Opt::template Consts<Ops> k(r.scalars);
     const St* const Ps = static_cast<const St*>(r.src[0]);
     St* const P = static_cast<St*>(r.dst[0]);
-    const G* __restrict grad = static_cast<const G*>(r.grad);
-    O* __restrict out = static_cast<O*>(r.out);
     alignas(64) float values[KA][kQ8BlockSize];
-    UnitRange<Opt> rest = r;  // the block's elements one at a time, the state in `values`
+    alignas(64) float grads[kQ8BlockSize];
+    UnitRange<Opt> rest = r;  // the block's elements one at a time, from the L1 arrays
     for (int s = 0; s < K; ++s) {
       rest.dst[1 + s] = values[s];
       rest.src[1 + s] = values[s];
     }
+    rest.grad = grads;
+    rest.out = nullptr;
+    rest.read = GradientRead{1.0f, 1.0f, false};  // the values read already
     for (std::size_t b0 = begin; b0 < end; b0 += kQ8BlockSize) {
       const std::size_t n = end - b0 < kQ8BlockSize ? end - b0 : kQ8BlockSize;
       const std::size_t block = b0 / kQ8BlockSize;
       const std::size_t tail = r.tail_begin > b0 ? r.tail_begin - b0 : 0;
       const std::size_t lanes_end = (tail < n ? tail : n) / N * N;
+      q8_read_any(q.grad_dtype, r.grad, r.read, Opt::kReadsScaled, b0, grads, n);
       F a[KA];
       I mx[KA];
       for (int s = 0; s < K; ++s) {
@@ -166,7 +218,7 @@ struct Q8Body : Body<A> {
       }
       for (std::size_t j = 0; j < lanes_end; j += N) {
         const std::size_t i = b0 + j;
-        const F g = B::template read_mode<Mode>(grad + i, scale, clip, f32);
+        const F g = Ops::load(grads + j);
         F p = B::load(Ps + i);
         F st[KA];
         for (int s = 0; s < K; ++s)
@@ -174,7 +226,6 @@ struct Q8Body : Body<A> {
               Ops::mul(as_f(Ops::gather(q.codebook[s]->map, Ops::load_u8(q.codes[s] + i))), a[s]);
         Opt::template update<Ops, V, false>(k, g, p, st);
         B::store(P + i, p);
-        if constexpr (!std::is_void_v<O>) B::store(out + i, p);
         for (int s = 0; s < K; ++s) {
           Ops::store(values[s] + j, st[s]);
           mx[s] = xsimd::max(mx[s], as_i(as_u(st[s]) & U(0x7FFFFFFFu)));
@@ -187,11 +238,11 @@ struct Q8Body : Body<A> {
                 f32_from_bits(q.codebook[s]->map[q.codes[s][b0 + j]]) * q.absmax[s][block];
         rest.dst[0] = P + b0;
         rest.src[0] = Ps + b0;
-        rest.grad = grad + b0;
-        if constexpr (!std::is_void_v<O>) rest.out = out + b0;
         rest.tail_begin = tail;
-        B::template unit_scalar<Opt, V, G, O, St, float>(rest, lanes_end, n);
+        B::template unit_scalar<Opt, V, float, void, St, float>(rest, lanes_end, n);
       }
+      if constexpr (std::is_same_v<St, float>)
+        if (q.output_kind != 0) q8_output_any(q.output_kind, P, r.out, b0, n);
       for (int s = 0; s < K; ++s) {
         std::uint32_t top = hmax(mx[s]);
         for (std::size_t j = lanes_end; j < n; ++j) {
@@ -205,15 +256,12 @@ struct Q8Body : Body<A> {
     }
   }
 
-  /// q8_lanes for the range's variant and read.
-  template <class Opt, class G, class O, class St>
+  /// q8_lanes for the range's variant.
+  template <class Opt, class St>
   static void q8_step(const UnitRange<Opt>& r, const Q8Slots& q, std::size_t begin,
                       std::size_t end) {
-    ::stepcore::detail::with_variant<Opt::kVariants>(r.variant, [&](auto form) {
-      B::template with_unit_read<Opt>(r.read, [&](auto mode) {
-        q8_lanes<Opt, G, O, decltype(form)::value, decltype(mode)::value, St>(r, q, begin, end);
-      });
-    });
+    ::stepcore::detail::with_variant<Opt::kVariants>(
+        r.variant, [&](auto form) { q8_lanes<Opt, decltype(form)::value, St>(r, q, begin, end); });
   }
 };
 

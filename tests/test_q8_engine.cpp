@@ -298,15 +298,18 @@ void expect_same(const Q8Set& got, const Q8Set& want, const std::string& what) {
   }
 }
 
-void reference_step(std::vector<OptimizerTensor>& v, const AdamWConfig& c) {
-  stepcore::reference::adamw_step(v, c);
+void reference_step(std::vector<OptimizerTensor>& v, const AdamWConfig& c,
+                    stepcore::GradientRead read) {
+  stepcore::reference::adamw_step(v, c, read);
 }
-void reference_step(std::vector<OptimizerTensor>& v, const AdamConfig& c) {
-  stepcore::reference::adam_step(v, c);
+void reference_step(std::vector<OptimizerTensor>& v, const AdamConfig& c,
+                    stepcore::GradientRead read) {
+  stepcore::reference::adam_step(v, c, read);
 }
 
 // Steps copies of `set` on every ISA under test with threads 1 and 3 and the reference,
-// `steps` times, comparing after each step.
+// `steps` times, comparing after each step; the gradient read with a scale and a clip,
+// its products rounded in the gradient's dtype at odd steps and in f32 at even ones.
 template <class Config>
 void run_against_reference(const Q8Set& set, const Config& c, int steps, const std::string& what) {
   struct Run {
@@ -324,11 +327,12 @@ void run_against_reference(const Q8Set& set, const Config& c, int steps, const s
   for (int s = 1; s <= steps; ++s) {
     fill_grads(want, s);
     auto wv = want.views();
-    reference_step(wv, c);
+    const stepcore::GradientRead read{1.0f / 3.0f, 0.7f, s % 2 == 0};
+    reference_step(wv, c, read);
     for (Run& r : runs) {
       fill_grads(r.set, s);
       auto v = r.set.views();
-      r.engine.step(v, c);
+      r.engine.step(v, c, read);
       expect_same(r.set, want, what + " " + r.name + " step " + std::to_string(s));
       if (::testing::Test::HasFatalFailure()) return;
     }
