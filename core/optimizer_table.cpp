@@ -88,7 +88,8 @@ struct UnitRows {
 template <class... Units>
 constexpr std::array<OptimizerInfo, sizeof...(Units)> make_table(detail::UnitList<Units...>) {
   return {OptimizerInfo{Units::kName, UnitRows<Units>::kHyper, UnitRows<Units>::kSlots,
-                        Units::kCountsSteps, Units::kReadsScaled}...};
+                        Units::kCountsSteps, Units::kReadsScaled,
+                        detail::unit_takes_q8<Units>()}...};
 }
 
 constexpr auto kTable = make_table(detail::AllUnits{});

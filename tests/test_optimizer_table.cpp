@@ -48,6 +48,7 @@ void check_entry(const OptimizerInfo& info) {
   EXPECT_EQ(std::string(info.name), std::string(OptimizerTraits<C>::kName));
   EXPECT_EQ(info.counts_steps, Unit::kCountsSteps) << name;
   EXPECT_EQ(info.reads_scaled, Unit::kReadsScaled) << name;
+  EXPECT_EQ(info.q8, ::stepcore::detail::unit_takes_q8<Unit>()) << name;
 
   // Hyper-parameters: OptimizerTraits' fields, in order, with the Config's defaults.
   const auto& fields = OptimizerTraits<C>::kFields;

@@ -282,6 +282,9 @@ struct OptimizerInfo {
   /// Its gradient read applies the scale and clip coefficient (GradientRead); false: it
   /// reads f32(g) (SignSGD: the sign of a positive multiple is the same).
   bool reads_scaled;
+  /// Its state slots may be block-wise 8-bit (OptimizerTensor::q8, docs/numerics.md 8f) in
+  /// the reference and the CPU engine.
+  bool q8;
 };
 
 /// Every optimizer the library implements, entry i for alternative i of OptimizerConfig.

@@ -78,6 +78,7 @@ nb::dict entry_dict(const OptimizerInfo& info) {
   out["slots"] = slots;
   out["counts_steps"] = info.counts_steps;
   out["reads_scaled"] = info.reads_scaled;
+  out["q8"] = info.q8;
   return out;
 }
 
@@ -100,7 +101,8 @@ void bind_optimizers(nb::module_& m) {
       "every state slot it may keep, in its order [{'name', 'initial': the hyper-parameter "
       "whose value the slot starts from, or None for +0, 'non_negative': loaded values below "
       "zero are refused}]; 'counts_steps' (a per-tensor "
-      "step counter); 'reads_scaled' (its gradient read applies grad_scale and clip).");
+      "step counter); 'reads_scaled' (its gradient read applies grad_scale and clip); 'q8' "
+      "(Engine.step takes its state slots as 8-bit (codes, absmax) pairs).");
   m.def(
       "optimizers",
       [] {

@@ -72,6 +72,7 @@ def test_the_table_lists_every_optimizer_with_its_fields_and_slots():
         for s in e["slots"]:
             assert s["initial"] is None or s["initial"] in names, s
         assert isinstance(e["counts_steps"], bool) and isinstance(e["reads_scaled"], bool)
+        assert isinstance(e["q8"], bool)
         defaults = {h["name"]: h["default"] for h in e["hyper"]}
         engine.step(e["name"], [], [], None, [], hyper=defaults)  # validates, writes nothing
         # The slots one configuration uses are the first of the table's.
@@ -347,3 +348,35 @@ def test_group_values_in_hyper_are_refused():
                 with pytest.raises(ValueError, match=f"'hyper' sets '{h['name']}'"):
                     st.GradientManager(TinyLM(), offload="full", optimizer=name,
                                        hyper={h["name"]: h["default"]})
+
+
+def test_q8_says_which_optimizers_take_8_bit_slots():
+    """'q8' against behaviour: an optimizer whose entry says so steps 8-bit slots as the
+    reference does; the others refuse them, naming the slot."""
+    import numpy as np
+    engine = stepcore.Engine(threads=1)
+    assert [e["name"] for e in TABLE if e["q8"]] != []
+    for e in TABLE:
+        defaults = {h["name"]: h["default"] for h in e["hyper"]}
+        used = len(stepcore.optimizer_slots(e["name"], defaults))
+        if used == 0:
+            assert not e["q8"], e["name"]
+            continue
+        rng = np.random.default_rng(3)
+        p = rng.standard_normal(300, dtype=np.float32)
+        g = rng.standard_normal(300, dtype=np.float32)
+        steps = [np.zeros((), np.float32)] if e["counts_steps"] else None
+        mine = [[(np.full(300, k, np.uint8), np.full(2, 1e-3, np.float32))] for k in range(used)]
+        if not e["q8"]:
+            with pytest.raises(TypeError, match=r"states\[0\]\[0\]"):
+                engine.step(e["name"], [p], mine, steps, [g], hyper=defaults)
+            continue
+        theirs = [[(c.copy(), a.copy()) for c, a in slot] for slot in mine]
+        q = p.copy()
+        steps2 = [np.zeros((), np.float32)] if steps else None
+        engine.step(e["name"], [p], mine, steps, [g], hyper=defaults)
+        stepcore.reference_step(e["name"], [q], theirs, steps2, [g], hyper=defaults)
+        assert p.tobytes() == q.tobytes(), e["name"]
+        for a, b in zip(mine, theirs):
+            assert a[0][0].tobytes() == b[0][0].tobytes(), e["name"]
+            assert a[0][1].tobytes() == b[0][1].tobytes(), e["name"]
