@@ -418,8 +418,7 @@ std::vector<OptimizerTensor> python::optimizer_tensors(const Objects& params,
       // and f32 maxima one per block of kQ8BlockSize.
       const ArgName name{kSlotLists[s], static_cast<std::ptrdiff_t>(i)};
       const nb::tuple pair = nb::borrow<nb::tuple>(h);
-      if (pair.size() != 2)
-        bad_array(true, name.str(), "an 8-bit slot is a (codes, absmax) pair");
+      if (pair.size() != 2) bad_array(true, name.str(), "an 8-bit slot is a (codes, absmax) pair");
       const BufferArg codes = buffer_arg(pair[0], name, Memory::cpu, Access::write, kU8);
       const BufferArg absmax = buffer_arg(pair[1], name, Memory::cpu, Access::write, kF32);
       const std::size_t blocks = (t[i].param.numel + kQ8BlockSize - 1) / kQ8BlockSize;
@@ -427,15 +426,13 @@ std::vector<OptimizerTensor> python::optimizer_tensors(const Objects& params,
         bad_array(false, name.str(),
                   "an 8-bit slot holds " + std::to_string(t[i].param.numel) +
                       " uint8 codes (one per element) and " + std::to_string(blocks) +
-                      " float32 block maxima (one per " + std::to_string(kQ8BlockSize) +
-                      "); got " + std::to_string(codes.numel) + " and " +
-                      std::to_string(absmax.numel));
+                      " float32 block maxima (one per " + std::to_string(kQ8BlockSize) + "); got " +
+                      std::to_string(codes.numel) + " and " + std::to_string(absmax.numel));
       static std::uint8_t no_code;
       static float no_max;
-      t[i].q8[s] = t[i].param.numel == 0
-                       ? Q8Slot{&no_code, &no_max}
-                       : Q8Slot{static_cast<std::uint8_t*>(codes.data),
-                                static_cast<float*>(absmax.data)};
+      t[i].q8[s] = t[i].param.numel == 0 ? Q8Slot{&no_code, &no_max}
+                                         : Q8Slot{static_cast<std::uint8_t*>(codes.data),
+                                                  static_cast<float*>(absmax.data)};
     }
     if (steps) {
       const TensorView c = cpu_view((*steps)[i], "steps", i, Access::write);

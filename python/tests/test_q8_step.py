@@ -80,12 +80,12 @@ def test_malformed_slots_are_refused_naming_them():
     params, states, steps, grads = case([300], 2, 1)
     before = copy((params, states, steps, grads))
     bad = [
-        ([[(states[0][0][0],)], states[1]], ValueError, TypeError),  # not a pair
-        ([[(states[0][0][0][:299], states[0][0][1])], states[1]], ValueError, ValueError),
-        ([[(states[0][0][0].astype(np.int8), states[0][0][1])], states[1]], TypeError, TypeError),
-        ([[states[0][0]], [np.zeros(300, np.float32)]], ValueError, ValueError),  # mixed slots
+        [[(states[0][0][0],)], states[1]],  # not a pair
+        [[(states[0][0][0][:299], states[0][0][1])], states[1]],  # one code short
+        [[(states[0][0][0].astype(np.int8), states[0][0][1])], states[1]],  # not uint8
+        [[states[0][0]], [np.zeros(300, np.float32)]],  # 8-bit and f32 slots mixed
     ]
-    for st, err, _ in bad:
+    for st in bad:
         with pytest.raises((ValueError, TypeError)) as e:
             engine.step("adamw", params, st, steps, grads)
         assert "states[" in str(e.value), str(e.value)
