@@ -324,15 +324,23 @@ StepReport GpuGradientManager::do_report() {
 void GpuGradientManager::do_recover() {
   pending_ = false;
   done_ = Event();
-  try {
-    wait_all();  // the failed step's queued work; its errors are the stored one's
-  } catch (const Error&) {
+  // The failed step's queued work; its errors are the stored one's. A pass stops at the
+  // first error it collects: passes repeat until one collects nothing (see kRecoverPasses).
+  for (int pass = 0; pass < kRecoverPasses; ++pass) {
+    try {
+      wait_all();
+      break;
+    } catch (const Error&) {
+    }
   }
   wait_all();  // a device (or communicator) that fails again cannot continue
   report_ = StepReport{};
   scale_uploaded_ = partial_done_ = flag_known_ = false;
   spare_used_ = 0;
   std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
+  // The failed step's events: its work has drained, and an event after the lost work
+  // would raise the failure again in a later step.
+  std::fill(slot_free_.begin(), slot_free_.end(), device::Event());
 }
 
 }  // namespace stepcore::detail

@@ -116,6 +116,11 @@ class ManagerImpl {
   /// failed step left queued, drops its errors and the step's state, so that state can
   /// be imported again. Throws when the device cannot continue (the manager stays failed).
   virtual void do_recover() = 0;
+  /// How many draining passes do_recover makes at most before its raising one: a pass
+  /// stops at the first error it collects, and one queued failure reaches at most two
+  /// collectors on each copy queue's path (the device's next caller, the events after
+  /// the lost work), so four passes see every error of the failed step.
+  static constexpr int kRecoverPasses = 4;
   /// Waits for outstanding work and stops workers; returns the first error of that
   /// work (rethrown by close()), never throws itself.
   virtual std::exception_ptr do_close() noexcept = 0;

@@ -217,10 +217,16 @@ void OffloadGradientManager::do_recover() {
   wait_done(late, seq);
   // The queued work, bounded (a copy still stuck behind a trainer's event keeps the
   // manager failed: a later load_checkpoint tries again); its errors are the stored one's.
+  // A pass stops at the first error it collects, and one failure reaches the device's
+  // next caller and the events after the lost work (both queues'): passes repeat until
+  // one collects nothing, so the raising pass below meets only a new failure.
   bool drained = true;
-  try {
-    drained = wait_copy_queues(dev_.wait_timeout());
-  } catch (const Error&) {
+  for (int pass = 0; pass < kRecoverPasses; ++pass) {
+    try {
+      drained = wait_copy_queues(dev_.wait_timeout());
+      break;
+    } catch (const Error&) {
+    }
   }
   // Then once more, raising: a device that fails again cannot continue.
   if (!drained || !wait_copy_queues(dev_.wait_timeout())) throw timeout_error({Awaited::queues, 0});
@@ -234,6 +240,15 @@ void OffloadGradientManager::do_recover() {
   report_ = StepReport{};
   holding_ = false;  // the failed step's gradients are not read again
   std::fill(speculated_.begin(), speculated_.end(), std::uint8_t{0});
+  // The failed step's events: its work has drained, and an event after the lost work
+  // would raise the failure again in a later step.
+  for (auto* events : {&upload_done_, &fetched_, &released_})
+    std::fill(events->begin(), events->end(), device::Event());
+  last_d2h_ = device::Event();
+  {
+    const std::lock_guard lock(dev_mu_);
+    last_upload_ = device::Event();
+  }
 }
 
 }  // namespace stepcore::detail
