@@ -3,6 +3,7 @@
 #include "core/q8.hpp"
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <vector>
 
@@ -148,3 +149,20 @@ const Q8Codebook& q8_codebook(bool non_negative, Q8Rule rule) {
 }
 
 }  // namespace stepcore::detail
+
+namespace stepcore {
+
+std::span<const float, 256> q8_map(bool non_negative) noexcept {
+  // The header's bit patterns as floats, made once (the maps are not recomputed).
+  static const auto maps = [] {
+    std::array<std::array<float, 256>, 2> m{};
+    for (int c = 0; c < 256; ++c) {
+      m[0][c] = std::bit_cast<float>(detail::kQ8SignedBits[c]);
+      m[1][c] = std::bit_cast<float>(detail::kQ8UnsignedBits[c]);
+    }
+    return m;
+  }();
+  return maps[non_negative ? 1 : 0];
+}
+
+}  // namespace stepcore

@@ -311,6 +311,11 @@ inline constexpr int kMaxOptimizerSlots = 3;
 /// Elements per block of a state slot in block-wise 8-bit storage (docs/numerics.md 8f).
 inline constexpr std::size_t kQ8BlockSize = 256;
 
+/// The map of block-wise 8-bit slots (docs/numerics.md 8f): code c of a slot stands for
+/// q8_map(non_negative)[c] times its block's maximum. SlotInfo::non_negative slots use the
+/// unsigned map, the others the signed one (both bitsandbytes' and torchao's dynamic maps).
+std::span<const float, 256> q8_map(bool non_negative) noexcept;
+
 /// A state slot in block-wise 8-bit storage (docs/numerics.md 8f): one code byte per
 /// element, and one f32 maximum per block of kQ8BlockSize consecutive elements of the
 /// tensor (ceil(numel / kQ8BlockSize) of them; the last block may be shorter). Empty when

@@ -462,6 +462,18 @@ NB_MODULE(_core, m) {
   nb::set_leak_warnings(false);
   m.attr("PARTIAL_WORDS") = kPartialWords;
   m.attr("PARTIAL_MAX_ABS_WORD") = kMaxAbsWord;
+  m.attr("Q8_BLOCK_SIZE") = kQ8BlockSize;
+  m.def(
+      "q8_map",
+      [](bool non_negative) {
+        nb::list out;
+        for (float v : q8_map(non_negative)) out.append(nb::float_(v));
+        return out;
+      },
+      nb::arg("non_negative"),
+      "The 256 values (f32, as Python floats) code c of an 8-bit state slot stands for, times "
+      "its block's maximum: the unsigned map for a slot whose table entry is 'non_negative', "
+      "else the signed one (docs/numerics.md 8f).");
 
   // stepcore::Error -> the Python exception for its code; the message names the argument.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {

@@ -16,6 +16,7 @@ from ._plan import plan_memory
 from ._core import (
     PARTIAL_MAX_ABS_WORD,
     PARTIAL_WORDS,
+    Q8_BLOCK_SIZE,
     Communicator,
     Engine,
     GradientManager,
@@ -30,6 +31,7 @@ from ._core import (
     optimizer_slots,
     optimizer_table,
     optimizers,
+    q8_map,
     reference_step,
     supported_isas,
 )
@@ -48,9 +50,11 @@ __all__ = [
     "optimizer_table",
     "optimizers",
     "plan_memory",
+    "q8_map",
     "reference_step",
     "PARTIAL_MAX_ABS_WORD",
     "PARTIAL_WORDS",
+    "Q8_BLOCK_SIZE",
     "__version__",
     "clip_coefficient",
     "finalize",

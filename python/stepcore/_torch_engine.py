@@ -170,6 +170,7 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
     _INIT_ALL_AT_ONCE = True
     _FROM_DEFAULTS = ()
     _SKIP_DROPS_CREATED = False  # found_inf == 1 removes state the step created
+    _ROWS = True  # steps through cached C rows (else Engine.step on lists, checked per step)
     _REFUSED_GROUP_KEYS = ("capturable", "differentiable")  # True in a group: refused
 
     @property
@@ -336,8 +337,16 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
             if k not in st:
                 raise ValueError(f"stepcore.torch: '{name}' has no '{k}' (a state_dict of "
                                  "another configuration?)")
-            _check_tensor(st[k], f"{name}['{k}']", (p.dtype,), numel=p.numel())  # torch's
+            self._check_slot(st, k, p, f"{name}['{k}']")
         return st, fresh
+
+    def _check_slot(self, st, k, p, name) -> None:
+        """Raises (naming `name`) unless slot `k` of state `st` is one the engine steps."""
+        _check_tensor(st[k], name, (p.dtype,), numel=p.numel())  # torch's layout
+
+    def _slot_arg(self, st, k):
+        """Slot `k` of state `st` as Engine.step takes it (detached, as DLPack requires)."""
+        return st[k].detach()
 
     def _drop_created(self, created, keep=frozenset()) -> None:
         """Removes state entries a failing (or skipped) step created, except for `keep`'s ids."""
@@ -368,7 +377,8 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
     def _cached_table(self, gi, keys):
         """Returns the group's cached rows when their layout and computes are current."""
         c = self._tables.get(gi)
-        if c is None or c.compute_generation != self._compute.generation or c.layout != keys:
+        if c is None or c.rows is None or c.compute_generation != self._compute.generation \
+                or c.layout != keys:
             return None
         return c
 
@@ -390,7 +400,7 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
         c.layout = keys
         c.eparams = [p for _, p, _ in entries]
         c.states = states
-        c.slots = [[st[k] for st in states] for k in keys]
+        c.slots = [[self._slot_arg(st, k) for st in states] for k in keys]
         if self._counter == "state":
             c.steps = [st["step"] for st in states]
         elif self._counter == "private":
@@ -404,7 +414,8 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
         c.rows = _core._OptimizerRows(
             list(group["params"]), [i for i, _, _ in entries], states, list(keys),
             "step" if self._counter == "state" else None,
-            c.steps if self._counter == "private" else None, computes, _GRAD_TYPES)
+            c.steps if self._counter == "private" else None, computes,
+            _GRAD_TYPES) if self._ROWS else None
         c.usable = True
         c.reads = None
         self._tables[gi] = c
@@ -496,11 +507,13 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
                 return False
             c.reads = [torch.div(g.float() if g.dtype != torch.float32 else g, scale_t)
                        for g in grads]
+        if c.rows is None:
+            return False  # Engine.step on lists, the group checked in full (_new_table)
         return c.rows.prepare(group["params"], c.reads)
 
     def _run_lists(self, c, name, h) -> None:
         """The step through Engine.step on detached tensors (no cached rows)."""
         grads = c.reads if c.reads is not None else list(map(_grad_of, c.eparams))
-        self._engine.step(name, _detached(c.eparams), [_detached(s) for s in c.slots],
+        self._engine.step(name, _detached(c.eparams), c.slots,
                           None if c.steps is None else _detached(c.steps), _detached(grads),
                           c.computes, hyper=h)

@@ -15,6 +15,7 @@ import torch
 from . import _table
 from ._torch_checks import _unsupported
 from ._torch_engine import _EngineOptimizer
+from ._torch_q8 import eight_bit_classes
 
 
 def _torch_defaults(cls, *args, **kwargs) -> dict:
@@ -194,12 +195,20 @@ def _drop_ins():
     return out
 
 
-def optimizer_class(name):
+def optimizer_class(name, *, q8=False):
     """Returns the stepcore.torch optimizer class that steps the optimizer named `name`
-    (one of stepcore.optimizer_table()'s names): e.g. "adamw" -> AdamW, "lion" -> Lion.
-    ValueError for a name the table does not have; NotImplementedError naming the
-    optimizer when the table has it but stepcore.torch has no drop-in for it."""
+    (one of stepcore.optimizer_table()'s names): e.g. "adamw" -> AdamW, "lion" -> Lion;
+    with q8=True its 8-bit class ("adamw" -> AdamW8bit). ValueError for a name the table
+    does not have; NotImplementedError naming the optimizer when the table has it but
+    stepcore.torch has no such drop-in (with q8: its table entry's 'q8' is False)."""
     _table.entry(name, "stepcore.torch.optimizer_class")
+    if q8:
+        cls = EIGHT_BIT.get(name)
+        if cls is None:
+            raise NotImplementedError(
+                f"stepcore.torch: optimizer {name!r} takes no 8-bit state "
+                "(stepcore.optimizer_table()'s 'q8' is False)")
+        return cls
     for cls in _drop_ins():
         if cls._UNIT == name:
             return cls
@@ -207,3 +216,8 @@ def optimizer_class(name):
         f"stepcore.torch: optimizer {name!r} (stepcore.optimizer_table()) has no drop-in "
         "torch.optim.Optimizer in stepcore.torch; step it through Engine.step or "
         "stepcore.torch.GradientManager(optimizer=...)")
+
+
+# The 8-bit drop-ins, one per drop-in whose table entry takes 8-bit state (AdamW8bit, ...).
+EIGHT_BIT = eight_bit_classes(_drop_ins())
+globals().update({cls.__name__: cls for cls in EIGHT_BIT.values()})

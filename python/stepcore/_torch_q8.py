@@ -1,0 +1,167 @@
+"""stepcore.torch's 8-bit drop-ins: for every optimizer whose table entry takes 8-bit state
+(``stepcore.optimizer_table()``'s ``q8``), the class ``<Name>8bit`` (``AdamW8bit``,
+``Adam8bit``): its f32 drop-in with block-wise 8-bit state slots (docs/numerics.md 8f) for
+every param of at least ``min_8bit_size`` elements.
+
+A param's state holds, for each slot ``k`` the configuration uses, either a tensor of the
+param's dtype and shape (smaller params: the f32 drop-in's layout) or the 8-bit pair
+``state[k]`` (uint8 codes, the param's shape) and ``state[k + "_absmax"]`` (float32, one
+maximum per block of ``Q8_BLOCK_SIZE`` elements); the kind of a param's state is fixed when
+it is created (codes 0, maxima 0, as torchao's) and kept by ``state_dict``. A torchao 8-bit
+optimizer's ``state_dict`` loads directly: its state tensors' codes and scales are these
+pairs, once their block size and map are checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _core, _table
+from ._torch_checks import _check_tensor
+
+BLOCK = _core.Q8_BLOCK_SIZE
+_ABSMAX = "_absmax"  # the suffix of a slot's block maxima in a param's state
+
+
+def _blocks(n: int) -> int:
+    return (n + BLOCK - 1) // BLOCK
+
+
+class _Q8:
+    """Mixin over an f32 drop-in: 8-bit slots for params of at least min_8bit_size."""
+
+    _ROWS = False  # Engine.step on lists: the cached C rows read f32 slots only
+
+    def __init__(self, params, *args, block_size=BLOCK, min_8bit_size=4096, **kwargs):
+        """The f32 drop-in's arguments, plus block_size (BLOCK only) and min_8bit_size (an
+        int >= 0: params with fewer elements keep the f32 drop-in's state)."""
+        if type(block_size) is not int or block_size != BLOCK:
+            raise ValueError(f"stepcore.torch: 'block_size' must be {BLOCK} (the block of "
+                             f"8-bit state, docs/numerics.md 8f), got {block_size!r}")
+        if type(min_8bit_size) is not int or min_8bit_size < 0:
+            raise ValueError("stepcore.torch: 'min_8bit_size' must be an int >= 0, got "
+                             f"{min_8bit_size!r}")
+        self._q8_defaults = dict(block_size=block_size, min_8bit_size=min_8bit_size)
+        for key, value in self._Q8_FORMULA.items():
+            kwargs.setdefault(key, value)
+        super().__init__(params, *args, **kwargs)
+
+    def _setup(self, params, defaults, isa, threads) -> None:
+        defaults.update(self._q8_defaults)
+        super()._setup(params, defaults, isa, threads)
+
+    def _non_negative(self, name, k) -> bool:
+        """Whether slot k of optimizer `name` holds non-negative values (the unsigned map)."""
+        for s in _table.entry(name, "stepcore.torch")["slots"]:
+            if s["name"] == k:
+                return s["non_negative"]
+        raise ValueError(f"stepcore.torch: optimizer {name!r} has no slot {k!r}")
+
+    def _init_state(self, p, st, name, h) -> None:
+        """Creates p's missing state: 8-bit pairs (codes 0, maxima 0) when p has at least
+        min_8bit_size elements, else the f32 drop-in's slots."""
+        if p.numel() < self.defaults["min_8bit_size"]:
+            super()._init_state(p, st, name, h)
+            return
+        if self._INIT_ALL_AT_ONCE and st:
+            return
+        if self._counter == "state" and "step" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for k in self._slot_keys(name, h):
+            if k not in st:
+                st[k] = torch.zeros_like(p, dtype=torch.uint8,
+                                         memory_format=torch.contiguous_format)
+                st[k + _ABSMAX] = torch.zeros(_blocks(p.numel()), dtype=torch.float32,
+                                              device=p.device)
+
+    def _check_slot(self, st, k, p, name) -> None:
+        v = st[k]
+        if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8):
+            super()._check_slot(st, k, p, name)
+            return
+        _check_tensor(v, name, (torch.uint8,), numel=p.numel(), role="8-bit state")
+        where = name[:-len(f"['{k}']")] + f"['{k}{_ABSMAX}']"
+        if k + _ABSMAX not in st:
+            raise ValueError(f"stepcore.torch: '{where}' is missing (8-bit state '{k}' keeps "
+                             "its block maxima there)")
+        _check_tensor(st[k + _ABSMAX], where, (torch.float32,), numel=_blocks(p.numel()),
+                      role="8-bit state")
+
+    def _slot_arg(self, st, k):
+        v = st[k]
+        if v.dtype == torch.uint8:
+            return (v.detach(), st[k + _ABSMAX].detach())
+        return v.detach()
+
+    def load_state_dict(self, state_dict):
+        """Loads this class's state_dict, its f32 drop-in's, or a torchao 8-bit optimizer's
+        (each state tensor with codes and a scale becomes an 8-bit pair, once its block size
+        and map are this class's: ValueError naming the entry otherwise)."""
+        converted = dict(state_dict)
+        converted["state"] = {key: self._from_torchao(key, st)
+                              for key, st in state_dict["state"].items()}
+        super().load_state_dict(converted)
+        # torch casts a floating param's state to its dtype: 8-bit pairs stay as saved.
+        saved = [i for g in converted["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in zip(saved, params):
+            st = converted["state"].get(key, {})
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and k + _ABSMAX in st:
+                    self.state[p][k] = v.detach().cpu().contiguous().clone()
+                    self.state[p][k + _ABSMAX] = \
+                        st[k + _ABSMAX].detach().cpu().contiguous().clone()
+
+    def _from_torchao(self, key, st):
+        """A param's saved state with torchao's 8-bit tensors made 8-bit pairs."""
+        out = {}
+        for k, v in st.items():
+            codes, scale, qmap = (getattr(v, a, None) for a in ("codes", "scale", "qmap"))
+            if codes is None or scale is None or qmap is None:
+                out[k] = v
+                continue
+            where = f"state_dict['state'][{key!r}][{k!r}]"
+            n = codes.numel()
+            if codes.dtype != torch.uint8 or scale.dtype != torch.float32 or \
+                    scale.numel() != _blocks(n) or (n and n // scale.numel() != BLOCK):
+                raise ValueError(f"stepcore.torch: {where}: 8-bit state with {n} codes and "
+                                 f"{scale.numel()} scales is not block-wise over blocks of "
+                                 f"{BLOCK}")
+            non_negative = not bool(getattr(v, "signed", True))
+            want = torch.tensor(_core.q8_map(non_negative), dtype=torch.float32)
+            if not torch.equal(qmap.detach().cpu().float().view(torch.int32),
+                               want.view(torch.int32)):
+                raise ValueError(f"stepcore.torch: {where}: its code map is not stepcore's "
+                                 f"{'unsigned' if non_negative else 'signed'} map "
+                                 "(stepcore.q8_map)")
+            out[k] = codes.detach().cpu().contiguous().clone()
+            out[k + _ABSMAX] = scale.detach().cpu().float().contiguous().clone()
+        return out
+
+
+def _formula_default(base) -> dict:
+    """torchao's formula, where the optimizer has one: the 8-bit peer's bits by default."""
+    e = _table.entry(base._UNIT, "stepcore.torch")
+    if _table.hyper(e, "formula") is not None and "torchao" in _table.choices(e, "formula"):
+        return {"formula": "torchao"}
+    return {}
+
+
+def eight_bit_classes(drop_ins) -> dict:
+    """{optimizer name: its 8-bit class}, for every drop-in whose table entry takes 8-bit
+    state; each class is named after its drop-in with "8bit" appended."""
+    out = {}
+    for base in drop_ins:
+        if not _table.entry(base._UNIT, "stepcore.torch")["q8"]:
+            continue
+        name = base.__name__ + "8bit"
+        doc = (f"{base.__name__} on stepcore's CPU engine with block-wise 8-bit state for params "
+               f"of at least min_8bit_size elements (docs/numerics.md 8f; stepcore.torch."
+               f"_torch_q8). {base.__name__}'s arguments"
+               + (", formula \"torchao\" by default (torchao's AdamW8bit bit for bit)"
+                  if _formula_default(base) else "")
+               + ", plus block_size and min_8bit_size.")
+        out[base._UNIT] = type(name, (_Q8, base), {
+            "__doc__": doc, "__module__": "stepcore.torch", "__qualname__": name,
+            "_Q8_FORMULA": _formula_default(base)})
+    return out
