@@ -36,3 +36,14 @@ def test_zero_codes():
     unsigned_zero = int(re.search(r"kQ8UnsignedZero = (\d+);", text).group(1))
     assert header_map("kQ8SignedBits")[signed_zero] == 0
     assert header_map("kQ8UnsignedBits")[unsigned_zero] == 0
+
+
+@pytest.mark.parametrize("non_negative", [False, True])
+def test_the_extensions_map_equals_torchaos(non_negative):
+    """stepcore.q8_map (what stepcore.torch checks an imported torchao state against)."""
+    import stepcore
+
+    want = torch.tensor(quant_utils.create_dynamic_map(signed=not non_negative),
+                        dtype=torch.float32)
+    got = torch.tensor(stepcore.q8_map(non_negative), dtype=torch.float32)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -85,11 +85,11 @@ def test_micro_batches_are_uneven_and_padding_is_not_counted():
             lm.step_tokens(mbs)
 
 
-def run_example(argv, timeout=600):
+def run_example(argv, timeout=600, script="train_tiny_lm.py"):
     """Runs the example in a subprocess (it sets torch's global state); returns (rc, output)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_tiny_lm.py"), *argv],
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), *argv],
                           env=env, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -131,3 +131,30 @@ def test_the_example_on_two_fsdp2_processes_equals_one_process():
     assert "bitwise: 2 processes (FSDP2), modes none, optimizer, full identical" in out, out
     assert "vs 1 process: norms identical at every step; params, exp_avg, exp_avg_sq and " \
         "step identical after every step" in out, out
+
+
+def test_the_8bit_example_trains_and_equals_torchao(tmp_path):
+    """examples/train_tiny_lm_8bit.py: f32 AdamW and AdamW8bit both learn; stepcore's
+    AdamW8bit gives torchao's AdamW8bit params after every step; 8-bit state is about a
+    quarter of the f32 state's bytes; the curves are written."""
+    pytest.importorskip("stepcore.torch")
+    pytest.importorskip("torchao.optim")
+    svg = tmp_path / "loss.svg"
+    rc, out = run_example(["--steps", "8", "--warmup", "2", "--csv", str(tmp_path / "loss.csv"),
+                           "--svg", str(svg)], script="train_tiny_lm_8bit.py")
+    assert rc == 0, out[-3000:]
+    assert "bitwise: stepcore AdamW8bit and torchao AdamW8bit params identical after every " \
+        "step" in out, out
+    first = [float(x) for x in out.split("step    0 ")[1].splitlines()[0].split()[1::2]]
+    finals = {line.split(":")[0]: float(line.split("final loss ")[1].split(",")[0])
+              for line in out.splitlines() if ": final loss " in line}
+    assert set(finals) == {"f32", "8bit", "torchao"}, out
+    for run, loss in finals.items():
+        assert loss < first[0] - 0.5, (run, first, finals)
+    state = {line.split(":")[0]: float(line.split("state ")[1].split()[0])
+             for line in out.splitlines() if "bytes per param" in line}
+    assert state["8bit"] < 0.3 * state["f32"], state
+    rows = (tmp_path / "loss.csv").read_text().splitlines()
+    assert rows[0] == "step,f32,8bit,torchao" and len(rows) == 9
+    assert svg.read_text().count("<polyline") == 3
+
