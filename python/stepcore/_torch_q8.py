@@ -8,8 +8,9 @@ param's dtype and shape (smaller params: the f32 drop-in's layout) or the 8-bit 
 ``state[k]`` (uint8 codes, the param's shape) and ``state[k + "_absmax"]`` (float32, one
 maximum per block of ``Q8_BLOCK_SIZE`` elements); the kind of a param's state is fixed when
 it is created (codes 0, maxima 0, as torchao's) and kept by ``state_dict``. A torchao 8-bit
-optimizer's ``state_dict`` loads directly: its state tensors' codes and scales are these
-pairs, once their block size and map are checked.
+optimizer's ``state_dict`` loads directly (its state tensors' codes and scales are these
+pairs), and so does a bitsandbytes 8-bit optimizer's (state1/absmax1 is the first slot,
+state2/absmax2 the second), once their block size and map are checked.
 """
 
 from __future__ import annotations
@@ -94,9 +95,10 @@ class _Q8:
         return v.detach()
 
     def load_state_dict(self, state_dict):
-        """Loads this class's state_dict, its f32 drop-in's, or a torchao 8-bit optimizer's
-        (each state tensor with codes and a scale becomes an 8-bit pair, once its block size
-        and map are this class's: ValueError naming the entry otherwise)."""
+        """Loads this class's state_dict, its f32 drop-in's, or a torchao or bitsandbytes
+        8-bit optimizer's (each state tensor with codes and a scale, each bitsandbytes
+        state<k> with its absmax<k>, becomes an 8-bit pair once its block size and map are
+        this class's: ValueError naming the entry otherwise)."""
         converted = dict(state_dict)
         converted["state"] = {key: self._from_torchao(key, st)
                               for key, st in state_dict["state"].items()}
@@ -112,8 +114,46 @@ class _Q8:
                     self.state[p][k + _ABSMAX] = \
                         st[k + _ABSMAX].detach().cpu().contiguous().clone()
 
+    def _from_bitsandbytes(self, key, st):
+        """A param's saved bitsandbytes state (state1, absmax1, qmap1, ... as its optimizers
+        keep them, or packed under its state_dict's quant-state key) in this class's layout:
+        state<k+1> is the table's slot k, an 8-bit one with absmax<k+1> once qmap<k+1> is
+        stepcore's map. Other entries (step) are kept."""
+        st = dict(st)
+        st.update(st.pop("__bnb_optimizer_quant_state__", None) or {})
+        if "state1" not in st:
+            return st
+        slots = _table.entry(self._UNIT, "stepcore.torch")["slots"]
+        out = {k: v for k, v in st.items()
+               if not (k[:-1] in ("state", "absmax", "qmap") and k[-1:].isdigit())}
+        for j, slot in enumerate(slots):
+            v = st.get(f"state{j + 1}")
+            if v is None:
+                continue
+            where = f"state_dict['state'][{key!r}]['state{j + 1}']"
+            if v.dtype != torch.uint8:
+                out[slot["name"]] = v
+                continue
+            absmax, qmap = st.get(f"absmax{j + 1}"), st.get(f"qmap{j + 1}")
+            if absmax is None or qmap is None or absmax.numel() != _blocks(v.numel()):
+                raise ValueError(f"stepcore.torch: {where}: 8-bit bitsandbytes state without "
+                                 f"one absmax{j + 1} per block of {BLOCK} and qmap{j + 1}")
+            self._check_map(qmap, slot["non_negative"], where)
+            out[slot["name"]] = v.detach().cpu().contiguous().clone()
+            out[slot["name"] + _ABSMAX] = absmax.detach().cpu().float().contiguous().clone()
+        return out
+
+    @staticmethod
+    def _check_map(qmap, non_negative, where) -> None:
+        want = torch.tensor(_core.q8_map(non_negative), dtype=torch.float32)
+        got = qmap.detach().cpu().float().reshape(-1)
+        if got.numel() != 256 or not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+            raise ValueError(f"stepcore.torch: {where}: its code map is not stepcore's "
+                             f"{'unsigned' if non_negative else 'signed'} map (stepcore.q8_map)")
+
     def _from_torchao(self, key, st):
         """A param's saved state with torchao's 8-bit tensors made 8-bit pairs."""
+        st = self._from_bitsandbytes(key, st)
         out = {}
         for k, v in st.items():
             codes, scale, qmap = (getattr(v, a, None) for a in ("codes", "scale", "qmap"))
@@ -127,13 +167,7 @@ class _Q8:
                 raise ValueError(f"stepcore.torch: {where}: 8-bit state with {n} codes and "
                                  f"{scale.numel()} scales is not block-wise over blocks of "
                                  f"{BLOCK}")
-            non_negative = not bool(getattr(v, "signed", True))
-            want = torch.tensor(_core.q8_map(non_negative), dtype=torch.float32)
-            if not torch.equal(qmap.detach().cpu().float().view(torch.int32),
-                               want.view(torch.int32)):
-                raise ValueError(f"stepcore.torch: {where}: its code map is not stepcore's "
-                                 f"{'unsigned' if non_negative else 'signed'} map "
-                                 "(stepcore.q8_map)")
+            self._check_map(qmap, not bool(getattr(v, "signed", True)), where)
             out[k] = codes.detach().cpu().contiguous().clone()
             out[k + _ABSMAX] = scale.detach().cpu().float().contiguous().clone()
         return out

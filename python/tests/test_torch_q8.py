@@ -267,3 +267,41 @@ def test_a_torchao_state_of_another_block_or_map_is_refused():
     saved["state"][0]["exp_avg_sq"].qmap[3] = 0.5  # not stepcore's unsigned map
     with pytest.raises(ValueError, match="exp_avg_sq.*map"):
         a.load_state_dict(saved)
+
+
+def test_a_bitsandbytes_state_dict_loads_and_steps_as_the_reference():
+    """bitsandbytes' AdamW8bit state (state1/absmax1 exp_avg, state2/absmax2 exp_avg_sq,
+    the same maps and blocks; f32 state for small params) becomes AdamW8bit's state as it
+    is, and the next step equals stepcore.reference_step from that state."""
+    bnb = pytest.importorskip("bitsandbytes")
+    theirs = [torch.nn.Parameter(torch.randn(8192 + 300)), torch.nn.Parameter(torch.randn(100))]
+    b = bnb.optim.AdamW8bit(theirs, lr=1e-3, weight_decay=0.0)
+    for s in range(3):
+        set_grads(theirs, s)
+        b.step()
+    moved = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    a = st.AdamW8bit(moved, lr=1e-3, weight_decay=0.0, formula="torch")
+    a.load_state_dict(through_a_file(b.state_dict()))
+    big, small = a.state[moved[0]], a.state[moved[1]]
+    sb = b.state[theirs[0]]
+    for k, n in (("exp_avg", 1), ("exp_avg_sq", 2)):
+        assert_same(big[k], sb[f"state{n}"], k)
+        assert_same(big[k + "_absmax"], sb[f"absmax{n}"], k)
+        assert_same(small[k], b.state[theirs[1]][f"state{n}"], k + " (f32)")
+    assert float(big["step"]) == 3.0 and float(small["step"]) == 3.0
+    # The next step, from the imported state, against the reference on copies of it.
+    params = [p.detach().clone().reshape(-1) for p in moved]
+    states = [[(big[k].clone().reshape(-1).numpy(), big[k + "_absmax"].clone().numpy()),
+               small[k].clone()] for k in ("exp_avg", "exp_avg_sq")]
+    steps = [np.full((), 3.0, np.float32), np.full((), 3.0, np.float32)]
+    set_grads(moved, 3)
+    grads = [p.grad.reshape(-1).clone() for p in moved]
+    stepcore.reference_step("adamw", params, states, steps, grads,
+                            hyper={"lr": 1e-3, "weight_decay": 0.0, "formula": "torch"})
+    a.step()
+    for p, w in zip(moved, params):
+        assert_same(p.detach().reshape(-1), w, "the step after the import")
+    saved = b.state_dict()
+    saved["state"][0]["__bnb_optimizer_quant_state__"]["qmap2"][7] += 1e-3
+    with pytest.raises(ValueError, match="state2.*map"):
+        st.AdamW8bit(moved).load_state_dict(saved)

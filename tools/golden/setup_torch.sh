@@ -10,6 +10,7 @@
 #   STEPCORE_TORCH_VERSION  torch version to install       (default 2.15.0, the golden files' version)
 #   STEPCORE_TORCH_DL       where the torch wheel is saved (default /tmp/torchdl)
 #   STEPCORE_TORCHAO_VERSION  torchao version               (default 0.18.0, the golden files')
+#   STEPCORE_BITSANDBYTES_VERSION  bitsandbytes version     (default 0.50.0, the one compared)
 #   PYTHON                  interpreter that creates the venv (default python3; 3.11 was used)
 #
 # Afterwards run Python as "$STEPCORE_TORCH_VENV/py" (e.g. /opt/torchenv/py); the plain
@@ -46,6 +47,14 @@ TORCHAO_VERSION="${STEPCORE_TORCHAO_VERSION:-0.18.0}"
 have_torchao="$("$VPY" -c 'import importlib.metadata as m; print(m.version("torchao"))' 2>/dev/null || true)"
 if [ "$have_torchao" != "$TORCHAO_VERSION" ]; then
   "${PIP[@]}" install --no-deps "torchao==$TORCHAO_VERSION"
+fi
+
+# 3c. bitsandbytes (its CPU 8-bit optimizers; without its dependency list, as torchao): the
+# 8-bit drop-ins' state_dict import test and the 8-bit peer benchmark.
+BNB_VERSION="${STEPCORE_BITSANDBYTES_VERSION:-0.50.0}"
+have_bnb="$("$VPY" -c 'import importlib.metadata as m; print(m.version("bitsandbytes"))' 2>/dev/null || true)"
+if [ "$have_bnb" != "$BNB_VERSION" ]; then
+  "${PIP[@]}" install --no-deps "bitsandbytes==$BNB_VERSION"
 fi
 
 # 4. Shared libraries torch's wheel links against even when only the CPU is used.
