@@ -148,6 +148,20 @@ const Q8Codebook& q8_codebook(bool non_negative, Q8Rule rule) {
   return built[(rule == Q8Rule::torchao ? 2 : 0) + (non_negative ? 1 : 0)]->codebook;
 }
 
+std::vector<std::uint32_t> q8_codebook_image() {
+  std::vector<std::uint32_t> image;
+  image.reserve(kQ8ImageWords);
+  for (Q8Rule rule : {Q8Rule::nearest, Q8Rule::torchao})
+    for (bool non_negative : {false, true}) {
+      const Q8Codebook& cb = q8_codebook(non_negative, rule);
+      image.insert(image.end(), cb.map, cb.map + 256);
+      image.insert(image.end(), cb.buckets, cb.buckets + 2 * std::size_t{kQ8Buckets});
+      image.push_back(cb.nan_code);
+      image.push_back(cb.floor_bits);
+    }
+  return image;
+}
+
 }  // namespace stepcore::detail
 
 namespace stepcore {

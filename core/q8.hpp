@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "stepcore/config.hpp"
 #include "stepcore/convert.hpp"
@@ -93,6 +94,24 @@ STEPCORE_HD_INLINE std::uint32_t q8_code(const Q8Codebook& cb, float y) {
 STEPCORE_HD_INLINE float q8_stored_max(const Q8Codebook& cb, std::uint32_t max_bits) {
   if (max_bits > 0x7F800000u) return f32_from_bits(0x7FC00000u);
   return f32_from_bits(max_bits < cb.floor_bits ? cb.floor_bits : max_bits);
+}
+
+/// The device's image of every codebook (gpu::q8_codebooks): codebook (rule, map) at word
+/// kQ8ImageStride * (2 * rule + non_negative): its map's 256 words, its 2 * kQ8Buckets
+/// bucket entries, nan_code, floor_bits.
+inline constexpr std::size_t kQ8ImageStride = 256 + 2 * std::size_t{kQ8Buckets} + 2;
+inline constexpr std::size_t kQ8ImageWords = 4 * kQ8ImageStride;
+
+/// The image's words (q8_codebook's tables, copied).
+std::vector<std::uint32_t> q8_codebook_image();
+
+/// Codebook (non_negative, rule) read from an image in device memory.
+STEPCORE_HD_INLINE Q8Codebook q8_image_codebook(const std::uint32_t* image, bool non_negative,
+                                                Q8Rule rule) {
+  const std::uint32_t* at =
+      image + kQ8ImageStride * (2 * static_cast<std::size_t>(rule) + (non_negative ? 1 : 0));
+  const std::uint32_t* tail = at + 256 + 2 * std::size_t{kQ8Buckets};
+  return Q8Codebook{at, at + 256, tail[0], tail[1]};
 }
 
 }  // namespace stepcore::detail

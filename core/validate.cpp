@@ -108,7 +108,8 @@ std::size_t check_param_grad_output(std::size_t i, const TensorView& param,
                                     ParamDTypes dtypes = ParamDTypes::f32) {
   const Arg p{"tensors", i, "param"};
   check_view(param.data, param.numel, param.dtype, p);
-  if (dtypes == ParamDTypes::f32 && param.dtype != DType::f32)
+  if ((dtypes == ParamDTypes::f32 || dtypes == ParamDTypes::f32_and_q8) &&
+      param.dtype != DType::f32)
     fail(Errc::unsupported_dtype, p,
          "must be f32 on this path, got " + std::string(dtype_name(param.dtype)) +
              " (bf16/f16 parameters: cpu::Engine::step and the reference only)");
@@ -200,7 +201,7 @@ bool has_q8(const Q8Slot& q) { return q.codes != nullptr || q.absmax != nullptr;
 void check_q8_slot(std::size_t i, const OptimizerTensor& t, int s, std::size_t n,
                    ParamDTypes dtypes, std::vector<Range>& ranges) {
   const Arg name{"tensors", i, kQ8Fields[s]};
-  if (dtypes != ParamDTypes::model_and_q8)
+  if (dtypes != ParamDTypes::model_and_q8 && dtypes != ParamDTypes::f32_and_q8)
     fail(Errc::unsupported_dtype, name,
          "block-wise 8-bit state is not computed by this entry point (the reference takes it)");
   if (has_view(t.state[s]))

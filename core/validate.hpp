@@ -23,8 +23,9 @@ enum class StepCounters : std::uint8_t { read, unread };
 /// f16, every used state slot and source in the param's dtype, no compute output for a
 /// bf16/f16 param; docs/numerics.md 7.3), or the model's and block-wise 8-bit state slots
 /// (OptimizerTensor::q8, docs/numerics.md 8f: the reference, and the CPU engine for units
-/// that take them; a tensor's used slots are then all 8-bit or none).
-enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8 };
+/// that take them; a tensor's used slots are then all 8-bit or none), or f32 parameters
+/// with block-wise 8-bit state slots (the CUDA plans and devices for units that take them).
+enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8, f32_and_q8 };
 
 /// Throws unless every argument of an AdamW step is valid (dtypes, sizes, pointers,
 /// overlaps, hyper-parameter ranges, step counters, read scalars): state[0] exp_avg,

@@ -4,6 +4,7 @@
 
 #include <tuple>
 
+#include "core/q8.hpp"
 #include "core/validate.hpp"
 #include "kernels/plan_cache.hpp"
 #include "stepcore/error.hpp"
@@ -17,7 +18,7 @@ namespace {
 // The keys list every field of the argument structs: a new field must join its key.
 static_assert(sizeof(OptimizerTensor) == (4 + 2 * kMaxOptimizerSlots) * sizeof(TensorView) +
                                              sizeof(float*) + kMaxOptimizerSlots * sizeof(Q8Slot));
-static_assert(sizeof(OptimizerDeviceArgs) == 5 * sizeof(void*));
+static_assert(sizeof(OptimizerDeviceArgs) == 6 * sizeof(void*));
 
 void add_limits(CallKey& key, const LaunchLimits& lim) {
   key.add(static_cast<std::uint64_t>(static_cast<std::uint32_t>(lim.max_blocks)) << 32 |
@@ -196,15 +197,16 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
     key.add(t.param_src);
     for (const ConstTensorView& v : t.state_src) key.add(v);
     key.add(t.step);
-    for (const Q8Slot& q : t.q8) {  // refused here, so a cached call must not have them
+    for (const Q8Slot& q : t.q8) {
       key.add(static_cast<const void*>(q.codes));
       key.add(static_cast<const void*>(q.absmax));
     }
   }
   key.add(static_cast<std::uint64_t>(Opt::variant(config)));
-  for (const void* p : {static_cast<const void*>(d.scale), static_cast<const void*>(d.clip),
-                        static_cast<const void*>(d.found_inf), static_cast<const void*>(d.hyper),
-                        static_cast<const void*>(d.table)})
+  for (const void* p :
+       {static_cast<const void*>(d.scale), static_cast<const void*>(d.clip),
+        static_cast<const void*>(d.found_inf), static_cast<const void*>(d.hyper),
+        static_cast<const void*>(d.table), static_cast<const void*>(d.q8_codebooks)})
     key.add(p);
   add_limits(key, lim);
   key.add(&check);  // the device whose memory was checked
@@ -227,13 +229,30 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
     check(d.table, Opt::kTableColumns * sizeof(double), Arg{"d.table"});
   if (d.found_inf != nullptr) check(d.found_inf, sizeof(std::int32_t), Arg{"d.found_inf"});
   if (d.hyper != nullptr) check(d.hyper, sizeof(StepHyper), Arg{"d.hyper"});
+  bool codebooks_checked = false;
   for (std::size_t i = 0; i < d_tensors.size(); ++i) {
     const OptimizerTensor& t = d_tensors[i];
     if constexpr (Opt::kCountsSteps) check(t.step, sizeof(float), Arg{"tensors", i, "step"});
     if (t.param.numel == 0) continue;
     check(t.param.data, t.param.bytes(), Arg{"tensors", i, "param"});
+    const bool q8 = t.q8[0].codes != nullptr;  // validated: every used slot or none
+    if (q8 && d.q8_codebooks == nullptr)
+      throw Error(Errc::null_pointer, "d.q8_codebooks",
+                  "required for 8-bit state slots: gpu::q8_codebooks()");
+    if (q8 && !codebooks_checked) {
+      check(d.q8_codebooks, ::stepcore::detail::kQ8ImageWords * sizeof(std::uint32_t),
+            Arg{"d.q8_codebooks"});
+      codebooks_checked = true;
+    }
+    static constexpr const char* kQ8Names[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
     for (int s = 0; s < used; ++s)
-      check(t.state[s].data, t.state[s].bytes(), Arg{"tensors", i, Opt::kSlotNames[s]});
+      if (q8) {
+        const std::size_t blocks = (t.param.numel + kQ8BlockSize - 1) / kQ8BlockSize;
+        check(t.q8[s].codes, t.param.numel, Arg{"tensors", i, kQ8Names[s]});
+        check(t.q8[s].absmax, blocks * sizeof(float), Arg{"tensors", i, kQ8Names[s]});
+      } else {
+        check(t.state[s].data, t.state[s].bytes(), Arg{"tensors", i, Opt::kSlotNames[s]});
+      }
     check(t.grad.data, t.grad.bytes(), Arg{"tensors", i, "grad"});
     if (t.compute_param.data != nullptr)
       check(t.compute_param.data, t.compute_param.bytes(), Arg{"tensors", i, "compute_param"});

@@ -13,6 +13,7 @@
 #include "kernels/block_bodies.hpp"
 #include "kernels/checked_plans.hpp"
 #include "kernels/plans.hpp"
+#include "kernels/q8_bodies.hpp"
 #include "kernels/testing.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
@@ -116,8 +117,10 @@ OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
                                        int max_tensors) {
   check_limits(max_blocks, max_tensors, kMaxOptimizerBlocksPerLaunch,
                kMaxOptimizerTensorsPerLaunch);
-  ::stepcore::detail::validate_unit<Opt>(tensors, config, GradientRead{},
-                                         ::stepcore::detail::StepCounters::unread);
+  ::stepcore::detail::validate_unit<Opt>(
+      tensors, config, GradientRead{}, ::stepcore::detail::StepCounters::unread,
+      ::stepcore::detail::unit_takes_q8<Opt>() ? ::stepcore::detail::ParamDTypes::f32_and_q8
+                                               : ::stepcore::detail::ParamDTypes::f32);
   OptimizerLaunchArgs<Opt> blank{};
   blank.config = config;
   OptimizerPlan<Opt> plan;
@@ -136,6 +139,11 @@ OptimizerPlan<Opt> make_optimizer_plan(std::span<const OptimizerTensor> tensors,
         a.out[slot] = t.compute_param.data;
         a.out_kind[slot] = output_kind(t.compute_param);
         a.step[slot] = t.step;
+        if constexpr (::stepcore::detail::unit_takes_q8<Opt>())
+          for (int s = 0; s < Opt::kSlots; ++s) {  // null unless the slot is 8-bit
+            a.codes[s][slot] = t.q8[s].codes;
+            a.absmax[s][slot] = t.q8[s].absmax;
+          }
       },
       max_blocks, max_tensors, blank);
   // Every counter advances once per step, empty tensors' too (as on the host).
@@ -191,6 +199,8 @@ std::vector<double> make_optimizer_table(const OptimizerConfig& config) {
       },
       config);
 }
+
+std::vector<std::uint32_t> q8_codebooks() { return ::stepcore::detail::q8_codebook_image(); }
 
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors) {
   std::size_t blocks = 0;
@@ -366,12 +376,25 @@ void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d
   }
   if (Opt::kTableColumns > 0 && d.table == nullptr)
     throw Error(Errc::null_pointer, "d.table", "required: gpu::make_optimizer_table(config)");
+  if constexpr (::stepcore::detail::unit_takes_q8<Opt>())
+    for (const OptimizerLaunchArgs<Opt>& a : plan.launches)
+      for (int t = 0; t < a.num_tensors; ++t)
+        if (a.q8(t) && d.q8_codebooks == nullptr)
+          throw Error(Errc::null_pointer, "d.q8_codebooks",
+                      "required for 8-bit state slots: gpu::q8_codebooks()");
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
   for (const OptimizerLaunchArgs<Opt>& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b) {
-      // As the kernel: the block's scalars once, then its threads.
+      // As the kernel: the block's scalars once, then its threads (an 8-bit tensor's
+      // block: its lanes, one per element of each 8-bit block, with the block-wide
+      // maximum between the update and the encoding).
       const typename Opt::Scalars s = detail::block_scalars<Opt>(a, a.task(b).tensor, d);
       const GradientRead read = detail::block_read<Opt>(d);
+      if (a.q8(a.task(b).tensor)) {
+        if constexpr (::stepcore::detail::unit_takes_q8<Opt>())
+          detail::q8_block_emulated<Opt>(a, b, s, read.scale, read.clip, d.q8_codebooks);
+        continue;
+      }
       for (int t = 0; t < threads; ++t)
         detail::optimizer_thread<Opt>(a, b, t, threads, s, read.scale, read.clip);
     }

@@ -147,8 +147,22 @@ inline constexpr int kMaxOptimizerBlocksPerLaunch = 1 << 16;
 /// per-step scalars are not here: each block derives them when it runs, with the unit's
 /// step_scalars, from device memory (its step counter, lr and weight decay, the unit's
 /// table), so a replayed graph takes the step it is at, never the one it was captured at.
+/// The 8-bit slots of a launch's tensors (units that take them; docs/numerics.md 8f):
+/// codes and block maxima of slot s of tensor t, null where the tensor's slots are f32.
+template <class Opt, bool = ::stepcore::detail::unit_takes_q8<Opt>()>
+struct Q8LaunchSlots {
+  STEPCORE_HD_INLINE bool q8(int) const { return false; }
+};
 template <class Opt>
-struct OptimizerLaunchArgs {
+struct Q8LaunchSlots<Opt, true> {
+  std::uint8_t* codes[Opt::kSlots][kMaxOptimizerTensorsPerLaunch];
+  float* absmax[Opt::kSlots][kMaxOptimizerTensorsPerLaunch];
+  /// Whether tensor t's slots are 8-bit (validation: all of its used slots or none).
+  STEPCORE_HD_INLINE bool q8(int t) const { return codes[0][t] != nullptr; }
+};
+
+template <class Opt>
+struct OptimizerLaunchArgs : Q8LaunchSlots<Opt> {
   static constexpr int kArrays = 1 + Opt::kSlots;
   float* dst[kArrays][kMaxOptimizerTensorsPerLaunch];
   const float* src[kArrays][kMaxOptimizerTensorsPerLaunch];

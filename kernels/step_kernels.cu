@@ -16,6 +16,7 @@
 #include "kernels/block_bodies.hpp"
 #include "kernels/check.cuh"
 #include "kernels/checked_plans.hpp"
+#include "kernels/q8_bodies.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/gpu.hpp"
 
@@ -118,6 +119,50 @@ __global__ void __launch_bounds__(kBlockThreads)
   detail::accumulate_thread(args, blockIdx.x, threadIdx.x, kBlockThreads, copy);
 }
 
+// Block `blockIdx.x` of a launch of unit Opt on a tensor with 8-bit slots: thread j is lane
+// j of each 8-bit block of the task (q8_bodies.hpp): its update, then each slot's block
+// maximum (an integer max over the lanes' magnitude patterns in shared memory), then its
+// code; thread 0 stores the maximum. Every thread reaches every barrier (a lane past the
+// task's end contributes 0).
+template <class Opt>
+__device__ void q8_task(const OptimizerLaunchArgs<Opt>& a, const typename Opt::Scalars& s,
+                        float scale, float clip, const std::uint32_t* image) {
+  const BlockTask task = a.task(blockIdx.x);
+  const int t = task.tensor;
+  const typename Opt::template Consts<detail::ScalarOps> k_s(s);
+  const std::uint64_t tail = Opt::tail_begin(a.config, a.map.numel[t]);
+  __shared__ std::uint32_t top[Opt::kSlots][kBlockThreads];  // (not in the lambda: nvcc)
+  detail::with_q8_forms(a, t, [&](auto form, auto gt, auto ot) {
+    constexpr int V = decltype(form)::value;
+    using G = typename decltype(gt)::type;
+    using O = typename decltype(ot)::type;
+    constexpr int K = Opt::slots(V);
+    constexpr int KA = K > 0 ? K : 1;
+    ::stepcore::detail::Q8Codebook cb[KA];
+    for (int k = 0; k < K; ++k) cb[k] = detail::q8_slot_codebook<Opt, V>(image, k);
+    const int j = static_cast<int>(threadIdx.x);
+    for (std::uint64_t b0 = task.begin; b0 < task.end; b0 += kQ8BlockSize) {
+      const std::uint64_t i = b0 + static_cast<std::uint64_t>(j);
+      const bool live = i < task.end;
+      float st[KA] = {};
+      if (live) detail::q8_lane_update<Opt, V, G, O>(a, t, i, cb, k_s, tail, scale, clip, st);
+      for (int k = 0; k < K; ++k) top[k][j] = live ? detail::q8_magnitude(st[k]) : 0u;
+      __syncthreads();
+      for (int half = kBlockThreads / 2; half > 0; half /= 2) {
+        if (j < half)
+          for (int k = 0; k < K; ++k) top[k][j] = max(top[k][j], top[k][j + half]);
+        __syncthreads();
+      }
+      for (int k = 0; k < K; ++k) {
+        const float stored = ::stepcore::detail::q8_stored_max(cb[k], top[k][0]);
+        if (live) a.codes[k][t][i] = detail::q8_lane_code(cb[k], st[k], stored);
+        if (j == 0) a.absmax[k][t][b0 / kQ8BlockSize] = stored;
+      }
+      __syncthreads();  // top is read above before the next block writes it
+    }
+  });
+}
+
 // One block per chunk of a launch of unit Opt; everything per step is read from device
 // memory when it runs (scale, clip, found-inf flag, step counter, lr, weight decay, the
 // unit's table), so a captured graph replays with new values. found-inf set: the kernel
@@ -138,6 +183,12 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
   __syncthreads();
   const GradientRead read = detail::block_read<Opt>(d);
+  if constexpr (::stepcore::detail::unit_takes_q8<Opt>()) {
+    if (args.q8(args.task(blockIdx.x).tensor)) {  // the same for every thread of the block
+      q8_task<Opt>(args, *scalars, read.scale, read.clip, d.q8_codebooks);
+      return;
+    }
+  }
   detail::optimizer_thread<Opt>(args, blockIdx.x, threadIdx.x, kBlockThreads, *scalars, read.scale,
                                 read.clip);
 }

@@ -10,6 +10,8 @@
 #include <vector>
 
 #include "optimizer_records.hpp"
+#include "q8_configs.hpp"
+#include "q8_sets.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/cuda_host.hpp"
 #include "stepcore/error.hpp"
@@ -339,6 +341,101 @@ TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
     owned.clear();
   }
 #endif
+}
+
+// Block-wise 8-bit AdamW and Adam state (docs/numerics.md 8f) on the GPU: the kernels'
+// 8-bit bodies (one thread per element, the block maximum in shared memory) against the
+// reference after every step of five, boundary sizes and a tensor across a chunk.
+template <class Config>
+void q8_on_the_gpu(const Config& c, int slots, bool torchao, const std::string& what) {
+#if defined(STEPCORE_WITH_CUDA)
+  using namespace stepcore::testing_support::q8;  // NOLINT: the shared 8-bit sets
+  std::vector<TensorSpec> specs;
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{257},
+                        std::size_t{4097}, gpu::kBlockElements + 300})
+    specs.push_back({n, DType::f32, n % 2 ? DType::bf16 : DType::f32, n == 4097});
+  Q8Set want = make_set(specs, slots, torchao);
+  Q8Set got = want;
+  auto up = [](const void* src, std::size_t bytes) {
+    void* d = nullptr;
+    EXPECT_EQ(cudaMalloc(&d, bytes > 0 ? bytes : 1), cudaSuccess);
+    if (bytes > 0) EXPECT_EQ(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+  };
+  const std::vector<double> table = gpu::make_optimizer_table(OptimizerConfig{c});
+  const std::vector<std::uint32_t> books = gpu::q8_codebooks();
+  const float host_scalars[2] = {0.25f, 0.8f};
+  auto* d_scalars = static_cast<float*>(up(host_scalars, sizeof host_scalars));
+  auto* d_table = static_cast<double*>(up(table.data(), table.size() * sizeof(double)));
+  auto* d_books = static_cast<std::uint32_t*>(up(books.data(), books.size() * 4));
+  for (int s = 1; s <= 5; ++s) {
+    fill_grads(want, s);
+    fill_grads(got, s);
+    auto wv = want.views();
+    reference_step(wv, c, GradientRead{0.25f, 0.8f, false});
+    // The set's arrays on the device, stepped, and copied back.
+    std::vector<void*> owned;
+    auto hv = got.views();
+    std::vector<OptimizerTensor> dv = hv;
+    for (std::size_t i = 0; i < hv.size(); ++i) {
+      auto mirror = [&](const void* p, std::size_t bytes) {
+        owned.push_back(up(p, bytes));
+        return owned.back();
+      };
+      const std::size_t n = hv[i].param.numel;
+      const std::size_t blocks = (n + kQ8BlockSize - 1) / kQ8BlockSize;
+      dv[i].param.data = mirror(hv[i].param.data, hv[i].param.bytes());
+      dv[i].grad.data = mirror(hv[i].grad.data, hv[i].grad.bytes());
+      dv[i].step = static_cast<float*>(mirror(hv[i].step, sizeof(float)));
+      if (hv[i].compute_param.data)
+        dv[i].compute_param.data = mirror(hv[i].compute_param.data, hv[i].compute_param.bytes());
+      for (int k = 0; k < slots; ++k)
+        dv[i].q8[k] = Q8Slot{static_cast<std::uint8_t*>(mirror(hv[i].q8[k].codes, n)),
+                             static_cast<float*>(mirror(hv[i].q8[k].absmax, blocks * 4))};
+    }
+    gpu::optimizer_step(
+        dv, OptimizerConfig{c},
+        OptimizerDeviceArgs{d_scalars, d_scalars + 1, nullptr, nullptr, d_table, d_books}, nullptr);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (std::size_t i = 0; i < hv.size(); ++i) {
+      auto down = [](void* host, const void* dev, std::size_t bytes) {
+        if (bytes > 0) EXPECT_EQ(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      };
+      const std::size_t n = hv[i].param.numel;
+      const std::size_t blocks = (n + kQ8BlockSize - 1) / kQ8BlockSize;
+      down(hv[i].param.data, dv[i].param.data, hv[i].param.bytes());
+      down(hv[i].step, dv[i].step, sizeof(float));
+      if (hv[i].compute_param.data)
+        down(hv[i].compute_param.data, dv[i].compute_param.data, hv[i].compute_param.bytes());
+      for (int k = 0; k < slots; ++k) {
+        down(hv[i].q8[k].codes, dv[i].q8[k].codes, n);
+        down(hv[i].q8[k].absmax, dv[i].q8[k].absmax, blocks * 4);
+      }
+    }
+    for (void* p : owned) cudaFree(p);
+    expect_same(got, want, what + " step " + std::to_string(s));
+    if (::testing::Test::HasFatalFailure()) break;
+  }
+  for (void* p :
+       {static_cast<void*>(d_scalars), static_cast<void*>(d_table), static_cast<void*>(d_books)})
+    cudaFree(p);
+#else
+  (void)c, (void)slots, (void)torchao, (void)what;
+#endif
+}
+
+TEST(GpuKernels, EightBitAdamWAndAdamMatchTheReference) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
+    q8_on_the_gpu(
+        c, c.amsgrad ? 3 : 2, c.formula == AdamWFormula::torchao,
+        std::string("adamw ") + std::string(kAdamWFormulaNames[static_cast<int>(c.formula)]));
+    if (HasFatalFailure()) return;
+  }
+  AdamConfig adam;
+  adam.lr = 1e-2;
+  adam.weight_decay = 0.05;
+  q8_on_the_gpu(adam, 2, false, "adam");
 }
 
 }  // namespace

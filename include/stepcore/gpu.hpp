@@ -50,6 +50,12 @@ inline constexpr std::uint32_t kMaxBiasTableSteps = std::uint32_t{1} << 22;
 /// ("config.beta2") when a column would pass kMaxBiasTableSteps steps (1 - beta < ~8.6e-6).
 std::vector<double> make_optimizer_table(const OptimizerConfig& config);
 
+/// Returns the words optimizer_step reads to dequantize and requantize block-wise 8-bit
+/// state slots (OptimizerTensor::q8, docs/numerics.md 8f): both maps under both rounding
+/// rules with their code tables, the same for every configuration (about 100 KB). Copy it
+/// to device memory once and pass it as OptimizerDeviceArgs::q8_codebooks.
+std::vector<std::uint32_t> q8_codebooks();
+
 /// Returns the workspace bytes scale_and_norm_partial needs for these tensors.
 std::size_t scale_and_norm_workspace_bytes(std::span<const TensorView> tensors);
 
@@ -133,7 +139,9 @@ void finalize_exact_and_clip(const NormPartial* d_exact_partial, float max_norm,
 /// in place first (docs/numerics.md section 3), to the reference and to the CPU engine's
 /// Engine::step, for any launch shape. Step counters, lr and weight decay (d.hyper, else
 /// the config's), the optimizer's table (d.table: make_optimizer_table(config); AdamW's
-/// and Adam's bias corrections) and the found-inf flag are device memory, read when the
+/// and Adam's bias corrections), the 8-bit codebooks (d.q8_codebooks: q8_codebooks(), for
+/// tensors with 8-bit slots, whose blocks of 256 each thread block requantizes after a
+/// block-wide maximum) and the found-inf flag are device memory, read when the
 /// kernels run: a captured graph replays the next step with the current values, and
 /// *d.found_inf != 0 leaves parameters, state and counters untouched (no rollback).
 /// Validation: the CPU engine's (the unit's checker), except that the counters' values and

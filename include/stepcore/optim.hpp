@@ -393,6 +393,9 @@ struct OptimizerDeviceArgs {
   /// gpu::make_optimizer_table(config) in device memory: required when that table is not
   /// empty (AdamW and Adam: their bias corrections), else unused.
   const double* table = nullptr;
+  /// gpu::q8_codebooks() in device memory: required when a tensor has 8-bit slots
+  /// (OptimizerTensor::q8), else unused.
+  const std::uint32_t* q8_codebooks = nullptr;
   /// Returns the gradient read (scale, clip) as a DeviceGradientRead.
   DeviceGradientRead read() const noexcept { return DeviceGradientRead{scale, clip}; }
 };
