@@ -19,8 +19,13 @@ Every kernel of every object and architecture is printed with its figures, the f
 last. Exit status: 0 every kernel within the limits, 1 a kernel over one, 2 a missing or
 unreadable report or a usage error.
 
+With --no-trap PTX..., it checks instead that no kernel of those PTX files has a `trap`
+instruction: nvcc compiles code it proves undefined to one (device code indexing a
+host-only variable, say), which the CPU executor's tests cannot see.
+
 Usage: tools/check-kernel-resources.py --reports DIR --arch 80 [--arch 90 ...]
            --expect step_kernels.cu.o [--expect ...]
+       tools/check-kernel-resources.py --no-trap build/<preset>/.../step_kernels.ptx
 """
 
 from __future__ import annotations
@@ -84,17 +89,67 @@ def short_names(mangled: list[str]) -> dict[str, str]:
     return out
 
 
+ENTRY_PTX = re.compile(r"^(?:\.visible\s+)?\.entry\s+(\S+?)\(", re.M)
+
+
+def traps_of(ptx: str) -> dict[str, int]:
+    """The `trap;` instructions of each kernel (.entry) and device function of a PTX file."""
+    out: dict[str, int] = {}
+    starts = [(m.start(), m.group(1)) for m in ENTRY_PTX.finditer(ptx)]
+    starts += [(m.start(), m.group(1))
+               for m in re.finditer(r"^(?:\.visible\s+|\.weak\s+)?\.func\s+(?:\([^)]*\)\s*)?(\S+?)\(",
+                                    ptx, re.M)]
+    starts.sort()
+    for k, (at, name) in enumerate(starts):
+        end = starts[k + 1][0] if k + 1 < len(starts) else len(ptx)
+        n = len(re.findall(r"^\s*trap;", ptx[at:end], re.M))
+        if n:
+            out[name] = n
+    return out
+
+
+def check_traps(paths: list[str]) -> int:
+    """--no-trap: fails when a kernel of the PTX files has a `trap;` (nvcc compiles code it
+    proves undefined, e.g. device code reading a host-only variable, to one)."""
+    bad = 0
+    entries = 0
+    for path in paths:
+        try:
+            ptx = Path(path).read_text(errors="replace")
+        except OSError as e:
+            print(f"check-kernel-resources: cannot read {path} ({e})", file=sys.stderr)
+            return 2
+        entries += len(ENTRY_PTX.findall(ptx))
+        names = traps_of(ptx)
+        short = short_names(list(names))
+        for name, n in names.items():
+            print(f"TRAP: {path}: {short[name]}: {n} trap instruction(s)")
+            bad += 1
+    if not entries:
+        print("check-kernel-resources: no kernel in the PTX files", file=sys.stderr)
+        return 2
+    print(f"check-kernel-resources: {entries} kernels in {len(paths)} PTX file(s), "
+          f"{bad} with a trap")
+    return 1 if bad else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--reports", required=True, help="the build's ptxas report folder")
-    ap.add_argument("--arch", action="append", required=True, help="e.g. 90 (repeatable)")
-    ap.add_argument("--expect", action="append", required=True,
+    ap.add_argument("--no-trap", nargs="+", metavar="PTX",
+                    help="check only that these PTX files' kernels have no trap instruction")
+    ap.add_argument("--reports", help="the build's ptxas report folder")
+    ap.add_argument("--arch", action="append", help="e.g. 90 (repeatable)")
+    ap.add_argument("--expect", action="append",
                     help="an object whose report must be there, e.g. step_kernels.cu.o")
     ap.add_argument("--max-stack", type=int, default=1024)
     ap.add_argument("--max-spill", type=int, default=16)
     ap.add_argument("--block-threads", type=int, default=256)
     ap.add_argument("--min-blocks", type=int, default=2)
     args = ap.parse_args()
+    if args.no_trap:
+        return check_traps(args.no_trap)
+    if not (args.reports and args.arch and args.expect):
+        ap.error("--reports, --arch and --expect are required (or --no-trap PTX...)")
 
     archs = {"sm_" + a.split("-")[0] for a in args.arch}  # CMake's "90-real" form
     failures: list[str] = []
