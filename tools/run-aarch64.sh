@@ -15,9 +15,10 @@ native_demo="${1:-build/default/apps/stepcore-demo}"
 tools/install-deps.sh --aarch64
 
 # The engine, reference, self-test, golden (both sets), primitive and p-norm suites, the
-# managers (full offload and the other modes on the host device), and 8-bit state.
+# managers (full offload and the other modes on the host device), and 8-bit state (the
+# engine's and the kernels' block bodies on the executor).
 suites=(test_cpu_engine test_reference test_cpu_self_test test_golden test_cpu_primitives
-        test_norm_p test_managers test_q8 test_q8_engine)
+        test_norm_p test_managers test_q8 test_q8_engine test_q8_device)
 cmake --preset aarch64 >/dev/null
 cmake --build --preset aarch64 --target "${suites[@]}" stepcore-demo
 echo "aarch64: cross build took $((SECONDS - start)) s"

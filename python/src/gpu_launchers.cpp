@@ -311,6 +311,20 @@ void bind_gpu(nb::module_& parent) {
         "Why no CUDA device is usable ('' when one is).");
 
   m.def(
+      "q8_codebooks",
+      [] {
+        auto* words = new std::vector<std::uint32_t>(gpu::q8_codebooks());
+        nb::capsule owner(
+            words, [](void* w) noexcept { delete static_cast<std::vector<std::uint32_t>*>(w); });
+        return nb::ndarray<nb::numpy, std::int32_t, nb::shape<-1>>(
+            reinterpret_cast<std::int32_t*>(words->data()), {words->size()}, owner);
+      },
+      "The words optimizer_step reads to dequantize and requantize 8-bit state slots (both "
+      "maps, both rounding rules and their code tables; docs/numerics.md 8f) as an int32 "
+      "numpy array: copy it to the device once and pass it as optimizer_step's "
+      "`q8_codebooks`.");
+
+  m.def(
       "make_optimizer_table",
       [](const std::string& optimizer, nb::handle hyper) {
         const OptimizerConfig config = python::optimizer_config(optimizer, hyper);
@@ -470,7 +484,7 @@ void bind_gpu(nb::module_& parent) {
       [](const std::string& optimizer, const Objects& params, const std::vector<Objects>& states,
          std::optional<Objects> steps, const Objects& grads, std::optional<Objects> computes,
          nb::handle hyper, nb::handle scale, nb::handle clip, nb::handle table,
-         nb::handle found_inf, nb::handle step_hyper, nb::handle stream) {
+         nb::handle found_inf, nb::handle step_hyper, nb::handle q8_codebooks, nb::handle stream) {
         const cudaStream_t s = launch_stream(stream, first_of(params, scale));
         const std::size_t n = params.size();
         if (states.size() > static_cast<std::size_t>(kMaxOptimizerSlots))
@@ -490,8 +504,27 @@ void bind_gpu(nb::module_& parent) {
         for (std::size_t i = 0; i < n; ++i) {
           const auto k = static_cast<std::ptrdiff_t>(i);
           t[i].param = l.tensor(params[i], ArgName{"params", k}, Access::write);
-          for (std::size_t j = 0; j < states.size(); ++j)
-            t[i].state[j] = l.tensor(states[j][i], ArgName{kSlotLists[j], k}, Access::write);
+          for (std::size_t j = 0; j < states.size(); ++j) {
+            if (!nb::isinstance<nb::tuple>(states[j][i])) {
+              t[i].state[j] = l.tensor(states[j][i], ArgName{kSlotLists[j], k}, Access::write);
+              continue;
+            }
+            // An 8-bit slot (docs/numerics.md 8f): (uint8 codes, float32 block maxima).
+            const nb::tuple pair = nb::borrow<nb::tuple>(states[j][i]);
+            if (pair.size() != 2)
+              bad("invalid_argument", ArgName{kSlotLists[j], k},
+                  "an 8-bit slot is a (codes, absmax) pair");
+            const std::size_t numel = t[i].param.numel;
+            const std::size_t blocks = (numel + kQ8BlockSize - 1) / kQ8BlockSize;
+            t[i].q8[j].codes = static_cast<std::uint8_t*>(
+                l.exact(pair[0], ArgName{kSlotLists[j], k}, Access::write, python::kU8, numel,
+                        "one uint8 code per element of the param")
+                    .data);
+            t[i].q8[j].absmax = static_cast<float*>(
+                l.exact(pair[1], ArgName{kSlotLists[j], k}, Access::write, python::kF32, blocks,
+                        "one float32 maximum per block of 256 elements")
+                    .data);
+          }
           if (steps) t[i].step = l.f32_scalar((*steps)[i], ArgName{"steps", k}, Access::write);
           t[i].grad = l.tensor(grads[i], ArgName{"grads", k}, Access::read);
           if (computes && !(*computes)[i].is_none())
@@ -516,6 +549,11 @@ void bind_gpu(nb::module_& parent) {
         if (!found_inf.is_none())
           d.found_inf = l.found_inf(found_inf, ArgName{"found_inf"}, Access::read);
         if (!step_hyper.is_none()) d.hyper = l.hyper(step_hyper, ArgName{"step_hyper"});
+        if (!q8_codebooks.is_none())
+          d.q8_codebooks = static_cast<const std::uint32_t*>(
+              l.exact(q8_codebooks, ArgName{"q8_codebooks"}, Access::read, python::kI32,
+                      gpu::q8_codebooks().size(), "the length of q8_codebooks()")
+                  .data);
         nb::gil_scoped_release release;
         gpu::optimizer_step(t, config, d, s);
       },
@@ -524,7 +562,7 @@ void bind_gpu(nb::module_& parent) {
       nb::arg("hyper").none() = nb::none(), nb::arg("scale").none() = nb::none(),
       nb::arg("clip").none() = nb::none(), nb::arg("table").none() = nb::none(),
       nb::arg("found_inf").none() = nb::none(), nb::arg("step_hyper").none() = nb::none(),
-      nb::arg("stream").none() = nb::none(),
+      nb::arg("q8_codebooks").none() = nb::none(), nb::arg("stream").none() = nb::none(),
       "One step of the optimizer named `optimizer` on device tensors, bit-identical to "
       "Engine.step with the same arguments: states[k][i] tensor i's state slot k in the "
       "optimizer's slot order, steps float32 counters (None for an optimizer that keeps "
@@ -533,7 +571,9 @@ void bind_gpu(nb::module_& parent) {
       "required when the optimizer's gradient read applies them: grads read as "
       "R(R(g * scale) * clip)), table (float64: make_optimizer_table(optimizer, hyper), "
       "required when that is not empty), found_inf (int32: != 0 writes nothing, counters "
-      "kept) and step_hyper (float64 lr, weight_decay, else the dict's).");
+      "kept), step_hyper (float64 lr, weight_decay, else the dict's) and q8_codebooks "
+      "(int32: q8_codebooks(), required when a states[k][i] is an 8-bit (codes, absmax) "
+      "pair, as Engine.step takes it: uint8 codes and float32 block maxima on the device).");
 
   m.def(
       "partial_words",

@@ -1030,3 +1030,43 @@ def test_nccl_drives_the_device_memory_communicator_to_one_process_bits(cuda_tor
     world = min(2, torch.cuda.device_count())
     results = tm.run_sliced_processes(world, "nccl", world_size=None if world > 1 else 2)
     tm.check_sliced_results(results, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formula", ["torch", "torchao"])
+def test_eight_bit_slots_on_the_device_equal_the_cpu_engine(cuda_torch, formula):
+    """optimizer_step with (codes, absmax) pairs on the device and q8_codebooks(): every
+    param, code and block maximum of Engine.step's, four steps, boundary sizes."""
+    torch = cuda_torch
+    gen = torch.Generator().manual_seed(5)
+    e = stepcore.Engine(threads=2)
+    hyper = dict(HYPER, formula=formula)
+    sizes = [1, 255, 257, 4097, 70001]
+    blocks = [(n + 255) // 256 for n in sizes]
+    params = [randn(torch, gen, n, torch.float32) for n in sizes]
+    slots = [[(torch.zeros(n, dtype=torch.uint8), torch.zeros(b)) for n, b in zip(sizes, blocks)]
+             for _ in range(2)]
+    steps = [torch.zeros(()) for _ in sizes]
+    dev_params = [p.cuda() for p in params]
+    dev_slots = [[(c.cuda(), a.cuda()) for c, a in s] for s in slots]
+    dev_steps = [s.cuda() for s in steps]
+    d_scale = torch.tensor([0.5], device="cuda")
+    d_clip = torch.tensor([0.75], device="cuda")
+    table = torch.from_numpy(sc.make_optimizer_table("adamw", hyper)).cuda()
+    books = torch.from_numpy(sc.q8_codebooks()).cuda()
+    for step in range(4):
+        grads = [randn(torch, gen, n, torch.float32, scale=3.0) for n in sizes]
+        e.step("adamw", params, slots, steps, grads, hyper=hyper, grad_scale=0.5, clip=0.75)
+        sc.optimizer_step("adamw", dev_params, dev_slots, dev_steps, [g.cuda() for g in grads],
+                          hyper=hyper, scale=d_scale, clip=d_clip, table=table,
+                          q8_codebooks=books)
+        torch.cuda.synchronize()
+        assert_same_bits(params, dev_params, f"step {step}: params")
+        for k in range(2):
+            for i, ((c, _), (d, _)) in enumerate(zip(slots[k], dev_slots[k])):
+                assert torch.equal(c, d.cpu()), f"step {step}: codes of slot {k}, tensor {i}
+            assert_same_bits([a for _, a in slots[k]], [a for _, a in dev_slots[k]],
+                             f"step {step}: maxima of slot {k}")
+    with pytest.raises(ValueError, match="q8_codebooks"):
+        sc.optimizer_step("adamw", dev_params, dev_slots, dev_steps, [g.cuda() for g in grads],
+                          hyper=hyper, scale=d_scale, clip=d_clip, table=table)
