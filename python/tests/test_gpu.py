@@ -1064,7 +1064,7 @@ def test_eight_bit_slots_on_the_device_equal_the_cpu_engine(cuda_torch, formula)
         assert_same_bits(params, dev_params, f"step {step}: params")
         for k in range(2):
             for i, ((c, _), (d, _)) in enumerate(zip(slots[k], dev_slots[k])):
-                assert torch.equal(c, d.cpu()), f"step {step}: codes of slot {k}, tensor {i}
+                assert torch.equal(c, d.cpu()), f"step {step}: codes of slot {k}, tensor {i}"
             assert_same_bits([a for _, a in slots[k]], [a for _, a in dev_slots[k]],
                              f"step {step}: maxima of slot {k}")
     with pytest.raises(ValueError, match="q8_codebooks"):
