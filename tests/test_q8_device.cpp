@@ -2,7 +2,7 @@
 // docs/numerics.md 8f) on the CPU executor and through the host device's optimizer_step,
 // against the reference bit for bit after every step of ten: AdamW's three formulas and
 // Adam, amsgrad, f32 and bf16 gradients, a compute output, boundary sizes, tensors across
-// a kernel block's chunk and many launches; and the refusals (no codebooks, a 16-bit
+// a kernel block's chunk, one of about 10^6 elements, and many launches; and the refusals (no codebooks, a 16-bit
 // param, an optimizer without 8-bit state), raised before anything is written.
 #include <gtest/gtest.h>
 
@@ -102,6 +102,21 @@ TEST(KernelQ8, AdamBlockBodiesOnTheExecutorEqualTheReference) {
   for (const AdamConfig& c : adam_configs()) {
     const Q8Set set = make_set(device_specs(), c.amsgrad ? 3 : 2, false);
     run_executor_against_reference(set, c, steps, c.amsgrad ? "adam amsgrad" : "adam");
+    if (HasFatalFailure()) return;
+  }
+}
+
+// A tensor of about 10^6 elements (16 kernel blocks' chunks, the last one short) beside
+// small ones, in launches of few blocks: every formula's rule, three steps.
+TEST(KernelQ8, AMillionElementsAcrossLaunchesEqualTheReference) {
+  const std::vector<TensorSpec> specs = {{1000003, DType::f32, DType::f32, false},
+                                         {4097, DType::f32, DType::bf16, false}};
+  for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
+    if (c.amsgrad) continue;
+    run_executor_against_reference(
+        make_set(specs, 2, c.formula == AdamWFormula::torchao), c, by_profile(3, 1, "1 step"),
+        std::string("adamw ") +
+            std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]) + " 10^6");
     if (HasFatalFailure()) return;
   }
 }
