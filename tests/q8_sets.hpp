@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/optimizers/all.hpp"
 #include "core/q8_maps.hpp"
 #include "stepcore/convert.hpp"
 #include "stepcore/optim.hpp"
@@ -79,9 +80,16 @@ struct TensorSpec {
   bool output;
 };
 
-inline Q8Set make_set(const std::vector<TensorSpec>& specs, int slots, bool torchao) {
+// A set for a step of configuration c: the slots its variant uses, each fresh (the zero
+// code of its map; maxima 0, or torchao's least stored maximum under its rule), with
+// random params.
+template <class Config>
+Q8Set make_set(const std::vector<TensorSpec>& specs, const Config& c) {
+  using Opt = typename stepcore::detail::UnitForConfig<Config, stepcore::detail::AllUnits>::type;
+  const int v = Opt::variant(c);
+  const bool torchao = stepcore::detail::unit_q8_rule<Opt>(v) == stepcore::detail::Q8Rule::torchao;
   Q8Set set;
-  set.slots = slots;
+  set.slots = Opt::slots(v);
   std::mt19937 rng(11);
   std::normal_distribution<float> nd(0.0f, 0.5f);
   for (const TensorSpec& s : specs) {
@@ -102,8 +110,8 @@ inline Q8Set make_set(const std::vector<TensorSpec>& specs, int slots, bool torc
     if (s.output) t.out.assign(s.n, 0);
     (s.grad == DType::f32 ? t.g32.resize(s.n) : t.g16.resize(s.n));
     const std::size_t blocks = (s.n + kQ8BlockSize - 1) / kQ8BlockSize;
-    for (int k = 0; k < slots; ++k) {
-      const bool u = k > 0;
+    for (int k = 0; k < set.slots; ++k) {
+      const bool u = stepcore::detail::unit_slot_non_negative<Opt>(k);
       t.codes[k].assign(s.n, static_cast<std::uint8_t>(u ? stepcore::detail::kQ8UnsignedZero
                                                          : stepcore::detail::kQ8SignedZero));
       t.absmax[k].assign(blocks, torchao ? 1e-12f : 0.0f);
@@ -111,6 +119,16 @@ inline Q8Set make_set(const std::vector<TensorSpec>& specs, int slots, bool torc
     set.tensors.push_back(std::move(t));
   }
   return set;
+}
+
+// The name of configuration c in a failure message: the optimizer, AdamW's formula, amsgrad.
+inline std::string q8_config_name(const AdamWConfig& c) {
+  return std::string("adamw ") +
+         std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]) +
+         (c.amsgrad ? " amsgrad" : "");
+}
+inline std::string q8_config_name(const AdamConfig& c) {
+  return c.amsgrad ? "adam amsgrad" : "adam";
 }
 
 // The gradients of step s, the same for every copy: all-zero blocks, blocks with one

@@ -347,14 +347,16 @@ TEST(GpuKernels, OutOfPlaceAdamWAndSignSgdMatchTheReference) {
 // 8-bit bodies (one thread per element, the block maximum in shared memory) against the
 // reference after every step of five, boundary sizes and a tensor across a chunk.
 template <class Config>
-void q8_on_the_gpu(const Config& c, int slots, bool torchao, const std::string& what) {
+void q8_on_the_gpu(const Config& c) {
 #if defined(STEPCORE_WITH_CUDA)
   using namespace stepcore::testing_support::q8;  // NOLINT: the shared 8-bit sets
   std::vector<TensorSpec> specs;
   for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{255}, std::size_t{257},
                         std::size_t{4097}, gpu::kBlockElements + 300})
     specs.push_back({n, DType::f32, n % 2 ? DType::bf16 : DType::f32, n == 4097});
-  Q8Set want = make_set(specs, slots, torchao);
+  Q8Set want = make_set(specs, c);
+  const int slots = want.slots;
+  const std::string what = q8_config_name(c);
   Q8Set got = want;
   auto up = [](const void* src, std::size_t bytes) {
     void* d = nullptr;
@@ -420,22 +422,20 @@ void q8_on_the_gpu(const Config& c, int slots, bool torchao, const std::string& 
        {static_cast<void*>(d_scalars), static_cast<void*>(d_table), static_cast<void*>(d_books)})
     cudaFree(p);
 #else
-  (void)c, (void)slots, (void)torchao, (void)what;
+  (void)c;
 #endif
 }
 
 TEST(GpuKernels, EightBitAdamWAndAdamMatchTheReference) {
   if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
   for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
-    q8_on_the_gpu(
-        c, c.amsgrad ? 3 : 2, c.formula == AdamWFormula::torchao,
-        std::string("adamw ") + std::string(kAdamWFormulaNames[static_cast<int>(c.formula)]));
+    q8_on_the_gpu(c);
     if (HasFatalFailure()) return;
   }
-  AdamConfig adam;
-  adam.lr = 1e-2;
-  adam.weight_decay = 0.05;
-  q8_on_the_gpu(adam, 2, false, "adam");
+  for (const AdamConfig& c : stepcore::testing_support::q8::adam_configs()) {
+    q8_on_the_gpu(c);
+    if (HasFatalFailure()) return;
+  }
 }
 
 }  // namespace

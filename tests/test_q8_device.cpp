@@ -2,8 +2,8 @@
 // docs/numerics.md 8f) on the CPU executor and through the host device's optimizer_step,
 // against the reference bit for bit after every step of ten: AdamW's three formulas and
 // Adam, amsgrad, f32 and bf16 gradients, a compute output, boundary sizes, tensors across
-// a kernel block's chunk, one of about 10^6 elements, and many launches; and the refusals (no codebooks, a 16-bit
-// param, an optimizer without 8-bit state), raised before anything is written.
+// a kernel block's chunk, one of about 10^6 elements, and many launches; and the refusals (no
+// codebooks, a 16-bit param, an optimizer without 8-bit state), raised before anything is written.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -86,13 +86,7 @@ void run_executor_against_reference(const Q8Set& set, const Config& c, int steps
 TEST(KernelQ8, AdamWBlockBodiesOnTheExecutorEqualTheReference) {
   const int steps = by_profile(10, 3, "3 steps");
   for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
-    const Q8Set set =
-        make_set(device_specs(), c.amsgrad ? 3 : 2, c.formula == AdamWFormula::torchao);
-    run_executor_against_reference(
-        set, c, steps,
-        std::string("adamw ") +
-            std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]) +
-            (c.amsgrad ? " amsgrad" : ""));
+    run_executor_against_reference(make_set(device_specs(), c), c, steps, q8_config_name(c));
     if (HasFatalFailure()) return;
   }
 }
@@ -100,8 +94,7 @@ TEST(KernelQ8, AdamWBlockBodiesOnTheExecutorEqualTheReference) {
 TEST(KernelQ8, AdamBlockBodiesOnTheExecutorEqualTheReference) {
   const int steps = by_profile(10, 3, "3 steps");
   for (const AdamConfig& c : adam_configs()) {
-    const Q8Set set = make_set(device_specs(), c.amsgrad ? 3 : 2, false);
-    run_executor_against_reference(set, c, steps, c.amsgrad ? "adam amsgrad" : "adam");
+    run_executor_against_reference(make_set(device_specs(), c), c, steps, q8_config_name(c));
     if (HasFatalFailure()) return;
   }
 }
@@ -113,10 +106,8 @@ TEST(KernelQ8, AMillionElementsAcrossLaunchesEqualTheReference) {
                                          {4097, DType::f32, DType::bf16, false}};
   for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
     if (c.amsgrad) continue;
-    run_executor_against_reference(
-        make_set(specs, 2, c.formula == AdamWFormula::torchao), c, by_profile(3, 1, "1 step"),
-        std::string("adamw ") +
-            std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]) + " 10^6");
+    run_executor_against_reference(make_set(specs, c), c, by_profile(3, 1, "1 step"),
+                                   q8_config_name(c) + " 10^6");
     if (HasFatalFailure()) return;
   }
 }
@@ -129,7 +120,7 @@ TEST(KernelQ8, TheHostDeviceStepsEightBitSlotsAsTheReference) {
   AdamWConfig c = stepcore::testing_support::q8_adamw_configs()[1];  // torch, decay, two slots
   const std::vector<double> table = gpu::make_optimizer_table(OptimizerConfig{c});
   const std::vector<std::uint32_t> books = gpu::q8_codebooks();
-  const Q8Set set = make_set(device_specs(), 2, false);
+  const Q8Set set = make_set(device_specs(), c);
   Q8Set want = set, got = set;
   float scale = 0.5f, clip = 1.0f;
   std::int32_t found_inf = 0;
@@ -165,7 +156,7 @@ TEST(KernelQ8, RefusalsNameTheArgumentAndWriteNothing) {
   const std::vector<double> table = gpu::make_optimizer_table(OptimizerConfig{c});
   const std::vector<std::uint32_t> books = gpu::q8_codebooks();
   float scale = 1.0f, clip = 1.0f;
-  Q8Set set = make_set({{300, DType::f32, DType::f32, false}}, 2, false);
+  Q8Set set = make_set({{300, DType::f32, DType::f32, false}}, c);
   fill_grads(set, 1);
   const Q8Set before = set;
   auto expect_refused = [&](auto&& call, Errc code, const std::string& arg) {

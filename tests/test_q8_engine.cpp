@@ -206,13 +206,7 @@ void run_against_reference(const Q8Set& set, const Config& c, int steps, const s
 TEST(CpuEngineQ8, AdamWEqualsTheReferenceOnEveryIsaAndThreadCount) {
   const int steps = by_profile(10, 3, "3 steps");
   for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
-    const int slots = c.amsgrad ? 3 : 2;
-    const Q8Set set = make_set(boundary_specs(), slots, c.formula == AdamWFormula::torchao);
-    run_against_reference(
-        set, c, steps,
-        std::string("adamw ") +
-            std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]) +
-            (c.amsgrad ? " amsgrad" : ""));
+    run_against_reference(make_set(boundary_specs(), c), c, steps, q8_config_name(c));
     if (HasFatalFailure()) return;
   }
 }
@@ -220,8 +214,7 @@ TEST(CpuEngineQ8, AdamWEqualsTheReferenceOnEveryIsaAndThreadCount) {
 TEST(CpuEngineQ8, AdamEqualsTheReferenceOnEveryIsaAndThreadCount) {
   const int steps = by_profile(10, 3, "3 steps");
   for (const AdamConfig& c : adam_configs()) {
-    const Q8Set set = make_set(boundary_specs(), c.amsgrad ? 3 : 2, false);
-    run_against_reference(set, c, steps, c.amsgrad ? "adam amsgrad" : "adam");
+    run_against_reference(make_set(boundary_specs(), c), c, steps, q8_config_name(c));
     if (HasFatalFailure()) return;
   }
 }
@@ -236,11 +229,7 @@ TEST(CpuEngineQ8, ChunkBoundariesAndAMillionElementsEqualTheReference) {
                                    {1000003, DType::f32, DType::f32, false}};
   for (const AdamWConfig& c : stepcore::testing_support::q8_adamw_configs()) {
     if (c.amsgrad) continue;
-    const Q8Set set = make_set(specs, 2, c.formula == AdamWFormula::torchao);
-    run_against_reference(
-        set, c, by_profile(4, 1, "1 step"),
-        std::string("adamw ") +
-            std::string(stepcore::kAdamWFormulaNames[static_cast<int>(c.formula)]));
+    run_against_reference(make_set(specs, c), c, by_profile(4, 1, "1 step"), q8_config_name(c));
     if (HasFatalFailure()) return;
   }
 }
@@ -249,7 +238,7 @@ TEST(CpuEngineQ8, ChunkBoundariesAndAMillionElementsEqualTheReference) {
 // slots are partly 8-bit is refused; nothing is written.
 TEST(CpuEngineQ8, RefusalsNameTheSlotAndWriteNothing) {
   const stepcore::cpu::Engine engine;
-  Q8Set set = make_set({{300, DType::f32, DType::f32, false}}, 2, false);
+  Q8Set set = make_set({{300, DType::f32, DType::f32, false}}, AdamWConfig{});
   fill_grads(set, 1);
   const Q8Set before = set;
   auto refused = [&](std::vector<OptimizerTensor> v, auto config, stepcore::Errc code,
