@@ -191,7 +191,6 @@ constexpr const char* kStateFields[kMaxOptimizerSlots] = {"state[0]", "state[1]"
 
 constexpr const char* kStateSourceFields[kMaxOptimizerSlots] = {"state_src[0]", "state_src[1]",
                                                                 "state_src[2]"};
-constexpr const char* kQ8Fields[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
 
 bool has_q8(const Q8Slot& q) { return q.codes != nullptr || q.absmax != nullptr; }
 
@@ -200,7 +199,7 @@ bool has_q8(const Q8Slot& q) { return q.codes != nullptr || q.absmax != nullptr;
 // present for a non-empty tensor, the maxima f32-aligned; adds both ranges (written).
 void check_q8_slot(std::size_t i, const OptimizerTensor& t, int s, std::size_t n,
                    ParamDTypes dtypes, std::vector<Range>& ranges) {
-  const Arg name{"tensors", i, kQ8Fields[s]};
+  const Arg name{"tensors", i, kQ8SlotFields[s]};
   if (dtypes != ParamDTypes::model_and_q8 && dtypes != ParamDTypes::f32_and_q8)
     fail(Errc::unsupported_dtype, name,
          "block-wise 8-bit state is not computed by this entry point (the reference takes it)");
@@ -376,7 +375,7 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
     if (q8_slots != 0 && q8_slots != used_slots) {
       int s = 0;
       while (has_q8(t.q8[s])) ++s;
-      fail(Errc::invalid_argument, Arg{"tensors", i, kQ8Fields[s]},
+      fail(Errc::invalid_argument, Arg{"tensors", i, kQ8SlotFields[s]},
            "a tensor's used state slots are all 8-bit or none: this one must be set too");
     }
     check_source(i, t.param_src, t.param, "param_src", "param", ranges);
@@ -385,7 +384,7 @@ void validate_optimizer_tensors(std::span<const OptimizerTensor> tensors, const 
         if (!has_q8(t.q8[s]))
           check_source(i, t.state_src[s], t.state[s], names.source[s], names.slot[s], ranges);
       } else if (has_q8(t.q8[s])) {
-        fail(Errc::invalid_argument, Arg{"tensors", i, kQ8Fields[s]},
+        fail(Errc::invalid_argument, Arg{"tensors", i, kQ8SlotFields[s]},
              "this optimizer keeps " + std::to_string(used_slots) + " state arrays: state slot " +
                  std::to_string(s) + " must be empty");
       } else if (has_view(t.state[s])) {

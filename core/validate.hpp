@@ -27,6 +27,9 @@ enum class StepCounters : std::uint8_t { read, unread };
 /// with block-wise 8-bit state slots (the CUDA plans and devices for units that take them).
 enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8, f32_and_q8 };
 
+/// The names of OptimizerTensor::q8[k] in errors ("tensors[i].q8[k]").
+inline constexpr const char* kQ8SlotFields[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
+
 /// Throws unless every argument of an AdamW step is valid (dtypes, sizes, pointers,
 /// overlaps, hyper-parameter ranges, step counters, read scalars): state[0] exp_avg,
 /// state[1] exp_avg_sq, state[2] max_exp_avg_sq with amsgrad (else empty, its source too);

@@ -236,20 +236,17 @@ OptimizerPlan<Opt> checked_optimizer_plan(std::span<const OptimizerTensor> d_ten
     if (t.param.numel == 0) continue;
     check(t.param.data, t.param.bytes(), Arg{"tensors", i, "param"});
     const bool q8 = t.q8[0].codes != nullptr;  // validated: every used slot or none
-    if (q8 && d.q8_codebooks == nullptr)
-      throw Error(Errc::null_pointer, "d.q8_codebooks",
-                  "required for 8-bit state slots: gpu::q8_codebooks()");
     if (q8 && !codebooks_checked) {
-      check(d.q8_codebooks, ::stepcore::detail::kQ8ImageWords * sizeof(std::uint32_t),
-            Arg{"d.q8_codebooks"});
+      check_device_scalar(d.q8_codebooks, ::stepcore::detail::kQ8ImageWords * sizeof(std::uint32_t),
+                          "d.q8_codebooks", &check);
       codebooks_checked = true;
     }
-    static constexpr const char* kQ8Names[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
     for (int s = 0; s < used; ++s)
       if (q8) {
+        const Arg name{"tensors", i, ::stepcore::detail::kQ8SlotFields[s]};
         const std::size_t blocks = (t.param.numel + kQ8BlockSize - 1) / kQ8BlockSize;
-        check(t.q8[s].codes, t.param.numel, Arg{"tensors", i, kQ8Names[s]});
-        check(t.q8[s].absmax, blocks * sizeof(float), Arg{"tensors", i, kQ8Names[s]});
+        check(t.q8[s].codes, t.param.numel, name);
+        check(t.q8[s].absmax, blocks * sizeof(float), name);
       } else {
         check(t.state[s].data, t.state[s].bytes(), Arg{"tensors", i, Opt::kSlotNames[s]});
       }

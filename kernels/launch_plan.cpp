@@ -379,9 +379,7 @@ void optimizer_step(const OptimizerPlan<Opt>& plan, const OptimizerDeviceArgs& d
   if constexpr (::stepcore::detail::unit_takes_q8<Opt>())
     for (const OptimizerLaunchArgs<Opt>& a : plan.launches)
       for (int t = 0; t < a.num_tensors; ++t)
-        if (a.q8(t) && d.q8_codebooks == nullptr)
-          throw Error(Errc::null_pointer, "d.q8_codebooks",
-                      "required for 8-bit state slots: gpu::q8_codebooks()");
+        if (a.q8(t)) detail::check_device_scalar(d.q8_codebooks, 0, "d.q8_codebooks", nullptr);
   if (d.found_inf != nullptr && *d.found_inf != 0) return;
   for (const OptimizerLaunchArgs<Opt>& a : plan.launches)
     for (int b = 0; b < a.num_blocks; ++b) {

@@ -549,10 +549,11 @@ void bind_gpu(nb::module_& parent) {
         if (!found_inf.is_none())
           d.found_inf = l.found_inf(found_inf, ArgName{"found_inf"}, Access::read);
         if (!step_hyper.is_none()) d.hyper = l.hyper(step_hyper, ArgName{"step_hyper"});
+        static const std::size_t kCodebookWords = gpu::q8_codebooks().size();  // built once
         if (!q8_codebooks.is_none())
           d.q8_codebooks = static_cast<const std::uint32_t*>(
               l.exact(q8_codebooks, ArgName{"q8_codebooks"}, Access::read, python::kI32,
-                      gpu::q8_codebooks().size(), "the length of q8_codebooks()")
+                      kCodebookWords, "the length of q8_codebooks()")
                   .data);
         nb::gil_scoped_release release;
         gpu::optimizer_step(t, config, d, s);
