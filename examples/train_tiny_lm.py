@@ -441,9 +441,8 @@ def corpus(args):
                       rows=args.rows, seed=args.seed)
 
 
-def parse_args(argv=None):
-    """Returns the command line's options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the options of the model, its corpus and its step loop (every tiny-LM example's)."""
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--micro-batches", type=int, default=3)
     p.add_argument("--rows", type=int, default=6, help="sequences per micro-batch (varied by +-1)")
@@ -451,10 +450,21 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3, help="peak lr")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=0, help="stepcore engine threads (0: its default)")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (0: torch's default; 1 is fastest for this model "
                         "and does not spin on busy cores)")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+
+
+def parse_args(argv=None):
+    """Returns the command line's options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--threads", type=int, default=0, help="stepcore engine threads (0: its default)")
     p.add_argument("--processes", type=int, default=1,
                    help="gloo processes sharding the model (FSDP2), each running every batch")
     p.add_argument("--formula", choices=("torch", "native"), default="torch",
@@ -462,11 +472,6 @@ def parse_args(argv=None):
     p.add_argument("--speculation", choices=("auto", "always", "never"), default="auto",
                    help="which chunks an overlapped step steps before clip_grad_norm_ decides "
                         "(docs/managers.md, \"With overlap\"); every choice gives the same bits")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
     p.add_argument("--quiet", action="store_true", help="summary lines only")
     p.add_argument("--record", metavar="DIR",
                    help="record every run's tensors after each step into DIR/<run tag>/ "

@@ -137,21 +137,9 @@ def write_svg(path: str, curves: dict[str, list[float]]) -> None:
 
 
 def parse_args(argv=None):
-    """The tiny LM's options (train_tiny_lm.py's), plus --csv and --svg."""
+    """The tiny LM's options (train_tiny_lm.add_model_arguments), plus --csv and --svg."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--micro-batches", type=int, default=3)
-    p.add_argument("--rows", type=int, default=6)
-    p.add_argument("--max-norm", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--context", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--torch-threads", type=int, default=1)
+    lm.add_model_arguments(p)
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--svg", metavar="PATH")
     return p.parse_args(argv)

@@ -248,11 +248,16 @@ class _EngineOptimizer(_EngineOwner, torch.optim.Optimizer):
             if k in st:
                 continue
             start = starts[k]
-            if start is None:
-                st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            else:
-                value = h[start] if start in h else _table.hyper(e, start)["default"]
-                st[k] = torch.full_like(p, value, memory_format=torch.preserve_format)
+            value = None if start is None else h[start] if start in h else \
+                _table.hyper(e, start)["default"]
+            self._new_slot(st, p, k, value)
+
+    def _new_slot(self, st, p, k, value) -> None:
+        """Creates slot k of p's state `st`: zeros like p, or filled with `value`."""
+        if value is None:
+            st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        else:
+            st[k] = torch.full_like(p, value, memory_format=torch.preserve_format)
 
     def _setup(self, params, defaults, isa, threads) -> None:
         """Creates the engine and adds the groups (add_param_group checks each)."""

@@ -51,31 +51,19 @@ class _Q8:
         defaults.update(self._q8_defaults)
         super()._setup(params, defaults, isa, threads)
 
-    def _non_negative(self, name, k) -> bool:
-        """Whether slot k of optimizer `name` holds non-negative values (the unsigned map)."""
-        for s in _table.entry(name, "stepcore.torch")["slots"]:
-            if s["name"] == k:
-                return s["non_negative"]
-        raise ValueError(f"stepcore.torch: optimizer {name!r} has no slot {k!r}")
-
-    def _init_state(self, p, st, name, h) -> None:
-        """Creates p's missing state: 8-bit pairs (codes 0, maxima 0) when p has at least
-        min_8bit_size elements, else the f32 drop-in's slots."""
+    def _new_slot(self, st, p, k, value) -> None:
+        """Slot k as an 8-bit pair (codes 0, maxima 0, as torchao's) when p has at least
+        min_8bit_size elements, else the f32 drop-in's slot."""
         if p.numel() < self.defaults["min_8bit_size"]:
-            super()._init_state(p, st, name, h)
+            super()._new_slot(st, p, k, value)
             return
-        if self._INIT_ALL_AT_ONCE and st:
-            return
-        if self._counter == "state" and "step" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for k in self._slot_keys(name, h):
-            if k not in st:
-                st[k] = torch.zeros_like(p, dtype=torch.uint8,
-                                         memory_format=torch.contiguous_format)
-                st[k + _ABSMAX] = torch.zeros(_blocks(p.numel()), dtype=torch.float32,
-                                              device=p.device)
+        if value is not None:  # no optimizer with 8-bit state starts a slot elsewhere
+            raise NotImplementedError(f"stepcore.torch: 8-bit slot {k!r} starting at {value}")
+        st[k] = torch.zeros_like(p, dtype=torch.uint8, memory_format=torch.contiguous_format)
+        st[k + _ABSMAX] = torch.zeros(_blocks(p.numel()), dtype=torch.float32, device=p.device)
 
     def _check_slot(self, st, k, p, name) -> None:
+        """An 8-bit pair: codes of p's size, f32 maxima one per block (named as `name`)."""
         v = st[k]
         if not (isinstance(v, torch.Tensor) and v.dtype == torch.uint8):
             super()._check_slot(st, k, p, name)

@@ -59,6 +59,14 @@ def set_grads(params, step, seed=1, zero_every=11):
         p.grad = x.to(p.dtype)
 
 
+def run_steps(steps, *runs):
+    """Steps each (params, optimizer) run at the given step numbers, the same gradients."""
+    for s in steps:
+        for params, opt in runs:
+            set_grads(params, s)
+            opt.step()
+
+
 def reference_run(params, steps, optimizer, hyper, min_8bit_size=4096, grad_scale=1.0):
     """The same steps through stepcore.reference_step on numpy copies: 8-bit pairs for
     params of at least min_8bit_size elements (codes 0, maxima 0), zeros otherwise."""
@@ -180,17 +188,12 @@ def test_state_dict_round_trips_and_torchaos_loads_mid_run():
     for dtype in (torch.float32, torch.bfloat16):
         params = model_params(dtype)
         opt = st.AdamW8bit(params, lr=1e-3)
-        for s in range(3):
-            set_grads(params, s)
-            opt.step()
+        run_steps(range(3), (params, opt))
         saved = copy.deepcopy(opt.state_dict())  # torch's state_dict shares the tensors
         copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
         loaded = st.AdamW8bit(copies, lr=1e-3)
         loaded.load_state_dict(saved)
-        for s in range(3, 6):
-            for ps, o in ((params, opt), (copies, loaded)):
-                set_grads(ps, s)
-                o.step()
+        run_steps(range(3, 6), (params, opt), (copies, loaded))
         for p, q in zip(params, copies):
             assert_same(p.detach(), q.detach(), f"resumed run ({dtype})")
             for key, v in opt.state[p].items():
@@ -199,17 +202,13 @@ def test_state_dict_round_trips_and_torchaos_loads_mid_run():
     init = [torch.randn(4096 * 2), torch.randn(100)]
     theirs = [torch.nn.Parameter(x.clone()) for x in init]
     b = tao.AdamW8bit(theirs, lr=2e-3)
-    for s in range(3):
-        set_grads(theirs, s)
-        b.step()
+    run_steps(range(3), (theirs, b))
     moved = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
     a = st.AdamW8bit(moved, lr=2e-3)
     a.load_state_dict(through_a_file(b.state_dict()))
     assert a.state[moved[0]]["exp_avg"].dtype == torch.uint8
     for s in range(3, 7):
-        for ps, o in ((theirs, b), (moved, a)):
-            set_grads(ps, s)
-            o.step()
+        run_steps([s], (theirs, b), (moved, a))
         for x, y in zip(moved, theirs):
             assert_same(x.detach(), y.detach(), f"after torchao's state_dict, step {s}")
 
@@ -276,9 +275,7 @@ def test_a_bitsandbytes_state_dict_loads_and_steps_as_the_reference():
     bnb = pytest.importorskip("bitsandbytes")
     theirs = [torch.nn.Parameter(torch.randn(8192 + 300)), torch.nn.Parameter(torch.randn(100))]
     b = bnb.optim.AdamW8bit(theirs, lr=1e-3, weight_decay=0.0)
-    for s in range(3):
-        set_grads(theirs, s)
-        b.step()
+    run_steps(range(3), (theirs, b))
     moved = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
     a = st.AdamW8bit(moved, lr=1e-3, weight_decay=0.0, formula="torch")
     a.load_state_dict(through_a_file(b.state_dict()))
