@@ -267,7 +267,7 @@ float* GpuGradientManager::state_at(std::size_t i, std::size_t s, std::byte* slo
   return slot != nullptr ? reinterpret_cast<float*>(slot + q.off[s]) : q.state[s];
 }
 
-void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays,
+void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In,
                                              float step) {
   wait_idle();
   const ParamSpec& p = config().params[i];
@@ -341,7 +341,7 @@ ConstTensorView GpuGradientManager::do_compute_weights(std::size_t i) const {
   return {};
 }
 
-void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays,
+void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out,
                                            std::span<std::uint8_t> compute) {
   wait_idle();
   const Param& q = params_[i];

@@ -38,7 +38,7 @@ class GpuGradientManager final : public ManagerImpl {
   ~GpuGradientManager() override;
 
  protected:
-  void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
+  void do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8, float step) override;
   void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
                        bool last) override;
   bool do_imports_ranges() const noexcept override { return true; }
@@ -59,7 +59,7 @@ class GpuGradientManager final : public ManagerImpl {
   void do_step() override;
   StepReport do_report() override;
   ConstTensorView do_compute_weights(std::size_t i) const override;
-  void do_read_parameter(std::size_t i, Arrays<float> arrays,
+  void do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                          std::span<std::uint8_t> compute) override;
   void do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays) override;
   void do_step_counts(std::span<float> out) override;

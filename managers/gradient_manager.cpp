@@ -109,6 +109,19 @@ void validate_manager_config(const ManagerConfig& config) {
                 "stages compute weights only in mode full (modes none and optimizer keep "
                 "their rollback space on the device: speculation_bytes)");
 
+  if (config.q8_state) {
+    const OptimizerInfo& info = optimizer_table()[config.optimizer.index()];
+    if (!info.q8)
+      throw Error(Errc::not_supported, "q8_state",
+                  std::string(info.name) +
+                      " has no 8-bit state (optimizer_table()'s q8 entries "
+                      "have: adamw, adam)");
+    if (config.mode != OffloadMode::full)
+      throw Error(Errc::not_supported, "q8_state",
+                  "8-bit state is stepped in mode full; modes none and optimizer keep f32 "
+                  "state");
+  }
+
   // The groups: names, and each one's configuration as the optimizer will see it.
   const std::vector<ParamGroup> groups = resolve_groups(config);
   const bool implicit = config.groups.empty();
@@ -267,6 +280,20 @@ void throw_bad_state_value(const std::string& name, const std::string& where, st
               where + "element " + std::to_string(j) + " is negative (a second moment is >= 0)");
 }
 
+void check_q8_state(std::span<const std::uint8_t> codes, std::span<const float> absmax,
+                    std::size_t numel, const std::string& name, const std::string& where) {
+  if (codes.size() != numel)
+    throw Error(
+        Errc::size_mismatch, name + ".codes",
+        where + std::to_string(codes.size()) + " codes for " + std::to_string(numel) + " elements");
+  const std::size_t blocks = q8_blocks(numel);
+  if (absmax.size() != blocks)
+    throw Error(Errc::size_mismatch, name + ".absmax",
+                where + std::to_string(absmax.size()) + " block maxima for " +
+                    std::to_string(blocks) + " blocks of " + std::to_string(kQ8BlockSize));
+  check_state_values(absmax, blocks, name + ".absmax", true, where);
+}
+
 bool valid_step_count(float step, bool counts_steps) noexcept {
   if (!counts_steps) return step == 0.0f && !std::signbit(step);
   return step >= 0.0f && step <= 16777216.0f && step == std::floor(step);  // NaN fails
@@ -285,7 +312,14 @@ void GradientManager::load_parameter(std::size_t i, std::span<const float> maste
   detail::check_state_values(master, m.config_.params[i].numel, "master", false);
   std::vector<std::span<const float>> arrays(1 + m.state_slots());
   arrays[0] = master;
-  m.guarded([&] { m.do_import_parameter(i, arrays, 0.0f); });
+  std::vector<ManagerImpl::Q8Array<const std::uint8_t, const float>> q8(
+      m.q8_param(i) ? m.state_slots() : 0);
+  m.guarded([&] { m.do_import_parameter(i, arrays, q8, 0.0f); });
+}
+
+bool GradientManager::q8_parameter(std::size_t i) const {
+  impl_->expect_param(i);
+  return impl_->q8_param(i);
 }
 
 namespace {
@@ -338,10 +372,27 @@ void GradientManager::import_parameter(std::size_t i, std::span<const float> mas
   detail::check_state_values(master, numel, "master", false);
   std::vector<std::span<const float>> arrays(1 + names.size());
   arrays[0] = master;
+  const bool q8 = m.q8_param(i);
+  std::vector<ManagerImpl::Q8Array<const std::uint8_t, const float>> codes(q8 ? names.size() : 0);
   for (std::size_t s = 0; s < names.size(); ++s) {
-    arrays[1 + s] = state[at[s]].values;
-    detail::check_state_values(arrays[1 + s], numel, std::string(names[s]),
-                               detail::slot_non_negative(m.shape_.name, names[s]));
+    const SlotIn& in = state[at[s]];
+    const std::string name(names[s]);
+    const bool non_negative = detail::slot_non_negative(m.shape_.name, names[s]);
+    if (!q8) {
+      if (!in.codes.empty() || !in.absmax.empty())
+        throw Error(Errc::invalid_argument, name + ".codes",
+                    "parameter " + std::to_string(i) + "'s slots are f32 (values), not 8-bit");
+      arrays[1 + s] = in.values;
+      detail::check_state_values(arrays[1 + s], numel, name, non_negative);
+      continue;
+    }
+    if (!in.values.empty())
+      throw Error(Errc::invalid_argument, name,
+                  "parameter " + std::to_string(i) +
+                      "'s slots are 8-bit: give codes and "
+                      "absmax, not values");
+    detail::check_q8_state(in.codes, in.absmax, numel, name);
+    codes[s] = {in.codes, in.absmax};
   }
   const bool counts = m.shape_.counts_steps;
   if (!std::isfinite(step)) throw Error(Errc::non_finite, "step", "not finite");
@@ -350,7 +401,7 @@ void GradientManager::import_parameter(std::size_t i, std::span<const float> mas
                 counts
                     ? std::to_string(step) + " is not an integer in [0, 2^24] (an f32 step counter)"
                     : std::string(m.shape_.name) + " has no step counter: pass 0");
-  m.guarded([&] { m.do_import_parameter(i, arrays, step); });
+  m.guarded([&] { m.do_import_parameter(i, arrays, codes, step); });
 }
 
 void GradientManager::import_parameter(std::size_t i, std::span<const float> master,
@@ -601,14 +652,28 @@ void GradientManager::read_parameter(std::size_t i, std::span<float> master,
   check(master.size(), p.numel, "master");
   std::vector<std::span<float>> arrays(1 + names.size());
   arrays[0] = master;
-  for (std::size_t s = 0; s < names.size(); ++s)
-    if (at[s] != state.size()) {
-      arrays[1 + s] = state[at[s]].values;
-      check(arrays[1 + s].size(), p.numel, std::string(names[s]));
+  const bool q8 = m.q8_param(i);
+  std::vector<ManagerImpl::Q8Array<std::uint8_t, float>> codes(q8 ? names.size() : 0);
+  for (std::size_t s = 0; s < names.size(); ++s) {
+    if (at[s] == state.size()) continue;
+    const SlotOut& out = state[at[s]];
+    const std::string name(names[s]);
+    if (q8 ? !out.values.empty() : !out.codes.empty() || !out.absmax.empty())
+      throw Error(Errc::invalid_argument, q8 ? name : name + ".codes",
+                  "parameter " + std::to_string(i) + "'s slots are " +
+                      (q8 ? "8-bit: codes and absmax, not values" : "f32: values, not codes"));
+    if (q8) {
+      check(out.codes.size(), p.numel, name + ".codes");
+      check(out.absmax.size(), q8_blocks(p.numel), name + ".absmax");
+      codes[s] = {out.codes, out.absmax};
+    } else {
+      arrays[1 + s] = out.values;
+      check(arrays[1 + s].size(), p.numel, name);
     }
+  }
   check(compute.size(), p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0,
         "compute");
-  m.guarded([&] { m.do_read_parameter(i, arrays, compute); });
+  m.guarded([&] { m.do_read_parameter(i, arrays, codes, compute); });
 }
 
 void GradientManager::read_parameter(std::size_t i, std::span<float> master,
@@ -637,7 +702,7 @@ GradientManager::HostState GradientManager::host_state(std::size_t i) {
   HostState out;
   out.master = h.a[0];
   for (std::size_t s = 0; s < m.state_slots(); ++s)
-    out.slots.push_back({m.shape_.slot_names[s], h.a[1 + s]});
+    out.slots.push_back({m.shape_.slot_names[s], h.a[1 + s], h.q8[s].codes, h.q8[s].absmax});
   return out;
 }
 

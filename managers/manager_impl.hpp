@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "managers/memory_ledger.hpp"
+#include "managers/offload_layout.hpp"
 #include "managers/optimizer.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
@@ -46,9 +47,22 @@ class ManagerImpl {
   /// [1 + s] state slot s (state_slots() of them).
   template <class T>
   using Arrays = std::span<const std::span<T>>;
-  /// Host views of a parameter's resident state (empty where it is device memory).
+  /// One 8-bit state slot of a parameter in host memory (docs/numerics.md 8f): numel codes
+  /// and q8_blocks(numel) block maxima.
+  template <class B, class F>
+  struct Q8Array {
+    std::span<B> codes;
+    std::span<F> absmax;
+  };
+  /// A parameter's 8-bit slots, in slot order: state_slots() entries for a q8_param, else
+  /// none (the slots are the f32 Arrays).
+  using Q8In = std::span<const Q8Array<const std::uint8_t, const float>>;
+  using Q8Out = std::span<const Q8Array<std::uint8_t, float>>;
+  /// Host views of a parameter's resident state (empty where it is device memory); a
+  /// q8_param's slots in q8, its a[1 + s] empty.
   struct HostArrays {
     std::span<const float> a[1 + kMaxOptimizerSlots];
+    Q8Array<const std::uint8_t, const float> q8[kMaxOptimizerSlots];
   };
 
   /// The chunks: [first, last) parameter index ranges (see ManagerConfig).
@@ -57,9 +71,10 @@ class ManagerImpl {
   };
 
   // ---- the modes' hooks (called after GradientManager validated the call) ----------
-  /// Sets parameter i's state (validated; `arrays` has 1 + state_slots() entries): an
-  /// empty slot means its initial value (load_parameter).
-  virtual void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) = 0;
+  /// Sets parameter i's state (validated; `arrays` has 1 + state_slots() entries, `q8`
+  /// the 8-bit slots of a q8_param): an empty slot means its initial value (load_parameter).
+  virtual void do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8,
+                                   float step) = 0;
   /// Sets elements [offset, offset + n) of parameter i's state (validated), n the size of
   /// the non-empty entries of `arrays` (1 + state_slots() entries; an empty one leaves its
   /// array as it is): a range of the master sets the same range of the compute weights
@@ -100,8 +115,9 @@ class ManagerImpl {
   virtual void do_step() = 0;
   virtual StepReport do_report() = 0;
   virtual ConstTensorView do_compute_weights(std::size_t i) const = 0;
-  /// Copies parameter i's arrays (1 + state_slots() entries, each empty to skip it).
-  virtual void do_read_parameter(std::size_t i, Arrays<float> arrays,
+  /// Copies parameter i's arrays (1 + state_slots() entries, each empty to skip it; a
+  /// q8_param's slots into `q8`, each entry's spans empty to skip it).
+  virtual void do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                                  std::span<std::uint8_t> compute) = 0;
   /// Copies elements [offset, offset + n) of parameter i's arrays into `arrays` (1 +
   /// state_slots() entries, each empty to skip it, else n floats), for state that
@@ -156,6 +172,10 @@ class ManagerImpl {
   const detail::OptimizerShape& shape() const noexcept { return shape_; }
   /// The number of state slots beside the master.
   std::size_t state_slots() const noexcept { return shape_.slot_names.size(); }
+  /// Parameter i's state slots are 8-bit (ManagerConfig::q8_state, min_8bit_size).
+  bool q8_param(std::size_t i) const noexcept {
+    return state_slots() != 0 && detail::q8_slots(config_, config_.params[i].numel);
+  }
   /// The value state slot s starts from (load_parameter).
   float initial_slot_value(std::size_t s) const noexcept { return initial_[s]; }
   /// The groups' current hyper-parameters (set_hyperparameters changes lr and weight decay
@@ -241,6 +261,12 @@ void check_state_values(std::span<const float> values, std::size_t want, const s
 /// one: Errc::non_finite when it is NaN or Inf, else Errc::invalid_argument (negative).
 [[noreturn]] void throw_bad_state_value(const std::string& name, const std::string& where,
                                         std::size_t j, float value);
+/// Throws unless `codes` (numel) and `absmax` (q8_blocks(numel)) are an 8-bit slot a manager
+/// can continue from (docs/numerics.md 8f): its maxima finite and >= 0 (every code is a
+/// value of the map). Errc::size_mismatch / non_finite / invalid_argument naming
+/// "<name>.codes" or "<name>.absmax", the message prefixed by `where`.
+void check_q8_state(std::span<const std::uint8_t> codes, std::span<const float> absmax,
+                    std::size_t numel, const std::string& name, const std::string& where = "");
 /// Throws what a manager's construction refuses in every mode before anything is
 /// allocated (Errc naming the field): the optimizer, chunk_elements, the speculation
 /// fields, the groups, the parameters' names, groups and compute destinations, the ring.

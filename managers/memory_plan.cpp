@@ -125,11 +125,14 @@ bool reserves_rollback(const ManagerConfig& config, const MemoryPlanOptions& opt
 // Mode full: host state slabs, the pinned rings, device gradient and compute buffers.
 MemoryReport plan_full(const ManagerConfig& config, const MemoryPlanOptions& options) {
   const std::vector<std::string_view> slot_names = optimizer_slot_names(config.optimizer);
-  const std::size_t arrays = 1 + slot_names.size();
-  std::size_t per_array = 0, grads = 0, computes = 0, compute_all = 0;
+  std::size_t per_array = 0, per_slot = 0, grads = 0, computes = 0, compute_all = 0;
   std::size_t grad_width = 1, compute_width = 1;
   for (const ParamSpec& p : config.params) {
     per_array += aligned(p.numel * sizeof(float));
+    // A state slot: f32 values, or 8-bit codes and block maxima (ManagerConfig::q8_state).
+    per_slot += detail::q8_slots(config, p.numel)
+                    ? aligned(p.numel) + aligned(q8_blocks(p.numel) * sizeof(float))
+                    : aligned(p.numel * sizeof(float));
     grad_width = std::max(grad_width, dtype_size(p.grad_dtype));
     if (p.gradient_buffer) grads += aligned(p.numel * dtype_size(p.grad_dtype));
     if (!p.has_compute_weights) continue;
@@ -146,15 +149,16 @@ MemoryReport plan_full(const ManagerConfig& config, const MemoryPlanOptions& opt
 
   Plan plan;
   plan.add("master", false, per_array);
-  for (std::string_view s : slot_names) plan.add(std::string(s), false, per_array);
+  for (std::string_view s : slot_names) plan.add(std::string(s), false, per_slot);
   plan.add("accumulator", false, options.micro_batches >= 2 ? per_array : 0);
   plan.add("staging", false, ring_elements * grad_width);
   plan.add("upload", false, ring_elements * compute_width);
   plan.add("fetch", false, ring_elements * grad_width);
   // The rollback space: every chunk's state spares and its compute weights' pinned space.
-  plan.add(
-      "speculation", false,
-      rollback ? std::min(arrays * per_array + compute_all, budget(config.speculation_bytes)) : 0);
+  plan.add("speculation", false,
+           rollback ? std::min(per_array + slot_names.size() * per_slot + compute_all,
+                               budget(config.speculation_bytes))
+                    : 0);
   plan.add("gradient", true, grads);
   plan.add("compute", true, computes);
   plan.add("speculation_device", true, staged);

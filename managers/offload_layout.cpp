@@ -21,6 +21,8 @@ RingGeometry ring_geometry(const ManagerConfig& config) {
   RingGeometry g;
   g.slot_elements = piece_span(std::max<std::size_t>(
       1, std::min(config.ring_slot_elements, std::max<std::size_t>(largest, 1))));
+  if (config.q8_state)  // a parameter's pieces start at multiples of the slot: on blocks
+    g.slot_elements = (g.slot_elements + kQ8BlockSize - 1) / kQ8BlockSize * kQ8BlockSize;
   // The slots the model's gradients fill, packed in order.
   std::size_t slot = 0, used = 0;
   pack_pieces(config, g, 0, config.params.size(), slot, used,

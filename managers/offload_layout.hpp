@@ -18,6 +18,12 @@ inline std::size_t piece_span(std::size_t n) {
   return (n + kPieceAlignment - 1) / kPieceAlignment * kPieceAlignment;
 }
 
+/// Whether a parameter of `numel` elements keeps 8-bit state slots (ManagerConfig::q8_state,
+/// min_8bit_size): codes and block maxima instead of f32 values.
+inline bool q8_slots(const ManagerConfig& config, std::size_t numel) noexcept {
+  return config.q8_state && numel >= config.min_8bit_size;
+}
+
 /// The rings of a full-offload manager: `slots` slots of `slot_elements` elements each.
 struct RingGeometry {
   std::size_t slots = 1, slot_elements = kPieceAlignment;
@@ -26,7 +32,9 @@ struct RingGeometry {
 /// Returns the configuration's ring (ManagerConfig::ring_slots, ring_slot_elements),
 /// validated: Errc::out_of_range naming "ring_slots" (0, or negative other than
 /// kDefaultRing) or "ring_slot_elements" (0); Errc::invalid_argument naming "ring_slots"
-/// for more slots than the model's gradients fill. Needs validated params.
+/// for more slots than the model's gradients fill. Needs validated params. With
+/// ManagerConfig::q8_state a slot holds a multiple of kQ8BlockSize elements, so every
+/// piece of a parameter starts on a block boundary.
 RingGeometry ring_geometry(const ManagerConfig& config);
 
 /// Calls place(param, offset, count, slot, at) for each piece of parameters [first, last)

@@ -32,14 +32,19 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
   // pinned slab holds the three rings.
   SlabViews dev_views, state_views;
   std::size_t grad_bytes = 1, compute_bytes = 1;  // the widest element of each ring
-  for (const ParamSpec& p : cfg.params) {
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    const ParamSpec& p = cfg.params[i];
     const std::size_t gb = p.numel * dtype_size(p.grad_dtype);
     const std::size_t cb = p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0;
     // Device: the gradient and compute buffers the caller does not provide.
     dev_views.add(p.gradient_buffer ? gb : 0);
     dev_views.add(p.compute_into.data == nullptr && p.compute_into.numel == 0 ? cb : 0);
+    // Host: the master and the slots (an 8-bit slot's codes), then the 8-bit slots' maxima.
+    const bool q8 = q8_param(i);
     for (std::size_t v = 0; v < kMaxSlots; ++v)
-      state_views.add(v < slots() ? p.numel * sizeof(float) : 0);
+      state_views.add(v >= slots() ? 0 : q8 && v != 0 ? p.numel : p.numel * sizeof(float));
+    for (std::size_t v = 1; v < kMaxSlots; ++v)
+      state_views.add(q8 && v < slots() ? q8_blocks(p.numel) * sizeof(float) : 0);
     grad_bytes = std::max(grad_bytes, dtype_size(p.grad_dtype));
     if (p.has_compute_weights) compute_bytes = std::max(compute_bytes, dtype_size(p.compute_dtype));
   }
@@ -71,8 +76,7 @@ OffloadGradientManager::OffloadGradientManager(ManagerConfig config)
   MemoryLedger& book = ledger();
   for (std::size_t s = 0; s < slots(); ++s) {
     std::size_t bytes = 0;
-    for (std::size_t i = 0; i < cfg.params.size(); ++i)
-      bytes += aligned_bytes(params_[i].state[s].bytes());
+    for (std::size_t i = 0; i < cfg.params.size(); ++i) bytes += array_bytes(i, s);
     book.set(s == 0 ? std::string_view("master") : shape().slot_names[s - 1], false, bytes);
   }
   book.set("accumulator", false, 0);
@@ -110,8 +114,15 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& sl) {
       v.compute = p.compute_into;  // the caller's storage (validated by the base)
     else
       v.compute = {cn ? at(dev_slab_, dl.offsets[2 * i + 1]) : nullptr, cn, p.compute_dtype};
-    for (std::size_t s = 0; s < slots(); ++s)
-      v.state[s] = f32_at(sl.offsets[kMaxSlots * i + s], p.numel);
+    const std::size_t* views = &sl.offsets[kStateViews * i];
+    for (std::size_t s = 0; s < slots(); ++s) {
+      if (s == 0 || !q8_param(i)) {
+        v.state[s] = f32_at(views[s], p.numel);
+        continue;
+      }
+      v.q8[s - 1] = {reinterpret_cast<std::uint8_t*>(at(state_.data(), views[s])),
+                     reinterpret_cast<float*>(at(state_.data(), views[kMaxSlots + s - 1]))};
+    }
   }
   steps_.assign(n, 0.0f);
   spec_steps_.assign(n, 0.0f);
@@ -130,8 +141,17 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& sl) {
     std::vector<std::vector<TensorView>> touch(slots());
     for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
       for (std::size_t s = 0; s < slots(); ++s) {
-        touch[s].push_back(params_[i].state[s]);
-        chunk_state_bytes_[k] += aligned_bytes(params_[i].state[s].bytes());
+        // An 8-bit slot's pages as f32 views of its codes' and maxima's bytes: placed
+        // where the threads that step its blocks run (the split follows the elements).
+        const Q8Slot& q = s == 0 ? Q8Slot{} : params_[i].q8[s - 1];
+        const std::size_t numel = cfg.params[i].numel;
+        if (q.codes != nullptr) {
+          touch[s].push_back(f32_view(reinterpret_cast<float*>(q.codes), (numel + 3) / 4));
+          touch[s].push_back(f32_view(q.absmax, q8_blocks(numel)));
+        } else {
+          touch[s].push_back(params_[i].state[s]);
+        }
+        chunk_state_bytes_[k] += array_bytes(i, s);
       }
       if (cfg.params[i].has_compute_weights)
         chunk_compute_bytes_[k] +=
@@ -139,6 +159,12 @@ void OffloadGradientManager::carve(const SlabLayout& dl, const SlabLayout& sl) {
     }
     for (const auto& list : touch) engine_.first_touch(list);
   }
+}
+
+std::size_t OffloadGradientManager::array_bytes(std::size_t i, std::size_t s) const {
+  const std::size_t numel = config().params[i].numel;
+  if (s == 0 || !q8_param(i)) return aligned_bytes(numel * sizeof(float));
+  return aligned_bytes(numel) + aligned_bytes(q8_blocks(numel) * sizeof(float));
 }
 
 void OffloadGradientManager::allocate_accumulators() {
@@ -175,11 +201,23 @@ void OffloadGradientManager::place_accumulators(const SlabLayout& l, numa::HostB
   ledger().set("accumulator", false, acc_bytes_);
 }
 
-void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays,
+void OffloadGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8,
                                                  float step) {
   drain();
   wait_uploads();
   Param& p = params_[i];
+  const std::size_t numel = config().params[i].numel;
+  for (std::size_t s = 0; s < q8.size(); ++s) {
+    const Q8Slot& dst = p.q8[s];
+    if (!q8[s].codes.empty()) {
+      std::memcpy(dst.codes, q8[s].codes.data(), numel);
+      std::memcpy(dst.absmax, q8[s].absmax.data(), q8[s].absmax.size_bytes());
+    } else {  // the initial value 0: the zero code, maxima 0 (no 8-bit slot starts elsewhere)
+      std::memset(dst.codes, q8_zero_code(slot_non_negative(shape().name, shape().slot_names[s])),
+                  numel);
+      std::fill(dst.absmax, dst.absmax + q8_blocks(numel), 0.0f);
+    }
+  }
   for (std::size_t s = 0; s < slots(); ++s) {
     const TensorView& dst = p.state[s];
     if (dst.numel == 0) continue;
@@ -216,13 +254,18 @@ ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const 
   return params_[i].compute;
 }
 
-void OffloadGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays,
+void OffloadGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                                                std::span<std::uint8_t> compute) {
   drain();
   wait_uploads();
   const Param& p = params_[i];
   for (std::size_t s = 0; s < slots(); ++s)
     if (!arrays[s].empty()) std::memcpy(arrays[s].data(), p.state[s].data, arrays[s].size_bytes());
+  for (std::size_t s = 0; s < q8.size(); ++s) {
+    if (!q8[s].codes.empty()) std::memcpy(q8[s].codes.data(), p.q8[s].codes, q8[s].codes.size());
+    if (!q8[s].absmax.empty())
+      std::memcpy(q8[s].absmax.data(), p.q8[s].absmax, q8[s].absmax.size_bytes());
+  }
   if (compute.empty()) return;
   // What the device holds, piece by piece through the (idle) upload ring.
   const std::size_t width = dtype_size(p.compute.dtype);
@@ -252,6 +295,10 @@ ManagerImpl::HostArrays OffloadGradientManager::do_host_state(std::size_t i) {
   HostArrays h;
   for (std::size_t s = 0; s < slots(); ++s)
     h.a[s] = {static_cast<const float*>(p.state[s].data), p.state[s].numel};
+  const std::size_t numel = config().params[i].numel;
+  for (std::size_t s = 0; s + 1 < slots(); ++s)
+    if (p.q8[s].codes != nullptr)
+      h.q8[s] = {{p.q8[s].codes, numel}, {p.q8[s].absmax, q8_blocks(numel)}};
   return h;
 }
 

@@ -68,7 +68,7 @@ class OffloadGradientManager final : public ManagerImpl {
   ~OffloadGradientManager() override { (void)do_close(); }
 
  protected:
-  void do_import_parameter(std::size_t i, Arrays<const float> arrays, float step) override;
+  void do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8, float step) override;
   void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
                        bool last) override;
   bool do_imports_ranges() const noexcept override { return true; }
@@ -86,7 +86,7 @@ class OffloadGradientManager final : public ManagerImpl {
   void do_step() override;
   StepReport do_report() override;
   ConstTensorView do_compute_weights(std::size_t i) const override;
-  void do_read_parameter(std::size_t i, Arrays<float> arrays,
+  void do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                          std::span<std::uint8_t> compute) override;
   void do_step_counts(std::span<float> out) override;
   HostArrays do_host_state(std::size_t i) override;
@@ -103,22 +103,32 @@ class OffloadGradientManager final : public ManagerImpl {
   // optimizer's state slots. Saving, restoring and committing go over this list, never
   // over the arrays by name.
   static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
+  // A parameter's views in the host state slab: kMaxSlots arrays (the master, the slots or
+  // 8-bit slots' codes), then kMaxOptimizerSlots 8-bit slots' block maxima.
+  static constexpr std::size_t kStateViews = kMaxSlots + kMaxOptimizerSlots;
   using Slots = std::array<TensorView, kMaxSlots>;
 
   // Per-parameter views into the slabs.
   struct Param {
-    TensorView grad;       // device, grad_dtype
-    TensorView compute;    // device, compute_dtype (empty without compute weights)
-    TensorView staged;     // device staging of speculated compute weights (empty: none)
-    TensorView acc;        // host f32 (empty until a step accumulates)
-    Slots state;           // host f32, the live state (slots() of them used)
-    Slots spare;           // host f32 in the rollback space (empty until its chunk has one)
+    TensorView grad;     // device, grad_dtype
+    TensorView compute;  // device, compute_dtype (empty without compute weights)
+    TensorView staged;   // device staging of speculated compute weights (empty: none)
+    TensorView acc;      // host f32 (empty until a step accumulates)
+    Slots state;         // host f32, the live state (slots() of them used; a q8 one's
+                         // state slots empty)
+    Slots spare;         // host f32 in the rollback space (empty until its chunk has one)
+    // A q8 parameter's 8-bit state slots (ManagerConfig::q8_state), live and spare, in slot
+    // order; both empty for f32 slots.
+    std::array<Q8Slot, kMaxOptimizerSlots> q8{}, q8_spare{};
     TensorView out;        // pinned, compute_dtype: a speculated step's compute weights
                            // (rollback space; empty until its chunk has one)
     ConstTensorView held;  // a holding step's gradient on the device (empty: zero)
     const TensorView& master() const { return state[0]; }
   };
   std::size_t slots() const noexcept { return 1 + state_slots(); }
+  // The host bytes of parameter i's state array s (0: the master): f32 values, or an 8-bit
+  // slot's codes and block maxima, each view aligned as in the slab.
+  std::size_t array_bytes(std::size_t i, std::size_t s) const;
   // The groups' optimizer configurations now (tasks take a copy: the caller's thread may
   // change the groups while they wait).
   using GroupConfigs = std::vector<OptimizerConfig>;

@@ -29,6 +29,19 @@ TensorView part(const TensorView& v, std::size_t offset, std::size_t count) {
   return f32_view(static_cast<float*>(v.data) + offset, count);
 }
 
+// The 8-bit slot of a piece starting at element `offset` (a multiple of kQ8BlockSize: the
+// ring's slots hold whole blocks, ring_geometry).
+Q8Slot q8_part(const Q8Slot& q, std::size_t offset) {
+  return {q.codes + offset, q.absmax + offset / kQ8BlockSize};
+}
+
+// Copies the codes and maxima of a piece of `count` elements: a speculative step of an
+// 8-bit slot steps the spare in place, from a copy of the live state.
+void copy_q8(const Q8Slot& dst, const Q8Slot& src, std::size_t count) {
+  std::memcpy(dst.codes, src.codes, count);
+  std::memcpy(dst.absmax, src.absmax, q8_blocks(count) * sizeof(float));
+}
+
 }  // namespace
 
 std::vector<std::vector<OffloadGradientManager::Piece>> OffloadGradientManager::batches(
@@ -287,6 +300,11 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
             auto cut = [&](const TensorView& v) { return part(v, pc.offset, pc.count); };
             OptimizerTensor o{cut(into_spare ? p.spare[0] : p.state[0])};
             for (std::size_t s = 0; s < state_slots() && s < kMaxOptimizerSlots; ++s) {
+              if (p.q8[s].codes != nullptr) {  // 8-bit: stepped in place, on whole blocks
+                o.q8[s] = q8_part(into_spare ? p.q8_spare[s] : p.q8[s], pc.offset);
+                if (into_spare) copy_q8(o.q8[s], q8_part(p.q8[s], pc.offset), pc.count);
+                continue;
+              }
               o.state[s] = cut(into_spare ? p.spare[1 + s] : p.state[1 + s]);
               if (into_spare) o.state_src[s] = cut(p.state[1 + s]);
             }

@@ -31,11 +31,20 @@ bool OffloadGradientManager::admit(std::size_t k) {
   // The chunk keeps this space from now on (a commit swaps its spares with the live state).
   for (std::size_t i = chunks()[k].first; i < chunks()[k].last; ++i) {
     Param& p = params_[i];
+    auto take = [&](std::size_t bytes) {
+      char* at = static_cast<char*>(spare_space_.data()) + spare_used_;
+      spare_used_ += aligned_bytes(bytes);
+      return at;
+    };
+    const std::size_t numel = config().params[i].numel;
     for (std::size_t s = 0; s < slots(); ++s) {
-      TensorView& v = p.spare[s];
-      v = f32_view(reinterpret_cast<float*>(static_cast<char*>(spare_space_.data()) + spare_used_),
-                   p.state[s].numel);
-      spare_used_ += aligned_bytes(v.bytes());
+      if (s != 0 && p.q8[s - 1].codes != nullptr) {  // an 8-bit slot: codes, then maxima
+        Q8Slot& q = p.q8_spare[s - 1];
+        q.codes = reinterpret_cast<std::uint8_t*>(take(numel));
+        q.absmax = reinterpret_cast<float*>(take(q8_blocks(numel) * sizeof(float)));
+        continue;
+      }
+      p.spare[s] = f32_view(reinterpret_cast<float*>(take(numel * sizeof(float))), numel);
     }
     if (p.compute.numel != 0) {
       p.out = {static_cast<char*>(out_space_) + out_used_, p.compute.numel, p.compute.dtype};

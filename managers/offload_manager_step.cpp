@@ -158,6 +158,7 @@ void OffloadGradientManager::do_step() {
         const Chunk& c = chunks()[k];
         for (std::size_t i = c.first; i < c.last; ++i) {
           std::swap(params_[i].state, params_[i].spare);
+          std::swap(params_[i].q8, params_[i].q8_spare);
           if (shape().counts_steps) steps_[i] = spec_steps_[i];
         }
         commit_compute(k, backward);  // the compute weights the speculative step wrote

@@ -2,6 +2,7 @@
 // functions of stepcore/managers.hpp: names, the field table, slots, groups.
 #include "managers/optimizer.hpp"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -139,6 +140,13 @@ bool slot_non_negative(std::string_view optimizer, std::string_view slot) noexce
       for (const SlotInfo& s : info.slots)
         if (slot == s.name) return s.non_negative;
   return false;
+}
+
+std::uint8_t q8_zero_code(bool non_negative) noexcept {
+  const std::span<const float, 256> map = q8_map(non_negative);
+  std::uint8_t c = 0;
+  while (c < 255 && std::bit_cast<std::uint32_t>(map[c]) != 0u) ++c;  // +0: one code
+  return c;
 }
 
 std::vector<FieldValue> config_fields(const OptimizerConfig& config) {

@@ -64,6 +64,10 @@ float initial_slot_value(const OptimizerConfig& config, std::string_view slot);
 /// checkpoints refuse a negative value there. An unknown optimizer or slot: false.
 bool slot_non_negative(std::string_view optimizer, std::string_view slot) noexcept;
 
+/// The code of +0 in an 8-bit slot's map (docs/numerics.md 8f: the zero code, 127 in the
+/// signed map, 0 in the unsigned one): what a slot starting at 0 holds.
+std::uint8_t q8_zero_code(bool non_negative) noexcept;
+
 /// One field of a configuration as a double (flags 0/1, AdamW's formula its value).
 struct FieldValue {
   std::string_view name;

@@ -142,6 +142,10 @@ struct StepRecord {
 };
 
 /// How to run the stream.
+/// A gradient generator: (step, micro, param i, offset, numel, dtype, out).
+using GradientFill =
+    std::function<void(int, int, std::size_t, std::size_t, std::size_t, DType, void*)>;
+
 struct StreamOptions {
   Flow flow = Flow::sft;
   int steps = 3;
@@ -170,6 +174,11 @@ struct StreamOptions {
   /// When set: the `written` event gradient_ready gets for (step, micro, param) (e.g. an
   /// event that never completes, for the managers' bounded waits); else none.
   std::function<device::Event(int step, int micro, std::size_t param)> written;
+  /// When set: writes the gradient of (step, micro, param i) as make_gradient does (same
+  /// arguments but the seed and magnitude) instead of make_gradient.
+  GradientFill fill;
+  /// When set: begin_step's gradient scale in each step instead of the flow plan's.
+  std::function<float(int step)> scale;
 };
 
 /// Runs `opts.steps` steps of the stream through `m` (parameters already loaded) and
@@ -225,7 +234,8 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
   };
   std::vector<std::pair<std::size_t, std::vector<std::uint8_t>>> held;  // released by step()
   for (int s = opts.first_step; s < opts.first_step + opts.steps; ++s) {
-    const StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
+    StepPlan plan = plan_step(opts.flow, s, params.size(), opts.seed);
+    if (opts.scale) plan.scale = opts.scale(s);
     if (opts.schedule)
       for (std::size_t g = 0; g < m.group_count(); ++g)
         m.set_hyperparameters(g, opts.schedule(s, g));
@@ -242,7 +252,10 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
           dev.synchronize(m.gradient_released(i));
         host.assign(g.bytes() + 1, 0);
         const std::size_t off = opts.shard_offset.empty() ? 0 : opts.shard_offset[i];
-        make_gradient(opts.seed, s, mb, i, off, g.numel, g.dtype, host.data(), opts.magnitude);
+        if (opts.fill)
+          opts.fill(s, mb, i, off, g.numel, g.dtype, host.data());
+        else
+          make_gradient(opts.seed, s, mb, i, off, g.numel, g.dtype, host.data(), opts.magnitude);
         const std::tuple<int, int, std::size_t> here{s, mb, i};
         const bool poisoned =
             (opts.poison && *opts.poison == here) ||
@@ -293,20 +306,38 @@ inline std::vector<StepRecord> run_stream(GradientManager& m, device::Device& de
     const std::vector<std::string_view>& slots = m.state_slot_names();
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
-      // master, then each state slot in the optimizer's order, then the compute bytes.
+      // master, then each state slot in the optimizer's order (an 8-bit one's codes, then
+      // its block maxima), then the compute bytes.
+      const bool q8 = m.q8_parameter(i);
       std::vector<std::vector<float>> arrays(1 + slots.size(), std::vector<float>(p.numel));
+      std::vector<std::vector<std::uint8_t>> codes(slots.size());
+      std::vector<std::vector<float>> absmax(slots.size());
       std::vector<SlotOut> named;
-      for (std::size_t s = 0; s < slots.size(); ++s) named.push_back({slots[s], arrays[1 + s]});
+      for (std::size_t s = 0; s < slots.size(); ++s) {
+        if (!q8) {
+          named.push_back({slots[s], arrays[1 + s]});
+          continue;
+        }
+        arrays[1 + s].clear();
+        codes[s].resize(p.numel);
+        absmax[s].resize((p.numel + kQ8BlockSize - 1) / kQ8BlockSize);
+        named.push_back({slots[s], {}, codes[s], absmax[s]});
+      }
       std::vector<std::uint8_t> compute(
           p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
       m.read_parameter(i, arrays[0], named, compute);
-      std::vector<std::uint8_t> bytes(arrays.size() * p.numel * 4 + compute.size());
-      std::size_t at = 0;
-      for (const std::vector<float>& v : arrays) {
-        if (!v.empty()) std::memcpy(bytes.data() + at, v.data(), v.size() * 4);
-        at += v.size() * 4;
+      std::vector<std::uint8_t> bytes;
+      auto append = [&](const void* d, std::size_t b) {
+        const auto* c8 = static_cast<const std::uint8_t*>(d);
+        bytes.insert(bytes.end(), c8, c8 + b);
+      };
+      append(arrays[0].data(), arrays[0].size() * 4);
+      for (std::size_t s = 0; s < slots.size(); ++s) {
+        append(arrays[1 + s].data(), arrays[1 + s].size() * 4);
+        append(codes[s].data(), codes[s].size());
+        append(absmax[s].data(), absmax[s].size() * 4);
       }
-      if (!compute.empty()) std::memcpy(bytes.data() + at, compute.data(), compute.size());
+      append(compute.data(), compute.size());
       r.state.push_back(std::move(bytes));
       r.steps.push_back(m.step_count(i));
     }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -34,16 +35,21 @@ using namespace stepcore;
 /// SignSGD), compute weights (bytes in compute_dtype; empty without compute weights).
 struct ParamState {
   std::vector<float> master;
-  std::vector<std::vector<float>> slots;
+  std::vector<std::vector<float>> slots;  ///< f32 slots (empty vectors for 8-bit ones)
+  /// 8-bit slots (Setup::q8): per slot its codes and block maxima (none for f32 slots).
+  std::vector<std::vector<std::uint8_t>> codes;
+  std::vector<std::vector<float>> absmax;
   std::vector<std::uint8_t> compute;
   bool operator==(const ParamState& o) const {
     auto same = [](const auto& a, const auto& b) {
       return a.size() == b.size() &&
              (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
     };
-    if (slots.size() != o.slots.size()) return false;
+    if (slots.size() != o.slots.size() || codes.size() != o.codes.size()) return false;
     for (std::size_t s = 0; s < slots.size(); ++s)
       if (!same(slots[s], o.slots[s])) return false;
+    for (std::size_t s = 0; s < codes.size(); ++s)
+      if (!same(codes[s], o.codes[s]) || !same(absmax[s], o.absmax[s])) return false;
     return same(master, o.master) && same(compute, o.compute);
   }
   /// Returns elements [off, off + n) of every array (compute: `compute_size` bytes each).
@@ -156,6 +162,10 @@ struct Setup {
   /// When set: clip_grad_norm(*max_norm_of(step)) in the steps where it has a value (the
   /// others do not clip); overrides max_norm.
   std::function<std::optional<float>(int step)> max_norm_of;
+  /// ManagerConfig::q8_state and min_8bit_size: a parameter of at least that many elements
+  /// keeps 8-bit slots (docs/numerics.md 8f), starting from the code of +0 and maximum 0.
+  bool q8 = false;
+  std::size_t min_8bit_size = 4096;
 };
 
 /// What the trainer observes after one step.
@@ -219,11 +229,26 @@ inline Run run(const Setup& setup, const Stream& stream) {
   std::vector<ParamState> st(n);
   std::vector<std::vector<float>> acc(n);
   std::vector<float> steps(n, 0.0f);
+  const OptimizerInfo& info = optimizer_table()[setup.optimizer.index()];
+  auto is_q8 = [&](std::size_t i) {
+    return setup.q8 && !initial.empty() && params[i].numel >= setup.min_8bit_size;
+  };
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t numel = params[i].numel;
     st[i].master.resize(numel);
     for (std::size_t j = 0; j < numel; ++j) st[i].master[j] = stream.initial_master(i, j);
-    for (float v : initial) st[i].slots.emplace_back(numel, v);
+    if (is_q8(i)) {  // 0 in 8 bits: the code whose map value is +0, maximum 0
+      for (std::size_t s = 0; s < initial.size(); ++s) {
+        const std::span<const float, 256> map = q8_map(info.slots[s].non_negative);
+        std::size_t zero = 0;
+        while (std::bit_cast<std::uint32_t>(map[zero]) != 0u) ++zero;
+        st[i].slots.emplace_back();
+        st[i].codes.emplace_back(numel, static_cast<std::uint8_t>(zero));
+        st[i].absmax.emplace_back((numel + kQ8BlockSize - 1) / kQ8BlockSize, 0.0f);
+      }
+    } else {
+      for (float v : initial) st[i].slots.emplace_back(numel, v);
+    }
     if (params[i].has_compute_weights)
       st[i].compute = rounded(st[i].master, params[i].compute_dtype);
     acc[i].assign(numel, 0.0f);
@@ -276,6 +301,10 @@ inline Run run(const Setup& setup, const Stream& stream) {
         OptimizerTensor t{f32_view(st[i].master.data() + off, len)};
         for (std::size_t s = 0; s < st[i].slots.size(); ++s)
           t.state[s] = f32_view(st[i].slots[s].data() + off, len);
+        for (std::size_t s = 0; s < st[i].codes.size(); ++s) {  // 8-bit: whole tensors only
+          t.state[s] = {};
+          t.q8[s] = {st[i].codes[s].data(), st[i].absmax[s].data()};
+        }
         if (counts_steps(c)) t.step = &counter;
         t.grad = const_view(acc[i].data() + off, len);
         if (compute.numel != 0)

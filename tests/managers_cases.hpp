@@ -69,6 +69,12 @@ struct Case {
   std::int64_t speculation_device_bytes = 0;  ///< ManagerConfig's (full offload) staging
   std::int64_t ring_slots = ManagerConfig::kDefaultRing;  ///< ManagerConfig's (full offload)
   std::size_t ring_slot_elements = ManagerConfig{}.ring_slot_elements;
+  /// When set: the stream's gradients and scales instead of the generated ones
+  /// (StreamOptions::fill, scale).
+  GradientFill fill;
+  std::function<float(int step)> scale;
+  bool q8 = false;                   ///< ManagerConfig::q8_state (8-bit slots)
+  std::size_t min_8bit_size = 4096;  ///< ManagerConfig::min_8bit_size
   /// The optimizer's fixed hyper-parameters that differ from its defaults, for labels.
   std::string optimizer_flags() const {
     std::string out;
@@ -88,8 +94,9 @@ struct Case {
             : flow == Flow::rl ? " rl"
                                : " rl-single") +
            (overlap ? " overlap" : "") + (schedule ? " schedule" : "") +
-           (caller_gradients ? " caller-gradients" : "") + " " + std::to_string(steps) + " steps" +
-           (max_norm_of ? " max_norm per step" : "") +
+           (caller_gradients ? " caller-gradients" : "") +
+           (q8 ? " q8 min " + std::to_string(min_8bit_size) : "") + " " + std::to_string(steps) +
+           " steps" + (max_norm_of ? " max_norm per step" : "") +
            (poisons.empty() ? "" : " " + std::to_string(poisons.size()) + " poisons") +
            (overlap ? " speculation " + std::string(speculation_name(speculation)) + " budget " +
                           std::to_string(speculation_bytes) +
@@ -218,6 +225,8 @@ inline std::unique_ptr<GradientManager> make_manager(const Build& b, const Case&
   cfg.speculation_device_bytes = b.mode == OffloadMode::full ? c.speculation_device_bytes : 0;
   cfg.ring_slots = c.ring_slots;
   cfg.ring_slot_elements = c.ring_slot_elements;
+  cfg.q8_state = c.q8;
+  cfg.min_8bit_size = c.min_8bit_size;
   for (ParamSpec& p : cfg.params) p.gradient_buffer = !c.caller_gradients;
   cfg.comm = b.comm;
   cfg.engine.threads = b.threads;
@@ -250,6 +259,8 @@ inline StreamOptions stream_options(const Case& c, const std::vector<std::size_t
   if (c.schedule)
     o.schedule = [total = c.steps](int s, std::size_t g) { return schedule_of(s, g, total); };
   if (offsets) o.shard_offset = *offsets;
+  o.fill = c.fill;
+  o.scale = c.scale;
   return o;
 }
 
@@ -302,9 +313,15 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
   setup.max_norm_of = c.max_norm_of;
   setup.overlap = c.overlap;
   setup.speculation = c.speculation;
+  setup.q8 = c.q8;
+  setup.min_8bit_size = c.min_8bit_size;
   if (sharding != nullptr) setup.segments = segments_of(*sharding, model.size());
   // The flow's plan of each step (seed 1, as run_stream's default StreamOptions).
-  auto plan = [&](int s) { return plan_step(c.flow, s, model.size(), 1); };
+  auto plan = [&](int s) {
+    StepPlan p = plan_step(c.flow, s, model.size(), 1);
+    if (c.scale) p.scale = c.scale(s);
+    return p;
+  };
   const manager_model::Stream stream{
       c.steps,
       [&](int s) { return plan(s).scale; },
@@ -314,7 +331,10 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
       },
       [&](int s, int mb, std::size_t i) {
         std::vector<std::uint8_t> g(model[i].numel * dtype_size(c.grad_dtype) + 1);
-        make_gradient(1, s, mb, i, 0, model[i].numel, c.grad_dtype, g.data());
+        if (c.fill)
+          c.fill(s, mb, i, 0, model[i].numel, c.grad_dtype, g.data());
+        else
+          make_gradient(1, s, mb, i, 0, model[i].numel, c.grad_dtype, g.data());
         for (const Poison& p : c.poisons)  // as run_stream writes it (any rank: the same skip)
           if (p.step == s && p.micro == mb && p.param == i && model[i].numel > 0) {
             const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -348,7 +368,13 @@ inline std::vector<StepRecord> run_reference(const Case& c, const Sharding* shar
         bytes.insert(bytes.end(), c8, c8 + b);
       };
       append(p.master.data(), p.master.size() * 4);
-      for (const std::vector<float>& slot : p.slots) append(slot.data(), slot.size() * 4);
+      for (std::size_t k = 0; k < p.slots.size(); ++k) {  // f32 values, or codes and maxima
+        append(p.slots[k].data(), p.slots[k].size() * 4);
+        if (k < p.codes.size()) {
+          append(p.codes[k].data(), p.codes[k].size());
+          append(p.absmax[k].data(), p.absmax[k].size() * 4);
+        }
+      }
       append(p.compute.data(), p.compute.size());
       r.state.push_back(std::move(bytes));
     }

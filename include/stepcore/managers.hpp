@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -130,12 +131,20 @@ std::vector<std::string_view> optimizer_slot_names(const OptimizerConfig& config
 bool optimizer_counts_steps(const OptimizerConfig& config) noexcept;
 
 /// One named state slot of a parameter in host memory: its optimizer's name for it
-/// (optimizer_slot_names) and numel floats.
+/// (optimizer_slot_names) and numel floats, or, for a parameter whose slots are 8-bit
+/// (GradientManager::q8_parameter), its codes and block maxima instead (docs/numerics.md
+/// 8f: numel code bytes, q8_blocks(numel) f32 maxima; `values` empty).
 template <class T>
 struct NamedSlot {
   std::string_view name;
   std::span<T> values;
+  std::span<std::conditional_t<std::is_const_v<T>, const std::uint8_t, std::uint8_t>> codes = {};
+  std::span<T> absmax = {};
 };
+/// The number of block maxima of an 8-bit slot of `numel` elements: ceil(numel / 256).
+constexpr std::size_t q8_blocks(std::size_t numel) noexcept {
+  return (numel + kQ8BlockSize - 1) / kQ8BlockSize;
+}
 using SlotIn = NamedSlot<const float>;  ///< a slot's values to import
 using SlotOut = NamedSlot<float>;       ///< where to copy a slot's values
 
@@ -207,6 +216,15 @@ struct ManagerConfig {
   /// largest parameter's). 0: Errc::out_of_range naming "ring_slot_elements".
   /// docs/managers.md ("Memory") gives the rings' bytes.
   std::size_t ring_slot_elements = std::size_t{1} << 19;
+  /// Block-wise 8-bit optimizer state (docs/numerics.md 8f; docs/managers.md, "8-bit
+  /// state"): every parameter of at least min_8bit_size elements (this rank's shard, a
+  /// tensor of its own) keeps its state slots as codes and block maxima (q8_parameter),
+  /// starting from the zero code and maximum 0 (the value 0); the others keep f32 slots.
+  /// Only an optimizer whose optimizer_table() entry has q8 (AdamW, Adam), in mode full:
+  /// else Errc::not_supported naming "q8_state". The full-offload rings' slots then hold a
+  /// multiple of kQ8BlockSize elements, so that no block is split.
+  bool q8_state = false;
+  std::size_t min_8bit_size = 4096;  ///< the smallest parameter with 8-bit slots
 };
 
 /// One kind of memory a manager holds (GradientManager::memory()).
@@ -283,6 +301,10 @@ class GradientManager final {
   /// Returns the names of the optimizer's state slots (optimizer_slot_names of the
   /// configuration): what import_parameter, read_parameter and host_state name.
   const std::vector<std::string_view>& state_slot_names() const noexcept;
+  /// Returns whether parameter i's state slots are 8-bit (ManagerConfig::q8_state and
+  /// numel >= min_8bit_size): its NamedSlots carry codes and absmax, not values.
+  /// Errc::out_of_range naming "i" for no such parameter.
+  bool q8_parameter(std::size_t i) const;
 
   /// Sets parameter i's fp32 master weights (host memory, numel floats) and its
   /// compute weights to their rounding; the state slots start at their initial values
@@ -295,7 +317,11 @@ class GradientManager final {
   /// integer in [0, 2^24] for an optimizer that counts steps, else 0), and its compute
   /// weights to the master's rounding: what a resumed run continues from, the same bits
   /// as the run that exported it. A missing, repeated or unknown slot name throws
-  /// Errc::invalid_argument naming "state" with the slot names. Only between steps.
+  /// Errc::invalid_argument naming "state" with the slot names. A q8_parameter's slots
+  /// give codes (numel bytes) and absmax (q8_blocks(numel) finite floats >= 0; a block
+  /// whose maximum is 0 has only the zero code) instead of values: else Errc naming
+  /// "<slot>.codes" or "<slot>.absmax" (docs/managers.md, "8-bit state"). Only between
+  /// steps.
   void import_parameter(std::size_t i, std::span<const float> master, std::span<const SlotIn> state,
                         float step);
   /// The same for an optimizer whose slots are exp_avg and exp_avg_sq (AdamW and Adam
@@ -382,7 +408,8 @@ class GradientManager final {
   /// Copies parameter i's master weights, the named state slots in `state` (any of
   /// state_slot_names(), each at most once; an unknown name throws Errc::invalid_argument
   /// naming "state") and compute weights to host memory (each span may be empty to skip
-  /// it). Waits for outstanding work. Only between steps.
+  /// it; a q8_parameter's slots fill codes and absmax, values must be empty). Waits for
+  /// outstanding work. Only between steps.
   void read_parameter(std::size_t i, std::span<float> master, std::span<const SlotOut> state,
                       std::span<std::uint8_t> compute);
   /// The same with the slots exp_avg and exp_avg_sq by position (each empty to skip it;
@@ -396,8 +423,10 @@ class GradientManager final {
   /// Parameter i's optimizer state where it lives in host memory.
   struct HostState {
     std::span<const float> master;
-    std::vector<NamedSlot<const float>> slots;  ///< in state_slot_names() order
-    /// Returns the slot named `name`, or an empty span when there is none.
+    /// In state_slot_names() order (a q8_parameter's: codes and absmax, values empty).
+    std::vector<NamedSlot<const float>> slots;
+    /// Returns the f32 values of the slot named `name`, or an empty span when there is
+    /// none (or it is 8-bit).
     std::span<const float> slot(std::string_view name) const noexcept {
       for (const auto& s : slots)
         if (s.name == name) return s.values;

@@ -79,6 +79,17 @@ nb::ndarray<nb::array_api> array_of(const ConstTensorView& v, bool cuda, int ord
                                     ordinal);
 }
 
+// An array-API object over `n` host bytes (an 8-bit slot's codes) owned by `owner`.
+nb::ndarray<nb::array_api> codes_of(const std::uint8_t* data, std::size_t n, nb::handle owner) {
+  const std::size_t shape[1] = {n};
+  nb::dlpack::dtype t;
+  t.lanes = 1;
+  t.bits = 8;
+  t.code = static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt);
+  return nb::ndarray<nb::array_api>(const_cast<std::uint8_t*>(data), 1, shape, owner, nullptr, t,
+                                    nb::device::cpu::value, 0);
+}
+
 // A manager with the device it runs on (made by the binding) and its communicator.
 struct PyManager {
   std::unique_ptr<device::Device> dev;
@@ -209,7 +220,8 @@ void bind_managers(nb::module_& m) {
              int threads, std::optional<std::string> isa, std::vector<int> cpus, int numa_node,
              bool lazy_gpu_scale, nb::handle stream, const std::string& speculation,
              std::int64_t speculation_bytes, std::int64_t speculation_device_bytes,
-             std::int64_t ring_slots, std::size_t ring_slot_elements) {
+             std::int64_t ring_slots, std::size_t ring_slot_elements, bool q8_state,
+             std::size_t min_8bit_size) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             // The optimizer by name, its hyper-parameters by field name (numbers, flags as
@@ -292,6 +304,8 @@ void bind_managers(nb::module_& m) {
             c.speculation_device_bytes = speculation_device_bytes;
             c.ring_slots = ring_slots;
             c.ring_slot_elements = ring_slot_elements;
+            c.q8_state = q8_state;
+            c.min_8bit_size = min_8bit_size;
             c.device = pm->dev.get();
             if (!comm.is_none()) {
               c.comm = nb::cast<comm::Communicator*>(comm);
@@ -310,7 +324,11 @@ void bind_managers(nb::module_& m) {
           nb::arg("speculation_bytes") = ManagerConfig::kAllChunks,
           nb::arg("speculation_device_bytes") = 0,
           nb::arg("ring_slots") = ManagerConfig::kDefaultRing,
-          nb::arg("ring_slot_elements") = ManagerConfig{}.ring_slot_elements)
+          nb::arg("ring_slot_elements") = ManagerConfig{}.ring_slot_elements,
+          nb::arg("q8_state") = false, nb::arg("min_8bit_size") = ManagerConfig{}.min_8bit_size)
+      .def(
+          "q8_parameter", [](const PyManager& p, std::size_t i) { return p.m->q8_parameter(i); },
+          nb::arg("i"), "Whether parameter i's state slots are 8-bit (codes, absmax) pairs.")
       .def_prop_ro("mode",
                    [](const PyManager& p) { return std::string(offload_mode_name(p.m->mode())); })
       .def_prop_ro("group_count", [](const PyManager& p) { return p.m->group_count(); })
@@ -351,21 +369,38 @@ void bind_managers(nb::module_& m) {
             const std::span<const float> m0(master.data(), master.size());
             // The slots by name: the names live in `names` while the call runs.
             std::vector<std::string> names;
-            std::vector<nb::ndarray<nb::ro, float, nb::device::cpu>> arrays;
+            using F32 = nb::ndarray<nb::ro, float, nb::device::cpu, nb::c_contig>;
+            using U8 = nb::ndarray<nb::ro, std::uint8_t, nb::device::cpu, nb::c_contig>;
+            std::vector<F32> arrays, maxima;
+            std::vector<U8> codes;
             if (state)
               for (auto [k, v] : *state) {
                 names.push_back(nb::cast<std::string>(k));
-                nb::ndarray<nb::ro, float, nb::device::cpu> a;
+                const std::string where = "state." + names.back();
+                F32 a, b;
+                U8 c;
+                // f32 values, or an 8-bit slot's (codes, absmax) pair (q8_parameter).
+                if (nb::isinstance<nb::tuple>(v) && nb::len(v) == 2 &&
+                    nb::try_cast(v[nb::int_(0)], c) && nb::try_cast(v[nb::int_(1)], b)) {
+                  codes.push_back(c);
+                  maxima.push_back(b);
+                  arrays.emplace_back();
+                  continue;
+                }
                 if (!nb::try_cast(v, a))
-                  throw nb::type_error(("stepcore: unsupported_dtype in 'state." + names.back() +
-                                        "': a contiguous float32 CPU array")
+                  throw nb::type_error(("stepcore: unsupported_dtype in '" + where +
+                                        "': a contiguous float32 CPU array, or (uint8 codes, "
+                                        "float32 absmax) for an 8-bit slot")
                                            .c_str());
                 arrays.push_back(a);
+                codes.emplace_back();
+                maxima.emplace_back();
               }
             std::vector<SlotIn> slots;
             for (std::size_t k = 0; k < names.size(); ++k)
-              slots.push_back(
-                  {names[k], std::span<const float>(arrays[k].data(), arrays[k].size())});
+              slots.push_back({names[k], std::span<const float>(arrays[k].data(), arrays[k].size()),
+                               std::span<const std::uint8_t>(codes[k].data(), codes[k].size()),
+                               std::span<const float>(maxima[k].data(), maxima[k].size())});
             nb::gil_scoped_release r;
             p.m->import_parameter(i, m0, slots, step);
           },
@@ -512,9 +547,16 @@ void bind_managers(nb::module_& m) {
             const ParamSpec& s = p.m->config().params[i];
             const std::vector<std::string_view>& names = p.m->state_slot_names();
             std::vector<float> master(s.numel);
-            std::vector<std::vector<float>> slots(names.size(), std::vector<float>(s.numel));
+            const bool q8 = p.m->q8_parameter(i);
+            std::vector<std::vector<float>> slots(names.size(),
+                                                  std::vector<float>(q8 ? 0 : s.numel));
+            std::vector<std::vector<float>> maxima(names.size(),
+                                                   std::vector<float>(q8 ? q8_blocks(s.numel) : 0));
+            std::vector<std::vector<std::uint8_t>> codes(
+                names.size(), std::vector<std::uint8_t>(q8 ? s.numel : 0));
             std::vector<SlotOut> named;
-            for (std::size_t k = 0; k < names.size(); ++k) named.push_back({names[k], slots[k]});
+            for (std::size_t k = 0; k < names.size(); ++k)
+              named.push_back({names[k], slots[k], codes[k], maxima[k]});
             std::vector<std::uint8_t> compute(
                 s.has_compute_weights ? s.numel * dtype_size(s.compute_dtype) : 0);
             {
@@ -528,9 +570,23 @@ void bind_managers(nb::module_& m) {
               const std::size_t shape[1] = {data->size()};
               return nb::ndarray<nb::numpy, float>(data->data(), 1, shape, owner);
             };
+            auto out_codes = [](std::vector<std::uint8_t> v) {
+              auto* data = new std::vector<std::uint8_t>(std::move(v));
+              nb::capsule owner(data, [](void* q) noexcept {
+                delete static_cast<std::vector<std::uint8_t>*>(q);
+              });
+              const std::size_t shape[1] = {data->size()};
+              return nb::ndarray<nb::numpy, std::uint8_t>(data->data(), 1, shape, owner);
+            };
             nb::dict state;
-            for (std::size_t k = 0; k < names.size(); ++k)
-              state[nb::str(names[k].data(), names[k].size())] = out(std::move(slots[k]));
+            for (std::size_t k = 0; k < names.size(); ++k) {
+              const nb::str key(names[k].data(), names[k].size());
+              if (q8)
+                state[key] =
+                    nb::make_tuple(out_codes(std::move(codes[k])), out(std::move(maxima[k])));
+              else
+                state[key] = out(std::move(slots[k]));
+            }
             return nb::make_tuple(
                 out(std::move(master)), state,
                 nb::bytes(reinterpret_cast<const char*>(compute.data()), compute.size()));
@@ -550,7 +606,11 @@ void bind_managers(nb::module_& m) {
             nb::dict slots;
             if (h.master.data() != nullptr)  // mode none: no views
               for (const auto& s : h.slots)
-                slots[nb::str(s.name.data(), s.name.size())] = view(s.values);
+                slots[nb::str(s.name.data(), s.name.size())] =
+                    s.codes.data() == nullptr
+                        ? view(s.values)
+                        : nb::make_tuple(codes_of(s.codes.data(), s.codes.size(), self),
+                                         view(s.absmax));
             return nb::make_tuple(view(h.master), slots);
           },
           nb::arg("i"),

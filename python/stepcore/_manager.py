@@ -30,6 +30,7 @@ _GROUP_ROLES = ("schedule", "betas")
 _ARGUMENT_FIELDS = {"betas": ("beta1", "beta2"), "eps": ("eps",), "formula": ("formula",)}
 _DTYPE_NAME = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _REDUCE_OPS = None  # name -> torch.distributed.ReduceOp, filled on first use
+_ABSMAX = "_absmax"  # an 8-bit slot's block maxima: the slot's name + this
 
 try:  # DTensor lives in torch.distributed, which some builds lack.
     from torch.distributed.tensor import DTensor as _DTensor
@@ -200,11 +201,20 @@ class GradientManager(torch.optim.Optimizer):
                  chunk_elements=16 << 20,
                  process_group=None, threads=None, isa=None, numa=True, recorder=None,
                  speculation="auto", speculation_bytes=-1, speculation_device_bytes=0,
-                 ring_slots=-1, ring_slot_elements=1 << 19):
+                 ring_slots=-1, ring_slot_elements=1 << 19, block_size=_table.Q8_BLOCK_SIZE,
+                 min_8bit_size=4096):
         """Builds the manager over a module or parameters (see docs/python.md)."""
         extra = " (the 'fsdp' mode was removed; 'full' covers it)" if offload == "fsdp" else ""
         _check_choice("offload", offload, OFFLOAD_MODES, extra)
-        self._info = _table.entry(optimizer, "stepcore.torch")
+        # "adamw8bit": AdamW with block-wise 8-bit state (params of at least min_8bit_size
+        # elements); its formula defaults to torchao's, as stepcore.torch.AdamW8bit's.
+        self._info, self._q8 = _table.entry_q8(optimizer, "stepcore.torch")
+        _table.check_q8_arguments(block_size, min_8bit_size, "stepcore.torch")
+        self._min_8bit_size = min_8bit_size
+        if (self._q8 and formula is None and "formula" not in (hyper or {})
+                and _table.hyper(self._info, "formula") is not None
+                and "torchao" in _table.choices(self._info, "formula")):
+            formula = "torchao"
         self._config, defaults = self._resolve_hyper(
             hyper, dict(betas=betas, eps=eps, formula=formula), lr, weight_decay)
         _check_choice("speculation", speculation, ("always", "never", "auto"))
@@ -414,13 +424,14 @@ class GradientManager(torch.optim.Optimizer):
                 threads = min(int(threads), len(cpus)) if cpus else int(threads)
         self.threads = int(threads)
         self._m = _core.GradientManager(
-            self.offload, specs, optimizer=self.optimizer_name, groups=groups,
+            self.offload, specs, optimizer=self._info["name"], groups=groups,
             hyper=self._config,
             chunk_elements=int(chunk_elements), device=device, comm=comm,
             threads=self.threads, isa=isa, cpus=cpus, numa_node=numa_node, stream=stream,
             speculation=self._speculation[0], speculation_bytes=self._speculation[1],
             speculation_device_bytes=self._speculation[2],
-            ring_slots=self._ring[0], ring_slot_elements=self._ring[1])
+            ring_slots=self._ring[0], ring_slot_elements=self._ring[1],
+            q8_state=self._q8, min_8bit_size=self._min_8bit_size)
         self._locals = locals_
         for i, local in enumerate(locals_):  # masters start from the model's values
             self._m.load_parameter(i, local.float().contiguous().cpu())
@@ -607,24 +618,20 @@ class GradientManager(torch.optim.Optimizer):
             rec.record("clip", "norm", torch.tensor(self._report["norm"], dtype=torch.float32))
             rec.record("clip", "clip_coefficient",
                        torch.tensor(self._report["clip_coefficient"], dtype=torch.float32))
+        # An 8-bit slot records its codes under the slot's name and its block maxima under
+        # the name + "_absmax" (those params only).
         slots = self._m.state_slot_names
-        state = []
-        for i in range(len(self._params)):
-            master, named = self._host_state(i)
-            shape = self._locals[i].shape
-            state.append([torch.from_dlpack(t).view(shape)
-                          for t in [master] + [named[n] for n in slots]])
-        kinds = ([(n, 1 + k) for k, n in enumerate(slots)]
-                 + ([("step", None)] if self._m.counts_steps else [])
-                 + [("master", 0), ("param", None)])
-        for kind, k in kinds:
+        state = [self._state_entry(i) for i in range(len(self._params))]
+        kinds = ([k for n in slots for k in (n, n + _ABSMAX)]
+                 + (["step"] if self._m.counts_steps else []) + ["master", "param"])
+        for kind in kinds:
             for i, name in enumerate(self._names):
-                if kind == "step":
-                    t = torch.tensor(self._m.step_count(i), dtype=torch.float32)
-                elif kind == "param":
+                if kind == "param":
                     t = self._locals[i]  # the compute weights, in the model's storage
+                elif kind not in state[i]:
+                    continue
                 else:
-                    t = state[i][k]
+                    t = state[i][kind]
                 rec.record("after_step", f"{kind}/{name}", t)
         rec._manager_step_done()
 
@@ -663,15 +670,7 @@ class GradientManager(torch.optim.Optimizer):
         until the next begin_step, load or close); mode none copies. DTensor parameters get
         DTensor state with their placements, so a distributed checkpoint saves the shards.
         """
-        state = {}
-        for i, p in enumerate(self._params):
-            master, named = self._host_state(i)
-            entry = {"master": self._shaped(i, torch.from_dlpack(master))}
-            for name in self._m.state_slot_names:  # torch's names: exp_avg, momentum_buffer, sum
-                entry[name] = self._shaped(i, torch.from_dlpack(named[name]))
-            if self._m.counts_steps:
-                entry["step"] = torch.tensor(self._m.step_count(i), dtype=torch.float32)
-            state[i] = entry
+        state = {i: self._state_entry(i, shaped=True) for i in range(len(self._params))}
         groups = []
         start = 0
         for g in self.param_groups:
@@ -680,6 +679,35 @@ class GradientManager(torch.optim.Optimizer):
             start += len(g["params"])
             groups.append(d)
         return {"state": state, "param_groups": groups}
+
+    def _state_entry(self, i, shaped=False) -> dict:
+        """Parameter i's state as torch's layout names it: master, the slots by name (an
+        8-bit one: uint8 codes of the param's shape, and float32 block maxima under the
+        name + "_absmax", as stepcore.torch.AdamW8bit keeps them), step when it counts
+        steps. `shaped`: DTensors for DTensor params."""
+        master, named = self._host_state(i)
+        shape = self._locals[i].shape
+        view = (lambda t: self._shaped(i, t)) if shaped else (lambda t: t.view(shape))
+        entry = {"master": view(torch.from_dlpack(master))}
+        for name in self._m.state_slot_names:  # torch's names: exp_avg, momentum_buffer, sum
+            value = named[name]
+            if isinstance(value, tuple):
+                entry[name] = view(torch.from_dlpack(value[0]))
+                entry[name + _ABSMAX] = torch.from_dlpack(value[1])
+            else:
+                entry[name] = view(torch.from_dlpack(value))
+        if self._m.counts_steps:
+            entry["step"] = torch.tensor(self._m.step_count(i), dtype=torch.float32)
+        return entry
+
+    def _q8_zeros(self, name, n):
+        """An 8-bit slot `name` of n elements holding 0 (docs/numerics.md 8f): every code
+        the one whose map value is +0, every block maximum 0."""
+        slot = next(s for s in self._info["slots"] if s["name"] == name)
+        values = [float(v) for v in _core.q8_map(slot["non_negative"])]
+        zero = next(c for c, v in enumerate(values) if v == 0.0 and str(v) == "0.0")
+        blocks = (n + _table.Q8_BLOCK_SIZE - 1) // _table.Q8_BLOCK_SIZE
+        return (torch.full((n,), zero, dtype=torch.uint8), torch.zeros(blocks))
 
     def _host_state(self, i):
         """Parameter i's (master, {slot: array}): views in modes optimizer and full, copies
@@ -719,12 +747,21 @@ class GradientManager(torch.optim.Optimizer):
             # initial_accumulator_value), else 0.
             slots = {}
             for name in self._m.state_slot_names:
-                if name in st:
+                value = st.get(name)
+                if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
+                    if name + _ABSMAX not in st:  # an 8-bit slot: codes and block maxima
+                        raise ValueError(f"stepcore.torch: state_dict['state'][{i}] has 8-bit "
+                                         f"{name!r} without {name + _ABSMAX!r}")
+                    slots[name] = (_local(value).contiguous().cpu().reshape(-1),
+                                   flat(st[name + _ABSMAX]))
+                elif name in st:
                     slots[name] = flat(st[name])
                 else:
                     field = starts[name]
                     start = 0.0 if field is None else float(self._config[field])
                     slots[name] = torch.full_like(master, start)
+                    if self._m.q8_parameter(i):  # 0 in 8 bits: the code of +0, maxima 0
+                        slots[name] = self._q8_zeros(name, master.numel())
             step = float(st.get("step", 0.0)) if self._m.counts_steps else 0.0
             rows.append((master, slots, step))
         for i, (master, slots, step) in enumerate(rows):

@@ -34,3 +34,32 @@ def hyper(e: dict, name: str):
         if h["name"] == name:
             return h
     return None
+
+
+# An optimizer name followed by this names its block-wise 8-bit state (docs/numerics.md 8f),
+# for the optimizers whose entry has q8: "adamw8bit", "adam8bit".
+Q8_SUFFIX = "8bit"
+Q8_NAMES = tuple(e["name"] + Q8_SUFFIX for e in TABLE if e["q8"])
+Q8_BLOCK_SIZE = _core.Q8_BLOCK_SIZE
+
+
+def entry_q8(name, where: str):
+    """Returns (entry, q8): the table entry of `name`, or of the optimizer whose 8-bit name
+    (Q8_NAMES) it is, with q8 True; else raises ValueError from `where` naming 'optimizer'."""
+    if isinstance(name, str) and name in Q8_NAMES:
+        return _BY_NAME[name[:-len(Q8_SUFFIX)]], True
+    if isinstance(name, str) and name in _BY_NAME:
+        return _BY_NAME[name], False
+    raise ValueError(f"{where}: 'optimizer' must be one of "
+                     + ", ".join(repr(n) for n in NAMES + Q8_NAMES) + f"; got {name!r}")
+
+
+def check_q8_arguments(block_size, min_8bit_size, where: str) -> None:
+    """Raises ValueError from `where` naming the argument unless block_size is
+    Q8_BLOCK_SIZE (the only block of 8-bit state) and min_8bit_size an int >= 0."""
+    if type(block_size) is not int or block_size != Q8_BLOCK_SIZE:
+        raise ValueError(f"{where}: 'block_size' must be {Q8_BLOCK_SIZE} (the block of "
+                         f"8-bit state, docs/numerics.md 8f), got {block_size!r}")
+    if type(min_8bit_size) is not int or min_8bit_size < 0:
+        raise ValueError(f"{where}: 'min_8bit_size' must be an int >= 0, got "
+                         f"{min_8bit_size!r}")

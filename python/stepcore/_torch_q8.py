@@ -36,12 +36,7 @@ class _Q8:
     def __init__(self, params, *args, block_size=BLOCK, min_8bit_size=4096, **kwargs):
         """The f32 drop-in's arguments, plus block_size (BLOCK only) and min_8bit_size (an
         int >= 0: params with fewer elements keep the f32 drop-in's state)."""
-        if type(block_size) is not int or block_size != BLOCK:
-            raise ValueError(f"stepcore.torch: 'block_size' must be {BLOCK} (the block of "
-                             f"8-bit state, docs/numerics.md 8f), got {block_size!r}")
-        if type(min_8bit_size) is not int or min_8bit_size < 0:
-            raise ValueError("stepcore.torch: 'min_8bit_size' must be an int >= 0, got "
-                             f"{min_8bit_size!r}")
+        _table.check_q8_arguments(block_size, min_8bit_size, "stepcore.torch")
         self._q8_defaults = dict(block_size=block_size, min_8bit_size=min_8bit_size)
         for key, value in self._Q8_FORMULA.items():
             kwargs.setdefault(key, value)
