@@ -19,11 +19,13 @@ manager under test through --steps steps of --micro micro-batches, and:
 
 Validation first: after the steps, every parameter (the bf16 compute weights in the
 model's storage) must equal, bit for bit, the same steps through offload="none" (the
-device-resident manager on the host device: another code path), and the manager's own
+device-resident manager on the host device: another code path; for 8-bit state, which
+only full offload keeps, full offload on one engine thread), and the manager's own
 ledger (report()["memory"]) must be within 3 % of the measured steady growth.
 
 Usage: /opt/torchenv/py bench/bench_memory.py [--hidden 2048] [--layers 12] [--steps 2]
-       [--optimizers adamw,lion,sign_sgd,sgd] [--modes full,optimizer,none] [--quick]
+       [--optimizers adamw,lion,sign_sgd,sgd,adamw8bit] [--modes full,optimizer,none]
+       [--quick]
        (PYTHONPATH must reach the stepcore package: the build tree's python/ or an install)
 """
 
@@ -182,7 +184,7 @@ def main():
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--optimizers", default="adamw,lion,sign_sgd,sgd")
+    ap.add_argument("--optimizers", default="adamw,lion,sign_sgd,sgd,adamw8bit")
     ap.add_argument("--modes", default="full,optimizer,none")
     ap.add_argument("--quick", action="store_true", help="small model (a smoke run)")
     ap.add_argument("--case", action="store_true", help=argparse.SUPPRESS)
@@ -204,16 +206,20 @@ def main():
     failures = 0
     for mode in args.modes.split(","):
         for opt in args.optimizers.split(","):
-            if mode != "full" and opt != "adamw":
+            eight_bit = opt.endswith("8bit")  # block-wise 8-bit state: mode full only
+            if mode != "full" and (opt != "adamw" or eight_bit):
                 continue  # the device-resident modes once: their bytes are the device's
             for micro in (2, 1):
                 r = _spawn(args, mode=mode, optimizer=opt, micro=micro, overlap=micro == 2,
-                           checkpoint=micro == 2)
-                ref = _spawn(args, mode="none", optimizer=opt, micro=micro, overlap=micro == 2,
-                             checkpoint=False)
+                           checkpoint=micro == 2 and not eight_bit)
+                # The reference: offload="none" (another code path), or for 8-bit state
+                # (full offload only) one engine thread instead of several (another split).
+                ref = _spawn(args, mode="full" if eight_bit else "none", optimizer=opt,
+                             micro=micro, overlap=micro == 2, checkpoint=False,
+                             threads=1 if eight_bit else args.threads)
                 if r["digest"] != ref["digest"]:
                     print(f"VALIDATION FAILED: {mode} {opt} micro {micro}: the parameters differ "
-                          "from offload='none'")
+                          "from the reference run")
                     failures += 1
                 if r.get("ledger") is not None and abs(r["steady"] - r["ledger"]) > 0.03 * r["ledger"]:
                     print(f"note: {mode} {opt} micro {micro}: resident {r['steady']:.2f} vs ledger "

@@ -301,8 +301,10 @@ void OffloadGradientManager::run_chunk(std::size_t k, GradientRead read,
             OptimizerTensor o{cut(into_spare ? p.spare[0] : p.state[0])};
             for (std::size_t s = 0; s < state_slots() && s < kMaxOptimizerSlots; ++s) {
               if (p.q8[s].codes != nullptr) {  // 8-bit: stepped in place, on whole blocks
-                o.q8[s] = q8_part(into_spare ? p.q8_spare[s] : p.q8[s], pc.offset);
-                if (into_spare) copy_q8(o.q8[s], q8_part(p.q8[s], pc.offset), pc.count);
+                // (An empty parameter's spare is its live slot: nothing to copy.)
+                const bool spare = into_spare && pc.count != 0;
+                o.q8[s] = q8_part(spare ? p.q8_spare[s] : p.q8[s], pc.offset);
+                if (spare) copy_q8(o.q8[s], q8_part(p.q8[s], pc.offset), pc.count);
                 continue;
               }
               o.state[s] = cut(into_spare ? p.spare[1 + s] : p.state[1 + s]);

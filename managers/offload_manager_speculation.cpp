@@ -40,6 +40,10 @@ bool OffloadGradientManager::admit(std::size_t k) {
     for (std::size_t s = 0; s < slots(); ++s) {
       if (s != 0 && p.q8[s - 1].codes != nullptr) {  // an 8-bit slot: codes, then maxima
         Q8Slot& q = p.q8_spare[s - 1];
+        if (numel == 0) {  // no bytes: the live slot's pointers (the space may be empty)
+          q = p.q8[s - 1];
+          continue;
+        }
         q.codes = reinterpret_cast<std::uint8_t*>(take(numel));
         q.absmax = reinterpret_cast<float*>(take(q8_blocks(numel) * sizeof(float)));
         continue;

@@ -139,6 +139,8 @@ TEST(ManagersQ8, OverlapCommitsAndRollsBackWithTheReferenceBits) {
     expect_reference(c);
     c.flow = Flow::rl_single;  // a holding step speculates from the held gradients
     expect_reference(c);
+    c.min_8bit_size = 0;  // the empty parameter too: a speculated slot of no bytes
+    expect_reference(c);
   }
 }
 

@@ -13,7 +13,8 @@
 //
 // The serial twin: a second manager of the same configuration gets the same calls with
 // the same arguments (the same input bytes, replayed), except that its begin_step always
-// passes overlap_optimizer = false. Overlap changes no bit, so whenever the primary can be
+// passes overlap_optimizer = false (8-bit state slots in full offload among the
+// configurations). Overlap changes no bit, so whenever the primary can be
 // read (between steps) after calls that changed the state, the two must agree bit for bit
 // on every parameter's master, moments, compute weights and step counter and on the
 // report's norm, clip coefficient, skipped and stepped (not its chunk counts or timing).
@@ -85,15 +86,26 @@ std::optional<Snapshot> snapshot(GradientManager& m) {
     for (std::size_t i = 0; i < params.size(); ++i) {
       const ParamSpec& p = params[i];
       const std::size_t n = p.numel;
+      // An 8-bit parameter's slots as codes and block maxima.
+      const bool q8 = m.q8_parameter(i);
       std::vector<float> master(n);
-      std::vector<std::vector<float>> slots(names.size(), std::vector<float>(n));
+      std::vector<std::vector<float>> slots(names.size(), std::vector<float>(q8 ? 0 : n));
+      std::vector<std::vector<std::uint8_t>> codes(names.size(),
+                                                   std::vector<std::uint8_t>(q8 ? n : 0));
+      std::vector<std::vector<float>> maxima(names.size(),
+                                             std::vector<float>(q8 ? q8_blocks(n) : 0));
       std::vector<SlotOut> named;
-      for (std::size_t k = 0; k < names.size(); ++k) named.push_back({names[k], slots[k]});
+      for (std::size_t k = 0; k < names.size(); ++k)
+        named.push_back({names[k], slots[k], codes[k], maxima[k]});
       std::vector<std::uint8_t> compute(p.has_compute_weights ? n * dtype_size(p.compute_dtype)
                                                               : 0);
       m.read_parameter(i, master, named, compute);
       s.push_back(bytes_of(master));
-      for (const auto& slot : slots) s.push_back(bytes_of(slot));
+      for (std::size_t k = 0; k < names.size(); ++k) {
+        s.push_back(bytes_of(slots[k]));
+        s.push_back(codes[k]);
+        s.push_back(bytes_of(maxima[k]));
+      }
       s.push_back(std::move(compute));
       s.push_back(bytes_of(std::vector<float>{m.step_count(i)}));
     }
@@ -300,13 +312,24 @@ void call(Side& s, int op, std::size_t i, fuzz::Input& in, bool serial) {
       if (in.flag()) {
         m.load_parameter(i, v);
       } else {
-        // Every slot by name (sometimes one short, or one unknown name).
+        // Every slot by name (sometimes one short, or one unknown name): f32 values, or
+        // an 8-bit parameter's codes and block maxima (sometimes a block short, or values
+        // instead).
         const auto& names = m.state_slot_names();
-        std::vector<std::vector<float>> values(names.size(), std::vector<float>(v.size()));
+        const bool q8 = i < params.size() && m.q8_parameter(i) && in.byte() % 8 != 0;
+        std::vector<std::vector<float>> values(names.size(), std::vector<float>(q8 ? 0 : v.size()));
+        std::vector<std::vector<std::uint8_t>> codes(names.size(),
+                                                     std::vector<std::uint8_t>(q8 ? v.size() : 0));
+        std::vector<std::vector<float>> maxima(names.size());
         std::vector<SlotIn> state;
         for (std::size_t k = 0; k < names.size(); ++k) {
           for (float& x : values[k]) x = static_cast<float>(fuzz::special(in));
-          state.push_back({names[k], values[k]});
+          for (std::uint8_t& c : codes[k]) c = in.byte();
+          if (q8) {
+            maxima[k].resize(q8_blocks(v.size()) - (in.byte() % 16 == 0 && !v.empty() ? 1 : 0));
+            for (float& x : maxima[k]) x = static_cast<float>(fuzz::special(in));
+          }
+          state.push_back({names[k], values[k], codes[k], maxima[k]});
         }
         const std::uint8_t how = in.byte();
         if (how % 16 == 0 && !state.empty()) state.pop_back();
@@ -393,6 +416,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Every mode steps every optimizer (its state slots named as its unit names them).
   Bits bits(in);
   c.optimizer = decode_config(unit, bits, betas, c.groups);
+  // The ring byte's high bits: 8-bit state for an optimizer with it in full offload (the
+  // refusals elsewhere are unit tests'), from parameters of 0, 7 or 100 elements up. The
+  // rings then hold whole blocks.
+  if (ring / 48 % 2 != 0 && c.mode == OffloadMode::full &&
+      optimizer_table()[c.optimizer.index()].q8) {
+    static const std::size_t mins[] = {0, 7, 100};
+    c.q8_state = true;
+    c.min_8bit_size = mins[ring / 96 % 3];
+  }
   c.device = dev.get();
   c.engine.threads = 1 + in.byte() % 2;
   Side primary, twin;
