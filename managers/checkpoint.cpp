@@ -55,8 +55,8 @@ ckpt::Header header_of(const GradientManager& m, std::span<const float> steps) {
   }
   for (std::size_t i = 0; i < c.params.size(); ++i) {
     const ParamSpec& p = c.params[i];
-    h.params.push_back(
-        {p.name, p.numel, static_cast<std::uint32_t>(p.group), steps.empty() ? 0.0f : steps[i]});
+    h.params.push_back({p.name, p.numel, static_cast<std::uint32_t>(p.group),
+                        steps.empty() ? 0.0f : steps[i], m.q8_parameter(i)});
   }
   return h;
 }
@@ -66,21 +66,12 @@ std::string param_arg(std::size_t i, const char* field) {
   return "checkpoint.params[" + std::to_string(i) + "]." + field;
 }
 
-// The checkpoint format has no 8-bit arrays yet: a manager with them saves and loads none.
-void refuse_q8(const ManagerConfig& config) {
-  if (config.q8_state)
-    throw Error(Errc::not_supported, "q8_state",
-                "checkpoints of 8-bit state are not written or read yet (export it with "
-                "read_parameter)");
-}
-
 }  // namespace
 
 void GradientManager::save_checkpoint(const std::string& path) {
   ManagerImpl& m = *impl_;
   m.expect(m.phase_ == CallPhase::idle, "save_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
-  refuse_q8(m.config_);
   const detail::MemoryLedger::Hold held(m.ledger(), "checkpoint", false, ckpt::kSaveBufferBytes);
   const std::size_t n = m.config_.params.size();
   std::vector<float> steps(n);
@@ -92,28 +83,49 @@ void GradientManager::save_checkpoint(const std::string& path) {
   // kSaveBufferBytes with the writer's). The source's spans are valid until it is asked
   // again.
   const std::size_t range = ckpt::kSavePieceBytes / sizeof(float);
-  const std::size_t array_count = 1 + m.state_slots();
+  const std::size_t array_count = header.arrays();
+  // Array a of parameter i: its elements, and what it holds (the master, a slot's f32 values
+  // or 8-bit codes, a slot's block maxima).
+  auto shape = [&](std::size_t i, std::size_t a) {
+    return ckpt::array_shape(header, header.params[i], static_cast<std::uint32_t>(a));
+  };
+  auto elements = [&](std::size_t i, std::size_t a) {
+    return static_cast<std::size_t>(shape(i, a).elements);
+  };
   struct Piece {
     std::size_t i, a, offset, count;
     bool operator==(const Piece&) const = default;
   };
   // The piece the writer asks for after `p` (i == n after the last).
   auto after = [&](const Piece& p) -> Piece {
-    const std::size_t numel = m.config_.params[p.i].numel;
+    const std::size_t numel = elements(p.i, p.a);
     if (p.offset + p.count < numel)
       return {p.i, p.a, p.offset + p.count, std::min(range, numel - p.offset - p.count)};
-    if (p.a + 1 < array_count) return {p.i, p.a + 1, 0, std::min(range, numel)};
-    if (p.i + 1 < n) return {p.i + 1, 0, 0, std::min(range, m.config_.params[p.i + 1].numel)};
+    if (p.a + 1 < array_count) return {p.i, p.a + 1, 0, std::min(range, elements(p.i, p.a + 1))};
+    if (p.i + 1 < n) return {p.i + 1, 0, 0, std::min(range, elements(p.i + 1, 0))};
     return {n, 0, 0, 0};
   };
   std::vector<float> buffers[2];
-  // Copies piece p of device state into buffers[b].
-  auto copy_out = [&](const Piece& p, std::size_t b) -> std::span<const float> {
+  // Copies piece p of device state (the master or an f32 slot: 8-bit state is host
+  // memory) into buffers[b].
+  auto copy_out = [&](const Piece& p, std::size_t b) -> std::span<const std::byte> {
+    if (shape(p.i, p.a).width != 4 || shape(p.i, p.a).absmax)
+      throw Error(Errc::internal, "save_checkpoint", "8-bit state outside host memory");
     buffers[b].resize(p.count);
     std::span<float> into[1 + kMaxOptimizerSlots];
     into[p.a] = buffers[b];
-    m.guarded([&] { m.do_read_range(p.i, p.offset, std::span(into, array_count)); });
-    return buffers[b];
+    m.guarded([&] { m.do_read_range(p.i, p.offset, std::span(into, 1 + m.state_slots())); });
+    return std::as_bytes(std::span<const float>(buffers[b]));
+  };
+  // Piece [offset, offset + count) of array a of parameter i in host memory `h`.
+  auto host_piece = [&](const ManagerImpl::HostArrays& h, std::size_t i, std::size_t a,
+                        std::size_t offset, std::size_t count) -> std::span<const std::byte> {
+    const ckpt::ArrayShape sh = shape(i, a);
+    if (sh.slot < 0) return std::as_bytes(h.a[0].subspan(offset, count));
+    const auto s = static_cast<std::size_t>(sh.slot);
+    if (sh.absmax) return std::as_bytes(h.q8[s].absmax.subspan(offset, count));
+    if (header.params[i].q8) return std::as_bytes(h.q8[s].codes.subspan(offset, count));
+    return std::as_bytes(h.a[1 + s].subspan(offset, count));
   };
   // A copy this large is worth a thread of its own.
   constexpr std::size_t kPrefetchElements = std::size_t{1} << 18;
@@ -128,13 +140,13 @@ void GradientManager::save_checkpoint(const std::string& path) {
   };
   std::size_t current = 0;  // the buffer holding the piece last returned
   Piece ahead{n, 0, 0, 0};  // the piece being copied out into buffers[1 - current]
-  std::future<std::span<const float>> next;
+  std::future<std::span<const std::byte>> next;
   const ckpt::RangeSource source = [&](std::size_t i, std::size_t a, std::size_t offset,
-                                       std::size_t count) -> std::span<const float> {
+                                       std::size_t count) -> std::span<const std::byte> {
     if (count == 0) return {};
-    if (!host_state(i).a[0].empty()) return host.a[a].subspan(offset, count);
+    if (!host_state(i).a[0].empty()) return host_piece(host, i, a, offset, count);
     const Piece p{i, a, offset, count};
-    std::span<const float> out;
+    std::span<const std::byte> out;
     if (next.valid() && ahead == p) {
       out = next.get();
       current = 1 - current;
@@ -178,7 +190,6 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool recovering = m.failure_ != nullptr && m.phase_ != CallPhase::closed;
   if (!recovering) m.expect(m.phase_ == CallPhase::idle, "load_checkpoint", "only between steps");
   if (path.empty()) throw Error(Errc::invalid_argument, "path", "empty");
-  refuse_q8(m.config_);
   const detail::MemoryLedger::Hold held(m.ledger(), "checkpoint", false, ckpt::kLoadBufferBytes);
   // The verifying pass: the format, sizes and checksums, every array's values scanned,
   // each block's checksum recorded.
@@ -189,7 +200,6 @@ void GradientManager::load_checkpoint(const std::string& path) {
   ckpt::check_compatible(h, header_of(*this, {}), path);
   // Every value before anything changes: states a manager can continue from, and the
   // groups' hyper-parameters as set_hyperparameters would accept them.
-  const std::vector<std::string>& slots = h.slots;  // the manager's (check_compatible)
   const bool counts = m.shape_.counts_steps;
   const std::size_t arrays = h.arrays();
   for (std::size_t i = 0; i < h.params.size(); ++i) {
@@ -198,7 +208,7 @@ void GradientManager::load_checkpoint(const std::string& path) {
       const std::size_t k = i * arrays + a;
       if (verified.first_bad[k] != ckpt::Verified::kClean)
         detail::throw_bad_state_value(
-            param_arg(i, a == 0 ? "master" : slots[a - 1].c_str()),
+            param_arg(i, ckpt::array_name(h, h.params[i], static_cast<std::uint32_t>(a)).c_str()),
             path + ", parameter '" + name + "': ", static_cast<std::size_t>(verified.first_bad[k]),
             verified.first_bad_value[k]);
     }
@@ -239,24 +249,37 @@ void GradientManager::load_checkpoint(const std::string& path) {
   const bool ranges = m.do_imports_ranges();
   std::vector<std::uint64_t> remaining(h.params.size());  // elements still to come
   std::map<std::size_t, std::vector<std::vector<float>>> gathered;
+  // (Modes without ranges keep no 8-bit state: check_compatible refused such a file.)
   auto import_whole = [&](std::size_t i, const std::vector<std::vector<float>>& whole) {
     std::span<const float> in[1 + kMaxOptimizerSlots];
-    for (std::size_t a = 0; a < arrays; ++a) in[a] = whole[a];
-    m.do_import_parameter(i, std::span(in, arrays), {}, h.params[i].step);
+    for (std::size_t a = 0; a < whole.size(); ++a) in[a] = whole[a];
+    m.do_import_parameter(i, std::span(in, 1 + m.state_slots()), {}, h.params[i].step);
   };
   auto take = [&](std::size_t i, std::size_t a, std::uint64_t offset,
-                  std::span<const float> values) {
-    remaining[i] -= values.size();
+                  std::span<const std::byte> bytes) {
+    const ckpt::ArrayShape shape = ckpt::array_shape(h, h.params[i], static_cast<std::uint32_t>(a));
+    remaining[i] -= bytes.size() / shape.width;
     const bool last = remaining[i] == 0;
+    if (h.params[i].q8 && shape.slot >= 0) {  // an 8-bit slot's codes or maxima (mode full)
+      m.do_import_q8_range(i, static_cast<std::size_t>(shape.slot), shape.absmax,
+                           static_cast<std::size_t>(offset), bytes);
+      if (last) {  // the step counter, once every array is in
+        const std::span<const float> none[1 + kMaxOptimizerSlots];
+        m.do_import_range(i, 0, std::span(none, 1 + m.state_slots()), h.params[i].step, true);
+      }
+      return;
+    }
+    const std::span<const float> values(reinterpret_cast<const float*>(bytes.data()),
+                                        bytes.size() / sizeof(float));
     if (ranges) {
       std::span<const float> in[1 + kMaxOptimizerSlots];
       in[a] = values;
-      m.do_import_range(i, static_cast<std::size_t>(offset), std::span(in, arrays),
+      m.do_import_range(i, static_cast<std::size_t>(offset), std::span(in, 1 + m.state_slots()),
                         h.params[i].step, last);
       return;
     }
     std::vector<std::vector<float>>& whole = gathered[i];
-    whole.resize(arrays);
+    whole.resize(1 + m.state_slots());
     whole[a].resize(static_cast<std::size_t>(h.params[i].numel));
     std::copy(values.begin(), values.end(), whole[a].begin() + static_cast<std::ptrdiff_t>(offset));
     if (last) {
@@ -266,14 +289,16 @@ void GradientManager::load_checkpoint(const std::string& path) {
   };
   try {
     for (std::size_t i = 0; i < h.params.size(); ++i) {
-      remaining[i] = h.params[i].numel * arrays;
+      remaining[i] = 0;
+      for (std::uint32_t a = 0; a < arrays; ++a)
+        remaining[i] += ckpt::array_shape(h, h.params[i], a).elements;
       if (remaining[i] != 0) continue;
       // No elements: the step counter alone.
       if (ranges) {
         const std::span<const float> none[1 + kMaxOptimizerSlots];
-        m.do_import_range(i, 0, std::span(none, arrays), h.params[i].step, true);
+        m.do_import_range(i, 0, std::span(none, 1 + m.state_slots()), h.params[i].step, true);
       } else {
-        import_whole(i, std::vector<std::vector<float>>(arrays));
+        import_whole(i, std::vector<std::vector<float>>(1 + m.state_slots()));
       }
     }
     ckpt::import_pass(file, verified, path, take);

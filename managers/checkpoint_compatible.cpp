@@ -95,6 +95,9 @@ void check_compatible(const Header& file, const Header& mine, const std::string&
               to_string(m.numel), path);
     if (f.group != m.group)
       differs(bad, indexed("params", i, "group"), to_string(f.group), to_string(m.group), path);
+    if (f.q8 != m.q8)  // a state's storage is kept as saved: never requantized or widened
+      differs(bad, indexed("params", i, "state"), f.q8 ? "8-bit slots" : "f32 slots",
+              m.q8 ? "8-bit slots (q8_state)" : "f32 slots", path);
   }
 }
 

@@ -6,7 +6,8 @@
 // offsets, checksums) before anything is handed to the manager: by File, which holds the
 // whole file, or by the streamed load's two passes (verify, then import_pass), which hold
 // a few pieces of it (managers/checkpoint_buffers.hpp). Version 1 files (AdamW or
-// SignSGD, the optimizer as a number) are read as their version 2 equivalent. The layout
+// SignSGD, the optimizer as a number) are read as their version 2 equivalent; version 2
+// files have no 8-bit state (version 3 records each parameter's, and its arrays). The layout
 // and the records are managers/checkpoint_format.hpp's; save is checkpoint_writer.cpp,
 // parse checkpoint_parser.cpp, File and the streamed passes checkpoint_reader.cpp,
 // check_compatible
@@ -30,9 +31,10 @@ class FileReader;
 
 namespace stepcore::detail::checkpoint {
 
-/// Supplies array `a` (0 master, 1 + s slot s) of parameter `i`: numel floats, valid
-/// until the next call (a view of host state, or a copy the source owns).
-using ArraySource = std::function<std::span<const float>(std::size_t i, std::size_t a)>;
+/// Supplies array `a` of parameter `i` (array_shape: 0 the master, then the slots, then
+/// version 3's block maxima) as its bytes: elements × width, valid until the next call (a
+/// view of host state, or a copy the source owns).
+using ArraySource = std::function<std::span<const std::byte>(std::size_t i, std::size_t a)>;
 
 /// Writes `header` and the arrays `source` supplies (params in order, arrays in order) to
 /// `path`, atomically: a temporary file in the same directory, written in full (short
@@ -47,10 +49,10 @@ using ArraySource = std::function<std::span<const float>(std::size_t i, std::siz
 /// removed and `path` is untouched).
 void save(const std::string& path, const Header& header, const ArraySource& source);
 
-/// Supplies elements [offset, offset + count) of array `a` of parameter `i`: count floats,
-/// valid until the next call.
-using RangeSource = std::function<std::span<const float>(std::size_t i, std::size_t a,
-                                                         std::size_t offset, std::size_t count)>;
+/// Supplies elements [offset, offset + count) of array `a` of parameter `i`: count × width
+/// bytes (array_shape), valid until the next call.
+using RangeSource = std::function<std::span<const std::byte>(
+    std::size_t i, std::size_t a, std::size_t offset, std::size_t count)>;
 
 /// save, with each array asked for in ranges of at most `range_elements` floats (> 0), in
 /// order: what a source that copies state out uses to bound its buffers. A span of the
@@ -74,8 +76,11 @@ class File {
   File& operator=(File&&) noexcept;
 
   const Header& header() const noexcept;
-  /// Returns array `a` of parameter `i` (numel floats; a < header().arrays()).
+  /// Returns array `a` of parameter `i` (a < header().arrays()) as f32 values (array_shape's
+  /// elements; an array of codes is Errc::invalid_argument naming "a").
   std::span<const float> array(std::size_t i, std::size_t a) const;
+  /// Returns array `a` of parameter `i` as its bytes (array_shape's elements × width).
+  std::span<const std::byte> bytes(std::size_t i, std::size_t a) const;
   /// Returns true when open's value scan found array `a` of parameter `i` free of NaN and
   /// Inf (and, for a slot that is never negative — slot_non_negative — of values below
   /// -0); false when it found one, or when open was not asked to scan.
@@ -173,9 +178,10 @@ struct Verified {
 /// read whole (its size is the file's metadata, not its state).
 Verified verify(const ByteSource& file, const std::string& name);
 
-/// Receives elements [offset, offset + values.size()) of array `a` of parameter `i`.
+/// Receives elements [offset, offset + n) of array `a` of parameter `i` as their bytes
+/// (n × the array's width, array_shape).
 using RangeSink = std::function<void(std::size_t i, std::size_t a, std::uint64_t offset,
-                                     std::span<const float> values)>;
+                                     std::span<const std::byte> values)>;
 
 /// The importing pass: reads `file` again in pieces, as verify does, and hands every
 /// array's values to `take` in the file's order, the values of each block only once that
@@ -192,7 +198,8 @@ void import_pass(const ByteSource& file, const Verified& verified, const std::st
 /// in both with the same bits ("checkpoint.hyper.<name>"); the same groups (count, names,
 /// betas and eps; lr and weight decay may differ: they are the schedule's state and are
 /// restored); the same rank, world size and layout fingerprint; the same parameters
-/// (count, and each one's name, numel and group). The error names the first difference,
+/// (count, and each one's name, numel, group and state: 8-bit or f32 slots). The error
+/// names the first difference,
 /// e.g. Errc::invalid_argument naming "checkpoint.params[3].name" with "'w2' in <path>,
 /// 'w3' in this manager"; differing sizes are Errc::size_mismatch.
 void check_compatible(const Header& file, const Header& mine, const std::string& path);

@@ -11,14 +11,19 @@
 #include <string>
 #include <vector>
 
+#include "stepcore/optim.hpp"  // kQ8BlockSize
+
 namespace stepcore::detail::checkpoint {
 
 static_assert(std::endian::native == std::endian::little,
               "the payload's floats are written and mapped as little-endian bytes");
 static_assert(sizeof(float) == 4 && std::numeric_limits<float>::is_iec559);
 
-/// The format version this build writes; it reads this one and kFormatVersion1.
-inline constexpr std::uint32_t kFormatVersion = 2;
+/// The format version this build writes; it reads this one, kFormatVersion2 and
+/// kFormatVersion1.
+inline constexpr std::uint32_t kFormatVersion = 3;
+/// The version before 8-bit state: every parameter's arrays are the master and its f32 slots.
+inline constexpr std::uint32_t kFormatVersion2 = 2;
 /// The first version: AdamW (optimizer 0, 3 arrays) or SignSGD (1, 1 array) only.
 inline constexpr std::uint32_t kFormatVersion1 = 1;
 
@@ -51,6 +56,8 @@ struct ParamRecord {
   std::uint64_t numel = 0;
   std::uint32_t group = 0;  ///< index into Header::groups
   float step = 0.0f;        ///< step counter (0 for an optimizer without one)
+  /// Version 3: its state slots are block-wise 8-bit (codes and block maxima arrays).
+  bool q8 = false;
 };
 
 /// One fixed hyper-parameter of the optimizer (a field of its configuration as a double).
@@ -75,9 +82,40 @@ struct Header {
   std::string library_version;  ///< informational
   std::vector<GroupRecord> groups;
   std::vector<ParamRecord> params;
-  /// f32 arrays per parameter: the master and each slot.
-  std::uint32_t arrays() const noexcept { return 1 + static_cast<std::uint32_t>(slots.size()); }
+  /// Arrays per parameter: the master and each slot; version 3 adds each slot's block
+  /// maxima (empty for a parameter whose slots are f32). array_shape says what each holds.
+  std::uint32_t arrays() const noexcept {
+    return 1 + (version >= kFormatVersion ? 2 : 1) * static_cast<std::uint32_t>(slots.size());
+  }
 };
+
+/// What array `a` of a parameter holds: `elements` values of `width` bytes (4: f32, 1: the
+/// codes of an 8-bit slot), the slot it belongs to (-1: the master), and whether it is the
+/// slot's block maxima. Version 3: arrays 1..Z are the slots (f32 values, or an 8-bit
+/// parameter's codes), arrays Z+1..2Z their block maxima (an 8-bit parameter's
+/// ceil(numel / 256) f32 values, else none).
+struct ArrayShape {
+  std::uint64_t elements = 0;
+  std::uint32_t width = 4;
+  int slot = -1;
+  bool absmax = false;
+  std::uint64_t bytes() const noexcept { return elements * width; }
+};
+inline ArrayShape array_shape(const Header& h, const ParamRecord& p, std::uint32_t a) {
+  const auto z = static_cast<std::uint32_t>(h.slots.size());
+  if (a == 0) return {p.numel, 4, -1, false};
+  if (a <= z) return {p.numel, p.q8 ? 1u : 4u, static_cast<int>(a - 1), false};
+  const std::uint64_t blocks = (p.numel + kQ8BlockSize - 1) / kQ8BlockSize;
+  return {p.q8 ? blocks : 0, 4, static_cast<int>(a - 1 - z), true};
+}
+/// The array's name in messages: "master", the slot's name, "<slot>.codes" (an 8-bit
+/// parameter's codes) or "<slot>.absmax".
+inline std::string array_name(const Header& h, const ParamRecord& p, std::uint32_t a) {
+  const ArrayShape s = array_shape(h, p, a);
+  if (s.slot < 0) return "master";
+  const std::string& slot = h.slots[static_cast<std::size_t>(s.slot)];
+  return s.absmax ? slot + ".absmax" : p.q8 ? slot + ".codes" : slot;
+}
 
 // ---- the little-endian encoding ---------------------------------------------------------
 

@@ -1,6 +1,6 @@
 // checkpoint::parse and its parts (managers/checkpoint_file.hpp): a pure function of the
 // file's bytes that verifies the preamble (magic, version, lengths, checksums), then
-// reads the binary header front to back, version 1 or 2, checking every count, length and
+// reads the binary header front to back, version 1, 2 or 3, checking every count, length and
 // offset against the bytes left and the payload before anything is reserved or returned.
 #include <algorithm>
 #include <cinttypes>
@@ -21,9 +21,14 @@ namespace {
 /// Bytes in the binary header of the smallest group and parameter records: what a
 /// count must fit in before anything is reserved for it.
 constexpr std::uint64_t kMinGroupRecordBytes = 4 + 5 * 8;
-constexpr std::uint64_t min_param_record_bytes(std::uint32_t arrays) {
-  return 4 + 8 + 4 + 4 + std::uint64_t{8} * arrays;
+constexpr std::uint64_t min_param_record_bytes(std::uint32_t arrays, std::uint32_t version) {
+  return 4 + 8 + 4 + 4 + (version >= kFormatVersion ? 4 : 0) + std::uint64_t{8} * arrays;
 }
+
+// The versions this build reads, for messages.
+const std::string kReadableVersions = std::to_string(kFormatVersion1) + ", " +
+                                      std::to_string(kFormatVersion2) + " and " +
+                                      std::to_string(kFormatVersion);
 
 std::string hex32(std::uint32_t v) {
   char buf[16];
@@ -155,11 +160,11 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   h.version = version;
   if (version == kFormatVersion1)
     read_v1_prefix(r, h, name);
-  else if (version == kFormatVersion)
-    read_v2_prefix(r, h, name);
+  else if (version == kFormatVersion2 || version == kFormatVersion)
+    read_v2_prefix(r, h, name);  // version 3 differs from 2 only in its parameter records
   else
     corrupt(name, "format version " + std::to_string(version) + ", this build reads " +
-                      std::to_string(kFormatVersion1) + " and " + std::to_string(kFormatVersion));
+                      kReadableVersions);
   const std::uint32_t arrays = h.arrays();
   if (h.world_size < 1 || h.rank < 0 || h.rank >= h.world_size)
     corrupt(name, "the header says rank " + std::to_string(h.rank) + " of world size " +
@@ -182,7 +187,7 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   }
 
   const std::uint32_t param_count = r.u32("", 0, "parameter count");
-  if (param_count > kMaxRecords || param_count * min_param_record_bytes(arrays) > r.left())
+  if (param_count > kMaxRecords || param_count * min_param_record_bytes(arrays, version) > r.left())
     corrupt(name, "the header says " + std::to_string(param_count) +
                       " parameters, more than its remaining " + std::to_string(r.left()) +
                       " bytes can hold (or than the limit of " + std::to_string(kMaxRecords) + ")");
@@ -194,14 +199,22 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
     p.numel = r.u64("params", i, "numel");
     p.group = r.u32("params", i, "group");
     p.step = std::bit_cast<float>(r.u32("params", i, "step"));
+    if (version >= kFormatVersion) {  // its state: 0 f32 slots, 1 8-bit slots
+      const std::uint32_t state = r.u32("params", i, "state");
+      if (state > 1 || (state == 1 && h.slots.empty()))
+        corrupt(name, indexed("params", i, "state") + " is " + std::to_string(state) +
+                          (state > 1 ? ": 0 (f32 slots) or 1 (8-bit slots)"
+                                     : ": 8-bit slots, but the optimizer has no slots"));
+      p.q8 = state == 1;
+    }
     if (p.group >= group_count)
       corrupt(name, indexed("params", i, "group") + " is " + std::to_string(p.group) +
                         ", but the " + "file has " + std::to_string(group_count) + " groups");
     if (p.numel > std::numeric_limits<std::uint64_t>::max() / 4)
       corrupt(name, indexed("params", i, "numel") + " is " + std::to_string(p.numel) +
                         ": its bytes overflow 64 bits");
-    const std::uint64_t bytes = p.numel * 4;
     for (std::uint32_t a = 0; a < arrays; ++a) {
+      const std::uint64_t bytes = array_shape(h, p, a).bytes();
       const std::uint64_t offset = r.u64("params", i, "array offset");
       const std::string array = indexed("params", i, "") + " array " + std::to_string(a);
       if (offset % kPayloadAlignment != 0)
@@ -237,7 +250,8 @@ ParsedFile parse_header(std::span<const std::byte> header_bytes, std::uint64_t p
   std::vector<Extent> extents;
   extents.reserve(out.array_offsets.size());
   for (std::size_t k = 0; k < out.array_offsets.size(); ++k) {
-    const std::uint64_t bytes = h.params[k / arrays].numel * 4;
+    const std::uint64_t bytes =
+        array_shape(h, h.params[k / arrays], static_cast<std::uint32_t>(k % arrays)).bytes();
     if (bytes > 0) extents.push_back({out.array_offsets[k], out.array_offsets[k] + bytes, k});
   }
   std::sort(extents.begin(), extents.end(), [](const Extent& x, const Extent& y) {
@@ -269,9 +283,10 @@ ParsedFile parse_prefix(std::span<const std::byte> prefix, std::uint64_t size,
   if (std::memcmp(prefix.data(), kMagic, sizeof kMagic) != 0)
     corrupt(name, "not a stepcore checkpoint (the magic is not \"STEPCKPT\")");
   const Preamble pre = decode_preamble(prefix.data());
-  if (pre.version != kFormatVersion && pre.version != kFormatVersion1)
+  if (pre.version != kFormatVersion && pre.version != kFormatVersion2 &&
+      pre.version != kFormatVersion1)
     corrupt(name, "format version " + std::to_string(pre.version) + ", this build reads " +
-                      std::to_string(kFormatVersion1) + " and " + std::to_string(kFormatVersion));
+                      kReadableVersions);
   if (pre.reserved != 0)
     corrupt(name, "the reserved preamble field is " + hex32(pre.reserved) + ", not 0");
 

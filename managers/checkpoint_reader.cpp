@@ -78,7 +78,8 @@ bool values_clean(const std::uint32_t* words, std::size_t n, bool non_negative) 
 struct Extent {
   std::uint64_t begin, end;  // payload offsets
   std::size_t index;         // i * arrays + a
-  bool non_negative;         // a slot that is never negative
+  bool non_negative;         // a slot that is never negative, or block maxima
+  std::uint32_t width;       // bytes per element: 4 (f32, scanned), 1 (codes: any byte)
 };
 
 /// The file's non-empty arrays, sorted by where they start (parse checked that no two
@@ -88,11 +89,15 @@ std::vector<Extent> extents_of(const ParsedFile& parsed) {
   const std::uint32_t arrays = h.arrays();
   std::vector<Extent> extents;
   for (std::size_t k = 0; k < parsed.array_offsets.size(); ++k) {
-    const std::uint64_t bytes = h.params[k / arrays].numel * 4;
-    const std::size_t a = k % arrays;
-    if (bytes > 0)
-      extents.push_back({parsed.array_offsets[k], parsed.array_offsets[k] + bytes, k,
-                         a != 0 && slot_non_negative(h.optimizer, h.slots[a - 1])});
+    const ArrayShape shape =
+        array_shape(h, h.params[k / arrays], static_cast<std::uint32_t>(k % arrays));
+    const bool non_negative =
+        shape.absmax ||
+        (shape.slot >= 0 &&
+         slot_non_negative(h.optimizer, h.slots[static_cast<std::size_t>(shape.slot)]));
+    if (shape.bytes() > 0)
+      extents.push_back({parsed.array_offsets[k], parsed.array_offsets[k] + shape.bytes(), k,
+                         non_negative, shape.width});
   }
   std::sort(extents.begin(), extents.end(),
             [](const Extent& x, const Extent& y) { return x.begin < y.begin; });
@@ -101,7 +106,7 @@ std::vector<Extent> extents_of(const ParsedFile& parsed) {
 
 /// Calls fn(extent, b, e) for each array's part [b, e) in payload bytes [from, to), in
 /// order. Arrays start at multiples of 64 and pieces at multiples of 4 from the 64-aligned
-/// payload start: b and e bound whole floats.
+/// payload start: b and e bound whole floats (of an f32 array).
 template <class Fn>
 void for_each_part(const std::vector<Extent>& extents, std::uint64_t from, std::uint64_t to,
                    Fn&& fn) {
@@ -184,6 +189,7 @@ class PayloadReader {
   /// Scans the values of the arrays in payload bytes [from, to).
   void scan(std::uint64_t from, std::uint64_t to) noexcept {
     for_each_part(extents_, from, to, [&](const Extent& x, std::uint64_t b, std::uint64_t e) {
+      if (x.width != 4) return;                  // codes: every byte is a code
       const std::byte* p = bytes_ + start_ + b;  // in the page-aligned buffer
       if (!values_clean(reinterpret_cast<const std::uint32_t*>(p), (e - b) / 4, x.non_negative))
         std::atomic_ref<unsigned char>((*clean_)[x.index]).store(0, std::memory_order_relaxed);
@@ -261,7 +267,7 @@ bool File::values_clean(std::size_t i, std::size_t a) const noexcept {
 
 const Header& File::header() const noexcept { return impl_->parsed.header; }
 
-std::span<const float> File::array(std::size_t i, std::size_t a) const {
+std::span<const std::byte> File::bytes(std::size_t i, std::size_t a) const {
   const Header& h = impl_->parsed.header;
   if (i >= h.params.size())
     throw Error(Errc::out_of_range, "i",
@@ -273,7 +279,18 @@ std::span<const float> File::array(std::size_t i, std::size_t a) const {
                     std::to_string(h.arrays()));
   const std::byte* base =
       impl_->bytes + impl_->parsed.payload_start + impl_->parsed.array_offsets[i * h.arrays() + a];
-  return {reinterpret_cast<const float*>(base), static_cast<std::size_t>(h.params[i].numel)};
+  return {base, static_cast<std::size_t>(
+                    array_shape(h, h.params[i], static_cast<std::uint32_t>(a)).bytes())};
+}
+
+std::span<const float> File::array(std::size_t i, std::size_t a) const {
+  const std::span<const std::byte> b = bytes(i, a);
+  const Header& h = impl_->parsed.header;
+  if (array_shape(h, h.params[i], static_cast<std::uint32_t>(a)).width != 4)
+    throw Error(Errc::invalid_argument, "a",
+                "checkpoint::File::array: array " + std::to_string(a) + " of parameter " +
+                    std::to_string(i) + " holds 8-bit codes (File::bytes reads it)");
+  return {reinterpret_cast<const float*>(b.data()), b.size() / 4};
 }
 
 // ---- the streamed load ------------------------------------------------------------------
@@ -458,7 +475,7 @@ Verified verify(const ByteSource& file, const std::string& name) {
       const std::uint64_t from = at - start + step;
       for_each_part(extents, from, from + part.size(),
                     [&](const Extent& x, std::uint64_t b, std::uint64_t e) {
-                      if (v.first_bad[x.index] != Verified::kClean) return;
+                      if (v.first_bad[x.index] != Verified::kClean || x.width != 4) return;
                       const auto* words =
                           reinterpret_cast<const std::uint32_t*>(part.data() + (b - from));
                       const std::size_t n = static_cast<std::size_t>(e - b) / 4;
@@ -501,12 +518,11 @@ void import_pass(const ByteSource& file, const Verified& v, const std::string& n
       changed(name, "payload block " + std::to_string(k) + " (file bytes [" + std::to_string(at) +
                         ", " + std::to_string(at + piece.size()) + "))");
     const std::uint64_t from = at - start;
-    for_each_part(extents, from, from + piece.size(),
-                  [&](const Extent& x, std::uint64_t b, std::uint64_t e) {
-                    const auto* values = reinterpret_cast<const float*>(piece.data() + (b - from));
-                    take(x.index / arrays, x.index % arrays, (b - x.begin) / 4,
-                         {values, static_cast<std::size_t>(e - b) / 4});
-                  });
+    for_each_part(
+        extents, from, from + piece.size(), [&](const Extent& x, std::uint64_t b, std::uint64_t e) {
+          take(x.index / arrays, x.index % arrays, (b - x.begin) / x.width,
+               piece.subspan(static_cast<std::size_t>(b - from), static_cast<std::size_t>(e - b)));
+        });
   }
 }
 

@@ -117,6 +117,8 @@ Encoded validate_and_encode(const Header& h) {
                                                        std::to_string(h.groups.size()) + " groups");
     if (p.numel > std::numeric_limits<std::uint64_t>::max() / 4)
       refuse(indexed("header.params", i, "numel"), "is too large for a file");
+    if (p.q8 && h.slots.empty())
+      refuse(indexed("header.params", i, "q8"), "8-bit slots, but the optimizer has no slots");
     const auto [it, inserted] = seen.emplace(p.name, i);
     if (!inserted)
       refuse(indexed("header.params", i, "name"),
@@ -157,9 +159,11 @@ Encoded validate_and_encode(const Header& h) {
     put_u64(out, p.numel);
     put_u32(out, p.group);
     put_u32(out, std::bit_cast<std::uint32_t>(p.step));
+    put_u32(out, p.q8 ? 1 : 0);  // its state: f32 or 8-bit slots
     for (std::uint32_t a = 0; a < arrays; ++a) {
       std::uint64_t offset;
-      if (!align_up(cursor, &offset) || __builtin_add_overflow(offset, p.numel * 4, &cursor))
+      if (!align_up(cursor, &offset) ||
+          __builtin_add_overflow(offset, array_shape(h, p, a).bytes(), &cursor))
         refuse("header.params", "add up to more bytes than a file can hold");
       put_u64(out, offset);
       e.offsets.push_back(offset);
@@ -283,8 +287,6 @@ std::string directory_of(const std::string& path) {
   return path.substr(0, slash);
 }
 
-std::span<const std::byte> bytes_of(std::span<const float> floats) { return std::as_bytes(floats); }
-
 /// The payload's CRC-32C folded on a helper thread while the calling thread writes: add()
 /// hands over a span (large ones to the helper, small ones folded at once, in order),
 /// wait() returns once every span handed over is folded (the caller may then reuse them).
@@ -372,7 +374,7 @@ void save(const std::string& path, const Header& header, const ArraySource& sour
   if (!source) refuse("source", "is empty");
   // Each array whole: the source's span as it gives it (its size checked by the writer).
   const RangeSource whole = [&](std::size_t i, std::size_t a, std::size_t,
-                                std::size_t) -> std::span<const float> { return source(i, a); };
+                                std::size_t) -> std::span<const std::byte> { return source(i, a); };
   save(path, header, whole, std::numeric_limits<std::size_t>::max());
 }
 
@@ -403,8 +405,9 @@ void save(const std::string& path, const Header& header, const RangeSource& sour
   BackgroundCrc payload_crc;
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < header.params.size(); ++i) {
-    const auto numel = static_cast<std::size_t>(header.params[i].numel);
     for (std::uint32_t a = 0; a < header.arrays(); ++a) {
+      const ArrayShape shape = array_shape(header, header.params[i], a);
+      const auto numel = static_cast<std::size_t>(shape.elements);
       const std::uint64_t offset = e.offsets[i * header.arrays() + a];
       const std::size_t pad = static_cast<std::size_t>(offset - cursor);
       payload_crc.add(std::span<const std::byte>(kZeros, pad));
@@ -414,22 +417,23 @@ void save(const std::string& path, const Header& header, const RangeSource& sour
       do {
         const std::size_t count = std::min(range_elements, numel - at);
         payload_crc.wait();
-        const std::span<const float> values = source(i, a, at, count);
-        if (values.size() != count || (count > 0 && values.data() == nullptr))
+        const std::span<const std::byte> values = source(i, a, at, count);
+        if (values.size() != count * shape.width || (count > 0 && values.data() == nullptr))
           throw Error(
               Errc::invalid_argument, "source",
               "checkpoint::save: source(" + std::to_string(i) + ", " + std::to_string(a) +
                   (count == numel ? "" : ", " + std::to_string(at)) + ") gave " +
-                  std::to_string(values.size()) + " floats" +
+                  std::to_string(values.size()) + " bytes" +
                   (values.data() == nullptr ? " at a null pointer" : "") + "; " +
-                  (count == numel ? "parameter " + quoted(header.params[i].name) + " has "
+                  (count == numel ? "array " + array_name(header, header.params[i], a) + " of " +
+                                        quoted(header.params[i].name) + " has "
                                   : "the range of " + quoted(header.params[i].name) + " has ") +
-                  std::to_string(count));
-        payload_crc.add(bytes_of(values));
-        file.append(bytes_of(values));
+                  std::to_string(count * shape.width));
+        payload_crc.add(values);
+        file.append(values);
         at += count;
       } while (at < numel);
-      cursor = offset + std::uint64_t{numel} * 4;
+      cursor = offset + shape.bytes();
     }
   }
   pre.payload_crc = payload_crc.value();

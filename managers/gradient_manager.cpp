@@ -221,6 +221,11 @@ void ManagerImpl::do_import_range(std::size_t, std::size_t, Arrays<const float>,
               std::string(offload_mode_name(mode())) + ": import of a range not implemented");
 }
 
+void ManagerImpl::do_import_q8_range(std::size_t, std::size_t, bool, std::size_t,
+                                     std::span<const std::byte>) {
+  throw Error(Errc::internal, "do_import_q8_range", "this mode keeps no 8-bit state");
+}
+
 void ManagerImpl::do_read_range(std::size_t, std::size_t, Arrays<float>) {
   throw Error(Errc::internal, "mode",
               std::string(offload_mode_name(mode())) + ": read of a range not implemented");

@@ -84,6 +84,12 @@ class ManagerImpl {
   /// bounded range at a time, when do_imports_ranges(); the default throws Errc::internal.
   virtual void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays,
                                float step, bool last);
+  /// Sets a range of parameter i's 8-bit slot s from `bytes` (validated): its codes from
+  /// element `offset`, or (`absmax`) its block maxima from block `offset`. What a checkpoint
+  /// load imports 8-bit state through (do_import_range then sets the step counter); the
+  /// default throws Errc::internal (modes without 8-bit state).
+  virtual void do_import_q8_range(std::size_t i, std::size_t s, bool absmax, std::size_t offset,
+                                  std::span<const std::byte> bytes);
   /// Returns true when the mode implements do_import_range (a load otherwise imports
   /// each parameter whole, through do_import_parameter).
   virtual bool do_imports_ranges() const noexcept { return false; }

@@ -249,6 +249,17 @@ void OffloadGradientManager::do_import_range(std::size_t i, std::size_t offset,
   }
 }
 
+void OffloadGradientManager::do_import_q8_range(std::size_t i, std::size_t s, bool absmax,
+                                                std::size_t offset,
+                                                std::span<const std::byte> bytes) {
+  drain();
+  const Q8Slot& q = params_[i].q8[s];
+  if (absmax)
+    std::memcpy(q.absmax + offset, bytes.data(), bytes.size());
+  else
+    std::memcpy(q.codes + offset, bytes.data(), bytes.size());
+}
+
 ConstTensorView OffloadGradientManager::do_compute_weights(std::size_t i) const {
   raise_if_failed();
   return params_[i].compute;

@@ -71,6 +71,8 @@ class OffloadGradientManager final : public ManagerImpl {
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8, float step) override;
   void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
                        bool last) override;
+  void do_import_q8_range(std::size_t i, std::size_t s, bool absmax, std::size_t offset,
+                          std::span<const std::byte> bytes) override;
   bool do_imports_ranges() const noexcept override { return true; }
   void do_begin_step() override;
   void do_begin_backward(bool final_backward, bool first_backward) override;

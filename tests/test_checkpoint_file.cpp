@@ -97,9 +97,12 @@ float from_bits(std::uint32_t bits) { return std::bit_cast<float>(bits); }
 /// Arrays [param][array] and the source save reads them from.
 using Arrays = std::vector<std::vector<std::vector<float>>>;
 
-ckpt::ArraySource source_of(const Arrays& arrays) {
-  return [&arrays](std::size_t i, std::size_t a) -> std::span<const float> {
-    return arrays.at(i).at(a);
+/// (An array of 8-bit codes is held in the first bytes of its floats: `h` gives its size.)
+ckpt::ArraySource source_of(const Arrays& arrays, const ckpt::Header* h = nullptr) {
+  return [&arrays, h](std::size_t i, std::size_t a) -> std::span<const std::byte> {
+    const std::span<const std::byte> b = std::as_bytes(std::span<const float>(arrays.at(i).at(a)));
+    return h ? b.first(ckpt::array_shape(*h, h->params[i], static_cast<std::uint32_t>(a)).bytes())
+             : b;
   };
 }
 
@@ -121,7 +124,8 @@ Arrays make_arrays(const ckpt::Header& h, std::uint32_t seed = 7) {
     out[i].resize(h.arrays());
     for (std::uint32_t a = 0; a < h.arrays(); ++a) {
       std::vector<float>& v = out[i][a];
-      v.resize(h.params[i].numel);
+      const ckpt::ArrayShape shape = ckpt::array_shape(h, h.params[i], a);
+      v.resize((shape.bytes() + 3) / 4);  // codes: random bytes in the first shape.bytes()
       for (std::size_t k = 0; k < v.size(); ++k)
         v[k] = k < std::size(kSpecial) && (i + a) % 2 == 0
                    ? from_bits(kSpecial[k])
@@ -200,8 +204,11 @@ void expect_same_header(const ckpt::Header& got, const ckpt::Header& want) {
     EXPECT_EQ(std::bit_cast<std::uint32_t>(got.params[i].step),
               std::bit_cast<std::uint32_t>(want.params[i].step))
         << i;
+    EXPECT_EQ(got.params[i].q8, want.params[i].q8) << i;
   }
 }
+
+std::uint64_t array_bytes(const ckpt::Header& h, const ckpt::ParamRecord& p, std::uint32_t a);
 
 /// The file at `path` opens and holds `h` and `arrays`, bit for bit.
 void expect_loads(const std::string& path, const ckpt::Header& h, const Arrays& arrays) {
@@ -209,11 +216,15 @@ void expect_loads(const std::string& path, const ckpt::Header& h, const Arrays& 
   expect_same_header(f.header(), h);
   for (std::size_t i = 0; i < h.params.size(); ++i)
     for (std::uint32_t a = 0; a < h.arrays(); ++a) {
-      const std::span<const float> got = f.array(i, a);
-      ASSERT_EQ(got.size(), arrays[i][a].size()) << i << "," << a;
+      // (An 8-bit parameter's codes: the first array_bytes of the floats that hold them.)
+      const std::span<const std::byte> got = f.bytes(i, a);
+      ASSERT_EQ(got.size(), array_bytes(h, h.params[i], a)) << i << "," << a;
+      ASSERT_EQ((got.size() + 3) / 4, arrays[i][a].size()) << i << "," << a;
       EXPECT_EQ(reinterpret_cast<std::uintptr_t>(got.data()) % 64, 0u) << i << "," << a;
-      EXPECT_EQ(got.empty() ? 0 : std::memcmp(got.data(), arrays[i][a].data(), got.size_bytes()), 0)
+      EXPECT_EQ(got.empty() ? 0 : std::memcmp(got.data(), arrays[i][a].data(), got.size()), 0)
           << "param " << i << " array " << a;
+      if (!h.params[i].q8 || a == 0 || a > h.slots.size())
+        EXPECT_EQ(f.array(i, a).size_bytes(), got.size()) << i << "," << a;
     }
 }
 
@@ -254,16 +265,35 @@ void encode_groups(Writer& w, const ckpt::Header& h) {
     w.str(g.name).f64(g.lr).f64(g.weight_decay).f64(g.beta1).f64(g.beta2).f64(g.eps);
 }
 
+/// The arrays per parameter of docs/checkpoint.md: the master and the Z slots, and in
+/// version 3 the slots' block maxima too.
+std::uint32_t arrays_of(const ckpt::Header& h) {
+  const auto z = static_cast<std::uint32_t>(h.slots.size());
+  return 1 + (h.version >= 3 ? 2 * z : z);
+}
+
+/// The bytes of array a of parameter p (docs/checkpoint.md): the master numel f32; a slot
+/// numel f32, or numel code bytes for an 8-bit parameter; a slot's block maxima
+/// ceil(numel / 256) f32 for an 8-bit parameter, else none.
+std::uint64_t array_bytes(const ckpt::Header& h, const ckpt::ParamRecord& p, std::uint32_t a) {
+  const std::uint64_t z = h.slots.size();
+  if (a == 0) return p.numel * 4;
+  if (a <= z) return p.q8 ? p.numel : p.numel * 4;
+  return p.q8 ? (p.numel + 255) / 256 * 4 : 0;
+}
+
 /// The binary header of `h` with the array offsets `offsets` ([i * arrays + a]).
 Bytes encode_header(const ckpt::Header& h, const std::vector<std::uint64_t>& offsets) {
   Writer w;
   encode_top(w, h);
   encode_groups(w, h);
   w.u32(static_cast<std::uint32_t>(h.params.size()));
+  const std::uint32_t arrays = arrays_of(h);
   for (std::size_t i = 0; i < h.params.size(); ++i) {
     const auto& p = h.params[i];
     w.str(p.name).u64(p.numel).u32(p.group).u32(std::bit_cast<std::uint32_t>(p.step));
-    for (std::uint32_t a = 0; a < h.arrays(); ++a) w.u64(offsets.at(i * h.arrays() + a));
+    if (h.version >= 3) w.u32(p.q8 ? 1 : 0);
+    for (std::uint32_t a = 0; a < arrays; ++a) w.u64(offsets.at(i * arrays + a));
   }
   return w.bytes;
 }
@@ -273,10 +303,10 @@ std::vector<std::uint64_t> packed_offsets(const ckpt::Header& h, std::uint64_t* 
   std::vector<std::uint64_t> offsets;
   std::uint64_t cursor = 0;
   for (const auto& p : h.params)
-    for (std::uint32_t a = 0; a < h.arrays(); ++a) {
+    for (std::uint32_t a = 0; a < arrays_of(h); ++a) {
       cursor = (cursor + 63) / 64 * 64;
       offsets.push_back(cursor);
-      cursor += p.numel * 4;
+      cursor += array_bytes(h, p, a);
     }
   *payload_length = cursor;
   return offsets;
@@ -286,7 +316,7 @@ std::vector<std::uint64_t> packed_offsets(const ckpt::Header& h, std::uint64_t* 
 /// header, zero padding to a multiple of 64, payload.
 struct FileParts {
   Bytes header, payload;
-  std::uint32_t version = 2;
+  std::uint32_t version = 3;
   std::uint32_t reserved = 0;
 };
 
@@ -307,13 +337,15 @@ Bytes encode_file(const ckpt::Header& h, const Arrays& arrays) {
   std::uint64_t length = 0;
   const std::vector<std::uint64_t> offsets = packed_offsets(h, &length);
   FileParts parts;
+  parts.version = h.version;
   parts.header = encode_header(h, offsets);
   parts.payload.assign(length, std::byte{0});
+  const std::uint32_t n = arrays_of(h);
   for (std::size_t i = 0; i < h.params.size(); ++i)
-    for (std::uint32_t a = 0; a < h.arrays(); ++a)
-      if (!arrays[i][a].empty())
-        std::memcpy(parts.payload.data() + offsets[i * h.arrays() + a], arrays[i][a].data(),
-                    arrays[i][a].size() * 4);
+    for (std::uint32_t a = 0; a < n; ++a)
+      if (!arrays[i][a].empty())  // (codes: the first bytes of the floats)
+        std::memcpy(parts.payload.data() + offsets[i * n + a], arrays[i][a].data(),
+                    array_bytes(h, h.params[i], a));
   return assemble(parts);
 }
 
@@ -495,8 +527,8 @@ TEST(CheckpointRoundTrip, AFileOfManyPiecesReadOnSeveralThreads) {
   Arrays clean(h.params.size());
   std::mt19937 gen(9);
   for (std::size_t i = 0; i < h.params.size(); ++i)
-    for (std::uint32_t a = 0; a < 3; ++a) {
-      std::vector<float> v(h.params[i].numel);
+    for (std::uint32_t a = 0; a < h.arrays(); ++a) {  // (arrays 3, 4: no block maxima)
+      std::vector<float> v(a < 3 ? h.params[i].numel : 0);
       for (float& x : v) x = static_cast<float>(static_cast<std::int32_t>(gen())) * 1e-9f;
       if (a == 2)
         for (float& x : v) x = std::fabs(x);
@@ -697,11 +729,109 @@ TEST(CheckpointRoundTrip, BytesAreTheDocumentedLayout) {
   }
 }
 
+// ---- format version 3: 8-bit state ----------------------------------------------------------
+
+/// An AdamW header whose parameters `q8` (by index) keep 8-bit slots.
+ckpt::Header q8_header(std::vector<std::uint64_t> numels, std::vector<bool> q8) {
+  ckpt::Header h = adamw_header(std::move(numels));
+  for (std::size_t i = 0; i < h.params.size(); ++i) h.params[i].q8 = q8[i];
+  return h;
+}
+
+TEST(CheckpointV3, EightBitArraysRoundTripInTheDocumentedLayout) {
+  // Codes (one byte per element, any byte) and block maxima (one f32 per block of 256, the
+  // last block shorter) beside f32 parameters, empty ones and an 8-bit parameter of 0.
+  TempDir dir;
+  for (const ckpt::Header& h :
+       {q8_header({600, 5, 0, 257, 256, 1}, {true, false, true, true, true, true}),
+        q8_header({3}, {false})}) {
+    ASSERT_EQ(h.arrays(), 5u);
+    const Arrays arrays = make_arrays(h, 3);
+    ckpt::save(dir.file("f"), h, source_of(arrays, &h));
+    const Bytes saved = read_bytes(dir.file("f"));
+    EXPECT_EQ(saved, encode_file(h, arrays));  // the tests' encoder of docs/checkpoint.md
+    expect_loads(dir.file("f"), h, arrays);
+    const ckpt::ParsedFile parsed = ckpt::parse(saved, "f");
+    expect_same_header(parsed.header, h);
+    std::uint64_t length = 0;
+    EXPECT_EQ(parsed.array_offsets, packed_offsets(h, &length));
+  }
+  // The codes are bytes: File::array refuses them by name; the maxima are f32.
+  const ckpt::Header h = q8_header({601}, {true});
+  const Arrays arrays = make_arrays(h);
+  ckpt::save(dir.file("g"), h, source_of(arrays, &h));
+  const ckpt::File f = ckpt::File::open(dir.file("g"));
+  expect_error([&] { (void)f.array(0, 1); }, Errc::invalid_argument, "a");
+  EXPECT_EQ(f.bytes(0, 1).size(), 601u);
+  EXPECT_EQ(f.array(0, 3).size(), 3u);
+  EXPECT_EQ(f.array(0, 4).size(), 3u);
+  // A source that gives a code array 604 bytes (its floats) for 601 is refused naming it.
+  expect_error([&] { ckpt::save(dir.file("h"), h, source_of(arrays)); }, Errc::invalid_argument,
+               "source");
+}
+
+TEST(CheckpointV3, MaximaAreScannedAndCodesAreNot) {
+  TempDir dir;
+  const ckpt::Header h = q8_header({700, 9}, {true, false});
+  Arrays arrays(2);
+  for (std::size_t i = 0; i < 2; ++i)
+    for (std::uint32_t a = 0; a < h.arrays(); ++a)
+      arrays[i].emplace_back((array_bytes(h, h.params[i], a) + 3) / 4, 0.5f);
+  // Codes of every byte value, among them the patterns of NaN and of negative floats.
+  std::memset(arrays[0][1].data(), 0xFF, 700);
+  arrays[0][4][2] = -1.0f;  // exp_avg_sq's maxima: block 2 negative
+  ckpt::save(dir.file("f"), h, source_of(arrays, &h));
+  const ckpt::File f = ckpt::File::open(dir.file("f"), /*scan_values=*/true);
+  for (std::uint32_t a = 0; a < h.arrays(); ++a) EXPECT_EQ(f.values_clean(0, a), a != 4) << a;
+  arrays[0][4][2] = 0.5f;
+  arrays[0][3][0] = -0.0f;  // -0 is not below -0
+  ckpt::save(dir.file("f"), h, source_of(arrays, &h));
+  EXPECT_TRUE(ckpt::File::open(dir.file("f"), true).values_clean(0, 3));
+}
+
+TEST(CheckpointV3, ABadStateFieldIsCorrupt) {
+  TempDir dir;
+  ckpt::Header h = q8_header({300, 4}, {true, false});
+  const Arrays arrays = make_arrays(h);
+  std::uint64_t length = 0;
+  const std::vector<std::uint64_t> offsets = packed_offsets(h, &length);
+  const Bytes good = encode_file(h, arrays);
+  // The state field of params[1] is the u32 before its offsets, after its step.
+  const Bytes header = encode_header(h, offsets);
+  const std::size_t state_at = header.size() - 5 * 8 - 4;
+  auto with_state = [&](std::uint32_t v) {
+    Bytes hb = header;
+    for (int k = 0; k < 4; ++k)
+      hb[state_at + k] = std::byte(static_cast<std::uint8_t>(v >> (8 * k)));
+    FileParts parts;
+    parts.header = hb;
+    parts.payload.assign(
+        good.begin() + static_cast<std::ptrdiff_t>((40 + header.size() + 63) / 64 * 64),
+        good.end());
+    return assemble(parts);
+  };
+  expect_corrupt(dir, with_state(2), "params[1].state is 2: 0 (f32 slots) or 1 (8-bit slots)");
+  // As 8-bit, params[1]'s maxima arrays (16 bytes each) would need bytes the payload
+  // does not place: refused as overlapping or running past it, never read.
+  expect_corrupt(dir, with_state(1), "");
+  // An optimizer without slots cannot have 8-bit ones.
+  ckpt::Header none = sign_sgd_header({4});
+  none.params[0].q8 = true;
+  expect_error([&] { ckpt::save(dir.file("n"), none, source_of(make_arrays(none))); },
+               Errc::invalid_argument, "header.params[0].q8");
+}
+
 // ---- corrupt files ---------------------------------------------------------------------------
 
 /// A small valid file (AdamW, three parameters) and its parts.
+/// A version 2 file (the parser's checks of the layout are version 3's too; version 3's own
+/// fields have tests of their own below).
 struct Sample {
-  ckpt::Header h = adamw_header({5, 40, 3});
+  ckpt::Header h = [] {
+    ckpt::Header v2 = adamw_header({5, 40, 3});
+    v2.version = ckpt::kFormatVersion2;
+    return v2;
+  }();
   Arrays arrays = make_arrays(h);
   std::uint64_t payload_length = 0;
   std::vector<std::uint64_t> offsets = packed_offsets(h, &payload_length);
@@ -711,6 +841,7 @@ struct Sample {
   /// A file of `header` (valid checksums) with this sample's payload.
   Bytes with_header(const Bytes& header) const {
     FileParts parts;
+    parts.version = h.version;
     parts.header = header;
     parts.payload.assign(bytes.begin() + payload_start(), bytes.end());
     return assemble(parts);
@@ -776,13 +907,16 @@ TEST(CheckpointCorrupt, MagicVersionReserved) {
   b[7] = std::byte{'t'};
   expect_corrupt(dir, b, "magic");
   b = s.bytes;
-  poke_u32(b, 8, 3);
-  expect_corrupt(dir, b, "format version 3, this build reads 1 and 2");
+  poke_u32(b, 8, 4);
+  expect_corrupt(dir, b, "format version 4, this build reads 1, 2 and 3");
   b = s.bytes;
   poke_u32(b, 8, 0);
-  expect_corrupt(dir, b, "format version 0, this build reads 1 and 2");
+  expect_corrupt(dir, b, "format version 0, this build reads 1, 2 and 3");
   b = s.bytes;
   poke_u32(b, 8, 1);  // a version 2 header read as version 1's fields
+  expect_corrupt(dir, b, "");
+  b = s.bytes;
+  poke_u32(b, 8, 3);  // read as version 3's: its parameter records lack the state field
   expect_corrupt(dir, b, "");
   b = s.bytes;
   poke_u32(b, 12, 1);
@@ -1211,7 +1345,7 @@ TEST(CheckpointSave, SourceOfTheWrongSizeRemovesTheTemporaryFile) {
   arrays[1][2].pop_back();
   expect_error([&] { ckpt::save(prev.path, h, source_of(arrays)); }, Errc::invalid_argument,
                "source");
-  const ckpt::ArraySource throwing = [](std::size_t, std::size_t) -> std::span<const float> {
+  const ckpt::ArraySource throwing = [](std::size_t, std::size_t) -> std::span<const std::byte> {
     throw std::runtime_error("device copy failed");
   };
   EXPECT_THROW(ckpt::save(prev.path, h, throwing), std::runtime_error);

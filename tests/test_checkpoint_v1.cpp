@@ -1,9 +1,10 @@
-// Checkpoint format version 1 still loads: the files in tests/data/checkpoint_v1, written by
-// the library before format version 2 existed (its README says how), load into today's
-// managers of every mode that steps their optimizer and give back every bit the saving
-// manager held (tests/data/checkpoint_v1/expected.txt): masters, the exp_avg and
-// exp_avg_sq slots by name, and step counters. A manager configured differently refuses
-// them naming the difference, and the parser reads each as its version 2 equivalent.
+// Checkpoint format versions 1 and 2 still load: the files in tests/data/checkpoint_v1 and
+// tests/data/checkpoint_v2, written by the library before format versions 2 and 3 existed
+// (their READMEs say how), load into today's managers of every mode that steps their
+// optimizer and give back every bit the saving manager held (each directory's
+// expected.txt): masters, the state slots by name, and step counters. A manager configured
+// differently refuses them naming the difference, and the parser reads each as the header
+// that means the same today.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -29,6 +30,7 @@ using namespace stepcore;
 namespace ckpt = stepcore::detail::checkpoint;
 
 const std::string kDir = std::string(STEPCORE_TEST_DATA_DIR) + "/checkpoint_v1/";
+const std::string kDirV2 = std::string(STEPCORE_TEST_DATA_DIR) + "/checkpoint_v2/";
 
 /// expected.txt: per file and parameter, each array's bits (master, exp_avg, exp_avg_sq)
 /// and the step counter's.
@@ -38,8 +40,8 @@ struct Expected {
 };
 using ExpectedFile = std::map<std::size_t, Expected>;
 
-std::map<std::string, ExpectedFile> read_expected() {
-  std::ifstream in(kDir + "expected.txt");
+std::map<std::string, ExpectedFile> read_expected(const std::string& dir = kDir) {
+  std::ifstream in(dir + "expected.txt");
   std::map<std::string, ExpectedFile> out;
   std::string line;
   while (std::getline(in, line)) {
@@ -62,7 +64,8 @@ std::map<std::string, ExpectedFile> read_expected() {
 /// The configuration the files were saved with (tests/data/checkpoint_v1/README.md), in
 /// `mode`; the parameters' sizes `numel` (a rank's halves, or the whole).
 ManagerConfig config_of(OffloadMode mode, device::Device& dev, OptimizerConfig optimizer,
-                        const std::vector<std::size_t>& numel, comm::Communicator* comm) {
+                        const std::vector<std::size_t>& numel, comm::Communicator* comm,
+                        std::uint64_t fingerprint = 0x5EED0001) {
   ManagerConfig c;
   c.mode = mode;
   c.optimizer = optimizer;
@@ -92,7 +95,7 @@ ManagerConfig config_of(OffloadMode mode, device::Device& dev, OptimizerConfig o
   c.chunk_elements = 50;
   c.device = &dev;
   c.comm = comm;
-  c.layout_fingerprint = 0x5EED0001;
+  c.layout_fingerprint = fingerprint;
   c.engine.threads = 3;
   return c;
 }
@@ -106,9 +109,10 @@ std::vector<std::size_t> half(int rank) {
 }
 
 /// Loads `file` into a fresh manager of `cfg` and expects every bit of `want`.
-void expect_loads(const ManagerConfig& cfg, const std::string& file, const ExpectedFile& want) {
+void expect_loads(const ManagerConfig& cfg, const std::string& file, const ExpectedFile& want,
+                  const std::string& dir = kDir) {
   auto m = make_gradient_manager(cfg);
-  m->load_checkpoint(kDir + file);
+  m->load_checkpoint(dir + file);
   ASSERT_EQ(want.size(), cfg.params.size()) << file;
   for (std::size_t i = 0; i < cfg.params.size(); ++i) {
     const Expected& e = want.at(i);
@@ -230,6 +234,48 @@ TEST(CheckpointV1, ADifferentOptimizerIsRefusedNamingTheDifference) {
       make_gradient_manager(config_of(OffloadMode::none, *dev, AdamWConfig{}, kWhole, nullptr));
   test_support::expect_error([&] { m->load_checkpoint(kDir + "sign_sgd_optimizer.ckpt"); },
                              Errc::invalid_argument, "checkpoint.optimizer");
+  m->close();
+}
+
+// ---- format version 2 ------------------------------------------------------------------
+
+TEST(CheckpointV2, FilesLoadInEveryModeWithTheirBits) {
+  const auto expected = read_expected(kDirV2);
+  ASSERT_EQ(expected.size(), 3u) << "expected.txt lists the three files";
+  AdamConfig adam;
+  adam.amsgrad = true;
+  SgdConfig sgd;
+  sgd.momentum = 0.9;
+  const std::pair<const char*, OptimizerConfig> files[] = {
+      {"adamw_torch_full.ckpt", adamw(AdamWFormula::torch)},
+      {"adam_amsgrad_none.ckpt", adam},
+      {"sgd_momentum_optimizer.ckpt", sgd}};
+  for (OffloadMode mode : kModes)
+    for (const auto& [file, optimizer] : files) {
+      SCOPED_TRACE(std::string(offload_mode_name(mode)) + " " + file);
+      auto dev = device::make_host_device();
+      expect_loads(config_of(mode, *dev, optimizer, kWhole, nullptr, 0x5EED0002), file,
+                   expected.at(file), kDirV2);
+    }
+}
+
+TEST(CheckpointV2, ParsesWithoutEightBitState) {
+  std::ifstream in(kDirV2 + "adam_amsgrad_none.ckpt", std::ios::binary);
+  const std::vector<char> b{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const ckpt::Header h = ckpt::parse(std::as_bytes(std::span<const char>(b)), "v2").header;
+  EXPECT_EQ(h.version, ckpt::kFormatVersion2);
+  EXPECT_EQ(h.slots, (std::vector<std::string>{"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}));
+  EXPECT_EQ(h.arrays(), 4u);  // the master and the three slots: no block maxima
+  for (const ckpt::ParamRecord& p : h.params) EXPECT_FALSE(p.q8) << p.name;
+  // An 8-bit manager refuses it: its parameters' state is f32 in the file.
+  auto dev = device::make_host_device();
+  ManagerConfig cfg =
+      config_of(OffloadMode::full, *dev, AdamConfig{.amsgrad = true}, kWhole, nullptr, 0x5EED0002);
+  cfg.q8_state = true;
+  cfg.min_8bit_size = 30;
+  auto m = make_gradient_manager(cfg);
+  test_support::expect_error([&] { m->load_checkpoint(kDirV2 + "adam_amsgrad_none.ckpt"); },
+                             Errc::invalid_argument, {"checkpoint.params[0].state"});
   m->close();
 }
 

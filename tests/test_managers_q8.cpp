@@ -6,14 +6,19 @@
 // pieces of a small ring, every ISA with 1 and 3 threads; the state's import, export and
 // host views; the bytes it holds; and its bad input.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <vector>
 
 #include "expect_error.hpp"
 #include "isa_list.hpp"
+#include "managers/checkpoint_file.hpp"
 #include "managers_cases.hpp"
 #include "stepcore/plan.hpp"
 
@@ -22,6 +27,7 @@ namespace {
 using namespace managers_cases;
 using stepcore::testing_support::isas_under_test;
 using test_support::expect_error;
+namespace ckpt = stepcore::detail::checkpoint;
 
 // The magnitudes of the signed map's midpoints between neighbouring codes that are f32
 // values: gradients there put a block's new exp_avg on or next to a tie of the rule.
@@ -376,5 +382,163 @@ TEST(ManagersQ8, MemoryCountsCodesAndMaximaAndThePlanAgrees) {
   for (const MemoryUse& k : after.kinds) EXPECT_EQ(plan.kind(k.kind).peak, k.peak) << k.kind;
   m->close();
 }
+
+// ---- checkpoints ------------------------------------------------------------------------
+
+namespace checkpoints {
+
+std::string temp_path(const char* name) {
+  return (std::filesystem::temp_directory_path() /
+          ("stepcore-q8-" + std::to_string(::getpid()) + "-" + name))
+      .string();
+}
+
+// Runs steps [first, first + steps) of the case's stream through `m`.
+std::vector<StepRecord> run_steps(GradientManager& m, device::Device& dev, const Case& c, int first,
+                                  int steps) {
+  return run_stream(m, dev, stream_options(c, nullptr, first, steps));
+}
+
+TEST(ManagersQ8, ACheckpointResumesOnAnotherIsaAndThreadCountBitForBit) {
+  // Four steps, a save, then a manager of another engine ISA, thread count and ring loads
+  // it and runs the last six: every one equals the reference's uninterrupted run.
+  Case c = q8_case(AdamWConfig{}, AdamWFormula::torchao);
+  c.overlap = true;
+  c.max_norm_of = [](int s) -> std::optional<float> {
+    return s % 3 == 2 ? std::optional<float>(1e-3f) : std::nullopt;
+  };
+  const std::vector<StepRecord> want = run_reference(c);
+  const std::string path = temp_path("resume.stepcore");
+  const std::vector<cpu::Isa> isas = isas_under_test();
+  {
+    auto dev = make_device();
+    Build b;
+    b.mode = OffloadMode::full;
+    b.isa = isas.front();
+    b.threads = 3;
+    auto m = make_manager(b, c, *dev);
+    const auto first = run_steps(*m, *dev, c, 0, 4);
+    expect_same(first, std::vector<StepRecord>(want.begin(), want.begin() + 4), "before the save");
+    m->save_checkpoint(path);
+    m->close();
+  }
+  for (cpu::Isa isa : isas) {
+    auto dev = make_device();
+    Build b;
+    b.mode = OffloadMode::full;
+    b.isa = isa;
+    b.threads = 1;
+    Case other = c;
+    other.ring_slot_elements = 300;  // 512: other pieces
+    auto m = make_manager(b, other, *dev);
+    m->load_checkpoint(path);
+    const auto rest = run_steps(*m, *dev, c, 4, 6);
+    m->close();
+    expect_same(rest, std::vector<StepRecord>(want.begin() + 4, want.end()),
+                std::string("resumed on ") + std::string(cpu::isa_name(isa)));
+  }
+  std::filesystem::remove(path);
+}
+
+// The file of a run of the case, read back (its header and every array's bytes).
+struct Saved {
+  ckpt::Header header;
+  std::vector<std::vector<std::vector<std::byte>>> arrays;  // [param][array]
+};
+Saved save_and_read(const Case& c, const std::string& path) {
+  auto dev = make_device();
+  Build b;
+  b.mode = OffloadMode::full;
+  auto m = make_manager(b, c, *dev);
+  (void)run_steps(*m, *dev, c, 0, 2);
+  m->save_checkpoint(path);
+  m->close();
+  const ckpt::File f = ckpt::File::open(path);
+  Saved s{f.header(), {}};
+  for (std::size_t i = 0; i < s.header.params.size(); ++i) {
+    s.arrays.emplace_back();
+    for (std::size_t a = 0; a < s.header.arrays(); ++a)
+      s.arrays[i].emplace_back(f.bytes(i, a).begin(), f.bytes(i, a).end());
+  }
+  return s;
+}
+
+TEST(ManagersQ8, SpoiledMaximaAndMismatchedStateAreRefusedWithNothingLoaded) {
+  Case c = q8_case(AdamWConfig{});
+  c.sizes = {700, 5};
+  c.min_8bit_size = 256;
+  const std::string path = temp_path("spoiled.stepcore");
+  const Saved saved = save_and_read(c, path);
+  ASSERT_TRUE(saved.header.params[0].q8);
+  ASSERT_FALSE(saved.header.params[1].q8);
+  ASSERT_EQ(saved.header.arrays(), 5u);  // master, exp_avg, exp_avg_sq, their maxima
+  // Each file differs from the saved one in one value, its checksums valid: the load
+  // refuses it naming the array, before anything is imported.
+  struct Spoil {
+    std::size_t array;
+    float value;
+    Errc code;
+    const char* arg;
+  };
+  const Spoil spoils[] = {
+      {3, -1.0f, Errc::invalid_argument, "checkpoint.params[0].exp_avg.absmax"},
+      {4, NAN, Errc::non_finite, "checkpoint.params[0].exp_avg_sq.absmax"},
+      {4, INFINITY, Errc::non_finite, "checkpoint.params[0].exp_avg_sq.absmax"},
+  };
+  auto dev = make_device();
+  Build b;
+  b.mode = OffloadMode::full;
+  for (const Spoil& sp : spoils) {
+    Saved bad = saved;
+    std::memcpy(bad.arrays[0][sp.array].data() + 4, &sp.value, 4);  // block 1
+    const std::string bad_path = temp_path("bad.stepcore");
+    ckpt::save(bad_path, bad.header, [&](std::size_t i, std::size_t a) {
+      return std::span<const std::byte>(bad.arrays[i][a]);
+    });
+    auto m = make_manager(b, c, *dev);
+    std::vector<std::uint8_t> codes(700), after_codes(700);
+    std::vector<float> maxima(3), after_maxima(3);
+    const SlotOut out[] = {{"exp_avg", {}, codes, maxima}};
+    m->read_parameter(0, {}, out, {});
+    expect_error([&] { m->load_checkpoint(bad_path); }, sp.code, {sp.arg});
+    const SlotOut again[] = {{"exp_avg", {}, after_codes, after_maxima}};
+    m->read_parameter(0, {}, again, {});
+    EXPECT_EQ(after_codes, codes) << sp.arg;
+    EXPECT_EQ(after_maxima, maxima) << sp.arg;
+    m->close();
+    std::filesystem::remove(bad_path);
+  }
+  // A flipped code byte: any byte is a code, so the checksum finds it.
+  {
+    std::ifstream in(path, std::ios::binary);
+    std::vector<char> bytes{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    const ckpt::ParsedFile parsed = ckpt::parse(std::as_bytes(std::span<const char>(bytes)), path);
+    bytes[parsed.payload_start + parsed.array_offsets[1] + 9] ^= 0x20;  // exp_avg's codes
+    const std::string flipped = temp_path("flipped.stepcore");
+    std::ofstream(flipped, std::ios::binary)
+        .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    auto m = make_manager(b, c, *dev);
+    expect_error([&] { m->load_checkpoint(flipped); }, Errc::corrupt_file, {"path"});
+    m->close();
+    std::filesystem::remove(flipped);
+  }
+  // The state's storage must agree: 8-bit into f32 and f32 into 8-bit are refused.
+  Case f32 = c;
+  f32.q8 = false;
+  auto m = make_manager(b, f32, *dev);
+  expect_error([&] { m->load_checkpoint(path); }, Errc::invalid_argument,
+               {"checkpoint.params[0].state"});
+  const std::string f32_path = temp_path("f32.stepcore");
+  m->save_checkpoint(f32_path);
+  m->close();
+  auto q = make_manager(b, c, *dev);
+  expect_error([&] { q->load_checkpoint(f32_path); }, Errc::invalid_argument,
+               {"checkpoint.params[0].state"});
+  q->close();
+  std::filesystem::remove(f32_path);
+  std::filesystem::remove(path);
+}
+
+}  // namespace checkpoints
 
 }  // namespace

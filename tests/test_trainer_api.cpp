@@ -820,29 +820,31 @@ TEST(TrainerApi, ValuesAManagerCannotContinueFromAreRefusedAtLoad) {
     t.m->save_checkpoint(good);
   }
   const checkpoint::File f = checkpoint::File::open(good);
+  constexpr std::size_t kStep = 99;  // not an array
   struct Spoil {
     const char* arg;
     Errc code;
-    std::size_t array;  // 0 master, 1 exp_avg, 2 exp_avg_sq, 3: the step counter
+    std::size_t array;  // 0 master, 1 exp_avg, 2 exp_avg_sq, kStep: the step counter
     float value;
   };
   const Spoil spoils[] = {
       {"checkpoint.params[3].master", Errc::non_finite, 0, NAN},
       {"checkpoint.params[3].exp_avg", Errc::non_finite, 1, INFINITY},
       {"checkpoint.params[3].exp_avg_sq", Errc::invalid_argument, 2, -1.0f},
-      {"checkpoint.params[3].step", Errc::invalid_argument, 3, 2.5f},
+      {"checkpoint.params[3].step", Errc::invalid_argument, kStep, 2.5f},
   };
   for (const Spoil& sp : spoils) {
     checkpoint::Header h = f.header();
-    std::vector<float> spoiled(f.array(3, sp.array == 3 ? 0 : sp.array).begin(),
-                               f.array(3, sp.array == 3 ? 0 : sp.array).end());
-    if (sp.array == 3)
+    std::vector<float> spoiled(f.array(3, sp.array == kStep ? 0 : sp.array).begin(),
+                               f.array(3, sp.array == kStep ? 0 : sp.array).end());
+    if (sp.array == kStep)
       h.params[3].step = sp.value;
     else
       spoiled[7] = sp.value;
     const std::string bad = dir.file("bad.stepcore");
-    checkpoint::save(bad, h, [&](std::size_t i, std::size_t a) -> std::span<const float> {
-      return i == 3 && a == sp.array ? std::span<const float>(spoiled) : f.array(i, a);
+    checkpoint::save(bad, h, [&](std::size_t i, std::size_t a) -> std::span<const std::byte> {
+      return i == 3 && a == sp.array ? std::as_bytes(std::span<const float>(spoiled))
+                                     : f.bytes(i, a);
     });
     for (OffloadMode mode : kModes) {
       auto dev = make_device();

@@ -449,10 +449,10 @@ class GradientManager final {
   /// between steps; Errc::io_error naming "path" when the file cannot be written.
   void save_checkpoint(const std::string& path);
   /// Reads a checkpoint written by save_checkpoint in any mode, thread count, ISA or
-  /// device (format version 2, or version 1 of the AdamW/SignSGD-only releases), and
-  /// continues from it bit for bit. Everything is checked first (format, checksums,
-  /// optimizer, its hyper-parameters and slot names, groups, rank, layout, parameter
-  /// names, sizes and values):
+  /// device (format version 3; version 2 of the releases before 8-bit state, or version 1
+  /// of the AdamW/SignSGD-only releases), and continues from it bit for bit. Everything is
+  /// checked first (format, checksums, optimizer, its hyper-parameters and slot names,
+  /// groups, rank, layout, parameter names, sizes, 8-bit or f32 state, and values):
   /// any disagreement is an Error naming it (Errc::corrupt_file for a damaged file),
   /// with nothing loaded. The file is read twice, a few pieces at a time (a bounded
   /// buffer of tens of MB, whatever the model's size): a verifying pass, then an

@@ -174,3 +174,28 @@ def test_modes_without_8bit_state_refuse_it(offload):
 def test_bad_8bit_arguments_are_refused_naming_them(kw, name):
     with pytest.raises(ValueError, match=name):
         st.GradientManager([torch.nn.Parameter(torch.zeros(4096))], offload="full", **kw)
+
+
+def test_a_checkpoint_file_resumes_with_another_thread_count(tmp_path):
+    """The manager's checkpoint (format 3: codes and block maxima) resumes in a manager of
+    another thread count and ring with the uninterrupted run's bits."""
+    init = initial()
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    gm = manager(params)
+    path = str(tmp_path / "q8.stepcore")
+    for s in range(3):
+        manager_step(gm, params, s)
+    gm._m.save_checkpoint(path)
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    gm2 = st.GradientManager(groups(resumed), offload="full", optimizer="adamw8bit", lr=LR,
+                             betas=BETAS, weight_decay=WD, threads=1, ring_slot_elements=300)
+    gm2._m.load_checkpoint(path)
+    try:
+        for s in range(3, 6):
+            manager_step(gm, params, s)
+            manager_step(gm2, resumed, s)
+            for i in range(len(params)):
+                assert_same(resumed[i].detach(), params[i].detach(), f"param {i}, step {s}")
+    finally:
+        gm.close()
+        gm2.close()

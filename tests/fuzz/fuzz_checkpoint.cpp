@@ -1,9 +1,9 @@
 // libFuzzer harness: the checkpoint file parser (managers/checkpoint_file.hpp) on any
 // bytes. Each input is parsed three times: as a whole file (parse: preamble, checksums,
-// header, payload layout; format version 1 or 2, as the preamble says), by the streamed
+// header, payload layout; format version 1, 2 or 3, as the preamble says), by the streamed
 // load's verifying pass over the same bytes in memory (verify, which must agree with
 // parse: the same verdict and header, a checksum per block, a first bad value only where
-// there is one), and as a bare header past the checksums (parse_header of version 1 or 2,
+// there is one), and as a bare header past the checksums (parse_header of version 1, 2 or 3,
 // the fuzzer's way around the CRC). Each returns a result whose arrays lie inside the
 // bytes and agree with the header, or throws stepcore::Error with Errc::corrupt_file;
 // anything else is a bug.
@@ -31,11 +31,18 @@ void check(const ck::ParsedFile& f, std::uint64_t payload_length) {
   if (h.optimizer.empty()) __builtin_trap();
   if (f.array_offsets.size() != h.params.size() * arrays) __builtin_trap();
   for (std::size_t i = 0; i < h.params.size(); ++i) {
-    if (h.params[i].group >= h.groups.size()) __builtin_trap();
+    const ck::ParamRecord& p = h.params[i];
+    if (p.group >= h.groups.size()) __builtin_trap();
+    if (p.q8 && (h.version < ck::kFormatVersion || h.slots.empty())) __builtin_trap();
     for (std::size_t a = 0; a < arrays; ++a) {
+      // Array a's bytes, written out here from docs/checkpoint.md: the master and f32
+      // slots 4 per element, an 8-bit slot's codes 1, its maxima 4 per block of 256.
+      const std::uint64_t z = h.slots.size(), n = p.numel;
+      const std::uint64_t bytes = a == 0   ? 4 * n
+                                  : a <= z ? (p.q8 ? n : 4 * n)
+                                           : (p.q8 ? 4 * ((n + 255) / 256) : 0);
       const std::uint64_t off = f.array_offsets[i * arrays + a];
-      const std::uint64_t n = h.params[i].numel;
-      if (n > payload_length / 4 || off > payload_length - 4 * n) __builtin_trap();
+      if (bytes > payload_length || off > payload_length - bytes) __builtin_trap();
     }
   }
 }
@@ -100,12 +107,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   });
   if (verified != parsed.has_value()) __builtin_trap();  // the same verdict
   // Past the checksums: the first 8 bytes choose the payload length, the ninth's shift also
-  // the version (its low bit: 1 or 2; now and then another, which is refused).
+  // the version (bits 6-7: 1, 2 or 3; now and then another, which is refused).
   fuzz::Input in(data, size);
   const std::uint8_t pick = in.byte();
   const std::uint64_t payload = in.u64() >> (pick % 64);
-  const std::uint32_t version =
-      pick >= 0xF0 ? pick : (pick & 0x40 ? ck::kFormatVersion1 : ck::kFormatVersion);
+  static const std::uint32_t versions[] = {ck::kFormatVersion, ck::kFormatVersion1,
+                                           ck::kFormatVersion2, ck::kFormatVersion};
+  const std::uint32_t version = pick >= 0xF0 ? pick : versions[pick >> 6];
   const std::size_t skip = size < 9 ? size : 9;
   refused_or_valid([&] {
     const ck::ParsedFile f = ck::parse_header(bytes.subspan(skip), payload, "fuzz.ckpt", version);
