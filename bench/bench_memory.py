@@ -211,7 +211,7 @@ def main():
                 continue  # the device-resident modes once: their bytes are the device's
             for micro in (2, 1):
                 r = _spawn(args, mode=mode, optimizer=opt, micro=micro, overlap=micro == 2,
-                           checkpoint=micro == 2 and not eight_bit)
+                           checkpoint=micro == 2)
                 # The reference: offload="none" (another code path), or for 8-bit state
                 # (full offload only) one engine thread instead of several (another split).
                 ref = _spawn(args, mode="full" if eight_bit else "none", optimizer=opt,

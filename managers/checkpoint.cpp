@@ -106,12 +106,19 @@ void GradientManager::save_checkpoint(const std::string& path) {
     return {n, 0, 0, 0};
   };
   std::vector<float> buffers[2];
-  // Copies piece p of device state (the master or an f32 slot: 8-bit state is host
-  // memory) into buffers[b].
+  // Copies piece p of device state into buffers[b] (an 8-bit slot's codes or maxima as
+  // bytes).
   auto copy_out = [&](const Piece& p, std::size_t b) -> std::span<const std::byte> {
-    if (shape(p.i, p.a).width != 4 || shape(p.i, p.a).absmax)
-      throw Error(Errc::internal, "save_checkpoint", "8-bit state outside host memory");
-    buffers[b].resize(p.count);
+    const ckpt::ArrayShape sh = shape(p.i, p.a);
+    buffers[b].resize((p.count * sh.width + 3) / 4);
+    if (header.params[p.i].q8 && sh.slot >= 0) {
+      const std::span<std::byte> out =
+          std::as_writable_bytes(std::span<float>(buffers[b])).first(p.count * sh.width);
+      m.guarded([&] {
+        m.do_read_q8_range(p.i, static_cast<std::size_t>(sh.slot), sh.absmax, p.offset, out);
+      });
+      return out;
+    }
     std::span<float> into[1 + kMaxOptimizerSlots];
     into[p.a] = buffers[b];
     m.guarded([&] { m.do_read_range(p.i, p.offset, std::span(into, 1 + m.state_slots())); });

@@ -17,6 +17,7 @@ void device_optimizer_step(device::Device& dev, std::span<const OptimizerTensor>
   d.found_inf = args.found_inf;
   d.hyper = args.hyper;
   d.table = args.table;
+  d.q8_codebooks = args.q8_codebooks;
   dev.optimizer_step(tensors, config, d);
 }
 

@@ -14,11 +14,12 @@ namespace stepcore::detail {
 
 /// The device-memory inputs of a manager's device step (read when the kernels run).
 struct DeviceStepArgs {
-  const float* scale = nullptr;             ///< the read's gradient scale
-  const float* clip = nullptr;              ///< the read's clip coefficient
-  const std::int32_t* found_inf = nullptr;  ///< != 0: nothing written, counters kept
-  const StepHyper* hyper = nullptr;         ///< the group's lr and weight decay
-  const double* table = nullptr;            ///< the group's device_step_table (if any)
+  const float* scale = nullptr;                 ///< the read's gradient scale
+  const float* clip = nullptr;                  ///< the read's clip coefficient
+  const std::int32_t* found_inf = nullptr;      ///< != 0: nothing written, counters kept
+  const StepHyper* hyper = nullptr;             ///< the group's lr and weight decay
+  const double* table = nullptr;                ///< the group's device_step_table (if any)
+  const std::uint32_t* q8_codebooks = nullptr;  ///< gpu::q8_codebooks() (8-bit slots)
 };
 
 /// Returns the per-group table the device step of `config` reads from device memory

@@ -13,10 +13,12 @@
 #include <utility>
 #include <vector>
 
+#include "core/q8.hpp"  // kQ8ImageWords
 #include "managers/common.hpp"
 #include "managers/device_step.hpp"
 #include "managers/factories.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/gpu.hpp"
 
 namespace stepcore::detail {
 
@@ -89,10 +91,15 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
     const bool own_compute =
         p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0;
     view[i].compute = dev_views.add(own_compute ? p.numel * dtype_size(p.compute_dtype) : 0);
+    params_[i].q8 = q8_param(i);
     if (!streamed())
-      for (std::size_t s = 0; s < slots(); ++s) view[i].state[s] = dev_views.add(p.numel * 4);
+      for (std::size_t s = 0; s < slots(); ++s) {
+        view[i].state[s] = dev_views.add(array_bytes(i, s));
+        if (s != 0) view[i].absmax[s - 1] = dev_views.add(absmax_bytes(i, s - 1));
+      }
   }
   plan.scalars = dev_views.add(sizeof(StepScalars));
+  plan.codebooks = dev_views.add(cfg.q8_state ? kQ8ImageWords * sizeof(std::uint32_t) : 0);
   plan.steps = dev_views.add(sizeof(float) * n);
   plan.hyper = dev_views.add(sizeof(StepHyper) * ngroups);
   for (const auto& table : bias.tables)
@@ -113,11 +120,16 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
       const Chunk& c = chunks()[k];
       SlabViews block;
       for (std::size_t s = 0; s < slots(); ++s)
-        for (std::size_t i = c.first; i < c.last; ++i)
-          view[i].state[s] = block.add(cfg.params[i].numel * 4);
+        for (std::size_t i = c.first; i < c.last; ++i) {
+          view[i].state[s] = block.add(array_bytes(i, s));
+          if (s != 0) view[i].absmax[s - 1] = block.add(absmax_bytes(i, s - 1));
+        }
       const SlabLayout bl = block.layout();
       for (std::size_t i = c.first; i < c.last; ++i)
-        for (std::size_t s = 0; s < slots(); ++s) params_[i].off[s] = bl.offsets[view[i].state[s]];
+        for (std::size_t s = 0; s < slots(); ++s) {
+          params_[i].off[s] = bl.offsets[view[i].state[s]];
+          if (s != 0) params_[i].max_off[s - 1] = bl.offsets[view[i].absmax[s - 1]];
+        }
       chunk_bytes_[k] = bl.total_bytes;
       plan.chunk_host[k] = host_views.add(bl.total_bytes);
       slot_bytes = std::max(slot_bytes, bl.total_bytes);
@@ -149,6 +161,7 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
                           ? nullptr
                           : reinterpret_cast<const double*>(dev_at(plan.bias[plan.bias_of[g]])));
   h_ = reinterpret_cast<HostWords*>(host_at(plan.words));
+  if (cfg.q8_state) d_codebooks_ = reinterpret_cast<const std::uint32_t*>(dev_at(plan.codebooks));
   for (std::size_t k = 0; k < nchunks && streamed(); ++k)
     chunk_host_.push_back(host_at(plan.chunk_host[k]));
   for (std::size_t v : plan.slots) slots_.push_back(dev_at(v));
@@ -165,11 +178,15 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
       q.compute = {dev_at(view.compute), p.numel, p.compute_dtype};
     if (streamed()) {
       std::byte* block = chunk_host_[chunk_of(i)];
-      for (std::size_t s = 0; s < slots(); ++s)
+      for (std::size_t s = 0; s < slots(); ++s) {
         q.state[s] = reinterpret_cast<float*>(block + q.off[s]);
+        if (s != 0 && q.q8) q.absmax[s - 1] = reinterpret_cast<float*>(block + q.max_off[s - 1]);
+      }
     } else {
-      for (std::size_t s = 0; s < slots(); ++s)
+      for (std::size_t s = 0; s < slots(); ++s) {
         q.state[s] = reinterpret_cast<float*>(dev_at(view.state[s]));
+        if (s != 0 && q.q8) q.absmax[s - 1] = reinterpret_cast<float*>(dev_at(view.absmax[s - 1]));
+      }
     }
     (p.counts_toward_norm ? counted_ : uncounted_).push_back(q.acc);
     if (p.counts_toward_norm) counted_const_.push_back(q.acc);
@@ -191,21 +208,29 @@ void GpuGradientManager::allocate_memory(const MemoryPlan& plan) {
 
 void GpuGradientManager::account_memory(const MemoryPlan& plan) {
   const ManagerConfig& cfg = config();
-  std::size_t grads = 0, accs = 0, computes = 0, per_slot = 0;
-  for (const ParamSpec& p : cfg.params) {
+  std::size_t grads = 0, accs = 0, computes = 0;
+  std::vector<std::size_t> per_slot(slots(), 0);  // the master, then each slot (8-bit: codes
+                                                  // and maxima)
+  for (std::size_t i = 0; i < cfg.params.size(); ++i) {
+    const ParamSpec& p = cfg.params[i];
     if (p.gradient_buffer) grads += aligned_bytes(p.numel * dtype_size(p.grad_dtype));
     accs += aligned_bytes(p.numel * sizeof(float));
     if (p.has_compute_weights && p.compute_into.data == nullptr && p.compute_into.numel == 0)
       computes += aligned_bytes(p.numel * dtype_size(p.compute_dtype));
-    per_slot += aligned_bytes(p.numel * sizeof(float));
+    for (std::size_t s = 0; s < slots(); ++s)
+      per_slot[s] +=
+          aligned_bytes(array_bytes(i, s)) + (s != 0 ? aligned_bytes(absmax_bytes(i, s - 1)) : 0);
   }
+  std::size_t state = 0;
+  for (std::size_t b : per_slot) state += b;
   std::size_t streaming = 0;
   for (std::size_t k = 0; k < plan.slots.size(); ++k)
     streaming += aligned_bytes(*std::max_element(chunk_bytes_.begin(), chunk_bytes_.end()));
   const bool on_device = !streamed();
   MemoryLedger& book = ledger();
   for (std::size_t s = 0; s < slots(); ++s)
-    book.set(s == 0 ? std::string_view("master") : shape().slot_names[s - 1], on_device, per_slot);
+    book.set(s == 0 ? std::string_view("master") : shape().slot_names[s - 1], on_device,
+             per_slot[s]);
   book.set("accumulator", true, accs);
   book.set("gradient", true, grads);
   book.set("compute", true, computes);
@@ -216,11 +241,9 @@ void GpuGradientManager::account_memory(const MemoryPlan& plan) {
     return total > named ? total - named : 0;
   };
   const std::size_t dev_total = slab_allocation_bytes(plan.device) + workspace_bytes_;
-  book.set(
-      "scalars", true,
-      rest(dev_total, grads + accs + computes + streaming + (on_device ? slots() * per_slot : 0)));
-  book.set("scalars", false,
-           rest(slab_allocation_bytes(plan.host), on_device ? 0 : slots() * per_slot));
+  book.set("scalars", true,
+           rest(dev_total, grads + accs + computes + streaming + (on_device ? state : 0)));
+  book.set("scalars", false, rest(slab_allocation_bytes(plan.host), on_device ? 0 : state));
   book.set("speculation", true, 0);
 }
 
@@ -244,6 +267,13 @@ void GpuGradientManager::set_up_step(const MemoryPlan& plan, const BiasTables& b
               sizeof(double) * bias.tables[t].size());
   hyper_uploaded_ = hyper_version() + 1;  // differs: the first ensure_hyper uploads
   ensure_hyper();
+  // The 8-bit codebooks the step's kernels read (q8_state).
+  std::vector<std::uint32_t> codebooks;
+  if (d_codebooks_ != nullptr) {
+    codebooks = gpu::q8_codebooks();
+    dev_.copy(Queue::compute, const_cast<std::uint32_t*>(d_codebooks_), codebooks.data(),
+              codebooks.size() * sizeof(std::uint32_t));
+  }
   dev_.synchronize();  // the sources are this frame's memory
 }
 
@@ -267,7 +297,46 @@ float* GpuGradientManager::state_at(std::size_t i, std::size_t s, std::byte* slo
   return slot != nullptr ? reinterpret_cast<float*>(slot + q.off[s]) : q.state[s];
 }
 
-void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In,
+float* GpuGradientManager::absmax_at(std::size_t i, std::size_t s, std::byte* slot) const {
+  const Param& q = params_[i];
+  return slot != nullptr ? reinterpret_cast<float*>(slot + q.max_off[s]) : q.absmax[s];
+}
+
+std::size_t GpuGradientManager::array_bytes(std::size_t i, std::size_t s) const {
+  const std::size_t n = config().params[i].numel;
+  return s != 0 && params_[i].q8 ? n : n * sizeof(float);
+}
+
+std::size_t GpuGradientManager::absmax_bytes(std::size_t i, std::size_t s) const {
+  (void)s;
+  return params_[i].q8 ? q8_blocks(config().params[i].numel) * sizeof(float) : 0;
+}
+
+// Copies `bytes` bytes from host memory to where a state array lives (the device in mode
+// none, the host block in mode optimizer), or back; `src` null: zeros.
+void GpuGradientManager::put_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (streamed()) {
+    if (src == nullptr)
+      std::memset(dst, 0, bytes);
+    else
+      std::memcpy(dst, src, bytes);
+  } else if (src == nullptr) {
+    dev_.zero(Queue::compute, dst, bytes);
+  } else {
+    dev_.copy(Queue::compute, dst, src, bytes);
+  }
+}
+
+void GpuGradientManager::get_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  if (streamed())
+    std::memcpy(dst, src, bytes);
+  else
+    dev_.copy(Queue::compute, dst, src, bytes);
+}
+
+void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8,
                                              float step) {
   wait_idle();
   const ParamSpec& p = config().params[i];
@@ -275,6 +344,7 @@ void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> 
   const std::size_t bytes = p.numel * 4;
   // Initial values other than +0, as host arrays (alive until the copies are waited for).
   std::vector<std::vector<float>> initial;
+  std::vector<std::vector<std::uint8_t>> zero_codes;
   // One array: the caller's values, or (empty: load_parameter) the slot's initial value.
   auto put = [&](float* dst, std::span<const float> src, float init) {
     if (bytes == 0) return;
@@ -282,19 +352,25 @@ void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> 
       initial.emplace_back(p.numel, init);
       src = initial.back();
     }
-    if (streamed()) {
-      if (src.empty())
-        std::memset(dst, 0, bytes);
-      else
-        std::memcpy(dst, src.data(), bytes);
-    } else if (src.empty()) {
-      dev_.zero(Queue::compute, dst, bytes);
-    } else {
-      dev_.copy(Queue::compute, dst, src.data(), bytes);
-    }
+    put_bytes(dst, src.empty() ? nullptr : src.data(), bytes);
   };
-  for (std::size_t s = 0; s < slots(); ++s)
-    put(q.state[s], arrays[s], s == 0 ? 0.0f : initial_slot_value(s - 1));
+  for (std::size_t s = 0; s < slots(); ++s) {
+    if (s == 0 || !q.q8) {
+      put(q.state[s], arrays[s], s == 0 ? 0.0f : initial_slot_value(s - 1));
+      continue;
+    }
+    // An 8-bit slot: the caller's codes and maxima, or 0 (the zero code, maxima 0).
+    const std::size_t k = s - 1;
+    if (!q8.empty() && !q8[k].codes.empty()) {
+      put_bytes(q.state[s], q8[k].codes.data(), p.numel);
+      put_bytes(q.absmax[k], q8[k].absmax.data(), q8[k].absmax.size_bytes());
+    } else {
+      zero_codes.emplace_back(p.numel,
+                              q8_zero_code(slot_non_negative(shape().name, shape().slot_names[k])));
+      put_bytes(q.state[s], zero_codes.back().data(), p.numel);
+      put_bytes(q.absmax[k], nullptr, absmax_bytes(i, k));
+    }
+  }
   if (counts()) dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
   const std::span<const float> master = arrays[0];
   std::vector<std::uint8_t> rounded;
@@ -311,14 +387,9 @@ void GpuGradientManager::do_import_range(std::size_t i, std::size_t offset,
   wait_idle();
   const ParamSpec& p = config().params[i];
   const Param& q = params_[i];
-  for (std::size_t s = 0; s < slots(); ++s) {
-    const std::span<const float> src = arrays[s];
-    if (src.empty()) continue;
-    if (streamed())
-      std::memcpy(q.state[s] + offset, src.data(), src.size_bytes());
-    else
-      dev_.copy(Queue::compute, q.state[s] + offset, src.data(), src.size_bytes());
-  }
+  for (std::size_t s = 0; s < slots(); ++s)
+    if (!arrays[s].empty())
+      put_bytes(q.state[s] + offset, arrays[s].data(), arrays[s].size_bytes());
   if (last && counts()) dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));
   // The compute weights' range: the master's range rounded (at most one range's bytes).
   const std::span<const float> master = arrays[0];
@@ -341,16 +412,16 @@ ConstTensorView GpuGradientManager::do_compute_weights(std::size_t i) const {
   return {};
 }
 
-void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out,
+void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                                            std::span<std::uint8_t> compute) {
   wait_idle();
   const Param& q = params_[i];
-  for (std::size_t s = 0; s < slots(); ++s) {
-    if (arrays[s].empty()) continue;
-    if (streamed())
-      std::memcpy(arrays[s].data(), q.state[s], arrays[s].size_bytes());
-    else
-      dev_.copy(Queue::compute, arrays[s].data(), q.state[s], arrays[s].size_bytes());
+  for (std::size_t s = 0; s < slots(); ++s)
+    if (!arrays[s].empty()) get_bytes(arrays[s].data(), q.state[s], arrays[s].size_bytes());
+  for (std::size_t k = 0; k < q8.size(); ++k) {
+    if (!q8[k].codes.empty()) get_bytes(q8[k].codes.data(), q.state[1 + k], q8[k].codes.size());
+    if (!q8[k].absmax.empty())
+      get_bytes(q8[k].absmax.data(), q.absmax[k], q8[k].absmax.size_bytes());
   }
   if (!compute.empty()) dev_.copy(Queue::compute, compute.data(), q.compute.data, compute.size());
   wait_all();
@@ -359,14 +430,32 @@ void GpuGradientManager::do_read_parameter(std::size_t i, Arrays<float> arrays, 
 void GpuGradientManager::do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays) {
   wait_idle();
   const Param& q = params_[i];
-  for (std::size_t s = 0; s < slots(); ++s) {
-    if (arrays[s].empty()) continue;
-    if (streamed())
-      std::memcpy(arrays[s].data(), q.state[s] + offset, arrays[s].size_bytes());
-    else
-      dev_.copy(Queue::compute, arrays[s].data(), q.state[s] + offset, arrays[s].size_bytes());
-  }
+  for (std::size_t s = 0; s < slots(); ++s)
+    if (!arrays[s].empty())
+      get_bytes(arrays[s].data(), q.state[s] + offset, arrays[s].size_bytes());
   wait_all();
+}
+
+void GpuGradientManager::do_read_q8_range(std::size_t i, std::size_t s, bool absmax,
+                                          std::size_t offset, std::span<std::byte> out) {
+  wait_idle();
+  const Param& q = params_[i];
+  if (absmax)
+    get_bytes(out.data(), q.absmax[s] + offset, out.size());
+  else
+    get_bytes(out.data(), reinterpret_cast<const std::byte*>(q.state[1 + s]) + offset, out.size());
+  wait_all();
+}
+
+void GpuGradientManager::do_import_q8_range(std::size_t i, std::size_t s, bool absmax,
+                                            std::size_t offset, std::span<const std::byte> bytes) {
+  wait_idle();
+  const Param& q = params_[i];
+  if (absmax)
+    put_bytes(q.absmax[s] + offset, bytes.data(), bytes.size());
+  else
+    put_bytes(reinterpret_cast<std::byte*>(q.state[1 + s]) + offset, bytes.data(), bytes.size());
+  wait_all();  // the source is the caller's
 }
 
 void GpuGradientManager::do_step_counts(std::span<float> out) {
@@ -382,7 +471,14 @@ ManagerImpl::HostArrays GpuGradientManager::do_host_state(std::size_t i) {
   const Param& q = params_[i];
   const std::size_t n = config().params[i].numel;
   HostArrays h;
-  for (std::size_t s = 0; s < slots(); ++s) h.a[s] = {q.state[s], n};
+  for (std::size_t s = 0; s < slots(); ++s) {
+    if (s == 0 || !q.q8) {
+      h.a[s] = {q.state[s], n};
+      continue;
+    }
+    h.q8[s - 1] = {{reinterpret_cast<const std::uint8_t*>(q.state[s]), n},
+                   {q.absmax[s - 1], q8_blocks(n)}};
+  }
   return h;
 }
 

@@ -41,6 +41,8 @@ class GpuGradientManager final : public ManagerImpl {
   void do_import_parameter(std::size_t i, Arrays<const float> arrays, Q8In q8, float step) override;
   void do_import_range(std::size_t i, std::size_t offset, Arrays<const float> arrays, float step,
                        bool last) override;
+  void do_import_q8_range(std::size_t i, std::size_t s, bool absmax, std::size_t offset,
+                          std::span<const std::byte> bytes) override;
   bool do_imports_ranges() const noexcept override { return true; }
   void do_begin_step() override;
   void do_begin_backward(bool, bool) override {}
@@ -62,6 +64,8 @@ class GpuGradientManager final : public ManagerImpl {
   void do_read_parameter(std::size_t i, Arrays<float> arrays, Q8Out q8,
                          std::span<std::uint8_t> compute) override;
   void do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays) override;
+  void do_read_q8_range(std::size_t i, std::size_t s, bool absmax, std::size_t offset,
+                        std::span<std::byte> out) override;
   void do_step_counts(std::span<float> out) override;
   HostArrays do_host_state(std::size_t i) override;
   void do_synchronize() override;
@@ -109,11 +113,15 @@ class GpuGradientManager final : public ManagerImpl {
   static constexpr std::size_t kMaxSlots = 1 + kMaxOptimizerSlots;
   // One parameter's buffers. state: the master, then the optimizer's state slots, in
   // device memory (mode none) or the host block of its chunk (mode optimizer); off:
-  // their offsets in that block.
+  // their offsets in that block. An 8-bit parameter (q8_param) keeps in state[1 + s] its
+  // slot s's codes (bytes), and its block maxima in absmax[s] (offset max_off[s]).
   struct Param {
     TensorView grad, acc, compute;
     float* state[kMaxSlots] = {};
     std::size_t off[kMaxSlots] = {};
+    float* absmax[kMaxOptimizerSlots] = {};
+    std::size_t max_off[kMaxOptimizerSlots] = {};
+    bool q8 = false;
     float* master() const { return state[0]; }
   };
 
@@ -127,12 +135,14 @@ class GpuGradientManager final : public ManagerImpl {
   // and the pinned host slab (host), and the two layouts. Sizes only, no memory.
   struct MemoryPlan {
     struct Views {  // one parameter's device views (the state slots only in mode none)
-      std::size_t grad = 0, acc = 0, compute = 0, state[kMaxSlots] = {};
+      std::size_t grad = 0, acc = 0, compute = 0, state[kMaxSlots] = {},
+                  absmax[kMaxOptimizerSlots] = {};
     };
     std::vector<Views> param;
     std::size_t scalars = 0, steps = 0, hyper = 0;  // device: StepScalars, counters, hyper
     std::vector<std::size_t> bias;                  // device: one per distinct bias table
     std::vector<std::size_t> bias_of;               // per group: its index into bias
+    std::size_t codebooks = 0;                      // device: gpu::q8_codebooks()
     std::vector<std::size_t> slots;                 // device: mode optimizer's ring
     std::size_t words = 0, host_hyper = 0;          // host: HostWords, the hyper staging
     std::vector<std::size_t> chunk_host;            // host: mode optimizer's chunk blocks
@@ -140,6 +150,11 @@ class GpuGradientManager final : public ManagerImpl {
   };
 
   bool streamed() const noexcept { return mode() == OffloadMode::optimizer; }
+  // Copies host bytes to where a state array lives (device memory in mode none, the host
+  // block in mode optimizer; `src` null: zeros), or from there to host memory (enqueued
+  // on the compute queue in mode none: the caller waits).
+  void put_bytes(void* dst, const void* src, std::size_t bytes);
+  void get_bytes(void* dst, const void* src, std::size_t bytes);
   // The constructor's parts, in order. make_bias_tables refuses a beta too close to 1
   // (before any memory); plan_memory lays out both slabs and (mode optimizer) each
   // chunk's host block, recording the parameters' offsets in them and chunk_bytes_;
@@ -163,13 +178,23 @@ class GpuGradientManager final : public ManagerImpl {
                      const float* d_clip, const std::int32_t* d_found_inf, bool to_staging = false);
   void update_chunk(std::size_t k, const float* d_scale, const float* d_clip,
                     const std::int32_t* d_found_inf, bool speculate = false);
+  // Parameter i's 8-bit slot k for the step: where it lives (or in `slot`), or (speculating)
+  // its copy in the rollback space, the copy enqueued first.
+  Q8Slot q8_slot(std::size_t i, std::size_t k, std::byte* slot, bool to_staging);
   // The number of state arrays per parameter (the master and the optimizer's slots): the
   // speculation's outputs and commit copies go over this list, not over names.
   std::size_t slots() const noexcept { return 1 + state_slots(); }
   bool counts() const noexcept { return shape().counts_steps; }
   // Returns parameter i's state array s where it lives between steps (device memory in
-  // mode none, its place in the chunk's host block in mode optimizer), or in `slot`.
+  // mode none, its place in the chunk's host block in mode optimizer), or in `slot`
+  // (an 8-bit slot's codes, as bytes).
   float* state_at(std::size_t i, std::size_t s, std::byte* slot) const;
+  // The block maxima of parameter i's 8-bit slot s, where they live or in `slot`.
+  float* absmax_at(std::size_t i, std::size_t s, std::byte* slot) const;
+  // The bytes of parameter i's state array s (the master, an f32 slot, or an 8-bit slot's
+  // codes) and of its 8-bit slot s's maxima (0 for f32 slots).
+  std::size_t array_bytes(std::size_t i, std::size_t s) const;
+  std::size_t absmax_bytes(std::size_t i, std::size_t s) const;
   std::size_t rollback_bytes(std::size_t k) const;
   // Carves chunk k's rollback space (each parameter's state arrays, the counters, the
   // compute staging); false when the budget has no room left in this step.
@@ -211,6 +236,7 @@ class GpuGradientManager final : public ManagerImpl {
   StepHyper* h_hyper_ = nullptr;       // their pinned staging (rewritten only between steps)
   std::uint64_t hyper_uploaded_ = 0;   // hyper_version() of d_hyper_'s values
   std::vector<const double*> d_bias_;  // per group: its device step table (or null)
+  const std::uint32_t* d_codebooks_ = nullptr;  // the 8-bit codebooks (q8_state; else null)
   HostWords* h_ = nullptr;
 
   // Mode optimizer: per-chunk host blocks and the ring of device slots.
@@ -225,6 +251,7 @@ class GpuGradientManager final : public ManagerImpl {
   // and per parameter where its speculated state, counter and compute weights go.
   struct Spec {
     std::array<float*, kMaxSlots> state{};
+    std::array<float*, kMaxOptimizerSlots> absmax{};  // an 8-bit slot's maxima
     float* step = nullptr;
     void* compute = nullptr;
   };

@@ -21,9 +21,11 @@ using device::Queue;
 std::size_t GpuGradientManager::rollback_bytes(std::size_t k) const {
   const Chunk& c = chunks()[k];
   std::size_t bytes = counts() ? align_up(sizeof(float) * (c.last - c.first)) : 0;
-  for (std::size_t i = c.first; i < c.last; ++i)
-    bytes += slots() * align_up(sizeof(float) * params_[i].acc.numel) +
-             align_up(params_[i].compute.bytes());
+  for (std::size_t i = c.first; i < c.last; ++i) {
+    for (std::size_t s = 0; s < slots(); ++s)
+      bytes += align_up(array_bytes(i, s)) + (s != 0 ? align_up(absmax_bytes(i, s - 1)) : 0);
+    bytes += align_up(params_[i].compute.bytes());
+  }
   return bytes;
 }
 
@@ -55,8 +57,10 @@ bool GpuGradientManager::admit(std::size_t k) {
     return p;
   };
   for (std::size_t i = c.first; i < c.last; ++i) {
-    for (std::size_t s = 0; s < slots(); ++s)
-      spec_[i].state[s] = reinterpret_cast<float*>(take(sizeof(float) * params_[i].acc.numel));
+    for (std::size_t s = 0; s < slots(); ++s) {
+      spec_[i].state[s] = reinterpret_cast<float*>(take(array_bytes(i, s)));
+      if (s != 0) spec_[i].absmax[s - 1] = reinterpret_cast<float*>(take(absmax_bytes(i, s - 1)));
+    }
     spec_[i].compute = take(params_[i].compute.bytes());
   }
   if (counts() && c.last > c.first) {  // the chunk's counters, consecutive
@@ -77,10 +81,13 @@ void GpuGradientManager::commit(std::size_t k) {
   const Queue state_queue = streamed() ? Queue::d2h : Queue::compute;
   for (std::size_t i = c.first; i < c.last; ++i) {
     const Param& q = params_[i];
-    const std::size_t bytes = sizeof(float) * q.acc.numel;
-    for (std::size_t s = 0; s < slots() && bytes != 0; ++s)
-      dev_.copy(state_queue, state_at(i, s, streamed() ? chunk_host_[k] : nullptr),
-                spec_[i].state[s], bytes);
+    std::byte* block = streamed() ? chunk_host_[k] : nullptr;
+    for (std::size_t s = 0; s < slots() && q.acc.numel != 0; ++s) {
+      dev_.copy(state_queue, state_at(i, s, block), spec_[i].state[s], array_bytes(i, s));
+      if (s != 0 && q.q8)
+        dev_.copy(state_queue, absmax_at(i, s - 1, block), spec_[i].absmax[s - 1],
+                  absmax_bytes(i, s - 1));
+    }
     if (q.compute.numel != 0)
       dev_.copy(Queue::compute, q.compute.data, spec_[i].compute, q.compute.bytes());
   }

@@ -162,6 +162,10 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
                      OptimizerTensor o{dst(i, 0)};
                      o.param_src = src(i, 0);
                      for (std::size_t k = 0; k < state_slots() && k < kMaxOptimizerSlots; ++k) {
+                       if (params_[i].q8) {  // 8-bit: in place, speculated on a copy
+                         o.q8[k] = q8_slot(i, k, slot, to_staging);
+                         continue;
+                       }
                        o.state[k] = dst(i, 1 + k);
                        o.state_src[k] = src(i, 1 + k);
                      }
@@ -170,10 +174,26 @@ void GpuGradientManager::update_params(std::size_t first, std::size_t last, std:
                      o.compute_param = compute(i);
                      t.push_back(o);
                    }
-                   device_optimizer_step(dev_, t, group_config(group),
-                                         DeviceStepArgs{d_scale, d_clip, d_found_inf,
-                                                        d_hyper_ + group, d_bias_[group]});
+                   device_optimizer_step(
+                       dev_, t, group_config(group),
+                       DeviceStepArgs{d_scale, d_clip, d_found_inf, d_hyper_ + group,
+                                      d_bias_[group], d_codebooks_});
                  });
+}
+
+Q8Slot GpuGradientManager::q8_slot(std::size_t i, std::size_t k, std::byte* slot, bool to_staging) {
+  auto* codes = reinterpret_cast<std::uint8_t*>(state_at(i, 1 + k, slot));
+  float* maxima = absmax_at(i, k, slot);
+  if (!to_staging) return {codes, maxima};
+  // Speculating: the live codes and maxima copied to the rollback space first (in queue
+  // order before the step), which the step then updates in place.
+  auto* spec_codes = reinterpret_cast<std::uint8_t*>(spec_[i].state[1 + k]);
+  const std::size_t n = config().params[i].numel;
+  if (n != 0) {
+    dev_.copy(Queue::compute, spec_codes, codes, n);
+    dev_.copy(Queue::compute, spec_[i].absmax[k], maxima, absmax_bytes(i, k));
+  }
+  return {spec_codes, spec_[i].absmax[k]};
 }
 
 // Steps chunk k: in place (mode none) or through the next ring slot (mode optimizer):

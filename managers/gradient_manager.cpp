@@ -116,10 +116,6 @@ void validate_manager_config(const ManagerConfig& config) {
                   std::string(info.name) +
                       " has no 8-bit state (optimizer_table()'s q8 entries "
                       "have: adamw, adam)");
-    if (config.mode != OffloadMode::full)
-      throw Error(Errc::not_supported, "q8_state",
-                  "8-bit state is stepped in mode full; modes none and optimizer keep f32 "
-                  "state");
   }
 
   // The groups: names, and each one's configuration as the optimizer will see it.
@@ -224,6 +220,11 @@ void ManagerImpl::do_import_range(std::size_t, std::size_t, Arrays<const float>,
 void ManagerImpl::do_import_q8_range(std::size_t, std::size_t, bool, std::size_t,
                                      std::span<const std::byte>) {
   throw Error(Errc::internal, "do_import_q8_range", "this mode keeps no 8-bit state");
+}
+
+void ManagerImpl::do_read_q8_range(std::size_t, std::size_t, bool, std::size_t,
+                                   std::span<std::byte>) {
+  throw Error(Errc::internal, "do_read_q8_range", "this mode keeps no 8-bit device state");
 }
 
 void ManagerImpl::do_read_range(std::size_t, std::size_t, Arrays<float>) {

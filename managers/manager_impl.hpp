@@ -129,6 +129,11 @@ class ManagerImpl {
   /// state_slots() entries, each empty to skip it, else n floats), for state that
   /// do_host_state does not show (device memory); the default throws Errc::internal.
   virtual void do_read_range(std::size_t i, std::size_t offset, Arrays<float> arrays);
+  /// Copies a range of parameter i's 8-bit slot s into `out`: its codes from element
+  /// `offset`, or (`absmax`) its block maxima from block `offset`, for state that
+  /// do_host_state does not show (device memory); the default throws Errc::internal.
+  virtual void do_read_q8_range(std::size_t i, std::size_t s, bool absmax, std::size_t offset,
+                                std::span<std::byte> out);
   /// Writes every parameter's step counter to out (out.size() == number of parameters).
   virtual void do_step_counts(std::span<float> out) = 0;
   /// Views of host-resident state (empty where it is device memory).

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/q8.hpp"  // kQ8ImageWords
 #include "core/validate.hpp"
 #include "managers/checkpoint_buffers.hpp"
 #include "managers/manager_impl.hpp"
@@ -192,20 +193,37 @@ MemoryReport plan_device(const ManagerConfig& config, const MemoryPlanOptions& o
   const std::size_t n = config.params.size();
   const std::size_t ngroups = std::max<std::size_t>(config.groups.size(), 1);
   const auto chunks = chunks_of(config);
+  // A parameter's state views: the master, then per slot its f32 values or 8-bit codes and
+  // its block maxima (none for f32 slots; ManagerConfig::q8_state).
+  auto state_views = [&](const ParamSpec& p) {
+    const bool q8 = !slot_names.empty() && detail::q8_slots(config, p.numel);
+    std::vector<std::size_t> v{p.numel * sizeof(float)};
+    for (std::size_t s = 1; s < arrays; ++s) {
+      v.push_back(q8 ? p.numel : p.numel * sizeof(float));
+      v.push_back(q8 ? q8_blocks(p.numel) * sizeof(float) : 0);
+    }
+    return v;
+  };
 
   std::vector<std::size_t> dev, host;
   std::size_t grads = 0, accs = 0, computes = 0;
+  std::vector<std::size_t> per_slot(arrays, 0);  // the master's bytes, then each slot's
   for (const ParamSpec& p : config.params) {
     const std::size_t gb = p.gradient_buffer ? p.numel * dtype_size(p.grad_dtype) : 0;
     const std::size_t cb = owns_compute(p) ? p.numel * dtype_size(p.compute_dtype) : 0;
     dev.insert(dev.end(), {gb, p.numel * sizeof(float), cb});
-    if (!streamed) dev.insert(dev.end(), arrays, p.numel * sizeof(float));
+    const std::vector<std::size_t> views = state_views(p);
+    if (!streamed) dev.insert(dev.end(), views.begin(), views.end());
+    for (std::size_t k = 0; k < views.size(); ++k) per_slot[(k + 1) / 2] += aligned(views[k]);
     grads += aligned(gb);
     accs += aligned(p.numel * sizeof(float));
     computes += aligned(cb);
   }
-  const std::size_t per_array = accs;
-  dev.insert(dev.end(), {sizeof(StepScalars), sizeof(float) * n, sizeof(StepHyper) * ngroups});
+  std::size_t state = 0;
+  for (std::size_t b : per_slot) state += b;
+  dev.insert(dev.end(), {sizeof(StepScalars),
+                         config.q8_state ? detail::kQ8ImageWords * sizeof(std::uint32_t) : 0,
+                         sizeof(float) * n, sizeof(StepHyper) * ngroups});
   // The groups' distinct non-empty tables (AdamW's and Adam's bias corrections).
   std::vector<std::vector<double>> tables;
   for (std::size_t g = 0; g < ngroups; ++g) {
@@ -222,9 +240,10 @@ MemoryReport plan_device(const ManagerConfig& config, const MemoryPlanOptions& o
   if (streamed)
     for (const auto& [first, last] : chunks) {  // a chunk's block: its arrays, slot-major
       std::vector<std::size_t> block;
-      for (std::size_t s = 0; s < arrays; ++s)
-        for (std::size_t i = first; i < last; ++i)
-          block.push_back(config.params[i].numel * sizeof(float));
+      for (std::size_t i = first; i < last; ++i) {  // (every view aligned: any order)
+        const std::vector<std::size_t> views = state_views(config.params[i]);
+        block.insert(block.end(), views.begin(), views.end());
+      }
       const std::size_t total = layout_slab(block).total_bytes;
       host.push_back(total);
       block_max = std::max(block_max, total);
@@ -258,8 +277,8 @@ MemoryReport plan_device(const ManagerConfig& config, const MemoryPlanOptions& o
       if (counts) need += aligned(sizeof(float) * (last - first));
       for (std::size_t i = first; i < last; ++i) {
         const ParamSpec& p = config.params[i];
-        need += arrays * aligned(sizeof(float) * p.numel) +
-                aligned(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
+        for (std::size_t bytes : state_views(p)) need += aligned(bytes);
+        need += aligned(p.has_compute_weights ? p.numel * dtype_size(p.compute_dtype) : 0);
       }
     }
     rollback = std::min(need, budget(config.speculation_bytes));
@@ -268,10 +287,10 @@ MemoryReport plan_device(const ManagerConfig& config, const MemoryPlanOptions& o
   auto rest = [](std::size_t total, std::size_t named) {
     return total > named ? total - named : 0;
   };
-  const std::size_t state = arrays * per_array;
   Plan plan;
-  plan.add("master", !streamed, per_array);
-  for (std::string_view s : slot_names) plan.add(std::string(s), !streamed, per_array);
+  plan.add("master", !streamed, per_slot[0]);
+  for (std::size_t k = 0; k < slot_names.size(); ++k)
+    plan.add(std::string(slot_names[k]), !streamed, per_slot[1 + k]);
   plan.add("accumulator", true, accs);
   plan.add("gradient", true, grads);
   plan.add("compute", true, computes);

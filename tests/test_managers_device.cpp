@@ -1,7 +1,7 @@
 // GPU (label gpu): the managers' differential test on CUDA device 0 — modes none (eager
 // and lazy), optimizer and full against the independent reference simulation, bit for
-// bit after every step, also with a schedule over two groups and the trainer's own
-// gradient buffers. Skips without a device.
+// bit after every step, also with a schedule over two groups, the trainer's own gradient
+// buffers, and 8-bit state. Skips without a device.
 #include <gtest/gtest.h>
 
 #include "managers_cases.hpp"
@@ -46,6 +46,29 @@ TEST(ManagersDevice, ScheduledGroupsAndCallerGradientsGiveTheReferenceBitsOnACud
     expect_same(run_mode(OffloadMode::full, c), want, "full");
     if (HasFatalFailure()) return;
   }
+}
+
+TEST(ManagersDevice, EightBitStateGivesTheReferenceBitsOnACudaDevice) {
+  if (cuda::device_count() == 0) GTEST_SKIP() << "no CUDA device: " << cuda::unavailable_reason();
+  make_device = [] { return device::make_cuda_device(0); };
+  for (AdamWFormula formula : {AdamWFormula::torch, AdamWFormula::torchao})
+    for (bool overlap : {false, true}) {
+      Case c{DType::bf16, AdamWConfig{}, std::optional<float>{}, Flow::rl, overlap};
+      c.formula = formula;
+      c.q8 = true;
+      c.min_8bit_size = 1;  // every parameter but the empty one, tails of 1-255 elements
+      c.steps = 6;
+      c.max_norm_of = [](int s) -> std::optional<float> {
+        return s % 3 == 1 ? std::optional<float>(0.05f) : std::nullopt;
+      };
+      c.speculation = Speculation::always;
+      SCOPED_TRACE(c.label());
+      const auto want = run_reference(c);
+      expect_same(run_mode(OffloadMode::none, c), want, "none");
+      expect_same(run_mode(OffloadMode::optimizer, c), want, "optimizer");
+      expect_same(run_mode(OffloadMode::full, c), want, "full");
+      if (HasFatalFailure()) return;
+    }
 }
 
 }  // namespace

@@ -95,20 +95,29 @@ Case q8_case(OptimizerConfig optimizer, AdamWFormula formula = AdamWFormula::tor
   return c;
 }
 
-// Runs the case through the full-offload manager (engine `isa`, `threads`) and compares
-// every step with the reference.
-void expect_reference(const Case& c, std::optional<cpu::Isa> isa = {}, int threads = 2) {
+const OffloadMode kModes[] = {OffloadMode::none, OffloadMode::optimizer, OffloadMode::full};
+
+// Runs the case through the manager of `mode` (full offload: engine `isa`, `threads`) and
+// compares every step with the reference.
+void expect_reference(const Case& c, OffloadMode mode, std::optional<cpu::Isa> isa = {},
+                      int threads = 2) {
   auto dev = make_device();
   Build b;
-  b.mode = OffloadMode::full;
+  b.mode = mode;
   b.isa = isa;
   b.threads = threads;
   auto m = make_manager(b, c, *dev);
   const auto got = run_stream(*m, *dev, stream_options(c, nullptr));
   m->close();
   expect_same(got, run_reference(c),
-              c.label() + (isa ? " " + std::string(cpu::isa_name(*isa)) : "") + " threads " +
+              std::string(offload_mode_name(mode)) + " " + c.label() +
+                  (isa ? " " + std::string(cpu::isa_name(*isa)) : "") + " threads " +
                   std::to_string(threads));
+}
+
+// In every mode.
+void expect_reference(const Case& c) {
+  for (OffloadMode mode : kModes) expect_reference(c, mode);
 }
 
 std::vector<std::pair<OptimizerConfig, AdamWFormula>> eight_bit_optimizers() {
@@ -165,7 +174,7 @@ TEST(ManagersQ8, EveryIsaAndThreadCountGivesTheReferenceBits) {
     return s % 2 ? std::optional<float>(1e-2f) : std::nullopt;
   };
   for (cpu::Isa isa : isas_under_test())
-    for (int threads : {1, 3}) expect_reference(c, isa, threads);
+    for (int threads : {1, 3}) expect_reference(c, OffloadMode::full, isa, threads);
 }
 
 TEST(ManagersQ8, MixedSizesKeepF32StateBelowTheThreshold) {
@@ -211,51 +220,58 @@ ManagerConfig small_config(device::Device& dev) {
 }
 
 TEST(ManagersQ8, ImportReadAndHostStateAgree) {
-  auto dev = device::make_host_device();
-  auto m = make_gradient_manager(small_config(*dev));
-  ASSERT_TRUE(m->q8_parameter(0));
-  ASSERT_FALSE(m->q8_parameter(1));
-  const std::size_t n = 600, blocks = 3;
-  std::vector<float> master(n);
-  std::vector<std::uint8_t> c1(n), c2(n);
-  std::vector<float> a1 = {0.5f, 2.0f, 0.0f}, a2 = {1e-3f, 0.25f, 7.0f};
-  for (std::size_t j = 0; j < n; ++j) {
-    master[j] = 0.01f * static_cast<float>(j);
-    c1[j] = static_cast<std::uint8_t>(j * 7);
-    c2[j] = static_cast<std::uint8_t>(255 - j);
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto dev = device::make_host_device();
+    ManagerConfig cfg = small_config(*dev);
+    cfg.mode = mode;
+    auto m = make_gradient_manager(cfg);
+    ASSERT_TRUE(m->q8_parameter(0));
+    ASSERT_FALSE(m->q8_parameter(1));
+    const std::size_t n = 600, blocks = 3;
+    std::vector<float> master(n);
+    std::vector<std::uint8_t> c1(n), c2(n);
+    std::vector<float> a1 = {0.5f, 2.0f, 0.0f}, a2 = {1e-3f, 0.25f, 7.0f};
+    for (std::size_t j = 0; j < n; ++j) {
+      master[j] = 0.01f * static_cast<float>(j);
+      c1[j] = static_cast<std::uint8_t>(j * 7);
+      c2[j] = static_cast<std::uint8_t>(255 - j);
+    }
+    const SlotIn in[] = {{"exp_avg", {}, c1, a1}, {"exp_avg_sq", {}, c2, a2}};
+    m->import_parameter(0, master, in, 12.0f);
+    std::vector<float> master_out(n), b1(blocks), b2(blocks);
+    std::vector<std::uint8_t> d1(n), d2(n);
+    const SlotOut out[] = {{"exp_avg", {}, d1, b1}, {"exp_avg_sq", {}, d2, b2}};
+    m->read_parameter(0, master_out, out, {});
+    EXPECT_EQ(master_out, master);
+    EXPECT_EQ(d1, c1);
+    EXPECT_EQ(d2, c2);
+    EXPECT_EQ(b1, a1);
+    EXPECT_EQ(b2, a2);
+    EXPECT_EQ(m->step_count(0), 12.0f);
+    const GradientManager::HostState h = m->host_state(0);
+    if (mode != OffloadMode::none) {  // host memory: views (mode none: device memory, none)
+      ASSERT_EQ(h.slots.size(), 2u);
+      EXPECT_TRUE(h.slots[0].values.empty());
+      EXPECT_TRUE(std::equal(h.slots[1].codes.begin(), h.slots[1].codes.end(), c2.begin()));
+      ASSERT_EQ(h.slots[1].absmax.size(), blocks);
+      EXPECT_EQ(h.slots[1].absmax[2], 7.0f);
+      EXPECT_TRUE(h.slot("exp_avg").empty());  // f32 values only
+    }
+    // load_parameter starts 8-bit slots at 0: the zero code of each map, maxima 0.
+    m->load_parameter(0, master);
+    m->read_parameter(0, master_out, out, {});
+    for (std::size_t j = 0; j < n; ++j) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(q8_map(false)[d1[j]]), 0u) << j;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(q8_map(true)[d2[j]]), 0u) << j;
+    }
+    EXPECT_EQ(b1, std::vector<float>(blocks, 0.0f));
+    EXPECT_EQ(m->step_count(0), 0.0f);
+    // The f32 parameter keeps values.
+    const auto f32 = m->host_state(1);
+    EXPECT_EQ(f32.slot("exp_avg").size(), mode == OffloadMode::none ? 0u : 100u);
+    m->close();
   }
-  const SlotIn in[] = {{"exp_avg", {}, c1, a1}, {"exp_avg_sq", {}, c2, a2}};
-  m->import_parameter(0, master, in, 12.0f);
-  std::vector<float> master_out(n), b1(blocks), b2(blocks);
-  std::vector<std::uint8_t> d1(n), d2(n);
-  const SlotOut out[] = {{"exp_avg", {}, d1, b1}, {"exp_avg_sq", {}, d2, b2}};
-  m->read_parameter(0, master_out, out, {});
-  EXPECT_EQ(master_out, master);
-  EXPECT_EQ(d1, c1);
-  EXPECT_EQ(d2, c2);
-  EXPECT_EQ(b1, a1);
-  EXPECT_EQ(b2, a2);
-  EXPECT_EQ(m->step_count(0), 12.0f);
-  const GradientManager::HostState h = m->host_state(0);
-  ASSERT_EQ(h.slots.size(), 2u);
-  EXPECT_TRUE(h.slots[0].values.empty());
-  EXPECT_TRUE(std::equal(h.slots[1].codes.begin(), h.slots[1].codes.end(), c2.begin()));
-  ASSERT_EQ(h.slots[1].absmax.size(), blocks);
-  EXPECT_EQ(h.slots[1].absmax[2], 7.0f);
-  EXPECT_TRUE(h.slot("exp_avg").empty());  // f32 values only
-  // load_parameter starts 8-bit slots at 0: the zero code of each map, maxima 0.
-  m->load_parameter(0, master);
-  m->read_parameter(0, master_out, out, {});
-  for (std::size_t j = 0; j < n; ++j) {
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(q8_map(false)[d1[j]]), 0u) << j;
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(q8_map(true)[d2[j]]), 0u) << j;
-  }
-  EXPECT_EQ(b1, std::vector<float>(blocks, 0.0f));
-  EXPECT_EQ(m->step_count(0), 0.0f);
-  // The f32 parameter keeps values.
-  const auto f32 = m->host_state(1);
-  EXPECT_EQ(f32.slot("exp_avg").size(), 100u);
-  m->close();
 }
 
 TEST(ManagersQ8, BadStateIsRefusedNamingItWithNothingWritten) {
@@ -338,49 +354,59 @@ TEST(ManagersQ8, BadStateIsRefusedNamingItWithNothingWritten) {
   m->close();
 }
 
-TEST(ManagersQ8, ConfigurationsThatCannotKeep8BitStateAreRefused) {
+TEST(ManagersQ8, OptimizersWithout8BitStateAreRefused) {
   auto dev = device::make_host_device();
-  ManagerConfig cfg = small_config(*dev);
-  cfg.optimizer = SgdConfig{};
-  expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::not_supported, {"q8_state"});
-  for (OffloadMode mode : {OffloadMode::none, OffloadMode::optimizer}) {
-    cfg = small_config(*dev);
-    cfg.mode = mode;
-    expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::not_supported, {"q8_state"});
-    expect_error([&] { (void)plan_memory(cfg, MemoryPlanOptions{}); }, Errc::not_supported,
-                 {"q8_state"});
-  }
+  for (OffloadMode mode : kModes)
+    for (OptimizerConfig opt : {OptimizerConfig{SgdConfig{}}, OptimizerConfig{LionConfig{}},
+                                OptimizerConfig{SignSgdConfig{}}}) {
+      ManagerConfig cfg = small_config(*dev);
+      cfg.mode = mode;
+      cfg.optimizer = opt;
+      expect_error([&] { (void)make_gradient_manager(cfg); }, Errc::not_supported, {"q8_state"});
+      expect_error([&] { (void)plan_memory(cfg, MemoryPlanOptions{}); }, Errc::not_supported,
+                   {"q8_state"});
+    }
 }
 
 TEST(ManagersQ8, MemoryCountsCodesAndMaximaAndThePlanAgrees) {
-  auto dev = device::make_host_device();
-  ManagerConfig cfg = small_config(*dev);
-  cfg.speculation = Speculation::always;
-  auto m = make_gradient_manager(cfg);
-  // 600 codes (768 bytes aligned) + 3 maxima (256), and the f32 parameter's 400 (512).
-  const MemoryReport r = m->memory();
-  EXPECT_EQ(r.kind("exp_avg").bytes, 768u + 256u + 512u);
-  EXPECT_EQ(r.kind("exp_avg_sq").bytes, 768u + 256u + 512u);
-  EXPECT_EQ(r.kind("master").bytes, 2560u + 512u);
-  // A speculated step: the rollback space holds every chunk's spares.
-  const MemoryPlanOptions opts{.micro_batches = 1, .overlap = true};
-  std::vector<float> zero(600, 0.0f);
-  m->load_parameter(0, zero);
-  m->load_parameter(1, std::vector<float>(100, 0.0f));
-  m->begin_step(1.0f, true);
-  m->begin_backward(true);
-  for (std::size_t i : {1u, 0u}) {
-    const TensorView g = m->gradient(i);
-    std::memset(g.data, 0, g.bytes());
-    m->gradient_ready(i);
+  for (OffloadMode mode : kModes) {
+    SCOPED_TRACE(std::string(offload_mode_name(mode)));
+    auto dev = device::make_host_device();
+    ManagerConfig cfg = small_config(*dev);
+    cfg.mode = mode;
+    cfg.speculation = Speculation::always;
+    auto m = make_gradient_manager(cfg);
+    // 600 codes (768 bytes aligned) + 3 maxima (256), and the f32 parameter's 400 (512).
+    const MemoryReport r = m->memory();
+    EXPECT_EQ(r.kind("exp_avg").bytes, 768u + 256u + 512u);
+    EXPECT_EQ(r.kind("exp_avg_sq").bytes, 768u + 256u + 512u);
+    EXPECT_EQ(r.kind("master").bytes, 2560u + 512u);
+    // A speculated step: the rollback space holds every chunk's spares.
+    const MemoryPlanOptions opts{.micro_batches = 1, .overlap = true};
+    std::vector<float> zero(600, 0.0f);
+    m->load_parameter(0, zero);
+    m->load_parameter(1, std::vector<float>(100, 0.0f));
+    m->begin_step(1.0f, true);
+    m->begin_backward(true);
+    for (std::size_t i : {1u, 0u}) {
+      const TensorView g = m->gradient(i);
+      std::memset(g.data, 0, g.bytes());
+      m->gradient_ready(i);
+    }
+    m->finish_backward();
+    m->step();
+    (void)m->report();
+    const MemoryReport after = m->memory();
+    const MemoryReport plan = plan_memory(cfg, opts);
+    // The same kinds in the same order (device and host "scalars" both), the same peaks.
+    ASSERT_EQ(plan.kinds.size(), after.kinds.size());
+    for (std::size_t j = 0; j < after.kinds.size(); ++j) {
+      EXPECT_EQ(plan.kinds[j].kind, after.kinds[j].kind);
+      EXPECT_EQ(plan.kinds[j].device, after.kinds[j].device) << after.kinds[j].kind;
+      EXPECT_EQ(plan.kinds[j].peak, after.kinds[j].peak) << after.kinds[j].kind;
+    }
+    m->close();
   }
-  m->finish_backward();
-  m->step();
-  (void)m->report();
-  const MemoryReport after = m->memory();
-  const MemoryReport plan = plan_memory(cfg, opts);
-  for (const MemoryUse& k : after.kinds) EXPECT_EQ(plan.kind(k.kind).peak, k.peak) << k.kind;
-  m->close();
 }
 
 // ---- checkpoints ------------------------------------------------------------------------
@@ -399,9 +425,10 @@ std::vector<StepRecord> run_steps(GradientManager& m, device::Device& dev, const
   return run_stream(m, dev, stream_options(c, nullptr, first, steps));
 }
 
-TEST(ManagersQ8, ACheckpointResumesOnAnotherIsaAndThreadCountBitForBit) {
-  // Four steps, a save, then a manager of another engine ISA, thread count and ring loads
-  // it and runs the last six: every one equals the reference's uninterrupted run.
+TEST(ManagersQ8, ACheckpointResumesInAnotherModeIsaAndThreadCountBitForBit) {
+  // Four steps in mode none, a save, then a manager of another mode (full offload: of each
+  // engine ISA, another thread count and ring) loads it and runs the last six: every one
+  // equals the reference's uninterrupted run.
   Case c = q8_case(AdamWConfig{}, AdamWFormula::torchao);
   c.overlap = true;
   c.max_norm_of = [](int s) -> std::optional<float> {
@@ -413,19 +440,20 @@ TEST(ManagersQ8, ACheckpointResumesOnAnotherIsaAndThreadCountBitForBit) {
   {
     auto dev = make_device();
     Build b;
-    b.mode = OffloadMode::full;
-    b.isa = isas.front();
-    b.threads = 3;
+    b.mode = OffloadMode::none;
     auto m = make_manager(b, c, *dev);
     const auto first = run_steps(*m, *dev, c, 0, 4);
     expect_same(first, std::vector<StepRecord>(want.begin(), want.begin() + 4), "before the save");
     m->save_checkpoint(path);
     m->close();
   }
-  for (cpu::Isa isa : isas) {
+  std::vector<std::pair<OffloadMode, std::optional<cpu::Isa>>> loaders = {
+      {OffloadMode::optimizer, std::nullopt}};
+  for (cpu::Isa isa : isas) loaders.push_back({OffloadMode::full, isa});
+  for (const auto& [mode, isa] : loaders) {
     auto dev = make_device();
     Build b;
-    b.mode = OffloadMode::full;
+    b.mode = mode;
     b.isa = isa;
     b.threads = 1;
     Case other = c;
@@ -435,7 +463,8 @@ TEST(ManagersQ8, ACheckpointResumesOnAnotherIsaAndThreadCountBitForBit) {
     const auto rest = run_steps(*m, *dev, c, 4, 6);
     m->close();
     expect_same(rest, std::vector<StepRecord>(want.begin() + 4, want.end()),
-                std::string("resumed on ") + std::string(cpu::isa_name(isa)));
+                "resumed in mode " + std::string(offload_mode_name(mode)) +
+                    (isa ? " on " + std::string(cpu::isa_name(*isa)) : ""));
   }
   std::filesystem::remove(path);
 }

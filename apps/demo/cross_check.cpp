@@ -45,6 +45,13 @@ std::unique_ptr<Shadow> make_shadow(const Model& m, const State& s, const Option
   sh->state.acc = clone(s.acc);
   sh->state.compute = clone(s.compute);
   sh->state.step = s.step;
+  if (o.q8) {
+    sh->state.exp_avg_codes = clone(s.exp_avg_codes);
+    sh->state.exp_avg_sq_codes = clone(s.exp_avg_sq_codes);
+    sh->state.exp_avg_max = s.exp_avg_max;
+    sh->state.exp_avg_sq_max = s.exp_avg_sq_max;
+    sh->state.block_offset = s.block_offset;
+  }
   sh->calls = make_calls(m, sh->state, s, o);
   return sh;
 }
@@ -82,6 +89,22 @@ bool compare_with_reference(const Model& m, const State& s, const StepOutcome& e
     check("exp_avg", first_difference(m, "exp_avg", s.exp_avg.data(), sh.state.exp_avg.data()));
     check("exp_avg_sq",
           first_difference(m, "exp_avg_sq", s.exp_avg_sq.data(), sh.state.exp_avg_sq.data()));
+  }
+  if (o.q8) {  // the 8-bit moments: codes and block maxima, byte for byte
+    const auto same = [](const void* a, const void* b, std::size_t n) {
+      return n == 0 || std::memcmp(a, b, n) == 0;
+    };
+    check("8-bit exp_avg",
+          same(s.exp_avg_codes.data(), sh.state.exp_avg_codes.data(), m.padded) &&
+                  same(s.exp_avg_max.data(), sh.state.exp_avg_max.data(), 4 * s.exp_avg_max.size())
+              ? ""
+              : "8-bit exp_avg: codes or block maxima differ");
+    check("8-bit exp_avg_sq",
+          same(s.exp_avg_sq_codes.data(), sh.state.exp_avg_sq_codes.data(), m.padded) &&
+                  same(s.exp_avg_sq_max.data(), sh.state.exp_avg_sq_max.data(),
+                       4 * s.exp_avg_sq_max.size())
+              ? ""
+              : "8-bit exp_avg_sq: codes or block maxima differ");
   }
   check("compute weights",
         first_difference(m, "compute weights", s.compute.data(), sh.state.compute.data()));

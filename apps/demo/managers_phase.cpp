@@ -67,6 +67,8 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
   sc::ManagerConfig cfg;
   cfg.mode = mode;
   cfg.optimizer = o.optimizer;
+  cfg.q8_state = o.q8_state;
+  cfg.min_8bit_size = kMin8bitSize;
   for (const char* name : {"decay", "no_decay"}) {
     sc::ParamGroup g;
     g.name = name;
@@ -150,18 +152,30 @@ ManagersRun run_manager_mode(sc::OffloadMode mode, const ManagersOptions& o, con
     run.committed += rep.chunks_committed;
     run.rolled_back += rep.chunks_rolled_back;
     std::uint64_t h = 0xCBF29CE484222325ull;
-    std::vector<float> master, ea, eas;
-    std::vector<std::uint8_t> compute;
+    std::vector<float> master, ea, eas, ea_max, eas_max;
+    std::vector<std::uint8_t> compute, ea_codes, eas_codes;
     for (std::size_t t = 0; t < o.layout.size(); ++t) {
       const std::size_t n = o.layout[t].numel();
+      const bool q8 = m->q8_parameter(t);  // 8-bit moments: codes and block maxima
       master.resize(n);
-      ea.resize(adamw ? n : 0);
-      eas.resize(adamw ? n : 0);
+      ea.resize(adamw && !q8 ? n : 0);
+      eas.resize(adamw && !q8 ? n : 0);
+      ea_codes.resize(q8 ? n : 0);
+      eas_codes.resize(q8 ? n : 0);
+      ea_max.resize(q8 ? sc::q8_blocks(n) : 0);
+      eas_max.resize(q8 ? sc::q8_blocks(n) : 0);
       compute.resize(2 * n);
-      m->read_parameter(t, master, ea, eas, compute);
+      std::vector<sc::SlotOut> slots;
+      if (adamw)
+        slots = {{"exp_avg", ea, ea_codes, ea_max}, {"exp_avg_sq", eas, eas_codes, eas_max}};
+      m->read_parameter(t, master, slots, compute);
       h = fnv1a(h, master.data(), 4 * n);
       h = fnv1a(h, ea.data(), 4 * ea.size());
       h = fnv1a(h, eas.data(), 4 * eas.size());
+      h = fnv1a(h, ea_codes.data(), ea_codes.size());
+      h = fnv1a(h, eas_codes.data(), eas_codes.size());
+      h = fnv1a(h, ea_max.data(), 4 * ea_max.size());
+      h = fnv1a(h, eas_max.data(), 4 * eas_max.size());
       h = fnv1a(h, compute.data(), compute.size());
     }
     run.state_hash.push_back(h);
@@ -228,6 +242,7 @@ ManagersOptions managers_options(const Options& o, const Backend& backend) {
   mo.micro_batches = o.micro_batches;
   mo.max_norm = o.max_norm;
   mo.grad_dtype = o.grad_dtype;
+  mo.q8_state = o.q8;
   if (o.optimizer == Optimizer::adamw) {
     sc::AdamWConfig a;
     a.lr = o.lr;

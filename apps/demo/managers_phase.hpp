@@ -27,6 +27,7 @@ struct ManagersOptions {
   double max_norm = 1.0;  ///< 0: no clipping
   sc::DType grad_dtype = sc::DType::bf16;
   sc::OptimizerConfig optimizer;
+  bool q8_state = false;  ///< ManagerConfig::q8_state (adamw8bit), min_8bit_size kMin8bitSize
   sc::cpu::EngineConfig engine;
   std::size_t chunk_elements = std::size_t{16} << 20;
   bool cuda = false;  ///< run on CUDA device 0 instead of the host device

@@ -37,7 +37,8 @@ options (--name value or --name=value):
   --micro-batches N    micro-batches accumulated per step (default 4)
   --max-norm X|none    clip the global norm to X (default 1.0; 0 or none: no clipping)
   --grad-dtype T       dtype of the micro-batch gradients: bf16 (default) or f32
-  --optimizer O        adamw (default) or sign_sgd
+  --optimizer O        adamw (default), adamw8bit (AdamW with block-wise 8-bit moments
+                       for tensors of at least 4096 elements) or sign_sgd
   --formula F          AdamW arithmetic: torch (default), native or torchao
   --torch-build B      the torch kernel the torch formula reproduces: x86 (its AVX2
                        build) or aarch64 (its NEON build); default: this machine's
@@ -170,12 +171,13 @@ void apply_option(Options& o, const std::string& name, const std::string& value)
     else
       throw UsageError("--grad-dtype: expected bf16 or f32, got '" + value + "'");
   } else if (name == "--optimizer") {
-    if (value == "adamw")
+    o.q8 = value == "adamw8bit";
+    if (value == "adamw" || value == "adamw8bit")
       o.optimizer = Optimizer::adamw;
     else if (value == "sign_sgd")
       o.optimizer = Optimizer::sign_sgd;
     else
-      throw UsageError("--optimizer: expected adamw or sign_sgd, got '" + value + "'");
+      throw UsageError("--optimizer: expected adamw, adamw8bit or sign_sgd, got '" + value + "'");
   } else if (name == "--formula") {
     std::size_t k = 0;
     while (k < std::size(sc::kAdamWFormulaNames) && sc::kAdamWFormulaNames[k] != value) ++k;

@@ -24,6 +24,10 @@ struct UsageError : std::runtime_error {
 
 enum class Optimizer { adamw, sign_sgd };
 
+/// The smallest tensor whose moments --optimizer adamw8bit keeps in 8 bits (the peers'
+/// min_8bit_size; the managers' ManagerConfig::min_8bit_size).
+inline constexpr std::size_t kMin8bitSize = 4096;
+
 /// Everything the command line sets.
 struct Options {
   std::string model = "qwen2.5-0.5b";
@@ -38,6 +42,9 @@ struct Options {
   /// (true) or x86's AVX2 kernel (false); default: this target's torch.
   bool torch_aarch64 = sc::kTorchVFirst;
   Optimizer optimizer = Optimizer::adamw;
+  /// --optimizer adamw8bit: AdamW with block-wise 8-bit moments (docs/numerics.md 8f) for
+  /// tensors of at least kMin8bitSize elements, in every phase.
+  bool q8 = false;
   double lr = 3e-4;
   double weight_decay = 0.1;
   std::uint64_t seed = 1;

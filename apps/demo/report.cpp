@@ -45,6 +45,23 @@ std::uint64_t hash_bf16(const Model& m, const sc::bfloat16_t* buf) {
   return f.h;
 }
 
+/// Returns the FNV-1a hash of the 8-bit codes of every tensor slice of `a` and then of `b`.
+std::uint64_t hash_codes(const Model& m, const std::uint8_t* a, const std::uint8_t* b) {
+  Fnv64 f;
+  for (const std::uint8_t* buf : {a, b})
+    for (std::size_t t = 0; t < m.layout.size(); ++t)
+      for (std::size_t i = 0; i < m.layout[t].numel(); ++i) f.add(buf[m.offset[t] + i]);
+  return f.h;
+}
+
+/// Returns the FNV-1a hash of the f32 bit patterns of `a`, then `b`.
+std::uint64_t hash_floats(const std::vector<float>& a, const std::vector<float>& b) {
+  Fnv64 f;
+  for (const std::vector<float>* v : {&a, &b})
+    for (float x : *v) f.add(sc::f32_bits(x));
+  return f.h;
+}
+
 /// Where a sample of the placed state's pages are (numa::page_nodes).
 struct PageCheck {
   std::size_t checked = 0;
@@ -150,13 +167,20 @@ void print_header(const Model& m, const Options& o, const Backend& b) {
                   m.layout[t].rows, m.layout[t].cols, grouped(m.layout[t].numel()).c_str(),
                   kind_name(m.layout[t].kind));
   const double n = static_cast<double>(m.numel);
-  const double moments = o.optimizer == Optimizer::adamw ? 8.0 * n : 0.0;
+  // The moments: f32, or (adamw8bit) 8-bit codes and maxima for tensors of >= 4096 elements.
+  double q8_numel = 0.0;
+  for (const TensorSpec& t : m.layout)
+    if (o.q8 && t.numel() >= kMin8bitSize) q8_numel += static_cast<double>(t.numel());
+  const double moments = o.optimizer == Optimizer::adamw
+                             ? 8.0 * (n - q8_numel) + 2.0 * (q8_numel + q8_numel / 64)
+                             : 0.0;
   const double grads = static_cast<double>(sc::dtype_size(o.grad_dtype)) * n;
   const double total = 4.0 * n + moments + 4.0 * n + grads + 2.0 * n;
   std::printf("state      %s (%.0f B/parameter): params f32 %s, ", human_bytes(total).c_str(),
               total / n, human_bytes(4.0 * n).c_str());
   if (o.optimizer == Optimizer::adamw)
-    std::printf("exp_avg + exp_avg_sq f32 %s, ", human_bytes(moments).c_str());
+    std::printf("exp_avg + exp_avg_sq %s %s, ", o.q8 ? "8-bit" : "f32",
+                human_bytes(moments).c_str());
   std::printf("accumulators f32 %s, micro-batch grads %s %s, compute weights bf16 %s\n",
               human_bytes(4.0 * n).c_str(), o.grad_dtype == sc::DType::bf16 ? "bf16" : "f32",
               human_bytes(grads).c_str(), human_bytes(2.0 * n).c_str());
@@ -246,6 +270,10 @@ void print_checksums(const Model& model, const State& state, const Options& o) {
   if (o.optimizer == Optimizer::adamw)
     std::printf("  exp_avg %016" PRIx64 "  exp_avg_sq %016" PRIx64,
                 hash_f32(model, state.exp_avg.data()), hash_f32(model, state.exp_avg_sq.data()));
+  if (o.q8)
+    std::printf("  8-bit codes %016" PRIx64 "  maxima %016" PRIx64,
+                hash_codes(model, state.exp_avg_codes.data(), state.exp_avg_sq_codes.data()),
+                hash_floats(state.exp_avg_max, state.exp_avg_sq_max));
   std::printf("  (FNV-1a 64 over bit patterns)\n");
 }
 

@@ -85,6 +85,18 @@ State make_state(const Model& m, const Options& o, const Backend& b) {
     }
     s.acc = AlignedArray<float>(m.padded);
   }
+  if (o.q8) {  // 0 in 8 bits: the zero codes (127 signed, 0 unsigned), maxima 0
+    s.exp_avg_codes = AlignedArray<std::uint8_t>(m.padded);
+    s.exp_avg_sq_codes = AlignedArray<std::uint8_t>(m.padded);
+    std::fill(s.exp_avg_codes.data(), s.exp_avg_codes.data() + m.padded, std::uint8_t{127});
+    std::size_t blocks = 0;
+    for (const TensorSpec& t : m.layout) {
+      s.block_offset.push_back(blocks);
+      blocks += (t.numel() + sc::kQ8BlockSize - 1) / sc::kQ8BlockSize;
+    }
+    s.exp_avg_max.assign(blocks, 0.0f);
+    s.exp_avg_sq_max.assign(blocks, 0.0f);
+  }
   s.compute = AlignedArray<sc::bfloat16_t>(m.padded);
   if (o.grad_dtype == sc::DType::bf16)
     s.grad_bf16 = AlignedArray<sc::bfloat16_t>(m.padded);
@@ -123,7 +135,11 @@ Calls make_calls(const Model& m, State& s, const State& grads, const Options& o)
     const int group = no_decay(m.layout[t].kind) ? 1 : 0;
     sc::OptimizerTensor ot;
     ot.param = param;
-    if (o.optimizer == Optimizer::adamw) {
+    if (o.optimizer == Optimizer::adamw && o.q8 && n >= kMin8bitSize) {
+      ot.q8[0] = {s.exp_avg_codes.data() + off, s.exp_avg_max.data() + s.block_offset[t]};
+      ot.q8[1] = {s.exp_avg_sq_codes.data() + off, s.exp_avg_sq_max.data() + s.block_offset[t]};
+      ot.step = &s.step[t];
+    } else if (o.optimizer == Optimizer::adamw) {
       ot.state[0] = sc::f32_view(s.exp_avg.data() + off, n);
       ot.state[1] = sc::f32_view(s.exp_avg_sq.data() + off, n);
       ot.step = &s.step[t];

@@ -59,6 +59,12 @@ struct State {
   AlignedArray<sc::bfloat16_t> grad_bf16;  ///< one micro-batch's gradients, bf16
   AlignedArray<float> grad_f32;            ///< one micro-batch's gradients, f32
   std::vector<float> step;                 ///< per-tensor AdamW step counters
+  /// --optimizer adamw8bit: the 8-bit moments of the tensors of at least kMin8bitSize
+  /// elements (codes at the tensors' offsets, one f32 maximum per block of 256 at
+  /// block_offset[t]; the f32 moments of those tensors are unused).
+  AlignedArray<std::uint8_t> exp_avg_codes, exp_avg_sq_codes;
+  std::vector<float> exp_avg_max, exp_avg_sq_max;
+  std::vector<std::size_t> block_offset;
 };
 
 /// Allocates the (zeroed, touched) state for `m`. With a NUMA placement the f32

@@ -220,8 +220,8 @@ struct ManagerConfig {
   /// state"): every parameter of at least min_8bit_size elements (this rank's shard, a
   /// tensor of its own) keeps its state slots as codes and block maxima (q8_parameter),
   /// starting from the zero code and maximum 0 (the value 0); the others keep f32 slots.
-  /// Only an optimizer whose optimizer_table() entry has q8 (AdamW, Adam), in mode full:
-  /// else Errc::not_supported naming "q8_state". The full-offload rings' slots then hold a
+  /// Every mode; only an optimizer whose optimizer_table() entry has q8 (AdamW, Adam): else
+  /// Errc::not_supported naming "q8_state". The full-offload rings' slots then hold a
   /// multiple of kQ8BlockSize elements, so that no block is split.
   bool q8_state = false;
   std::size_t min_8bit_size = 4096;  ///< the smallest parameter with 8-bit slots

@@ -13,8 +13,8 @@
 //
 // The serial twin: a second manager of the same configuration gets the same calls with
 // the same arguments (the same input bytes, replayed), except that its begin_step always
-// passes overlap_optimizer = false (8-bit state slots in full offload among the
-// configurations). Overlap changes no bit, so whenever the primary can be
+// passes overlap_optimizer = false (8-bit state slots among the configurations).
+// Overlap changes no bit, so whenever the primary can be
 // read (between steps) after calls that changed the state, the two must agree bit for bit
 // on every parameter's master, moments, compute weights and step counter and on the
 // report's norm, clip coefficient, skipped and stepped (not its chunk counts or timing).
@@ -416,11 +416,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Every mode steps every optimizer (its state slots named as its unit names them).
   Bits bits(in);
   c.optimizer = decode_config(unit, bits, betas, c.groups);
-  // The ring byte's high bits: 8-bit state for an optimizer with it in full offload (the
-  // refusals elsewhere are unit tests'), from parameters of 0, 7 or 100 elements up. The
-  // rings then hold whole blocks.
-  if (ring / 48 % 2 != 0 && c.mode == OffloadMode::full &&
-      optimizer_table()[c.optimizer.index()].q8) {
+  // The ring byte's high bits: 8-bit state for an optimizer with it, in any mode (the
+  // other optimizers' refusal is a unit test's), from parameters of 0, 7 or 100 elements
+  // up. Full offload's rings then hold whole blocks.
+  if (ring / 48 % 2 != 0 && optimizer_table()[c.optimizer.index()].q8) {
     static const std::size_t mins[] = {0, 7, 100};
     c.q8_state = true;
     c.min_8bit_size = mins[ring / 96 % 3];
