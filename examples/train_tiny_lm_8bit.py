@@ -9,6 +9,11 @@ run) runs with:
   4,096 elements, formula "torchao");
 * `torchao`: `torchao.optim.AdamW8bit`, when torchao can be imported.
 
+`--model llama` trains a Hugging Face `transformers.LlamaForCausalLM` instead (RMSNorm,
+rotary positions, grouped-query attention, SwiGLU MLP, an untied head: `--dim`, `--layers`,
+`--heads` size it, half as many key-value heads, the MLP 8/3 as wide rounded to 64),
+initialised by transformers from `--seed`, on the same corpus and step loop.
+
 It prints the loss per step of each run, whether the `8bit` and `torchao` runs gave the
 same params after every step (they do when every param stepcore quantizes is a multiple of
 256 elements, as here: torchao keeps f32 state for the others), the state bytes per
@@ -16,6 +21,7 @@ parameter of each run, and the final losses. `--csv PATH` writes the curves, `--
 draws them (no plotting library needed).
 
 Run: PYTHONPATH=build/<preset>/python /opt/torchenv/py examples/train_tiny_lm_8bit.py --steps 300
+     [--model llama]
 """
 
 from __future__ import annotations
@@ -71,11 +77,37 @@ def set_lr(opt, lr: float) -> None:
             group["lr"] = lr
 
 
+class HFCausalLM(torch.nn.Module):
+    """A transformers causal LM as the step loop calls a model: token ids in, logits out
+    (right padding needs no attention mask: a causal query never sees the later PADs)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False).logits
+
+
+def build_llama(args) -> torch.nn.Module:
+    """The Hugging Face Llama of `args`, initialised by transformers from args.seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim,
+                         intermediate_size=(8 * args.dim // 3 + 63) // 64 * 64,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=max(1, args.heads // 2),
+                         max_position_embeddings=args.context, tie_word_embeddings=False,
+                         attn_implementation="eager")
+    torch.manual_seed(args.seed)
+    return HFCausalLM(LlamaForCausalLM(config))
+
+
 def train(args, run: str, data):
     """Trains run `run`; returns (losses per step, params after each step, state bytes)
     or None when its optimizer is not available."""
     torch.manual_seed(args.seed)
-    model = lm.build_model(args)
+    model = build_llama(args) if args.model == "llama" else lm.build_model(args)
     params = list(model.parameters())
     opt = make_optimizer(run, params, args.lr)
     if opt is None:
@@ -140,6 +172,8 @@ def parse_args(argv=None):
     """The tiny LM's options (train_tiny_lm.add_model_arguments), plus --csv and --svg."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     lm.add_model_arguments(p)
+    p.add_argument("--model", choices=("tiny", "llama"), default="tiny",
+                   help="the tiny LM, or a Hugging Face LlamaForCausalLM (transformers)")
     p.add_argument("--csv", metavar="PATH")
     p.add_argument("--svg", metavar="PATH")
     return p.parse_args(argv)

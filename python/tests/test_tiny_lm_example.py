@@ -133,15 +133,19 @@ def test_the_example_on_two_fsdp2_processes_equals_one_process():
         "step identical after every step" in out, out
 
 
-def test_the_8bit_example_trains_and_equals_torchao(tmp_path):
-    """examples/train_tiny_lm_8bit.py: f32 AdamW and AdamW8bit both learn; stepcore's
-    AdamW8bit gives torchao's AdamW8bit params after every step; 8-bit state is about a
-    quarter of the f32 state's bytes; the curves are written."""
+@pytest.mark.parametrize("model", ["tiny", "llama"])
+def test_the_8bit_example_trains_and_equals_torchao(tmp_path, model):
+    """examples/train_tiny_lm_8bit.py, on the tiny LM and on a Hugging Face Llama: f32 AdamW
+    and AdamW8bit both learn; stepcore's AdamW8bit gives torchao's AdamW8bit params after
+    every step; 8-bit state is about a quarter of the f32 state's bytes; the curves are
+    written."""
     pytest.importorskip("stepcore.torch")
     pytest.importorskip("torchao.optim")
+    if model == "llama":
+        pytest.importorskip("transformers", reason="tools/golden/setup_torch.sh installs it")
     svg = tmp_path / "loss.svg"
     rc, out = run_example(["--steps", "8", "--warmup", "2", "--csv", str(tmp_path / "loss.csv"),
-                           "--svg", str(svg)], script="train_tiny_lm_8bit.py")
+                           "--svg", str(svg), "--model", model], script="train_tiny_lm_8bit.py")
     assert rc == 0, out[-3000:]
     assert "bitwise: stepcore AdamW8bit and torchao AdamW8bit params identical after every " \
         "step" in out, out

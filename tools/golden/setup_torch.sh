@@ -11,6 +11,7 @@
 #   STEPCORE_TORCH_DL       where the torch wheel is saved (default /tmp/torchdl)
 #   STEPCORE_TORCHAO_VERSION  torchao version               (default 0.18.0, the golden files')
 #   STEPCORE_BITSANDBYTES_VERSION  bitsandbytes version     (default 0.50.0, the one compared)
+#   STEPCORE_TRANSFORMERS_VERSION  transformers version     (default 4.57.1: the Llama example)
 #   PYTHON                  interpreter that creates the venv (default python3; 3.11 was used)
 #
 # Afterwards run Python as "$STEPCORE_TORCH_VENV/py" (e.g. /opt/torchenv/py); the plain
@@ -55,6 +56,14 @@ BNB_VERSION="${STEPCORE_BITSANDBYTES_VERSION:-0.50.0}"
 have_bnb="$("$VPY" -c 'import importlib.metadata as m; print(m.version("bitsandbytes"))' 2>/dev/null || true)"
 if [ "$have_bnb" != "$BNB_VERSION" ]; then
   "${PIP[@]}" install --no-deps "bitsandbytes==$BNB_VERSION"
+fi
+
+# 3d. transformers (with its own pure-Python and tokenizer dependencies; it does not
+# depend on torch): the Hugging Face Llama of examples/train_tiny_lm_8bit.py --model llama.
+TRANSFORMERS_VERSION="${STEPCORE_TRANSFORMERS_VERSION:-4.57.1}"
+have_transformers="$("$VPY" -c 'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || true)"
+if [ "$have_transformers" != "$TRANSFORMERS_VERSION" ]; then
+  "${PIP[@]}" install "transformers==$TRANSFORMERS_VERSION"
 fi
 
 # 4. Shared libraries torch's wheel links against even when only the CPU is used.
