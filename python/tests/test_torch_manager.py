@@ -447,8 +447,11 @@ def test_fsdp_names_its_replacement_and_an_unknown_optimizer_is_named():
 
     with pytest.raises(ValueError, match="fsdp.*removed"):
         st.GradientManager(TinyLM(), offload="fsdp")
-    names = ", ".join(repr(e["name"]) for e in stepcore.optimizer_table())  # lion included
-    assert "'lion'" in names
+    table = stepcore.optimizer_table()
+    # The table's names (lion included), then the 8-bit names of its q8 optimizers.
+    names = ", ".join([repr(e["name"]) for e in table]
+                      + [repr(e["name"] + "8bit") for e in table if e["q8"]])
+    assert "'lion'" in names and "'adamw8bit'" in names
     with pytest.raises(ValueError,
                        match=re.escape(f"'optimizer' must be one of {names}; got 'muon'")):
         st.GradientManager(TinyLM(), offload="full", optimizer="muon")
