@@ -318,10 +318,9 @@ class GradientManager final {
   /// weights to the master's rounding: what a resumed run continues from, the same bits
   /// as the run that exported it. A missing, repeated or unknown slot name throws
   /// Errc::invalid_argument naming "state" with the slot names. A q8_parameter's slots
-  /// give codes (numel bytes) and absmax (q8_blocks(numel) finite floats >= 0; a block
-  /// whose maximum is 0 has only the zero code) instead of values: else Errc naming
-  /// "<slot>.codes" or "<slot>.absmax" (docs/managers.md, "8-bit state"). Only between
-  /// steps.
+  /// give codes (numel bytes, any) and absmax (q8_blocks(numel) finite floats >= 0)
+  /// instead of values: else Errc naming "<slot>.codes" or "<slot>.absmax"
+  /// (docs/managers.md, "8-bit state"). Only between steps.
   void import_parameter(std::size_t i, std::span<const float> master, std::span<const SlotIn> state,
                         float step);
   /// The same for an optimizer whose slots are exp_avg and exp_avg_sq (AdamW and Adam
