@@ -53,7 +53,7 @@ void bind_plan(nb::module_& m) {
          std::uint64_t ring_slot_elements, std::uint64_t chunk_elements,
          const std::string& checkpoint, std::optional<std::uint64_t> host_memory,
          std::optional<std::uint64_t> gpu_memory, std::optional<std::string> dtype,
-         bool trainer_buffers) {
+         bool trainer_buffers, bool q8_state, std::uint64_t min_8bit_size) {
         ModelPlanRequest r;
         const std::optional<DType> dt =
             dtype ? std::optional<DType>(dtype_named(*dtype, "dtype")) : std::nullopt;
@@ -85,6 +85,8 @@ void bind_plan(nb::module_& m) {
         c.ring_slots = ring_slots;
         c.ring_slot_elements = static_cast<std::size_t>(ring_slot_elements);
         c.chunk_elements = static_cast<std::size_t>(chunk_elements);
+        c.q8_state = q8_state;
+        c.min_8bit_size = static_cast<std::size_t>(min_8bit_size);
         r.trainer_buffers = trainer_buffers;
         r.ranks = ranks;
         r.ranks_per_node = ranks_per_node;
@@ -108,7 +110,8 @@ void bind_plan(nb::module_& m) {
       nb::arg("speculation"), nb::arg("speculation_bytes"), nb::arg("speculation_device_bytes"),
       nb::arg("ring_slots"), nb::arg("ring_slot_elements"), nb::arg("chunk_elements"),
       nb::arg("checkpoint"), nb::arg("host_memory").none(), nb::arg("gpu_memory").none(),
-      nb::arg("dtype").none(), nb::arg("trainer_buffers"),
+      nb::arg("dtype").none(), nb::arg("trainer_buffers"), nb::arg("q8_state") = false,
+      nb::arg("min_8bit_size") = ManagerConfig{}.min_8bit_size,
       "plan_model (stepcore/plan.hpp) of a model given as kind 'count' (an int), 'shapes' "
       "([(name, shape, dtype)]), 'hf_path' or 'hf_json' (a config.json's path or text): rank "
       "0's bytes by kind ('<kind>' host, '<kind>@device'; bytes and peak), the totals, the "

@@ -211,10 +211,8 @@ class GradientManager(torch.optim.Optimizer):
         self._info, self._q8 = _table.entry_q8(optimizer, "stepcore.torch")
         _table.check_q8_arguments(block_size, min_8bit_size, "stepcore.torch")
         self._min_8bit_size = min_8bit_size
-        if (self._q8 and formula is None and "formula" not in (hyper or {})
-                and _table.hyper(self._info, "formula") is not None
-                and "torchao" in _table.choices(self._info, "formula")):
-            formula = "torchao"
+        if self._q8 and formula is None and "formula" not in (hyper or {}):
+            formula = _table.q8_defaults(self._info).get("formula")
         self._config, defaults = self._resolve_hyper(
             hyper, dict(betas=betas, eps=eps, formula=formula), lr, weight_decay)
         _check_choice("speculation", speculation, ("always", "never", "auto"))

@@ -15,7 +15,7 @@ import os
 import sys
 from numbers import Integral
 
-from . import _core
+from . import _core, _table
 
 _DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -94,7 +94,8 @@ def plan_memory(model, *, offload: str, optimizer: str = "adamw", hyper: dict | 
                 ring_slots: int | None = None, ring_slot_elements: int = 1 << 19,
                 chunk_elements: int = 16 << 20, checkpoint: str = "none",
                 host_memory: int | None = None, gpu_memory: int | None = None,
-                dtype: str | None = None, trainer_buffers: bool | None = None) -> dict:
+                dtype: str | None = None, trainer_buffers: bool | None = None,
+                min_8bit_size: int = 4096) -> dict:
     """Predicts what each rank's gradient manager allocates for `model` sharded over `ranks`
     (FSDP: every parameter's shard is ceil(numel / ranks) elements on rank 0, the rank
     planned): a dict like ``GradientManager.report()["memory"]`` ('kinds': {'<kind>' or
@@ -112,8 +113,15 @@ def plan_memory(model, *, offload: str, optimizer: str = "adamw", hyper: dict | 
     (e.g. {'momentum': 0.9}). `speculation_bytes` None: every chunk; `ring_slots` None: the
     default ring. `trainer_buffers`: gradients and compute weights in the model's own tensors
     (no device gradient or compute buffers), as stepcore.torch.GradientManager does; None:
-    True for a torch.nn.Module, else False. Sizes must be ints: a float (7e9) or a bool raises TypeError, a negative
+    True for a torch.nn.Module, else False. `optimizer` "adamw8bit" or "adam8bit" plans
+    block-wise 8-bit state for every shard of at least `min_8bit_size` elements
+    (ManagerConfig::q8_state). Sizes must be ints: a float (7e9) or a bool raises TypeError, a negative
     size ValueError, each naming the argument; a broken config names its file."""
+    entry, q8 = _table.entry_q8(optimizer, "stepcore")
+    _table.check_q8_arguments(_table.Q8_BLOCK_SIZE, min_8bit_size, "stepcore")
+    optimizer = entry["name"]
+    if q8:  # the 8-bit variant's defaults (torchao's formula), as GradientManager's
+        hyper = {**_table.q8_defaults(entry), **(hyper or {})}
     kind, value = _model(model, dtype)
     if trainer_buffers is None:
         torch = sys.modules.get("torch")
@@ -138,4 +146,4 @@ def plan_memory(model, *, offload: str, optimizer: str = "adamw", hyper: dict | 
         _size("chunk_elements", chunk_elements, minimum=1), checkpoint,
         None if host_memory is None else _size("host_memory", host_memory),
         None if gpu_memory is None else _size("gpu_memory", gpu_memory), dtype,
-        bool(trainer_buffers))
+        bool(trainer_buffers), q8, min_8bit_size)

@@ -54,6 +54,14 @@ def entry_q8(name, where: str):
                      + ", ".join(repr(n) for n in NAMES + Q8_NAMES) + f"; got {name!r}")
 
 
+def q8_defaults(e: dict) -> dict:
+    """The fields entry `e`'s 8-bit variant sets by default: torchao's formula where the
+    optimizer has it (the 8-bit peer's bits), else none."""
+    if hyper(e, "formula") is not None and "torchao" in choices(e, "formula"):
+        return {"formula": "torchao"}
+    return {}
+
+
 def check_q8_arguments(block_size, min_8bit_size, where: str) -> None:
     """Raises ValueError from `where` naming the argument unless block_size is
     Q8_BLOCK_SIZE (the only block of 8-bit state) and min_8bit_size an int >= 0."""

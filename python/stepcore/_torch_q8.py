@@ -158,10 +158,7 @@ class _Q8:
 
 def _formula_default(base) -> dict:
     """torchao's formula, where the optimizer has one: the 8-bit peer's bits by default."""
-    e = _table.entry(base._UNIT, "stepcore.torch")
-    if _table.hyper(e, "formula") is not None and "torchao" in _table.choices(e, "formula"):
-        return {"formula": "torchao"}
-    return {}
+    return _table.q8_defaults(_table.entry(base._UNIT, "stepcore.torch"))
 
 
 def eight_bit_classes(drop_ins) -> dict:

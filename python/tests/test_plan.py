@@ -80,6 +80,39 @@ def test_torch_module_plan_equals_the_torch_managers_report():
             gm.close()
 
 
+def test_an_8bit_managers_report_equals_its_plan_in_every_mode():
+    """GradientManager(optimizer="adamw8bit") over a bf16 module with tensors on both sides
+    of min_8bit_size: report()["memory"] equals plan_memory(..., optimizer="adamw8bit"),
+    whose 8-bit slots take a quarter of the f32 slots' bytes (plus the maxima)."""
+    torch = pytest.importorskip("torch")
+    import stepcore.torch as st
+
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 32), torch.nn.Linear(32, 300))
+    model = model.to(torch.bfloat16)
+    tokens = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(0))
+    for mode in MODES:
+        gm = st.GradientManager(model, offload=mode, optimizer="adamw8bit", lr=1e-3, threads=1,
+                                min_8bit_size=1000)
+        for overlap in (False, True):
+            gm.begin_step(1.0, overlap_optimizer=overlap)
+            for k in range(2):
+                gm.begin_backward(final_backward=k == 1)
+                model(tokens).float().square().mean().backward()
+                gm.finish_backward()
+            gm.step()
+            plan = stepcore.plan_memory(model, offload=mode, optimizer="adamw8bit",
+                                        micro_batches=2, overlap=overlap, min_8bit_size=1000)
+            got = gm.report()["memory"]
+            assert {k: plan[k] for k in got} == got, (mode, overlap)
+        gm.close()
+    f32 = stepcore.plan_memory(model, offload="full", min_8bit_size=1000)["kinds"]
+    q8 = stepcore.plan_memory(model, offload="full", optimizer="adamw8bit",
+                              min_8bit_size=1000)["kinds"]
+    assert q8["exp_avg"]["bytes"] < 0.4 * f32["exp_avg"]["bytes"], (q8, f32)
+    with pytest.raises(ValueError, match="min_8bit_size"):
+        stepcore.plan_memory(model, offload="full", optimizer="adamw8bit", min_8bit_size=-1)
+
+
 def test_hugging_face_configs_by_path_and_dict_and_the_cli_agree():
     llama = stepcore.plan_memory(DATA / "llama3-70b.json", offload="full", ranks=8,
                                  ranks_per_node=8, host_memory=3840 * 10**9,
