@@ -76,7 +76,7 @@ void adversarial(int s, int mb, std::size_t i, std::size_t off, std::size_t nume
     }
   }
   ASSERT_EQ(dtype, DType::f32);
-  std::memcpy(out, v.data(), numel * sizeof(float));
+  if (numel != 0) std::memcpy(out, v.data(), numel * sizeof(float));
 }
 
 // A case of 8-bit state over the boundary sizes (min_8bit_size 1: all but the empty one).
@@ -190,12 +190,13 @@ TEST(ManagersQ8, MixedSizesKeepF32StateBelowTheThreshold) {
 
 TEST(ManagersQ8, AboutAMillionElementsEqualTheReference) {
   Case c = q8_case(AdamWConfig{});
+  c.steps = stepcore::testing_support::by_profile(10, 4, "4 steps of 10");
   c.sizes = {1000003, 300};
   c.chunk = 1 << 20;
   c.ring_slot_elements = 1 << 17;
   c.overlap = true;
   c.max_norm_of = [](int s) -> std::optional<float> {
-    return s == 4 ? std::optional<float>(1e-3f) : std::nullopt;
+    return s == 2 ? std::optional<float>(1e-3f) : std::nullopt;  // a rollback
   };
   expect_reference(c);
 }
