@@ -593,8 +593,7 @@ TEST(Checkpoint, ALoadRacingATruncationIsAnErrorNeverASignal) {
       for (std::size_t a = 0; a < f.header().arrays(); ++a) {
         const std::span<const float> got = f.array(i, a);
         ASSERT_EQ(got.size(), arrays[i][a].size());
-        ASSERT_EQ(got.empty() ? 0 : std::memcmp(got.data(), arrays[i][a].data(), 4 * got.size()),
-                  0)
+        ASSERT_EQ(got.empty() ? 0 : std::memcmp(got.data(), arrays[i][a].data(), 4 * got.size()), 0)
             << "run " << run << ", parameter " << i << ", array " << a;
       }
   };
