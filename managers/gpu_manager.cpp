@@ -95,7 +95,7 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
     if (!streamed())
       for (std::size_t s = 0; s < slots(); ++s) {
         view[i].state[s] = dev_views.add(array_bytes(i, s));
-        if (s != 0) view[i].absmax[s - 1] = dev_views.add(absmax_bytes(i, s - 1));
+        if (s != 0) view[i].absmax[s - 1] = dev_views.add(absmax_bytes(i));
       }
   }
   plan.scalars = dev_views.add(sizeof(StepScalars));
@@ -122,7 +122,7 @@ GpuGradientManager::MemoryPlan GpuGradientManager::plan_memory(const BiasTables&
       for (std::size_t s = 0; s < slots(); ++s)
         for (std::size_t i = c.first; i < c.last; ++i) {
           view[i].state[s] = block.add(array_bytes(i, s));
-          if (s != 0) view[i].absmax[s - 1] = block.add(absmax_bytes(i, s - 1));
+          if (s != 0) view[i].absmax[s - 1] = block.add(absmax_bytes(i));
         }
       const SlabLayout bl = block.layout();
       for (std::size_t i = c.first; i < c.last; ++i)
@@ -219,7 +219,7 @@ void GpuGradientManager::account_memory(const MemoryPlan& plan) {
       computes += aligned_bytes(p.numel * dtype_size(p.compute_dtype));
     for (std::size_t s = 0; s < slots(); ++s)
       per_slot[s] +=
-          aligned_bytes(array_bytes(i, s)) + (s != 0 ? aligned_bytes(absmax_bytes(i, s - 1)) : 0);
+          aligned_bytes(array_bytes(i, s)) + (s != 0 ? aligned_bytes(absmax_bytes(i)) : 0);
   }
   std::size_t state = 0;
   for (std::size_t b : per_slot) state += b;
@@ -307,8 +307,7 @@ std::size_t GpuGradientManager::array_bytes(std::size_t i, std::size_t s) const 
   return s != 0 && params_[i].q8 ? n : n * sizeof(float);
 }
 
-std::size_t GpuGradientManager::absmax_bytes(std::size_t i, std::size_t s) const {
-  (void)s;
+std::size_t GpuGradientManager::absmax_bytes(std::size_t i) const {
   return params_[i].q8 ? q8_blocks(config().params[i].numel) * sizeof(float) : 0;
 }
 
@@ -368,7 +367,7 @@ void GpuGradientManager::do_import_parameter(std::size_t i, Arrays<const float> 
       zero_codes.emplace_back(p.numel,
                               q8_zero_code(slot_non_negative(shape().name, shape().slot_names[k])));
       put_bytes(q.state[s], zero_codes.back().data(), p.numel);
-      put_bytes(q.absmax[k], nullptr, absmax_bytes(i, k));
+      put_bytes(q.absmax[k], nullptr, absmax_bytes(i));
     }
   }
   if (counts()) dev_.copy(Queue::compute, d_steps_ + i, &step, sizeof(float));

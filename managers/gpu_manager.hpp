@@ -192,9 +192,9 @@ class GpuGradientManager final : public ManagerImpl {
   // The block maxima of parameter i's 8-bit slot s, where they live or in `slot`.
   float* absmax_at(std::size_t i, std::size_t s, std::byte* slot) const;
   // The bytes of parameter i's state array s (the master, an f32 slot, or an 8-bit slot's
-  // codes) and of its 8-bit slot s's maxima (0 for f32 slots).
+  // codes), and of each of its 8-bit slots' maxima (0 for f32 slots).
   std::size_t array_bytes(std::size_t i, std::size_t s) const;
-  std::size_t absmax_bytes(std::size_t i, std::size_t s) const;
+  std::size_t absmax_bytes(std::size_t i) const;
   std::size_t rollback_bytes(std::size_t k) const;
   // Carves chunk k's rollback space (each parameter's state arrays, the counters, the
   // compute staging); false when the budget has no room left in this step.

@@ -23,7 +23,7 @@ std::size_t GpuGradientManager::rollback_bytes(std::size_t k) const {
   std::size_t bytes = counts() ? align_up(sizeof(float) * (c.last - c.first)) : 0;
   for (std::size_t i = c.first; i < c.last; ++i) {
     for (std::size_t s = 0; s < slots(); ++s)
-      bytes += align_up(array_bytes(i, s)) + (s != 0 ? align_up(absmax_bytes(i, s - 1)) : 0);
+      bytes += align_up(array_bytes(i, s)) + (s != 0 ? align_up(absmax_bytes(i)) : 0);
     bytes += align_up(params_[i].compute.bytes());
   }
   return bytes;
@@ -59,7 +59,7 @@ bool GpuGradientManager::admit(std::size_t k) {
   for (std::size_t i = c.first; i < c.last; ++i) {
     for (std::size_t s = 0; s < slots(); ++s) {
       spec_[i].state[s] = reinterpret_cast<float*>(take(array_bytes(i, s)));
-      if (s != 0) spec_[i].absmax[s - 1] = reinterpret_cast<float*>(take(absmax_bytes(i, s - 1)));
+      if (s != 0) spec_[i].absmax[s - 1] = reinterpret_cast<float*>(take(absmax_bytes(i)));
     }
     spec_[i].compute = take(params_[i].compute.bytes());
   }
@@ -85,8 +85,7 @@ void GpuGradientManager::commit(std::size_t k) {
     for (std::size_t s = 0; s < slots() && q.acc.numel != 0; ++s) {
       dev_.copy(state_queue, state_at(i, s, block), spec_[i].state[s], array_bytes(i, s));
       if (s != 0 && q.q8)
-        dev_.copy(state_queue, absmax_at(i, s - 1, block), spec_[i].absmax[s - 1],
-                  absmax_bytes(i, s - 1));
+        dev_.copy(state_queue, absmax_at(i, s - 1, block), spec_[i].absmax[s - 1], absmax_bytes(i));
     }
     if (q.compute.numel != 0)
       dev_.copy(Queue::compute, q.compute.data, spec_[i].compute, q.compute.bytes());

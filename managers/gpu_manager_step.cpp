@@ -191,7 +191,7 @@ Q8Slot GpuGradientManager::q8_slot(std::size_t i, std::size_t k, std::byte* slot
   const std::size_t n = config().params[i].numel;
   if (n != 0) {
     dev_.copy(Queue::compute, spec_codes, codes, n);
-    dev_.copy(Queue::compute, spec_[i].absmax[k], maxima, absmax_bytes(i, k));
+    dev_.copy(Queue::compute, spec_[i].absmax[k], maxima, absmax_bytes(i));
   }
   return {spec_codes, spec_[i].absmax[k]};
 }
