@@ -289,39 +289,39 @@ TEST(ManagersQ8, BadStateIsRefusedNamingItWithNothingWritten) {
     std::vector<float> other(n, 2.0f);
     m->import_parameter(0, other, state, 4.0f);
   };
+  // Each case spoils one slot of an otherwise valid import: its codes, its maxima, or
+  // values given for an 8-bit slot.
   const std::vector<float> negative = {1.0f, -1.0f, 1.0f}, nan = {1.0f, 1.0f, NAN},
                            two = {1.0f, 1.0f}, inf = {INFINITY, 1.0f, 1.0f};
+  struct Spoil {
+    bool sq;  // exp_avg_sq instead of exp_avg
+    const std::vector<std::uint8_t>* codes;
+    const std::vector<float>* absmax;
+    const std::vector<float>* values;
+    Errc code;
+    const char* arg;
+  };
+  const Spoil spoils[] = {
+      {false, &short_codes, &absmax, nullptr, Errc::size_mismatch, "exp_avg.codes"},
+      {false, &codes, &two, nullptr, Errc::size_mismatch, "exp_avg.absmax"},
+      {true, &codes, &negative, nullptr, Errc::invalid_argument, "exp_avg_sq.absmax"},
+      {false, &codes, &nan, nullptr, Errc::non_finite, "exp_avg.absmax"},
+      {false, &codes, &inf, nullptr, Errc::non_finite, "exp_avg.absmax"},
+      {false, nullptr, nullptr, &values, Errc::invalid_argument, "exp_avg"},
+  };
   using Slots = std::vector<SlotIn>;
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", {}, short_codes, absmax}, { "exp_avg_sq", {}, codes, absmax }});
-      },
-      Errc::size_mismatch, {"exp_avg.codes"});
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", {}, codes, two}, { "exp_avg_sq", {}, codes, absmax }});
-      },
-      Errc::size_mismatch, {"exp_avg.absmax"});
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", {}, codes, absmax}, { "exp_avg_sq", {}, codes, negative }});
-      },
-      Errc::invalid_argument, {"exp_avg_sq.absmax"});
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", {}, codes, nan}, { "exp_avg_sq", {}, codes, absmax }});
-      },
-      Errc::non_finite, {"exp_avg.absmax"});
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", {}, codes, inf}, { "exp_avg_sq", {}, codes, absmax }});
-      },
-      Errc::non_finite, {"exp_avg.absmax"});
-  expect_error(
-      [&] {
-        import(Slots{{"exp_avg", values}, { "exp_avg_sq", {}, codes, absmax }});
-      },
-      Errc::invalid_argument, {"exp_avg"});
+  for (const Spoil& sp : spoils) {
+    const SlotIn good_avg{"exp_avg", {}, codes, absmax}, good_sq{"exp_avg_sq", {}, codes, absmax};
+    SlotIn bad{sp.sq ? "exp_avg_sq" : "exp_avg"};
+    if (sp.values != nullptr) bad.values = *sp.values;
+    if (sp.codes != nullptr) bad.codes = *sp.codes;
+    if (sp.absmax != nullptr) bad.absmax = *sp.absmax;
+    expect_error(
+        [&] {
+          import(Slots{sp.sq ? good_avg : bad, sp.sq ? bad : good_sq});
+        },
+        sp.code, {sp.arg});
+  }
   // Codes for an f32 parameter; values of the wrong kind when reading.
   std::vector<float> m1(100, 0.0f);
   std::vector<std::uint8_t> c100(100, 0);

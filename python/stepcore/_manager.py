@@ -13,6 +13,7 @@ see docs/python.md, "GradientManager".
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -703,7 +704,7 @@ class GradientManager(torch.optim.Optimizer):
         the one whose map value is +0, every block maximum 0."""
         slot = next(s for s in self._info["slots"] if s["name"] == name)
         values = [float(v) for v in _core.q8_map(slot["non_negative"])]
-        zero = next(c for c, v in enumerate(values) if v == 0.0 and str(v) == "0.0")
+        zero = next(c for c, v in enumerate(values) if v == 0.0 and math.copysign(1.0, v) > 0)
         blocks = (n + _table.Q8_BLOCK_SIZE - 1) // _table.Q8_BLOCK_SIZE
         return (torch.full((n,), zero, dtype=torch.uint8), torch.zeros(blocks))
 

@@ -20,7 +20,7 @@ import torch
 from . import _core, _table
 from ._torch_checks import _check_tensor
 
-BLOCK = _core.Q8_BLOCK_SIZE
+BLOCK = _table.Q8_BLOCK_SIZE
 _ABSMAX = "_absmax"  # the suffix of a slot's block maxima in a param's state
 
 

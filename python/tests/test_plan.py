@@ -46,6 +46,16 @@ def test_shapes_plan_equals_a_managers_memory_in_every_mode():
             assert plan["fits_host"] is None and plan["fits_gpu"] is None
 
 
+def step_twice(gm, model, tokens, overlap):
+    """One step of two micro-batches through the manager (overlapped or not)."""
+    gm.begin_step(1.0, overlap_optimizer=overlap)
+    for k in range(2):
+        gm.begin_backward(final_backward=k == 1)
+        model(tokens).float().square().mean().backward()
+        gm.finish_backward()
+    gm.step()
+
+
 def test_torch_module_plan_equals_the_torch_managers_report():
     """stepcore.torch.GradientManager over a bf16 module (the model's own gradients and
     weights): report()["memory"] equals plan_memory(module) after each phase."""
@@ -60,12 +70,7 @@ def test_torch_module_plan_equals_the_torch_managers_report():
         for mode in MODES:
             gm = st.GradientManager(model, offload=mode, lr=1e-3, threads=1)
             for overlap in (False, True):
-                gm.begin_step(1.0, overlap_optimizer=overlap)
-                for k in range(2):
-                    gm.begin_backward(final_backward=k == 1)
-                    model(tokens).float().square().mean().backward()
-                    gm.finish_backward()
-                gm.step()
+                step_twice(gm, model, tokens, overlap)
                 plan = stepcore.plan_memory(model, offload=mode, micro_batches=2, overlap=overlap)
                 got = gm.report()["memory"]
                 assert {k: plan[k] for k in got} == got, (mode, overlap)
@@ -94,12 +99,7 @@ def test_an_8bit_managers_report_equals_its_plan_in_every_mode():
         gm = st.GradientManager(model, offload=mode, optimizer="adamw8bit", lr=1e-3, threads=1,
                                 min_8bit_size=1000)
         for overlap in (False, True):
-            gm.begin_step(1.0, overlap_optimizer=overlap)
-            for k in range(2):
-                gm.begin_backward(final_backward=k == 1)
-                model(tokens).float().square().mean().backward()
-                gm.finish_backward()
-            gm.step()
+            step_twice(gm, model, tokens, overlap)
             plan = stepcore.plan_memory(model, offload=mode, optimizer="adamw8bit",
                                         micro_batches=2, overlap=overlap, min_8bit_size=1000)
             got = gm.report()["memory"]
