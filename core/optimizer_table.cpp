@@ -42,6 +42,7 @@ struct UnitRows {
       const HyperField<C>& f = OptimizerTraits<C>::kFields[i];
       out[i].name = f.name;
       out[i].role = f.role;
+      out[i].formulas = f.formulas;
       std::visit(
           [&](auto member) {
             using T = std::remove_cvref_t<decltype(defaults.*member)>;
@@ -52,6 +53,14 @@ struct UnitRows {
     }
     return out;
   }();
+
+  // A formula field names the formulas it takes; no other field names any.
+  static constexpr bool formulas_declared() {
+    for (const HyperInfo& h : kHyper)
+      if ((h.kind == HyperKind::formula) != (h.formulas != 0)) return false;
+    return true;
+  }
+  static_assert(formulas_declared(), "a formula field's HyperField names its formulas");
 
   // The field a slot starts from (the unit's kSlotInitialFields), or nullptr.
   static constexpr const char* initial(int k) {

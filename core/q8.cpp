@@ -133,7 +133,8 @@ const Book& make(bool non_negative, Q8Rule rule, Book& book) {
     build(book, [&](float y) { return nearest_code(map, y); });
   const std::uint32_t zero = non_negative ? kQ8UnsignedZero : kQ8SignedZero;
   book.codebook = Q8Codebook{map, book.buckets.data(), rule == Q8Rule::torchao ? 0u : zero,
-                             rule == Q8Rule::torchao ? kQ8TorchaoFloorBits : 0u};
+                             rule == Q8Rule::torchao ? kQ8TorchaoFloorBits : 0u,
+                             rule == Q8Rule::torchao ? kQ8TorchaoNanBits : 0x7FC00000u};
   return book;
 }
 
@@ -158,6 +159,7 @@ std::vector<std::uint32_t> q8_codebook_image() {
       image.insert(image.end(), cb.buckets, cb.buckets + 2 * std::size_t{kQ8Buckets});
       image.push_back(cb.nan_code);
       image.push_back(cb.floor_bits);
+      image.push_back(cb.nan_max_bits);
     }
   return image;
 }

@@ -15,8 +15,8 @@
 namespace stepcore::detail {
 
 /// How a block's values become codes: `nearest` is 8f's exact nearest code (ties away from
-/// zero, NaN: the zero code, absmax a); `torchao` is 8f.1's search (ties up, NaN: code 0,
-/// absmax max(a, 1e-12f)).
+/// zero, NaN: the zero code and absmax 0x7FC00000, absmax a); `torchao` is 8f.1's search
+/// (ties up, NaN: code 0 and absmax 0xFFFFFFFF, absmax max(a, 1e-12f)).
 enum class Q8Rule : std::uint8_t { nearest, torchao };
 
 // The bucket table. A code is a non-decreasing function of y (both rules), so it changes at
@@ -51,6 +51,9 @@ inline constexpr std::uint32_t kQ8FastMinBits = 0x01000000u;
 inline constexpr std::uint32_t kQ8FastMaxBits = 0x7E000000u;
 /// The f32 bit pattern of 1e-12f, torchao's least stored block maximum.
 inline constexpr std::uint32_t kQ8TorchaoFloorBits = 0x2B8CBCCCu;
+/// torchao's stored maximum of a block holding a NaN: ATen's vector maximum, which its
+/// compiled amax runs, sets every bit of a lane whose operands are unordered.
+inline constexpr std::uint32_t kQ8TorchaoNanBits = 0xFFFFFFFFu;
 
 /// One map under one rule: what the fast paths read to dequantize and requantize a slot.
 struct Q8Codebook {
@@ -59,6 +62,7 @@ struct Q8Codebook {
                                  ///< [kQ8Buckets + k] for +y, k the bucket number
   std::uint32_t nan_code;        ///< the code of a NaN y
   std::uint32_t floor_bits;      ///< the least stored absmax (f32 bits; 0: none)
+  std::uint32_t nan_max_bits;    ///< the stored absmax of a block holding a NaN (f32 bits)
 };
 
 /// The codebook of the signed (exp_avg) or unsigned (non-negative slots) map under `rule`,
@@ -90,16 +94,16 @@ STEPCORE_HD_INLINE std::uint32_t q8_code(const Q8Codebook& cb, float y) {
 }
 
 /// The block maximum a stored for values whose largest magnitude pattern is `max_bits`
-/// (NaN patterns included: then the canonical NaN 0x7FC00000), with the rule's floor.
+/// (NaN patterns included: then the rule's NaN, cb.nan_max_bits), with the rule's floor.
 STEPCORE_HD_INLINE float q8_stored_max(const Q8Codebook& cb, std::uint32_t max_bits) {
-  if (max_bits > 0x7F800000u) return f32_from_bits(0x7FC00000u);
+  if (max_bits > 0x7F800000u) return f32_from_bits(cb.nan_max_bits);
   return f32_from_bits(max_bits < cb.floor_bits ? cb.floor_bits : max_bits);
 }
 
 /// The device's image of every codebook (gpu::q8_codebooks): codebook (rule, map) at word
 /// kQ8ImageStride * (2 * rule + non_negative): its map's 256 words, its 2 * kQ8Buckets
-/// bucket entries, nan_code, floor_bits.
-inline constexpr std::size_t kQ8ImageStride = 256 + 2 * std::size_t{kQ8Buckets} + 2;
+/// bucket entries, nan_code, floor_bits, nan_max_bits.
+inline constexpr std::size_t kQ8ImageStride = 256 + 2 * std::size_t{kQ8Buckets} + 3;
 inline constexpr std::size_t kQ8ImageWords = 4 * kQ8ImageStride;
 
 /// The image's words (q8_codebook's tables, copied).
@@ -111,7 +115,7 @@ STEPCORE_HD_INLINE Q8Codebook q8_image_codebook(const std::uint32_t* image, bool
   const std::uint32_t* at =
       image + kQ8ImageStride * (2 * static_cast<std::size_t>(rule) + (non_negative ? 1 : 0));
   const std::uint32_t* tail = at + 256 + 2 * std::size_t{kQ8Buckets};
-  return Q8Codebook{at, at + 256, tail[0], tail[1]};
+  return Q8Codebook{at, at + 256, tail[0], tail[1], tail[2]};
 }
 
 }  // namespace stepcore::detail

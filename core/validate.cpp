@@ -439,7 +439,18 @@ void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWC
 
 void validate_adam_config(const AdamConfig& c, GradientRead read) {
   check_adam_finite(c);
+  if (c.formula != AdamWFormula::torch && c.formula != AdamWFormula::torchao)
+    fail(Errc::invalid_argument, "config.formula", "Adam's formula is torch or torchao");
+  if (c.formula == AdamWFormula::torchao && c.maximize)
+    fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
   check_adam_ranges(c);
+  if (c.formula == AdamWFormula::torchao) {
+    // torchao's bias corrections are 1 - P(f32(beta), t) in f32: re-check the betas there.
+    if (static_cast<float>(c.beta1) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
+    if (static_cast<float>(c.beta2) >= 1.0f)
+      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
+  }
   check_adam_f32(c);
   if (!std::isfinite(static_cast<float>(c.weight_decay)))
     fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");

@@ -54,7 +54,7 @@ void from_double(T& member, double value, const std::string& argument) {
     member = static_cast<int>(value);
   } else {
     if (value != 0.0 && value != 1.0 && value != 2.0)
-      bad("AdamW's formula is 0 (native), 1 (torch) or 2 (torchao)");
+      bad("a formula is 0 (native), 1 (torch) or 2 (torchao)");
     member = static_cast<AdamWFormula>(static_cast<int>(value));
   }
 }
@@ -63,6 +63,26 @@ void from_double(T& member, double value, const std::string& argument) {
 template <class Fn>
 void for_each_field(OptimizerConfig& config, Fn&& fn) {
   std::visit([&](auto& c) { fields_of(c, fn); }, config);
+}
+
+// The optimizer table's row of `config`'s hyper-parameter `name` if it is a formula
+// (its names: kFormulaNames), else nullptr.
+const HyperInfo* formula_field(const OptimizerConfig& config, std::string_view name) {
+  for (const HyperInfo& h : optimizer_table()[config.index()].hyper)
+    if (h.kind == HyperKind::formula && name == h.name) return &h;
+  return nullptr;
+}
+
+// "'torch' or 'torchao'": the names of the formulas in `set` (formula_bit).
+std::string formula_names(std::uint8_t set) {
+  std::string out;
+  std::size_t left = static_cast<std::size_t>(std::popcount(set));
+  for (std::size_t k = 0; k < std::size(kFormulaNames); ++k) {
+    if ((set & formula_bit(static_cast<AdamWFormula>(k))) == 0) continue;
+    --left;
+    out += "'" + std::string(kFormulaNames[k]) + "'" + (left > 1 ? ", " : left == 1 ? " or " : "");
+  }
+  return out;
 }
 
 std::string accepted_names() {
@@ -228,14 +248,19 @@ OptimizerConfig make_optimizer_config(std::string_view name,
     const std::string argument = std::string(name) + "." + f.name;
     double value;
     if (const auto* text = std::get_if<std::string>(&f.value)) {
-      if (!std::holds_alternative<AdamWConfig>(config) || f.name != "formula")
+      const HyperInfo* h = detail::formula_field(config, f.name);
+      if (h == nullptr)
         throw Error(Errc::invalid_argument, argument,
-                    "'" + *text + "': a number, not a string (only adamw.formula is a name)");
+                    "'" + *text + "': a number, not a string (only a formula is a name)");
       std::size_t k = 0;
-      while (k < std::size(detail::kFormulaNames) && detail::kFormulaNames[k] != *text) ++k;
+      while (k < std::size(detail::kFormulaNames) &&
+             !(detail::kFormulaNames[k] == *text &&
+               (h->formulas & formula_bit(static_cast<AdamWFormula>(k))) != 0))
+        ++k;
       if (k == std::size(detail::kFormulaNames))
         throw Error(Errc::invalid_argument, argument,
-                    "'" + *text + "': AdamW's formula is 'torch', 'native' or 'torchao'");
+                    "'" + *text + "': " + std::string(name) + "'s formula is " +
+                        detail::formula_names(h->formulas));
       value = static_cast<double>(k);
     } else {
       value = std::get<double>(f.value);
@@ -248,7 +273,7 @@ OptimizerConfig make_optimizer_config(std::string_view name,
 std::vector<OptimizerField> optimizer_fields(const OptimizerConfig& config) {
   std::vector<OptimizerField> out;
   for (const detail::FieldValue& f : detail::config_fields(config)) {
-    if (f.name == "formula" && std::holds_alternative<AdamWConfig>(config) &&
+    if (detail::formula_field(config, f.name) != nullptr &&
         (f.value == 0.0 || f.value == 1.0 || f.value == 2.0))
       out.push_back({std::string(f.name),
                      std::string(detail::kFormulaNames[static_cast<std::size_t>(f.value)])});

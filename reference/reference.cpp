@@ -5,6 +5,7 @@
 #include "stepcore/reference.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -236,16 +237,19 @@ void adamw_native_steps(std::span<const OptimizerTensor> tensors, const AdamWCon
   }
 }
 
-// docs/numerics.md 8e.1 (torchao's AdamW8bit arithmetic), literally, over validated tensors:
-// state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq with amsgrad; no FMA.
-void adamw_torchao_steps(std::span<const OptimizerTensor> tensors, const AdamWConfig& config,
-                         GradientRead read) {
+// docs/numerics.md 8e (torchao's AdamW8bit and Adam8bit arithmetic), literally, over
+// validated tensors: state[0] exp_avg, state[1] exp_avg_sq, state[2] max_exp_avg_sq with
+// amsgrad; no FMA. AdamW (`adamw`) decays the parameter, Adam adds wd * p to the gradient.
+template <class Config>
+void torchao_adam_steps(std::span<const OptimizerTensor> tensors, const Config& config,
+                        GradientRead read, bool adamw) {
   // P(b, t): the C library's binary32 powf of the f32 beta.
   auto power = [](double beta, double t) {
     return powf(static_cast<float>(beta), static_cast<float>(t));
   };
   const float lr = static_cast<float>(config.lr);
-  const float lrwd = lr * static_cast<float>(config.weight_decay);
+  const float wd = static_cast<float>(config.weight_decay);
+  const float lrwd = lr * wd;
   // The lerp weights' branch and coefficient, each from binary64 (w or w - 1).
   const double w1d = 1.0 - config.beta1, w2d = 1.0 - config.beta2;
   const bool small1 = std::fabs(w1d) < 0.5, small2 = std::fabs(w2d) < 0.5;
@@ -261,12 +265,17 @@ void adamw_torchao_steps(std::span<const OptimizerTensor> tensors, const AdamWCo
     const float bc2s = std::sqrt(1.0f - power(config.beta2, step));
     const bool out = has_output(t.compute_param);
     for (std::size_t i = 0; i < t.param.numel; ++i) {
-      const float g = read_gradient(t.grad, i, read);
+      float g = read_gradient(t.grad, i, read);
       float p = load(t.param, i);
       float m = load(t.state[0], i);
       float v = load(t.state[1], i);
-      const float decay = lrwd * p;
-      p = p - decay;
+      if (adamw) {
+        const float decay = lrwd * p;
+        p = p - decay;
+      } else {
+        const float l2 = wd * p;
+        g = g + l2;
+      }
       // torch's lerp decomposition: coeff * (end - start) + base, base the start for a
       // small weight, else the end.
       const float dm = g - m;
@@ -375,7 +384,9 @@ void with_q8_slots(std::span<const OptimizerTensor> tensors, const bool* non_neg
           if (std::isnan(x[i])) nan = true;
           a = std::fabs(x[i]) > a ? std::fabs(x[i]) : a;
         }
-        if (nan) a = std::numeric_limits<float>::quiet_NaN();
+        // A NaN block's maximum: the canonical quiet NaN; torchao's, all bits set (ATen's
+        // vector maximum ORs the unordered lanes' all-ones mask into its result).
+        if (nan) a = std::bit_cast<float>(torchao ? 0xFFFFFFFFu : 0x7FC00000u);
         if (torchao && !nan) a = a > 1e-12f ? a : 1e-12f;
         t.q8[k].absmax[b0 / kQ8BlockSize] = a;
         for (std::size_t i = b0; i < b1; ++i) {
@@ -401,7 +412,7 @@ void adamw_step(std::span<const OptimizerTensor> tensors, const AdamWConfig& con
                   if (config.formula == AdamWFormula::native)
                     adamw_native_steps(ts, config, read);  // no amsgrad, maximize (validated)
                   else if (torchao)
-                    adamw_torchao_steps(ts, config, read);  // without maximize (validated)
+                    torchao_adam_steps(ts, config, read, true);  // no maximize (validated)
                   else
                     torch_adam_family_step(ts, torch_adam_hyper(config, /*adamw=*/true), read);
                 });
@@ -413,9 +424,13 @@ void adam_step(std::span<const OptimizerTensor> tensors, const AdamConfig& confi
                         detail::ParamDTypes::model_and_q8);
   const detail::FpEnvGuard env;
   if (found_inf != nullptr && *found_inf != 0) return;
-  with_q8_slots(tensors, detail::AdamW::kSlotNonNegative, config.amsgrad ? 3 : 2, false,
+  const bool torchao = config.formula == AdamWFormula::torchao;
+  with_q8_slots(tensors, detail::AdamW::kSlotNonNegative, config.amsgrad ? 3 : 2, torchao,
                 [&](std::span<const OptimizerTensor> ts) {
-                  torch_adam_family_step(ts, torch_adam_hyper(config, /*adamw=*/false), read);
+                  if (torchao)
+                    torchao_adam_steps(ts, config, read, false);  // no maximize (validated)
+                  else
+                    torch_adam_family_step(ts, torch_adam_hyper(config, /*adamw=*/false), read);
                 });
 }
 

@@ -279,4 +279,26 @@ TEST(CheckpointV2, ParsesWithoutEightBitState) {
   m->close();
 }
 
+// A file written before Adam had a formula ran torch's: it reads as formula 1 (torch), so
+// an Adam manager with torchao's formula refuses it naming the field.
+TEST(CheckpointV2, AdamWithoutAFormulaReadsAsTorchs) {
+  std::ifstream in(kDirV2 + "adam_amsgrad_none.ckpt", std::ios::binary);
+  const std::vector<char> b{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const ckpt::Header h = ckpt::parse(std::as_bytes(std::span<const char>(b)), "v2").header;
+  int formulas = 0;
+  for (const ckpt::HyperRecord& r : h.hyper)
+    if (r.name == "formula") {
+      ++formulas;
+      EXPECT_EQ(r.value, static_cast<double>(AdamWFormula::torch));
+    }
+  EXPECT_EQ(formulas, 1);
+  auto dev = device::make_host_device();
+  auto m = make_gradient_manager(config_of(
+      OffloadMode::none, *dev, AdamConfig{.amsgrad = true, .formula = AdamWFormula::torchao},
+      kWhole, nullptr, 0x5EED0002));
+  test_support::expect_error([&] { m->load_checkpoint(kDirV2 + "adam_amsgrad_none.ckpt"); },
+                             Errc::invalid_argument, {"checkpoint.hyper.formula"});
+  m->close();
+}
+
 }  // namespace

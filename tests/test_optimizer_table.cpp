@@ -6,6 +6,7 @@
 // value the managers start the slot from.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <set>
@@ -17,6 +18,7 @@
 
 #include "core/optimizers/all.hpp"
 #include "managers/optimizer.hpp"
+#include "stepcore/error.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/optim.hpp"
 
@@ -58,6 +60,7 @@ void check_entry(const OptimizerInfo& info) {
     const HyperInfo& h = info.hyper[i];
     EXPECT_EQ(std::string(h.name), std::string(fields[i].name)) << name << " field " << i;
     EXPECT_EQ(h.role, fields[i].role) << name << "." << h.name;
+    EXPECT_EQ(h.formulas, fields[i].formulas) << name << "." << h.name;
     std::visit(
         [&](auto member) {
           using T = std::remove_cvref_t<decltype(defaults.*member)>;
@@ -101,6 +104,48 @@ TEST(OptimizerTable, EntryIIsTheConfigurationAlternativeI) {
     ASSERT_LE(used.size(), table[i].slots.size()) << table[i].name;
     for (std::size_t k = 0; k < used.size(); ++k)
       EXPECT_EQ(used[k], std::string_view(table[i].slots[k].name)) << table[i].name;
+  }
+}
+
+// The formulas each optimizer takes by name (written out here: AdamW's three, Adam's torch
+// and torchao), set by make_optimizer_config and named back by optimizer_fields; another
+// name, or a name for a field that is not a formula, is refused naming the field.
+TEST(OptimizerTable, FormulasAreTakenByNameWhereTheFieldTakesThem) {
+  using stepcore::AdamWFormula;
+  using stepcore::Errc;
+  using stepcore::OptimizerField;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> takes = {
+      {"adamw", {"native", "torch", "torchao"}}, {"adam", {"torch", "torchao"}}};
+  for (const auto& [optimizer, names] : takes) {
+    for (const char* f : {"native", "torch", "torchao"}) {
+      const OptimizerField field{"formula", std::string(f)};
+      const bool taken = std::find(names.begin(), names.end(), f) != names.end();
+      if (!taken) {
+        try {
+          stepcore::make_optimizer_config(optimizer, std::span(&field, 1));
+          ADD_FAILURE() << optimizer << " took formula " << f;
+        } catch (const stepcore::Error& e) {
+          EXPECT_EQ(e.code(), Errc::invalid_argument);
+          EXPECT_EQ(e.argument(), optimizer + ".formula");
+        }
+        continue;
+      }
+      const OptimizerConfig c = stepcore::make_optimizer_config(optimizer, std::span(&field, 1));
+      bool named = false;
+      for (const OptimizerField& back : stepcore::optimizer_fields(c))
+        if (back.name == "formula") {
+          named = true;
+          EXPECT_EQ(std::get<std::string>(back.value), f) << optimizer;
+        }
+      EXPECT_TRUE(named) << optimizer;
+    }
+  }
+  const OptimizerField momentum{"momentum", std::string("torch")};
+  try {
+    stepcore::make_optimizer_config("sgd", std::span(&momentum, 1));
+    ADD_FAILURE() << "a name for a number";
+  } catch (const stepcore::Error& e) {
+    EXPECT_EQ(e.argument(), "sgd.momentum");
   }
 }
 

@@ -793,6 +793,24 @@ TEST_F(AdamFixture, AdamHyperParameters) {
                 "config.torch_tail_width");
   expect_config(cfg([](AdamConfig& c) { c.torch_tail_width = 65; }), Errc::out_of_range,
                 "config.torch_tail_width");
+  // Adam's formulas are torch's and torchao's; torchao's has no maximize and rounds the
+  // betas to f32 before its bias corrections.
+  expect_config(cfg([](AdamConfig& c) { c.formula = AdamWFormula::native; }),
+                Errc::invalid_argument, "config.formula");
+  expect_config(cfg([](AdamConfig& c) { c.formula = static_cast<AdamWFormula>(7); }),
+                Errc::invalid_argument, "config.formula");
+  expect_config(cfg([](AdamConfig& c) {
+                  c.formula = AdamWFormula::torchao;
+                  c.maximize = true;
+                }),
+                Errc::invalid_argument, "config.maximize");
+  expect_config(cfg([](AdamConfig& c) {
+                  c.formula = AdamWFormula::torchao;
+                  c.beta2 = 0.99999999999;
+                }),
+                Errc::out_of_range, "config.beta2");
+  // torch's bias corrections are binary64: the same beta2 runs.
+  EXPECT_NO_THROW(ref::adam_step(ts, cfg([](AdamConfig& c) { c.beta2 = 0.99999999999; })));
   // Validation comes before found_inf.
   const std::int32_t flag = 1;
   expect_adam(ts, cfg([](AdamConfig& c) { c.beta1 = 1.0; }), Errc::invalid_argument, "config.beta1",

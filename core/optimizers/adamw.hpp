@@ -133,16 +133,21 @@ STEPCORE_HD_INLINE void torch_adam_update(const AdamWScalars<typename Ops::F>& k
   st[1] = v;
 }
 
-/// torchao's AdamW8bit element (docs/numerics.md 8e.1), each operation rounded, no FMA:
-/// p - (lr*wd)*p; torch's lerp decomposition for m and v (coeff*(end - start) + base);
-/// amsgrad's NaN-propagating maximum; p - (lr*(m/bc1)) / (sqrt(r)/bc2s + eps).
-template <class Ops, bool Amsgrad>
+/// torchao's AdamW8bit and Adam8bit element (docs/numerics.md 8e), each operation rounded,
+/// no FMA: p - (lr*wd)*p (AdamW), or g + wd*p (L2: Adam, wd = l2_wd); torch's lerp
+/// decomposition for m and v (coeff*(end - start) + base); amsgrad's NaN-propagating
+/// maximum; p - (lr*(m/bc1)) / (sqrt(r)/bc2s + eps).
+template <class Ops, bool Amsgrad, bool L2 = false>
 STEPCORE_HD_INLINE void torchao_adam_update(const AdamWScalars<typename Ops::F>& k,
                                             typename Ops::F g, typename Ops::F& p,
-                                            typename Ops::F* st) {
+                                            typename Ops::F* st,
+                                            typename Ops::F l2_wd = typename Ops::F{}) {
   using F = typename Ops::F;
   F m = st[0], v = st[1];
-  p = Ops::sub(p, Ops::mul(k.decay, p));
+  if constexpr (L2)
+    g = Ops::add(g, Ops::mul(l2_wd, p));
+  else
+    p = Ops::sub(p, Ops::mul(k.decay, p));
   m = Ops::add(Ops::mul(k.lerp_coeff, Ops::sub(g, m)), k.lerp_small ? m : g);
   const F g2 = Ops::mul(g, g);
   v = Ops::add(Ops::mul(k.one_minus_beta2, Ops::sub(g2, v)), k.v_small ? v : g2);

@@ -19,13 +19,19 @@ enum class AdamWFormula : std::uint8_t {
   native = 0,
   /// The default: torch.optim.AdamW(fused=True) on CPU with f32 parameters (lerp with FMA).
   torch = 1,
-  /// torchao.optim.AdamW8bit's arithmetic on the CPU (docs/numerics.md 8e.1): no FMA, the
-  /// decay p - (lr*wd)*p first, f32 bias corrections; amsgrad, no maximize.
+  /// torchao.optim.AdamW8bit's (and Adam8bit's) arithmetic on the CPU (docs/numerics.md 8e):
+  /// no FMA, the decay p - (lr*wd)*p first (Adam: g + wd*p), f32 bias corrections;
+  /// amsgrad, no maximize.
   torchao = 2,
 };
 
 /// AdamWFormula's names, indexed by value (the Python and checkpoint spelling).
 inline constexpr std::string_view kAdamWFormulaNames[] = {"native", "torch", "torchao"};
+
+/// A set of formulas (HyperField::formulas): bit 1 << value for each AdamWFormula it holds.
+constexpr std::uint8_t formula_bit(AdamWFormula f) {
+  return static_cast<std::uint8_t>(1u << static_cast<unsigned>(f));
+}
 
 /// The build of torch's fused CPU kernels that the torch formulas follow by default: the
 /// one torch runs on this library's target (docs/numerics.md 7.2, "Per platform"). x86-64:
@@ -72,7 +78,8 @@ struct AdamWConfig {
 
 /// Adam hyper-parameters (L2 weight decay: the gradient becomes g + p*wd), reproducing
 /// torch.optim.Adam(fused=True) on CPU with f32 parameters bit for bit (docs/numerics.md
-/// 8a). State slots: exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad.
+/// 8a), or torchao.optim.Adam8bit's arithmetic (formula torchao, 8e). State slots:
+/// exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad.
 struct AdamConfig {
   double lr = 1e-3;
   double beta1 = 0.9;
@@ -85,6 +92,8 @@ struct AdamConfig {
   bool torch_v_first = kTorchVFirst;
   /// Width of torch's vector body (AdamWConfig::torch_tail_width): 8 on x86, 4 on aarch64.
   int torch_tail_width = kTorchTailWidth;
+  /// torch (the default) or torchao (docs/numerics.md 8e; no maximize); native is refused.
+  AdamWFormula formula = AdamWFormula::torch;
 };
 
 /// SignSGD hyper-parameters.
@@ -149,6 +158,7 @@ struct HyperField {
   const char* name;
   HyperRole role;
   std::variant<double C::*, bool C::*, int C::*, AdamWFormula C::*> member;
+  std::uint8_t formulas = 0;  ///< an AdamWFormula member: the formulas it takes (formula_bit)
 };
 
 /// An optimizer's name and its hyper-parameters, declared once beside its Config: the
@@ -167,7 +177,9 @@ struct OptimizerTraits<AdamWConfig> {
       {"beta2", HyperRole::betas, &C::beta2},
       {"eps", HyperRole::betas, &C::eps},
       {"weight_decay", HyperRole::schedule, &C::weight_decay},
-      {"formula", HyperRole::fixed, &C::formula},
+      {"formula", HyperRole::fixed, &C::formula,
+       formula_bit(AdamWFormula::native) | formula_bit(AdamWFormula::torch) |
+           formula_bit(AdamWFormula::torchao)},
       {"amsgrad", HyperRole::fixed, &C::amsgrad},
       {"maximize", HyperRole::fixed, &C::maximize},
       {"torch_v_first", HyperRole::machine, &C::torch_v_first},
@@ -192,6 +204,8 @@ struct OptimizerTraits<AdamConfig> {
       {"beta2", HyperRole::betas, &C::beta2},
       {"eps", HyperRole::betas, &C::eps},
       {"weight_decay", HyperRole::schedule, &C::weight_decay},
+      {"formula", HyperRole::fixed, &C::formula,
+       formula_bit(AdamWFormula::torch) | formula_bit(AdamWFormula::torchao)},
       {"amsgrad", HyperRole::fixed, &C::amsgrad},
       {"maximize", HyperRole::fixed, &C::maximize},
       {"torch_v_first", HyperRole::machine, &C::torch_v_first},
@@ -258,6 +272,7 @@ struct HyperInfo {
   HyperRole role;
   HyperKind kind;
   double default_value;
+  std::uint8_t formulas;  ///< a formula: the formulas it takes (formula_bit); else 0
 };
 
 /// One state slot of an optimizer: its name (torch's: exp_avg, momentum_buffer, sum, ...)

@@ -225,7 +225,7 @@ void bind_managers(nb::module_& m) {
             ManagerConfig c;
             c.mode = parse_offload_mode(mode);
             // The optimizer by name, its hyper-parameters by field name (numbers, flags as
-            // bools, AdamW's formula as its name); the library names a bad one.
+            // bools, a formula as its name); the library names a bad one.
             std::vector<OptimizerField> fields;
             if (hyper)
               for (auto [k, v] : *hyper) {

@@ -57,9 +57,11 @@ nb::dict entry_dict(const OptimizerInfo& info) {
     d["role"] = kRoleNames[static_cast<int>(h.role)];
     d["kind"] = kKindNames[static_cast<int>(h.kind)];
     d["default"] = default_of(h);
-    if (h.kind == HyperKind::formula) {  // the names it takes (kAdamWFormulaNames)
+    if (h.kind == HyperKind::formula) {  // the names it takes (of kAdamWFormulaNames)
       nb::list names;
-      for (std::string_view n : kAdamWFormulaNames) names.append(nb::str(n.data(), n.size()));
+      for (std::size_t k = 0; k < std::size(kAdamWFormulaNames); ++k)
+        if ((h.formulas & formula_bit(static_cast<AdamWFormula>(k))) != 0)
+          names.append(nb::str(kAdamWFormulaNames[k].data(), kAdamWFormulaNames[k].size()));
       d["choices"] = nb::tuple(names);
     }
     hyper.append(d);

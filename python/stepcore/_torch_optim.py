@@ -36,22 +36,25 @@ def _refuse_unfused(fused, differentiable, capturable=False) -> None:
 
 
 class Adam(_EngineOptimizer):
-    """Adam on stepcore's CPU engine: equals torch.optim.Adam(fused=True) bit for bit
-    (decoupled_weight_decay=True: torch.optim.AdamW(fused=True))."""
+    """Adam on stepcore's CPU engine: formula "torch" equals torch.optim.Adam(fused=True)
+    bit for bit (decoupled_weight_decay=True: torch.optim.AdamW(fused=True))."""
 
     _UNIT = "adam"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False, threads=0,
-                 isa=None):
-        """torch.optim.Adam's arguments (checked by torch), plus the engine's threads, isa."""
+                 differentiable=False, fused=None, decoupled_weight_decay=False,
+                 formula="torch", threads=0, isa=None):
+        """torch.optim.Adam's arguments (checked by torch), plus stepcore's formula
+        ("torch" or "torchao", docs/numerics.md 8a, 8e), threads and isa."""
+        _unsupported("formula", formula,
+                     _table.choices(_table.entry(self._UNIT, type(self).__name__), "formula"))
         defaults = _torch_defaults(
             torch.optim.Adam, lr, betas, eps, weight_decay, amsgrad, foreach=foreach,
             maximize=maximize, capturable=capturable, differentiable=differentiable,
             fused=fused, decoupled_weight_decay=decoupled_weight_decay)
         _refuse_unfused(fused, differentiable, capturable)
-        defaults.update(foreach=None, fused=True)
+        defaults.update(foreach=None, fused=True, formula=formula)
         self._setup(params, defaults, isa, threads)
 
     def _engine_name(self, group):

@@ -172,7 +172,7 @@ def eight_bit_classes(drop_ins) -> dict:
         doc = (f"{base.__name__} on stepcore's CPU engine with block-wise 8-bit state for params "
                f"of at least min_8bit_size elements (docs/numerics.md 8f; stepcore.torch."
                f"_torch_q8). {base.__name__}'s arguments"
-               + (", formula \"torchao\" by default (torchao's AdamW8bit bit for bit)"
+               + (f", formula \"torchao\" by default (torchao's {name} bit for bit)"
                   if _formula_default(base) else "")
                + ", plus block_size and min_8bit_size.")
         out[base._UNIT] = type(name, (_Q8, base), {

@@ -1,9 +1,9 @@
 """stepcore.torch.GradientManager with 8-bit state (optimizer="adamw8bit", "adam8bit") in
-every offload mode, against torchao's AdamW8bit on the CPU (pinned from PyPI; itself equal
-to stepcore.torch.AdamW8bit bit for bit, test_torch_q8.py) after every step: params, codes
-and block maxima, with groups, overlap and clip_grad_norm_; the state_dict resumes in
-another manager and moves to the drop-in; a checkpoint file resumes; bad arguments are
-refused naming them.
+every offload mode, against torchao's AdamW8bit and Adam8bit on the CPU (pinned from PyPI;
+each equal to stepcore.torch's class of that name bit for bit, test_torch_q8.py) after every
+step: params, codes and block maxima, with groups, overlap and clip_grad_norm_; the
+state_dict resumes in another manager and moves to the drop-in; a checkpoint file resumes;
+bad arguments are refused naming them.
 """
 
 import pytest
@@ -34,8 +34,8 @@ def groups(ps):
     return [{"params": ps[:2], "lr": 3e-3}, {"params": ps[2:], "weight_decay": 0.2}]
 
 
-def manager(params, offload="full", **kw):
-    return st.GradientManager(groups(params), offload=offload, optimizer="adamw8bit", lr=LR,
+def manager(params, offload="full", optimizer="adamw8bit", **kw):
+    return st.GradientManager(groups(params), offload=offload, optimizer=optimizer, lr=LR,
                               betas=BETAS, weight_decay=WD, threads=2, **kw)
 
 
@@ -70,15 +70,16 @@ def torchao_state(opt, p, key):
     return (v.codes, v.scale) if hasattr(v, "codes") else v
 
 
+@pytest.mark.parametrize("optimizer,cls", [("adamw8bit", "AdamW8bit"), ("adam8bit", "Adam8bit")])
 @pytest.mark.parametrize("offload", ["none", "optimizer", "full"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_adamw8bit_equals_torchao_after_every_step(offload, overlap):
+def test_equals_torchao_after_every_step(optimizer, cls, offload, overlap):
     tao = pytest.importorskip("torchao.optim")
     init = initial()
     mine = [torch.nn.Parameter(x.clone()) for x in init]
     theirs = [torch.nn.Parameter(x.clone()) for x in init]
-    gm = manager(mine, offload)
-    ref = tao.AdamW8bit(groups(theirs), lr=LR, betas=BETAS, weight_decay=WD)
+    gm = manager(mine, offload, optimizer)
+    ref = getattr(tao, cls)(groups(theirs), lr=LR, betas=BETAS, weight_decay=WD)
     try:
         assert [gm._m.q8_parameter(i) for i in range(len(SHAPES))] == \
             [True, False, True, False, True]

@@ -1,6 +1,6 @@
 """Engine.step with 8-bit state slots ((codes, absmax) pairs, docs/numerics.md 8f): equal to
 reference_step bit for bit on every ISA, refused with the slot named when malformed, and
-with formula="torchao" equal to torchao.optim.AdamW8bit's compiled CPU step on quantized
+with formula="torchao" equal to torchao.optim.AdamW8bit's and Adam8bit's compiled CPU steps on quantized
 tensors (at least 4,096 elements, a multiple of its 256-element block)."""
 
 import numpy as np
@@ -51,6 +51,7 @@ def same_bits(a, b, what):
     ("adamw", {"formula": "native"}),
     ("adamw", {"formula": "torchao", "amsgrad": True, "weight_decay": 0.1}),
     ("adam", {"weight_decay": 0.05}),
+    ("adam", {"formula": "torchao", "amsgrad": True, "weight_decay": 0.05}),
 ])
 def test_engine_equals_the_reference_on_every_isa(optimizer, hyper):
     sizes = [0, 1, 255, 256, 257, 4097, 70001]
@@ -96,33 +97,38 @@ def test_malformed_slots_are_refused_naming_them():
     same_bits(states[0][0][0], before[1][0][0][0], "codes written")
 
 
-def test_torchao_formula_equals_torchaos_adamw8bit_on_quantized_tensors():
+@pytest.mark.parametrize("optimizer,cls,wd", [
+    ("adamw", "AdamW8bit", 0.1), ("adam", "Adam8bit", 0.05), ("adam", "Adam8bit", 0.0)])
+def test_torchao_formula_equals_torchaos_on_quantized_tensors(optimizer, cls, wd):
     """Ten steps from torchao's initial state (codes 0, maxima 0), gradients from 1e-3 to
-    1e6, every eleventh zero: params, codes and maxima bit for bit after each step. (torchao
-    0.18 cannot step amsgrad with 8-bit state: torch.compile finds no torch.maximum for its
-    state subclass.)"""
+    1e6, every eleventh zero, params with -0, +0 and +-Inf: params, codes and maxima bit for
+    bit after each step (Adam: the L2 term g + wd*p, even for wd 0, where an infinite p's
+    0*Inf is NaN). (torchao 0.18 cannot step amsgrad with 8-bit state: torch.compile finds
+    no torch.maximum for its state subclass.)"""
     torch = pytest.importorskip("torch")
     optim = pytest.importorskip("torchao.optim")
     gen = torch.Generator().manual_seed(42)
     for n in (4096, 4096 * 2 + 512):
         amsgrad = False
         init = torch.randn(n, generator=gen) * 0.5
+        init[1], init[2] = -0.0, 0.0
+        init[n - 1], init[n - 2] = float("inf"), -float("inf")  # the last block's state: NaN
         theirs = torch.nn.Parameter(init.clone())
-        b = optim.AdamW8bit([theirs], lr=3e-3, betas=(0.9, 0.99), weight_decay=0.1,
-                            amsgrad=amsgrad)
+        b = getattr(optim, cls)([theirs], lr=3e-3, betas=(0.9, 0.99), weight_decay=wd,
+                                amsgrad=amsgrad)
         p = init.clone().numpy()
         names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
         states = [[q8_slot(n)] for _ in names]  # torchao's zeros: codes 0, maxima 0
         step = np.zeros((), np.float32)
         engine = stepcore.Engine()
-        hyper = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1,
+        hyper = {"lr": 3e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": wd,
                  "amsgrad": amsgrad, "formula": "torchao"}
         for s in range(10):
             g = torch.randn(n, generator=gen) * 10.0 ** (s - 3)
             g[::11] = 0.0
             theirs.grad = g.clone()
             b.step()
-            engine.step("adamw", [p], states, [step], [g.numpy().copy()], hyper=hyper)
+            engine.step(optimizer, [p], states, [step], [g.numpy().copy()], hyper=hyper)
             same_bits(p, theirs.detach().numpy(), f"param, step {s}, amsgrad {amsgrad}")
             for k, name in enumerate(names):
                 st = b.state[theirs][name]

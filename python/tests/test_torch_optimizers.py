@@ -36,7 +36,7 @@ AMP = {2: (65536.0, 0.0), 4: (3.0, 0.0), 6: (1024.0, 1.0), 8: (0.75, 0.0)}
 
 # (stepcore class, torch class, the extra arguments stepcore adds to torch's signature)
 PAIRS = {
-    "Adam": (st.Adam, torch.optim.Adam, {"threads", "isa"}),
+    "Adam": (st.Adam, torch.optim.Adam, {"threads", "isa", "formula"}),
     "AdamW": (st.AdamW, torch.optim.AdamW, {"threads", "isa", "formula"}),
     "SGD": (st.SGD, torch.optim.SGD, {"threads", "isa"}),
     "Adagrad": (st.Adagrad, torch.optim.Adagrad, {"threads", "isa"}),

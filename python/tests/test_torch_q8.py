@@ -92,7 +92,9 @@ def reference_run(params, steps, optimizer, hyper, min_8bit_size=4096, grad_scal
      {"formula": "native", "weight_decay": 0.1}),
     ("AdamW8bit", {"amsgrad": True, "weight_decay": 0.01}, "adamw",
      {"formula": "torchao", "amsgrad": True, "weight_decay": 0.01}),
-    ("Adam8bit", {"weight_decay": 0.05}, "adam", {"weight_decay": 0.05}),
+    ("Adam8bit", {"weight_decay": 0.05}, "adam", {"formula": "torchao", "weight_decay": 0.05}),
+    ("Adam8bit", {"formula": "torch", "amsgrad": True, "weight_decay": 0.05}, "adam",
+     {"formula": "torch", "amsgrad": True, "weight_decay": 0.05}),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_step_equals_the_reference(cls, kwargs, optimizer, hyper, dtype):
@@ -148,7 +150,8 @@ def test_zero_gradient_coordinates_stay_exactly_put():
         assert not torch.equal(p.detach()[1::5], start[1::5])
 
 
-def test_default_equals_torchaos_adamw8bit_with_groups_and_a_schedule():
+@pytest.mark.parametrize("cls", ["AdamW8bit", "Adam8bit"])
+def test_default_equals_torchaos_with_groups_and_a_schedule(cls):
     tao = pytest.importorskip("torchao.optim")
     g = torch.Generator().manual_seed(7)
     # torchao quantizes params of >= 4096 elements that are a multiple of its block;
@@ -161,8 +164,8 @@ def test_default_equals_torchaos_adamw8bit_with_groups_and_a_schedule():
     def groups(ps):
         return [{"params": ps[:2], "lr": 3e-3}, {"params": ps[2:], "weight_decay": 0.2}]
 
-    a = st.AdamW8bit(groups(mine), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.05)
-    b = tao.AdamW8bit(groups(theirs), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.05)
+    a = getattr(st, cls)(groups(mine), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.05)
+    b = getattr(tao, cls)(groups(theirs), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.05)
     sa = torch.optim.lr_scheduler.StepLR(a, step_size=3, gamma=0.5)
     sb = torch.optim.lr_scheduler.StepLR(b, step_size=3, gamma=0.5)
     for s in range(8):

@@ -102,7 +102,7 @@ bool optimizer_op(int op) { return op == 0 || op == 1 || op >= 5; }
 
 // One hyper-parameter from the input, by its kind: a double from the specials, a flag, a
 // count as a torch tail width (8, or -2..17: none, torch's widths and widths the
-// configuration refuses), AdamW's formula.
+// configuration refuses), a formula (AdamW's, Adam's).
 void decode_field(fuzz::Input& in, double& v) { v = fuzz::special(in); }
 void decode_field(fuzz::Input& in, bool& v) { v = in.flag(); }
 void decode_field(fuzz::Input& in, int& v) {

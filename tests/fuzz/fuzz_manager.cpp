@@ -178,7 +178,7 @@ class Bits {
 // Plausible values of one hyper-parameter (the harness fuzzes the manager, not the
 // optimizers' validation): beta1 and beta2 from the betas above; other numbers the
 // default, 0.1 or 0.9 (each field accepts both on its own); flags from a bit; counts
-// (torch's tail width) the default, 8, 4 or 0; AdamW's formula either.
+// (torch's tail width) the default, 8, 4 or 0; a formula (AdamW's, Adam's) any of three.
 void decode_field(Bits& bits, std::string_view name, const Betas& betas, double& v) {
   if (name == "beta1" || name == "beta2") {
     v = name == "beta1" ? betas.beta1 : betas.beta2;

@@ -217,8 +217,19 @@ def adamw_make(params, formula="torch", **kw):
     return torch.optim.AdamW(params, fused=True, **kw)
 
 
+def adam_make(params, formula="torch", **kw):
+    """Adam by stepcore's formula: torch's fused kernel, or for "torchao" torchao's
+    Adam8bit, whose tensors below 4,096 elements keep f32 state (as adamw_make's)."""
+    if formula == "torchao":
+        from torchao.optim import Adam8bit
+        assert not kw.pop("maximize"), "torchao's Adam8bit has no maximize"
+        return Adam8bit(params, **kw)
+    return torch.optim.Adam(params, fused=True, **kw)
+
+
 def adamw_names(hp):
-    """adam_names, keeping `formula` (adamw_make picks the implementation by it)."""
+    """adam_names, keeping `formula` (adamw_make and adam_make pick the implementation by
+    it)."""
     kw = adam_names(hp)
     kw["formula"] = hp["formula"]
     return kw
@@ -248,9 +259,10 @@ OPTIMIZERS = {
                   used=lambda hp: 3 if hp["amsgrad"] else 2),
     "sign_sgd": dict(make=PlainSignSgd, args=same_names, fields=["lr", "weight_decay"],
                      defaults={}, slots=[], used=lambda hp: 0),
-    "adam": dict(make=fused(torch.optim.Adam), args=adam_names,
-                 fields=["lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize"],
-                 defaults=dict(amsgrad=False, maximize=False),
+    "adam": dict(make=adam_make, args=adamw_names,
+                 fields=["lr", "beta1", "beta2", "eps", "weight_decay", "formula", "amsgrad",
+                         "maximize"],
+                 defaults=dict(formula="torch", amsgrad=False, maximize=False),
                  slots=["exp_avg", "exp_avg_sq", "max_exp_avg_sq"],
                  used=lambda hp: 3 if hp["amsgrad"] else 2),
     "sgd": dict(make=fused(torch.optim.SGD), args=same_names,
