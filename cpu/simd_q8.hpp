@@ -37,29 +37,50 @@ struct Q8Body : Body<A> {
     for (; i < n; ++i) x[i] = f32_from_bits(map[codes[i]]) * absmax;
   }
 
+  /// A codebook's bucket-table constants, splatted once per kernel call (kept in
+  /// registers across its loops, not rebuilt for each vector).
+  struct CodeConsts {
+    const std::uint32_t* buckets = nullptr;
+    I floor, ceil, low_mask, middle, nan_code, one;
+    U pos_mask, moves_bit, pos_bias_and_guard, two_guard, abs_mask;
+    CodeConsts() = default;
+    explicit CodeConsts(const ::stepcore::detail::Q8Codebook& cb)
+        : buckets(cb.buckets),
+          floor(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyFloor)),
+          ceil(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyCeil)),
+          low_mask(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyLowMask)),
+          middle(static_cast<std::int32_t>(::stepcore::detail::kQ8Buckets)),
+          nan_code(static_cast<std::int32_t>(cb.nan_code)),
+          one(1),
+          pos_mask(::stepcore::detail::kQ8PosMask),
+          moves_bit(::stepcore::detail::kQ8MovesBit),
+          pos_bias_and_guard(static_cast<std::uint32_t>(::stepcore::detail::kQ8PosBias +
+                                                        ::stepcore::detail::kQ8Guard)),
+          two_guard(static_cast<std::uint32_t>(2 * ::stepcore::detail::kQ8Guard)),
+          abs_mask(0x7FFFFFFFu) {}
+  };
+
   /// The codes of y's lanes (y's f32 patterns `b`): ::stepcore::detail::q8_code,
   /// lane-wise; `near` is set in the lanes within kQ8Guard keys of a threshold (core/q8.hpp).
   /// NaNs: whether a lane may hold a NaN (else its code is left to the caller's guarantee).
   template <bool NaNs = true>
-  static U q8_codes(const ::stepcore::detail::Q8Codebook& cb, U b,
-                    typename I::batch_bool_type& near) {
+  static U q8_codes(const CodeConsts& c, U b, typename U::batch_bool_type& near) {
     namespace d = ::stepcore::detail;
-    const I mag = as_i(b & U(0x7FFFFFFFu));
+    const I mag = as_i(b & c.abs_mask);
     const I sign = as_i(b) >> 31;  // all ones in negative lanes
-    const I m = xsimd::min(xsimd::max(mag, I(static_cast<std::int32_t>(d::kQ8KeyFloor))),
-                           I(static_cast<std::int32_t>(d::kQ8KeyCeil)));
-    const I key = m - I(static_cast<std::int32_t>(d::kQ8KeyFloor));
-    const I low = key & I(static_cast<std::int32_t>(d::kQ8KeyLowMask));
+    const I key = xsimd::min(xsimd::max(mag, c.floor), c.ceil) - c.floor;
+    const I low = key & c.low_mask;
     // kQ8Buckets + k for +y, kQ8Buckets - 1 - k (= kQ8Buckets + ~k) for -y.
-    const I index = I(static_cast<std::int32_t>(d::kQ8Buckets)) + ((key >> d::kQ8KeyShift) ^ sign);
-    const U e = Ops::gather(cb.buckets, as_u(index));
-    const I pos = as_i(e & U(d::kQ8PosMask)) - I(d::kQ8PosBias);
-    const auto moves = (as_i(e & U(d::kQ8MovesBit)) != I(0)) && (low >= pos);
-    const I from = low - pos + I(d::kQ8Guard);  // in [0, 2 * guard): near the threshold
-    near = (from >= I(0)) && (from < I(2 * d::kQ8Guard));
-    I code = as_i(B::template shr<24>(e)) + xsimd::select(moves, sign | I(1), I(0));
-    if constexpr (NaNs)
-      code = xsimd::select(mag > I(0x7F800000), I(static_cast<std::int32_t>(cb.nan_code)), code);
+    const U e = Ops::gather(c.buckets, as_u(c.middle + ((key >> d::kQ8KeyShift) ^ sign)));
+    // from = low - pos + guard, pos = (e & kQ8PosMask) - kQ8PosBias: in [0, 2 * guard)
+    // (one unsigned comparison) within the guard of the threshold.
+    const U from = as_u(low) - (e & c.pos_mask) + c.pos_bias_and_guard;
+    near = from < c.two_guard;
+    // The code moves (by sign | 1) in a bucket with a threshold at offsets >= pos, i.e.
+    // where from >= guard, read as a signed number (from is low - pos + guard exactly).
+    const auto moves = (as_i(e & c.moves_bit) != I(0)) && (as_i(from) >= I(d::kQ8Guard));
+    I code = as_i(B::template shr<24>(e)) + xsimd::select(moves, sign | c.one, I(0));
+    if constexpr (NaNs) code = xsimd::select(mag > I(0x7F800000), c.nan_code, code);
     return as_u(code);
   }
 
@@ -75,13 +96,13 @@ struct Q8Body : Body<A> {
     }
     /// The codes of RN(v / a): from v * r (no NaN: the maximum is finite) unless a lane is
     /// near a threshold, else by division.
-    U codes(const ::stepcore::detail::Q8Codebook& cb, F v) const {
-      typename I::batch_bool_type near;
+    U codes(const CodeConsts& c, F v) const {
+      typename U::batch_bool_type near;
       if (fast) {
-        const U c = q8_codes<false>(cb, as_u(Ops::mul(v, r)), near);
-        if (!xsimd::any(near)) return c;
+        const U code = q8_codes<false>(c, as_u(Ops::mul(v, r)), near);
+        if (!xsimd::any(near)) return code;
       }
-      return q8_codes(cb, as_u(Ops::div(v, a)), near);
+      return q8_codes(c, as_u(Ops::div(v, a)), near);
     }
   };
 
@@ -111,11 +132,12 @@ struct Q8Body : Body<A> {
   /// codes[i] = the code of RN(x[i] / stored) for i in [0, n), vectors from `from` on (a
   /// multiple of N) and the remainder one at a time (Encoder).
   static void q8_encode(const float* x, std::size_t n, float stored,
-                        const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes,
-                        std::size_t from = 0) {
+                        const ::stepcore::detail::Q8Codebook& cb, const CodeConsts& c,
+                        std::uint8_t* codes, std::size_t from = 0) {
     const Encoder enc(stored);
+    const CodeConsts k = c;  // a local copy: the byte stores below cannot change it
     std::size_t i = from;
-    for (; i + N <= n; i += N) Ops::store_u8(codes + i, enc.codes(cb, Ops::load(x + i)));
+    for (; i + N <= n; i += N) Ops::store_u8(codes + i, enc.codes(k, Ops::load(x + i)));
     for (; i < n; ++i)
       codes[i] = static_cast<std::uint8_t>(::stepcore::detail::q8_code(cb, x[i] / stored));
   }
@@ -125,7 +147,7 @@ struct Q8Body : Body<A> {
   static float q8_requantize(const float* x, std::size_t n,
                              const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes) {
     const float stored = ::stepcore::detail::q8_stored_max(cb, q8_max_bits(x, n));
-    q8_encode(x, n, stored, cb, codes);
+    q8_encode(x, n, stored, cb, CodeConsts(cb), codes);
     return stored;
   }
 
@@ -192,6 +214,8 @@ struct Q8Body : Body<A> {
     constexpr int K = Opt::slots(V);
     constexpr int KA = K > 0 ? K : 1;
     const typename Opt::template Consts<Ops> k(r.scalars);
+    CodeConsts consts[KA];
+    for (int s = 0; s < K; ++s) consts[s] = CodeConsts(*q.codebook[s]);
     const St* const Ps = static_cast<const St*>(r.src[0]);
     St* const P = static_cast<St*>(r.dst[0]);
     alignas(64) float values[KA][kQ8BlockSize];
@@ -251,7 +275,7 @@ struct Q8Body : Body<A> {
         }
         const float stored = ::stepcore::detail::q8_stored_max(*q.codebook[s], top);
         q.absmax[s][block] = stored;
-        q8_encode(values[s], n, stored, *q.codebook[s], q.codes[s] + b0);
+        q8_encode(values[s], n, stored, *q.codebook[s], consts[s], q.codes[s] + b0);
       }
     }
   }
