@@ -25,7 +25,7 @@ struct AdamWScalars {
   F step_size = 0.0f;
   F bc2_sqrt = 1.0f;        ///< f32(sqrt(1 - beta2^step)); torchao: sqrt in f32 of f32 values
   F eps = 0.0f;             ///< f32(eps)
-  F bc1 = 1.0f;             ///< torchao: 1 - P(f32(beta1), step) in f32 (docs/numerics.md 8e.1)
+  F bc1 = 1.0f;             ///< torchao: 1 - P(f32(beta1), step) in f32 (docs/numerics.md 8e)
   bool apply_decay = true;  ///< torch skips the multiply when wd == 0
   bool lerp_small = true;   ///< torch, torchao: |w| < 0.5 selects m + w*(g-m)
   bool maximize = false;    ///< torch: the gradient read is negated first (8a)

@@ -53,7 +53,7 @@ STEPCORE_HD_INLINE AdamWScalars<float> adamw_scalars(const AdamWConfig& c, doubl
     s.eps = static_cast<float>(c.eps);
   } else if (c.formula == AdamWFormula::torchao) {
     // torchao's compiled AdamW8bit: f32 hyper-parameters, f32 bias corrections (bc1, bc2
-    // are f32 values here, docs/numerics.md 8e.1).
+    // are f32 values here, docs/numerics.md 8e).
     const float lr = static_cast<float>(lr_in);
     const float wd = static_cast<float>(weight_decay);
     s.decay = lr * wd;

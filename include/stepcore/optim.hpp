@@ -59,7 +59,7 @@ struct AdamWConfig {
   // amsgrad, maximize and torch_v_first sit in the padding after `formula`, so
   // sizeof(AdamWConfig) is unchanged and no initialisation changes meaning.
   /// torch and torchao formulas only: keep max_exp_avg_sq (state slot 2) and divide by its
-  /// square root (docs/numerics.md 8a, 8e.1). Needs an OptimizerTensor with three slots.
+  /// square root (docs/numerics.md 8a, 8e). Needs an OptimizerTensor with three slots.
   bool amsgrad = false;
   /// torch formula only: step along +gradient (the read gradient is negated first).
   bool maximize = false;

@@ -71,7 +71,7 @@ class AdamW(Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, formula="torch", threads=0, isa=None):
         """torch.optim.AdamW's arguments (checked by torch), plus stepcore's formula
-        ("torch", "native" or "torchao", docs/numerics.md 7, 8e.1), threads and isa."""
+        ("torch", "native" or "torchao", docs/numerics.md 7, 8e), threads and isa."""
         _unsupported("formula", formula,
                      _table.choices(_table.entry(self._UNIT, type(self).__name__), "formula"))
         defaults = _torch_defaults(

@@ -905,7 +905,7 @@ def test_import_stepcore_does_not_import_torch():
 def test_torchao_formula_equals_torchaos_adamw8bit_on_unquantized_tensors():
     """formula="torchao" against torchao.optim.AdamW8bit (its compiled CPU kernel) on
     tensors below its 4,096-element threshold, where it keeps f32 state: params and both
-    moments bit for bit after every step, with decay and amsgrad (docs/numerics.md 8e.1)."""
+    moments bit for bit after every step, with decay and amsgrad (docs/numerics.md 8e)."""
     optim = pytest.importorskip("torchao.optim")
     gen = torch.Generator().manual_seed(8)
     init = torch.randn(1000, generator=gen) * 0.5

@@ -592,7 +592,7 @@ def adam_case(name, opt, ams, maxi, sizes, seed, scales, lr, betas, eps, wd, spe
 
 def torchao_cases():
     """torchao's AdamW8bit on tensors below its 4,096-element threshold (f32 state), the
-    torchao formula (docs/numerics.md 8e.1): both lerp forms of m and v, amsgrad, decay."""
+    torchao formula (docs/numerics.md 8e): both lerp forms of m and v, amsgrad, decay."""
     def hp(lr, b1, b2, eps, wd, amsgrad=False):
         return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, formula="torchao",
                     amsgrad=amsgrad)
