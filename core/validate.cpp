@@ -3,8 +3,10 @@
 #include "core/validate.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -328,11 +330,43 @@ void check_adam_f32(const C& c) {
     fail(Errc::out_of_range, "config.eps", "rounds to zero in f32");
 }
 
+// Throws naming config.formula unless c.formula is one of those its optimizer's formula
+// field takes (HyperField::formulas, include/stepcore/optim.hpp).
+template <class C>
+void check_formula(const C& c) {
+  std::uint8_t taken = 0;
+  for (const HyperField<C>& f : OptimizerTraits<C>::kFields) taken |= f.formulas;
+  if (static_cast<std::size_t>(c.formula) >= std::size(kAdamWFormulaNames) ||
+      (taken & formula_bit(c.formula)) == 0)
+    fail(Errc::invalid_argument, "config.formula",
+         std::string(OptimizerTraits<C>::kName) + "'s formula is " + formula_names(taken));
+}
+
+// The formulas that compute bias corrections in f32 (native, torchao): the betas must stay
+// below 1 there too.
+template <class C>
+void check_f32_betas(const C& c) {
+  if (static_cast<float>(c.beta1) >= 1.0f)
+    fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
+  if (static_cast<float>(c.beta2) >= 1.0f)
+    fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
+}
+
+std::string formula_names(std::uint8_t set) {
+  std::string out;
+  int left = std::popcount(set);
+  for (std::size_t k = 0; k < std::size(kAdamWFormulaNames); ++k) {
+    if ((set & formula_bit(static_cast<AdamWFormula>(k))) == 0) continue;
+    --left;
+    const char* sep = left > 1 ? ", " : left == 1 ? " or " : "";
+    out += "'" + std::string(kAdamWFormulaNames[k]) + "'" + sep;
+  }
+  return out;
+}
+
 void validate_adamw_config(const AdamWConfig& c) {
   check_adam_finite(c);
-  if (c.formula != AdamWFormula::native && c.formula != AdamWFormula::torch &&
-      c.formula != AdamWFormula::torchao)
-    fail(Errc::invalid_argument, "config.formula", "unknown AdamW formula");
+  check_formula(c);
   if (c.formula == AdamWFormula::native && c.amsgrad)
     fail(Errc::invalid_argument, "config.amsgrad", "needs the torch formula or the torchao one");
   if (c.formula != AdamWFormula::torch && c.maximize)
@@ -343,10 +377,7 @@ void validate_adamw_config(const AdamWConfig& c) {
   if (c.formula != AdamWFormula::torch) {
     // The native and torchao formulas round the hyper-parameters to f32 first: re-check
     // there (torchao's lr * weight_decay is the product of the two f32 values).
-    if (static_cast<float>(c.beta1) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
-    if (static_cast<float>(c.beta2) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
+    check_f32_betas(c);
     if (static_cast<double>(static_cast<float>(c.lr)) * static_cast<float>(c.weight_decay) > 1.0)
       fail(Errc::out_of_range, "config.weight_decay", "f32(lr) * f32(weight_decay) must be <= 1");
   }
@@ -439,18 +470,12 @@ void validate_adamw_slots(std::span<const OptimizerTensor> tensors, const AdamWC
 
 void validate_adam_config(const AdamConfig& c, GradientRead read) {
   check_adam_finite(c);
-  if (c.formula != AdamWFormula::torch && c.formula != AdamWFormula::torchao)
-    fail(Errc::invalid_argument, "config.formula", "Adam's formula is torch or torchao");
+  check_formula(c);
   if (c.formula == AdamWFormula::torchao && c.maximize)
     fail(Errc::invalid_argument, "config.maximize", "needs the torch formula");
   check_adam_ranges(c);
-  if (c.formula == AdamWFormula::torchao) {
-    // torchao's bias corrections are 1 - P(f32(beta), t) in f32: re-check the betas there.
-    if (static_cast<float>(c.beta1) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta1", "rounds to 1 in f32 (bias correction would be 0)");
-    if (static_cast<float>(c.beta2) >= 1.0f)
-      fail(Errc::out_of_range, "config.beta2", "rounds to 1 in f32 (bias correction would be 0)");
-  }
+  // torchao's bias corrections are 1 - P(f32(beta), t) in f32: re-check the betas there.
+  if (c.formula == AdamWFormula::torchao) check_f32_betas(c);
   check_adam_f32(c);
   if (!std::isfinite(static_cast<float>(c.weight_decay)))
     fail(Errc::out_of_range, "config.weight_decay", "must be finite in f32");

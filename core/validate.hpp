@@ -27,6 +27,9 @@ enum class StepCounters : std::uint8_t { read, unread };
 /// with block-wise 8-bit state slots (the CUDA plans and devices for units that take them).
 enum class ParamDTypes : std::uint8_t { f32, model, model_and_q8, f32_and_q8 };
 
+/// "'torch' or 'torchao'": the names of the formulas in `set` (formula_bit), for errors.
+std::string formula_names(std::uint8_t set);
+
 /// The names of OptimizerTensor::q8[k] in errors ("tensors[i].q8[k]").
 inline constexpr const char* kQ8SlotFields[kMaxOptimizerSlots] = {"q8[0]", "q8[1]", "q8[2]"};
 

@@ -135,11 +135,11 @@ void read_v2_prefix(HeaderReader& r, Header& h, const std::string& name) {
     h.hyper[k].name = r.string("hyper", k, "name");
     h.hyper[k].value = r.f64("hyper", k, "value");
   }
-  // Adam's formula came later: a file without it ran torch's (AdamWFormula::torch = 1).
+  // Adam's formula came later: a file without it ran torch's, whatever the default is now.
   if (h.optimizer == "adam" &&
       std::none_of(h.hyper.begin(), h.hyper.end(),
                    [](const HyperRecord& f) { return f.name == "formula"; }))
-    h.hyper.push_back({"formula", 1.0});
+    h.hyper.push_back({"formula", static_cast<double>(AdamWFormula::torch)});
   const std::uint32_t slots = r.u32("", 0, "slot count");
   if (slots > kMaxSlots)
     corrupt(name, "the header says " + std::to_string(slots) + " state slots, more than the " +

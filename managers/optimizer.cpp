@@ -73,18 +73,6 @@ const HyperInfo* formula_field(const OptimizerConfig& config, std::string_view n
   return nullptr;
 }
 
-// "'torch' or 'torchao'": the names of the formulas in `set` (formula_bit).
-std::string formula_names(std::uint8_t set) {
-  std::string out;
-  std::size_t left = static_cast<std::size_t>(std::popcount(set));
-  for (std::size_t k = 0; k < std::size(kFormulaNames); ++k) {
-    if ((set & formula_bit(static_cast<AdamWFormula>(k))) == 0) continue;
-    --left;
-    out += "'" + std::string(kFormulaNames[k]) + "'" + (left > 1 ? ", " : left == 1 ? " or " : "");
-  }
-  return out;
-}
-
 std::string accepted_names() {
   std::string names;
   for (const OptimizerInfo& info : optimizer_table())

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "core/validate.hpp"
 #include "expect_error.hpp"
 #include "stepcore/error.hpp"
 #include "stepcore/optim.hpp"
@@ -1393,6 +1394,33 @@ TEST(ErrorType, CodeArgumentAndMessage) {
   EXPECT_NE(what.find("tensors[2].grad"), std::string::npos);
   EXPECT_EQ(stepcore::errc_name(Errc::overlap), "overlap");
   EXPECT_EQ(stepcore::errc_name(Errc::non_finite), "non_finite");
+}
+
+// A refused formula's message lists the formulas of that optimizer's field, written out
+// here: AdamW takes three, Adam two.
+TEST(FormulaErrors, ListTheOptimizersOwnFormulas) {
+  const auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const stepcore::Error& e) {
+      EXPECT_EQ(e.argument(), "config.formula");
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "accepted";
+    return std::string();
+  };
+  AdamWConfig w;
+  w.formula = static_cast<AdamWFormula>(7);
+  EXPECT_NE(message([&] {
+              stepcore::detail::validate_adamw_config(w);
+            }).find("adamw's formula is 'native', 'torch' or 'torchao'"),
+            std::string::npos);
+  AdamConfig a;
+  a.formula = AdamWFormula::native;
+  EXPECT_NE(message([&] {
+              stepcore::detail::validate_adam_config(a, stepcore::GradientRead{});
+            }).find("adam's formula is 'torch' or 'torchao'"),
+            std::string::npos);
 }
 
 }  // namespace
