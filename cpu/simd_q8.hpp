@@ -40,12 +40,14 @@ struct Q8Body : Body<A> {
   /// A codebook's bucket-table constants, splatted once per kernel call (kept in
   /// registers across its loops, not rebuilt for each vector).
   struct CodeConsts {
+    const ::stepcore::detail::Q8Codebook* book = nullptr;  ///< the codebook (scalar tails)
     const std::uint32_t* buckets = nullptr;
     I floor, ceil, low_mask, middle, nan_code, one;
     U pos_mask, moves_bit, pos_bias_and_guard, two_guard, abs_mask;
     CodeConsts() = default;
     explicit CodeConsts(const ::stepcore::detail::Q8Codebook& cb)
-        : buckets(cb.buckets),
+        : book(&cb),
+          buckets(cb.buckets),
           floor(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyFloor)),
           ceil(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyCeil)),
           low_mask(static_cast<std::int32_t>(::stepcore::detail::kQ8KeyLowMask)),
@@ -131,15 +133,14 @@ struct Q8Body : Body<A> {
 
   /// codes[i] = the code of RN(x[i] / stored) for i in [0, n), vectors from `from` on (a
   /// multiple of N) and the remainder one at a time (Encoder).
-  static void q8_encode(const float* x, std::size_t n, float stored,
-                        const ::stepcore::detail::Q8Codebook& cb, const CodeConsts& c,
+  static void q8_encode(const float* x, std::size_t n, float stored, const CodeConsts& c,
                         std::uint8_t* codes, std::size_t from = 0) {
     const Encoder enc(stored);
     const CodeConsts k = c;  // a local copy: the byte stores below cannot change it
     std::size_t i = from;
     for (; i + N <= n; i += N) Ops::store_u8(codes + i, enc.codes(k, Ops::load(x + i)));
     for (; i < n; ++i)
-      codes[i] = static_cast<std::uint8_t>(::stepcore::detail::q8_code(cb, x[i] / stored));
+      codes[i] = static_cast<std::uint8_t>(::stepcore::detail::q8_code(*k.book, x[i] / stored));
   }
 
   /// Requantizes one block's new values x[0, n) (n <= kQ8BlockSize) into `codes`; returns
@@ -147,7 +148,7 @@ struct Q8Body : Body<A> {
   static float q8_requantize(const float* x, std::size_t n,
                              const ::stepcore::detail::Q8Codebook& cb, std::uint8_t* codes) {
     const float stored = ::stepcore::detail::q8_stored_max(cb, q8_max_bits(x, n));
-    q8_encode(x, n, stored, cb, CodeConsts(cb), codes);
+    q8_encode(x, n, stored, CodeConsts(cb), codes);
     return stored;
   }
 
@@ -275,7 +276,7 @@ struct Q8Body : Body<A> {
         }
         const float stored = ::stepcore::detail::q8_stored_max(*q.codebook[s], top);
         q.absmax[s][block] = stored;
-        q8_encode(values[s], n, stored, *q.codebook[s], consts[s], q.codes[s] + b0);
+        q8_encode(values[s], n, stored, consts[s], q.codes[s] + b0);
       }
     }
   }
