@@ -53,8 +53,14 @@ void from_double(T& member, double value, const std::string& argument) {
     if (!(std::floor(value) == value && std::fabs(value) < 2147483648.0)) bad("not an integer");
     member = static_cast<int>(value);
   } else {
-    if (value != 0.0 && value != 1.0 && value != 2.0)
-      bad("a formula is 0 (native), 1 (torch) or 2 (torchao)");
+    const auto count = static_cast<double>(std::size(kFormulaNames));
+    if (!(std::floor(value) == value && value >= 0.0 && value < count)) {
+      std::string names;
+      for (std::size_t k = 0; k < std::size(kFormulaNames); ++k)
+        names +=
+            (k == 0 ? "" : ", ") + std::to_string(k) + " (" + std::string(kFormulaNames[k]) + ")";
+      bad("a formula is one of " + names);
+    }
     member = static_cast<AdamWFormula>(static_cast<int>(value));
   }
 }
@@ -224,6 +230,30 @@ OptimizerConfig parse_optimizer(std::string_view name) {
   return out;
 }
 
+OptimizerChoice parse_optimizer_choice(std::string_view name) {
+  std::string names;  // every accepted name, for the error
+  for (const OptimizerInfo& info : optimizer_table()) {
+    const std::string base = info.name;
+    names += (names.empty() ? "" : ", ") + base;
+    if (name == base) return {parse_optimizer(base), false};
+    if (!info.q8) continue;
+    const std::string q8_name = base + std::string(kQ8NameSuffix);
+    names += ", " + q8_name;
+    if (name != q8_name) continue;
+    OptimizerChoice choice{parse_optimizer(base), true};
+    for (const HyperInfo& h : info.hyper)
+      if (h.kind == HyperKind::formula && (h.formulas & formula_bit(AdamWFormula::torchao)) != 0)
+        detail::set_config_field(choice.optimizer, h.name,
+                                 static_cast<double>(static_cast<int>(AdamWFormula::torchao)),
+                                 "optimizer");
+    return choice;
+  }
+  throw Error(Errc::invalid_argument, "optimizer",
+              "unknown optimizer '" + std::string(name) + "': expected exactly one of " + names +
+                  " (the optimizers stepcore implements; \"" + std::string(kQ8NameSuffix) +
+                  "\": with block-wise 8-bit state)");
+}
+
 std::string_view optimizer_name(const OptimizerConfig& config) noexcept {
   return detail::with_unit(
       config, [](auto unit, const auto&) -> std::string_view { return decltype(unit)::kName; });
@@ -261,8 +291,8 @@ OptimizerConfig make_optimizer_config(std::string_view name,
 std::vector<OptimizerField> optimizer_fields(const OptimizerConfig& config) {
   std::vector<OptimizerField> out;
   for (const detail::FieldValue& f : detail::config_fields(config)) {
-    if (detail::formula_field(config, f.name) != nullptr &&
-        (f.value == 0.0 || f.value == 1.0 || f.value == 2.0))
+    if (detail::formula_field(config, f.name) != nullptr && f.value >= 0.0 &&
+        f.value < static_cast<double>(std::size(detail::kFormulaNames)))
       out.push_back({std::string(f.name),
                      std::string(detail::kFormulaNames[static_cast<std::size_t>(f.value)])});
     else

@@ -25,6 +25,7 @@
 #include "expect_error.hpp"
 #include "stepcore/device.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/host_slab.hpp"
 #include "stepcore/managers.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/plan.hpp"
@@ -533,6 +534,9 @@ TEST(MemoryPlan, TheCliRefusesBadInputWithStatusTwoNamingTheArgument) {
       {"--params 1000 --ranks 4 --ranks-per-node 8", "--ranks-per-node"},
       {"--params 1000 --ranks-per-node 0", "'--ranks-per-node'"},
       {"--params 1000 --optimizer muon", "'--optimizer'"},
+      {"--params 1000 --optimizer sgd8bit", "'--optimizer'"},
+      {"--params 1000 --optimizer adamw8bit --min-8bit-size -1", "'--min-8bit-size'"},
+      {"--params 1000 --optimizer adamw8bit --min-8bit-size", "'--min-8bit-size'"},
       {"--params 1000 --offload fsdp", "'--offload'"},
       {"--params 1000 --micro-batches 0", "'--micro-batches'"},
       {"--params 1000 --ring-slots 0", "'--ring-slots'"},
@@ -588,6 +592,28 @@ TEST(MemoryPlan, TheCliPrintsThePlanAndWhetherItFits) {
   std::tie(status, out) = plan_cli("--params 70B --offload optimizer --optimizer lion");
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("70000000000 parameters"), std::string::npos) << out;
+  // 8-bit state: each shard of at least --min-8bit-size elements keeps two slots of one
+  // code byte per element and one f32 maximum per 256 elements (each view aligned), where
+  // f32 state keeps 4 bytes per element; the rest of the plan is the same.
+  const std::size_t min_q8 = 20000000;  // the MLP and embedding shards, not attention
+  std::size_t saved = 0, q8_shards = 0;
+  const std::size_t align = stepcore::kSlabViewAlignment;
+  auto al = [&](std::size_t b) { return (b + align - 1) / align * align; };
+  for (const ModelParam& m : r.model) {
+    std::size_t n = 1;
+    for (std::uint64_t d : m.shape) n *= d;
+    n = (n + 7) / 8;  // rank 0's shard
+    if (n < min_q8) continue;
+    ++q8_shards;
+    saved += 2 * (al(4 * n) - al(n) - al(4 * ((n + 255) / 256)));
+  }
+  ASSERT_GT(q8_shards, 0u);
+  ASSERT_LT(q8_shards, r.model.size());
+  std::tie(status, out) =
+      plan_cli(common + " --optimizer adamw8bit --min-8bit-size " + std::to_string(min_q8));
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("optimizer adamw8bit"), std::string::npos) << out;
+  EXPECT_NE(out.find(std::to_string(p.rank.host_bytes - saved)), std::string::npos) << out;
   const std::string path = scratch_path("cli_shapes");
   std::ofstream(path) << "# embeddings\n32000 4096\n4096x4096\n\n4096, 11008  # mlp\n0\n";
   std::tie(status, out) = plan_cli("--shapes " + path + " --ranks 3");

@@ -107,6 +107,51 @@ TEST(OptimizerTable, EntryIIsTheConfigurationAlternativeI) {
   }
 }
 
+// The 8-bit names, written out here: "adamw8bit" and "adam8bit" give the optimizer's
+// defaults with formula torchao and q8_state; a table name gives its defaults without; an
+// 8-bit name of an optimizer without 8-bit state, or any other name, is refused naming
+// "optimizer" and listing the 8-bit names.
+TEST(OptimizerTable, EightBitNamesAreTheQ8OptimizersWithTorchaosFormula) {
+  using stepcore::AdamWFormula;
+  using stepcore::OptimizerChoice;
+  for (const char* name : {"adamw8bit", "adam8bit"}) {
+    const OptimizerChoice c = stepcore::parse_optimizer_choice(name);
+    EXPECT_TRUE(c.q8_state) << name;
+    const std::string base(name, std::string_view(name).size() - 4);
+    EXPECT_EQ(stepcore::optimizer_name(c.optimizer), base);
+    bool formula = false;
+    for (const stepcore::OptimizerField& f : stepcore::optimizer_fields(c.optimizer))
+      if (f.name == "formula") {
+        formula = true;
+        EXPECT_EQ(std::get<std::string>(f.value), "torchao") << name;
+      }
+    EXPECT_TRUE(formula) << name;
+  }
+  for (const OptimizerInfo& info : stepcore::optimizer_table()) {
+    const OptimizerChoice c = stepcore::parse_optimizer_choice(info.name);
+    EXPECT_FALSE(c.q8_state) << info.name;
+    EXPECT_EQ(c.optimizer.index(), stepcore::parse_optimizer(info.name).index());
+    const auto got = stepcore::optimizer_fields(c.optimizer);
+    const auto defaults = stepcore::optimizer_fields(stepcore::parse_optimizer(info.name));
+    ASSERT_EQ(got.size(), defaults.size()) << info.name;
+    for (std::size_t k = 0; k < got.size(); ++k)
+      EXPECT_TRUE(got[k].name == defaults[k].name && got[k].value == defaults[k].value)
+          << info.name << "." << got[k].name;
+  }
+  for (const char* name : {"sgd8bit", "lion8bit", "adamw8", "8bit", "AdamW8bit", ""}) {
+    try {
+      stepcore::parse_optimizer_choice(name);
+      ADD_FAILURE() << "took '" << name << "'";
+    } catch (const stepcore::Error& e) {
+      EXPECT_EQ(e.code(), stepcore::Errc::invalid_argument) << name;
+      EXPECT_EQ(e.argument(), "optimizer") << name;
+      const std::string what = e.what();
+      EXPECT_NE(what.find("adamw, adamw8bit"), std::string::npos) << what;
+      EXPECT_NE(what.find("adam, adam8bit"), std::string::npos) << what;
+    }
+  }
+}
+
 // The formulas each optimizer takes by name (written out here: AdamW's three, Adam's torch
 // and torchao), set by make_optimizer_config and named back by optimizer_fields; another
 // name, or a name for a field that is not a formula, is refused naming the field.

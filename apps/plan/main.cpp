@@ -38,7 +38,10 @@ options:
   --ranks N               ranks the parameters are sharded over (FSDP; default 1)
   --ranks-per-node N      ranks on one node (default 1)
   --offload MODE          none, optimizer or full (default full)
-  --optimizer NAME        any optimizer of stepcore's table (default adamw)
+  --optimizer NAME        any optimizer of stepcore's table (default adamw), or its 8-bit
+                          name where it has one ("adamw8bit": block-wise 8-bit state)
+  --min-8bit-size N       an 8-bit name's smallest parameter shard with 8-bit state, in
+                          elements (default 4096; smaller ones keep f32 state)
   --micro-batches N       micro-batches per step (default 2)
   --overlap               overlapped steps: the rollback space is reserved
   --trainer-buffers       gradients and compute weights in the model's own tensors (as
@@ -158,6 +161,7 @@ struct Args {
   ModelPlanRequest request;
   std::string model_text;  // how the model was given, for the heading
   std::string checkpoint = "load";
+  std::string optimizer = "adamw";  // as named (an 8-bit name included)
 };
 
 Args parse(int argc, char** argv) {
@@ -204,15 +208,17 @@ Args parse(int argc, char** argv) {
         bad(o, "'" + std::string(v) + "': one of none, optimizer, full");
       }
     } else if (o == "--optimizer") {
-      const std::string_view v = value(k, o);
+      a.optimizer = value(k, o);
       try {
-        m.optimizer = parse_optimizer(v);
-      } catch (const Error&) {
-        std::string names;
-        for (const OptimizerInfo& info : optimizer_table())
-          names += std::string(names.empty() ? "" : ", ") + info.name;
-        bad(o, "'" + std::string(v) + "': one of " + names);
+        const OptimizerChoice choice = parse_optimizer_choice(a.optimizer);
+        m.optimizer = choice.optimizer;
+        m.q8_state = choice.q8_state;
+      } catch (const Error& e) {
+        const std::string what = e.what();  // "...: unknown optimizer '<name>': expected ..."
+        bad(o, what.substr(what.find("unknown optimizer")));
       }
+    } else if (o == "--min-8bit-size") {
+      m.min_8bit_size = integer(o, value(k, o));
     } else if (o == "--micro-batches") {
       a.request.options.micro_batches = positive(o, value(k, o));
     } else if (o == "--trainer-buffers") {
@@ -317,12 +323,16 @@ void print(const Args& a, const ModelPlan& p) {
               static_cast<unsigned long long>(r.ranks),
               static_cast<unsigned long long>(r.ranks_per_node),
               static_cast<unsigned long long>(p.params_per_rank));
-  std::printf("manager   mode %s, optimizer %s, %zu micro-batches per step, %s, checkpoint %s\n\n",
-              std::string(offload_mode_name(m.mode)).c_str(),
-              std::string(optimizer_name(m.optimizer)).c_str(), r.options.micro_batches,
-              r.options.overlap ? "overlapped" : "no overlap", a.checkpoint.c_str());
+  std::printf("manager   mode %s, optimizer %s, %zu micro-batches per step, %s, checkpoint %s\n",
+              std::string(offload_mode_name(m.mode)).c_str(), a.optimizer.c_str(),
+              r.options.micro_batches, r.options.overlap ? "overlapped" : "no overlap",
+              a.checkpoint.c_str());
+  if (m.q8_state)
+    std::printf("          8-bit state for each parameter shard of at least %zu elements\n",
+                m.min_8bit_size);
   if (r.trainer_buffers)
     std::printf("          gradients and compute weights in the model's own tensors\n");
+  std::printf("\n");
   const double per = p.params_per_rank == 0 ? 1.0 : static_cast<double>(p.params_per_rank);
   std::printf("%-20s %-6s %16s %11s %11s %8s\n", "kind", "memory", "bytes/rank", "size", "peak",
               "B/param");

@@ -105,6 +105,23 @@ OptimizerConfig parse_optimizer(std::string_view name);
 /// Returns the name of the optimizer `config` configures ("adamw", ...).
 std::string_view optimizer_name(const OptimizerConfig& config) noexcept;
 
+/// The suffix of an optimizer's 8-bit name ("adamw8bit"): the optimizer with block-wise
+/// 8-bit state (ManagerConfig::q8_state), for each optimizer whose optimizer_table() entry
+/// has q8.
+inline constexpr std::string_view kQ8NameSuffix = "8bit";
+
+/// An optimizer and its state's storage, by name (parse_optimizer_choice).
+struct OptimizerChoice {
+  /// The optimizer's defaults; an 8-bit name's formula is "torchao" where the optimizer has
+  /// that formula (the 8-bit peers' arithmetic, docs/numerics.md 8e).
+  OptimizerConfig optimizer;
+  bool q8_state = false;  ///< named with kQ8NameSuffix: ManagerConfig::q8_state
+};
+/// Returns the optimizer named exactly `name`: one of parse_optimizer's names, or the name
+/// of an entry with q8 followed by kQ8NameSuffix. Anything else throws
+/// Errc::invalid_argument naming "optimizer" with every accepted name.
+OptimizerChoice parse_optimizer_choice(std::string_view name);
+
 /// One hyper-parameter of an optimizer configuration, by its field name in the
 /// configuration record (stepcore/optim.hpp): numbers, flags (0 or 1) and counts as a
 /// double; AdamW's formula as its name ("torch", "native").

@@ -25,6 +25,7 @@
 #include "stepcore/config.hpp"
 #include "stepcore/cpu.hpp"
 #include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
 #include "stepcore/norm.hpp"
 #include "stepcore/optim.hpp"
 #include "stepcore/tensor.hpp"
@@ -463,6 +464,7 @@ NB_MODULE(_core, m) {
   m.attr("PARTIAL_WORDS") = kPartialWords;
   m.attr("PARTIAL_MAX_ABS_WORD") = kMaxAbsWord;
   m.attr("Q8_BLOCK_SIZE") = kQ8BlockSize;
+  m.attr("Q8_NAME_SUFFIX") = std::string(kQ8NameSuffix);
   m.def(
       "q8_map",
       [](bool non_negative) {

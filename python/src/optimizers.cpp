@@ -14,6 +14,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "optim_args.hpp"  // optimizers by name, Engine.step's tensor lists
@@ -105,6 +106,29 @@ void bind_optimizers(nb::module_& m) {
       "zero are refused}]; 'counts_steps' (a per-tensor "
       "step counter); 'reads_scaled' (its gradient read applies grad_scale and clip); 'q8' "
       "(Engine.step takes its state slots as 8-bit (codes, absmax) pairs).");
+  m.def(
+      "optimizer_choice",
+      [](const std::string& name) {
+        const OptimizerChoice choice = parse_optimizer_choice(name);
+        const std::vector<OptimizerField> defaults =
+            optimizer_fields(parse_optimizer(optimizer_name(choice.optimizer)));
+        nb::dict set;  // the fields the name sets apart from the optimizer's defaults
+        const std::vector<OptimizerField> fields = optimizer_fields(choice.optimizer);
+        for (std::size_t k = 0; k < fields.size(); ++k) {
+          if (fields[k].value == defaults[k].value) continue;
+          if (const auto* text = std::get_if<std::string>(&fields[k].value))
+            set[fields[k].name.c_str()] = *text;
+          else
+            set[fields[k].name.c_str()] = std::get<double>(fields[k].value);
+        }
+        return nb::make_tuple(std::string(optimizer_name(choice.optimizer)), choice.q8_state, set);
+      },
+      nb::arg("name"),
+      "The optimizer named `name` (stepcore::parse_optimizer_choice): a table name, or the "
+      "8-bit name of an optimizer with 8-bit state (the name and Q8_NAME_SUFFIX, 'adamw8bit'). "
+      "Returns (table name, 8-bit state, {field: value} the name sets beside the defaults: "
+      "an 8-bit name's formula 'torchao' where the optimizer has it); another name raises "
+      "ValueError naming 'optimizer'.");
   m.def(
       "optimizers",
       [] {

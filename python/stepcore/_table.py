@@ -37,8 +37,9 @@ def hyper(e: dict, name: str):
 
 
 # An optimizer name followed by this names its block-wise 8-bit state (docs/numerics.md 8f),
-# for the optimizers whose entry has q8: "adamw8bit", "adam8bit".
-Q8_SUFFIX = "8bit"
+# for the optimizers whose entry has q8: "adamw8bit", "adam8bit" (the library's names:
+# _core.optimizer_choice parses them).
+Q8_SUFFIX = _core.Q8_NAME_SUFFIX
 Q8_NAMES = tuple(e["name"] + Q8_SUFFIX for e in TABLE if e["q8"])
 Q8_BLOCK_SIZE = _core.Q8_BLOCK_SIZE
 
@@ -46,20 +47,22 @@ Q8_BLOCK_SIZE = _core.Q8_BLOCK_SIZE
 def entry_q8(name, where: str):
     """Returns (entry, q8): the table entry of `name`, or of the optimizer whose 8-bit name
     (Q8_NAMES) it is, with q8 True; else raises ValueError from `where` naming 'optimizer'."""
-    if isinstance(name, str) and name in Q8_NAMES:
-        return _BY_NAME[name[:-len(Q8_SUFFIX)]], True
-    if isinstance(name, str) and name in _BY_NAME:
-        return _BY_NAME[name], False
-    raise ValueError(f"{where}: 'optimizer' must be one of "
-                     + ", ".join(repr(n) for n in NAMES + Q8_NAMES) + f"; got {name!r}")
+    base, q8 = None, False
+    if isinstance(name, str):
+        try:
+            base, q8, _ = _core.optimizer_choice(name)
+        except ValueError:
+            pass
+    if base is None:
+        raise ValueError(f"{where}: 'optimizer' must be one of "
+                         + ", ".join(repr(n) for n in NAMES + Q8_NAMES) + f"; got {name!r}")
+    return _BY_NAME[base], q8
 
 
 def q8_defaults(e: dict) -> dict:
-    """The fields entry `e`'s 8-bit variant sets by default: torchao's formula where the
-    optimizer has it (the 8-bit peer's bits), else none."""
-    if hyper(e, "formula") is not None and "torchao" in choices(e, "formula"):
-        return {"formula": "torchao"}
-    return {}
+    """The fields entry `e`'s 8-bit variant sets beside the optimizer's defaults (the
+    library's: torchao's formula where the optimizer has it, the 8-bit peer's bits)."""
+    return _core.optimizer_choice(e["name"] + Q8_SUFFIX)[2] if e["q8"] else {}
 
 
 def check_q8_arguments(block_size, min_8bit_size, where: str) -> None:

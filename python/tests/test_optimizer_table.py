@@ -380,3 +380,20 @@ def test_q8_says_which_optimizers_take_8_bit_slots():
         for a, b in zip(mine, theirs):
             assert a[0][0].tobytes() == b[0][0].tobytes(), e["name"]
             assert a[0][1].tobytes() == b[0][1].tobytes(), e["name"]
+
+
+def test_8bit_names_come_from_the_library():
+    """The 8-bit names, written out here: each names its optimizer with 8-bit state and
+    torchao's formula, in the library (optimizer_choice) and in every Python surface that
+    takes a name; an 8-bit name of an optimizer without 8-bit state is refused naming
+    'optimizer'."""
+    assert stepcore._core.optimizer_choice("adamw8bit") == ("adamw", True, {"formula": "torchao"})
+    assert stepcore._core.optimizer_choice("adam8bit") == ("adam", True, {"formula": "torchao"})
+    assert stepcore._core.optimizer_choice("lion") == ("lion", False, {})
+    for bad in ("sgd8bit", "lion8bit", "AdamW8bit", "8bit", ""):
+        with pytest.raises(ValueError, match="'optimizer'"):
+            stepcore._core.optimizer_choice(bad)
+        with pytest.raises(ValueError, match="'optimizer'"):
+            stepcore.plan_memory(1000, offload="full", optimizer=bad)
+    plan = stepcore.plan_memory([[5000]], offload="full", optimizer="adam8bit")
+    assert plan["kinds"]["exp_avg"]["bytes"] < 5000 * 4, plan

@@ -137,6 +137,17 @@ def test_hugging_face_configs_by_path_and_dict_and_the_cli_agree():
                              capture_output=True, text=True, check=True).stdout
         row = next(line.split() for line in out.splitlines() if line.startswith("host total"))
         assert int(row[3]) == llama["host_bytes"], out
+        # 8-bit state by the same name, and the same threshold, in both.
+        q8 = stepcore.plan_memory(DATA / "llama3-70b.json", offload="full", ranks=8,
+                                  ranks_per_node=8, optimizer="adamw8bit", checkpoint="load",
+                                  min_8bit_size=20_000_000)
+        out = subprocess.run([exe, "--hf-config", str(DATA / "llama3-70b.json"), "--ranks", "8",
+                              "--ranks-per-node", "8", "--optimizer", "adamw8bit",
+                              "--min-8bit-size", "20000000"],
+                             capture_output=True, text=True, check=True).stdout
+        rows = {line[:20].strip(): line[20:].split() for line in out.splitlines()}
+        assert int(rows["exp_avg"][1]) == q8["kinds"]["exp_avg"]["bytes"], out
+        assert int(rows["host total"][1]) == q8["host_bytes"] < llama["host_bytes"], out
 
 
 def test_bad_sizes_and_models_name_the_argument():

@@ -1,13 +1,18 @@
-// libFuzzer harness: the Hugging Face config reader (stepcore/plan.hpp) on arbitrary text.
-// Oracle: every input either parses or throws stepcore::Error naming the file (never a
-// crash, a hang or another exception); a parsed config's parameters have the sizes its
-// fields say (no wrapped products) and plan without error on 8 ranks.
+// libFuzzer harness: the planner's text inputs on arbitrary text: the Hugging Face config
+// reader (stepcore/plan.hpp) and, on the input's first line, the optimizer names
+// (parse_optimizer_choice, stepcore/managers.hpp). Oracle: every input either parses or
+// throws stepcore::Error naming the file (never a crash, a hang or another exception); a
+// parsed config's parameters have the sizes its fields say (no wrapped products) and plan
+// without error on 8 ranks; a name is taken exactly when it is a table name, or a name of
+// an entry with q8 followed by "8bit" (then with q8_state), else refused naming "optimizer".
 #include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
 
 #include "stepcore/error.hpp"
+#include "stepcore/managers.hpp"
+#include "stepcore/optim.hpp"
 #include "stepcore/plan.hpp"
 
 namespace {
@@ -17,14 +22,44 @@ namespace {
   (void)what;
 }
 
+// The optimizer-name oracle on `text` (see the file comment).
+void check_optimizer_name(std::string_view text) {
+  using namespace stepcore;
+  const OptimizerInfo* base = nullptr;
+  bool q8 = false;
+  for (const OptimizerInfo& info : optimizer_table()) {
+    const std::string_view n = info.name;
+    if (text == n) base = &info;
+    if (info.q8 && text.size() == n.size() + 4 && text.substr(0, n.size()) == n &&
+        text.substr(n.size()) == "8bit") {
+      base = &info;
+      q8 = true;
+    }
+  }
+  OptimizerChoice choice;
+  try {
+    choice = parse_optimizer_choice(text);
+  } catch (const Error& e) {
+    if (base != nullptr) fail("a name refused");
+    if (e.code() != Errc::invalid_argument || e.argument() != "optimizer")
+      fail("a name's error names something else than the optimizer");
+    return;
+  }
+  if (base == nullptr) fail("a name taken that is not one");
+  if (choice.q8_state != q8 || optimizer_name(choice.optimizer) != base->name)
+    fail("a name taken as another optimizer");
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace stepcore;
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
+  check_optimizer_name(text.substr(0, text.find('\n')));
   const std::string name = "fuzz.json";
   DecoderConfig c;
   try {
-    c = parse_decoder_config(std::string_view(reinterpret_cast<const char*>(data), size), name);
+    c = parse_decoder_config(text, name);
   } catch (const Error& e) {
     if (e.argument() != name) fail("an error naming something else than the file");
     return 0;
