@@ -27,12 +27,25 @@ one OPTIMIZERS entry and a FILES entry with its cases (docs/adding-an-optimizer.
 """
 
 import argparse
+import atexit
 import math
 import os
+import shutil
 import sys
+import tempfile
 from fractions import Fraction
 
-import torch
+# torch.compile (torchao's steps) caches compiled kernels in one folder per user, keyed
+# without the CPU capability: a kernel compiled here under ATEN_CPU_CAPABILITY=avx2 and
+# later loaded by a process on an AVX-512 capability gave other bits and corrupted the heap
+# (torch 2.15, torchao 0.18; docs/numerics.md 8e). So this script compiles into a folder
+# of its own, removed when it exits.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _inductor_cache = tempfile.mkdtemp(prefix="make_golden_inductor_")
+    atexit.register(shutil.rmtree, _inductor_cache, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache
+
+import torch  # noqa: E402  (after the cache folder is set)
 
 DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -610,6 +623,27 @@ def torchao_cases():
     ]
 
 
+def adam_torchao_cases():
+    """torchao's Adam8bit on tensors below its 4,096-element threshold (f32 state), Adam's
+    torchao formula (docs/numerics.md 8e): L2 decay into the gradient, both lerp forms of m
+    and v, amsgrad."""
+    def hp(lr, b1, b2, eps, wd, amsgrad=False):
+        return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, formula="torchao",
+                    amsgrad=amsgrad)
+    common = dict(opt="adam", inputs=moments_inputs)
+    return [
+        dict(common, name="adam_torchao_f32_default", gdtype=torch.float32, sizes=SIZES_FULL,
+             seed=711, hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.0),
+             scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
+        dict(common, name="adam_torchao_wd_beta1_0.3_beta2_0.4_amsgrad", gdtype=torch.float32,
+             sizes=SIZES_SMALL, seed=712, hp=hp(1e-2, 0.3, 0.4, 1e-8, 0.05, amsgrad=True),
+             scales=[1.0, 0.1, 1.0, 5.0, 1.0], specials=True),
+        dict(common, name="adam_torchao_bf16_grads_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL,
+             seed=713, hp=hp(3e-3, 0.5, 0.99, 1e-6, 0.1), scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
+             specials=False),
+    ]
+
+
 def adam_cases():
     d = (0.9, 0.999)
     full, small = SIZES_ADAM_FULL, SIZES_ADAM_SMALL
@@ -734,6 +768,11 @@ FILES = {
                 ["# torchao.optim.AdamW8bit on CPU (torch.compile's kernel) over tensors below its",
                  "# 4,096-element threshold, so with f32 state: the torchao formula; f32 params."],
                 torchao_cases),
+    "adam_torchao": ("adam_torchao.txt",
+                     ["# torchao.optim.Adam8bit on CPU (torch.compile's kernel) over tensors below its",
+                      "# 4,096-element threshold, so with f32 state: Adam's torchao formula; f32",
+                      "# params."],
+                     adam_torchao_cases),
     "sign_sgd": ("sign_sgd_torch.txt",
                  ["# The plain PyTorch SignSGD a trainer writes, f32 params:",
                   "#   if wd > 0: p.add_(p, alpha=-lr*wd);  p.add_(torch.sign(g), alpha=-lr)",
@@ -1561,7 +1600,7 @@ def main():
         for check in CHECKS.get(name, []):
             check()
         path, title, cases = FILES[name]
-        if name == "torchao":
+        if name.endswith("torchao"):
             import torchao
             title = title + [f"# torchao {torchao.__version__}."]
         write_optimizer_file(os.path.join(args.out, path), header, title, cases())
