@@ -214,8 +214,10 @@ Args parse(int argc, char** argv) {
         m.optimizer = choice.optimizer;
         m.q8_state = choice.q8_state;
       } catch (const Error& e) {
-        const std::string what = e.what();  // "...: unknown optimizer '<name>': expected ..."
-        bad(o, what.substr(what.find("unknown optimizer")));
+        // The library's message after its prefix: "unknown optimizer '<name>': expected ...".
+        const std::string what = e.what();
+        const std::string::size_type at = what.find("unknown optimizer");
+        bad(o, at == std::string::npos ? what : what.substr(at));
       }
     } else if (o == "--min-8bit-size") {
       m.min_8bit_size = integer(o, value(k, o));
