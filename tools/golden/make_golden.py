@@ -603,45 +603,40 @@ def adam_case(name, opt, ams, maxi, sizes, seed, scales, lr, betas, eps, wd, spe
                         amsgrad=ams, maximize=maxi), **extra)
 
 
-def torchao_cases():
-    """torchao's AdamW8bit on tensors below its 4,096-element threshold (f32 state), the
-    torchao formula (docs/numerics.md 8e): both lerp forms of m and v, amsgrad, decay."""
+def torchao_cases_of(opt, prefix, seed, decays, amsgrad_name):
+    """torchao's 8-bit class of `opt` (adamw_make, adam_make) on tensors below its
+    4,096-element threshold (f32 state), the optimizer's torchao formula (docs/numerics.md
+    8e): three cases named `prefix` + what they cover, seeds from `seed`, weight decays
+    `decays` (one per case): the default betas with the largest tensors and ±0, tiny and
+    large gradient elements; betas (0.3, 0.4) with amsgrad (both lerp forms of m and v);
+    bf16 gradients."""
     def hp(lr, b1, b2, eps, wd, amsgrad=False):
         return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, formula="torchao",
                     amsgrad=amsgrad)
-    common = dict(opt="adamw", inputs=moments_inputs)
+    common = dict(opt=opt, inputs=moments_inputs)
     return [
-        dict(common, name="torchao_f32_default", gdtype=torch.float32, sizes=SIZES_FULL,
-             seed=701, hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.01),
+        dict(common, name=prefix + "f32_default", gdtype=torch.float32, sizes=SIZES_FULL,
+             seed=seed, hp=hp(1e-3, 0.9, 0.999, 1e-8, decays[0]),
              scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
-        dict(common, name="torchao_wd0_beta1_0.3_beta2_0.4_amsgrad", gdtype=torch.float32,
-             sizes=SIZES_SMALL, seed=702, hp=hp(1e-2, 0.3, 0.4, 1e-8, 0.0, amsgrad=True),
+        dict(common, name=prefix + amsgrad_name, gdtype=torch.float32, sizes=SIZES_SMALL,
+             seed=seed + 1, hp=hp(1e-2, 0.3, 0.4, 1e-8, decays[1], amsgrad=True),
              scales=[1.0, 0.1, 1.0, 5.0, 1.0], specials=True),
-        dict(common, name="torchao_bf16_grads_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL,
-             seed=703, hp=hp(3e-3, 0.5, 0.99, 1e-6, 0.1), scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
-             specials=False),
+        dict(common, name=prefix + "bf16_grads_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL,
+             seed=seed + 2, hp=hp(3e-3, 0.5, 0.99, 1e-6, decays[2]),
+             scales=[1.0, 2.0, 1e-3, 1.0, 1.0], specials=False),
     ]
+
+
+def torchao_cases():
+    """AdamW8bit: decoupled decay 0.01, none with amsgrad, 0.1."""
+    return torchao_cases_of("adamw", "torchao_", 701, (0.01, 0.0, 0.1),
+                            "wd0_beta1_0.3_beta2_0.4_amsgrad")
 
 
 def adam_torchao_cases():
-    """torchao's Adam8bit on tensors below its 4,096-element threshold (f32 state), Adam's
-    torchao formula (docs/numerics.md 8e): L2 decay into the gradient, both lerp forms of m
-    and v, amsgrad."""
-    def hp(lr, b1, b2, eps, wd, amsgrad=False):
-        return dict(lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd, formula="torchao",
-                    amsgrad=amsgrad)
-    common = dict(opt="adam", inputs=moments_inputs)
-    return [
-        dict(common, name="adam_torchao_f32_default", gdtype=torch.float32, sizes=SIZES_FULL,
-             seed=711, hp=hp(1e-3, 0.9, 0.999, 1e-8, 0.0),
-             scales=[1.0, 1e-2, 10.0, 1.0, 1e-4], specials=True),
-        dict(common, name="adam_torchao_wd_beta1_0.3_beta2_0.4_amsgrad", gdtype=torch.float32,
-             sizes=SIZES_SMALL, seed=712, hp=hp(1e-2, 0.3, 0.4, 1e-8, 0.05, amsgrad=True),
-             scales=[1.0, 0.1, 1.0, 5.0, 1.0], specials=True),
-        dict(common, name="adam_torchao_bf16_grads_wd", gdtype=torch.bfloat16, sizes=SIZES_SMALL,
-             seed=713, hp=hp(3e-3, 0.5, 0.99, 1e-6, 0.1), scales=[1.0, 2.0, 1e-3, 1.0, 1.0],
-             specials=False),
-    ]
+    """Adam8bit: L2 decay into the gradient, none first, then 0.05 with amsgrad, 0.1."""
+    return torchao_cases_of("adam", "adam_torchao_", 711, (0.0, 0.05, 0.1),
+                            "wd_beta1_0.3_beta2_0.4_amsgrad")
 
 
 def adam_cases():
